@@ -1,0 +1,49 @@
+"""pitstop: an LLM inference engine in which every strategy is a plugin chosen by name."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pitstop.config import EngineConfig
+from pitstop.errors import ConfigError, InvalidRequestError, ModelLoadError, PitstopError, PluginError
+from pitstop.hookspecs import hookimpl
+from pitstop.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from pitstop.engine import LLMEngine
+    from pitstop.llm import LLM
+    from pitstop.outputs import RequestOutput
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch and the model code; import it only when asked.
+    if name == "LLM":
+        from pitstop.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from pitstop.engine import LLMEngine
+
+        return LLMEngine
+    if name == "RequestOutput":
+        from pitstop.outputs import RequestOutput
+
+        return RequestOutput
+    raise AttributeError(f"module 'pitstop' has no attribute {name!r}")
+
+
+__all__ = [
+    "LLM",
+    "ConfigError",
+    "EngineConfig",
+    "InvalidRequestError",
+    "LLMEngine",
+    "ModelLoadError",
+    "PitstopError",
+    "PluginError",
+    "RequestOutput",
+    "SamplingParams",
+    "hookimpl",
+]

@@ -1,0 +1,276 @@
+"""`EngineConfig`: every engine setting, validated before any weight loads.
+
+The config loads from keyword arguments, from a TOML file
+(:meth:`EngineConfig.from_toml`) and from CLI flags
+(:func:`add_cli_flags` / :meth:`EngineConfig.from_cli`). Strategy names are
+checked against the registered plugins when the engine is built, where the
+list of names that exist is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from pitstop.errors import ConfigError
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+def _positive(_inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+        raise ConfigError(f"{att.name} must be a positive number, got {value!r}")
+
+
+def _positive_int(_inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ConfigError(f"{att.name} must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(_inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{att.name} must be an integer >= 0, got {value!r}")
+
+
+def _one_of(*choices: Any):
+    def check(_inst: Any, att: attrs.Attribute, value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(
+                f"{att.name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+            )
+
+    return check
+
+
+def _name(_inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{att.name} must be a strategy name (a non-empty string), got {value!r}")
+
+
+def _optional_name(inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _name(inst, att, value)
+
+
+def _fraction(_inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"{att.name} must be in (0, 1], got {value!r}")
+
+
+def _bool(_inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{att.name} must be true or false, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Every setting of one engine. Frozen: build a new one with :func:`attrs.evolve`."""
+
+    # --- the model and where it runs
+    model: str = attrs.field(
+        default="smollm2-135m",
+        validator=_name,
+        metadata=_doc(
+            "model: 'smollm2-135m' (the shipped GGUF), a .gguf file, a Hugging Face "
+            "checkpoint folder, or 'dummy:<preset>' (qwen3-0.6b, qwen3-8b, qwen3-32b, llama3-8b)"
+        ),
+    )
+    tokenizer: str | None = attrs.field(
+        default=None, metadata=_doc("tokenizer folder or tokenizer.json (default: the model's own)")
+    )
+    dtype: str = attrs.field(
+        default="auto",
+        validator=_one_of(*DTYPES),
+        metadata=_doc("weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16"),
+    )
+    device: str = attrs.field(default="auto", metadata=_doc("auto, cpu, cuda or cuda:N"))
+    seed: int = attrs.field(default=0, validator=_non_negative_int, metadata=_doc("seed of requests that set none"))
+    max_model_len: int | None = attrs.field(
+        default=None,
+        validator=_positive_int,
+        metadata=_doc("longest prompt + output in tokens (default: the model's, capped at 4096)"),
+    )
+
+    # --- the strategies, by name
+    allocator: str = attrs.field(default="paged", validator=_name, metadata=_doc("KV-cache allocator plugin"))
+    scheduler: str = attrs.field(default="continuous", validator=_name, metadata=_doc("scheduler plugin"))
+    kernels: str = attrs.field(default="reference", validator=_name, metadata=_doc("kernel-set plugin"))
+    sampler: str = attrs.field(default="standard", validator=_name, metadata=_doc("sampler plugin"))
+    speculative: str | None = attrs.field(
+        default=None, validator=_optional_name, metadata=_doc("speculative-decoding proposer plugin (default: none)")
+    )
+
+    # --- KV cache
+    page_size: int = attrs.field(default=16, validator=_positive_int, metadata=_doc("tokens per KV-cache page"))
+    max_num_pages: int | None = attrs.field(
+        default=None, validator=_positive_int, metadata=_doc("exact number of KV-cache pages (default: sized from memory)")
+    )
+    gpu_memory_utilization: float = attrs.field(
+        default=0.9, validator=_fraction, metadata=_doc("fraction of GPU memory the engine may use (CUDA)")
+    )
+    kv_cache_gib: float | None = attrs.field(
+        default=None,
+        validator=_positive,
+        metadata=_doc("KV-cache size in GiB (default: 1 on CPU; from gpu_memory_utilization on CUDA)"),
+    )
+
+    # --- scheduling
+    max_batch_size: int = attrs.field(default=256, validator=_positive_int, metadata=_doc("most sequences in one step"))
+    max_prefill_batch: int = attrs.field(
+        default=64, validator=_positive_int, metadata=_doc("most prompts prefilled in one step")
+    )
+    max_num_batched_tokens: int = attrs.field(
+        default=16384, validator=_positive_int, metadata=_doc("most tokens computed in one step")
+    )
+    prefill_priority: str = attrs.field(
+        default="high",
+        validator=_one_of("high", "low"),
+        metadata=_doc("high: waiting prompts run before decodes; low: decodes first"),
+    )
+    chunk_size: int = attrs.field(
+        default=512, validator=_positive_int, metadata=_doc("token budget per step of the chunked scheduler")
+    )
+    admission: str = attrs.field(
+        default="arrival",
+        validator=_one_of("arrival", "shortest-first"),
+        metadata=_doc("order in which waiting prompts are admitted"),
+    )
+
+    # --- fused kernels
+    fused_rmsnorm: bool = attrs.field(default=True, validator=_bool, metadata=_doc("fused residual-add + RMSNorm"))
+    fused_qkv: bool = attrs.field(default=True, validator=_bool, metadata=_doc("merged QKV and gate-up projections"))
+    fused_silu: bool = attrs.field(default=True, validator=_bool, metadata=_doc("fused SiLU-and-mul"))
+    fused_attention: bool = attrs.field(default=True, validator=_bool, metadata=_doc("Triton paged attention"))
+    fused_precision: str = attrs.field(
+        default="fp32",
+        validator=_one_of("fp32", "fast"),
+        metadata=_doc("fp32 accumulation everywhere, or the fastest safe choice"),
+    )
+    enforce_eager: bool = attrs.field(
+        default=False, validator=_bool, metadata=_doc("never capture CUDA graphs")
+    )
+
+    # --- speculative decoding
+    num_speculative_tokens: int = attrs.field(
+        default=4, validator=_positive_int, metadata=_doc("draft tokens proposed per step (k)")
+    )
+    speculative_model: str | None = attrs.field(
+        default=None, metadata=_doc("draft model of the 'draft' proposer")
+    )
+    prompt_lookup_max: int = attrs.field(default=4, validator=_positive_int, metadata=_doc("longest n-gram matched"))
+    prompt_lookup_min: int = attrs.field(default=1, validator=_positive_int, metadata=_doc("shortest n-gram matched"))
+
+    # --- third-party plugins' own settings
+    options: Mapping[str, Any] = attrs.field(
+        factory=dict,
+        converter=lambda d: dict(d or {}),
+        metadata=_doc("settings for third-party plugins, e.g. {'myalloc.eviction': 'lfu'}"),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.max_prefill_batch > self.max_batch_size:
+            raise ConfigError(
+                f"max_prefill_batch ({self.max_prefill_batch}) must not exceed "
+                f"max_batch_size ({self.max_batch_size})"
+            )
+
+    # ------------------------------------------------------------------ loaders
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The names of every setting, in declaration order."""
+        return [a.name for a in attrs.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:
+        """Build from a mapping; an unknown key is an error that lists the known ones."""
+        known = set(cls.field_names())
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown setting(s) {', '.join(unknown)}; known settings: {', '.join(cls.field_names())}"
+            )
+        try:
+            return cls(**values)
+        except TypeError as exc:  # a wrong type that no validator caught
+            raise ConfigError(str(exc)) from exc
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+        """Load a TOML file (top-level keys, or an ``[engine]`` table); ``overrides`` win."""
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {path} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        if "engine" in data and isinstance(data["engine"], dict):
+            data = {**{k: v for k, v in data.items() if k != "engine"}, **data["engine"]}
+        return cls.from_dict({**data, **overrides})
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        """Build from flags added by :func:`add_cli_flags` (flags beat ``--config``)."""
+        given = {
+            name: getattr(args, name)
+            for name in cls.field_names()
+            if getattr(args, name, None) is not None and name != "options"
+        }
+        for item in getattr(args, "option", None) or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"--option expects KEY=VALUE, got {item!r}")
+            given.setdefault("options", {})[key] = _parse_scalar(value)
+        if getattr(args, "config", None):
+            return cls.from_toml(args.config, **given)
+        return cls.from_dict(given)
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _flag_type(att: attrs.Attribute):
+    t = str(att.type)
+    if "bool" in t:
+        return lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def add_cli_flags(parser: argparse.ArgumentParser, *, with_model: bool = True) -> None:
+    """Add one ``--flag`` per :class:`EngineConfig` setting, plus ``--config FILE``."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--config", metavar="FILE", help="TOML file of engine settings (flags win)")
+    for att in attrs.fields(EngineConfig):
+        if att.name == "options" or (att.name == "model" and not with_model):
+            continue
+        kwargs: dict[str, Any] = {"default": None, "help": att.metadata.get("help", "")}
+        if "bool" in str(att.type):
+            kwargs["metavar"] = "true|false"
+        group.add_argument("--" + att.name.replace("_", "-"), dest=att.name, type=_flag_type(att), **kwargs)
+    group.add_argument(
+        "--option", action="append", metavar="KEY=VALUE", help="a third-party plugin setting (repeatable)"
+    )

@@ -1,0 +1,100 @@
+"""The hooks a pitstop plugin can implement.
+
+Register-style hooks are called once, when the plugin manager loads, with a
+``register(name, factory, description="")`` callable; every implementation
+is called and each may register any number of strategies. The factory
+signatures are in :mod:`pitstop.protocols`. Observer hooks are called by the
+engine at most once per step; their return values are ignored.
+
+Implement a hook in your plugin module with ``@pitstop.hookimpl`` and declare
+the module under the ``pitstop`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    Register = Callable[..., None]
+
+hookspec = pluggy.HookspecMarker("pitstop")
+hookimpl = pluggy.HookimplMarker("pitstop")
+
+
+@hookspec
+def register_allocators(register: Register) -> None:
+    """Register KV-cache allocators.
+
+    Called once when plugins load. Call ``register(name, factory)`` for each
+    allocator, where ``factory(config, num_pages) -> Allocator``. The config's
+    ``allocator`` setting picks one by name.
+    """
+
+
+@hookspec
+def register_schedulers(register: Register) -> None:
+    """Register schedulers.
+
+    Called once when plugins load. ``factory(config, allocator) -> Scheduler``.
+    The config's ``scheduler`` setting picks one by name.
+    """
+
+
+@hookspec
+def register_kernels(register: Register) -> None:
+    """Register kernel sets.
+
+    Called once when plugins load. ``factory(config, device, dtype) -> KernelSet``.
+    The config's ``kernels`` setting picks one by name.
+    """
+
+
+@hookspec
+def register_samplers(register: Register) -> None:
+    """Register samplers.
+
+    Called once when plugins load. ``factory(config, device) -> Sampler``. The
+    config's ``sampler`` setting picks one by name.
+    """
+
+
+@hookspec
+def register_proposers(register: Register) -> None:
+    """Register speculative-decoding proposers.
+
+    Called once when plugins load. ``factory(config, context) -> Proposer``.
+    The config's ``speculative`` setting picks one by name (None: no speculation).
+    """
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model architectures.
+
+    Called once when plugins load. ``register(architecture, factory)`` with the
+    architecture name a checkpoint's ``config.json`` uses (for example
+    ``"LlamaForCausalLM"``) and ``factory(model_config, kernels) -> torch.nn.Module``.
+    """
+
+
+@hookspec
+def on_step_finished(engine: Any, stats: Any) -> None:
+    """Observe one finished engine step.
+
+    Called after every step that ran, with the engine and a
+    :class:`pitstop.metrics.StepStats` (tokens, batch composition, timings,
+    allocator statistics). Keep it cheap: it runs on the serving loop.
+    """
+
+
+@hookspec
+def on_request_finished(engine: Any, output: Any) -> None:
+    """Observe a request that finished (stopped, hit its length, or was aborted).
+
+    Called once per request with the engine and its final
+    :class:`pitstop.outputs.RequestOutput`, which carries its timestamps.
+    """

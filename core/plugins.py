@@ -1,0 +1,198 @@
+"""The plugin manager: loads built-in and third-party strategies the same way.
+
+Every plugin, built-in or not, is a module named under the ``pitstop``
+entry-point group of some installed distribution. Loading imports each
+module, registers it with pluggy, then calls its register hooks with a
+``register`` callable that records the strategy together with the
+distribution it came from. ``PITSTOP_PLUGINS`` (comma-separated entry-point
+or distribution names) narrows which entry points load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import logging
+import os
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+import attrs
+import pluggy
+
+from pitstop import hookspecs
+from pitstop.errors import PluginError
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "pitstop"
+ALLOW_LIST_VARIABLE = "PITSTOP_PLUGINS"
+
+# kind -> the register hook that fills it
+KINDS: dict[str, str] = {
+    "allocator": "register_allocators",
+    "scheduler": "register_schedulers",
+    "kernels": "register_kernels",
+    "sampler": "register_samplers",
+    "proposer": "register_proposers",
+    "model": "register_models",
+}
+
+
+@attrs.frozen
+class Strategy:
+    """One registered strategy: its kind, name, factory and where it came from."""
+
+    kind: str
+    name: str
+    factory: Callable[..., Any]
+    distribution: str
+    version: str
+    module: str
+    description: str = ""
+
+
+@attrs.frozen
+class PluginSource:
+    """A loaded plugin module and the distribution that declared it."""
+
+    entry_point: str
+    module: ModuleType
+    distribution: str
+    version: str
+
+
+class PluginManager:
+    """Loads plugins and keeps the registry of strategies by kind and name."""
+
+    def __init__(
+        self,
+        *,
+        allow: Iterable[str] | None = None,
+        extra_modules: Iterable[ModuleType] = (),
+        load_entry_points: bool = True,
+    ) -> None:
+        self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+        self.pm.add_hookspecs(hookspecs)
+        self.sources: list[PluginSource] = []
+        self.registry: dict[str, dict[str, Strategy]] = {kind: {} for kind in KINDS}
+        if allow is None:
+            env = os.environ.get(ALLOW_LIST_VARIABLE, "").strip()
+            allow = [a.strip() for a in env.split(",") if a.strip()] if env else None
+        self.allow = set(allow) if allow is not None else None
+        if load_entry_points:
+            self._load_entry_points()
+        for module in extra_modules:
+            self.add_module(module, distribution="(in-process)", version="")
+
+    # ------------------------------------------------------------------ loading
+    def _load_entry_points(self) -> None:
+        seen: set[tuple[str, str]] = set()
+        for dist in md.distributions():
+            dist_name = dist.metadata["Name"] or "?"
+            for ep in dist.entry_points:
+                if ep.group != ENTRY_POINT_GROUP or (dist_name, ep.name) in seen:
+                    continue
+                seen.add((dist_name, ep.name))  # a distribution seen twice on sys.path counts once
+                if self.allow is not None and ep.name not in self.allow and dist_name not in self.allow:
+                    log.debug("plugin %s from %s not in %s; skipped", ep.name, dist_name, ALLOW_LIST_VARIABLE)
+                    continue
+                try:
+                    module = ep.load()
+                except Exception as exc:  # a broken plugin names itself
+                    raise PluginError(
+                        f"plugin {ep.name!r} ({ep.value}) from distribution {dist_name} failed to load: {exc}"
+                    ) from exc
+                self.add_module(module, distribution=dist_name, version=dist.version, entry_point=ep.name)
+
+    def add_module(
+        self, module: ModuleType, *, distribution: str, version: str, entry_point: str | None = None
+    ) -> None:
+        """Register one plugin module and collect the strategies it registers."""
+        if self.pm.is_registered(module):
+            return
+        self.pm.register(module, name=entry_point or module.__name__)
+        source = PluginSource(entry_point or module.__name__, module, distribution, version)
+        self.sources.append(source)
+        for kind, hook_name in KINDS.items():
+            impl = getattr(module, hook_name, None)
+            if impl is None or not hasattr(impl, "pitstop_impl"):
+                continue
+            impl(register=self._registrar(kind, source))
+
+    def _registrar(self, kind: str, source: PluginSource) -> Callable[..., None]:
+        def register(name: str, factory: Callable[..., Any], description: str = "") -> None:
+            if not isinstance(name, str) or not name:
+                raise PluginError(f"{source.distribution}: a {kind} needs a non-empty name, got {name!r}")
+            if not callable(factory):
+                raise PluginError(f"{source.distribution}: the {kind} {name!r} factory is not callable")
+            existing = self.registry[kind].get(name)
+            if existing is not None:
+                raise PluginError(
+                    f"two plugins register the {kind} {name!r}: {existing.distribution} "
+                    f"({existing.module}) and {source.distribution} ({source.module.__name__}); "
+                    f"uninstall one, or narrow {ALLOW_LIST_VARIABLE}"
+                )
+            self.registry[kind][name] = Strategy(
+                kind=kind,
+                name=name,
+                factory=factory,
+                distribution=source.distribution,
+                version=source.version,
+                module=source.module.__name__,
+                description=description or (factory.__doc__ or "").strip().split("\n")[0],
+            )
+
+        return register
+
+    # ------------------------------------------------------------------ lookup
+    def names(self, kind: str) -> list[str]:
+        """The registered names of one kind, sorted."""
+        return sorted(self.registry[kind])
+
+    def get(self, kind: str, name: str) -> Strategy:
+        """The strategy of ``kind`` called ``name``; an unknown name lists those that exist."""
+        if kind not in self.registry:
+            raise PluginError(f"unknown plugin kind {kind!r}; kinds: {', '.join(KINDS)}")
+        try:
+            return self.registry[kind][name]
+        except KeyError:
+            have = ", ".join(self.names(kind)) or "none registered"
+            raise PluginError(
+                f"unknown {kind} {name!r}; registered {kind} names: {have}"
+                + (f" ({ALLOW_LIST_VARIABLE} is set)" if self.allow is not None else "")
+            ) from None
+
+    def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Build the named strategy with its factory."""
+        return self.get(kind, name).factory(*args, **kwargs)
+
+    def strategies(self) -> list[Strategy]:
+        """Every registered strategy, by kind then name."""
+        return [s for kind in KINDS for _, s in sorted(self.registry[kind].items())]
+
+    @property
+    def hook(self) -> Any:
+        """pluggy's hook relay, for the observer hooks."""
+        return self.pm.hook
+
+    def has_observers(self, hook_name: str) -> bool:
+        """Whether any loaded plugin implements the observer hook ``hook_name``."""
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
+
+
+_default: PluginManager | None = None
+
+
+def get_plugin_manager(*, reload: bool = False) -> PluginManager:
+    """The process-wide plugin manager, loaded on first use."""
+    global _default
+    if _default is None or reload:
+        _default = PluginManager()
+    return _default
+
+
+def import_module(name: str) -> ModuleType:
+    """Import a plugin module by dotted name (for tests and ``extra_modules``)."""
+    return importlib.import_module(name)

@@ -1,0 +1,301 @@
+"""What each kind of strategy must provide: small typed protocols.
+
+A plugin registers a *factory* under a name (see :mod:`pitstop.hookspecs`);
+the engine calls it once, when it is built, and then talks to the object it
+returned only through the methods below. The factories' signatures:
+
+=========  =======================================================
+kind       factory
+=========  =======================================================
+allocator  ``factory(config: EngineConfig, num_pages: int) -> Allocator``
+scheduler  ``factory(config: EngineConfig, allocator: Allocator) -> Scheduler``
+kernels    ``factory(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KernelSet``
+sampler    ``factory(config: EngineConfig, device: torch.device) -> Sampler``
+proposer   ``factory(config: EngineConfig, engine_context: ProposerContext) -> Proposer``
+model      ``factory(model_config: ModelConfig, kernels: KernelSet) -> torch.nn.Module``
+=========  =======================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from pitstop.attention import AttentionMetadata
+from pitstop.sequence import Sequence
+
+# ---------------------------------------------------------------- allocator
+
+
+@attrs.frozen
+class AllocatorStats:
+    """A snapshot of an allocator's state."""
+
+    num_pages: int
+    pages_free: int
+    tokens_held: int  # tokens whose KV slots are in use by live sequences
+    tokens_reserved: int  # token slots set aside for live sequences (pages x page_size, or max_model_len each)
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def utilization(self) -> float:
+        """Tokens held over tokens reserved (1.0 when nothing is reserved)."""
+        return self.tokens_held / self.tokens_reserved if self.tokens_reserved else 1.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache over prompt tokens looked up."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    """Hands out KV-cache pages (numbers, never tensors) to sequences.
+
+    A sequence *holds* token slots: after ``allocate`` it holds
+    ``seq.num_tokens``; ``append(seq, n)`` makes it hold ``n`` more;
+    ``truncate(seq, n)`` gives back its last ``n``. Every method that is
+    refused (``can_*`` false) must have been checked first by the caller;
+    calling ``allocate``/``append`` without room raises and changes no state.
+    """
+
+    page_size: int
+    num_pages: int
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether ``seq`` (``seq.num_tokens`` tokens) can be admitted now."""
+        ...
+
+    def allocate(self, seq: Sequence) -> int:
+        """Admit ``seq``; return how many of its leading tokens are already cached (< num_tokens)."""
+        ...
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq`` can hold ``num_tokens`` more tokens."""
+        ...
+
+    def append(self, seq: Sequence, num_tokens: int) -> None:
+        """Make ``seq`` hold ``num_tokens`` more tokens."""
+        ...
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the slots of ``seq``'s last ``num_tokens`` held tokens."""
+        ...
+
+    def free(self, seq: Sequence) -> None:
+        """Release everything ``seq`` holds (a no-op for an unknown sequence)."""
+        ...
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The pages of ``seq`` in order: token ``t`` lives in page ``table[t // page_size]``."""
+        ...
+
+    def num_held_tokens(self, seq: Sequence) -> int:
+        """How many token slots ``seq`` holds."""
+        ...
+
+    def on_tokens_computed(self, seq: Sequence) -> None:
+        """Told after a step that ``seq.num_computed_tokens`` tokens now have KV (for prefix hashing)."""
+        ...
+
+    def stats(self) -> AllocatorStats:
+        """A snapshot of the allocator's state."""
+        ...
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+@attrs.frozen
+class ScheduledSequence:
+    """One sequence in a step: it computes ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+
+@attrs.frozen
+class StepPlan:
+    """What one step runs, and which sequences the scheduler preempted to make room."""
+
+    scheduled: list[ScheduledSequence]
+    preempted: list[Sequence] = attrs.Factory(list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in this step."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is scheduled."""
+        return not self.scheduled
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Decides which sequences run each step and how many tokens each computes."""
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (status WAITING)."""
+        ...
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request wherever it is, freeing its pages; return it (None if unknown)."""
+        ...
+
+    def has_work(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        ...
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step: admit, grow and preempt through the allocator."""
+        ...
+
+    def on_step_done(self, plan: StepPlan, finished: Seq[Sequence]) -> None:
+        """Told after the step which of its sequences finished; release them."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued."""
+        ...
+
+    @property
+    def num_running(self) -> int:
+        """Sequences admitted."""
+        ...
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@attrs.frozen
+class RotaryCache:
+    """Precomputed cos and sin for every position: ``[max_positions, head_size // 2]`` each."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@runtime_checkable
+class KernelSet(Protocol):
+    """The ops a model runs through. Resolved once; called directly on the hot path."""
+
+    name: str
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """RMSNorm of ``x`` (+ ``residual`` first, when given); returns (normed, new residual or None)."""
+        ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias``."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[..., :d]) * x[..., d:]`` for the merged gate-up output of width 2d."""
+        ...
+
+    def rope_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryCache,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` (neox layout); write k, v into the cache slots.
+
+        Caches are ``[num_pages, page_size, Hkv, D]``. Returns the rotated q and k.
+        """
+        ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of q ``[T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``."""
+        ...
+
+    def describe(self) -> dict[str, str]:
+        """Op name -> which implementation runs it here (and why, for a fallback)."""
+        ...
+
+
+# ---------------------------------------------------------------- sampler
+
+
+@attrs.frozen
+class SamplingBatch:
+    """Per-row sampling settings of one step's logits, as tensors on the device."""
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_k: torch.Tensor  # [B] int64; -1 = off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    generators: list[torch.Generator | None]  # per-row seeded generator
+    all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+    want_logprobs: bool = False
+
+
+@attrs.frozen
+class SamplerOutput:
+    """Sampled tokens (and their log-probabilities when asked)."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] float32
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Turns a batch of logits into tokens."""
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of ``logits`` ``[B, V]``."""
+        ...
+
+    def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution ``sample`` draws from, after temperature and filters: ``[B, V]``."""
+        ...
+
+
+# ---------------------------------------------------------------- proposer
+
+
+@attrs.frozen
+class Proposal:
+    """Draft tokens for one sequence (and their draft probabilities ``[k, V]`` when known)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Proposes draft tokens for speculative decoding."""
+
+    def propose(self, seqs: Seq[Sequence], k: int) -> list[Proposal]:
+        """Up to ``k`` draft tokens for each sequence."""
+        ...
+
+    def on_accepted(self, seq: Sequence, num_accepted: int) -> None:
+        """Told how many of ``seq``'s drafts were kept, so it can roll its own state back."""
+        ...
+
+
+ModelFactory = Any  # Callable[[ModelConfig, KernelSet], torch.nn.Module]
