@@ -1,0 +1,176 @@
+"""The ``pitstop`` command: ``generate``, ``chat``, ``plugins`` (and subcommands plugins add)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pitstop.config import EngineConfig, add_cli_flags
+from pitstop.errors import PitstopError
+
+
+def _sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int, temperature: float) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=temperature, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _params(args: argparse.Namespace):
+    from pitstop.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop or (),
+    )
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    """Print every registered strategy: kind, name, distribution, version."""
+    from pitstop.plugin_manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    rows = [("KIND", "NAME", "DISTRIBUTION", "VERSION", "DESCRIPTION")]
+    rows += [(s.kind, s.name, s.distribution, s.version, s.description) for s in pm.strategies()]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
+    if args.check:
+        import torch
+
+        from pitstop.runner import resolve_device, resolve_dtype
+
+        config = EngineConfig.from_cli(args)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        kernels = pm.create("kernels", config.kernels, config, device, dtype)
+        print(f"\nkernels {config.kernels!r} on {device} ({dtype}, torch {torch.__version__}):")
+        for op, impl in kernels.describe().items():
+            print(f"  {op:16s} {impl}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate a completion for each prompt."""
+    from pitstop.llm import LLM
+
+    llm = LLM(config=EngineConfig.from_cli(args))
+    outs = llm.generate(args.prompts, _params(args))
+    for out in outs:
+        if len(outs) > 1:
+            print(f"--- {out.prompt!r} [{out.finish_reason}]")
+        print(out.text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Chat with the model, streaming tokens as they come (one message with -m)."""
+    from pitstop.llm import LLM
+
+    llm = LLM(config=EngineConfig.from_cli(args))
+    params = _params(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    interactive = args.message is None
+    if interactive:
+        print("pitstop chat: type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        if interactive:
+            try:
+                text = input("> ").strip()
+            except EOFError:
+                print()
+                return 0
+            if not text:
+                return 0
+        else:
+            text = args.message
+        history.append({"role": "user", "content": text})
+        ids = llm.tokenizer.apply_chat_template(history)
+        reply = ""
+        for out in llm.stream(prompt_token_ids=ids, sampling_params=params):
+            print(out.text_delta, end="", flush=True)
+            reply = out.text
+        print()
+        history.append({"role": "assistant", "content": reply})
+        if not interactive:
+            return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every built-in subcommand."""
+    parser = argparse.ArgumentParser(prog="pitstop", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list every registered strategy")
+    p.add_argument("--check", action="store_true", help="also say which kernel ops run fused on this machine")
+    add_cli_flags(p)
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("generate", help="complete one or more prompts")
+    p.add_argument("prompts", nargs="+", help="prompt text")
+    add_cli_flags(p)
+    _sampling_flags(p, max_tokens=64, temperature=0.0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with the model (interactive unless -m is given)")
+    p.add_argument("-m", "--message", help="send one message, print the answer, exit")
+    p.add_argument("--system", help="system prompt")
+    add_cli_flags(p)
+    _sampling_flags(p, max_tokens=256, temperature=0.0)
+    p.set_defaults(func=cmd_chat)
+
+    for extra in _extra_commands():
+        extra(sub)
+    return parser
+
+
+def _extra_commands():
+    """Subcommands of optional modules (bench, serve) that exist in this install."""
+    import importlib
+
+    found = []
+    for name in ("pitstop.bench.cli", "pitstop.server.cli"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and name.startswith(exc.name):
+                continue
+            raise
+        found.append(module.add_subcommand)
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pitstop`` command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        return args.func(args)
+    except PitstopError as exc:
+        print(f"pitstop: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

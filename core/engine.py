@@ -1,0 +1,316 @@
+"""`LLMEngine`: the step loop. Schedule, run, sample, append, stop, stream, free.
+
+The engine resolves every strategy once, when it is built, and then calls
+the chosen objects directly; observer hooks fire at most once per step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+
+import attrs
+
+from pitstop.config import EngineConfig
+from pitstop.errors import InvalidRequestError
+from pitstop.metrics import EngineStats, StepStats
+from pitstop.outputs import RequestMetrics, RequestOutput
+from pitstop.plugin_manager import PluginManager, get_plugin_manager
+from pitstop.runner import ModelRunner, SeqInput, StepInput, resolve_device, resolve_dtype
+from pitstop.sampling_params import SamplingParams
+from pitstop.sequence import Sequence, SequenceStatus
+from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
+from pitstop.weights import load_model_source
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    logprobs: list[float] | None = None
+
+
+class LLMEngine:
+    """Owns the chosen strategies, the runner and every live request."""
+
+    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
+        self.plugins = plugins or get_plugin_manager()
+        # Every name is checked before any weight loads.
+        for kind, name in (
+            ("allocator", config.allocator),
+            ("scheduler", config.scheduler),
+            ("kernels", config.kernels),
+            ("sampler", config.sampler),
+        ):
+            self.plugins.get(kind, name)
+        if config.speculative is not None:
+            self.plugins.get("proposer", config.speculative)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        source = load_model_source(config.model, tokenizer=config.tokenizer)
+        mc = source.model_config
+        self.plugins.get("model", mc.architecture)
+        if config.max_model_len is None:
+            config = attrs.evolve(config, max_model_len=min(mc.max_position_embeddings, 4096))
+        self.config = config
+        self.model_config = mc
+        self.tokenizer: Tokenizer | None = source.tokenizer
+        self.runner = ModelRunner(config, mc, self.plugins, self.device, self.dtype)
+        self.runner.load_weights(source.weights)
+        num_pages = self.runner.plan_num_pages()
+        self.runner.init_kv_cache(num_pages)
+        self.allocator = self.plugins.create("allocator", config.allocator, config, num_pages)
+        self.scheduler = self.plugins.create("scheduler", config.scheduler, config, self.allocator)
+        per_page = self.runner.bytes_per_page()
+        log.info(
+            "%s KV cache: %d tokens/page, %s pages, %s tokens, %.2f GiB",
+            config.allocator,
+            config.page_size,
+            f"{num_pages:,}",
+            f"{num_pages * config.page_size:,}",
+            num_pages * per_page / 2**30,
+        )
+        log.info("model: %s; device %s, %s; kernels %s", source.description, self.device, self.dtype, config.kernels)
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._finished_seq_ids: list[int] = []
+        self._step_observers = self.plugins.has_observers("on_step_finished")
+        self._request_observers = self.plugins.has_observers("on_request_finished")
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Seq[int] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request (text or token ids); returns its id. Bad input raises InvalidRequestError."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use; pick another")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("give a prompt (text) or prompt_token_ids")
+            if not isinstance(prompt, str):
+                raise InvalidRequestError(f"a prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty; give at least one token of text")
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids instead of text"
+                )
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt_token_ids)
+            if not ids:
+                raise InvalidRequestError("prompt_token_ids is empty; give at least one token")
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token id(s) {bad[:5]} outside the vocabulary [0, {self.model_config.vocab_size})"
+                )
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        if len(ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {max_len}, which leaves no room "
+                f"for output; shorten the prompt or raise max_model_len"
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids with this model")
+        seq = Sequence(request_id, ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+        self._requests[request_id] = _Request(seq, prompt, detok, logprobs=[] if params.logprobs else None)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now, wherever it is, and free what it holds; returns its final output."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)
+        seq = req.seq
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        seq.timestamps.finish = time.perf_counter()
+        self.stats.requests_aborted += 1
+        self._finished_seq_ids.append(seq.seq_id)
+        return self._finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests waiting or running."""
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that produced a token or finished."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        if plan.is_empty:
+            if self._requests and not self.scheduler.has_work():
+                raise RuntimeError("requests are live but the scheduler holds none of them")
+            return []
+        scheduled = sorted(plan.scheduled, key=lambda s: s.num_new_tokens == 1)  # prefills first
+        inputs = []
+        for s in scheduled:
+            seq = s.seq
+            begin = seq.num_computed_tokens
+            end = begin + s.num_new_tokens
+            if seq.timestamps.first_scheduled is None:
+                seq.timestamps.first_scheduled = start
+            inputs.append(
+                SeqInput(
+                    seq_id=seq.seq_id,
+                    token_ids=seq.token_ids[begin:end],
+                    start_pos=begin,
+                    block_table=self.allocator.block_table(seq),
+                    sample=end == seq.num_tokens,
+                    params=seq.sampling_params,
+                )
+            )
+        finished_ids, self._finished_seq_ids = self._finished_seq_ids, []
+        out = self.runner.execute(StepInput(inputs, finished_ids))
+
+        outputs: list[RequestOutput] = []
+        finished: list[Sequence] = []
+        sampled = iter(range(len(out.token_ids)))
+        prefill_seqs = prefill_tokens = decode_tokens = 0
+        for s, inp in zip(scheduled, inputs, strict=True):
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            self.allocator.on_tokens_computed(seq)
+            if s.num_new_tokens > 1 or seq.num_output_tokens == 0:
+                prefill_seqs += 1
+                prefill_tokens += s.num_new_tokens
+            else:
+                decode_tokens += s.num_new_tokens
+            if not inp.sample:
+                continue
+            i = next(sampled)
+            token = out.token_ids[i]
+            req = self._requests[seq.request_id]
+            seq.append_token(token)
+            if req.logprobs is not None and out.logprobs is not None:
+                req.logprobs.append(out.logprobs[i])
+            delta = self._check_stop(req, token)
+            if seq.is_finished:
+                finished.append(seq)
+                outputs.append(self._finish(req, delta, [token]))
+            else:
+                outputs.append(self._output(req, delta, [token]))
+        self.stats.prompt_tokens += prefill_tokens
+        self.stats.generation_tokens += len(out.token_ids)
+        self.stats.requests_finished += len(finished)
+        self._finished_seq_ids.extend(seq.seq_id for seq in finished)
+        self.scheduler.on_step_done(plan, finished)
+        alloc = self.allocator.stats()
+        self.stats.steps += 1
+        self.stats.utilization_sum += alloc.utilization
+        if self._step_observers:
+            self.plugins.hook.on_step_finished(
+                engine=self,
+                stats=StepStats(
+                    step=self.stats.steps,
+                    num_seqs=len(scheduled),
+                    num_prefill_seqs=prefill_seqs,
+                    num_prefill_tokens=prefill_tokens,
+                    num_decode_tokens=decode_tokens,
+                    num_preempted=len(plan.preempted),
+                    num_finished=len(finished),
+                    num_waiting=self.scheduler.num_waiting,
+                    num_running=self.scheduler.num_running,
+                    duration_s=time.perf_counter() - start,
+                    allocator=alloc,
+                ),
+            )
+        return outputs
+
+    def _check_stop(self, req: _Request, token: int) -> str:
+        """Apply the stop conditions after ``token``; return the new text to stream."""
+        seq, params = req.seq, req.seq.sampling_params
+        reason = None
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= (self.config.max_model_len or 0):
+            reason = "length"
+        delta = ""
+        if req.detokenizer is not None:
+            delta = req.detokenizer.step([token])
+            if params.stop and delta:
+                text = req.text + delta
+                # a stop string may straddle the previous delta: search its tail too
+                begin = max(0, len(req.text) - max(len(s) for s in params.stop) + 1)
+                hits = [i for s in params.stop if (i := text.find(s, begin)) != -1]
+                if hits:
+                    cut = min(hits)
+                    delta = text[len(req.text) : cut] if cut > len(req.text) else ""
+                    req.text = text[:cut]
+                    self._mark_finished(seq, "stop")
+                    return delta
+            req.text += delta
+        if reason is not None:
+            self._mark_finished(seq, reason)
+        return delta
+
+    @staticmethod
+    def _mark_finished(seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.timestamps.finish = time.perf_counter()
+
+    def _output(self, req: _Request, delta: str = "", new_ids: list[int] | None = None) -> RequestOutput:
+        seq = req.seq
+        ts = seq.timestamps
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=req.text,
+            token_ids=seq.output_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            text_delta=delta,
+            new_token_ids=new_ids or [],
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            metrics=RequestMetrics(
+                arrival=ts.arrival,
+                first_scheduled=ts.first_scheduled,
+                first_token=ts.first_token,
+                finish=ts.finish,
+                token_times=tuple(ts.tokens),
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+                num_preemptions=seq.num_preemptions,
+            ),
+        )
+
+    def _finish(self, req: _Request, delta: str = "", new_ids: list[int] | None = None) -> RequestOutput:
+        self._requests.pop(req.seq.request_id, None)
+        output = self._output(req, delta, new_ids)
+        if self._request_observers:
+            self.plugins.hook.on_request_finished(engine=self, output=output)
+        return output

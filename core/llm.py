@@ -1,0 +1,149 @@
+"""`LLM`: the offline API, in vLLM's shape (``generate``, ``chat``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pitstop.config import EngineConfig
+from pitstop.engine import LLMEngine
+from pitstop.errors import ConfigError, InvalidRequestError
+from pitstop.outputs import RequestOutput
+from pitstop.plugin_manager import PluginManager
+from pitstop.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """Load a model with the chosen strategies and generate from it.
+
+    ``LLM("smollm2-135m", allocator="paged", scheduler="continuous")`` or
+    ``LLM(config=EngineConfig(...))``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        plugins: PluginManager | None = None,
+        **settings: Any,
+    ) -> None:
+        if config is not None and (model is not None or settings):
+            raise ConfigError("pass either config=EngineConfig(...) or a model name and settings, not both")
+        if config is None:
+            values = dict(settings)
+            if model is not None:
+                values["model"] = model
+            config = EngineConfig.from_dict(values)
+        self.engine = LLMEngine(config, plugins)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration (with ``max_model_len`` filled in)."""
+        return self.engine.config
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (None for dummy weights)."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+
+        A prompt that is invalid raises before any request runs, so nothing
+        is half-submitted.
+        """
+        if prompts is not None and prompt_token_ids is not None:
+            raise InvalidRequestError("pass prompts or prompt_token_ids, not both")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        items: list[tuple[str | None, list[int] | None]]
+        if prompt_token_ids is not None:
+            items = [(None, list(ids)) for ids in prompt_token_ids]
+        elif prompts is not None:
+            items = [(p, None) for p in prompts]
+        else:
+            raise InvalidRequestError("give prompts or prompt_token_ids")
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(items):
+                raise InvalidRequestError(
+                    f"{len(sampling_params)} sampling params for {len(items)} prompts; give one, or one each"
+                )
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(items)
+        ids: list[str] = []
+        try:
+            for (text, tokens), params in zip(items, params_list, strict=True):
+                ids.append(self.engine.add_request(text, params, prompt_token_ids=tokens))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm=use_tqdm and len(ids) > 1)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of messages) or several, with the model's chat template."""
+        if not messages:
+            raise InvalidRequestError("the conversation is empty; give at least one message")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError(f"model {self.config.model!r} has no tokenizer, so no chat template")
+        prompts = [tok.apply_chat_template(list(conv)) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompt_token_ids=prompts, sampling_params=sampling_params, use_tqdm=use_tqdm)
+
+    def stream(
+        self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield one request's outputs as tokens arrive (other queued requests run alongside)."""
+        rid = self.engine.add_request(prompt, sampling_params, prompt_token_ids=prompt_token_ids)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(rid)
+
+    def _run(self, ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req", dynamic_ncols=True)
+        try:
+            while len(final) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in wanted - set(final):
+                self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[rid] for rid in ids]

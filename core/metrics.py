@@ -1,0 +1,47 @@
+"""Engine statistics: one record per step, running totals for the engine."""
+
+from __future__ import annotations
+
+import attrs
+
+from pitstop.protocols import AllocatorStats
+
+
+@attrs.frozen
+class StepStats:
+    """What one engine step did; handed to the ``on_step_finished`` observers."""
+
+    step: int
+    num_seqs: int
+    num_prefill_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    num_finished: int
+    num_waiting: int
+    num_running: int
+    duration_s: float
+    allocator: AllocatorStats
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in the step."""
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@attrs.define
+class EngineStats:
+    """Running totals since the engine started."""
+
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (recomputes after preemption included)
+    generation_tokens: int = 0
+    preemptions: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    utilization_sum: float = 0.0  # sum over steps of tokens held / tokens reserved
+
+    @property
+    def mean_kv_utilization(self) -> float:
+        """KV-cache utilization averaged over steps."""
+        return self.utilization_sum / self.steps if self.steps else 0.0
