@@ -96,8 +96,14 @@ class LLMEngine:
         *,
         prompt_token_ids: Seq[int] | None = None,
         request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
-        """Queue a request (text or token ids); returns its id. Bad input raises InvalidRequestError."""
+        """Queue a request (text or token ids); returns its id. Bad input raises InvalidRequestError.
+
+        ``arrival_time`` (``time.perf_counter`` seconds) backdates the request's
+        arrival, for benchmark clients whose request was due before the engine
+        loop got to it.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -136,6 +142,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids with this model")
         seq = Sequence(request_id, ids, params)
+        if arrival_time is not None:
+            seq.timestamps.arrival = arrival_time
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
         self._requests[request_id] = _Request(seq, prompt, detok, logprobs=[] if params.logprobs else None)
         self.scheduler.add(seq)

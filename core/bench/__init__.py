@@ -1,0 +1,15 @@
+"""`pitstop bench`: named workloads, offline and online drivers, floors, matrices, peers.
+
+The pieces, one concept per module:
+
+- :mod:`pitstop.bench.workloads`: the named workloads of WORKLOADS.md and JSON-lines files;
+- :mod:`pitstop.bench.floor`: device ceilings and the physical floor of a workload;
+- :mod:`pitstop.bench.backends`: pitstop's engine and the ``transformers`` peer behind one interface;
+- :mod:`pitstop.bench.drivers`: offline (all at once), closed-loop and Poisson clients;
+- :mod:`pitstop.bench.report`: per-request records, figures, tables and JSON;
+- :mod:`pitstop.bench.matrix`: named configurations (``baseline,+paged,...`` or TOML);
+- :mod:`pitstop.bench.plot`: the PNG (matplotlib, imported only when asked);
+- :mod:`pitstop.bench.cli`: the ``pitstop bench`` subcommand.
+
+Nothing here imports torch or transformers at import time, so ``pitstop --help`` stays quick.
+"""

@@ -1,0 +1,420 @@
+"""``pitstop bench offline|online``: run a workload on one or more configurations (and a peer).
+
+Found by :mod:`pitstop.cli` through :func:`add_subcommand`. Examples::
+
+    pitstop bench offline --workload cpu-smoke --peer transformers
+    pitstop bench offline --workload nano --output results.json --plot nano.png
+    pitstop bench online --workload longtail --matrix baseline,+paged,+continuous,+fused
+    pitstop bench online --workload my-traffic.jsonl --request-rate 4 --model dummy:qwen3-0.6b
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+from pitstop.bench import floor as floors
+from pitstop.bench import matrix as matrices
+from pitstop.bench.report import (
+    RunResult,
+    device_name,
+    figures,
+    git_commit,
+    now_iso,
+    table,
+    write_json,
+)
+from pitstop.bench.workloads import (
+    GENERATORS,
+    TOKEN_ID_HIGH,
+    Workload,
+    build_workload,
+    fit_to_model,
+    parse_range,
+)
+from pitstop.config import EngineConfig, add_cli_flags
+from pitstop.errors import PitstopError
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "pitstop.bench/1"
+PEERS = ("transformers",)
+
+
+class BenchError(PitstopError, ValueError):
+    """A ``pitstop bench`` argument is invalid."""
+
+
+def add_subcommand(subparsers: Any) -> None:
+    """Add ``pitstop bench`` with its ``offline`` and ``online`` modes."""
+    bench = subparsers.add_parser(
+        "bench", help="benchmark a workload (offline or online), configurations, peers"
+    )
+    modes = bench.add_subparsers(dest="bench_mode", required=True)
+    for mode, names, help_text in (
+        ("offline", "nano|single|cpu-smoke|FILE", "every request submitted at once"),
+        ("online", "longtail|prefix|FILE", "simulated clients: closed loop or Poisson arrivals"),
+    ):
+        p = modes.add_parser(
+            mode,
+            help=help_text,
+            description=__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        g = p.add_argument_group("workload")
+        g.add_argument(
+            "--workload",
+            default="nano" if mode == "offline" else "longtail",
+            help=f"{names}: a named workload (WORKLOADS.md) or a JSON-lines file of requests",
+        )
+        g.add_argument(
+            "--num-requests", type=int, help="how many requests (default: the workload's)"
+        )
+        g.add_argument(
+            "--input-len", type=parse_range, metavar="A:B", help="prompt lengths, uniform in [A, B]"
+        )
+        g.add_argument(
+            "--output-len",
+            type=parse_range,
+            metavar="A:B",
+            help="output lengths, uniform in [A, B]",
+        )
+        g.add_argument(
+            "--repeats", type=int, help="timed runs after the warm-up, best kept (single: 5)"
+        )
+        g.add_argument("--no-warmup", action="store_true", help="skip the warm-up run")
+        if mode == "online":
+            g.add_argument(
+                "--concurrency", type=int, help="closed-loop clients (default: the workload's, 32)"
+            )
+            g.add_argument(
+                "--request-rate", type=float, help="Poisson arrivals, requests per second"
+            )
+            g.add_argument("--url", help="benchmark a running pitstop server over HTTP (not yet)")
+        r = p.add_argument_group("what to compare")
+        r.add_argument(
+            "--matrix",
+            help=f"configurations to run in turn: steps ({','.join(matrices.STEPS)}), each adding one "
+            "strategy to the previous, or a TOML file of named configurations",
+        )
+        r.add_argument(
+            "--peer", choices=PEERS, help="also run the workload through this peer, same weights"
+        )
+        r.add_argument(
+            "--measure-ceilings",
+            action="store_true",
+            help="measure copy bandwidth and bf16 matrix rate on this GPU for the floor (default: H200's)",
+        )
+        o = p.add_argument_group("output")
+        o.add_argument(
+            "--output", metavar="FILE", help="write every figure, config and timing as JSON"
+        )
+        o.add_argument("--out", metavar="DIR", help="write DIR/results.json and DIR/plot.png")
+        o.add_argument(
+            "--plot", metavar="FILE", help="PNG of TTFT CDF and percentiles per configuration"
+        )
+        add_cli_flags(p)
+        p.set_defaults(func=cmd_bench)
+
+
+# ---------------------------------------------------------------------- orchestration
+def _workload(args: argparse.Namespace, token_high: int = TOKEN_ID_HIGH) -> Workload:
+    return build_workload(
+        args.workload,
+        num_requests=args.num_requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=args.seed or 0,  # the engine's --seed seeds the workload's draws too
+        token_high=token_high,
+    )
+
+
+def base_config(args: argparse.Namespace, workload: Workload) -> EngineConfig:
+    """The engine config of the flags, with the workload's defaults where no flag was given."""
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    if "model" not in given:
+        args.model = workload.default_model or "smollm2-135m"
+    for key, value in workload.engine_defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return EngineConfig.from_cli(args)
+
+
+def _tokenize(workload: Workload, tokenizer: Any) -> Workload:
+    if all(r.prompt is None for r in workload.requests):
+        return workload
+    if tokenizer is None:
+        raise BenchError(
+            f"workload {workload.name!r} has text prompts but the model has no tokenizer"
+        )
+    reqs = [
+        r
+        if r.prompt is None
+        else attrs.evolve(r, prompt=None, prompt_token_ids=tokenizer.encode(r.prompt))
+        for r in workload.requests
+    ]
+    return attrs.evolve(workload, requests=reqs)
+
+
+def _clients(args: argparse.Namespace, workload: Workload) -> tuple[int | None, float | None]:
+    if args.bench_mode == "offline":
+        return None, None
+    rate = getattr(args, "request_rate", None)
+    conc = getattr(args, "concurrency", None)
+    if conc is not None and conc < 1:
+        raise BenchError(f"--concurrency must be >= 1, got {conc}")
+    if rate is not None and rate <= 0:
+        raise BenchError(f"--request-rate must be > 0, got {rate}")
+    if rate is not None and conc is not None:
+        raise BenchError("give --concurrency (closed loop) or --request-rate (Poisson), not both")
+    if rate is not None:
+        return None, rate
+    return conc or workload.concurrency or 32, None
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run everything the flags ask for; return the results document (also printed as a table)."""
+    from pitstop.bench.backends import PitstopBackend, TransformersBackend
+    from pitstop.bench.drivers import best_of
+    from pitstop.runner import resolve_device
+    from pitstop.weights import load_model_source
+
+    if getattr(args, "url", None):
+        raise BenchError(
+            "--url (benchmarking a server over HTTP) is not implemented yet; drop it to run in-process"
+        )
+    if args.workload not in GENERATORS and not Path(args.workload).exists():
+        _workload(args)  # raises the error that lists the workloads
+    wl = _workload(args)
+    config = base_config(args, wl)
+    configs = matrices.parse_matrix(args.matrix) if args.matrix else [("pitstop", {})]
+    source = load_model_source(config.model, tokenizer=config.tokenizer)
+    mc = source.model_config
+    token_high = min(TOKEN_ID_HIGH, mc.vocab_size - 1)
+    if token_high != TOKEN_ID_HIGH:
+        wl = _workload(args, token_high)
+    wl = _tokenize(wl, source.tokenizer)
+    max_len = config.max_model_len or min(mc.max_position_embeddings, 4096)
+    wl, skipped = fit_to_model(wl, vocab_size=mc.vocab_size, max_model_len=max_len)
+    for msg in skipped[:5]:
+        log.warning("skipped %s", msg)
+    if skipped:
+        log.warning(
+            "skipped %d of %d requests that do not fit the model",
+            len(skipped),
+            len(skipped) + wl.num_requests,
+        )
+    concurrency, rate = _clients(args, wl)
+    repeats = args.repeats or wl.repeats
+    device = resolve_device(config.device)
+    dev = str(device)
+
+    # The floor: n/a on CPU; on CUDA with the H200's ceilings unless measured here.
+    ceilings: floors.Ceilings | None = None
+    if device.type == "cuda":
+        ceilings = floors.measure_ceilings(device) if args.measure_ceilings else floors.H200
+    elif args.measure_ceilings:
+        log.warning("--measure-ceilings needs a CUDA device; the floor is n/a on %s", dev)
+    floor = None
+    if ceilings is not None:
+        in_flight = concurrency if concurrency is not None else None
+        floor = floors.floor(
+            mc,
+            [(r.input_len, r.output_len) for r in wl.requests],
+            concurrency=in_flight,
+            shared_prefix=(wl.shared_prefix_len, 4 if wl.shared_prefix_len else 0),
+            ceilings=ceilings,
+        )
+
+    columns: list[dict[str, Any]] = []
+    base_settings = {k: getattr(config, k) for k in EngineConfig.field_names()}
+    for name, overrides in configs:
+        col: dict[str, Any] = {"name": name, "backend": "pitstop", "settings": overrides}
+        backend = None
+        try:
+            cfg = EngineConfig.from_dict({**base_settings, **overrides})
+            col["config"] = _config_dict(cfg)
+            print(
+                f"[bench] {name}: {matrices.describe(col['config'])} on {cfg.model}",
+                file=sys.stderr,
+            )
+            backend = PitstopBackend(cfg, wl)
+            run = best_of(
+                backend,
+                wl,
+                repeats=repeats,
+                concurrency=concurrency,
+                request_rate=rate,
+                warmup=not args.no_warmup,
+            )
+            _fill(col, run, floor, skipped)
+        except (PitstopError, RuntimeError, ValueError, NotImplementedError, ImportError) as exc:
+            col["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"[bench] {name} failed: {col['error']}", file=sys.stderr)
+        finally:
+            if backend is not None:
+                backend.close()
+            del backend
+            _release()
+        columns.append(col)
+
+    peer: dict[str, Any] | None = None
+    if args.peer:
+        peer = {"name": f"peer:{args.peer}", "backend": args.peer}
+        backend = None
+        try:
+            dtype = (
+                config.dtype
+                if config.dtype != "auto"
+                else ("bfloat16" if device.type == "cuda" else "float32")
+            )
+            print(f"[bench] peer {args.peer} on {config.model} ({dev}, {dtype})", file=sys.stderr)
+            backend = TransformersBackend(config.model, dev, dtype, wl, max_len)
+            run = best_of(
+                backend,
+                wl,
+                repeats=repeats,
+                concurrency=concurrency,
+                request_rate=rate,
+                warmup=not args.no_warmup,
+            )
+            _fill(peer, run, floor, skipped)
+            peer["ratio"] = _ratios(columns, peer)
+        except Exception as exc:  # the peer is a third party: any failure is reported, not fatal
+            peer["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"[bench] peer {args.peer} failed: {peer['error']}", file=sys.stderr)
+        finally:
+            if backend is not None:
+                backend.close()
+            del backend
+            _release()
+
+    doc = {
+        "schema": SCHEMA,
+        "date": now_iso(),
+        "commit": git_commit(),
+        "device": device_name(dev),
+        "mode": args.bench_mode,
+        "workload": {
+            **wl.summary(),
+            "skipped": len(skipped),
+            "concurrency": concurrency,
+            "request_rate": rate,
+        },
+        "model": {"name": config.model, "params": mc.num_params, "shape": attrs.asdict(mc)},
+        "ceilings": ceilings.as_dict() if ceilings else None,
+        "floor": floor.as_dict() if floor else None,
+        "configs": columns,
+        "peer": peer,
+    }
+    return doc
+
+
+def _config_dict(cfg: EngineConfig) -> dict[str, Any]:
+    return {k: v for k, v in attrs.asdict(cfg).items() if not isinstance(v, dict) or v}
+
+
+def _fill(
+    col: dict[str, Any], run: RunResult, floor: floors.Floor | None, skipped: list[str]
+) -> None:
+    run.skipped = skipped
+    col["figures"] = figures(run, floor_s=floor.seconds if floor else None)
+    col["ttfts_ms"] = [1e3 * r.ttft for r in run.records if r.ttft is not None]
+    col["requests"] = [r.as_dict(run.start) for r in run.records]
+
+
+def _ratios(columns: list[dict[str, Any]], peer: dict[str, Any]) -> dict[str, Any]:
+    """pitstop / peer for each configuration that ran: throughput up is better, TTFT down."""
+    out: dict[str, Any] = {}
+    pf = peer["figures"]
+    for c in columns:
+        f = c.get("figures")
+        if not f:
+            continue
+        out[c["name"]] = {
+            "output_tok_per_s": f["output_tok_per_s"] / pf["output_tok_per_s"],
+            "req_per_s": f["req_per_s"] / pf["req_per_s"],
+            "ttft_p50_peer_over_pitstop": (pf["ttft_ms"]["p50"] / f["ttft_ms"]["p50"])
+            if f["ttft_ms"]["p50"]
+            else None,
+        }
+    return out
+
+
+def _release() -> None:
+    from pitstop.bench.backends import release_memory
+
+    release_memory()
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The plain-text report: a header, the table, the peer ratio."""
+    wl = doc["workload"]
+    head = [
+        f"workload {wl['name']} ({doc['mode']}): {wl['num_requests']} requests, "
+        f"{wl['input_tokens']:,} prompt + {wl['output_tokens']:,} output tokens"
+        + (f", {wl['concurrency']} clients" if wl.get("concurrency") else "")
+        + (f", Poisson {wl['request_rate']} req/s" if wl.get("request_rate") else "")
+        + (f", {wl['skipped']} skipped" if wl.get("skipped") else ""),
+        f"model {doc['model']['name']} ({doc['model']['params'] / 1e9:.2f}B params) on {doc['device']}; "
+        f"commit {doc['commit'] or 'unknown'}; {doc['date']}",
+    ]
+    if doc["floor"]:
+        f = doc["floor"]
+        head.append(
+            f"floor {f['seconds']:.2f} s ({f['output_tok_per_s']:,.0f} output tok/s, {f['req_per_s']:.1f} req/s) "
+            f"with ceilings {doc['ceilings']['copy_TB_per_s']:.2f} TB/s, "
+            f"{doc['ceilings']['matmul_TFLOP_per_s']:.0f} TFLOP/s ({doc['ceilings']['source']})"
+        )
+    else:
+        head.append("floor: n/a (no GPU ceilings on this device)")
+    cols = [(c["name"], c.get("figures"), c.get("error")) for c in doc["configs"]]
+    peer = doc.get("peer")
+    if peer:
+        cols.append((peer["name"], peer.get("figures"), peer.get("error")))
+    lines = [*head, "", table(cols)]
+    if peer and peer.get("ratio"):
+        lines.append("")
+        for name, r in peer["ratio"].items():
+            lines.append(
+                f"pitstop[{name}] / {peer['name']}: {r['output_tok_per_s']:.2f}x output tok/s, "
+                f"{r['req_per_s']:.2f}x req/s (same run)"
+            )
+    return "\n".join(lines)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Entry point of ``pitstop bench offline|online``."""
+    doc = run_bench(args)
+    out_json = args.output
+    out_png = args.plot
+    if args.out:
+        out_json = out_json or str(Path(args.out) / "results.json")
+        out_png = out_png or str(Path(args.out) / "plot.png")
+    if out_json:
+        write_json(out_json, doc)
+        print(f"[bench] wrote {out_json}", file=sys.stderr)
+    plot_error = None
+    if out_png:
+        from pitstop.bench.plot import PlotError, plot
+
+        cols = list(doc["configs"]) + ([doc["peer"]] if doc.get("peer") else [])
+        try:
+            plot(
+                cols,
+                out_png,
+                title=f"{doc['workload']['name']} on {doc['model']['name']}, {doc['device']}",
+            )
+            print(f"[bench] wrote {out_png}", file=sys.stderr)
+        except PlotError as exc:
+            plot_error = exc
+    print(render(doc))
+    if plot_error is not None:
+        print(f"pitstop: error: {plot_error}", file=sys.stderr)
+        return 2
+    ok = any(c.get("figures") for c in doc["configs"])
+    return 0 if ok else 1

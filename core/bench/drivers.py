@@ -1,0 +1,146 @@
+"""The simulated clients: everything at once (offline), a closed loop, or Poisson arrivals.
+
+One loop in this thread adds the requests that are due between the backend's
+steps. A request's arrival time is when it was *due* (the run's start, the
+moment its client's previous request finished, or its Poisson time), not when
+the loop got to it, so queueing delay counts in TTFT.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections import deque
+from typing import Any
+
+from pitstop.bench.backends import Backend
+from pitstop.bench.report import RequestRecord, RunResult
+from pitstop.bench.workloads import Workload, WorkloadError
+
+
+def _progress(total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="req",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )
+
+
+def run_workload(
+    backend: Backend,
+    workload: Workload,
+    *,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+    desc: str = "",
+    id_prefix: str = "r",
+) -> RunResult:
+    """Run every request of ``workload`` once and time it.
+
+    No ``concurrency`` and no ``request_rate``: every request is submitted at
+    the start (offline). ``concurrency=N``: N clients, each sending its next
+    request when its last one finished. ``request_rate=R``: Poisson arrivals,
+    R requests per second on average (seeded by the workload's seed).
+    """
+    if concurrency is not None and concurrency < 1:
+        raise WorkloadError(f"--concurrency must be >= 1, got {concurrency}")
+    if request_rate is not None and request_rate <= 0:
+        raise WorkloadError(f"--request-rate must be > 0, got {request_rate}")
+    reqs = list(workload.requests)
+    n = len(reqs)
+    queue = deque(range(n))
+    records: list[RequestRecord] = []
+    backend.begin_run()
+    start = time.perf_counter()
+
+    def send(i: int, arrival: float) -> None:
+        backend.submit(f"{id_prefix}{i}", reqs[i], arrival)
+
+    schedule: deque[float] = deque()
+    if request_rate is not None:
+        rng = random.Random(workload.seed)
+        t = 0.0
+        for _ in range(n):
+            t += rng.expovariate(request_rate)
+            schedule.append(start + t)
+    elif concurrency is not None:
+        for _ in range(min(concurrency, n)):
+            send(queue.popleft(), start)
+    else:
+        while queue:
+            send(queue.popleft(), start)
+
+    with _progress(n, desc or workload.name) as bar:
+        while len(records) < n:
+            now = time.perf_counter()
+            while schedule and schedule[0] <= now:
+                send(queue.popleft(), schedule.popleft())
+            wait = 0.0
+            if not backend.has_work() and schedule:
+                wait = max(0.0, schedule[0] - time.perf_counter())
+            done = backend.poll(wait)
+            for rec in done:
+                records.append(rec)
+                if concurrency is not None and request_rate is None and queue:
+                    # the client sends its next request the moment its last one completed
+                    send(
+                        queue.popleft(),
+                        rec.finish if rec.finish is not None else time.perf_counter(),
+                    )
+            bar.update(len(done))
+            if (
+                not done
+                and not backend.has_work()
+                and not schedule
+                and not queue
+                and len(records) < n
+            ):
+                raise RuntimeError(
+                    f"{n - len(records)} request(s) were lost: the backend holds no work"
+                )
+    end = max((r.finish for r in records if r.finish is not None), default=time.perf_counter())
+    stats = backend.run_stats()
+    return RunResult(records=records, start=start, end=end, **stats)
+
+
+def best_of(
+    backend: Backend,
+    workload: Workload,
+    *,
+    repeats: int,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+    warmup: bool = True,
+) -> RunResult:
+    """Warm up on a short copy of the workload, then run it ``repeats`` times; keep the fastest."""
+    import attrs
+
+    if warmup:
+        short = attrs.evolve(
+            workload,
+            requests=[
+                attrs.evolve(r, output_len=min(r.output_len, 4))
+                for r in workload.requests[: min(4, workload.num_requests)]
+            ],
+        )
+        run_workload(backend, short, desc="warm-up", id_prefix="warm")
+    best: RunResult | None = None
+    for k in range(max(1, repeats)):
+        run = run_workload(
+            backend,
+            workload,
+            concurrency=concurrency,
+            request_rate=request_rate,
+            desc=f"{workload.name} run {k + 1}/{repeats}" if repeats > 1 else workload.name,
+            id_prefix=f"r{k}-",
+        )
+        if best is None or run.wall_s < best.wall_s:
+            best = run
+    assert best is not None
+    return best

@@ -1,0 +1,68 @@
+"""The PNG of a benchmark: TTFT CDF per configuration, TTFT P50/P90/P99 bars, throughput bars.
+
+matplotlib is imported here only, when a plot is asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pitstop.errors import PitstopError
+
+
+class PlotError(PitstopError, RuntimeError):
+    """The plot cannot be drawn (matplotlib missing)."""
+
+
+def plot(columns: list[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
+    """Draw ``columns`` (each ``{"name", "figures", "ttfts_ms"}``) into ``path``; return it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(the results JSON was still written if asked for)"
+        ) from None
+    cols = [c for c in columns if c.get("figures")]
+    if not cols:
+        raise PlotError("nothing to plot: every configuration failed")
+    fig, (ax_cdf, ax_ttft, ax_tput) = plt.subplots(1, 3, figsize=(16, 5))
+    for c in cols:
+        xs = sorted(c.get("ttfts_ms") or [])
+        if xs:
+            ax_cdf.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=c["name"])
+    ax_cdf.set_xlabel("TTFT (ms)")
+    ax_cdf.set_ylabel("fraction of requests")
+    ax_cdf.set_title("TTFT CDF")
+    ax_cdf.grid(alpha=0.3)
+    ax_cdf.legend(fontsize=8)
+
+    width = 0.8 / 3
+    for k, q in enumerate(("p50", "p90", "p99")):
+        vals = [c["figures"]["ttft_ms"][q] for c in cols]
+        ax_ttft.bar(
+            [i + (k - 1) * width for i in range(len(cols))], vals, width, label=f"TTFT {q.upper()}"
+        )
+    ax_ttft.set_xticks(range(len(cols)), [c["name"] for c in cols], rotation=20, fontsize=8)
+    ax_ttft.set_ylabel("ms")
+    ax_ttft.set_title("TTFT percentiles")
+    ax_ttft.legend(fontsize=8)
+
+    ax_tput.bar(
+        range(len(cols)), [c["figures"]["output_tok_per_s"] for c in cols], color="tab:green"
+    )
+    ax_tput.set_xticks(range(len(cols)), [c["name"] for c in cols], rotation=20, fontsize=8)
+    ax_tput.set_ylabel("output tok/s")
+    ax_tput.set_title("throughput")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

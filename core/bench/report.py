@@ -1,0 +1,297 @@
+"""Per-request records, the figures computed from them, the tables and the JSON.
+
+Every time is ``time.perf_counter`` seconds. TTFT counts from the request's
+*scheduled* arrival (so queueing delay counts), TPOT is a request's mean gap
+after its first token, ITL pools every gap of every request, E2E runs from
+arrival to the last token.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import platform
+import subprocess
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+PERCENTILES = (50, 90, 99)
+
+
+@attrs.frozen
+class RequestRecord:
+    """What one finished request did, whichever backend ran it."""
+
+    request_id: str
+    input_len: int
+    output_len: int
+    arrival: float
+    first_token: float | None
+    finish: float | None
+    token_times: tuple[float, ...] = attrs.field(converter=tuple, default=())
+    cached_prompt_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) >= 2 else None
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    def as_dict(self, t0: float) -> dict[str, Any]:
+        """A JSON row, times relative to ``t0`` (the run's start)."""
+
+        def rel(x: float | None) -> float | None:
+            return None if x is None else round(x - t0, 6)
+
+        return {
+            "id": self.request_id,
+            "input_len": self.input_len,
+            "output_len": self.output_len,
+            "arrival": rel(self.arrival),
+            "first_token": rel(self.first_token),
+            "finish": rel(self.finish),
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "preemptions": self.preemptions,
+        }
+
+
+def record_from_output(output: Any, *, arrival: float | None = None) -> RequestRecord:
+    """A record from a finished pitstop ``RequestOutput`` (``arrival`` overrides the engine's)."""
+    m = output.metrics
+    if m is None:
+        raise ValueError(f"request {output.request_id} carries no metrics")
+    return RequestRecord(
+        request_id=output.request_id,
+        input_len=m.num_prompt_tokens,
+        output_len=len(output.token_ids),
+        arrival=m.arrival if arrival is None else arrival,
+        first_token=m.first_token,
+        finish=m.finish,
+        token_times=m.token_times,
+        cached_prompt_tokens=m.num_cached_prompt_tokens,
+        preemptions=m.num_preemptions,
+    )
+
+
+@attrs.define
+class RunResult:
+    """One timed run of a workload on one backend."""
+
+    records: list[RequestRecord]
+    start: float
+    end: float
+    kv_utilization: float | None = None
+    prefix_hit_rate: float | None = None
+    preemptions: int | None = None
+    skipped: list[str] = attrs.Factory(list)
+    per_request_counters: bool = True  # records carry cached-prompt and preemption counts
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+
+# ---------------------------------------------------------------------- arithmetic
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile with linear interpolation (numpy's default); NaN when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def distribution(values: Iterable[float | None], scale: float = 1e3) -> dict[str, float]:
+    """Mean, P50, P90, P99 of the non-None values, times ``scale`` (seconds -> ms by default)."""
+    xs = [v * scale for v in values if v is not None]
+    out = {"mean": sum(xs) / len(xs) if xs else math.nan}
+    out.update({f"p{q}": percentile(xs, q) for q in PERCENTILES})
+    return out
+
+
+def figures(run: RunResult, *, floor_s: float | None = None) -> dict[str, Any]:
+    """Every figure of one run: latency distributions (ms), rates, cache figures, floor fraction."""
+    recs = run.records
+    wall = run.wall_s
+    out_tokens = sum(r.output_len for r in recs)
+    in_tokens = sum(r.input_len for r in recs)
+    itls = [g for r in recs for g in r.itls]
+    prefix = run.prefix_hit_rate
+    if prefix is None and in_tokens and run.per_request_counters:
+        prefix = sum(r.cached_prompt_tokens for r in recs) / in_tokens
+    preempt = run.preemptions
+    if preempt is None and run.per_request_counters:
+        preempt = sum(r.preemptions for r in recs)
+    return {
+        "ttft_ms": distribution(r.ttft for r in recs),
+        "tpot_ms": distribution(r.tpot for r in recs),
+        "itl_ms": distribution(itls),
+        "e2e_ms": distribution(r.e2e for r in recs),
+        "wall_s": wall,
+        "num_requests": len(recs),
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "req_per_s": len(recs) / wall if wall > 0 else math.nan,
+        "output_tok_per_s": out_tokens / wall if wall > 0 else math.nan,
+        "total_tok_per_s": (in_tokens + out_tokens) / wall if wall > 0 else math.nan,
+        "kv_utilization": run.kv_utilization,
+        "prefix_hit_rate": prefix,
+        "preemptions": preempt,
+        "floor_s": floor_s,
+        "floor_fraction": floor_s / wall if floor_s is not None and wall > 0 else None,
+        "skipped_requests": len(run.skipped),
+    }
+
+
+# ---------------------------------------------------------------------- the table
+# (label, key path, format, higher is better)
+ROWS: list[tuple[str, tuple[str, ...], str]] = [
+    *[
+        (f"{name} {stat} (ms)", (key, stat), "{:.1f}")
+        for name, key in (
+            ("TTFT", "ttft_ms"),
+            ("TPOT", "tpot_ms"),
+            ("ITL", "itl_ms"),
+            ("E2E", "e2e_ms"),
+        )
+        for stat in ("mean", "p50", "p90", "p99")
+    ],
+    ("requests/s", ("req_per_s",), "{:.2f}"),
+    ("output tok/s", ("output_tok_per_s",), "{:.1f}"),
+    ("total tok/s", ("total_tok_per_s",), "{:.1f}"),
+    ("KV utilization", ("kv_utilization",), "{:.1%}"),
+    ("prefix hit rate", ("prefix_hit_rate",), "{:.1%}"),
+    ("preemptions", ("preemptions",), "{:d}"),
+    ("wall time (s)", ("wall_s",), "{:.2f}"),
+    ("fraction of floor", ("floor_fraction",), "{:.1%}"),
+]
+
+
+def _get(figs: dict[str, Any] | None, path: tuple[str, ...]) -> Any:
+    value: Any = figs
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def table(columns: Sequence[tuple[str, dict[str, Any] | None, str | None]]) -> str:
+    """A markdown table: one row per figure, one column per configuration, the change vs the first.
+
+    ``columns`` holds ``(name, figures or None, error or None)``; a failed
+    column shows ``failed`` and its error is listed under the table.
+    """
+    header = ["figure"]
+    for i, (name, _, _) in enumerate(columns):
+        header.append(name)
+        if i:
+            header.append("Δ")
+    rows = [header]
+    first = columns[0][1] if columns else None
+    for label, path, fmt in ROWS:
+        row = [label]
+        base = _get(first, path)
+        for i, (_, figs, err) in enumerate(columns):
+            value = _get(figs, path) if err is None else None
+            row.append("failed" if err is not None else _fmt(value, fmt))
+            if i:
+                row.append(_change(base, value))
+        rows.append(row)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows
+    ]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    notes = [f"- {name}: {err}" for name, _, err in columns if err is not None]
+    return "\n".join(lines + (["", "failed configurations:", *notes] if notes else []))
+
+
+def _change(base: Any, value: Any) -> str:
+    if not isinstance(base, int | float) or not isinstance(value, int | float):
+        return ""
+    if math.isnan(base) or math.isnan(value) or base == 0:
+        return ""
+    return f"{(value - base) / abs(base):+.0%}"
+
+
+# ---------------------------------------------------------------------- provenance + JSON
+def git_commit(repo: str | Path | None = None) -> str | None:
+    """``git rev-parse HEAD`` of the source tree (with ``-dirty`` when it has changes), or None."""
+    cwd = Path(repo) if repo else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
+def device_name(device: str) -> str:
+    """A human name of the device a run used."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def write_json(path: str | Path, document: dict[str, Any]) -> None:
+    """Write the results document (NaN becomes null)."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and math.isnan(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clean(v) for v in x]
+        return x
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(clean(document), indent=1) + "\n")

@@ -1,0 +1,78 @@
+"""Turning per-request sampling parameters into the tensors a sampler reads.
+
+The engine keeps one :class:`torch.Generator` per seeded request (made with
+:func:`make_generator` when the request arrives, and kept for its whole life so
+that its draws continue where the previous step stopped), and each step calls
+:func:`make_sampling_batch` with the rows' parameters and generators in the
+order of the logits' rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from pitstop.protocols import SamplingBatch
+from pitstop.sampling_params import SamplingParams
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's convention)."""
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether ``params`` reduce to argmax: temperature (near) 0, or top_k 1."""
+    return params.temperature < SAMPLING_EPS or params.top_k == 1
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``: one per seeded request, kept across steps."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed))
+    return generator
+
+
+def make_sampling_batch(
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    device: torch.device | str,
+) -> SamplingBatch:
+    """Build the per-row tensors and flags of one step's :class:`SamplingBatch`.
+
+    Row ``i`` uses ``params[i]`` and ``generators[i]`` (None: the sampler's own
+    shared generator). Greedy rows (temperature < 1e-5, or top_k 1) get
+    temperature 0 and their filters switched off, so the ``needs_*`` flags
+    only say whether some *sampled* row uses that filter.
+    """
+    if len(params) != len(generators):
+        raise ValueError(
+            f"{len(params)} sampling params but {len(generators)} generators; pass one per row"
+        )
+    device = torch.device(device)
+    temperature: list[float] = []
+    top_k: list[int] = []
+    top_p: list[float] = []
+    min_p: list[float] = []
+    for p in params:
+        if is_greedy(p):
+            temperature.append(0.0)
+            top_k.append(-1)
+            top_p.append(1.0)
+            min_p.append(0.0)
+        else:
+            temperature.append(float(p.temperature))
+            top_k.append(int(p.top_k))
+            top_p.append(float(p.top_p))
+            min_p.append(float(p.min_p))
+    return SamplingBatch(
+        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+        min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+        generators=list(generators),
+        all_greedy=all(t == 0.0 for t in temperature),
+        needs_top_k=any(k != -1 for k in top_k),
+        needs_top_p=any(v < 1.0 for v in top_p),
+        needs_min_p=any(v > 0.0 for v in min_p),
+        want_logprobs=any(p.logprobs for p in params),
+    )

@@ -1,0 +1,232 @@
+"""Text <-> token ids, chat templates, and incremental detokenization for streaming.
+
+A thin wrapper over a ``transformers`` fast tokenizer (never a hand-written
+BPE). ``transformers`` is imported inside the functions that need it, so a
+benchmark on dummy weights runs without it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pitstop.errors import InvalidRequestError, ModelLoadError
+
+# How many prompt tokens the detokenizer keeps as context for the first output
+# token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): some tokenizers
+# decode a token differently at the start of a text (leading spaces).
+_DETOKENIZE_CONTEXT = 5
+
+
+class Tokenizer:
+    """Encodes, decodes and applies the chat template of one model."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        name: str = "",
+    ) -> None:
+        self.hf = hf_tokenizer
+        self.name = name
+        eos: list[int] = []
+        if hf_tokenizer.eos_token_id is not None:
+            eos.append(int(hf_tokenizer.eos_token_id))
+        eos += [int(i) for i in eos_token_ids if int(i) not in eos]
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        bos = hf_tokenizer.bos_token_id
+        self.bos_token_id: int | None = None if bos is None else int(bos)
+        self.vocab_size: int = len(hf_tokenizer)
+        # Does plain encoding put a BOS in front? (decides whether a chat prompt needs one)
+        self._adds_bos = bool(
+            self.bos_token_id is not None and hf_tokenizer.encode("a")[:1] == [self.bos_token_id]
+        )
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos={self.eos_token_ids})"
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load from a folder holding ``tokenizer.json`` (+ ``tokenizer_config.json``), or a
+        ``tokenizer.json`` file itself. EOS ids of ``generation_config.json`` and
+        ``config.json`` in the same folder are added to the tokenizer's own."""
+        path = Path(path)
+        if not path.exists():
+            raise ModelLoadError(
+                f"tokenizer path {path} does not exist; pass a folder with tokenizer.json"
+            )
+        if path.suffix == ".gguf":
+            return cls.from_gguf(path)
+        folder = path.parent if path.is_file() else path
+        if path.is_file() and path.name != "tokenizer.json":
+            raise ModelLoadError(
+                f"{path} is not a tokenizer.json file; pass a folder with tokenizer.json"
+            )
+        if not (folder / "tokenizer.json").is_file():
+            raise ModelLoadError(
+                f"no tokenizer.json in {folder}; pass --tokenizer with a folder that has one"
+            )
+        try:
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+            if (folder / "tokenizer_config.json").is_file():
+                hf = AutoTokenizer.from_pretrained(str(folder))
+            else:
+                hf = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+        except Exception as exc:  # transformers raises many kinds
+            raise ModelLoadError(f"cannot load the tokenizer in {folder}: {exc}") from exc
+        return cls(hf, eos_token_ids=_extra_eos_ids(folder), name=str(folder))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, metadata: dict[str, Any] | None = None) -> Tokenizer:
+        """Build the tokenizer stored in a GGUF file's metadata (slow: seconds; the GGUF
+        loader caches the result as ``tokenizer.json``). ``metadata`` (from
+        :func:`pitstop.gguf_loader.read_gguf_metadata`) saves parsing the file again."""
+        path = Path(path)
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        try:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot build the tokenizer of GGUF file {path}: {exc}") from exc
+        if metadata is None:
+            from pitstop.gguf_loader import read_gguf_metadata
+
+            metadata = read_gguf_metadata(path)
+        if hf.chat_template is None and metadata.get("tokenizer.chat_template"):
+            hf.chat_template = metadata["tokenizer.chat_template"]
+        extra = [
+            int(metadata[key])
+            for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+            if isinstance(metadata.get(key), int)
+        ]
+        return cls(hf, eos_token_ids=extra, name=str(path))
+
+    def save(self, folder: str | Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (chat template included)."""
+        folder = Path(folder)
+        self.hf.save_pretrained(str(folder))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if self.hf.chat_template is not None:
+            config["chat_template"] = self.hf.chat_template
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        if len(self.eos_token_ids) > 1:
+            (folder / "generation_config.json").write_text(
+                json.dumps({"eos_token_id": list(self.eos_token_ids)}, indent=2)
+            )
+
+    # ------------------------------------------------------------------ use
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the model's BOS when ``add_special_tokens``)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return list(self.hf.convert_ids_to_tokens(list(ids)))
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.hf.chat_template
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a chat rendered by the model's template.
+
+        The template writes any BOS itself, so the text is encoded without special
+        tokens; a BOS is added only when the model wants one and the template left it out.
+        """
+        if not self.hf.chat_template:
+            raise InvalidRequestError(
+                f"the tokenizer of {self.name or 'this model'} has no chat template; send a plain "
+                "prompt, or load a tokenizer that has one (--tokenizer)"
+            )
+        try:
+            text = self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # jinja errors, bad message shapes
+            raise InvalidRequestError(
+                f"cannot apply the chat template to these messages: {exc}"
+            ) from exc
+        ids = self.encode(text, add_special_tokens=False)
+        if self._adds_bos and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+        return ids
+
+
+def _extra_eos_ids(folder: Path) -> list[int]:
+    """EOS ids a checkpoint folder declares besides the tokenizer's own."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            eos = json.loads(file.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of output tokens into text deltas, one instance per sequence.
+
+    vLLM's method: decode a small window ``ids[prefix_offset:]`` and emit what it
+    adds beyond ``ids[prefix_offset:read_offset]``. Text that ends in U+FFFD (an
+    incomplete UTF-8 character split across tokens) is held back until the
+    character completes; :meth:`flush` releases it when the sequence ends.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-_DETOKENIZE_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        return "".join(self._parts)
+
+    def step(self, new_token_ids: Sequence[int]) -> str:
+        """Append tokens; return the newly finalized text (possibly empty)."""
+        self._ids.extend(new_token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Release text held back at the end of the sequence (an incomplete character)."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = decode(self._ids[self._prefix_offset :], self._skip)
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        delta = full[len(prefix) :]
+        # The new window starts at the old read offset; drop the ids before it so
+        # the list stays short on long outputs.
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        self._parts.append(delta)
+        return delta

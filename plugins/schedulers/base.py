@@ -1,0 +1,273 @@
+"""What the built-in schedulers share: the queues, admission order, growth and preemption.
+
+A scheduler keeps two collections:
+
+- ``waiting``: a deque of sequences that hold no KV pages. New sequences join
+  at the back; a preempted sequence goes back to the *front*.
+- ``running``: admitted sequences, oldest admission first. "Newest" always
+  means the end of this list.
+
+Admission order (``config.admission``):
+
+- ``"arrival"``: the waiting deque's order.
+- ``"shortest-first"``: preempted sequences first (queue order), then every
+  sequence that has waited ``max_wait_steps`` scheduling rounds or more
+  (arrival order: the aging bound), then the rest by prompt length, shortest
+  first (ties by arrival). The bound is the option ``scheduler.max_wait_steps``
+  (``EngineConfig(options={"scheduler.max_wait_steps": 64})``, default 64;
+  0 makes ``shortest-first`` behave as ``arrival``).
+
+Admission stops at the first sequence that does not fit (batch room, token
+budget or pages): a sequence is never overtaken by one behind it in the
+admission order, which is what bounds every wait.
+
+Preemption is by recompute: when a running sequence cannot grow, the newest
+running sequence not yet scheduled in this step (possibly the one that needs
+room) gives back every page, forgets its computed tokens and goes to the
+front of the queue; on readmission it recomputes its prompt and the tokens it
+generated, and nothing it generated is lost. No sequence is admitted in a step
+that preempted (the room it would take is the room just freed for growth).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+from pitstop.errors import ConfigError, PitstopError
+from pitstop.protocols import ScheduledSequence, StepPlan
+from pitstop.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from pitstop.config import EngineConfig
+    from pitstop.protocols import Allocator
+
+MAX_WAIT_STEPS_OPTION = "scheduler.max_wait_steps"
+DEFAULT_MAX_WAIT_STEPS = 64
+
+
+class SchedulerError(PitstopError, RuntimeError):
+    """The scheduler cannot make progress (for example a request larger than the whole KV cache)."""
+
+
+def max_wait_steps(config: EngineConfig) -> int:
+    """The aging bound of ``shortest-first`` admission, from ``config.options``."""
+    value = config.options.get(MAX_WAIT_STEPS_OPTION, DEFAULT_MAX_WAIT_STEPS)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"option {MAX_WAIT_STEPS_OPTION} must be an integer >= 0, got {value!r}")
+    return value
+
+
+class StepBuilder:
+    """The plan of one step while it is being built, with its budgets."""
+
+    def __init__(self, token_budget: int, max_seqs: int, max_prefills: int) -> None:
+        self.token_budget = token_budget
+        self.tokens_left = token_budget
+        self.max_seqs = max_seqs
+        self.max_prefills = max_prefills
+        self.num_prefills = 0
+        self.scheduled: list[ScheduledSequence] = []
+        self.scheduled_ids: set[int] = set()
+        self.preempted: list[Sequence] = []
+
+    @property
+    def seqs_left(self) -> int:
+        return self.max_seqs - len(self.scheduled)
+
+    @property
+    def prefills_left(self) -> int:
+        return self.max_prefills - self.num_prefills
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        # A sequence is "prefilling" when more than its last token is uncomputed.
+        if seq.num_uncomputed_tokens > 1:
+            self.num_prefills += 1
+        self.tokens_left -= num_new_tokens
+        self.scheduled.append(ScheduledSequence(seq, num_new_tokens))
+        self.scheduled_ids.add(seq.seq_id)
+
+    def plan(self) -> StepPlan:
+        return StepPlan(scheduled=self.scheduled, preempted=self.preempted)
+
+
+class BaseScheduler:
+    """Queues, admission order, slot growth, preemption by recompute, abort and release.
+
+    Subclasses implement :meth:`schedule`.
+    """
+
+    def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.max_batch_size = config.max_batch_size
+        self.max_prefill_batch = config.max_prefill_batch
+        self.admission = config.admission
+        self.max_wait_steps = max_wait_steps(config)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_request: dict[str, Sequence] = {}
+        self._arrival_round: dict[int, int] = {}  # seq_id -> round it was added (for aging)
+        self._requeued: set[int] = set()  # preempted sequences waiting at the front
+        self._round = 0  # schedule() calls so far
+
+    # ------------------------------------------------------------------ protocol
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back of the waiting queue."""
+        if seq.request_id in self._by_request:
+            raise ValueError(f"request {seq.request_id!r} is already queued or running")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._by_request[seq.request_id] = seq
+        self._arrival_round[seq.seq_id] = self._round
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request from the queue or the running set, free its pages; return it."""
+        seq = self._by_request.get(request_id)
+        if seq is None:
+            return None
+        self._forget(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return seq
+
+    def has_work(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def on_step_done(self, plan: StepPlan, finished: Seq[Sequence]) -> None:
+        """Drop the sequences that finished in this step and free their pages."""
+        for seq in finished:
+            if self._by_request.get(seq.request_id) is seq:
+                self._forget(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued (including preempted ones)."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences admitted (holding pages)."""
+        return len(self.running)
+
+    def schedule(self) -> StepPlan:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+    def _forget(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq)
+        del self._by_request[seq.request_id]
+        self._arrival_round.pop(seq.seq_id, None)
+        self._requeued.discard(seq.seq_id)
+
+    def _next_round(self) -> None:
+        self._round += 1
+
+    def admission_order(self) -> Iterator[Sequence]:
+        """Waiting sequences in the order they may be admitted (see the module docstring)."""
+        if self.admission != "shortest-first":
+            yield from list(self.waiting)
+            return
+        front: list[Sequence] = []
+        aged: list[Sequence] = []
+        rest: list[tuple[int, int, Sequence]] = []
+        for i, seq in enumerate(self.waiting):
+            if seq.seq_id in self._requeued:
+                front.append(seq)
+            elif self._round - self._arrival_round[seq.seq_id] >= self.max_wait_steps:
+                aged.append(seq)
+            else:
+                rest.append((seq.num_tokens, i, seq))
+        rest.sort(key=lambda t: (t[0], t[1]))
+        yield from front
+        yield from aged
+        yield from (seq for _, _, seq in rest)
+
+    def _admit(self, seq: Sequence) -> None:
+        """Give ``seq`` its pages (the caller checked ``can_allocate``) and make it the newest running."""
+        cached = self.allocator.allocate(seq)
+        seq.num_computed_tokens = cached
+        seq.num_cached_prompt_tokens = cached
+        seq.status = SequenceStatus.RUNNING
+        if seq.timestamps.first_scheduled is None:
+            seq.timestamps.first_scheduled = time.perf_counter()
+        self.waiting.remove(seq)
+        self._requeued.discard(seq.seq_id)
+        self.running.append(seq)
+
+    def _preempt(self, seq: Sequence, step: StepBuilder) -> None:
+        """Recompute preemption: free everything, forget the KV, go to the front of the queue."""
+        self.allocator.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self._requeued.add(seq.seq_id)
+        step.preempted.append(seq)
+
+    def _ensure_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make ``seq`` hold ``num_computed_tokens + num_new_tokens`` slots, if the allocator can."""
+        need = seq.num_computed_tokens + num_new_tokens - self.allocator.num_held_tokens(seq)
+        if need <= 0:
+            return True
+        if not self.allocator.can_append(seq, need):
+            return False
+        self.allocator.append(seq, need)
+        return True
+
+    def _reserve(self, seq: Sequence, num_new_tokens: int, step: StepBuilder) -> bool:
+        """Grow ``seq`` for this step, preempting the newest unscheduled running sequences for room.
+
+        Returns False when ``seq`` itself was the newest and got preempted.
+        """
+        while not self._ensure_slots(seq, num_new_tokens):
+            victim = next(s for s in reversed(self.running) if s.seq_id not in step.scheduled_ids)
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_running(
+        self, seqs: Iterable[Sequence], step: StepBuilder, *, max_tokens: int | None = None
+    ) -> None:
+        """Schedule running sequences (oldest first) for their uncomputed tokens, growing and preempting."""
+        for seq in list(seqs):
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in step.scheduled_ids:
+                continue  # preempted earlier in this loop
+            want = (
+                seq.num_uncomputed_tokens
+                if max_tokens is None
+                else min(seq.num_uncomputed_tokens, max_tokens)
+            )
+            if want <= 0 or want > step.tokens_left or step.seqs_left <= 0:
+                continue
+            if seq.num_uncomputed_tokens > 1 and step.prefills_left <= 0:
+                continue
+            if self._reserve(seq, want, step):
+                step.add(seq, want)
+
+    def _check_progress(self, step: StepBuilder) -> None:
+        """An empty plan with work left and nothing preempted would stall the engine forever."""
+        if step.scheduled or step.preempted or not self.has_work():
+            return
+        head = next(self.admission_order(), None)
+        if head is not None and not self.running:
+            raise SchedulerError(
+                f"request {head.request_id!r} needs {head.num_tokens} token slots and cannot be admitted "
+                f"even with nothing else running: the KV cache ({self.allocator.num_pages} pages of "
+                f"{self.allocator.page_size} tokens) is too small for it; raise max_num_pages or "
+                f"kv_cache_gib, or lower max_model_len"
+            )
+        raise SchedulerError(
+            f"{type(self).__name__} planned an empty step with {self.num_running} running and "
+            f"{self.num_waiting} waiting sequences"
+        )

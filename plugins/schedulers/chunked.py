@@ -1,0 +1,79 @@
+"""``chunked``: continuous batching with one token budget per step shared by decodes and prompt chunks.
+
+Every step computes at most ``chunk_size`` tokens (Sarathi-Serve's idea):
+
+1. every running sequence that is decoding gets its 1 token, oldest first
+   (growing its pages, preempting the newest sequence when there is no room);
+2. running sequences part-way through their prompt get the next chunk,
+   ``min(tokens left in the prompt, budget left)``, oldest first;
+3. waiting prompts are admitted in admission order and get a first chunk,
+   while budget, batch room (``max_batch_size``), prompt slots
+   (``max_prefill_batch``) and pages last; none after a preemption.
+
+So a 2000-token prompt under ``chunk_size=512`` is computed over four or more
+steps while the running sequences keep decoding in each of them, and several
+short prompts can share a step. A sequence holds pages for its whole prompt
+from admission, so a chunk never needs new pages. ``max_num_batched_tokens``
+is not used: ``chunk_size`` is the budget. At most
+``min(max_batch_size, chunk_size)`` sequences run at once, so every decode
+always fits the budget.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pitstop
+from pitstop.plugins.schedulers.base import BaseScheduler, StepBuilder
+from pitstop.protocols import StepPlan
+
+if TYPE_CHECKING:
+    from pitstop.config import EngineConfig
+    from pitstop.protocols import Allocator
+
+
+class ChunkedScheduler(BaseScheduler):
+    """Chunked prefill: decodes and prompt chunks share one ``chunk_size`` budget per step."""
+
+    def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
+        super().__init__(config, allocator)
+        self.token_budget = config.chunk_size
+        self.max_running = min(self.max_batch_size, self.token_budget)
+
+    def schedule(self) -> StepPlan:
+        """Plan one step: decodes, then chunks of running prompts, then new prompts."""
+        self._next_round()
+        step = StepBuilder(self.token_budget, self.max_batch_size, self.max_prefill_batch)
+        self._schedule_running([s for s in self.running if s.num_uncomputed_tokens == 1], step)
+        for seq in list(self.running):
+            if step.tokens_left <= 0 or step.prefills_left <= 0:
+                break
+            if seq.num_uncomputed_tokens > 1 and seq.seq_id not in step.scheduled_ids:
+                self._schedule_running([seq], step, max_tokens=step.tokens_left)
+        if not step.preempted:
+            self._admit_prompts(step)
+        self._check_progress(step)
+        return step.plan()
+
+    def _admit_prompts(self, step: StepBuilder) -> None:
+        for seq in self.admission_order():
+            if (
+                step.tokens_left <= 0
+                or step.seqs_left <= 0
+                or step.prefills_left <= 0
+                or len(self.running) >= self.max_running
+                or not self.allocator.can_allocate(seq)
+            ):
+                return
+            self._admit(seq)
+            step.add(seq, min(seq.num_uncomputed_tokens, step.tokens_left))
+
+
+def create_chunked(config: EngineConfig, allocator: Allocator) -> ChunkedScheduler:
+    """Continuous batching with long prompts split into chunks that share a step with decodes."""
+    return ChunkedScheduler(config, allocator)
+
+
+@pitstop.hookimpl
+def register_schedulers(register) -> None:
+    register("chunked", create_chunked)

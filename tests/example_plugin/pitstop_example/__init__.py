@@ -1,0 +1,123 @@
+"""An example third-party pitstop plugin.
+
+It registers one strategy and one observer:
+
+* the allocator ``lifo``: paged KV cache whose free list is a stack, so the
+  page freed last is handed out first (warm in the GPU's L2 when it is
+  reused soon);
+* an ``on_request_finished`` observer that counts finished requests by
+  finish reason (read them from ``FINISHED``).
+
+Install it (``pip install -e tests/example_plugin``) and pick it by name:
+``LLM("smollm2-135m", allocator="lifo")``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pitstop
+from pitstop.protocols import AllocatorStats
+
+FINISHED: Counter[str] = Counter()
+
+
+class LifoAllocator:
+    """Pages of ``page_size`` tokens on demand; the most recently freed page is reused first."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() takes page 0 first
+        self._tables: dict[int, list[int]] = {}
+        self._held: dict[int, int] = {}
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def can_allocate(self, seq: Any) -> bool:
+        """Whether the whole of ``seq`` fits in the free pages."""
+        return self._pages(seq.num_tokens) <= len(self._free)
+
+    def allocate(self, seq: Any) -> int:
+        """Give ``seq`` pages for all its tokens; nothing is ever cached, so return 0."""
+        if seq.seq_id in self._tables:
+            raise RuntimeError(f"sequence {seq.request_id!r} is already admitted")
+        need = self._pages(seq.num_tokens)
+        if need > len(self._free):
+            raise RuntimeError(f"out of KV pages: {seq.request_id!r} needs {need}, {len(self._free)} free")
+        self._tables[seq.seq_id] = [self._free.pop() for _ in range(need)]
+        self._held[seq.seq_id] = seq.num_tokens
+        return 0
+
+    def can_append(self, seq: Any, num_tokens: int) -> bool:
+        """Whether ``seq`` can hold ``num_tokens`` more tokens."""
+        held = self._held[seq.seq_id]
+        extra = self._pages(held + num_tokens) - len(self._tables[seq.seq_id])
+        return extra <= len(self._free)
+
+    def append(self, seq: Any, num_tokens: int) -> None:
+        """Make ``seq`` hold ``num_tokens`` more tokens, taking pages as needed."""
+        if not self.can_append(seq, num_tokens):
+            raise RuntimeError(f"out of KV pages for {seq.request_id!r}")
+        held = self._held[seq.seq_id] + num_tokens
+        table = self._tables[seq.seq_id]
+        while len(table) < self._pages(held):
+            table.append(self._free.pop())
+        self._held[seq.seq_id] = held
+
+    def truncate(self, seq: Any, num_tokens: int) -> None:
+        """Give back the last ``num_tokens`` tokens, and any page left empty."""
+        held = self._held[seq.seq_id] - num_tokens
+        if held < 0:
+            raise RuntimeError(f"cannot truncate {num_tokens} tokens of {seq.request_id!r}")
+        table = self._tables[seq.seq_id]
+        while len(table) > self._pages(held):
+            self._free.append(table.pop())
+        self._held[seq.seq_id] = held
+
+    def free(self, seq: Any) -> None:
+        """Release every page of ``seq`` (last page first, so page order is kept on reuse)."""
+        table = self._tables.pop(seq.seq_id, None)
+        self._held.pop(seq.seq_id, None)
+        if table:
+            self._free.extend(reversed(table))
+
+    def block_table(self, seq: Any) -> list[int]:
+        """The pages of ``seq`` in token order."""
+        return list(self._tables[seq.seq_id])
+
+    def num_held_tokens(self, seq: Any) -> int:
+        """How many token slots ``seq`` holds (0 if unknown)."""
+        return self._held.get(seq.seq_id, 0)
+
+    def on_tokens_computed(self, seq: Any) -> None:
+        """Nothing to do: this allocator caches no prefixes."""
+
+    def stats(self) -> AllocatorStats:
+        """Pages free, tokens held and reserved."""
+        used = self.num_pages - len(self._free)
+        return AllocatorStats(
+            num_pages=self.num_pages,
+            pages_free=len(self._free),
+            tokens_held=sum(self._held.values()),
+            tokens_reserved=used * self.page_size,
+        )
+
+
+def make_lifo(config: pitstop.EngineConfig, num_pages: int) -> LifoAllocator:
+    """Paged KV cache that reuses the most recently freed page first."""
+    return LifoAllocator(num_pages, config.page_size)
+
+
+@pitstop.hookimpl
+def register_allocators(register) -> None:
+    """Register the ``lifo`` allocator."""
+    register("lifo", make_lifo)
+
+
+@pitstop.hookimpl
+def on_request_finished(engine: Any, output: Any) -> None:
+    """Count finished requests by finish reason."""
+    FINISHED[output.finish_reason] += 1

@@ -1,0 +1,177 @@
+"""The engine end to end: token-for-token equal to transformers, and equal across strategies."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from pitstop import LLM, EngineConfig, SamplingParams
+from pitstop.plugin_manager import get_plugin_manager
+from conftest_models import make_tiny_checkpoint, smollm2_gguf
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers greater than ten, separated by commas:",
+    "In 1905, Albert Einstein published four papers that changed physics. The first one explained",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n# Now a function that checks whether a number is prime:\n",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LLM:
+    smollm2_gguf()
+    return LLM("smollm2-135m", device="cpu", dtype="float32", kv_cache_gib=0.25)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2():
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def _hf_greedy(model, ids: list[int], n: int, eos: set[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+        )[0, len(ids) :].tolist()
+    for i, t in enumerate(out):  # transformers pads after EOS; pitstop stops at it
+        if t in eos:
+            return out[: i + 1]
+    return out
+
+
+def test_smollm2_greedy_matches_transformers(smollm2: LLM, hf_smollm2) -> None:
+    tok = smollm2.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert len({len(i) for i in ids}) == len(PROMPTS), "prompts should have different lengths"
+    outs = smollm2.generate(prompt_token_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=32))
+    eos = set(smollm2.engine.eos_token_ids)
+    for prompt_ids, out in zip(ids, outs, strict=True):
+        expected = _hf_greedy(hf_smollm2, prompt_ids, 32, eos)
+        assert out.token_ids == expected, f"prompt {tok.decode(prompt_ids)!r}"
+        assert len(out.token_ids) == 32 or out.finish_reason == "stop"
+
+
+def test_smollm2_chat_is_coherent(smollm2: LLM) -> None:
+    out = smollm2.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+    )[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- tiny checkpoints
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiny_checkpoint_logits_and_greedy_match_transformers(tmp_path: Path, arch: str, tied: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_checkpoint(tmp_path, arch, tie_word_embeddings=tied)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    llm = LLM(str(folder), device="cpu", kv_cache_gib=0.01, max_model_len=256)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (1, 5, 17, 40)]
+
+    # logits of every prompt position, all prompts prefilled in one step
+    runner = llm.engine.runner
+    from pitstop.runner import SeqInput
+
+    tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(prompts))]
+    ids, meta, _ = runner.build_metadata([SeqInput(i, p, 0, tables[i], True) for i, p in enumerate(prompts)])
+    with torch.inference_mode():
+        logits = runner.model.compute_logits(runner.model(ids, runner.rotary, runner.kv_cache, meta))
+    start = 0
+    for p in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0]
+        mine = logits[start : start + len(p)]
+        start += len(p)
+        rel = ((mine - ref).abs().max() / ref.abs().max()).item()
+        assert rel < 1e-4, f"{arch}: relative logit error {rel:.2e}"
+
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+        assert out.token_ids == ref
+
+
+# ---------------------------------------------------------------- every strategy, same tokens
+
+
+def _combinations() -> list[tuple[str, str]]:
+    pm = get_plugin_manager()
+    allocators = [a for a in ("preallocated", "paged", "prefix") if a in pm.names("allocator")]
+    schedulers = [s for s in ("fcfs", "continuous", "chunked") if s in pm.names("scheduler")]
+    return list(itertools.product(allocators, schedulers))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_llama: Path) -> list[list[int]]:
+    llm = LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.05, max_model_len=256)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=_mixed_prompts(), sampling_params=_mixed_params())]
+
+
+def _mixed_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 49152, (40,), generator=gen).tolist()  # a shared prefix for the prefix cache
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (3, 30, 70, 9, 120, 1)]
+    return prompts + [shared + [5, 6, 7], shared + [8, 9], shared]
+
+
+def _mixed_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 5, 33, 1, 12, 25, 16, 16, 16)
+    ]
+
+
+@pytest.mark.parametrize(("allocator", "scheduler"), _combinations())
+def test_every_allocator_and_scheduler_gives_the_same_greedy_tokens(
+    tiny_llama: Path, tiny_reference: list[list[int]], allocator: str, scheduler: str
+) -> None:
+    # A small cache (24 pages of 16 tokens) forces preemption with paged allocators;
+    # preallocated holds one region of max_model_len at a time.
+    llm = LLM(
+        str(tiny_llama),
+        device="cpu",
+        allocator=allocator,
+        scheduler=scheduler,
+        max_num_pages=24,
+        max_model_len=256,
+        max_batch_size=4,
+        max_prefill_batch=2,
+        chunk_size=48,
+    )
+    outs = llm.generate(prompt_token_ids=_mixed_prompts(), sampling_params=_mixed_params(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == tiny_reference
+    stats = llm.engine.allocator.stats()
+    assert stats.tokens_held == 0
+    if allocator != "prefix":
+        assert stats.pages_free == stats.num_pages
+
+
+def test_engine_config_object_and_keywords_agree(tiny_llama: Path) -> None:
+    a = LLM(config=EngineConfig(model=str(tiny_llama), device="cpu", kv_cache_gib=0.01))
+    b = LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.01)
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert a.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=p)[0].token_ids == b.generate(
+        prompt_token_ids=[[5, 6, 7]], sampling_params=p
+    )[0].token_ids

@@ -1,0 +1,210 @@
+"""The plugin manager: built-ins and a real installed third-party distribution load the same way."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pitstop import EngineConfig, hookspecs
+from pitstop.cli import main as cli_main
+from pitstop.errors import PluginError
+from pitstop.plugin_manager import KINDS, PluginManager
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "tests" / "example_plugin"
+
+
+def _pip_install(source: Path, target: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--disable-pip-version-check", "--target", str(target), str(source)],
+        check=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/example_plugin installed with pip into a site folder of its own."""
+    site = tmp_path_factory.mktemp("example-site")
+    _pip_install(EXAMPLE, site)
+    return site
+
+
+@pytest.fixture
+def with_example(example_site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Put the installed example plugin on sys.path for one test."""
+    monkeypatch.syspath_prepend(str(example_site))
+    importlib.invalidate_caches()
+    yield example_site
+    sys.modules.pop("pitstop_example", None)
+
+
+def test_builtins_register_through_entry_points() -> None:
+    pm = PluginManager(allow=None)
+    for kind, name in [
+        ("allocator", "paged"),
+        ("scheduler", "continuous"),
+        ("kernels", "reference"),
+        ("sampler", "standard"),
+        ("model", "LlamaForCausalLM"),
+        ("model", "Qwen2ForCausalLM"),
+        ("model", "Qwen3ForCausalLM"),
+    ]:
+        strategy = pm.get(kind, name)
+        assert strategy.distribution == "pitstop"
+        assert strategy.version
+    # every entry point of the project names a module that registers something
+    assert all(source.distribution == "pitstop" for source in pm.sources if source.module.__name__.startswith("pitstop."))
+
+
+def test_core_imports_no_plugin_by_name() -> None:
+    import ast
+
+    for path in (ROOT / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                assert not name.startswith("pitstop.plugins."), (
+                    f"{path}:{node.lineno} imports the built-in plugin {name}; go through the plugin manager"
+                )
+
+
+def test_discovers_an_installed_third_party_distribution(with_example: Path) -> None:
+    pm = PluginManager(allow=None)
+    lifo = pm.get("allocator", "lifo")
+    assert lifo.distribution == "pitstop-example"
+    assert lifo.version == "0.2.0"
+    assert lifo.module == "pitstop_example"
+    allocator = pm.create("allocator", "lifo", EngineConfig(page_size=4), 8)
+    assert allocator.stats().pages_free == 8
+    assert pm.has_observers("on_request_finished")
+
+
+def test_plugins_command_lists_kind_name_distribution_version(
+    with_example: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pitstop.plugin_manager as pmod
+
+    monkeypatch.setattr(pmod, "_default", None)
+    assert cli_main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()]
+    assert ["allocator", "lifo", "pitstop-example", "0.2.0"] in [r[:4] for r in rows]
+    assert ["allocator", "paged", "pitstop"] in [r[:3] for r in rows]
+    monkeypatch.setattr(pmod, "_default", None)
+
+
+def test_allow_list_narrows_what_loads(with_example: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PITSTOP_PLUGINS", "pitstop-example")
+    pm = PluginManager()
+    assert pm.names("allocator") == ["lifo"]
+    monkeypatch.setenv("PITSTOP_PLUGINS", "pitstop")  # by distribution name
+    pm = PluginManager()
+    assert "lifo" not in pm.names("allocator") and "paged" in pm.names("allocator")
+    monkeypatch.setenv("PITSTOP_PLUGINS", "allocators-paged,kernels-reference")  # by entry-point name
+    pm = PluginManager()
+    assert pm.names("allocator") == ["paged"] and pm.names("kernels") == ["reference"]
+    with pytest.raises(PluginError, match="PITSTOP_PLUGINS is set"):
+        pm.get("scheduler", "continuous")
+
+
+def test_two_distributions_claiming_one_name_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "src"
+    (src / "dup_alloc").mkdir(parents=True)
+    (src / "pyproject.toml").write_text(
+        textwrap.dedent(
+            """
+            [build-system]
+            requires = ["setuptools>=68"]
+            build-backend = "setuptools.build_meta"
+            [project]
+            name = "pitstop-dup"
+            version = "9.9"
+            [project.entry-points.pitstop]
+            dup = "dup_alloc"
+            [tool.setuptools]
+            packages = ["dup_alloc"]
+            """
+        )
+    )
+    (src / "dup_alloc" / "__init__.py").write_text(
+        "import pitstop\n\n@pitstop.hookimpl\ndef register_allocators(register):\n"
+        "    register('paged', lambda config, num_pages: None)\n"
+    )
+    site = tmp_path / "site"
+    _pip_install(src, site)
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    try:
+        with pytest.raises(PluginError) as err:
+            PluginManager(allow=None)
+        message = str(err.value)
+        assert "'paged'" in message and "pitstop-dup" in message and "pitstop " in message
+    finally:
+        sys.modules.pop("dup_alloc", None)
+
+
+def test_unknown_name_lists_the_names_that_exist() -> None:
+    pm = PluginManager(allow=None)
+    with pytest.raises(PluginError) as err:
+        pm.get("allocator", "nope")
+    assert "nope" in str(err.value) and "paged" in str(err.value)
+
+
+def test_unknown_strategy_in_config_fails_before_weights_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pitstop.engine as engine_mod
+
+    def boom(*args, **kwargs):
+        raise AssertionError("weights must not load for a config with an unknown strategy")
+
+    monkeypatch.setattr(engine_mod, "load_model_source", boom)
+    from pitstop.engine import LLMEngine
+
+    with pytest.raises(PluginError, match="registered scheduler names"):
+        LLMEngine(EngineConfig(scheduler="does-not-exist"))
+
+
+def test_a_plugin_that_fails_to_import_names_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dist = tmp_path / "broken-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[pitstop]\nbroken = no_such_module_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    with pytest.raises(PluginError, match="broken"):
+        PluginManager(allow=None)
+
+
+def _hook_names() -> list[str]:
+    return [
+        name
+        for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+        if hasattr(fn, "pitstop_spec")
+    ]
+
+
+def test_every_hook_has_a_docstring() -> None:
+    names = _hook_names()
+    assert set(KINDS.values()) <= set(names)
+    assert {"on_step_finished", "on_request_finished"} <= set(names)
+    for name in names:
+        doc = getattr(hookspecs, name).__doc__ or ""
+        assert len(doc.strip()) > 40, f"hook {name} needs a docstring saying when it is called"
+
+
+def test_every_hook_is_documented_in_docs() -> None:
+    docs = "\n".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    missing = [name for name in _hook_names() if f"`{name}" not in docs]
+    assert not missing, f"hooks missing from docs/: {missing}"
