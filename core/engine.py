@@ -14,7 +14,7 @@ from collections.abc import Sequence as Seq
 import attrs
 
 from pitstop.config import EngineConfig
-from pitstop.errors import InvalidRequestError
+from pitstop.errors import ConfigError, InvalidRequestError
 from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestMetrics, RequestOutput
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
@@ -65,6 +65,12 @@ class LLMEngine:
         self.runner.load_weights(source.weights)
         num_pages = self.runner.plan_num_pages()
         self.runner.init_kv_cache(num_pages)
+        if num_pages * config.page_size < config.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_pages * config.page_size} tokens, less than one sequence of "
+                f"max_model_len={config.max_model_len}; give it more memory (kv_cache_gib, max_num_pages, "
+                f"gpu_memory_utilization) or lower max_model_len"
+            )
         self.allocator = self.plugins.create("allocator", config.allocator, config, num_pages)
         self.scheduler = self.plugins.create("scheduler", config.scheduler, config, self.allocator)
         per_page = self.runner.bytes_per_page()
@@ -279,6 +285,8 @@ class LLMEngine:
                     req.text = text[:cut]
                     self._mark_finished(seq, "stop")
                     return delta
+            if reason is not None:
+                delta += req.detokenizer.flush()  # text held back for a partial character
             req.text += delta
         if reason is not None:
             self._mark_finished(seq, reason)

@@ -208,3 +208,25 @@ def test_every_hook_is_documented_in_docs() -> None:
     docs = "\n".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
     missing = [name for name in _hook_names() if f"`{name}" not in docs]
     assert not missing, f"hooks missing from docs/: {missing}"
+
+
+def test_example_plugin_runs_the_engine_and_observes_requests(
+    with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conftest_models import make_tiny_checkpoint
+
+    from pitstop import LLM, SamplingParams
+
+    folder = make_tiny_checkpoint(tmp_path, "llama")
+    prompts = [[5, 6, 7, 8], [9] * 20, [3]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    pm = PluginManager(allow=None)
+    lifo = LLM(str(folder), device="cpu", allocator="lifo", max_num_pages=32, plugins=pm)
+    paged = LLM(str(folder), device="cpu", allocator="paged", max_num_pages=32, plugins=pm)
+    import pitstop_example
+
+    before = pitstop_example.FINISHED["length"]
+    got = [o.token_ids for o in lifo.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == [o.token_ids for o in paged.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert pitstop_example.FINISHED["length"] - before == 2 * len(prompts)
+    assert lifo.engine.allocator.stats().pages_free == 32

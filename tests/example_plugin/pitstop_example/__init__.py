@@ -37,8 +37,8 @@ class LifoAllocator:
         return -(-tokens // self.page_size)
 
     def can_allocate(self, seq: Any) -> bool:
-        """Whether the whole of ``seq`` fits in the free pages."""
-        return self._pages(seq.num_tokens) <= len(self._free)
+        """Whether ``seq`` is new and the whole of it fits in the free pages."""
+        return seq.seq_id not in self._tables and self._pages(seq.num_tokens) <= len(self._free)
 
     def allocate(self, seq: Any) -> int:
         """Give ``seq`` pages for all its tokens; nothing is ever cached, so return 0."""

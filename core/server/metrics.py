@@ -1,0 +1,229 @@
+"""Prometheus metrics of a serving engine, named ``pitstop:*`` in the style of vLLM's ``vllm:*``.
+
+Two sources feed them:
+
+- the engine snapshot (:class:`pitstop.async_engine.EngineSnapshot`), read at
+  scrape time by a custom collector: request counts, KV-cache usage,
+  prefix-cache queries and hits, preemptions;
+- every request output, observed on the engine thread: prompt and
+  generation token counters, finished requests by reason, and the latency
+  histograms (from the engine's own timestamps, so HTTP overhead is not in
+  them).
+
+Each app gets its own :class:`~prometheus_client.CollectorRegistry`, so
+several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pitstop.async_engine import AsyncLLM
+from pitstop.outputs import RequestOutput
+
+# Bucket bounds (seconds) after vLLM's, wide enough for a CPU and a GPU.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class _SnapshotCollector(Collector):
+    """Reads the engine's latest snapshot at scrape time."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.llm.snapshot
+        labels = ["model_name"]
+        value = [self.model_name]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(value, v)
+            return c
+
+        a = snap.allocator
+        yield gauge(
+            "pitstop:num_requests_running", "Requests in the running batch.", snap.num_running
+        )
+        yield gauge(
+            "pitstop:num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting
+        )
+        yield gauge(
+            "pitstop:kv_cache_usage_perc",
+            "Fraction of KV-cache pages in use (1 = full).",
+            snap.kv_cache_usage,
+        )
+        yield gauge("pitstop:kv_cache_pages_free", "KV-cache pages free.", a.pages_free)
+        yield gauge("pitstop:kv_cache_pages_total", "KV-cache pages in all.", a.num_pages)
+        yield counter(
+            "pitstop:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            a.prefix_queried_tokens,
+        )
+        yield counter(
+            "pitstop:prefix_cache_hits",
+            "Prompt tokens served from the prefix cache.",
+            a.prefix_hit_tokens,
+        )
+        yield counter(
+            "pitstop:num_preemptions", "Sequences preempted since start.", snap.stats.preemptions
+        )
+        yield counter("pitstop:engine_steps", "Engine steps run since start.", snap.stats.steps)
+
+
+class ServerMetrics:
+    """Every ``pitstop:*`` metric of one served engine, in one registry."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        disable_created_metrics()  # no *_created series: they only add noise to a scrape
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r = self.registry
+        label = ["model_name"]
+        r.register(_SnapshotCollector(llm, model_name))
+        self.prompt_tokens = Counter(
+            "pitstop:prompt_tokens",
+            "Prompt tokens of requests that started generating.",
+            label,
+            registry=r,
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "pitstop:generation_tokens", "Tokens generated.", label, registry=r
+        ).labels(model_name)
+        self._success = Counter(
+            "pitstop:request_success",
+            "Requests finished, by finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.request_success = {
+            reason: self._success.labels(model_name, reason) for reason in FINISH_REASONS
+        }
+        self.ttft = Histogram(
+            "pitstop:time_to_first_token_seconds",
+            "Time to first token.",
+            label,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "pitstop:inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            label,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "pitstop:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            label,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "pitstop:e2e_request_latency_seconds",
+            "Request latency from arrival to finish.",
+            label,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        llm.add_output_listener(self.observe)
+
+    def observe(self, out: RequestOutput) -> None:
+        """Count one engine output (called on the engine thread)."""
+        n_new = len(out.new_token_ids)
+        if n_new:
+            self.generation_tokens.inc(n_new)
+            if len(out.token_ids) == n_new:  # the request's first tokens: its prompt was computed
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if not out.finished:
+            return
+        reason = out.finish_reason or "abort"
+        counter = self.request_success.get(reason)
+        if counter is None:
+            counter = self.request_success[reason] = self._success.labels(self.model_name, reason)
+        counter.inc()
+        m = out.metrics
+        if m is None:
+            return
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        for gap in m.inter_token_latencies:
+            self.itl.observe(gap)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.e2e is not None:
+            self.e2e.observe(m.e2e)

@@ -1,0 +1,412 @@
+"""`pitstop serve`: the official ``openai`` client against a real server process running SmolLM2.
+
+One server subprocess serves the whole module (started once, waited for on
+``/health``); its last test sends it SIGTERM mid-stream. Authentication off
+is checked in-process on a tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest_models import make_tiny_checkpoint, smollm2_gguf
+from prometheus_client.parser import text_string_to_metric_families
+
+from pitstop import LLM, SamplingParams
+
+API_KEY = "sk-test-pitstop"
+MAX_BODY = 64 * 1024
+ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--kv-cache-gib", "0.25"]
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is 2 + 2? Answer briefly."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A running ``pitstop serve`` subprocess."""
+
+    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+        self.proc = proc
+        self.url = url
+        self.http = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
+        )
+
+    def health(self) -> dict:
+        return self.http.get("/health").json()
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics, keyed by name and labels (without model_name)."""
+        text = self.http.get("/metrics").text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(
+                    f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name"
+                )
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def wait_all_pages_free(self, within: float) -> float:
+        t0 = time.monotonic()
+        while True:
+            h = self.health()
+            if (
+                h["pages_free"] == h["num_pages"]
+                and h["num_running"] == 0
+                and h["num_waiting"] == 0
+            ):
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > within:
+                raise AssertionError(f"pages not all free after {within} s: {h}")
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    smollm2_gguf()
+    port = _free_port()
+    env = {**os.environ, "PITSTOP_API_KEY": API_KEY, "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "pitstop.cli", "serve", "smollm2-135m", *ENGINE_FLAGS]
+    cmd += ["--port", str(port), "--max-body-bytes", str(MAX_BODY), "--drain-timeout", "0.5"]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    srv = Server(proc, url)
+    deadline = time.monotonic() + 180
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited with {proc.returncode}:\n{proc.stdout.read()}"
+                )
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not come up within 180 s")
+            time.sleep(0.25)
+        yield srv
+    finally:
+        srv.http.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    smollm2_gguf()
+    return LLM("smollm2-135m", device="cpu", dtype="float32", kv_cache_gib=0.25)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+# ---------------------------------------------------------------------- the happy paths
+def test_models_and_health(server: Server, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["smollm2-135m"]
+    h = server.health()
+    assert h["status"] == "ok" and h["pages_free"] == h["num_pages"] > 0
+
+
+def test_completion_matches_generate(client: openai.OpenAI, offline: LLM) -> None:
+    expected = offline.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+    )[0]
+    resp = client.completions.create(
+        model="smollm2-135m", prompt=PROMPT, max_tokens=24, temperature=0
+    )
+    assert resp.choices[0].text == expected.text
+    assert resp.choices[0].finish_reason == expected.finish_reason
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(expected.token_ids)
+
+    chunks = list(
+        client.completions.create(
+            model="smollm2-135m",
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_chat_matches_llm_chat(client: openai.OpenAI, offline: LLM) -> None:
+    expected = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    resp = client.chat.completions.create(
+        model="smollm2-135m", messages=CHAT, max_tokens=24, temperature=0
+    )
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected.text
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+    stream = client.chat.completions.create(
+        model="smollm2-135m", messages=CHAT, max_tokens=24, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_stop_and_sampling_options(client: openai.OpenAI) -> None:
+    resp = client.completions.create(
+        model="smollm2-135m", prompt=PROMPT, max_tokens=24, temperature=0, stop=["."]
+    )
+    assert "." not in resp.choices[0].text and resp.choices[0].finish_reason == "stop"
+    kwargs = dict(
+        model="smollm2-135m", prompt=PROMPT, max_tokens=8, temperature=0.9, top_p=0.9, seed=1234
+    )
+    extra = {"top_k": 50, "min_p": 0.05}
+    a = client.completions.create(**kwargs, extra_body=extra).choices[0].text
+    b = client.completions.create(**kwargs, extra_body=extra).choices[0].text
+    assert a == b  # a seed makes sampling repeatable
+
+
+def test_64_concurrent_streams_and_metrics(server: Server) -> None:
+    before = server.metrics()
+    n, max_tokens = 64, 8
+
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, object]:
+        stream = await aclient.completions.create(
+            model="smollm2-135m",
+            prompt=f"Request {i}: count from {i} upwards:",
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, reason, use = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage is not None:
+                use = chunk.usage
+        return text, reason, use
+
+    async def main():
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=170
+        ) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(n)))
+
+    results = asyncio.run(main())
+    assert all(reason == "length" for _, reason, _ in results)
+    assert all(u.completion_tokens == max_tokens for _, _, u in results)
+    assert all(text for text, _, _ in results)
+    prompt_tokens = sum(u.prompt_tokens for _, _, u in results)
+
+    server.wait_all_pages_free(within=5)
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("pitstop:request_success_total{finished_reason=length}") == n
+    assert delta("pitstop:generation_tokens_total") == n * max_tokens
+    assert delta("pitstop:prompt_tokens_total") == prompt_tokens
+    assert delta("pitstop:time_to_first_token_seconds_count") == n
+    assert delta("pitstop:e2e_request_latency_seconds_count") == n
+    assert delta("pitstop:time_per_output_token_seconds_count") == n
+    assert delta("pitstop:inter_token_latency_seconds_count") == n * (max_tokens - 1)
+    assert after["pitstop:num_requests_running"] == 0
+    assert after["pitstop:kv_cache_usage_perc"] == 0
+    for name in (
+        "pitstop:prefix_cache_queries_total",
+        "pitstop:prefix_cache_hits_total",
+        "pitstop:num_preemptions_total",
+    ):
+        assert name in after
+
+
+def test_disconnect_mid_stream_frees_pages(server: Server) -> None:
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data:")
+                if events >= 3:
+                    break
+            assert server.health()["num_running"] == 1
+    # the stream is closed: the request is aborted and its pages come back
+    assert server.wait_all_pages_free(within=1.0) <= 1.0
+
+    # a non-streamed request whose client gives up is aborted too
+    body = {**body, "stream": False}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.url}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=httpx.Timeout(30, read=1.0),
+        )
+    assert server.wait_all_pages_free(within=1.5) <= 1.5
+
+
+# ---------------------------------------------------------------------- errors
+def test_auth_required_on_v1_routes(server: Server) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -3}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": [1] * 5000}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi " * 5000}]},
+        400,
+        "messages",
+    ),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param"), BAD_REQUESTS)
+def test_invalid_parameters_are_4xx(
+    server: Server, route: str, body: dict, status: int, param: str
+) -> None:
+    r = server.http.post(route, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_malformed_and_oversize_bodies(server: Server, client: openai.OpenAI) -> None:
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        r = server.http.post(
+            "/v1/completions", content=raw, headers={"Content-Type": "application/json"}
+        )
+        assert r.status_code == 400, r.text
+    big = json.dumps({"prompt": "x" * (MAX_BODY + 10)}).encode()
+    r = server.http.post(
+        "/v1/completions", content=big, headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert server.http.get("/v1/nothing-here").status_code == 404
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=4, temperature=-1)
+    # and the server keeps answering
+    resp = client.completions.create(
+        model="smollm2-135m", prompt=PROMPT, max_tokens=4, temperature=0
+    )
+    assert resp.usage.completion_tokens >= 1
+    server.wait_all_pages_free(within=2)
+
+
+def test_auth_off_in_process(tmp_path: Path) -> None:
+    from pitstop.async_engine import AsyncLLM
+    from pitstop.config import EngineConfig
+    from pitstop.engine import LLMEngine
+    from pitstop.server.app import ServerSettings, create_app
+
+    folder = make_tiny_checkpoint(tmp_path, "llama")
+    config = EngineConfig(
+        model=str(folder), device="cpu", dtype="float32", kv_cache_gib=0.02, max_model_len=128
+    )
+    llm = AsyncLLM(LLMEngine(config))
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(
+            app=create_app(llm, ServerSettings(served_model_name="tiny"))
+        )
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            r = await c.get("/v1/models")
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+            r = await c.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] >= 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.close()
+
+
+# ---------------------------------------------------------------------- last: shutdown
+def test_sigterm_during_stream_exits_cleanly(server: Server) -> None:
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    lines: list[str] = []
+    with server.http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 3:
+                server.proc.send_signal(signal.SIGTERM)
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] in ("abort", "length")
+    assert server.proc.wait(30) == 0
