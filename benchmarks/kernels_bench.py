@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.plugins.kernels import reference

@@ -1,0 +1,245 @@
+"""`fused` kernels: Triton kernels for the memory-bound ops, each falling back to `reference`.
+
+Ops and where they run:
+
+- ``rms_norm``: residual add + RMSNorm in one pass (Triton; flag ``fused_rmsnorm``);
+  also Qwen3's per-head q/k norm, on the strided q/k views without a copy;
+- ``linear``: always ``torch.nn.functional.linear`` (cuBLAS is the fastest GEMM);
+  with ``fused_qkv`` the model concatenates the q/k/v and gate/up weights at
+  load (:attr:`FusedKernels.merge_projections`) so each is one GEMM;
+- ``silu_and_mul``: one pass over the merged gate-up output (``fused_silu``);
+- ``rope_and_store``: rotary embedding plus the K/V cache store in one kernel
+  (``fused_attention``);
+- ``attention``: paged flash-decoding for decodes, FlashAttention-2 style
+  varlen causal attention for prefills and chunks (``fused_attention``).
+
+Each op is resolved once, when the kernel set is built: to its Triton kernel,
+or to the reference op with one log line that names the op and the reason
+(config flag off, Triton not importable, no CUDA device and
+``TRITON_INTERPRET`` not set, an unsupported dtype). The head size is only
+known at the first attention call: an unsupported one (not a power of two in
+16..256) switches ``rope_and_store`` and ``attention`` to the reference once,
+again with one log line. :meth:`FusedKernels.describe` says what runs where.
+
+Triton is imported lazily, only when the kernel set is built, so that loading
+this plugin costs nothing on a machine that never uses it and so that a test
+can set ``TRITON_INTERPRET=1`` before the first import.
+
+CUDA graphs (the runner's job): every op is free of host synchronization; the
+decode attention grid is ``(num_decodes, Hkv, splits)`` where ``splits``
+depends only on ``num_decodes`` and ``max_model_len``, so a graph captured at
+one batch size stays valid for any context lengths. Launch arguments baked
+into a graph: the tensors' addresses and strides (keep static input buffers,
+and a block-table buffer of fixed width), ``num_prefills`` /
+``num_prefill_tokens`` (0 in a pure decode batch) and ``page_size``. Padding
+rows of a captured batch: give them slot -1 (``rope_and_store`` skips the
+store) and context length 0 (attention writes zeros for them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pitstop.attention import AttentionMetadata
+from pitstop.config import EngineConfig
+from pitstop.hookspecs import hookimpl
+from pitstop.plugins.kernels import reference
+from pitstop.protocols import RotaryCache
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+OPS = ("rms_norm", "linear", "silu_and_mul", "rope_and_store", "attention")
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on ``device`` here, or None when they can."""
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on"):
+            return "no CUDA device and TRITON_INTERPRET not set"
+    elif device.type != "cuda":
+        return f"device {device.type!r} is neither CUDA nor CPU"
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return f"triton not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def head_size_supported(head_size: int) -> bool:
+    """Attention and rotary kernels take a power-of-two head size in 16..256."""
+    return 16 <= head_size <= 256 and head_size & (head_size - 1) == 0
+
+
+class FusedKernels:
+    """Triton ops where they can run, the reference ops elsewhere; resolved once at construction."""
+
+    name = "fused"
+
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.config, self.device, self.dtype = config, device, dtype
+        # The model merges q/k/v and gate/up weights at load when this is set.
+        self.merge_projections = bool(config.fused_qkv)
+        self.precision = config.fused_precision
+        self._status: dict[str, str] = {}
+        triton_reason = triton_unavailable_reason(device)
+        if triton_reason is None and dtype not in SUPPORTED_DTYPES:
+            triton_reason = f"unsupported dtype {dtype}"
+        wanted = {
+            "rms_norm": ("fused_rmsnorm", config.fused_rmsnorm),
+            "silu_and_mul": ("fused_silu", config.fused_silu),
+            "rope_and_store": ("fused_attention", config.fused_attention),
+            "attention": ("fused_attention", config.fused_attention),
+        }
+        use: dict[str, bool] = {}
+        for op, (flag, on) in wanted.items():
+            reason = None if on else f"config flag {flag} is off"
+            reason = reason or triton_reason
+            use[op] = reason is None
+            if reason is not None:
+                self._fallback(op, reason)
+        self._status["linear"] = "torch (cuBLAS GEMM)" + (
+            "; q/k/v and gate/up merged at load"
+            if self.merge_projections
+            else "; fused_qkv off: separate GEMMs"
+        )
+
+        self._rms_norm: Callable[..., Any] = reference.rms_norm
+        self._silu: Callable[[torch.Tensor], torch.Tensor] = _reference_silu_and_mul
+        self._rope: Callable[..., Any] = _reference_rope_and_store
+        self._attn: Callable[..., torch.Tensor] = reference.paged_attention
+        self._head_size_checked = not (use["rope_and_store"] or use["attention"])
+        if use["rms_norm"]:
+            from pitstop.plugins.kernels.triton_ops import rmsnorm
+
+            self._rms_norm = rmsnorm.rms_norm
+            self._status["rms_norm"] = "triton"
+        if use["silu_and_mul"]:
+            from pitstop.plugins.kernels.triton_ops import silu
+
+            self._silu = silu.silu_and_mul
+            self._status["silu_and_mul"] = "triton"
+        if use["rope_and_store"]:
+            from pitstop.plugins.kernels.triton_ops import rope_store
+
+            self._rope = rope_store.rope_and_store
+            self._status["rope_and_store"] = "triton"
+        if use["attention"]:
+            from pitstop.plugins.kernels.triton_ops import paged_attention
+
+            self._attn = paged_attention.PagedAttention(
+                device, dtype, max_context=config.max_model_len or 4096, precision=self.precision
+            )
+            self._status["attention"] = "triton"
+
+    # ------------------------------------------------------------------ resolution
+    def _fallback(self, op: str, reason: str) -> None:
+        self._status[op] = f"reference ({reason})"
+        log.info("fused kernels: %s falls back to reference: %s", op, reason)
+
+    def _check_head_size(self, head_size: int) -> None:
+        """Once, at the first rotary/attention call: fall back if the head size has no kernel."""
+        self._head_size_checked = True
+        if head_size_supported(head_size):
+            return
+        reason = f"unsupported head size {head_size} (needs a power of two in 16..256)"
+        if self._status.get("rope_and_store") == "triton":
+            self._rope = _reference_rope_and_store
+            self._fallback("rope_and_store", reason)
+        if self._status.get("attention") == "triton":
+            self._attn = reference.paged_attention
+            self._fallback("attention", reason)
+
+    # ------------------------------------------------------------------ ops
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """RMSNorm of ``x`` (+ ``residual`` first, when given); returns (normed, new residual or None)."""
+        return self._rms_norm(x, weight, eps, residual)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` through cuBLAS (one GEMM for merged weights)."""
+        return F.linear(x, weight, bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[..., :d]) * x[..., d:]`` of a merged gate-up output of width ``2d``."""
+        return self._silu(x)
+
+    def rope_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryCache,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k at ``meta.positions`` (neox layout), store k and v at ``meta.slot_mapping``."""
+        if not self._head_size_checked:
+            self._check_head_size(q.shape[-1])
+        return self._rope(q, k, v, rotary, k_cache, v_cache, meta)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of q ``[T, Hq, D]`` over the paged cache; prefills and decodes in one batch."""
+        if not self._head_size_checked:
+            self._check_head_size(q.shape[-1])
+        return self._attn(q, k_cache, v_cache, meta, scale)
+
+    def describe(self) -> dict[str, str]:
+        """Op name -> ``"triton"`` or ``"reference (reason)"`` (``linear`` is always a torch GEMM)."""
+        return {op: self._status[op] for op in OPS}
+
+
+def _reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _reference_rope_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary: RotaryCache,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = rotary.cos.index_select(0, meta.positions)
+    sin = rotary.sin.index_select(0, meta.positions)
+    q = reference.apply_rotary(q, cos, sin)
+    k = reference.apply_rotary(k, cos, sin)
+    reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return q, k
+
+
+def make_fused_kernels(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> FusedKernels:
+    """Triton kernels where this machine runs them, the reference ops elsewhere."""
+    return FusedKernels(config, device, dtype)
+
+
+@hookimpl
+def register_kernels(register) -> None:
+    """Register the ``fused`` kernel set."""
+    register("fused", make_fused_kernels)

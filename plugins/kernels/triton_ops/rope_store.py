@@ -1,0 +1,175 @@
+"""Rotary embedding of q and k (neox halves layout) and the K/V store into the paged cache, in one kernel.
+
+One program per token: it reads the token's cos/sin row once, rotates every
+query and key head, writes the rotated q and k, and writes the rotated k and
+the untouched v into the token's cache slot. A negative slot (a padding row of
+a CUDA-graph batch) writes nothing into the cache.
+
+Rounding follows the reference (cos/sin rounded to the activation dtype, each
+product rounded, then the sum), so bf16 results match it bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pitstop.attention import AttentionMetadata
+from pitstop.protocols import RotaryCache
+
+
+@triton.jit
+def _rotate(x_ptr, out_ptr, row_offs, out_row_offs, j, mask, c, s, HALF: tl.constexpr):
+    """Rotate one block of heads: rows at ``row_offs``; returns the rotated halves."""
+    x1 = tl.load(x_ptr + row_offs[:, None] + j[None, :], mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + row_offs[:, None] + HALF + j[None, :], mask=mask, other=0.0)
+    dt = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    o1 = ((a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    tl.store(out_ptr + out_row_offs[:, None] + j[None, :], o1, mask=mask)
+    tl.store(out_ptr + out_row_offs[:, None] + HALF + j[None, :], o2, mask=mask)
+    return o1, o2
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    page_size,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    j = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + j).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cos + j).to(tl.float32)
+    dt = q_out_ptr.dtype.element_ty
+    c = cos.to(dt).to(tl.float32)[None, :]
+    s = sin.to(dt).to(tl.float32)[None, :]
+
+    hq = tl.arange(0, BLOCK_HQ)
+    q_mask = (hq < HQ)[:, None] & (j < HALF)[None, :]
+    _rotate(
+        q_ptr,
+        q_out_ptr,
+        t * stride_qt + hq * stride_qh,
+        (t * HQ + hq) * (2 * HALF),
+        j,
+        q_mask,
+        c,
+        s,
+        HALF,
+    )
+
+    hk = tl.arange(0, BLOCK_HKV)
+    k_mask = (hk < HKV)[:, None] & (j < HALF)[None, :]
+    k1, k2 = _rotate(
+        k_ptr,
+        k_out_ptr,
+        t * stride_kt + hk * stride_kh,
+        (t * HKV + hk) * (2 * HALF),
+        j,
+        k_mask,
+        c,
+        s,
+        HALF,
+    )
+    # the cache slot: page slot // page_size, offset slot % page_size; skip padding rows (slot < 0)
+    page = slot // page_size
+    off = slot % page_size
+    cache_offs = (page * stride_cp + off * stride_cs + hk * stride_ch)[:, None] + j[None, :]
+    store_mask = k_mask & (tl.zeros_like(hk) + slot >= 0)[:, None]
+    ct = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + cache_offs, k1.to(ct), mask=store_mask)
+    tl.store(k_cache_ptr + cache_offs + HALF, k2.to(ct), mask=store_mask)
+    v_offs = (t * stride_vt + hk * stride_vh)[:, None] + j[None, :]
+    v1 = tl.load(v_ptr + v_offs, mask=k_mask, other=0.0)
+    v2 = tl.load(v_ptr + v_offs + HALF, mask=k_mask, other=0.0)
+    tl.store(v_cache_ptr + cache_offs, v1.to(ct), mask=store_mask)
+    tl.store(v_cache_ptr + cache_offs + HALF, v2.to(ct), mask=store_mask)
+
+
+def rope_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary: RotaryCache,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` at ``meta.positions``; store k, v at ``meta.slot_mapping``.
+
+    q, k, v may be strided views (slices of a merged QKV output) as long as the
+    last dimension is contiguous. Caches are ``[num_pages, page_size, Hkv, D]``
+    (k and v with the same strides). Returns fresh contiguous rotated q and k.
+    """
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    assert d % 2 == 0 and k.shape == (t, hkv, d) and v.shape == (t, hkv, d)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    cos, sin = rotary.cos, rotary.sin
+    assert cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    _rope_store_kernel[(t,)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        meta.positions,
+        meta.slot_mapping,
+        q_out,
+        k_out,
+        k_cache,
+        v_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        meta.page_size,
+        HQ=hq,
+        HKV=hkv,
+        BLOCK_HQ=triton.next_power_of_2(hq),
+        BLOCK_HKV=triton.next_power_of_2(hkv),
+        HALF=d // 2,
+        num_warps=4,
+    )
+    return q_out, k_out

@@ -1,0 +1,267 @@
+"""`fused` against `reference` on the GPU at realistic sizes (head 128, page 16, bf16, contexts to 4096).
+
+Marked ``gpu``: skipped where torch sees no CUDA device (see tests/conftest.py).
+Run on the H200 with ``pytest -q -m gpu tests/test_fused_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pitstop.attention import AttentionMetadata
+from pitstop.config import EngineConfig
+from pitstop.plugins.kernels import reference
+from pitstop.protocols import RotaryCache
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _fused(dtype: torch.dtype, **flags):
+    from pitstop.plugins.kernels.fused import FusedKernels
+
+    ks = FusedKernels(EngineConfig(max_model_len=4096, **flags), torch.device("cuda"), dtype)
+    assert all(v == "triton" for k, v in ks.describe().items() if k != "linear"), ks.describe()
+    return ks
+
+
+def _assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str
+) -> None:
+    assert torch.isfinite(actual).all(), f"{what}: non-finite output"
+    err = (
+        (actual.float() - expected.float()).abs().max()
+        / expected.float().abs().max().clamp_min(1e-6)
+    ).item()
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3g} > {TOL[dtype]}"
+
+
+def _poison_fill() -> None:
+    import torch.utils.deterministic as det
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+
+
+@pytest.fixture(autouse=True)
+def _poisoned():
+    """Fresh outputs are NaN-filled so that an unwritten element fails."""
+    was = torch.are_deterministic_algorithms_enabled()
+    _poison_fill()
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+def _meta(
+    query_lens: list[int], context_lens: list[int], page_size: int, seed: int
+) -> tuple[AttentionMetadata, int]:
+    """A batch (prefills first) over shuffled pages; returns the metadata and the page count."""
+    order = sorted(range(len(query_lens)), key=lambda i: query_lens[i] == 1)
+    query_lens = [query_lens[i] for i in order]
+    context_lens = [context_lens[i] for i in order]
+    num_pages = sum(-(-c // page_size) for c in context_lens) + 8
+    free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, positions, slots, cu = [], [], [], [0]
+    for q, c in zip(query_lens, context_lens, strict=True):
+        n = -(-c // page_size)
+        table, free = free[:n], free[n:]
+        tables.append(table)
+        positions += range(c - q, c)
+        slots += [table[p // page_size] * page_size + p % page_size for p in range(c - q, c)]
+        cu.append(cu[-1] + q)
+    width = max(len(t) for t in tables)
+    tables = [t + [-1] * (width - len(t)) for t in tables]
+    num_prefills = sum(q > 1 for q in query_lens)
+
+    def dev(x: list, dt: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dt, device="cuda")
+
+    meta = AttentionMetadata(
+        positions=dev(positions, torch.int64),
+        slot_mapping=dev(slots, torch.int64),
+        block_tables=dev(tables, torch.int32),
+        context_lens=dev(context_lens, torch.int32),
+        cu_query_lens=dev(cu, torch.int32),
+        num_prefills=num_prefills,
+        num_prefill_tokens=sum(q for q in query_lens if q > 1),
+        num_decodes=len(query_lens) - num_prefills,
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        page_size=page_size,
+        context_lens_list=context_lens,
+        query_lens_list=query_lens,
+    )
+    return meta, num_pages
+
+
+BATCHES = {
+    "decode-1x4096": ([1], [4096]),
+    "decode-64x2048": ([1] * 64, [2048] * 64),
+    "decode-ragged": ([1] * 9, [1, 15, 16, 17, 100, 511, 1024, 3000, 4096]),
+    "prefill-4096": ([4096], [4096]),
+    "prefill-batch": ([300, 77, 1024], [300, 77, 1024]),
+    "chunked-mixed": ([512, 100, 1, 1, 1], [2048, 100, 33, 4000, 1]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads", [(32, 8), (16, 8), (16, 16)])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_attention_full_size(batch: str, heads: tuple[int, int], dtype: torch.dtype) -> None:
+    """Decode, prefill and mixed batches at full size against the reference."""
+    if dtype == torch.float32 and heads != (32, 8):
+        pytest.skip("fp32 once is enough")
+    hq, hkv = heads
+    qlens, ctxs = BATCHES[batch]
+    meta, num_pages = _meta(qlens, ctxs, 16, seed=0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(sum(qlens), hq, 128, device="cuda", dtype=dtype, generator=gen)
+    k_cache = torch.randn(num_pages, 16, hkv, 128, device="cuda", dtype=dtype, generator=gen)
+    v_cache = torch.randn(num_pages, 16, hkv, 128, device="cuda", dtype=dtype, generator=gen)
+    out = _fused(dtype).attention(q, k_cache, v_cache, meta, 128**-0.5)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
+    _assert_close(out, expected, dtype, batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 4096), (300, 4096), (64, 1024), (8, 5120)])
+def test_rms_norm_full_size(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """Residual add + RMSNorm at hidden sizes of the presets."""
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    r = torch.randn(shape, device="cuda", dtype=dtype)
+    w = 1 + 0.1 * torch.randn(shape[1], device="cuda", dtype=dtype)
+    out, res = _fused(dtype).rms_norm(x, w, 1e-6, r)
+    ref_out, ref_res = reference.rms_norm(x, w, 1e-6, r)
+    _assert_close(out, ref_out, dtype, "normed")
+    assert res is not None and torch.equal(res, ref_res)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_full_size(dtype: torch.dtype) -> None:
+    """SiLU-and-mul at qwen3-8b's FFN width."""
+    x = torch.randn(257, 2 * 12288, device="cuda", dtype=dtype)
+    gate, up = x.chunk(2, dim=-1)
+    _assert_close(_fused(dtype).silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype, "silu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_and_store_full_size(dtype: torch.dtype) -> None:
+    """Rotary + KV store for a mixed batch: slots equal the reference's, nothing else changes."""
+    meta, num_pages = _meta([1000, 1, 1, 17], [3000, 4096, 5, 17], 16, seed=1)
+    t, hq, hkv, d = meta.num_tokens, 32, 8, 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=dtype)
+    q, k, v = (x.reshape(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    angles = torch.outer(
+        torch.arange(4096, device="cuda").float(), torch.rand(d // 2, device="cuda")
+    )
+    rotary = RotaryCache(angles.cos(), angles.sin())
+    k_cache = torch.randn(num_pages, 16, hkv, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_out, k_out = _fused(dtype).rope_and_store(q, k, v, rotary, k_cache, v_cache, meta)
+    q_exp, k_exp = reference.ReferenceKernels("cuda", dtype).rope_and_store(
+        q, k, v, rotary, k_ref, v_ref, meta
+    )
+    _assert_close(q_out, q_exp, dtype, "q")
+    _assert_close(k_out, k_exp, dtype, "k")
+    _assert_close(k_cache, k_ref, dtype, "k cache")
+    assert torch.equal(v_cache, v_ref)
+
+
+def test_decode_attention_is_graph_capturable() -> None:
+    """A decode launch replays from a CUDA graph for other context lengths and gives the eager result."""
+    ks = _fused(torch.bfloat16)
+    meta, num_pages = _meta([1] * 8, [4000] * 8, 16, seed=2)
+    q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(num_pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    ctx = meta.context_lens
+    ks.attention(q, k_cache, v_cache, meta, 0.088)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ks.attention(q, k_cache, v_cache, meta, 0.088)
+    ctx.copy_(torch.tensor([1, 16, 17, 300, 1000, 2048, 3999, 4000], dtype=torch.int32))
+    graph.replay()
+    lens = ctx.tolist()
+    eager_meta = AttentionMetadata(
+        positions=meta.positions,
+        slot_mapping=meta.slot_mapping,
+        block_tables=meta.block_tables,
+        context_lens=ctx,
+        cu_query_lens=meta.cu_query_lens,
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=8,
+        max_query_len=1,
+        max_context_len=max(lens),
+        page_size=16,
+        context_lens_list=lens,
+        query_lens_list=[1] * 8,
+    )
+    expected = reference.paged_attention(q, k_cache, v_cache, eager_meta, 0.088)
+    _assert_close(out, expected, torch.bfloat16, "graph replay")
+
+
+def _dummy_runner(kernels: str, dtype: torch.dtype):
+    """A ModelRunner of the dummy ``qwen3-0.6b`` shape on CUDA (same seeded weights for every kernel set)."""
+    from pitstop.plugin_manager import PluginManager
+    from pitstop.presets import PRESETS
+    from pitstop.runner import ModelRunner
+
+    config = EngineConfig(
+        model="dummy:qwen3-0.6b",
+        max_model_len=1024,
+        kernels=kernels,
+        device="cuda",
+        max_num_pages=512,
+    )
+    runner = ModelRunner(
+        config, PRESETS["qwen3-0.6b"], PluginManager(), torch.device("cuda"), dtype
+    )
+    runner.load_weights(None)
+    runner.init_kv_cache(512)
+    return runner
+
+
+def _greedy(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Prefill every prompt in one step, then ``steps`` greedy decode steps of the whole batch."""
+    from pitstop.runner import SeqInput, StepInput
+    from pitstop.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    tables = [list(range(i * 64, (i + 1) * 64)) for i in range(len(prompts))]
+    seqs = [SeqInput(i, p, 0, tables[i], True, greedy) for i, p in enumerate(prompts)]
+    out = [[t] for t in runner.execute(StepInput(seqs)).token_ids]
+    for _ in range(steps):
+        seqs = [
+            SeqInput(i, [out[i][-1]], len(p) + len(out[i]) - 1, tables[i], True, greedy)
+            for i, p in enumerate(prompts)
+        ]
+        for i, tok in enumerate(runner.execute(StepInput(seqs)).token_ids):
+            out[i].append(tok)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dummy_qwen3_greedy_matches_reference(dtype: torch.dtype) -> None:
+    """Greedy tokens of a dummy qwen3-0.6b: identical in fp32; in bf16 no earlier divergence than reference vs itself."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 151936, (n,), generator=gen).tolist() for n in (17, 130, 400, 1)]
+    prompts[-1] = prompts[-1] * 2  # a 2-token prompt
+    ref = _greedy(_dummy_runner("reference", dtype), prompts, steps=40)
+    fused = _greedy(_dummy_runner("fused", dtype), prompts, steps=40)
+    if dtype == torch.float32:
+        assert fused == ref
+        return
+    ref_again = _greedy(_dummy_runner("reference", dtype), prompts, steps=40)
+
+    def first_divergence(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+    for i in range(len(prompts)):
+        ref_self = first_divergence(ref[i], ref_again[i])
+        assert first_divergence(fused[i], ref[i]) >= min(ref_self, 8), (i, fused[i], ref[i])

@@ -1,0 +1,528 @@
+"""`fused` kernels against `reference`, on inputs drawn by Hypothesis.
+
+On a machine without CUDA the Triton kernels run on CPU tensors through
+Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before Triton is
+first imported, hence the first lines below. With CUDA the same tests run the
+compiled kernels on the GPU (small shapes; tests/test_fused_gpu.py has the
+full-size ones).
+
+Every fused output is compared with the reference's under a relative bound per
+dtype; NaN never passes; freshly allocated outputs are poisoned with NaN (torch
+fills uninitialized memory when deterministic algorithms are on), so an
+element the kernel forgets to write fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
+
+import contextlib  # noqa: E402
+import importlib  # noqa: E402
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pitstop.attention import AttentionMetadata  # noqa: E402
+from pitstop.config import EngineConfig  # noqa: E402
+from pitstop.plugins.kernels import reference  # noqa: E402
+from pitstop.plugins.kernels.fused import FusedKernels  # noqa: E402
+from pitstop.protocols import RotaryCache  # noqa: E402
+
+pytest.importorskip("triton")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+# relative error bound (max |fused - reference| / max |reference|) per dtype
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+FEW = settings(
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Every torch.empty inside fills floats with NaN (integers with their maximum)."""
+    import torch.utils.deterministic as det
+
+    was_on, was_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_on)
+        det.fill_uninitialized_memory = was_fill
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = ""
+) -> None:
+    """Finite, same shape, and relative max error under the dtype's bound."""
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
+    assert torch.isfinite(actual).all(), f"{what}: non-finite output (unwritten or NaN)"
+    a, e = actual.float(), expected.float()
+    scale = e.abs().max().clamp_min(1e-6)
+    err = ((a - e).abs().max() / scale).item()
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3g} > {TOL[dtype]}"
+
+
+def fused(dtype: torch.dtype, **flags) -> FusedKernels:
+    """A fused kernel set on the test device."""
+    return FusedKernels(EngineConfig(max_model_len=512, **flags), DEVICE, dtype)
+
+
+def test_all_ops_run_triton_here() -> None:
+    """With the interpreter (or CUDA) every op is a Triton kernel; linear stays a torch GEMM."""
+    desc = fused(torch.float32).describe()
+    assert set(desc) == {"rms_norm", "linear", "silu_and_mul", "rope_and_store", "attention"}
+    for op in ("rms_norm", "silu_and_mul", "rope_and_store", "attention"):
+        assert desc[op] == "triton", desc
+
+
+def test_fallbacks_are_reported_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A flag that is off, or a CPU without the interpreter, gives one log line per op that names it."""
+    with caplog.at_level(logging.INFO, logger="pitstop.plugins.kernels.fused"):
+        ks = FusedKernels(
+            EngineConfig(fused_silu=False, fused_qkv=False), torch.device("cpu"), torch.float32
+        )
+    assert ks.describe()["silu_and_mul"] == "reference (config flag fused_silu is off)"
+    assert ks.merge_projections is False
+    lines = [r.getMessage() for r in caplog.records if "silu_and_mul" in r.getMessage()]
+    assert len(lines) == 1 and "fused_silu" in lines[0]
+
+    old = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        ks = FusedKernels(EngineConfig(), torch.device("cpu"), torch.float32)
+    finally:
+        if old is not None:
+            os.environ["TRITON_INTERPRET"] = old
+    for op in ("rms_norm", "silu_and_mul", "rope_and_store", "attention"):
+        assert ks.describe()[op] == "reference (no CUDA device and TRITON_INTERPRET not set)"
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(
+        ks.silu_and_mul(x), reference.ReferenceKernels("cpu", torch.float32).silu_and_mul(x)
+    )
+
+
+def test_unsupported_head_size_falls_back() -> None:
+    """A head size with no kernel switches rotary and attention to the reference at the first call."""
+    ks = fused(torch.float32)
+    q = torch.randn(2, 2, 24, device=DEVICE)
+    k_cache = torch.zeros(4, 16, 1, 24, device=DEVICE)
+    meta = make_meta([2], [2], 16, 4, seed=0)
+    out = ks.attention(q, k_cache, k_cache.clone(), meta, 0.2)
+    assert out.shape == q.shape
+    assert ks.describe()["attention"].startswith("reference (unsupported head size 24")
+
+
+def test_plugin_registers_fused() -> None:
+    """The module registers the `fused` kernel set through the hook."""
+    mod = importlib.import_module("pitstop.plugins.kernels.fused")
+    names: list[str] = []
+    mod.register_kernels(lambda name, factory, *a: names.append(name))
+    assert names == ["fused"]
+
+
+# ---------------------------------------------------------------- rms_norm, silu
+
+
+@FEW
+@given(
+    tokens=st.integers(1, 9),
+    width=st.sampled_from([64, 96, 128, 320]),
+    dtype=st.sampled_from(DTYPES),
+    with_residual=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_matches_reference(
+    tokens: int, width: int, dtype: torch.dtype, with_residual: bool, seed: int
+) -> None:
+    """Residual add + RMSNorm: both outputs match, inputs are left alone."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, width, generator=gen).to(DEVICE, dtype)
+    residual = (
+        torch.randn(tokens, width, generator=gen).to(DEVICE, dtype) if with_residual else None
+    )
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(DEVICE, dtype)
+    x0 = x.clone()
+    with poisoned_outputs():
+        out, res = fused(dtype).rms_norm(x, weight, 1e-6, residual)
+    ref_out, ref_res = reference.rms_norm(x, weight, 1e-6, residual)
+    assert_close(out, ref_out, dtype, "normed")
+    if with_residual:
+        assert res is not None and ref_res is not None
+        assert_close(res, ref_res, dtype, "residual")
+    else:
+        assert res is None
+    assert torch.equal(x, x0)
+
+
+@FEW
+@given(
+    tokens=st.integers(1, 6),
+    heads=st.integers(1, 5),
+    head_size=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_per_head_on_strided_view(
+    tokens: int, heads: int, head_size: int, dtype: torch.dtype, seed: int
+) -> None:
+    """Qwen3's q/k norm: ``[T, H, D]`` rows of a wider merged QKV output, normalized per head."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 3) * head_size, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, : heads * head_size].reshape(tokens, heads, head_size)
+    weight = (1 + 0.1 * torch.randn(head_size, generator=gen)).to(DEVICE, dtype)
+    with poisoned_outputs():
+        out, res = fused(dtype).rms_norm(q, weight, 1e-6)
+    assert res is None
+    assert_close(out, reference.rms_norm(q, weight, 1e-6)[0], dtype, "per-head norm")
+
+
+@FEW
+@given(
+    tokens=st.integers(1, 9),
+    d=st.sampled_from([8, 48, 96, 256, 3000]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_silu_and_mul_matches_reference(tokens: int, d: int, dtype: torch.dtype, seed: int) -> None:
+    """SiLU-and-mul of a merged [gate | up] tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(tokens, 2 * d, generator=gen)).to(DEVICE, dtype)
+    with poisoned_outputs():
+        out = fused(dtype).silu_and_mul(x)
+    assert_close(
+        out, reference.ReferenceKernels(DEVICE, dtype).silu_and_mul(x), dtype, "silu_and_mul"
+    )
+
+
+# ---------------------------------------------------------------- paged batches
+
+
+def make_meta(
+    query_lens: list[int], context_lens: list[int], page_size: int, num_pages: int, seed: int
+) -> AttentionMetadata:
+    """Metadata of a batch (prefills first, then decodes) over randomly scattered pages."""
+    order = sorted(range(len(query_lens)), key=lambda i: query_lens[i] == 1)
+    query_lens = [query_lens[i] for i in order]
+    context_lens = [context_lens[i] for i in order]
+    gen = torch.Generator().manual_seed(seed)
+    free = torch.randperm(num_pages, generator=gen).tolist()
+    tables, positions, slots, cu = [], [], [], [0]
+    for q, c in zip(query_lens, context_lens, strict=True):
+        n = -(-c // page_size)
+        table, free = free[:n], free[n:]
+        tables.append(table)
+        for p in range(c - q, c):
+            positions.append(p)
+            slots.append(table[p // page_size] * page_size + p % page_size)
+        cu.append(cu[-1] + q)
+    width = max(len(t) for t in tables) + 1  # one more -1 column than needed
+    tables = [t + [-1] * (width - len(t)) for t in tables]
+    num_prefills = sum(q > 1 for q in query_lens)
+
+    def dev(data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=DEVICE)
+
+    return AttentionMetadata(
+        positions=dev(positions, torch.int64),
+        slot_mapping=dev(slots, torch.int64),
+        block_tables=dev(tables, torch.int32),
+        context_lens=dev(context_lens, torch.int32),
+        cu_query_lens=dev(cu, torch.int32),
+        num_prefills=num_prefills,
+        num_prefill_tokens=sum(q for q in query_lens if q > 1),
+        num_decodes=len(query_lens) - num_prefills,
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        page_size=page_size,
+        context_lens_list=context_lens,
+        query_lens_list=query_lens,
+    )
+
+
+@st.composite
+def batches(
+    draw: st.DrawFn, max_seqs: int = 4, max_context: int = 80
+) -> tuple[list[int], list[int], int]:
+    """(query lengths, context lengths, page size): decodes, whole prompts and chunks, around page borders."""
+    page_size = draw(st.sampled_from([16, 32]))
+    n = draw(st.integers(1, max_seqs))
+    qlens, ctxs = [], []
+    for _ in range(n):
+        near_border = st.sampled_from([page_size - 1, page_size, page_size + 1, 2 * page_size])
+        ctx = draw(st.one_of(st.integers(1, max_context), near_border))
+        kind = draw(st.sampled_from(["decode", "prompt", "chunk"]))
+        q = 1 if kind == "decode" else ctx if kind == "prompt" else draw(st.integers(1, ctx))
+        qlens.append(q)
+        ctxs.append(ctx)
+    return qlens, ctxs, page_size
+
+
+def heads_strategy() -> st.SearchStrategy[tuple[int, int]]:
+    """(query heads, KV heads) with GQA ratios 1, 2 and 4."""
+    return st.tuples(st.integers(1, 2), st.sampled_from([1, 2, 4])).map(
+        lambda t: (t[0] * t[1], t[0])
+    )
+
+
+@FEW
+@given(
+    batch=batches(),
+    heads=heads_strategy(),
+    head_size=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_rope_and_store_matches_reference(
+    batch: tuple[list[int], list[int], int],
+    heads: tuple[int, int],
+    head_size: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> None:
+    """Rotated q and k match; the cache slots written equal the reference's and no other slot changes."""
+    qlens, ctxs, page_size = batch
+    hq, hkv = heads
+    num_pages = sum(-(-c // page_size) for c in ctxs) + 3
+    meta = make_meta(qlens, ctxs, page_size, num_pages, seed)
+    t = sum(qlens)
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_size, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * head_size, hkv * head_size, hkv * head_size], dim=-1)
+    q, k, v = (x.reshape(t, -1, head_size) for x in (q, k, v))
+    angles = torch.outer(torch.arange(256).float(), torch.rand(head_size // 2, generator=gen))
+    rotary = RotaryCache(angles.cos().to(DEVICE), angles.sin().to(DEVICE))
+    cache_shape = (num_pages, page_size, hkv, head_size)
+    k_cache = torch.randn(cache_shape, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(DEVICE, dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    with poisoned_outputs():
+        q_out, k_out = fused(dtype).rope_and_store(q, k, v, rotary, k_cache, v_cache, meta)
+    q_exp, k_exp = reference.ReferenceKernels(DEVICE, dtype).rope_and_store(
+        q, k, v, rotary, k_ref, v_ref, meta
+    )
+    assert_close(q_out, q_exp, dtype, "q")
+    assert_close(k_out, k_exp, dtype, "k")
+    written = torch.zeros(num_pages * page_size, dtype=torch.bool, device=DEVICE)
+    written[meta.slot_mapping] = True
+    flat = (num_pages * page_size, hkv, head_size)
+    for got, exp, before, name in ((k_cache, k_ref, k0, "k"), (v_cache, v_ref, v0, "v")):
+        got, exp, before = got.view(flat), exp.view(flat), before.view(flat)
+        assert torch.equal(got[~written], before[~written]), (
+            f"{name} cache: a slot outside slot_mapping changed"
+        )
+        assert_close(got[written], exp[written], dtype, f"{name} cache slots")
+    assert torch.equal(v_cache.view(flat)[written], v_ref.view(flat)[written])  # v is a plain copy
+
+
+def run_attention(
+    ks: FusedKernels | reference.ReferenceKernels | object,
+    batch: tuple[list[int], list[int], int],
+    hq: int,
+    hkv: int,
+    head_size: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> None:
+    """Fused attention of a random batch against the reference's."""
+    qlens, ctxs, page_size = batch
+    num_pages = sum(-(-c // page_size) for c in ctxs) + 2
+    meta = make_meta(qlens, ctxs, page_size, num_pages, seed)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(qlens), hq, head_size, generator=gen).to(DEVICE, dtype)
+    k_cache = torch.randn(num_pages, page_size, hkv, head_size, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(num_pages, page_size, hkv, head_size, generator=gen).to(DEVICE, dtype)
+    scale = head_size**-0.5
+    with poisoned_outputs():
+        out = ks.attention(q, k_cache, v_cache, meta, scale)  # type: ignore[attr-defined]
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    assert_close(
+        out, expected, dtype, f"attention q={meta.query_lens_list} ctx={meta.context_lens_list}"
+    )
+
+
+@FEW
+@given(
+    batch=batches(),
+    heads=heads_strategy(),
+    head_size=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_matches_reference(
+    batch: tuple[list[int], list[int], int],
+    heads: tuple[int, int],
+    head_size: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> None:
+    """Mixed prefill / chunk / decode batches over scattered pages."""
+    run_attention(fused(dtype), batch, heads[0], heads[1], head_size, dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_sms", [1, 64])
+def test_decode_split_counts(dtype: torch.dtype, num_sms: int) -> None:
+    """Decode with one split and with many (including splits left empty by a short context)."""
+    ks = fused(dtype)
+    ks._attn.num_sms = num_sms  # type: ignore[union-attr]
+    batch = ([1, 1, 1], [1, 47, 100], 16)
+    assert (ks._attn.num_splits(3, 2) > 1) == (num_sms > 1)  # type: ignore[union-attr]
+    run_attention(ks, batch, 4, 2, 64, dtype, seed=1)
+
+
+def test_padding_rows_are_harmless() -> None:
+    """A decode row with context 0 and slot -1 (CUDA-graph padding) writes no slot and outputs zeros."""
+    ks = fused(torch.float32)
+    meta = make_meta([1, 1], [5, 1], 16, 4, seed=0)
+    meta = AttentionMetadata(
+        positions=meta.positions,
+        slot_mapping=torch.tensor([meta.slot_mapping[0].item(), -1], device=DEVICE),
+        block_tables=meta.block_tables.clone().index_fill_(0, torch.tensor([1], device=DEVICE), -1),
+        context_lens=torch.tensor([5, 0], dtype=torch.int32, device=DEVICE),
+        cu_query_lens=meta.cu_query_lens,
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=2,
+        max_query_len=1,
+        max_context_len=5,
+        page_size=16,
+        context_lens_list=[5, 0],
+        query_lens_list=[1, 1],
+    )
+    q = torch.randn(2, 2, 64, device=DEVICE)
+    k = torch.randn(2, 1, 64, device=DEVICE)
+    cache = torch.randn(4, 16, 1, 64, device=DEVICE)
+    before = cache.clone()
+    angles = torch.outer(torch.arange(16).float(), torch.rand(32))
+    rotary = RotaryCache(angles.cos().to(DEVICE), angles.sin().to(DEVICE))
+    v_cache = cache.clone()
+    q, _ = ks.rope_and_store(q, k, k, rotary, cache, v_cache, meta)
+    changed = (cache != before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert changed == [meta.slot_mapping[0].item() // 16]
+    out = ks.attention(q, cache, v_cache, meta, 0.125)
+    assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+# ---------------------------------------------------------------- whole model
+
+
+def _tiny_runner(arch: str, kernels: str, dtype: torch.dtype, page_size: int):
+    """A ModelRunner over a tiny random Hugging Face model of ``arch`` (same weights for every kernel set)."""
+    transformers = pytest.importorskip("transformers")
+    from pitstop.model_config import ModelConfig
+    from pitstop.plugin_manager import PluginManager
+    from pitstop.runner import ModelRunner
+
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    hf_config = cfg_cls(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=arch == "llama",
+    )
+    hf_model = model_cls(hf_config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+    config_dict = hf_config.to_dict()
+    config_dict["architectures"] = [model_cls.__name__]
+    modules = [
+        importlib.import_module(m)
+        for m in (
+            "pitstop.model",
+            "pitstop.plugins.kernels.reference",
+            "pitstop.plugins.kernels.fused",
+            "pitstop.plugins.samplers.standard",
+        )
+    ]
+    plugins = PluginManager(load_entry_points=False, extra_modules=modules)
+    config = EngineConfig(
+        max_model_len=128, page_size=page_size, kernels=kernels, device=DEVICE.type
+    )
+    runner = ModelRunner(config, ModelConfig.from_hf_dict(config_dict), plugins, DEVICE, dtype)
+    state = {k: v.to(dtype) for k, v in hf_model.state_dict().items()}
+    runner.load_weights(lambda: iter(state.items()))
+    runner.init_kv_cache(32)
+    return runner
+
+
+def _greedy_schedule(
+    runner, prompts: list[list[int]], page_size: int, steps: int
+) -> list[list[int]]:
+    """Prefill (the last prompt in two chunks, its second chunk beside decodes), then greedy decodes."""
+    from pitstop.runner import SeqInput, StepInput
+    from pitstop.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    pages_each = 128 // page_size
+    tables = [
+        list(range(i * pages_each, (i + 1) * pages_each))[: 32 // len(prompts)]
+        for i in range(len(prompts))
+    ]
+    out: list[list[int]] = [[] for _ in prompts]
+    *whole, last = prompts
+    half = len(last) // 2
+    # step 1: whole prompts, and the first chunk of the last one (samples nothing)
+    first = [SeqInput(i, p, 0, tables[i], True, greedy) for i, p in enumerate(whole)]
+    first.append(SeqInput(len(whole), last[:half], 0, tables[-1], False, greedy))
+    for i, tok in enumerate(runner.execute(StepInput(first)).token_ids):
+        out[i].append(tok)
+    # step 2: the last prompt's second chunk first (a prefill), then the others' decodes
+    second = [SeqInput(len(whole), last[half:], half, tables[-1], True, greedy)]
+    second += [
+        SeqInput(i, [out[i][-1]], len(p), tables[i], True, greedy) for i, p in enumerate(whole)
+    ]
+    toks = runner.execute(StepInput(second)).token_ids
+    out[-1].append(toks[0])
+    for i, tok in enumerate(toks[1:]):
+        out[i].append(tok)
+    for _ in range(steps):
+        seqs = [
+            SeqInput(i, [out[i][-1]], len(p) + len(out[i]) - 1, tables[i], True, greedy)
+            for i, p in enumerate(prompts)
+        ]
+        for i, tok in enumerate(runner.execute(StepInput(seqs)).token_ids):
+            out[i].append(tok)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_model_greedy_tokens_match_reference(arch: str) -> None:
+    """A tiny random model gives the same greedy tokens through `fused` as through `reference` (fp32)."""
+    page_size = 16
+    prompts = [[3, 17, 5, 9, 22, 1, 8], [4, 4], [11] * 15 + [7, 2, 9, 30, 31, 64, 90, 12, 5]]
+    tokens = {}
+    for kernels in ("reference", "fused"):
+        runner = _tiny_runner(arch, kernels, torch.float32, page_size)
+        if kernels == "fused":
+            assert runner.kernels.describe()["attention"] == "triton"
+            assert runner.model.merged
+        tokens[kernels] = _greedy_schedule(runner, prompts, page_size, steps=6)
+    assert tokens["fused"] == tokens["reference"]
+    assert [len(t) for t in tokens["fused"]] == [8, 8, 7]
