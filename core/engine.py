@@ -65,6 +65,7 @@ class LLMEngine:
         self.runner.load_weights(source.weights)
         num_pages = self.runner.plan_num_pages()
         self.runner.init_kv_cache(num_pages)
+        self.runner.maybe_capture_graphs()
         if num_pages * config.page_size < config.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_pages * config.page_size} tokens, less than one sequence of "

@@ -8,6 +8,7 @@ under ``torch.distributed`` and broadcast the same input to each.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence as Seq
 
 import attrs
@@ -102,6 +103,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_pages = 0
         self._generators: dict[int, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights) -> None:
@@ -176,6 +178,23 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_pages = num_pages
 
+    def maybe_capture_graphs(self) -> None:
+        """Capture CUDA graphs for decode batches when the device and kernel set allow it."""
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.enforce_eager:
+            return
+        graph_safe = getattr(self.kernels, "cuda_graph_safe", None)
+        if graph_safe is None or not graph_safe(self.model_config.head_size):
+            log.info("CUDA graphs off: kernel set %r is not graph-safe; decode runs eagerly", cfg.kernels)
+            return
+        start = time.perf_counter()
+        self.graphs = DecodeGraphs(self, max_batch=min(cfg.max_batch_size, 512))
+        log.info(
+            "captured CUDA graphs for decode batch sizes %s in %.1f s",
+            self.graphs.describe(),
+            time.perf_counter() - start,
+        )
+
     # ------------------------------------------------------------------ one step
     def build_metadata(self, seqs: Seq[SeqInput]) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten a step into input ids, attention metadata and the rows to sample."""
@@ -236,8 +255,12 @@ class ModelRunner:
         if not step.seqs:
             return StepOutput([])
         assert self.kv_cache is not None, "init_kv_cache() first"
-        input_ids, meta, rows = self.build_metadata(step.seqs)
-        hidden = self.model(input_ids, self.rotary, self.kv_cache, meta)
+        if self.graphs is not None and self.graphs.can_run(step.seqs):
+            hidden = self.graphs.run(step.seqs)
+            rows = [i for i, s in enumerate(step.seqs) if s.sample]
+        else:
+            input_ids, meta, rows = self.build_metadata(step.seqs)
+            hidden = self.model(input_ids, self.rotary, self.kv_cache, meta)
         if not rows:
             return StepOutput([])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
@@ -257,3 +280,114 @@ class ModelRunner:
         if gen is None:
             gen = self._generators[seq_id] = make_generator(params.seed, self.device)
         return gen
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then steps of 16 up to ``max_batch``."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    """CUDA graphs of the model's forward for pure-decode steps, one per batch size.
+
+    Every input lives in a static buffer; a step copies its (padded) inputs in
+    and replays the graph of the smallest captured batch that fits. Padding
+    rows get slot -1 (no KV store) and context length 0 (no attention).
+    """
+
+    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+        cfg = runner.config
+        assert cfg.max_model_len is not None and runner.kv_cache is not None
+        self.runner = runner
+        dev = runner.device
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.max_pages = -(-cfg.max_model_len // runner.page_size)
+        b = self.max_batch
+        self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.slots = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(b, self.max_pages, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.cu_query_lens = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        # host staging, pinned, so the copies in are asynchronous
+        self.host_ids = torch.zeros(b, dtype=torch.int64, pin_memory=True)
+        self.host_pos = torch.zeros(b, dtype=torch.int64, pin_memory=True)
+        self.host_slots = torch.full((b,), -1, dtype=torch.int64, pin_memory=True)
+        self.host_ctx = torch.zeros(b, dtype=torch.int32, pin_memory=True)
+        self.host_tables = torch.zeros(b, self.max_pages, dtype=torch.int32, pin_memory=True)
+        # numpy views of the same memory: cheap bulk writes from Python lists
+        self.np_ids, self.np_pos = self.host_ids.numpy(), self.host_pos.numpy()
+        self.np_slots, self.np_ctx = self.host_slots.numpy(), self.host_ctx.numpy()
+        self.np_tables = self.host_tables.numpy()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = None
+        with torch.inference_mode():
+            for size in reversed(self.sizes):
+                meta = self._meta(size)
+                model = runner.model
+                args = (self.input_ids[:size], runner.rotary, runner.kv_cache, meta)
+                model(*args)  # warm-up: compiles kernels, settles the allocator
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = model(*args)
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(dev)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        cfg = self.runner.config
+        assert cfg.max_model_len is not None
+        return AttentionMetadata(
+            positions=self.positions[:size],
+            slot_mapping=self.slots[:size],
+            block_tables=self.block_tables[:size],
+            context_lens=self.context_lens[:size],
+            cu_query_lens=self.cu_query_lens[: size + 1],
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decodes=size,
+            max_query_len=1,
+            max_context_len=cfg.max_model_len,
+            page_size=self.runner.page_size,
+        )
+
+    def describe(self) -> str:
+        """The captured sizes, compactly."""
+        return f"{self.sizes[:5]}...{self.sizes[-1]}" if len(self.sizes) > 6 else str(self.sizes)
+
+    def can_run(self, seqs: Seq[SeqInput]) -> bool:
+        """Whether a step is pure decode and fits a captured batch."""
+        return 0 < len(seqs) <= self.max_batch and all(len(s.token_ids) == 1 for s in seqs)
+
+    def run(self, seqs: Seq[SeqInput]) -> torch.Tensor:
+        """Copy the step's inputs into the static buffers, replay, return hidden ``[n, hidden]``."""
+        n = len(seqs)
+        size = next(b for b in self.sizes if b >= n)
+        ps = self.runner.page_size
+        pos = [s.start_pos for s in seqs]
+        self.np_ids[:n] = [s.token_ids[0] for s in seqs]
+        self.np_pos[:n] = pos
+        self.np_slots[:n] = [s.block_table[p // ps] * ps + p % ps for s, p in zip(seqs, pos, strict=True)]
+        self.np_ctx[:n] = [p + 1 for p in pos]
+        self.np_slots[n:size] = -1
+        self.np_ctx[n:size] = 0
+        tables = self.np_tables
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        ids, pos_t, slots, ctx = self.host_ids, self.host_pos, self.host_slots, self.host_ctx
+        tables = self.host_tables
+        self.input_ids[:size].copy_(ids[:size], non_blocking=True)
+        self.positions[:size].copy_(pos_t[:size], non_blocking=True)
+        self.slots[:size].copy_(slots[:size], non_blocking=True)
+        self.context_lens[:size].copy_(ctx[:size], non_blocking=True)
+        self.block_tables[:size].copy_(tables[:size], non_blocking=True)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:n]

@@ -205,6 +205,15 @@ class FusedKernels:
             self._check_head_size(q.shape[-1])
         return self._attn(q, k_cache, v_cache, meta, scale)
 
+    def cuda_graph_safe(self, head_size: int) -> bool:
+        """Whether a decode step can be captured in a CUDA graph (no op synchronizes with the host).
+
+        The reference rotary and attention read lengths on the host, so both must run in Triton.
+        """
+        if not self._head_size_checked:
+            self._check_head_size(head_size)
+        return all(self._status[op] == "triton" for op in ("rope_and_store", "attention"))
+
     def describe(self) -> dict[str, str]:
         """Op name -> ``"triton"`` or ``"reference (reason)"`` (``linear`` is always a torch GEMM)."""
         return {op: self._status[op] for op in OPS}
