@@ -21,3 +21,7 @@ class ModelLoadError(PitstopError, OSError):
 
 class InvalidRequestError(PitstopError, ValueError):
     """A request (prompt or sampling parameters) is invalid; the engine keeps serving."""
+
+
+class OutOfPagesError(PitstopError, RuntimeError):
+    """An allocator was asked for pages it does not have; nothing was changed (preempt and retry)."""

@@ -280,14 +280,51 @@ class LlamaForCausalLM(nn.Module):
         target, offset = table[local]
         return p + target, offset
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face tensor name -> shape, for every tensor a checkpoint of this model holds."""
+        cfg = self.cfg
+        h, d, f = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name in self.expected_weight_names():
+            local = name.rsplit(".", 2)[-2] if name.startswith("model.layers.") else name
+            shapes[name] = {
+                "model.embed_tokens.weight": (cfg.vocab_size, h),
+                "lm_head.weight": (cfg.vocab_size, h),
+                "model.norm.weight": (h,),
+                "q_proj": (q, h) if name.endswith("weight") else (q,),
+                "k_proj": (kv, h) if name.endswith("weight") else (kv,),
+                "v_proj": (kv, h) if name.endswith("weight") else (kv,),
+                "o_proj": (h, q),
+                "gate_proj": (f, h),
+                "up_proj": (f, h),
+                "down_proj": (h, f),
+                "q_norm": (d,),
+                "k_norm": (d,),
+                "input_layernorm": (h,),
+                "post_attention_layernorm": (h,),
+            }[local]
+        return shapes
+
     def init_dummy(self, seed: int = 0) -> None:
-        """Fill every weight with small random values (speed does not depend on them)."""
-        gen = torch.Generator(device=self.embed_tokens.device).manual_seed(seed)
-        for name, param in self.named_parameters():
-            if param.dim() == 1 and not name.endswith("bias"):
-                param.data.fill_(1.0)  # norm weights
-            else:
-                param.data.normal_(0.0, 0.02, generator=gen)
+        """Random weights (speed does not depend on them), drawn per Hugging Face tensor.
+
+        Drawing per checkpoint tensor, not per parameter, gives the same model
+        whether or not this kernel set merges q/k/v and gate/up.
+        """
+        device = self.embed_tokens.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        dtype = self.embed_tokens.dtype
+
+        def tensors():
+            for name, shape in self.weight_shapes().items():
+                if len(shape) == 1 and not name.endswith("bias"):
+                    yield name, torch.ones(shape, dtype=dtype, device=device)  # norm weights
+                else:
+                    t = torch.empty(shape, dtype=dtype, device=device)
+                    yield name, t.normal_(0.0, 0.02, generator=gen)
+
+        self.load_weights(tensors())
 
 
 def make_llama(model_config: ModelConfig, kernels: KernelSet) -> LlamaForCausalLM:

@@ -61,6 +61,7 @@ from typing import Any
 import attrs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pitstop.config import EngineConfig
 from pitstop.protocols import Allocator, AllocatorStats, Scheduler, StepPlan
 from pitstop.sampling_params import SamplingParams

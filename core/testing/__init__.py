@@ -1,0 +1,17 @@
+"""Conformance suites that third-party strategies run against themselves.
+
+``pitstop.testing.allocator`` holds the allocator contract: see
+:class:`AllocatorStateMachine`, :func:`allocator_state_machine` and
+:func:`check_allocator`. Importing this package needs ``hypothesis`` (a test
+dependency: ``pip install pitstop[test]``).
+"""
+
+from __future__ import annotations
+
+from pitstop.testing.allocator import (
+    AllocatorStateMachine,
+    allocator_state_machine,
+    check_allocator,
+)
+
+__all__ = ["AllocatorStateMachine", "allocator_state_machine", "check_allocator"]

@@ -1,0 +1,488 @@
+"""The allocator contract suite: a Hypothesis state machine any allocator runs against itself.
+
+The machine plays the engine: it creates sequences (many share a prefix
+drawn from a small pool, so a prefix-caching allocator gets hits), admits
+them, grows them, truncates them, computes their tokens, preempts, aborts
+and frees them, and asks for more than fits so that refusals happen. It
+keeps a shadow of the KV cache (for every slot, the token prefix whose KV
+was written there) and checks after every step that
+
+- every held page is an integer in ``range(num_pages)``, and no table lists
+  a page twice;
+- no page is in two block tables unless it is a shared prefix page: full
+  and computed for every holder, at the same index, with identical token
+  prefixes whose KV is the one written there;
+- no token is ever computed into a page another sequence holds (a shared
+  page is read-only);
+- ``pages_free`` + the pages in all block tables == ``num_pages`` (cached
+  pages that no sequence holds count as free);
+- a block table covers exactly ceil(held / page_size) pages (or, for an
+  allocator that reserves more up front, at least that many), and
+  ``num_held_tokens`` and ``stats().tokens_held`` agree with what was asked;
+- ``can_*`` never changes state, and a refused ``allocate``/``append``
+  raises and changes nothing (statistics and every block table compared);
+- the cached tokens ``allocate`` reports are whole pages whose KV is exactly
+  the sequence's own prefix (a hash collision would show here);
+- freeing everything restores the starting free count with nothing held.
+
+Run it against your own allocator from your test suite, in one of two ways::
+
+    from pitstop.testing.allocator import allocator_state_machine, check_allocator
+
+    def make():
+        return MyAllocator(page_size=4, num_pages=16)
+
+    # 1. a unittest.TestCase that pytest collects
+    TestMyAllocatorContract = allocator_state_machine(make).TestCase
+
+    # 2. or one call inside a test, with your own Hypothesis settings
+    def test_my_allocator_contract():
+        check_allocator(make, settings=hypothesis.settings(max_examples=50))
+
+or subclass :class:`AllocatorStateMachine` and override
+:meth:`~AllocatorStateMachine.make_allocator`. Keep the cache small (a dozen
+or two pages of a few tokens each) so that the machine runs out of pages
+often. An allocator that reserves more pages than the tokens need (like
+``preallocated``, whose block table is the whole region) passes
+``exact_block_tables=False``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import hypothesis
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from pitstop.protocols import Allocator, AllocatorStats
+from pitstop.sampling_params import SamplingParams
+from pitstop.sequence import Sequence
+
+__all__ = ["AllocatorStateMachine", "allocator_state_machine", "check_allocator"]
+
+_Snapshot = tuple[AllocatorStats, dict[int, tuple[list[int], int]]]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class AllocatorStateMachine(RuleBasedStateMachine):
+    """The allocator contract as a Hypothesis ``RuleBasedStateMachine``.
+
+    Subclass it and override :meth:`make_allocator` (or use
+    :func:`allocator_state_machine`). Class attributes tune it:
+
+    ``exact_block_tables``
+        True (default): a sequence holding ``n`` tokens has exactly
+        ceil(n / page_size) pages and ``tokens_reserved`` is the pages in
+        use times ``page_size``. False: at least that many pages.
+    ``max_sequence_tokens``
+        the longest prompt the machine makes.
+    ``max_live_sequences``
+        how many sequences exist at once (waiting + admitted).
+    ``vocab_size``
+        token ids are drawn from ``range(vocab_size)``.
+    """
+
+    exact_block_tables: ClassVar[bool] = True
+    max_sequence_tokens: ClassVar[int] = 40
+    max_live_sequences: ClassVar[int] = 6
+    vocab_size: ClassVar[int] = 5
+
+    def make_allocator(self) -> Allocator:
+        """Build a fresh allocator (override this); keep it small so pages run out."""
+        raise NotImplementedError("override make_allocator() to return the allocator under test")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocator = self.make_allocator()
+        self.page_size: int = self.allocator.page_size
+        self.num_pages: int = self.allocator.num_pages
+        self.start = self.allocator.stats()
+        assert self.start.num_pages == self.num_pages, (
+            f"stats().num_pages {self.start.num_pages} != {self.num_pages}"
+        )
+        assert self.start.pages_free == self.num_pages, (
+            f"a fresh allocator has {self.start.pages_free} of {self.num_pages} pages free"
+        )
+        assert self.start.tokens_held == 0 and self.start.tokens_reserved == 0, (
+            f"a fresh allocator holds {self.start}"
+        )
+        self.waiting: dict[int, Sequence] = {}
+        self.running: dict[int, Sequence] = {}
+        self.held: dict[int, int] = {}  # seq_id -> tokens it should hold
+        # The shadow KV cache: page -> offset -> the token prefix whose KV was written in that slot.
+        self.kv: dict[int, dict[int, tuple[int, ...]]] = {}
+        self.prefixes: list[list[int]] = [[]]
+        self.names = itertools.count()
+        self.last_stats = self.start
+
+    # ------------------------------------------------------------------ helpers
+    def _snapshot(self) -> _Snapshot:
+        tables = {
+            sid: (list(self.allocator.block_table(seq)), self.allocator.num_held_tokens(seq))
+            for sid, seq in self.running.items()
+        }
+        return self.allocator.stats(), tables
+
+    def _assert_unchanged(self, before: _Snapshot, what: str) -> None:
+        after = self._snapshot()
+        assert after[0] == before[0], f"{what} changed the statistics: {before[0]} -> {after[0]}"
+        for sid, (table, held) in before[1].items():
+            assert after[1][sid] == (table, held), (
+                f"{what} changed sequence {self.running[sid].request_id}'s (block table, held): "
+                f"{(table, held)} -> {after[1][sid]}"
+            )
+
+    def _expect_refusal(self, call: Callable[[], Any], what: str) -> None:
+        before = self._snapshot()
+        try:
+            call()
+        except Exception:
+            pass
+        else:
+            raise AssertionError(f"{what} should have raised")
+        self._assert_unchanged(before, f"the refused {what}")
+
+    def _tokens(self, data: st.DataObject, min_size: int, max_size: int) -> list[int]:
+        return data.draw(
+            st.lists(st.integers(0, self.vocab_size - 1), min_size=min_size, max_size=max_size)
+        )
+
+    def _pick(self, data: st.DataObject, pool: dict[int, Sequence]) -> Sequence:
+        return pool[data.draw(st.sampled_from(sorted(pool)))]
+
+    def _holders(self) -> dict[int, list[tuple[int, int]]]:
+        """page -> [(seq_id, index in its block table)] over the admitted sequences."""
+        holders: dict[int, list[tuple[int, int]]] = {}
+        for sid, seq in self.running.items():
+            for index, page in enumerate(self.allocator.block_table(seq)):
+                holders.setdefault(page, []).append((sid, index))
+        return holders
+
+    def _check_kv(self, seq: Sequence, num_tokens: int, what: str) -> None:
+        """The KV of ``seq``'s first ``num_tokens`` tokens is the KV of its own prefix."""
+        table = self.allocator.block_table(seq)
+        for t in range(num_tokens):
+            page = table[t // self.page_size]
+            written = self.kv.get(page, {}).get(t % self.page_size)
+            expected = tuple(seq.token_ids[: t + 1])
+            assert written == expected, (
+                f"{what}: token {t} of {seq.request_id} is in page {page} slot {t % self.page_size}, "
+                f"whose KV was computed for the prefix {written}, not {expected}"
+            )
+
+    # ------------------------------------------------------------------ rules
+    @initialize(data=st.data())
+    def make_prefix_pool(self, data: st.DataObject) -> None:
+        """A few shared prefixes of whole and partial pages, so prompts overlap."""
+        ps = self.page_size
+        for pages in data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)):
+            length = min(pages * ps + data.draw(st.integers(0, 1)), self.max_sequence_tokens - 1)
+            self.prefixes.append(self._tokens(data, length, length))
+
+    @precondition(lambda self: len(self.waiting) + len(self.running) < self.max_live_sequences)
+    @rule(data=st.data())
+    def add_sequence(self, data: st.DataObject) -> None:
+        """A new request: a pooled prefix (maybe empty) and a tail of its own; mostly admitted at once."""
+        prefix = data.draw(st.sampled_from(self.prefixes))
+        room = max(self.max_sequence_tokens - len(prefix), 1)
+        tail = self._tokens(data, 0 if prefix else 1, room)
+        seq = Sequence(
+            request_id=f"seq{next(self.names)}",
+            prompt_token_ids=prefix + tail,
+            sampling_params=SamplingParams(),
+        )
+        self.waiting[seq.seq_id] = seq
+        if data.draw(st.integers(0, 3), label="admit now unless 0"):
+            self._admit(seq, data)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def admit_or_abort(self, data: st.DataObject) -> None:
+        """Admit a waiting sequence (or, now and then, abort it: freeing it must change nothing)."""
+        seq = self._pick(data, self.waiting)
+        if data.draw(st.integers(0, 4), label="admit unless 0"):
+            self._admit(seq, data)
+            return
+        before = self._snapshot()
+        self.allocator.free(seq)
+        self._assert_unchanged(before, f"freeing the waiting {seq.request_id}")
+        del self.waiting[seq.seq_id]
+
+    def _admit(self, seq: Sequence, data: st.DataObject) -> None:
+        """Admit ``seq`` if ``can_allocate`` says so, else check the refusal."""
+        before = self._snapshot()
+        ok = self.allocator.can_allocate(seq)
+        self._assert_unchanged(before, "can_allocate")
+        if not ok:
+            self._expect_refusal(
+                lambda: self.allocator.allocate(seq), f"allocate({seq.request_id}) without room"
+            )
+            return
+        cached = self.allocator.allocate(seq)
+        assert isinstance(cached, int) and 0 <= cached < seq.num_tokens, (
+            f"allocate returned {cached!r} cached tokens for a {seq.num_tokens}-token sequence"
+        )
+        assert cached % self.page_size == 0, (
+            f"allocate reported {cached} cached tokens, not whole pages"
+        )
+        stats = self.allocator.stats()
+        if stats.prefix_queried_tokens:
+            hits = stats.prefix_hit_tokens - before[0].prefix_hit_tokens
+            assert hits == cached, (
+                f"prefix_hit_tokens grew by {hits}, but allocate reported {cached} cached"
+            )
+        del self.waiting[seq.seq_id]
+        self.running[seq.seq_id] = seq
+        self.held[seq.seq_id] = seq.num_tokens
+        self._check_kv(seq, cached, "a prefix hit")
+        seq.num_computed_tokens = cached
+        seq.num_cached_prompt_tokens = cached
+        if data.draw(st.booleans(), label="prefill now"):
+            self._compute(seq, seq.num_tokens - cached)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def admit_again(self, data: st.DataObject) -> None:
+        """Admitting a sequence twice is refused."""
+        seq = self._pick(data, self.running)
+        assert not self.allocator.can_allocate(seq), (
+            f"can_allocate is true for the admitted {seq.request_id}"
+        )
+        self._expect_refusal(
+            lambda: self.allocator.allocate(seq), f"a second allocate({seq.request_id})"
+        )
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def append(self, data: st.DataObject) -> None:
+        """Grow a sequence by 0..2 pages' worth of tokens (decode, drafts), or check the refusal."""
+        seq = self._pick(data, self.running)
+        n = data.draw(st.integers(0, 2 * self.page_size + 1))
+        before = self._snapshot()
+        ok = self.allocator.can_append(seq, n)
+        self._assert_unchanged(before, "can_append")
+        if not ok:
+            self._expect_refusal(
+                lambda: self.allocator.append(seq, n), f"append({seq.request_id}, {n}) without room"
+            )
+            return
+        self.allocator.append(seq, n)
+        seq.token_ids.extend(self._tokens(data, n, n))
+        self.held[seq.seq_id] += n
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def truncate(self, data: st.DataObject) -> None:
+        """Give back a sequence's tail: anywhere in its own pages, or whole shared pages."""
+        seq = self._pick(data, self.running)
+        held = self.held[seq.seq_id]
+        holders = self._holders()
+        shared = 0  # leading pages another sequence holds too: cut only at their edges
+        for page in self.allocator.block_table(seq):
+            if len(holders[page]) < 2:
+                break
+            shared += 1
+        ps = self.page_size
+        # Keep at least one token: the engine never truncates a sequence to nothing.
+        targets = sorted(
+            {j * ps for j in range(1, shared) if j * ps <= held}
+            | set(range(max(min(shared * ps, held), 1), held + 1))
+        )
+        new_held = data.draw(st.sampled_from(targets))
+        self.allocator.truncate(seq, held - new_held)
+        del seq.token_ids[new_held:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, new_held)
+        self.held[seq.seq_id] = new_held
+
+    @precondition(
+        lambda self: any(s.num_computed_tokens < self.held[sid] for sid, s in self.running.items())
+    )
+    @rule(data=st.data())
+    def compute(self, data: st.DataObject) -> None:
+        """Run a step for a sequence: write the KV of its next tokens, then tell the allocator."""
+        pool = {sid: s for sid, s in self.running.items() if s.num_computed_tokens < self.held[sid]}
+        seq = self._pick(data, pool)
+        self._compute(
+            seq, data.draw(st.integers(1, self.held[seq.seq_id] - seq.num_computed_tokens))
+        )
+
+    def _compute(self, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        holders = self._holders()
+        table = self.allocator.block_table(seq)
+        for t in range(start, start + n):
+            page = table[t // self.page_size]
+            others = [self.running[sid].request_id for sid, _ in holders[page] if sid != seq.seq_id]
+            assert not others, (
+                f"{seq.request_id} writes token {t} into page {page}, which {others} also hold"
+            )
+            self.kv.setdefault(page, {})[t % self.page_size] = tuple(seq.token_ids[: t + 1])
+        seq.num_computed_tokens = start + n
+        self.allocator.on_tokens_computed(seq)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        """A sequence finishes: free it; freeing it again is a no-op. Now and then everything finishes."""
+        if not data.draw(st.integers(0, 5), label="free everything if 0"):
+            self._free_all()
+            return
+        seq = self._pick(data, self.running)
+        self.allocator.free(seq)
+        del self.running[seq.seq_id], self.held[seq.seq_id]
+        assert self.allocator.num_held_tokens(seq) == 0, (
+            f"the freed {seq.request_id} still holds tokens"
+        )
+        before = self._snapshot()
+        self.allocator.free(seq)
+        self._assert_unchanged(before, "freeing a freed sequence")
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        """Preempt by recompute: free a sequence and queue it again with every token it has."""
+        seq = self._pick(data, self.running)
+        self.allocator.free(seq)
+        del self.running[seq.seq_id], self.held[seq.seq_id]
+        seq.num_computed_tokens = 0
+        self.waiting[seq.seq_id] = seq
+
+    def _free_all(self) -> None:
+        for seq in list(self.running.values()):
+            self.allocator.free(seq)
+        self.running.clear()
+        self.held.clear()
+        stats = self.allocator.stats()
+        assert stats.pages_free == self.start.pages_free, (
+            f"after freeing everything {stats.pages_free} pages are free, not {self.start.pages_free}"
+        )
+        assert stats.tokens_held == 0 and stats.tokens_reserved == 0, (
+            f"after freeing everything: {stats}"
+        )
+
+    def teardown(self) -> None:
+        self._free_all()
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def tables_cover_what_is_held(self) -> None:
+        ps = self.page_size
+        for sid, seq in self.running.items():
+            held = self.allocator.num_held_tokens(seq)
+            assert held == self.held[sid], (
+                f"{seq.request_id} holds {held} tokens, expected {self.held[sid]}"
+            )
+            table = self.allocator.block_table(seq)
+            need = _ceil_div(held, ps)
+            if self.exact_block_tables:
+                assert len(table) == need, (
+                    f"{seq.request_id} holds {held} tokens in {len(table)} pages, not {need}"
+                )
+            else:
+                assert len(table) >= need, (
+                    f"{seq.request_id} holds {held} tokens in only {len(table)} pages"
+                )
+            assert len(set(table)) == len(table), (
+                f"{seq.request_id}'s block table lists a page twice: {table}"
+            )
+            for page in table:
+                assert isinstance(page, int) and 0 <= page < self.num_pages, (
+                    f"{seq.request_id} holds page {page!r}, outside range({self.num_pages})"
+                )
+        for seq in self.waiting.values():
+            assert self.allocator.num_held_tokens(seq) == 0, (
+                f"the waiting {seq.request_id} holds tokens"
+            )
+
+    @invariant()
+    def pages_are_owned_once_or_shared_soundly(self) -> None:
+        ps = self.page_size
+        for page, holders in self._holders().items():
+            if len(holders) < 2:
+                continue
+            names = [self.running[sid].request_id for sid, _ in holders]
+            indexes = {index for _, index in holders}
+            assert len(indexes) == 1, (
+                f"page {page} is held by {names} at different positions {sorted(indexes)}"
+            )
+            end = (indexes.pop() + 1) * ps
+            prefixes = set()
+            for sid, _ in holders:
+                seq = self.running[sid]
+                assert self.held[sid] >= end and seq.num_computed_tokens >= end, (
+                    f"page {page} is shared by {names} but is not full and computed for {seq.request_id}"
+                )
+                prefixes.add(tuple(seq.token_ids[:end]))
+            assert len(prefixes) == 1, (
+                f"page {page} is shared by {names}, whose token prefixes differ"
+            )
+            self._check_kv(self.running[holders[0][0]], end, f"shared page {page}")
+
+    @invariant()
+    def statistics_add_up(self) -> None:
+        stats = self.allocator.stats()
+        in_use = len(self._holders())
+        assert stats.num_pages == self.num_pages
+        assert stats.pages_free + in_use == self.num_pages, (
+            f"pages_free {stats.pages_free} + pages in block tables {in_use} != num_pages {self.num_pages}"
+        )
+        assert stats.tokens_held == sum(self.held.values()), (
+            f"stats().tokens_held {stats.tokens_held} != {sum(self.held.values())} held"
+        )
+        if self.exact_block_tables:
+            assert stats.tokens_reserved == in_use * self.page_size, (
+                f"tokens_reserved {stats.tokens_reserved} != {in_use} pages in use x {self.page_size}"
+            )
+        else:
+            assert stats.tokens_reserved >= 0
+        assert 0 <= stats.prefix_hit_tokens <= stats.prefix_queried_tokens
+        assert stats.prefix_queried_tokens >= self.last_stats.prefix_queried_tokens
+        assert stats.prefix_hit_tokens >= self.last_stats.prefix_hit_tokens
+        self.last_stats = stats
+
+
+def allocator_state_machine(
+    factory: Callable[[], Allocator],
+    *,
+    exact_block_tables: bool = True,
+    name: str | None = None,
+    **attributes: Any,
+) -> type[AllocatorStateMachine]:
+    """A contract state machine for the allocators ``factory()`` builds (a fresh one per run).
+
+    Its ``.TestCase`` is a ``unittest.TestCase`` pytest collects; set
+    ``.TestCase.settings = hypothesis.settings(...)`` to tune it. Extra
+    keyword arguments override :class:`AllocatorStateMachine`'s class
+    attributes (``max_sequence_tokens=``, ``max_live_sequences=``, ...).
+    """
+    namespace: dict[str, Any] = {
+        "make_allocator": lambda self: factory(),
+        "exact_block_tables": exact_block_tables,
+        **attributes,
+    }
+    return type(name or "AllocatorContract", (AllocatorStateMachine,), namespace)
+
+
+def check_allocator(
+    factory: Callable[[], Allocator],
+    *,
+    settings: hypothesis.settings | None = None,
+    exact_block_tables: bool = True,
+    **attributes: Any,
+) -> None:
+    """Run the contract against ``factory()``'s allocators; raise the first violation found (shrunk)."""
+    machine = allocator_state_machine(factory, exact_block_tables=exact_block_tables, **attributes)
+    run_state_machine_as_test(machine, settings=settings)

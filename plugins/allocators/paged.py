@@ -1,0 +1,155 @@
+"""``paged``: fixed-size pages handed out on demand through a block table.
+
+A sequence that holds ``n`` tokens holds exactly ceil(n / page_size) pages,
+in a per-sequence block table (token ``t`` lives in page
+``table[t // page_size]``). Pages come from one free list used as a stack:
+the most recently freed page is reused first (its cache lines are the
+likeliest to still be warm, and the order is deterministic: a fresh
+allocator hands out pages 0, 1, 2, ...). Every call touches only the pages it
+adds or removes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pitstop
+from pitstop.plugins.allocators._common import (
+    AllocatorUsageError,
+    OutOfPagesError,
+    check_admissible,
+    check_count,
+    pages_for,
+)
+from pitstop.protocols import AllocatorStats
+
+if TYPE_CHECKING:
+    from pitstop.config import EngineConfig
+    from pitstop.sequence import Sequence
+
+
+class PagedAllocator:
+    """Pages on demand; nothing shared, nothing cached."""
+
+    def __init__(self, page_size: int, num_pages: int) -> None:
+        if page_size <= 0 or num_pages < 0:
+            raise AllocatorUsageError(
+                f"page_size must be > 0 and num_pages >= 0, got {page_size}, {num_pages}"
+            )
+        self.page_size = page_size
+        self.num_pages = num_pages
+        # A stack: pop() takes the most recently freed page; reversed so a fresh allocator gives 0, 1, 2, ...
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}  # seq_id -> block table
+        self._held: dict[int, int] = {}  # seq_id -> tokens held
+        self._tokens_held = 0
+
+    # ------------------------------------------------------------------ admission
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is not admitted yet and its tokens fit in free pages."""
+        return (
+            seq.seq_id not in self._tables
+            and seq.num_tokens > 0
+            and pages_for(seq.num_tokens, self.page_size) <= len(self._free)
+        )
+
+    def allocate(self, seq: Sequence) -> int:
+        """Admit ``seq`` with pages for all its tokens; nothing is ever cached, so return 0."""
+        if seq.seq_id in self._tables:
+            raise AllocatorUsageError(f"sequence {seq.request_id!r} is already admitted")
+        check_admissible(seq)
+        need = pages_for(seq.num_tokens, self.page_size)
+        if need > len(self._free):
+            raise OutOfPagesError(
+                f"sequence {seq.request_id!r} needs {need} pages for {seq.num_tokens} tokens; {len(self._free)} are free"
+            )
+        self._tables[seq.seq_id] = [self._free.pop() for _ in range(need)]
+        self._held[seq.seq_id] = seq.num_tokens
+        self._tokens_held += seq.num_tokens
+        return 0
+
+    # ------------------------------------------------------------------ growth
+    def _new_pages_for(self, seq_id: int, num_tokens: int) -> int:
+        held = self._held[seq_id]
+        return pages_for(held + num_tokens, self.page_size) - len(self._tables[seq_id])
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the admitted ``seq`` can hold ``num_tokens`` more tokens."""
+        if seq.seq_id not in self._tables or num_tokens < 0:
+            return False
+        return self._new_pages_for(seq.seq_id, num_tokens) <= len(self._free)
+
+    def append(self, seq: Sequence, num_tokens: int) -> None:
+        """Make ``seq`` hold ``num_tokens`` more tokens, taking pages as they fill."""
+        check_count(num_tokens, "append")
+        table = self._table(seq)
+        need = self._new_pages_for(seq.seq_id, num_tokens)
+        if need > len(self._free):
+            raise OutOfPagesError(
+                f"sequence {seq.request_id!r} needs {need} more pages; {len(self._free)} are free"
+            )
+        for _ in range(need):
+            table.append(self._free.pop())
+        self._held[seq.seq_id] += num_tokens
+        self._tokens_held += num_tokens
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s last ``num_tokens`` tokens; pages left empty return to the free list."""
+        check_count(num_tokens, "truncate")
+        table = self._table(seq)
+        held = self._held[seq.seq_id]
+        if num_tokens > held:
+            raise AllocatorUsageError(
+                f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, which holds {held}"
+            )
+        keep = pages_for(held - num_tokens, self.page_size)
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self._held[seq.seq_id] = held - num_tokens
+        self._tokens_held -= num_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release every page of ``seq`` (a no-op for a sequence that holds none)."""
+        table = self._tables.pop(seq.seq_id, None)
+        if table is None:
+            return
+        self._tokens_held -= self._held.pop(seq.seq_id)
+        self._free.extend(reversed(table))  # the sequence's first page is reused first
+
+    # ------------------------------------------------------------------ queries
+    def _table(self, seq: Sequence) -> list[int]:
+        try:
+            return self._tables[seq.seq_id]
+        except KeyError:
+            raise AllocatorUsageError(f"sequence {seq.request_id!r} is not admitted") from None
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The pages of ``seq`` in order (the live list: read it, copy it to keep it)."""
+        return self._table(seq)
+
+    def num_held_tokens(self, seq: Sequence) -> int:
+        """Token slots ``seq`` holds (0 when not admitted)."""
+        return self._held.get(seq.seq_id, 0)
+
+    def on_tokens_computed(self, seq: Sequence) -> None:
+        """Nothing to do: paged caches nothing across sequences."""
+
+    def stats(self) -> AllocatorStats:
+        """Tokens held, pages in use x page_size reserved, pages free."""
+        free = len(self._free)
+        return AllocatorStats(
+            num_pages=self.num_pages,
+            pages_free=free,
+            tokens_held=self._tokens_held,
+            tokens_reserved=(self.num_pages - free) * self.page_size,
+        )
+
+
+def create_paged(config: EngineConfig, num_pages: int) -> PagedAllocator:
+    """Fixed-size pages handed out on demand through a block table."""
+    return PagedAllocator(config.page_size, num_pages)
+
+
+@pitstop.hookimpl
+def register_allocators(register) -> None:
+    register("paged", create_paged)

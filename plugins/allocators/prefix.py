@@ -1,0 +1,362 @@
+"""``prefix``: ``paged`` plus reuse of full pages whose whole token prefix was seen.
+
+How a page becomes reusable. After each step the engine calls
+``on_tokens_computed(seq)``; every page of ``seq`` that is now full *and*
+whose tokens all have KV gets a chained hash, ``page_hash(parent's hash,
+this page's token ids)``, and is entered in the cache together with its token
+ids and the identity (``uid``) of the cached page before it. When a
+sequence is admitted its full pages are looked up in order; a page is a hit
+only if its hash matches, its stored token ids equal the sequence's, and its
+stored parent is exactly the page matched just before. So a hash collision
+can never serve wrong KV: the tokens of the whole prefix are compared.
+
+Sharing. A hit is shared read-only (a reference count per page); hits are
+whole pages and the last token of a sequence is always recomputed, so new
+tokens always go to pages of the sequence's own. A sequence whose last
+holder frees a cached page leaves it in an LRU pool, still findable, until a
+new page is needed and no never-cached page is free (then the least
+recently freed one is evicted), or until the pool exceeds its capacity.
+
+Setting (``EngineConfig.options``):
+
+``prefix.max_cached_pages``
+    the most pages kept in the LRU pool once no sequence uses them (an
+    integer >= 0; default: no limit besides the cache itself). ``0`` keeps
+    nothing after its last holder is freed: pages are then shared only
+    between sequences that are alive at the same time.
+
+Counters: ``stats().prefix_queried_tokens`` adds every admitted sequence's
+token count; ``prefix_hit_tokens`` the tokens served from the cache.
+Free pages are a stack (the most recently freed page is reused first), and
+within one freed sequence its last page enters the LRU pool first, so a
+shared prefix outlives the tails that hang off it.
+
+``truncate`` may drop shared pages whole (other holders keep them), but
+refuses to cut into the middle of a page another sequence shares, because
+the next token would overwrite it; the engine only truncates speculative
+tokens past the computed prefix, which never lie in a shared page.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import pitstop
+from pitstop.errors import ConfigError
+from pitstop.plugins.allocators._common import (
+    AllocatorUsageError,
+    OutOfPagesError,
+    check_admissible,
+    check_count,
+    pages_for,
+)
+from pitstop.protocols import AllocatorStats
+
+if TYPE_CHECKING:
+    from pitstop.config import EngineConfig
+    from pitstop.sequence import Sequence
+
+MAX_CACHED_PAGES_OPTION = "prefix.max_cached_pages"
+
+_ROOT_HASH = 0
+_ROOT_UID = 0  # the "parent" of a sequence's first page; real uids start at 1
+
+
+def page_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    """The chained hash of one full page (deterministic within a process)."""
+    return hash((parent_hash, token_ids))
+
+
+class _CachedPage:
+    """What the cache knows about one hashed page."""
+
+    __slots__ = ("hash", "parent_uid", "token_ids", "uid")
+
+    def __init__(self, hash_: int, parent_uid: int, uid: int, token_ids: tuple[int, ...]) -> None:
+        self.hash = hash_
+        self.parent_uid = parent_uid
+        self.uid = uid  # unique per cache entry, never reused: a child names its exact parent
+        self.token_ids = token_ids
+
+
+class PrefixCachingAllocator:
+    """Pages on demand, plus shared, refcounted, LRU-cached full prefix pages."""
+
+    def __init__(self, page_size: int, num_pages: int, max_cached_pages: int | None = None) -> None:
+        if page_size <= 0 or num_pages < 0:
+            raise AllocatorUsageError(
+                f"page_size must be > 0 and num_pages >= 0, got {page_size}, {num_pages}"
+            )
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_cached_pages = num_pages if max_cached_pages is None else max_cached_pages
+        self._free: list[int] = list(
+            range(num_pages - 1, -1, -1)
+        )  # never-cached free pages, a stack
+        self._evictable: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # cached pages nobody holds, oldest first
+        self._refs = [0] * num_pages
+        self._cached: dict[int, _CachedPage] = {}  # page -> its cache entry
+        self._buckets: dict[int, list[int]] = {}  # hash -> cached pages with that hash
+        self._next_uid = _ROOT_UID + 1
+        self._tables: dict[int, list[int]] = {}  # seq_id -> block table
+        self._held: dict[int, int] = {}  # seq_id -> tokens held
+        # seq_id -> (hash, uid of the cache entry with that content) of its leading full computed pages
+        self._chains: dict[int, list[tuple[int, int]]] = {}
+        self._tokens_held = 0
+        self._queried = 0
+        self._hit = 0
+
+    # ------------------------------------------------------------------ the cache
+    def _find(self, hash_: int, parent_uid: int, token_ids: tuple[int, ...]) -> int | None:
+        for page in self._buckets.get(hash_, ()):
+            entry = self._cached[page]
+            if entry.parent_uid == parent_uid and entry.token_ids == token_ids:
+                return page
+        return None
+
+    def _register(self, page: int, hash_: int, parent_uid: int, token_ids: tuple[int, ...]) -> int:
+        uid = self._next_uid
+        self._next_uid += 1
+        self._cached[page] = _CachedPage(hash_, parent_uid, uid, token_ids)
+        self._buckets.setdefault(hash_, []).append(page)
+        return uid
+
+    def _unregister(self, page: int) -> None:
+        entry = self._cached.pop(page)
+        bucket = self._buckets[entry.hash]
+        bucket.remove(page)
+        if not bucket:
+            del self._buckets[entry.hash]
+
+    def _lookup(self, seq: Sequence) -> tuple[list[int], list[tuple[int, int]]]:
+        """The cached pages that hold ``seq``'s leading full pages (never its last token)."""
+        ps = self.page_size
+        tokens = seq.token_ids
+        pages: list[int] = []
+        chain: list[tuple[int, int]] = []
+        parent_hash, parent_uid = _ROOT_HASH, _ROOT_UID
+        for i in range((seq.num_tokens - 1) // ps):
+            chunk = tuple(tokens[i * ps : (i + 1) * ps])
+            hash_ = page_hash(parent_hash, chunk)
+            page = self._find(hash_, parent_uid, chunk)
+            if page is None:
+                break
+            parent_hash, parent_uid = hash_, self._cached[page].uid
+            pages.append(page)
+            chain.append((parent_hash, parent_uid))
+        return pages, chain
+
+    # ------------------------------------------------------------------ pages
+    def _available(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def _take(self) -> int:
+        """A page for new tokens: a never-cached one first, else evict the least recently freed."""
+        if self._free:
+            return self._free.pop()
+        page, _ = self._evictable.popitem(last=False)
+        self._unregister(page)
+        return page
+
+    def _release(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page]:
+            return
+        if page in self._cached:
+            self._evictable[page] = None
+            while len(self._evictable) > self.max_cached_pages:
+                old, _ = self._evictable.popitem(last=False)
+                self._unregister(old)
+                self._free.append(old)
+        else:
+            self._free.append(page)
+
+    # ------------------------------------------------------------------ admission
+    def _new_pages_needed(self, seq: Sequence, hits: list[int]) -> tuple[int, int]:
+        """(pages to take, pages available for them) when admitting ``seq`` with ``hits``."""
+        idle_hits = sum(1 for page in hits if not self._refs[page])  # they leave the LRU pool
+        return pages_for(seq.num_tokens, self.page_size) - len(hits), self._available() - idle_hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is new and its uncached pages fit."""
+        if seq.seq_id in self._tables or seq.num_tokens <= 0:
+            return False
+        need, available = self._new_pages_needed(seq, self._lookup(seq)[0])
+        return need <= available
+
+    def allocate(self, seq: Sequence) -> int:
+        """Admit ``seq``, sharing its cached leading pages; return how many tokens they hold."""
+        if seq.seq_id in self._tables:
+            raise AllocatorUsageError(f"sequence {seq.request_id!r} is already admitted")
+        check_admissible(seq)
+        hits, chain = self._lookup(seq)
+        need, available = self._new_pages_needed(seq, hits)
+        if need > available:
+            raise OutOfPagesError(
+                f"sequence {seq.request_id!r} needs {need} new pages ({len(hits)} cached); {available} are free"
+            )
+        for page in hits:  # take hits out of the LRU pool before evicting for new pages
+            if not self._refs[page]:
+                del self._evictable[page]
+            self._refs[page] += 1
+        table = hits + [self._take() for _ in range(need)]
+        for page in table[len(hits) :]:
+            self._refs[page] = 1
+        self._tables[seq.seq_id] = table
+        self._held[seq.seq_id] = seq.num_tokens
+        self._chains[seq.seq_id] = chain
+        self._tokens_held += seq.num_tokens
+        cached_tokens = len(hits) * self.page_size
+        self._queried += seq.num_tokens
+        self._hit += cached_tokens
+        return cached_tokens
+
+    # ------------------------------------------------------------------ growth
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the admitted ``seq`` can hold ``num_tokens`` more tokens."""
+        table = self._tables.get(seq.seq_id)
+        if table is None or num_tokens < 0:
+            return False
+        need = pages_for(self._held[seq.seq_id] + num_tokens, self.page_size) - len(table)
+        return need <= self._available()
+
+    def append(self, seq: Sequence, num_tokens: int) -> None:
+        """Make ``seq`` hold ``num_tokens`` more tokens, in pages of its own."""
+        check_count(num_tokens, "append")
+        table = self._table(seq)
+        held = self._held[seq.seq_id]
+        need = pages_for(held + num_tokens, self.page_size) - len(table)
+        if need > self._available():
+            raise OutOfPagesError(
+                f"sequence {seq.request_id!r} needs {need} more pages; {self._available()} are free"
+            )
+        for _ in range(need):
+            page = self._take()
+            self._refs[page] = 1
+            table.append(page)
+        self._held[seq.seq_id] = held + num_tokens
+        self._tokens_held += num_tokens
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s last ``num_tokens`` tokens; shared pages stay with their other holders."""
+        check_count(num_tokens, "truncate")
+        table = self._table(seq)
+        held = self._held[seq.seq_id]
+        if num_tokens > held:
+            raise AllocatorUsageError(
+                f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, which holds {held}"
+            )
+        new_held = held - num_tokens
+        keep = pages_for(new_held, self.page_size)
+        partial = (
+            table[keep - 1] if new_held % self.page_size else None
+        )  # the page new tokens will go to
+        if partial is not None and self._refs[partial] > 1:
+            raise AllocatorUsageError(
+                f"cannot truncate sequence {seq.request_id!r} to {new_held} tokens: that cuts into page "
+                f"{partial}, which other sequences share through the prefix cache"
+            )
+        while len(table) > keep:
+            self._release(table.pop())
+        if partial is not None and partial in self._cached:
+            self._unregister(partial)  # its tail will be overwritten
+        del self._chains[seq.seq_id][new_held // self.page_size :]
+        self._held[seq.seq_id] = new_held
+        self._tokens_held -= num_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s pages; cached ones nobody else holds join the LRU pool, last page first."""
+        table = self._tables.pop(seq.seq_id, None)
+        if table is None:
+            return
+        self._tokens_held -= self._held.pop(seq.seq_id)
+        del self._chains[seq.seq_id]
+        for page in reversed(table):
+            self._release(page)
+
+    # ------------------------------------------------------------------ hashing
+    def on_tokens_computed(self, seq: Sequence) -> None:
+        """Enter in the cache every page of ``seq`` that is now full and computed."""
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return
+        ps = self.page_size
+        chain = self._chains[seq.seq_id]
+        num_full = min(seq.num_computed_tokens, self._held[seq.seq_id], seq.num_tokens) // ps
+        if num_full <= len(chain):
+            return
+        parent_hash, parent_uid = chain[-1] if chain else (_ROOT_HASH, _ROOT_UID)
+        tokens = seq.token_ids
+        for i in range(len(chain), num_full):
+            chunk = tuple(tokens[i * ps : (i + 1) * ps])
+            hash_ = page_hash(parent_hash, chunk)
+            page = table[i]
+            twin = self._find(hash_, parent_uid, chunk)
+            if page in self._cached and twin != page:  # a stale entry: this page's KV was rewritten
+                self._unregister(page)
+            if twin is None:
+                uid = self._register(page, hash_, parent_uid, chunk)
+            else:  # the same content is cached already (in another page, or this very one)
+                uid = self._cached[twin].uid
+            chain.append((hash_, uid))
+            parent_hash, parent_uid = hash_, uid
+
+    # ------------------------------------------------------------------ queries
+    def _table(self, seq: Sequence) -> list[int]:
+        try:
+            return self._tables[seq.seq_id]
+        except KeyError:
+            raise AllocatorUsageError(f"sequence {seq.request_id!r} is not admitted") from None
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The pages of ``seq`` in order (the live list: read it, copy it to keep it)."""
+        return self._table(seq)
+
+    def num_held_tokens(self, seq: Sequence) -> int:
+        """Token slots ``seq`` holds (0 when not admitted)."""
+        return self._held.get(seq.seq_id, 0)
+
+    def refcount(self, page: int) -> int:
+        """How many live sequences hold ``page``."""
+        return self._refs[page]
+
+    def is_cached(self, page: int) -> bool:
+        """Whether ``page`` is in the prefix cache (findable by a later sequence)."""
+        return page in self._cached
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Cached pages no sequence holds (the LRU pool)."""
+        return len(self._evictable)
+
+    def evictable_pages(self) -> list[int]:
+        """The LRU pool, next to be evicted first."""
+        return list(self._evictable)
+
+    def stats(self) -> AllocatorStats:
+        """Free pages include the LRU pool (they are reclaimed on demand)."""
+        free = self._available()
+        return AllocatorStats(
+            num_pages=self.num_pages,
+            pages_free=free,
+            tokens_held=self._tokens_held,
+            tokens_reserved=(self.num_pages - free) * self.page_size,
+            prefix_queried_tokens=self._queried,
+            prefix_hit_tokens=self._hit,
+        )
+
+
+def create_prefix(config: EngineConfig, num_pages: int) -> PrefixCachingAllocator:
+    """Paged plus reuse of full pages whose token prefix was seen before (chained hash, refcount, LRU)."""
+    cap = config.options.get(MAX_CACHED_PAGES_OPTION)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        raise ConfigError(f"option {MAX_CACHED_PAGES_OPTION} must be an integer >= 0, got {cap!r}")
+    return PrefixCachingAllocator(config.page_size, num_pages, cap)
+
+
+@pitstop.hookimpl
+def register_allocators(register) -> None:
+    register("prefix", create_prefix)
