@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pitstop.config import EngineConfig
-from pitstop.errors import ConfigError, InvalidRequestError, ModelLoadError, PitstopError, PluginError
+from pitstop.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ModelLoadError,
+    PitstopError,
+    PluginError,
+)
 from pitstop.hookspecs import hookimpl
 from pitstop.sampling_params import SamplingParams
 

@@ -47,6 +47,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
     if args.check:
+        import attrs
         import torch
 
         from pitstop.runner import resolve_device, resolve_dtype
@@ -54,6 +55,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         config = EngineConfig.from_cli(args)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
+        if config.kernels == "auto":
+            config = attrs.evolve(config, kernels="fused" if device.type == "cuda" else "reference")
         kernels = pm.create("kernels", config.kernels, config, device, dtype)
         print(f"\nkernels {config.kernels!r} on {device} ({dtype}, torch {torch.__version__}):")
         for op, impl in kernels.describe().items():

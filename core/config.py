@@ -103,7 +103,11 @@ class EngineConfig:
     # --- the strategies, by name
     allocator: str = attrs.field(default="paged", validator=_name, metadata=_doc("KV-cache allocator plugin"))
     scheduler: str = attrs.field(default="continuous", validator=_name, metadata=_doc("scheduler plugin"))
-    kernels: str = attrs.field(default="reference", validator=_name, metadata=_doc("kernel-set plugin"))
+    kernels: str = attrs.field(
+        default="auto",
+        validator=_name,
+        metadata=_doc("kernel-set plugin; auto: fused on CUDA (when registered), reference elsewhere"),
+    )
     sampler: str = attrs.field(default="standard", validator=_name, metadata=_doc("sampler plugin"))
     speculative: str | None = attrs.field(
         default=None, validator=_optional_name, metadata=_doc("speculative-decoding proposer plugin (default: none)")

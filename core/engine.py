@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import attrs
 
@@ -21,6 +22,7 @@ from pitstop.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.runner import ModelRunner, SeqInput, StepInput, resolve_device, resolve_dtype
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import Sequence, SequenceStatus
+from pitstop.speculative import ProposerContext, draft_room
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
 from pitstop.weights import load_model_source
 
@@ -41,6 +43,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
         self.plugins = plugins or get_plugin_manager()
+        self.device = resolve_device(config.device)
+        if config.kernels == "auto":
+            fused = self.device.type == "cuda" and "fused" in self.plugins.names("kernels")
+            config = attrs.evolve(config, kernels="fused" if fused else "reference")
         # Every name is checked before any weight loads.
         for kind, name in (
             ("allocator", config.allocator),
@@ -51,7 +57,6 @@ class LLMEngine:
             self.plugins.get(kind, name)
         if config.speculative is not None:
             self.plugins.get("proposer", config.speculative)
-        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         source = load_model_source(config.model, tokenizer=config.tokenizer)
         mc = source.model_config
@@ -74,6 +79,19 @@ class LLMEngine:
             )
         self.allocator = self.plugins.create("allocator", config.allocator, config, num_pages)
         self.scheduler = self.plugins.create("scheduler", config.scheduler, config, self.allocator)
+        self.proposer = None
+        if config.speculative is not None:
+            context = ProposerContext(
+                plugins=self.plugins,
+                device=self.device,
+                dtype=self.dtype,
+                vocab_size=mc.vocab_size,
+                page_size=config.page_size,
+                num_pages=num_pages,
+                tokenizer=self.tokenizer,
+            )
+            self.proposer = self.plugins.create("proposer", config.speculative, config, context)
+        self._draft_probs: dict[int, Any] = {}  # seq_id -> this step's draft distributions
         per_page = self.runner.bytes_per_page()
         log.info(
             "%s KV cache: %d tokens/page, %s pages, %s tokens, %.2f GiB",
@@ -183,6 +201,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that produced a token or finished."""
         start = time.perf_counter()
+        proposed = self._propose() if self.proposer is not None else []
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if plan.is_empty:
@@ -197,14 +216,19 @@ class LLMEngine:
             end = begin + s.num_new_tokens
             if seq.timestamps.first_scheduled is None:
                 seq.timestamps.first_scheduled = start
+            # A sequence verifying k drafts computes [last token] + drafts: k past its end.
+            num_drafts = max(0, end - seq.num_tokens)
+            assert num_drafts == 0 or num_drafts == len(seq.draft_token_ids)
             inputs.append(
                 SeqInput(
                     seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[begin:end],
+                    token_ids=seq.token_ids[begin:end] + seq.draft_token_ids[:num_drafts],
                     start_pos=begin,
                     block_table=self.allocator.block_table(seq),
-                    sample=end == seq.num_tokens,
+                    sample=end >= seq.num_tokens,
                     params=seq.sampling_params,
+                    num_logits=1 + num_drafts,
+                    draft_probs=self._draft_probs.get(seq.seq_id) if num_drafts else None,
                 )
             )
         finished_ids, self._finished_seq_ids = self._finished_seq_ids, []
@@ -212,33 +236,50 @@ class LLMEngine:
 
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
-        sampled = iter(range(len(out.token_ids)))
+        emitted = out.num_emitted or [1] * len(out.token_ids)
+        sampled = iter(range(len(emitted)))
+        pos = 0  # into out.token_ids
         prefill_seqs = prefill_tokens = decode_tokens = 0
         for s, inp in zip(scheduled, inputs, strict=True):
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            self.allocator.on_tokens_computed(seq)
-            if s.num_new_tokens > 1 or seq.num_output_tokens == 0:
+            num_drafts = inp.num_logits - 1
+            if num_drafts or seq.num_output_tokens > 0 and s.num_new_tokens == 1:
+                decode_tokens += s.num_new_tokens
+            else:
                 prefill_seqs += 1
                 prefill_tokens += s.num_new_tokens
-            else:
-                decode_tokens += s.num_new_tokens
+            if not num_drafts:
+                seq.num_computed_tokens += s.num_new_tokens
+                self.allocator.on_tokens_computed(seq)
             if not inp.sample:
                 continue
-            i = next(sampled)
-            token = out.token_ids[i]
+            n = emitted[next(sampled)]
+            tokens = out.token_ids[pos : pos + n]
+            logprobs = out.logprobs[pos : pos + n] if out.logprobs is not None else None
+            pos += n
             req = self._requests[seq.request_id]
-            seq.append_token(token)
-            if req.logprobs is not None and out.logprobs is not None:
-                req.logprobs.append(out.logprobs[i])
-            delta = self._check_stop(req, token)
+            delta = ""
+            new_ids: list[int] = []
+            for j, token in enumerate(tokens):  # accepted drafts, then the corrected or bonus token
+                seq.append_token(token)
+                new_ids.append(token)
+                if req.logprobs is not None and logprobs is not None:
+                    req.logprobs.append(logprobs[j])
+                delta += self._check_stop(req, token)
+                if seq.is_finished:
+                    break
+            if num_drafts:
+                self._after_verify(seq, inp.start_pos, num_drafts, n - 1)
+            self.stats.generation_tokens += len(new_ids)
             if seq.is_finished:
                 finished.append(seq)
-                outputs.append(self._finish(req, delta, [token]))
+                outputs.append(self._finish(req, delta, new_ids))
             else:
-                outputs.append(self._output(req, delta, [token]))
+                outputs.append(self._output(req, delta, new_ids))
+        for seq in proposed:
+            seq.draft_token_ids.clear()
+        self._draft_probs.clear()
         self.stats.prompt_tokens += prefill_tokens
-        self.stats.generation_tokens += len(out.token_ids)
         self.stats.requests_finished += len(finished)
         self._finished_seq_ids.extend(seq.seq_id for seq in finished)
         self.scheduler.on_step_done(plan, finished)
@@ -263,6 +304,50 @@ class LLMEngine:
                 ),
             )
         return outputs
+
+    # ------------------------------------------------------------------ speculation
+    def _propose(self) -> list[Sequence]:
+        """Ask the proposer for drafts for every running, decoding sequence; return those asked."""
+        assert self.proposer is not None and self.config.max_model_len is not None
+        k = self.config.num_speculative_tokens
+        seqs = [
+            req.seq
+            for req in self._requests.values()
+            if req.seq.status is SequenceStatus.RUNNING
+            and req.seq.num_uncomputed_tokens == 1
+            and draft_room(req.seq, k, self.config.max_model_len) > 0
+        ]
+        if not seqs:
+            return []
+        for seq, proposal in zip(seqs, self.proposer.propose(seqs, k), strict=True):
+            room = draft_room(seq, k, self.config.max_model_len)
+            seq.draft_token_ids = list(proposal.token_ids[:room])
+            if proposal.probs is not None and seq.draft_token_ids:
+                self._draft_probs[seq.seq_id] = proposal.probs[: len(seq.draft_token_ids)]
+        return seqs
+
+    def _after_verify(
+        self, seq: Sequence, start_pos: int, num_drafts: int, num_accepted: int
+    ) -> None:
+        """Keep the KV of the verified tokens only; give back the slots of the rejected drafts.
+
+        The step computed KV for the last token (at ``start_pos``) and the drafts.
+        Valid now: the last token and the accepted drafts (``start_pos + 1 +
+        num_accepted`` tokens, or every token when a stop cut the step short);
+        the token emitted after them is uncomputed. A running sequence then
+        holds exactly ``num_computed_tokens == num_tokens - 1`` slots, as after
+        a plain decode step.
+        """
+        seq.num_computed_tokens = min(start_pos + 1 + num_accepted, seq.num_tokens)
+        held = self.allocator.num_held_tokens(seq)
+        if held > seq.num_computed_tokens:
+            self.allocator.truncate(seq, held - seq.num_computed_tokens)
+        self.allocator.on_tokens_computed(seq)
+        self.stats.spec_verifications += 1
+        self.stats.spec_proposed_tokens += num_drafts
+        self.stats.spec_accepted_tokens += num_accepted
+        assert self.proposer is not None
+        self.proposer.on_accepted(seq, num_accepted)
 
     def _check_stop(self, req: _Request, token: int) -> str:
         """Apply the stop conditions after ``token``; return the new text to stream."""
@@ -313,7 +398,10 @@ class LLMEngine:
             text_delta=delta,
             new_token_ids=new_ids or [],
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            metrics=RequestMetrics(
+            # per-request timings on the final output only: building them every step costs O(tokens)
+            metrics=None
+            if not seq.is_finished
+            else RequestMetrics(
                 arrival=ts.arrival,
                 first_scheduled=ts.first_scheduled,
                 first_token=ts.first_token,
@@ -327,6 +415,9 @@ class LLMEngine:
 
     def _finish(self, req: _Request, delta: str = "", new_ids: list[int] | None = None) -> RequestOutput:
         self._requests.pop(req.seq.request_id, None)
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(req.seq)  # e.g. the draft model's own KV pages
         output = self._output(req, delta, new_ids)
         if self._request_observers:
             self.plugins.hook.on_request_finished(engine=self, output=output)

@@ -40,8 +40,25 @@ class EngineStats:
     requests_finished: int = 0
     requests_aborted: int = 0
     utilization_sum: float = 0.0  # sum over steps of tokens held / tokens reserved
+    # Speculative decoding (zero without it): one verification = one sequence verifying drafts in a step.
+    spec_verifications: int = 0
+    spec_proposed_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # draft tokens the target kept
 
     @property
     def mean_kv_utilization(self) -> float:
         """KV-cache utilization averaged over steps."""
         return self.utilization_sum / self.steps if self.steps else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Draft tokens accepted over draft tokens verified (0.0 without speculation)."""
+        proposed = self.spec_proposed_tokens
+        return self.spec_accepted_tokens / proposed if proposed else 0.0
+
+    @property
+    def spec_mean_accepted(self) -> float:
+        """Draft tokens accepted per verification (a sequence-step that verified drafts); each such
+        step emits this plus one token."""
+        verifications = self.spec_verifications
+        return self.spec_accepted_tokens / verifications if verifications else 0.0

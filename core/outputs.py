@@ -60,4 +60,4 @@ class RequestOutput:
     text_delta: str = ""
     new_token_ids: list[int] = attrs.Factory(list)
     logprobs: list[float] | None = None
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics | None = None  # set on the final output (finished=True)

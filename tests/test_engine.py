@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest_models import make_tiny_checkpoint, smollm2_gguf
 
 from pitstop import LLM, EngineConfig, SamplingParams
 from pitstop.plugin_manager import get_plugin_manager
-from conftest_models import make_tiny_checkpoint, smollm2_gguf
 
 PROMPTS = [
     "Hi",

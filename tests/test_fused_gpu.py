@@ -247,7 +247,7 @@ def _greedy(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dummy_qwen3_greedy_matches_reference(dtype: torch.dtype) -> None:
-    """Greedy tokens of a dummy qwen3-0.6b: identical in fp32; in bf16 no earlier divergence than reference vs itself."""
+    """Greedy tokens of a dummy qwen3-0.6b: identical in fp32; in bf16 logits no further from fp32 than the reference's."""
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 151936, (n,), generator=gen).tolist() for n in (17, 130, 400, 1)]
@@ -257,11 +257,25 @@ def test_dummy_qwen3_greedy_matches_reference(dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         assert fused == ref
         return
-    ref_again = _greedy(_dummy_runner("reference", dtype), prompts, steps=40)
+    # bf16: greedy paths part at near-ties, so compare logits along the reference's own path
+    # (teacher forcing) against the float32 truth: fused may err no more than the reference's
+    # own bf16 arithmetic does (with some slack), and never produce NaN.
+    seqs = [p + t for p, t in zip(prompts, ref, strict=True)]
+    truth = _logits(_dummy_runner("reference", torch.float32), seqs)
+    ref_err = (_logits(_dummy_runner("reference", dtype), seqs) - truth).abs().max().item()
+    fused_logits = _logits(_dummy_runner("fused", dtype), seqs)
+    assert not fused_logits.isnan().any()
+    fused_err = (fused_logits - truth).abs().max().item()
+    assert fused_err <= 2 * ref_err + 1e-3, (fused_err, ref_err)
 
-    def first_divergence(a: list[int], b: list[int]) -> int:
-        return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
-    for i in range(len(prompts)):
-        ref_self = first_divergence(ref[i], ref_again[i])
-        assert first_divergence(fused[i], ref[i]) >= min(ref_self, 8), (i, fused[i], ref[i])
+def _logits(runner, seqs: list[list[int]]) -> torch.Tensor:
+    """Float32 logits of every position of every sequence, all prefilled in one step."""
+    from pitstop.runner import SeqInput
+
+    tables = [list(range(i * 64, (i + 1) * 64)) for i in range(len(seqs))]
+    ids, meta, _ = runner.build_metadata(
+        [SeqInput(i, s, 0, tables[i], False) for i, s in enumerate(seqs)]
+    )
+    with torch.inference_mode():
+        return runner.model.compute_logits(runner.model(ids, runner.rotary, runner.kv_cache, meta))

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pitstop import EngineConfig, SamplingParams
 from pitstop.plugin_manager import PluginManager
 from pitstop.plugins.samplers.standard import StandardSampler

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import pytest
 from hypothesis import Phase
+
 from pitstop import EngineConfig
 from pitstop.plugins.allocators.paged import PagedAllocator, create_paged
 from pitstop.plugins.allocators.preallocated import create_preallocated

@@ -102,7 +102,7 @@ class PitstopBackend:
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def _snapshot(self) -> tuple[int, float, int, int, int]:
+    def _snapshot(self) -> tuple[int, float, int, int, int, int, int, int]:
         s = self.engine.stats
         a = self.engine.allocator.stats()
         return (
@@ -111,20 +111,27 @@ class PitstopBackend:
             s.preemptions,
             a.prefix_queried_tokens,
             a.prefix_hit_tokens,
+            s.spec_verifications,
+            s.spec_proposed_tokens,
+            s.spec_accepted_tokens,
         )
 
     def begin_run(self) -> None:
         self._base = self._snapshot()
 
     def run_stats(self) -> dict[str, Any]:
-        steps, util, pre, queried, hits = (
+        steps, util, pre, queried, hits, verifies, proposed, accepted = (
             b - a for a, b in zip(self._base, self._snapshot(), strict=True)
         )
-        return {
+        stats: dict[str, Any] = {
             "kv_utilization": util / steps if steps else None,
             "prefix_hit_rate": hits / queried if queried else None,
             "preemptions": int(pre),
         }
+        if self.engine.config.speculative is not None:
+            stats["spec_acceptance_rate"] = accepted / proposed if proposed else None
+            stats["spec_mean_accepted"] = accepted / verifies if verifies else None
+        return stats
 
     def close(self) -> None:
         del self.engine
@@ -172,6 +179,7 @@ def load_peer_model(model: str, device: str, dtype: str) -> Any:
 
     import torch
     import transformers
+
     from pitstop.weights import SMOLLM2_NAME, load_model_source, smollm2_path
 
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
 from pitstop.bench import floor as floors
 from pitstop.bench import matrix as matrices
 from pitstop.bench.report import (
@@ -113,9 +114,16 @@ def add_subcommand(subparsers: Any) -> None:
         o.add_argument(
             "--output", metavar="FILE", help="write every figure, config and timing as JSON"
         )
-        o.add_argument("--out", metavar="DIR", help="write DIR/results.json and DIR/plot.png")
         o.add_argument(
-            "--plot", metavar="FILE", help="PNG of TTFT CDF and percentiles per configuration"
+            "--out",
+            metavar="DIR",
+            help="write DIR/results.json (summary + raw per-request and per-token timings) "
+            "and DIR/plot.png (needs matplotlib)",
+        )
+        o.add_argument(
+            "--plot",
+            metavar="FILE",
+            help="PNG of the TTFT CDF, TTFT P50/P90/P99 and throughput per configuration",
         )
         add_cli_flags(p)
         p.set_defaults(func=cmd_bench)
@@ -201,12 +209,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     max_len = config.max_model_len or min(mc.max_position_embeddings, 4096)
     wl, skipped = fit_to_model(wl, vocab_size=mc.vocab_size, max_model_len=max_len)
     for msg in skipped[:5]:
-        log.warning("skipped %s", msg)
+        print(f"[bench] skipped {msg}", file=sys.stderr)
     if skipped:
-        log.warning(
-            "skipped %d of %d requests that do not fit the model",
-            len(skipped),
-            len(skipped) + wl.num_requests,
+        print(
+            f"[bench] skipped {len(skipped)} of {len(skipped) + wl.num_requests} requests "
+            "that do not fit the model",
+            file=sys.stderr,
         )
     concurrency, rate = _clients(args, wl)
     repeats = args.repeats or wl.repeats

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+
 from pitstop.model_config import ModelConfig
 
 

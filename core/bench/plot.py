@@ -24,7 +24,8 @@ def plot(columns: list[dict[str, Any]], path: str | Path, *, title: str = "") ->
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotError(
-            "--plot needs matplotlib, which is not installed: pip install matplotlib "
+            "the plot (--plot, --out) needs matplotlib, which is not installed: "
+            "pip install matplotlib (or pitstop[bench]) "
             "(the results JSON was still written if asked for)"
         ) from None
     cols = [c for c in columns if c.get("figures")]

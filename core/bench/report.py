@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import os
 import platform
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -67,6 +68,7 @@ class RequestRecord:
             "arrival": rel(self.arrival),
             "first_token": rel(self.first_token),
             "finish": rel(self.finish),
+            "token_times": [rel(t) for t in self.token_times],
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "preemptions": self.preemptions,
         }
@@ -100,6 +102,9 @@ class RunResult:
     kv_utilization: float | None = None
     prefix_hit_rate: float | None = None
     preemptions: int | None = None
+    # Speculative decoding only: drafts accepted / drafts verified, and drafts accepted per verification.
+    spec_acceptance_rate: float | None = None
+    spec_mean_accepted: float | None = None
     skipped: list[str] = attrs.Factory(list)
     per_request_counters: bool = True  # records carry cached-prompt and preemption counts
 
@@ -141,7 +146,7 @@ def figures(run: RunResult, *, floor_s: float | None = None) -> dict[str, Any]:
     preempt = run.preemptions
     if preempt is None and run.per_request_counters:
         preempt = sum(r.preemptions for r in recs)
-    return {
+    out: dict[str, Any] = {
         "ttft_ms": distribution(r.ttft for r in recs),
         "tpot_ms": distribution(r.tpot for r in recs),
         "itl_ms": distribution(itls),
@@ -160,6 +165,10 @@ def figures(run: RunResult, *, floor_s: float | None = None) -> dict[str, Any]:
         "floor_fraction": floor_s / wall if floor_s is not None and wall > 0 else None,
         "skipped_requests": len(run.skipped),
     }
+    if run.spec_acceptance_rate is not None or run.spec_mean_accepted is not None:
+        out["spec_acceptance_rate"] = run.spec_acceptance_rate
+        out["spec_mean_accepted"] = run.spec_mean_accepted
+    return out
 
 
 # ---------------------------------------------------------------------- the table
@@ -183,6 +192,13 @@ ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("preemptions", ("preemptions",), "{:d}"),
     ("wall time (s)", ("wall_s",), "{:.2f}"),
     ("fraction of floor", ("floor_fraction",), "{:.1%}"),
+]
+
+
+# Rows shown only when some column has the figure (speculative decoding).
+OPTIONAL_ROWS: list[tuple[str, tuple[str, ...], str]] = [
+    ("spec acceptance rate", ("spec_acceptance_rate",), "{:.1%}"),
+    ("spec accepted / verify", ("spec_mean_accepted",), "{:.2f}"),
 ]
 
 
@@ -217,7 +233,10 @@ def table(columns: Sequence[tuple[str, dict[str, Any] | None, str | None]]) -> s
             header.append("Δ")
     rows = [header]
     first = columns[0][1] if columns else None
-    for label, path, fmt in ROWS:
+    optional = [
+        r for r in OPTIONAL_ROWS if any(_get(figs, r[1]) is not None for _, figs, _ in columns)
+    ]
+    for label, path, fmt in ROWS + optional:
         row = [label]
         base = _get(first, path)
         for i, (_, figs, err) in enumerate(columns):
@@ -244,8 +263,16 @@ def _change(base: Any, value: Any) -> str:
 
 
 # ---------------------------------------------------------------------- provenance + JSON
+COMMIT_ENV = "PITSTOP_COMMIT"
+
+
 def git_commit(repo: str | Path | None = None) -> str | None:
-    """``git rev-parse HEAD`` of the source tree (with ``-dirty`` when it has changes), or None."""
+    """The commit the results came from: ``$PITSTOP_COMMIT`` when set (a copy of the tree
+    without ``.git``, as on the H200 machine), else ``git rev-parse HEAD`` of the source tree
+    (with ``-dirty`` when it has changes), else None."""
+    given = os.environ.get(COMMIT_ENV, "").strip()
+    if given:
+        return given
     cwd = Path(repo) if repo else Path(__file__).resolve().parent
     try:
         head = subprocess.run(
@@ -274,24 +301,44 @@ def device_name(device: str) -> str:
         import torch
 
         return torch.cuda.get_device_name(torch.device(device))
-    return f"CPU ({platform.processor() or platform.machine()})"
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
 def now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
-def write_json(path: str | Path, document: dict[str, Any]) -> None:
-    """Write the results document (NaN becomes null)."""
+def dumps(document: Any) -> str:
+    """JSON of the results document: NaN (and infinity) becomes null, one key a line, and a
+    list of plain numbers or strings (per-token times, TTFTs) on one line, so the raw timings
+    stay compact."""
 
     def clean(x: Any) -> Any:
-        if isinstance(x, float) and math.isnan(x):
+        if isinstance(x, float) and not math.isfinite(x):
             return None
         if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
+            return {str(k): clean(v) for k, v in x.items()}
         if isinstance(x, list | tuple):
             return [clean(v) for v in x]
         return x
 
+    def scalar(x: Any) -> bool:
+        return x is None or isinstance(x, str | int | float | bool)
+
+    def dump(x: Any, indent: str) -> str:
+        inner = indent + " "
+        if isinstance(x, dict) and x:
+            items = [f"{inner}{json.dumps(k)}: {dump(v, inner)}" for k, v in x.items()]
+            return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+        if isinstance(x, list) and x and not all(scalar(v) for v in x):
+            items = [inner + dump(v, inner) for v in x]
+            return "[\n" + ",\n".join(items) + "\n" + indent + "]"
+        return json.dumps(x, separators=(", ", ": "), allow_nan=False)
+
+    return dump(clean(document), "") + "\n"
+
+
+def write_json(path: str | Path, document: dict[str, Any]) -> None:
+    """Write the results document (see :func:`dumps`)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(clean(document), indent=1) + "\n")
+    Path(path).write_text(dumps(document))

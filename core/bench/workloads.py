@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
 from pitstop.errors import PitstopError
 
 # nano-vllm draws token ids in [0, 10000]; every preset's vocabulary is larger.
@@ -280,10 +281,12 @@ def build_workload(
     token_high: int = TOKEN_ID_HIGH,
 ) -> Workload:
     """A named workload (or a JSONL file), with the overrides the CLI allows."""
+    if num_requests is not None and num_requests < 1:
+        raise WorkloadError(f"--num-requests must be >= 1, got {num_requests}")
     if name not in GENERATORS:
         path = Path(name)
         if path.suffix in (".jsonl", ".json") or path.exists():
-            wl = load_jsonl(path)
+            wl = load_jsonl(path, seed=seed, token_high=token_high)
             reqs = wl.requests[:num_requests] if num_requests else wl.requests
             return attrs.evolve(wl, requests=reqs)
         raise WorkloadError(
@@ -291,8 +294,6 @@ def build_workload(
         )
     kwargs: dict[str, Any] = {"seed": seed, "token_high": token_high}
     if num_requests is not None:
-        if num_requests < 1:
-            raise WorkloadError(f"--num-requests must be >= 1, got {num_requests}")
         kwargs["num_requests"] = num_requests
     if input_len is not None:
         kwargs["input_len"] = input_len

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from pitstop.hookspecs import hookimpl
 from pitstop.protocols import SamplerOutput, SamplingBatch
 from pitstop.sampling import make_generator

@@ -27,6 +27,12 @@ room) gives back every page, forgets its computed tokens and goes to the
 front of the queue; on readmission it recomputes its prompt and the tokens it
 generated, and nothing it generated is lost. No sequence is admitted in a step
 that preempted (the room it would take is the room just freed for growth).
+
+Speculative decoding: a decoding sequence whose ``draft_token_ids`` the
+engine filled is scheduled for ``1 + len(draft_token_ids)`` tokens (all of
+them count against the token budget) and grows by that many slots. Drafts
+never cause a preemption: when the budget or the free pages cannot take
+them, the scheduler clears them and the sequence decodes one token.
 """
 
 from __future__ import annotations
@@ -252,6 +258,14 @@ class BaseScheduler:
                 continue
             if seq.num_uncomputed_tokens > 1 and step.prefills_left <= 0:
                 continue
+            if seq.num_uncomputed_tokens == 1 and seq.draft_token_ids:
+                # Verify the drafts too (1 + k tokens), if budget and pages allow without
+                # preempting anyone; otherwise drop them and decode one token as usual.
+                drafts = len(seq.draft_token_ids)
+                if want + drafts <= step.tokens_left and self._ensure_slots(seq, want + drafts):
+                    step.add(seq, want + drafts)
+                    continue
+                seq.draft_token_ids.clear()
             if self._reserve(seq, want, step):
                 step.add(seq, want)
 

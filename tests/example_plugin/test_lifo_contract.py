@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hypothesis
+from pitstop_example import LifoAllocator, make_lifo
 
 from pitstop import EngineConfig
 from pitstop.testing.allocator import allocator_state_machine, check_allocator
 from pitstop.testing.scheduler import check_scheduler_contract
-from pitstop_example import LifoAllocator, make_lifo
 
 # 1. the allocator contract as a TestCase that pytest collects
 TestLifoAllocatorContract = allocator_state_machine(lambda: LifoAllocator(num_pages=12, page_size=4)).TestCase

@@ -1,0 +1,223 @@
+"""``draft``: a second, smaller model with the same tokenizer proposes k tokens.
+
+The draft model (``speculative_model``: any model pitstop loads) runs in its
+own :class:`~pitstop.runner.ModelRunner` with its own paged KV cache and its
+own ``paged`` allocator, with as many pages as the target's cache (so it can
+follow every sequence the target holds; a sequence it has no room for gets
+no drafts). For each sequence it keeps the token ids whose KV it holds; at
+every proposal it first re-syncs with the target's tokens, keeping the
+longest common prefix (so a rejection, drafts dropped by the scheduler, or a
+preemption all roll back the same way), truncates the rest, then
+
+1. computes the target's tokens it has not seen (the whole prompt the first
+   time: the draft prefills its own copy) and draws ``d_1``;
+2. decodes ``d_1 .. d_{k-1}`` one at a time, drawing ``d_2 .. d_k``.
+
+Each draft is drawn from the draft model's processed distribution ``q`` under
+the request's own sampling parameters, and ``q`` goes with the proposal, so
+the core's rejection sampling is exact; greedy requests draw the argmax.
+When a sequence finishes, the engine calls :meth:`DraftProposer.release` and
+its draft pages are freed.
+
+It helps when the draft agrees with the target often and costs much less per
+token (k draft forwards per step are paid whatever is accepted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+import pitstop
+from pitstop.errors import ConfigError
+from pitstop.protocols import Proposal
+from pitstop.runner import ModelRunner, SeqInput
+from pitstop.sampling import is_greedy, make_generator, make_sampling_batch
+from pitstop.sampling_params import SamplingParams
+from pitstop.speculative import draft_room
+from pitstop.weights import load_model_source
+
+if TYPE_CHECKING:
+    from pitstop.config import EngineConfig
+    from pitstop.sequence import Sequence
+    from pitstop.speculative import ProposerContext
+
+
+class DraftProposer:
+    """A small model that drafts autoregressively over its own paged KV cache."""
+
+    def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
+        if not config.speculative_model:
+            raise ConfigError(
+                "speculative='draft' needs speculative_model (the draft model to load)"
+            )
+        assert config.max_model_len is not None
+        self.max_model_len = config.max_model_len
+        source = load_model_source(config.speculative_model)
+        mc = source.model_config
+        if mc.vocab_size > context.vocab_size:
+            raise ConfigError(
+                f"the draft model {config.speculative_model!r} has a vocabulary of {mc.vocab_size} tokens, "
+                f"more than the target's {context.vocab_size}; a draft model must share the target's tokenizer"
+            )
+        self.vocab_size = context.vocab_size
+        draft_config = attrs.evolve(
+            config, model=config.speculative_model, speculative=None, tokenizer=None
+        )
+        self.device = context.device
+        self.runner = ModelRunner(draft_config, mc, context.plugins, context.device, context.dtype)
+        self.runner.load_weights(source.weights)
+        self.runner.init_kv_cache(context.num_pages)
+        self.allocator = context.plugins.create(
+            "allocator", "paged", draft_config, context.num_pages
+        )
+        self._kv_ids: dict[int, list[int]] = {}  # seq_id -> the tokens whose KV the draft holds
+        self._synced: dict[int, int] = {}  # seq_id -> how many of them are known to be the target's
+        self._generators: dict[int, torch.Generator] = {}
+        self._shared = make_generator(config.seed + 1, context.device)
+
+    # ------------------------------------------------------------------ protocol
+    def propose(self, seqs: Seq[Sequence], k: int) -> list[Proposal]:
+        """Up to ``k`` drafts per sequence (with their distributions), never past its limits."""
+        rooms = {seq.seq_id: draft_room(seq, k, self.max_model_len) for seq in seqs}
+        active = [
+            seq for seq in seqs if rooms[seq.seq_id] > 0 and self._prepare(seq, rooms[seq.seq_id])
+        ]
+        drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in active}
+        probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in active}
+        with torch.inference_mode():
+            step = list(active)
+            first = True
+            while step:
+                inputs = []
+                for seq in step:
+                    ids = self._kv_ids[seq.seq_id]
+                    if first:
+                        new = seq.token_ids[len(ids) :]
+                    else:
+                        new = [drafts[seq.seq_id][-1]]
+                    inputs.append(
+                        SeqInput(
+                            seq.seq_id,
+                            new,
+                            len(ids),
+                            self.allocator.block_table(seq),
+                            True,
+                            seq.sampling_params,
+                        )
+                    )
+                    ids.extend(new)
+                order = sorted(range(len(step)), key=lambda i: len(inputs[i].token_ids) == 1)
+                tokens, q = self._forward([inputs[i] for i in order], [step[i] for i in order])
+                for i, token, row in zip(order, tokens, q, strict=True):
+                    seq = step[i]
+                    drafts[seq.seq_id].append(token)
+                    probs[seq.seq_id].append(row)
+                step = [seq for seq in step if len(drafts[seq.seq_id]) < rooms[seq.seq_id]]
+                first = False
+        out = []
+        for seq in seqs:
+            ids = drafts.get(seq.seq_id)
+            if not ids:
+                out.append(Proposal([]))
+                continue
+            greedy = is_greedy(seq.sampling_params)
+            out.append(Proposal(ids, None if greedy else torch.stack(probs[seq.seq_id])))
+        return out
+
+    def on_accepted(self, seq: Sequence, num_accepted: int) -> None:
+        """Roll the draft's KV back to what the target kept (the target's tokens are appended)."""
+        if seq.seq_id in self._kv_ids:
+            self._sync(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Free ``seq``'s draft pages (the engine calls this when a request finishes or aborts)."""
+        self._kv_ids.pop(seq.seq_id, None)
+        self._synced.pop(seq.seq_id, None)
+        self._generators.pop(seq.seq_id, None)
+        self.allocator.free(seq)
+
+    # ------------------------------------------------------------------ internals
+    def _sync(self, seq: Sequence) -> int:
+        """Keep the draft KV of the longest prefix shared with the target's tokens; truncate the rest.
+
+        Only the tokens past the last synced point can differ (the target's
+        tokens are append-only), so this compares at most a few drafts.
+        """
+        ids = self._kv_ids[seq.seq_id]
+        target = seq.token_ids
+        # The last token is always recomputed: its logits give the first draft.
+        keep = min(len(ids), len(target) - 1)
+        i = min(self._synced.get(seq.seq_id, 0), keep)
+        while i < keep and ids[i] == target[i]:
+            i += 1
+        del ids[i:]
+        self._synced[seq.seq_id] = i
+        held = self.allocator.num_held_tokens(seq)
+        if held > i:
+            self.allocator.truncate(seq, held - i)
+        return i
+
+    def _prepare(self, seq: Sequence, room: int) -> bool:
+        """Sync ``seq`` and make the draft hold slots for its tokens and ``room - 1`` drafts."""
+        if seq.seq_id not in self._kv_ids:
+            if not self.allocator.can_allocate(seq):
+                return False
+            self.allocator.allocate(seq)
+            self._kv_ids[seq.seq_id] = []
+        self._sync(seq)
+        need = seq.num_tokens + room - 1 - self.allocator.num_held_tokens(seq)
+        if need > 0:
+            if not self.allocator.can_append(seq, need):
+                return False
+            self.allocator.append(seq, need)
+        return True
+
+    def _forward(
+        self, inputs: list[SeqInput], seqs: list[Sequence]
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Run the draft model over one batch; draw one token per sequence from its processed q."""
+        runner = self.runner
+        input_ids, meta, rows = runner.build_metadata(inputs)
+        hidden = runner.model(input_ids, runner.rotary, runner.kv_cache, meta)
+        logits = runner.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if logits.shape[1] < self.vocab_size:  # a draft vocabulary may be smaller than the target's
+            pad = logits.new_full(
+                (logits.shape[0], self.vocab_size - logits.shape[1]), float("-inf")
+            )
+            logits = torch.cat([logits, pad], dim=1)
+        params = [s.sampling_params or SamplingParams() for s in seqs]
+        gens = [self._generator(s) for s in seqs]
+        batch = make_sampling_batch(params, gens, self.device)
+        q = runner.sampler.probabilities(logits, batch)
+        e = torch.empty_like(q).exponential_(generator=self._shared)
+        for i, g in enumerate(gens):
+            if g is not None:
+                e[i].exponential_(generator=g)
+        tokens = (q / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        greedy = torch.tensor([is_greedy(p) for p in params], device=self.device)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        return tokens.tolist(), list(q.unbind(0))
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        params = seq.sampling_params
+        if params.seed is None or is_greedy(params):
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = self._generators[seq.seq_id] = make_generator(params.seed + 1, self.device)
+        return gen
+
+
+def create_draft(config: EngineConfig, context: ProposerContext) -> DraftProposer:
+    """A smaller model of the same tokenizer proposes k tokens autoregressively."""
+    return DraftProposer(config, context)
+
+
+@pitstop.hookimpl
+def register_proposers(register: Any) -> None:
+    """Register the ``draft`` proposer."""
+    register("draft", create_draft)
