@@ -188,6 +188,11 @@ class EngineConfig:
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ConfigError(
+                "speculative='draft' needs speculative_model: the draft model to load "
+                "(a smaller model with the target's tokenizer)"
+            )
         if self.max_prefill_batch > self.max_batch_size:
             raise ConfigError(
                 f"max_prefill_batch ({self.max_prefill_batch}) must not exceed "

@@ -297,5 +297,12 @@ class Proposer(Protocol):
         """Told how many of ``seq``'s drafts were kept, so it can roll its own state back."""
         ...
 
+    def release(self, seq: Sequence) -> None:
+        """Told that ``seq`` finished or was aborted: free whatever the proposer holds for it.
+
+        Optional: the engine calls it only when the proposer defines it.
+        """
+        ...
+
 
 ModelFactory = Any  # Callable[[ModelConfig, KernelSet], torch.nn.Module]
