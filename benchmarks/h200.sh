@@ -11,12 +11,12 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 cd /tmp && python3 -c "import pitstop, torch; print('pitstop', pitstop.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" && cd - >/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-GPU_TESTS=${GPU_TESTS:-"tests/test_gpu_engine.py tests/test_fused_gpu.py tests/test_sampler.py"}
+GPU_TESTS=${GPU_TESTS:-"tests/test_gpu_engine.py tests/test_fused_gpu.py tests/test_sampler.py tests/test_speculative.py"}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider -m gpu $GPU_TESTS 2>&1 | tail -25
 fi
 run() { name=$1; shift; echo "== $name: pitstop bench $*"; timeout ${BENCH_TIMEOUT:-300} pitstop bench "$@" --output "$OUT/$name.json" 2>&1 | tail -${TAIL:-30}; }
-for spec in ${BENCHES:-nano single}; do
+for spec in ${BENCHES-nano single}; do
   case $spec in
     nano) run nano offline --workload nano --kernels fused ;;
     nano-ref) run nano-ref offline --workload nano --kernels reference --num-requests 64 ;;

@@ -15,19 +15,31 @@ pytestmark = pytest.mark.gpu
 
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(3)
-    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (1, 7, 16, 17, 33, 100, 250, 5, 9)]
+    return [
+        torch.randint(3, 49152, (n,), generator=gen).tolist()
+        for n in (1, 7, 16, 17, 33, 100, 250, 5, 9)
+    ]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(
-        tmp_path_factory.mktemp("gpu"), "qwen3", with_tokenizer=False, num_hidden_layers=3, head_dim=64
+        tmp_path_factory.mktemp("gpu"),
+        "qwen3",
+        with_tokenizer=False,
+        num_hidden_layers=3,
+        head_dim=64,
     )
 
 
 def _run(folder: Path, **settings) -> list[list[int]]:
-    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=512, kv_cache_gib=0.5, **settings)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 3, 20, 33, 12, 8, 25, 60, 1)]
+    llm = LLM(
+        str(folder), device="cuda", dtype="float32", max_model_len=512, kv_cache_gib=0.5, **settings
+    )
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        for n in (40, 3, 20, 33, 12, 8, 25, 60, 1)
+    ]
     outs = llm.generate(prompt_token_ids=_prompts(), sampling_params=params, use_tqdm=False)
     stats = llm.engine.allocator.stats()
     assert stats.pages_free == stats.num_pages
@@ -43,7 +55,14 @@ def test_fused_with_cuda_graphs_matches_reference(tiny: Path) -> None:
 
 
 def test_graphs_are_captured_and_used(tiny: Path) -> None:
-    llm = LLM(str(tiny), device="cuda", dtype="float32", max_model_len=512, kv_cache_gib=0.5, kernels="fused")
+    llm = LLM(
+        str(tiny),
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_gib=0.5,
+        kernels="fused",
+    )
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.sizes[:4] == [1, 2, 4, 8]
     replays = 0
@@ -55,20 +74,55 @@ def test_graphs_are_captured_and_used(tiny: Path) -> None:
         return original(seqs)
 
     graphs.run = counting  # type: ignore[method-assign]
-    llm.generate(prompt_token_ids=[[5, 6, 7]] * 3, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.generate(
+        prompt_token_ids=[[5, 6, 7]] * 3,
+        sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),
+    )
     assert replays == 7
 
 
 def test_chunked_prefix_fused_bf16_dummy_runs() -> None:
     llm = LLM(
-        "dummy:qwen3-0.6b", device="cuda", dtype="bfloat16", kernels="fused", scheduler="chunked",
-        allocator="prefix", max_model_len=1024, kv_cache_gib=2,
+        "dummy:qwen3-0.6b",
+        device="cuda",
+        dtype="bfloat16",
+        kernels="fused",
+        scheduler="chunked",
+        allocator="prefix",
+        max_model_len=1024,
+        kv_cache_gib=2,
     )
     shared = list(range(100, 400))
     outs = llm.generate(
         prompt_token_ids=[shared + [i] * (i + 1) for i in range(1, 9)],
-        sampling_params=SamplingParams(temperature=0.8, top_k=50, max_tokens=32, ignore_eos=True, seed=1),
+        sampling_params=SamplingParams(
+            temperature=0.8, top_k=50, max_tokens=32, ignore_eos=True, seed=1
+        ),
         use_tqdm=False,
     )
     assert all(len(o.token_ids) == 32 for o in outs)
     assert llm.engine.allocator.stats().prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("speculative", ["ngram"])
+def test_speculative_greedy_on_gpu_equals_plain(tiny: Path, speculative: str) -> None:
+    repetitive = [[11, 12, 13, 14, 15] * 8, [7, 8, 9] * 20]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def run(**settings) -> list[list[int]]:
+        llm = LLM(
+            str(tiny),
+            device="cuda",
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_gib=0.5,
+            kernels="fused",
+            **settings,
+        )
+        outs = llm.generate(
+            prompt_token_ids=repetitive + _prompts()[:3], sampling_params=params, use_tqdm=False
+        )
+        assert llm.engine.allocator.stats().tokens_held == 0
+        return [o.token_ids for o in outs]
+
+    assert run(speculative=speculative, num_speculative_tokens=3) == run()
