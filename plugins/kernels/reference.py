@@ -49,17 +49,51 @@ def store_kv(
     v_cache.view(num_pages * page_size, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of the decode sequences (one query each) in one batched call.
+
+    Gathers every decode sequence's pages up to the longest context, masks the
+    padding, and runs one SDPA with the query heads of a KV head grouped
+    together (no K/V repetition for GQA).
+    """
+    first = meta.num_prefills
+    nd = meta.num_decodes
+    ctx = meta.context_lens_list[first:]
+    max_ctx = max(ctx)
+    ps = meta.page_size
+    pages = -(-max_ctx // ps)
+    tables = meta.block_tables[first:, :pages].clamp(min=0).long()  # -1 padding -> any page, masked
+    num_kv_heads, head = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    k = k_cache[tables].reshape(nd, pages * ps, num_kv_heads, head)[:, :max_ctx].transpose(1, 2)
+    v = v_cache[tables].reshape(nd, pages * ps, num_kv_heads, head)[:, :max_ctx].transpose(1, 2)
+    lens = torch.tensor(ctx, device=q.device)
+    mask = (torch.arange(max_ctx, device=q.device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+    qd = q[meta.num_prefill_tokens :].reshape(nd, num_kv_heads, group, head)
+    o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    return o.reshape(nd, num_kv_heads * group, head)
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Causal attention of each sequence's queries over its cached keys, one sequence at a time."""
+    """Causal attention of each sequence's queries over its cached keys.
+
+    Prefills (and chunks) run one sequence at a time; decodes all together
+    (:func:`decode_attention`).
+    """
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     page_size = meta.page_size
     start = 0
-    tables = meta.block_tables.tolist() if meta.num_seqs else []
-    for i in range(meta.num_seqs):
+    if meta.num_decodes > 1:
+        out[meta.num_prefill_tokens :] = decode_attention(q, k_cache, v_cache, meta, scale)
+    num_loop = meta.num_prefills if meta.num_decodes > 1 else meta.num_seqs
+    tables = meta.block_tables[:num_loop].tolist() if num_loop else []
+    for i in range(num_loop):
         qlen, ctx = meta.query_lens_list[i], meta.context_lens_list[i]
         pages = torch.tensor(tables[i][: (ctx + page_size - 1) // page_size], device=q.device)
         k = k_cache[pages].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
