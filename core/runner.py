@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence as Seq
 
 import attrs
+import numpy as np
 import torch
 
 from pitstop.attention import AttentionMetadata
@@ -214,20 +215,24 @@ class ModelRunner:
         """Flatten a step into input ids, attention metadata and the rows to sample."""
         ps = self.page_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
         cu = [0]
         ctx_lens: list[int] = []
         q_lens: list[int] = []
         sample_rows: list[int] = []
         num_prefills = num_prefill_tokens = 0
-        for s in seqs:
+        width = max((len(s.block_table) for s in seqs), default=0)
+        tables = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, s in enumerate(seqs):
             n = len(s.token_ids)
             input_ids.extend(s.token_ids)
-            pos = range(s.start_pos, s.start_pos + n)
-            positions.extend(pos)
-            table = s.block_table
-            slots.extend(table[p // ps] * ps + p % ps for p in pos)
+            # positions and slots per sequence with numpy: no Python loop over tokens
+            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
+            table = np.asarray(s.block_table, dtype=np.int64)
+            tables[i, : len(table)] = table
+            positions.append(pos)
+            slots.append(table[pos // ps] * ps + pos % ps)
             cu.append(cu[-1] + n)
             ctx_lens.append(s.start_pos + n)
             q_lens.append(n)
@@ -236,18 +241,19 @@ class ModelRunner:
                 num_prefill_tokens += n
             if s.sample:
                 sample_rows.extend(range(cu[-1] - s.num_logits, cu[-1]))
-        width = max((len(s.block_table) for s in seqs), default=0)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
         dev = self.device
-        pin = dev.type == "cuda"
 
         def tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(dev, non_blocking=True)
+            if isinstance(data, np.ndarray):
+                host = torch.from_numpy(data)
+                return host.to(dev, non_blocking=True) if dev.type == "cuda" else host
+            return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)
 
+        empty = np.zeros(0, dtype=np.int64)
         meta = AttentionMetadata(
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(tables, torch.int32) if tables else torch.empty(0, 0, dtype=torch.int32, device=dev),
+            positions=tensor(np.concatenate(positions) if positions else empty, torch.int64),
+            slot_mapping=tensor(np.concatenate(slots) if slots else empty, torch.int64),
+            block_tables=tensor(tables, torch.int32),
             context_lens=tensor(ctx_lens, torch.int32),
             cu_query_lens=tensor(cu, torch.int32),
             num_prefills=num_prefills,

@@ -6,6 +6,7 @@ Found by :mod:`pitstop.cli` through :func:`add_subcommand`. Examples::
     pitstop bench offline --workload nano --output results.json --plot nano.png
     pitstop bench online --workload longtail --matrix baseline,+paged,+continuous,+fused
     pitstop bench online --workload my-traffic.jsonl --request-rate 4 --model dummy:qwen3-0.6b
+    pitstop bench online --url http://127.0.0.1:8000 --workload longtail --concurrency 32
 """
 
 from __future__ import annotations
@@ -95,7 +96,17 @@ def add_subcommand(subparsers: Any) -> None:
             g.add_argument(
                 "--request-rate", type=float, help="Poisson arrivals, requests per second"
             )
-            g.add_argument("--url", help="benchmark a running pitstop server over HTTP (not yet)")
+            g.add_argument(
+                "--url",
+                metavar="URL",
+                help="measure a running server (pitstop serve, http://HOST:PORT) through its "
+                "OpenAI streaming API instead of an engine in this process",
+            )
+            g.add_argument(
+                "--api-key",
+                metavar="KEY",
+                help="with --url: the server's API key (default: $PITSTOP_API_KEY)",
+            )
         r = p.add_argument_group("what to compare")
         r.add_argument(
             "--matrix",
@@ -192,9 +203,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from pitstop.weights import load_model_source
 
     if getattr(args, "url", None):
-        raise BenchError(
-            "--url (benchmarking a server over HTTP) is not implemented yet; drop it to run in-process"
-        )
+        from pitstop.bench.http import run_http_bench
+
+        return run_http_bench(args)
     if args.workload not in GENERATORS and not Path(args.workload).exists():
         _workload(args)  # raises the error that lists the workloads
     wl = _workload(args)
@@ -368,8 +379,12 @@ def render(doc: dict[str, Any]) -> str:
         + (f", {wl['concurrency']} clients" if wl.get("concurrency") else "")
         + (f", Poisson {wl['request_rate']} req/s" if wl.get("request_rate") else "")
         + (f", {wl['skipped']} skipped" if wl.get("skipped") else ""),
-        f"model {doc['model']['name']} ({doc['model']['params'] / 1e9:.2f}B params) on {doc['device']}; "
-        f"commit {doc['commit'] or 'unknown'}; {doc['date']}",
+        (
+            f"model {doc['model']['name']} served at {doc['server']['url']} (measured over HTTP); "
+            if doc.get("server")
+            else f"model {doc['model']['name']} ({doc['model']['params'] / 1e9:.2f}B params) on {doc['device']}; "
+        )
+        + f"commit {doc['commit'] or 'unknown'}; {doc['date']}",
     ]
     if doc["floor"]:
         f = doc["floor"]
@@ -379,12 +394,24 @@ def render(doc: dict[str, Any]) -> str:
             f"{doc['ceilings']['matmul_TFLOP_per_s']:.0f} TFLOP/s ({doc['ceilings']['source']})"
         )
     else:
-        head.append("floor: n/a (no GPU ceilings on this device)")
+        head.append(
+            "floor: n/a (the server's device is not known over HTTP)"
+            if doc.get("server")
+            else "floor: n/a (no GPU ceilings on this device)"
+        )
     cols = [(c["name"], c.get("figures"), c.get("error")) for c in doc["configs"]]
     peer = doc.get("peer")
     if peer:
         cols.append((peer["name"], peer.get("figures"), peer.get("error")))
     lines = [*head, "", table(cols)]
+    failures = [
+        f"{c['name']}: {n} request(s) failed: {msg}"
+        for c in doc["configs"]
+        for msg, n in (c.get("errors") or {}).items()
+    ]
+    notes = [f"note: {n}" for n in doc.get("notes") or ()]
+    if failures or notes:
+        lines += ["", *failures, *notes]
     if peer and peer.get("ratio"):
         lines.append("")
         for name, r in peer["ratio"].items():

@@ -47,8 +47,10 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
+        # Over HTTP several tokens can share one streamed chunk: divide by the tokens produced.
         t = self.token_times
-        return (t[-1] - t[0]) / (len(t) - 1) if len(t) >= 2 else None
+        n = max(len(t), self.output_len)
+        return (t[-1] - t[0]) / (n - 1) if len(t) >= 2 else None
 
     @property
     def itls(self) -> list[float]:
@@ -107,6 +109,7 @@ class RunResult:
     spec_mean_accepted: float | None = None
     skipped: list[str] = attrs.Factory(list)
     per_request_counters: bool = True  # records carry cached-prompt and preemption counts
+    failed: list[str] | None = None  # over HTTP: why each failed request failed (not in records)
 
     @property
     def wall_s(self) -> float:
@@ -165,6 +168,8 @@ def figures(run: RunResult, *, floor_s: float | None = None) -> dict[str, Any]:
         "floor_fraction": floor_s / wall if floor_s is not None and wall > 0 else None,
         "skipped_requests": len(run.skipped),
     }
+    if run.failed is not None:
+        out["failed_requests"] = len(run.failed)
     if run.spec_acceptance_rate is not None or run.spec_mean_accepted is not None:
         out["spec_acceptance_rate"] = run.spec_acceptance_rate
         out["spec_mean_accepted"] = run.spec_mean_accepted
@@ -197,6 +202,7 @@ ROWS: list[tuple[str, tuple[str, ...], str]] = [
 
 # Rows shown only when some column has the figure (speculative decoding).
 OPTIONAL_ROWS: list[tuple[str, tuple[str, ...], str]] = [
+    ("failed requests", ("failed_requests",), "{:d}"),
     ("spec acceptance rate", ("spec_acceptance_rate",), "{:.1%}"),
     ("spec accepted / verify", ("spec_mean_accepted",), "{:.2f}"),
 ]
