@@ -142,6 +142,11 @@ class _SnapshotCollector(Collector):
             "pitstop:num_preemptions", "Sequences preempted since start.", snap.stats.preemptions
         )
         yield counter("pitstop:engine_steps", "Engine steps run since start.", snap.stats.steps)
+        yield counter(
+            "pitstop:kv_cache_utilization_sum",
+            "Sum over engine steps of KV tokens held / tokens reserved (divide by engine_steps).",
+            snap.stats.utilization_sum,
+        )
 
 
 class ServerMetrics:
