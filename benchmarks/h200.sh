@@ -21,6 +21,6 @@ for spec in ${BENCHES-nano single}; do
     nano) run nano offline --workload nano --kernels fused ;;
     nano-ref) run nano-ref offline --workload nano --kernels reference --num-requests 64 ;;
     single) run single offline --workload single --kernels fused --repeats 3 ;;
-    longtail) run longtail online --workload longtail --num-requests ${LT_N:-200} --matrix ${LT_MATRIX:-baseline,+paged,+continuous,+fused,+chunked} ;;
+    longtail) run longtail online --workload longtail --num-requests ${LT_N:-200} --matrix ${LT_MATRIX:-baseline,+paged,+continuous,+fused,+chunked} --plot "$OUT/longtail.png" ;;
   esac
 done
