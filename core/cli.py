@@ -11,14 +11,18 @@ from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import PitstopError
 
 
-def _sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int, temperature: float) -> None:
+def _sampling_flags(
+    parser: argparse.ArgumentParser, *, max_tokens: int, temperature: float
+) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=temperature, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument(
+        "--sampling-seed", type=int, default=None, help="seed of this request's sampling"
+    )
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -119,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list every registered strategy")
-    p.add_argument("--check", action="store_true", help="also say which kernel ops run fused on this machine")
+    p.add_argument(
+        "--check", action="store_true", help="also say which kernel ops run fused on this machine"
+    )
     add_cli_flags(p)
     p.set_defaults(func=cmd_plugins)
 

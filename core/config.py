@@ -27,7 +27,9 @@ def _doc(text: str) -> dict[str, str]:
 
 
 def _positive(_inst: Any, att: attrs.Attribute, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+    ):
         raise ConfigError(f"{att.name} must be a positive number, got {value!r}")
 
 
@@ -90,10 +92,14 @@ class EngineConfig:
     dtype: str = attrs.field(
         default="auto",
         validator=_one_of(*DTYPES),
-        metadata=_doc("weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16"),
+        metadata=_doc(
+            "weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16"
+        ),
     )
     device: str = attrs.field(default="auto", metadata=_doc("auto, cpu, cuda or cuda:N"))
-    seed: int = attrs.field(default=0, validator=_non_negative_int, metadata=_doc("seed of requests that set none"))
+    seed: int = attrs.field(
+        default=0, validator=_non_negative_int, metadata=_doc("seed of requests that set none")
+    )
     max_model_len: int | None = attrs.field(
         default=None,
         validator=_positive_int,
@@ -101,34 +107,52 @@ class EngineConfig:
     )
 
     # --- the strategies, by name
-    allocator: str = attrs.field(default="paged", validator=_name, metadata=_doc("KV-cache allocator plugin"))
-    scheduler: str = attrs.field(default="continuous", validator=_name, metadata=_doc("scheduler plugin"))
+    allocator: str = attrs.field(
+        default="paged", validator=_name, metadata=_doc("KV-cache allocator plugin")
+    )
+    scheduler: str = attrs.field(
+        default="continuous", validator=_name, metadata=_doc("scheduler plugin")
+    )
     kernels: str = attrs.field(
         default="auto",
         validator=_name,
-        metadata=_doc("kernel-set plugin; auto: fused on CUDA (when registered), reference elsewhere"),
+        metadata=_doc(
+            "kernel-set plugin; auto: fused on CUDA (when registered), reference elsewhere"
+        ),
     )
     sampler: str = attrs.field(default="standard", validator=_name, metadata=_doc("sampler plugin"))
     speculative: str | None = attrs.field(
-        default=None, validator=_optional_name, metadata=_doc("speculative-decoding proposer plugin (default: none)")
+        default=None,
+        validator=_optional_name,
+        metadata=_doc("speculative-decoding proposer plugin (default: none)"),
     )
 
     # --- KV cache
-    page_size: int = attrs.field(default=16, validator=_positive_int, metadata=_doc("tokens per KV-cache page"))
+    page_size: int = attrs.field(
+        default=16, validator=_positive_int, metadata=_doc("tokens per KV-cache page")
+    )
     max_num_pages: int | None = attrs.field(
-        default=None, validator=_positive_int, metadata=_doc("exact number of KV-cache pages (default: sized from memory)")
+        default=None,
+        validator=_positive_int,
+        metadata=_doc("exact number of KV-cache pages (default: sized from memory)"),
     )
     gpu_memory_utilization: float = attrs.field(
-        default=0.9, validator=_fraction, metadata=_doc("fraction of GPU memory the engine may use (CUDA)")
+        default=0.9,
+        validator=_fraction,
+        metadata=_doc("fraction of GPU memory the engine may use (CUDA)"),
     )
     kv_cache_gib: float | None = attrs.field(
         default=None,
         validator=_positive,
-        metadata=_doc("KV-cache size in GiB (default: 1 on CPU; from gpu_memory_utilization on CUDA)"),
+        metadata=_doc(
+            "KV-cache size in GiB (default: 1 on CPU; from gpu_memory_utilization on CUDA)"
+        ),
     )
 
     # --- scheduling
-    max_batch_size: int = attrs.field(default=256, validator=_positive_int, metadata=_doc("most sequences in one step"))
+    max_batch_size: int = attrs.field(
+        default=256, validator=_positive_int, metadata=_doc("most sequences in one step")
+    )
     max_prefill_batch: int = attrs.field(
         default=64, validator=_positive_int, metadata=_doc("most prompts prefilled in one step")
     )
@@ -141,7 +165,9 @@ class EngineConfig:
         metadata=_doc("high: waiting prompts run before decodes; low: decodes first"),
     )
     chunk_size: int = attrs.field(
-        default=512, validator=_positive_int, metadata=_doc("token budget per step of the chunked scheduler")
+        default=512,
+        validator=_positive_int,
+        metadata=_doc("token budget per step of the chunked scheduler"),
     )
     admission: str = attrs.field(
         default="arrival",
@@ -150,10 +176,18 @@ class EngineConfig:
     )
 
     # --- fused kernels
-    fused_rmsnorm: bool = attrs.field(default=True, validator=_bool, metadata=_doc("fused residual-add + RMSNorm"))
-    fused_qkv: bool = attrs.field(default=True, validator=_bool, metadata=_doc("merged QKV and gate-up projections"))
-    fused_silu: bool = attrs.field(default=True, validator=_bool, metadata=_doc("fused SiLU-and-mul"))
-    fused_attention: bool = attrs.field(default=True, validator=_bool, metadata=_doc("Triton paged attention"))
+    fused_rmsnorm: bool = attrs.field(
+        default=True, validator=_bool, metadata=_doc("fused residual-add + RMSNorm")
+    )
+    fused_qkv: bool = attrs.field(
+        default=True, validator=_bool, metadata=_doc("merged QKV and gate-up projections")
+    )
+    fused_silu: bool = attrs.field(
+        default=True, validator=_bool, metadata=_doc("fused SiLU-and-mul")
+    )
+    fused_attention: bool = attrs.field(
+        default=True, validator=_bool, metadata=_doc("Triton paged attention")
+    )
     fused_precision: str = attrs.field(
         default="fp32",
         validator=_one_of("fp32", "fast"),
@@ -170,8 +204,12 @@ class EngineConfig:
     speculative_model: str | None = attrs.field(
         default=None, metadata=_doc("draft model of the 'draft' proposer")
     )
-    prompt_lookup_max: int = attrs.field(default=4, validator=_positive_int, metadata=_doc("longest n-gram matched"))
-    prompt_lookup_min: int = attrs.field(default=1, validator=_positive_int, metadata=_doc("shortest n-gram matched"))
+    prompt_lookup_max: int = attrs.field(
+        default=4, validator=_positive_int, metadata=_doc("longest n-gram matched")
+    )
+    prompt_lookup_min: int = attrs.field(
+        default=1, validator=_positive_int, metadata=_doc("shortest n-gram matched")
+    )
 
     # --- third-party plugins' own settings
     options: Mapping[str, Any] = attrs.field(
@@ -261,7 +299,14 @@ def _parse_scalar(text: str) -> Any:
 def _flag_type(att: attrs.Attribute):
     t = str(att.type)
     if "bool" in t:
-        return lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
+        return lambda s: {
+            "true": True,
+            "1": True,
+            "yes": True,
+            "false": False,
+            "0": False,
+            "no": False,
+        }[s.lower()]
     if "int" in t:
         return int
     if "float" in t:
@@ -279,7 +324,12 @@ def add_cli_flags(parser: argparse.ArgumentParser, *, with_model: bool = True) -
         kwargs: dict[str, Any] = {"default": None, "help": att.metadata.get("help", "")}
         if "bool" in str(att.type):
             kwargs["metavar"] = "true|false"
-        group.add_argument("--" + att.name.replace("_", "-"), dest=att.name, type=_flag_type(att), **kwargs)
+        group.add_argument(
+            "--" + att.name.replace("_", "-"), dest=att.name, type=_flag_type(att), **kwargs
+        )
     group.add_argument(
-        "--option", action="append", metavar="KEY=VALUE", help="a third-party plugin setting (repeatable)"
+        "--option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a third-party plugin setting (repeatable)",
     )

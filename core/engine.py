@@ -101,7 +101,13 @@ class LLMEngine:
             f"{num_pages * config.page_size:,}",
             num_pages * per_page / 2**30,
         )
-        log.info("model: %s; device %s, %s; kernels %s", source.description, self.device, self.dtype, config.kernels)
+        log.info(
+            "model: %s; device %s, %s; kernels %s",
+            source.description,
+            self.device,
+            self.dtype,
+            config.kernels,
+        )
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -131,7 +137,9 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -152,7 +160,11 @@ class LLMEngine:
             ids = list(prompt_token_ids)
             if not ids:
                 raise InvalidRequestError("prompt_token_ids is empty; give at least one token")
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+            bad = [
+                t
+                for t in ids
+                if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size
+            ]
             if bad:
                 raise InvalidRequestError(
                     f"token id(s) {bad[:5]} outside the vocabulary [0, {self.model_config.vocab_size})"
@@ -165,12 +177,16 @@ class LLMEngine:
                 f"for output; shorten the prompt or raise max_model_len"
             )
         if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids with this model")
+            raise InvalidRequestError(
+                "stop strings need a tokenizer; use stop_token_ids with this model"
+            )
         seq = Sequence(request_id, ids, params)
         if arrival_time is not None:
             seq.timestamps.arrival = arrival_time
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
-        self._requests[request_id] = _Request(seq, prompt, detok, logprobs=[] if params.logprobs else None)
+        self._requests[request_id] = _Request(
+            seq, prompt, detok, logprobs=[] if params.logprobs else None
+        )
         self.scheduler.add(seq)
         return request_id
 
@@ -353,9 +369,13 @@ class LLMEngine:
         """Apply the stop conditions after ``token``; return the new text to stream."""
         seq, params = req.seq, req.seq.sampling_params
         reason = None
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+        if (
+            not params.ignore_eos and token in self.eos_token_ids
+        ) or token in params.stop_token_ids:
             reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= (self.config.max_model_len or 0):
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= (
+            self.config.max_model_len or 0
+        ):
             reason = "length"
         delta = ""
         if req.detokenizer is not None:
@@ -384,7 +404,9 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.timestamps.finish = time.perf_counter()
 
-    def _output(self, req: _Request, delta: str = "", new_ids: list[int] | None = None) -> RequestOutput:
+    def _output(
+        self, req: _Request, delta: str = "", new_ids: list[int] | None = None
+    ) -> RequestOutput:
         seq = req.seq
         ts = seq.timestamps
         return RequestOutput(
@@ -413,7 +435,9 @@ class LLMEngine:
             ),
         )
 
-    def _finish(self, req: _Request, delta: str = "", new_ids: list[int] | None = None) -> RequestOutput:
+    def _finish(
+        self, req: _Request, delta: str = "", new_ids: list[int] | None = None
+    ) -> RequestOutput:
         self._requests.pop(req.seq.request_id, None)
         release = getattr(self.proposer, "release", None)
         if release is not None:

@@ -31,7 +31,9 @@ class LLM:
         **settings: Any,
     ) -> None:
         if config is not None and (model is not None or settings):
-            raise ConfigError("pass either config=EngineConfig(...) or a model name and settings, not both")
+            raise ConfigError(
+                "pass either config=EngineConfig(...) or a model name and settings, not both"
+            )
         if config is None:
             values = dict(settings)
             if model is not None:
@@ -104,12 +106,19 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         if tok is None:
-            raise InvalidRequestError(f"model {self.config.model!r} has no tokenizer, so no chat template")
+            raise InvalidRequestError(
+                f"model {self.config.model!r} has no tokenizer, so no chat template"
+            )
         prompts = [tok.apply_chat_template(list(conv)) for conv in conversations]  # type: ignore[arg-type]
-        return self.generate(prompt_token_ids=prompts, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        return self.generate(
+            prompt_token_ids=prompts, sampling_params=sampling_params, use_tqdm=use_tqdm
+        )
 
     def stream(
-        self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
         prompt_token_ids: Sequence[int] | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield one request's outputs as tokens arrive (other queued requests run alongside)."""

@@ -63,7 +63,11 @@ class Attention(nn.Module):
             self.k_proj = _param(self.kv_size, cfg.hidden_size)
             self.v_proj = _param(self.kv_size, cfg.hidden_size)
             if cfg.attention_bias:
-                self.q_bias, self.k_bias, self.v_bias = _param(self.q_size), _param(self.kv_size), _param(self.kv_size)
+                self.q_bias, self.k_bias, self.v_bias = (
+                    _param(self.q_size),
+                    _param(self.kv_size),
+                    _param(self.kv_size),
+                )
             else:
                 self.q_bias = self.k_bias = self.v_bias = None
         self.o_proj = _param(cfg.hidden_size, self.q_size)
@@ -164,7 +168,9 @@ class LlamaForCausalLM(nn.Module):
         merged = bool(getattr(kernels, "merge_projections", False))
         self.merged = merged
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, merged) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, kernels, merged) for _ in range(cfg.num_layers)
+        )
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
 
@@ -199,7 +205,9 @@ class LlamaForCausalLM(nn.Module):
             if target is None:
                 continue
             if target not in params:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in a {cfg.architecture} model")
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has no place in a {cfg.architecture} model"
+                )
             param = params[target]
             if offset is None:
                 if tuple(param.shape) != tuple(tensor.shape):
@@ -270,11 +278,11 @@ class LlamaForCausalLM(nn.Module):
                 "mlp.up_proj.weight": ("mlp.gate_up_proj", cfg.intermediate_size),
             }
         else:
-            table |= {
-                f"self_attn.{x}_proj.weight": (f"self_attn.{x}_proj", None) for x in "qkv"
-            } | {f"self_attn.{x}_proj.bias": (f"self_attn.{x}_bias", None) for x in "qkv"} | {
-                f"mlp.{x}_proj.weight": (f"mlp.{x}_proj", None) for x in ("gate", "up")
-            }
+            table |= (
+                {f"self_attn.{x}_proj.weight": (f"self_attn.{x}_proj", None) for x in "qkv"}
+                | {f"self_attn.{x}_proj.bias": (f"self_attn.{x}_bias", None) for x in "qkv"}
+                | {f"mlp.{x}_proj.weight": (f"mlp.{x}_proj", None) for x in ("gate", "up")}
+            )
         if local not in table:
             return None, None
         target, offset = table[local]

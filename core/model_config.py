@@ -68,11 +68,15 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_size=cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_theta=cfg.get(
+                "rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            ),
             rope_scaling=cfg.get("rope_scaling"),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2" or arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(
+                cfg.get("attention_bias", model_type == "qwen2" or arch == "Qwen2ForCausalLM")
+            ),
             qk_norm=arch == "Qwen3ForCausalLM" or model_type == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

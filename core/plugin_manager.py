@@ -95,8 +95,17 @@ class PluginManager:
                 if ep.group != ENTRY_POINT_GROUP or (dist_name, ep.name) in seen:
                     continue
                 seen.add((dist_name, ep.name))  # a distribution seen twice on sys.path counts once
-                if self.allow is not None and ep.name not in self.allow and dist_name not in self.allow:
-                    log.debug("plugin %s from %s not in %s; skipped", ep.name, dist_name, ALLOW_LIST_VARIABLE)
+                if (
+                    self.allow is not None
+                    and ep.name not in self.allow
+                    and dist_name not in self.allow
+                ):
+                    log.debug(
+                        "plugin %s from %s not in %s; skipped",
+                        ep.name,
+                        dist_name,
+                        ALLOW_LIST_VARIABLE,
+                    )
                     continue
                 try:
                     module = ep.load()
@@ -104,7 +113,9 @@ class PluginManager:
                     raise PluginError(
                         f"plugin {ep.name!r} ({ep.value}) from distribution {dist_name} failed to load: {exc}"
                     ) from exc
-                self.add_module(module, distribution=dist_name, version=dist.version, entry_point=ep.name)
+                self.add_module(
+                    module, distribution=dist_name, version=dist.version, entry_point=ep.name
+                )
 
     def add_module(
         self, module: ModuleType, *, distribution: str, version: str, entry_point: str | None = None
@@ -124,9 +135,13 @@ class PluginManager:
     def _registrar(self, kind: str, source: PluginSource) -> Callable[..., None]:
         def register(name: str, factory: Callable[..., Any], description: str = "") -> None:
             if not isinstance(name, str) or not name:
-                raise PluginError(f"{source.distribution}: a {kind} needs a non-empty name, got {name!r}")
+                raise PluginError(
+                    f"{source.distribution}: a {kind} needs a non-empty name, got {name!r}"
+                )
             if not callable(factory):
-                raise PluginError(f"{source.distribution}: the {kind} {name!r} factory is not callable")
+                raise PluginError(
+                    f"{source.distribution}: the {kind} {name!r} factory is not callable"
+                )
             existing = self.registry[kind].get(name)
             if existing is not None:
                 raise PluginError(

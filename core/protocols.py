@@ -37,7 +37,9 @@ class AllocatorStats:
     num_pages: int
     pages_free: int
     tokens_held: int  # tokens whose KV slots are in use by live sequences
-    tokens_reserved: int  # token slots set aside for live sequences (pages x page_size, or max_model_len each)
+    tokens_reserved: (
+        int  # token slots set aside for live sequences (pages x page_size, or max_model_len each)
+    )
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
 
@@ -49,7 +51,11 @@ class AllocatorStats:
     @property
     def prefix_hit_rate(self) -> float:
         """Prompt tokens served from the prefix cache over prompt tokens looked up."""
-        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+        return (
+            self.prefix_hit_tokens / self.prefix_queried_tokens
+            if self.prefix_queried_tokens
+            else 0.0
+        )
 
 
 @runtime_checkable
@@ -189,12 +195,18 @@ class KernelSet(Protocol):
     name: str
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """RMSNorm of ``x`` (+ ``residual`` first, when given); returns (normed, new residual or None)."""
         ...
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x @ weight.T + bias``."""
         ...
 

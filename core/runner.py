@@ -37,7 +37,9 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} asked for, but this machine has no CUDA device; use device='cpu'")
+        raise ConfigError(
+            f"device {name!r} asked for, but this machine has no CUDA device; use device='cpu'"
+        )
     return device
 
 
@@ -133,7 +135,11 @@ class ModelRunner:
     def bytes_per_page(self) -> int:
         """Bytes of K and V for one page over all layers."""
         mc = self.model_config
-        return mc.kv_bytes_per_token * self.page_size * torch.tensor([], dtype=self.dtype).element_size()
+        return (
+            mc.kv_bytes_per_token
+            * self.page_size
+            * torch.tensor([], dtype=self.dtype).element_size()
+        )
 
     def plan_num_pages(self) -> int:
         """How many pages the KV cache gets: ``max_num_pages``, a GiB budget, or free GPU memory."""
@@ -176,7 +182,9 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         self.init_kv_cache(pages * n_seqs)
         seqs = [
-            SeqInput(i, [0] * per_seq, 0, list(range(i * pages, (i + 1) * pages)), True, SamplingParams())
+            SeqInput(
+                i, [0] * per_seq, 0, list(range(i * pages, (i + 1) * pages)), True, SamplingParams()
+            )
             for i in range(n_seqs)
         ]
         self.execute(StepInput(seqs))
@@ -200,7 +208,9 @@ class ModelRunner:
             return
         graph_safe = getattr(self.kernels, "cuda_graph_safe", None)
         if graph_safe is None or not graph_safe(self.model_config.head_size):
-            log.info("CUDA graphs off: kernel set %r is not graph-safe; decode runs eagerly", cfg.kernels)
+            log.info(
+                "CUDA graphs off: kernel set %r is not graph-safe; decode runs eagerly", cfg.kernels
+            )
             return
         start = time.perf_counter()
         self.graphs = DecodeGraphs(self, max_batch=min(cfg.max_batch_size, 512))
@@ -211,7 +221,9 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ one step
-    def build_metadata(self, seqs: Seq[SeqInput]) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+    def build_metadata(
+        self, seqs: Seq[SeqInput]
+    ) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten a step into input ids, attention metadata and the rows to sample."""
         ps = self.page_size
         input_ids: list[int] = []
@@ -292,7 +304,9 @@ class ModelRunner:
                 self._verifier = DraftVerifier(self.sampler, self.device, self.config.seed)
             v = self._verifier(logits, sampling, generators)
             logprobs = [x for lp in v.logprobs for x in lp] if v.logprobs is not None else None
-            return StepOutput([t for e in v.token_ids for t in e], logprobs, [len(e) for e in v.token_ids])
+            return StepOutput(
+                [t for e in v.token_ids for t in e], logprobs, [len(e) for e in v.token_ids]
+            )
         key = tuple(s.seq_id for s in sampling)
         if self._batch_cache is not None and self._batch_cache[0] == key:
             batch = self._batch_cache[1]  # same rows as last step: skip the host-to-device copies
@@ -405,7 +419,9 @@ class DecodeGraphs:
         pos = [s.start_pos for s in seqs]
         self.np_ids[:n] = [s.token_ids[0] for s in seqs]
         self.np_pos[:n] = pos
-        self.np_slots[:n] = [s.block_table[p // ps] * ps + p % ps for s, p in zip(seqs, pos, strict=True)]
+        self.np_slots[:n] = [
+            s.block_table[p // ps] * ps + p % ps for s, p in zip(seqs, pos, strict=True)
+        ]
         self.np_ctx[:n] = [p + 1 for p in pos]
         self.np_slots[n:size] = -1
         self.np_ctx[n:size] = 0

@@ -28,7 +28,9 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
-    stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s or ()))
+    stop: tuple[str, ...] = attrs.field(
+        default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s or ())
+    )
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=lambda s: tuple(s or ()))
     ignore_eos: bool = False
     logprobs: bool = False
@@ -54,7 +56,10 @@ class SamplingParams:
             0 <= self.min_p <= 1,
             f"min_p must be in [0, 1], got {self.min_p!r}; use 0 to disable min-p",
         )
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop strings must be non-empty strings",
+        )
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,10 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 
 
 def _still_serves(llm: LLM) -> None:
-    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    out = llm.generate(
+        prompt_token_ids=[[5, 6, 7]],
+        sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
     assert len(out[0].token_ids) == 4
     stats = llm.engine.allocator.stats()
     assert stats.pages_free == stats.num_pages and stats.tokens_held == 0
@@ -65,20 +68,26 @@ def test_token_ids_outside_the_vocabulary(llm: LLM) -> None:
 
 def test_a_bad_prompt_in_a_batch_submits_nothing(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError):
-        llm.generate(prompt_token_ids=[[5, 6], [], [7]], sampling_params=SamplingParams(max_tokens=2))
+        llm.generate(
+            prompt_token_ids=[[5, 6], [], [7]], sampling_params=SamplingParams(max_tokens=2)
+        )
     assert not llm.engine.has_unfinished_requests()
     _still_serves(llm)
 
 
 def test_output_stops_at_max_model_len(llm: LLM) -> None:
-    out = llm.generate(prompt_token_ids=[[5] * 60], sampling_params=SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    out = llm.generate(
+        prompt_token_ids=[[5] * 60], sampling_params=SamplingParams(max_tokens=50, ignore_eos=True)
+    )[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     _still_serves(llm)
 
 
 def test_abort_frees_everything(llm: LLM) -> None:
     engine = llm.engine
-    rid = engine.add_request(prompt_token_ids=[5] * 30, params=SamplingParams(max_tokens=20, ignore_eos=True))
+    rid = engine.add_request(
+        prompt_token_ids=[5] * 30, params=SamplingParams(max_tokens=20, ignore_eos=True)
+    )
     engine.step()
     final = engine.abort(rid)
     assert final is not None and final.finish_reason == "abort" and final.finished

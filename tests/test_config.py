@@ -52,7 +52,9 @@ def test_invalid_values_name_the_setting(settings: dict, fragment: str) -> None:
 
 def test_toml_file_with_overrides(tmp_path: Path) -> None:
     path = tmp_path / "engine.toml"
-    path.write_text('allocator = "prefix"\npage_size = 32\n[options]\n"scheduler.max_wait_steps" = 8\n')
+    path.write_text(
+        'allocator = "prefix"\npage_size = 32\n[options]\n"scheduler.max_wait_steps" = 8\n'
+    )
     config = EngineConfig.from_toml(path, page_size=64)
     assert config.allocator == "prefix" and config.page_size == 64
     assert config.options == {"scheduler.max_wait_steps": 8}
@@ -82,8 +84,19 @@ def test_toml_missing_or_broken_file(tmp_path: Path) -> None:
 
 
 def test_cli_flags_and_config_file(tmp_path: Path) -> None:
-    config = _cli("--page-size", "8", "--fused-attention", "false", "--option", "x.y=3", "--scheduler", "chunked")
-    assert config.page_size == 8 and config.fused_attention is False and config.scheduler == "chunked"
+    config = _cli(
+        "--page-size",
+        "8",
+        "--fused-attention",
+        "false",
+        "--option",
+        "x.y=3",
+        "--scheduler",
+        "chunked",
+    )
+    assert (
+        config.page_size == 8 and config.fused_attention is False and config.scheduler == "chunked"
+    )
     assert config.options == {"x.y": 3}
     path = tmp_path / "engine.toml"
     path.write_text('allocator = "prefix"\npage_size = 32\n')

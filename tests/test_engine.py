@@ -18,7 +18,7 @@ PROMPTS = [
     "Write a haiku about the sea.",
     "List three prime numbers greater than ten, separated by commas:",
     "In 1905, Albert Einstein published four papers that changed physics. The first one explained",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
     "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n# Now a function that checks whether a number is prime:\n",
 ]
 
@@ -34,14 +34,19 @@ def hf_smollm2():
     from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
 def _hf_greedy(model, ids: list[int], n: int, eos: set[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
         )[0, len(ids) :].tolist()
     for i, t in enumerate(out):  # transformers pads after EOS; pitstop stops at it
         if t in eos:
@@ -53,7 +58,9 @@ def test_smollm2_greedy_matches_transformers(smollm2: LLM, hf_smollm2) -> None:
     tok = smollm2.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
     assert len({len(i) for i in ids}) == len(PROMPTS), "prompts should have different lengths"
-    outs = smollm2.generate(prompt_token_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=32))
+    outs = smollm2.generate(
+        prompt_token_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=32)
+    )
     eos = set(smollm2.engine.eos_token_ids)
     for prompt_ids, out in zip(ids, outs, strict=True):
         expected = _hf_greedy(hf_smollm2, prompt_ids, 32, eos)
@@ -75,7 +82,9 @@ def test_smollm2_chat_is_coherent(smollm2: LLM) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_tiny_checkpoint_logits_and_greedy_match_transformers(tmp_path: Path, arch: str, tied: bool) -> None:
+def test_tiny_checkpoint_logits_and_greedy_match_transformers(
+    tmp_path: Path, arch: str, tied: bool
+) -> None:
     from transformers import AutoModelForCausalLM
 
     folder = make_tiny_checkpoint(tmp_path, arch, tie_word_embeddings=tied)
@@ -89,9 +98,13 @@ def test_tiny_checkpoint_logits_and_greedy_match_transformers(tmp_path: Path, ar
     from pitstop.runner import SeqInput
 
     tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(prompts))]
-    ids, meta, _ = runner.build_metadata([SeqInput(i, p, 0, tables[i], True) for i, p in enumerate(prompts)])
+    ids, meta, _ = runner.build_metadata(
+        [SeqInput(i, p, 0, tables[i], True) for i, p in enumerate(prompts)]
+    )
     with torch.inference_mode():
-        logits = runner.model.compute_logits(runner.model(ids, runner.rotary, runner.kv_cache, meta))
+        logits = runner.model.compute_logits(
+            runner.model(ids, runner.rotary, runner.kv_cache, meta)
+        )
     start = 0
     for p in prompts:
         with torch.no_grad():
@@ -101,11 +114,19 @@ def test_tiny_checkpoint_logits_and_greedy_match_transformers(tmp_path: Path, ar
         rel = ((mine - ref).abs().max() / ref.abs().max()).item()
         assert rel < 1e-4, f"{arch}: relative logit error {rel:.2e}"
 
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    )
     for p, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                              attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+            ref = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            )[0, len(p) :].tolist()
         assert out.token_ids == ref
 
 
@@ -127,19 +148,27 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_llama: Path) -> list[list[int]]:
     llm = LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.05, max_model_len=256)
-    return [o.token_ids for o in llm.generate(prompt_token_ids=_mixed_prompts(), sampling_params=_mixed_params())]
+    return [
+        o.token_ids
+        for o in llm.generate(prompt_token_ids=_mixed_prompts(), sampling_params=_mixed_params())
+    ]
 
 
 def _mixed_prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(7)
-    shared = torch.randint(3, 49152, (40,), generator=gen).tolist()  # a shared prefix for the prefix cache
-    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (3, 30, 70, 9, 120, 1)]
+    shared = torch.randint(
+        3, 49152, (40,), generator=gen
+    ).tolist()  # a shared prefix for the prefix cache
+    prompts = [
+        torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (3, 30, 70, 9, 120, 1)
+    ]
     return prompts + [shared + [5, 6, 7], shared + [8, 9], shared]
 
 
 def _mixed_params() -> list[SamplingParams]:
     return [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 5, 33, 1, 12, 25, 16, 16, 16)
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        for n in (20, 5, 33, 1, 12, 25, 16, 16, 16)
     ]
 
 
@@ -160,7 +189,9 @@ def test_every_allocator_and_scheduler_gives_the_same_greedy_tokens(
         max_prefill_batch=2,
         chunk_size=48,
     )
-    outs = llm.generate(prompt_token_ids=_mixed_prompts(), sampling_params=_mixed_params(), use_tqdm=False)
+    outs = llm.generate(
+        prompt_token_ids=_mixed_prompts(), sampling_params=_mixed_params(), use_tqdm=False
+    )
     assert [o.token_ids for o in outs] == tiny_reference
     stats = llm.engine.allocator.stats()
     assert stats.tokens_held == 0
@@ -172,6 +203,7 @@ def test_engine_config_object_and_keywords_agree(tiny_llama: Path) -> None:
     a = LLM(config=EngineConfig(model=str(tiny_llama), device="cpu", kv_cache_gib=0.01))
     b = LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.01)
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    assert a.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=p)[0].token_ids == b.generate(
-        prompt_token_ids=[[5, 6, 7]], sampling_params=p
-    )[0].token_ids
+    assert (
+        a.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=p)[0].token_ids
+        == b.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=p)[0].token_ids
+    )

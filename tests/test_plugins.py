@@ -22,8 +22,19 @@ EXAMPLE = ROOT / "tests" / "example_plugin"
 
 def _pip_install(source: Path, target: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "--target", str(target), str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "--target",
+            str(target),
+            str(source),
+        ],
         check=True,
     )
 
@@ -60,7 +71,11 @@ def test_builtins_register_through_entry_points() -> None:
         assert strategy.distribution == "pitstop"
         assert strategy.version
     # every entry point of the project names a module that registers something
-    assert all(source.distribution == "pitstop" for source in pm.sources if source.module.__name__.startswith("pitstop."))
+    assert all(
+        source.distribution == "pitstop"
+        for source in pm.sources
+        if source.module.__name__.startswith("pitstop.")
+    )
 
 
 def test_core_imports_no_plugin_by_name() -> None:
@@ -111,7 +126,9 @@ def test_allow_list_narrows_what_loads(with_example: Path, monkeypatch: pytest.M
     monkeypatch.setenv("PITSTOP_PLUGINS", "pitstop")  # by distribution name
     pm = PluginManager()
     assert "lifo" not in pm.names("allocator") and "paged" in pm.names("allocator")
-    monkeypatch.setenv("PITSTOP_PLUGINS", "allocators-paged,kernels-reference")  # by entry-point name
+    monkeypatch.setenv(
+        "PITSTOP_PLUGINS", "allocators-paged,kernels-reference"
+    )  # by entry-point name
     pm = PluginManager()
     assert pm.names("allocator") == ["paged"] and pm.names("kernels") == ["reference"]
     with pytest.raises(PluginError, match="PITSTOP_PLUGINS is set"):
@@ -163,7 +180,9 @@ def test_unknown_name_lists_the_names_that_exist() -> None:
     assert "nope" in str(err.value) and "paged" in str(err.value)
 
 
-def test_unknown_strategy_in_config_fails_before_weights_load(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_strategy_in_config_fails_before_weights_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import pitstop.engine as engine_mod
 
     def boom(*args, **kwargs):
@@ -176,7 +195,9 @@ def test_unknown_strategy_in_config_fails_before_weights_load(monkeypatch: pytes
         LLMEngine(EngineConfig(scheduler="does-not-exist"))
 
 
-def test_a_plugin_that_fails_to_import_names_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_plugin_that_fails_to_import_names_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dist = tmp_path / "broken-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 1.0\n")
@@ -227,6 +248,8 @@ def test_example_plugin_runs_the_engine_and_observes_requests(
 
     before = pitstop_example.FINISHED["length"]
     got = [o.token_ids for o in lifo.generate(prompt_token_ids=prompts, sampling_params=params)]
-    assert got == [o.token_ids for o in paged.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == [
+        o.token_ids for o in paged.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
     assert pitstop_example.FINISHED["length"] - before == 2 * len(prompts)
     assert lifo.engine.allocator.stats().pages_free == 32

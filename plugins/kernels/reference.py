@@ -41,16 +41,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Write ``k``, ``v`` ``[T, Hkv, D]`` into the flat slots of the paged caches."""
     num_pages, page_size = k_cache.shape[:2]
-    k_cache.view(num_pages * page_size, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(num_pages * page_size, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    k_cache.view(num_pages * page_size, *k_cache.shape[2:]).index_copy_(
+        0, slots, k.to(k_cache.dtype)
+    )
+    v_cache.view(num_pages * page_size, *v_cache.shape[2:]).index_copy_(
+        0, slots, v.to(v_cache.dtype)
+    )
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
     """Attention of the decode sequences (one query each) in one batched call.
 
@@ -70,14 +82,22 @@ def decode_attention(
     k = k_cache[tables].reshape(nd, pages * ps, num_kv_heads, head)[:, :max_ctx].transpose(1, 2)
     v = v_cache[tables].reshape(nd, pages * ps, num_kv_heads, head)[:, :max_ctx].transpose(1, 2)
     lens = torch.tensor(ctx, device=q.device)
-    mask = (torch.arange(max_ctx, device=q.device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+    mask = (torch.arange(max_ctx, device=q.device).unsqueeze(0) < lens.unsqueeze(1))[
+        :, None, None, :
+    ]
     qd = q[meta.num_prefill_tokens :].reshape(nd, num_kv_heads, group, head)
-    o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    o = F.scaled_dot_product_attention(
+        qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
+    )
     return o.reshape(nd, num_kv_heads * group, head)
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys.
 
@@ -125,12 +145,18 @@ class ReferenceKernels:
         self.dtype = dtype
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """RMSNorm (after adding ``residual``); see :func:`rms_norm`."""
         return rms_norm(x, weight, eps, residual)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x @ weight.T + bias``."""
         return F.linear(x, weight, bias)
 
@@ -158,7 +184,12 @@ class ReferenceKernels:
         return q, k
 
     def attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         """Causal attention over the paged cache; see :func:`paged_attention`."""
         return paged_attention(q, k_cache, v_cache, meta, scale)
@@ -169,7 +200,9 @@ class ReferenceKernels:
         return {op: "reference (PyTorch)" for op in ops}
 
 
-def make_reference_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> ReferenceKernels:
+def make_reference_kernels(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> ReferenceKernels:
     """Plain PyTorch ops; the numerical reference, on any device."""
     return ReferenceKernels(device, dtype)
 

@@ -10,8 +10,12 @@ from pitstop.testing.allocator import allocator_state_machine, check_allocator
 from pitstop.testing.scheduler import check_scheduler_contract
 
 # 1. the allocator contract as a TestCase that pytest collects
-TestLifoAllocatorContract = allocator_state_machine(lambda: LifoAllocator(num_pages=12, page_size=4)).TestCase
-TestLifoAllocatorContract.settings = hypothesis.settings(max_examples=30, stateful_step_count=30, deadline=None)
+TestLifoAllocatorContract = allocator_state_machine(
+    lambda: LifoAllocator(num_pages=12, page_size=4)
+).TestCase
+TestLifoAllocatorContract.settings = hypothesis.settings(
+    max_examples=30, stateful_step_count=30, deadline=None
+)
 
 
 # 2. or one call inside a test, with its own settings

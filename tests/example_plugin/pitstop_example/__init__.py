@@ -46,7 +46,9 @@ class LifoAllocator:
             raise RuntimeError(f"sequence {seq.request_id!r} is already admitted")
         need = self._pages(seq.num_tokens)
         if need > len(self._free):
-            raise RuntimeError(f"out of KV pages: {seq.request_id!r} needs {need}, {len(self._free)} free")
+            raise RuntimeError(
+                f"out of KV pages: {seq.request_id!r} needs {need}, {len(self._free)} free"
+            )
         self._tables[seq.seq_id] = [self._free.pop() for _ in range(need)]
         self._held[seq.seq_id] = seq.num_tokens
         return 0
