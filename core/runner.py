@@ -295,7 +295,7 @@ class ModelRunner:
             hidden = self.model(input_ids, self.rotary, self.kv_cache, meta)
         if not rows:
             return StepOutput([])
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(self._select_rows(hidden, rows))
         sampling = [s for s in step.seqs if s.sample]
         params = [s.params or SamplingParams() for s in sampling]
         generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
@@ -317,6 +317,20 @@ class ModelRunner:
         tokens = out.token_ids.tolist()  # the step's one device-to-host copy
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         return StepOutput(tokens, logprobs)
+
+    def _select_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The hidden rows to turn into logits, without waiting for the GPU.
+
+        A pure decode step samples every row in order: no gather at all. Otherwise
+        the indices go over asynchronously, so the logits GEMM and the sampler queue
+        up behind the forward pass instead of after a host-device synchronization.
+        """
+        if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:
+            return hidden
+        index = torch.tensor(rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        return hidden.index_select(0, index)
 
     def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None or params.greedy:
