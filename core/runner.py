@@ -145,12 +145,12 @@ class ModelRunner:
         """How many pages the KV cache gets: ``max_num_pages``, a GiB budget, or free GPU memory."""
         per_page = self.bytes_per_page()
         cfg = self.config
-        if self.device.type != "cuda":
-            if cfg.max_num_pages is not None:
-                return cfg.max_num_pages
+        if cfg.max_num_pages is None and (
+            self.device.type != "cuda" or cfg.kv_cache_gib is not None
+        ):
             return max(1, int((cfg.kv_cache_gib or 1.0) * 2**30) // per_page)
-        if cfg.kv_cache_gib is not None and cfg.max_num_pages is None:
-            return max(1, int(cfg.kv_cache_gib * 2**30) // per_page)
+        if self.device.type != "cuda":
+            return cfg.max_num_pages
         peak = self._profile_peak_memory()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * cfg.gpu_memory_utilization) - (total - free) - peak

@@ -271,7 +271,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 warmup=not args.no_warmup,
             )
             _fill(col, run, floor, skipped)
-        except (PitstopError, RuntimeError, ValueError, NotImplementedError, ImportError) as exc:
+        except (PitstopError, RuntimeError, ValueError, ImportError) as exc:
             col["error"] = f"{type(exc).__name__}: {exc}"
             print(f"[bench] {name} failed: {col['error']}", file=sys.stderr)
         finally:

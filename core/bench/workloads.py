@@ -120,6 +120,16 @@ def _ids(rng: random.Random, n: int, high: int) -> list[int]:
     return [rng.randint(0, high) for _ in range(n)]
 
 
+def _uniform_requests(
+    rng: random.Random, num_requests: int, input_len: Range, output_len: Range, token_high: int
+) -> list[BenchRequest]:
+    """Requests with uniform output and prompt lengths (output drawn first, then the prompt)."""
+    return [
+        BenchRequest(rng.randint(*output_len), _ids(rng, rng.randint(*input_len), token_high))
+        for _ in range(num_requests)
+    ]
+
+
 # ---------------------------------------------------------------------- generators
 def nano(
     num_requests: int = 256,
@@ -150,11 +160,7 @@ def single(
     token_high: int = TOKEN_ID_HIGH,
 ) -> Workload:
     """One interactive stream, sampled at temperature 0.8 / top-k 200, best of 5 after a warm-up."""
-    rng = random.Random(seed)
-    reqs = [
-        BenchRequest(rng.randint(*output_len), _ids(rng, rng.randint(*input_len), token_high))
-        for _ in range(num_requests)
-    ]
+    reqs = _uniform_requests(random.Random(seed), num_requests, input_len, output_len, token_high)
     return Workload(
         name="single",
         requests=reqs,
@@ -175,11 +181,7 @@ def cpu_smoke(
     token_high: int = TOKEN_ID_HIGH,
 ) -> Workload:
     """What a developer machine can run: SmolLM2-135M, fp32, CPU, greedy, all at once."""
-    rng = random.Random(seed)
-    reqs = [
-        BenchRequest(rng.randint(*output_len), _ids(rng, rng.randint(*input_len), token_high))
-        for _ in range(num_requests)
-    ]
+    reqs = _uniform_requests(random.Random(seed), num_requests, input_len, output_len, token_high)
     return Workload(
         name="cpu-smoke",
         requests=reqs,

@@ -111,8 +111,8 @@ class FusedKernels:
         )
 
         self._rms_norm: Callable[..., Any] = reference.rms_norm
-        self._silu: Callable[[torch.Tensor], torch.Tensor] = _reference_silu_and_mul
-        self._rope: Callable[..., Any] = _reference_rope_and_store
+        self._silu: Callable[[torch.Tensor], torch.Tensor] = reference.silu_and_mul
+        self._rope: Callable[..., Any] = reference.rope_and_store
         self._attn: Callable[..., torch.Tensor] = reference.paged_attention
         self._head_size_checked = not (use["rope_and_store"] or use["attention"])
         if use["rms_norm"]:
@@ -150,7 +150,7 @@ class FusedKernels:
             return
         reason = f"unsupported head size {head_size} (needs a power of two in 16..256)"
         if self._status.get("rope_and_store") == "triton":
-            self._rope = _reference_rope_and_store
+            self._rope = reference.rope_and_store
             self._fallback("rope_and_store", reason)
         if self._status.get("attention") == "triton":
             self._attn = reference.paged_attention
@@ -217,28 +217,6 @@ class FusedKernels:
     def describe(self) -> dict[str, str]:
         """Op name -> ``"triton"`` or ``"reference (reason)"`` (``linear`` is always a torch GEMM)."""
         return {op: self._status[op] for op in OPS}
-
-
-def _reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _reference_rope_and_store(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rotary: RotaryCache,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos = rotary.cos.index_select(0, meta.positions)
-    sin = rotary.sin.index_select(0, meta.positions)
-    q = reference.apply_rotary(q, cos, sin)
-    k = reference.apply_rotary(k, cos, sin)
-    reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return q, k
 
 
 def make_fused_kernels(

@@ -57,6 +57,30 @@ def store_kv(
     )
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a merged ``[gate | up]`` tensor."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary: RotaryCache,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k at ``meta.positions``, store k and v at ``meta.slot_mapping``."""
+    cos = rotary.cos.index_select(0, meta.positions)
+    sin = rotary.sin.index_select(0, meta.positions)
+    q = apply_rotary(q, cos, sin)
+    k = apply_rotary(k, cos, sin)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return q, k
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -162,8 +186,7 @@ class ReferenceKernels:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a merged ``[gate | up]`` tensor."""
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
 
     def rope_and_store(
         self,
@@ -176,12 +199,7 @@ class ReferenceKernels:
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k at ``meta.positions``, store k and v at ``meta.slot_mapping``."""
-        cos = rotary.cos.index_select(0, meta.positions)
-        sin = rotary.sin.index_select(0, meta.positions)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return q, k
+        return rope_and_store(q, k, v, rotary, k_cache, v_cache, meta)
 
     def attention(
         self,
