@@ -15,6 +15,7 @@ GPU_TESTS=${GPU_TESTS:-"tests/test_gpu_engine.py tests/test_fused_gpu.py tests/t
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider -m gpu $GPU_TESTS 2>&1 | tail -25
 fi
+ABLATION=baseline,+paged,+continuous,+fused,+chunked,+ngram
 run() { name=$1; shift; echo "== $name: pitstop bench $*"; timeout ${BENCH_TIMEOUT:-300} pitstop bench "$@" --output "$OUT/$name.json" 2>&1 | tail -${TAIL:-30}; }
 for spec in ${BENCHES-nano single}; do
   case $spec in
@@ -22,5 +23,11 @@ for spec in ${BENCHES-nano single}; do
     nano-ref) run nano-ref offline --workload nano --kernels reference --num-requests 64 ;;
     single) run single offline --workload single --kernels fused --repeats 3 ;;
     longtail) run longtail online --workload longtail --num-requests ${LT_N:-200} --matrix ${LT_MATRIX:-baseline,+paged,+continuous,+fused,+chunked} --plot "$OUT/longtail.png" ;;
+    # issue 9: the ablation (split in two: the reference-kernel columns take most of the time)
+    ablation-ref) run ablation-ref online --workload longtail --num-requests ${LT_N:-200} --max-batch-size 64 --matrix $ABLATION --only baseline,+paged,+continuous ;;
+    ablation-fused) run ablation-fused online --workload longtail --num-requests ${LT_N:-200} --max-batch-size 64 --matrix $ABLATION --only +fused,+chunked,+ngram ;;
+    prefix) run prefix online --workload prefix --num-requests ${LT_N:-200} --max-batch-size 64 --matrix benchmarks/workloads/prefix-ablation.toml ;;
+    sweeps) run sweeps online --workload longtail --num-requests ${LT_N:-200} --max-batch-size 64 --matrix benchmarks/workloads/longtail-sweeps.toml ${SWEEP_ONLY:+--only $SWEEP_ONLY} ;;
+    full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
   esac
 done

@@ -42,11 +42,15 @@ class AllocatorStats:
     )
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # slots counted more than once in tokens_held because several sequences share their page
+    tokens_shared: int = 0
 
     @property
     def utilization(self) -> float:
-        """Tokens held over tokens reserved (1.0 when nothing is reserved)."""
-        return self.tokens_held / self.tokens_reserved if self.tokens_reserved else 1.0
+        """Slots in use over slots reserved, each shared slot counted once (1.0 when nothing is reserved)."""
+        if not self.tokens_reserved:
+            return 1.0
+        return (self.tokens_held - self.tokens_shared) / self.tokens_reserved
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 from conftest_models import smollm2_gguf
 
 from pitstop.bench import floor as floors
 from pitstop.bench import workloads as W
-from pitstop.bench.matrix import MatrixError, parse_matrix
+from pitstop.bench.matrix import MatrixError, parse_matrix, select
 from pitstop.bench.report import (
     RequestRecord,
     RunResult,
@@ -491,6 +492,39 @@ def test_article_matrix_baseline_paged(tmp_path, tiny_model, capsys):
     assert [c["name"] for c in doc["configs"]] == ["baseline", "+paged"]
     assert all("figures" in c for c in doc["configs"])
     assert "| +paged" in capsys.readouterr().out
+
+
+def test_only_runs_part_of_a_matrix_and_parts_merge(tmp_path, tiny_model, capsys):
+    """``--only`` keeps each step's cumulative settings; merge_results joins the parts in order."""
+    common = (
+        "--workload", "cpu-smoke", "--model", tiny_model, "--matrix", "baseline,+paged,+continuous",
+        "--num-requests", "3", "--input-len", "8:16", "--output-len", "2:3", "--max-model-len", "64",
+        "--no-warmup",
+    )  # fmt: skip
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = _bench(tmp_path / "a", "offline", *common, "--only", "baseline")
+    second = _bench(tmp_path / "b", "offline", *common, "--only", "+continuous,+paged")
+    assert [c["name"] for c in first["configs"]] == ["baseline"]
+    assert [c["name"] for c in second["configs"]] == ["+paged", "+continuous"]
+    assert second["configs"][1]["config"]["allocator"] == "paged"  # from the step before it
+    assert second["configs"][1]["config"]["scheduler"] == "continuous"
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "merge_results", Path(__file__).parents[1] / "benchmarks" / "merge_results.py"
+    )
+    merge_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_results)
+    out = tmp_path / "all.json"
+    parts = [str(tmp_path / "a" / "r.json"), str(tmp_path / "b" / "r.json")]
+    capsys.readouterr()
+    assert merge_results.main([*parts, "--output", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert [c["name"] for c in merged["configs"]] == ["baseline", "+paged", "+continuous"]
+    assert "| +continuous" in capsys.readouterr().out
+    with pytest.raises(MatrixError, match="does not hold.*baseline, \\+paged"):
+        select(parse_matrix("baseline,+paged"), "+fused")
 
 
 def test_bad_arguments(tmp_path, tiny_model, capsys):

@@ -114,6 +114,12 @@ def add_subcommand(subparsers: Any) -> None:
             "strategy to the previous, or a TOML file of named configurations",
         )
         r.add_argument(
+            "--only",
+            metavar="NAMES",
+            help="run only these configurations of --matrix (comma-separated; each keeps the "
+            "settings of its place in the steps), e.g. to split one matrix over several runs",
+        )
+        r.add_argument(
             "--peer", choices=PEERS, help="also run the workload through this peer, same weights"
         )
         r.add_argument(
@@ -211,6 +217,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     wl = _workload(args)
     config = base_config(args, wl)
     configs = matrices.parse_matrix(args.matrix) if args.matrix else [("pitstop", {})]
+    if getattr(args, "only", None):
+        configs = matrices.select(configs, args.only)
     source = load_model_source(config.model, tokenizer=config.tokenizer)
     mc = source.model_config
     token_high = min(TOKEN_ID_HIGH, mc.vocab_size - 1)

@@ -62,6 +62,21 @@ def parse_matrix(spec: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def select(
+    configs: list[tuple[str, dict[str, Any]]], names: str
+) -> list[tuple[str, dict[str, Any]]]:
+    """The configurations of ``configs`` named in ``names`` (comma-separated), in matrix order."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = [n for n, _ in configs]
+    unknown = [n for n in wanted if n not in known]
+    if unknown or not wanted:
+        raise MatrixError(
+            f"--only names {', '.join(unknown) or 'nothing'}, which the matrix does not hold; "
+            f"its configurations: {', '.join(known)}"
+        )
+    return [(n, s) for n, s in configs if n in wanted]
+
+
 def _from_toml(path: Path) -> list[tuple[str, dict[str, Any]]]:
     try:
         data = tomllib.loads(path.read_text())

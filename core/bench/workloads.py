@@ -232,6 +232,8 @@ def longtail(
         concurrency=32,
         seed=seed,
         default_model="dummy:qwen3-8b",
+        # the longest prompt (4,096) plus the longest output (256) must fit
+        engine_defaults={"max_model_len": 4096 + 256},
         description="online latency, long-tailed prompts",
     )
 
@@ -258,6 +260,7 @@ def prefix(
         seed=seed,
         default_model="dummy:qwen3-8b",
         shared_prefix_len=PREFIX_LEN,
+        engine_defaults={"max_model_len": PREFIX_LEN + 4096 + 256},
         description="longtail behind 4 shared system prompts",
     )
 

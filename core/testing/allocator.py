@@ -18,7 +18,8 @@ was written there) and checks after every step that
   pages that no sequence holds count as free);
 - a block table covers exactly ceil(held / page_size) pages (or, for an
   allocator that reserves more up front, at least that many), and
-  ``num_held_tokens`` and ``stats().tokens_held`` agree with what was asked;
+  ``num_held_tokens`` and ``stats().tokens_held`` agree with what was asked,
+  and ``tokens_shared`` counts each shared slot's extra holders (utilization <= 1);
 - ``can_*`` never changes state, and a refused ``allocate``/``append``
   raises and changes nothing (statistics and every block table compared);
 - the cached tokens ``allocate`` reports are whole pages whose KV is exactly
@@ -434,7 +435,8 @@ class AllocatorStateMachine(RuleBasedStateMachine):
     @invariant()
     def statistics_add_up(self) -> None:
         stats = self.allocator.stats()
-        in_use = len(self._holders())
+        holders = self._holders()
+        in_use = len(holders)
         assert stats.num_pages == self.num_pages
         assert stats.pages_free + in_use == self.num_pages, (
             f"pages_free {stats.pages_free} + pages in block tables {in_use} != num_pages {self.num_pages}"
@@ -446,8 +448,18 @@ class AllocatorStateMachine(RuleBasedStateMachine):
             assert stats.tokens_reserved == in_use * self.page_size, (
                 f"tokens_reserved {stats.tokens_reserved} != {in_use} pages in use x {self.page_size}"
             )
+            # each slot in use counted once: a page holds as many tokens as its fullest holder
+            distinct = sum(
+                max(min(self.page_size, self.held[sid] - index * self.page_size) for sid, index in hs)
+                for hs in holders.values()
+            )
+            assert stats.tokens_held - stats.tokens_shared == distinct, (
+                f"tokens_held {stats.tokens_held} - tokens_shared {stats.tokens_shared} != "
+                f"{distinct} distinct slots in use (shared pages must be counted once)"
+            )
         else:
             assert stats.tokens_reserved >= 0
+        assert 0 <= stats.utilization <= 1, f"utilization {stats.utilization} outside [0, 1]"
         assert 0 <= stats.prefix_hit_tokens <= stats.prefix_queried_tokens
         assert stats.prefix_queried_tokens >= self.last_stats.prefix_queried_tokens
         assert stats.prefix_hit_tokens >= self.last_stats.prefix_hit_tokens

@@ -106,6 +106,7 @@ class PrefixCachingAllocator:
         # seq_id -> (hash, uid of the cache entry with that content) of its leading full computed pages
         self._chains: dict[int, list[tuple[int, int]]] = {}
         self._tokens_held = 0
+        self._tokens_shared = 0  # (holders - 1) x page_size over the shared pages
         self._queried = 0
         self._hit = 0
 
@@ -162,6 +163,8 @@ class PrefixCachingAllocator:
         return page
 
     def _release(self, page: int) -> None:
+        if self._refs[page] > 1:
+            self._tokens_shared -= self.page_size
         self._refs[page] -= 1
         if self._refs[page]:
             return
@@ -201,6 +204,8 @@ class PrefixCachingAllocator:
         for page in hits:  # take hits out of the LRU pool before evicting for new pages
             if not self._refs[page]:
                 del self._evictable[page]
+            else:
+                self._tokens_shared += self.page_size  # a full page, now held once more
             self._refs[page] += 1
         table = hits + [self._take() for _ in range(need)]
         for page in table[len(hits) :]:
@@ -344,6 +349,7 @@ class PrefixCachingAllocator:
             pages_free=free,
             tokens_held=self._tokens_held,
             tokens_reserved=(self.num_pages - free) * self.page_size,
+            tokens_shared=self._tokens_shared,
             prefix_queried_tokens=self._queried,
             prefix_hit_tokens=self._hit,
         )

@@ -105,7 +105,7 @@ def decode_attention(
     group = q.shape[1] // num_kv_heads
     k = k_cache[tables].reshape(nd, pages * ps, num_kv_heads, head)[:, :max_ctx].transpose(1, 2)
     v = v_cache[tables].reshape(nd, pages * ps, num_kv_heads, head)[:, :max_ctx].transpose(1, 2)
-    lens = torch.tensor(ctx, device=q.device)
+    lens = meta.context_lens[first:]  # already on the device: no host-to-device copy per layer
     mask = (torch.arange(max_ctx, device=q.device).unsqueeze(0) < lens.unsqueeze(1))[
         :, None, None, :
     ]
@@ -136,10 +136,10 @@ def paged_attention(
     if meta.num_decodes > 1:
         out[meta.num_prefill_tokens :] = decode_attention(q, k_cache, v_cache, meta, scale)
     num_loop = meta.num_prefills if meta.num_decodes > 1 else meta.num_seqs
-    tables = meta.block_tables[:num_loop].tolist() if num_loop else []
     for i in range(num_loop):
         qlen, ctx = meta.query_lens_list[i], meta.context_lens_list[i]
-        pages = torch.tensor(tables[i][: (ctx + page_size - 1) // page_size], device=q.device)
+        # a slice of the device block table: no device-to-host copy (and wait) per layer
+        pages = meta.block_tables[i, : (ctx + page_size - 1) // page_size].long()
         k = k_cache[pages].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
         v = v_cache[pages].flatten(0, 1)[:ctx]
         qi = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]

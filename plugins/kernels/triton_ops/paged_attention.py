@@ -49,7 +49,9 @@ def _mma(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
-@triton.jit
+# q_row0 and seq0 change every mixed step: not specializing on them (== 1, % 16)
+# keeps one compiled variant per split count instead of up to nine.
+@triton.jit(do_not_specialize=["q_row0", "seq0"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -136,7 +138,7 @@ def _decode_kernel(
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_row0"])
 def _decode_reduce_kernel(
     out_ptr,
     part_o_ptr,
@@ -309,7 +311,7 @@ class PagedAttention:
         self.min_split_tokens = 256 if on_gpu else 16
 
     def num_splits(self, num_decodes: int, num_kv_heads: int) -> int:
-        """Context splits per decode sequence: enough programs for ~2 waves, no split under ``min_split_tokens``.
+        """Context splits per decode sequence: ~2 waves of programs, no split under ``min_split_tokens``.
 
         Depends only on the batch size (and constants fixed at construction),
         so a captured CUDA graph's grid stays valid for every context length.
@@ -317,7 +319,9 @@ class PagedAttention:
         programs = max(1, num_decodes * num_kv_heads)
         want = triton.cdiv(2 * self.num_sms, programs)
         cap = max(1, triton.cdiv(self.max_context, self.min_split_tokens))
-        return max(1, min(want, cap, 64))
+        splits = max(1, min(want, cap, 64))
+        # a power of two: at most 7 compiled variants of the kernels across all batch sizes
+        return 1 << (splits.bit_length() - 1)
 
     def __call__(
         self,

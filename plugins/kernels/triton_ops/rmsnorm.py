@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _rmsnorm_kernel(
     x_ptr,
     res_ptr,
