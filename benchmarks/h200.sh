@@ -28,6 +28,7 @@ for spec in ${BENCHES-nano single}; do
     ablation-fused) run ablation-fused online --workload longtail --num-requests ${LT_N:-200} --max-batch-size 64 --matrix $ABLATION --only +fused,+chunked,+ngram ;;
     prefix) run prefix online --workload prefix --num-requests ${LT_N:-200} --max-batch-size 64 --matrix benchmarks/workloads/prefix-ablation.toml ;;
     sweeps) run sweeps online --workload longtail --num-requests ${LT_N:-200} --max-batch-size 64 --matrix benchmarks/workloads/longtail-sweeps.toml ${SWEEP_ONLY:+--only $SWEEP_ONLY} ;;
+    tuned) run tuned online --workload longtail --max-batch-size 64 --matrix benchmarks/workloads/longtail-tuned.toml ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
   esac
 done

@@ -1,4 +1,4 @@
-"""The ``pitstop`` command: ``generate``, ``chat``, ``plugins`` (and subcommands plugins add)."""
+"""The ``pitstop`` command: ``generate``, ``chat``, ``verify``, ``plugins`` (and subcommands plugins add)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import PitstopError
+from pitstop.verify.cli import add_subcommand as add_verify
 
 
 def _sampling_flags(
@@ -141,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_flags(p)
     _sampling_flags(p, max_tokens=256, temperature=0.0)
     p.set_defaults(func=cmd_chat)
+
+    add_verify(sub)
 
     for extra in _extra_commands():
         extra(sub)
