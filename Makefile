@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check core plugins tests
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

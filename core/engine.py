@@ -214,12 +214,30 @@ class LLMEngine:
         return len(self._requests)
 
     # ------------------------------------------------------------------ the step
+    PREEMPTION_WARN_EVERY = 50
+
+    def _warn_preemptions(self, count: int) -> None:
+        """Count preemptions; warn at the first and then every ``PREEMPTION_WARN_EVERY``."""
+        before = self.stats.preemptions
+        self.stats.preemptions += count
+        if before == 0 or before // self.PREEMPTION_WARN_EVERY != (
+            self.stats.preemptions // self.PREEMPTION_WARN_EVERY
+        ):
+            log.warning(
+                "%d sequence(s) preempted for lack of KV pages (%d since start): their tokens "
+                "will be recomputed. Give the cache more room (gpu_memory_utilization, "
+                "kv_cache_gib) or run fewer sequences at once (max_batch_size)",
+                count,
+                self.stats.preemptions,
+            )
+
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that produced a token or finished."""
         start = time.perf_counter()
         proposed = self._propose() if self.proposer is not None else []
         plan = self.scheduler.schedule()
-        self.stats.preemptions += len(plan.preempted)
+        if plan.preempted:
+            self._warn_preemptions(len(plan.preempted))
         if plan.is_empty:
             if self._requests and not self.scheduler.has_work():
                 raise RuntimeError("requests are live but the scheduler holds none of them")

@@ -199,6 +199,28 @@ def test_every_allocator_and_scheduler_gives_the_same_greedy_tokens(
         assert stats.pages_free == stats.num_pages
 
 
+def test_preemption_is_logged_with_the_fix(tiny_llama: Path, caplog) -> None:
+    """The first preemption warns, naming the settings that avoid it."""
+    llm = LLM(
+        str(tiny_llama),
+        device="cpu",
+        allocator="paged",
+        scheduler="continuous",
+        max_num_pages=17,
+        max_model_len=256,
+        max_batch_size=9,
+        max_prefill_batch=2,
+    )
+    with caplog.at_level("WARNING", logger="pitstop.engine"):
+        llm.generate(
+            prompt_token_ids=_mixed_prompts(), sampling_params=_mixed_params(), use_tqdm=False
+        )
+    assert llm.engine.stats.preemptions > 0
+    warnings = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
+    assert warnings and "gpu_memory_utilization" in warnings[0]
+    assert len(warnings) <= 1 + llm.engine.stats.preemptions // 50
+
+
 def test_engine_config_object_and_keywords_agree(tiny_llama: Path) -> None:
     a = LLM(config=EngineConfig(model=str(tiny_llama), device="cpu", kv_cache_gib=0.01))
     b = LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.01)

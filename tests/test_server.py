@@ -217,6 +217,8 @@ def test_64_concurrent_streams_and_metrics(server: Server) -> None:
         "pitstop:prefix_cache_queries_total",
         "pitstop:prefix_cache_hits_total",
         "pitstop:num_preemptions_total",
+        "pitstop:spec_decode_num_draft_tokens_total",
+        "pitstop:spec_decode_num_accepted_tokens_total",
     ):
         assert name in after
 

@@ -143,6 +143,16 @@ class _SnapshotCollector(Collector):
         )
         yield counter("pitstop:engine_steps", "Engine steps run since start.", snap.stats.steps)
         yield counter(
+            "pitstop:spec_decode_num_draft_tokens",
+            "Draft tokens verified by the target model since start.",
+            snap.stats.spec_proposed_tokens,
+        )
+        yield counter(
+            "pitstop:spec_decode_num_accepted_tokens",
+            "Draft tokens the target model kept since start.",
+            snap.stats.spec_accepted_tokens,
+        )
+        yield counter(
             "pitstop:kv_cache_utilization_sum",
             "Sum over engine steps of KV tokens held / tokens reserved (divide by engine_steps).",
             snap.stats.utilization_sum,

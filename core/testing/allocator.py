@@ -450,7 +450,10 @@ class AllocatorStateMachine(RuleBasedStateMachine):
             )
             # each slot in use counted once: a page holds as many tokens as its fullest holder
             distinct = sum(
-                max(min(self.page_size, self.held[sid] - index * self.page_size) for sid, index in hs)
+                max(
+                    min(self.page_size, self.held[sid] - index * self.page_size)
+                    for sid, index in hs
+                )
                 for hs in holders.values()
             )
             assert stats.tokens_held - stats.tokens_shared == distinct, (
