@@ -102,11 +102,13 @@ class LLMEngine:
             num_pages * per_page / 2**30,
         )
         log.info(
-            "model: %s; device %s, %s; kernels %s",
+            "model: %s; device %s, %s; kernels %s; scheduler %s; speculative %s",
             source.description,
             self.device,
             self.dtype,
             config.kernels,
+            config.scheduler,
+            config.speculative or "off",
         )
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None:

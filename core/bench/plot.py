@@ -36,7 +36,11 @@ def plot(columns: list[dict[str, Any]], path: str | Path, *, title: str = "") ->
         xs = sorted(c.get("ttfts_ms") or [])
         if xs:
             ax_cdf.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=c["name"])
-    ax_cdf.set_xlabel("TTFT (ms)")
+    # TTFTs that span orders of magnitude (an ablation from a static baseline) read on a log axis
+    p50s = [c["figures"]["ttft_ms"]["p50"] for c in cols]
+    p99s = [c["figures"]["ttft_ms"]["p99"] for c in cols]
+    log_scale = min(p50s) > 0 and max(p99s) / min(p50s) > 50
+    ax_cdf.set_xlabel("TTFT (ms)" + (", log scale" if log_scale else ""))
     ax_cdf.set_ylabel("fraction of requests")
     ax_cdf.set_title("TTFT CDF")
     ax_cdf.grid(alpha=0.3)
@@ -49,7 +53,10 @@ def plot(columns: list[dict[str, Any]], path: str | Path, *, title: str = "") ->
             [i + (k - 1) * width for i in range(len(cols))], vals, width, label=f"TTFT {q.upper()}"
         )
     ax_ttft.set_xticks(range(len(cols)), [c["name"] for c in cols], rotation=20, fontsize=8)
-    ax_ttft.set_ylabel("ms")
+    ax_ttft.set_ylabel("ms" + (", log scale" if log_scale else ""))
+    if log_scale:
+        ax_cdf.set_xscale("log")
+        ax_ttft.set_yscale("log")
     ax_ttft.set_title("TTFT percentiles")
     ax_ttft.legend(fontsize=8)
 
