@@ -210,6 +210,10 @@ class LLMEngine:
         """Whether any request is waiting or running."""
         return bool(self._requests)
 
+    def live_sequences(self) -> dict[int, Sequence]:
+        """The sequences of the unfinished requests, by the sequence id the runner knows (read only)."""
+        return {req.seq.seq_id: req.seq for req in self._requests.values()}
+
     @property
     def num_unfinished_requests(self) -> int:
         """Requests waiting or running."""

@@ -163,7 +163,7 @@ class _LogitsTap:
 
     def _see(self, logits: torch.Tensor) -> None:
         # the engine's live requests, by the sequence id the runner knows them by
-        live = {req.seq.seq_id: req.seq for req in self.engine._requests.values()}
+        live = self.engine.live_sequences()
         row = 0
         for inp in self.step_seqs:
             if not inp.sample:
