@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pitstop.bench.cli import render
-from pitstop.bench.report import write_json
+from pitstop.bench.cli import publish
 
 SAME = ("name", "num_requests", "seed", "concurrency", "request_rate", "input_tokens")
 
@@ -43,22 +42,14 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Merge, print the table, write the JSON and the plot."""
+    """Merge, write the JSON and the plot, print the table (exit status as ``pitstop bench``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("parts", nargs="+", type=Path, help="results JSON files of pitstop bench")
     p.add_argument("--output", type=Path, help="write the merged JSON here")
     p.add_argument("--plot", type=Path, help="draw the merged PNG here")
     args = p.parse_args(argv)
     doc = merge([json.loads(path.read_text()) for path in args.parts])
-    if args.output:
-        write_json(args.output, doc)
-    if args.plot:
-        from pitstop.bench.plot import plot
-
-        title = f"{doc['workload']['name']} on {doc['model']['name']}, {doc['device']}"
-        plot(doc["configs"], args.plot, title=title)
-    print(render(doc))
-    return 0
+    return publish(doc, args.output, args.plot)
 
 
 if __name__ == "__main__":

@@ -47,16 +47,7 @@ class LLMEngine:
         if config.kernels == "auto":
             fused = self.device.type == "cuda" and "fused" in self.plugins.names("kernels")
             config = attrs.evolve(config, kernels="fused" if fused else "reference")
-        # Every name is checked before any weight loads.
-        for kind, name in (
-            ("allocator", config.allocator),
-            ("scheduler", config.scheduler),
-            ("kernels", config.kernels),
-            ("sampler", config.sampler),
-        ):
-            self.plugins.get(kind, name)
-        if config.speculative is not None:
-            self.plugins.get("proposer", config.speculative)
+        self.plugins.check_config(config)  # every name, before any weight loads
         self.dtype = resolve_dtype(config.dtype, self.device)
         source = load_model_source(config.model, tokenizer=config.tokenizer)
         mc = source.model_config

@@ -16,13 +16,16 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import pluggy
 
 from pitstop import hookspecs
 from pitstop.errors import PluginError
+
+if TYPE_CHECKING:
+    from pitstop.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +181,19 @@ class PluginManager:
                 f"unknown {kind} {name!r}; registered {kind} names: {have}"
                 + (f" ({ALLOW_LIST_VARIABLE} is set)" if self.allow is not None else "")
             ) from None
+
+    def check_config(self, config: EngineConfig) -> None:
+        """Raise :class:`PluginError` on the first strategy name of ``config`` that is not
+        registered (``kernels="auto"`` is skipped: it resolves to a name later)."""
+        for kind, name in (
+            ("allocator", config.allocator),
+            ("scheduler", config.scheduler),
+            ("kernels", None if config.kernels == "auto" else config.kernels),
+            ("sampler", config.sampler),
+            ("proposer", config.speculative),
+        ):
+            if name is not None:
+                self.get(kind, name)
 
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
         """Build the named strategy with its factory."""

@@ -430,14 +430,9 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Entry point of ``pitstop bench offline|online``."""
-    doc = run_bench(args)
-    out_json = args.output
-    out_png = args.plot
-    if args.out:
-        out_json = out_json or str(Path(args.out) / "results.json")
-        out_png = out_png or str(Path(args.out) / "plot.png")
+def publish(doc: dict[str, Any], out_json: str | Path | None, out_png: str | Path | None) -> int:
+    """Write the results JSON and the plot asked for, print the report; 2 if the plot failed
+    (the JSON is still written), else 0 if any configuration has figures, else 1."""
     if out_json:
         write_json(out_json, doc)
         print(f"[bench] wrote {out_json}", file=sys.stderr)
@@ -461,3 +456,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     ok = any(c.get("figures") for c in doc["configs"])
     return 0 if ok else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Entry point of ``pitstop bench offline|online``."""
+    doc = run_bench(args)
+    out_json = args.output
+    out_png = args.plot
+    if args.out:
+        out_json = out_json or str(Path(args.out) / "results.json")
+        out_png = out_png or str(Path(args.out) / "plot.png")
+    return publish(doc, out_json, out_png)

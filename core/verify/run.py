@@ -78,7 +78,7 @@ def verify(
     limits = [max_tokens or p.max_tokens for p in prompts]
     ref_config = reference_config(config)
 
-    _check_names(config, plugins)
+    (plugins or get_plugin_manager()).check_config(config)  # before any weight loads
     # rows[i][o] = (output tokens before o, the reference's logits predicting output token o)
     rows: list[dict[int, tuple[list[int], torch.Tensor]]] = [{} for _ in prompts]
 
@@ -283,17 +283,3 @@ def _leading_rows(
             break
         kept.append(rows[o][1])
     return kept
-
-
-def _check_names(config: EngineConfig, plugins: PluginManager | None) -> None:
-    """Fail on an unknown strategy name of the tested configuration before any weight loads."""
-    pm = plugins or get_plugin_manager()
-    for kind, name in (
-        ("allocator", config.allocator),
-        ("scheduler", config.scheduler),
-        ("kernels", None if config.kernels == "auto" else config.kernels),
-        ("sampler", config.sampler),
-        ("proposer", config.speculative),
-    ):
-        if name is not None:
-            pm.get(kind, name)
