@@ -1,4 +1,5 @@
-"""What the built-in allocators share: their errors and a few checks.
+"""What the built-in allocators share: their errors, a few checks, and the
+bookkeeping of pages handed out on demand (:class:`OnDemandPages`).
 
 ``OutOfPagesError`` is what ``allocate``/``append`` raise when called without
 room (callers are meant to ask ``can_allocate``/``can_append`` first and
@@ -48,3 +49,35 @@ def check_admissible(seq: Sequence) -> None:
     """Refuse to admit a sequence without tokens (there is nothing to hold or compute)."""
     if seq.num_tokens <= 0:
         raise AllocatorUsageError(f"sequence {seq.request_id!r} has no tokens to admit")
+
+
+class OnDemandPages:
+    """The state ``paged`` and ``prefix`` share: a stack of free pages, and per admitted
+    sequence its block table and the tokens it holds."""
+
+    def __init__(self, page_size: int, num_pages: int) -> None:
+        if page_size <= 0 or num_pages < 0:
+            raise AllocatorUsageError(
+                f"page_size must be > 0 and num_pages >= 0, got {page_size}, {num_pages}"
+            )
+        self.page_size = page_size
+        self.num_pages = num_pages
+        # A stack: pop() takes the most recently freed page; reversed so a fresh allocator gives 0, 1, 2, ...
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}  # seq_id -> block table
+        self._held: dict[int, int] = {}  # seq_id -> tokens held
+        self._tokens_held = 0
+
+    def _table(self, seq: Sequence) -> list[int]:
+        try:
+            return self._tables[seq.seq_id]
+        except KeyError:
+            raise AllocatorUsageError(f"sequence {seq.request_id!r} is not admitted") from None
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The pages of ``seq`` in order (the live list: read it, copy it to keep it)."""
+        return self._table(seq)
+
+    def num_held_tokens(self, seq: Sequence) -> int:
+        """Token slots ``seq`` holds (0 when not admitted)."""
+        return self._held.get(seq.seq_id, 0)

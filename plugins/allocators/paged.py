@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import pitstop
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
+    OnDemandPages,
     OutOfPagesError,
     check_admissible,
     check_count,
@@ -28,21 +29,8 @@ if TYPE_CHECKING:
     from pitstop.sequence import Sequence
 
 
-class PagedAllocator:
+class PagedAllocator(OnDemandPages):
     """Pages on demand; nothing shared, nothing cached."""
-
-    def __init__(self, page_size: int, num_pages: int) -> None:
-        if page_size <= 0 or num_pages < 0:
-            raise AllocatorUsageError(
-                f"page_size must be > 0 and num_pages >= 0, got {page_size}, {num_pages}"
-            )
-        self.page_size = page_size
-        self.num_pages = num_pages
-        # A stack: pop() takes the most recently freed page; reversed so a fresh allocator gives 0, 1, 2, ...
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._tables: dict[int, list[int]] = {}  # seq_id -> block table
-        self._held: dict[int, int] = {}  # seq_id -> tokens held
-        self._tokens_held = 0
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, seq: Sequence) -> bool:
@@ -117,20 +105,6 @@ class PagedAllocator:
         self._free.extend(reversed(table))  # the sequence's first page is reused first
 
     # ------------------------------------------------------------------ queries
-    def _table(self, seq: Sequence) -> list[int]:
-        try:
-            return self._tables[seq.seq_id]
-        except KeyError:
-            raise AllocatorUsageError(f"sequence {seq.request_id!r} is not admitted") from None
-
-    def block_table(self, seq: Sequence) -> list[int]:
-        """The pages of ``seq`` in order (the live list: read it, copy it to keep it)."""
-        return self._table(seq)
-
-    def num_held_tokens(self, seq: Sequence) -> int:
-        """Token slots ``seq`` holds (0 when not admitted)."""
-        return self._held.get(seq.seq_id, 0)
-
     def on_tokens_computed(self, seq: Sequence) -> None:
         """Nothing to do: paged caches nothing across sequences."""
 

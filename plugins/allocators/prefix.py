@@ -46,6 +46,7 @@ import pitstop
 from pitstop.errors import ConfigError
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
+    OnDemandPages,
     OutOfPagesError,
     check_admissible,
     check_count,
@@ -80,20 +81,12 @@ class _CachedPage:
         self.token_ids = token_ids
 
 
-class PrefixCachingAllocator:
+class PrefixCachingAllocator(OnDemandPages):
     """Pages on demand, plus shared, refcounted, LRU-cached full prefix pages."""
 
     def __init__(self, page_size: int, num_pages: int, max_cached_pages: int | None = None) -> None:
-        if page_size <= 0 or num_pages < 0:
-            raise AllocatorUsageError(
-                f"page_size must be > 0 and num_pages >= 0, got {page_size}, {num_pages}"
-            )
-        self.page_size = page_size
-        self.num_pages = num_pages
+        super().__init__(page_size, num_pages)  # self._free: never-cached free pages, a stack
         self.max_cached_pages = num_pages if max_cached_pages is None else max_cached_pages
-        self._free: list[int] = list(
-            range(num_pages - 1, -1, -1)
-        )  # never-cached free pages, a stack
         self._evictable: OrderedDict[int, None] = (
             OrderedDict()
         )  # cached pages nobody holds, oldest first
@@ -101,11 +94,8 @@ class PrefixCachingAllocator:
         self._cached: dict[int, _CachedPage] = {}  # page -> its cache entry
         self._buckets: dict[int, list[int]] = {}  # hash -> cached pages with that hash
         self._next_uid = _ROOT_UID + 1
-        self._tables: dict[int, list[int]] = {}  # seq_id -> block table
-        self._held: dict[int, int] = {}  # seq_id -> tokens held
         # seq_id -> (hash, uid of the cache entry with that content) of its leading full computed pages
         self._chains: dict[int, list[tuple[int, int]]] = {}
-        self._tokens_held = 0
         self._tokens_shared = 0  # (holders - 1) x page_size over the shared pages
         self._queried = 0
         self._hit = 0
@@ -310,20 +300,6 @@ class PrefixCachingAllocator:
             parent_hash, parent_uid = hash_, uid
 
     # ------------------------------------------------------------------ queries
-    def _table(self, seq: Sequence) -> list[int]:
-        try:
-            return self._tables[seq.seq_id]
-        except KeyError:
-            raise AllocatorUsageError(f"sequence {seq.request_id!r} is not admitted") from None
-
-    def block_table(self, seq: Sequence) -> list[int]:
-        """The pages of ``seq`` in order (the live list: read it, copy it to keep it)."""
-        return self._table(seq)
-
-    def num_held_tokens(self, seq: Sequence) -> int:
-        """Token slots ``seq`` holds (0 when not admitted)."""
-        return self._held.get(seq.seq_id, 0)
-
     def refcount(self, page: int) -> int:
         """How many live sequences hold ``page``."""
         return self._refs[page]
