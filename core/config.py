@@ -10,6 +10,8 @@ list of names that exist is known.
 from __future__ import annotations
 
 import argparse
+import difflib
+import math
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,16 +23,32 @@ from pitstop.errors import ConfigError
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
+# No machine pitstop runs on has this much memory: a larger KV cache is a typo
+# (1e6 for 1.0), refused before anything tries to allocate it.
+MAX_KV_CACHE_GIB = 4096.0
+
 
 def _doc(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+def _is_real(value: Any) -> bool:
+    """A finite int or float; True and False are not numbers here."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
 def _positive(_inst: Any, att: attrs.Attribute, value: Any) -> None:
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
-    ):
-        raise ConfigError(f"{att.name} must be a positive number, got {value!r}")
+    if value is not None and (not _is_real(value) or value <= 0):
+        raise ConfigError(f"{att.name} must be a positive finite number, got {value!r}")
+
+
+def _kv_cache_gib(inst: Any, att: attrs.Attribute, value: Any) -> None:
+    _positive(inst, att, value)
+    if value is not None and value > MAX_KV_CACHE_GIB:
+        raise ConfigError(
+            f"{att.name} is {value!r} GiB, more than any machine has (limit {MAX_KV_CACHE_GIB:g}); "
+            "give the KV-cache size in GiB (e.g. 1 or 0.5), or leave it unset to size it from memory"
+        )
 
 
 def _positive_int(_inst: Any, att: attrs.Attribute, value: Any) -> None:
@@ -64,8 +82,26 @@ def _optional_name(inst: Any, att: attrs.Attribute, value: Any) -> None:
 
 
 def _fraction(_inst: Any, att: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, int | float) or not 0 < value <= 1:
-        raise ConfigError(f"{att.name} must be in (0, 1], got {value!r}")
+    if not _is_real(value) or not 0 < value <= 1:
+        raise ConfigError(f"{att.name} must be a number in (0, 1], e.g. 0.9, got {value!r}")
+
+
+def _optional_path(_inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(
+            f"{att.name} must be a path or name (a non-empty string), or unset, got {value!r}"
+        )
+
+
+def _options(_inst: Any, att: attrs.Attribute, value: Mapping[str, Any]) -> None:
+    for key, item in value.items():
+        if not isinstance(key, str) or not key.strip():
+            raise ConfigError(
+                f"{att.name} keys must be non-empty strings such as 'prefix.max_cached_pages', "
+                f"got {key!r}"
+            )
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ConfigError(f"{att.name}[{key!r}] must be a finite number, got {item!r}")
 
 
 def _bool(_inst: Any, att: attrs.Attribute, value: Any) -> None:
@@ -87,7 +123,9 @@ class EngineConfig:
         ),
     )
     tokenizer: str | None = attrs.field(
-        default=None, metadata=_doc("tokenizer folder or tokenizer.json (default: the model's own)")
+        default=None,
+        validator=_optional_path,
+        metadata=_doc("tokenizer folder or tokenizer.json (default: the model's own)"),
     )
     dtype: str = attrs.field(
         default="auto",
@@ -143,7 +181,7 @@ class EngineConfig:
     )
     kv_cache_gib: float | None = attrs.field(
         default=None,
-        validator=_positive,
+        validator=_kv_cache_gib,
         metadata=_doc(
             "KV-cache size in GiB (default: 1 on CPU; from gpu_memory_utilization on CUDA)"
         ),
@@ -202,7 +240,7 @@ class EngineConfig:
         default=4, validator=_positive_int, metadata=_doc("draft tokens proposed per step (k)")
     )
     speculative_model: str | None = attrs.field(
-        default=None, metadata=_doc("draft model of the 'draft' proposer")
+        default=None, validator=_optional_path, metadata=_doc("draft model of the 'draft' proposer")
     )
     prompt_lookup_max: int = attrs.field(
         default=4, validator=_positive_int, metadata=_doc("longest n-gram matched")
@@ -215,6 +253,7 @@ class EngineConfig:
     options: Mapping[str, Any] = attrs.field(
         factory=dict,
         converter=lambda d: dict(d or {}),
+        validator=_options,
         metadata=_doc("settings for third-party plugins, e.g. {'myalloc.eviction': 'lfu'}"),
     )
 
@@ -296,17 +335,44 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_bool_flag(text: str) -> bool:
+    """A boolean flag's value; anything else is an argparse error (usage + message, exit 2)."""
+    try:
+        return _BOOL_WORDS[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"expected true or false (or yes/no, 1/0), got {text!r}"
+        ) from None
+
+
+def check_option_keys(options: Mapping[str, Any], declared: Mapping[str, str]) -> None:
+    """Raise :class:`ConfigError` for an ``options`` key that no plugin declares.
+
+    ``declared`` maps each key a loaded plugin reads to the plugin that reads
+    it. A key whose namespace (the part before the first dot) no plugin
+    declares anything in is left alone, unless it is a near-miss of a
+    declared key: third-party plugins that do not declare their keys yet keep
+    working, while ``prefix.max_cache_pages`` is caught.
+    """
+    namespaces = {key.split(".", 1)[0] for key in declared}
+    for key in options:
+        if key in declared:
+            continue
+        close = difflib.get_close_matches(key, list(declared), n=1, cutoff=0.8)
+        if key.split(".", 1)[0] not in namespaces and not close:
+            continue
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        known = ", ".join(f"{k} ({declared[k]})" for k in sorted(declared))
+        raise ConfigError(f"unknown option {key!r}: {hint}options the loaded plugins read: {known}")
+
+
 def _flag_type(att: attrs.Attribute):
     t = str(att.type)
     if "bool" in t:
-        return lambda s: {
-            "true": True,
-            "1": True,
-            "yes": True,
-            "false": False,
-            "0": False,
-            "no": False,
-        }[s.lower()]
+        return parse_bool_flag
     if "int" in t:
         return int
     if "float" in t:
