@@ -14,7 +14,7 @@ import importlib
 import importlib.metadata as md
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ import attrs
 import pluggy
 
 from pitstop import hookspecs
+from pitstop.config import check_option_keys
 from pitstop.errors import PluginError
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class Strategy:
     version: str
     module: str
     description: str = ""
+    options: Mapping[str, str] = attrs.field(factory=dict)  # the ``options`` keys it reads -> doc
 
 
 @attrs.frozen
@@ -136,7 +138,12 @@ class PluginManager:
             impl(register=self._registrar(kind, source))
 
     def _registrar(self, kind: str, source: PluginSource) -> Callable[..., None]:
-        def register(name: str, factory: Callable[..., Any], description: str = "") -> None:
+        def register(
+            name: str,
+            factory: Callable[..., Any],
+            description: str = "",
+            options: Mapping[str, str] | None = None,
+        ) -> None:
             if not isinstance(name, str) or not name:
                 raise PluginError(
                     f"{source.distribution}: a {kind} needs a non-empty name, got {name!r}"
@@ -160,6 +167,7 @@ class PluginManager:
                 version=source.version,
                 module=source.module.__name__,
                 description=description or (factory.__doc__ or "").strip().split("\n")[0],
+                options=dict(options or {}),
             )
 
         return register
@@ -184,7 +192,9 @@ class PluginManager:
 
     def check_config(self, config: EngineConfig) -> None:
         """Raise :class:`PluginError` on the first strategy name of ``config`` that is not
-        registered (``kernels="auto"`` is skipped: it resolves to a name later)."""
+        registered (``kernels="auto"`` is skipped: it resolves to a name later), and
+        :class:`~pitstop.errors.ConfigError` on an ``options`` key that the plugins
+        declare nothing like (see :func:`pitstop.config.check_option_keys`)."""
         for kind, name in (
             ("allocator", config.allocator),
             ("scheduler", config.scheduler),
@@ -194,6 +204,8 @@ class PluginManager:
         ):
             if name is not None:
                 self.get(kind, name)
+        declared = {key: f"{s.kind} {s.name!r}" for s in self.strategies() for key in s.options}
+        check_option_keys(config.options, declared)
 
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
         """Build the named strategy with its factory."""

@@ -341,4 +341,8 @@ def create_prefix(config: EngineConfig, num_pages: int) -> PrefixCachingAllocato
 
 @pitstop.hookimpl
 def register_allocators(register) -> None:
-    register("prefix", create_prefix)
+    register(
+        "prefix",
+        create_prefix,
+        options={MAX_CACHED_PAGES_OPTION: "most freed-but-cached prefix pages kept for reuse"},
+    )
