@@ -1,0 +1,189 @@
+"""Checks of per-request values, run where a request enters (never inside a step).
+
+A value that passes these checks cannot make the shared engine step fail:
+integers fit an int64 tensor, floats are finite, token ids index the
+vocabulary, text encodes as UTF-8, and ``True`` is not the number 1. Each
+check raises :class:`~pitstop.errors.InvalidRequestError` with a message that
+starts with the name of the field (the HTTP layer reads it as the ``param``)
+and says what to send instead.
+
+:class:`~pitstop.sampling_params.SamplingParams` runs the checks that need no
+model; :func:`validate_request` adds those that need the vocabulary, for the
+engine's ``add_request``; :func:`validate_messages` checks a chat before its
+template is applied.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pitstop.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pitstop.sampling_params import SamplingParams
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+# torch seeds a generator with 64 bits; a seed is reduced modulo this (torch
+# itself treats a negative seed that way), so any integer is a valid seed.
+SEED_MODULUS = 2**64
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python or numpy), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | _numpy_bool())
+
+
+def is_real(value: Any) -> bool:
+    """A finite int or float (Python or numpy), but not a bool."""
+    if isinstance(value, bool | _numpy_bool()) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float is finite but absurd here
+        return False
+
+
+def _numpy_bool() -> type:
+    try:
+        import numpy as np
+    except ModuleNotFoundError:  # pragma: no cover - numpy is a dependency
+        return bool
+    return np.bool_
+
+
+def _type_name(value: Any) -> str:
+    return "a bool" if isinstance(value, bool) else type(value).__name__
+
+
+def _fail(message: str) -> None:
+    raise InvalidRequestError(message)
+
+
+def check_int(name: str, value: Any, *, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
+    """``value`` as an int in ``[lo, hi]``; anything else raises naming ``name``."""
+    if not is_int(value):
+        _fail(f"{name} must be an integer, got {_type_name(value)} {value!r}")
+    value = int(value)
+    if not lo <= value <= hi:
+        _fail(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_real(name: str, value: Any, hint: str) -> float:
+    """``value`` as a finite float; ``hint`` says what to send instead."""
+    if not is_real(value):
+        kind = "a finite number" if isinstance(value, numbers.Real) else "a number"
+        _fail(f"{name} must be {kind}, got {_type_name(value)} {value!r}; {hint}")
+    return float(value)
+
+
+def check_text(name: str, value: Any) -> str:
+    """``value`` as a string that encodes as UTF-8 (no lone surrogate halves)."""
+    if not isinstance(value, str):
+        _fail(f"{name} must be a string, got {_type_name(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start : exc.end]
+        _fail(
+            f"{name} contains {bad!r} at position {exc.start}, half of a UTF-16 surrogate "
+            "pair, which is not text; send valid Unicode (pair the surrogates or remove it)"
+        )
+    return value
+
+
+def seed_of(value: Any) -> int | None:
+    """A request seed reduced into ``[0, 2**64)``; None stays None (the engine's own seed)."""
+    if value is None:
+        return None
+    if not is_int(value):
+        _fail(f"seed must be an integer or null, got {_type_name(value)} {value!r}")
+    return int(value) % SEED_MODULUS
+
+
+def check_token_ids(name: str, ids: Any, vocab_size: int | None = None) -> list[int]:
+    """A list of token ids, each an integer in ``[0, vocab_size)`` (``[0, 2**63)`` if unknown)."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        _fail(f"{name} must be a list of token ids (integers), got {_type_name(ids)}")
+    out = list(ids)
+    not_ints = [t for t in out if not is_int(t)]
+    if not_ints:
+        _fail(
+            f"{name} must hold integers, got {not_ints[0]!r} ({_type_name(not_ints[0])}); "
+            "send token ids as JSON integers"
+        )
+    hi = INT64_MAX + 1 if vocab_size is None else vocab_size
+    bad = [int(t) for t in out if not 0 <= t < hi]
+    if bad:
+        where = "the vocabulary" if vocab_size is not None else "int64"
+        _fail(f"{name}: token id(s) {bad[:5]} outside {where} [0, {hi})")
+    return [int(t) for t in out]
+
+
+def validate_request(
+    prompt: Any,
+    params: SamplingParams,
+    prompt_token_ids: Sequence[int] | None,
+    *,
+    vocab_size: int,
+) -> None:
+    """Every check of a request that needs the model: call it first in ``add_request``.
+
+    Raises :class:`InvalidRequestError` when ``params`` is not a
+    :class:`SamplingParams`, the prompt is neither a non-empty UTF-8 string
+    nor a non-empty list of token ids inside the vocabulary, or a
+    ``stop_token_ids`` entry is outside the vocabulary. Length checks against
+    ``max_model_len`` stay with the engine, which knows the tokenized length.
+    """
+    from pitstop.sampling_params import SamplingParams
+
+    if not isinstance(params, SamplingParams):
+        _fail(
+            f"sampling params must be a SamplingParams, got {type(params).__name__}; "
+            "build one with SamplingParams(max_tokens=..., ...)"
+        )
+    if prompt_token_ids is None:
+        if prompt is None:
+            _fail("prompt: give a prompt (text) or prompt_token_ids")
+        check_text("prompt", prompt)
+        if not prompt:
+            _fail("prompt is empty; give at least one token of text")
+    else:
+        ids = check_token_ids("prompt_token_ids", prompt_token_ids, vocab_size)
+        if not ids:
+            _fail("prompt_token_ids is empty; give at least one token")
+    if params.stop_token_ids:
+        check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """A chat as a list of ``{"role", "content"}`` dicts, checked before the template runs.
+
+    Roles are ``system``, ``user``, ``assistant`` and ``tool``; content is a
+    string (empty allowed). Other keys pass through to the template.
+    """
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Iterable):
+        _fail(
+            f"messages must be a list of {{'role', 'content'}} objects, got {_type_name(messages)}"
+        )
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            _fail(
+                f"messages[{i}] must be an object with role and content, got {_type_name(message)}"
+            )
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            _fail(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        content = message.get("content", "")
+        check_text(f"messages[{i}].content", "" if content is None else content)
+        out.append(dict(message))
+    if not out:
+        _fail("messages is empty; send at least one message")
+    return out
