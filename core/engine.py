@@ -1,4 +1,20 @@
-"""`LLMEngine`: the step loop. Schedule, run, sample, append, stop, stream, free.
+"""`LLMEngine`: the step loop. Plan, launch, apply the previous step's results, emit.
+
+One call of :meth:`LLMEngine.step`:
+
+1. **plan**: the scheduler picks the sequences of step N+1 and their token
+   counts (with one step of lag: it sees step N's sampled tokens as pending);
+2. **launch**: the runner queues step N+1 on the device and returns at once;
+   each scheduled sequence counts its chunk as computed, and one that
+   samples gets a pending token;
+3. **apply** step N's results (the one copy of its sampled ids, waited for
+   on an event): resolve the pending tokens, check stop conditions,
+   detokenize, finish and free; a token computed for a sequence that had
+   already finished is discarded;
+4. **emit** the outputs of step N.
+
+With ``overlap`` off the same code applies step N+1 right after launching
+it: the serial loop. Speculative decoding always runs serially.
 
 The engine resolves every strategy once, when it is built, and then calls
 the chosen objects directly; observer hooks fire at most once per step.
@@ -19,7 +35,15 @@ from pitstop.errors import ConfigError, InvalidRequestError
 from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestMetrics, RequestOutput
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
-from pitstop.runner import ModelRunner, SeqInput, StepInput, resolve_device, resolve_dtype
+from pitstop.protocols import ScheduledSequence, StepPlan
+from pitstop.runner import (
+    LaunchedStep,
+    ModelRunner,
+    SeqInput,
+    StepInput,
+    resolve_device,
+    resolve_dtype,
+)
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import Sequence, SequenceStatus
 from pitstop.speculative import ProposerContext, draft_room
@@ -36,6 +60,18 @@ class _Request:
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
     logprobs: list[float] | None = None
+
+
+@attrs.define(eq=False)
+class _Launched:
+    """A step on its way: its plan, its sequences in input order, and the runner's handle."""
+
+    plan: StepPlan
+    scheduled: list[ScheduledSequence]
+    inputs: list[SeqInput]
+    handle: LaunchedStep
+    start: float
+    proposed: list[Sequence]
 
 
 class LLMEngine:
@@ -108,7 +144,13 @@ class LLMEngine:
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._finished_seq_ids: list[int] = []
+        self._finished_seq_ids: list[int] = []  # gone since the last launch (runner forgets them)
+        self._reset_seq_ids: list[int] = []  # block tables rebuilt since the last launch
+        self._in_flight: _Launched | None = None
+        wanted = {"on": True, "off": False}.get(config.overlap, self.device.type == "cuda")
+        if wanted and self.proposer is not None:
+            log.info("overlap off: speculative decoding runs the serial loop")
+        self.overlap = wanted and self.proposer is None
         self._step_observers = self.plugins.has_observers("on_step_finished")
         self._request_observers = self.plugins.has_observers("on_request_finished")
 
@@ -173,7 +215,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 "stop strings need a tokenizer; use stop_token_ids with this model"
             )
-        seq = Sequence(request_id, ids, params)
+        seq = Sequence(
+            request_id, ids, params, max_num_tokens=min(len(ids) + params.max_tokens, max_len)
+        )
         if arrival_time is not None:
             seq.timestamps.arrival = arrival_time
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
@@ -188,11 +232,9 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None:
             return None
-        self.scheduler.abort(request_id)
         seq = req.seq
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
-        seq.timestamps.finish = time.perf_counter()
+        if self.scheduler.abort(request_id) is None or not seq.is_finished:
+            seq.abort()
         self.stats.requests_aborted += 1
         self._finished_seq_ids.append(seq.seq_id)
         return self._finish(req)
@@ -228,17 +270,42 @@ class LLMEngine:
                 self.stats.preemptions,
             )
 
-    def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that produced a token or finished."""
+    def step(self, *, stream: bool = True) -> list[RequestOutput]:
+        """Run one step; return the outputs of the step whose results were applied.
+
+        With ``stream`` (the default) every request that produced a token or
+        finished gets an output; without it only the finished ones do (what
+        ``LLM.generate`` needs: one output per request, at its end). Under
+        ``overlap`` the outputs are those of the previous step (see the
+        module docstring).
+        """
+        launched = self._plan_and_launch()
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None:
+            outputs = self._apply(self._in_flight, stream)
+            self._in_flight = None
+        if launched is not None:
+            if self.overlap:
+                self._in_flight = launched
+            else:
+                outputs.extend(self._apply(launched, stream))
+        return outputs
+
+    def _plan_and_launch(self) -> _Launched | None:
+        """Plan the next step and queue it on the device; None when there is nothing to run."""
         start = time.perf_counter()
         proposed = self._propose() if self.proposer is not None else []
         plan = self.scheduler.schedule()
         if plan.preempted:
             self._warn_preemptions(len(plan.preempted))
+            self._reset_seq_ids.extend(seq.seq_id for seq in plan.preempted)
         if plan.is_empty:
-            if self._requests and not self.scheduler.has_work():
+            if self._requests and not self.scheduler.has_work() and self._in_flight is None:
                 raise RuntimeError("requests are live but the scheduler holds none of them")
-            return []
+            for seq in proposed:
+                seq.draft_token_ids.clear()
+            self._draft_probs.clear()
+            return None
         scheduled = sorted(plan.scheduled, key=lambda s: s.num_new_tokens == 1)  # prefills first
         inputs = []
         for s in scheduled:
@@ -250,70 +317,76 @@ class LLMEngine:
             # A sequence verifying k drafts computes [last token] + drafts: k past its end.
             num_drafts = max(0, end - seq.num_tokens)
             assert num_drafts == 0 or num_drafts == len(seq.draft_token_ids)
+            sample = end >= seq.num_tokens
             inputs.append(
                 SeqInput(
                     seq_id=seq.seq_id,
                     token_ids=seq.token_ids[begin:end] + seq.draft_token_ids[:num_drafts],
                     start_pos=begin,
                     block_table=self.allocator.block_table(seq),
-                    sample=end >= seq.num_tokens,
+                    sample=sample,
                     params=seq.sampling_params,
                     num_logits=1 + num_drafts,
                     draft_probs=self._draft_probs.get(seq.seq_id) if num_drafts else None,
                 )
             )
-        finished_ids, self._finished_seq_ids = self._finished_seq_ids, []
-        out = self.runner.execute(StepInput(inputs, finished_ids))
+            if not num_drafts:  # a verification's computed count is set when it is applied
+                seq.launch(s.num_new_tokens, samples=sample)
+        step = StepInput(inputs, self._finished_seq_ids, self._reset_seq_ids)
+        self._finished_seq_ids, self._reset_seq_ids = [], []
+        handle = self.runner.launch(step)
+        return _Launched(plan, scheduled, inputs, handle, start, proposed)
 
+    def _apply(self, launched: _Launched, stream: bool) -> list[RequestOutput]:
+        """Apply a launched step's results: tokens, stop conditions, outputs, finishes, stats."""
+        result = launched.handle.result()
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
-        emitted = out.num_emitted or [1] * len(out.token_ids)
-        sampled = iter(range(len(emitted)))
-        pos = 0  # into out.token_ids
         prefill_seqs = prefill_tokens = decode_tokens = 0
-        for s, inp in zip(scheduled, inputs, strict=True):
+        for s, inp, res in zip(launched.scheduled, launched.inputs, result.results, strict=True):
             seq = s.seq
             num_drafts = inp.num_logits - 1
-            if num_drafts or seq.num_output_tokens > 0 and s.num_new_tokens == 1:
+            if num_drafts or (inp.sample and s.num_new_tokens == 1 and inp.start_pos >= seq.num_prompt_tokens):
                 decode_tokens += s.num_new_tokens
             else:
                 prefill_seqs += 1
                 prefill_tokens += s.num_new_tokens
-            if not num_drafts:
-                seq.num_computed_tokens += s.num_new_tokens
+            if seq.is_finished:
+                continue  # finished (or aborted) since this step was launched: discard its token
+            if not num_drafts and seq.status is SequenceStatus.RUNNING:
                 self.allocator.on_tokens_computed(seq)
             if not inp.sample:
                 continue
-            n = emitted[next(sampled)]
-            tokens = out.token_ids[pos : pos + n]
-            logprobs = out.logprobs[pos : pos + n] if out.logprobs is not None else None
-            pos += n
             req = self._requests[seq.request_id]
             delta = ""
             new_ids: list[int] = []
+            tokens = res.token_ids
             for j, token in enumerate(tokens):  # accepted drafts, then the corrected or bonus token
-                seq.append_token(token)
+                if num_drafts:
+                    seq.append_token(token)
+                else:
+                    seq.resolve_token(token)
                 new_ids.append(token)
-                if req.logprobs is not None and logprobs is not None:
-                    req.logprobs.append(logprobs[j])
+                if req.logprobs is not None and res.logprobs is not None:
+                    req.logprobs.append(res.logprobs[j])
                 delta += self._check_stop(req, token)
                 if seq.is_finished:
                     break
             if num_drafts:
-                self._after_verify(seq, inp.start_pos, num_drafts, n - 1)
+                self._after_verify(seq, inp.start_pos, num_drafts, len(tokens) - 1)
             self.stats.generation_tokens += len(new_ids)
             if seq.is_finished:
                 finished.append(seq)
                 outputs.append(self._finish(req, delta, new_ids))
-            else:
+            elif stream:
                 outputs.append(self._output(req, delta, new_ids))
-        for seq in proposed:
+        for seq in launched.proposed:
             seq.draft_token_ids.clear()
         self._draft_probs.clear()
         self.stats.prompt_tokens += prefill_tokens
         self.stats.requests_finished += len(finished)
         self._finished_seq_ids.extend(seq.seq_id for seq in finished)
-        self.scheduler.on_step_done(plan, finished)
+        self.scheduler.on_step_done(launched.plan, finished)
         alloc = self.allocator.stats()
         self.stats.steps += 1
         self.stats.utilization_sum += alloc.utilization
@@ -322,15 +395,15 @@ class LLMEngine:
                 engine=self,
                 stats=StepStats(
                     step=self.stats.steps,
-                    num_seqs=len(scheduled),
+                    num_seqs=len(launched.scheduled),
                     num_prefill_seqs=prefill_seqs,
                     num_prefill_tokens=prefill_tokens,
                     num_decode_tokens=decode_tokens,
-                    num_preempted=len(plan.preempted),
+                    num_preempted=len(launched.plan.preempted),
                     num_finished=len(finished),
                     num_waiting=self.scheduler.num_waiting,
                     num_running=self.scheduler.num_running,
-                    duration_s=time.perf_counter() - start,
+                    duration_s=time.perf_counter() - launched.start,
                     allocator=alloc,
                 ),
             )
@@ -373,6 +446,7 @@ class LLMEngine:
         held = self.allocator.num_held_tokens(seq)
         if held > seq.num_computed_tokens:
             self.allocator.truncate(seq, held - seq.num_computed_tokens)
+            self._reset_seq_ids.append(seq.seq_id)
         self.allocator.on_tokens_computed(seq)
         self.stats.spec_verifications += 1
         self.stats.spec_proposed_tokens += num_drafts
@@ -388,8 +462,9 @@ class LLMEngine:
             not params.ignore_eos and token in self.eos_token_ids
         ) or token in params.stop_token_ids:
             reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= (
-            self.config.max_model_len or 0
+        elif (
+            seq.num_output_tokens - seq.num_pending_tokens >= params.max_tokens
+            or seq.num_tokens - seq.num_pending_tokens >= (self.config.max_model_len or 0)
         ):
             reason = "length"
         delta = ""
@@ -415,9 +490,7 @@ class LLMEngine:
 
     @staticmethod
     def _mark_finished(seq: Sequence, reason: str) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.timestamps.finish = time.perf_counter()
+        seq.finish(reason)
 
     def _output(
         self, req: _Request, delta: str = "", new_ids: list[int] | None = None

@@ -143,8 +143,8 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generating", unit="req", dynamic_ncols=True)
         try:
             while len(final) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
+                for out in self.engine.step(stream=False):
+                    if out.request_id in wanted:
                         final[out.request_id] = out
                         if bar is not None:
                             bar.update(1)

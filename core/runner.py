@@ -24,6 +24,7 @@ from pitstop.plugin_manager import PluginManager
 from pitstop.protocols import SamplingBatch
 from pitstop.sampling import make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
+from pitstop.sequence import PENDING_TOKEN
 from pitstop.speculative import DraftVerifier
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @attrs.frozen
 class SeqInput:
-    """One sequence's part of a step: the tokens to compute and where they go."""
+    """One sequence's part of a step: the tokens to compute and where they go.
+
+    A token of :data:`~pitstop.sequence.PENDING_TOKEN` is one the previous
+    launched step sampled and the host does not know yet: the runner reads
+    its value from the device (the row of this sequence in that step).
+    """
 
     seq_id: int
     token_ids: list[int]  # the tokens computed this step
     start_pos: int  # position of token_ids[0]
-    block_table: list[int]
+    block_table: list[int]  # the allocator's live list: read during launch only
     sample: bool  # whether the step reaches the sequence's last token
     params: SamplingParams | None = None
     # Speculative decoding: logits rows at the end of token_ids (k + 1 to verify k drafts,
@@ -68,23 +74,85 @@ class SeqInput:
 
 @attrs.frozen
 class StepInput:
-    """One step: prefill sequences (more than one token) first, then decodes."""
+    """One step: prefill sequences (more than one token) first, then decodes.
+
+    ``finished_seq_ids`` are sequences gone since the last step (their
+    generators and block-table rows are dropped); ``reset_seq_ids`` are live
+    sequences whose block table was rebuilt or shortened since the last step
+    (preempted, or drafts truncated).
+    """
 
     seqs: list[SeqInput]
     finished_seq_ids: list[int] = attrs.Factory(list)
+    reset_seq_ids: list[int] = attrs.Factory(list)
+
+
+@attrs.frozen
+class SeqResult:
+    """What one scheduled sequence got from a step: its emitted tokens (none if it did not sample)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+
+
+_NO_TOKENS = SeqResult([])
 
 
 @attrs.frozen
 class StepOutput:
-    """Sampled tokens, one per sequence with ``sample`` set, in input order.
+    """One :class:`SeqResult` per sequence of the step's input, in input order.
 
-    When a sequence verified drafts, ``num_emitted`` says how many consecutive
-    entries of ``token_ids`` (and ``logprobs``) each sampled sequence emitted.
+    A sampling sequence emits one token, or, when it verified k drafts, its
+    accepted drafts and one more token.
     """
 
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    num_emitted: list[int] | None = None  # None: one token per sampled sequence
+    results: list[SeqResult]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every emitted token, flat, in input order."""
+        return [t for r in self.results for t in r.token_ids]
+
+
+class LaunchedStep:
+    """A step whose work is queued on the device; :meth:`result` waits for its tokens.
+
+    The sampled ids travel to a pinned host buffer by one non-blocking copy,
+    completed on an event: launching the next step never waits for them.
+    """
+
+    def __init__(
+        self,
+        seqs: list[SeqInput],
+        tokens: torch.Tensor | None = None,
+        logprobs: torch.Tensor | None = None,
+        event: torch.cuda.Event | None = None,
+        ready: StepOutput | None = None,
+    ) -> None:
+        self.seqs = seqs
+        self._tokens, self._logprobs, self._event = tokens, logprobs, event
+        self._ready = ready
+
+    def result(self) -> StepOutput:
+        """Wait for the step's tokens; one result per input sequence."""
+        if self._ready is not None:
+            return self._ready
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._tokens.tolist() if self._tokens is not None else []
+        logprobs = self._logprobs.tolist() if self._logprobs is not None else None
+        results: list[SeqResult] = []
+        row = 0
+        for s in self.seqs:
+            if s.sample:
+                lp = [logprobs[row]] if logprobs is not None else None
+                results.append(SeqResult([tokens[row]], lp))
+                row += 1
+            else:
+                results.append(_NO_TOKENS)
+        self._ready = StepOutput(results)
+        self._tokens = self._logprobs = self._event = None
+        return self._ready
 
 
 class ModelRunner:
@@ -121,6 +189,19 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # The last step's sampling rows (seq ids) and their batch: a sequence's params never change.
         self._batch_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
+        # The last launched step's sampled ids stay here on the device; the next step gathers
+        # its pending input tokens from it (``_last_rows``: seq id -> row).
+        rows = max(config.max_batch_size, 1)
+        self.last_sampled = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._last_rows: dict[int, int] = {}
+        # Pinned host buffers for the sampled ids (and log-probs), two so that the copy of
+        # step N+1 never overwrites step N's before the host has read it.
+        pin = device.type == "cuda"
+        self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host_logprobs = [
+            torch.zeros(rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)
+        ]
+        self._flip = 0
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights) -> None:
@@ -262,6 +343,13 @@ class ModelRunner:
             return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)
 
         empty = np.zeros(0, dtype=np.int64)
+        ids = np.asarray(input_ids, dtype=np.int64)
+        pending = np.flatnonzero(ids == PENDING_TOKEN)
+        src = None
+        if len(pending):
+            seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)[pending]
+            src = np.asarray([self._pending_row(seqs[i].seq_id) for i in seq_of_token])
+            ids[pending] = 0
         meta = AttentionMetadata(
             positions=tensor(np.concatenate(positions) if positions else empty, torch.int64),
             slot_mapping=tensor(np.concatenate(slots) if slots else empty, torch.int64),
@@ -277,15 +365,42 @@ class ModelRunner:
             context_lens_list=ctx_lens,
             query_lens_list=q_lens,
         )
-        return tensor(input_ids, torch.int64), meta, sample_rows
+        input_tensor = tensor(ids, torch.int64)
+        if src is not None:  # the previous step's samples, gathered on the device
+            index = tensor(pending, torch.int64)
+            input_tensor.index_copy_(0, index, self.last_sampled[tensor(src, torch.int64)])
+        return input_tensor, meta, sample_rows
+
+    def _pending_row(self, seq_id: int) -> int:
+        """The row of ``seq_id`` in the last launched step's samples (its pending token's value)."""
+        row = self._last_rows.get(seq_id)
+        if row is None:
+            raise RuntimeError(
+                f"sequence {seq_id} has a pending token but did not sample in the last launched step"
+            )
+        return row
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        """Run the model over one step and sample a token for every sequence that asks."""
+        """Run one step and wait for its tokens (:meth:`launch`, then its result)."""
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> LaunchedStep:
+        """Queue one step on the device: forward, logits, sampling, and the copy of the tokens back.
+
+        Returns without waiting for the device (except for a step that
+        verifies speculative drafts, which is sampled at once). Pending input
+        tokens are read from the previous launched step's samples, on the
+        device.
+        """
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
+        if self.graphs is not None:
+            self.graphs.forget(step.finished_seq_ids)
+            self.graphs.forget(step.reset_seq_ids)
         if not step.seqs:
-            return StepOutput([])
+            return LaunchedStep([], ready=StepOutput([]))
         assert self.kv_cache is not None, "init_kv_cache() first"
         if self.graphs is not None and self.graphs.can_run(step.seqs):
             hidden = self.graphs.run(step.seqs)
@@ -294,19 +409,15 @@ class ModelRunner:
             input_ids, meta, rows = self.build_metadata(step.seqs)
             hidden = self.model(input_ids, self.rotary, self.kv_cache, meta)
         if not rows:
-            return StepOutput([])
+            self._last_rows = {}
+            return LaunchedStep(step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)))
         logits = self.model.compute_logits(self._select_rows(hidden, rows))
         sampling = [s for s in step.seqs if s.sample]
         params = [s.params or SamplingParams() for s in sampling]
         generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
         if len(rows) > len(sampling):  # some sequence verifies speculative drafts
-            if self._verifier is None:
-                self._verifier = DraftVerifier(self.sampler, self.device, self.config.seed)
-            v = self._verifier(logits, sampling, generators)
-            logprobs = [x for lp in v.logprobs for x in lp] if v.logprobs is not None else None
-            return StepOutput(
-                [t for e in v.token_ids for t in e], logprobs, [len(e) for e in v.token_ids]
-            )
+            self._last_rows = {}  # the serial loop runs speculation: nothing is pending
+            return LaunchedStep(step.seqs, ready=self._verify(step.seqs, logits, sampling, generators))
         key = tuple(s.seq_id for s in sampling)
         if self._batch_cache is not None and self._batch_cache[0] == key:
             batch = self._batch_cache[1]  # same rows as last step: skip the host-to-device copies
@@ -314,9 +425,42 @@ class ModelRunner:
             batch = make_sampling_batch(params, generators, self.device)
             self._batch_cache = (key, batch)
         out = self.sampler.sample(logits, batch)
-        tokens = out.token_ids.tolist()  # the step's one device-to-host copy
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        return StepOutput(tokens, logprobs)
+        n = len(sampling)
+        self.last_sampled[:n].copy_(out.token_ids)
+        self._last_rows = {s.seq_id: i for i, s in enumerate(sampling)}
+        self._flip ^= 1
+        host_tokens = self._host_tokens[self._flip][:n]
+        host_tokens.copy_(out.token_ids, non_blocking=True)
+        host_logprobs = None
+        if out.logprobs is not None:
+            host_logprobs = self._host_logprobs[self._flip][:n]
+            host_logprobs.copy_(out.logprobs, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return LaunchedStep(step.seqs, host_tokens, host_logprobs, event)
+
+    def _verify(
+        self,
+        seqs: list[SeqInput],
+        logits: torch.Tensor,
+        sampling: list[SeqInput],
+        generators: list[torch.Generator | None],
+    ) -> StepOutput:
+        """Sample a step in which some sequences verify drafts: accepted drafts plus one token each."""
+        if self._verifier is None:
+            self._verifier = DraftVerifier(self.sampler, self.device, self.config.seed)
+        v = self._verifier(logits, sampling, generators)
+        emitted = iter(range(len(sampling)))
+        results = []
+        for s in seqs:
+            if not s.sample:
+                results.append(_NO_TOKENS)
+                continue
+            i = next(emitted)
+            results.append(SeqResult(v.token_ids[i], v.logprobs[i] if v.logprobs else None))
+        return StepOutput(results)
 
     def _select_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The hidden rows to turn into logits, without waiting for the GPU.
@@ -350,12 +494,68 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+class BlockTableRows:
+    """Block tables of the live sequences, kept in one numpy array and updated incrementally.
+
+    Each sequence owns a row while it lives; a step writes only the pages a
+    table gained since the last step (tables only grow between ``allocate``
+    and ``free``/``truncate``; a new list object, a shorter table or an
+    explicit :meth:`forget` rewrites the row), then gathers the step's rows
+    in one vectorized copy.
+    """
+
+    def __init__(self, max_pages: int, capacity: int = 64) -> None:
+        self.max_pages = max_pages
+        self.array = np.zeros((capacity, max_pages), dtype=np.int32)
+        self._row: dict[int, int] = {}  # seq_id -> row
+        self._known: dict[int, tuple[list[int], int]] = {}  # seq_id -> (table object, length)
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def forget(self, seq_ids: Seq[int]) -> None:
+        """Release the rows of sequences that finished, were preempted or truncated."""
+        for seq_id in seq_ids:
+            row = self._row.pop(seq_id, None)
+            if row is not None:
+                self._free.append(row)
+                del self._known[seq_id]
+
+    def rows(self, seqs: Seq[SeqInput]) -> np.ndarray:
+        """The rows of ``seqs`` (in order), every table brought up to date."""
+        out = np.empty(len(seqs), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            table = s.block_table
+            row = self._row.get(s.seq_id)
+            if row is None:
+                if not self._free:
+                    self._grow()
+                row = self._row[s.seq_id] = self._free.pop()
+                begin = 0
+            else:
+                obj, length = self._known[s.seq_id]
+                begin = length if obj is table and len(table) >= length else 0
+            if begin < len(table):
+                self.array[row, begin : len(table)] = table[begin:]
+            self._known[s.seq_id] = (table, len(table))
+            out[i] = row
+        return out
+
+    def _grow(self) -> None:
+        old = self.array.shape[0]
+        self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+
 class DecodeGraphs:
     """CUDA graphs of the model's forward for pure-decode steps, one per batch size.
 
     Every input lives in a static buffer; a step copies its (padded) inputs in
     and replays the graph of the smallest captured batch that fits. Padding
-    rows get slot -1 (no KV store) and context length 0 (no attention).
+    rows get slot -1 (no KV store) and context length 0 (no attention). A
+    pending input token (sampled by the previous step, not yet on the host)
+    is gathered inside the graph from the runner's ``last_sampled`` buffer:
+    ``src`` names its row there (-1: the host's id in ``input_ids``). The
+    host staging buffers are pinned and doubled, so that the next step's
+    writes never race this step's copies.
     """
 
     def __init__(self, runner: ModelRunner, max_batch: int) -> None:
@@ -368,37 +568,41 @@ class DecodeGraphs:
         self.max_pages = -(-cfg.max_model_len // runner.page_size)
         b = self.max_batch
         self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.src = torch.full((b,), -1, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
         self.slots = torch.full((b,), -1, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(b, self.max_pages, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(b, dtype=torch.int32, device=dev)
         self.cu_query_lens = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        # host staging, pinned, so the copies in are asynchronous
-        self.host_ids = torch.zeros(b, dtype=torch.int64, pin_memory=True)
-        self.host_pos = torch.zeros(b, dtype=torch.int64, pin_memory=True)
-        self.host_slots = torch.full((b,), -1, dtype=torch.int64, pin_memory=True)
-        self.host_ctx = torch.zeros(b, dtype=torch.int32, pin_memory=True)
-        self.host_tables = torch.zeros(b, self.max_pages, dtype=torch.int32, pin_memory=True)
-        # numpy views of the same memory: cheap bulk writes from Python lists
-        self.np_ids, self.np_pos = self.host_ids.numpy(), self.host_pos.numpy()
-        self.np_slots, self.np_ctx = self.host_slots.numpy(), self.host_ctx.numpy()
-        self.np_tables = self.host_tables.numpy()
+        # host staging, pinned (asynchronous copies) and doubled; one int64 row block
+        # [ids, src, positions, slots] and the int32 context lens, then block tables
+        self._host64 = [torch.zeros(4, b, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._host32 = [
+            torch.zeros(b * (1 + self.max_pages), dtype=torch.int32, pin_memory=True)
+            for _ in range(2)
+        ]
+        self._flip = 0
+        self.tables = BlockTableRows(self.max_pages, capacity=max(64, 2 * b))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                meta = self._meta(size)
-                model = runner.model
-                args = (self.input_ids[:size], runner.rotary, runner.kv_cache, meta)
-                model(*args)  # warm-up: compiles kernels, settles the allocator
+                self._forward(size)  # warm-up: compiles kernels, settles the allocator
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = model(*args)
+                    out = self._forward(size)
                 if pool is None:
                     pool = graph.pool()
                 self.graphs[size] = (graph, out)
         torch.cuda.synchronize(dev)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        runner = self.runner
+        src = self.src[:size]
+        pending = runner.last_sampled[src.clamp(min=0)]
+        ids = torch.where(src >= 0, pending, self.input_ids[:size])
+        return runner.model(ids, runner.rotary, runner.kv_cache, self._meta(size))
 
     def _meta(self, size: int) -> AttentionMetadata:
         cfg = self.runner.config
@@ -425,30 +629,46 @@ class DecodeGraphs:
         """Whether a step is pure decode and fits a captured batch."""
         return 0 < len(seqs) <= self.max_batch and all(len(s.token_ids) == 1 for s in seqs)
 
+    def forget(self, seq_ids: Seq[int]) -> None:
+        """Drop the block-table rows of sequences that finished or whose tables were rebuilt."""
+        if seq_ids:
+            self.tables.forget(seq_ids)
+
     def run(self, seqs: Seq[SeqInput]) -> torch.Tensor:
         """Copy the step's inputs into the static buffers, replay, return hidden ``[n, hidden]``."""
         n = len(seqs)
         size = next(b for b in self.sizes if b >= n)
         ps = self.runner.page_size
-        pos = [s.start_pos for s in seqs]
-        self.np_ids[:n] = [s.token_ids[0] for s in seqs]
-        self.np_pos[:n] = pos
-        self.np_slots[:n] = [
-            s.block_table[p // ps] * ps + p % ps for s, p in zip(seqs, pos, strict=True)
-        ]
-        self.np_ctx[:n] = [p + 1 for p in pos]
-        self.np_slots[n:size] = -1
-        self.np_ctx[n:size] = 0
-        tables = self.np_tables
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
-        ids, pos_t, slots, ctx = self.host_ids, self.host_pos, self.host_slots, self.host_ctx
-        tables = self.host_tables
-        self.input_ids[:size].copy_(ids[:size], non_blocking=True)
-        self.positions[:size].copy_(pos_t[:size], non_blocking=True)
-        self.slots[:size].copy_(slots[:size], non_blocking=True)
-        self.context_lens[:size].copy_(ctx[:size], non_blocking=True)
-        self.block_tables[:size].copy_(tables[:size], non_blocking=True)
+        self._flip ^= 1
+        h64, h32 = self._host64[self._flip], self._host32[self._flip]
+        b = self.max_batch
+        h_ctx, h_tables = h32[:b], h32[b:].view(b, self.max_pages)
+        a64, a_ctx, a_tables = h64.numpy(), h_ctx.numpy(), h_tables.numpy()
+        ids = [s.token_ids[0] for s in seqs]
+        pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
+        a64[0, :n] = ids
+        pending = a64[0, :n] == PENDING_TOKEN
+        a64[1, :n] = -1
+        if pending.any():
+            rows = self.runner._pending_row
+            a64[1, :n][pending] = [rows(seqs[i].seq_id) for i in np.flatnonzero(pending)]
+            a64[0, :n][pending] = 0
+        a64[2, :n] = pos
+        rows_of = self.tables.rows(seqs)
+        tables = self.tables.array
+        a_tables[:n] = tables[rows_of]
+        page = tables[rows_of, pos // ps]
+        a64[3, :n] = page.astype(np.int64) * ps + pos % ps
+        a_ctx[:n] = pos + 1
+        a64[1:, n:size] = -1  # padding: no pending token, no KV store
+        a64[2, n:size] = 0
+        a_ctx[n:size] = 0
+        self.input_ids[:size].copy_(h64[0, :size], non_blocking=True)
+        self.src[:size].copy_(h64[1, :size], non_blocking=True)
+        self.positions[:size].copy_(h64[2, :size], non_blocking=True)
+        self.slots[:size].copy_(h64[3, :size], non_blocking=True)
+        self.context_lens[:size].copy_(h_ctx[:size], non_blocking=True)
+        self.block_tables[:size].copy_(h_tables[:size], non_blocking=True)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:n]

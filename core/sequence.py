@@ -1,4 +1,21 @@
-"""A request's sequence: its tokens, how many have KV in the cache, its timestamps."""
+"""A request's sequence: its tokens, how many have KV in the cache, its state and timestamps.
+
+Every change of a sequence's state is a method of :class:`Sequence`, called by
+the engine and the scheduler base: :meth:`~Sequence.admit`,
+:meth:`~Sequence.launch` (a step with this sequence was launched: its chunk
+counts as computed and, when the step samples, a *pending* token is
+appended), :meth:`~Sequence.resolve_token` (the sampled value of the oldest
+pending token arrived), :meth:`~Sequence.append_token`,
+:meth:`~Sequence.preempt`, :meth:`~Sequence.finish` and
+:meth:`~Sequence.abort`.
+
+Pending tokens are what lets the engine plan step N+1 while step N runs on
+the device: step N's sampled token is appended at once as a placeholder
+(:data:`PENDING_TOKEN`), so the scheduler sees the sequence decoding its next
+token; the runner gathers that token's value on the device, and the engine
+resolves it on the host one step later. Pending tokens are always the last
+tokens of a sequence, and at most one step's worth is ever pending.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +28,9 @@ import attrs
 from pitstop.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
+
+PENDING_TOKEN = -1
+"""The value of a sampled token whose id is still on the device (never a real token id)."""
 
 
 class SequenceStatus(enum.Enum):
@@ -37,10 +57,16 @@ class Sequence:
     """One request's tokens (prompt then output) and its progress.
 
     ``num_computed_tokens`` counts the leading tokens whose K and V are in the
-    cache. A step computes ``token_ids[num_computed_tokens : num_computed_tokens
-    + n]``; when that reaches the last token the step samples the next one.
-    Preemption by recompute sets ``num_computed_tokens`` back to 0 and keeps
-    every token generated so far.
+    cache, or are being written by a launched step. A step computes
+    ``token_ids[num_computed_tokens : num_computed_tokens + n]``; when that
+    reaches the last token the step samples the next one. Preemption by
+    recompute sets ``num_computed_tokens`` back to 0 and keeps every token
+    generated so far.
+
+    ``max_num_tokens`` is where the sequence stops for length (prompt plus
+    ``max_tokens``, capped by the engine at ``max_model_len``): a sequence
+    whose tokens reach it, pending ones included, needs no further step, so
+    its last token counts as computed (:attr:`num_uncomputed_tokens`).
     """
 
     request_id: str
@@ -56,13 +82,18 @@ class Sequence:
     num_preemptions: int = 0
     # Draft tokens under verification this step (speculative decoding).
     draft_token_ids: list[int] = attrs.Factory(list)
+    max_num_tokens: int = attrs.field(default=0)
+    num_pending_tokens: int = 0  # trailing tokens sampled on the device, not yet known here
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.max_num_tokens <= 0:
+            self.max_num_tokens = len(self.prompt_token_ids) + self.sampling_params.max_tokens
 
+    # ------------------------------------------------------------------ reading
     @property
     def num_tokens(self) -> int:
-        """Prompt plus output tokens so far."""
+        """Prompt plus output tokens so far, pending ones included."""
         return len(self.token_ids)
 
     @property
@@ -72,18 +103,25 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """The tokens generated so far."""
-        return self.token_ids[self.num_prompt_tokens :]
+        """The tokens generated so far whose values are known (pending ones excluded)."""
+        return self.token_ids[len(self.prompt_token_ids) : len(self.token_ids) - self.num_pending_tokens]
 
     @property
     def num_output_tokens(self) -> int:
-        """How many tokens have been generated."""
-        return self.num_tokens - self.num_prompt_tokens
+        """How many tokens have been generated, pending ones included."""
+        return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens whose KV is not in the cache yet (the whole prompt before prefill, 1 when decoding)."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens that still need a step: the prompt before prefill, 1 when decoding.
+
+        A sequence at its length limit needs no step for its last token (no
+        token follows it), so that token does not count.
+        """
+        n = len(self.token_ids) - self.num_computed_tokens
+        if n > 0 and len(self.token_ids) >= self.max_num_tokens:
+            n -= 1
+        return n
 
     @property
     def is_prefill(self) -> bool:
@@ -95,9 +133,71 @@ class Sequence:
         """True once the sequence stopped, ran out of tokens, or was aborted."""
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def at_length_limit(self) -> bool:
+        """Whether the tokens (pending ones included) reached ``max_num_tokens``."""
+        return len(self.token_ids) >= self.max_num_tokens
+
+    # ------------------------------------------------------------------ state changes
+    def admit(self, num_cached_tokens: int) -> None:
+        """Admitted with pages: the first ``num_cached_tokens`` come from the prefix cache."""
+        self.num_computed_tokens = num_cached_tokens
+        self.num_cached_prompt_tokens = num_cached_tokens
+        self.status = SequenceStatus.RUNNING
+        if self.timestamps.first_scheduled is None:
+            self.timestamps.first_scheduled = time.perf_counter()
+
+    def launch(self, num_new_tokens: int, *, samples: bool) -> None:
+        """A step that computes ``num_new_tokens`` of this sequence was launched.
+
+        The chunk counts as computed from now on; when the step samples, a
+        pending token joins the end of the sequence (see the module docstring).
+        """
+        self.num_computed_tokens += num_new_tokens
+        if samples:
+            self.token_ids.append(PENDING_TOKEN)
+            self.num_pending_tokens += 1
+
+    def resolve_token(self, token_id: int) -> None:
+        """The oldest pending token's value arrived: put it in place and stamp its time."""
+        if self.num_pending_tokens <= 0:
+            raise RuntimeError(f"{self.request_id}: a sampled token arrived but none is pending")
+        self.token_ids[len(self.token_ids) - self.num_pending_tokens] = token_id
+        self.num_pending_tokens -= 1
+        self._stamp()
+
     def append_token(self, token_id: int) -> None:
-        """Append one sampled token and stamp its time."""
+        """Append one known token (a verified draft, a simulated model's token) and stamp its time."""
         self.token_ids.append(token_id)
+        self._stamp()
+
+    def drop_pending(self) -> int:
+        """Forget the pending tokens (the sequence stopped before them); returns how many."""
+        n = self.num_pending_tokens
+        if n:
+            del self.token_ids[-n:]
+            self.num_pending_tokens = 0
+            self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids))
+        return n
+
+    def preempt(self) -> None:
+        """Preempted by recompute: back to waiting, no KV, every token kept."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+
+    def finish(self, reason: str) -> None:
+        """Stopped (``"stop"`` or ``"length"``): tokens still pending after this one are dropped."""
+        self.drop_pending()
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.timestamps.finish = time.perf_counter()
+
+    def abort(self) -> None:
+        """Aborted by the user or the engine: finished with reason ``"abort"``."""
+        self.finish("abort")
+
+    def _stamp(self) -> None:
         now = time.perf_counter()
         if self.timestamps.first_token is None:
             self.timestamps.first_token = now

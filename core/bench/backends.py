@@ -97,7 +97,7 @@ class PitstopBackend:
             if timeout > 0:
                 time.sleep(timeout)
             return []
-        return [record_from_output(o) for o in self.engine.step() if o.finished]
+        return [record_from_output(o) for o in self.engine.step(stream=False)]
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()

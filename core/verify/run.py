@@ -138,7 +138,7 @@ class _LogitsTap:
     The runner computes logits once per step, for the rows it samples:
     ``num_logits`` rows at the end of each sampling sequence's tokens, in input
     order (one per sequence for a decode or prefill, k + 1 when verifying k
-    drafts). The tap wraps the runner's ``execute`` (to see the step's
+    drafts). The tap wraps the runner's ``launch`` (to see the step's
     sequences) and the model's ``compute_logits`` (to see the rows), and calls
     ``on_row(prompt_index, output_tokens_before_the_row, logits_row)``.
     """
@@ -146,19 +146,22 @@ class _LogitsTap:
     def __init__(self, engine: LLMEngine, on_row: RowCallback) -> None:
         self.engine, self.on_row = engine, on_row
         self.step_seqs: list[Any] = []
+        # Rows seen at launch, handed on by flush(): under the overlapped loop a row's
+        # context ends in a token the host learns of only when the step after it is launched.
+        self._rows: list[tuple[int, Any, Any, int, torch.Tensor]] = []
         runner = engine.runner
-        execute, compute_logits = runner.execute, runner.model.compute_logits
+        launch, compute_logits = runner.launch, runner.model.compute_logits
 
-        def tapped_execute(step):
+        def tapped_launch(step):
             self.step_seqs = step.seqs
-            return execute(step)
+            return launch(step)
 
         def tapped_compute_logits(hidden: torch.Tensor) -> torch.Tensor:
             logits = compute_logits(hidden)
             self._see(logits)
             return logits
 
-        runner.execute = tapped_execute
+        runner.launch = tapped_launch
         runner.model.compute_logits = tapped_compute_logits
 
     def _see(self, logits: torch.Tensor) -> None:
@@ -171,13 +174,25 @@ class _LogitsTap:
             seq = live.get(inp.seq_id)
             if seq is not None and seq.request_id.startswith(_REQUEST_PREFIX):
                 index = int(seq.request_id.removeprefix(_REQUEST_PREFIX))
-                context = seq.token_ids[: inp.start_pos] + list(inp.token_ids)
-                first = len(context) - inp.num_logits
                 for j in range(inp.num_logits):
-                    # row j predicts the token after context[: first + j + 1]
-                    before = context[seq.num_prompt_tokens : first + j + 1]
-                    self.on_row(index, before, logits[row + j])
+                    self._rows.append((index, seq, inp, j, logits[row + j].clone()))
             row += inp.num_logits
+
+    def flush(self) -> None:
+        """Hand every row seen so far to the callback, now that its context tokens are known."""
+        rows, self._rows = self._rows, []
+        for index, seq, inp, j, logits in rows:
+            # the step computed seq.token_ids[start_pos : start_pos + len] (drafts after the end)
+            context = seq.token_ids[: inp.start_pos] + [
+                seq.token_ids[p] if p < seq.num_tokens else t
+                for p, t in enumerate(inp.token_ids, start=inp.start_pos)
+            ]
+            first = len(context) - inp.num_logits
+            # row j predicts the token after context[: first + j + 1]
+            before = context[seq.num_prompt_tokens : first + j + 1]
+            if seq.is_finished and len(before) >= len(seq.output_token_ids):
+                continue  # a step launched after the sequence finished: its token was discarded
+            self.on_row(index, before, logits)
 
 
 _REQUEST_PREFIX = "verify-"
@@ -191,7 +206,10 @@ class _Generated:
 
 
 def _generate(
-    engine: LLMEngine, prompt_ids: Sequence[list[int]], max_tokens: Sequence[int]
+    engine: LLMEngine,
+    prompt_ids: Sequence[list[int]],
+    max_tokens: Sequence[int],
+    tap: _LogitsTap | None = None,
 ) -> _Generated:
     """Greedy generation, one new prompt per step (as requests arrive at a server)."""
     start = time.perf_counter()
@@ -207,6 +225,10 @@ def _generate(
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
+        if tap is not None:
+            tap.flush()
+    if tap is not None:
+        tap.flush()
     outs = [finished[f"{_REQUEST_PREFIX}{i}"] for i in range(len(prompt_ids))]
     stats, alloc = engine.stats, engine.allocator.stats()
     describe = getattr(engine.runner.kernels, "describe", None)
@@ -239,8 +261,8 @@ def _run(
     device = engine.device
     try:
         ids = prompt_ids if prompt_ids is not None else _tokenize(engine, prompts)
-        _LogitsTap(engine, on_row)
-        return _generate(engine, ids, max_tokens), ids, engine.tokenizer
+        tap = _LogitsTap(engine, on_row)
+        return _generate(engine, ids, max_tokens, tap), ids, engine.tokenizer
     finally:
         del engine  # the tap's closures make a cycle: collect it now
         gc.collect()

@@ -37,7 +37,6 @@ them, the scheduler clears them and the sequence decodes one token.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
@@ -136,8 +135,7 @@ class BaseScheduler:
         if seq is None:
             return None
         self._forget(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
+        seq.abort()
         return seq
 
     def has_work(self) -> bool:
@@ -145,7 +143,14 @@ class BaseScheduler:
         return bool(self.waiting or self.running)
 
     def on_step_done(self, plan: StepPlan, finished: Seq[Sequence]) -> None:
-        """Drop the sequences that finished in this step and free their pages."""
+        """Drop the sequences that finished and free their pages.
+
+        Under the overlapped loop this is called one step late: ``plan`` is
+        the step whose results were just applied, and the step planned after
+        it (already launched) may still contain the finished sequences; their
+        extra token is discarded by the engine. ``finished`` may also hold
+        sequences aborted or finished since.
+        """
         for seq in finished:
             if self._by_request.get(seq.request_id) is seq:
                 self._forget(seq)
@@ -199,12 +204,7 @@ class BaseScheduler:
 
     def _admit(self, seq: Sequence) -> None:
         """Give ``seq`` its pages (the caller checked ``can_allocate``) and make it the newest running."""
-        cached = self.allocator.allocate(seq)
-        seq.num_computed_tokens = cached
-        seq.num_cached_prompt_tokens = cached
-        seq.status = SequenceStatus.RUNNING
-        if seq.timestamps.first_scheduled is None:
-            seq.timestamps.first_scheduled = time.perf_counter()
+        seq.admit(self.allocator.allocate(seq))
         self.waiting.remove(seq)
         self._requeued.discard(seq.seq_id)
         self.running.append(seq)
@@ -212,9 +212,7 @@ class BaseScheduler:
     def _preempt(self, seq: Sequence, step: StepBuilder) -> None:
         """Recompute preemption: free everything, forget the KV, go to the front of the queue."""
         self.allocator.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
+        seq.preempt()
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self._requeued.add(seq.seq_id)
@@ -273,6 +271,8 @@ class BaseScheduler:
         """An empty plan with work left and nothing preempted would stall the engine forever."""
         if step.scheduled or step.preempted or not self.has_work():
             return
+        if any(s.num_uncomputed_tokens == 0 for s in self.running):
+            return  # at their length limit, awaiting the lagged result that finishes them
         head = next(self.admission_order(), None)
         if head is not None and not self.running:
             raise SchedulerError(
