@@ -234,6 +234,15 @@ class EngineConfig:
     enforce_eager: bool = attrs.field(
         default=False, validator=_bool, metadata=_doc("never capture CUDA graphs")
     )
+    overlap: str = attrs.field(
+        default="auto",
+        converter=lambda v: ("on" if v else "off") if isinstance(v, bool) else v,
+        validator=_one_of("auto", "on", "off"),
+        metadata=_doc(
+            "plan step N+1 on the CPU while the device runs step N (auto: on for CUDA, "
+            "off on CPU; speculative decoding runs the serial loop)"
+        ),
+    )
 
     # --- speculative decoding
     num_speculative_tokens: int = attrs.field(
