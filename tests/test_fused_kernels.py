@@ -256,14 +256,22 @@ def make_meta(
 
 @st.composite
 def batches(
-    draw: st.DrawFn, max_seqs: int = 4, max_context: int = 80
+    draw: st.DrawFn,
+    max_seqs: int = 4,
+    max_context: int = 80,
+    page_sizes: tuple[int, ...] = (1, 8, 16, 64),
 ) -> tuple[list[int], list[int], int]:
-    """(query lengths, context lengths, page size): decodes, whole prompts and chunks, around page borders."""
-    page_size = draw(st.sampled_from([16, 32]))
+    """(query lengths, context lengths, page size): decodes, whole prompts and chunks over a prefix.
+
+    Contexts cluster around page and tile borders (the interpreter's key tiles are 16 wide); page
+    size 1 and 8 take the per-row block-table gather, 16 and 64 the one-entry-per-tile one.
+    """
+    page_size = draw(st.sampled_from(page_sizes))
     n = draw(st.integers(1, max_seqs))
     qlens, ctxs = [], []
     for _ in range(n):
-        near_border = st.sampled_from([page_size - 1, page_size, page_size + 1, 2 * page_size])
+        borders = [page_size - 1, page_size, page_size + 1, 2 * page_size, 16, 17, 33]
+        near_border = st.sampled_from([b for b in borders if b >= 1])
         ctx = draw(st.one_of(st.integers(1, max_context), near_border))
         kind = draw(st.sampled_from(["decode", "prompt", "chunk"]))
         q = 1 if kind == "decode" else ctx if kind == "prompt" else draw(st.integers(1, ctx))
@@ -272,9 +280,9 @@ def batches(
     return qlens, ctxs, page_size
 
 
-def heads_strategy() -> st.SearchStrategy[tuple[int, int]]:
-    """(query heads, KV heads) with GQA ratios 1, 2 and 4."""
-    return st.tuples(st.integers(1, 2), st.sampled_from([1, 2, 4])).map(
+def heads_strategy(ratios: tuple[int, ...] = (1, 2, 4)) -> st.SearchStrategy[tuple[int, int]]:
+    """(query heads, KV heads) with the given GQA ratios."""
+    return st.tuples(st.integers(1, 2), st.sampled_from(ratios)).map(
         lambda t: (t[0] * t[1], t[0])
     )
 
@@ -356,10 +364,10 @@ def run_attention(
     )
 
 
-@FEW
+@settings(FEW, max_examples=40)
 @given(
     batch=batches(),
-    heads=heads_strategy(),
+    heads=heads_strategy((1, 3, 4, 8)),
     head_size=st.sampled_from([64, 128]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
@@ -371,8 +379,38 @@ def test_attention_matches_reference(
     dtype: torch.dtype,
     seed: int,
 ) -> None:
-    """Mixed prefill / chunk / decode batches over scattered pages."""
+    """Mixed prefill / chunk / decode batches over scattered pages (GQA 1, 3, 4, 8; pages 1..64)."""
     run_attention(fused(dtype), batch, heads[0], heads[1], head_size, dtype, seed)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_chunk_over_cached_prefix(page_size: int, group: int) -> None:
+    """One launch: a chunk over a prefix that ends mid-page, a fresh prompt, a 3-token draft, decodes.
+
+    The chunk's rows span several query tiles and its keys several pages and key tiles; the
+    decode contexts sit on either side of page and tile borders.
+    """
+    batch = ([37, 50, 3, 1, 1, 1], [100, 50, 65, 64, 65, 17], page_size)
+    run_attention(fused(torch.bfloat16), batch, 2 * group, 2, 64, torch.bfloat16, seed=group)
+
+
+def test_tiles_keyed_by_head_size_and_group() -> None:
+    """Every (head size, GQA ratio) gets tiles that hold at least one query token per row tile."""
+    from pitstop.plugins.kernels.triton_ops import paged_attention as pa
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for head in (16, 32, 64, 128, 256):
+            for group in (1, 2, 3, 4, 7, 8, 16, 32):
+                t = pa.prefill_tiles(head, group, dtype)
+                assert t.block_m >= group and t.block_m & (t.block_m - 1) == 0, (head, group, t)
+                assert t.block_n & (t.block_n - 1) == 0 and t.num_stages >= 1
+                dt = pa.decode_tiles(head, dtype)
+                assert dt.block_n >= 16 and dt.block_n & (dt.block_n - 1) == 0
+    attn = pa.PagedAttention(torch.device("cpu"), torch.bfloat16, 512)
+    # a short query (a draft, a small chunk) takes a row tile that it fills
+    assert attn.prefill_tiles(64, 4, max_query_len=3).block_m == 16
+    assert attn.prefill_tiles(64, 4, max_query_len=500).block_m == pa.INTERPRETER_PREFILL.block_m
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

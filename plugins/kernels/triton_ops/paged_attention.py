@@ -1,35 +1,55 @@
-"""Paged attention over the KV cache: decode (flash-decoding) and varlen causal prefill.
+"""Paged attention over the KV cache: split-K decode and GQA-packed varlen causal prefill.
 
 The cache is ``[num_pages, page_size, Hkv, D]`` for K and for V; a sequence's
 token ``n`` lives at page ``block_tables[seq, n // page_size]``, offset
-``n % page_size``. Every tile of keys is gathered token by token through the
-block table, so any ``page_size`` works and a cached prefix (prefix caching,
-chunked prefill) is read in place.
+``n % page_size``. A cached prefix (prefix caching, chunked prefill) is read
+in place, so one kernel serves a fresh prompt and a chunk over a cached prefix.
 
-Decode (sequences computing one token):
-    grid ``(num_decodes, Hkv, num_splits)``. One program handles *all* query
-    heads of one KV head (the GQA group, padded to 16 rows for ``tl.dot``),
-    so each K/V page is read once per KV head; the context is cut into
-    ``num_splits`` equal parts per sequence (computed on the device from its
-    context length) and a second small kernel merges the parts' partial
-    softmax states. ``num_splits`` depends only on the batch size and the
-    configured maximum context (never on this step's lengths), so the grid is
-    fixed for a fixed batch size and the launch can be captured in a CUDA graph.
+Both kernels run the same loop, :func:`_attend`: key tiles of ``BLOCK_N``
+tokens gathered page-wise through the block table (:func:`_page_rows`: one
+block-table entry per tile when a page holds whole tiles, one per row
+otherwise; ``page_size`` is a compile-time constant, so the arithmetic is
+shifts and masks), ``q @ k^T`` and ``p @ v`` through ``tl.dot`` (wgmma on
+Hopper) accumulated in float32, and an online softmax in the log2 domain
+(scores times ``scale * log2(e)``, then ``exp2``). The loop is software
+pipelined (``num_stages``); only the tiles that need a mask get one.
+
+GQA packing: a program holds the query heads of one KV group, so every K/V
+tile it loads serves ``group`` query heads. Its ``BLOCK_M`` rows are
+``BLOCK_Q = BLOCK_M // group`` query tokens times the group's heads (row
+``r`` is token ``r // group``, head ``r % group``; any group size works, rows
+past ``BLOCK_Q * group`` are padding).
 
 Prefill (sequences computing several tokens, prefills first in the batch):
-    grid ``(cdiv(max_query_len, BLOCK_M), Hq, num_prefills)``. FlashAttention-2
-    style: one program holds ``BLOCK_M`` query rows of one head, loops over key
-    tiles with an online softmax in float32; the keys below the block's first
-    query position need no mask, only the last tiles (the diagonal) do.
+    grid ``(Hkv, cdiv(max_query_len, BLOCK_Q), num_prefills)``, the
+    query blocks in reverse so that the longest (last) rows start first. Keys
+    below a block's first query position are visible to every row and need no
+    mask; the diagonal tiles get the causal mask; tiles above the diagonal are
+    skipped.
 
-Scores are kept in the log2 domain (q·k times ``scale * log2(e)`` in float32) so
-the softmax uses ``exp2``. Accumulation is float32. ``precision="fp32"`` runs
-float32 inputs' matrix products in IEEE fp32; ``"fast"`` lets them use TF32
-(for bf16/fp16 inputs the products are on the tensor cores either way, the
-probabilities rounded to the input dtype before P·V as every flash kernel does).
+Decode (sequences computing one token):
+    grid ``(num_decodes, Hkv, num_splits)``: the group's heads are the rows of
+    one tile (padded to 16), the context is cut into ``num_splits`` equal
+    parts per sequence (computed on the device from its context length) and
+    a second small kernel merges the parts' partial softmax states.
+    ``num_splits`` depends only on the batch size and the configured maximum
+    context (never on this step's lengths), so the grid is fixed for a fixed
+    batch size and the launch can be captured in a CUDA graph.
+
+Tile shapes are kept in code, keyed by head size and GQA ratio
+(:data:`PREFILL_TILES`, :data:`DECODE_TILES`); they were chosen by the sweep
+``python benchmarks/kernels_bench.py --tune`` on the H200. Nothing is tuned at
+start-up.
+
+``precision="fp32"`` runs float32 inputs' matrix products in IEEE fp32;
+``"fast"`` lets them use TF32 (for bf16/fp16 inputs the products are on the
+tensor cores either way, the probabilities rounded to the input dtype before
+P·V as every flash kernel does).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -40,13 +60,206 @@ from pitstop.attention import AttentionMetadata
 LOG2E = 1.4426950408889634
 
 
+class PrefillTiles(NamedTuple):
+    """Launch shape of the prefill kernel: rows (tokens x group heads) and keys per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    warp_specialize: bool = False
+
+
+class DecodeTiles(NamedTuple):
+    """Launch shape of the decode kernel: keys per tile."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Measured on the H200 (bf16, `kernels_bench.py --tune`, 2026-12-01); the keys are
+# (head_size, group). Other shapes take the rule in prefill_tiles().
+PREFILL_TILES: dict[tuple[int, int], PrefillTiles] = {
+    (128, 1): PrefillTiles(128, 64, 4, 3),
+    (128, 2): PrefillTiles(128, 64, 4, 3),
+    (128, 4): PrefillTiles(128, 64, 4, 3),
+    (128, 8): PrefillTiles(128, 64, 4, 3),
+}
+# keyed by head size (the group's heads are the rows of one tile)
+DECODE_TILES: dict[int, DecodeTiles] = {
+    128: DecodeTiles(64, 4, 3),
+}
+# the interpreter: small tiles so that small test shapes still cross tile borders
+INTERPRETER_PREFILL = PrefillTiles(32, 16, 1, 1)
+INTERPRETER_DECODE = DecodeTiles(16, 1, 1)
+
+
+def prefill_tiles(head_size: int, group: int, dtype: torch.dtype) -> PrefillTiles:
+    """The prefill tiles for this head size and GQA ratio on a CUDA device."""
+    if dtype == torch.float32:  # twice the bytes per element, and no bf16 tensor-core path
+        return PrefillTiles(64, 32, 4, 2) if head_size <= 128 else PrefillTiles(32, 32, 4, 1)
+    tiles = PREFILL_TILES.get((head_size, group)) or PREFILL_TILES.get((head_size, 4))
+    if tiles is None:
+        tiles = PrefillTiles(128, 64, 4, 3) if head_size <= 128 else PrefillTiles(64, 64, 4, 2)
+    if group > tiles.block_m:  # at least one query token per tile
+        tiles = tiles._replace(block_m=triton.next_power_of_2(group))
+    return tiles
+
+
+def decode_tiles(head_size: int, dtype: torch.dtype) -> DecodeTiles:
+    """The decode tiles for this head size on a CUDA device."""
+    if dtype == torch.float32:
+        return DecodeTiles(32, 4, 2)
+    if head_size in DECODE_TILES:
+        return DECODE_TILES[head_size]
+    return DecodeTiles(64, 4, 3) if head_size <= 128 else DecodeTiles(32, 4, 2)
+
+
 @triton.jit
-def _mma(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in float32 (``UPCAST``: both operands in float32 first)."""
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` in float32 (``UPCAST``: both operands in float32 first)."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` accumulated in place (float32)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _page_rows(
+    table,
+    n0,
+    n,
+    key_end,
+    stride_cp,
+    stride_cs,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Element offsets of the key tokens ``n = n0 + arange(BLOCK_N)`` of one sequence's pages.
+
+    ``n0`` is a multiple of ``BLOCK_N`` below the context length. When a page
+    holds whole tiles the tile lies in one page, placed by one block-table
+    entry; otherwise each row reads its page's entry (the rows of one page
+    read the same entry). ``MASKED``: rows at or past ``key_end`` read no
+    entry (the table is -1 there) and take page 0; the caller masks their loads.
+    """
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(table + n0 // PAGE_SIZE).to(tl.int64)
+    elif MASKED:
+        page = tl.load(table + n // PAGE_SIZE, mask=n < key_end, other=0).to(tl.int64)
+    else:
+        page = tl.load(table + n // PAGE_SIZE).to(tl.int64)
+    return page * stride_cp + (n % PAGE_SIZE) * stride_cs
+
+
+@triton.jit
+def _attend(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_ptr,
+    v_ptr,
+    table,
+    start,
+    end,
+    key_end,
+    scale_log2e,
+    stride_cp,
+    stride_cs,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD: tl.constexpr,
+    MASK: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Online-softmax attention of the rows ``q`` over the keys ``start..end`` in tiles of ``BLOCK_N``.
+
+    ``k_ptr``/``v_ptr`` point at the KV head's first element in the caches,
+    ``table`` at the sequence's block-table row. ``MASK``: 0, every key of
+    every tile is visible; 1, keys at or past ``key_end`` are not (the last
+    tile of a context); 2, also causal: row ``i`` sees the keys ``<= q_pos[i]``
+    (the diagonal). Returns the updated ``(acc, m_i, l_i)`` (log2 domain).
+    """
+    if WARP_SPECIALIZE:
+        for n0 in tl.range(start, end, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, key_end, scale_log2e,
+                stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, MASK, DOT_PRECISION, UPCAST,
+            )  # fmt: skip
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, key_end, scale_log2e,
+                stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, MASK, DOT_PRECISION, UPCAST,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_ptr,
+    v_ptr,
+    table,
+    n0,
+    key_end,
+    scale_log2e,
+    stride_cp,
+    stride_cs,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD: tl.constexpr,
+    MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One key tile of :func:`_attend`."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    rows = _page_rows(table, n0, n, key_end, stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, MASK != 0)
+    offs = rows[:, None] + tl.arange(0, HEAD)[None, :]
+    if MASK == 0:
+        k = tl.load(k_ptr + offs)
+    else:
+        k = tl.load(k_ptr + offs, mask=(n < key_end)[:, None], other=0.0)
+    s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST)
+    if MASK == 0:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2e)
+        p = tl.exp2(s * scale_log2e - m_new[:, None])
+    else:
+        if MASK == 1:
+            visible = (n < key_end)[None, :]
+        else:
+            visible = (n[None, :] <= q_pos[:, None]) & (n < key_end)[None, :]
+        s = tl.where(visible, s * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASK == 0:
+        v = tl.load(v_ptr + offs)
+    else:
+        v = tl.load(v_ptr + offs, mask=(n < key_end)[:, None], other=0.0)
+    acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST)
+    return acc, m_new, l_i
 
 
 # q_row0 and seq0 change every mixed step: not specializing on them (== 1, % 16)
@@ -72,10 +285,10 @@ def _decode_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
-    page_size,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -89,6 +302,7 @@ def _decode_kernel(
     per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD)
@@ -105,23 +319,16 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        page = tl.load(table + n // page_size, mask=n_mask, other=0).to(tl.int64)
-        offs = (page * stride_cp + (n % page_size) * stride_cs + kvh * stride_ch)[:, None] + d[
-            None, :
-        ]
-        k = tl.load(k_cache_ptr + offs, mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=n_mask[:, None], other=0.0)
-        s = _mma(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST) * scale_log2e
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
-        m_i = m_new
+    k_ptr = k_cache_ptr + kvh * stride_ch
+    v_ptr = v_cache_ptr + kvh * stride_ch
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, g, k_ptr, v_ptr, table, start, full_end, end, scale_log2e,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, False, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, g, k_ptr, v_ptr, table, full_end, end, end, scale_log2e,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, False, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
 
     if NUM_SPLITS == 1:
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -186,32 +393,36 @@ def _prefill_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
-    page_size,
     GROUP: tl.constexpr,
     HEAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    mb = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(0)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest rows first
     seq = tl.program_id(2).to(tl.int64)
     q_start = tl.load(cu_query_lens_ptr + seq)
     q_len = tl.load(cu_query_lens_ptr + seq + 1) - q_start
-    if mb * BLOCK_M >= q_len:
+    if mb * BLOCK_Q >= q_len:
         return
     ctx = tl.load(context_lens_ptr + seq)
     prefix = ctx - q_len  # keys already cached before this step's tokens
-    kvh = h // GROUP
 
-    r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_mask = r < q_len
-    q_pos = prefix + r
+    # row r: token mb * BLOCK_Q + r // GROUP of the sequence, query head kvh * GROUP + r % GROUP
+    r = tl.arange(0, BLOCK_M)
+    tok = mb * BLOCK_Q + r // GROUP
+    head = kvh * GROUP + r % GROUP
+    r_mask = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = prefix + tok
     d = tl.arange(0, HEAD)
-    rows = (q_start + r).to(tl.int64)
+    rows = (q_start + tok).to(tl.int64)
     q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=r_mask[:, None],
         other=0.0,
     )
@@ -220,50 +431,26 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
     table = block_tables_ptr + seq * stride_bt
+    k_ptr = k_cache_ptr + kvh * stride_ch
+    v_ptr = v_cache_ptr + kvh * stride_ch
 
-    # keys every row of the block sees: below the block's first query position
-    full_end = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        page = tl.load(table + n // page_size).to(tl.int64)
-        offs = (page * stride_cp + (n % page_size) * stride_cs + kvh * stride_ch)[:, None] + d[
-            None, :
-        ]
-        k = tl.load(k_cache_ptr + offs)
-        s = _mma(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST) * scale_log2e
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offs)
-        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
-        m_i = m_new
-
-    # the diagonal: causal mask, and the end of the context
-    diag_end = tl.minimum(ctx, prefix + (mb + 1) * BLOCK_M)
-    for n0 in range(full_end, diag_end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < diag_end
-        page = tl.load(table + n // page_size, mask=n_mask, other=0).to(tl.int64)
-        offs = (page * stride_cp + (n % page_size) * stride_cs + kvh * stride_ch)[:, None] + d[
-            None, :
-        ]
-        k = tl.load(k_cache_ptr + offs, mask=n_mask[:, None], other=0.0)
-        s = _mma(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST) * scale_log2e
-        visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offs, mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
-        m_i = m_new
+    # keys every row of the block sees: up to the block's first query position
+    first_pos = prefix + mb * BLOCK_Q
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, 0, full_end, ctx, scale_log2e,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, WARP_SPECIALIZE, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    # the diagonal, up to the block's last query position; tiles above it are skipped
+    diag_end = prefix + tl.minimum(q_len, (mb + 1) * BLOCK_Q)
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, full_end, diag_end, diag_end, scale_log2e,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, False, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+        out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         o.to(out_ptr.dtype.element_ty),
         mask=r_mask[:, None],
     )
@@ -272,9 +459,11 @@ def _prefill_kernel(
 class PagedAttention:
     """Launches the prefill and decode kernels for one step's mixed batch.
 
-    Tile sizes and the split count are fixed at construction from the device,
-    the dtype and ``max_context`` (the configured ``max_model_len``), so that a
-    decode launch's grid depends only on its batch size.
+    Tile shapes come from :func:`prefill_tiles` / :func:`decode_tiles` at the
+    first call of each head size and GQA ratio (or from ``prefill``/``decode``,
+    which the tuning sweep passes). The split count is fixed at construction
+    from the device and ``max_context`` (the configured ``max_model_len``), so
+    that a decode launch's grid depends only on its batch size.
     """
 
     def __init__(
@@ -284,40 +473,52 @@ class PagedAttention:
         max_context: int,
         precision: str = "fp32",
         num_sms: int | None = None,
+        prefill: PrefillTiles | None = None,
+        decode: DecodeTiles | None = None,
+        split_waves: int = 2,
+        min_split_tokens: int | None = None,
     ) -> None:
         self.device, self.dtype, self.max_context = device, dtype, max_context
         # input_precision matters for float32 inputs only: IEEE fp32, or TF32 tensor cores when "fast"
         self.dot_precision = "ieee" if precision == "fp32" and dtype == torch.float32 else "tf32"
-        on_gpu = device.type == "cuda"
+        self.on_gpu = device.type == "cuda"
         # Triton 3.9's interpreter multiplies bf16 operands of tl.dot as raw 16-bit integers:
         # on CPU, products run on float32 copies (exact products, float32 sums: the same math).
-        self.upcast_dot = not on_gpu and dtype == torch.bfloat16
+        self.upcast_dot = not self.on_gpu and dtype == torch.bfloat16
         if num_sms is None:
             num_sms = (
-                torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 4
+                torch.cuda.get_device_properties(device).multi_processor_count if self.on_gpu else 4
             )
         self.num_sms = num_sms
-        wide = dtype != torch.float32
-        if on_gpu:
-            self.decode_block_n = 64 if wide else 32
-            self.prefill_block_m, self.prefill_block_n = (128, 64) if wide else (64, 32)
-            self.prefill_warps, self.prefill_stages = (4, 3) if wide else (4, 2)
-            self.decode_warps, self.decode_stages = 4, 3 if wide else 2
-        else:  # the interpreter: small tiles so that small test shapes still cross tile borders
-            self.decode_block_n = 16
-            self.prefill_block_m, self.prefill_block_n = 16, 16
-            self.prefill_warps = self.prefill_stages = self.decode_warps = self.decode_stages = 1
-        # the fewest tokens worth a split of their own
-        self.min_split_tokens = 256 if on_gpu else 16
+        self._prefill_override, self._decode_override = prefill, decode
+        # decode splits: aim at split_waves programs per SM, none under min_split_tokens
+        self.split_waves = split_waves
+        self.min_split_tokens = min_split_tokens or (256 if self.on_gpu else 16)
+
+    def prefill_tiles(self, head_size: int, group: int, max_query_len: int) -> PrefillTiles:
+        """The prefill tiles of this call; short queries (drafts, small chunks) take fewer rows."""
+        tiles = self._prefill_override or (
+            prefill_tiles(head_size, group, self.dtype) if self.on_gpu else INTERPRETER_PREFILL
+        )
+        rows = max(16, triton.next_power_of_2(max_query_len * group))
+        if rows < tiles.block_m:  # one tile of rows holds every query: no row tile left idle
+            tiles = tiles._replace(block_m=rows, num_warps=min(tiles.num_warps, 4))
+        return tiles
+
+    def decode_tiles(self, head_size: int) -> DecodeTiles:
+        """The decode tiles for this head size."""
+        if self._decode_override is not None:
+            return self._decode_override
+        return decode_tiles(head_size, self.dtype) if self.on_gpu else INTERPRETER_DECODE
 
     def num_splits(self, num_decodes: int, num_kv_heads: int) -> int:
-        """Context splits per decode sequence: ~2 waves of programs, no split under ``min_split_tokens``.
+        """Context splits per decode sequence: ~``split_waves`` programs per SM, none under ``min_split_tokens``.
 
         Depends only on the batch size (and constants fixed at construction),
         so a captured CUDA graph's grid stays valid for every context length.
         """
         programs = max(1, num_decodes * num_kv_heads)
-        want = triton.cdiv(2 * self.num_sms, programs)
+        want = triton.cdiv(self.split_waves * self.num_sms, programs)
         cap = max(1, triton.cdiv(self.max_context, self.min_split_tokens))
         splits = max(1, min(want, cap, 64))
         # a power of two: at most 7 compiled variants of the kernels across all batch sizes
@@ -338,41 +539,59 @@ class PagedAttention:
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-        group = hq // hkv
         scale_log2e = scale * LOG2E
-        bt = meta.block_tables
         if meta.num_prefills:
-            grid = (triton.cdiv(meta.max_query_len, self.prefill_block_m), hq, meta.num_prefills)
-            _prefill_kernel[grid](
-                q,
-                k_cache,
-                v_cache,
-                bt,
-                meta.context_lens,
-                meta.cu_query_lens,
-                out,
-                scale_log2e,
-                q.stride(0),
-                q.stride(1),
-                k_cache.stride(0),
-                k_cache.stride(1),
-                k_cache.stride(2),
-                bt.stride(0),
-                out.stride(0),
-                out.stride(1),
-                meta.page_size,
-                GROUP=group,
-                HEAD=d,
-                BLOCK_M=self.prefill_block_m,
-                BLOCK_N=self.prefill_block_n,
-                DOT_PRECISION=self.dot_precision,
-                UPCAST=self.upcast_dot,
-                num_warps=self.prefill_warps,
-                num_stages=self.prefill_stages,
-            )
+            self.prefill(q, k_cache, v_cache, meta, scale_log2e, out, hkv)
         if meta.num_decodes:
             self.decode(q, k_cache, v_cache, meta, scale_log2e, out, hkv)
         return out
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale_log2e: float,
+        out: torch.Tensor,
+        hkv: int,
+    ) -> None:
+        """Causal attention of the batch's first ``num_prefills`` sequences (prompts, chunks, drafts) into ``out``."""
+        _, hq, d = q.shape
+        group = hq // hkv
+        tiles = self.prefill_tiles(d, group, meta.max_query_len)
+        block_q = tiles.block_m // group
+        bt = meta.block_tables
+        grid = (hkv, triton.cdiv(meta.max_query_len, block_q), meta.num_prefills)
+        _prefill_kernel[grid](
+            q,
+            k_cache,
+            v_cache,
+            bt,
+            meta.context_lens,
+            meta.cu_query_lens,
+            out,
+            scale_log2e,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            bt.stride(0),
+            out.stride(0),
+            out.stride(1),
+            GROUP=group,
+            HEAD=d,
+            PAGE_SIZE=meta.page_size,
+            BLOCK_M=tiles.block_m,
+            BLOCK_Q=block_q,
+            BLOCK_N=tiles.block_n,
+            WARP_SPECIALIZE=tiles.warp_specialize,
+            DOT_PRECISION=self.dot_precision,
+            UPCAST=self.upcast_dot,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
 
     def decode(
         self,
@@ -388,6 +607,7 @@ class PagedAttention:
         nd = meta.num_decodes
         _, hq, d = q.shape
         group = hq // hkv
+        tiles = self.decode_tiles(d)
         splits = self.num_splits(nd, hkv)
         bt = meta.block_tables
         if splits > 1:
@@ -415,16 +635,16 @@ class PagedAttention:
             bt.stride(0),
             out.stride(0),
             out.stride(1),
-            meta.page_size,
             GROUP=group,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
             HEAD=d,
-            BLOCK_N=self.decode_block_n,
+            PAGE_SIZE=meta.page_size,
+            BLOCK_N=tiles.block_n,
             NUM_SPLITS=splits,
             DOT_PRECISION=self.dot_precision,
             UPCAST=self.upcast_dot,
-            num_warps=self.decode_warps,
-            num_stages=self.decode_stages,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
         )
         if splits > 1:
             _decode_reduce_kernel[(nd, hq)](
