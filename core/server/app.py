@@ -4,11 +4,14 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` as server-sent events ending in ``data: [DONE]``),
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus).
 
-Every error is OpenAI's JSON error object with a 4xx status: 400 for bad
-JSON or parameters (and a prompt over ``max_model_len``), 401 for a missing
-or wrong API key, 404 for an unknown model or route, 413 for a body over the
-size limit, 503 while shutting down. A client that goes away aborts its
-request at once, which frees its KV-cache pages.
+Every error is OpenAI's JSON error object: 400 for bad JSON or parameters
+(and a prompt over ``max_model_len``), 401 for a missing, malformed or wrong
+API key, 403 for a refused ``Host`` or ``Origin``, 404 for an unknown model
+or route, 408 for a request not received in time, 413 for a body over the
+size limit, 415 for a body that is not declared JSON, 429 (with
+``Retry-After``) beyond the queue or per-client limits, 503 while shutting
+down. A client that goes away aborts its request at once, which frees its
+KV-cache pages.
 """
 
 from __future__ import annotations
@@ -29,20 +32,25 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from pitstop.async_engine import AsyncLLM, EngineClosedError, EngineStepError, RequestStream
+from pitstop.async_engine import AsyncLLM, EngineClosedError, EngineStepError
 from pitstop.errors import InvalidRequestError
 from pitstop.outputs import RequestOutput
 from pitstop.sampling_params import SamplingParams
-from pitstop.server.metrics import ServerMetrics
+from pitstop.server.limits import Flight, ServerCut, ServerState
+from pitstop.server.metrics import ServerMetrics, failure_reason
 from pitstop.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     new_id,
     now,
+    parse_json_body,
     usage,
 )
+from pitstop.server.security import RequestGuard
+from pitstop.validation import check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +61,34 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 # many extra bytes; past them the connection is closed.
 _DRAIN_EXTRA_BYTES = 8 << 20
 
+# OpenAI's finish reasons are stop, length, content_filter, tool_calls. A
+# request the server aborted (shutdown) was cut short: "length" says so.
+_OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "length"}
+
 
 @attrs.frozen(kw_only=True)
 class ServerSettings:
-    """What the HTTP layer needs besides the engine."""
+    """What the HTTP layer needs besides the engine (the flags of ``pitstop serve``)."""
 
     api_key: str | None = None  # every /v1 route then needs "Authorization: Bearer KEY"
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # more accepted keys
     max_body_bytes: int = 1 << 20
     served_model_name: str | None = None  # default: the engine's model setting
     drain_timeout_s: float = 10.0  # on shutdown, how long running requests may finish before abort
+    allowed_hosts: tuple[str, ...] | None = None  # None: no Host check ("*" too)
+    allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # "*": any
+    max_json_depth: int = 32  # nesting of arrays and objects in a body
+    read_timeout_s: float = 30.0  # to receive a whole request (headers and body)
+    max_connections: int = 1024  # open TCP connections; more get 429
+    max_queued_requests: int = 1024  # requests waiting for a place in the batch; more get 429
+    max_requests_per_client: int | None = None  # open requests per API key (or address)
+    retry_after_s: int = 1  # the Retry-After of a 429
+    step_grace_s: float = 2.0  # after the drain, how long the engine may take to abort
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted API key (empty: no authentication)."""
+        return tuple(k for k in (self.api_key, *self.api_keys) if k)
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -77,29 +104,87 @@ def _invalid_request(exc: InvalidRequestError, prompt_param: str) -> APIError:
     message = str(exc)
     if "max_model_len" in message:
         return APIError(400, message, param=prompt_param, code="context_length_exceeded")
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].rstrip(":").split("[", 1)[0]
     param = (
         first
-        if first in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop")
+        if first
+        in (
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "stop",
+            "stop_token_ids",
+            "messages",
+        )
         else prompt_param
     )
     return APIError(400, message, param=param)
 
 
+def _shutdown_error() -> APIError:
+    return APIError(
+        503,
+        "the server shut down before the request finished; send it again to another server "
+        "or after the restart",
+        type="server_error",
+        code="shutting_down",
+        headers={"Connection": "close"},
+    )
+
+
+def _engine_error(exc: BaseException) -> APIError:
+    return APIError(503, str(exc), type="server_error", code="engine_error")
+
+
+class _FlightResponse(StreamingResponse):
+    """A streamed answer that gives its request's place back however it ends."""
+
+    def __init__(self, content: AsyncIterator[str], flight: Flight, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.flight = flight
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.flight.release()
+
+
 def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI:
-    """Build the app around a started :class:`AsyncLLM`; shutting the app down shuts the engine down."""
+    """Build the app around a started :class:`AsyncLLM`; shutting the app down shuts the engine down.
+
+    ``app.state.server`` is the :class:`~pitstop.server.limits.ServerState`
+    (admission counts, drain), ``app.state.metrics`` the
+    :class:`~pitstop.server.metrics.ServerMetrics`.
+    """
     settings = settings or ServerSettings()
     model_name = settings.served_model_name or llm.config.model
     model_aliases = {model_name, llm.config.model}
     metrics = ServerMetrics(llm, model_name)
+    state = ServerState(
+        llm,
+        max_queued_requests=settings.max_queued_requests,
+        max_requests_per_client=settings.max_requests_per_client,
+        retry_after_s=settings.retry_after_s,
+        step_grace_s=settings.step_grace_s,
+    )
+    keys = [k.encode("utf-8") for k in settings.keys]
+    vocab_size: int = llm.engine.model_config.vocab_size
     started = now()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         llm.start()
         yield
-        log.info("shutting the engine down (grace %.1f s)", settings.drain_timeout_s)
-        await llm.shutdown(settings.drain_timeout_s)
+        # The drain (ServerState) already finished or aborted every request; the
+        # engine thread ends after its current step. Do not wait past one step.
+        log.info("stopping the engine thread")
+        llm.begin_shutdown(0.0)
+        if not await asyncio.to_thread(llm.join, settings.step_grace_s + 1.0):
+            log.warning("the engine thread is still in a step; exiting without it")
 
     app = FastAPI(
         title="pitstop", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
@@ -107,45 +192,81 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
     app.state.llm = llm
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.server = state
+
+    def count_refusal(status: int, _code: str) -> None:
+        metrics.observe_request_failure(failure_reason(status))
+
+    app.add_middleware(
+        RequestGuard,
+        allowed_hosts=settings.allowed_hosts,
+        allowed_origins=settings.allowed_origins,
+        on_reject=count_refusal,
+    )
 
     # ------------------------------------------------------------------ errors
+    def error_response(exc: APIError) -> JSONResponse:
+        headers = dict(exc.headers)
+        if exc.status == 413:
+            headers.setdefault("Connection", "close")
+        if exc.status == 401:
+            headers.setdefault("WWW-Authenticate", "Bearer")
+        if state.draining:
+            headers.setdefault("Connection", "close")
+        if exc.counted:
+            metrics.observe_request_failure(failure_reason(exc.status))
+        return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        headers = {"Connection": "close"} if exc.status == 413 else None
-        if exc.status == 401:
-            headers = {"WWW-Authenticate": "Bearer"}
-        return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+        return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        err = APIError(exc.status_code, str(exc.detail), type=kind)
-        return JSONResponse(err.to_dict(), status_code=exc.status_code, headers=exc.headers)
+        err = APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+        return error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(APIError(400, str(exc)).to_dict(), status_code=400)
+        return error_response(APIError(400, str(exc)))
 
     @app.exception_handler(Exception)
     async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
         err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-        return JSONResponse(err.to_dict(), status_code=500)
+        return error_response(err)
 
     # ------------------------------------------------------------------ helpers
-    def check_auth(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip(), settings.api_key
-        ):
-            raise APIError(
-                401,
-                "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
+    def check_auth(request: Request) -> str | None:
+        """Refuse a missing, malformed or wrong key (401); return which key matched."""
+        if not keys:
+            return None
+        header = request.headers.get("authorization")
+        how = "send the header 'Authorization: Bearer <key>'"
+        if header is None:
+            raise APIError(401, f"missing API key: {how}", code="invalid_api_key")
+        scheme, _, token = header.strip().partition(" ")
+        token = token.strip()
+        # The scheme is case-insensitive (RFC 9110): "bearer" works too.
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, f"malformed Authorization header: {how}", code="invalid_api_key")
+        try:
+            raw = token.encode("latin-1")  # the header's own bytes (ASGI decodes latin-1)
+        except UnicodeEncodeError:
+            raw = b""
+        matched = None
+        for i, key in enumerate(keys):  # every key compared, in constant time each
+            if secrets.compare_digest(raw, key) and matched is None:
+                matched = f"key{i}"
+        if matched is None:
+            raise APIError(401, f"invalid API key: {how}", code="invalid_api_key")
+        return matched
+
+    def client_of(request: Request, key: str | None) -> str:
+        if key is not None:
+            return key
+        return request.client.host if request.client is not None else "unknown"
 
     def check_model(name: str | None) -> None:
         if name and name not in model_aliases:
@@ -168,31 +289,49 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             raise too_large
         body = bytearray()
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= limit:
-                body += chunk
-            elif size > limit + _DRAIN_EXTRA_BYTES:
-                break
+        try:
+            async with asyncio.timeout(settings.read_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size <= limit:
+                        body += chunk
+                    elif size > limit + _DRAIN_EXTRA_BYTES:
+                        break
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {settings.read_timeout_s:g} s "
+                "(--read-timeout); send it at once",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            ) from None
+        except ClientDisconnect:
+            raise APIError(400, "the client closed the connection while sending") from None
         if size > limit:
             raise too_large
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        data = parse_json_body(bytes(body), max_depth=settings.max_json_depth)
         try:
             return model.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
             loc = [str(p) for p in first.get("loc", ())]
             param = ".".join(loc) or None
+            got = json.dumps(first.get("input"), ensure_ascii=False)
+            got = got if len(got) <= 60 else got[:57] + "..."
             raise APIError(
-                400, f"{param or 'body'}: {first.get('msg')}", param=loc[0] if loc else None
+                400,
+                f"{param or 'body'}: {first.get('msg')}, got {got}",
+                param=loc[0] if loc else None,
             ) from exc
 
+    def check_vocab(params: SamplingParams) -> None:
+        try:
+            check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="stop_token_ids") from exc
+
     async def add(
+        request: Request,
         request_id: str,
         params: SamplingParams,
         *,
@@ -200,9 +339,13 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         prompt_token_ids: list[int] | None = None,
         messages: list[dict[str, str]] | None = None,
         arrival: float,
-    ) -> RequestStream:
+        client: str,
+    ) -> Flight:
+        """Admit the request (429/503 when full or draining) and hand it to the engine."""
+        check_vocab(params)
+        flight = state.admit(client)
         try:
-            return await llm.add_request(
+            stream = await llm.add_request(
                 prompt,
                 params,
                 prompt_token_ids=prompt_token_ids,
@@ -211,11 +354,26 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 arrival_time=arrival,
             )
         except InvalidRequestError as exc:
+            flight.release()
             raise _invalid_request(exc, "messages" if messages is not None else "prompt") from exc
         except EngineClosedError as exc:
-            raise APIError(503, str(exc), type="server_error", code="shutting_down") from exc
+            flight.release()
+            raise APIError(
+                503,
+                str(exc),
+                type="server_error",
+                code="shutting_down",
+                headers={"Connection": "close"},
+            ) from exc
+        except BaseException:
+            flight.release()
+            raise
+        flight.follow(stream)
+        return flight
 
-    async def watch_disconnect(request: Request, stream: RequestStream) -> None:
+    async def watch_disconnect(request: Request, flight: Flight) -> None:
+        stream = flight.stream
+        assert stream is not None
         while not stream.finished:
             if await request.is_disconnected():
                 log.info("client of %s went away: aborting", stream.request_id)
@@ -223,24 +381,38 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 return
             await asyncio.sleep(0.1)
 
-    async def collect(request: Request, stream: RequestStream) -> RequestOutput:
+    async def collect(request: Request, flight: Flight) -> RequestOutput:
         """Wait for the final output; abort if the client disconnects meanwhile."""
-        watcher = asyncio.create_task(watch_disconnect(request, stream))
+        watcher = asyncio.create_task(watch_disconnect(request, flight))
         try:
             final: RequestOutput | None = None
-            async for out in stream:
+            async for out in flight:
                 final = out
             assert final is not None
-            return final
+        except ServerCut:
+            raise _shutdown_error() from None
         except EngineStepError as exc:
-            raise APIError(503, str(exc), type="server_error", code="engine_error") from exc
+            metrics.observe_stream_error(exc)
+            raise _engine_error(exc) from exc
         finally:
             watcher.cancel()
-            if not stream.finished:
-                stream.abort()
+            flight.release()
+        if final.finish_reason == "abort":
+            err = _shutdown_error()
+            if not state.draining:  # the client went away: nobody reads this, count nothing
+                err.counted = False
+            raise err
+        if final.finish_reason not in _OPENAI_FINISH:
+            raise APIError(
+                500,
+                f"the engine failed this request ({final.finish_reason})",
+                type="server_error",
+                code="request_failed",
+            )
+        return final
 
     def sse_response(
-        stream: RequestStream,
+        flight: Flight,
         make_chunk: Callable[[str, str | None], dict[str, Any]],
         *,
         first: dict[str, Any] | None,
@@ -250,25 +422,46 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             try:
                 if first is not None:
                     yield _sse(first)
-                async for out in stream:
+                async for out in flight:
                     delta, last = out.text_delta, out
-                    while not last.finished and (more := stream.get_nowait()) is not None:
+                    while not last.finished and (more := flight.get_nowait()) is not None:
                         delta, last = delta + more.text_delta, more  # merge a burst into one event
+                    if last.finished and last.finish_reason not in _OPENAI_FINISH:
+                        if delta:
+                            yield _sse(make_chunk(delta, None))
+                        metrics.observe_request_failure("request_error")
+                        yield _sse(
+                            APIError(
+                                500,
+                                f"the engine failed this request ({last.finish_reason})",
+                                type="server_error",
+                                code="request_failed",
+                            ).to_dict()
+                        )
+                        break
                     if delta or last.finished:
-                        yield _sse(make_chunk(delta, last.finish_reason if last.finished else None))
-                if usage_chunk is not None and stream.final is not None:
-                    yield _sse(usage_chunk(stream.final))
+                        reason = _OPENAI_FINISH[last.finish_reason] if last.finished else None
+                        if last.finish_reason == "abort":
+                            metrics.observe_request_failure("shutdown")
+                        yield _sse(make_chunk(delta, reason))
+                else:
+                    if usage_chunk is not None and flight.last is not None:
+                        yield _sse(usage_chunk(flight.last))
+            except ServerCut:
+                metrics.observe_request_failure("shutdown")
+                yield _sse(make_chunk("", "length"))
+                if usage_chunk is not None and flight.last is not None:
+                    yield _sse(usage_chunk(flight.last))
             except EngineStepError as exc:
-                yield _sse(
-                    APIError(503, str(exc), type="server_error", code="engine_error").to_dict()
-                )
+                metrics.observe_stream_error(exc)
+                yield _sse(_engine_error(exc).to_dict())
             finally:
-                if not stream.finished:  # the client went away (cancelled) or we failed
-                    stream.abort()
+                flight.release()  # aborts the request if the client went away (cancelled)
             yield _sse("[DONE]")
 
-        return StreamingResponse(
+        return _FlightResponse(
             events(),
+            flight,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -277,13 +470,21 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        check_auth(request)
+        key = check_auth(request)
         body = await read_body(request, CompletionRequest)
         check_model(body.model)
         prompt, ids = body.prompt_input()
         params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens)
         rid = new_id("cmpl")
-        stream = await add(rid, params, prompt=prompt, prompt_token_ids=ids, arrival=arrival)
+        flight = await add(
+            request,
+            rid,
+            params,
+            prompt=prompt,
+            prompt_token_ids=ids,
+            arrival=arrival,
+            client=client_of(request, key),
+        )
         created = now()
         extra = {"usage": None} if body.include_usage else {}
 
@@ -309,9 +510,9 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 }
 
             return sse_response(
-                stream, chunk, first=None, usage_chunk=usage_chunk if body.include_usage else None
+                flight, chunk, first=None, usage_chunk=usage_chunk if body.include_usage else None
             )
-        final = await collect(request, stream)
+        final = await collect(request, flight)
         choice = {
             "index": 0,
             "text": final.text,
@@ -325,7 +526,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        check_auth(request)
+        key = check_auth(request)
         body = await read_body(request, ChatCompletionRequest)
         check_model(body.model)
         messages = body.template_messages()
@@ -339,7 +540,9 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             (llm.config.max_model_len or 4096) if max_tokens is None else max_tokens
         )
         rid = new_id("chatcmpl")
-        stream = await add(rid, params, messages=messages, arrival=arrival)
+        flight = await add(
+            request, rid, params, messages=messages, arrival=arrival, client=client_of(request, key)
+        )
         created = now()
         extra = {"usage": None} if body.include_usage else {}
 
@@ -386,9 +589,9 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 }
 
             return sse_response(
-                stream, chunk, first=first, usage_chunk=usage_chunk if body.include_usage else None
+                flight, chunk, first=first, usage_chunk=usage_chunk if body.include_usage else None
             )
-        final = await collect(request, stream)
+        final = await collect(request, flight)
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": final.text},
@@ -418,18 +621,20 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
     @app.get("/health")
     async def health() -> JSONResponse:
         snap = llm.snapshot
-        ok = llm.accepting and llm.is_running
+        ok = llm.accepting and llm.is_running and not state.draining
         return JSONResponse(
             {
                 "status": "ok" if ok else "draining",
                 "model": model_name,
                 "num_running": snap.num_running,
                 "num_waiting": snap.num_waiting,
+                "num_open_requests": len(state.flights),
                 "pages_free": snap.allocator.pages_free,
                 "num_pages": snap.allocator.num_pages,
                 "kv_cache_usage": snap.kv_cache_usage,
             },
             status_code=200 if ok else 503,
+            headers={"Connection": "close"} if state.draining else None,
         )
 
     @app.get("/metrics")

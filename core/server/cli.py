@@ -11,13 +11,21 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
+import sys
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pitstop.config import EngineConfig, add_cli_flags
 
+if TYPE_CHECKING:
+    from pitstop.server.app import ServerSettings
+
 log = logging.getLogger(__name__)
+
+
+def _names(text: str) -> list[str]:
+    """A comma-separated flag value as a list (``--allowed-origins a,b``)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -38,8 +46,10 @@ def add_subcommand(subparsers: Any) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     g.add_argument(
         "--api-key",
-        default=os.environ.get("PITSTOP_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PITSTOP_API_KEY; unset: no auth)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for several keys "
+        "(default: $PITSTOP_API_KEY; unset: no auth)",
     )
     g.add_argument(
         "--max-body-bytes",
@@ -57,6 +67,55 @@ def add_subcommand(subparsers: Any) -> None:
         help="on SIGINT/SIGTERM, seconds running requests may finish before they are aborted (default 10)",
     )
     g.add_argument(
+        "--allowed-origins",
+        type=_names,
+        action="extend",
+        default=None,
+        metavar="ORIGIN[,ORIGIN]",
+        help="web origins (https://app.example) whose pages may call the server; a request with "
+        "any other Origin header gets 403; '*' allows all (default: none)",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        type=_names,
+        action="extend",
+        default=None,
+        metavar="NAME[,NAME]",
+        help="names the Host header may carry; others get 403 (DNS rebinding); '*' allows all "
+        "(default: localhost, 127.0.0.1, ::1 when bound to loopback, else all)",
+    )
+    g.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=32,
+        help="deepest nesting of arrays and objects in a request body; deeper gets 400 (default 32)",
+    )
+    g.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a whole request; slower gets 408 and is closed (default 30)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections; more get 429 with Retry-After (default 1024)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests waiting for a place in the running batch; more get 429 (default 1024)",
+    )
+    g.add_argument(
+        "--max-requests-per-client",
+        type=int,
+        default=0,
+        help="open requests per API key (per client address without auth); more get 429; "
+        "0: no cap (default 0)",
+    )
+    g.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -66,85 +125,154 @@ def add_subcommand(subparsers: Any) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The server settings of the ``serve`` flags; an invalid value is a ConfigError."""
+    from pitstop.errors import ConfigError
+    from pitstop.server.app import ServerSettings
+    from pitstop.server.security import default_allowed_hosts
+
+    for flag, value, low in (
+        ("--max-body-bytes", args.max_body_bytes, 1),
+        ("--max-json-depth", args.max_json_depth, 2),
+        ("--max-connections", args.max_connections, 1),
+        ("--max-queued-requests", args.max_queued_requests, 1),
+        ("--max-requests-per-client", args.max_requests_per_client, 0),
+    ):
+        if value < low:
+            raise ConfigError(f"{flag} must be at least {low}, got {value}")
+    if not args.drain_timeout >= 0:
+        raise ConfigError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not args.read_timeout > 0:
+        raise ConfigError(f"--read-timeout must be > 0 seconds, got {args.read_timeout}")
+    keys = args.api_key if args.api_key is not None else [os.environ.get("PITSTOP_API_KEY", "")]
+    keys = [k for k in keys if k]
+    for k in keys:
+        if not k.isascii() or not k.isprintable() or " " in k:
+            raise ConfigError(
+                "an API key must be printable ASCII without spaces (it travels in an HTTP header)"
+            )
+    hosts = args.allowed_hosts
+    return ServerSettings(
+        api_keys=tuple(keys),
+        max_body_bytes=args.max_body_bytes,
+        served_model_name=args.served_model_name,
+        drain_timeout_s=args.drain_timeout,
+        allowed_hosts=tuple(hosts) if hosts else default_allowed_hosts(args.host),
+        allowed_origins=tuple(args.allowed_origins or ()),
+        max_json_depth=args.max_json_depth,
+        read_timeout_s=args.read_timeout,
+        max_connections=args.max_connections,
+        max_queued_requests=args.max_queued_requests,
+        max_requests_per_client=args.max_requests_per_client or None,
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM; exit 0 after a graceful shutdown."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ModuleNotFoundError as exc:
         raise SystemExit(f"pitstop serve needs {exc.name}: pip install 'pitstop[serve]'") from exc
 
     from pitstop.async_engine import AsyncLLM
-    from pitstop.errors import ConfigError
-    from pitstop.server.app import ServerSettings, create_app
+    from pitstop.server.app import create_app
 
-    if args.max_body_bytes <= 0:
-        raise ConfigError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
-    if args.drain_timeout < 0:
-        raise ConfigError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    settings = settings_from_args(args)
     config = EngineConfig.from_cli(args)
-    settings = ServerSettings(
-        api_key=args.api_key or None,
-        max_body_bytes=args.max_body_bytes,
-        served_model_name=args.served_model_name,
-        drain_timeout_s=args.drain_timeout,
-    )
     llm = AsyncLLM.from_config(config)
     app = create_app(llm, settings)
-    uv_config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=int(args.drain_timeout) + 5,
-        lifespan="on",
+    server = build_server(
+        app, settings, host=args.host, port=args.port, log_level=args.uvicorn_log_level
     )
-    server = _build_server(uv_config, llm, args.drain_timeout)
     log.info(
-        "serving %s on http://%s:%d (auth %s)",
+        "serving %s on http://%s:%d (auth %s; hosts %s; origins %s)",
         settings.served_model_name or config.model,
         args.host,
         args.port,
-        "on" if settings.api_key else "off",
+        f"on, {len(settings.keys)} key(s)" if settings.keys else "off",
+        ", ".join(settings.allowed_hosts) if settings.allowed_hosts else "any",
+        ", ".join(settings.allowed_origins) or "none",
     )
     server.run()
-    llm.close()  # normally a no-op: the app's shutdown already joined the engine
+    if not llm.join(1.0):
+        # A step still runs (the drain already answered every client): do not wait for it.
+        log.warning("stopped; the engine thread is still in a step, exiting without it")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     log.info("stopped")
     return 0
 
 
-def _build_server(config: Any, llm: Any, drain_timeout: float) -> Any:
-    """uvicorn's server, with a shutdown that drains the engine and exits 0.
+def build_server(
+    app: Any, settings: ServerSettings, *, host: str, port: int, log_level: str = "warning"
+) -> Any:
+    """uvicorn's server for ``app``, with the connection guard and the documented shutdown.
 
-    uvicorn re-raises a captured SIGTERM after its own shutdown, which would
-    end the process with status -15. This server takes the signal itself: it
-    stops the listener (uvicorn's shutdown), tells the engine to finish what
-    runs within the drain timeout and abort the rest (so open streams end
-    with a final chunk and ``[DONE]``), and lets ``run`` return.
+    On SIGTERM/SIGINT the listener stays open while the server drains
+    (:class:`~pitstop.server.limits.ServerState`: ``/health`` answers 503,
+    open requests finish or are ended with a final chunk and ``[DONE]``);
+    then uvicorn stops and ``run`` returns, so the process exits 0 (uvicorn
+    would re-raise the signal and die of it). A second signal ends the
+    drain at once. Signals are only caught when ``run`` is called from the
+    main thread; elsewhere (tests) call :meth:`begin_drain` on the server.
     """
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from pitstop.server.guard import ConnectionLimits, guarded_protocol
+    from pitstop.server.metrics import failure_reason
+
+    state = app.state.server
+    metrics = app.state.metrics
+    limits = ConnectionLimits(
+        read_timeout_s=settings.read_timeout_s,
+        max_connections=settings.max_connections,
+        retry_after_s=settings.retry_after_s,
+        on_reject=lambda status, _code: metrics.observe_request_failure(failure_reason(status)),
+    )
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=guarded_protocol(AutoHTTPProtocol, limits),
+        timeout_graceful_shutdown=3,  # the drain has already ended every request
+        lifespan="on",
+    )
 
     class DrainingServer(uvicorn.Server):
         def __init__(self) -> None:
             super().__init__(config)
+            self.limits = limits
             self._loop: asyncio.AbstractEventLoop | None = None
+            self._signals = 0
 
         async def serve(self, sockets: Any = None) -> None:
             self._loop = asyncio.get_running_loop()
+            state.on_drained.append(self._drained)
             await super().serve(sockets)
 
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            grace = drain_timeout
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True  # a second Ctrl-C: stop waiting
+        def _drained(self) -> None:
+            self.should_exit = True
+
+        def begin_drain(self, grace_s: float | None = None) -> None:
+            """Start the drain (thread-safe); a second call ends it at once."""
+            self._signals += 1
+            grace = settings.drain_timeout_s if grace_s is None else grace_s
+            if self._signals > 1:
                 grace = 0.0
-            else:
-                log.info("signal %d: stop accepting, drain for up to %.1f s", sig, drain_timeout)
-                self.should_exit = True
             loop = self._loop
-            if loop is not None and not loop.is_closed():
-                # not from the signal handler itself: the loop thread may hold the engine's lock
-                loop.call_soon_threadsafe(llm.begin_shutdown, grace)
-            else:
-                llm.begin_shutdown(grace)
+            if loop is None or loop.is_closed():
+                self.should_exit = True
+                return
+            # Not from the signal handler itself: the handler interrupts the loop thread
+            # anywhere, so the drain starts as a callback of the loop.
+            loop.call_soon_threadsafe(state.begin_drain, grace)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            log.info("signal %d: %s", sig, "draining" if not self._signals else "ending now")
+            self.begin_drain()
 
     return DrainingServer()

@@ -16,6 +16,7 @@ several servers can live in one process (tests).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -90,6 +91,33 @@ E2E_BUCKETS = (
 )
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+# Why a request failed, the label of pitstop:request_failures_total:
+REQUEST_FAILURE_REASONS = (
+    "invalid_request",  # 400, 404, 413, 415: the request itself is wrong
+    "unauthorized",  # 401, 403: API key, Host or Origin refused
+    "timeout",  # 408: the request did not arrive within --read-timeout
+    "rate_limited",  # 429: connection, queue or per-client cap
+    "shutdown",  # 503 during the drain, or ended by the server at its end
+    "step_failure",  # an engine step failed and took this request with it
+    "request_error",  # the engine failed this request alone (isolated)
+    "server_error",  # 500: a bug in the server
+)
+
+
+def failure_reason(status: int) -> str:
+    """The ``reason`` label of a request refused or failed with HTTP ``status``."""
+    if status in (401, 403):
+        return "unauthorized"
+    if status == 408:
+        return "timeout"
+    if status == 429:
+        return "rate_limited"
+    if status == 503:
+        return "shutdown"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request"
 
 
 class _SnapshotCollector(Collector):
@@ -215,7 +243,62 @@ class ServerMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         ).labels(model_name)
+        self.step_failures = Counter(
+            "pitstop:step_failures",
+            "Engine steps that raised (each fails the requests it could not isolate).",
+            label,
+            registry=r,
+        ).labels(model_name)
+        self._failures = Counter(
+            "pitstop:request_failures",
+            "Requests refused or failed, by reason (invalid_request, unauthorized, timeout, "
+            "rate_limited, shutdown, step_failure, request_error, server_error).",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self.request_failures = {
+            reason: self._failures.labels(model_name, reason) for reason in REQUEST_FAILURE_REASONS
+        }
+        self._seen_step_errors: weakref.WeakSet[BaseException] = weakref.WeakSet()
         llm.add_output_listener(self.observe)
+
+    # ------------------------------------------------------------------ failures
+    def observe_step_failure(self, num_requests_failed: int = 0) -> None:
+        """Count one failed engine step and the requests it failed (thread-safe).
+
+        For the engine to call when a step raises; ``num_requests_failed``
+        requests are counted with reason ``step_failure``.
+        """
+        self.step_failures.inc()
+        if num_requests_failed:
+            self.request_failures["step_failure"].inc(num_requests_failed)
+
+    def observe_request_failure(self, reason: str, count: int = 1) -> None:
+        """Count ``count`` requests that failed for ``reason`` (thread-safe).
+
+        The engine calls it with ``"request_error"`` for a request it failed
+        alone; the server with the other reasons of ``REQUEST_FAILURE_REASONS``.
+        An unknown reason gets a series of its own.
+        """
+        counter = self.request_failures.get(reason)
+        if counter is None:
+            counter = self.request_failures[reason] = self._failures.labels(self.model_name, reason)
+        counter.inc(count)
+
+    def observe_stream_error(self, exc: BaseException) -> None:
+        """A request's stream raised ``exc`` (an engine step failure): count it.
+
+        The async engine hands the same exception object to every request of
+        the failed step, so the first sighting of an object counts the step.
+        """
+        self.request_failures["step_failure"].inc()
+        try:
+            first = exc not in self._seen_step_errors
+            self._seen_step_errors.add(exc)
+        except TypeError:  # not weak-referenceable: count every sighting as a step
+            first = True
+        if first:
+            self.step_failures.inc()
 
     def observe(self, out: RequestOutput) -> None:
         """Count one engine output (called on the engine thread)."""

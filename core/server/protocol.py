@@ -1,7 +1,10 @@
 """Request and response shapes of the OpenAI-compatible API (the subset pitstop serves).
 
-Requests are pydantic models: a wrong type is a 400 that names the field.
-Unknown fields are ignored, as most OpenAI-compatible servers do, so that
+Requests are pydantic models in strict mode: a wrong type is a 400 that
+names the field, and nothing is coerced (``true`` is not the number 1,
+``"0.5"`` is not a float; an integer is accepted where a float is expected).
+NaN, infinities and lone UTF-16 surrogates never get this far: the body
+parser refuses them (see :func:`parse_json_body`). Unknown fields are ignored, as most OpenAI-compatible servers do, so that
 clients which send extra options keep working; options that would change the
 output but that pitstop does not implement (``n > 1``, ``logprobs``,
 ``echo``, penalties, ``logit_bias``, ``suffix``) are rejected with a 400
@@ -10,6 +13,8 @@ rather than silently ignored.
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -31,6 +36,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -38,6 +44,8 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}
+        self.counted = True  # whether /metrics counts it as a failed request
 
     def to_dict(self) -> dict[str, Any]:
         """``{"error": {"message", "type", "param", "code"}}``."""
@@ -51,17 +59,93 @@ class APIError(Exception):
         }
 
 
+def parse_json_body(body: bytes, *, max_depth: int) -> dict[str, Any]:
+    """The request body as a JSON object, or an :class:`APIError` 400 that says what is wrong.
+
+    Stricter than :func:`json.loads`: ``NaN``, ``Infinity`` and numbers that
+    overflow a float (``1e400``) are refused, as are strings holding a lone
+    UTF-16 surrogate (``"\\ud800"``, which is not text) and nesting deeper
+    than ``max_depth`` arrays and objects.
+    """
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {text[:40]} is too large for a float")
+        return value
+
+    try:
+        data = json.loads(body, parse_constant=no_constant, parse_float=finite)
+    except RecursionError:
+        raise APIError(
+            400,
+            f"the request body nests arrays or objects deeper than {max_depth} levels",
+            code="json_too_deep",
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # parse_constant, parse_float, or an int of over 4300 digits
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    _check_tree(data, max_depth)
+    return data
+
+
+def _check_tree(data: Any, max_depth: int) -> None:
+    """Walk the parsed body once (no recursion): bound its depth, refuse lone surrogates."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "body")]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > max_depth:
+                raise APIError(
+                    400,
+                    f"the request body nests arrays or objects deeper than {max_depth} levels "
+                    f"(at {path})",
+                    code="json_too_deep",
+                )
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for key, value in items:
+                if isinstance(key, str):
+                    _check_text(key, path)
+                    child = f"{path}.{key}" if path != "body" else key
+                else:
+                    child = f"{path}[{key}]"
+                stack.append((value, depth + 1, child))
+        elif isinstance(node, str):
+            _check_text(node, path)
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(
+            400,
+            f"{path} holds {text[exc.start : exc.end]!r}, half of a UTF-16 surrogate pair, which "
+            "is not text; send valid Unicode (pair the surrogates or remove it)",
+            param=path.split(".", 1)[0].split("[", 1)[0],
+        ) from None
+
+
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with token counts."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """The fields completions and chat share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     temperature: float | None = None
@@ -117,7 +201,7 @@ class _SamplingFields(BaseModel):
             return SamplingParams(**values)
         except InvalidRequestError as exc:
             message = str(exc)
-            first = message.split(" ", 1)[0]
+            first = message.split(" ", 1)[0].rstrip(":")
             param = first if first in values else None
             raise APIError(400, message, param=param) from exc
 
@@ -163,7 +247,7 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(BaseModel):
     """One part of a message's content; only ``text`` parts are supported."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     type: str
     text: str | None = None
 
@@ -171,7 +255,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One chat message."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None

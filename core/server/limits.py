@@ -1,0 +1,250 @@
+"""Who may start a request, and how open requests end when the server shuts down.
+
+:class:`ServerState` is the server's bookkeeping of the generation requests
+it holds (one :class:`Flight` each, from admission to the last byte of the
+answer):
+
+- **admission**: a new request is refused with 429 and ``Retry-After`` when
+  ``max_queued_requests`` requests already wait for a place in the running
+  batch, or when its client already has ``max_requests_per_client`` requests
+  open (fair share); with 503 while the server drains.
+- **drain**: on the first SIGTERM/SIGINT the server keeps listening (so
+  ``/health`` can answer 503 ``"draining"``), refuses new requests, and lets
+  open ones finish for up to the drain time. Then it asks the engine to
+  abort what still runs (the engine delivers ``finish_reason="abort"`` at its
+  next step boundary) and, if that has not ended every open request within
+  ``step_grace_s``, ends them itself: every open stream gets a final chunk
+  and ``data: [DONE]``, every waiting non-streamed client a JSON error.
+  Only then does uvicorn close the listener. A second signal does the same
+  at once. So the server exits within drain + ``step_grace_s`` + a little,
+  however long an engine step takes.
+
+Everything here runs on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from pitstop.async_engine import AsyncLLM, RequestStream
+from pitstop.outputs import RequestOutput
+from pitstop.server.protocol import APIError
+
+log = logging.getLogger(__name__)
+
+
+class ServerCut(Exception):
+    """The server ended this request itself while shutting down (the engine had not yet)."""
+
+
+_END = object()  # the pump's last item: the engine's stream is exhausted
+
+
+class Flight:
+    """One admitted generation request: its outputs, and its place in the server's counts.
+
+    Iterate it (after :meth:`follow`) for the request's outputs; the
+    iterator raises :class:`ServerCut` when the server ends the request
+    during shutdown, and whatever the engine's stream raises
+    (:class:`~pitstop.async_engine.EngineStepError`). :meth:`release`
+    (idempotent) gives the request's place back and aborts it in the
+    engine if it has not finished.
+    """
+
+    def __init__(self, state: ServerState, client: str) -> None:
+        self.state = state
+        self.client = client
+        self.stream: RequestStream | None = None
+        self.last: RequestOutput | None = None  # the latest output seen (usage on a cut)
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pump: asyncio.Task[None] | None = None
+        self._released = False
+
+    def follow(self, stream: RequestStream) -> None:
+        """Start forwarding the engine's outputs for this request."""
+        self.stream = stream
+        self._pump = asyncio.get_running_loop().create_task(self._forward(stream))
+
+    async def _forward(self, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                self._queue.put_nowait(out)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, who answers it
+            self._queue.put_nowait(exc)
+        self._queue.put_nowait(_END)
+
+    def cut(self) -> None:
+        """End this request from the server's side (shutdown): the reader gets :class:`ServerCut`."""
+        self._queue.put_nowait(ServerCut())
+
+    def __aiter__(self) -> Flight:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return self._unpack(await self._queue.get())
+
+    def get_nowait(self) -> RequestOutput | None:
+        """The next output if one is already here (to merge a burst), else None."""
+        if self._queue.empty():
+            return None
+        return self._unpack(self._queue.get_nowait())
+
+    def _unpack(self, item: Any) -> RequestOutput:
+        if item is _END:
+            self._queue.put_nowait(_END)  # stay exhausted
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        self.last = item
+        return item
+
+    def release(self) -> None:
+        """Give the request's place back; abort it in the engine if it is still running."""
+        if self._released:
+            return
+        self._released = True
+        if self.stream is not None and not self.stream.finished:
+            self.stream.abort()
+        if self._pump is not None and not self._pump.done():
+            self._pump.cancel()
+        self.state._release(self)
+
+
+class ServerState:
+    """Admission counts and the drain of one server (see the module docstring)."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        *,
+        max_queued_requests: int,
+        max_requests_per_client: int | None,
+        retry_after_s: int,
+        step_grace_s: float = 2.0,
+    ) -> None:
+        self.llm = llm
+        self.max_queued_requests = max_queued_requests
+        self.max_requests_per_client = max_requests_per_client
+        self.retry_after_s = retry_after_s
+        self.step_grace_s = step_grace_s
+        self.flights: set[Flight] = set()
+        self.per_client: Counter[str] = Counter()
+        self.draining = False
+        self._deadline: float | None = None  # monotonic; when open requests are aborted
+        self._cut_at_deadline = False  # a second signal: cut at once, no step grace
+        self._drain_task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+        self.on_drained: list[Callable[[], None]] = []
+        self.drained = False
+
+    # ------------------------------------------------------------------ admission
+    @property
+    def num_queued(self) -> int:
+        """Open requests the engine does not (yet) run: waiting for a place in the batch."""
+        return max(0, len(self.flights) - self.llm.snapshot.num_running)
+
+    def admit(self, client: str) -> Flight:
+        """A place for a new request of ``client``, or an :class:`APIError` (429, 503)."""
+        if self.draining or not self.llm.accepting:
+            raise APIError(
+                503,
+                "the server is shutting down and accepts no new request; send it to another "
+                "server or retry after it restarts",
+                type="server_error",
+                code="shutting_down",
+                headers={"Connection": "close"},
+            )
+        retry = {"Retry-After": str(self.retry_after_s)}
+        if self.num_queued >= self.max_queued_requests:
+            raise APIError(
+                429,
+                f"the server already has {self.num_queued} requests waiting "
+                f"(--max-queued-requests {self.max_queued_requests}); retry after "
+                f"{self.retry_after_s} s",
+                type="server_error",
+                code="too_many_requests",
+                headers=retry,
+            )
+        cap = self.max_requests_per_client
+        if cap is not None and self.per_client[client] >= cap:
+            raise APIError(
+                429,
+                f"this client already has {self.per_client[client]} requests open "
+                f"(--max-requests-per-client {cap}); wait for one to finish and retry",
+                type="server_error",
+                code="too_many_requests_per_client",
+                headers=retry,
+            )
+        flight = Flight(self, client)
+        self.flights.add(flight)
+        self.per_client[client] += 1
+        return flight
+
+    def _release(self, flight: Flight) -> None:
+        self.flights.discard(flight)
+        self.per_client[flight.client] -= 1
+        if self.per_client[flight.client] <= 0:
+            del self.per_client[flight.client]
+        self._changed.set()
+
+    # ------------------------------------------------------------------ drain
+    def begin_drain(self, grace_s: float) -> None:
+        """Start draining (first call) or shorten the drain (later calls; ``0`` cuts at once)."""
+        now = time.monotonic()
+        deadline = now + max(0.0, grace_s)
+        first = not self.draining
+        self.draining = True
+        if self._deadline is None or deadline < self._deadline:
+            self._deadline = deadline
+        if not first:
+            self._cut_at_deadline = True
+            log.info("second signal: ending %d open request(s) now", len(self.flights))
+        else:
+            log.info(
+                "draining: %d open request(s) may finish for up to %.1f s",
+                len(self.flights),
+                grace_s,
+            )
+        # The engine refuses new requests and aborts what runs at the deadline.
+        self.llm.begin_shutdown(max(0.0, self._deadline - now))
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        self._changed.set()
+
+    async def _wait_for_change(self, timeout: float) -> None:
+        """Sleep until a request is released or the drain changes, or ``timeout`` passes."""
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(0.0, timeout))
+        except TimeoutError:
+            pass
+
+    async def _drain(self) -> None:
+        try:
+            # 1. Open requests finish, until the deadline (which a second signal moves closer).
+            while self.flights and time.monotonic() < (self._deadline or 0.0):
+                await self._wait_for_change((self._deadline or 0.0) - time.monotonic())
+            # 2. The engine aborts them at its next step boundary: give it one step.
+            grace_end = time.monotonic() + self.step_grace_s
+            while self.flights and not self._cut_at_deadline and time.monotonic() < grace_end:
+                await self._wait_for_change(grace_end - time.monotonic())
+            # 3. A step still runs: end them here (final chunk + [DONE], or a JSON error).
+            if self.flights:
+                log.warning(
+                    "ending %d open request(s) without the engine (a step is still running)",
+                    len(self.flights),
+                )
+                for flight in list(self.flights):
+                    flight.cut()
+                end = time.monotonic() + 2.0
+                while self.flights and time.monotonic() < end:
+                    await self._wait_for_change(end - time.monotonic())
+        finally:
+            self.drained = True
+            for callback in self.on_drained:
+                callback()

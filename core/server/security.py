@@ -1,0 +1,188 @@
+"""The checks every HTTP request passes before any route sees it (an ASGI middleware).
+
+A loopback server is reachable from every web page the machine's browser
+opens. Three checks keep such pages out:
+
+- **Host** (DNS rebinding): a page on ``evil.example`` whose name is made to
+  resolve to 127.0.0.1 sends ``Host: evil.example``. When ``allowed_hosts``
+  is set, a request whose ``Host`` (without the port) is not in it gets 403.
+  ``pitstop serve`` sets it to the loopback names when bound to a loopback
+  address.
+- **Origin** (CSRF): browsers send ``Origin`` on cross-origin requests. A
+  request carrying an ``Origin`` that is not in ``allowed_origins`` gets
+  403; allowed origins get CORS headers (and their preflights a 204), so a
+  web app of your own can call the server. Clients that are not browsers
+  (curl, the ``openai`` client) send no ``Origin`` and are not affected.
+- **Content-Type**: a ``POST`` must declare ``application/json``, or it is
+  415. A page can send ``text/plain`` (or no type) cross-origin without a
+  CORS preflight; it cannot send ``application/json`` that way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+def is_loopback(bind_host: str) -> bool:
+    """Whether listening on ``bind_host`` is reachable from this machine only."""
+    return bind_host in ("localhost", "::1") or bind_host.startswith("127.")
+
+
+def default_allowed_hosts(bind_host: str) -> tuple[str, ...] | None:
+    """The loopback names (and the bind address) when bound to loopback; else no Host check."""
+    if not is_loopback(bind_host):
+        return None
+    return tuple(dict.fromkeys((*LOOPBACK_HOSTS, bind_host)))
+
+
+def host_name(header: str) -> str:
+    """The name in a ``Host`` header, without the port, lowercased (``[::1]:8000`` -> ``::1``)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    return name.rstrip(".")
+
+
+def _normalize_origin(origin: str) -> str:
+    return origin.strip().rstrip("/").lower()
+
+
+class RequestGuard:
+    """ASGI middleware applying the Host, Origin and Content-Type checks (module docstring).
+
+    ``allowed_hosts=None`` skips the Host check; ``"*"`` in either list
+    allows every value. ``on_reject(status, code)`` is told of every refusal
+    (metrics).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        allowed_hosts: Iterable[str] | None = None,
+        allowed_origins: Iterable[str] = (),
+        on_reject: Callable[[int, str], None] | None = None,
+    ) -> None:
+        self.app = app
+        self.allowed_hosts = (
+            None if allowed_hosts is None else {host_name(h) for h in allowed_hosts}
+        )
+        self.allowed_origins = {_normalize_origin(o) for o in allowed_origins}
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        method = scope["method"]
+        if self.allowed_hosts is not None and "*" not in self.allowed_hosts:
+            host = host_name(headers.get("host", ""))
+            if host not in self.allowed_hosts:
+                await self._refuse(
+                    send,
+                    403,
+                    f"the Host header {headers.get('host', '')!r} is not a name this server "
+                    f"answers to ({', '.join(sorted(self.allowed_hosts))}); connect through one "
+                    "of them, or start the server with --allowed-hosts NAME",
+                    "host_not_allowed",
+                )
+                return
+        origin = headers.get("origin")
+        cors: list[tuple[bytes, bytes]] = []
+        if origin is not None:
+            if "*" not in self.allowed_origins and _normalize_origin(origin) not in (
+                self.allowed_origins
+            ):
+                await self._refuse(
+                    send,
+                    403,
+                    f"requests from the web origin {origin!r} are not allowed; start the server "
+                    f"with --allowed-origins {origin} to let pages of that origin call it",
+                    "origin_not_allowed",
+                )
+                return
+            cors = [
+                (b"access-control-allow-origin", origin.encode("latin-1")),
+                (b"vary", b"Origin"),
+            ]
+            if method == "OPTIONS" and "access-control-request-method" in headers:
+                await self._preflight(send, cors, headers)
+                return
+        if method in _BODY_METHODS:
+            media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if media != "application/json":
+                got = headers.get("content-type")
+                await self._refuse(
+                    send,
+                    415,
+                    "the request body must be JSON sent with 'Content-Type: application/json' "
+                    + (f"(got {got!r})" if got else "(the request has no Content-Type)"),
+                    "unsupported_media_type",
+                )
+                return
+        if not cors:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *cors]
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+    async def _preflight(
+        self, send: Send, cors: list[tuple[bytes, bytes]], headers: dict[str, str]
+    ) -> None:
+        allow_headers = headers.get("access-control-request-headers", "authorization, content-type")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 204,
+                "headers": [
+                    *cors,
+                    (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                    (b"access-control-allow-headers", allow_headers.encode("latin-1")),
+                    (b"access-control-max-age", b"600"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
+        if self.on_reject is not None:
+            self.on_reject(status, code)
+        body = json.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": code,
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
