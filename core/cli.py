@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import PitstopError
+from pitstop.gguf_loader import add_subcommand as add_cache
 from pitstop.verify.cli import add_subcommand as add_verify
 
 
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     add_verify(sub)
+    add_cache(sub)
 
     for extra in _extra_commands():
         extra(sub)

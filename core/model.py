@@ -1,7 +1,9 @@
 """The Llama family (Llama, Qwen2, Qwen3) written against a kernel set.
 
 One module serves the three architectures: Qwen2 adds a bias to the q, k and
-v projections, Qwen3 an RMSNorm on every head of q and k. Every op goes
+v projections, Qwen3 an RMSNorm on every head of q and k; Llama (and Qwen3)
+checkpoints may carry biases on every attention projection (``attention_bias``)
+and Llama ones on the MLP (``mlp_bias``). Every op goes
 through the selected kernel set; the model never calls a kernel library
 directly. Weight names are Hugging Face's; the model maps them onto its own
 (merged q/k/v and gate/up weights when the kernel set asks for them).
@@ -9,7 +11,6 @@ directly. Weight names are Hugging Face's; the model maps them onto its own
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from pitstop.attention import AttentionMetadata
 from pitstop.errors import ModelLoadError
 from pitstop.hookspecs import hookimpl
-from pitstop.model_config import ModelConfig
+from pitstop.model_config import ModelConfig, rope_frequencies
 from pitstop.protocols import KernelSet, RotaryCache
 
 
@@ -27,24 +28,70 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 def rotary_cache(cfg: ModelConfig, max_positions: int, device: torch.device) -> RotaryCache:
-    """cos/sin tables ``[max_positions, head_size/2]`` in float32 (with Llama 3 scaling if set)."""
-    dim = cfg.head_size
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_len = scaling.get("original_max_position_embeddings", 8192)
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
+    """cos/sin tables ``[max_positions, head_size/2]`` in float32, with the model's rope scaling.
+
+    ``max_positions`` is the engine's ``max_model_len``: a model that would compute
+    something else than transformers at that length is refused here
+    (:meth:`ModelConfig.check_max_model_len`), before any weight loads.
+    """
+    cfg.check_max_model_len(max_positions)
+    inv_freq, attention_scaling = rope_frequencies(cfg)
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = torch.outer(positions, inv_freq)
-    return RotaryCache(cos=freqs.cos().to(device), sin=freqs.sin().to(device))
+    cos, sin = freqs.cos(), freqs.sin()
+    if attention_scaling != 1.0:  # yarn scales q and k through cos and sin, as transformers does
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return RotaryCache(cos=cos.to(device), sin=sin.to(device))
+
+
+def expected_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape, for every tensor a checkpoint of ``cfg`` holds
+    (``lm_head.weight`` only when the head is not tied)."""
+    h, d, f = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "self_attn.q_proj.weight": (q, h),
+            "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q),
+            "mlp.gate_proj.weight": (f, h),
+            "mlp.up_proj.weight": (f, h),
+            "mlp.down_proj.weight": (h, f),
+            "input_layernorm.weight": (h,),
+            "post_attention_layernorm.weight": (h,),
+        }
+        if cfg.attention_bias:
+            layer |= {
+                "self_attn.q_proj.bias": (q,),
+                "self_attn.k_proj.bias": (kv,),
+                "self_attn.v_proj.bias": (kv,),
+            }
+        if cfg.o_proj_bias:
+            layer["self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            layer |= {
+                "mlp.gate_proj.bias": (f,),
+                "mlp.up_proj.bias": (f,),
+                "mlp.down_proj.bias": (h,),
+            }
+        if cfg.qk_norm:
+            layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+        shapes |= {p + name: shape for name, shape in layer.items()}
+    return shapes
+
+
+def ignored_checkpoint_tensor(name: str) -> bool:
+    """Tensors a checkpoint may carry that hold nothing the model needs (transformers
+    skips them too): the rotary ``inv_freq`` buffers, recomputed from the config."""
+    return name.endswith("rotary_emb.inv_freq")
 
 
 class Attention(nn.Module):
@@ -71,6 +118,7 @@ class Attention(nn.Module):
             else:
                 self.q_bias = self.k_bias = self.v_bias = None
         self.o_proj = _param(cfg.hidden_size, self.q_size)
+        self.o_bias = _param(cfg.hidden_size) if cfg.o_proj_bias else None
         if cfg.qk_norm:
             self.q_norm, self.k_norm = _param(d), _param(d)
         self.scale = d**-0.5
@@ -101,7 +149,7 @@ class Attention(nn.Module):
             k = kn.rms_norm(k, self.k_norm, cfg.rms_norm_eps)[0]
         q, _ = kn.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta)
         o = kn.attention(q, k_cache, v_cache, meta, self.scale)
-        return kn.linear(o.reshape(t, self.q_size), self.o_proj)
+        return kn.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -110,21 +158,27 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, merged: bool) -> None:
         super().__init__()
         self.kernels, self.merged = kernels, merged
+        f, bias = cfg.intermediate_size, cfg.mlp_bias
         if merged:
-            self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
+            self.gate_up_proj = _param(2 * f, cfg.hidden_size)
+            self.gate_up_bias = _param(2 * f) if bias else None
         else:
-            self.gate_proj = _param(cfg.intermediate_size, cfg.hidden_size)
-            self.up_proj = _param(cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
+            self.gate_proj = _param(f, cfg.hidden_size)
+            self.up_proj = _param(f, cfg.hidden_size)
+            self.gate_bias = _param(f) if bias else None
+            self.up_bias = _param(f) if bias else None
+        self.down_proj = _param(cfg.hidden_size, f)
+        self.down_bias = _param(cfg.hidden_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Gate, up, SiLU-and-mul, down."""
         kn = self.kernels
         if self.merged:
-            gate_up = kn.linear(x, self.gate_up_proj)
+            gate_up = kn.linear(x, self.gate_up_proj, self.gate_up_bias)
         else:
-            gate_up = torch.cat([kn.linear(x, self.gate_proj), kn.linear(x, self.up_proj)], dim=-1)
-        return kn.linear(kn.silu_and_mul(gate_up), self.down_proj)
+            gate = kn.linear(x, self.gate_proj, self.gate_bias)
+            gate_up = torch.cat([gate, kn.linear(x, self.up_proj, self.up_bias)], dim=-1)
+        return kn.linear(kn.silu_and_mul(gate_up), self.down_proj, self.down_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -196,51 +250,68 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, merging q/k/v and gate/up when the model is merged."""
+        """Copy Hugging Face-named tensors in, merging q/k/v and gate/up when the model is merged.
+
+        Each tensor arrives in the checkpoint's dtype and is cast once, by the copy into
+        its parameter. A tensor that maps to nothing is an error (listing the first
+        few), as is a missing one, a wrong shape, or a tied ``lm_head.weight`` that
+        differs from the embedding.
+        """
         params = dict(self.named_parameters())
+        expected = expected_weight_shapes(self.cfg)
         loaded: set[str] = set()
+        unknown: list[str] = []
+        tied_head: torch.Tensor | None = None
         cfg = self.cfg
         for name, tensor in weights:
-            target, offset = self._map_name(name)
-            if target is None:
+            if ignored_checkpoint_tensor(name):
                 continue
-            if target not in params:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                tied_head = tensor  # checked against the embedding once that is loaded
+                continue
+            target, offset = self._map_name(name)
+            if target is None or target not in params or name not in expected:
+                unknown.append(name)
+                del tensor
+                continue
+            if tuple(tensor.shape) != expected[name]:
                 raise ModelLoadError(
-                    f"checkpoint tensor {name!r} has no place in a {cfg.architecture} model"
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {expected[name]}"
                 )
             param = params[target]
             if offset is None:
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ModelLoadError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the model expects {tuple(param.shape)}"
-                    )
                 param.data.copy_(tensor)
             else:
                 param.data[offset : offset + tensor.shape[0]].copy_(tensor)
             loaded.add(name)
-        missing = [n for n in self.expected_weight_names() if n not in loaded]
+            del tensor  # so the source allocates the next one only after this one is freed
+        if unknown:
+            raise ModelLoadError(
+                f"checkpoint has {len(unknown)} tensor(s) a {cfg.architecture} model of this "
+                f"config has no place for, e.g. {unknown[:5]}; pitstop refuses rather than skips "
+                "them (they would change the output)"
+            )
+        missing = [n for n in expected if n not in loaded]
         if missing:
             raise ModelLoadError(
                 f"checkpoint lacks {len(missing)} tensor(s) a {cfg.architecture} model needs, e.g. {missing[:3]}"
             )
+        if tied_head is not None:
+            embed = self.embed_tokens
+            same = tuple(tied_head.shape) == tuple(embed.shape) and torch.equal(
+                tied_head.to(device=embed.device, dtype=embed.dtype), embed.data
+            )
+            if not same:
+                raise ModelLoadError(
+                    "the config ties the output head to the embedding (tie_word_embeddings=true), "
+                    "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight; "
+                    "fix tie_word_embeddings in config.json"
+                )
 
     def expected_weight_names(self) -> list[str]:
         """The Hugging Face tensor names a checkpoint of this shape must contain."""
-        cfg = self.cfg
-        names = ["model.embed_tokens.weight", "model.norm.weight"]
-        if not cfg.tie_word_embeddings:
-            names.append("lm_head.weight")
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-            if cfg.attention_bias:
-                names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-            if cfg.qk_norm:
-                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        return names
+        return list(expected_weight_shapes(self.cfg))
 
     def _map_name(self, name: str) -> tuple[str | None, int | None]:
         """HF name -> (parameter name, row offset into a merged weight or None)."""
@@ -252,19 +323,22 @@ class LlamaForCausalLM(nn.Module):
         if name == "lm_head.weight":
             return (None, None) if cfg.tie_word_embeddings else ("lm_head", None)
         if not name.startswith("model.layers."):
-            return None, None  # e.g. rotary inv_freq buffers
+            return None, None
         rest = name[len("model.layers.") :]
         idx, _, local = rest.partition(".")
         p = f"layers.{idx}."
         q_size = cfg.num_heads * cfg.head_size
         kv_size = cfg.num_kv_heads * cfg.head_size
+        f = cfg.intermediate_size
         table = {
             "input_layernorm.weight": ("input_layernorm", None),
             "post_attention_layernorm.weight": ("post_attention_layernorm", None),
             "self_attn.o_proj.weight": ("self_attn.o_proj", None),
+            "self_attn.o_proj.bias": ("self_attn.o_bias", None),
             "self_attn.q_norm.weight": ("self_attn.q_norm", None),
             "self_attn.k_norm.weight": ("self_attn.k_norm", None),
             "mlp.down_proj.weight": ("mlp.down_proj", None),
+            "mlp.down_proj.bias": ("mlp.down_bias", None),
         }
         if self.merged:
             table |= {
@@ -275,13 +349,16 @@ class LlamaForCausalLM(nn.Module):
                 "self_attn.k_proj.bias": ("self_attn.qkv_bias", q_size),
                 "self_attn.v_proj.bias": ("self_attn.qkv_bias", q_size + kv_size),
                 "mlp.gate_proj.weight": ("mlp.gate_up_proj", 0),
-                "mlp.up_proj.weight": ("mlp.gate_up_proj", cfg.intermediate_size),
+                "mlp.up_proj.weight": ("mlp.gate_up_proj", f),
+                "mlp.gate_proj.bias": ("mlp.gate_up_bias", 0),
+                "mlp.up_proj.bias": ("mlp.gate_up_bias", f),
             }
         else:
             table |= (
                 {f"self_attn.{x}_proj.weight": (f"self_attn.{x}_proj", None) for x in "qkv"}
                 | {f"self_attn.{x}_proj.bias": (f"self_attn.{x}_bias", None) for x in "qkv"}
                 | {f"mlp.{x}_proj.weight": (f"mlp.{x}_proj", None) for x in ("gate", "up")}
+                | {f"mlp.{x}_proj.bias": (f"mlp.{x}_bias", None) for x in ("gate", "up")}
             )
         if local not in table:
             return None, None
@@ -290,29 +367,7 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face tensor name -> shape, for every tensor a checkpoint of this model holds."""
-        cfg = self.cfg
-        h, d, f = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
-        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-        shapes: dict[str, tuple[int, ...]] = {}
-        for name in self.expected_weight_names():
-            local = name.rsplit(".", 2)[-2] if name.startswith("model.layers.") else name
-            shapes[name] = {
-                "model.embed_tokens.weight": (cfg.vocab_size, h),
-                "lm_head.weight": (cfg.vocab_size, h),
-                "model.norm.weight": (h,),
-                "q_proj": (q, h) if name.endswith("weight") else (q,),
-                "k_proj": (kv, h) if name.endswith("weight") else (kv,),
-                "v_proj": (kv, h) if name.endswith("weight") else (kv,),
-                "o_proj": (h, q),
-                "gate_proj": (f, h),
-                "up_proj": (f, h),
-                "down_proj": (h, f),
-                "q_norm": (d,),
-                "k_norm": (d,),
-                "input_layernorm": (h,),
-                "post_attention_layernorm": (h,),
-            }[local]
-        return shapes
+        return expected_weight_shapes(self.cfg)
 
     def init_dummy(self, seed: int = 0) -> None:
         """Random weights (speed does not depend on them), drawn per Hugging Face tensor.

