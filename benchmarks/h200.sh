@@ -11,7 +11,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 cd /tmp && python3 -c "import pitstop, torch; print('pitstop', pitstop.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" && cd - >/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-GPU_TESTS=${GPU_TESTS:-"tests/test_gpu_engine.py tests/test_fused_gpu.py tests/test_sampler.py tests/test_speculative.py"}
+GPU_TESTS=${GPU_TESTS:-"tests/test_overlap.py tests/test_gpu_engine.py tests/test_fused_gpu.py tests/test_sampler.py tests/test_speculative.py"}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider -m gpu $GPU_TESTS 2>&1 | tail -25
 fi
@@ -20,6 +20,11 @@ run() { name=$1; shift; echo "== $name: pitstop bench $*"; timeout ${BENCH_TIMEO
 for spec in ${BENCHES-nano single}; do
   case $spec in
     nano) run nano offline --workload nano --kernels fused ;;
+    # issue 13: the serial loop beside the overlapped one, and the GPU busy fraction
+    nano-overlap) run nano-overlap offline --workload nano --kernels fused --matrix benchmarks/workloads/overlap.toml ;;
+    single-overlap) run single-overlap offline --workload single --kernels fused --repeats 3 --matrix benchmarks/workloads/overlap.toml ;;
+    longtail-best) for i in 1 2 3; do run longtail-best-$i online --workload longtail --max-batch-size 64 ${LT_FLAGS:-} --matrix ${LT_BEST:-benchmarks/workloads/longtail-best.toml}; done ;;
+    busy) echo "== GPU busy fraction"; timeout 300 python3 benchmarks/gpu_busy.py 2>&1 | tail -6 ;;
     nano-ref) run nano-ref offline --workload nano --kernels reference --num-requests 64 ;;
     single) run single offline --workload single --kernels fused --repeats 3 ;;
     longtail) run longtail online --workload longtail --num-requests ${LT_N:-200} --matrix ${LT_MATRIX:-baseline,+paged,+continuous,+fused,+chunked} --plot "$OUT/longtail.png" ;;

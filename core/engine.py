@@ -346,7 +346,9 @@ class LLMEngine:
         for s, inp, res in zip(launched.scheduled, launched.inputs, result.results, strict=True):
             seq = s.seq
             num_drafts = inp.num_logits - 1
-            if num_drafts or (inp.sample and s.num_new_tokens == 1 and inp.start_pos >= seq.num_prompt_tokens):
+            if num_drafts or (
+                inp.sample and s.num_new_tokens == 1 and inp.start_pos >= seq.num_prompt_tokens
+            ):
                 decode_tokens += s.num_new_tokens
             else:
                 prefill_seqs += 1

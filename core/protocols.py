@@ -267,6 +267,9 @@ class SamplingBatch:
     needs_top_p: bool
     needs_min_p: bool
     want_logprobs: bool = False
+    # The largest top_k over the rows, known on the host so that a sampler never reads it back
+    # from the device (that read would stall the overlapped loop); -1: some row keeps every token.
+    max_top_k: int = -1
 
 
 @attrs.frozen

@@ -417,7 +417,9 @@ class ModelRunner:
         generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
         if len(rows) > len(sampling):  # some sequence verifies speculative drafts
             self._last_rows = {}  # the serial loop runs speculation: nothing is pending
-            return LaunchedStep(step.seqs, ready=self._verify(step.seqs, logits, sampling, generators))
+            return LaunchedStep(
+                step.seqs, ready=self._verify(step.seqs, logits, sampling, generators)
+            )
         key = tuple(s.seq_id for s in sampling)
         if self._batch_cache is not None and self._batch_cache[0] == key:
             batch = self._batch_cache[1]  # same rows as last step: skip the host-to-device copies

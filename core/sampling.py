@@ -65,15 +65,25 @@ def make_sampling_batch(
             top_k.append(int(p.top_k))
             top_p.append(float(p.top_p))
             min_p.append(float(p.min_p))
+
+    def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        if device.type != "cuda":
+            return host
+        # pinned + non-blocking: building a batch never waits for the device
+        return host.pin_memory().to(device, non_blocking=True)
+
     return SamplingBatch(
-        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-        top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-        min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+        temperature=to_device(temperature, torch.float32),
+        top_k=to_device(top_k, torch.int64),
+        top_p=to_device(top_p, torch.float32),
+        min_p=to_device(min_p, torch.float32),
         generators=list(generators),
         all_greedy=all(t == 0.0 for t in temperature),
         needs_top_k=any(k != -1 for k in top_k),
         needs_top_p=any(v < 1.0 for v in top_p),
         needs_min_p=any(v > 0.0 for v in min_p),
         want_logprobs=any(p.logprobs for p in params),
+        # -1 when some row keeps every token (its k becomes the vocabulary size)
+        max_top_k=-1 if any(k < 1 for k in top_k) else max(top_k, default=-1),
     )

@@ -104,7 +104,9 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         """The tokens generated so far whose values are known (pending ones excluded)."""
-        return self.token_ids[len(self.prompt_token_ids) : len(self.token_ids) - self.num_pending_tokens]
+        return self.token_ids[
+            len(self.prompt_token_ids) : len(self.token_ids) - self.num_pending_tokens
+        ]
 
     @property
     def num_output_tokens(self) -> int:

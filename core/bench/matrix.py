@@ -24,11 +24,17 @@ from pitstop.errors import PitstopError
 
 # What each built-in step sets (on top of everything before it).
 STEPS: dict[str, dict[str, Any]] = {
-    "baseline": {"allocator": "preallocated", "scheduler": "fcfs", "kernels": "reference"},
+    "baseline": {
+        "allocator": "preallocated",
+        "scheduler": "fcfs",
+        "kernels": "reference",
+        "overlap": "off",
+    },
     "+paged": {"allocator": "paged"},
     "+continuous": {"scheduler": "continuous"},
     "+fused": {"kernels": "fused"},
     "+chunked": {"scheduler": "chunked"},
+    "+overlap": {"overlap": "on"},
     "+prefix": {"allocator": "prefix"},
     "+ngram": {"speculative": "ngram"},
 }

@@ -86,7 +86,8 @@ class StandardSampler:
             k = torch.where(k < 1, torch.full_like(k, vocab), k.clamp(max=vocab))
             if not batch.needs_top_p:
                 # Top-k alone: the k-th value comes from a partial top-k, no full sort.
-                kmax = int(k.max())
+                # the host knows the largest k: reading it off the device would be a sync
+                kmax = min(vocab, batch.max_top_k) if batch.max_top_k >= 1 else vocab
                 kth = scaled.topk(kmax, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
                 return scaled.masked_fill(scaled < kth, float("-inf"))
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
