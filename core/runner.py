@@ -7,6 +7,7 @@ under ``torch.distributed`` and broadcast the same input to each.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -294,7 +295,14 @@ class ModelRunner:
             )
             return
         start = time.perf_counter()
-        self.graphs = DecodeGraphs(self, max_batch=min(cfg.max_batch_size, 512))
+        # A garbage collection during capture could free another engine's graphs, events or
+        # pinned buffers, which a capturing stream forbids: collect first, then hold it off.
+        gc.collect()
+        gc.disable()
+        try:
+            self.graphs = DecodeGraphs(self, max_batch=min(cfg.max_batch_size, 512))
+        finally:
+            gc.enable()
         log.info(
             "captured CUDA graphs for decode batch sizes %s in %.1f s",
             self.graphs.describe(),

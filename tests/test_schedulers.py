@@ -503,3 +503,77 @@ def test_loaded_through_the_plugin_manager(name: str) -> None:
     sched_factory = strategy.factory
     kwargs = SCHEDULERS[name][1]
     simulate(sched_factory, config, BUSY, **kwargs)
+
+
+# ---------------------------------------------------------------- the overlapped loop's lag
+
+
+class _FreesFinishedEarly(ContinuousScheduler):
+    """Broken on purpose: ignores the lag and drops a sequence as soon as its tokens reach
+    ``max_tokens``, counting the one still pending on the device, so its pages are freed a
+    step before the engine reports it finished."""
+
+    def schedule(self) -> StepPlan:
+        for seq in list(self.running):
+            if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+                self._forget(seq)
+        return super().schedule()
+
+
+class _SchedulesPastTheEnd(ContinuousScheduler):
+    """Broken on purpose: schedules one more decode for a sequence at its length limit."""
+
+    def schedule(self) -> StepPlan:
+        plan = super().schedule()
+        from pitstop.protocols import ScheduledSequence
+
+        ids = {s.seq.seq_id for s in plan.scheduled}
+        extra = [
+            ScheduledSequence(seq, 1)
+            for seq in self.running
+            if seq.seq_id not in ids and seq.num_uncomputed_tokens == 0
+        ]
+        return StepPlan(scheduled=[*plan.scheduled, *extra], preempted=plan.preempted)
+
+
+def _lag_workload() -> Workload:
+    return Workload(
+        tuple(SimRequest(f"r{i}", prompt_len=5 + i, max_tokens=1 + i % 3) for i in range(4)),
+        num_pages=32,
+    )
+
+
+def test_contract_catches_a_scheduler_that_frees_a_step_early() -> None:
+    """Fine under the serial loop, caught under the overlapped loop's lag."""
+    config = EngineConfig(max_model_len=64, page_size=4, max_batch_size=4, max_prefill_batch=4)
+    simulate(_FreesFinishedEarly, config, _lag_workload(), lag=0)
+    with pytest.raises(ContractViolation, match="freed the pages of r"):
+        simulate(_FreesFinishedEarly, config, _lag_workload(), lag=1)
+
+
+def test_contract_catches_a_scheduler_that_ignores_the_length_limit() -> None:
+    """A sequence whose last (pending) token reaches max_tokens must not be scheduled again."""
+    config = EngineConfig(max_model_len=64, page_size=4, max_batch_size=4, max_prefill_batch=4)
+    with pytest.raises(ContractViolation, match="with 0 uncomputed"):
+        simulate(_SchedulesPastTheEnd, config, _lag_workload(), lag=1)
+
+
+@pytest.mark.parametrize("factory", [ContinuousScheduler, ChunkedScheduler, FCFSScheduler])
+def test_builtin_schedulers_hold_under_both_loops(factory: Callable[..., Scheduler]) -> None:
+    """The built-ins meet the contract with and without the lag, on a cache that preempts."""
+    config = EngineConfig(
+        max_model_len=64, page_size=4, max_batch_size=3, max_prefill_batch=3, chunk_size=8
+    )
+    requests = tuple(
+        SimRequest(f"r{i}", prompt_len=3 + 7 * i, max_tokens=2 + 5 * (i % 3), arrival_step=i)
+        for i in range(6)
+    )
+    for lag in (0, 1):
+        result = simulate(
+            factory,
+            config,
+            Workload(requests, num_pages=20),
+            token_budget=lambda c: max(c.chunk_size, c.max_num_batched_tokens),
+            lag=lag,
+        )
+        assert all(seq.finish_reason == "length" for seq in result.sequences.values())

@@ -21,6 +21,14 @@ cache small enough that preemption happens, and checks on every step:
 - ``num_running <= max_batch_size``; ``num_waiting + num_running`` is the
   number of live requests; no two consecutive empty steps while work is left;
 
+- pages are freed only for the sequences the plan preempts, that
+  ``on_step_done`` reports finished, or that are aborted: never a step early;
+- by default the loop is the overlapped one (``lag=1``): step N+1 is
+  planned before step N's tokens arrive, so the scheduler sees them as
+  pending tokens (:mod:`pitstop.sequence`) and learns of finishes one step
+  late; a sequence at its length limit has no uncomputed token and must not
+  be scheduled; ``lag=0`` is the serial loop;
+
 and at the end: every request that was not aborted finished with exactly its
 ``max_tokens`` outputs, the fake model's tokens in order (a preempted request
 resumed where it left off), within a bound of steps (nothing starved), and the
@@ -235,6 +243,35 @@ def default_max_steps(workload: Workload) -> int:
     return last + 5 * work + 100
 
 
+class _WatchedAllocator:
+    """The allocator the scheduler is given in a simulation: records every ``free``."""
+
+    def __init__(self, inner: Allocator) -> None:
+        self._inner = inner
+        self.freed: list[Sequence] = []
+
+    def free(self, seq: Sequence) -> None:
+        self.freed.append(seq)
+        self._inner.free(seq)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _check_frees(step: int, watch: _WatchedAllocator, allowed: list[Sequence], when: str) -> None:
+    """Pages may be freed only for the sequences the engine or the plan says (none a step early)."""
+    ids = {seq.seq_id for seq in allowed}
+    for seq in watch.freed:
+        if seq.seq_id not in ids:
+            raise _fail(
+                step,
+                f"{when} freed the pages of {seq.request_id}, which is neither preempted nor "
+                "reported finished or aborted (under the overlapped loop a finish is known one "
+                "step late: free a sequence only when on_step_done or abort says so)",
+            )
+    watch.freed.clear()
+
+
 def simulate(
     scheduler_factory: SchedulerFactory,
     config: EngineConfig,
@@ -245,22 +282,36 @@ def simulate(
     oversize_prompt_alone: bool = True,
     max_steps: int | None = None,
     on_step: Callable[[int, StepPlan, Scheduler], None] | None = None,
+    lag: int = 1,
 ) -> SimResult:
     """Run ``workload`` through a scheduler with a fake model, checking the contract at every step.
+
+    ``lag=1`` (the default) drives the scheduler as the overlapped engine
+    loop does: step N+1 is planned and launched before step N's tokens are
+    applied, so the scheduler sees them as pending tokens and learns of
+    finishes one step late; ``lag=0`` is the serial loop. Either way the
+    scheduler must never schedule a sequence after it was reported finished,
+    never schedule a sequence at its length limit, free pages only of the
+    sequences it preempts or is told are finished or aborted, and every
+    request must end with exactly its ``max_tokens`` tokens.
 
     ``token_budget`` is the most tokens one step may compute (an int, or a
     function of the config; default ``max_num_batched_tokens``).
     ``on_step(step, plan, scheduler)`` is called after each plan is checked,
     before the fake model runs it (for extra, scheduler-specific checks).
     """
+    if lag not in (0, 1):
+        raise ValueError(f"lag must be 0 (serial loop) or 1 (overlapped loop), got {lag!r}")
     if token_budget is None:
         budget = config.max_num_batched_tokens
     elif callable(token_budget):
         budget = token_budget(config)
     else:
         budget = token_budget
-    allocator = allocator_factory(config, workload.num_pages)
-    start_stats = allocator.stats()
+    inner = allocator_factory(config, workload.num_pages)
+    start_stats = inner.stats()
+    watch = _WatchedAllocator(inner)
+    allocator: Allocator = watch  # type: ignore[assignment]
     scheduler = scheduler_factory(config, allocator)
     max_steps = default_max_steps(workload) if max_steps is None else max_steps
 
@@ -283,8 +334,40 @@ def simulate(
     preemptions = 0
     empty_in_a_row = 0
     step = 0
+    in_flight: tuple[StepPlan, list[tuple[Sequence, bool]]] | None = None
 
-    while pending or live:
+    def apply(launched: tuple[StepPlan, list[tuple[Sequence, bool]]] | None) -> None:
+        """The fake model's tokens of a launched step arrive, as the engine applies them."""
+        if launched is None:
+            return
+        plan, items = launched
+        finished: list[Sequence] = []
+        for seq, samples in items:
+            if seq.is_finished:
+                continue  # finished or aborted since launch: its token is discarded
+            if seq.status is SequenceStatus.RUNNING:
+                allocator.on_tokens_computed(seq)
+            if not samples:
+                continue
+            position = seq.num_tokens - seq.num_pending_tokens
+            seq.resolve_token(fake_token(keys[seq.request_id], position))
+            if seq.num_output_tokens - seq.num_pending_tokens >= seq.sampling_params.max_tokens:
+                seq.finish("length")
+                finished.append(seq)
+            seen_tokens[seq.seq_id] = seq.num_tokens
+            if computed[seq.seq_id] is not None:
+                computed[seq.seq_id] = seq.num_computed_tokens
+        scheduler.on_step_done(plan, finished)
+        _check_frees(step, watch, finished, "on_step_done()")
+        for seq in finished:
+            del live[seq.seq_id]
+            if allocator.num_held_tokens(seq):
+                raise _fail(
+                    step,
+                    f"finished {seq.request_id} still holds {allocator.num_held_tokens(seq)} slots",
+                )
+
+    while pending or live or in_flight is not None:
         if step > max_steps:
             stuck = sorted(s.request_id for s in live.values())
             raise _fail(
@@ -321,6 +404,7 @@ def simulate(
                 raise _fail(
                     step, f"aborted {rid} still holds {allocator.num_held_tokens(seq)} slots"
                 )
+            _check_frees(step, watch, [seq], f"abort({rid!r})")
             del live[seq.seq_id]
         if scheduler.num_waiting + scheduler.num_running != len(live):
             raise _fail(
@@ -332,59 +416,52 @@ def simulate(
             raise _fail(
                 step, f"has_work() is {scheduler.has_work()} with {len(live)} live requests"
             )
-        if not live:
-            step += 1
-            continue
-
-        plan = scheduler.schedule()
-        plans.append(plan)
-        _check_plan(
-            step,
-            plan,
-            config,
-            budget,
-            oversize_prompt_alone,
-            allocator,
-            scheduler,
-            live,
-            computed,
-            seen_tokens,
-        )
-        preemptions += len(plan.preempted)
-        for seq in plan.preempted:
-            computed[seq.seq_id] = None
-        if plan.scheduled:
-            empty_in_a_row = 0
-        else:
-            empty_in_a_row += 1
-            if empty_in_a_row > 1:
-                raise _fail(step, "two empty steps in a row while requests are live (no progress)")
-        if on_step is not None:
-            on_step(step, plan, scheduler)
-
-        # The fake model runs the plan, exactly as the engine does.
-        finished: list[Sequence] = []
-        for item in plan.scheduled:
-            seq = item.seq
-            first_step.setdefault(seq.request_id, step)
-            seq.num_computed_tokens += item.num_new_tokens
-            computed[seq.seq_id] = seq.num_computed_tokens
-            allocator.on_tokens_computed(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(fake_token(keys[seq.request_id], seq.num_tokens))
+        launched = None
+        if live:
+            plan = scheduler.schedule()
+            _check_frees(step, watch, list(plan.preempted), "schedule()")
+            plans.append(plan)
+            _check_plan(
+                step,
+                plan,
+                config,
+                budget,
+                oversize_prompt_alone,
+                allocator,
+                scheduler,
+                live,
+                computed,
+                seen_tokens,
+            )
+            preemptions += len(plan.preempted)
+            for seq in plan.preempted:
+                computed[seq.seq_id] = None
+            if plan.scheduled:
+                empty_in_a_row = 0
+            else:
+                empty_in_a_row += 1
+                if empty_in_a_row > 1:
+                    raise _fail(
+                        step, "two empty steps in a row while requests are live (no progress)"
+                    )
+            if on_step is not None:
+                on_step(step, plan, scheduler)
+            # Launch: each chunk counts as computed; a step reaching the end samples a pending token.
+            items: list[tuple[Sequence, bool]] = []
+            for item in plan.scheduled:
+                seq = item.seq
+                first_step.setdefault(seq.request_id, step)
+                samples = seq.num_computed_tokens + item.num_new_tokens >= seq.num_tokens
+                seq.launch(item.num_new_tokens, samples=samples)
+                computed[seq.seq_id] = seq.num_computed_tokens
                 seen_tokens[seq.seq_id] = seq.num_tokens
-                if seq.num_output_tokens >= seq.sampling_params.max_tokens:
-                    seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason = "length"
-                    finished.append(seq)
-        scheduler.on_step_done(plan, finished)
-        for seq in finished:
-            del live[seq.seq_id]
-            if allocator.num_held_tokens(seq):
-                raise _fail(
-                    step,
-                    f"finished {seq.request_id} still holds {allocator.num_held_tokens(seq)} slots",
-                )
+                items.append((seq, samples))
+            launched = (plan, items)
+        if lag:
+            apply(in_flight)
+            in_flight = launched
+        else:
+            apply(launched)
         step += 1
 
     # Every request that was not aborted has exactly its outputs, in order.
@@ -398,7 +475,7 @@ def simulate(
             raise _fail(step, f"{rid} produced {seq.output_token_ids}, expected {want}")
     if scheduler.has_work() or scheduler.num_waiting or scheduler.num_running:
         raise _fail(step, "the scheduler still holds work after every request finished")
-    end = allocator.stats()
+    end = inner.stats()
     if end.tokens_held != 0 or end.pages_free != start_stats.pages_free:
         raise _fail(
             step,
@@ -564,10 +641,13 @@ def check_scheduler_contract(
     max_examples: int = 50,
     max_requests: int = 10,
     hypothesis_settings: Mapping[str, Any] | None = None,
+    lags: tuple[int, ...] = (1, 0),
 ) -> None:
     """Run the contract on ``max_examples`` Hypothesis-drawn configs and workloads; raise on a violation.
 
-    ``config_overrides`` fix settings of the drawn configs (for example
+    Each example runs under the overlapped loop's lag or the serial loop
+    (``lags``, drawn per example). ``config_overrides`` fix settings of the
+    drawn configs (for example
     ``{"admission": "arrival"}``); ``hypothesis_settings`` are extra
     ``hypothesis.settings`` keywords (for example ``{"phases": [Phase.generate]}``
     to skip shrinking); see :func:`simulate` for the rest.
@@ -585,10 +665,12 @@ def check_scheduler_contract(
     def run(data: st.DataObject) -> None:
         config = data.draw(scheduler_configs(**overrides), label="config")
         workload = data.draw(workloads(config, max_requests=max_requests), label="workload")
+        lag = data.draw(st.sampled_from(lags), label="lag")
         simulate(
             scheduler_factory,
             config,
             workload,
+            lag=lag,
             allocator_factory=allocator_factory,
             token_budget=token_budget,
             oversize_prompt_alone=oversize_prompt_alone,
