@@ -162,6 +162,19 @@ def validate_request(
         check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
 
 
+def check_encoded_prompt(prompt: str, ids: Sequence[int]) -> None:
+    """Refuse a text prompt that the tokenizer turns into no tokens (call it after encoding).
+
+    Some control characters (``"\\x04"`` with SmolLM2's tokenizer) encode to
+    nothing; a request with no tokens must not reach the scheduler.
+    """
+    if not ids:
+        _fail(
+            f"prompt {prompt[:40]!r} encodes to no tokens (the tokenizer drops every character "
+            "of it); send text with at least one printable character, or prompt_token_ids"
+        )
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """A chat as a list of ``{"role", "content"}`` dicts, checked before the template runs.
 

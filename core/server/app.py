@@ -183,7 +183,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         # engine thread ends after its current step. Do not wait past one step.
         log.info("stopping the engine thread")
         llm.begin_shutdown(0.0)
-        if not await asyncio.to_thread(llm.join, settings.step_grace_s + 1.0):
+        if not await asyncio.to_thread(llm.join, 1.0):
             log.warning("the engine thread is still in a step; exiting without it")
 
     app = FastAPI(
@@ -345,14 +345,19 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         check_vocab(params)
         flight = state.admit(client)
         try:
-            stream = await llm.add_request(
-                prompt,
-                params,
-                prompt_token_ids=prompt_token_ids,
-                messages=messages,
-                request_id=request_id,
-                arrival_time=arrival,
+            await flight.add(
+                llm.add_request(
+                    prompt,
+                    params,
+                    prompt_token_ids=prompt_token_ids,
+                    messages=messages,
+                    request_id=request_id,
+                    arrival_time=arrival,
+                )
             )
+        except ServerCut:
+            flight.release()
+            raise _shutdown_error() from None
         except InvalidRequestError as exc:
             flight.release()
             raise _invalid_request(exc, "messages" if messages is not None else "prompt") from exc
@@ -368,7 +373,6 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         except BaseException:
             flight.release()
             raise
-        flight.follow(stream)
         return flight
 
     async def watch_disconnect(request: Request, flight: Flight) -> None:

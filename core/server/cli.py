@@ -194,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ", ".join(settings.allowed_origins) or "none",
     )
     server.run()
-    if not llm.join(1.0):
+    if not llm.join(0.5):
         # A step still runs (the drain already answered every client): do not wait for it.
         log.warning("stopped; the engine thread is still in a step, exiting without it")
         logging.shutdown()

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pitstop.async_engine import AsyncLLM, RequestStream
@@ -64,6 +64,7 @@ class Flight:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pump: asyncio.Task[None] | None = None
         self._released = False
+        self.was_cut = asyncio.Event()
 
     def follow(self, stream: RequestStream) -> None:
         """Start forwarding the engine's outputs for this request."""
@@ -80,7 +81,22 @@ class Flight:
 
     def cut(self) -> None:
         """End this request from the server's side (shutdown): the reader gets :class:`ServerCut`."""
+        self.was_cut.set()
         self._queue.put_nowait(ServerCut())
+
+    async def add(self, adding: Awaitable[RequestStream]) -> None:
+        """Wait for the engine to accept the request, then follow it; :class:`ServerCut` if the
+        server ends the request first (the engine may be stuck in a step during shutdown)."""
+        task = asyncio.ensure_future(adding)
+        cut = asyncio.ensure_future(self.was_cut.wait())
+        try:
+            await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut.cancel()
+        if not task.done():
+            task.cancel()  # AsyncLLM.add_request aborts the request when cancelled
+            raise ServerCut()
+        self.follow(task.result())
 
     def __aiter__(self) -> Flight:
         return self
