@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,8 @@ MAX_BODY = 64 * 1024
 ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--kv-cache-gib", "0.25"]
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is 2 + 2? Answer briefly."}]
+DRAIN = 2.0  # --drain-timeout of the module's server
+STEP_GRACE = 2.0  # ServerSettings.step_grace_s: how long the engine may take to abort
 
 
 class Server:
@@ -77,7 +80,7 @@ def server() -> Iterator[Server]:
     smollm2_gguf()
     env = {**os.environ, "PITSTOP_API_KEY": API_KEY, "TOKENIZERS_PARALLELISM": "false"}
     args = ["smollm2-135m", *ENGINE_FLAGS, "--max-body-bytes", str(MAX_BODY)]
-    args += ["--drain-timeout", "0.5"]
+    args += ["--drain-timeout", str(DRAIN)]
     with serve_subprocess(args, env, start_timeout=180) as (proc, url):
         srv = Server(proc, url)
         try:
@@ -364,23 +367,127 @@ def test_auth_off_in_process(tmp_path: Path) -> None:
         llm.close()
 
 
+def test_huge_seed_beside_three_normal_streams(server: Server) -> None:
+    """Issue 22: seed=2**70 used to fail the shared step and every request in it."""
+
+    async def one(aclient: openai.AsyncOpenAI, extra: dict) -> str | None:
+        stream = await aclient.completions.create(
+            model="smollm2-135m",
+            prompt=PROMPT,
+            max_tokens=12,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **extra,
+        )
+        reason = None
+        async for chunk in stream:
+            if chunk.choices:
+                reason = chunk.choices[0].finish_reason or reason
+        return reason
+
+    async def main() -> list[str | None]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120
+        ) as aclient:
+            normal = [one(aclient, {"temperature": 0}) for _ in range(3)]
+            return await asyncio.gather(one(aclient, {"seed": 2**70, "temperature": 1.0}), *normal)
+
+    assert asyncio.run(main()) == ["length"] * 4
+    server.wait_all_pages_free(within=2)
+
+
+def _stream_lines(server: Server, body: dict, out: list[str], started: threading.Event) -> None:
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as c:
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            started.set()
+            out.extend(line for line in r.iter_lines() if line)
+
+
+def _finish_reason(lines: list[str]) -> str | None:
+    chunks = [json.loads(x.removeprefix("data: ")) for x in lines if x != "data: [DONE]"]
+    return next((c["choices"][0]["finish_reason"] for c in reversed(chunks) if c["choices"]), None)
+
+
 # ---------------------------------------------------------------------- last: shutdown
-def test_sigterm_during_stream_exits_cleanly(server: Server) -> None:
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": 2000,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    lines: list[str] = []
-    with server.http.stream("POST", "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if line:
-                lines.append(line)
-            if len(lines) == 3:
-                server.proc.send_signal(signal.SIGTERM)
-    assert lines[-1] == "data: [DONE]"
-    last = json.loads(lines[-2].removeprefix("data: "))
-    assert last["choices"][0]["finish_reason"] in ("abort", "length")
-    assert server.proc.wait(30) == 0
+def test_sigterm_drains_then_ends_every_request(server: Server) -> None:
+    """SIGTERM during a long prefill: /health says draining, every stream ends with a finish
+    reason and [DONE], a waiting non-streamed client gets a JSON error, exit 0 in time."""
+    body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    long_prompt = {**body, "prompt": [504] * 1500}  # a long prefill
+    streams: list[list[str]] = [[] for _ in range(3)]
+    started = [threading.Event() for _ in streams]
+    threads = [
+        threading.Thread(target=_stream_lines, args=(server, b, out, ev), daemon=True)
+        for b, out, ev in zip((body, body, long_prompt), streams, started, strict=True)
+    ]
+    plain: list[httpx.Response] = []
+    threads.append(
+        threading.Thread(
+            target=lambda: plain.append(server.http.post("/v1/completions", json=body)),
+            daemon=True,
+        )
+    )
+    for t in threads:
+        t.start()
+    for ev in started:
+        assert ev.wait(30)
+    time.sleep(0.3)  # the long prompt's prefill is running
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    seen_draining = False
+    with httpx.Client(base_url=server.url, timeout=2) as probe:
+        while time.monotonic() - t0 < DRAIN - 0.5 and not seen_draining:
+            try:
+                r = probe.get("/health")
+                seen_draining = r.status_code == 503 and r.json()["status"] == "draining"
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+    assert seen_draining, "/health never answered 503 draining during the drain"
+    code = server.proc.wait(DRAIN + STEP_GRACE + 8)
+    took = time.monotonic() - t0
+    assert code == 0
+    assert took < DRAIN + STEP_GRACE + 6, f"exited {took:.1f} s after SIGTERM"
+    for t in threads:
+        t.join(5)
+    for lines in streams:
+        assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+        assert _finish_reason(lines) in ("length", "stop"), lines[-3:]
+    assert plain and plain[0].status_code == 503, plain
+    assert plain[0].json()["error"]["code"] == "shutting_down"
+
+
+def test_second_signal_ends_the_drain_at_once() -> None:
+    smollm2_gguf()
+    env = {**os.environ, "PITSTOP_API_KEY": API_KEY, "TOKENIZERS_PARALLELISM": "false"}
+    args = ["smollm2-135m", *ENGINE_FLAGS, "--drain-timeout", "120"]
+    with serve_subprocess(args, env, start_timeout=180) as (proc, url):
+        srv = Server(proc, url)
+        body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+        streams: list[list[str]] = [[], []]
+        started = [threading.Event(), threading.Event()]
+        threads = [
+            threading.Thread(target=_stream_lines, args=(srv, body, out, ev), daemon=True)
+            for out, ev in zip(streams, started, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for ev in started:
+            assert ev.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert srv.http.get("/health").status_code == 503
+        assert proc.poll() is None, "the first signal must drain, not exit"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+        took = time.monotonic() - t0
+        srv.http.close()
+    for t in threads:
+        t.join(5)
+    assert took < STEP_GRACE + 4, f"exited {took:.1f} s after the second signal"
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]" and _finish_reason(lines) == "length", lines[-3:]
