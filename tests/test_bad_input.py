@@ -139,3 +139,159 @@ def test_text_prompt_without_tokenizer(tmp_path: Path) -> None:
     llm = LLM(str(folder), device="cpu", max_num_pages=64)
     with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
         llm.generate(["hello"])
+
+
+# ---------------------------------------------------------------------- issue 22: strict values
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"seed": True}, "seed"),
+        ({"seed": "7"}, "seed"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"max_tokens": 4.0}, "max_tokens"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": None}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("-inf")}, "min_p"),
+        ({"stop": 123}, "stop"),
+        ({"stop": ["ok", 5]}, "stop"),
+        ({"stop": "a\ud800"}, "surrogate"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"stop_token_ids": [2**70]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": 7}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"logprobs": "yes"}, "logprobs"),
+    ],
+)
+def test_strict_sampling_params(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(InvalidRequestError, match=fragment):
+        SamplingParams(**kwargs)
+
+
+def test_seeds_are_reduced_modulo_2_64() -> None:
+    assert SamplingParams(seed=2**70).seed == 0
+    assert SamplingParams(seed=-1).seed == 2**64 - 1
+    assert SamplingParams(seed=2**64 + 5).seed == SamplingParams(seed=5).seed == 5
+    assert SamplingParams(seed=None).seed is None
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(top_k=np.int64(5), temperature=np.float32(0.5), max_tokens=np.int32(3))
+    assert (p.top_k, p.temperature, p.max_tokens) == (5, 0.5, 3)
+    assert type(p.top_k) is int and type(p.temperature) is float
+
+
+def test_values_that_used_to_fail_the_step_run(llm: LLM) -> None:
+    """seed >= 2**64 and a top_k near int64 run beside a normal request (issue 22, point 1)."""
+    params = [
+        SamplingParams(seed=2**70, temperature=1.0, max_tokens=4, ignore_eos=True),
+        SamplingParams(seed=-(2**63) - 1, temperature=1.0, max_tokens=4, ignore_eos=True),
+        SamplingParams(top_k=2**62, temperature=1.0, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    ]
+    outs = llm.generate(prompt_token_ids=[[5, 6, 7]] * 4, sampling_params=params)
+    assert [len(o.token_ids) for o in outs] == [4, 4, 4, 4]
+    _still_serves(llm)
+
+
+def test_validate_request_checks_against_the_vocabulary() -> None:
+    from pitstop.validation import validate_request
+
+    ok = SamplingParams(stop_token_ids=[3])
+    validate_request("hi", ok, None, vocab_size=10)
+    validate_request(None, ok, [0, 9], vocab_size=10)
+    bad = [
+        ("hi", SamplingParams(stop_token_ids=[10]), None, "stop_token_ids"),
+        (None, ok, [1, True], "prompt_token_ids"),
+        (None, ok, [1, 10], "vocabulary"),
+        (None, ok, [-1], "vocabulary"),
+        (None, ok, [], "empty"),
+        (None, ok, "1 2", "prompt_token_ids"),
+        ("a\udc00b", ok, None, "surrogate"),
+        ("", ok, None, "empty"),
+        (123, ok, None, "prompt must be a string"),
+        (None, ok, None, "give a prompt"),
+        ("hi", {"max_tokens": 3}, None, "SamplingParams"),
+    ]
+    for prompt, params, ids, fragment in bad:
+        with pytest.raises(InvalidRequestError, match=fragment):
+            validate_request(prompt, params, ids, vocab_size=10)  # type: ignore[arg-type]
+
+
+def test_check_encoded_prompt() -> None:
+    from pitstop.validation import check_encoded_prompt
+
+    check_encoded_prompt("hi", [5])
+    with pytest.raises(InvalidRequestError, match="no tokens"):
+        check_encoded_prompt("\x04", [])
+
+
+def test_validate_messages() -> None:
+    from pitstop.validation import validate_messages
+
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert validate_messages(chat) == chat
+    for messages, fragment in [
+        ([{"role": "wizard", "content": "hi"}], "role"),
+        ([{"role": "user", "content": 5}], "content"),
+        ([{"role": "user", "content": "\ud800"}], "surrogate"),
+        (["hi"], "object"),
+        ("hi", "list"),
+        ([], "empty"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=fragment):
+            validate_messages(messages)
+
+
+# ---------------------------------------------------------------------- issue 22: config (point 10)
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"kv_cache_gib": float("nan")}, "kv_cache_gib"),
+        ({"kv_cache_gib": float("inf")}, "kv_cache_gib"),
+        ({"kv_cache_gib": 1e6}, "more than any machine"),
+        ({"kv_cache_gib": True}, "kv_cache_gib"),
+        ({"gpu_memory_utilization": True}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization"),
+        ({"tokenizer": 123}, "tokenizer"),
+        ({"tokenizer": ""}, "tokenizer"),
+        ({"speculative_model": 5}, "speculative_model"),
+        ({"options": {"": 1}}, "options"),
+        ({"options": {"x.y": float("nan")}}, "options"),
+    ],
+)
+def test_config_values_refused_before_weights(kwargs: dict, fragment: str) -> None:
+    from pitstop.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=fragment):
+        EngineConfig(**kwargs)
+
+
+def test_misspelled_option_key_is_refused() -> None:
+    from pitstop.config import EngineConfig
+    from pitstop.plugin_manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    pm.check_config(EngineConfig(options={"prefix.max_cached_pages": 4, "thirdparty.knob": 1}))
+    for key in ("prefix.max_cache_pages", "prefx.max_cached_pages", "prefix.nope"):
+        with pytest.raises(ConfigError, match="unknown option") as info:
+            pm.check_config(EngineConfig(options={key: 4}))
+        assert "prefix.max_cached_pages" in str(info.value)  # the declared keys are listed
+    with pytest.raises(ConfigError, match="unknown option"):
+        LLM("smollm2-135m", options={"prefix.max_cache_pages": 4})  # before any weight loads
+
+
+def test_bad_boolean_flag_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from pitstop.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "hi", "--fused-qkv", "maybe"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--fused-qkv" in err and "expected true or false" in err and "Traceback" not in err
