@@ -1,24 +1,44 @@
 """Microbenchmark of the `fused` kernels on a CUDA device (not a test).
 
-Times each kernel with ``triton.testing.do_bench`` and states its achieved
-rate against the H200 ceilings measured in WORKLOADS.md (4.23 TB/s copy,
-792 TFLOP/s bf16):
+Times each kernel with ``triton.testing.do_bench`` (median, L2 flushed before
+every run) and states its achieved rate against the H200 ceilings measured in
+WORKLOADS.md (4.23 TB/s copy, 792 TFLOP/s bf16):
 
 - decode attention: bytes = every cached K and V token read once per KV head
-  + q and out; vs the reference (per-sequence SDPA);
+  + q and out;
+- prefill attention: causal FLOPs = 4 * Hq * D * (sum over query tokens of the
+  keys each one sees), so a chunk over a cached prefix counts the prefix too;
 - residual add + RMSNorm: bytes = x, residual read; out, new residual written;
-- SiLU-and-mul: bytes = [T, 2d] read, [T, d] written;
-- prefill attention: causal FLOPs = 4 * Hq * D * sum over tokens of their context.
+- SiLU-and-mul: bytes = [T, 2d] read, [T, d] written.
 
 Usage (on the H200)::
 
     python benchmarks/kernels_bench.py                 # every kernel, default shapes
     python benchmarks/kernels_bench.py --only decode --batch 64 --context 2048
+    python benchmarks/kernels_bench.py --only prefill --prefill-len 2048 --prefix 2048
+    python benchmarks/kernels_bench.py --suite         # the attention shapes of docs/benchmarks.md
+    python benchmarks/kernels_bench.py --tune --json tune.json   # the tile sweep behind PREFILL_TILES
+
+``--tune`` times each candidate tile shape of the prefill kernel (4,096
+tokens, causal, per GQA ratio and head size) and of the decode kernel (batch
+256 x 512, 64 x 2,048, 8 x 2,048), then split counts for small batches; the
+winners are what ``PREFILL_TILES`` / ``DECODE_TILES`` in
+``plugins/kernels/triton_ops/paged_attention.py`` hold. ``--jobs N`` first
+compiles every candidate in N processes (Triton's on-disk cache), so the
+sweep itself only times.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,6 +48,11 @@ from pitstop.plugins.kernels import reference
 
 COPY_BW = 4.23e12  # bytes/s, device-to-device copy (read + written), H200
 BF16_FLOPS = 792e12
+ROWS: list[dict[str, Any]] = []  # every line printed, for --json
+# --dry-run: the attention sweep and suite on CPU through Triton's interpreter, every length
+# divided by DRY_SCALE and timed once by the wall clock (checks this script, measures nothing)
+DEVICE = "cuda"
+DRY_SCALE = 1
 
 
 def paged_meta(
@@ -43,11 +68,11 @@ def paged_meta(
     cu = torch.arange(batch + 1, dtype=torch.int32) * query_len
     prefill = query_len > 1
     meta = AttentionMetadata(
-        positions=positions.cuda(),
-        slot_mapping=slots.cuda(),
-        block_tables=perm.to(torch.int32).cuda(),
-        context_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
-        cu_query_lens=cu.cuda(),
+        positions=positions.to(DEVICE),
+        slot_mapping=slots.to(DEVICE),
+        block_tables=perm.to(DEVICE, torch.int32),
+        context_lens=torch.full((batch,), context, dtype=torch.int32, device=DEVICE),
+        cu_query_lens=cu.to(DEVICE),
         num_prefills=batch if prefill else 0,
         num_prefill_tokens=batch * query_len if prefill else 0,
         num_decodes=0 if prefill else batch,
@@ -60,23 +85,128 @@ def paged_meta(
     return meta, num_pages
 
 
-def bench(fn) -> float:
+def bench(fn: Callable[[], Any], rep: int = 200) -> float:
     """Median milliseconds of ``fn`` (L2 flushed between runs by do_bench)."""
+    if DEVICE != "cuda":
+        import time
+
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=200)
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-def report(name: str, ms: float, nbytes: float | None = None, flops: float | None = None) -> None:
-    """One line: time, and the rate against the ceiling."""
-    line = f"{name:<44} {ms * 1e3:9.1f} us"
+def report(
+    name: str, ms: float, nbytes: float | None = None, flops: float | None = None, **extra: Any
+) -> dict[str, Any]:
+    """One line: time, and the rate against the ceiling; also kept for ``--json``."""
+    line = f"{name:<58} {ms * 1e3:9.1f} us"
+    row: dict[str, Any] = {"name": name, "us": round(ms * 1e3, 2), **extra}
     if nbytes is not None:
         bw = nbytes / (ms * 1e-3)
         line += f"  {bw / 1e12:6.2f} TB/s  {100 * bw / COPY_BW:5.1f}% of copy"
+        row.update(tb_s=round(bw / 1e12, 3), frac_copy=round(bw / COPY_BW, 4))
     if flops is not None:
         rate = flops / (ms * 1e-3)
         line += f"  {rate / 1e12:7.1f} TFLOP/s  {100 * rate / BF16_FLOPS:5.1f}% of bf16 peak"
+        row.update(tflop_s=round(rate / 1e12, 1), frac_peak=round(rate / BF16_FLOPS, 4))
     print(line, flush=True)
+    ROWS.append(row)
+    save_json()
+    return row
+
+
+JSON_OUT: dict[str, Any] = {}  # --json's path and header: rewritten after every line, so a run
+# stopped by its time limit still leaves what it measured
+
+
+def save_json(winners: dict[str, Any] | None = None) -> None:
+    """Write the header, the winners and every row so far to ``--json``'s path (if given)."""
+    if "path" not in JSON_OUT:
+        return
+    if winners is not None:
+        JSON_OUT["header"]["winners"] = winners
+    with open(JSON_OUT["path"], "w") as f:
+        json.dump({**JSON_OUT["header"], "rows": ROWS}, f, indent=1)
+
+
+# ---------------------------------------------------------------- attention cases
+
+
+def attention_inputs(
+    batch: int,
+    query_len: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    page_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q and paged K/V caches (never zeros) for ``batch`` sequences."""
+    meta, num_pages = paged_meta(batch, query_len, context, page_size)
+    q = torch.randn(batch * query_len, heads, head_size, device=DEVICE, dtype=dtype)
+    k_cache = torch.randn(num_pages, page_size, kv_heads, head_size, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    return q, k_cache, v_cache, meta
+
+
+def prefill_flops(query_len: int, context: int, heads: int, head_size: int) -> float:
+    """Causal attention FLOPs of one sequence: query j (at position prefix + j) sees prefix + j + 1 keys."""
+    prefix = context - query_len
+    keys = query_len * prefix + query_len * (query_len + 1) / 2
+    return 4 * heads * head_size * keys
+
+
+def decode_bytes(batch: int, context: int, heads: int, kv_heads: int, d: int, elt: int) -> float:
+    """Each cached K and V token read once per KV head, plus q read and out written."""
+    return 2 * batch * context * kv_heads * d * elt + 2 * batch * heads * d * elt
+
+
+def make_attention(
+    dtype: torch.dtype, max_context: int, prefill=None, decode=None, splits: int | None = None
+):
+    """A PagedAttention with the given tiles (None: the tables in code), optionally a forced split count."""
+    from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+
+    attn = PagedAttention(torch.device(DEVICE), dtype, max_context, prefill=prefill, decode=decode)
+    if splits is not None:
+        attn.num_splits = lambda num_decodes, num_kv_heads: splits  # type: ignore[method-assign]
+    return attn
+
+
+REFERENCE: dict[tuple, torch.Tensor] = {}  # reference outputs by case, for the sweep's checks
+
+
+def checked_time(attn, case: tuple, d: int, rep: int) -> tuple[float, float]:
+    """(ms, relative max error against the reference) of ``attn`` on the seeded inputs of ``case``."""
+    torch.manual_seed(hash(case) % 2**31)
+    q, k, v, meta = attention_inputs(*case, torch.bfloat16)
+    out = attn(q, k, v, meta, d**-0.5)
+    if case not in REFERENCE:
+        REFERENCE[case] = reference.paged_attention(q, k, v, meta, d**-0.5)
+    ref = REFERENCE[case].float()
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    return bench(lambda: attn(q, k, v, meta, d**-0.5), rep), err
+
+
+def time_prefill(attn, n: int, prefix: int, hq: int, hkv: int, d: int, page: int, rep: int = 200):
+    """(ms, FLOPs, error) of one prefill of ``n`` tokens over ``prefix`` cached ones."""
+    n, prefix = max(2, n // DRY_SCALE), prefix // DRY_SCALE
+    ms, err = checked_time(attn, (1, n, prefix + n, hq, hkv, d, page), d, rep)
+    return ms, prefill_flops(n, prefix + n, hq, d), err
+
+
+def time_decode(attn, batch: int, ctx: int, hq: int, hkv: int, d: int, page: int, rep: int = 200):
+    """(ms, bytes, error) of one decode step of ``batch`` sequences at context ``ctx``."""
+    batch, ctx = max(1, batch // DRY_SCALE), max(1, ctx // DRY_SCALE)
+    ms, err = checked_time(attn, (batch, 1, ctx, hq, hkv, d, page), d, rep)
+    return ms, decode_bytes(batch, ctx, hq, hkv, d, 2), err
+
+
+# ---------------------------------------------------------------- the default benchmarks
 
 
 def bench_decode(kernels, args: argparse.Namespace, dtype: torch.dtype) -> None:
@@ -86,8 +216,7 @@ def bench_decode(kernels, args: argparse.Namespace, dtype: torch.dtype) -> None:
     q = torch.randn(args.batch, hq, d, device="cuda", dtype=dtype)
     k_cache = torch.randn(num_pages, args.page_size, hkv, d, device="cuda", dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    elt = k_cache.element_size()
-    nbytes = 2 * args.batch * args.context * hkv * d * elt + 2 * q.numel() * elt
+    nbytes = decode_bytes(args.batch, args.context, hq, hkv, d, k_cache.element_size())
     name = f"decode attn B={args.batch} ctx={args.context} {hq}/{hkv}x{d}"
     splits = kernels._attn.num_splits(args.batch, hkv)
     report(
@@ -104,15 +233,14 @@ def bench_decode(kernels, args: argparse.Namespace, dtype: torch.dtype) -> None:
 
 
 def bench_prefill(kernels, args: argparse.Namespace, dtype: torch.dtype) -> None:
-    """Causal prefill attention of one prompt of ``--prefill-len`` tokens."""
-    n = args.prefill_len
-    meta, num_pages = paged_meta(1, n, n, args.page_size)
+    """Causal prefill attention of one prompt (or chunk over ``--prefix`` cached tokens)."""
+    n, prefix = args.prefill_len, args.prefix
     hq, hkv, d = args.heads, args.kv_heads, args.head_size
-    q = torch.randn(n, hq, d, device="cuda", dtype=dtype)
-    k_cache = torch.randn(num_pages, args.page_size, hkv, d, device="cuda", dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
-    flops = 4 * hq * d * n * (n + 1) / 2
-    name = f"prefill attn {n} tokens {hq}/{hkv}x{d}"
+    q, k_cache, v_cache, meta = attention_inputs(
+        1, n, prefix + n, hq, hkv, d, args.page_size, dtype
+    )
+    flops = prefill_flops(n, prefix + n, hq, d)
+    name = f"prefill attn {n} tokens" + (f" over {prefix}" if prefix else "") + f" {hq}/{hkv}x{d}"
     report(
         f"{name} fused",
         bench(lambda: kernels.attention(q, k_cache, v_cache, meta, d**-0.5)),
@@ -144,6 +272,228 @@ def bench_norm_silu(kernels, args: argparse.Namespace, dtype: torch.dtype) -> No
     report(f"silu_and_mul {t}x{args.ffn} reference", bench(lambda: ref.silu_and_mul(g)), nbytes)
 
 
+# ---------------------------------------------------------------- the issue-14 suite
+
+
+SUITE_PREFILL = [(4096, 0), (16384, 0), (2048, 2048), (32000, 0)]  # (tokens, cached prefix)
+SUITE_DECODE = [(256, 512), (64, 2048), (1, 128), (8, 2048), (1, 4096), (1, 32768)]
+
+
+def run_suite(args: argparse.Namespace, tiles: dict[str, Any]) -> None:
+    """The attention figures of docs/benchmarks.md, 32/8 heads x 128, page 16, bf16, with the peers."""
+    hq, hkv, d, page = args.heads, args.kv_heads, args.head_size, args.page_size
+    pre, dec = tiles.get("prefill"), tiles.get("decode")
+    for n, prefix in SUITE_PREFILL:
+        attn = make_attention(torch.bfloat16, max(4096, n + prefix), prefill=pre)
+        t = attn.prefill_tiles(d, hq // hkv, n)
+        ms, flops, err = time_prefill(attn, n, prefix, hq, hkv, d, page)
+        what = f"prefill {n}" + (f" over {prefix} cached" if prefix else "") + " causal"
+        report(f"{what} {hq}/{hkv}x{d} fused {tuple(t)}", ms, flops=flops, tiles=list(t), err=err)
+        if args.peer and not prefix and n <= 16384 and DEVICE == "cuda":
+            sdpa_peers(n, hq, hkv, d, flops)
+    for batch, ctx in SUITE_DECODE:
+        max_ctx = max(4096, ctx)
+        attn = make_attention(torch.bfloat16, max_ctx, decode=dec, splits=tiles.get("splits"))
+        splits = attn.num_splits(batch, hkv)
+        ms, nbytes, err = time_decode(attn, batch, ctx, hq, hkv, d, page)
+        t = tuple(attn.decode_tiles(d))
+        report(
+            f"decode {batch}x{ctx} {hq}/{hkv}x{d} fused {t} splits={splits}",
+            ms,
+            nbytes,
+            tiles=list(t),
+            splits=splits,
+            err=err,
+        )
+
+
+def sdpa_peers(n: int, hq: int, hkv: int, d: int, flops: float) -> None:
+    """torch SDPA (FlashAttention-2 and cuDNN backends) on the same shape, contiguous K/V."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            report(f"  peer: torch SDPA {backend.name} {n} causal (contiguous)", ms, flops=flops)
+        except Exception as exc:  # a backend that this build or shape lacks
+            print(f"  peer {backend.name}: {type(exc).__name__}: {str(exc)[:120]}")
+
+
+# ---------------------------------------------------------------- the tile sweep
+
+
+PREFILL_CANDIDATES = [  # (block_m, block_n, num_warps, num_stages, warp_specialize)
+    (128, 64, 8, 3, False),
+    (128, 64, 8, 4, False),
+    (128, 64, 8, 2, False),
+    (128, 128, 8, 2, False),
+    (128, 128, 8, 3, False),
+    (64, 64, 4, 3, False),
+    (64, 64, 4, 4, False),
+    (64, 128, 4, 2, False),
+    (128, 64, 4, 3, False),
+    (128, 32, 8, 4, False),
+    (128, 64, 8, 3, True),
+    (128, 128, 8, 3, True),
+]
+DECODE_CANDIDATES = [  # (block_n, num_warps, num_stages)
+    (64, 4, 3),
+    (64, 4, 4),
+    (64, 4, 5),
+    (32, 4, 4),
+    (32, 2, 4),
+    (64, 2, 4),
+    (128, 4, 3),
+    (128, 8, 3),
+    (16, 1, 6),
+    (64, 8, 4),
+]
+FOLLOW_CANDIDATES = [(128, 64, 8, 3, False), (128, 128, 8, 3, False), (128, 64, 8, 4, False)]
+FOLLOW_HEADS = [(32, 32, 128), (16, 8, 128), (64, 8, 128), (32, 8, 64)]  # (Hq, Hkv, D)
+TUNE_DECODE_SHAPES = [(256, 512), (64, 2048), (8, 2048)]
+TUNE_SPLIT_SHAPES = [(1, 128), (1, 1024), (1, 4096), (1, 32768), (8, 2048), (32, 1024), (256, 512)]
+SPLIT_CANDIDATES = [1, 2, 4, 8, 16, 32, 64]
+
+
+def tune_jobs(best_decode: tuple | None = None) -> list[tuple]:
+    """The sweep as (kind, key, tiles, shape) jobs: prefill and decode tiles, then split counts."""
+    from pitstop.plugins.kernels.triton_ops.paged_attention import DecodeTiles, PrefillTiles
+
+    jobs: list[tuple] = []
+    for c in PREFILL_CANDIDATES:
+        jobs.append(("prefill", (128, 4), PrefillTiles(*c), (4096, 0, 32, 8, 128, 16)))
+    for c in FOLLOW_CANDIDATES:
+        for hq, hkv, d in FOLLOW_HEADS:
+            jobs.append(("prefill", (d, hq // hkv), PrefillTiles(*c), (4096, 0, hq, hkv, d, 16)))
+    for page in (1, 64):  # the per-row and the one-entry-per-tile page gathers
+        tiles = PrefillTiles(*PREFILL_CANDIDATES[0])
+        jobs.append(("prefill-page", (128, 4), tiles, (4096, 0, 32, 8, 128, page)))
+    for c in DECODE_CANDIDATES:
+        for batch, ctx in TUNE_DECODE_SHAPES:
+            jobs.append(("decode", (128, 4), DecodeTiles(*c), (batch, ctx, 32, 8, 128, 16, None)))
+    dec = DecodeTiles(*(best_decode or DECODE_CANDIDATES[0]))
+    for batch, ctx in TUNE_SPLIT_SHAPES:
+        for s in SPLIT_CANDIDATES:
+            if s * 16 <= ctx:
+                jobs.append(("split", (128, 4), dec, (batch, ctx, 32, 8, 128, 16, s)))
+    return jobs
+
+
+def run_job(job: tuple, rep: int) -> dict[str, Any] | None:
+    """Time one sweep job; a tile shape that does not compile, run or match is reported, not fatal."""
+    kind, key, tiles, shape = job
+    try:
+        if kind.startswith("prefill"):
+            n, prefix, hq, hkv, d, page = shape
+            attn = make_attention(torch.bfloat16, 4096, prefill=tiles)
+            ms, flops, err = time_prefill(attn, n, prefix, hq, hkv, d, page, rep)
+            name = f"tune {kind} {n} {hq}/{hkv}x{d} page {page} {tuple(tiles)}"
+            extra: dict[str, Any] = {"flops": flops}
+        else:
+            batch, ctx, hq, hkv, d, page, splits = shape
+            attn = make_attention(torch.bfloat16, max(4096, ctx), decode=tiles, splits=splits)
+            used = attn.num_splits(batch, hkv)
+            ms, nbytes, err = time_decode(attn, batch, ctx, hq, hkv, d, page, rep)
+            name = f"tune {kind} {batch}x{ctx} {tuple(tiles)} splits={used}"
+            extra = {"nbytes": nbytes, "splits": used, "shape": [batch, ctx]}
+    except Exception as exc:
+        msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        print(f"tune {kind} {tuple(tiles)} {shape}: FAILED {msg}", flush=True)
+        ROWS.append({"kind": kind, "tiles": list(tiles), "shape": list(shape), "failed": msg})
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return None
+    if not err <= 2e-2:  # a wrong (or NaN) result never wins
+        print(f"{name}: WRONG, relative error {err:.3g}", flush=True)
+        ROWS.append({"kind": kind, "tiles": list(tiles), "shape": list(shape), "wrong": err})
+        return None
+    row = report(
+        name,
+        ms,
+        extra.pop("nbytes", None),
+        extra.pop("flops", None),
+        kind=kind,
+        key=list(key),
+        tiles=list(tiles),
+        err=round(err, 5),
+        **extra,
+    )
+    return row
+
+
+def compile_in_processes(jobs: int) -> None:
+    """Compile every sweep candidate in ``jobs`` processes first: the sweep then hits Triton's cache."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--tune", "--compile-only", f"--shard={i}/{jobs}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i in range(jobs)
+    ]
+    for p in procs:
+        p.wait()
+
+
+def best_by(rows: list[dict], kind: str, metric: str, group_key: Callable[[dict], Any]) -> dict:
+    """The best row of ``kind`` for each group (highest ``metric``)."""
+    best: dict[Any, dict] = {}
+    for r in rows:
+        if r.get("kind") != kind or metric not in r:
+            continue
+        g = group_key(r)
+        if g not in best or r[metric] > best[g][metric]:
+            best[g] = r
+    return best
+
+
+def run_tune(args: argparse.Namespace) -> dict[str, Any]:
+    """The sweep; returns the winners (prefill per (head, group), decode tiles, splits per shape)."""
+    if args.compile_only:  # one shard of the whole compile set, each job run once
+        i, n = (int(x) for x in args.shard.split("/"))
+        for job in tune_jobs()[i::n]:
+            run_job(job, rep=1)
+        return {}
+    if args.jobs > 1 and DEVICE == "cuda":
+        compile_in_processes(args.jobs)
+    if args.warm_only:
+        return {}
+    for job in tune_jobs():
+        if job[0] != "split":
+            run_job(job, args.rep)
+    # decode winner: the best worst-case fraction of copy over the tuned shapes
+    by_tiles: dict[tuple, list[float]] = {}
+    for r in ROWS:
+        if r.get("kind") == "decode" and "frac_copy" in r:
+            by_tiles.setdefault(tuple(r["tiles"]), []).append(r["frac_copy"])
+    complete = [t for t, v in by_tiles.items() if len(v) == len(TUNE_DECODE_SHAPES)]
+    best_dec = max(complete, key=lambda t: (min(by_tiles[t]), statistics.mean(by_tiles[t])))
+    for job in tune_jobs(best_decode=best_dec):
+        if job[0] == "split":
+            run_job(job, args.rep)
+    prefill_best = best_by(ROWS, "prefill", "tflop_s", lambda r: tuple(r["key"]))
+    split_best = best_by(ROWS, "split", "frac_copy", lambda r: tuple(r["shape"]))
+    winners = {
+        "prefill": {f"{k[0]}/{k[1]}": r["tiles"] for k, r in sorted(prefill_best.items())},
+        "decode": list(best_dec),
+        "splits": {f"{k[0]}x{k[1]}": r["splits"] for k, r in sorted(split_best.items())},
+    }
+    print("\nwinners:", json.dumps(winners), flush=True)
+    for k, r in sorted(prefill_best.items()):
+        print(f"  prefill head {k[0]} group {k[1]}: {r['tiles']} {r['tflop_s']} TFLOP/s")
+    for t, v in sorted(by_tiles.items(), key=lambda kv: -min(kv[1])):
+        print(f"  decode {t}: " + " ".join(f"{100 * x:.1f}%" for x in v))
+    for k, r in sorted(split_best.items()):
+        print(f"  splits {k[0]}x{k[1]}: best {r['splits']} ({100 * r['frac_copy']:.1f}% of copy)")
+    return winners
+
+
 def main() -> None:
     """Parse flags, build the fused kernel set, run the chosen benchmarks."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -151,6 +501,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--prefill-len", type=int, default=4096)
+    p.add_argument("--prefix", type=int, default=0, help="cached tokens before the prefill chunk")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
@@ -161,23 +512,76 @@ def main() -> None:
     p.add_argument("--precision", choices=["fp32", "fast"], default="fp32")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--skip-reference", action="store_true")
+    p.add_argument(
+        "--suite", action="store_true", help="the attention shapes of docs/benchmarks.md"
+    )
+    p.add_argument("--peer", action="store_true", help="with --suite: torch SDPA beside prefill")
+    p.add_argument("--tune", action="store_true", help="sweep tile shapes and split counts")
+    p.add_argument("--jobs", type=int, default=1, help="with --tune: compile in N processes first")
+    p.add_argument("--rep", type=int, default=100, help="with --tune: ms of timed runs per shape")
+    p.add_argument("--warm-only", action="store_true", help="with --tune --jobs: only compile")
+    p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--use-winners", action="store_true", help="--tune then --suite with the winners"
+    )
+    p.add_argument("--json", help="write every measured line (and the winners) to this file")
+    p.add_argument("--commit", default=os.environ.get("PITSTOP_COMMIT", "unknown"))
+    p.add_argument("--dry-run", type=int, metavar="SCALE", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if not torch.cuda.is_available():
+    if args.dry_run:
+        global DEVICE, DRY_SCALE
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import
+        DEVICE, DRY_SCALE = "cpu", args.dry_run
+    elif not torch.cuda.is_available():
         raise SystemExit("kernels_bench needs a CUDA device")
+    import triton
+
     from pitstop.plugins.kernels.fused import FusedKernels
 
+    header = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "commit": args.commit,
+    }
+    if not args.compile_only:
+        print(json.dumps(header), flush=True)
+        if args.json:
+            JSON_OUT.update(path=args.json, header=header)
     dtype = torch.bfloat16
-    config = EngineConfig(max_model_len=args.max_model_len, fused_precision=args.precision)
-    kernels = FusedKernels(config, torch.device("cuda"), dtype)
-    print(f"{torch.cuda.get_device_name()}; {kernels.describe()}")
-    only = set(args.only or ["decode", "prefill", "norm"])
+    winners: dict[str, Any] = {}
     with torch.inference_mode():
-        if "decode" in only:
-            bench_decode(kernels, args, dtype)
-        if "prefill" in only:
-            bench_prefill(kernels, args, dtype)
-        if "norm" in only:
-            bench_norm_silu(kernels, args, dtype)
+        if args.tune:
+            winners = run_tune(args)
+            if args.compile_only or args.warm_only:
+                return
+            save_json(winners)
+        if args.suite or args.use_winners:
+            tiles: dict[str, Any] = {}
+            if args.use_winners and winners:
+                from pitstop.plugins.kernels.triton_ops.paged_attention import (
+                    DecodeTiles,
+                    PrefillTiles,
+                )
+
+                key = f"{args.head_size}/{args.heads // args.kv_heads}"
+                tiles["prefill"] = PrefillTiles(*winners["prefill"][key])
+                tiles["decode"] = DecodeTiles(*winners["decode"])
+            print("\nsuite:", flush=True)
+            run_suite(args, tiles)
+        if not (args.tune or args.suite or args.use_winners):
+            config = EngineConfig(max_model_len=args.max_model_len, fused_precision=args.precision)
+            kernels = FusedKernels(config, torch.device("cuda"), dtype)
+            print(f"{torch.cuda.get_device_name()}; {kernels.describe()}")
+            only = set(args.only or ["decode", "prefill", "norm"])
+            if "decode" in only:
+                bench_decode(kernels, args, dtype)
+            if "prefill" in only:
+                bench_prefill(kernels, args, dtype)
+            if "norm" in only:
+                bench_norm_silu(kernels, args, dtype)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.plugins.kernels import reference
+from pitstop.plugins.kernels.fused import FusedKernels
 from pitstop.protocols import RotaryCache
 
 pytestmark = pytest.mark.gpu
@@ -20,8 +21,6 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def _fused(dtype: torch.dtype, **flags):
-    from pitstop.plugins.kernels.fused import FusedKernels
-
     ks = FusedKernels(EngineConfig(max_model_len=4096, **flags), torch.device("cuda"), dtype)
     assert all(v == "triton" for k, v in ks.describe().items() if k != "linear"), ks.describe()
     return ks
@@ -103,6 +102,7 @@ BATCHES = {
     "prefill-4096": ([4096], [4096]),
     "prefill-batch": ([300, 77, 1024], [300, 77, 1024]),
     "chunked-mixed": ([512, 100, 1, 1, 1], [2048, 100, 33, 4000, 1]),
+    "drafts": ([5, 5, 3, 1], [100, 4100, 17, 50]),
 }
 
 
@@ -123,6 +123,46 @@ def test_attention_full_size(batch: str, heads: tuple[int, int], dtype: torch.dt
     out = _fused(dtype).attention(q, k_cache, v_cache, meta, 128**-0.5)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
     _assert_close(out, expected, dtype, batch)
+
+
+# A chunk over a cached prefix that ends mid-page, a fresh prompt, a 5-token draft, decodes on either
+# side of page and tile borders, one long decode: every path of both kernels in one launch each.
+MIXED = ([1000, 777, 5, 1, 1, 1, 1, 1], [3001, 777, 4100, 1, 63, 64, 65, 4095])
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8), (64, 8)])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_attention_gqa_page_sizes(page_size: int, heads: tuple[int, int], head_size: int) -> None:
+    """GQA 1, 4 and 8, head sizes 64 and 128, page sizes 1, 16 and 64 (bf16) against the reference."""
+    hq, hkv = heads
+    qlens, ctxs = MIXED
+    meta, num_pages = _meta(qlens, ctxs, page_size, seed=page_size + hq)
+    gen = torch.Generator(device="cuda").manual_seed(hkv)
+    shape = (num_pages, page_size, hkv, head_size)
+    q = torch.randn(sum(qlens), hq, head_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = _fused(torch.bfloat16).attention(q, k_cache, v_cache, meta, head_size**-0.5)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, head_size**-0.5)
+    _assert_close(out, expected, torch.bfloat16, f"page {page_size} heads {heads} d {head_size}")
+
+
+@pytest.mark.parametrize("case", ["prefill-16384", "chunk-2048-over-2048"])
+def test_long_prefill_and_chunk(case: str) -> None:
+    """The benchmarked prefill shapes (32/8 x 128, page 16, bf16) against the reference."""
+    qlens, ctxs = {"prefill-16384": ([16384], [16384]), "chunk-2048-over-2048": ([2048], [4096])}[
+        case
+    ]
+    meta, num_pages = _meta(qlens, ctxs, 16, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(qlens[0], 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache = torch.randn(num_pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_cache = torch.randn(num_pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ks = FusedKernels(EngineConfig(max_model_len=16384), torch.device("cuda"), torch.bfloat16)
+    out = ks.attention(q, k_cache, v_cache, meta, 128**-0.5)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
+    _assert_close(out, expected, torch.bfloat16, case)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

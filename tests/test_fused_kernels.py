@@ -282,9 +282,7 @@ def batches(
 
 def heads_strategy(ratios: tuple[int, ...] = (1, 2, 4)) -> st.SearchStrategy[tuple[int, int]]:
     """(query heads, KV heads) with the given GQA ratios."""
-    return st.tuples(st.integers(1, 2), st.sampled_from(ratios)).map(
-        lambda t: (t[0] * t[1], t[0])
-    )
+    return st.tuples(st.integers(1, 2), st.sampled_from(ratios)).map(lambda t: (t[0] * t[1], t[0]))
 
 
 @FEW

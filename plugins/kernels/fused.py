@@ -10,8 +10,11 @@ Ops and where they run:
 - ``silu_and_mul``: one pass over the merged gate-up output (``fused_silu``);
 - ``rope_and_store``: rotary embedding plus the K/V cache store in one kernel
   (``fused_attention``);
-- ``attention``: paged flash-decoding for decodes, FlashAttention-2 style
-  varlen causal attention for prefills and chunks (``fused_attention``).
+- ``attention``: split-K flash-decoding for decodes, and GQA-packed varlen
+  causal flash attention for prefills, chunks over a cached prefix and
+  drafts; both read K/V page-wise through the block table, with tile shapes
+  kept in code per head size and GQA ratio (``fused_attention``; see
+  :mod:`pitstop.plugins.kernels.triton_ops.paged_attention`).
 
 Each op is resolved once, when the kernel set is built: to its Triton kernel,
 or to the reference op with one log line that names the op and the reason

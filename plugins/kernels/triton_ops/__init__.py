@@ -8,6 +8,6 @@ through its interpreter). :mod:`pitstop.plugins.kernels.fused` does that.
 - :mod:`.rmsnorm`: residual add + RMSNorm in one pass (also Qwen3's per-head q/k norm);
 - :mod:`.silu`: SiLU-and-mul of a merged gate-up output;
 - :mod:`.rope_store`: rotary embedding of q and k plus the K/V store into the paged cache;
-- :mod:`.paged_attention`: decode (split-K flash-decoding, GQA-aware) and
-  variable-length causal prefill over the paged cache.
+- :mod:`.paged_attention`: decode (split-K flash-decoding) and variable-length
+  causal prefill over the paged cache, both GQA-packed, sharing one page-gather loop.
 """

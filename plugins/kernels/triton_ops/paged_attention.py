@@ -81,10 +81,10 @@ class DecodeTiles(NamedTuple):
 # Measured on the H200 (bf16, `kernels_bench.py --tune`, 2026-12-01); the keys are
 # (head_size, group). Other shapes take the rule in prefill_tiles().
 PREFILL_TILES: dict[tuple[int, int], PrefillTiles] = {
-    (128, 1): PrefillTiles(128, 64, 4, 3),
-    (128, 2): PrefillTiles(128, 64, 4, 3),
-    (128, 4): PrefillTiles(128, 64, 4, 3),
-    (128, 8): PrefillTiles(128, 64, 4, 3),
+    (128, 1): PrefillTiles(128, 64, 8, 3),
+    (128, 2): PrefillTiles(128, 64, 8, 3),
+    (128, 4): PrefillTiles(128, 64, 8, 3),
+    (128, 8): PrefillTiles(128, 64, 8, 3),
 }
 # keyed by head size (the group's heads are the rows of one tile)
 DECODE_TILES: dict[int, DecodeTiles] = {
@@ -97,11 +97,11 @@ INTERPRETER_DECODE = DecodeTiles(16, 1, 1)
 
 def prefill_tiles(head_size: int, group: int, dtype: torch.dtype) -> PrefillTiles:
     """The prefill tiles for this head size and GQA ratio on a CUDA device."""
-    if dtype == torch.float32:  # twice the bytes per element, and no bf16 tensor-core path
-        return PrefillTiles(64, 32, 4, 2) if head_size <= 128 else PrefillTiles(32, 32, 4, 1)
+    if dtype == torch.float32:  # IEEE fp32 products run on FMA units: small tiles, 8 warps
+        return PrefillTiles(64, 32, 8, 2) if head_size <= 128 else PrefillTiles(32, 16, 4, 2)
     tiles = PREFILL_TILES.get((head_size, group)) or PREFILL_TILES.get((head_size, 4))
-    if tiles is None:
-        tiles = PrefillTiles(128, 64, 4, 3) if head_size <= 128 else PrefillTiles(64, 64, 4, 2)
+    if tiles is None:  # 128 rows need 8 warps at head size 128: with 4, ptxas spills
+        tiles = PrefillTiles(128, 64, 8, 3) if head_size <= 128 else PrefillTiles(64, 32, 4, 3)
     if group > tiles.block_m:  # at least one query token per tile
         tiles = tiles._replace(block_m=triton.next_power_of_2(group))
     return tiles
@@ -109,8 +109,8 @@ def prefill_tiles(head_size: int, group: int, dtype: torch.dtype) -> PrefillTile
 
 def decode_tiles(head_size: int, dtype: torch.dtype) -> DecodeTiles:
     """The decode tiles for this head size on a CUDA device."""
-    if dtype == torch.float32:
-        return DecodeTiles(32, 4, 2)
+    if dtype == torch.float32:  # with 4 warps ptxas spills
+        return DecodeTiles(32, 8, 2)
     if head_size in DECODE_TILES:
         return DECODE_TILES[head_size]
     return DecodeTiles(64, 4, 3) if head_size <= 128 else DecodeTiles(32, 4, 2)
