@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pitstop.errors import InvalidRequestError, ModelLoadError
+from pitstop.validation import validate_messages
 
 # How many prompt tokens the detokenizer keeps as context for the first output
 # token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): some tokenizers
@@ -144,7 +145,9 @@ class Tokenizer:
 
         The template writes any BOS itself, so the text is encoded without special
         tokens; a BOS is added only when the model wants one and the template left it out.
+        Roles and contents are checked first (:func:`pitstop.validation.validate_messages`).
         """
+        messages = validate_messages(messages)
         if not self.hf.chat_template:
             raise InvalidRequestError(
                 f"the tokenizer of {self.name or 'this model'} has no chat template; send a plain "

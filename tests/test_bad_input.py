@@ -295,3 +295,11 @@ def test_bad_boolean_flag_is_an_argparse_error(capsys: pytest.CaptureFixture[str
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--fused-qkv" in err and "expected true or false" in err and "Traceback" not in err
+
+
+def test_chat_roles_and_contents_are_checked(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="role"):
+        llm.chat([[{"role": "wizard", "content": "hi"}]])
+    with pytest.raises(InvalidRequestError, match="content"):
+        llm.chat([[{"role": "user", "content": 123}]])
+    _still_serves(llm)
