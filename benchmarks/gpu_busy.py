@@ -1,12 +1,25 @@
-"""GPU busy fraction in steady decode: kernel time (union of intervals) over wall time.
+"""GPU busy fraction of engine steps: kernel time (union of intervals) over wall time.
 
-    python benchmarks/gpu_busy.py [--overlap on|off|both] [--steps 40] [--seqs 256]
+    python benchmarks/gpu_busy.py [--shape nano|single|mixed] [--overlap on|off|both]
+                                  [--steps 40] [--top 8]
 
-Dummy qwen3-0.6b (the `nano` shape), fused kernels, bf16: ``--seqs`` requests
-of nano's prompt lengths are prefilled, then ``--steps`` decode steps with
-every sequence live are recorded with torch.profiler. The figure is the
-union of the CUDA kernel intervals over the wall span of those steps (from
-the first kernel to the last), with the mean wall time per step.
+Shapes (dummy bf16 weights, fused kernels):
+
+- ``nano``: qwen3-0.6b, 256 live sequences of nano's prompt lengths, steady
+  decode (every sequence prefilled first);
+- ``single``: llama3-8b, one sequence (128-token prompt, temperature 0.8,
+  top-k 200), steady decode: the `single` workload's steps;
+- ``mixed``: qwen3-8b, ``chunked`` with chunk_size 2048 and 32 sequences:
+  31 decoding sequences and one 384-token prompt prefilled in each step (a
+  new prompt joins as soon as the last one is prefilled): the small mixed
+  steps that are most of `longtail`'s, which run without CUDA graphs;
+- ``mixed-long``: the same with 4,096-token prompts, so each step carries a
+  2,048-token chunk (compute-bound steps).
+
+``--steps`` steps are recorded with torch.profiler. The figure is the union
+of the CUDA kernel intervals over the wall span of those steps, with the
+mean wall and kernel time per step, then the ``--top`` kernels by time. Each
+loop runs in a fresh process (one engine's KV cache takes most of the GPU).
 """
 
 from __future__ import annotations
@@ -16,11 +29,34 @@ import random
 import subprocess
 import sys
 import time
+from collections import defaultdict
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pitstop import LLM, SamplingParams
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "nano": dict(model="dummy:qwen3-0.6b", max_model_len=4096),
+    "single": dict(model="dummy:llama3-8b", max_model_len=4096),
+    "mixed-long": dict(
+        model="dummy:qwen3-8b",
+        max_model_len=8192,
+        scheduler="chunked",
+        chunk_size=2048,
+        max_batch_size=32,
+        max_prefill_batch=32,
+    ),
+    "mixed": dict(
+        model="dummy:qwen3-8b",
+        max_model_len=8192,
+        scheduler="chunked",
+        chunk_size=2048,
+        max_batch_size=32,
+        max_prefill_batch=32,
+    ),
+}
 
 
 def busy_fraction(events: list[tuple[float, float]]) -> tuple[float, float]:
@@ -41,68 +77,102 @@ def busy_fraction(events: list[tuple[float, float]]) -> tuple[float, float]:
     return busy, last - first
 
 
-def measure(overlap: str, steps: int, seqs: int) -> dict[str, float]:
-    """Run ``steps`` steady decode steps with ``seqs`` live sequences; return the figures."""
-    llm = LLM("dummy:qwen3-0.6b", kernels="fused", max_model_len=4096, overlap=overlap)
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randint(0, 10000) for _ in range(n)]
+
+
+def measure(shape: str, overlap: str, steps: int, top: int) -> None:
+    """Settle ``shape`` into steady state, profile ``steps`` steps, print the figures."""
+    llm = LLM(kernels="fused", overlap=overlap, **SHAPES[shape])
     engine = llm.engine
     rng = random.Random(0)
-    for i in range(seqs):
-        ids = [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
-        engine.add_request(
-            params=SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0.6),
-            prompt_token_ids=ids,
-            request_id=f"busy-{i}",
+    n_long = 0
+
+    def add(ids: list[int], params: SamplingParams, rid: str) -> None:
+        engine.add_request(params=params, prompt_token_ids=ids, request_id=rid)
+
+    if shape == "nano":
+        for i in range(256):
+            add(
+                _ids(rng, rng.randint(100, 1024)),
+                SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0.6),
+                f"d{i}",
+            )
+    elif shape == "single":
+        add(
+            _ids(rng, 128),
+            SamplingParams(max_tokens=3000, ignore_eos=True, temperature=0.8, top_k=200),
+            "s0",
         )
-    # prefill everything, then a few decode steps to settle
-    while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
+    else:
+        for i in range(31):
+            add(_ids(rng, 256), SamplingParams(max_tokens=4000, ignore_eos=True), f"d{i}")
+
+    def feed() -> None:  # mixed: keep one long prompt prefilling beside the decodes
+        nonlocal n_long
+        if (
+            shape.startswith("mixed")
+            and not engine.scheduler.waiting
+            and not any(
+                s.is_prefill for s in engine.scheduler.running if s.request_id.startswith("long")
+            )
+        ):
+            for s in list(engine.scheduler.running):
+                if s.request_id.startswith("long"):
+                    engine.abort(s.request_id)
+            length = 4096 if shape == "mixed-long" else 384
+            add(_ids(rng, length), SamplingParams(max_tokens=1, ignore_eos=True), f"long{n_long}")
+            n_long += 1
+
+    while engine.scheduler.waiting or any(
+        s.is_prefill for s in engine.scheduler.running if not s.request_id.startswith("long")
+    ):
+        feed()
         engine.step()
     for _ in range(10):
+        feed()
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
+            feed()
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernels = [
-        (e.time_range.start, e.time_range.end - e.time_range.start)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    ]
-    busy, span = busy_fraction(kernels)
-    running = engine.scheduler.num_running
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    intervals = [(e.time_range.start, e.time_range.end - e.time_range.start) for e in kernels]
+    busy, span = busy_fraction(intervals)
+    by_name: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        by_name[e.name] += e.time_range.end - e.time_range.start
+    total = sum(by_name.values())
+    print(
+        f"| {shape} | {overlap} | {engine.scheduler.num_running} | {100 * busy / span:.1f}% "
+        f"| {1e3 * wall / steps:.2f} | {busy / 1e3 / steps:.2f} |"
+    )
+    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"|   | {100 * us / total:.1f}% | {us / 1e3 / steps:.3f} ms/step | `{name[:90]}` |")
     for rid in list(engine._requests):
         engine.abort(rid)
-    return {
-        "overlap": overlap,
-        "live": running,
-        "busy_fraction": busy / span if span else 0.0,
-        "wall_ms_per_step": 1e3 * wall / steps,
-        "kernel_ms_per_step": busy / 1e3 / steps,
-    }
 
 
 def main() -> None:
-    """Print the busy fraction for the chosen loop(s)."""
+    """Print the busy fraction for the chosen shape and loop(s)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="nano", choices=sorted(SHAPES))
     parser.add_argument("--overlap", default="both", choices=("on", "off", "both"))
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--seqs", type=int, default=256)
+    parser.add_argument("--top", type=int, default=0)
     args = parser.parse_args()
     if args.overlap == "both":  # each loop in a fresh process: the first engine's cache is gone
+        print("| shape | overlap | live seqs | GPU busy | wall ms/step | kernel ms/step |")
+        print("|---|---|---|---|---|---|")
         for overlap in ("off", "on"):
-            cmd = [sys.executable, __file__, "--overlap", overlap, "--steps", str(args.steps)]
-            subprocess.run([*cmd, "--seqs", str(args.seqs)], check=True)
+            cmd = [sys.executable, __file__, "--shape", args.shape, "--overlap", overlap]
+            subprocess.run([*cmd, "--steps", str(args.steps), "--top", str(args.top)], check=True)
         return
-    rows = [measure(args.overlap, args.steps, args.seqs)]
-    print("| overlap | live seqs | GPU busy | wall ms/step | kernel ms/step |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['overlap']} | {r['live']} | {100 * r['busy_fraction']:.1f}% "
-            f"| {r['wall_ms_per_step']:.2f} | {r['kernel_ms_per_step']:.2f} |"
-        )
+    measure(args.shape, args.overlap, args.steps, args.top)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ from pitstop.runner import (
     LaunchedStep,
     ModelRunner,
     SeqInput,
+    SeqResult,
     StepInput,
+    StepOutput,
     resolve_device,
     resolve_dtype,
 )
@@ -147,6 +149,7 @@ class LLMEngine:
         self._finished_seq_ids: list[int] = []  # gone since the last launch (runner forgets them)
         self._reset_seq_ids: list[int] = []  # block tables rebuilt since the last launch
         self._in_flight: _Launched | None = None
+        self._failed_outputs: list[RequestOutput] = []  # requests a failed step stopped
         wanted = {"on": True, "off": False}.get(config.overlap, self.device.type == "cuda")
         if wanted and self.proposer is not None:
             log.info("overlap off: speculative decoding runs the serial loop")
@@ -289,6 +292,9 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 outputs.extend(self._apply(launched, stream))
+        if self._failed_outputs:
+            outputs.extend(self._failed_outputs)
+            self._failed_outputs = []
         return outputs
 
     def _plan_and_launch(self) -> _Launched | None:
@@ -330,12 +336,92 @@ class LLMEngine:
                     draft_probs=self._draft_probs.get(seq.seq_id) if num_drafts else None,
                 )
             )
-            if not num_drafts:  # a verification's computed count is set when it is applied
-                seq.launch(s.num_new_tokens, samples=sample)
         step = StepInput(inputs, self._finished_seq_ids, self._reset_seq_ids)
         self._finished_seq_ids, self._reset_seq_ids = [], []
-        handle = self.runner.launch(step)
+        try:
+            handle = self.runner.launch(step)
+        except Exception as exc:  # one request's bad value must not fail its neighbours
+            handle = self._isolate_failure(scheduled, inputs, exc)
+        for s, inp in zip(scheduled, inputs, strict=True):
+            seq = s.seq
+            if not seq.is_finished and inp.num_logits == 1:
+                # a verification's computed count is set when it is applied
+                seq.launch(s.num_new_tokens, samples=inp.sample)
         return _Launched(plan, scheduled, inputs, handle, start, proposed)
+
+    def _apply_tokens(
+        self, seq: Sequence, inp: SeqInput, res: SeqResult, stream: bool
+    ) -> RequestOutput | None:
+        """One sequence's tokens from a step: resolve, stop checks, text; its output if any."""
+        num_drafts = inp.num_logits - 1
+        req = self._requests[seq.request_id]
+        delta = ""
+        new_ids: list[int] = []
+        tokens = res.token_ids
+        for j, token in enumerate(tokens):  # accepted drafts, then the corrected or bonus token
+            if num_drafts:
+                seq.append_token(token)
+            else:
+                seq.resolve_token(token)
+            new_ids.append(token)
+            if req.logprobs is not None and res.logprobs is not None:
+                req.logprobs.append(res.logprobs[j])
+            delta += self._check_stop(req, token)
+            if seq.is_finished:
+                break
+        if num_drafts:
+            self._after_verify(seq, inp.start_pos, num_drafts, len(tokens) - 1)
+        self.stats.generation_tokens += len(new_ids)
+        if seq.is_finished:
+            return self._finish(req, delta, new_ids)
+        return self._output(req, delta, new_ids) if stream else None
+
+    def _isolate_failure(
+        self, scheduled: list[ScheduledSequence], inputs: list[SeqInput], exc: Exception
+    ) -> LaunchedStep:
+        """A launch failed: run each sequence of the step alone; fail only those that fail alone.
+
+        Each sequence reruns as a step of its own (synchronously, with the
+        previous step's samples restored before each, so pending tokens read
+        the right values). A sequence that fails alone is finished with reason
+        ``"error"`` and its pages freed; the others get their results as if
+        the step had run whole. A step of one sequence is not rerun.
+        """
+        log.warning("a step of %d sequence(s) failed (%s); isolating the cause", len(inputs), exc)
+        self.stats.step_failures += 1
+        saved = self.runner.save_samples()
+        results: list[SeqResult] = []
+        kept: list[tuple[int, int]] = []  # (seq_id, sampled token) of the sequences that ran
+        for s, inp in zip(scheduled, inputs, strict=True):
+            error: Exception | None = exc if len(inputs) == 1 else None
+            if error is None:
+                self.runner.restore_samples(saved)
+                try:
+                    result = self.runner.launch(StepInput([inp])).result().results[0]
+                except Exception as alone:
+                    error = alone
+            if error is not None:
+                self._fail_request(s.seq, error)
+                results.append(SeqResult([]))
+                continue
+            results.append(result)
+            if inp.sample and inp.num_logits == 1:
+                kept.append((inp.seq_id, result.token_ids[0]))
+        self.runner.adopt_samples(kept)
+        return LaunchedStep(inputs, ready=StepOutput(results))
+
+    def _fail_request(self, seq: Sequence, error: Exception) -> None:
+        """Finish ``seq``'s request with reason ``"error"``: pages freed, output emitted next."""
+        req = self._requests.get(seq.request_id)
+        if req is None:
+            return
+        log.error("request %s failed and was stopped: %s", seq.request_id, error)
+        self.scheduler.abort(seq.request_id)
+        seq.finish_reason = "error"
+        self.stats.requests_failed += 1
+        self._finished_seq_ids.append(seq.seq_id)
+        output = self._finish(req)
+        self._failed_outputs.append(attrs.evolve(output, error=f"{type(error).__name__}: {error}"))
 
     def _apply(self, launched: _Launched, stream: bool) -> list[RequestOutput]:
         """Apply a launched step's results: tokens, stop conditions, outputs, finishes, stats."""
@@ -359,29 +445,15 @@ class LLMEngine:
                 self.allocator.on_tokens_computed(seq)
             if not inp.sample:
                 continue
-            req = self._requests[seq.request_id]
-            delta = ""
-            new_ids: list[int] = []
-            tokens = res.token_ids
-            for j, token in enumerate(tokens):  # accepted drafts, then the corrected or bonus token
-                if num_drafts:
-                    seq.append_token(token)
-                else:
-                    seq.resolve_token(token)
-                new_ids.append(token)
-                if req.logprobs is not None and res.logprobs is not None:
-                    req.logprobs.append(res.logprobs[j])
-                delta += self._check_stop(req, token)
-                if seq.is_finished:
-                    break
-            if num_drafts:
-                self._after_verify(seq, inp.start_pos, num_drafts, len(tokens) - 1)
-            self.stats.generation_tokens += len(new_ids)
+            try:
+                output = self._apply_tokens(seq, inp, res, stream)
+            except Exception as exc:  # e.g. a detokenizer error: this request only
+                self._fail_request(seq, exc)
+                continue
             if seq.is_finished:
                 finished.append(seq)
-                outputs.append(self._finish(req, delta, new_ids))
-            elif stream:
-                outputs.append(self._output(req, delta, new_ids))
+            if output is not None:
+                outputs.append(output)
         for seq in launched.proposed:
             seq.draft_token_ids.clear()
         self._draft_probs.clear()

@@ -39,6 +39,8 @@ class EngineStats:
     preemptions: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0  # stopped with finish_reason "error" by a step that failed for them
+    step_failures: int = 0  # steps whose launch raised (their sequences were then run one by one)
     utilization_sum: float = 0.0  # sum over steps of tokens held / tokens reserved
     # Speculative decoding (zero without it): one verification = one sequence verifying drafts in a step.
     spec_verifications: int = 0

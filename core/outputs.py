@@ -56,8 +56,9 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     text_delta: str = ""
     new_token_ids: list[int] = attrs.Factory(list)
     logprobs: list[float] | None = None
     metrics: RequestMetrics | None = None  # set on the final output (finished=True)
+    error: str | None = None  # why a request with finish_reason "error" was stopped

@@ -379,6 +379,22 @@ class ModelRunner:
             input_tensor.index_copy_(0, index, self.last_sampled[tensor(src, torch.int64)])
         return input_tensor, meta, sample_rows
 
+    def save_samples(self) -> tuple[torch.Tensor, dict[int, int]]:
+        """A copy of the last launched step's samples (to rerun parts of a failed step)."""
+        return self.last_sampled.clone(), dict(self._last_rows)
+
+    def restore_samples(self, saved: tuple[torch.Tensor, dict[int, int]]) -> None:
+        """Put back what :meth:`save_samples` copied."""
+        self.last_sampled.copy_(saved[0])
+        self._last_rows = dict(saved[1])
+
+    def adopt_samples(self, sampled: Seq[tuple[int, int]]) -> None:
+        """Make ``(seq_id, token)`` pairs the last step's samples (after a step was rerun in parts)."""
+        self._last_rows = {seq_id: i for i, (seq_id, _) in enumerate(sampled)}
+        if sampled:
+            values = torch.tensor([t for _, t in sampled], dtype=torch.int64)
+            self.last_sampled[: len(sampled)].copy_(values.to(self.device))
+
     def _pending_row(self, seq_id: int) -> int:
         """The row of ``seq_id`` in the last launched step's samples (its pending token's value)."""
         row = self._last_rows.get(seq_id)
