@@ -53,6 +53,7 @@ ROWS: list[dict[str, Any]] = []  # every line printed, for --json
 # divided by DRY_SCALE and timed once by the wall clock (checks this script, measures nothing)
 DEVICE = "cuda"
 DRY_SCALE = 1
+COMPILE_ONLY = False  # --compile-only: run each case once (fills Triton's cache), time nothing
 
 
 def paged_meta(
@@ -180,30 +181,82 @@ def make_attention(
 REFERENCE: dict[tuple, torch.Tensor] = {}  # reference outputs by case, for the sweep's checks
 
 
-def checked_time(attn, case: tuple, d: int, rep: int) -> tuple[float, float]:
-    """(ms, relative max error against the reference) of ``attn`` on the seeded inputs of ``case``."""
+def graph_ms(calls: list[Callable[[], Any]], replays: int = 20) -> float:
+    """Median milliseconds per call of ``calls`` replayed from one CUDA graph (no launch gaps).
+
+    This is how the engine runs decode steps. Each call reads its own buffers, so
+    one replay reads far more than the L2 holds and nothing is served from it.
+    """
+    if DEVICE != "cuda":
+        return bench(lambda: [c() for c in calls]) / len(calls)
+    for c in calls:  # compile and warm up outside the capture
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) / len(calls)
+
+
+def checked_time(
+    attn, case: tuple, d: int, rep: int, graph_bytes: float | None = None
+) -> tuple[float, float, float | None]:
+    """(eager ms, graph ms or None, relative max error against the reference) on ``case``'s seeded inputs.
+
+    ``graph_bytes``: also time from a CUDA graph over enough copies of the
+    inputs to read ~512 MB per replay. The reference check is skipped (error 0)
+    where its dense mask would not fit (prompts past 16k tokens).
+    """
     torch.manual_seed(hash(case) % 2**31)
     q, k, v, meta = attention_inputs(*case, torch.bfloat16)
     out = attn(q, k, v, meta, d**-0.5)
-    if case not in REFERENCE:
-        REFERENCE[case] = reference.paged_attention(q, k, v, meta, d**-0.5)
-    ref = REFERENCE[case].float()
-    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-    return bench(lambda: attn(q, k, v, meta, d**-0.5), rep), err
+    if COMPILE_ONLY:
+        return 0.0, None, 0.0
+    err = 0.0
+    if case[1] * case[2] <= 16384 * 16384:
+        if case not in REFERENCE:
+            REFERENCE[case] = reference.paged_attention(q, k, v, meta, d**-0.5)
+        ref = REFERENCE[case].float()
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    del out
+    eager = bench(lambda: attn(q, k, v, meta, d**-0.5), rep)
+    graph = None
+    if graph_bytes is not None:
+        copies = max(2, min(512, -(-int(512e6) // int(graph_bytes))))
+        if DEVICE != "cuda":
+            copies = 2
+        inputs = [(q, k, v, meta)] + [
+            attention_inputs(*case, torch.bfloat16) for _ in range(copies - 1)
+        ]
+        calls = [lambda x=x: attn(x[0], x[1], x[2], x[3], d**-0.5) for x in inputs]
+        graph = graph_ms(calls)
+    return eager, graph, err
 
 
 def time_prefill(attn, n: int, prefix: int, hq: int, hkv: int, d: int, page: int, rep: int = 200):
     """(ms, FLOPs, error) of one prefill of ``n`` tokens over ``prefix`` cached ones."""
     n, prefix = max(2, n // DRY_SCALE), prefix // DRY_SCALE
-    ms, err = checked_time(attn, (1, n, prefix + n, hq, hkv, d, page), d, rep)
+    ms, _, err = checked_time(attn, (1, n, prefix + n, hq, hkv, d, page), d, rep)
     return ms, prefill_flops(n, prefix + n, hq, d), err
 
 
 def time_decode(attn, batch: int, ctx: int, hq: int, hkv: int, d: int, page: int, rep: int = 200):
-    """(ms, bytes, error) of one decode step of ``batch`` sequences at context ``ctx``."""
+    """(eager ms, graph ms, bytes, error) of one decode step of ``batch`` sequences at ``ctx``."""
     batch, ctx = max(1, batch // DRY_SCALE), max(1, ctx // DRY_SCALE)
-    ms, err = checked_time(attn, (batch, 1, ctx, hq, hkv, d, page), d, rep)
-    return ms, decode_bytes(batch, ctx, hq, hkv, d, 2), err
+    nbytes = decode_bytes(batch, ctx, hq, hkv, d, 2)
+    eager, graph, err = checked_time(attn, (batch, 1, ctx, hq, hkv, d, page), d, rep, nbytes)
+    return eager, graph, nbytes, err
 
 
 # ---------------------------------------------------------------- the default benchmarks
@@ -295,16 +348,11 @@ def run_suite(args: argparse.Namespace, tiles: dict[str, Any]) -> None:
         max_ctx = max(4096, ctx)
         attn = make_attention(torch.bfloat16, max_ctx, decode=dec, splits=tiles.get("splits"))
         splits = attn.num_splits(batch, hkv)
-        ms, nbytes, err = time_decode(attn, batch, ctx, hq, hkv, d, page)
+        eager, graph, nbytes, err = time_decode(attn, batch, ctx, hq, hkv, d, page)
         t = tuple(attn.decode_tiles(d))
-        report(
-            f"decode {batch}x{ctx} {hq}/{hkv}x{d} fused {t} splits={splits}",
-            ms,
-            nbytes,
-            tiles=list(t),
-            splits=splits,
-            err=err,
-        )
+        what = f"decode {batch}x{ctx} {hq}/{hkv}x{d} fused {t} splits={splits}"
+        report(f"{what} graph", graph, nbytes, tiles=list(t), splits=splits, err=err, mode="graph")
+        report(f"{what} eager", eager, nbytes, tiles=list(t), splits=splits, mode="eager")
 
 
 def sdpa_peers(n: int, hq: int, hkv: int, d: int, flops: float) -> None:
@@ -328,36 +376,44 @@ def sdpa_peers(n: int, hq: int, hkv: int, d: int, flops: float) -> None:
 # ---------------------------------------------------------------- the tile sweep
 
 
-PREFILL_CANDIDATES = [  # (block_m, block_n, num_warps, num_stages, warp_specialize)
-    (128, 64, 8, 3, False),
-    (128, 64, 8, 4, False),
-    (128, 64, 8, 2, False),
-    (128, 128, 8, 2, False),
-    (128, 128, 8, 3, False),
-    (64, 64, 4, 3, False),
-    (64, 64, 4, 4, False),
-    (64, 128, 4, 2, False),
-    (128, 64, 4, 3, False),
-    (128, 32, 8, 4, False),
-    (128, 64, 8, 3, True),
-    (128, 128, 8, 3, True),
+PREFILL_CANDIDATES = [  # (block_m, block_n, num_warps, num_stages, lazy_rescale, gather_pages)
+    (128, 64, 4, 3, False, False),
+    (128, 64, 4, 3, True, False),
+    (128, 64, 4, 3, False, True),
+    (128, 64, 4, 3, True, True),
+    (128, 128, 8, 3, False, False),
+    (128, 128, 8, 3, True, False),
+    (128, 128, 8, 3, False, True),
+    (128, 128, 8, 3, True, True),
+    (64, 64, 4, 3, True, True),
+    (128, 64, 8, 3, True, True),
+    (128, 64, 4, 4, True, True),
+    (128, 64, 4, 2, True, True),
+    (128, 128, 4, 2, True, True),
+    (64, 128, 4, 3, True, True),
 ]
+PREFILL_LENGTHS = (4096, 16384)  # the winner has the best mean rate over both
+FOLLOW_CANDIDATES = [
+    (128, 64, 4, 3, False, False),
+    (128, 64, 4, 3, True, True),
+    (128, 128, 8, 3, False, False),
+    (128, 128, 8, 3, True, True),
+]
+FOLLOW_HEADS = [(32, 32, 128), (16, 8, 128), (64, 8, 128), (32, 8, 64)]  # (Hq, Hkv, D)
 DECODE_CANDIDATES = [  # (block_n, num_warps, num_stages)
-    (64, 4, 3),
     (64, 4, 4),
-    (64, 4, 5),
-    (32, 4, 4),
-    (32, 2, 4),
+    (64, 4, 3),
     (64, 2, 4),
     (128, 4, 3),
-    (128, 8, 3),
     (16, 1, 6),
-    (64, 8, 4),
+    (16, 1, 8),
+    (32, 1, 6),
+    (32, 2, 6),
+    (64, 2, 6),
+    (32, 2, 4),
 ]
-FOLLOW_CANDIDATES = [(128, 64, 8, 3, False), (128, 128, 8, 3, False), (128, 64, 8, 4, False)]
-FOLLOW_HEADS = [(32, 32, 128), (16, 8, 128), (64, 8, 128), (32, 8, 64)]  # (Hq, Hkv, D)
-TUNE_DECODE_SHAPES = [(256, 512), (64, 2048), (8, 2048)]
-TUNE_SPLIT_SHAPES = [(1, 128), (1, 1024), (1, 4096), (1, 32768), (8, 2048), (32, 1024), (256, 512)]
+TUNE_DECODE_SHAPES = [(256, 512), (64, 2048), (8, 2048)]  # the winner: best worst of the first two
+TUNE_SPLIT_SHAPES = [(1, 128), (1, 1024), (1, 4096), (1, 32768), (8, 2048), (32, 1024)]
 SPLIT_CANDIDATES = [1, 2, 4, 8, 16, 32, 64]
 
 
@@ -367,13 +423,14 @@ def tune_jobs(best_decode: tuple | None = None) -> list[tuple]:
 
     jobs: list[tuple] = []
     for c in PREFILL_CANDIDATES:
-        jobs.append(("prefill", (128, 4), PrefillTiles(*c), (4096, 0, 32, 8, 128, 16)))
+        for n in PREFILL_LENGTHS:
+            jobs.append(("prefill", (128, 4), PrefillTiles(*c), (n, 0, 32, 8, 128, 16)))
     for c in FOLLOW_CANDIDATES:
         for hq, hkv, d in FOLLOW_HEADS:
             jobs.append(("prefill", (d, hq // hkv), PrefillTiles(*c), (4096, 0, hq, hkv, d, 16)))
     for page in (1, 64):  # the per-row and the one-entry-per-tile page gathers
-        tiles = PrefillTiles(*PREFILL_CANDIDATES[0])
-        jobs.append(("prefill-page", (128, 4), tiles, (4096, 0, 32, 8, 128, page)))
+        for c in FOLLOW_CANDIDATES[:2]:
+            jobs.append(("prefill-page", (128, 4), PrefillTiles(*c), (4096, 0, 32, 8, 128, page)))
     for c in DECODE_CANDIDATES:
         for batch, ctx in TUNE_DECODE_SHAPES:
             jobs.append(("decode", (128, 4), DecodeTiles(*c), (batch, ctx, 32, 8, 128, 16, None)))
@@ -394,14 +451,19 @@ def run_job(job: tuple, rep: int) -> dict[str, Any] | None:
             attn = make_attention(torch.bfloat16, 4096, prefill=tiles)
             ms, flops, err = time_prefill(attn, n, prefix, hq, hkv, d, page, rep)
             name = f"tune {kind} {n} {hq}/{hkv}x{d} page {page} {tuple(tiles)}"
-            extra: dict[str, Any] = {"flops": flops}
+            extra: dict[str, Any] = {"flops": flops, "shape": [n, prefix]}
         else:
             batch, ctx, hq, hkv, d, page, splits = shape
             attn = make_attention(torch.bfloat16, max(4096, ctx), decode=tiles, splits=splits)
             used = attn.num_splits(batch, hkv)
-            ms, nbytes, err = time_decode(attn, batch, ctx, hq, hkv, d, page, rep)
-            name = f"tune {kind} {batch}x{ctx} {tuple(tiles)} splits={used}"
-            extra = {"nbytes": nbytes, "splits": used, "shape": [batch, ctx]}
+            eager, ms, nbytes, err = time_decode(attn, batch, ctx, hq, hkv, d, page, rep)
+            name = f"tune {kind} {batch}x{ctx} {tuple(tiles)} splits={used} graph"
+            extra = {
+                "nbytes": nbytes,
+                "splits": used,
+                "shape": [batch, ctx],
+                "eager_us": eager * 1e3,
+            }
     except Exception as exc:
         msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         print(f"tune {kind} {tuple(tiles)} {shape}: FAILED {msg}", flush=True)
@@ -467,17 +529,29 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     for job in tune_jobs():
         if job[0] != "split":
             run_job(job, args.rep)
-    # decode winner: the best worst-case fraction of copy over the tuned shapes
+    # decode winner: the best worst-case fraction of copy over the two large shapes
     by_tiles: dict[tuple, list[float]] = {}
     for r in ROWS:
         if r.get("kind") == "decode" and "frac_copy" in r:
             by_tiles.setdefault(tuple(r["tiles"]), []).append(r["frac_copy"])
     complete = [t for t, v in by_tiles.items() if len(v) == len(TUNE_DECODE_SHAPES)]
-    best_dec = max(complete, key=lambda t: (min(by_tiles[t]), statistics.mean(by_tiles[t])))
+    best_dec = max(complete, key=lambda t: (min(by_tiles[t][:2]), statistics.mean(by_tiles[t])))
     for job in tune_jobs(best_decode=best_dec):
         if job[0] == "split":
             run_job(job, args.rep)
-    prefill_best = best_by(ROWS, "prefill", "tflop_s", lambda r: tuple(r["key"]))
+    # prefill winner per (head size, group): the best mean rate over the lengths it was run at
+    rates: dict[tuple, dict[tuple, list[float]]] = {}
+    for r in ROWS:
+        if r.get("kind") == "prefill" and "tflop_s" in r:
+            rates.setdefault(tuple(r["key"]), {}).setdefault(tuple(r["tiles"]), []).append(
+                r["tflop_s"]
+            )
+    prefill_best = {}
+    for key, by in rates.items():
+        runs = max(len(v) for v in by.values())
+        full = {t: statistics.mean(v) for t, v in by.items() if len(v) == runs}
+        best = max(full, key=lambda t: full[t])
+        prefill_best[key] = {"tiles": list(best), "tflop_s": round(full[best], 1)}
     split_best = best_by(ROWS, "split", "frac_copy", lambda r: tuple(r["shape"]))
     winners = {
         "prefill": {f"{k[0]}/{k[1]}": r["tiles"] for k, r in sorted(prefill_best.items())},
@@ -487,10 +561,14 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     print("\nwinners:", json.dumps(winners), flush=True)
     for k, r in sorted(prefill_best.items()):
         print(f"  prefill head {k[0]} group {k[1]}: {r['tiles']} {r['tflop_s']} TFLOP/s")
-    for t, v in sorted(by_tiles.items(), key=lambda kv: -min(kv[1])):
+    for t, v in sorted(by_tiles.items(), key=lambda kv: -min(kv[1][:2])):
         print(f"  decode {t}: " + " ".join(f"{100 * x:.1f}%" for x in v))
     for k, r in sorted(split_best.items()):
-        print(f"  splits {k[0]}x{k[1]}: best {r['splits']} ({100 * r['frac_copy']:.1f}% of copy)")
+        runs = [x for x in ROWS if x.get("kind") == "split" and tuple(x.get("shape", ())) == k]
+        each = " ".join(f"{x['splits']}:{x['us']:.1f}" for x in runs)
+        print(
+            f"  splits {k[0]}x{k[1]}: best {r['splits']} ({100 * r['frac_copy']:.1f}%); us {each}"
+        )
     return winners
 
 
@@ -529,6 +607,8 @@ def main() -> None:
     p.add_argument("--commit", default=os.environ.get("PITSTOP_COMMIT", "unknown"))
     p.add_argument("--dry-run", type=int, metavar="SCALE", help=argparse.SUPPRESS)
     args = p.parse_args()
+    global COMPILE_ONLY
+    COMPILE_ONLY = args.compile_only
     if args.dry_run:
         global DEVICE, DRY_SCALE
         os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import

@@ -368,6 +368,7 @@ def run_attention(
     heads=heads_strategy((1, 3, 4, 8)),
     head_size=st.sampled_from([64, 128]),
     dtype=st.sampled_from(DTYPES),
+    lazy_gather=st.sampled_from([(False, False), (True, True)]),
     seed=st.integers(0, 2**16),
 )
 def test_attention_matches_reference(
@@ -375,10 +376,43 @@ def test_attention_matches_reference(
     heads: tuple[int, int],
     head_size: int,
     dtype: torch.dtype,
+    lazy_gather: tuple[bool, bool],
     seed: int,
 ) -> None:
-    """Mixed prefill / chunk / decode batches over scattered pages (GQA 1, 3, 4, 8; pages 1..64)."""
-    run_attention(fused(dtype), batch, heads[0], heads[1], head_size, dtype, seed)
+    """Mixed prefill / chunk / decode batches over scattered pages (GQA 1, 3, 4, 8; pages 1..64).
+
+    Half the examples run the prefill with lazy rescaling and one block-table entry per page.
+    """
+    from pitstop.plugins.kernels.triton_ops.paged_attention import INTERPRETER_PREFILL
+
+    ks = fused(dtype)
+    ks._attn._prefill_override = INTERPRETER_PREFILL._replace(  # type: ignore[union-attr]
+        lazy_rescale=lazy_gather[0], gather_pages=lazy_gather[1]
+    )
+    run_attention(ks, batch, heads[0], heads[1], head_size, dtype, seed)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_rescale_when_the_maximum_jumps(lazy: bool) -> None:
+    """Scores that grow along the context (keys scaled up page by page) force rescales mid-row."""
+    from pitstop.plugins.kernels.triton_ops.paged_attention import INTERPRETER_PREFILL
+
+    qlens, ctxs, page_size = [60, 1], [90, 77], 8
+    num_pages = sum(-(-c // page_size) for c in ctxs) + 2
+    meta = make_meta(qlens, ctxs, page_size, num_pages, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(qlens), 4, 64, generator=gen).to(DEVICE)
+    ramp = torch.linspace(0.5, 12.0, num_pages)[torch.randperm(num_pages, generator=gen)]
+    k_cache = (
+        torch.randn(num_pages, page_size, 2, 64, generator=gen) * ramp[:, None, None, None]
+    ).to(DEVICE)
+    v_cache = torch.randn(num_pages, page_size, 2, 64, generator=gen).to(DEVICE)
+    ks = fused(torch.float32)
+    ks._attn._prefill_override = INTERPRETER_PREFILL._replace(lazy_rescale=lazy)  # type: ignore[union-attr]
+    with poisoned_outputs():
+        out = ks.attention(q, k_cache, v_cache, meta, 0.125)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert_close(out, expected, torch.float32, f"lazy={lazy}")
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])

@@ -61,13 +61,20 @@ LOG2E = 1.4426950408889634
 
 
 class PrefillTiles(NamedTuple):
-    """Launch shape of the prefill kernel: rows (tokens x group heads) and keys per tile."""
+    """Launch shape of the prefill kernel: rows (tokens x group heads) and keys per tile.
+
+    ``lazy_rescale``: rescale the accumulator only when a row's running maximum
+    grew by more than 2^8 (else keep the stale maximum: the same result, fewer
+    multiplies). ``gather_pages``: read one block-table entry per page of a
+    tile instead of one per row.
+    """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False
+    lazy_rescale: bool = False
+    gather_pages: bool = False
 
 
 class DecodeTiles(NamedTuple):
@@ -145,22 +152,35 @@ def _page_rows(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    GATHER_PAGES: tl.constexpr,
 ):
     """Element offsets of the key tokens ``n = n0 + arange(BLOCK_N)`` of one sequence's pages.
 
     ``n0`` is a multiple of ``BLOCK_N`` below the context length. When a page
     holds whole tiles the tile lies in one page, placed by one block-table
-    entry; otherwise each row reads its page's entry (the rows of one page
+    entry; with ``GATHER_PAGES`` a tile of several whole pages reads one entry
+    per page; otherwise each row reads its page's entry (the rows of one page
     read the same entry). ``MASKED``: rows at or past ``key_end`` read no
     entry (the table is -1 there) and take page 0; the caller masks their loads.
     """
     if PAGE_SIZE % BLOCK_N == 0:
         page = tl.load(table + n0 // PAGE_SIZE).to(tl.int64)
-    elif MASKED:
-        page = tl.load(table + n // PAGE_SIZE, mask=n < key_end, other=0).to(tl.int64)
+        rows = page * stride_cp + (n % PAGE_SIZE) * stride_cs
+    elif GATHER_PAGES and PAGE_SIZE > 1 and BLOCK_N % PAGE_SIZE == 0:
+        idx = n0 // PAGE_SIZE + tl.arange(0, BLOCK_N // PAGE_SIZE)
+        if MASKED:
+            pages = tl.load(table + idx, mask=idx * PAGE_SIZE < key_end, other=0)
+        else:
+            pages = tl.load(table + idx)
+        slots = tl.arange(0, PAGE_SIZE) * stride_cs
+        rows = tl.reshape(pages.to(tl.int64)[:, None] * stride_cp + slots[None, :], [BLOCK_N])
     else:
-        page = tl.load(table + n // PAGE_SIZE).to(tl.int64)
-    return page * stride_cp + (n % PAGE_SIZE) * stride_cs
+        if MASKED:
+            page = tl.load(table + n // PAGE_SIZE, mask=n < key_end, other=0).to(tl.int64)
+        else:
+            page = tl.load(table + n // PAGE_SIZE).to(tl.int64)
+        rows = page * stride_cp + (n % PAGE_SIZE) * stride_cs
+    return rows
 
 
 @triton.jit
@@ -183,7 +203,8 @@ def _attend(
     BLOCK_N: tl.constexpr,
     HEAD: tl.constexpr,
     MASK: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    LAZY: tl.constexpr,
+    GATHER_PAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -193,20 +214,15 @@ def _attend(
     ``table`` at the sequence's block-table row. ``MASK``: 0, every key of
     every tile is visible; 1, keys at or past ``key_end`` are not (the last
     tile of a context); 2, also causal: row ``i`` sees the keys ``<= q_pos[i]``
-    (the diagonal). Returns the updated ``(acc, m_i, l_i)`` (log2 domain).
+    (the diagonal). ``LAZY``: see :class:`PrefillTiles`. Returns the updated
+    ``(acc, m_i, l_i)`` (log2 domain; ``acc`` and ``l_i`` relative to ``m_i``).
     """
-    if WARP_SPECIALIZE:
-        for n0 in tl.range(start, end, BLOCK_N, warp_specialize=True):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, key_end, scale_log2e,
-                stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, MASK, DOT_PRECISION, UPCAST,
-            )  # fmt: skip
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, key_end, scale_log2e,
-                stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, MASK, DOT_PRECISION, UPCAST,
-            )  # fmt: skip
+    for n0 in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, key_end, scale_log2e,
+            stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, MASK, LAZY, GATHER_PAGES,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
     return acc, m_i, l_i
 
 
@@ -229,12 +245,16 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     HEAD: tl.constexpr,
     MASK: tl.constexpr,
+    LAZY: tl.constexpr,
+    GATHER_PAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One key tile of :func:`_attend`."""
     n = n0 + tl.arange(0, BLOCK_N)
-    rows = _page_rows(table, n0, n, key_end, stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, MASK != 0)
+    rows = _page_rows(
+        table, n0, n, key_end, stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, MASK != 0, GATHER_PAGES
+    )
     offs = rows[:, None] + tl.arange(0, HEAD)[None, :]
     if MASK == 0:
         k = tl.load(k_ptr + offs)
@@ -243,23 +263,34 @@ def _attend_tile(
     s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST)
     if MASK == 0:
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2e)
-        p = tl.exp2(s * scale_log2e - m_new[:, None])
     else:
         if MASK == 1:
             visible = (n < key_end)[None, :]
         else:
             visible = (n[None, :] <= q_pos[:, None]) & (n < key_end)[None, :]
-        s = tl.where(visible, s * scale_log2e, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2e)
+    if LAZY:
+        # keep the stale maximum (p <= 2^8) unless a row's maximum grew by more than 8 (log2)
+        if tl.max(m_new - m_i, axis=0) > 8.0:
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(s * scale_log2e - m_i[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
+    else:
+        p = tl.exp2(s * scale_log2e - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     if MASK == 0:
         v = tl.load(v_ptr + offs)
     else:
         v = tl.load(v_ptr + offs, mask=(n < key_end)[:, None], other=0.0)
-    acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST)
-    return acc, m_new, l_i
+    acc = _dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+    return acc, m_i, l_i
 
 
 # q_row0 and seq0 change every mixed step: not specializing on them (== 1, % 16)
@@ -323,11 +354,11 @@ def _decode_kernel(
     v_ptr = v_cache_ptr + kvh * stride_ch
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, g, k_ptr, v_ptr, table, start, full_end, end, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, False, DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, False, False, DOT_PRECISION, UPCAST,
     )  # fmt: skip
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, g, k_ptr, v_ptr, table, full_end, end, end, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, False, DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, False, False, DOT_PRECISION, UPCAST,
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
@@ -399,7 +430,8 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    LAZY: tl.constexpr,
+    GATHER_PAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -439,13 +471,15 @@ def _prefill_kernel(
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, 0, full_end, ctx, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, WARP_SPECIALIZE, DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, LAZY, GATHER_PAGES,
+        DOT_PRECISION, UPCAST,
     )  # fmt: skip
     # the diagonal, up to the block's last query position; tiles above it are skipped
     diag_end = prefix + tl.minimum(q_len, (mb + 1) * BLOCK_Q)
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, full_end, diag_end, diag_end, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, False, DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, LAZY, GATHER_PAGES,
+        DOT_PRECISION, UPCAST,
     )  # fmt: skip
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -586,7 +620,8 @@ class PagedAttention:
             BLOCK_M=tiles.block_m,
             BLOCK_Q=block_q,
             BLOCK_N=tiles.block_n,
-            WARP_SPECIALIZE=tiles.warp_specialize,
+            LAZY=tiles.lazy_rescale,
+            GATHER_PAGES=tiles.gather_pages,
             DOT_PRECISION=self.dot_precision,
             UPCAST=self.upcast_dot,
             num_warps=tiles.num_warps,
