@@ -159,8 +159,9 @@ def resolve_hub_model(repo_id: str) -> Path:
         folder = Path(snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True))
     except (OSError, ValueError) as exc:  # LocalEntryNotFoundError is an OSError
         raise ModelLoadError(
-            f"model {repo_id!r} is not in the local Hugging Face cache {cache} (pitstop resolves "
-            f"ids offline and never downloads); download it where the Hub is reachable "
+            f"model {repo_id!r} is not in the local Hugging Face cache {cache}, nor a file or "
+            f"folder here (pitstop resolves ids offline and never downloads); download it where "
+            f"the Hub is reachable "
             f"(`hf download {repo_id}`) into that cache, point HF_HUB_CACHE or HF_HOME at the "
             "cache that holds it, or pass the checkpoint's folder"
         ) from exc
