@@ -297,17 +297,20 @@ def test_too_long_requests_are_skipped_and_counted(tmp_path):
 
 # ---------------------------------------------------------------------- matrices
 def test_matrix_steps_accumulate(tmp_path):
-    cfgs = dict(parse_matrix("baseline,+paged,+continuous"))
+    cfgs = dict(parse_matrix("baseline,+paged,+continuous,+overlap"))
     assert cfgs["baseline"] == {
         "allocator": "preallocated",
         "scheduler": "fcfs",
         "kernels": "reference",
+        "overlap": "off",  # the article's baseline is the serial loop
     }
     assert cfgs["+continuous"] == {
         "allocator": "paged",
         "scheduler": "continuous",
         "kernels": "reference",
+        "overlap": "off",
     }
+    assert cfgs["+overlap"]["overlap"] == "on"
     with pytest.raises(MatrixError, match="unknown configuration '\\+turbo'"):
         parse_matrix("baseline,+turbo")
     toml = tmp_path / "m.toml"
