@@ -695,9 +695,13 @@ def _cmd_cache(args: Any) -> int:
             f"GGUF cache at {cache_root() / 'gguf'}: {len(entries)} entries, "
             f"{format_size(sum(e.size_bytes for e in entries))}"
         )
+        width = max((len(e.key) for e in entries), default=0)
         for e in entries:
             stale = "" if e.current else "  (stale: an older pitstop wrote it; clear it)"
-            print(f"  {e.key}  {format_size(e.size_bytes):>9}  {e.created}  {e.source}{stale}")
+            print(
+                f"  {e.key:<{width}}  {format_size(e.size_bytes):>9}  {e.created:<24}  "
+                f"{e.source}{stale}"
+            )
         return 0
     count, freed = clear_cache(args.keys or None)
     print(f"removed {count} cache entries, {format_size(freed)}, from {cache_root() / 'gguf'}")

@@ -321,9 +321,10 @@ def _refuse_unknown_fields(hf: Any, where: str) -> None:
     """A field the config class knows but pitstop has not decided, set to a non-default
     value, is refused: it may change the output (a newer transformers may add such fields).
     Keys the class does not know are ignored, as transformers' model ignores them."""
-    from transformers import PretrainedConfig
+    import transformers
 
-    generic = set(PretrainedConfig().to_dict())
+    base = getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
+    generic = set(base().to_dict())
     decided = generic | set(HF_FIELDS_READ) | set(HF_FIELDS_WITHOUT_EFFECT)
     defaults = type(hf)().to_dict()
     values = hf.to_dict()

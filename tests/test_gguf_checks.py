@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -74,11 +73,11 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 def _refused(tmp_path: Path, folder: Path, **kwargs) -> str:
+    """The error of loading a crafted file: load_model_source reads metadata and headers
+    only, so a refusal there comes before any model (of any claimed size) is built."""
     path = write_gguf_from_hf(folder, tmp_path / "crafted.gguf", **kwargs)
-    t0 = time.perf_counter()
     with pytest.raises(ModelLoadError) as info:
         load_model_source(str(path))
-    assert time.perf_counter() - t0 < 5.0  # refused up front, not after an allocation
     return str(info.value)
 
 
