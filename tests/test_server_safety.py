@@ -456,6 +456,7 @@ def test_step_failures_and_request_failures_are_counted(live: Live) -> None:
     assert delta("pitstop:step_failures_total") == 1
     assert delta("pitstop:request_failures_total{reason=step_failure}") == 1
     assert delta("pitstop:request_failures_total{reason=invalid_request}") == 1
+    assert delta("pitstop:request_failures_total{reason=shutdown}") == 0
     for reason in ("unauthorized", "timeout", "rate_limited", "shutdown", "request_error"):
         assert f"pitstop:request_failures_total{{reason={reason}}}" in after
     # and the engine serves on

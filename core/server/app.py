@@ -214,7 +214,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         if state.draining:
             headers.setdefault("Connection", "close")
         if exc.counted:
-            metrics.observe_request_failure(failure_reason(exc.status))
+            metrics.observe_request_failure(failure_reason(exc.status, exc.code))
         return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(APIError)
@@ -396,8 +396,10 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         except ServerCut:
             raise _shutdown_error() from None
         except EngineStepError as exc:
-            metrics.observe_stream_error(exc)
-            raise _engine_error(exc) from exc
+            metrics.observe_stream_error(exc)  # counts the request and, once, its step
+            err = _engine_error(exc)
+            err.counted = False
+            raise err from exc
         finally:
             watcher.cancel()
             flight.release()

@@ -105,8 +105,12 @@ REQUEST_FAILURE_REASONS = (
 )
 
 
-def failure_reason(status: int) -> str:
-    """The ``reason`` label of a request refused or failed with HTTP ``status``."""
+def failure_reason(status: int, code: str | None = None) -> str:
+    """The ``reason`` label of a request refused or failed with HTTP ``status`` (and ``code``)."""
+    if code == "request_failed":
+        return "request_error"
+    if code == "engine_error":
+        return "step_failure"
     if status in (401, 403):
         return "unauthorized"
     if status == 408:
