@@ -349,7 +349,7 @@ def run_suite(args: argparse.Namespace, tiles: dict[str, Any]) -> None:
         attn = make_attention(torch.bfloat16, max_ctx, decode=dec, splits=tiles.get("splits"))
         splits = attn.num_splits(batch, hkv)
         eager, graph, nbytes, err = time_decode(attn, batch, ctx, hq, hkv, d, page)
-        t = tuple(attn.decode_tiles(d))
+        t = tuple(attn.decode_tiles(d, hq // hkv))
         what = f"decode {batch}x{ctx} {hq}/{hkv}x{d} fused {t} splits={splits}"
         report(f"{what} graph", graph, nbytes, tiles=list(t), splits=splits, err=err, mode="graph")
         report(f"{what} eager", eager, nbytes, tiles=list(t), splits=splits, mode="eager")
@@ -376,44 +376,22 @@ def sdpa_peers(n: int, hq: int, hkv: int, d: int, flops: float) -> None:
 # ---------------------------------------------------------------- the tile sweep
 
 
-PREFILL_CANDIDATES = [  # (block_m, block_n, num_warps, num_stages, lazy_rescale, gather_pages)
-    (128, 64, 4, 3, False, False),
-    (128, 64, 4, 3, True, False),
-    (128, 64, 4, 3, False, True),
-    (128, 64, 4, 3, True, True),
-    (128, 128, 8, 3, False, False),
-    (128, 128, 8, 3, True, False),
-    (128, 128, 8, 3, False, True),
-    (128, 128, 8, 3, True, True),
-    (64, 64, 4, 3, True, True),
-    (128, 64, 8, 3, True, True),
-    (128, 64, 4, 4, True, True),
-    (128, 64, 4, 2, True, True),
-    (128, 128, 4, 2, True, True),
-    (64, 128, 4, 3, True, True),
+PREFILL_CANDIDATES = [  # (block_m, block_n, num_warps, num_stages)
+    (128, 64, 4, 3),
+    (128, 64, 4, 2),
+    (128, 64, 4, 4),
+    (128, 32, 4, 3),
+    (128, 128, 8, 3),
+    (256, 64, 8, 2),
+    (256, 64, 8, 3),
+    (256, 32, 8, 3),
 ]
 PREFILL_LENGTHS = (4096, 16384)  # the winner has the best mean rate over both
-FOLLOW_CANDIDATES = [
-    (128, 64, 4, 3, False, False),
-    (128, 64, 4, 3, True, True),
-    (128, 128, 8, 3, False, False),
-    (128, 128, 8, 3, True, True),
-]
+FOLLOW_CANDIDATES = [(128, 64, 4, 3), (128, 128, 8, 3)]  # for the other GQA ratios, head sizes
 FOLLOW_HEADS = [(32, 32, 128), (16, 8, 128), (64, 8, 128), (32, 8, 64)]  # (Hq, Hkv, D)
-DECODE_CANDIDATES = [  # (block_n, num_warps, num_stages)
-    (64, 4, 4),
-    (64, 4, 3),
-    (64, 2, 4),
-    (128, 4, 3),
-    (16, 1, 6),
-    (16, 1, 8),
-    (32, 1, 6),
-    (32, 2, 6),
-    (64, 2, 6),
-    (32, 2, 4),
-]
+DECODE_CANDIDATES = [(32, 1, 6), (16, 1, 6), (64, 4, 3), (64, 2, 4)]  # (block_n, warps, stages)
 TUNE_DECODE_SHAPES = [(256, 512), (64, 2048), (8, 2048)]  # the winner: best worst of the first two
-TUNE_SPLIT_SHAPES = [(1, 128), (1, 1024), (1, 4096), (1, 32768), (8, 2048), (32, 1024)]
+TUNE_SPLIT_SHAPES = [(1, 128), (1, 4096), (8, 2048)]
 SPLIT_CANDIDATES = [1, 2, 4, 8, 16, 32, 64]
 
 
@@ -428,17 +406,16 @@ def tune_jobs(best_decode: tuple | None = None) -> list[tuple]:
     for c in FOLLOW_CANDIDATES:
         for hq, hkv, d in FOLLOW_HEADS:
             jobs.append(("prefill", (d, hq // hkv), PrefillTiles(*c), (4096, 0, hq, hkv, d, 16)))
-    for page in (1, 64):  # the per-row and the one-entry-per-tile page gathers
-        for c in FOLLOW_CANDIDATES[:2]:
-            jobs.append(("prefill-page", (128, 4), PrefillTiles(*c), (4096, 0, 32, 8, 128, page)))
+    for page in (1, 64):
+        tiles = PrefillTiles(*PREFILL_CANDIDATES[0])
+        jobs.append(("prefill-page", (128, 4), tiles, (4096, 0, 32, 8, 128, page)))
     for c in DECODE_CANDIDATES:
         for batch, ctx in TUNE_DECODE_SHAPES:
             jobs.append(("decode", (128, 4), DecodeTiles(*c), (batch, ctx, 32, 8, 128, 16, None)))
     dec = DecodeTiles(*(best_decode or DECODE_CANDIDATES[0]))
-    for batch, ctx in TUNE_SPLIT_SHAPES:
+    for batch, ctx in TUNE_SPLIT_SHAPES:  # past a short context's end, splits are empty
         for s in SPLIT_CANDIDATES:
-            if s * 16 <= ctx:
-                jobs.append(("split", (128, 4), dec, (batch, ctx, 32, 8, 128, 16, s)))
+            jobs.append(("split", (128, 4), dec, (batch, ctx, 32, 8, 128, 16, s)))
     return jobs
 
 

@@ -263,8 +263,8 @@ def batches(
 ) -> tuple[list[int], list[int], int]:
     """(query lengths, context lengths, page size): decodes, whole prompts and chunks over a prefix.
 
-    Contexts cluster around page and tile borders (the interpreter's key tiles are 16 wide); page
-    size 1 and 8 take the per-row block-table gather, 16 and 64 the one-entry-per-tile one.
+    Contexts cluster around page and tile borders (the interpreter's key tiles are 16 wide): a
+    tile spans 16 pages of 1 token, two of 8, one of 16, or a quarter of one of 64.
     """
     page_size = draw(st.sampled_from(page_sizes))
     n = draw(st.integers(1, max_seqs))
@@ -368,7 +368,6 @@ def run_attention(
     heads=heads_strategy((1, 3, 4, 8)),
     head_size=st.sampled_from([64, 128]),
     dtype=st.sampled_from(DTYPES),
-    lazy_gather=st.sampled_from([(False, False), (True, True)]),
     seed=st.integers(0, 2**16),
 )
 def test_attention_matches_reference(
@@ -376,43 +375,27 @@ def test_attention_matches_reference(
     heads: tuple[int, int],
     head_size: int,
     dtype: torch.dtype,
-    lazy_gather: tuple[bool, bool],
     seed: int,
 ) -> None:
-    """Mixed prefill / chunk / decode batches over scattered pages (GQA 1, 3, 4, 8; pages 1..64).
-
-    Half the examples run the prefill with lazy rescaling and one block-table entry per page.
-    """
-    from pitstop.plugins.kernels.triton_ops.paged_attention import INTERPRETER_PREFILL
-
-    ks = fused(dtype)
-    ks._attn._prefill_override = INTERPRETER_PREFILL._replace(  # type: ignore[union-attr]
-        lazy_rescale=lazy_gather[0], gather_pages=lazy_gather[1]
-    )
-    run_attention(ks, batch, heads[0], heads[1], head_size, dtype, seed)
+    """Mixed prefill / chunk / decode batches over scattered pages (GQA 1, 3, 4, 8; pages 1..64)."""
+    run_attention(fused(dtype), batch, heads[0], heads[1], head_size, dtype, seed)
 
 
-@pytest.mark.parametrize("lazy", [False, True])
-def test_rescale_when_the_maximum_jumps(lazy: bool) -> None:
+def test_rescale_when_the_maximum_jumps() -> None:
     """Scores that grow along the context (keys scaled up page by page) force rescales mid-row."""
-    from pitstop.plugins.kernels.triton_ops.paged_attention import INTERPRETER_PREFILL
-
     qlens, ctxs, page_size = [60, 1], [90, 77], 8
     num_pages = sum(-(-c // page_size) for c in ctxs) + 2
     meta = make_meta(qlens, ctxs, page_size, num_pages, seed=5)
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(sum(qlens), 4, 64, generator=gen).to(DEVICE)
     ramp = torch.linspace(0.5, 12.0, num_pages)[torch.randperm(num_pages, generator=gen)]
-    k_cache = (
-        torch.randn(num_pages, page_size, 2, 64, generator=gen) * ramp[:, None, None, None]
-    ).to(DEVICE)
-    v_cache = torch.randn(num_pages, page_size, 2, 64, generator=gen).to(DEVICE)
-    ks = fused(torch.float32)
-    ks._attn._prefill_override = INTERPRETER_PREFILL._replace(lazy_rescale=lazy)  # type: ignore[union-attr]
+    k_cache = torch.randn(num_pages, page_size, 2, 64, generator=gen) * ramp[:, None, None, None]
+    v_cache = torch.randn(num_pages, page_size, 2, 64, generator=gen)
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
     with poisoned_outputs():
-        out = ks.attention(q, k_cache, v_cache, meta, 0.125)
+        out = fused(torch.float32).attention(q, k_cache, v_cache, meta, 0.125)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
-    assert_close(out, expected, torch.float32, f"lazy={lazy}")
+    assert_close(out, expected, torch.float32, "rescaled")
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -437,7 +420,7 @@ def test_tiles_keyed_by_head_size_and_group() -> None:
                 t = pa.prefill_tiles(head, group, dtype)
                 assert t.block_m >= group and t.block_m & (t.block_m - 1) == 0, (head, group, t)
                 assert t.block_n & (t.block_n - 1) == 0 and t.num_stages >= 1
-                dt = pa.decode_tiles(head, dtype)
+                dt = pa.decode_tiles(head, group, dtype)
                 assert dt.block_n >= 16 and dt.block_n & (dt.block_n - 1) == 0
     attn = pa.PagedAttention(torch.device("cpu"), torch.bfloat16, 512)
     # a short query (a draft, a small chunk) takes a row tile that it fills

@@ -6,13 +6,13 @@ token ``n`` lives at page ``block_tables[seq, n // page_size]``, offset
 in place, so one kernel serves a fresh prompt and a chunk over a cached prefix.
 
 Both kernels run the same loop, :func:`_attend`: key tiles of ``BLOCK_N``
-tokens gathered page-wise through the block table (:func:`_page_rows`: one
-block-table entry per tile when a page holds whole tiles, one per row
-otherwise; ``page_size`` is a compile-time constant, so the arithmetic is
-shifts and masks), ``q @ k^T`` and ``p @ v`` through ``tl.dot`` (wgmma on
-Hopper) accumulated in float32, and an online softmax in the log2 domain
-(scores times ``scale * log2(e)``, then ``exp2``). The loop is software
-pipelined (``num_stages``); only the tiles that need a mask get one.
+tokens gathered through the block table (:func:`_page_rows`; ``page_size``
+is a compile-time constant, so the address arithmetic is shifts and masks),
+loaded as whole 16-byte vectors into the software pipeline's shared-memory
+stages (``num_stages``, cp.async), ``q @ k^T`` and ``p @ v`` through
+``tl.dot`` (wgmma on Hopper) accumulated in float32, and an online softmax in
+the log2 domain (scores times ``scale * log2(e)``, then ``exp2``). Only the
+tiles that need a mask get one.
 
 GQA packing: a program holds the query heads of one KV group, so every K/V
 tile it loads serves ``group`` query heads. Its ``BLOCK_M`` rows are
@@ -61,20 +61,12 @@ LOG2E = 1.4426950408889634
 
 
 class PrefillTiles(NamedTuple):
-    """Launch shape of the prefill kernel: rows (tokens x group heads) and keys per tile.
-
-    ``lazy_rescale``: rescale the accumulator only when a row's running maximum
-    grew by more than 2^8 (else keep the stale maximum: the same result, fewer
-    multiplies). ``gather_pages``: read one block-table entry per page of a
-    tile instead of one per row.
-    """
+    """Launch shape of the prefill kernel: rows (tokens x group heads) and keys per tile."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    lazy_rescale: bool = False
-    gather_pages: bool = False
 
 
 class DecodeTiles(NamedTuple):
@@ -85,17 +77,21 @@ class DecodeTiles(NamedTuple):
     num_stages: int
 
 
-# Measured on the H200 (bf16, `kernels_bench.py --tune`, 2026-12-01); the keys are
-# (head_size, group). Other shapes take the rule in prefill_tiles().
+# The winners of `kernels_bench.py --tune` on the H200 (bf16, 4,096 and 16,384 tokens, page 16,
+# 2026-12-01), keyed by (head_size, group); other shapes take the rule in prefill_tiles().
 PREFILL_TILES: dict[tuple[int, int], PrefillTiles] = {
-    (128, 1): PrefillTiles(128, 64, 8, 3),
-    (128, 2): PrefillTiles(128, 64, 8, 3),
-    (128, 4): PrefillTiles(128, 64, 8, 3),
-    (128, 8): PrefillTiles(128, 64, 8, 3),
+    (128, 1): PrefillTiles(128, 128, 8, 3),
+    (128, 2): PrefillTiles(128, 64, 4, 3),
+    (128, 4): PrefillTiles(128, 64, 4, 3),
+    (128, 8): PrefillTiles(128, 64, 4, 3),
+    (64, 4): PrefillTiles(128, 64, 4, 3),
 }
-# keyed by head size (the group's heads are the rows of one tile)
+# Decode, keyed by head size, for groups of up to 8 query heads per KV head (one warp per
+# program and a deep pipeline keep the most loads in flight: batch 256 x 512, 64 x 2,048 and
+# 8 x 2,048 were each within 3% of their best tiles); larger groups need more warps.
 DECODE_TILES: dict[int, DecodeTiles] = {
-    128: DecodeTiles(64, 4, 3),
+    128: DecodeTiles(32, 1, 6),
+    64: DecodeTiles(32, 1, 6),
 }
 # the interpreter: small tiles so that small test shapes still cross tile borders
 INTERPRETER_PREFILL = PrefillTiles(32, 16, 1, 1)
@@ -107,18 +103,18 @@ def prefill_tiles(head_size: int, group: int, dtype: torch.dtype) -> PrefillTile
     if dtype == torch.float32:  # IEEE fp32 products run on FMA units: small tiles, 8 warps
         return PrefillTiles(64, 32, 8, 2) if head_size <= 128 else PrefillTiles(32, 16, 4, 2)
     tiles = PREFILL_TILES.get((head_size, group)) or PREFILL_TILES.get((head_size, 4))
-    if tiles is None:  # 128 rows need 8 warps at head size 128: with 4, ptxas spills
-        tiles = PrefillTiles(128, 64, 8, 3) if head_size <= 128 else PrefillTiles(64, 32, 4, 3)
+    if tiles is None:
+        tiles = PrefillTiles(128, 64, 4, 3) if head_size <= 128 else PrefillTiles(64, 32, 4, 3)
     if group > tiles.block_m:  # at least one query token per tile
         tiles = tiles._replace(block_m=triton.next_power_of_2(group))
     return tiles
 
 
-def decode_tiles(head_size: int, dtype: torch.dtype) -> DecodeTiles:
-    """The decode tiles for this head size on a CUDA device."""
+def decode_tiles(head_size: int, group: int, dtype: torch.dtype) -> DecodeTiles:
+    """The decode tiles for this head size and GQA ratio on a CUDA device."""
     if dtype == torch.float32:  # with 4 warps ptxas spills
         return DecodeTiles(32, 8, 2)
-    if head_size in DECODE_TILES:
+    if head_size in DECODE_TILES and group <= 8:
         return DECODE_TILES[head_size]
     return DecodeTiles(64, 4, 3) if head_size <= 128 else DecodeTiles(32, 4, 2)
 
@@ -144,43 +140,29 @@ def _dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _page_rows(
     table,
-    n0,
     n,
     key_end,
     stride_cp,
     stride_cs,
     PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
-    GATHER_PAGES: tl.constexpr,
 ):
-    """Element offsets of the key tokens ``n = n0 + arange(BLOCK_N)`` of one sequence's pages.
+    """Element offsets of the key tokens ``n`` of one sequence in its pages.
 
-    ``n0`` is a multiple of ``BLOCK_N`` below the context length. When a page
-    holds whole tiles the tile lies in one page, placed by one block-table
-    entry; with ``GATHER_PAGES`` a tile of several whole pages reads one entry
-    per page; otherwise each row reads its page's entry (the rows of one page
-    read the same entry). ``MASKED``: rows at or past ``key_end`` read no
-    entry (the table is -1 there) and take page 0; the caller masks their loads.
+    Each row's page comes from the block table (``PAGE_SIZE`` is a compile-time
+    constant, so ``n // PAGE_SIZE`` and ``n % PAGE_SIZE`` are shifts and masks
+    for powers of two); the rows of one page read the same entry and sit
+    ``stride_cs`` apart, so a tile's K and V load as whole 16-byte vectors into
+    the software pipeline's shared-memory buffers (measured on the H200: one
+    scalar entry per tile, or one entry per page broadcast to its rows, stall
+    that pipeline and run slower). ``MASKED``: rows at or past ``key_end`` read
+    no entry (the table is -1 there) and take page 0; the caller masks their loads.
     """
-    if PAGE_SIZE % BLOCK_N == 0:
-        page = tl.load(table + n0 // PAGE_SIZE).to(tl.int64)
-        rows = page * stride_cp + (n % PAGE_SIZE) * stride_cs
-    elif GATHER_PAGES and PAGE_SIZE > 1 and BLOCK_N % PAGE_SIZE == 0:
-        idx = n0 // PAGE_SIZE + tl.arange(0, BLOCK_N // PAGE_SIZE)
-        if MASKED:
-            pages = tl.load(table + idx, mask=idx * PAGE_SIZE < key_end, other=0)
-        else:
-            pages = tl.load(table + idx)
-        slots = tl.arange(0, PAGE_SIZE) * stride_cs
-        rows = tl.reshape(pages.to(tl.int64)[:, None] * stride_cp + slots[None, :], [BLOCK_N])
+    if MASKED:
+        page = tl.load(table + n // PAGE_SIZE, mask=n < key_end, other=0)
     else:
-        if MASKED:
-            page = tl.load(table + n // PAGE_SIZE, mask=n < key_end, other=0).to(tl.int64)
-        else:
-            page = tl.load(table + n // PAGE_SIZE).to(tl.int64)
-        rows = page * stride_cp + (n % PAGE_SIZE) * stride_cs
-    return rows
+        page = tl.load(table + n // PAGE_SIZE)
+    return page.to(tl.int64) * stride_cp + (n % PAGE_SIZE) * stride_cs
 
 
 @triton.jit
@@ -203,8 +185,6 @@ def _attend(
     BLOCK_N: tl.constexpr,
     HEAD: tl.constexpr,
     MASK: tl.constexpr,
-    LAZY: tl.constexpr,
-    GATHER_PAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -214,14 +194,12 @@ def _attend(
     ``table`` at the sequence's block-table row. ``MASK``: 0, every key of
     every tile is visible; 1, keys at or past ``key_end`` are not (the last
     tile of a context); 2, also causal: row ``i`` sees the keys ``<= q_pos[i]``
-    (the diagonal). ``LAZY``: see :class:`PrefillTiles`. Returns the updated
-    ``(acc, m_i, l_i)`` (log2 domain; ``acc`` and ``l_i`` relative to ``m_i``).
+    (the diagonal). Returns the updated ``(acc, m_i, l_i)`` (log2 domain).
     """
     for n0 in range(start, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, key_end, scale_log2e,
-            stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, MASK, LAZY, GATHER_PAGES,
-            DOT_PRECISION, UPCAST,
+            stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, MASK, DOT_PRECISION, UPCAST,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -245,16 +223,12 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     HEAD: tl.constexpr,
     MASK: tl.constexpr,
-    LAZY: tl.constexpr,
-    GATHER_PAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """One key tile of :func:`_attend`."""
     n = n0 + tl.arange(0, BLOCK_N)
-    rows = _page_rows(
-        table, n0, n, key_end, stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, MASK != 0, GATHER_PAGES
-    )
+    rows = _page_rows(table, n, key_end, stride_cp, stride_cs, PAGE_SIZE, MASK != 0)
     offs = rows[:, None] + tl.arange(0, HEAD)[None, :]
     if MASK == 0:
         k = tl.load(k_ptr + offs)
@@ -270,27 +244,15 @@ def _attend_tile(
             visible = (n[None, :] <= q_pos[:, None]) & (n < key_end)[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2e)
-    if LAZY:
-        # keep the stale maximum (p <= 2^8) unless a row's maximum grew by more than 8 (log2)
-        if tl.max(m_new - m_i, axis=0) > 8.0:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.exp2(s * scale_log2e - m_i[:, None])
-        l_i = l_i + tl.sum(p, axis=1)
-    else:
-        p = tl.exp2(s * scale_log2e - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        m_i = m_new
+    p = tl.exp2(s * scale_log2e - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     if MASK == 0:
         v = tl.load(v_ptr + offs)
     else:
         v = tl.load(v_ptr + offs, mask=(n < key_end)[:, None], other=0.0)
-    acc = _dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
-    return acc, m_i, l_i
+    acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST)
+    return acc, m_new, l_i
 
 
 # q_row0 and seq0 change every mixed step: not specializing on them (== 1, % 16)
@@ -354,11 +316,11 @@ def _decode_kernel(
     v_ptr = v_cache_ptr + kvh * stride_ch
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, g, k_ptr, v_ptr, table, start, full_end, end, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, False, False, DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
     )  # fmt: skip
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, g, k_ptr, v_ptr, table, full_end, end, end, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, False, False, DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST,
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
@@ -369,9 +331,11 @@ def _decode_kernel(
             mask=g_mask[:, None],
         )
     else:
-        # partial state of (decode b, query head, split): o [D], then m and l
+        # partial state of (decode b, query head, split): o [D] (not for an empty split: the
+        # merge skips it), then m and l
         part = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS + split
-        tl.store(part_o_ptr + part[:, None] * HEAD + d[None, :], acc, mask=g_mask[:, None])
+        o_mask = (g_mask & (l_i > 0))[:, None]
+        tl.store(part_o_ptr + part[:, None] * HEAD + d[None, :], acc, mask=o_mask)
         tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
 
@@ -400,7 +364,8 @@ def _decode_reduce_kernel(
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padding row with no keys: output 0
     w = tl.exp2(m - m_max)
     denom = tl.maximum(tl.sum(w * l_s, axis=0), 1e-30)
-    o = tl.load(part_o_ptr + part[:, None] * HEAD + d[None, :], mask=s_mask[:, None], other=0.0)
+    o_mask = (s_mask & (l_s > 0))[:, None]  # an empty split wrote no o
+    o = tl.load(part_o_ptr + part[:, None] * HEAD + d[None, :], mask=o_mask, other=0.0)
     o = tl.sum(o * w[:, None], axis=0) / denom
     row = (q_row0 + b).to(tl.int64)
     tl.store(out_ptr + row * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
@@ -430,8 +395,6 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    LAZY: tl.constexpr,
-    GATHER_PAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -471,15 +434,13 @@ def _prefill_kernel(
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, 0, full_end, ctx, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, LAZY, GATHER_PAGES,
-        DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
     )  # fmt: skip
     # the diagonal, up to the block's last query position; tiles above it are skipped
     diag_end = prefix + tl.minimum(q_len, (mb + 1) * BLOCK_Q)
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, full_end, diag_end, diag_end, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, LAZY, GATHER_PAGES,
-        DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, DOT_PRECISION, UPCAST,
     )  # fmt: skip
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -509,7 +470,7 @@ class PagedAttention:
         num_sms: int | None = None,
         prefill: PrefillTiles | None = None,
         decode: DecodeTiles | None = None,
-        split_waves: int = 2,
+        split_waves: int = 4,
         min_split_tokens: int | None = None,
     ) -> None:
         self.device, self.dtype, self.max_context = device, dtype, max_context
@@ -525,9 +486,11 @@ class PagedAttention:
             )
         self.num_sms = num_sms
         self._prefill_override, self._decode_override = prefill, decode
-        # decode splits: aim at split_waves programs per SM, none under min_split_tokens
+        # decode splits: up to split_waves programs per SM, none under min_split_tokens of
+        # max_context (an H200 sweep of split counts, from CUDA graphs: batch 1, 8 and 32 were
+        # fastest at 64, 8 and 2 splits, i.e. ~512 programs; 64 x 2,048 at 1)
         self.split_waves = split_waves
-        self.min_split_tokens = min_split_tokens or (256 if self.on_gpu else 16)
+        self.min_split_tokens = min_split_tokens or (64 if self.on_gpu else 16)
 
     def prefill_tiles(self, head_size: int, group: int, max_query_len: int) -> PrefillTiles:
         """The prefill tiles of this call; short queries (drafts, small chunks) take fewer rows."""
@@ -539,20 +502,21 @@ class PagedAttention:
             tiles = tiles._replace(block_m=rows, num_warps=min(tiles.num_warps, 4))
         return tiles
 
-    def decode_tiles(self, head_size: int) -> DecodeTiles:
-        """The decode tiles for this head size."""
+    def decode_tiles(self, head_size: int, group: int) -> DecodeTiles:
+        """The decode tiles for this head size and GQA ratio."""
         if self._decode_override is not None:
             return self._decode_override
-        return decode_tiles(head_size, self.dtype) if self.on_gpu else INTERPRETER_DECODE
+        return decode_tiles(head_size, group, self.dtype) if self.on_gpu else INTERPRETER_DECODE
 
     def num_splits(self, num_decodes: int, num_kv_heads: int) -> int:
-        """Context splits per decode sequence: ~``split_waves`` programs per SM, none under ``min_split_tokens``.
+        """Context splits per decode sequence: up to ``split_waves`` programs per SM.
 
         Depends only on the batch size (and constants fixed at construction),
-        so a captured CUDA graph's grid stays valid for every context length.
+        so a captured CUDA graph's grid stays valid for every context length;
+        a split past a shorter context's end only writes an empty state.
         """
         programs = max(1, num_decodes * num_kv_heads)
-        want = triton.cdiv(self.split_waves * self.num_sms, programs)
+        want = self.split_waves * self.num_sms // programs
         cap = max(1, triton.cdiv(self.max_context, self.min_split_tokens))
         splits = max(1, min(want, cap, 64))
         # a power of two: at most 7 compiled variants of the kernels across all batch sizes
@@ -620,8 +584,6 @@ class PagedAttention:
             BLOCK_M=tiles.block_m,
             BLOCK_Q=block_q,
             BLOCK_N=tiles.block_n,
-            LAZY=tiles.lazy_rescale,
-            GATHER_PAGES=tiles.gather_pages,
             DOT_PRECISION=self.dot_precision,
             UPCAST=self.upcast_dot,
             num_warps=tiles.num_warps,
@@ -642,7 +604,7 @@ class PagedAttention:
         nd = meta.num_decodes
         _, hq, d = q.shape
         group = hq // hkv
-        tiles = self.decode_tiles(d)
+        tiles = self.decode_tiles(d, group)
         splits = self.num_splits(nd, hkv)
         bt = meta.block_tables
         if splits > 1:
