@@ -162,6 +162,8 @@ class AsyncLLM:
         self._deadline: float | None = None  # after it, the engine aborts what still runs
         self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
         self._listeners: list[OutputListener] = []
+        self._failure_listeners: list[Callable[[int], None]] = []
+        self._step_failures_seen = 0
         self._thread: threading.Thread | None = None
         self.snapshot = self._take_snapshot()
         if start:
@@ -191,6 +193,15 @@ class AsyncLLM:
     def add_output_listener(self, listener: OutputListener) -> None:
         """Call ``listener(output)`` on the engine thread for every output (metrics); keep it cheap."""
         self._listeners.append(listener)
+
+    def add_failure_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(0)`` on the engine thread for every step the engine isolated a failure in.
+
+        The requests such a step failed come out as outputs with
+        ``finish_reason="error"`` (the others in the step ran on), so the
+        argument, the number of requests the step itself failed, is 0.
+        """
+        self._failure_listeners.append(listener)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -403,6 +414,15 @@ class AsyncLLM:
                 time.sleep(0.05)  # the engine is wedged: do not spin on it
             return
         self.snapshot = self._take_snapshot()  # before callers see the outputs
+        failures = self.engine.stats.step_failures - self._step_failures_seen
+        if failures:
+            self._step_failures_seen += failures
+            for listener in self._failure_listeners:
+                for _ in range(failures):
+                    try:
+                        listener(0)
+                    except Exception:  # noqa: BLE001
+                        log.exception("failure listener %r failed", listener)
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -50,6 +50,7 @@ from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import Sequence, SequenceStatus
 from pitstop.speculative import ProposerContext, draft_room
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
+from pitstop.validation import check_encoded_prompt, validate_request
 from pitstop.weights import load_model_source
 
 log = logging.getLogger(__name__)
@@ -174,39 +175,21 @@ class LLMEngine:
         loop got to it.
         """
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling params must be a SamplingParams, got {type(params).__name__}"
-            )
+        validate_request(prompt, params, prompt_token_ids, vocab_size=self.model_config.vocab_size)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; pick another")
         if prompt_token_ids is None:
-            if prompt is None:
-                raise InvalidRequestError("give a prompt (text) or prompt_token_ids")
-            if not isinstance(prompt, str):
-                raise InvalidRequestError(f"a prompt must be a string, got {type(prompt).__name__}")
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty; give at least one token of text")
+            assert prompt is not None
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids instead of text"
                 )
             ids = self.tokenizer.encode(prompt)
+            check_encoded_prompt(prompt, ids)
         else:
-            ids = list(prompt_token_ids)
-            if not ids:
-                raise InvalidRequestError("prompt_token_ids is empty; give at least one token")
-            bad = [
-                t
-                for t in ids
-                if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size
-            ]
-            if bad:
-                raise InvalidRequestError(
-                    f"token id(s) {bad[:5]} outside the vocabulary [0, {self.model_config.vocab_size})"
-                )
+            ids = [int(t) for t in prompt_token_ids]
         max_len = self.config.max_model_len
         assert max_len is not None
         if len(ids) >= max_len:

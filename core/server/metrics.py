@@ -265,6 +265,9 @@ class ServerMetrics:
         }
         self._seen_step_errors: weakref.WeakSet[BaseException] = weakref.WeakSet()
         llm.add_output_listener(self.observe)
+        add_failure_listener = getattr(llm, "add_failure_listener", None)
+        if add_failure_listener is not None:  # steps the engine isolated a failure in
+            add_failure_listener(self.observe_step_failure)
 
     # ------------------------------------------------------------------ failures
     def observe_step_failure(self, num_requests_failed: int = 0) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import pitstop
-from pitstop.plugins.schedulers.base import BaseScheduler, StepBuilder
+from pitstop.plugins.schedulers.base import MAX_WAIT_STEPS_OPTION, BaseScheduler, StepBuilder
 from pitstop.protocols import StepPlan
 
 if TYPE_CHECKING:
@@ -76,4 +76,10 @@ def create_chunked(config: EngineConfig, allocator: Allocator) -> ChunkedSchedul
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register("chunked", create_chunked)
+    register(
+        "chunked",
+        create_chunked,
+        options={
+            MAX_WAIT_STEPS_OPTION: "aging bound (scheduling rounds) of shortest-first admission"
+        },
+    )

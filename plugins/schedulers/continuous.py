@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import pitstop
-from pitstop.plugins.schedulers.base import BaseScheduler, StepBuilder
+from pitstop.plugins.schedulers.base import MAX_WAIT_STEPS_OPTION, BaseScheduler, StepBuilder
 from pitstop.protocols import StepPlan
 
 if TYPE_CHECKING:
@@ -96,4 +96,10 @@ def create_continuous(config: EngineConfig, allocator: Allocator) -> ContinuousS
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register("continuous", create_continuous)
+    register(
+        "continuous",
+        create_continuous,
+        options={
+            MAX_WAIT_STEPS_OPTION: "aging bound (scheduling rounds) of shortest-first admission"
+        },
+    )
