@@ -24,7 +24,9 @@ for spec in ${BENCHES-nano single}; do
     nano-overlap) run nano-overlap offline --workload nano --kernels fused --matrix benchmarks/workloads/overlap.toml ;;
     single-overlap) run single-overlap offline --workload single --kernels fused --repeats 3 --matrix benchmarks/workloads/overlap.toml ;;
     longtail-best) for i in 1 2 3; do run longtail-best-$i online --workload longtail --max-batch-size 64 ${LT_FLAGS:-} --matrix ${LT_BEST:-benchmarks/workloads/longtail-best.toml}; done ;;
-    busy) for shape in ${BUSY_SHAPES:-nano}; do echo "== GPU busy fraction: $shape"; timeout 300 python3 benchmarks/gpu_busy.py --shape $shape --top ${BUSY_TOP:-0} 2>&1 | grep "^|"; done ;;
+    # BUSY_SHAPES: shape[:on|off|both] ... (benchmarks/gpu_busy.py)
+    busy) for item in ${BUSY_SHAPES:-nano}; do shape=${item%%:*}; loop=both; [ "$shape" != "$item" ] && loop=${item#*:}
+            echo "== GPU busy fraction: $shape ($loop)"; timeout 300 python3 benchmarks/gpu_busy.py --shape $shape --overlap $loop --top ${BUSY_TOP:-0} 2>&1 | grep "^|"; done ;;
     nano-ref) run nano-ref offline --workload nano --kernels reference --num-requests 64 ;;
     single) run single offline --workload single --kernels fused --repeats 3 ;;
     longtail) run longtail online --workload longtail --num-requests ${LT_N:-200} --matrix ${LT_MATRIX:-baseline,+paged,+continuous,+fused,+chunked} --plot "$OUT/longtail.png" ;;
