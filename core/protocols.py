@@ -148,7 +148,17 @@ class StepPlan:
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """Decides which sequences run each step and how many tokens each computes."""
+    """Decides which sequences run each step and how many tokens each computes.
+
+    Under the overlapped engine loop (``overlap``) a step is planned before
+    the previous step's sampled tokens are known: a decoding sequence's last
+    token may be *pending* (still one uncomputed token to schedule), a
+    sequence at its length limit has ``num_uncomputed_tokens == 0`` and must
+    not be scheduled, and finishes arrive through :meth:`on_step_done` one
+    step late. Free a sequence's pages only when preempting it (listed in
+    ``StepPlan.preempted``), in :meth:`abort`, or when :meth:`on_step_done`
+    names it. ``pitstop.testing.scheduler`` checks all of it.
+    """
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (status WAITING)."""
@@ -167,7 +177,12 @@ class Scheduler(Protocol):
         ...
 
     def on_step_done(self, plan: StepPlan, finished: Seq[Sequence]) -> None:
-        """Told after the step which of its sequences finished; release them."""
+        """Told, once ``plan``'s results are applied, which sequences finished; release them.
+
+        Under the overlapped loop ``plan`` is the step before the last one
+        planned, and a finished sequence may be in the step in flight (its
+        extra token is discarded by the engine).
+        """
         ...
 
     @property
