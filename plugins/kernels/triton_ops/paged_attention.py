@@ -82,16 +82,16 @@ class DecodeTiles(NamedTuple):
 PREFILL_TILES: dict[tuple[int, int], PrefillTiles] = {
     (128, 1): PrefillTiles(128, 128, 8, 3),
     (128, 2): PrefillTiles(128, 64, 4, 3),
-    (128, 4): PrefillTiles(128, 64, 4, 3),
+    (128, 4): PrefillTiles(256, 64, 8, 3),
     (128, 8): PrefillTiles(128, 64, 4, 3),
     (64, 4): PrefillTiles(128, 64, 4, 3),
 }
-# Decode, keyed by head size, for groups of up to 8 query heads per KV head (one warp per
-# program and a deep pipeline keep the most loads in flight: batch 256 x 512, 64 x 2,048 and
-# 8 x 2,048 were each within 3% of their best tiles); larger groups need more warps.
+# Decode, keyed by head size, for groups of up to 8 query heads per KV head (two warps per
+# program and four stages: the best worst case over batch 256 x 512 and 64 x 2,048; 1-warp
+# programs were within run-to-run noise of it); larger groups need more warps.
 DECODE_TILES: dict[int, DecodeTiles] = {
-    128: DecodeTiles(32, 1, 6),
-    64: DecodeTiles(32, 1, 6),
+    128: DecodeTiles(64, 2, 4),
+    64: DecodeTiles(64, 2, 4),
 }
 # the interpreter: small tiles so that small test shapes still cross tile borders
 INTERPRETER_PREFILL = PrefillTiles(32, 16, 1, 1)
@@ -486,11 +486,12 @@ class PagedAttention:
             )
         self.num_sms = num_sms
         self._prefill_override, self._decode_override = prefill, decode
-        # decode splits: up to split_waves programs per SM, none under min_split_tokens of
-        # max_context (an H200 sweep of split counts, from CUDA graphs: batch 1, 8 and 32 were
-        # fastest at 64, 8 and 2 splits, i.e. ~512 programs; 64 x 2,048 at 1)
+        # decode splits: up to split_waves programs per SM, at most max_context / min_split_tokens
+        # (H200 sweeps of split counts, timed from CUDA graphs: batch 8 and 32 were fastest at 8
+        # and 2 splits, i.e. ~512 programs, 64 x 2,048 at 1; batch 1 at 32 splits for context
+        # 4,096 and 64 for 32,768, and 1 x 128 lost only 0.5 us at 32 splits against 1)
         self.split_waves = split_waves
-        self.min_split_tokens = min_split_tokens or (64 if self.on_gpu else 16)
+        self.min_split_tokens = min_split_tokens or (128 if self.on_gpu else 16)
 
     def prefill_tiles(self, head_size: int, group: int, max_query_len: int) -> PrefillTiles:
         """The prefill tiles of this call; short queries (drafts, small chunks) take fewer rows."""
