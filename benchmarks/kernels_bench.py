@@ -19,13 +19,17 @@ Usage (on the H200)::
     python benchmarks/kernels_bench.py --suite         # the attention shapes of docs/benchmarks.md
     python benchmarks/kernels_bench.py --tune --json tune.json   # the tile sweep behind PREFILL_TILES
 
-``--tune`` times each candidate tile shape of the prefill kernel (4,096
-tokens, causal, per GQA ratio and head size) and of the decode kernel (batch
-256 x 512, 64 x 2,048, 8 x 2,048), then split counts for small batches; the
-winners are what ``PREFILL_TILES`` / ``DECODE_TILES`` in
-``plugins/kernels/triton_ops/paged_attention.py`` hold. ``--jobs N`` first
-compiles every candidate in N processes (Triton's on-disk cache), so the
-sweep itself only times.
+``--tune`` checks each candidate tile shape against the reference, then times
+it: the prefill kernel at 4,096 and 16,384 causal tokens (a few candidates also
+at other GQA ratios and head size 64, and at page sizes 1 and 64), the decode
+kernel at batch 256 x 512, 64 x 2,048 and 8 x 2,048, then split counts for
+small batches; the winners are what ``PREFILL_TILES`` / ``DECODE_TILES`` and
+``PagedAttention.num_splits`` in ``plugins/kernels/triton_ops/paged_attention.py``
+hold. Decode is timed both eagerly and from a CUDA graph over rotated copies
+of its inputs (how the engine runs it; eager timing of a small decode
+measures the host's launch overhead). ``--jobs N`` first compiles every
+candidate in N processes (Triton's on-disk cache), so the sweep itself only
+times. ``benchmarks/kernels_h200.sh`` runs tests, sweep and suite in one call.
 """
 
 from __future__ import annotations
