@@ -25,6 +25,7 @@ for spec in ${BENCHES-nano single}; do
     single-overlap) run single-overlap offline --workload single --kernels fused --repeats 3 --matrix benchmarks/workloads/overlap.toml ;;
     longtail-best) for i in 1 2 3; do run longtail-best-$i online --workload longtail --max-batch-size 64 ${LT_FLAGS:-} --matrix ${LT_BEST:-benchmarks/workloads/longtail-best.toml}; done ;;
     # BUSY_SHAPES: shape[:on|off|both] ... (benchmarks/gpu_busy.py)
+    longctx) run longctx offline --workload single --model dummy:qwen3-8b --input-len 32000 --output-len 16 --max-model-len 32768 --kernels fused --repeats 2 ;;
     busy) for item in ${BUSY_SHAPES:-nano}; do shape=${item%%:*}; loop=both; [ "$shape" != "$item" ] && loop=${item#*:}
             echo "== GPU busy fraction: $shape ($loop)"; timeout 300 python3 benchmarks/gpu_busy.py --shape $shape --overlap $loop --top ${BUSY_TOP:-0} 2>&1 | grep "^|"; done ;;
     nano-ref) run nano-ref offline --workload nano --kernels reference --num-requests 64 ;;
