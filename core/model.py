@@ -132,6 +132,22 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Project, normalize (Qwen3), rotate and store, attend, project back."""
+        q = self.project(x, rotary, k_cache, v_cache, meta)
+        return self.output(self.kernels.attention(q, k_cache, v_cache, meta, self.scale))
+
+    def project(
+        self,
+        x: torch.Tensor,
+        rotary: RotaryCache,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Everything before attention: q/k/v, q/k norms, rotary and the K/V store; returns q.
+
+        Reads only ``meta.positions`` and ``meta.slot_mapping`` (device tensors),
+        so it can be captured in a CUDA graph for any batch shape.
+        """
         kn, cfg = self.kernels, self.cfg
         t = x.shape[0]
         if self.merged:
@@ -148,8 +164,11 @@ class Attention(nn.Module):
             q = kn.rms_norm(q, self.q_norm, cfg.rms_norm_eps)[0]
             k = kn.rms_norm(k, self.k_norm, cfg.rms_norm_eps)[0]
         q, _ = kn.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta)
-        o = kn.attention(q, k_cache, v_cache, meta, self.scale)
-        return kn.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        return q
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of attention's result ``[T, heads, head_size]``."""
+        return self.kernels.linear(o.reshape(o.shape[0], self.q_size), self.o_proj, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -202,14 +221,36 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream), the add deferred to the next norm."""
+        q, residual = self.before_attention(x, residual, rotary, k_cache, v_cache, meta)
+        o = self.kernels.attention(q, k_cache, v_cache, meta, self.self_attn.scale)
+        return self.after_attention(o, residual)
+
+    def before_attention(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryCache,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm (with the deferred residual add) and attention's projections: (q, residual)."""
         eps, kn = self.cfg.rms_norm_eps, self.kernels
         if residual is None:
             h, _ = kn.rms_norm(x, self.input_layernorm, eps)
             residual = x
         else:
             h, residual = kn.rms_norm(x, self.input_layernorm, eps, residual)
-        h = self.self_attn(h, rotary, k_cache, v_cache, meta)
-        h, residual = kn.rms_norm(h, self.post_attention_layernorm, eps, residual)
+        return self.self_attn.project(h, rotary, k_cache, v_cache, meta), residual
+
+    def after_attention(
+        self, o: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projection, post-attention norm and the MLP: (output, residual)."""
+        h = self.self_attn.output(o)
+        h, residual = self.kernels.rms_norm(
+            h, self.post_attention_layernorm, self.cfg.rms_norm_eps, residual
+        )
         return self.mlp(h), residual
 
 
@@ -240,8 +281,11 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rotary, kv_cache[i, 0], kv_cache[i, 1], meta)
-        x, _ = self.kernels.rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual)
-        return x
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last norm (with the deferred residual add): hidden states ``[T, hidden]``."""
+        return self.kernels.rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` of the given hidden rows, in float32."""

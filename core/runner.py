@@ -188,6 +188,7 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self._verifier: DraftVerifier | None = None
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: PiecewiseGraphs | None = None
         # The last step's sampling rows (seq ids) and their batch: a sequence's params never change.
         self._batch_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         # The last launched step's sampled ids stay here on the device; the next step gathers
@@ -301,13 +302,36 @@ class ModelRunner:
         gc.disable()
         try:
             self.graphs = DecodeGraphs(self, max_batch=min(cfg.max_batch_size, 512))
+            if supports_piecewise(self.model):
+                try:
+                    self.mixed_graphs = PiecewiseGraphs(self, max_tokens=self.mixed_step_tokens())
+                except Exception as exc:  # noqa: BLE001 - eager prefill still works
+                    torch.cuda.synchronize(self.device)
+                    log.warning(
+                        "piecewise CUDA graphs off (capture failed: %s); prefill and mixed "
+                        "steps run eagerly",
+                        exc,
+                    )
         finally:
             gc.enable()
         log.info(
-            "captured CUDA graphs for decode batch sizes %s in %.1f s",
+            "captured CUDA graphs for decode batch sizes %s and %s in %.1f s",
             self.graphs.describe(),
+            f"prefill/mixed steps up to {self.mixed_graphs.max_tokens} tokens (piecewise)"
+            if self.mixed_graphs is not None
+            else "no prefill steps (the model has no before/after_attention)",
             time.perf_counter() - start,
         )
+
+    def mixed_step_tokens(self) -> int:
+        """The largest prefill/mixed step to capture piecewise: the step budget, at most 2048.
+
+        Longer steps are compute-bound (tens of milliseconds of GEMMs), so
+        their eager launch is hidden behind the GPU anyway.
+        """
+        cfg = self.config
+        budget = cfg.chunk_size if cfg.scheduler == "chunked" else cfg.max_num_batched_tokens
+        return max(16, min(budget, MAX_PIECEWISE_TOKENS))
 
     # ------------------------------------------------------------------ one step
     def build_metadata(
@@ -431,7 +455,10 @@ class ModelRunner:
             rows = [i for i, s in enumerate(step.seqs) if s.sample]
         else:
             input_ids, meta, rows = self.build_metadata(step.seqs)
-            hidden = self.model(input_ids, self.rotary, self.kv_cache, meta)
+            if self.mixed_graphs is not None and self.mixed_graphs.can_run(input_ids.shape[0]):
+                hidden = self.mixed_graphs.run(input_ids, meta)
+            else:
+                hidden = self.model(input_ids, self.rotary, self.kv_cache, meta)
         if not rows:
             self._last_rows = {}
             return LaunchedStep(step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)))
@@ -698,3 +725,151 @@ class DecodeGraphs:
         graph, out = self.graphs[size]
         graph.replay()
         return out[:n]
+
+
+MAX_PIECEWISE_TOKENS = 2048
+
+
+def supports_piecewise(model: torch.nn.Module) -> bool:
+    """Whether a model exposes the split forward :class:`PiecewiseGraphs` drives (Llama family)."""
+    layers = getattr(model, "layers", None)
+    return (
+        layers is not None
+        and len(layers) > 0
+        and hasattr(model, "embed_tokens")
+        and hasattr(model, "final_norm")
+        and all(hasattr(layers[0], m) for m in ("before_attention", "after_attention"))
+    )
+
+
+def mixed_graph_sizes(max_tokens: int) -> list[int]:
+    """Token counts to capture for prefill and mixed steps: 16, 32, 64, 128, then x1.5 / x2 steps."""
+    sizes: list[int] = []
+    size = 16
+    while size < max_tokens:
+        sizes.append(size)
+        half = size + size // 2
+        if size >= 128 and half < max_tokens:
+            sizes.append(half)
+        size *= 2
+    sizes.append(max_tokens)
+    return sorted(set(sizes))
+
+
+class PiecewiseGraphs:
+    """CUDA graphs for steps that prefill (chunks, prompts, mixed with decodes): all but attention.
+
+    Attention over a mix of prompts and decodes needs host-side lengths, so
+    it runs eagerly; everything between two attentions is one captured graph
+    per token-count bucket: segment 0 is the embedding and layer 0 up to its
+    attention (norm, projections, rotary, K/V store), segment i the rest of
+    layer i-1 and layer i up to attention, the last segment the rest of the
+    last layer and the final norm. A step of ``T`` tokens replays the graphs
+    of the smallest bucket ``>= T`` and runs the model's attention between
+    them on the real ``T`` rows; padding rows store no K/V (slot -1) and are
+    row-independent everywhere else, so they never touch a real row. This
+    turns a few hundred kernel launches per step into one replay per layer
+    plus the attention call, so the host keeps ahead of the GPU.
+    """
+
+    def __init__(self, runner: ModelRunner, max_tokens: int, *, capture: bool = True) -> None:
+        self.runner = runner
+        self.captured = capture
+        model = runner.model
+        cfg = runner.model_config
+        dev, dtype = runner.device, runner.dtype
+        self.sizes = mixed_graph_sizes(max_tokens)
+        t = self.max_tokens = self.sizes[-1]
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slots = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        self.q = torch.zeros(t, cfg.num_heads, cfg.head_size, dtype=dtype, device=dev)
+        self.o = torch.zeros(t, cfg.num_heads, cfg.head_size, dtype=dtype, device=dev)
+        self.residual = torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev)
+        self.hidden = torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev)
+        self._no_tables = torch.zeros(0, 1, dtype=torch.int32, device=dev)
+        self.num_layers = len(model.layers)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        if not capture:  # the segments run eagerly (CPU tests of the split forward)
+            return
+        pool = None
+        with torch.inference_mode():
+            for size in reversed(self.sizes):
+                graphs = []
+                for segment in range(self.num_layers + 1):
+                    self._segment(segment, size)  # warm-up
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._segment(segment, size)
+                    if pool is None:
+                        pool = graph.pool()
+                    graphs.append(graph)
+                self.graphs[size] = graphs
+        torch.cuda.synchronize(dev)
+
+    def _static_meta(self, size: int) -> AttentionMetadata:
+        """What the captured segments read: positions and slots (rotary, K/V store)."""
+        return AttentionMetadata(
+            positions=self.positions[:size],
+            slot_mapping=self.slots[:size],
+            block_tables=self._no_tables,
+            context_lens=self.slots[:0],
+            cu_query_lens=self.slots[:0],
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decodes=0,
+            max_query_len=0,
+            max_context_len=0,
+            page_size=self.runner.page_size,
+        )
+
+    def _segment(self, segment: int, size: int) -> None:
+        """Run segment ``segment`` for ``size`` rows, reading and writing the static buffers."""
+        runner = self.runner
+        model, kv = runner.model, runner.kv_cache
+        assert kv is not None
+        meta = self._static_meta(size)
+        if segment == 0:
+            x = model.embed_tokens[self.input_ids[:size]]
+            residual = None
+        else:
+            x, residual = model.layers[segment - 1].after_attention(
+                self.o[:size], self.residual[:size]
+            )
+        if segment == self.num_layers:
+            self.hidden[:size].copy_(model.final_norm(x, residual))
+            return
+        q, residual = model.layers[segment].before_attention(
+            x, residual, runner.rotary, kv[segment, 0], kv[segment, 1], meta
+        )
+        self.q[:size].copy_(q)
+        self.residual[:size].copy_(residual)
+
+    def can_run(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens fits a captured bucket."""
+        return 0 < num_tokens <= self.max_tokens
+
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One step: copy ids, positions and slots in, replay, attend eagerly between; ``[T, hidden]``."""
+        n = input_ids.shape[0]
+        size = next(b for b in self.sizes if b >= n) if self.captured else n
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(meta.positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        self.slots[n:size].fill_(-1)
+        self.positions[n:size].zero_()
+        model, kv, kernels = self.runner.model, self.runner.kv_cache, self.runner.kernels
+        assert kv is not None
+        graphs = self.graphs.get(size)
+        for layer in range(self.num_layers + 1):
+            if graphs is not None:
+                graphs[layer].replay()
+            else:
+                self._segment(layer, size)
+            if layer == self.num_layers:
+                break
+            o = kernels.attention(
+                self.q[:n], kv[layer, 0], kv[layer, 1], meta, model.layers[layer].self_attn.scale
+            )
+            self.o[:n].copy_(o)
+        return self.hidden[:n]

@@ -241,16 +241,61 @@ def tiny_untokenized(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 @pytest.mark.parametrize("allocator", ("paged", "prefix"))
 def test_overlap_on_gpu_with_graphs(tiny_untokenized: Path, allocator: str, scheduler: str) -> None:
-    """On the H200 with fused kernels and CUDA graphs: the lagged loop gives the serial tokens."""
+    """On the H200 with fused kernels: eager, CUDA graphs (decode + piecewise) and the lagged
+    loop with graphs all give the same tokens."""
     gpu = dict(device="cuda", kernels="fused", fused_precision="fp32")  # 40 pages, as on the CPU
     runs = []
-    for overlap in ("off", "on"):
+    for overlap, eager in (("off", True), ("off", False), ("on", False)):
         llm = LLM(
             str(tiny_untokenized),
-            **_settings(allocator=allocator, scheduler=scheduler, overlap=overlap, **gpu),
+            **_settings(
+                allocator=allocator,
+                scheduler=scheduler,
+                overlap=overlap,
+                enforce_eager=eager,
+                **gpu,
+            ),
         )
-        assert llm.engine.runner.graphs is not None
+        runner = llm.engine.runner
+        if not eager:  # decode graphs, and piecewise graphs for the prefill and mixed steps
+            assert runner.graphs is not None and runner.mixed_graphs is not None
         outs = llm.generate(prompt_token_ids=_prompts(), sampling_params=_greedy(), use_tqdm=False)
         _assert_nothing_held(llm.engine)
         runs.append(_summary(outs))
-    assert runs[1] == runs[0]
+    assert runs[1] == runs[0], "CUDA graphs (decode and piecewise) change the tokens"
+    assert runs[2] == runs[0], "the overlapped loop changes the tokens"
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "chunked"])
+def test_split_forward_of_piecewise_graphs_matches(tiny: Path, scheduler: str) -> None:
+    """The forward the piecewise graphs replay (segments between attentions) is the model's.
+
+    On the CPU nothing is captured: the segments run eagerly, through the same
+    static buffers, for every step (prefill, mixed and decode); the tokens
+    must be those of the plain forward.
+    """
+    from pitstop.runner import PiecewiseGraphs, supports_piecewise
+
+    plain = _generate(tiny, _greedy(), scheduler=scheduler, overlap="on")
+    llm = LLM(str(tiny), **_settings(scheduler=scheduler, overlap="on"))
+    runner = llm.engine.runner
+    assert supports_piecewise(runner.model)
+    runner.mixed_graphs = PiecewiseGraphs(runner, max_tokens=128, capture=False)
+    calls = {"n": 0}
+    run = runner.mixed_graphs.run
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return run(*args, **kwargs)
+
+    runner.mixed_graphs.run = counted  # type: ignore[method-assign]
+    outs = llm.generate(prompt_token_ids=_prompts(), sampling_params=_greedy(), use_tqdm=False)
+    assert calls["n"] > 0
+    assert _summary(outs) == _summary(plain)
+
+
+def test_mixed_graph_sizes() -> None:
+    from pitstop.runner import mixed_graph_sizes
+
+    assert mixed_graph_sizes(512) == [16, 32, 64, 128, 192, 256, 384, 512]
+    assert mixed_graph_sizes(2048)[-1] == 2048 and mixed_graph_sizes(100)[-1] == 100
