@@ -40,14 +40,6 @@ from pitstop import LLM, SamplingParams
 SHAPES: dict[str, dict[str, Any]] = {
     "nano": dict(model="dummy:qwen3-0.6b", max_model_len=4096),
     "single": dict(model="dummy:llama3-8b", max_model_len=4096),
-    "mixed-long": dict(
-        model="dummy:qwen3-8b",
-        max_model_len=8192,
-        scheduler="chunked",
-        chunk_size=2048,
-        max_batch_size=32,
-        max_prefill_batch=32,
-    ),
     "mixed": dict(
         model="dummy:qwen3-8b",
         max_model_len=8192,
@@ -57,6 +49,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_prefill_batch=32,
     ),
 }
+
+
+SHAPES["mixed-long"] = SHAPES["mixed"]  # the same engine; only the prompts are longer
 
 
 def busy_fraction(events: list[tuple[float, float]]) -> tuple[float, float]:
