@@ -29,9 +29,11 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import attrs
+import torch
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError, InvalidRequestError
+from pitstop.memory import check_fits
 from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestMetrics, RequestOutput
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
@@ -96,6 +98,7 @@ class LLMEngine:
         self.config = config
         self.model_config = mc
         self.tokenizer: Tokenizer | None = source.tokenizer
+        check_fits(mc, self.dtype, self.device, self._kv_bytes_asked(), what=source.description)
         self.runner = ModelRunner(config, mc, self.plugins, self.device, self.dtype)
         self.runner.load_weights(source.weights)
         num_pages = self.runner.plan_num_pages()
@@ -157,6 +160,17 @@ class LLMEngine:
         self.overlap = wanted and self.proposer is None
         self._step_observers = self.plugins.has_observers("on_step_finished")
         self._request_observers = self.plugins.has_observers("on_request_finished")
+
+    def _kv_bytes_asked(self) -> int:
+        """The KV cache the config asks for up front (0: sized from free GPU memory later)."""
+        cfg, mc = self.config, self.model_config
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        per_page = mc.kv_bytes_per_token * cfg.page_size * element
+        if cfg.max_num_pages is not None:
+            return cfg.max_num_pages * per_page
+        if cfg.kv_cache_gib is not None or self.device.type != "cuda":
+            return int((cfg.kv_cache_gib or 1.0) * 2**30)
+        return 0
 
     # ------------------------------------------------------------------ requests
     def add_request(
