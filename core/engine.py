@@ -29,7 +29,6 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import attrs
-import torch
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError, InvalidRequestError
@@ -45,6 +44,8 @@ from pitstop.runner import (
     SeqResult,
     StepInput,
     StepOutput,
+    kv_bytes_per_page,
+    pages_asked,
     resolve_device,
     resolve_dtype,
 )
@@ -98,7 +99,11 @@ class LLMEngine:
         self.config = config
         self.model_config = mc
         self.tokenizer: Tokenizer | None = source.tokenizer
-        check_fits(mc, self.dtype, self.device, self._kv_bytes_asked(), what=source.description)
+        kv_pages = (
+            pages_asked(config, mc, self.device, self.dtype) or 0
+        )  # 0: sized after the weights
+        kv_bytes = kv_pages * kv_bytes_per_page(mc, config.page_size, self.dtype)
+        check_fits(mc, self.dtype, self.device, kv_bytes, what=source.description)
         self.runner = ModelRunner(config, mc, self.plugins, self.device, self.dtype)
         self.runner.load_weights(source.weights)
         num_pages = self.runner.plan_num_pages()
@@ -160,17 +165,6 @@ class LLMEngine:
         self.overlap = wanted and self.proposer is None
         self._step_observers = self.plugins.has_observers("on_step_finished")
         self._request_observers = self.plugins.has_observers("on_request_finished")
-
-    def _kv_bytes_asked(self) -> int:
-        """The KV cache the config asks for up front (0: sized from free GPU memory later)."""
-        cfg, mc = self.config, self.model_config
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        per_page = mc.kv_bytes_per_token * cfg.page_size * element
-        if cfg.max_num_pages is not None:
-            return cfg.max_num_pages * per_page
-        if cfg.kv_cache_gib is not None or self.device.type != "cuda":
-            return int((cfg.kv_cache_gib or 1.0) * 2**30)
-        return 0
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -550,18 +544,14 @@ class LLMEngine:
                     cut = min(hits)
                     delta = text[len(req.text) : cut] if cut > len(req.text) else ""
                     req.text = text[:cut]
-                    self._mark_finished(seq, "stop")
+                    seq.finish("stop")
                     return delta
             if reason is not None:
                 delta += req.detokenizer.flush()  # text held back for a partial character
             req.text += delta
         if reason is not None:
-            self._mark_finished(seq, reason)
+            seq.finish(reason)
         return delta
-
-    @staticmethod
-    def _mark_finished(seq: Sequence, reason: str) -> None:
-        seq.finish(reason)
 
     def _output(
         self, req: _Request, delta: str = "", new_ids: list[int] | None = None

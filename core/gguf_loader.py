@@ -491,8 +491,10 @@ def file_sha256(path: str | Path) -> str:
         tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
         tmp.write_text(digest)
         os.replace(tmp, memo)
-    except OSError:
-        pass  # an unwritable cache only costs hashing again
+    except OSError as exc:  # an unwritable cache only costs hashing the file again next time
+        log.info(
+            "could not keep the hash of %s in %s (%s); it will be hashed again", path, memo, exc
+        )
     return digest
 
 

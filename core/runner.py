@@ -10,7 +10,9 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import attrs
 import numpy as np
@@ -50,6 +52,30 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def kv_bytes_per_page(model_config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one page of ``page_size`` tokens over all layers."""
+    return (
+        model_config.kv_bytes_per_token * page_size * torch.tensor([], dtype=dtype).element_size()
+    )
+
+
+def pages_asked(
+    config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> int | None:
+    """The KV pages the config fixes before any weight loads; None: sized from free GPU memory.
+
+    ``max_num_pages`` when set; else a ``kv_cache_gib`` budget (1 GiB on the CPU
+    when none is given); on CUDA without either, the cache takes what the
+    weights and ``gpu_memory_utilization`` leave (:meth:`ModelRunner.plan_num_pages`).
+    """
+    if config.max_num_pages is not None:
+        return config.max_num_pages
+    if device.type != "cuda" or config.kv_cache_gib is not None:
+        per_page = kv_bytes_per_page(model_config, config.page_size, dtype)
+        return max(1, int((config.kv_cache_gib or 1.0) * 2**30) // per_page)
+    return None
 
 
 @attrs.frozen
@@ -217,23 +243,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
     def bytes_per_page(self) -> int:
         """Bytes of K and V for one page over all layers."""
-        mc = self.model_config
-        return (
-            mc.kv_bytes_per_token
-            * self.page_size
-            * torch.tensor([], dtype=self.dtype).element_size()
-        )
+        return kv_bytes_per_page(self.model_config, self.page_size, self.dtype)
 
     def plan_num_pages(self) -> int:
         """How many pages the KV cache gets: ``max_num_pages``, a GiB budget, or free GPU memory."""
         per_page = self.bytes_per_page()
         cfg = self.config
-        if cfg.max_num_pages is None and (
-            self.device.type != "cuda" or cfg.kv_cache_gib is not None
-        ):
-            return max(1, int((cfg.kv_cache_gib or 1.0) * 2**30) // per_page)
-        if self.device.type != "cuda":
-            return cfg.max_num_pages
+        asked = pages_asked(cfg, self.model_config, self.device, self.dtype)
+        if asked is not None and (self.device.type != "cuda" or cfg.max_num_pages is None):
+            return asked
         peak = self._profile_peak_memory()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * cfg.gpu_memory_utilization) - (total - free) - peak
@@ -538,6 +556,22 @@ class ModelRunner:
         return gen
 
 
+def capture_graph(
+    run: Callable[[], Any], pool: Any, device: torch.device
+) -> tuple[torch.cuda.CUDAGraph, Any, Any]:
+    """Warm ``run`` up, then capture it in a CUDA graph on memory pool ``pool`` (None: a new one).
+
+    Returns the graph, what ``run`` returned during capture (its static
+    output) and the pool, for the next graph to share.
+    """
+    run()  # warm-up: compiles kernels, settles the allocator
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out, graph.pool() if pool is None else pool
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then steps of 16 up to ``max_batch``."""
     sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
@@ -640,13 +674,7 @@ class DecodeGraphs:
         pool = None
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                self._forward(size)  # warm-up: compiles kernels, settles the allocator
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(size)
-                if pool is None:
-                    pool = graph.pool()
+                graph, out, pool = capture_graph(lambda size=size: self._forward(size), pool, dev)
                 self.graphs[size] = (graph, out)
         torch.cuda.synchronize(dev)
 
@@ -797,12 +825,9 @@ class PiecewiseGraphs:
             for size in reversed(self.sizes):
                 graphs = []
                 for segment in range(self.num_layers + 1):
-                    self._segment(segment, size)  # warm-up
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._segment(segment, size)
-                    if pool is None:
-                        pool = graph.pool()
+                    graph, _, pool = capture_graph(
+                        lambda segment=segment, size=size: self._segment(segment, size), pool, dev
+                    )
                     graphs.append(graph)
                 self.graphs[size] = graphs
         torch.cuda.synchronize(dev)

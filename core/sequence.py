@@ -121,9 +121,7 @@ class Sequence:
         token follows it), so that token does not count.
         """
         n = len(self.token_ids) - self.num_computed_tokens
-        if n > 0 and len(self.token_ids) >= self.max_num_tokens:
-            n -= 1
-        return n
+        return n - 1 if n > 0 and self.at_length_limit else n
 
     @property
     def is_prefill(self) -> bool:
@@ -173,14 +171,13 @@ class Sequence:
         self.token_ids.append(token_id)
         self._stamp()
 
-    def drop_pending(self) -> int:
-        """Forget the pending tokens (the sequence stopped before them); returns how many."""
+    def drop_pending(self) -> None:
+        """Forget the pending tokens (the sequence stopped before them)."""
         n = self.num_pending_tokens
         if n:
             del self.token_ids[-n:]
             self.num_pending_tokens = 0
             self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids))
-        return n
 
     def preempt(self) -> None:
         """Preempted by recompute: back to waiting, no KV, every token kept."""
