@@ -139,8 +139,7 @@ class EngineConfig:
         default=1,
         validator=_positive_int,
         metadata=_doc(
-            "ranks the model is split over (one per GPU; gloo processes on CPU); "
-            "1 starts no worker"
+            "ranks the model is split over (one per GPU; gloo processes on CPU); 1 starts no worker"
         ),
     )
     seed: int = attrs.field(

@@ -109,7 +109,7 @@ class LLMEngine:
         )  # 0: sized after the weights
         kv_bytes = kv_pages * kv_bytes_per_page(per_rank, config.page_size, self.dtype)
         check_fits(per_rank, self.dtype, self.device, kv_bytes, what=source.description)
-        if config.tensor_parallel_size > 1:  # rank 0 of N: the workers start here (pitstop.parallel)
+        if config.tensor_parallel_size > 1:  # rank 0 of N: workers start here (pitstop.parallel)
             from pitstop.parallel import start_tensor_parallel
 
             self.runner = start_tensor_parallel(

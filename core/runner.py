@@ -218,7 +218,9 @@ class ModelRunner:
                 self.model = factory(model_config, self.kernels)
         finally:
             torch.set_default_dtype(previous)
-        if tensor_parallel is not None and not getattr(self.model, "supports_tensor_parallel", False):
+        if tensor_parallel is not None and not getattr(
+            self.model, "supports_tensor_parallel", False
+        ):
             raise ConfigError(
                 f"the {model_config.architecture} model plugin does not support tensor parallelism "
                 "(it sets no supports_tensor_parallel); use tensor_parallel_size=1"
@@ -522,7 +524,7 @@ class ModelRunner:
         n = len(sampling)
         try:
             if self._batch_cache is not None and self._batch_cache[0] == key:
-                batch = self._batch_cache[1]  # same rows as last step: skip the host-to-device copies
+                batch = self._batch_cache[1]  # same rows as last step: no host-to-device copies
             else:
                 batch = make_sampling_batch(params, generators, self.device)
                 self._batch_cache = (key, batch)

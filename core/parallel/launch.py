@@ -182,7 +182,9 @@ class WorkerWatch:
     def _drain(self, timeout: float = 0.0) -> None:
         try:
             while True:
-                kind, rank, text = self.status.get(timeout=timeout) if timeout else self.status.get_nowait()
+                kind, rank, text = (
+                    self.status.get(timeout=timeout) if timeout else self.status.get_nowait()
+                )
                 if kind == "ready":
                     self._ready.add(rank)
                 else:
@@ -259,7 +261,9 @@ class TensorParallelRunner:
 
     def _call(self, name: str, args: tuple[Any, ...], local: Callable[[], Any]) -> Any:
         if self._closed:
-            raise WorkerDiedError("this tensor-parallel engine was closed (or lost a rank); build a new one")
+            raise WorkerDiedError(
+                "this tensor-parallel engine was closed (or lost a rank); build a new one"
+            )
         try:
             self.group.send_call(name, args)
             return local()
