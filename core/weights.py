@@ -441,8 +441,12 @@ def iter_safetensors(
 def _read_into(f: Any, e: SafetensorsEntry, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
         return
-    view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
     f.seek(e.start)
+    read_exactly(f, memoryview(tensor.view(-1).view(torch.uint8).numpy()), e)
+
+
+def read_exactly(f: Any, view: memoryview, e: SafetensorsEntry) -> None:
+    """Fill ``view`` from ``f``'s position on; a file that ends first is a truncated ``e``."""
     done = 0
     while done < len(view):
         n = f.readinto(view[done:])

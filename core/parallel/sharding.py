@@ -171,22 +171,11 @@ class WeightShard:
             inner = math.prod(shape[region.dim + 1 :]) * itemsize
             outer = math.prod(shape[: region.dim])
             stride = (shape[region.dim] if shape else 1) * inner
+            from pitstop.weights import read_exactly
+
             view = memoryview(out.view(-1).view(torch.uint8).numpy())
             chunk = count * inner
             for i in range(outer):
                 f.seek(entry.start + i * stride + region.start * inner)
-                _read_exactly(f, view[i * chunk : (i + 1) * chunk], entry)
+                read_exactly(f, view[i * chunk : (i + 1) * chunk], entry)
         return self.finish(entry.name, out)
-
-
-def _read_exactly(f: Any, view: memoryview, entry: Any) -> None:
-    from pitstop.errors import ModelLoadError
-
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise ModelLoadError(
-                f"weights file {entry.file} ended inside tensor {entry.name!r}; the file is truncated"
-            )
-        done += n
