@@ -513,16 +513,18 @@ class ModelRunner:
         sampling = [s for s in step.seqs if s.sample]
         if self.tensor_parallel is not None and self.tensor_parallel.rank > 0:
             return self._follow_rank0(step.seqs, len(rows) > len(sampling))
-        params = [s.params or SamplingParams() for s in sampling]
-        generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
-        if len(rows) > len(sampling):  # some sequence verifies speculative drafts
-            self._last_rows = {}  # the serial loop runs speculation: nothing is pending
-            return LaunchedStep(
-                step.seqs, ready=self._verify(step.seqs, logits, sampling, generators)
-            )
-        key = tuple(s.seq_id for s in sampling)
         n = len(sampling)
         try:
+            params = [s.params or SamplingParams() for s in sampling]
+            generators = [
+                self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)
+            ]
+            if len(rows) > n:  # some sequence verifies speculative drafts
+                self._last_rows = {}  # the serial loop runs speculation: nothing is pending
+                return LaunchedStep(
+                    step.seqs, ready=self._verify(step.seqs, logits, sampling, generators)
+                )
+            key = tuple(s.seq_id for s in sampling)
             if self._batch_cache is not None and self._batch_cache[0] == key:
                 batch = self._batch_cache[1]  # same rows as last step: no host-to-device copies
             else:
@@ -531,7 +533,7 @@ class ModelRunner:
             out = self.sampler.sample(logits, batch)
             self.last_sampled[:n].copy_(out.token_ids)
         finally:  # tensor parallelism: the workers wait for these ids, even if sampling failed
-            if self.tensor_parallel is not None:
+            if self.tensor_parallel is not None and len(rows) == n:
                 self.tensor_parallel.share_samples(self.last_sampled[:n])
         self._last_rows = {s.seq_id: i for i, s in enumerate(sampling)}
         self._flip ^= 1

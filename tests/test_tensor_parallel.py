@@ -104,6 +104,83 @@ def test_smollm2_tp3_greedy_equals_tp1():
     assert got == want
 
 
+def test_a_request_failing_on_rank_0_fails_alone_and_the_workers_stay_in_step(tiny_llama):
+    # rank 0 samples, so a per-request fault there (here: a poisoned seed) is isolated as at
+    # tp=1, while the workers keep meeting rank 0's collectives (the step's reruns included)
+    poison = 4242
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True) for _ in PROMPTS]
+    settings = dict(device="cpu", kv_cache_gib=0.01, max_model_len=96, overlap="on")
+    clean = LLM(str(tiny_llama), **settings).generate(
+        prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False
+    )
+    params[1] = SamplingParams(temperature=0.7, seed=poison, max_tokens=8, ignore_eos=True)
+    with LLM(str(tiny_llama), tensor_parallel_size=2, **settings) as llm:
+        rank0 = llm.engine.runner.runner
+        original = rank0._generator
+
+        def generator(seq_id, p):
+            if p.seed == poison:
+                raise ValueError("poisoned request")
+            return original(seq_id, p)
+
+        rank0._generator = generator
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+        assert outs[1].finish_reason == "error" and "poisoned" in (outs[1].error or "")
+        for i in (0, 2):
+            assert outs[i].token_ids == clean[i].token_ids
+        del rank0._generator
+        again = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params[0])
+        assert again[0].token_ids == clean[0].token_ids  # the workers are still in step
+        stats = llm.engine.allocator.stats()
+        assert stats.pages_free == stats.num_pages
+
+
+_TORCHRUN_SCRIPT = """
+import sys
+from pitstop import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", kv_cache_gib=0.01, max_model_len=96, tensor_parallel_size=2)
+params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+outs = llm.generate(prompt_token_ids=%r, sampling_params=params, use_tqdm=False)
+print("TOKENS", [o.token_ids for o in outs])
+llm.close()
+"""
+
+
+def test_the_same_code_runs_under_torchrun(tiny_llama, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp_script.py"
+    script.write_text(_TORCHRUN_SCRIPT % (PROMPTS,))
+    from pitstop.parallel.launch import _free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(script),
+            str(tiny_llama),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS")]
+    assert len(lines) == 1  # only rank 0 runs the engine; rank 1 served it and exited
+    want, _ = greedy_with_logits(
+        LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.01, max_model_len=96), PROMPTS
+    )
+    assert lines[0] == f"TOKENS {want}"
+
+
 def test_killed_worker_stops_the_engine_naming_its_rank(tiny_llama):
     llm = LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.01, tensor_parallel_size=2)
     try:
