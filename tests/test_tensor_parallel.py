@@ -253,6 +253,26 @@ def test_nccl_all_reduce_inside_cuda_graphs_with_one_rank(monkeypatch, tiny_llam
     assert llm.engine.runner.mixed_graphs is not None
 
 
+def test_the_watch_thread_reports_a_dead_worker_once():
+    # on CUDA this thread aborts NCCL's collectives when a worker dies (NCCL would wait)
+    import multiprocessing
+    import threading
+
+    from pitstop.parallel.launch import WorkerWatch
+
+    ctx = multiprocessing.get_context("spawn")
+    worker = ctx.Process(target=os._exit, args=(3,))
+    worker.start()
+    watch = WorkerWatch([worker], ctx.Queue())
+    seen: list[str] = []
+    called = threading.Event()
+    watch.watch_in_background(lambda problem: (seen.append(problem), called.set()), period=0.05)
+    assert called.wait(30)
+    time.sleep(0.2)
+    assert seen == ["tensor-parallel worker rank 1 died (exit code 3)"]
+    watch.stop()
+
+
 # ---------------------------------------------------------------------- in this process
 def _config(**changes) -> ModelConfig:
     base = dict(

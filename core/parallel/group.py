@@ -17,6 +17,7 @@ Two groups span the same ranks:
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ import torch.distributed as dist
 
 from pitstop.model_config import ModelConfig
 from pitstop.parallel.sharding import WeightShard, shard_model_config
+
+log = logging.getLogger(__name__)
 
 # Ranks are in lockstep inside a step; a collective that waits this long has lost a rank.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -96,4 +99,7 @@ class TensorParallelGroup:
     def close(self) -> None:
         """Leave the process group (this process can start another tensor-parallel engine)."""
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001 - an aborted group (a rank died) may not tear down
+                log.warning("leaving the tensor-parallel process group failed: %s", exc)

@@ -22,6 +22,7 @@ import os
 import queue
 import signal
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -166,8 +167,18 @@ def _spawn(
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
+    if device_type == "cuda":  # NCCL does not notice a dead peer by itself: abort its collectives
+        watch.watch_in_background(_abort_collectives)
     log.info("tensor parallelism: %d ranks over %s", size, backend_for(device_type))
     return TensorParallelRunner(runner, group, watch)
+
+
+def _abort_collectives(problem: str) -> None:
+    """Abort the data group's (NCCL) collectives, so a step waiting for a dead rank raises."""
+    log.error("%s; aborting the collectives so the engine raises instead of waiting", problem)
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort()
 
 
 class WorkerWatch:
@@ -178,6 +189,7 @@ class WorkerWatch:
         self.status = status
         self.errors: dict[int, str] = {}
         self._ready: set[int] = set()
+        self._stopping = threading.Event()
 
     def _drain(self, timeout: float = 0.0) -> None:
         try:
@@ -221,8 +233,21 @@ class WorkerWatch:
                 return None
             time.sleep(0.05)
 
+    def watch_in_background(self, on_death: Callable[[str], None], period: float = 0.2) -> None:
+        """Call ``on_death(problem)`` once, from a daemon thread, if a worker dies before :meth:`stop`."""
+
+        def loop() -> None:
+            while not self._stopping.wait(period):
+                if any(w.exitcode is not None for w in self.workers):
+                    if not self._stopping.is_set():
+                        on_death(self.problem() or "a tensor-parallel worker died")
+                    return
+
+        threading.Thread(target=loop, name="pitstop-tp-watch", daemon=True).start()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Wait for the workers to leave (after ``stop``), then end any that did not."""
+        self._stopping.set()
         deadline = time.monotonic() + timeout
         for w in self.workers:
             w.join(max(0.0, deadline - time.monotonic()))
