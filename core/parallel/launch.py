@@ -163,9 +163,9 @@ def _spawn(
         group = TensorParallelGroup(0, size, device, model_config)
         runner = ModelRunner(config, model_config, plugins, device, dtype, tensor_parallel=group)
     except BaseException:
-        watch.stop()
-        if dist.is_initialized():
+        if dist.is_initialized():  # first: the joined workers then fail at once and exit
             dist.destroy_process_group()
+        watch.stop()
         raise
     if device_type == "cuda":  # NCCL does not notice a dead peer by itself: abort its collectives
         watch.watch_in_background(_abort_collectives)
