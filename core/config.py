@@ -213,7 +213,9 @@ class EngineConfig:
     chunk_size: int | None = attrs.field(
         default=None,
         validator=_positive_int,
-        metadata=_doc("token budget per step of the chunked scheduler (default: max_num_batched_tokens)"),
+        metadata=_doc(
+            "token budget per step of the chunked scheduler (default: max_num_batched_tokens)"
+        ),
     )
     admission: str = attrs.field(
         default="arrival",
