@@ -12,6 +12,7 @@ directly. Weight names are Hugging Face's; the model maps them onto its own
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -433,14 +434,21 @@ class LlamaForCausalLM(nn.Module):
         """Hugging Face tensor name -> shape, for every tensor a checkpoint of this model holds."""
         return expected_weight_shapes(self.cfg)
 
-    def init_dummy(self, seed: int = 0) -> None:
+    def init_dummy(self, seed: int = 0, shard: Any = None) -> None:
         """Random weights (speed does not depend on them), drawn per Hugging Face tensor.
 
         Drawing per checkpoint tensor, not per parameter, gives the same model
-        whether or not this kernel set merges q/k/v and gate/up.
+        whether or not this kernel set merges q/k/v and gate/up; a tensor-parallel
+        ``shard`` (:class:`~pitstop.parallel.sharding.WeightShard`) keeps this rank's
+        part of each, so the values are the same whatever the tensor-parallel size.
         """
         param = self.embed_tokens
-        self.load_weights(dummy_weights(self.weight_shapes(), seed, param.device, param.dtype))
+        if shard is None:
+            self.load_weights(dummy_weights(self.weight_shapes(), seed, param.device, param.dtype))
+            return
+        # a tensor-parallel rank: the whole model's tensors drawn (one at a time), its parts kept
+        whole = expected_weight_shapes(shard.model_config)
+        self.load_weights(shard.take_all(dummy_weights(whole, seed, param.device, param.dtype)))
 
 
 def dummy_weights(

@@ -21,7 +21,7 @@ import torch
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
-from pitstop.model import dummy_weights, expected_weight_shapes, rotary_cache
+from pitstop.model import rotary_cache
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
 from pitstop.protocols import SamplingBatch
@@ -255,13 +255,10 @@ class ModelRunner:
     def load_weights(self, weights) -> None:
         """Copy Hugging Face-named tensors into the model (``None``: random dummy weights)."""
         with torch.inference_mode():
-            tp = self.tensor_parallel
-            if tp is not None:  # only this rank's part of each tensor is read (or drawn, then cut)
-                shard = tp.shard
+            if self.tensor_parallel is not None:  # this rank's part of each tensor only
+                shard = self.tensor_parallel.shard
                 if weights is None:
-                    shapes = expected_weight_shapes(tp.model_config)
-                    drawn = dummy_weights(shapes, self.config.seed, self.device, self.dtype)
-                    self.model.load_weights(shard.take_all(drawn))
+                    self.model.init_dummy(self.config.seed, shard=shard)
                 else:
                     self.model.load_weights(weights(shard=shard))
             elif weights is None:
