@@ -209,7 +209,12 @@ class RotaryCache:
 
 @runtime_checkable
 class KernelSet(Protocol):
-    """The ops a model runs through. Resolved once; called directly on the hot path."""
+    """The ops a model runs through. Resolved once; called directly on the hot path.
+
+    Under tensor parallelism a rank's kernel set also has ``all_reduce``,
+    ``embed`` and ``gather_logits`` (:mod:`pitstop.parallel.kernels`); a
+    kernel set plugin does not implement them.
+    """
 
     name: str
 
