@@ -308,6 +308,16 @@ def test_sizes_a_model_does_not_split_into_are_refused_with_the_ones_that_work()
     assert shard_model_config(_config(), 6).num_kv_heads == 1  # two KV heads, replicated
 
 
+def test_an_engine_of_a_size_the_model_does_not_split_into_starts_nothing():
+    import multiprocessing
+
+    with pytest.raises(
+        ConfigError, match="9 query heads do not divide by 2.*sizes that work: 1, 3"
+    ):
+        LLM(str(smollm2_gguf()), device="cpu", kv_cache_gib=0.01, tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
+
+
 def test_config_refuses_bad_tensor_parallel_settings():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="tensor_parallel_size"):
