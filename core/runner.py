@@ -510,6 +510,8 @@ class ModelRunner:
         if self.tensor_parallel is not None and self.tensor_parallel.rank > 0:
             return self._follow_rank0(step.seqs, len(rows) > len(sampling))
         n = len(sampling)
+        if self.tensor_parallel is not None:  # from here on the ranks stay in step (see finally)
+            self.tensor_parallel.step_open = False
         try:
             params = [s.params or SamplingParams() for s in sampling]
             generators = [

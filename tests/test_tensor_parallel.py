@@ -135,6 +135,23 @@ def test_a_request_failing_on_rank_0_fails_alone_and_the_workers_stay_in_step(ti
         assert stats.pages_free == stats.num_pages
 
 
+def test_rank_0_failing_between_collectives_stops_the_engine(tiny_llama):
+    # the workers are then inside a collective rank 0 never reaches: isolating the request
+    # would pair the wrong collectives, so the engine stops instead
+    with LLM(str(tiny_llama), device="cpu", kv_cache_gib=0.01, tensor_parallel_size=2) as llm:
+        model = llm.engine.runner.model
+
+        def broken(hidden):
+            raise RuntimeError("out of memory on rank 0 only")
+
+        model.compute_logits = broken
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 0 failed inside the step's collectives"):
+            llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    assert not llm.engine.runner.watch.workers[0].is_alive()
+
+
 _TORCHRUN_SCRIPT = """
 import sys
 from pitstop import LLM, SamplingParams

@@ -44,6 +44,10 @@ class TensorParallelGroup:
         self.model_config = model_config  # the whole model's shape
         self.shard = WeightShard(model_config, rank, size)
         self.control = dist.new_group(list(range(size)), backend="gloo", timeout=IDLE_TIMEOUT)
+        # Rank 0, during a launch: True until its runner is past the step's last collective but
+        # the samples' broadcast (which it then always makes). A failure while it is True left
+        # the workers inside a collective: the ranks are out of step.
+        self.step_open = False
 
     # ------------------------------------------------------------------ the model's collectives
     def shard_config(self, model_config: ModelConfig) -> ModelConfig:

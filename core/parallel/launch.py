@@ -277,7 +277,8 @@ class TensorParallelRunner:
     def __init__(self, runner: Any, group: TensorParallelGroup, watch: WorkerWatch | None = None):
         self.runner, self.group, self.watch = runner, group, watch
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, group, watch)
+        self._broken: list[bool] = []  # non-empty once a rank is lost or out of step
+        self._finalizer = weakref.finalize(self, _shutdown, group, watch, self._broken)
 
     def __getattr__(self, name: str) -> Any:
         if name == "runner":  # not set yet (during unpickling or a failed __init__)
@@ -294,9 +295,15 @@ class TensorParallelRunner:
             return local()
         except Exception as exc:
             problem = self._problem(exc)
+            if problem is None and self.group.step_open:
+                problem = (
+                    f"rank 0 failed inside the step's collectives ({type(exc).__name__}: {exc}), "
+                    "so the ranks are out of step"
+                )
             if problem is None:
                 raise  # a request's own error: every rank ran the step, the engine isolates it
             self._closed = True
+            self._broken.append(True)
             raise WorkerDiedError(f"{problem}; the engine stopped (during {name})") from exc
 
     def _problem(self, exc: Exception) -> str | None:
@@ -340,7 +347,14 @@ class TensorParallelRunner:
             list(step.finished_seq_ids),
             list(step.reset_seq_ids),
         )
-        return self._call("launch", (sent,), lambda: self.runner.launch(step))
+
+        def local() -> Any:
+            self.group.step_open = True
+            handle = self.runner.launch(step)
+            self.group.step_open = False
+            return handle
+
+        return self._call("launch", (sent,), local)
 
     def execute(self, step: Any) -> Any:
         """Run one step on every rank and wait for its tokens."""
@@ -365,14 +379,15 @@ class TensorParallelRunner:
         self._finalizer()
 
 
-def _shutdown(group: TensorParallelGroup, watch: WorkerWatch | None) -> None:
-    try:
-        group.send_call("stop", ())
-    except Exception as exc:  # noqa: BLE001 - a dead worker needs no stop
-        log.debug("stop not delivered to every worker: %s", exc)
+def _shutdown(group: TensorParallelGroup, watch: WorkerWatch | None, broken: list[bool]) -> None:
+    if not broken:  # a worker left inside a collective would not read it: leaving is enough
+        try:
+            group.send_call("stop", ())
+        except Exception as exc:  # noqa: BLE001 - a dead worker needs no stop
+            log.debug("stop not delivered to every worker: %s", exc)
+    group.close()  # the workers' next (or pending) collective then fails, and they exit
     if watch is not None:
         watch.stop()
-    group.close()
 
 
 def _is_communication_error(exc: BaseException) -> bool:
