@@ -245,6 +245,10 @@ class WorkerWatch:
 
         threading.Thread(target=loop, name="pitstop-tp-watch", daemon=True).start()
 
+    def expect_exit(self) -> None:
+        """The workers are about to be stopped: their exit is no death to report."""
+        self._stopping.set()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Wait for the workers to leave (after ``stop``), then end any that did not."""
         self._stopping.set()
@@ -380,6 +384,8 @@ class TensorParallelRunner:
 
 
 def _shutdown(group: TensorParallelGroup, watch: WorkerWatch | None, broken: list[bool]) -> None:
+    if watch is not None:
+        watch.expect_exit()
     if not broken:  # a worker left inside a collective would not read it: leaving is enough
         try:
             group.send_call("stop", ())
