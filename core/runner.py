@@ -1,8 +1,8 @@
 """The model runner: owns the weights and the KV cache, runs one step, samples.
 
 The engine talks to it through plain data only (:class:`StepInput` in,
-:class:`StepOutput` out), so that a later version can run one runner per GPU
-under ``torch.distributed`` and broadcast the same input to each.
+:class:`StepOutput` out), so that under tensor parallelism one runner per rank
+gets the same input (:mod:`pitstop.parallel`); each then holds its shard.
 """
 
 from __future__ import annotations
