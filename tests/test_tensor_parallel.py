@@ -254,12 +254,16 @@ def test_the_tensor_parallel_path_with_one_gloo_rank_equals_the_plain_runner(
 
 
 @pytest.mark.gpu
-def test_nccl_all_reduce_inside_cuda_graphs_with_one_rank(monkeypatch, tiny_llama):
+def test_nccl_all_reduce_inside_cuda_graphs_with_one_rank(monkeypatch, tmp_path):
     # one GPU cannot hold two NCCL ranks; this runs the NCCL collectives, captured in the
-    # decode and piecewise CUDA graphs, on a world of one and checks nothing changes
+    # decode and piecewise CUDA graphs, on a world of one and checks nothing changes (the
+    # tiny Qwen3 of tests/test_gpu_engine.py: a head size the Triton kernels take)
+    folder = make_tiny_checkpoint(
+        tmp_path, "qwen3", with_tokenizer=False, num_hidden_layers=3, head_dim=64
+    )
     llm = assert_one_rank_path_matches(
         monkeypatch,
-        str(tiny_llama),
+        str(folder),
         device="cuda",
         dtype="float32",
         kv_cache_gib=0.05,
