@@ -52,6 +52,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
+    if args.settings:
+        _print_settings(pm.strategies())
     if args.check:
         import attrs
         import torch
@@ -68,6 +70,18 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for op, impl in kernels.describe().items():
             print(f"  {op:16s} {impl}")
     return 0
+
+
+def _print_settings(strategies) -> None:
+    """Each strategy's declared settings: key (or engine setting), values, default, meaning."""
+    from pitstop.settings import describe
+
+    for s in strategies:
+        if s.settings is None:
+            continue
+        print(f"\n{s.kind} {s.name!r} settings ({s.distribution}):")
+        for key, allowed, default, meaning in describe(s.settings, s.name, EngineConfig()):
+            print(f"  {key:32s} {allowed:40s} default {default:18s} {meaning}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -127,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list every registered strategy")
     p.add_argument(
         "--check", action="store_true", help="also say which kernel ops run fused on this machine"
+    )
+    p.add_argument(
+        "--settings",
+        action="store_true",
+        help="also list every plugin's declared settings (keys, flags, values, defaults)",
     )
     add_cli_flags(p)
     p.set_defaults(func=cmd_plugins)

@@ -22,8 +22,8 @@ import attrs
 import pluggy
 
 from pitstop import hookspecs
-from pitstop.config import check_option_keys
 from pitstop.errors import PluginError
+from pitstop.settings import check_option_keys, is_settings_class, option_fields, read_settings
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -56,6 +56,18 @@ class Strategy:
     module: str
     description: str = ""
     options: Mapping[str, str] = attrs.field(factory=dict)  # the ``options`` keys it reads -> doc
+    settings: type | None = None  # its declared settings class (see pitstop.settings)
+
+    @property
+    def owner(self) -> str:
+        """How errors name it: ``scheduler 'chunked' (pitstop 0.1.0)``."""
+        return f"{self.kind} {self.name!r} ({self.distribution} {self.version})".replace(" )", ")")
+
+    def read_settings(self, config: EngineConfig) -> Any:
+        """Its validated settings from ``config`` (None when it declares none)."""
+        if self.settings is None:
+            return None
+        return read_settings(config, self.name, self.settings, owner=self.owner)
 
 
 @attrs.frozen
@@ -143,6 +155,7 @@ class PluginManager:
             factory: Callable[..., Any],
             description: str = "",
             options: Mapping[str, str] | None = None,
+            settings: type | None = None,
         ) -> None:
             if not isinstance(name, str) or not name:
                 raise PluginError(
@@ -152,6 +165,19 @@ class PluginManager:
                 raise PluginError(
                     f"{source.distribution}: the {kind} {name!r} factory is not callable"
                 )
+            if settings is not None and not is_settings_class(settings):
+                raise PluginError(
+                    f"{source.distribution}: the {kind} {name!r} settings must be an attrs class "
+                    f"whose fields are made with pitstop.settings.setting(), got {settings!r}"
+                )
+            if settings is not None:
+                for other in self.strategies():
+                    if other.name == name and other.settings is not None:
+                        raise PluginError(
+                            f"the {kind} {name!r} of {source.distribution} and the {other.kind} "
+                            f"{name!r} of {other.distribution} both declare settings under the "
+                            f"namespace {name!r}; rename one"
+                        )
             existing = self.registry[kind].get(name)
             if existing is not None:
                 raise PluginError(
@@ -168,6 +194,7 @@ class PluginManager:
                 module=source.module.__name__,
                 description=description or (factory.__doc__ or "").strip().split("\n")[0],
                 options=dict(options or {}),
+                settings=settings,
             )
 
         return register
@@ -193,8 +220,10 @@ class PluginManager:
     def check_config(self, config: EngineConfig) -> None:
         """Raise :class:`PluginError` on the first strategy name of ``config`` that is not
         registered (``kernels="auto"`` is skipped: it resolves to a name later), and
-        :class:`~pitstop.errors.ConfigError` on an ``options`` key that the plugins
-        declare nothing like (see :func:`pitstop.config.check_option_keys`)."""
+        :class:`~pitstop.errors.ConfigError` on a declared setting of any registered
+        strategy that is of the wrong type, out of range or unknown (see
+        :mod:`pitstop.settings`), or on an ``options`` key that the plugins declare
+        nothing like (see :func:`pitstop.settings.check_option_keys`)."""
         for kind, name in (
             ("allocator", config.allocator),
             ("scheduler", config.scheduler),
@@ -204,8 +233,21 @@ class PluginManager:
         ):
             if name is not None:
                 self.get(kind, name)
-        declared = {key: f"{s.kind} {s.name!r}" for s in self.strategies() for key in s.options}
-        check_option_keys(config.options, declared)
+        for strategy in self.strategies():
+            strategy.read_settings(config)
+        check_option_keys(config.options, self.declared_options())
+
+    def declared_options(self) -> dict[str, str]:
+        """Every ``options`` key a registered strategy reads -> the strategy that reads it."""
+        declared: dict[str, str] = {}
+        for s in self.strategies():
+            keys = list(s.options)
+            if s.settings is not None:
+                for att in option_fields(s.settings):
+                    keys += [f"{s.name}.{att.name}", *att.metadata["legacy"]]
+            for key in keys:
+                declared.setdefault(key, f"{s.kind} {s.name!r}")
+        return declared
 
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
         """Build the named strategy with its factory."""

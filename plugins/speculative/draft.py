@@ -37,6 +37,7 @@ from pitstop.protocols import Proposal
 from pitstop.runner import ModelRunner, SeqInput
 from pitstop.sampling import is_greedy, make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
+from pitstop.settings import engine_setting
 from pitstop.speculative import draft_room
 from pitstop.weights import load_model_source
 
@@ -44,6 +45,15 @@ if TYPE_CHECKING:
     from pitstop.config import EngineConfig
     from pitstop.sequence import Sequence
     from pitstop.speculative import ProposerContext
+
+
+@attrs.frozen
+class DraftSettings:
+    """The settings of the ``draft`` proposer."""
+
+    model: str | None = engine_setting(
+        "speculative_model", help="draft model of the 'draft' proposer"
+    )
 
 
 class DraftProposer:
@@ -220,4 +230,4 @@ def create_draft(config: EngineConfig, context: ProposerContext) -> DraftPropose
 @pitstop.hookimpl
 def register_proposers(register: Any) -> None:
     """Register the ``draft`` proposer."""
-    register("draft", create_draft)
+    register("draft", create_draft, settings=DraftSettings)

@@ -17,8 +17,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import attrs
+
 import pitstop
 from pitstop.protocols import AllocatorStats
+from pitstop.settings import read_settings, setting
 
 FINISHED: Counter[str] = Counter()
 
@@ -108,15 +111,31 @@ class LifoAllocator:
         )
 
 
+@attrs.frozen
+class LifoSettings:
+    """The settings of the ``lifo`` allocator: ``--lifo.max-pages``, ``[plugins.lifo]``."""
+
+    max_pages: int | None = setting(
+        None,
+        type=int,
+        minimum=1,
+        optional=True,
+        help="use at most this many of the KV cache's pages (unset: all of them)",
+    )
+
+
 def make_lifo(config: pitstop.EngineConfig, num_pages: int) -> LifoAllocator:
     """Paged KV cache that reuses the most recently freed page first."""
+    settings = read_settings(config, "lifo", LifoSettings)
+    if settings.max_pages is not None:
+        num_pages = min(num_pages, settings.max_pages)
     return LifoAllocator(num_pages, config.page_size)
 
 
 @pitstop.hookimpl
 def register_allocators(register) -> None:
     """Register the ``lifo`` allocator."""
-    register("lifo", make_lifo)
+    register("lifo", make_lifo, settings=LifoSettings)
 
 
 @pitstop.hookimpl
