@@ -588,9 +588,8 @@ class LLMEngine:
         self, req: _Request, delta: str = "", new_ids: list[int] | None = None
     ) -> RequestOutput:
         self._requests.pop(req.seq.request_id, None)
-        release = getattr(self.proposer, "release", None)
-        if release is not None:
-            release(req.seq)  # e.g. the draft model's own KV pages
+        if self.proposer is not None:
+            self.proposer.release(req.seq)  # e.g. the draft model's own KV pages
         output = self._output(req, delta, new_ids)
         if self._request_observers:
             self.plugins.hook.on_request_finished(engine=self, output=output)

@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
-        merged = bool(getattr(kernels, "merge_projections", False))
+        merged = bool(kernels.merge_projections)
         self.merged = merged
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(

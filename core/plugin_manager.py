@@ -10,7 +10,6 @@ or distribution names) narrows which entry points load.
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata as md
 import logging
 import os
@@ -23,6 +22,8 @@ import pluggy
 
 from pitstop import hookspecs
 from pitstop.errors import PluginError
+from pitstop.kinds import KINDS as KIND_TABLE
+from pitstop.kinds import missing_members
 from pitstop.settings import check_option_keys, is_settings_class, option_fields, read_settings
 
 if TYPE_CHECKING:
@@ -33,15 +34,8 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "pitstop"
 ALLOW_LIST_VARIABLE = "PITSTOP_PLUGINS"
 
-# kind -> the register hook that fills it
-KINDS: dict[str, str] = {
-    "allocator": "register_allocators",
-    "scheduler": "register_schedulers",
-    "kernels": "register_kernels",
-    "sampler": "register_samplers",
-    "proposer": "register_proposers",
-    "model": "register_models",
-}
+# kind -> the register hook that fills it (the whole table: pitstop.kinds.KINDS)
+KINDS: dict[str, str] = {name: kind.hook for name, kind in KIND_TABLE.items()}
 
 
 @attrs.frozen
@@ -250,8 +244,23 @@ class PluginManager:
         return declared
 
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Build the named strategy with its factory."""
-        return self.get(kind, name).factory(*args, **kwargs)
+        """Build the named strategy with its factory and check it against its kind's protocol.
+
+        A :class:`PluginError` names the plugin and every protocol member the
+        object lacks (:func:`pitstop.kinds.missing_members`).
+        """
+        strategy = self.get(kind, name)
+        obj = strategy.factory(*args, **kwargs)
+        missing = missing_members(KIND_TABLE[kind], obj)
+        if missing:
+            protocol = KIND_TABLE[kind].protocol
+            raise PluginError(
+                f"{strategy.owner}: its factory returned a {type(obj).__name__} that lacks "
+                f"{', '.join(missing)}; a {kind} must provide every member of "
+                f"pitstop.protocols.{protocol.__name__} (optional ones have defaults in its "
+                "base class, e.g. pitstop.protocols.KernelSetBase / ProposerBase)"
+            )
+        return obj
 
     def strategies(self) -> list[Strategy]:
         """Every registered strategy, by kind then name."""
@@ -276,8 +285,3 @@ def get_plugin_manager(*, reload: bool = False) -> PluginManager:
     if _default is None or reload:
         _default = PluginManager()
     return _default
-
-
-def import_module(name: str) -> ModuleType:
-    """Import a plugin module by dotted name (for tests and ``extra_modules``)."""
-    return importlib.import_module(name)

@@ -307,8 +307,7 @@ class ModelRunner:
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager:
             return
-        graph_safe = getattr(self.kernels, "cuda_graph_safe", None)
-        if graph_safe is None or not graph_safe(self.model_config.head_size):
+        if not self.kernels.cuda_graph_safe(self.model_config.head_size):
             log.info(
                 "CUDA graphs off: kernel set %r is not graph-safe; decode runs eagerly", cfg.kernels
             )

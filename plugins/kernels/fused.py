@@ -54,7 +54,7 @@ from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.hookspecs import hookimpl
 from pitstop.plugins.kernels import reference
-from pitstop.protocols import RotaryCache
+from pitstop.protocols import KernelSetBase, RotaryCache
 from pitstop.settings import engine_setting, read_settings
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class FusedSettings:
     )
 
 
-class FusedKernels:
+class FusedKernels(KernelSetBase):
     """Triton ops where they can run, the reference ops elsewhere; resolved once at construction."""
 
     name = "fused"

@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 import pitstop
-from pitstop.protocols import Proposal
+from pitstop.protocols import Proposal, ProposerBase
 from pitstop.settings import engine_setting, read_settings
 from pitstop.speculative import draft_room
 
@@ -77,7 +77,7 @@ class NgramSettings:
     min_n: int = engine_setting("prompt_lookup_min", help="shortest n-gram matched")
 
 
-class NgramProposer:
+class NgramProposer(ProposerBase):
     """Prompt lookup over each sequence's own tokens."""
 
     def __init__(self, config: EngineConfig) -> None:
