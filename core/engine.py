@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -55,6 +56,9 @@ from pitstop.speculative import ProposerContext, draft_room
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
 from pitstop.validation import check_encoded_prompt, validate_request
 from pitstop.weights import load_model_source
+
+# observer(step inputs, the engine's sequence of each or None, logits rows): see observe_logits
+EngineLogitsObserver = Callable[[Seq[SeqInput], list[Sequence | None], Any], None]
 
 log = logging.getLogger(__name__)
 
@@ -237,9 +241,25 @@ class LLMEngine:
         """Whether any request is waiting or running."""
         return bool(self._requests)
 
-    def live_sequences(self) -> dict[int, Sequence]:
-        """The sequences of the unfinished requests, by the sequence id the runner knows (read only)."""
-        return {req.seq.seq_id: req.seq for req in self._requests.values()}
+    def observe_logits(self, observer: EngineLogitsObserver | None) -> None:
+        """Hand the target model's logits of every step to ``observer`` (None: stop).
+
+        ``observer(inputs, sequences, logits)`` is called after the step's logits
+        are computed, before sampling: ``inputs`` are the step's
+        :class:`~pitstop.runner.SeqInput` s, ``sequences`` the engine's
+        :class:`Sequence` of each (None for one already finished), and ``logits``
+        holds each sampling input's ``num_logits`` rows in input order. Read only:
+        the observer must not change the tensors or sequences.
+        """
+        if observer is None:
+            self.runner.logits_observer = None
+            return
+
+        def relay(inputs: Seq[SeqInput], logits: Any) -> None:
+            live = {req.seq.seq_id: req.seq for req in self._requests.values()}
+            observer(inputs, [live.get(inp.seq_id) for inp in inputs], logits)
+
+        self.runner.logits_observer = relay
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -65,6 +65,20 @@ class Strategy:
 
 
 @attrs.frozen
+class Command:
+    """One registered subcommand of ``pitstop``: its arguments and its entry function."""
+
+    name: str
+    setup: Callable[[Any], None]  # setup(argparse.ArgumentParser): add the arguments
+    run: Callable[[Any], int]  # run(argparse.Namespace) -> exit status
+    help: str
+    description: str
+    distribution: str
+    version: str
+    module: str
+
+
+@attrs.frozen
 class PluginSource:
     """A loaded plugin module and the distribution that declared it."""
 
@@ -88,6 +102,7 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.sources: list[PluginSource] = []
         self.registry: dict[str, dict[str, Strategy]] = {kind: {} for kind in KINDS}
+        self.commands: dict[str, Command] = {}
         if allow is None:
             env = os.environ.get(ALLOW_LIST_VARIABLE, "").strip()
             allow = [a.strip() for a in env.split(",") if a.strip()] if env else None
@@ -142,6 +157,46 @@ class PluginManager:
             if impl is None or not hasattr(impl, "pitstop_impl"):
                 continue
             impl(register=self._registrar(kind, source))
+        impl = getattr(module, "register_commands", None)
+        if impl is not None and hasattr(impl, "pitstop_impl"):
+            impl(register=self._command_registrar(source))
+
+    def _command_registrar(self, source: PluginSource) -> Callable[..., None]:
+        def register(
+            name: str,
+            setup: Callable[[Any], None],
+            run: Callable[[Any], int],
+            help: str = "",
+            description: str = "",
+        ) -> None:
+            if not isinstance(name, str) or not name or name.startswith("-"):
+                raise PluginError(
+                    f"{source.distribution}: a command needs a name such as 'serve', got {name!r}"
+                )
+            if not callable(setup) or not callable(run):
+                raise PluginError(
+                    f"{source.distribution}: the command {name!r} needs callable setup(parser) "
+                    "and run(args) functions"
+                )
+            existing = self.commands.get(name)
+            if existing is not None:
+                raise PluginError(
+                    f"two plugins register the command {name!r}: {existing.distribution} "
+                    f"({existing.module}) and {source.distribution} ({source.module.__name__}); "
+                    f"uninstall one, or narrow {ALLOW_LIST_VARIABLE}"
+                )
+            self.commands[name] = Command(
+                name,
+                setup,
+                run,
+                help or (run.__doc__ or "").strip().split("\n")[0],
+                description,
+                source.distribution,
+                source.version,
+                source.module.__name__,
+            )
+
+        return register
 
     def _registrar(self, kind: str, source: PluginSource) -> Callable[..., None]:
         def register(

@@ -78,6 +78,9 @@ def pages_asked(
     return None
 
 
+LogitsObserver = Callable[[Seq["SeqInput"], torch.Tensor], None]
+
+
 @attrs.frozen
 class SeqInput:
     """One sequence's part of a step: the tokens to compute and where they go.
@@ -210,6 +213,9 @@ class ModelRunner:
         self.rotary = rotary_cache(model_config, config.max_model_len, device)
         self.page_size = config.page_size
         self.kv_cache: torch.Tensor | None = None
+        # Called with (the step's inputs, the logits rows it computed) after every step's
+        # logits, before sampling; rows are the sampling inputs' num_logits rows, in order.
+        self.logits_observer: LogitsObserver | None = None
         self.num_pages = 0
         self._generators: dict[int, torch.Generator] = {}
         self._verifier: DraftVerifier | None = None
@@ -480,6 +486,8 @@ class ModelRunner:
             self._last_rows = {}
             return LaunchedStep(step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)))
         logits = self.model.compute_logits(self._select_rows(hidden, rows))
+        if self.logits_observer is not None:
+            self.logits_observer(step.seqs, logits)
         sampling = [s for s in step.seqs if s.sample]
         params = [s.params or SamplingParams() for s in sampling]
         generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]

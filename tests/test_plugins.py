@@ -253,3 +253,41 @@ def test_example_plugin_runs_the_engine_and_observes_requests(
     ]
     assert pitstop_example.FINISHED["length"] - before == 2 * len(prompts)
     assert lifo.engine.allocator.stats().pages_free == 32
+
+
+def test_the_example_plugin_adds_a_subcommand(
+    with_example: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pitstop.plugin_manager as pmod
+
+    monkeypatch.setattr(pmod, "_default", None)
+    pm = pmod.get_plugin_manager()
+    assert pm.commands["lifo-demo"].distribution == "pitstop-example"
+    assert {"serve", "bench", "verify"} <= set(pm.commands)  # registered the same way
+    assert cli_main(["lifo-demo", "--page-size", "4", "--tokens", "5", "9", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "s0: pages [0, 1]" in out and "s1: pages [2, 3, 4]" in out
+    assert "again: pages [0, 1]" in out  # s0's pages, freed last, come back first
+    # the command reads the plugin's own setting through the same flags
+    assert cli_main(["lifo-demo", "--page-size", "4", "--lifo.max-pages", "3"]) == 1
+    assert "do not fit" in capsys.readouterr().out
+    assert cli_main(["plugins"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["command", "lifo-demo", "pitstop-example", "0.2.0"] in [r[:4] for r in rows]
+    monkeypatch.setattr(pmod, "_default", None)
+
+
+def test_a_command_name_pitstop_has_is_refused() -> None:
+    from types import ModuleType
+
+    import pitstop
+
+    module = ModuleType("clash")
+
+    @pitstop.hookimpl
+    def register_commands(register) -> None:
+        register("serve", lambda p: None, lambda a: 0)
+
+    module.register_commands = register_commands  # type: ignore[attr-defined]
+    with pytest.raises(PluginError, match="two plugins register the command 'serve'"):
+        PluginManager(extra_modules=[module])

@@ -40,6 +40,7 @@ from pitstop.bench.workloads import (
 )
 from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import PitstopError
+from pitstop.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,19 @@ class BenchError(PitstopError, ValueError):
     """A ``pitstop bench`` argument is invalid."""
 
 
-def add_subcommand(subparsers: Any) -> None:
-    """Add ``pitstop bench`` with its ``offline`` and ``online`` modes."""
-    bench = subparsers.add_parser(
-        "bench", help="benchmark a workload (offline or online), configurations, peers"
+@hookimpl
+def register_commands(register: Any) -> None:
+    """Register ``pitstop bench``."""
+    register(
+        "bench",
+        add_arguments,
+        cmd_bench,
+        help="benchmark a workload (offline or online), configurations, peers",
     )
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    """``pitstop bench``'s ``offline`` and ``online`` modes and their flags."""
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     for mode, names, help_text in (
         ("offline", "nano|single|cpu-smoke|FILE", "every request submitted at once"),
