@@ -35,7 +35,7 @@ import pitstop
 from pitstop.errors import ConfigError
 from pitstop.protocols import Proposal
 from pitstop.runner import ModelRunner, SeqInput
-from pitstop.sampling import is_greedy, make_generator, make_sampling_batch
+from pitstop.sampling import exponential_race, is_greedy, make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
 from pitstop.settings import engine_setting
 from pitstop.speculative import draft_room
@@ -203,11 +203,7 @@ class DraftProposer:
         gens = [self._generator(s) for s in seqs]
         batch = make_sampling_batch(params, gens, self.device)
         q = runner.sampler.probabilities(logits, batch)
-        e = torch.empty_like(q).exponential_(generator=self._shared)
-        for i, g in enumerate(gens):
-            if g is not None:
-                e[i].exponential_(generator=g)
-        tokens = (q / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        tokens = exponential_race(q, gens, self._shared)
         greedy = torch.tensor([is_greedy(p) for p in params], device=self.device)
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         return tokens.tolist(), list(q.unbind(0))
