@@ -1,6 +1,6 @@
 """``pitstop bench offline|online``: run a workload on one or more configurations (and a peer).
 
-Found by :mod:`pitstop.cli` through :func:`add_subcommand`. Examples::
+Registered through the ``register_commands`` hook (entry point ``commands-bench``). Examples::
 
     pitstop bench offline --workload cpu-smoke --peer transformers
     pitstop bench offline --workload nano --output results.json --plot nano.png

@@ -1,6 +1,6 @@
 """``pitstop serve MODEL``: the OpenAI-compatible HTTP server.
 
-Found by :mod:`pitstop.cli`, which calls :func:`add_subcommand`. The web
+Registered through the ``register_commands`` hook (entry point ``commands-serve``). The web
 libraries are imported only when the command runs, so ``pitstop`` works
 without them (``pip install 'pitstop[serve]'`` adds them).
 """
