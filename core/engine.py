@@ -241,6 +241,10 @@ class LLMEngine:
         """Whether any request is waiting or running."""
         return bool(self._requests)
 
+    def live_sequences(self) -> dict[int, Sequence]:
+        """The sequences of the unfinished requests, by the sequence id the runner knows (read only)."""
+        return {req.seq.seq_id: req.seq for req in self._requests.values()}
+
     def observe_logits(self, observer: EngineLogitsObserver | None) -> None:
         """Hand the target model's logits of every step to ``observer`` (None: stop).
 
@@ -256,7 +260,7 @@ class LLMEngine:
             return
 
         def relay(inputs: Seq[SeqInput], logits: Any) -> None:
-            live = {req.seq.seq_id: req.seq for req in self._requests.values()}
+            live = self.live_sequences()
             observer(inputs, [live.get(inp.seq_id) for inp in inputs], logits)
 
         self.runner.logits_observer = relay
