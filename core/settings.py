@@ -165,6 +165,7 @@ def read_settings(config: EngineConfig, namespace: str, cls: type, *, owner: str
     owner = owner or f"plugin {namespace!r}"
     by_name = {att.name: att for att in attrs.fields(cls)}
     values: dict[str, Any] = {}
+    given_as: dict[str, str] = {}  # field -> the legacy key it was read from
     prefix = namespace + "."
     for key, value in config.options.items():
         if not key.startswith(prefix):
@@ -182,6 +183,7 @@ def read_settings(config: EngineConfig, namespace: str, cls: type, *, owner: str
             for key in md["legacy"]:
                 if key in config.options:
                     values[att.name] = config.options[key]
+                    given_as[att.name] = key
                     break
     try:
         return cls(**values)
@@ -189,8 +191,9 @@ def read_settings(config: EngineConfig, namespace: str, cls: type, *, owner: str
         name, value = exc.args
         att = by_name[name]
         key = f"{namespace}.{name}"
+        via = f" (given as {given_as[name]})" if name in given_as else ""
         raise ConfigError(
-            f"{owner}: setting {key} must be {allowed_values(att)}, got {value!r}"
+            f"{owner}: setting {key}{via} must be {allowed_values(att)}, got {value!r}"
         ) from None
 
 

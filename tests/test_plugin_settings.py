@@ -140,6 +140,11 @@ def test_toml_table_per_plugin(tmp_path: Path, plugins: PluginManager) -> None:
         EngineConfig.from_toml(path)
 
 
+def test_an_older_key_is_named_in_its_error(plugins: PluginManager) -> None:
+    with pytest.raises(ConfigError, match=r"given as scheduler\.max_wait_steps"):
+        plugins.check_config(EngineConfig(options={"scheduler.max_wait_steps": -2}))
+
+
 def test_values_reach_the_strategies(plugins: PluginManager) -> None:
     config = EngineConfig(options={"lifo.max_pages": 3, "prefix.max_cached_pages": 0})
     assert plugins.create("allocator", "lifo", config, 10).num_pages == 3
