@@ -95,7 +95,7 @@ class LLMEngine:
             config = attrs.evolve(config, kernels="fused" if fused else "reference")
         self.plugins.check_config(config)  # every name, before any weight loads
         self.dtype = resolve_dtype(config.dtype, self.device)
-        source = load_model_source(config.model, tokenizer=config.tokenizer)
+        source = load_model_source(config.model, tokenizer=config.tokenizer, plugins=self.plugins)
         mc = source.model_config
         self.plugins.get("model", mc.architecture)
         if config.max_model_len is None:

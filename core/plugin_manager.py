@@ -21,6 +21,7 @@ import attrs
 import pluggy
 
 from pitstop import hookspecs
+from pitstop.architecture import Architecture
 from pitstop.errors import PluginError
 from pitstop.kinds import KINDS as KIND_TABLE
 from pitstop.kinds import missing_members
@@ -51,6 +52,7 @@ class Strategy:
     description: str = ""
     options: Mapping[str, str] = attrs.field(factory=dict)  # the ``options`` keys it reads -> doc
     settings: type | None = None  # its declared settings class (see pitstop.settings)
+    architecture: Any = None  # a model's pitstop.architecture.Architecture (loading rules)
 
     @property
     def owner(self) -> str:
@@ -205,6 +207,7 @@ class PluginManager:
             description: str = "",
             options: Mapping[str, str] | None = None,
             settings: type | None = None,
+            architecture: Any = None,
         ) -> None:
             if not isinstance(name, str) or not name:
                 raise PluginError(
@@ -213,6 +216,18 @@ class PluginManager:
             if not callable(factory):
                 raise PluginError(
                     f"{source.distribution}: the {kind} {name!r} factory is not callable"
+                )
+            if (architecture is None) != (kind != "model") or (
+                architecture is not None and not isinstance(architecture, Architecture)
+            ):
+                raise PluginError(
+                    f"{source.distribution}: the {kind} {name!r} "
+                    + (
+                        "needs architecture=pitstop.architecture.Architecture(...): how its "
+                        "config.json is read, which tensors it holds, its rotary tables"
+                        if kind == "model"
+                        else "is not a model; only models take architecture="
+                    )
                 )
             if settings is not None and not is_settings_class(settings):
                 raise PluginError(
@@ -244,6 +259,7 @@ class PluginManager:
                 description=description or (factory.__doc__ or "").strip().split("\n")[0],
                 options=dict(options or {}),
                 settings=settings,
+                architecture=architecture,
             )
 
         return register
@@ -265,6 +281,22 @@ class PluginManager:
                 f"unknown {kind} {name!r}; registered {kind} names: {have}"
                 + (f" ({ALLOW_LIST_VARIABLE} is set)" if self.allow is not None else "")
             ) from None
+
+    def architecture(self, name: str) -> Architecture:
+        """The loading rules of the model architecture ``name`` (a checkpoint's
+        ``architectures`` entry); an unknown name lists those registered."""
+        return self.get("model", name).architecture
+
+    def architecture_for_hf(self, raw: Mapping[str, Any]) -> tuple[str, Architecture] | None:
+        """The registered architecture a ``config.json`` names (by ``architectures``,
+        then ``model_type``), or None."""
+        for name in raw.get("architectures") or ():
+            if isinstance(name, str) and name in self.registry["model"]:
+                return name, self.registry["model"][name].architecture
+        for s in self.registry["model"].values():
+            if raw.get("model_type") in s.architecture.model_types:
+                return s.name, s.architecture
+        return None
 
     def check_config(self, config: EngineConfig) -> None:
         """Raise :class:`PluginError` on the first strategy name of ``config`` that is not

@@ -21,7 +21,6 @@ import torch
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
-from pitstop.model import rotary_cache
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
 from pitstop.protocols import SamplingBatch
@@ -210,7 +209,8 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         self.model.eval()
         assert config.max_model_len is not None
-        self.rotary = rotary_cache(model_config, config.max_model_len, device)
+        rotary = plugins.architecture(model_config.architecture).rotary
+        self.rotary = rotary(model_config, config.max_model_len, device)
         self.page_size = config.page_size
         self.kv_cache: torch.Tensor | None = None
         # Called with (the step's inputs, the logits rows it computed) after every step's

@@ -46,6 +46,7 @@ from pitstop.checkpoint import (  # noqa: F401  (the names this module has alway
 )
 from pitstop.errors import ModelLoadError
 from pitstop.model_config import HF_MODEL_TYPES, ModelConfig, check_hf_shape_fields
+from pitstop.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.presets import PRESETS
 from pitstop.tokenizer import Tokenizer
 
@@ -60,7 +61,9 @@ HF_ARCHITECTURES = tuple(HF_MODEL_TYPES.values())
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 
 
-def load_model_source(model: str, *, tokenizer: str | None = None) -> ModelSource:
+def load_model_source(
+    model: str, *, tokenizer: str | None = None, plugins: PluginManager | None = None
+) -> ModelSource:
     """Resolve ``model`` (a name, a .gguf file, a checkpoint folder, an ``org/name`` id in
     the local Hugging Face cache, or ``dummy:<preset>``).
 
@@ -85,11 +88,11 @@ def load_model_source(model: str, *, tokenizer: str | None = None) -> ModelSourc
         return _load_gguf(smollm2_path(), tok)
     path = Path(model).expanduser()
     if path.is_dir():
-        return load_hf_checkpoint(path, tok)
+        return load_hf_checkpoint(path, tok, plugins)
     if path.is_file():
         return _load_gguf(path, tok)
     if _REPO_ID.match(model):
-        return _load_snapshot(model, resolve_hub_model(model), tok)
+        return _load_snapshot(model, resolve_hub_model(model), tok, plugins)
     raise ModelLoadError(
         f"model {model!r} is neither a known name nor an existing file or folder; pass "
         f"{SMOLLM2_NAME!r}, a .gguf file, a Hugging Face checkpoint folder, an 'org/name' id in "
@@ -164,10 +167,12 @@ def resolve_hub_model(repo_id: str) -> Path:
     return folder
 
 
-def _load_snapshot(repo_id: str, folder: Path, tok: Tokenizer | None) -> ModelSource:
+def _load_snapshot(
+    repo_id: str, folder: Path, tok: Tokenizer | None, plugins: PluginManager | None = None
+) -> ModelSource:
     """A snapshot holds a checkpoint folder or GGUF files."""
     if (folder / "config.json").is_file():
-        return load_hf_checkpoint(folder, tok)
+        return load_hf_checkpoint(folder, tok, plugins)
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) == 1:
         return _load_gguf(ggufs[0], tok)
@@ -182,7 +187,9 @@ def _load_snapshot(repo_id: str, folder: Path, tok: Tokenizer | None) -> ModelSo
 
 
 # ---------------------------------------------------------------------- HF folders
-def load_hf_checkpoint(folder: str | Path, tok: Tokenizer | None = None) -> ModelSource:
+def load_hf_checkpoint(
+    folder: str | Path, tok: Tokenizer | None = None, plugins: PluginManager | None = None
+) -> ModelSource:
     """A Hugging Face checkpoint folder: ``config.json`` + ``*.safetensors`` (sharded or not).
 
     The config and every tensor header are checked here, before any weight is read.
@@ -194,11 +201,11 @@ def load_hf_checkpoint(folder: str | Path, tok: Tokenizer | None = None) -> Mode
             f"folder {folder} has no config.json; a Hugging Face checkpoint folder needs "
             "config.json and *.safetensors files"
         )
-    config = read_hf_config(folder)
+    config = read_hf_config(folder, plugins)
 
     files = _safetensors_files(folder)
     entries = read_safetensors_headers(files)
-    check_checkpoint_tensors(entries, config, where=str(folder))
+    check_checkpoint_tensors(entries, config, where=str(folder), plugins=plugins)
     if tok is None and (folder / "tokenizer.json").is_file():
         tok = Tokenizer.from_pretrained(folder)
 
@@ -213,9 +220,10 @@ def load_hf_checkpoint(folder: str | Path, tok: Tokenizer | None = None) -> Mode
     )
 
 
-def read_hf_config(folder: str | Path) -> ModelConfig:
-    """The :class:`ModelConfig` of a checkpoint folder's ``config.json``, read through
-    ``transformers.AutoConfig`` (offline) and decided field by field."""
+def read_hf_config(folder: str | Path, plugins: PluginManager | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint folder's ``config.json``: the Llama family's
+    read through ``transformers.AutoConfig`` (offline) and decided field by field, any
+    other architecture by its plugin's ``config_from_hf`` (``plugins``' registry)."""
     folder = Path(folder)
     config_file = folder / "config.json"
     try:
@@ -225,11 +233,17 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {config_file}: {exc}; the file is corrupt") from exc
     model_type = raw.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
+    if model_type not in HF_MODEL_TYPES:  # a third-party architecture reads its own config
+        plugins = plugins or get_plugin_manager()
+        found = plugins.architecture_for_hf(raw)
+        if found is not None and found[1].config_from_hf is not None:
+            return found[1].config_from_hf(raw, str(config_file))
         archs = raw.get("architectures")
+        others = sorted(set(plugins.names("model")) - set(HF_ARCHITECTURES))
         raise ModelLoadError(
             f"{config_file} describes model_type={model_type!r} (architectures={archs!r}); "
             f"pitstop supports {', '.join(HF_MODEL_TYPES)} ({', '.join(HF_ARCHITECTURES)})"
+            + (f" and the plugin architectures {', '.join(others)}" if others else "")
         )
     check_hf_shape_fields(raw, str(config_file))
     try:
@@ -272,13 +286,17 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def check_checkpoint_tensors(
-    entries: dict[str, SafetensorsEntry], config: ModelConfig, where: str
+    entries: dict[str, SafetensorsEntry],
+    config: ModelConfig,
+    where: str,
+    plugins: PluginManager | None = None,
 ) -> None:
-    """Every tensor's name and shape against what a model of ``config`` holds: unknown,
-    missing and misshapen tensors are errors before anything is allocated."""
-    from pitstop.model import expected_weight_shapes, ignored_checkpoint_tensor
-
-    expected = expected_weight_shapes(config)
+    """Every tensor's name and shape against what a model of ``config`` holds (its
+    architecture's ``weight_shapes``): unknown, missing and misshapen tensors are errors
+    before anything is allocated."""
+    rules = (plugins or get_plugin_manager()).architecture(config.architecture)
+    ignored_checkpoint_tensor = rules.ignored_tensor
+    expected = rules.weight_shapes(config)
     if config.tie_word_embeddings:
         expected.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))
     names = [n for n in entries if not ignored_checkpoint_tensor(n)]

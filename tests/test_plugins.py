@@ -13,7 +13,7 @@ import pytest
 
 from pitstop import EngineConfig, hookspecs
 from pitstop.cli import main as cli_main
-from pitstop.errors import PluginError
+from pitstop.errors import ModelLoadError, PluginError
 from pitstop.plugin_manager import KINDS, PluginManager
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -291,3 +291,64 @@ def test_a_command_name_pitstop_has_is_refused() -> None:
     module.register_commands = register_commands  # type: ignore[attr-defined]
     with pytest.raises(PluginError, match="two plugins register the command 'serve'"):
         PluginManager(extra_modules=[module])
+
+
+def test_a_third_party_architecture_loads_and_runs(
+    with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example's BigramForCausalLM, found through its entry point: the HF loader asks
+    the registry for its config parsing and tensor names, and the engine runs it."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from pitstop import LLM, SamplingParams
+
+    vocab, hidden = 50, 8
+    gen = torch.Generator().manual_seed(3)
+    embed = torch.randn(vocab, hidden, generator=gen)
+    head = torch.randn(vocab, hidden, generator=gen)
+    folder = tmp_path / "bigram"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "bigram",
+                "architectures": ["BigramForCausalLM"],
+                "vocab_size": vocab,
+                "hidden_size": hidden,
+            }
+        )
+    )
+    save_file(
+        {"model.embed_tokens.weight": embed, "lm_head.weight": head}, folder / "m.safetensors"
+    )
+    pm = PluginManager(allow=None)
+    assert pm.get("model", "BigramForCausalLM").distribution == "pitstop-example"
+    llm = LLM(str(folder), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+    prompt = [7, 3]
+    out = llm.generate(
+        prompt_token_ids=[prompt],
+        sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    expected, token = [], prompt[-1]
+    for _ in range(6):  # greedy: the argmax of the last token's logits, every step
+        token = int((head @ embed[token]).argmax())
+        expected.append(token)
+    assert out.token_ids == expected
+    # the loader checks its tensors by the plugin's names and shapes
+    save_file({"model.embed_tokens.weight": embed}, folder / "m.safetensors")
+    with pytest.raises(ModelLoadError, match="lm_head.weight"):
+        LLM(str(folder), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+
+
+def test_an_architecture_nobody_registers_is_refused_naming_the_plugins(tmp_path: Path) -> None:
+    import json
+
+    from pitstop.weights import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(ModelLoadError, match="model_type='mamba'.*llama, qwen2, qwen3"):
+        read_hf_config(tmp_path, PluginManager())

@@ -8,6 +8,9 @@ It registers one strategy, one command and one observer:
 * the command ``pitstop lifo-demo``: admits and frees a few sequences on a
   ``lifo`` allocator built from the engine flags (``--page-size``,
   ``--lifo.max-pages``) and prints which pages each one got;
+* the model architecture ``BigramForCausalLM`` (:mod:`pitstop_example.bigram`):
+  a checkpoint folder whose ``config.json`` names it loads and runs like a
+  Llama one;
 * an ``on_request_finished`` observer that counts finished requests by
   finish reason (read them from ``FINISHED``).
 
@@ -28,6 +31,7 @@ import pitstop
 import pitstop.config
 from pitstop.protocols import AllocatorStats
 from pitstop.settings import read_settings, setting
+from pitstop_example import bigram
 
 FINISHED: Counter[str] = Counter()
 
@@ -177,6 +181,12 @@ def run_demo(args: argparse.Namespace) -> int:
 def register_commands(register) -> None:
     """Register ``pitstop lifo-demo``."""
     register("lifo-demo", add_demo_arguments, run_demo, help="show LIFO page reuse")
+
+
+@pitstop.hookimpl
+def register_models(register) -> None:
+    """Register the ``BigramForCausalLM`` architecture."""
+    register(bigram.ARCHITECTURE, bigram.make_bigram, architecture=bigram.BIGRAM)
 
 
 @pitstop.hookimpl
