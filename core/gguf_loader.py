@@ -308,9 +308,9 @@ def gguf_model_config(reader: Any, path: str | Path = "") -> ModelConfig:
 
 def _check_tensors(reader: Any, config: ModelConfig, path: Any) -> None:
     """Each tensor's name and shape against the config, its bytes against the file."""
-    from pitstop.model import expected_weight_shapes
+    from pitstop.plugin_manager import get_plugin_manager
 
-    expected = expected_weight_shapes(config)
+    expected = get_plugin_manager().architecture(config.architecture).weight_shapes(config)
     unknown, seen = [], set()
     for t in reader.tensors:
         if t.name in _IGNORED:

@@ -364,7 +364,7 @@ class Model(Protocol):
     """A model architecture: a ``torch.nn.Module`` the runner loads and calls."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The forward pass over one step's tokens (see :mod:`pitstop.model`)."""
+        """The forward pass over one step's tokens (e.g. :mod:`pitstop.plugins.models.llama`)."""
         ...
 
     def eval(self) -> Any:
