@@ -45,6 +45,12 @@ for spec in ${BENCHES-nano single}; do
     prefix) run prefix online --workload prefix --num-requests ${LT_N:-200} --max-batch-size 64 --matrix benchmarks/workloads/prefix-ablation.toml ;;
     sweeps) run sweeps online --workload longtail --num-requests ${LT_N:-200} --max-batch-size 64 --matrix benchmarks/workloads/longtail-sweeps.toml ${SWEEP_ONLY:+--only $SWEEP_ONLY} ;;
     tuned) run tuned online --workload longtail --max-batch-size 64 --matrix benchmarks/workloads/longtail-tuned.toml ;;
+    # issue 19: plugin settings + kinds + commands + logits observer on the GPU (smollm2 GGUF)
+    plugins19) M=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
+      echo "== pitstop plugins --settings --check --kernels fused"; pitstop plugins --settings --check --kernels fused 2>&1 | tail -45
+      echo "== pitstop verify: fused (overlapped loop, CUDA graphs) against reference"
+      timeout 300 pitstop verify --model "$M" --kernels fused --max-tokens 32 --json "$OUT/verify-plugins19.json" 2>&1 | tail -20
+      run nano-plugins19 offline --workload nano --kernels fused --model "$M" ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
   esac
 done

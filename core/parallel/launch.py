@@ -289,6 +289,15 @@ class TensorParallelRunner:
             raise AttributeError(name)
         return getattr(self.runner, name)
 
+    @property
+    def logits_observer(self) -> Any:
+        """Rank 0's logits observer (:meth:`LLMEngine.observe_logits`): rank 0 has every logit."""
+        return self.runner.logits_observer
+
+    @logits_observer.setter
+    def logits_observer(self, observer: Any) -> None:
+        self.runner.logits_observer = observer
+
     def _call(self, name: str, args: tuple[Any, ...], local: Callable[[], Any]) -> Any:
         if self._closed:
             raise WorkerDiedError(

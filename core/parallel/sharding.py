@@ -171,7 +171,7 @@ class WeightShard:
             inner = math.prod(shape[region.dim + 1 :]) * itemsize
             outer = math.prod(shape[: region.dim])
             stride = (shape[region.dim] if shape else 1) * inner
-            from pitstop.weights import read_exactly
+            from pitstop.checkpoint import read_exactly
 
             view = memoryview(out.view(-1).view(torch.uint8).numpy())
             chunk = count * inner
