@@ -377,7 +377,12 @@ class Model(Protocol):
         ...
 
     def init_dummy(self, seed: int) -> None:
-        """Fill every parameter with seeded random values (``dummy:`` models)."""
+        """Fill every parameter with seeded random values (``dummy:`` models).
+
+        A model with ``supports_tensor_parallel`` also takes ``shard=`` (a
+        :class:`~pitstop.parallel.sharding.WeightShard`): draw the whole model's
+        tensors, keep the rank's part of each.
+        """
         ...
 
     def load_weights(self, weights: Any) -> None:
