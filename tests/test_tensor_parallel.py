@@ -279,7 +279,7 @@ def test_the_watch_thread_reports_a_dead_worker_once():
     import multiprocessing
     import threading
 
-    from pitstop.parallel.launch import WorkerWatch
+    from pitstop.parallel.watch import WorkerWatch
 
     ctx = multiprocessing.get_context("spawn")
     worker = ctx.Process(target=os._exit, args=(3,))
