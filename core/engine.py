@@ -32,6 +32,7 @@ import attrs
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError, InvalidRequestError
+from pitstop.kv_cache_dtype import resolve_kv_cache_dtype
 from pitstop.memory import check_fits
 from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestMetrics, RequestOutput
@@ -102,7 +103,8 @@ class LLMEngine:
         kv_pages = (
             pages_asked(config, mc, self.device, self.dtype) or 0
         )  # 0: sized after the weights
-        kv_bytes = kv_pages * kv_bytes_per_page(mc, config.page_size, self.dtype)
+        cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        kv_bytes = kv_pages * kv_bytes_per_page(mc, config.page_size, cache_dtype)
         check_fits(mc, self.dtype, self.device, kv_bytes, what=source.description)
         self.runner = ModelRunner(config, mc, self.plugins, self.device, self.dtype)
         self.runner.load_weights(source.weights)

@@ -19,7 +19,8 @@ Ops and where they run:
 Each op is resolved once, when the kernel set is built: to its Triton kernel,
 or to the reference op with one log line that names the op and the reason
 (config flag off, Triton not importable, no CUDA device and
-``TRITON_INTERPRET`` not set, an unsupported dtype). The head size is only
+``TRITON_INTERPRET`` not set, an unsupported dtype, an fp8 KV cache on a GPU
+older than compute capability 8.9, where the reference ops' torch casts run). The head size is only
 known at the first attention call: an unsupported one (not a power of two in
 16..256) switches ``rope_and_store`` and ``attention`` to the reference once,
 again with one log line. :meth:`FusedKernels.describe` says what runs where.
@@ -75,6 +76,23 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def fp8_unsupported_reason(kv_cache_dtype: str, device: torch.device) -> str | None:
+    """Why Triton cannot read or write this fp8 KV cache on ``device``, or None (not fp8, or fine).
+
+    Triton converts to and from fp8 in hardware from compute capability 8.9
+    (Ada, Hopper) on; the interpreter emulates the conversions on the CPU.
+    """
+    if not kv_cache_dtype.startswith("fp8") or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (
+            f"kv_cache_dtype={kv_cache_dtype} needs compute capability 8.9 or newer in Triton, "
+            f"this GPU has {major}.{minor}"
+        )
+    return None
+
+
 def head_size_supported(head_size: int) -> bool:
     """Attention and rotary kernels take a power-of-two head size in 16..256."""
     return 16 <= head_size <= 256 and head_size & (head_size - 1) == 0
@@ -94,6 +112,7 @@ class FusedKernels:
         triton_reason = triton_unavailable_reason(device)
         if triton_reason is None and dtype not in SUPPORTED_DTYPES:
             triton_reason = f"unsupported dtype {dtype}"
+        cache_reason = fp8_unsupported_reason(config.kv_cache_dtype, device)
         wanted = {
             "rms_norm": ("fused_rmsnorm", config.fused_rmsnorm),
             "silu_and_mul": ("fused_silu", config.fused_silu),
@@ -104,6 +123,8 @@ class FusedKernels:
         for op, (flag, on) in wanted.items():
             reason = None if on else f"config flag {flag} is off"
             reason = reason or triton_reason
+            if op in ("rope_and_store", "attention"):  # the ops that touch the KV cache
+                reason = reason or cache_reason
             use[op] = reason is None
             if reason is not None:
                 self._fallback(op, reason)
@@ -189,11 +210,15 @@ class FusedKernels:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k at ``meta.positions`` (neox layout), store k and v at ``meta.slot_mapping``."""
+        """Rotate q and k at ``meta.positions`` (neox layout), store k and v at ``meta.slot_mapping``.
+
+        An fp8 cache stores ``k / kv_scale[0]`` and ``v / kv_scale[1]``, saturated.
+        """
         if not self._head_size_checked:
             self._check_head_size(q.shape[-1])
-        return self._rope(q, k, v, rotary, k_cache, v_cache, meta)
+        return self._rope(q, k, v, rotary, k_cache, v_cache, meta, kv_scale)
 
     def attention(
         self,
@@ -202,11 +227,15 @@ class FusedKernels:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention of q ``[T, Hq, D]`` over the paged cache; prefills and decodes in one batch."""
+        """Causal attention of q ``[T, Hq, D]`` over the paged cache; prefills and decodes in one batch.
+
+        An fp8 cache is read with its scales ``kv_scale`` (K's, then V's).
+        """
         if not self._head_size_checked:
             self._check_head_size(q.shape[-1])
-        return self._attn(q, k_cache, v_cache, meta, scale)
+        return self._attn(q, k_cache, v_cache, meta, scale, kv_scale)
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph (no op synchronizes with the host).
