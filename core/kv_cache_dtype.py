@@ -9,6 +9,8 @@ the numerical reference).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from pitstop.errors import ConfigError
@@ -46,3 +48,22 @@ def resolve_kv_cache_dtype(
             "or a torch with float8 support (2.1 or later)"
         )
     return dtype
+
+
+def check_kernels_read_fp8(kernels: object, kernels_name: str, cache_dtype: torch.dtype) -> None:
+    """Refuse a kernel set whose cache ops take no ``kv_scale`` when the cache is fp8.
+
+    Such a kernel set was written for caches in the model's dtype: it would
+    store fp8 values unscaled, or fail at the first step with a TypeError.
+    """
+    if cache_dtype.itemsize != 1:
+        return
+    for op in ("rope_and_store", "attention"):
+        params = inspect.signature(getattr(kernels, op)).parameters
+        takes = "kv_scale" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        if not takes:
+            raise ConfigError(
+                f"kernel set {kernels_name!r}: {op}() takes no kv_scale argument, so it cannot use "
+                f"an fp8 KV cache ({cache_dtype}); use kv_cache_dtype='auto', or a kernel set with "
+                "fp8 support (reference, fused)"
+            )

@@ -142,7 +142,14 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Attention of the rotated q over the paged cache (this layer's softmax and KV scales)."""
-        return self.kernels.attention(q, k_cache, v_cache, meta, self.scale, kv_scale=self.kv_scale)
+        return self.kernels.attention(
+            q, k_cache, v_cache, meta, self.scale, **self._scales(k_cache)
+        )
+
+    def _scales(self, cache: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ``kv_scale`` argument of the cache ops for an fp8 cache; none for a wider one
+        (so a kernel set without fp8 support keeps working with the model's dtype)."""
+        return {"kv_scale": self.kv_scale} if cache.element_size() == 1 else {}
 
     def project(
         self,
@@ -172,7 +179,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = kn.rms_norm(q, self.q_norm, cfg.rms_norm_eps)[0]
             k = kn.rms_norm(k, self.k_norm, cfg.rms_norm_eps)[0]
-        q, _ = kn.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, kv_scale=self.kv_scale)
+        q, _ = kn.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, **self._scales(k_cache))
         return q
 
     def output(self, o: torch.Tensor) -> torch.Tensor:

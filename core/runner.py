@@ -21,7 +21,7 @@ import torch
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
-from pitstop.kv_cache_dtype import resolve_kv_cache_dtype
+from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.model import rotary_cache
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
@@ -199,6 +199,7 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
         self.kernels = plugins.create("kernels", config.kernels, config, device, dtype)
+        check_kernels_read_fp8(self.kernels, config.kernels, self.kv_cache_dtype)
         self.sampler = plugins.create("sampler", config.sampler, config, device)
         factory = plugins.get("model", model_config.architecture).factory
         previous = torch.get_default_dtype()
