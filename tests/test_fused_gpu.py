@@ -245,7 +245,7 @@ def test_decode_attention_is_graph_capturable() -> None:
     _assert_close(out, expected, torch.bfloat16, "graph replay")
 
 
-def _dummy_runner(kernels: str, dtype: torch.dtype):
+def _dummy_runner(kernels: str, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
     """A ModelRunner of the dummy ``qwen3-0.6b`` shape on CUDA (same seeded weights for every kernel set)."""
     from pitstop.plugin_manager import PluginManager
     from pitstop.presets import PRESETS
@@ -257,6 +257,7 @@ def _dummy_runner(kernels: str, dtype: torch.dtype):
         kernels=kernels,
         device="cuda",
         max_num_pages=512,
+        kv_cache_dtype=kv_cache_dtype,
     )
     runner = ModelRunner(
         config, PRESETS["qwen3-0.6b"], PluginManager(), torch.device("cuda"), dtype
@@ -319,3 +320,102 @@ def _logits(runner, seqs: list[list[int]]) -> torch.Tensor:
     )
     with torch.inference_mode():
         return runner.model.compute_logits(runner.model(ids, runner.rotary, runner.kv_cache, meta))
+
+
+# ---------------------------------------------------------------- fp8 KV cache (issue 15)
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _fp8_caches(
+    shape: tuple[int, ...], cache_dtype: torch.dtype, kv_scale: tuple[float, float], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K (about 3 scales wide) and V (about 1) quantized by the reference, and the scales."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scales = torch.tensor(kv_scale, dtype=torch.float32, device="cuda")
+    k = torch.randn(shape, device="cuda", generator=gen) * 3 * kv_scale[0]
+    v = torch.randn(shape, device="cuda", generator=gen) * kv_scale[1]
+    return (
+        reference.quantize_kv(k, scales[0], cache_dtype),
+        reference.quantize_kv(v, scales[1], cache_dtype),
+        scales,
+    )
+
+
+@pytest.mark.parametrize("kv_scale", [(1.0, 1.0), (0.05, 0.02)])
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("heads", [(32, 8), (16, 16)])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_attention_fp8_cache_full_size(
+    batch: str, heads: tuple[int, int], cache_dtype: torch.dtype, kv_scale: tuple[float, float]
+) -> None:
+    """Decode, prefill and mixed batches over an fp8 cache (bf16 queries) against the reference."""
+    hq, hkv = heads
+    qlens, ctxs = BATCHES[batch]
+    meta, num_pages = _meta(qlens, ctxs, 16, seed=0)
+    q = torch.randn(sum(qlens), hq, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache, scales = _fp8_caches((num_pages, 16, hkv, 128), cache_dtype, kv_scale, 1)
+    out = _fused(torch.bfloat16, kv_cache_dtype="fp8_e4m3").attention(
+        q, k_cache, v_cache, meta, 128**-0.5, scales
+    )
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5, scales)
+    _assert_close(out, expected, torch.bfloat16, f"{batch} {cache_dtype}")
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_and_store_fp8_full_size(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """The fp8 bytes stored are the reference's quantization of the same rotated k and of v, bit for
+    bit, outliers (1e4 x, past e4m3's 448) saturated; no other slot changes."""
+    meta, num_pages = _meta([1000, 1, 1, 17], [3000, 4096, 5, 17], 16, seed=1)
+    t, hq, hkv, d = meta.num_tokens, 32, 8, 128
+    q, k, v = (torch.randn(t, h, d, device="cuda", dtype=dtype) for h in (hq, hkv, hkv))
+    k[::7] *= 1e4
+    v[3::11] *= -1e4
+    angles = torch.outer(
+        torch.arange(4096, device="cuda").float(), torch.rand(d // 2, device="cuda")
+    )
+    rotary = RotaryCache(angles.cos(), angles.sin())
+    scales = torch.tensor([0.5, 0.25], device="cuda")
+    shape = (num_pages, 16, hkv, d)
+    k_cache = torch.randn(shape, device="cuda").to(cache_dtype)
+    v_cache = torch.randn(shape, device="cuda").to(cache_dtype)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    ks = _fused(dtype, kv_cache_dtype="fp8_e4m3")
+    _, k_out = ks.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, scales)
+    written = torch.zeros(num_pages * 16, dtype=torch.bool, device="cuda")
+    written[meta.slot_mapping] = True
+    flat = (num_pages * 16, hkv, d)
+    for got, before, x, sc in ((k_cache, k0, k_out, scales[0]), (v_cache, v0, v, scales[1])):
+        got, before = got.view(flat), before.view(flat)
+        assert torch.equal(got[~written].view(torch.uint8), before[~written].view(torch.uint8))
+        stored = got[meta.slot_mapping].float()
+        assert torch.isfinite(stored).all()
+        assert stored.abs().max() == torch.finfo(cache_dtype).max  # the outliers, saturated
+        expected = reference.quantize_kv(x, sc, cache_dtype).float()
+        assert torch.equal(stored, expected), (stored != expected).sum().item()
+
+
+def test_fp8_kernels_run_triton_on_this_gpu() -> None:
+    """On compute capability 8.9+ the cache ops stay in Triton with an fp8 cache (and are graph-safe)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 conversions in Triton need compute capability 8.9")
+    ks = _fused(torch.bfloat16, kv_cache_dtype="fp8_e4m3")
+    assert ks.cuda_graph_safe(128)
+
+
+def test_dummy_qwen3_fp8_cache_fused_matches_reference() -> None:
+    """A dummy qwen3-0.6b with an fp8 cache: fused logits along the reference's greedy path are no
+    further from the reference's fp8 logits than fp8 itself moves them from the bf16 cache's."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 151936, (n,), generator=gen).tolist() for n in (17, 130, 400, 2)]
+    ref_fp8 = _dummy_runner("reference", torch.bfloat16, kv_cache_dtype="fp8_e4m3")
+    path = _greedy(ref_fp8, prompts, steps=24)
+    seqs = [p + t for p, t in zip(prompts, path, strict=True)]
+    ref_logits = _logits(ref_fp8, seqs)
+    fused_logits = _logits(_dummy_runner("fused", torch.bfloat16, kv_cache_dtype="fp8_e4m3"), seqs)
+    wide_logits = _logits(_dummy_runner("reference", torch.bfloat16), seqs)
+    assert torch.isfinite(fused_logits).all()
+    fused_err = (fused_logits - ref_logits).abs().max().item()
+    fp8_effect = (ref_logits - wide_logits).abs().max().item()
+    assert fused_err <= fp8_effect + 1e-3, (fused_err, fp8_effect)

@@ -69,6 +69,15 @@ def test_a_kernel_set_without_kv_scale_is_refused_for_fp8() -> None:
     check_kernels_read_fp8(ReferenceKernels(CPU, torch.float32), "reference", torch.float8_e4m3fn)
 
 
+def test_verify_measures_fp8_against_the_model_dtype_cache_unless_told_same() -> None:
+    from pitstop.verify.run import reference_config
+
+    config = EngineConfig(kv_cache_dtype="fp8_e4m3", kernels="fused")
+    assert reference_config(config).kv_cache_dtype == "auto"
+    assert reference_config(config, "same").kv_cache_dtype == "fp8_e4m3"
+    assert reference_config(config, "same").kernels == "reference"
+
+
 # ---------------------------------------------------------------- the cache's size
 
 
@@ -172,6 +181,7 @@ MIN_AGREEING_FRACTION = 0.5
 @pytest.mark.slow
 def test_fp8_reference_path_against_the_model_dtype_cache_on_smollm2() -> None:
     from pitstop.verify.prompts import shipped_prompts
+    from pitstop.verify.report import format_report
     from pitstop.verify.run import verify
 
     smollm2_gguf()
@@ -192,3 +202,4 @@ def test_fp8_reference_path_against_the_model_dtype_cache_on_smollm2() -> None:
     assert min(agree) >= EARLIEST_DIVERGENCE, agree
     total = sum(len(r.reference_token_ids) for r in report.results)
     assert sum(agree) >= MIN_AGREEING_FRACTION * total, (sum(agree), total)
+    assert "note: the candidate's KV cache is fp8_e4m3 (lossy)" in format_report(report)
