@@ -134,8 +134,9 @@ class LLMEngine:
         self._draft_probs: dict[int, Any] = {}  # seq_id -> this step's draft distributions
         per_page = self.runner.bytes_per_page()
         log.info(
-            "%s KV cache: %d tokens/page, %s pages, %s tokens, %.2f GiB",
+            "%s KV cache: %s, %d tokens/page, %s pages, %s tokens, %.2f GiB",
             config.allocator,
+            str(self.runner.kv_cache_dtype).removeprefix("torch."),
             config.page_size,
             f"{num_pages:,}",
             f"{num_pages * config.page_size:,}",

@@ -634,7 +634,9 @@ def test_padding_rows_are_harmless() -> None:
 # ---------------------------------------------------------------- whole model
 
 
-def _tiny_runner(arch: str, kernels: str, dtype: torch.dtype, page_size: int):
+def _tiny_runner(
+    arch: str, kernels: str, dtype: torch.dtype, page_size: int, kv_cache_dtype: str = "auto"
+):
     """A ModelRunner over a tiny random Hugging Face model of ``arch`` (same weights for every kernel set)."""
     transformers = pytest.importorskip("transformers")
     from pitstop.model_config import ModelConfig
@@ -675,7 +677,11 @@ def _tiny_runner(arch: str, kernels: str, dtype: torch.dtype, page_size: int):
     ]
     plugins = PluginManager(load_entry_points=False, extra_modules=modules)
     config = EngineConfig(
-        max_model_len=128, page_size=page_size, kernels=kernels, device=DEVICE.type
+        max_model_len=128,
+        page_size=page_size,
+        kernels=kernels,
+        device=DEVICE.type,
+        kv_cache_dtype=kv_cache_dtype,
     )
     runner = ModelRunner(config, ModelConfig.from_hf_dict(config_dict), plugins, DEVICE, dtype)
     state = {k: v.to(dtype) for k, v in hf_model.state_dict().items()}
@@ -738,3 +744,19 @@ def test_tiny_model_greedy_tokens_match_reference(arch: str) -> None:
         tokens[kernels] = _greedy_schedule(runner, prompts, page_size, steps=6)
     assert tokens["fused"] == tokens["reference"]
     assert [len(t) for t in tokens["fused"]] == [8, 8, 7]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_tiny_model_fp8_cache_fused_matches_reference(kv_cache_dtype: str) -> None:
+    """With an fp8 cache, prefill, a chunk beside decodes and decodes through `fused` give the
+    greedy tokens of `reference` (fp32: both quantize the same K/V to the same bytes)."""
+    page_size = 16
+    prompts = [[3, 17, 5, 9, 22, 1, 8], [4, 4], [11] * 15 + [7, 2, 9, 30, 31, 64, 90, 12, 5]]
+    tokens = {}
+    for kernels in ("reference", "fused"):
+        runner = _tiny_runner("llama", kernels, torch.float32, page_size, kv_cache_dtype)
+        assert runner.kv_cache.element_size() == 1
+        if kernels == "fused":
+            assert runner.kernels.describe()["attention"] == "triton"
+        tokens[kernels] = _greedy_schedule(runner, prompts, page_size, steps=6)
+    assert tokens["fused"] == tokens["reference"]

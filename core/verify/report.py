@@ -174,6 +174,7 @@ def _kv_cache_note(report: VerifyReport) -> list[str]:
     ref, cand = report.reference.config.kv_cache_dtype, report.candidate.config.kv_cache_dtype
     if not cand.startswith("fp8") or ref == cand:
         return []
+    ref = report.dtype if ref == "auto" else ref
     return [
         f"  note: the candidate's KV cache is {cand} (lossy), the reference's {ref}: logits move by",
         "        the format's rounding, beyond the dtype's tolerance. Read tokens and max|dlogit| as",

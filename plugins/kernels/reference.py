@@ -5,6 +5,11 @@ Every op follows the arithmetic of Hugging Face ``transformers``' Llama code
 matches it token for token. Attention loops over the sequences of a step and
 runs PyTorch's scaled-dot-product attention on each one's gathered pages: easy
 to read and check, not fast.
+
+An fp8 KV cache (``kv_cache_dtype`` fp8_e4m3 / fp8_e5m2) is the numerical
+reference of the format: :func:`quantize_kv` stores ``x / scale`` saturated to
+the format's finite range and rounded by torch's cast (nearest, ties to even);
+:func:`dequantize_kv` multiplies back into the query dtype before attention.
 """
 
 from __future__ import annotations
