@@ -126,3 +126,20 @@ def test_speculative_greedy_on_gpu_equals_plain(tiny: Path, speculative: str) ->
         return [o.token_ids for o in outs]
 
     assert run(speculative=speculative, num_speculative_tokens=3) == run()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_cache_graphs_and_eager_match_reference(tiny: Path, kv_cache_dtype: str) -> None:
+    """With an fp8 KV cache (issue 15), fused kernels with and without CUDA graphs give the
+    reference kernels' greedy tokens (fp32: both store the same fp8 bytes); no page leaked."""
+    reference = _run(tiny, kernels="reference", kv_cache_dtype=kv_cache_dtype)
+    graphs = _run(tiny, kernels="fused", fused_precision="fp32", kv_cache_dtype=kv_cache_dtype)
+    eager = _run(
+        tiny,
+        kernels="fused",
+        fused_precision="fp32",
+        enforce_eager=True,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    assert eager == reference
+    assert graphs == reference
