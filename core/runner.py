@@ -303,7 +303,11 @@ class ModelRunner:
         """Allocate the KV cache: ``[layers, 2, num_pages, page_size, kv_heads, head_size]`` in ``kv_cache_dtype``."""
         mc = self.model_config
         shape = (mc.num_layers, 2, num_pages, self.page_size, mc.num_kv_heads, mc.head_size)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        # fp8 is zeroed as uint8 (zero bytes are +0.0): no float8 fill kernel needed on any device
+        storage = torch.uint8 if self.kv_cache_dtype.itemsize == 1 else self.kv_cache_dtype
+        self.kv_cache = torch.zeros(shape, dtype=storage, device=self.device).view(
+            self.kv_cache_dtype
+        )
         self.num_pages = num_pages
 
     def maybe_capture_graphs(self) -> None:

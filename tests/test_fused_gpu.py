@@ -344,22 +344,44 @@ def _fp8_caches(
 
 @pytest.mark.parametrize("kv_scale", [(1.0, 1.0), (0.05, 0.02)])
 @pytest.mark.parametrize("cache_dtype", FP8)
-@pytest.mark.parametrize("heads", [(32, 8), (16, 16)])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 def test_attention_fp8_cache_full_size(
-    batch: str, heads: tuple[int, int], cache_dtype: torch.dtype, kv_scale: tuple[float, float]
+    batch: str, cache_dtype: torch.dtype, kv_scale: tuple[float, float]
 ) -> None:
-    """Decode, prefill and mixed batches over an fp8 cache (bf16 queries) against the reference."""
-    hq, hkv = heads
-    qlens, ctxs = BATCHES[batch]
-    meta, num_pages = _meta(qlens, ctxs, 16, seed=0)
-    q = torch.randn(sum(qlens), hq, 128, device="cuda", dtype=torch.bfloat16)
-    k_cache, v_cache, scales = _fp8_caches((num_pages, 16, hkv, 128), cache_dtype, kv_scale, 1)
-    out = _fused(torch.bfloat16, kv_cache_dtype="fp8_e4m3").attention(
-        q, k_cache, v_cache, meta, 128**-0.5, scales
+    """Decode, prefill and mixed batches over an fp8 cache (bf16 queries, 32/8 heads) against the reference."""
+    _check_fp8_attention(BATCHES[batch], (32, 8), 128, 16, cache_dtype, kv_scale, batch)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [(32, 32), (64, 8)])
+def test_attention_fp8_cache_gqa_page_sizes(page_size: int, heads: tuple[int, int]) -> None:
+    """GQA 1 and 8, page sizes 1, 16 and 64, every kernel path in one batch, e4m3 cache."""
+    _check_fp8_attention(
+        MIXED, heads, 128, page_size, torch.float8_e4m3fn, (0.1, 0.05), f"page {page_size} {heads}"
     )
-    expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5, scales)
-    _assert_close(out, expected, torch.bfloat16, f"{batch} {cache_dtype}")
+
+
+def _check_fp8_attention(
+    batch: tuple[list[int], list[int]],
+    heads: tuple[int, int],
+    head_size: int,
+    page_size: int,
+    cache_dtype: torch.dtype,
+    kv_scale: tuple[float, float],
+    what: str,
+) -> None:
+    hq, hkv = heads
+    qlens, ctxs = batch
+    meta, num_pages = _meta(qlens, ctxs, page_size, seed=0)
+    q = torch.randn(sum(qlens), hq, head_size, device="cuda", dtype=torch.bfloat16)
+    shape = (num_pages, page_size, hkv, head_size)
+    k_cache, v_cache, scales = _fp8_caches(shape, cache_dtype, kv_scale, 1)
+    scale = head_size**-0.5
+    out = _fused(torch.bfloat16, kv_cache_dtype="fp8_e4m3").attention(
+        q, k_cache, v_cache, meta, scale, scales
+    )
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, scale, scales)
+    _assert_close(out, expected, torch.bfloat16, f"{what} {cache_dtype}")
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
@@ -388,8 +410,10 @@ def test_rope_and_store_fp8_full_size(dtype: torch.dtype, cache_dtype: torch.dty
     flat = (num_pages * 16, hkv, d)
     for got, before, x, sc in ((k_cache, k0, k_out, scales[0]), (v_cache, v0, v, scales[1])):
         got, before = got.view(flat), before.view(flat)
-        assert torch.equal(got[~written].view(torch.uint8), before[~written].view(torch.uint8))
-        stored = got[meta.slot_mapping].float()
+        # index through uint8 views: torch has no index kernels for float8 on every device
+        got_bytes, before_bytes = got.view(torch.uint8), before.view(torch.uint8)
+        assert torch.equal(got_bytes[~written], before_bytes[~written])
+        stored = reference.gather_pages(got, meta.slot_mapping).float()
         assert torch.isfinite(stored).all()
         assert stored.abs().max() == torch.finfo(cache_dtype).max  # the outliers, saturated
         expected = reference.quantize_kv(x, sc, cache_dtype).float()
