@@ -748,17 +748,53 @@ def test_tiny_model_greedy_tokens_match_reference(arch: str) -> None:
     assert [len(t) for t in tokens["fused"]] == [8, 8, 7]
 
 
+def _forced_logits(runner, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
+    """Float32 logits of every prompt position (one prefill step), then of one decode step per
+    column of ``forced`` (each sequence fed its forced token): the same path for every runner."""
+    from pitstop.runner import SeqInput
+
+    tables = [list(range(i * 8, (i + 1) * 8)) for i in range(len(prompts))]
+
+    def step(seqs: list) -> torch.Tensor:
+        ids, meta, _ = runner.build_metadata(seqs)
+        hidden = runner.model(ids, runner.rotary, runner.kv_cache, meta)
+        return runner.model.compute_logits(hidden)
+
+    with torch.inference_mode():
+        out = [step([SeqInput(i, p, 0, tables[i], True) for i, p in enumerate(prompts)])]
+        for n in range(len(forced[0])):
+            seqs = [
+                SeqInput(i, [forced[i][n]], len(p) + n, tables[i], True)
+                for i, p in enumerate(prompts)
+            ]
+            out.append(step(seqs))
+    return torch.cat(out)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_tiny_model_fp8_cache_fused_matches_reference(kv_cache_dtype: str) -> None:
-    """With an fp8 cache, prefill, a chunk beside decodes and decodes through `fused` give the
-    greedy tokens of `reference` (fp32: both quantize the same K/V to the same bytes)."""
+def test_tiny_model_fp8_cache_fused_is_as_accurate_as_reference(kv_cache_dtype: str) -> None:
+    """With an fp8 cache, `fused` logits (prefill, then decodes) are no further from the
+    float32-cache truth than `reference` ones (fp32 model, same forced tokens).
+
+    Not token for token: fp8 rounding amplifies the last-bit differences of two correct kernel
+    sets (a K value one float32 ulp apart can round to the neighbouring fp8 value, 6% away), so
+    greedy paths of fused and reference part at near-ties; the kernel tests above compare them
+    on identical fp8 bytes instead."""
     page_size = 16
     prompts = [[3, 17, 5, 9, 22, 1, 8], [4, 4], [11] * 15 + [7, 2, 9, 30, 31, 64, 90, 12, 5]]
-    tokens = {}
+    gen = torch.Generator().manual_seed(4)
+    forced = torch.randint(0, 128, (len(prompts), 10), generator=gen).tolist()
+    truth = _forced_logits(
+        _tiny_runner("llama", "reference", torch.float32, page_size), prompts, forced
+    )
+    errors = {}
     for kernels in ("reference", "fused"):
         runner = _tiny_runner("llama", kernels, torch.float32, page_size, kv_cache_dtype)
         assert runner.kv_cache.element_size() == 1
         if kernels == "fused":
             assert runner.kernels.describe()["attention"] == "triton"
-        tokens[kernels] = _greedy_schedule(runner, prompts, page_size, steps=6)
-    assert tokens["fused"] == tokens["reference"]
+        logits = _forced_logits(runner, prompts, forced)
+        assert torch.isfinite(logits).all()
+        errors[kernels] = (logits - truth).abs().max().item()
+    assert errors["reference"] > 1e-4, "the fp8 cache changed nothing"
+    assert errors["fused"] <= 2 * errors["reference"], errors

@@ -9,7 +9,7 @@ Ops and where they run:
   load (:attr:`FusedKernels.merge_projections`) so each is one GEMM;
 - ``silu_and_mul``: one pass over the merged gate-up output (``fused_silu``);
 - ``rope_and_store``: rotary embedding plus the K/V cache store in one kernel
-  (``fused_attention``);
+  (``fused_attention``), quantizing to an fp8 cache (``kv_cache_dtype``);
 - ``attention``: split-K flash-decoding for decodes, and GQA-packed varlen
   causal flash attention for prefills, chunks over a cached prefix and
   drafts; both read K/V page-wise through the block table, with tile shapes
@@ -20,10 +20,10 @@ Each op is resolved once, when the kernel set is built: to its Triton kernel,
 or to the reference op with one log line that names the op and the reason
 (config flag off, Triton not importable, no CUDA device and
 ``TRITON_INTERPRET`` not set, an unsupported dtype, an fp8 KV cache on a GPU
-older than compute capability 8.9, where the reference ops' torch casts run). The head size is only
-known at the first attention call: an unsupported one (not a power of two in
-16..256) switches ``rope_and_store`` and ``attention`` to the reference once,
-again with one log line. :meth:`FusedKernels.describe` says what runs where.
+older than compute capability 8.9, where the reference ops' torch casts
+run). The head size is only known at the first attention call: an
+unsupported one (not a power of two in 16..256) switches ``rope_and_store``
+and ``attention`` to the reference once, again with one log line. :meth:`FusedKernels.describe` says what runs where.
 
 Triton is imported lazily, only when the kernel set is built, so that loading
 this plugin costs nothing on a machine that never uses it and so that a test

@@ -83,6 +83,13 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return _bytes_view(cache)[pages].view(cache.dtype)
 
 
+def split_scales(
+    kv_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """(K's scale, V's scale) of an fp8 cache's ``kv_scale`` ``[2]``; (None, None) for a wider cache."""
+    return (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -96,7 +103,7 @@ def store_kv(
     ``kv_scale`` ``[2]`` (K's, then V's) divides the values of an fp8 cache.
     """
     num_pages, page_size = k_cache.shape[:2]
-    k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    k_scale, v_scale = split_scales(kv_scale)
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         flat = _bytes_view(cache).view(num_pages * page_size, *cache.shape[2:])
         flat.index_copy_(0, slots, _bytes_view(quantize_kv(x, scale, cache.dtype)))
@@ -150,7 +157,7 @@ def decode_attention(
     tables = meta.block_tables[first:, :pages].clamp(min=0).long()  # -1 padding -> any page, masked
     num_kv_heads, head = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
-    k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    k_scale, v_scale = split_scales(kv_scale)
     k, v = (
         dequantize_kv(gather_pages(cache, tables), sc, q.dtype)
         .reshape(nd, pages * ps, num_kv_heads, head)[:, :max_ctx]
@@ -189,7 +196,7 @@ def paged_attention(
         out[meta.num_prefill_tokens :] = decode_attention(
             q, k_cache, v_cache, meta, scale, kv_scale
         )
-    k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+    k_scale, v_scale = split_scales(kv_scale)
     num_loop = meta.num_prefills if meta.num_decodes > 1 else meta.num_seqs
     for i in range(num_loop):
         qlen, ctx = meta.query_lens_list[i], meta.context_lens_list[i]
