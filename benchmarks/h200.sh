@@ -49,7 +49,8 @@ for spec in ${BENCHES-nano single}; do
         --matrix benchmarks/workloads/longtail-fp8.toml --output "$OUT/fp8-longtail.json" >"$OUT/fp8-longtail.log" 2>&1
       grep -E "KV cache:|\[bench\] [a-z0-9_]+: " "$OUT/fp8-longtail.log"; tail -${TAIL:-30} "$OUT/fp8-longtail.log" ;;
     fp8-kernels) echo "== fp8-kernels: decode attention, KV cache bf16 vs fp8 (bytes at the cache's element size)"
-      timeout 300 python3 benchmarks/kernels_bench.py --decode-suite bfloat16 --decode-suite fp8_e4m3 --json "$OUT/fp8-kernels.json" 2>&1 | tail -30 ;;
+      timeout 200 python3 benchmarks/kernels_bench.py --decode-suite bfloat16 --json "$OUT/fp8-kernels-bf16.json" 2>&1 | tail -14
+      timeout 300 python3 benchmarks/kernels_bench.py --decode-suite fp8_e4m3 ${FP8_TILES:---decode-tiles 64,4,3 --decode-tiles 128,4,2} --json "$OUT/fp8-kernels-fp8.json" 2>&1 | tail -40 ;;
     fp8-verify) gguf_file=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
       if ! python3 -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi

@@ -637,6 +637,13 @@ def main() -> None:
         help="the suite's decode shapes with the KV cache in this dtype (repeatable: "
         "bfloat16, fp8_e4m3, fp8_e5m2); bytes counted at the cache's element size",
     )
+    p.add_argument(
+        "--decode-tiles",
+        action="append",
+        metavar="BLOCK_N,WARPS,STAGES",
+        help="with --decode-suite: also run it with these decode tiles (repeatable; "
+        "default: only the tiles in code)",
+    )
     p.add_argument("--tune", action="store_true", help="sweep tile shapes and split counts")
     p.add_argument("--jobs", type=int, default=1, help="with --tune: compile in N processes first")
     p.add_argument("--rep", type=int, default=100, help="with --tune: ms of timed runs per shape")
@@ -694,9 +701,18 @@ def main() -> None:
                 tiles["decode"] = DecodeTiles(*winners["decode"])
             print("\nsuite:", flush=True)
             run_suite(args, tiles)
-        for kv_cache_dtype in args.decode_suite or []:
-            print(f"\ndecode suite, KV cache {kv_cache_dtype}:", flush=True)
-            run_decode_suite(args, {}, kv_cache_dtype)
+        if args.decode_suite:
+            from pitstop.plugins.kernels.triton_ops.paged_attention import DecodeTiles
+
+            variants: list[dict[str, Any]] = [{}] + [
+                {"decode": DecodeTiles(*(int(x) for x in t.split(",")))}
+                for t in args.decode_tiles or []
+            ]
+            for kv_cache_dtype in args.decode_suite:
+                for tiles in variants:
+                    which = f"tiles {tuple(tiles['decode'])}" if tiles else "the tiles in code"
+                    print(f"\ndecode suite, KV cache {kv_cache_dtype}, {which}:", flush=True)
+                    run_decode_suite(args, tiles, kv_cache_dtype)
         if not (args.tune or args.suite or args.use_winners or args.decode_suite):
             config = EngineConfig(max_model_len=args.max_model_len, fused_precision=args.precision)
             kernels = FusedKernels(config, torch.device("cuda"), dtype)
