@@ -149,7 +149,8 @@ def _quantize(x, scale, LIMIT: tl.constexpr, MANTISSA: tl.constexpr, MIN_NORMAL:
     Values below the smallest normal are rounded on the subnormal grid by
     shifting them into ``[MIN_NORMAL, 2 MIN_NORMAL)``, where the spacing is that grid's.
     """
-    y = tl.clamp(x.to(tl.float32) / scale, -LIMIT, LIMIT)
+    # div_rn: the correctly rounded quotient torch computes (``/`` may be approximate on the GPU)
+    y = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -LIMIT, LIMIT)
     a = tl.abs(y)
     subnormal = a < MIN_NORMAL
     a = tl.where(subnormal, a + MIN_NORMAL, a)
