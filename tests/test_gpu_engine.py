@@ -32,10 +32,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def _run(folder: Path, **settings) -> list[list[int]]:
-    llm = LLM(
+def _llm(folder: Path, **settings) -> LLM:
+    return LLM(
         str(folder), device="cuda", dtype="float32", max_model_len=512, kv_cache_gib=0.5, **settings
     )
+
+
+def _run(folder: Path, **settings) -> list[list[int]]:
+    llm = _llm(folder, **settings)
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         for n in (40, 3, 20, 33, 12, 8, 25, 60, 1)
@@ -55,14 +59,7 @@ def test_fused_with_cuda_graphs_matches_reference(tiny: Path) -> None:
 
 
 def test_graphs_are_captured_and_used(tiny: Path) -> None:
-    llm = LLM(
-        str(tiny),
-        device="cuda",
-        dtype="float32",
-        max_model_len=512,
-        kv_cache_gib=0.5,
-        kernels="fused",
-    )
+    llm = _llm(tiny, kernels="fused")
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.sizes[:4] == [1, 2, 4, 8]
     replays = 0
@@ -140,14 +137,6 @@ def test_fp8_cache_with_cuda_graphs(tiny: Path, kv_cache_dtype: str) -> None:
     graphs = _run(tiny, kernels="fused", fused_precision="fp32", kv_cache_dtype=kv_cache_dtype)
     assert [len(t) for t in graphs] == [len(t) for t in reference]
     assert [t[0] for t in graphs] == [t[0] for t in reference]
-    llm = LLM(
-        str(tiny),
-        device="cuda",
-        dtype="float32",
-        max_model_len=512,
-        kv_cache_gib=0.5,
-        kernels="fused",
-        kv_cache_dtype=kv_cache_dtype,
-    )
+    llm = _llm(tiny, kernels="fused", kv_cache_dtype=kv_cache_dtype)
     assert llm.engine.runner.kv_cache.element_size() == 1
     assert llm.engine.runner.graphs is not None  # the fp8 cache ops are graph-safe

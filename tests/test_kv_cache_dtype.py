@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest_models import make_tiny_checkpoint, smollm2_gguf
-from test_engine import _combinations, _mixed_params, _mixed_prompts
+from test_engine import (
+    _combinations,
+    _mixed_params,
+    _mixed_prompts,
+    check_mixed_run,
+    small_cache_llm,
+)
 
 from pitstop import LLM, EngineConfig
 from pitstop.errors import ConfigError
@@ -145,26 +151,9 @@ def test_fp8_cache_with_every_allocator_and_scheduler(
     agree exactly. On a deep model they need not: fp8 amplifies such differences
     (docs/verify.md measures it on SmolLM2).
     """
-    llm = LLM(
-        str(tiny_llama),
-        device="cpu",
-        allocator=allocator,
-        scheduler=scheduler,
-        max_num_pages=24,
-        max_model_len=256,
-        max_batch_size=4,
-        max_prefill_batch=2,
-        chunk_size=48,
-        kv_cache_dtype="fp8_e4m3",
-    )
-    outs = llm.generate(
-        prompt_token_ids=_mixed_prompts(), sampling_params=_mixed_params(), use_tqdm=False
-    )
-    assert [o.token_ids for o in outs] == fp8_reference
-    stats = llm.engine.allocator.stats()
-    assert stats.tokens_held == 0
-    if allocator != "prefix":
-        assert stats.pages_free == stats.num_pages
+    llm = small_cache_llm(tiny_llama, allocator, scheduler, kv_cache_dtype="fp8_e4m3")
+    assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    check_mixed_run(llm, fp8_reference)
 
 
 # ---------------------------------------------------------------- accuracy on SmolLM2
