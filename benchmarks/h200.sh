@@ -66,10 +66,8 @@ for spec in ${BENCHES-nano single}; do
       timeout 200 python3 benchmarks/kernels_bench.py --decode-suite bfloat16 --json "$OUT/fp8-kernels-bf16.json" 2>&1 | tail -14
       timeout 300 python3 benchmarks/kernels_bench.py --decode-suite fp8_e4m3 ${FP8_TILES:---decode-tiles 64,4,3 --decode-tiles 128,4,2} --json "$OUT/fp8-kernels-fp8.json" 2>&1 | tail -40 ;;
     fp8-verify) gguf_file=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
-      if ! python3 -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
       if [ ! -f "$gguf_file" ]; then echo "== fp8-verify: no GGUF at $gguf_file (set SMOLLM_GGUF)";
-      elif ! python3 -c "import gguf" 2>/dev/null; then echo "== fp8-verify: the gguf package is missing (put its wheel in .whl/)";
+      elif ! python3 -c "import gguf" 2>/dev/null; then echo "== fp8-verify: the gguf package is missing (its wheel goes in .whl/: benchmarks/README.md)";
       else for ref in auto same; do echo "== fp8-verify: pitstop verify --model $gguf_file --kv-cache-dtype fp8_e4m3 --reference-kv-cache-dtype $ref"
         timeout 300 pitstop verify --model "$gguf_file" --kv-cache-dtype fp8_e4m3 --reference-kv-cache-dtype $ref --json "$OUT/fp8-verify-$ref.json" 2>&1 | grep -v " INFO "; done; fi ;;
   esac
