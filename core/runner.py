@@ -781,6 +781,7 @@ def supports_piecewise(model: torch.nn.Module) -> bool:
         and hasattr(model, "embed_tokens")
         and hasattr(model, "final_norm")
         and all(hasattr(layers[0], m) for m in ("before_attention", "after_attention"))
+        and hasattr(getattr(layers[0], "self_attn", None), "attend")
     )
 
 
