@@ -33,6 +33,7 @@ import attrs
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError, InvalidRequestError, WorkerDiedError
+from pitstop.kv_cache_dtype import resolve_kv_cache_dtype
 from pitstop.memory import check_fits
 from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestMetrics, RequestOutput
@@ -111,7 +112,8 @@ class LLMEngine:
         kv_pages = (
             pages_asked(config, per_rank, self.device, self.dtype) or 0
         )  # 0: sized after the weights
-        kv_bytes = kv_pages * kv_bytes_per_page(per_rank, config.page_size, self.dtype)
+        cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        kv_bytes = kv_pages * kv_bytes_per_page(per_rank, config.page_size, cache_dtype)
         check_fits(per_rank, self.dtype, self.device, kv_bytes, what=source.description)
         if config.tensor_parallel_size > 1:  # rank 0 of N: workers start here (pitstop.parallel)
             from pitstop.parallel import start_tensor_parallel
@@ -148,8 +150,9 @@ class LLMEngine:
         self._draft_probs: dict[int, Any] = {}  # seq_id -> this step's draft distributions
         per_page = self.runner.bytes_per_page()
         log.info(
-            "%s KV cache: %d tokens/page, %s pages, %s tokens, %.2f GiB",
+            "%s KV cache: %s, %d tokens/page, %s pages, %s tokens, %.2f GiB",
             config.allocator,
+            str(self.runner.kv_cache_dtype).removeprefix("torch."),
             config.page_size,
             f"{num_pages:,}",
             f"{num_pages * config.page_size:,}",
