@@ -25,7 +25,7 @@ from pitstop.model import rotary_cache
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
 from pitstop.protocols import SamplingBatch
-from pitstop.sampling import make_generator, make_sampling_batch
+from pitstop.sampling import RowInputs, make_generator, make_sampling_batch, make_step_inputs
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import PENDING_TOKEN
 from pitstop.speculative import DraftVerifier
@@ -97,6 +97,8 @@ class SeqInput:
     # which are the last k of token_ids), and the drafts' [k, V] distributions (None: point masses).
     num_logits: int = 1
     draft_probs: torch.Tensor | None = None
+    # Penalty history, min_tokens mask and grammar of a sampling row (None: it uses none).
+    row_inputs: RowInputs | None = None
 
 
 @attrs.frozen
@@ -120,6 +122,9 @@ class SeqResult:
 
     token_ids: list[int]
     logprobs: list[float] | None = None
+    # logprobs=k: per emitted token, the k most likely (id, logprob) and the chosen token's rank
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    ranks: list[int] | None = None
 
 
 _NO_TOKENS = SeqResult([])
@@ -155,9 +160,11 @@ class LaunchedStep:
         logprobs: torch.Tensor | None = None,
         event: torch.cuda.Event | None = None,
         ready: StepOutput | None = None,
+        top: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None = None,
     ) -> None:
         self.seqs = seqs
         self._tokens, self._logprobs, self._event = tokens, logprobs, event
+        self._top = top  # host copies of (top ids, top logprobs, ranks) when logprobs were asked
         self._ready = ready
 
     def result(self) -> StepOutput:
@@ -168,17 +175,27 @@ class LaunchedStep:
             self._event.synchronize()
         tokens = self._tokens.tolist() if self._tokens is not None else []
         logprobs = self._logprobs.tolist() if self._logprobs is not None else None
+        top_ids = top_lps = ranks = None
+        if self._top is not None:
+            ids_t, lps_t, ranks_t = self._top
+            ranks = ranks_t.tolist()
+            if ids_t is not None and lps_t is not None:
+                top_ids, top_lps = ids_t.tolist(), lps_t.tolist()
         results: list[SeqResult] = []
         row = 0
         for s in self.seqs:
             if s.sample:
                 lp = [logprobs[row]] if logprobs is not None else None
-                results.append(SeqResult([tokens[row]], lp))
+                top = None
+                if top_ids is not None and top_lps is not None:
+                    top = [list(zip(top_ids[row], top_lps[row], strict=True))]
+                rank = [ranks[row]] if ranks is not None else None
+                results.append(SeqResult([tokens[row]], lp, top, rank))
                 row += 1
             else:
                 results.append(_NO_TOKENS)
         self._ready = StepOutput(results)
-        self._tokens = self._logprobs = self._event = None
+        self._tokens = self._logprobs = self._event = self._top = None
         return self._ready
 
 
@@ -495,6 +512,12 @@ class ModelRunner:
         else:
             batch = make_sampling_batch(params, generators, self.device)
             self._batch_cache = (key, batch)
+        row_inputs = [s.row_inputs for s in sampling]
+        if any(r is not None for r in row_inputs):
+            pending = [self._last_rows.get(s.seq_id, 0) for s in sampling]
+            batch = make_step_inputs(
+                batch, row_inputs, pending, self.last_sampled, logits.shape[-1]
+            )
         out = self.sampler.sample(logits, batch)
         n = len(sampling)
         self.last_sampled[:n].copy_(out.token_ids)
@@ -506,11 +529,14 @@ class ModelRunner:
         if out.logprobs is not None:
             host_logprobs = self._host_logprobs[self._flip][:n]
             host_logprobs.copy_(out.logprobs, non_blocking=True)
+        top = None
+        if out.ranks is not None:
+            top = (_to_host(out.top_ids), _to_host(out.top_logprobs), _to_host(out.ranks))
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return LaunchedStep(step.seqs, host_tokens, host_logprobs, event)
+        return LaunchedStep(step.seqs, host_tokens, host_logprobs, event, top=top)
 
     def _verify(
         self,
@@ -554,6 +580,15 @@ class ModelRunner:
         if gen is None:
             gen = self._generators[seq_id] = make_generator(params.seed, self.device)
         return gen
+
+
+def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A non-blocking copy of ``tensor`` into pinned host memory (complete at the step's event)."""
+    if tensor is None or tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 def capture_graph(

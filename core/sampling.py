@@ -10,11 +10,16 @@ order of the logits' rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+import attrs
 import torch
 
 from pitstop.protocols import SamplingBatch
 from pitstop.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pitstop.structured import GrammarState
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's convention)."""
@@ -31,6 +36,83 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(int(seed))
     return generator
+
+
+@attrs.frozen
+class RowInputs:
+    """What one row's logits processors read this step, besides its fixed :class:`SamplingParams`.
+
+    ``history`` is the sequence's live token list (prompt, then output; a
+    last token still on the device is :data:`~pitstop.sequence.PENDING_TOKEN`),
+    given only when a penalty is set and read during the launch only.
+    ``blocked_token_ids`` are masked this step (EOS and stop tokens before
+    ``min_tokens``); ``grammar`` is the structured-output matcher.
+    """
+
+    history: list[int] | None = None
+    num_prompt_tokens: int = 0
+    blocked_token_ids: tuple[int, ...] = ()
+    grammar: GrammarState | None = None
+
+
+def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied from pinned memory without blocking the host."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def make_step_inputs(
+    batch: SamplingBatch,
+    rows: Sequence[RowInputs | None],
+    pending_rows: Sequence[int],
+    last_sampled: torch.Tensor,
+    vocab_size: int,
+) -> SamplingBatch:
+    """``batch`` plus this step's per-row tensors: token history, blocked tokens, grammar bitmask.
+
+    ``pending_rows[i]`` is the row of ``last_sampled`` (the previous launched
+    step's samples, on the device) that holds row ``i``'s pending token, if
+    its last token is pending. History is padded with ``vocab_size`` (a
+    column the sampler drops); a pending token is read on the device, so
+    nothing here waits for the previous step.
+    """
+    device = last_sampled.device
+    history = prompt_lens = None
+    if batch.needs_penalties:
+        width = max((len(r.history) for r in rows if r is not None and r.history), default=1)
+        padded = torch.full((len(rows), width), vocab_size, dtype=torch.int64)
+        lens = [0] * len(rows)
+        for i, r in enumerate(rows):
+            if r is not None and r.history:
+                padded[i, : len(r.history)] = torch.tensor(r.history, dtype=torch.int64)
+                lens[i] = r.num_prompt_tokens
+        history = to_device(padded, torch.int64, device)
+        pending = last_sampled[to_device(list(pending_rows), torch.int64, device)]
+        history = torch.where(history < 0, pending.unsqueeze(1), history)
+        prompt_lens = to_device(lens, torch.int64, device)
+    blocked_rows: list[int] = []
+    blocked_ids: list[int] = []
+    states = []
+    for i, r in enumerate(rows):
+        states.append(r.grammar if r is not None else None)
+        if r is not None and r.blocked_token_ids:
+            blocked_rows += [i] * len(r.blocked_token_ids)
+            blocked_ids += r.blocked_token_ids
+    blocked = None
+    if blocked_rows:
+        blocked = (
+            to_device(blocked_rows, torch.int64, device),
+            to_device(blocked_ids, torch.int64, device),
+        )
+    bitmask = None
+    first = next((g for g in states if g is not None), None)
+    if first is not None:
+        bitmask = to_device(first.compiler.bitmask(states), torch.int32, device)
+    return attrs.evolve(
+        batch, history=history, prompt_lens=prompt_lens, blocked=blocked, token_bitmask=bitmask
+    )
 
 
 def make_sampling_batch(
@@ -50,6 +132,15 @@ def make_sampling_batch(
             f"{len(params)} sampling params but {len(generators)} generators; pass one per row"
         )
     device = torch.device(device)
+    penalties = any(p.needs_penalties for p in params)
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    for i, p in enumerate(params):
+        for token, value in p.logit_bias:
+            bias_rows.append(i)
+            bias_ids.append(token)
+            bias_values.append(value)
     temperature: list[float] = []
     top_k: list[int] = []
     top_p: list[float] = []
@@ -66,24 +157,37 @@ def make_sampling_batch(
             top_p.append(float(p.top_p))
             min_p.append(float(p.min_p))
 
-    def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
-        if device.type != "cuda":
-            return host
-        # pinned + non-blocking: building a batch never waits for the device
-        return host.pin_memory().to(device, non_blocking=True)
-
     return SamplingBatch(
-        temperature=to_device(temperature, torch.float32),
-        top_k=to_device(top_k, torch.int64),
-        top_p=to_device(top_p, torch.float32),
-        min_p=to_device(min_p, torch.float32),
+        temperature=to_device(temperature, torch.float32, device),
+        top_k=to_device(top_k, torch.int64, device),
+        top_p=to_device(top_p, torch.float32, device),
+        min_p=to_device(min_p, torch.float32, device),
         generators=list(generators),
         all_greedy=all(t == 0.0 for t in temperature),
         needs_top_k=any(k != -1 for k in top_k),
         needs_top_p=any(v < 1.0 for v in top_p),
         needs_min_p=any(v > 0.0 for v in min_p),
-        want_logprobs=any(p.logprobs for p in params),
+        want_logprobs=any(p.logprobs is not None for p in params),
+        max_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        needs_penalties=penalties,
+        presence_penalty=to_device([p.presence_penalty for p in params], torch.float32, device)
+        if penalties
+        else None,
+        frequency_penalty=to_device([p.frequency_penalty for p in params], torch.float32, device)
+        if penalties
+        else None,
+        repetition_penalty=to_device(
+            [p.repetition_penalty for p in params], torch.float32, device
+        )
+        if penalties
+        else None,
+        logit_bias=(
+            to_device(bias_rows, torch.int64, device),
+            to_device(bias_ids, torch.int64, device),
+            to_device(bias_values, torch.float32, device),
+        )
+        if bias_rows
+        else None,
         # -1 when some row keeps every token (its k becomes the vocabulary size)
         max_top_k=-1 if any(k < 1 for k in top_k) else max(top_k, default=-1),
     )

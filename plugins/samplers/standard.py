@@ -1,6 +1,13 @@
-"""The ``standard`` sampler: greedy, temperature, top-k, top-p, min-p, per-request seed.
+"""The ``standard`` sampler: logits processors, then greedy, temperature, top-k, top-p, min-p.
 
-Semantics follow vLLM. A greedy row (temperature 0) takes the argmax of its raw
+Semantics follow vLLM. First the logits processors, batched over the rows
+that use them (each a few tensor ops on the device, no loop over rows): the
+structured-output bitmask (disallowed tokens to -inf), ``logit_bias``
+(added), ``min_tokens`` (EOS and stop tokens to -inf), the repetition
+penalty (a positive logit of a token seen in the prompt or output is divided
+by it, a negative one multiplied), then the frequency and presence penalties
+(minus ``frequency * count + presence * [count > 0]`` over output tokens).
+A greedy row (temperature 0) takes the argmax of its raw
 logits. A sampled row divides its logits by its temperature, then keeps its
 top-k tokens (ties with the k-th kept), then the smallest set of most likely
 tokens whose probability reaches top_p (at least one), then drops tokens whose
@@ -12,6 +19,10 @@ draws its ``q`` from that generator only, so a seeded request's tokens never
 depend on what else is in the batch; the other rows share the sampler's own
 generator, seeded from ``config.seed``. The softmax runs in float32 whatever
 the logits' dtype; everything stays on the logits' device.
+
+Log-probabilities (``logprobs=k``) are those of the processed logits (after
+the processors, before temperature and the top-k/top-p/min-p filters): the
+chosen token's, its rank, and the ``k`` most likely tokens'.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import torch
 from pitstop.hookspecs import hookimpl
 from pitstop.protocols import SamplerOutput, SamplingBatch
 from pitstop.sampling import make_generator
+from pitstop.structured import apply_bitmask
 
 
 class StandardSampler:
@@ -38,7 +50,7 @@ class StandardSampler:
     # ------------------------------------------------------------------ public
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[B, V]``; log-probs of the chosen tokens when asked."""
-        raw = logits.float()
+        raw = self.process(logits.float(), batch)
         greedy_ids = raw.argmax(dim=-1)
         if batch.all_greedy:
             token_ids = greedy_ids
@@ -46,14 +58,39 @@ class StandardSampler:
             probs = self._probs(raw, batch)
             sampled = self._draw(probs, batch)
             token_ids = torch.where(batch.temperature == 0, greedy_ids, sampled)
-        logprobs = None
-        if batch.want_logprobs:
-            logprobs = torch.log_softmax(raw, dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        if not batch.want_logprobs:
+            return SamplerOutput(token_ids=token_ids)
+        all_logprobs = torch.log_softmax(raw, dim=-1)
+        chosen = all_logprobs.gather(1, token_ids.unsqueeze(1))
+        ranks = (all_logprobs > chosen).sum(dim=-1) + 1
+        top_ids = top_logprobs = None
+        if batch.max_logprobs > 0:
+            top_logprobs, top_ids = all_logprobs.topk(batch.max_logprobs, dim=-1)
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=chosen.squeeze(1),
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
+            ranks=ranks,
+        )
+
+    @staticmethod
+    def process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The logits processors (bitmask, bias, min_tokens, penalties) over float32 ``[B, V]``."""
+        if batch.token_bitmask is not None:
+            raw = apply_bitmask(raw, batch.token_bitmask)
+        if batch.logit_bias is not None:
+            rows, ids, values = batch.logit_bias
+            raw = raw.index_put((rows, ids), values, accumulate=True)
+        if batch.blocked is not None:
+            raw = raw.index_put(batch.blocked, torch.tensor(float("-inf"), device=raw.device))
+        if batch.needs_penalties and batch.history is not None:
+            raw = _apply_penalties(raw, batch)
+        return raw
 
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The distribution ``sample`` draws from, ``[B, V]`` float32; one-hot on the argmax for greedy rows."""
-        raw = logits.float()
+        raw = self.process(logits.float(), batch)
         one_hot = torch.zeros_like(raw).scatter_(1, raw.argmax(dim=-1, keepdim=True), 1.0)
         if batch.all_greedy:
             return one_hot
@@ -123,6 +160,29 @@ class StandardSampler:
         # Exp(1) can round to 0; keep q positive so excluded tokens stay at 0/q = 0.
         q.clamp_(min=torch.finfo(torch.float32).tiny)
         return (probs / q).argmax(dim=-1)
+
+
+def _apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties, from the rows' token history."""
+    assert batch.history is not None and batch.prompt_lens is not None
+    assert batch.presence_penalty is not None and batch.frequency_penalty is not None
+    assert batch.repetition_penalty is not None
+    rows, vocab = raw.shape
+    history = batch.history  # padded with `vocab`: one extra column, dropped below
+    position = torch.arange(history.shape[1], device=raw.device).unsqueeze(0)
+    is_output = position >= batch.prompt_lens.unsqueeze(1)
+    output_ids = torch.where(is_output, history, torch.full_like(history, vocab))
+    counts = torch.zeros(rows, vocab + 1, device=raw.device, dtype=raw.dtype)
+    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=raw.dtype))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(rows, vocab + 1, device=raw.device, dtype=torch.bool)
+    seen.scatter_(1, history, True)
+    seen = seen[:, :vocab]
+    penalty = batch.repetition_penalty.unsqueeze(1)
+    repeated = torch.where(raw > 0, raw / penalty, raw * penalty)
+    raw = torch.where(seen, repeated, raw)
+    raw = raw - batch.frequency_penalty.unsqueeze(1) * counts
+    return raw - batch.presence_penalty.unsqueeze(1) * (counts > 0).to(raw.dtype)
 
 
 def create_standard_sampler(config: Any, device: torch.device | str) -> StandardSampler:
