@@ -32,9 +32,7 @@ class TokensPrompt(TypedDict):
 PromptType = str | TextPrompt | TokensPrompt
 """One prompt in any of the accepted forms."""
 
-_FORMS = (
-    "a string, {'prompt': str}, {'prompt_token_ids': [int, ...]}, or a list of these"
-)
+_FORMS = "a string, {'prompt': str}, {'prompt_token_ids': [int, ...]}, or a list of these"
 
 
 def _one(item: Any, where: str) -> tuple[str | None, list[int] | None]:

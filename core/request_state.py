@@ -144,10 +144,7 @@ def accept_token(
         reason = "stop"
     elif sample.grammar is not None and sample.grammar.is_finished:
         reason = "stop"
-    elif (
-        num_known >= params.max_tokens
-        or seq.num_tokens - seq.num_pending_tokens >= max_model_len
-    ):
+    elif num_known >= params.max_tokens or seq.num_tokens - seq.num_pending_tokens >= max_model_len:
         reason = "length"
     if sample.detokenizer is not None:
         delta = sample.detokenizer.step([token])

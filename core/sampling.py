@@ -55,7 +55,9 @@ class RowInputs:
     grammar: GrammarState | None = None
 
 
-def to_device(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(
+    values: list | torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``values`` as a tensor on ``device``, copied from pinned memory without blocking the host."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
@@ -176,9 +178,7 @@ def make_sampling_batch(
         frequency_penalty=to_device([p.frequency_penalty for p in params], torch.float32, device)
         if penalties
         else None,
-        repetition_penalty=to_device(
-            [p.repetition_penalty for p in params], torch.float32, device
-        )
+        repetition_penalty=to_device([p.repetition_penalty for p in params], torch.float32, device)
         if penalties
         else None,
         logit_bias=(

@@ -166,7 +166,9 @@ class SamplingParams:
             value = check_real(name, getattr(self, name), "use 0 to disable it")
             _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}; 0 disables it")
             set_(self, name, value)
-        repetition = check_real("repetition_penalty", self.repetition_penalty, "use 1 to disable it")
+        repetition = check_real(
+            "repetition_penalty", self.repetition_penalty, "use 1 to disable it"
+        )
         _check(
             repetition > 0,
             f"repetition_penalty must be > 0, got {repetition!r}; 1 disables it, above 1 "

@@ -74,9 +74,7 @@ class StructuredOutputs:
                 "structured_outputs must set exactly one of json, json_object, regex, choice, "
                 f"grammar; got {', '.join(given) or 'none'}"
             )
-        if not isinstance(self.json_object, bool) or not isinstance(
-            self.whitespace_flexible, bool
-        ):
+        if not isinstance(self.json_object, bool) or not isinstance(self.whitespace_flexible, bool):
             _fail("structured_outputs.json_object and whitespace_flexible must be true or false")
         if self.json is not None:
             schema = self.json

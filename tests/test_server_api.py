@@ -160,21 +160,29 @@ def test_json_object_and_regex_and_choice(client: openai.OpenAI) -> None:
     )
     assert isinstance(json.loads(resp.choices[0].message.content), dict)
     pattern = r"[0-9]{3}-[0-9]{4}"
-    text = client.completions.create(
-        model=MODEL,
-        prompt="A phone number:",
-        max_tokens=12,
-        temperature=0.8,
-        seed=1,
-        extra_body={"structured_outputs": {"regex": pattern}},
-    ).choices[0].text
+    text = (
+        client.completions.create(
+            model=MODEL,
+            prompt="A phone number:",
+            max_tokens=12,
+            temperature=0.8,
+            seed=1,
+            extra_body={"structured_outputs": {"regex": pattern}},
+        )
+        .choices[0]
+        .text
+    )
     assert re.fullmatch(pattern, text), text
-    text = client.completions.create(
-        model=MODEL,
-        prompt="Is water wet?",
-        max_tokens=5,
-        extra_body={"guided_choice": ["yes", "no"]},
-    ).choices[0].text
+    text = (
+        client.completions.create(
+            model=MODEL,
+            prompt="Is water wet?",
+            max_tokens=5,
+            extra_body={"guided_choice": ["yes", "no"]},
+        )
+        .choices[0]
+        .text
+    )
     assert text in ("yes", "no")
 
 

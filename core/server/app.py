@@ -78,7 +78,7 @@ ROUTES = (
 )
 
 # A chunk builder of a streamed answer: (choice index, text, finish reason, new tokens, output).
-ChunkFn = Callable[[int, str, str | None, int, RequestOutput], dict[str, Any]]
+ChunkFn = Callable[[int, str, str | None, int, RequestOutput | None], dict[str, Any]]
 
 
 @attrs.frozen(kw_only=True)
@@ -115,11 +115,15 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def _invalid_request(exc: InvalidRequestError, prompt_param: str) -> APIError:
+def _invalid_request(
+    exc: InvalidRequestError, prompt_param: str, structured_param: str | None = None
+) -> APIError:
     message = str(exc)
     if "max_model_len" in message:
         return APIError(400, message, param=prompt_param, code="context_length_exceeded")
-    first = message.split(" ", 1)[0].rstrip(":").split("[", 1)[0]
+    first = message.split(" ", 1)[0].rstrip(":").split("[", 1)[0].split(".", 1)[0]
+    if first == "structured_outputs" and structured_param is not None:
+        return APIError(400, message, param=structured_param)
     param = (
         first
         if first
@@ -377,6 +381,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         messages: list[dict[str, str]] | None = None,
         arrival: float,
         client: str,
+        structured_param: str | None = None,
     ) -> Flight:
         """Admit the request (429/503 when full or draining) and hand it to the engine."""
         check_vocab(params)
@@ -397,7 +402,8 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             raise _shutdown_error() from None
         except InvalidRequestError as exc:
             flight.release()
-            raise _invalid_request(exc, "messages" if messages is not None else "prompt") from exc
+            prompt_param = "messages" if messages is not None else "prompt"
+            raise _invalid_request(exc, prompt_param, structured_param) from exc
         except EngineClosedError as exc:
             flight.release()
             raise APIError(
@@ -460,6 +466,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         *,
         first: dict[str, Any] | None,
         usage_chunk: Callable[[RequestOutput], dict[str, Any]] | None,
+        num_choices: int = 1,
     ) -> StreamingResponse:
         """Stream one request's choices as SSE: a chunk per choice that moved, then [DONE].
 
@@ -512,8 +519,8 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             except ServerCut:
                 metrics.observe_request_failure("shutdown")
                 last = flight.last
-                for k in range(len(last.outputs) if last is not None else 1):
-                    if k not in finished and last is not None:
+                for k in range(num_choices):
+                    if k not in finished:
                         yield _sse(make_chunk(k, "", "length", 0, last))
                 if usage_chunk is not None and last is not None:
                     yield _sse(usage_chunk(last))
@@ -564,6 +571,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                         prompt_token_ids=ids,
                         arrival=arrival,
                         client=client_of(request, key),
+                        structured_param=body.structured_param(),
                     )
                 )
         except BaseException:
@@ -585,12 +593,17 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         if body.stream:
 
             def chunk(
-                index: int, text: str, finish: str | None, count: int, out: RequestOutput
+                index: int, text: str, finish: str | None, count: int, out: RequestOutput | None
             ) -> dict[str, Any]:
                 logprobs = None
-                if k is not None and count:
+                if k is not None and count and out is not None:
                     logprobs = completion_logprobs(out.outputs[index], k, count)
-                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
                 return {**base([choice]), **extra}
 
             def usage_chunk(final: RequestOutput) -> dict[str, Any]:
@@ -601,6 +614,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 chunk,
                 first=None,
                 usage_chunk=usage_chunk if body.include_usage else None,
+                num_choices=params.n,
             )
         finals = await asyncio.gather(*(collect(request, f) for f in flights))
         choices = [
@@ -634,7 +648,13 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         )
         rid = new_id("chatcmpl")
         flight = await add(
-            request, rid, params, messages=messages, arrival=arrival, client=client_of(request, key)
+            request,
+            rid,
+            params,
+            messages=messages,
+            arrival=arrival,
+            client=client_of(request, key),
+            structured_param=body.structured_param(),
         )
         created = now()
         extra = {"usage": None} if body.include_usage else {}
@@ -667,11 +687,11 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             }
 
             def chunk(
-                index: int, text: str, finish: str | None, count: int, out: RequestOutput
+                index: int, text: str, finish: str | None, count: int, out: RequestOutput | None
             ) -> dict[str, Any]:
                 delta = {"content": text} if text else {}
                 logprobs = None
-                if k is not None and count:
+                if k is not None and count and out is not None:
                     logprobs = chat_logprobs(out.outputs[index], k, count)
                 choice = {
                     "index": index,
@@ -685,7 +705,11 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 return {**base(obj, []), "usage": usage_of([final])}
 
             return sse_response(
-                flight, chunk, first=first, usage_chunk=usage_chunk if body.include_usage else None
+                flight,
+                chunk,
+                first=first,
+                usage_chunk=usage_chunk if body.include_usage else None,
+                num_choices=params.n,
             )
         final = await collect(request, flight)
         choices = [

@@ -134,9 +134,6 @@ def _check_text(text: str, path: str) -> None:
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
-# Fields OpenAI defines that change nothing pitstop returns: accepted, and documented as such.
-_NO_EFFECT = ("user",)
-
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with token counts."""
@@ -262,7 +259,9 @@ class _SamplingFields(BaseModel):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "repetition_penalty": 1.0
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
             "logit_bias": self.logit_bias or {},
             "logprobs": logprobs,
         }
@@ -276,16 +275,26 @@ class _SamplingFields(BaseModel):
             first = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
             param = first if first in values else None
             if first == "structured_outputs":
-                param = next(
-                    (
-                        f
-                        for f in ("response_format", "structured_outputs", "guided_json",
-                                  "guided_regex", "guided_choice", "guided_grammar")
-                        if getattr(self, f) is not None
-                    ),
-                    None,
-                )
+                param = self.structured_param()
             raise APIError(400, message, param=param) from exc
+
+    def structured_param(self) -> str | None:
+        """The request field that asked for structured outputs (the ``param`` of its errors)."""
+        return next(
+            (
+                f
+                for f in (
+                    "response_format",
+                    "structured_outputs",
+                    "guided_json",
+                    "guided_regex",
+                    "guided_choice",
+                    "guided_grammar",
+                )
+                if getattr(self, f) is not None
+            ),
+            None,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -313,9 +322,7 @@ class CompletionRequest(_SamplingFields):
                 400, "echo is not supported (pitstop does not return the prompt)", param="echo"
             )
         if self.suffix:
-            raise APIError(
-                400, "suffix is not supported (no fill-in-the-middle)", param="suffix"
-            )
+            raise APIError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix")
         prompt = self.prompt
         if isinstance(prompt, str):
             return [(prompt, None)]
@@ -386,9 +393,7 @@ class ChatCompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         """``logprobs`` + ``top_logprobs`` as SamplingParams.logprobs (None: not asked)."""
         if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(
-                400, "top_logprobs needs logprobs: true", param="top_logprobs"
-            )
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if not self.logprobs:
             return None
         return self.top_logprobs or 0

@@ -36,7 +36,9 @@ def completion_logprobs(
     """OpenAI's completions ``logprobs`` object for the last ``count`` tokens (all if None)."""
     if choice.logprobs is None:
         return None
-    positions = choice.logprobs if count is None else choice.logprobs[len(choice.logprobs) - count :]
+    positions = (
+        choice.logprobs if count is None else choice.logprobs[len(choice.logprobs) - count :]
+    )
     ids = choice.token_ids[len(choice.token_ids) - len(positions) :]
     tokens, values, tops, offsets = [], [], [], []
     offset = text_offset
@@ -56,11 +58,15 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(choice: CompletionOutput, k: int, count: int | None = None) -> dict[str, Any] | None:
+def chat_logprobs(
+    choice: CompletionOutput, k: int, count: int | None = None
+) -> dict[str, Any] | None:
     """OpenAI's chat ``logprobs`` object (``{"content": [...]}``) for the last ``count`` tokens."""
     if choice.logprobs is None:
         return None
-    positions = choice.logprobs if count is None else choice.logprobs[len(choice.logprobs) - count :]
+    positions = (
+        choice.logprobs if count is None else choice.logprobs[len(choice.logprobs) - count :]
+    )
     ids = choice.token_ids[len(choice.token_ids) - len(positions) :]
 
     def entry(token_id: int, e: Logprob) -> dict[str, Any]:
@@ -79,4 +85,8 @@ def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
     """OpenAI's ``usage`` over the requests of one response (every prompt, every sample)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(o.num_generated_tokens for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
