@@ -29,6 +29,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import attrs
+import torch
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError, InvalidRequestError
@@ -90,6 +91,10 @@ class LLMEngine:
             config = attrs.evolve(config, kernels="fused" if fused else "reference")
         self.plugins.check_config(config)  # every name, before any weight loads
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        if self.device.type == "cpu":
+            log.info("CPU threads: %d (set with --threads)", torch.get_num_threads())
         source = load_model_source(config.model, tokenizer=config.tokenizer)
         mc = source.model_config
         self.plugins.get("model", mc.architecture)

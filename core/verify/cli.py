@@ -35,7 +35,12 @@ def add_subcommand(subparsers: Any) -> None:
         help='JSON lines: {"prompt": ...} or {"messages": [...]}, optional "max_tokens", "id" '
         "(repeatable; default: the prompt set shipped with pitstop)",
     )
-    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="a prompt (repeatable; default: the shipped prompt set)",
+    )
     p.add_argument(
         "--max-tokens",
         type=_positive_int,
@@ -54,7 +59,9 @@ def add_subcommand(subparsers: Any) -> None:
         metavar="X",
         help="tolerance relative to the largest |logit| (replaces the dtype's default)",
     )
-    p.add_argument("--json", metavar="FILE", help="also write every result to FILE as JSON")
+    p.add_argument(
+        "--json", metavar="FILE", help="also write every result to FILE as JSON (default: none)"
+    )
     add_cli_flags(p)
     p.set_defaults(func=run)
 
