@@ -26,6 +26,7 @@ The pieces:
 from __future__ import annotations
 
 import json
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -157,9 +158,11 @@ def structured_outputs_of(value: Any) -> StructuredOutputs | None:
 def import_llguidance() -> Any:
     """The ``llguidance`` module (with its ``hf`` and ``torch`` parts), or a clear error."""
     try:
-        import llguidance
-        import llguidance.hf
-        import llguidance.torch
+        with warnings.catch_warnings():  # its torch helpers use the deprecated torch.jit.script
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import llguidance
+            import llguidance.hf
+            import llguidance.torch
     except ImportError as exc:
         raise InvalidRequestError(
             f"structured outputs need the llguidance package, which is not installed ({exc}); "

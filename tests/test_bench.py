@@ -1,4 +1,4 @@
-"""`pitstop bench`: floors vs WORKLOADS.md, figure arithmetic, workloads, files, end-to-end runs."""
+"""`pitstop bench`: floors vs docs/workloads.md, figure arithmetic, workloads, files, end-to-end runs."""
 
 from __future__ import annotations
 

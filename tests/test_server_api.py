@@ -12,6 +12,7 @@ import math
 import os
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -216,3 +217,23 @@ def test_models_tokenize_detokenize_and_missing_endpoints(url: str, client: open
     assert "no endpoint POST /v1/embeddings" in r.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model=MODEL, input="hi")
+
+
+def test_metric_names_in_the_docs_are_the_ones_served(url: str) -> None:
+    """Every ``pitstop:...`` name the docs mention is a series /metrics exports."""
+    text = httpx.get(f"{url}/metrics").text
+    samples = {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line[:1] not in "#"}
+    histograms = {
+        line.split()[2]
+        for line in text.splitlines()
+        if line.startswith("# TYPE") and "histogram" in line
+    }
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    named = {
+        (page.name, name)
+        for page in docs.glob("*.md")
+        for name in re.findall(r"pitstop:[a-z_]+[a-z]", page.read_text())
+    }
+    assert named, "no metric names found in docs/"
+    unknown = sorted((page, n) for page, n in named if n not in samples | histograms)
+    assert not unknown, f"docs name metrics that /metrics does not export: {unknown}"
