@@ -20,6 +20,8 @@ run() { name=$1; shift; echo "== $name: pitstop bench $*"; timeout ${BENCH_TIMEO
 for spec in ${BENCHES-nano single}; do
   case $spec in
     nano) run nano offline --workload nano --kernels fused ;;
+    # issue 20: the sampler's logits processors (penalties, bias, min_tokens, logprobs) per call
+    api) echo "== sampler processors (benchmarks/sampler_bench.py)"; timeout 300 python3 benchmarks/sampler_bench.py 2>&1 | tail -8 ;;
     # issue 13: the serial loop beside the overlapped one, and the GPU busy fraction
     nano-overlap) run nano-overlap offline --workload nano --kernels fused --matrix benchmarks/workloads/overlap.toml ;;
     single-overlap) run single-overlap offline --workload single --kernels fused --repeats 3 --matrix benchmarks/workloads/overlap.toml ;;

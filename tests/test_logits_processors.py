@@ -261,3 +261,89 @@ def test_vllm_prompt_forms_and_outputs(llm: LLM) -> None:
         llm.generate({"text": "hi"})
     with pytest.raises(InvalidRequestError, match="prompts\\[1\\]"):
         llm.generate(["hi", 5])
+
+
+# ---------------------------------------------------------------- on the GPU (the H200)
+def _device_model() -> str:
+    """The SmolLM2 GGUF on the GPU machine ($SMOLLM_GGUF, /tmp/smollm2.gguf) or the wheel's."""
+    import os
+    from pathlib import Path
+
+    for candidate in (os.environ.get("SMOLLM_GGUF"), "/tmp/smollm2.gguf"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return str(smollm2_gguf())
+
+
+@pytest.mark.gpu
+def test_processors_on_cuda_match_the_cpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cuda = torch.device("cuda")
+    torch.manual_seed(3)
+    vocab = 49152
+    logits = torch.randn(8, vocab) * 4
+    params = [
+        SamplingParams(
+            temperature=0,
+            presence_penalty=0.5 * (i % 3),
+            frequency_penalty=0.25 * (i % 2),
+            repetition_penalty=1.0 + 0.1 * i,
+            logit_bias={i: 3.0, 100 + i: -50.0},
+            logprobs=5,
+        )
+        for i in range(8)
+    ]
+    rows = [
+        RowInputs(
+            history=list(range(i, 300 + 7 * i)) + [PENDING_TOKEN],
+            num_prompt_tokens=50,
+            blocked_token_ids=(2, 0) if i % 2 else (),
+        )
+        for i in range(8)
+    ]
+    last = torch.arange(8) * 11
+    pending = list(range(8))
+    outs = []
+    for device in (CPU, cuda):
+        batch = make_sampling_batch(params, [None] * 8, device)
+        batch = make_step_inputs(batch, rows, pending, last.to(device), vocab)
+        sampler = StandardSampler(device, seed=0)
+        processed_logits = sampler.process(logits.to(device), batch).cpu()
+        outs.append((processed_logits, sampler.sample(logits.to(device), batch)))
+    (cpu_logits, cpu_out), (gpu_logits, gpu_out) = outs
+    assert torch.allclose(cpu_logits, gpu_logits, atol=1e-4)
+    assert cpu_out.token_ids.tolist() == gpu_out.token_ids.cpu().tolist()
+    assert torch.allclose(cpu_out.top_logprobs, gpu_out.top_logprobs.cpu(), atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_overlapped_loop_on_cuda_gives_the_serial_loops_tokens() -> None:
+    """Penalties, min_tokens, bias and logprobs read pending tokens on the device: same tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _device_model()
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, logprobs=5),
+        SamplingParams(temperature=0, max_tokens=24, presence_penalty=1.0, frequency_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=24, min_tokens=20, logit_bias={28: 5.0}),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=24, n=3, frequency_penalty=0.3),
+    ]
+    prompts = ["The capital of France is", "List the planets:", "Hi", "Once upon a time"]
+    results = {}
+    for overlap in ("off", "on"):
+        llm = LLM(
+            model,
+            device="cuda",
+            dtype="float32",
+            kv_cache_gib=1,
+            overlap=overlap,
+            allocator="paged",
+        )
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[overlap] = [[c.token_ids for c in o.outputs] for o in outs]
+        lp = outs[0].outputs[0].logprobs
+        assert lp is not None and all(len(p) == 5 for p in lp)
+        del llm
+        torch.cuda.empty_cache()
+    assert results["on"] == results["off"]
