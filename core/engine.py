@@ -160,6 +160,7 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self._samples: dict[int, SampleState] = {}  # by sequence id
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
+        self._processed: set[int] = set()  # seq ids using penalties, min_tokens or a grammar
         self._ids = itertools.count()
         self._finished_seq_ids: list[int] = []  # gone since the last launch (runner forgets them)
         self._reset_seq_ids: list[int] = []  # block tables rebuilt since the last launch
@@ -218,8 +219,13 @@ class LLMEngine:
         self._check_combination(params)
         samples = self._new_samples(request_id, ids, params, arrival_time)
         req = RequestState(request_id, prompt, ids, params, samples)
+        uses_processors = (
+            params.needs_penalties or params.min_tokens > 0 or params.structured_outputs is not None
+        )
         for sample in samples:
             self._samples[sample.seq.seq_id] = sample
+            if uses_processors:
+                self._processed.add(sample.seq.seq_id)
         self._requests[request_id] = req
         seqs = [sample.seq for sample in samples]
         if len(seqs) > 1 and getattr(self.allocator, "shares_prefix_pages", False):
@@ -415,7 +421,9 @@ class LLMEngine:
                     params=seq.sampling_params,
                     num_logits=1 + num_drafts,
                     draft_probs=self._draft_probs.get(seq.seq_id) if num_drafts else None,
-                    row_inputs=self._row_inputs(seq) if sample else None,
+                    row_inputs=self._row_inputs(seq)
+                    if sample and seq.seq_id in self._processed
+                    else None,
                 )
             )
         step = StepInput(inputs, self._finished_seq_ids, self._reset_seq_ids)
@@ -660,6 +668,7 @@ class LLMEngine:
         release = getattr(self.proposer, "release", None)
         for sample in req.samples:
             self._samples.pop(sample.seq.seq_id, None)
+            self._processed.discard(sample.seq.seq_id)
             if release is not None:
                 release(sample.seq)  # e.g. the draft model's own KV pages
         output = req.output(error=error)

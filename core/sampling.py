@@ -9,6 +9,7 @@ order of the logits' rows.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -83,16 +84,17 @@ def make_step_inputs(
     device = last_sampled.device
     history = prompt_lens = None
     if batch.needs_penalties:
-        width = max((len(r.history) for r in rows if r is not None and r.history), default=1)
+        lists = [r.history if r is not None and r.history else [] for r in rows]
+        lengths = torch.tensor([len(h) for h in lists], dtype=torch.int64)
+        # one flat copy of every history, then one masked write into the padded block
+        flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
+        width = max(int(lengths.max()), 1)
         padded = torch.full((len(rows), width), vocab_size, dtype=torch.int64)
-        lens = [0] * len(rows)
-        for i, r in enumerate(rows):
-            if r is not None and r.history:
-                padded[i, : len(r.history)] = torch.tensor(r.history, dtype=torch.int64)
-                lens[i] = r.num_prompt_tokens
+        padded[torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)] = flat
         history = to_device(padded, torch.int64, device)
         pending = last_sampled[to_device(list(pending_rows), torch.int64, device)]
         history = torch.where(history < 0, pending.unsqueeze(1), history)
+        lens = [r.num_prompt_tokens if r is not None else 0 for r in rows]
         prompt_lens = to_device(lens, torch.int64, device)
     blocked_rows: list[int] = []
     blocked_ids: list[int] = []

@@ -15,10 +15,10 @@ import attrs
 
 from pitstop.errors import InvalidRequestError
 from pitstop.structured import StructuredOutputs, structured_outputs_of
+from pitstop.validation import INT64_MAX, check_int, check_real, check_text, is_int, seed_of
 
 StructuredOutputsParams = StructuredOutputs
 """vLLM's name for :class:`~pitstop.structured.StructuredOutputs` (same fields)."""
-from pitstop.validation import INT64_MAX, check_int, check_real, check_text, is_int, seed_of
 
 MAX_LOGPROBS = 20
 """The most alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (OpenAI's limit)."""

@@ -30,19 +30,28 @@ def _ranked(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(position.items(), key=lambda kv: -kv[1].logprob)[:k]
 
 
+def _last_positions(
+    choice: CompletionOutput, count: int | None
+) -> list[tuple[int, dict[int, Logprob]]] | None:
+    """``(token id, its log-probabilities)`` of the last ``count`` tokens (all if None)."""
+    if choice.logprobs is None:
+        return None
+    logprobs = choice.logprobs
+    positions = logprobs if count is None else logprobs[len(logprobs) - count :]
+    ids = choice.token_ids[len(choice.token_ids) - len(positions) :]
+    return list(zip(ids, positions, strict=True))
+
+
 def completion_logprobs(
     choice: CompletionOutput, k: int, count: int | None = None, text_offset: int = 0
 ) -> dict[str, Any] | None:
     """OpenAI's completions ``logprobs`` object for the last ``count`` tokens (all if None)."""
-    if choice.logprobs is None:
+    pairs = _last_positions(choice, count)
+    if pairs is None:
         return None
-    positions = (
-        choice.logprobs if count is None else choice.logprobs[len(choice.logprobs) - count :]
-    )
-    ids = choice.token_ids[len(choice.token_ids) - len(positions) :]
     tokens, values, tops, offsets = [], [], [], []
     offset = text_offset
-    for token_id, position in zip(ids, positions, strict=True):
+    for token_id, position in pairs:
         chosen = position[token_id]
         text = _text(chosen, token_id)
         tokens.append(text)
@@ -62,19 +71,16 @@ def chat_logprobs(
     choice: CompletionOutput, k: int, count: int | None = None
 ) -> dict[str, Any] | None:
     """OpenAI's chat ``logprobs`` object (``{"content": [...]}``) for the last ``count`` tokens."""
-    if choice.logprobs is None:
+    pairs = _last_positions(choice, count)
+    if pairs is None:
         return None
-    positions = (
-        choice.logprobs if count is None else choice.logprobs[len(choice.logprobs) - count :]
-    )
-    ids = choice.token_ids[len(choice.token_ids) - len(positions) :]
 
     def entry(token_id: int, e: Logprob) -> dict[str, Any]:
         text = _text(e, token_id)
         return {"token": text, "logprob": e.logprob, "bytes": list(text.encode("utf-8"))}
 
     content = []
-    for token_id, position in zip(ids, positions, strict=True):
+    for token_id, position in pairs:
         item = entry(token_id, position[token_id])
         item["top_logprobs"] = [entry(t, e) for t, e in _ranked(position, k)]
         content.append(item)
