@@ -488,8 +488,11 @@ class LLMEngine:
         if num_drafts:
             self._after_verify(seq, inp.start_pos, num_drafts, len(tokens) - 1)
         self.stats.generation_tokens += len(sample.new_ids)
-        if req.held_back and sample.index == 0:  # the prompt's pages are cached now: share them
+        if req.held_back and sample.index == 0:  # the prompt is computed now: share its pages
+            share = getattr(self.allocator, "share_prompt", None)
             for sibling in req.held_back:
+                if share is not None:
+                    share(sibling, seq)
                 self.scheduler.add(sibling)
             req.held_back = []
         if req.finished:

@@ -240,6 +240,36 @@ def test_n_samples_share_the_prompts_pages(llm: LLM) -> None:
     assert after.tokens_held == 0
 
 
+def test_n_greedy_samples_on_shared_paged_pages_equal_one_sample() -> None:
+    """Under ``paged`` the siblings read the first sample's prompt KV: greedy, all equal the n=1 run."""
+    smollm2_gguf()
+    llm = LLM(
+        "smollm2-135m",
+        device="cpu",
+        dtype="float32",
+        kv_cache_gib=0.1,
+        max_model_len=512,
+        allocator="paged",
+        page_size=16,
+        overlap="on",
+    )
+    prompt = "Write one sentence about the history of the city of Rome and its bridges. " * 3
+    one = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].token_ids
+    engine = llm.engine
+    rid = engine.add_request(prompt, SamplingParams(n=3, temperature=0, max_tokens=12))
+    shared_seen, final = 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+        shared_seen = max(shared_seen, engine.allocator.stats().tokens_shared)
+    n_prompt = len(final.prompt_token_ids)
+    assert [o.token_ids for o in final.outputs] == [one] * 3
+    assert shared_seen == 2 * ((n_prompt - 1) // 16) * 16  # two siblings, every full prompt page
+    stats = engine.allocator.stats()
+    assert stats.tokens_held == 0 and stats.pages_free == stats.num_pages
+
+
 def test_vllm_prompt_forms_and_outputs(llm: LLM) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=5, logprobs=2)
     ids = llm.get_tokenizer().encode("The capital of France is")

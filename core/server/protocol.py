@@ -140,7 +140,6 @@ class StreamOptions(BaseModel):
 
     model_config = _STRICT
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM extension: usage in every chunk
 
 
 class JSONSchemaFormat(BaseModel):
@@ -350,7 +349,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def to_template(self) -> dict[str, str]:
-        """The message as the chat template expects it (text content)."""
+        """The message as the chat template expects it (text content, and ``name`` when given)."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -364,7 +363,10 @@ class ChatMessage(BaseModel):
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name  # templates that know names use it
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
