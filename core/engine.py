@@ -595,7 +595,7 @@ class LLMEngine:
             seq.draft_token_ids.clear()
         self._draft_probs.clear()
         self.stats.prompt_tokens += prefill_tokens
-        self.stats.requests_finished += len(finished)
+        self.stats.requests_finished += sum(1 for out in outputs if out.finished)
         self._finished_seq_ids.extend(seq.seq_id for seq in finished)
         self.scheduler.on_step_done(launched.plan, finished)
         alloc = self.allocator.stats()
