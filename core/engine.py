@@ -474,7 +474,7 @@ class LLMEngine:
             if sample.logprobs is not None and res.logprobs is not None:
                 lp = res.logprobs[j]
                 top = res.top_logprobs[j][: params.logprobs] if res.top_logprobs else []
-                rank = res.ranks[j] if res.ranks else 0
+                rank = res.ranks[j] if res.ranks else None
                 sample.logprobs.append(token_logprobs(token, lp, rank, top, decode))
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + lp
             accept_token(

@@ -104,7 +104,7 @@ class RequestState:
 def token_logprobs(
     token: int,
     logprob: float,
-    rank: int,
+    rank: int | None,
     top: list[tuple[int, float]],
     decode: Callable[[int], str | None],
 ) -> TokenLogprobs:
