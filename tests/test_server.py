@@ -537,3 +537,5 @@ def test_second_signal_ends_the_drain_at_once() -> None:
     assert took < STEP_GRACE + 4, f"exited {took:.1f} s after the second signal"
     for lines in streams:
         assert lines[-1] == "data: [DONE]" and _finish_reason(lines) == "length", lines[-3:]
+        # cut short: after the OpenAI finish reason, an error event says why
+        assert '"code":"shutting_down"' in lines[-2], lines[-3:]

@@ -222,7 +222,9 @@ def test_models_tokenize_detokenize_and_missing_endpoints(url: str, client: open
 def test_metric_names_in_the_docs_are_the_ones_served(url: str) -> None:
     """Every ``pitstop:...`` name the docs mention is a series /metrics exports."""
     text = httpx.get(f"{url}/metrics").text
-    samples = {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line[:1] not in "#"}
+    samples = {
+        re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line[:1] not in "#"
+    }
     histograms = {
         line.split()[2]
         for line in text.splitlines()
