@@ -219,6 +219,8 @@ class LLMEngine:
         self._check_combination(params)
         samples = self._new_samples(request_id, ids, params, arrival_time)
         req = RequestState(request_id, prompt, ids, params, samples)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         uses_processors = (
             params.needs_penalties or params.min_tokens > 0 or params.structured_outputs is not None
         )
@@ -237,6 +239,11 @@ class LLMEngine:
 
     def _check_combination(self, params: SamplingParams) -> None:
         """Refuse what this engine's configuration cannot honour (instead of ignoring it)."""
+        if params.prompt_logprobs is not None and self.config.allocator == "prefix":
+            raise InvalidRequestError(
+                "prompt_logprobs needs every prompt token computed, and the prefix allocator "
+                "serves cached ones without computing them; use allocator paged or preallocated"
+            )
         if self.proposer is None:
             return
         used = [
@@ -424,6 +431,7 @@ class LLMEngine:
                     row_inputs=self._row_inputs(seq)
                     if sample and seq.seq_id in self._processed
                     else None,
+                    **self._prompt_targets(seq, begin, end),
                 )
             )
         step = StepInput(inputs, self._finished_seq_ids, self._reset_seq_ids)
@@ -438,6 +446,17 @@ class LLMEngine:
                 # a verification's computed count is set when it is applied
                 seq.launch(s.num_new_tokens, samples=inp.sample)
         return _Launched(plan, scheduled, inputs, handle, start, proposed)
+
+    def _prompt_targets(self, seq: Sequence, begin: int, end: int) -> dict[str, Any]:
+        """For ``prompt_logprobs``: the prompt tokens the chunk ``[begin, end)`` of ``seq`` predicts."""
+        k = seq.sampling_params.prompt_logprobs
+        last = seq.num_prompt_tokens - 1  # position last predicts the first output token
+        if k is None or begin >= last or self._samples[seq.seq_id].index != 0:
+            return {}
+        return {
+            "prompt_targets": seq.prompt_token_ids[begin + 1 : min(end, last) + 1],
+            "prompt_logprobs": k,
+        }
 
     def _row_inputs(self, seq: Sequence) -> RowInputs | None:
         """What the sampler's penalties, min_tokens and grammar read for ``seq`` this step."""
@@ -498,6 +517,22 @@ class LLMEngine:
         if req.finished:
             return self._finish(req)
         return req.output() if stream else None
+
+    def _add_prompt_logprobs(self, seq: Sequence, inp: SeqInput, res: SeqResult) -> None:
+        """Record a chunk's prompt log-probabilities; a prompt the cache skipped fails the request."""
+        req = self._request_of(self._samples[seq.seq_id])
+        assert req.prompt_logprobs is not None and res.prompt_logprobs is not None
+        if inp.start_pos + 1 > len(req.prompt_logprobs):
+            self._fail_request(
+                seq,
+                InvalidRequestError(
+                    f"prompt_logprobs: prompt tokens before position {inp.start_pos} were served "
+                    f"from the {self.config.allocator!r} allocator's cache and never computed; "
+                    "use allocator paged or preallocated for prompt_logprobs"
+                ),
+            )
+            return
+        req.add_prompt_logprobs(inp.start_pos, res.prompt_logprobs, self._decode_one)
 
     def _request_of(self, sample: SampleState) -> RequestState:
         """The request a sample belongs to."""
@@ -580,6 +615,10 @@ class LLMEngine:
                 continue  # finished (or aborted) since this step was launched: discard its token
             if not num_drafts and seq.status is SequenceStatus.RUNNING:
                 self.allocator.on_tokens_computed(seq)
+            if res.prompt_logprobs is not None:
+                self._add_prompt_logprobs(seq, inp, res)
+                if seq.is_finished:
+                    continue
             if not inp.sample:
                 continue
             try:

@@ -66,6 +66,26 @@ class RequestState:
     params: SamplingParams
     samples: list[SampleState]
     held_back: list[Sequence] = attrs.Factory(list)
+    # prompt_logprobs: entry j for prompt token j (None for the first), filled as chunks compute
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def add_prompt_logprobs(
+        self,
+        start_pos: int,
+        entries: list[tuple[float, int, list[tuple[int, float]]]],
+        decode: Callable[[int], str | None],
+    ) -> None:
+        """Record the prompt log-probabilities a chunk starting at ``start_pos`` computed.
+
+        Entry ``i`` is for prompt token ``start_pos + 1 + i``; a chunk computed
+        again after a preemption adds nothing new.
+        """
+        assert self.prompt_logprobs is not None
+        for i, (logprob, rank, top) in enumerate(entries):
+            position = start_pos + 1 + i
+            if position == len(self.prompt_logprobs):
+                token = self.prompt_token_ids[position]
+                self.prompt_logprobs.append(token_logprobs(token, logprob, rank, top, decode))
 
     @property
     def finished(self) -> bool:
@@ -81,6 +101,9 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[s.take_output() for s in self.samples],
             finished=finished,
+            prompt_logprobs=list(self.prompt_logprobs)
+            if self.prompt_logprobs is not None
+            else None,
             metrics=self._metrics() if finished else None,
             error=error,
         )

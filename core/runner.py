@@ -99,6 +99,10 @@ class SeqInput:
     draft_probs: torch.Tensor | None = None
     # Penalty history, min_tokens mask and grammar of a sampling row (None: it uses none).
     row_inputs: RowInputs | None = None
+    # prompt_logprobs=k: the prompt tokens that the first len(prompt_targets) tokens of
+    # token_ids predict (their logits' log-probabilities come back in SeqResult.prompt_logprobs)
+    prompt_targets: list[int] | None = None
+    prompt_logprobs: int = 0
 
 
 @attrs.frozen
@@ -125,6 +129,8 @@ class SeqResult:
     # logprobs=k: per emitted token, the k most likely (id, logprob) and the chosen token's rank
     top_logprobs: list[list[tuple[int, float]]] | None = None
     ranks: list[int] | None = None
+    # per predicted prompt token: (its logprob, its rank, the k most likely (id, logprob))
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 _NO_TOKENS = SeqResult([])
@@ -161,11 +167,20 @@ class LaunchedStep:
         event: torch.cuda.Event | None = None,
         ready: StepOutput | None = None,
         top: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None = None,
+        prompt: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] | None = None,
     ) -> None:
         self.seqs = seqs
         self._tokens, self._logprobs, self._event = tokens, logprobs, event
         self._top = top  # host copies of (top ids, top logprobs, ranks) when logprobs were asked
+        self._prompt = prompt or {}  # input index -> prompt log-probabilities (prompt_logprobs)
         self._ready = ready
+        if ready is not None and self._prompt:
+            self._ready = StepOutput(
+                [
+                    attrs.evolve(r, prompt_logprobs=self._prompt[i]) if i in self._prompt else r
+                    for i, r in enumerate(ready.results)
+                ]
+            )
 
     def result(self) -> StepOutput:
         """Wait for the step's tokens; one result per input sequence."""
@@ -194,6 +209,8 @@ class LaunchedStep:
                 row += 1
             else:
                 results.append(_NO_TOKENS)
+        for i, prompt in self._prompt.items():
+            results[i] = attrs.evolve(results[i], prompt_logprobs=prompt)
         self._ready = StepOutput(results)
         self._tokens = self._logprobs = self._event = self._top = None
         return self._ready
@@ -487,15 +504,22 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(step.seqs):
             hidden = self.graphs.run(step.seqs)
             rows = [i for i, s in enumerate(step.seqs) if s.sample]
+            starts = list(range(len(step.seqs)))  # one token per sequence
         else:
             input_ids, meta, rows = self.build_metadata(step.seqs)
             if self.mixed_graphs is not None and self.mixed_graphs.can_run(input_ids.shape[0]):
                 hidden = self.mixed_graphs.run(input_ids, meta)
             else:
                 hidden = self.model(input_ids, self.rotary, self.kv_cache, meta)
+            starts = np.cumsum([0] + [len(s.token_ids) for s in step.seqs[:-1]]).tolist()
+        prompt = None
+        if any(s.prompt_targets for s in step.seqs):
+            prompt = self._prompt_logprobs(step.seqs, hidden, starts)
         if not rows:
             self._last_rows = {}
-            return LaunchedStep(step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)))
+            return LaunchedStep(
+                step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)), prompt=prompt
+            )
         logits = self.model.compute_logits(self._select_rows(hidden, rows))
         sampling = [s for s in step.seqs if s.sample]
         params = [s.params or SamplingParams() for s in sampling]
@@ -535,7 +559,48 @@ class ModelRunner:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return LaunchedStep(step.seqs, host_tokens, host_logprobs, event, top=top)
+        return LaunchedStep(step.seqs, host_tokens, host_logprobs, event, top=top, prompt=prompt)
+
+    def _prompt_logprobs(
+        self, seqs: list[SeqInput], hidden: torch.Tensor, starts: list[int]
+    ) -> dict[int, list[tuple[float, int, list[tuple[int, float]]]]]:
+        """Log-probabilities of the prompt tokens some sequences of this step predict.
+
+        One logits GEMM over those rows, then the targets' log-probabilities,
+        ranks and top-k, read back at once (a step with ``prompt_logprobs``
+        waits for the device here; other steps never come here).
+        """
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[int] = []
+        for i, s in enumerate(seqs):
+            if s.prompt_targets:
+                rows.extend(range(starts[i], starts[i] + len(s.prompt_targets)))
+                targets.extend(s.prompt_targets)
+                owners.append(i)
+        k = max(s.prompt_logprobs for s in seqs if s.prompt_targets)
+        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[index]).float(), dim=-1)
+        target = torch.tensor(targets, dtype=torch.int64, device=hidden.device).unsqueeze(1)
+        chosen = logprobs.gather(1, target)
+        ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+        top_lp, top_ids = logprobs.topk(max(k, 1), dim=-1)
+        chosen_l, top_lp_l, top_ids_l = (
+            chosen.squeeze(1).tolist(),
+            top_lp.tolist(),
+            top_ids.tolist(),
+        )
+        out: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] = {}
+        row = 0
+        for i in owners:
+            s = seqs[i]
+            entries = []
+            for _ in s.prompt_targets or ():
+                top = list(zip(top_ids_l[row], top_lp_l[row], strict=True))[: s.prompt_logprobs]
+                entries.append((chosen_l[row], ranks[row], top))
+                row += 1
+            out[i] = entries
+        return out
 
     def _verify(
         self,

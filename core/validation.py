@@ -162,11 +162,6 @@ def validate_request(
         check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
     if params.logit_bias:
         check_token_ids("logit_bias", [t for t, _ in params.logit_bias], vocab_size)
-    if params.prompt_logprobs is not None:
-        _fail(
-            "prompt_logprobs is not supported by pitstop yet (the logits of prompt positions are "
-            "never computed); leave it unset"
-        )
 
 
 def check_encoded_prompt(prompt: str, ids: Sequence[int]) -> None:

@@ -270,6 +270,48 @@ def test_n_greedy_samples_on_shared_paged_pages_equal_one_sample() -> None:
     assert stats.tokens_held == 0 and stats.pages_free == stats.num_pages
 
 
+def test_prompt_logprobs_match_transformers_across_chunks() -> None:
+    """Each prompt token's log-probability and top-k, computed over 8-token chunks, equal HF's."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    llm = LLM(
+        "smollm2-135m",
+        device="cpu",
+        dtype="float32",
+        kv_cache_gib=0.1,
+        max_model_len=256,
+        scheduler="chunked",
+        chunk_size=8,
+        max_num_batched_tokens=8,
+    )
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+    ids = out.prompt_token_ids
+    assert len(ids) > 8 and out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
+    assert out.prompt_logprobs[0] is None
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    for j in range(1, len(ids)):
+        position = out.prompt_logprobs[j]
+        assert position[ids[j]].logprob == pytest.approx(want[j - 1, ids[j]].item(), abs=2e-4)
+        assert position[ids[j]].rank == int((want[j - 1] > want[j - 1, ids[j]]).sum()) + 1
+        top = sorted((e.logprob for e in position.values() if e.rank <= 3), reverse=True)
+        assert top == pytest.approx(want[j - 1].topk(3).values.tolist(), abs=2e-4)
+    with pytest.raises(InvalidRequestError, match="prefix allocator"):
+        LLM(
+            "smollm2-135m",
+            device="cpu",
+            dtype="float32",
+            kv_cache_gib=0.1,
+            max_model_len=256,
+            allocator="prefix",
+        ).generate(prompt, SamplingParams(prompt_logprobs=1))
+
+
 def test_vllm_prompt_forms_and_outputs(llm: LLM) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=5, logprobs=2)
     ids = llm.get_tokenizer().encode("The capital of France is")

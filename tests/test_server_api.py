@@ -187,6 +187,16 @@ def test_json_object_and_regex_and_choice(client: openai.OpenAI) -> None:
     assert text in ("yes", "no")
 
 
+def test_prompt_logprobs_extension(url: str) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 1, "prompt_logprobs": 2}
+    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
+    prompt = choice["prompt_logprobs"]
+    assert len(prompt) == len(ids) and prompt[0] is None
+    for token, position in zip(ids[1:], prompt[1:], strict=True):
+        assert str(token) in position and len(position) in (2, 3)  # top 2, plus the token
+
+
 def test_unknown_field_is_a_400_naming_it(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(

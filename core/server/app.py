@@ -53,7 +53,12 @@ from pitstop.server.protocol import (
     parse_json_body,
 )
 from pitstop.server.render import OPENAI_FINISH as _OPENAI_FINISH
-from pitstop.server.render import chat_logprobs, completion_logprobs, usage_of
+from pitstop.server.render import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_json,
+    usage_of,
+)
 from pitstop.server.security import RequestGuard
 from pitstop.validation import check_token_ids
 
@@ -556,8 +561,13 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             )
         k = body.logprobs
         params = body.sampling_params(
-            16 if body.max_tokens is None else body.max_tokens, logprobs=k, best_of=body.best_of
+            16 if body.max_tokens is None else body.max_tokens,
+            logprobs=k,
+            best_of=body.best_of,
+            prompt_logprobs=body.prompt_logprobs,
         )
+        if body.stream and params.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs needs stream: false", param="prompt_logprobs")
         rid = new_id("cmpl")
         flights: list[Flight] = []
         try:
@@ -623,6 +633,11 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 "text": c.text,
                 "logprobs": completion_logprobs(c, k) if k is not None else None,
                 "finish_reason": _OPENAI_FINISH.get(c.finish_reason or "", c.finish_reason),
+                **(
+                    {"prompt_logprobs": prompt_logprobs_json(final)}
+                    if params.prompt_logprobs is not None
+                    else {}
+                ),
             }
             for i, final in enumerate(finals)
             for c in final.outputs

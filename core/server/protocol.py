@@ -236,7 +236,12 @@ class _SamplingFields(BaseModel):
             )
 
     def sampling_params(
-        self, max_tokens: int, *, logprobs: int | None = None, best_of: int | None = None
+        self,
+        max_tokens: int,
+        *,
+        logprobs: int | None = None,
+        best_of: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Build validated :class:`SamplingParams`; an invalid value is a 400 naming the field."""
         self._check_unsupported()
@@ -263,6 +268,7 @@ class _SamplingFields(BaseModel):
             else self.repetition_penalty,
             "logit_bias": self.logit_bias or {},
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
         }
         structured = self._structured()
         try:
@@ -311,6 +317,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # extension (vLLM's)
     suffix: str | None = None
     best_of: int | None = None
 

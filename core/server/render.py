@@ -87,6 +87,21 @@ def chat_logprobs(
     return {"content": content}
 
 
+def prompt_logprobs_json(output: RequestOutput) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token, by token id."""
+    if output.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(t): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token}
+            for t, e in position.items()
+        }
+        for position in output.prompt_logprobs
+    ]
+
+
 def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
     """OpenAI's ``usage`` over the requests of one response (every prompt, every sample)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
