@@ -401,7 +401,8 @@ def test_overlapped_loop_on_cuda_gives_the_serial_loops_tokens() -> None:
         SamplingParams(temperature=0, max_tokens=24, min_tokens=20, logit_bias={28: 5.0}),
         SamplingParams(temperature=0.9, seed=11, max_tokens=24, n=3, frequency_penalty=0.3),
     ]
-    prompts = ["The capital of France is", "List the planets:", "Hi", "Once upon a time"]
+    params.append(SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3))
+    prompts = ["The capital of France is", "List the planets:", "Hi", "Once upon a time", "A B C"]
     results = {}
     for overlap in ("off", "on"):
         llm = LLM(
@@ -416,6 +417,9 @@ def test_overlapped_loop_on_cuda_gives_the_serial_loops_tokens() -> None:
         results[overlap] = [[c.token_ids for c in o.outputs] for o in outs]
         lp = outs[0].outputs[0].logprobs
         assert lp is not None and all(len(p) == 5 for p in lp)
+        prompt_lp = outs[4].prompt_logprobs
+        assert prompt_lp is not None and len(prompt_lp) == len(outs[4].prompt_token_ids)
+        assert all(len(p) in (3, 4) for p in prompt_lp[1:])
         del llm
         torch.cuda.empty_cache()
     assert results["on"] == results["off"]

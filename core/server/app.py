@@ -146,6 +146,8 @@ def _invalid_request(
             "n",
             "min_tokens",
             "structured_outputs",
+            "logprobs",
+            "prompt_logprobs",
         )
         else prompt_param
     )
