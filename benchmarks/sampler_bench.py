@@ -4,7 +4,8 @@ One call of ``StandardSampler.sample`` on ``[rows, vocab]`` float32 logits,
 averaged over ``--iters`` calls after a warm-up, CUDA-synchronized: plain
 greedy and top-p sampling, then with presence/frequency/repetition
 penalties over a ``--history``-token history per row, ``logit_bias``,
-``min_tokens`` masks and ``logprobs=5``. Prints one Markdown row per case.
+``min_tokens`` masks and ``logprobs=5``. Prints one Markdown row per case; the history rows are the steady state
+(the runner's TokenHistories already holds the old tokens).
 Usage: python3 benchmarks/sampler_bench.py [--rows 256] [--vocab 151936]
 """
 
@@ -16,7 +17,7 @@ import time
 import torch
 
 from pitstop.plugins.samplers.standard import StandardSampler
-from pitstop.sampling import RowInputs, make_sampling_batch, make_step_inputs
+from pitstop.sampling import RowInputs, TokenHistories, make_sampling_batch, make_step_inputs
 from pitstop.sampling_params import SamplingParams
 
 
@@ -67,6 +68,7 @@ def main() -> None:
         ),
     }
     sampler = StandardSampler(device, seed=0)
+    histories = TokenHistories()  # as the runner keeps it: steady state copies no old token
     print(f"| case ({args.rows} rows, vocab {args.vocab}, history {args.history}) | ms per call |")
     print("|---|---|")
     for name, (params, per_step) in cases.items():
@@ -83,7 +85,15 @@ def main() -> None:
                     )
                     for h in history
                 ]
-                b = make_step_inputs(batch, rows, [0] * args.rows, last, args.vocab)
+                b = make_step_inputs(
+                    batch,
+                    rows,
+                    [0] * args.rows,
+                    last,
+                    args.vocab,
+                    seq_ids=range(args.rows),
+                    histories=histories,
+                )
             return sampler.sample(logits, b)
 
         print(f"| {name} | {_time(step, args.iters):.3f} |")

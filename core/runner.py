@@ -25,7 +25,13 @@ from pitstop.model import rotary_cache
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
 from pitstop.protocols import SamplingBatch
-from pitstop.sampling import RowInputs, make_generator, make_sampling_batch, make_step_inputs
+from pitstop.sampling import (
+    RowInputs,
+    TokenHistories,
+    make_generator,
+    make_sampling_batch,
+    make_step_inputs,
+)
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import PENDING_TOKEN
 from pitstop.speculative import DraftVerifier
@@ -246,6 +252,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_pages = 0
         self._generators: dict[int, torch.Generator] = {}
+        self._histories = TokenHistories()  # penalized sequences' tokens, grown step by step
         self._verifier: DraftVerifier | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
@@ -495,6 +502,7 @@ class ModelRunner:
         """
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
+        self._histories.forget(step.finished_seq_ids)
         if self.graphs is not None:
             self.graphs.forget(step.finished_seq_ids)
             self.graphs.forget(step.reset_seq_ids)
@@ -539,7 +547,13 @@ class ModelRunner:
         if any(r is not None for r in row_inputs):
             pending = [self._last_rows.get(s.seq_id, 0) for s in sampling]
             batch = make_step_inputs(
-                batch, row_inputs, pending, self.last_sampled, logits.shape[-1]
+                batch,
+                row_inputs,
+                pending,
+                self.last_sampled,
+                logits.shape[-1],
+                seq_ids=[s.seq_id for s in sampling],
+                histories=self._histories,
             )
         out = self.sampler.sample(logits, batch)
         n = len(sampling)

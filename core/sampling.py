@@ -9,11 +9,11 @@ order of the logits' rows.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
+import numpy as np
 import torch
 
 from pitstop.protocols import SamplingBatch
@@ -56,6 +56,42 @@ class RowInputs:
     grammar: GrammarState | None = None
 
 
+class TokenHistories:
+    """Every penalized sequence's known tokens in a growing numpy array, by sequence id.
+
+    A step copies only the tokens that arrived since the last one (a token,
+    once known, never changes; preemption keeps tokens), so building the
+    step's ``[rows, length]`` history costs one memcpy per row instead of
+    converting whole Python lists. The runner forgets finished sequences.
+    """
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, tuple[np.ndarray, int]] = {}
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        """Drop the histories of sequences that are gone."""
+        for seq_id in seq_ids:
+            self._arrays.pop(seq_id, None)
+
+    def row(self, seq_id: int, tokens: list[int]) -> np.ndarray:
+        """``tokens`` (a live token list, maybe ending in one pending -1) as an int64 array."""
+        pending = bool(tokens) and tokens[-1] < 0
+        known = len(tokens) - pending
+        array, have = self._arrays.get(seq_id, (np.empty(0, dtype=np.int64), 0))
+        if have > known:  # cannot happen while tokens only grow; start over if it does
+            have = 0
+        if known + 1 > len(array):
+            grown = np.empty(max(64, 2 * (known + 1)), dtype=np.int64)
+            grown[:have] = array[:have]
+            array = grown
+        if known > have:
+            array[have:known] = tokens[have:known]
+        self._arrays[seq_id] = (array, known)
+        if pending:
+            array[known] = -1  # scratch slot after the known tokens: read from the device later
+        return array[: known + pending]
+
+
 def to_device(
     values: list | torch.Tensor, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
@@ -72,6 +108,9 @@ def make_step_inputs(
     pending_rows: Sequence[int],
     last_sampled: torch.Tensor,
     vocab_size: int,
+    *,
+    seq_ids: Sequence[int] | None = None,
+    histories: TokenHistories | None = None,
 ) -> SamplingBatch:
     """``batch`` plus this step's per-row tensors: token history, blocked tokens, grammar bitmask.
 
@@ -79,19 +118,24 @@ def make_step_inputs(
     step's samples, on the device) that holds row ``i``'s pending token, if
     its last token is pending. History is padded with ``vocab_size`` (a
     column the sampler drops); a pending token is read on the device, so
-    nothing here waits for the previous step.
+    nothing here waits for the previous step. ``histories`` (kept by the
+    runner, keyed by ``seq_ids``) makes each step copy only new tokens.
     """
     device = last_sampled.device
     history = prompt_lens = None
     if batch.needs_penalties:
-        lists = [r.history if r is not None and r.history else [] for r in rows]
-        lengths = torch.tensor([len(h) for h in lists], dtype=torch.int64)
-        # one flat copy of every history, then one masked write into the padded block
-        flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
-        width = max(int(lengths.max()), 1)
-        padded = torch.full((len(rows), width), vocab_size, dtype=torch.int64)
-        padded[torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)] = flat
-        history = to_device(padded, torch.int64, device)
+        histories = histories if histories is not None else TokenHistories()
+        keys = seq_ids if seq_ids is not None else range(len(rows))
+        arrays = [
+            histories.row(key, r.history) if r is not None and r.history else None
+            for key, r in zip(keys, rows, strict=True)
+        ]
+        width = max((len(a) for a in arrays if a is not None), default=1)
+        padded = np.full((len(rows), width), vocab_size, dtype=np.int64)
+        for i, array in enumerate(arrays):
+            if array is not None:
+                padded[i, : len(array)] = array
+        history = to_device(torch.from_numpy(padded), torch.int64, device)
         pending = last_sampled[to_device(list(pending_rows), torch.int64, device)]
         history = torch.where(history < 0, pending.unsqueeze(1), history)
         lens = [r.num_prompt_tokens if r is not None else 0 for r in rows]

@@ -95,6 +95,23 @@ def test_a_pending_last_token_is_read_from_the_device() -> None:
     assert (got[1] == -2).nonzero().flatten().tolist() == [9]
 
 
+def test_token_histories_copy_only_new_tokens_and_keep_the_pending_slot() -> None:
+    from pitstop.sampling import TokenHistories
+
+    histories = TokenHistories()
+    tokens = [5, 6, 7]
+    assert histories.row(1, tokens).tolist() == [5, 6, 7]
+    tokens.append(PENDING_TOKEN)
+    assert histories.row(1, tokens).tolist() == [5, 6, 7, -1]
+    tokens[-1] = 9  # resolved
+    tokens += list(range(200)) + [PENDING_TOKEN]  # grows past the first array
+    assert histories.row(1, tokens).tolist() == [5, 6, 7, 9, *range(200), -1]
+    tokens[0] = 99  # a known token never changes: the cache keeps what it copied
+    assert histories.row(1, tokens)[0] == 5
+    histories.forget([1])
+    assert histories.row(1, tokens)[0] == 99
+
+
 def test_penalized_distribution_is_the_one_sampled() -> None:
     """Chi-square: 20k draws from a frequency-penalized row follow softmax(penalized logits)."""
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5]])
