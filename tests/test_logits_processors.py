@@ -440,3 +440,18 @@ def test_overlapped_loop_on_cuda_gives_the_serial_loops_tokens() -> None:
         del llm
         torch.cuda.empty_cache()
     assert results["on"] == results["off"]
+
+
+def test_chat_template_options(llm: LLM) -> None:
+    tok = llm.engine.tokenizer
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    ids = tok.apply_chat_template(messages, add_generation_prompt=False, chat_template=template)
+    assert tok.decode(ids) == "[user] Hi\n[assistant] Hello, I am\n"
+    params = SamplingParams(temperature=0, max_tokens=3)
+    cont = llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True)
+    rendered = tok.decode(cont[0].prompt_token_ids, skip_special_tokens=False)
+    assert rendered.rstrip().endswith("Hello, I am")  # the assistant turn is left open
+    with pytest.raises(InvalidRequestError, match="continue_final_message"):
+        llm.chat(messages, params, continue_final_message=True)
+    assert llm.chat(messages[:1], params, chat_template=template)[0].outputs[0].text
