@@ -239,6 +239,18 @@ class LLMEngine:
 
     def _check_combination(self, params: SamplingParams) -> None:
         """Refuse what this engine's configuration cannot honour (instead of ignoring it)."""
+        if (
+            params.needs_penalties
+            or params.logit_bias
+            or params.min_tokens
+            or params.structured_outputs is not None
+            or params.logprobs
+        ) and not getattr(self.runner.sampler, "supports_logits_processors", False):
+            raise InvalidRequestError(
+                f"the {self.config.sampler!r} sampler does not apply penalties, logit_bias, "
+                "min_tokens, structured outputs or logprobs > 0; use sampler 'standard' or "
+                "leave them unset"
+            )
         if params.prompt_logprobs is not None and self.config.allocator == "prefix":
             raise InvalidRequestError(
                 "prompt_logprobs needs every prompt token computed, and the prefix allocator "

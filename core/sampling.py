@@ -18,6 +18,7 @@ import torch
 
 from pitstop.protocols import SamplingBatch
 from pitstop.sampling_params import SamplingParams
+from pitstop.structured import apply_bitmask
 
 if TYPE_CHECKING:
     from pitstop.structured import GrammarState
@@ -237,3 +238,47 @@ def make_sampling_batch(
         # -1 when some row keeps every token (its k becomes the vocabulary size)
         max_top_k=-1 if any(k < 1 for k in top_k) else max(top_k, default=-1),
     )
+
+
+def apply_logits_processors(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits processors of ``batch`` over float32 logits ``[B, V]``, on their device.
+
+    In order: the structured-output bitmask (disallowed tokens to -inf),
+    ``logit_bias`` (added), the ``min_tokens`` mask (EOS and stop tokens to
+    -inf), the repetition penalty, then the frequency and presence
+    penalties. Rows that use none are returned unchanged. A sampler plugin
+    calls this first and sets ``supports_logits_processors = True``.
+    """
+    if batch.token_bitmask is not None:
+        raw = apply_bitmask(raw, batch.token_bitmask)
+    if batch.logit_bias is not None:
+        rows, ids, values = batch.logit_bias
+        raw = raw.index_put((rows, ids), values, accumulate=True)
+    if batch.blocked is not None:
+        raw = raw.index_put(batch.blocked, torch.tensor(float("-inf"), device=raw.device))
+    if batch.needs_penalties and batch.history is not None:
+        raw = _apply_penalties(raw, batch)
+    return raw
+
+
+def _apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties, from the rows' token history."""
+    assert batch.history is not None and batch.prompt_lens is not None
+    assert batch.presence_penalty is not None and batch.frequency_penalty is not None
+    assert batch.repetition_penalty is not None
+    rows, vocab = raw.shape
+    history = batch.history  # padded with `vocab`: one extra column, dropped below
+    position = torch.arange(history.shape[1], device=raw.device).unsqueeze(0)
+    is_output = position >= batch.prompt_lens.unsqueeze(1)
+    output_ids = torch.where(is_output, history, torch.full_like(history, vocab))
+    counts = torch.zeros(rows, vocab + 1, device=raw.device, dtype=raw.dtype)
+    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=raw.dtype))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(rows, vocab + 1, device=raw.device, dtype=torch.bool)
+    seen.scatter_(1, history, True)
+    seen = seen[:, :vocab]
+    penalty = batch.repetition_penalty.unsqueeze(1)
+    repeated = torch.where(raw > 0, raw / penalty, raw * penalty)
+    raw = torch.where(seen, repeated, raw)
+    raw = raw - batch.frequency_penalty.unsqueeze(1) * counts
+    return raw - batch.presence_penalty.unsqueeze(1) * (counts > 0).to(raw.dtype)

@@ -455,3 +455,45 @@ def test_chat_template_options(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="continue_final_message"):
         llm.chat(messages, params, continue_final_message=True)
     assert llm.chat(messages[:1], params, chat_template=template)[0].outputs[0].text
+
+
+def test_a_sampler_without_processors_is_refused_them(tmp_path) -> None:
+    """A third-party sampler that does not declare supports_logits_processors never gets them."""
+    import types
+
+    import pitstop
+    from pitstop.plugin_manager import PluginManager
+    from pitstop.plugins.samplers.standard import StandardSampler
+
+    class PlainSampler(StandardSampler):
+        supports_logits_processors = False
+
+    module = types.ModuleType("plain_sampler_plugin")
+
+    @pitstop.hookimpl
+    def register_samplers(register):
+        register("plain", lambda config, device: PlainSampler(device))
+
+    module.register_samplers = register_samplers
+    plugins = PluginManager()
+    plugins.add_module(module, distribution="test", version="0")
+    smollm2_gguf()
+    llm = LLM(
+        "smollm2-135m",
+        device="cpu",
+        dtype="float32",
+        kv_cache_gib=0.05,
+        max_model_len=256,
+        sampler="plain",
+        plugins=plugins,
+    )
+    for bad in (
+        {"presence_penalty": 1.0},
+        {"logprobs": 2},
+        {"min_tokens": 2},
+        {"structured_outputs": {"regex": "a+"}},
+        {"logit_bias": {1: 1.0}},
+    ):
+        with pytest.raises(InvalidRequestError, match="'plain' sampler does not apply"):
+            llm.generate("Hi", SamplingParams(max_tokens=2, **bad))
+    assert llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2, logprobs=0))[0].text

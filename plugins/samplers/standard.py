@@ -33,8 +33,7 @@ import torch
 
 from pitstop.hookspecs import hookimpl
 from pitstop.protocols import SamplerOutput, SamplingBatch
-from pitstop.sampling import make_generator
-from pitstop.structured import apply_bitmask
+from pitstop.sampling import apply_logits_processors, make_generator
 
 
 class StandardSampler:
@@ -74,19 +73,14 @@ class StandardSampler:
             ranks=ranks,
         )
 
+    # The engine sends penalties, logit_bias, min_tokens, grammars and logprobs=k only to a
+    # sampler that says it applies them (a third-party sampler that does not is refused them).
+    supports_logits_processors = True
+
     @staticmethod
     def process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The logits processors (bitmask, bias, min_tokens, penalties) over float32 ``[B, V]``."""
-        if batch.token_bitmask is not None:
-            raw = apply_bitmask(raw, batch.token_bitmask)
-        if batch.logit_bias is not None:
-            rows, ids, values = batch.logit_bias
-            raw = raw.index_put((rows, ids), values, accumulate=True)
-        if batch.blocked is not None:
-            raw = raw.index_put(batch.blocked, torch.tensor(float("-inf"), device=raw.device))
-        if batch.needs_penalties and batch.history is not None:
-            raw = _apply_penalties(raw, batch)
-        return raw
+        """The logits processors over float32 ``[B, V]`` (:func:`pitstop.sampling.apply_logits_processors`)."""
+        return apply_logits_processors(raw, batch)
 
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The distribution ``sample`` draws from, ``[B, V]`` float32; one-hot on the argmax for greedy rows."""
@@ -160,29 +154,6 @@ class StandardSampler:
         # Exp(1) can round to 0; keep q positive so excluded tokens stay at 0/q = 0.
         q.clamp_(min=torch.finfo(torch.float32).tiny)
         return (probs / q).argmax(dim=-1)
-
-
-def _apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties, from the rows' token history."""
-    assert batch.history is not None and batch.prompt_lens is not None
-    assert batch.presence_penalty is not None and batch.frequency_penalty is not None
-    assert batch.repetition_penalty is not None
-    rows, vocab = raw.shape
-    history = batch.history  # padded with `vocab`: one extra column, dropped below
-    position = torch.arange(history.shape[1], device=raw.device).unsqueeze(0)
-    is_output = position >= batch.prompt_lens.unsqueeze(1)
-    output_ids = torch.where(is_output, history, torch.full_like(history, vocab))
-    counts = torch.zeros(rows, vocab + 1, device=raw.device, dtype=raw.dtype)
-    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=raw.dtype))
-    counts = counts[:, :vocab]
-    seen = torch.zeros(rows, vocab + 1, device=raw.device, dtype=torch.bool)
-    seen.scatter_(1, history, True)
-    seen = seen[:, :vocab]
-    penalty = batch.repetition_penalty.unsqueeze(1)
-    repeated = torch.where(raw > 0, raw / penalty, raw * penalty)
-    raw = torch.where(seen, repeated, raw)
-    raw = raw - batch.frequency_penalty.unsqueeze(1) * counts
-    return raw - batch.presence_penalty.unsqueeze(1) * (counts > 0).to(raw.dtype)
 
 
 def create_standard_sampler(config: Any, device: torch.device | str) -> StandardSampler:
