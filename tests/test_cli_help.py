@@ -41,3 +41,21 @@ def test_a_bad_boolean_flag_is_an_argparse_error(capsys: pytest.CaptureFixture[s
         build_parser().parse_args(["generate", "--fused-qkv", "maybe", "hi"])
     assert info.value.code == 2
     assert "--fused-qkv: expected true or false" in capsys.readouterr().err
+
+
+def test_threads_are_set_and_printed_at_start_up(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import torch
+    from conftest_models import smollm2_gguf
+
+    from pitstop import LLM
+
+    smollm2_gguf()
+    wanted = torch.get_num_threads()  # the same count: the rest of the test session is unchanged
+    with caplog.at_level(logging.INFO, logger="pitstop.engine"):
+        LLM("smollm2-135m", device="cpu", kv_cache_gib=0.02, max_model_len=128, threads=wanted)
+    assert f"CPU threads: {wanted}" in caplog.text
+    assert torch.get_num_threads() == wanted
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--threads", "many", "hi"])
