@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -59,6 +60,9 @@ from pitstop.structured import GrammarCompiler
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
 from pitstop.validation import SEED_MODULUS, check_encoded_prompt, validate_request
 from pitstop.weights import load_model_source
+
+# observer(step inputs, the engine's sequence of each or None, logits rows): see observe_logits
+EngineLogitsObserver = Callable[[Seq[SeqInput], list[Sequence | None], Any], None]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,7 @@ class LLMEngine:
             torch.set_num_threads(config.threads)
         if self.device.type == "cpu":
             log.info("CPU threads: %d (set with --threads)", torch.get_num_threads())
-        source = load_model_source(config.model, tokenizer=config.tokenizer)
+        source = load_model_source(config.model, tokenizer=config.tokenizer, plugins=self.plugins)
         mc = source.model_config
         self.plugins.get("model", mc.architecture)
         if config.max_model_len is None:
@@ -351,6 +355,26 @@ class LLMEngine:
     def live_sequences(self) -> dict[int, Sequence]:
         """The sequences of the unfinished requests, by the sequence id the runner knows (read only)."""
         return {seq_id: sample.seq for seq_id, sample in self._samples.items()}
+
+    def observe_logits(self, observer: EngineLogitsObserver | None) -> None:
+        """Hand the target model's logits of every step to ``observer`` (None: stop).
+
+        ``observer(inputs, sequences, logits)`` is called after the step's logits
+        are computed, before sampling: ``inputs`` are the step's
+        :class:`~pitstop.runner.SeqInput` s, ``sequences`` the engine's
+        :class:`Sequence` of each (None for one already finished), and ``logits``
+        holds each sampling input's ``num_logits`` rows in input order. Read only:
+        the observer must not change the tensors or sequences.
+        """
+        if observer is None:
+            self.runner.logits_observer = None
+            return
+
+        def relay(inputs: Seq[SeqInput], logits: Any) -> None:
+            live = self.live_sequences()
+            observer(inputs, [live.get(inp.seq_id) for inp in inputs], logits)
+
+        self.runner.logits_observer = relay
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -719,12 +743,11 @@ class LLMEngine:
     def _finish(self, req: RequestState, error: str | None = None) -> RequestOutput:
         """Forget a finished request (every sample stopped) and return its final output."""
         self._requests.pop(req.request_id, None)
-        release = getattr(self.proposer, "release", None)
         for sample in req.samples:
             self._samples.pop(sample.seq.seq_id, None)
             self._processed.discard(sample.seq.seq_id)
-            if release is not None:
-                release(sample.seq)  # e.g. the draft model's own KV pages
+            if self.proposer is not None:
+                self.proposer.release(sample.seq)  # e.g. the draft model's own KV pages
         output = req.output(error=error)
         if self._request_observers:
             self.plugins.hook.on_request_finished(engine=self, output=output)

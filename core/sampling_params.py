@@ -17,6 +17,9 @@ from pitstop.errors import InvalidRequestError
 from pitstop.structured import StructuredOutputs, structured_outputs_of
 from pitstop.validation import INT64_MAX, check_int, check_real, check_text, is_int, seed_of
 
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's convention)."""
+
 StructuredOutputsParams = StructuredOutputs
 """vLLM's name for :class:`~pitstop.structured.StructuredOutputs` (same fields)."""
 
@@ -241,8 +244,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax: temperature below :data:`SAMPLING_EPS`
+        (0, or near enough that vLLM treats it as 0) or top_k 1. The one definition:
+        the sampling batch, the runner and speculative decoding all ask this."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:

@@ -35,8 +35,9 @@ import pitstop
 from pitstop.errors import ConfigError
 from pitstop.protocols import Proposal
 from pitstop.runner import ModelRunner, SeqInput
-from pitstop.sampling import is_greedy, make_generator, make_sampling_batch
+from pitstop.sampling import exponential_race, is_greedy, make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
+from pitstop.settings import engine_setting
 from pitstop.speculative import draft_room
 from pitstop.weights import load_model_source
 
@@ -44,6 +45,15 @@ if TYPE_CHECKING:
     from pitstop.config import EngineConfig
     from pitstop.sequence import Sequence
     from pitstop.speculative import ProposerContext
+
+
+@attrs.frozen
+class DraftSettings:
+    """The settings of the ``draft`` proposer."""
+
+    model: str | None = engine_setting(
+        "speculative_model", help="draft model of the 'draft' proposer"
+    )
 
 
 class DraftProposer:
@@ -193,11 +203,7 @@ class DraftProposer:
         gens = [self._generator(s) for s in seqs]
         batch = make_sampling_batch(params, gens, self.device)
         q = runner.sampler.probabilities(logits, batch)
-        e = torch.empty_like(q).exponential_(generator=self._shared)
-        for i, g in enumerate(gens):
-            if g is not None:
-                e[i].exponential_(generator=g)
-        tokens = (q / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        tokens = exponential_race(q, gens, self._shared)
         greedy = torch.tensor([is_greedy(p) for p in params], device=self.device)
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         return tokens.tolist(), list(q.unbind(0))
@@ -220,4 +226,4 @@ def create_draft(config: EngineConfig, context: ProposerContext) -> DraftPropose
 @pitstop.hookimpl
 def register_proposers(register: Any) -> None:
     """Register the ``draft`` proposer."""
-    register("draft", create_draft)
+    register("draft", create_draft, settings=DraftSettings)
