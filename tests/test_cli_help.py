@@ -12,13 +12,17 @@ from pitstop.cli import build_parser
 MARKUP = re.compile(r"``|:(class|func|mod|meth|data|attr):`")
 
 
+# pitstop's own commands (an installed third-party plugin may add more: its help is its own)
+BUILT_IN = ("pitstop", "generate", "chat", "plugins", "cache", "serve", "bench", "verify")
+
+
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return {"pitstop": parser, **action.choices}
 
 
-@pytest.mark.parametrize("name", sorted(_subparsers()))
+@pytest.mark.parametrize("name", BUILT_IN)
 def test_help_has_no_markup_and_says_every_default(name: str) -> None:
     parser = _subparsers()[name]
     text = parser.format_help()
