@@ -219,8 +219,7 @@ def _run_checking_invariants(
         engine.add_request(prompt_token_ids=ids, params=sp, request_id=f"r{i}")
     while engine.has_unfinished_requests():
         engine.step()
-        for req in engine._requests.values():
-            seq = req.seq
+        for seq in engine.live_sequences().values():
             assert not seq.draft_token_ids
             if seq.status is SequenceStatus.RUNNING and not seq.is_prefill:
                 # the invariant after a step (plain or verifying): held == computed == num_tokens - 1

@@ -105,9 +105,9 @@ class TensorParallelRunner:
         """Launch a step on every rank; rank 0 samples and returns the handle."""
         from pitstop.runner import StepInput
 
-        # workers neither sample nor verify: they get the step without params or drafts' probabilities
+        # workers neither sample nor verify: the step goes without what only sampling reads
         sent = StepInput(
-            [attrs.evolve(s, params=None, draft_probs=None) for s in step.seqs],
+            [attrs.evolve(s, params=None, draft_probs=None, row_inputs=None) for s in step.seqs],
             list(step.finished_seq_ids),
             list(step.reset_seq_ids),
         )

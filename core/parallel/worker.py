@@ -87,6 +87,8 @@ def worker_main(
 
     group = None
     try:
+        if config.threads is not None:  # rank 0's engine sets its own
+            torch.set_num_threads(config.threads)
         status.put(("ready", rank, None))
         device = rank_device(device_type, rank)
         dist.init_process_group(
