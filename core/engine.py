@@ -14,7 +14,11 @@ One call of :meth:`LLMEngine.step`:
 4. **emit** the outputs of step N.
 
 With ``overlap`` off the same code applies step N+1 right after launching
-it: the serial loop. Speculative decoding always runs serially.
+it: the serial loop. A speculative step runs serially too: the engine first
+applies the step in flight (the proposer reads the tokens on the host),
+then proposes, plans, launches the verification and applies it; the
+adaptation rule (:mod:`pitstop.spec_adaptation`) decides per step whether to
+speculate, so that steps it keeps plain stay overlapped.
 
 The engine resolves every strategy once, when it is built, and then calls
 the chosen objects directly; observer hooks fire at most once per step.
@@ -51,6 +55,7 @@ from pitstop.runner import (
 )
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import Sequence, SequenceStatus
+from pitstop.spec_adaptation import SpeculationPolicy
 from pitstop.speculative import ProposerContext, draft_room
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
 from pitstop.validation import check_encoded_prompt, validate_request
@@ -78,6 +83,11 @@ class _Launched:
     handle: LaunchedStep
     start: float
     proposed: list[Sequence]
+
+    @property
+    def verifies(self) -> bool:
+        """Whether some sequence verifies drafts (applied before the next launch)."""
+        return any(inp.num_logits > 1 for inp in self.inputs)
 
 
 class LLMEngine:
@@ -159,10 +169,10 @@ class LLMEngine:
         self._reset_seq_ids: list[int] = []  # block tables rebuilt since the last launch
         self._in_flight: _Launched | None = None
         self._failed_outputs: list[RequestOutput] = []  # requests a failed step stopped
-        wanted = {"on": True, "off": False}.get(config.overlap, self.device.type == "cuda")
-        if wanted and self.proposer is not None:
-            log.info("overlap off: speculative decoding runs the serial loop")
-        self.overlap = wanted and self.proposer is None
+        self.overlap = {"on": True, "off": False}.get(config.overlap, self.device.type == "cuda")
+        self.spec_policy = (
+            SpeculationPolicy(config, self.stats) if self.proposer is not None else None
+        )
         self._step_observers = self.plugins.has_observers("on_step_finished")
         self._request_observers = self.plugins.has_observers("on_request_finished")
 
@@ -273,13 +283,17 @@ class LLMEngine:
         ``overlap`` the outputs are those of the previous step (see the
         module docstring).
         """
-        launched = self._plan_and_launch()
         outputs: list[RequestOutput] = []
+        speculating = self._speculating()
+        if speculating and self._in_flight is not None:  # the proposer needs its tokens
+            outputs = self._apply(self._in_flight, stream)
+            self._in_flight = None
+        launched = self._plan_and_launch(speculating)
         if self._in_flight is not None:
             outputs = self._apply(self._in_flight, stream)
             self._in_flight = None
         if launched is not None:
-            if self.overlap:
+            if self.overlap and not launched.verifies:
                 self._in_flight = launched
             else:
                 outputs.extend(self._apply(launched, stream))
@@ -288,10 +302,20 @@ class LLMEngine:
             self._failed_outputs = []
         return outputs
 
-    def _plan_and_launch(self) -> _Launched | None:
-        """Plan the next step and queue it on the device; None when there is nothing to run."""
+    def _speculating(self) -> set[int]:
+        """The sequences that ask for drafts in the next step (the adaptation rule); may be empty."""
+        if self.spec_policy is None:
+            return set()
+        running = [r.seq for r in self._requests.values() if r.seq.status is SequenceStatus.RUNNING]
+        return self.spec_policy.plan_step(self.scheduler.num_running, running)
+
+    def _plan_and_launch(self, speculating: set[int] | None = None) -> _Launched | None:
+        """Plan the next step and queue it on the device; None when there is nothing to run.
+
+        ``speculating``: the sequences that ask the proposer for drafts first.
+        """
         start = time.perf_counter()
-        proposed = self._propose() if self.proposer is not None else []
+        proposed = self._propose(speculating) if speculating else []
         plan = self.scheduler.schedule()
         if plan.preempted:
             self._warn_preemptions(len(plan.preempted))
@@ -475,9 +499,10 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ speculation
-    def _propose(self) -> list[Sequence]:
-        """Ask the proposer for drafts for every running, decoding sequence; return those asked."""
+    def _propose(self, speculating: set[int]) -> list[Sequence]:
+        """Ask the proposer for drafts for the decoding sequences in ``speculating``; return those asked."""
         assert self.proposer is not None and self.config.max_model_len is not None
+        assert self.spec_policy is not None
         k = self.config.num_speculative_tokens
         seqs = [
             req.seq
@@ -485,14 +510,18 @@ class LLMEngine:
             if req.seq.status is SequenceStatus.RUNNING
             and req.seq.num_uncomputed_tokens == 1
             and draft_room(req.seq, k, self.config.max_model_len) > 0
+            and req.seq.seq_id in speculating
         ]
         if not seqs:
             return []
+        self.stats.spec_steps += 1
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, k), strict=True):
             room = draft_room(seq, k, self.config.max_model_len)
             seq.draft_token_ids = list(proposal.token_ids[:room])
             if proposal.probs is not None and seq.draft_token_ids:
                 self._draft_probs[seq.seq_id] = proposal.probs[: len(seq.draft_token_ids)]
+            if not seq.draft_token_ids:
+                self.spec_policy.record(seq, 0, 0)
         return seqs
 
     def _after_verify(
@@ -516,8 +545,9 @@ class LLMEngine:
         self.stats.spec_verifications += 1
         self.stats.spec_proposed_tokens += num_drafts
         self.stats.spec_accepted_tokens += num_accepted
-        assert self.proposer is not None
+        assert self.proposer is not None and self.spec_policy is not None
         self.proposer.on_accepted(seq, num_accepted)
+        self.spec_policy.record(seq, num_drafts, num_accepted)
 
     def _check_stop(self, req: _Request, token: int) -> str:
         """Apply the stop conditions after ``token``; return the new text to stream."""
@@ -591,6 +621,8 @@ class LLMEngine:
         release = getattr(self.proposer, "release", None)
         if release is not None:
             release(req.seq)  # e.g. the draft model's own KV pages
+        if self.spec_policy is not None:
+            self.spec_policy.release(req.seq)
         output = self._output(req, delta, new_ids)
         if self._request_observers:
             self.plugins.hook.on_request_finished(engine=self, output=output)

@@ -215,6 +215,7 @@ class ModelRunner:
         self._verifier: DraftVerifier | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
+        self.verify_graphs: Any = None  # pitstop.verify_graphs.VerifyGraphs, with speculation
         # The last step's sampling rows (seq ids) and their batch: a sequence's params never change.
         self._batch_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         # The last launched step's sampled ids stay here on the device; the next step gathers
@@ -330,6 +331,7 @@ class ModelRunner:
                         "steps run eagerly",
                         exc,
                     )
+            self._capture_verify_graphs()
         finally:
             gc.enable()
         log.info(
@@ -340,6 +342,23 @@ class ModelRunner:
             else "no prefill steps (the model has no before/after_attention)",
             time.perf_counter() - start,
         )
+
+    def _capture_verify_graphs(self) -> None:
+        """With speculation, capture verification steps of (batch, k + 1) tokens too."""
+        from pitstop.spec_adaptation import speculation_max_batch
+        from pitstop.verify_graphs import VerifyGraphs
+
+        cfg = self.config
+        if cfg.speculative is None:
+            return
+        max_batch = speculation_max_batch(cfg)
+        try:
+            self.verify_graphs = VerifyGraphs(self, max_batch, cfg.num_speculative_tokens + 1)
+        except Exception as exc:  # noqa: BLE001 - eager verification still works
+            torch.cuda.synchronize(self.device)
+            log.warning("verification CUDA graphs off (capture failed: %s); it runs eagerly", exc)
+            return
+        log.info("captured CUDA graphs for verification steps: %s", self.verify_graphs.describe())
 
     def mixed_step_tokens(self) -> int:
         """The largest prefill/mixed step to capture piecewise: the step budget, at most 2048.
@@ -455,40 +474,32 @@ class ModelRunner:
     def launch(self, step: StepInput) -> LaunchedStep:
         """Queue one step on the device: forward, logits, sampling, and the copy of the tokens back.
 
-        Returns without waiting for the device (except for a step that
-        verifies speculative drafts, which is sampled at once). Pending input
-        tokens are read from the previous launched step's samples, on the
-        device.
+        Returns without waiting for the device; a step that verifies
+        speculative drafts is verified on the device too (replaying a
+        verification graph when one fits). Pending input tokens are read from
+        the previous launched step's samples, on the device.
         """
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
-        if self.graphs is not None:
-            self.graphs.forget(step.finished_seq_ids)
-            self.graphs.forget(step.reset_seq_ids)
+        self.forget_block_tables(step.finished_seq_ids)
+        self.forget_block_tables(step.reset_seq_ids)
         if not step.seqs:
             return LaunchedStep([], ready=StepOutput([]))
         assert self.kv_cache is not None, "init_kv_cache() first"
-        if self.graphs is not None and self.graphs.can_run(step.seqs):
-            hidden = self.graphs.run(step.seqs)
-            rows = [i for i, s in enumerate(step.seqs) if s.sample]
-        else:
-            input_ids, meta, rows = self.build_metadata(step.seqs)
-            if self.mixed_graphs is not None and self.mixed_graphs.can_run(input_ids.shape[0]):
-                hidden = self.mixed_graphs.run(input_ids, meta)
-            else:
-                hidden = self.model(input_ids, self.rotary, self.kv_cache, meta)
+        verifies = any(s.num_logits > 1 for s in step.seqs)
+        if verifies and self.verify_graphs is not None and self.verify_graphs.can_run(step.seqs):
+            logits, rows = self.verify_graphs.run(step.seqs)
+            return self._launch_verification(step.seqs, self.select_rows(logits, rows))
+        hidden, rows = self.forward(step.seqs)
         if not rows:
             self._last_rows = {}
             return LaunchedStep(step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)))
-        logits = self.model.compute_logits(self._select_rows(hidden, rows))
+        logits = self.model.compute_logits(self.select_rows(hidden, rows))
         sampling = [s for s in step.seqs if s.sample]
         params = [s.params or SamplingParams() for s in sampling]
         generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
-        if len(rows) > len(sampling):  # some sequence verifies speculative drafts
-            self._last_rows = {}  # the serial loop runs speculation: nothing is pending
-            return LaunchedStep(
-                step.seqs, ready=self._verify(step.seqs, logits, sampling, generators)
-            )
+        if verifies:
+            return self._launch_verification(step.seqs, logits)
         key = tuple(s.seq_id for s in sampling)
         if self._batch_cache is not None and self._batch_cache[0] == key:
             batch = self._batch_cache[1]  # same rows as last step: skip the host-to-device copies
@@ -512,28 +523,39 @@ class ModelRunner:
             event.record()
         return LaunchedStep(step.seqs, host_tokens, host_logprobs, event)
 
-    def _verify(
-        self,
-        seqs: list[SeqInput],
-        logits: torch.Tensor,
-        sampling: list[SeqInput],
-        generators: list[torch.Generator | None],
-    ) -> StepOutput:
-        """Sample a step in which some sequences verify drafts: accepted drafts plus one token each."""
+    def forget_block_tables(self, seq_ids: Seq[int]) -> None:
+        """Drop the graphs' copies of these sequences' block tables (finished, or shortened)."""
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.forget(seq_ids)
+
+    def forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
+        """The model over one step (a decode graph, piecewise graphs, or eagerly): hidden, rows to sample."""
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            return self.graphs.run(seqs), [i for i, s in enumerate(seqs) if s.sample]
+        input_ids, meta, rows = self.build_metadata(seqs)
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(input_ids.shape[0]):
+            return self.mixed_graphs.run(input_ids, meta), rows
+        return self.model(input_ids, self.rotary, self.kv_cache, meta), rows
+
+    def _launch_verification(self, seqs: list[SeqInput], logits: torch.Tensor) -> LaunchedStep:
+        """Verify the drafts of a step on the device; its results come back in one copy.
+
+        ``logits`` holds ``num_logits`` rows per sampling sequence, in order.
+        Nothing of this step is pending afterwards: the engine applies a
+        verification before it launches the next step.
+        """
+        from pitstop.verify_graphs import LaunchedVerification
+
+        sampling = [s for s in seqs if s.sample]
+        params = [s.params or SamplingParams() for s in sampling]
+        generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
         if self._verifier is None:
             self._verifier = DraftVerifier(self.sampler, self.device, self.config.seed)
-        v = self._verifier(logits, sampling, generators)
-        emitted = iter(range(len(sampling)))
-        results = []
-        for s in seqs:
-            if not s.sample:
-                results.append(_NO_TOKENS)
-                continue
-            i = next(emitted)
-            results.append(SeqResult(v.token_ids[i], v.logprobs[i] if v.logprobs else None))
-        return StepOutput(results)
+        self._last_rows = {}
+        return LaunchedVerification(seqs, self._verifier(logits, sampling, generators))
 
-    def _select_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def select_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The hidden rows to turn into logits, without waiting for the GPU.
 
         A pure decode step samples every row in order: no gather at all. Otherwise

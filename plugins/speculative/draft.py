@@ -13,6 +13,12 @@ preemption all roll back the same way), truncates the rest, then
    time: the draft prefills its own copy) and draws ``d_1``;
 2. decodes ``d_1 .. d_{k-1}`` one at a time, drawing ``d_2 .. d_k``.
 
+The drafts stay on the device between these steps: each step's tokens go
+into the draft runner's ``last_sampled`` buffer and the next step reads them
+as pending tokens, so the decode steps replay the draft runner's own CUDA
+decode graphs (captured on a GPU for batches up to ``speculative_max_batch``)
+and the whole proposal reads back once, at its end.
+
 Each draft is drawn from the draft model's processed distribution ``q`` under
 the request's own sampling parameters, and ``q`` goes with the proposal, so
 the core's rejection sampling is exact; greedy requests draw the argmax.
@@ -37,6 +43,8 @@ from pitstop.protocols import Proposal
 from pitstop.runner import ModelRunner, SeqInput
 from pitstop.sampling import is_greedy, make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
+from pitstop.sequence import PENDING_TOKEN
+from pitstop.spec_adaptation import speculation_max_batch
 from pitstop.speculative import draft_room
 from pitstop.weights import load_model_source
 
@@ -64,13 +72,20 @@ class DraftProposer:
                 f"more than the target's {context.vocab_size}; a draft model must share the target's tokenizer"
             )
         self.vocab_size = context.vocab_size
+        max_batch = speculation_max_batch(config)  # the most sequences that ever draft at once
         draft_config = attrs.evolve(
-            config, model=config.speculative_model, speculative=None, tokenizer=None
+            config,
+            model=config.speculative_model,
+            speculative=None,
+            tokenizer=None,
+            max_batch_size=max_batch,
+            max_prefill_batch=min(config.max_prefill_batch, max_batch),
         )
         self.device = context.device
         self.runner = ModelRunner(draft_config, mc, context.plugins, context.device, context.dtype)
         self.runner.load_weights(source.weights)
         self.runner.init_kv_cache(context.num_pages)
+        self.runner.maybe_capture_graphs()  # decode graphs for the draft's own steps (CUDA)
         self.allocator = context.plugins.create(
             "allocator", "paged", draft_config, context.num_pages
         )
@@ -86,38 +101,55 @@ class DraftProposer:
         active = [
             seq for seq in seqs if rooms[seq.seq_id] > 0 and self._prepare(seq, rooms[seq.seq_id])
         ]
-        drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in active}
-        probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in active}
+        if len(active) > self.runner.last_sampled.shape[0]:
+            raise RuntimeError(
+                f"{len(active)} sequences asked the draft model for drafts at once, more than the "
+                f"{self.runner.last_sampled.shape[0]} it was built for (speculative_max_batch)"
+            )
+        probs: dict[int, list[torch.Tensor | None]] = {seq.seq_id: [] for seq in active}
+        order_per_step: list[list[Sequence]] = []  # each step's sequences, in its sampled order
+        tokens_per_step: list[torch.Tensor] = []
         with torch.inference_mode():
             step = list(active)
-            first = True
+            made = 0
             while step:
                 inputs = []
                 for seq in step:
                     ids = self._kv_ids[seq.seq_id]
-                    if first:
-                        new = seq.token_ids[len(ids) :]
-                    else:
-                        new = [drafts[seq.seq_id][-1]]
+                    # the first step catches up with the target; later ones read the last draft
+                    if made == 0:
+                        new, start = seq.token_ids[len(ids) :], len(ids)
+                    else:  # draft d_made sits right after the target's tokens and d_1 ..
+                        new, start = [PENDING_TOKEN], seq.num_tokens + made - 1
                     inputs.append(
                         SeqInput(
                             seq.seq_id,
                             new,
-                            len(ids),
+                            start,
                             self.allocator.block_table(seq),
                             True,
                             seq.sampling_params,
                         )
                     )
-                    ids.extend(new)
                 order = sorted(range(len(step)), key=lambda i: len(inputs[i].token_ids) == 1)
-                tokens, q = self._forward([inputs[i] for i in order], [step[i] for i in order])
-                for i, token, row in zip(order, tokens, q, strict=True):
-                    seq = step[i]
-                    drafts[seq.seq_id].append(token)
+                ordered = [step[i] for i in order]
+                tokens, q = self._forward([inputs[i] for i in order], ordered)
+                order_per_step.append(ordered)
+                tokens_per_step.append(tokens)
+                for seq, row in zip(ordered, q, strict=True):
                     probs[seq.seq_id].append(row)
-                step = [seq for seq in step if len(drafts[seq.seq_id]) < rooms[seq.seq_id]]
-                first = False
+                made += 1
+                step = [seq for seq in ordered if made < rooms[seq.seq_id]]
+        drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in active}
+        if tokens_per_step:  # the proposal's one read-back
+            flat = iter(torch.cat(tokens_per_step).tolist())
+            for ordered in order_per_step:
+                for seq in ordered:
+                    drafts[seq.seq_id].append(next(flat))
+        for seq in active:  # the draft now holds the KV of the target's tokens and d_1 .. d_{k-1}
+            ids = self._kv_ids[seq.seq_id]
+            ids.extend(seq.token_ids[len(ids) :])
+            ids.extend(drafts[seq.seq_id][:-1])
         out = []
         for seq in seqs:
             ids = drafts.get(seq.seq_id)
@@ -139,6 +171,7 @@ class DraftProposer:
         self._synced.pop(seq.seq_id, None)
         self._generators.pop(seq.seq_id, None)
         self.allocator.free(seq)
+        self.runner.forget_block_tables([seq.seq_id])
 
     # ------------------------------------------------------------------ internals
     def _sync(self, seq: Sequence) -> int:
@@ -159,6 +192,7 @@ class DraftProposer:
         held = self.allocator.num_held_tokens(seq)
         if held > i:
             self.allocator.truncate(seq, held - i)
+            self.runner.forget_block_tables([seq.seq_id])  # the graphs re-read its table
         return i
 
     def _prepare(self, seq: Sequence, room: int) -> bool:
@@ -178,12 +212,15 @@ class DraftProposer:
 
     def _forward(
         self, inputs: list[SeqInput], seqs: list[Sequence]
-    ) -> tuple[list[int], list[torch.Tensor]]:
-        """Run the draft model over one batch; draw one token per sequence from its processed q."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Run the draft model over one batch; draw one token per sequence from its processed q.
+
+        The tokens stay on the device, in the runner's ``last_sampled`` too (the next
+        step's pending inputs); nothing is read back.
+        """
         runner = self.runner
-        input_ids, meta, rows = runner.build_metadata(inputs)
-        hidden = runner.model(input_ids, runner.rotary, runner.kv_cache, meta)
-        logits = runner.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        hidden, rows = runner.forward(inputs)
+        logits = runner.model.compute_logits(runner.select_rows(hidden, rows))
         if logits.shape[1] < self.vocab_size:  # a draft vocabulary may be smaller than the target's
             pad = logits.new_full(
                 (logits.shape[0], self.vocab_size - logits.shape[1]), float("-inf")
@@ -192,15 +229,22 @@ class DraftProposer:
         params = [s.sampling_params or SamplingParams() for s in seqs]
         gens = [self._generator(s) for s in seqs]
         batch = make_sampling_batch(params, gens, self.device)
+        if batch.all_greedy:  # greedy drafts need no distribution (the verifier takes point masses)
+            tokens = logits.argmax(dim=-1)
+            runner.last_sampled[: len(inputs)].copy_(tokens)
+            runner._last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
+            return tokens, [None] * len(inputs)
         q = runner.sampler.probabilities(logits, batch)
         e = torch.empty_like(q).exponential_(generator=self._shared)
         for i, g in enumerate(gens):
             if g is not None:
                 e[i].exponential_(generator=g)
         tokens = (q / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
-        greedy = torch.tensor([is_greedy(p) for p in params], device=self.device)
+        greedy = batch.temperature == 0.0  # on the device already: no copy, no wait
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-        return tokens.tolist(), list(q.unbind(0))
+        runner.last_sampled[: len(inputs)].copy_(tokens)
+        runner._last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
+        return tokens, list(q.unbind(0))
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         params = seq.sampling_params
