@@ -306,7 +306,7 @@ class LLMEngine:
         """The sequences that ask for drafts in the next step (the adaptation rule); may be empty."""
         if self.spec_policy is None:
             return set()
-        running = [r.seq for r in self._requests.values() if r.seq.status is SequenceStatus.RUNNING]
+        running = (r.seq for r in self._requests.values() if r.seq.status is SequenceStatus.RUNNING)
         return self.spec_policy.plan_step(self.scheduler.num_running, running)
 
     def _plan_and_launch(self, speculating: set[int] | None = None) -> _Launched | None:

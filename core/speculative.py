@@ -146,7 +146,8 @@ def verify_on_device(
     consecutive rows (the distributions after its last token and after each
     draft). ``draft_probs[i]`` is ``[k_i, V]`` (the draft distribution each
     draft was sampled from) or None for point masses. Greedy rows accept by
-    argmax. A seeded row draws only from ``generators[i]``; the others from
+    argmax (for an all-greedy batch ``target_probs`` may be the raw logits:
+    only their argmax is read). A seeded row draws only from ``generators[i]``; the others from
     ``shared_generator`` (None: torch's default). With ``raw_logits`` (the
     ``[R, V]`` logits) the log-probabilities of the emitted tokens come back too.
     The host's inputs travel in a few host-to-device copies; nothing is read back.
@@ -181,18 +182,22 @@ def verify_on_device(
     greedy_rows = _to_device(np.repeat(greedy_np, ks + 1), device)
     greedy_seqs = _to_device(greedy_np, device)
 
-    # q as rows aligned with p: a draft's distribution, a point mass, or zeros on a last row.
-    q = _point_masses(p, drafts) * draft_mask.unsqueeze(1)
-    for off, k, probs in zip(offsets.tolist(), ks.tolist(), draft_probs, strict=True):
-        if probs is not None and k:
-            q[off : off + k] = probs[:k].to(device, torch.float32)
-
-    uniform = _uniform(
-        num_rows, offsets.tolist(), ks.tolist(), generators, shared_generator, device
-    )
-    p_d = p.gather(1, drafts.unsqueeze(1)).squeeze(1)
-    q_d = q.gather(1, drafts.unsqueeze(1)).squeeze(1)
-    accept = torch.where(greedy_rows, drafts == p.argmax(dim=-1), uniform * q_d < p_d) & draft_mask
+    all_greedy = bool(greedy_np.all())
+    argmax = p.argmax(dim=-1)
+    if all_greedy:  # argmax only: no draft distributions, no draws
+        accept = (drafts == argmax) & draft_mask
+    else:
+        # q as rows aligned with p: a draft's distribution, a point mass, or zeros on a last row.
+        q = _point_masses(p, drafts) * draft_mask.unsqueeze(1)
+        for off, k, probs in zip(offsets.tolist(), ks.tolist(), draft_probs, strict=True):
+            if probs is not None and k:
+                q[off : off + k] = probs[:k].to(device, torch.float32)
+        uniform = _uniform(
+            num_rows, offsets.tolist(), ks.tolist(), generators, shared_generator, device
+        )
+        p_d = p.gather(1, drafts.unsqueeze(1)).squeeze(1)
+        q_d = q.gather(1, drafts.unsqueeze(1)).squeeze(1)
+        accept = torch.where(greedy_rows, drafts == argmax, uniform * q_d < p_d) & draft_mask
 
     # Accepted drafts per sequence: the leading run of accepts among its k rows.
     num_accepted = torch.zeros(num_seqs, dtype=torch.int64, device=device)
@@ -203,12 +208,14 @@ def verify_on_device(
     final_rows = _to_device(offsets, device) + num_accepted
 
     # The next token: from max(0, p - q) at a rejection, from p for the bonus (q is zero there).
-    p_final = p[final_rows]
-    residual = (p_final - q[final_rows]).clamp_(min=0)
-    mass = residual.sum(dim=-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_final)
-    next_tokens = _draw(residual, generators, shared_generator)
-    next_tokens = torch.where(greedy_seqs, p_final.argmax(dim=-1), next_tokens)
+    next_tokens = argmax[final_rows]
+    if not all_greedy:
+        p_final = p[final_rows]
+        residual = (p_final - q[final_rows]).clamp_(min=0)
+        mass = residual.sum(dim=-1, keepdim=True)
+        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_final)
+        drawn = _draw(residual, generators, shared_generator)
+        next_tokens = torch.where(greedy_seqs, next_tokens, drawn)
 
     # Emitted: drafts[:a], then the next token at column a; column 0 of the packing holds a.
     cols = torch.arange(kmax + 1, device=device)
@@ -283,7 +290,8 @@ class DraftVerifier:
         row_params = [p for s, p in zip(seqs, params, strict=True) for _ in range(s.num_logits)]
         row_gens = [g for s, g in zip(seqs, generators, strict=True) for _ in range(s.num_logits)]
         batch = make_sampling_batch(row_params, row_gens, self.device)
-        probs = self.sampler.probabilities(logits, batch)
+        # greedy rows read only the argmax, which the raw logits give without a softmax
+        probs = logits if batch.all_greedy else self.sampler.probabilities(logits, batch)
         return verify_on_device(
             probs,
             [s.token_ids[len(s.token_ids) - s.num_logits + 1 :] for s in seqs],
