@@ -177,10 +177,14 @@ def verify_on_device(
     has_draft = np.zeros(num_rows, dtype=bool)
     has_draft[row_of[exists]] = True
     greedy_np = np.asarray(list(greedy), dtype=bool)
-    drafts = _to_device(flat, device)
-    draft_mask = _to_device(has_draft, device)
-    greedy_rows = _to_device(np.repeat(greedy_np, ks + 1), device)
-    greedy_seqs = _to_device(greedy_np, device)
+    index = np.where(exists[:, :kmax], row_of[:, :kmax], num_rows)  # [S, kmax]; padding: 0 row
+    # Every host array in one int64 buffer: one host-to-device copy for the step.
+    parts = [flat, has_draft, np.repeat(greedy_np, ks + 1), greedy_np, offsets, index, padded]
+    on_device = _to_device(np.concatenate([a.ravel().astype(np.int64) for a in parts]), device)
+    views = on_device.split([a.size for a in parts])
+    drafts, offsets_d = views[0], views[4]
+    draft_mask, greedy_rows, greedy_seqs = (v != 0 for v in views[1:4])
+    index_d, padded_d = views[5].view(num_seqs, kmax), views[6].view(num_seqs, kmax + 1)
 
     all_greedy = bool(greedy_np.all())
     argmax = p.argmax(dim=-1)
@@ -202,10 +206,9 @@ def verify_on_device(
     # Accepted drafts per sequence: the leading run of accepts among its k rows.
     num_accepted = torch.zeros(num_seqs, dtype=torch.int64, device=device)
     if kmax:
-        index = np.where(exists[:, :kmax], row_of[:, :kmax], num_rows)
-        accept_padded = torch.cat([accept, accept.new_zeros(1)])[_to_device(index, device)]
+        accept_padded = torch.cat([accept, accept.new_zeros(1)])[index_d]
         num_accepted = accept_padded.long().cumprod(dim=1).sum(dim=1)
-    final_rows = _to_device(offsets, device) + num_accepted
+    final_rows = offsets_d + num_accepted
 
     # The next token: from max(0, p - q) at a rejection, from p for the bonus (q is zero there).
     next_tokens = argmax[final_rows]
@@ -219,12 +222,12 @@ def verify_on_device(
 
     # Emitted: drafts[:a], then the next token at column a; column 0 of the packing holds a.
     cols = torch.arange(kmax + 1, device=device)
-    emitted = _to_device(padded, device)
+    emitted = padded_d
     emitted = torch.where(cols[None, :] == num_accepted[:, None], next_tokens[:, None], emitted)
     packed = torch.cat([num_accepted[:, None], emitted], dim=1)
     logprobs = None
     if raw_logits is not None:
-        rows = (_to_device(offsets, device)[:, None] + cols[None, :]).clamp_(max=num_rows - 1)
+        rows = (offsets_d[:, None] + cols[None, :]).clamp_(max=num_rows - 1)
         lp = torch.log_softmax(raw_logits.float(), dim=-1)
         logprobs = lp[rows.flatten(), emitted.flatten()].view(num_seqs, kmax + 1)
     return DeviceVerified(packed, logprobs)
@@ -287,17 +290,23 @@ class DraftVerifier:
         from pitstop.sampling_params import SamplingParams
 
         params = [s.params or SamplingParams() for s in seqs]
-        row_params = [p for s, p in zip(seqs, params, strict=True) for _ in range(s.num_logits)]
-        row_gens = [g for s, g in zip(seqs, generators, strict=True) for _ in range(s.num_logits)]
-        batch = make_sampling_batch(row_params, row_gens, self.device)
-        # greedy rows read only the argmax, which the raw logits give without a softmax
-        probs = logits if batch.all_greedy else self.sampler.probabilities(logits, batch)
+        greedy = [is_greedy(p) for p in params]
+        if all(greedy):  # only the argmax is read, which the raw logits give: no sampling batch
+            probs = logits
+        else:
+            row_params = [p for s, p in zip(seqs, params, strict=True) for _ in range(s.num_logits)]
+            row_gens = [
+                g for s, g in zip(seqs, generators, strict=True) for _ in range(s.num_logits)
+            ]
+            probs = self.sampler.probabilities(
+                logits, make_sampling_batch(row_params, row_gens, self.device)
+            )
         return verify_on_device(
             probs,
             [s.token_ids[len(s.token_ids) - s.num_logits + 1 :] for s in seqs],
             [s.draft_probs for s in seqs],
-            [is_greedy(p) for p in params],
+            greedy,
             generators,
             self.generator,
-            raw_logits=logits if batch.want_logprobs else None,
+            raw_logits=logits if any(p.logprobs for p in params) else None,
         )
