@@ -594,6 +594,23 @@ def capture_graph(
     return graph, out, graph.pool() if pool is None else pool
 
 
+def capture_buckets(
+    sizes: Seq[int], forward: Callable[[int], torch.Tensor], device: torch.device
+) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """One graph of ``forward(size)`` per size, largest first, all on one memory pool.
+
+    Returns size -> (graph, its static output).
+    """
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+    pool = None
+    with torch.inference_mode():
+        for size in sorted(sizes, reverse=True):
+            graph, out, pool = capture_graph(lambda size=size: forward(size), pool, device)
+            graphs[size] = (graph, out)
+    torch.cuda.synchronize(device)
+    return graphs
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then steps of 16 up to ``max_batch``."""
     sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
@@ -692,13 +709,7 @@ class DecodeGraphs:
         ]
         self._flip = 0
         self.tables = BlockTableRows(self.max_pages, capacity=max(64, 2 * b))
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = None
-        with torch.inference_mode():
-            for size in reversed(self.sizes):
-                graph, out, pool = capture_graph(lambda size=size: self._forward(size), pool, dev)
-                self.graphs[size] = (graph, out)
-        torch.cuda.synchronize(dev)
+        self.graphs = capture_buckets(self.sizes, self._forward, dev)
 
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner

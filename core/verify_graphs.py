@@ -34,7 +34,7 @@ from pitstop.runner import (
     SeqInput,
     SeqResult,
     StepOutput,
-    capture_graph,
+    capture_buckets,
     graph_batch_sizes,
 )
 from pitstop.sequence import PENDING_TOKEN
@@ -83,14 +83,8 @@ class VerifyGraphs:
         self._flip = 0
         self.tables = BlockTableRows(self.max_pages, capacity=max(64, 2 * b))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if not capture:
-            return
-        pool = None
-        with torch.inference_mode():
-            for size in reversed(self.sizes):
-                graph, out, pool = capture_graph(lambda size=size: self._forward(size), pool, dev)
-                self.graphs[size] = (graph, out)
-        torch.cuda.synchronize(dev)
+        if capture:
+            self.graphs = capture_buckets(self.sizes, self._forward, dev)
 
     def _forward(self, size: int) -> torch.Tensor:
         """Logits ``[size * num_query, V]`` of the bucket, from the static buffers."""

@@ -327,8 +327,12 @@ def _store_skipping_padding(kernels) -> None:
 REPETITIVE = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [9], [3, 4] * 10, [20, 21, 22, 23, 24] * 3]
 
 
+def _tiny_llm(target: str, **settings) -> LLM:
+    return LLM(target, device="cpu", max_model_len=128, max_num_pages=120, page_size=4, **settings)
+
+
 def _tiny_greedy(target: str, prompts, **settings) -> tuple[list[list[int]], LLM]:
-    llm = LLM(target, device="cpu", max_model_len=128, max_num_pages=120, page_size=4, **settings)
+    llm = _tiny_llm(target, **settings)
     params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert llm.engine.allocator.stats().tokens_held == 0
@@ -341,12 +345,8 @@ def test_verify_buffers_pad_each_sequence_and_keep_greedy_exact(tiny_target):
     prompts = REPETITIVE[:3]  # three sequences: the bucket of 4 pads one
     plain, _ = _tiny_greedy(tiny_target, prompts)
     k = 4
-    llm = LLM(
+    llm = _tiny_llm(
         tiny_target,
-        device="cpu",
-        max_model_len=128,
-        max_num_pages=120,
-        page_size=4,
         speculative="ngram",
         num_speculative_tokens=k,
         speculative_min_accepted=0.0,  # keep speculating: every step verifies
@@ -380,12 +380,8 @@ def test_speculation_in_the_overlapped_loop_keeps_greedy_exact(tiny_target):
 
 
 def test_batch_rule_decodes_plainly_above_speculative_max_batch(tiny_target):
-    llm = LLM(
+    llm = _tiny_llm(
         tiny_target,
-        device="cpu",
-        max_model_len=128,
-        max_num_pages=120,
-        page_size=4,
         speculative="ngram",
         speculative_max_batch=2,
         speculative_min_accepted=0.0,
@@ -563,9 +559,13 @@ def _gpu_greedy(model: str, prompts, max_tokens: int = 40, **settings):
     return [o.token_ids for o in outs], llm, replays
 
 
+@pytest.fixture(scope="module")
+def gpu_plain(gpu_tiny) -> list[list[int]]:
+    return _gpu_greedy(gpu_tiny, GPU_PROMPTS)[0]
+
+
 @pytest.mark.gpu
-def test_gpu_verification_graphs_replay_and_greedy_equals_plain(gpu_tiny):
-    plain, _, _ = _gpu_greedy(gpu_tiny, GPU_PROMPTS)
+def test_gpu_verification_graphs_replay_and_greedy_equals_plain(gpu_tiny, gpu_plain):
     spec, llm, replays = _gpu_greedy(
         gpu_tiny,
         GPU_PROMPTS,
@@ -573,7 +573,7 @@ def test_gpu_verification_graphs_replay_and_greedy_equals_plain(gpu_tiny):
         num_speculative_tokens=4,
         speculative_min_accepted=0.0,  # speculate at every step
     )
-    assert spec == plain
+    assert spec == gpu_plain
     graphs = llm.engine.runner.verify_graphs
     assert graphs is not None and graphs.num_query == 5 and graphs.graphs  # captured
     assert replays["verify"] > 0  # and replayed
@@ -581,18 +581,16 @@ def test_gpu_verification_graphs_replay_and_greedy_equals_plain(gpu_tiny):
 
 
 @pytest.mark.gpu
-def test_gpu_batches_over_the_bound_decode_in_the_overlapped_loop(gpu_tiny):
-    plain, _, _ = _gpu_greedy(gpu_tiny, GPU_PROMPTS)
+def test_gpu_batches_over_the_bound_decode_in_the_overlapped_loop(gpu_tiny, gpu_plain):
     spec, llm, _ = _gpu_greedy(gpu_tiny, GPU_PROMPTS, speculative="ngram", speculative_max_batch=1)
-    assert spec == plain
+    assert spec == gpu_plain
     assert llm.engine.overlap
     stats = llm.engine.stats
     assert stats.spec_skipped_batch_steps > 0  # four sequences at once: plain decode steps
 
 
 @pytest.mark.gpu
-def test_gpu_self_draft_replays_its_graphs_and_accepts_everything(gpu_tiny):
-    plain, _, _ = _gpu_greedy(gpu_tiny, GPU_PROMPTS)
+def test_gpu_self_draft_replays_its_graphs_and_accepts_everything(gpu_tiny, gpu_plain):
     spec, llm, replays = _gpu_greedy(
         gpu_tiny,
         GPU_PROMPTS,
@@ -600,7 +598,7 @@ def test_gpu_self_draft_replays_its_graphs_and_accepts_everything(gpu_tiny):
         speculative_model=gpu_tiny,
         num_speculative_tokens=4,
     )
-    assert spec == plain
+    assert spec == gpu_plain
     stats = llm.engine.stats
     assert stats.spec_proposed_tokens > 0 and stats.spec_acceptance_rate > 0.98
     assert replays["draft"] > 0 and replays["verify"] > 0
