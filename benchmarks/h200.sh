@@ -21,6 +21,10 @@ for spec in ${BENCHES-nano single}; do
   case $spec in
     nano) run nano offline --workload nano --kernels fused ;;
     # issue 13: the serial loop beside the overlapped one, and the GPU busy fraction
+    # issue 22: the old default scheduler beside the new (bounded-step) one
+    nano-defaults) run nano-defaults offline --workload nano --kernels fused --matrix benchmarks/workloads/defaults.toml ;;
+    single-defaults) run single-defaults offline --workload single --kernels fused --repeats 3 --matrix benchmarks/workloads/defaults.toml ;;
+    longtail-defaults) run longtail-defaults online --workload longtail --num-requests ${LT_N:-200} --max-batch-size 64 --kernels fused --matrix benchmarks/workloads/defaults.toml ;;
     nano-overlap) run nano-overlap offline --workload nano --kernels fused --matrix benchmarks/workloads/overlap.toml ;;
     single-overlap) run single-overlap offline --workload single --kernels fused --repeats 3 --matrix benchmarks/workloads/overlap.toml ;;
     longtail-best) for i in 1 2 3; do run longtail-best-$i online --workload longtail --max-batch-size 64 ${LT_FLAGS:-} --matrix ${LT_BEST:-benchmarks/workloads/longtail-best.toml}; done ;;

@@ -154,7 +154,11 @@ class EngineConfig:
         default="paged", validator=_name, metadata=_doc("KV-cache allocator plugin")
     )
     scheduler: str = attrs.field(
-        default="continuous", validator=_name, metadata=_doc("scheduler plugin")
+        default="chunked",
+        validator=_name,
+        metadata=_doc(
+            "scheduler plugin (default chunked: every step within a token budget, as vLLM does)"
+        ),
     )
     kernels: str = attrs.field(
         default="auto",
@@ -200,17 +204,23 @@ class EngineConfig:
         default=64, validator=_positive_int, metadata=_doc("most prompts prefilled in one step")
     )
     max_num_batched_tokens: int = attrs.field(
-        default=16384, validator=_positive_int, metadata=_doc("most tokens computed in one step")
+        default=8192,
+        validator=_positive_int,
+        metadata=_doc(
+            "most tokens computed in one step (the chunked scheduler's budget unless chunk_size is set)"
+        ),
     )
     prefill_priority: str = attrs.field(
         default="high",
         validator=_one_of("high", "low"),
         metadata=_doc("high: waiting prompts run before decodes; low: decodes first"),
     )
-    chunk_size: int = attrs.field(
-        default=512,
+    chunk_size: int | None = attrs.field(
+        default=None,
         validator=_positive_int,
-        metadata=_doc("token budget per step of the chunked scheduler"),
+        metadata=_doc(
+            "token budget per step of the chunked scheduler (default: max_num_batched_tokens)"
+        ),
     )
     admission: str = attrs.field(
         default="arrival",
@@ -305,6 +315,14 @@ class EngineConfig:
                 f"max_prefill_batch ({self.max_prefill_batch}) must not exceed "
                 f"max_batch_size ({self.max_batch_size})"
             )
+
+    @property
+    def step_token_budget(self) -> int:
+        """The most tokens one step computes: ``chunk_size`` under ``chunked`` when set, else
+        ``max_num_batched_tokens`` (``continuous`` runs a longer prompt alone, over budget)."""
+        if self.scheduler == "chunked" and self.chunk_size is not None:
+            return self.chunk_size
+        return self.max_num_batched_tokens
 
     # ------------------------------------------------------------------ loaders
     @classmethod

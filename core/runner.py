@@ -275,7 +275,7 @@ class ModelRunner:
         """Extra memory a forward at the largest step takes beyond the weights (bytes)."""
         cfg = self.config
         assert cfg.max_model_len is not None
-        tokens = min(cfg.max_num_batched_tokens, max(cfg.max_model_len, cfg.chunk_size))
+        tokens = min(cfg.max_num_batched_tokens, max(cfg.max_model_len, cfg.step_token_budget))
         n_seqs = max(1, min(cfg.max_batch_size, tokens // max(1, cfg.max_model_len)))
         per_seq = tokens // n_seqs
         pages = (per_seq + self.page_size - 1) // self.page_size
@@ -367,8 +367,7 @@ class ModelRunner:
         their eager launch is hidden behind the GPU anyway.
         """
         cfg = self.config
-        budget = cfg.chunk_size if cfg.scheduler == "chunked" else cfg.max_num_batched_tokens
-        return max(16, min(budget, MAX_PIECEWISE_TOKENS))
+        return max(16, min(cfg.step_token_budget, MAX_PIECEWISE_TOKENS))
 
     # ------------------------------------------------------------------ one step
     def build_metadata(

@@ -303,12 +303,14 @@ def test_matrix_steps_accumulate(tmp_path):
         "scheduler": "fcfs",
         "kernels": "reference",
         "overlap": "off",  # the article's baseline is the serial loop
+        "max_num_batched_tokens": 16384,  # the budget it was measured with
     }
     assert cfgs["+continuous"] == {
         "allocator": "paged",
         "scheduler": "continuous",
         "kernels": "reference",
         "overlap": "off",
+        "max_num_batched_tokens": 16384,
     }
     assert cfgs["+overlap"]["overlap"] == "on"
     with pytest.raises(MatrixError, match="unknown configuration '\\+turbo'"):

@@ -23,7 +23,11 @@ def _cli(*argv: str) -> EngineConfig:
 
 def test_defaults_are_valid_and_frozen() -> None:
     config = EngineConfig()
-    assert config.allocator == "paged" and config.scheduler == "continuous"
+    assert config.allocator == "paged" and config.scheduler == "chunked"
+    # issue 22: the default bounds every step by a token budget, as vLLM's does
+    assert config.chunk_size is None and config.step_token_budget == config.max_num_batched_tokens
+    assert EngineConfig(chunk_size=256).step_token_budget == 256
+    assert EngineConfig(scheduler="continuous", chunk_size=256).step_token_budget == 8192
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         config.page_size = 8  # type: ignore[misc]
 

@@ -34,7 +34,7 @@ SCHEDULERS: dict[str, tuple[type, dict[str, Any]]] = {
     "continuous": (ContinuousScheduler, {}),
     "chunked": (
         ChunkedScheduler,
-        {"token_budget": lambda c: c.chunk_size, "oversize_prompt_alone": False},
+        {"token_budget": lambda c: c.step_token_budget, "oversize_prompt_alone": False},
     ),
 }
 ALLOCATORS: dict[str, Callable[..., Any]] = {
@@ -573,7 +573,7 @@ def test_builtin_schedulers_hold_under_both_loops(factory: Callable[..., Schedul
             factory,
             config,
             Workload(requests, num_pages=20),
-            token_budget=lambda c: max(c.chunk_size, c.max_num_batched_tokens),
+            token_budget=lambda c: max(c.step_token_budget, c.max_num_batched_tokens),
             lag=lag,
         )
         assert all(seq.finish_reason == "length" for seq in result.sequences.values())

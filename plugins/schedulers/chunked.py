@@ -1,6 +1,9 @@
 """``chunked``: continuous batching with one token budget per step shared by decodes and prompt chunks.
 
-Every step computes at most ``chunk_size`` tokens (Sarathi-Serve's idea):
+Every step computes at most a token budget (Sarathi-Serve's idea): ``chunk_size``
+when set, else ``max_num_batched_tokens`` (8192 by default). It is the default
+scheduler, as in vLLM: no step, however long the prompt, runs longer than the
+budget, so aborts, disconnects and shutdown take effect within one bounded step.
 
 1. every running sequence that is decoding gets its 1 token, oldest first
    (growing its pages, preempting the newest sequence when there is no room);
@@ -13,9 +16,8 @@ Every step computes at most ``chunk_size`` tokens (Sarathi-Serve's idea):
 So a 2000-token prompt under ``chunk_size=512`` is computed over four or more
 steps while the running sequences keep decoding in each of them, and several
 short prompts can share a step. A sequence holds pages for its whole prompt
-from admission, so a chunk never needs new pages. ``max_num_batched_tokens``
-is not used: ``chunk_size`` is the budget. At most
-``min(max_batch_size, chunk_size)`` sequences run at once, so every decode
+from admission, so a chunk never needs new pages. At most
+``min(max_batch_size, budget)`` sequences run at once, so every decode
 always fits the budget.
 """
 
@@ -33,11 +35,11 @@ if TYPE_CHECKING:
 
 
 class ChunkedScheduler(BaseScheduler):
-    """Chunked prefill: decodes and prompt chunks share one ``chunk_size`` budget per step."""
+    """Chunked prefill: decodes and prompt chunks share one token budget per step."""
 
     def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
         super().__init__(config, allocator)
-        self.token_budget = config.chunk_size
+        self.token_budget = config.step_token_budget
         self.max_running = min(self.max_batch_size, self.token_budget)
 
     def schedule(self) -> StepPlan:

@@ -255,9 +255,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-# q_row0 and seq0 change every mixed step: not specializing on them (== 1, % 16)
-# keeps one compiled variant per split count instead of up to nine.
-@triton.jit(do_not_specialize=["q_row0", "seq0"])
+# q_row0 and seq0 change every mixed step, and stride_bt with the step's block-table width:
+# not specializing on them (== 1, % 16) keeps one compiled variant per split count instead
+# of several, all compiled at start-up (otherwise mixed steps compiled ~1 s each on first use).
+@triton.jit(do_not_specialize=["q_row0", "seq0", "stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -371,7 +372,8 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + row * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+# stride_bt (the step's block-table width) changes from step to step: see _decode_kernel
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
