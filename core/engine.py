@@ -306,8 +306,12 @@ class LLMEngine:
         """The sequences that ask for drafts in the next step (the adaptation rule); may be empty."""
         if self.spec_policy is None:
             return set()
-        running = (r.seq for r in self._requests.values() if r.seq.status is SequenceStatus.RUNNING)
-        return self.spec_policy.plan_step(self.scheduler.num_running, running)
+        decoding = (  # prompt work never needs drafts (nor the in-flight step drained for them)
+            r.seq
+            for r in self._requests.values()
+            if r.seq.status is SequenceStatus.RUNNING and r.seq.num_uncomputed_tokens == 1
+        )
+        return self.spec_policy.plan_step(self.scheduler.num_running, decoding)
 
     def _plan_and_launch(self, speculating: set[int] | None = None) -> _Launched | None:
         """Plan the next step and queue it on the device; None when there is nothing to run.

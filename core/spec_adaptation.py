@@ -57,7 +57,7 @@ class SpeculationPolicy:
         self.step = 0
         self._scores: dict[int, _SeqScore] = {}
 
-    def plan_step(self, num_running: int, running: Iterable[Sequence]) -> set[int]:
+    def plan_step(self, num_running: int, decoding: Iterable[Sequence]) -> set[int]:
         """Start a step: the ids of the sequences that ask for drafts in it (empty: a plain step).
 
         The batch rule first (``num_running`` over ``speculative_max_batch``:
@@ -68,7 +68,7 @@ class SpeculationPolicy:
             self.stats.spec_skipped_batch_steps += 1
             return set()
         willing = set()
-        for seq in running:
+        for seq in decoding:
             s = self._scores.get(seq.seq_id)
             if s is None or self.step >= s.resume_at:
                 willing.add(seq.seq_id)
