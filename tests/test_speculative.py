@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the fused kernels run through Triton's interpreter (CPU)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton
 from conftest_models import make_tiny_checkpoint, smollm2_gguf
 
 from pitstop import LLM, SamplingParams
@@ -328,7 +333,8 @@ REPETITIVE = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [9], [3, 4] * 10, [20, 21, 22,
 
 
 def _tiny_llm(target: str, **settings) -> LLM:
-    return LLM(target, device="cpu", max_model_len=128, max_num_pages=120, page_size=4, **settings)
+    base = {"device": "cpu", "max_model_len": 128, "max_num_pages": 120, "page_size": 4}
+    return LLM(target, **(base | settings))
 
 
 def _tiny_greedy(target: str, prompts, **settings) -> tuple[list[list[int]], LLM]:
@@ -367,6 +373,36 @@ def test_verify_buffers_pad_each_sequence_and_keep_greedy_exact(tiny_target):
     stats = llm.engine.stats
     assert stats.spec_verifications > 0 and stats.spec_accepted_tokens > 0
     assert llm.engine.allocator.stats().tokens_held == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton interpreter on the CPU (the GPU tests below run the compiled graphs)",
+)
+def test_verify_buffers_through_the_fused_kernels_keep_greedy_exact(tmp_path):
+    """The graphs' forward (fused rope/store skipping slot -1, varlen attention over the padded
+    rows) run eagerly through Triton's interpreter: what the GPU replays, minus the capture."""
+    pytest.importorskip("triton")
+    from pitstop.verify_graphs import VerifyGraphs
+
+    folder = make_tiny_checkpoint(
+        tmp_path, "qwen3", with_tokenizer=False, num_hidden_layers=2, head_dim=64
+    )
+    prompts = REPETITIVE[:3]
+    settings = {"dtype": "float32", "kernels": "fused", "page_size": 16}
+    plain, _ = _tiny_greedy(str(folder), prompts, **settings)
+    llm = _tiny_llm(str(folder), speculative="ngram", speculative_min_accepted=0.0, **settings)
+    assert llm.engine.runner.kernels.describe()["attention"] == "triton"
+    graphs = VerifyGraphs(llm.engine.runner, max_batch=4, num_query=5, capture=False)
+    replays = []
+    run = graphs.run
+    graphs.run = lambda seqs: (replays.append(len(seqs)), run(seqs))[1]
+    llm.engine.runner.verify_graphs = graphs
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain
+    assert 3 in replays and llm.engine.stats.spec_accepted_tokens > 0
 
 
 def test_speculation_in_the_overlapped_loop_keeps_greedy_exact(tiny_target):
