@@ -285,7 +285,7 @@ class EngineConfig:
         validator=_non_negative_real,
         metadata=_doc(
             "a sequence whose recent drafts kept fewer tokens per step than this pauses "
-            "speculation, for 8 steps doubling to 128 (0: never pause)"
+            "speculation, for 4 steps doubling to 64 (0: never pause)"
         ),
     )
 

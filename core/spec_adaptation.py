@@ -12,10 +12,11 @@ read back), so the engine speculates only where that pays:
 - **by acceptance, per sequence**: each sequence keeps an exponential
   moving average (weight :data:`EMA_WEIGHT`) of the drafts kept per
   speculative step, a step without drafts counting as 0. When it falls below
-  ``speculative_min_accepted`` the sequence pauses speculation for
-  :data:`FIRST_PAUSE` steps, then probes once more, starting from the
-  threshold: one good step keeps it on, one more miss pauses it twice as
-  long (up to :data:`MAX_PAUSE` steps). A step in which no running sequence
+  ``speculative_min_accepted`` (after five empty steps from the start, or
+  about seven after a run of well-kept drafts) the sequence pauses
+  speculation for :data:`FIRST_PAUSE` steps, then probes once more, starting
+  from the threshold: one good step keeps it on, one more miss pauses it
+  twice as long (up to :data:`MAX_PAUSE` steps). A step in which no running sequence
   wants to speculate is a plain step (overlapped where ``overlap`` is on).
 
 Counters (in :class:`~pitstop.metrics.EngineStats`, on ``/metrics``):
@@ -35,9 +36,11 @@ from pitstop.metrics import EngineStats
 from pitstop.sequence import Sequence
 
 EMA_WEIGHT = 0.25  # of the latest step in the moving average of drafts kept per step
-START_SCORE = 1.0  # a new sequence starts as if each step had kept one draft
-FIRST_PAUSE = 8  # steps a sequence sits out after its score drops below the threshold
-MAX_PAUSE = 128
+# A new sequence starts as if each step had kept two drafts: its first five steps may find
+# nothing (an edit's output often opens with a few new tokens before it copies its input).
+START_SCORE = 2.0
+FIRST_PAUSE = 4  # steps a sequence sits out after its score drops below the threshold
+MAX_PAUSE = 64
 
 
 @attrs.define

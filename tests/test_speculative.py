@@ -440,7 +440,7 @@ def _policy(**settings):
 
 
 def test_policy_pauses_a_sequence_that_keeps_nothing_and_doubles_the_pause():
-    from pitstop.spec_adaptation import FIRST_PAUSE
+    from pitstop.spec_adaptation import EMA_WEIGHT, FIRST_PAUSE, START_SCORE
 
     policy, stats = _policy(speculative_min_accepted=0.5)
     seq = Sequence("a", [1, 2, 3], SamplingParams())
@@ -450,9 +450,11 @@ def test_policy_pauses_a_sequence_that_keeps_nothing_and_doubles_the_pause():
         asked.append(willing)
         if willing:
             policy.record(seq, 4, 0)  # four drafts, none kept
-    # 1.0 -> 0.75 -> 0.56 -> 0.42: three steps, then a pause; each failed probe doubles it
-    first_pause = asked.index(False)
-    assert first_pause == 3
+    # the score decays from START_SCORE by (1 - EMA_WEIGHT) a step: below 0.5, a pause
+    misses, score = 0, START_SCORE
+    while score >= 0.5:
+        score, misses = score * (1 - EMA_WEIGHT), misses + 1
+    assert asked.index(False) == misses == 5  # then each failed probe doubles the pause
     runs = "".join("1" if a else "0" for a in asked).split("1")
     pauses = [len(r) for r in runs if r]
     assert pauses[:3] == [FIRST_PAUSE, 2 * FIRST_PAUSE, 4 * FIRST_PAUSE]
@@ -462,10 +464,10 @@ def test_policy_pauses_a_sequence_that_keeps_nothing_and_doubles_the_pause():
 def test_policy_keeps_a_sequence_whose_probe_succeeds_and_counts_empty_proposals():
     policy, stats = _policy(speculative_min_accepted=0.5)
     seq = Sequence("a", [1, 2, 3], SamplingParams())
-    for _ in range(3):
+    for _ in range(5):
         policy.plan_step(1, [seq])
         policy.record(seq, 0, 0)  # the proposer found nothing
-    assert stats.spec_empty_proposals == 3
+    assert stats.spec_empty_proposals == 5
     while seq.seq_id not in policy.plan_step(1, [seq]):
         pass
     policy.record(seq, 4, 3)  # the probe keeps three drafts
@@ -667,3 +669,22 @@ def test_gpu_smollm2_self_draft_accepts_nearly_everything():
     stats = llm.engine.stats
     assert stats.spec_acceptance_rate > 0.98, stats
     assert replays["draft"] > 0 and replays["verify"] > 0
+
+
+def test_bench_table_shows_how_many_steps_speculated():
+    from pitstop.bench.report import RunResult, figures, table
+
+    plain = figures(RunResult([], start=0.0, end=1.0))
+    spec = figures(
+        RunResult(
+            [],
+            start=0.0,
+            end=1.0,
+            spec_acceptance_rate=0.5,
+            spec_mean_accepted=2.0,
+            spec_step_share=0.25,
+        )
+    )
+    assert spec["spec_step_share"] == 0.25 and "spec_step_share" not in plain
+    text = table([("plain", plain, None), ("ngram", spec, None)])
+    assert "steps that speculated" in text and "25.0%" in text
