@@ -140,6 +140,7 @@ class LLMEngine:
             )
             self.proposer = self.plugins.create("proposer", config.speculative, config, context)
         self._draft_probs: dict[int, Any] = {}  # seq_id -> this step's draft distributions
+        self._draft_ids: dict[int, Any] = {}  # seq_id -> this step's drafts, when on the device
         per_page = self.runner.bytes_per_page()
         log.info(
             "%s KV cache: %d tokens/page, %s pages, %s tokens, %.2f GiB",
@@ -330,6 +331,7 @@ class LLMEngine:
             for seq in proposed:
                 seq.draft_token_ids.clear()
             self._draft_probs.clear()
+            self._draft_ids.clear()
             return None
         scheduled = sorted(plan.scheduled, key=lambda s: s.num_new_tokens == 1)  # prefills first
         inputs = []
@@ -353,6 +355,7 @@ class LLMEngine:
                     params=seq.sampling_params,
                     num_logits=1 + num_drafts,
                     draft_probs=self._draft_probs.get(seq.seq_id) if num_drafts else None,
+                    draft_ids=self._draft_ids.get(seq.seq_id) if num_drafts else None,
                 )
             )
         step = StepInput(inputs, self._finished_seq_ids, self._reset_seq_ids)
@@ -476,6 +479,7 @@ class LLMEngine:
         for seq in launched.proposed:
             seq.draft_token_ids.clear()
         self._draft_probs.clear()
+        self._draft_ids.clear()
         self.stats.prompt_tokens += prefill_tokens
         self.stats.requests_finished += len(finished)
         self._finished_seq_ids.extend(seq.seq_id for seq in finished)
@@ -524,6 +528,8 @@ class LLMEngine:
             seq.draft_token_ids = list(proposal.token_ids[:room])
             if proposal.probs is not None and seq.draft_token_ids:
                 self._draft_probs[seq.seq_id] = proposal.probs[: len(seq.draft_token_ids)]
+            if proposal.device_token_ids is not None and seq.draft_token_ids:
+                self._draft_ids[seq.seq_id] = proposal.device_token_ids[: len(seq.draft_token_ids)]
             if not seq.draft_token_ids:
                 self.spec_policy.record(seq, 0, 0)
         return seqs

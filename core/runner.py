@@ -97,6 +97,9 @@ class SeqInput:
     # which are the last k of token_ids), and the drafts' [k, V] distributions (None: point masses).
     num_logits: int = 1
     draft_probs: torch.Tensor | None = None
+    # Drafts still on the device (the draft model's): the last len(draft_ids) of token_ids are
+    # placeholders, and the runner writes these in on the device.
+    draft_ids: torch.Tensor | None = None
 
 
 @attrs.frozen
@@ -412,6 +415,13 @@ class ModelRunner:
 
         empty = np.zeros(0, dtype=np.int64)
         ids = np.asarray(input_ids, dtype=np.int64)
+        on_device = [
+            (cu[i + 1] - len(s.draft_ids), s.draft_ids)
+            for i, s in enumerate(seqs)
+            if s.draft_ids is not None
+        ]
+        for begin, drafts in on_device:
+            ids[begin : begin + len(drafts)] = 0  # placeholders: written on the device below
         pending = np.flatnonzero(ids == PENDING_TOKEN)
         src = None
         if len(pending):
@@ -437,6 +447,8 @@ class ModelRunner:
         if src is not None:  # the previous step's samples, gathered on the device
             index = tensor(pending, torch.int64)
             input_tensor.index_copy_(0, index, self.last_sampled[tensor(src, torch.int64)])
+        for begin, drafts in on_device:
+            input_tensor[begin : begin + len(drafts)].copy_(drafts)
         return input_tensor, meta, sample_rows
 
     def save_samples(self) -> tuple[torch.Tensor, dict[int, int]]:

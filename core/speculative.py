@@ -139,6 +139,7 @@ def verify_on_device(
     generators: Seq[torch.Generator | None],
     shared_generator: torch.Generator | None = None,
     raw_logits: torch.Tensor | None = None,
+    device_drafts: Seq[torch.Tensor | None] | None = None,
 ) -> DeviceVerified:
     """Rejection-sample a batch of drafts against the target's probabilities, without a sync.
 
@@ -150,7 +151,9 @@ def verify_on_device(
     only their argmax is read). A seeded row draws only from ``generators[i]``; the others from
     ``shared_generator`` (None: torch's default). With ``raw_logits`` (the
     ``[R, V]`` logits) the log-probabilities of the emitted tokens come back too.
-    The host's inputs travel in a few host-to-device copies; nothing is read back.
+    ``device_drafts[i]``, when given, holds sequence ``i``'s drafts on the device
+    (``draft_token_ids[i]`` are then placeholders that only give their count).
+    The host's inputs travel in one host-to-device copy; nothing is read back.
     """
     device = target_probs.device
     num_rows = target_probs.shape[0]
@@ -170,21 +173,35 @@ def verify_on_device(
             padded[i, : len(d)] = d
     col = np.arange(kmax + 1)
     exists = col[None, :] < ks[:, None]  # [S, kmax + 1]; the last column never exists
-    # The flat draft token of every row (a sequence's last row has none: 0, masked).
     row_of = offsets[:, None] + col[None, :]  # [S, kmax + 1]
-    flat = np.zeros(num_rows, dtype=np.int64)
-    flat[row_of[exists]] = padded[exists]
     has_draft = np.zeros(num_rows, dtype=bool)
     has_draft[row_of[exists]] = True
     greedy_np = np.asarray(list(greedy), dtype=bool)
     index = np.where(exists[:, :kmax], row_of[:, :kmax], num_rows)  # [S, kmax]; padding: 0 row
     # Every host array in one int64 buffer: one host-to-device copy for the step.
-    parts = [flat, has_draft, np.repeat(greedy_np, ks + 1), greedy_np, offsets, index, padded]
+    parts = [
+        row_of[exists],  # the rows that hold a draft
+        np.flatnonzero(exists),  # and where it sits in ``padded``
+        has_draft,
+        np.repeat(greedy_np, ks + 1),
+        greedy_np,
+        offsets,
+        index,
+        padded,
+    ]
     on_device = _to_device(np.concatenate([a.ravel().astype(np.int64) for a in parts]), device)
     views = on_device.split([a.size for a in parts])
-    drafts, offsets_d = views[0], views[4]
-    draft_mask, greedy_rows, greedy_seqs = (v != 0 for v in views[1:4])
-    index_d, padded_d = views[5].view(num_seqs, kmax), views[6].view(num_seqs, kmax + 1)
+    draft_rows, draft_cells, offsets_d = views[0], views[1], views[5]
+    draft_mask, greedy_rows, greedy_seqs = (v != 0 for v in views[2:5])
+    index_d, padded_d = views[6].view(num_seqs, kmax), views[7].view(num_seqs, kmax + 1)
+    if device_drafts is not None and any(d is not None for d in device_drafts):
+        padded_d = padded_d.clone()
+        for i, d in enumerate(device_drafts):
+            if d is not None:
+                padded_d[i, : len(d)].copy_(d)
+    # The flat draft token of every row (a sequence's last row has none: 0, masked).
+    drafts = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    drafts.index_copy_(0, draft_rows, padded_d.flatten()[draft_cells])
 
     all_greedy = bool(greedy_np.all())
     argmax = p.argmax(dim=-1)
@@ -309,4 +326,5 @@ class DraftVerifier:
             generators,
             self.generator,
             raw_logits=logits if any(p.logprobs for p in params) else None,
+            device_drafts=[s.draft_ids for s in seqs],
         )

@@ -157,6 +157,9 @@ class VerifyGraphs:
         slots = np.where(real, page.astype(np.int64) * ps + pos % ps, -1)
         src = a64[1, :t].reshape(size, q)
         src[:] = -1
+        for i, s in enumerate(seqs):
+            if s.draft_ids is not None:  # placeholders: written on the device below
+                ids[i, lens[i] - len(s.draft_ids) : lens[i]] = 0
         pending = ids[:n] == PENDING_TOKEN
         if pending.any():
             for i, j in zip(*np.nonzero(pending), strict=True):
@@ -178,6 +181,10 @@ class VerifyGraphs:
         self.slots[:t].copy_(h64[3, :t], non_blocking=nb)
         self.context_lens[:size].copy_(h_ctx[:size], non_blocking=nb)
         self.block_tables[:size].copy_(h_tables[:size], non_blocking=nb)
+        for i, s in enumerate(seqs):
+            if s.draft_ids is not None:
+                end = i * q + int(lens[i])
+                self.input_ids[end - len(s.draft_ids) : end].copy_(s.draft_ids)
         if self.captured:
             graph, out = self.graphs[size]
             graph.replay()

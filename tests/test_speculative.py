@@ -345,18 +345,22 @@ def _tiny_greedy(target: str, prompts, **settings) -> tuple[list[list[int]], LLM
     return [o.token_ids for o in outs], llm
 
 
-def test_verify_buffers_pad_each_sequence_and_keep_greedy_exact(tiny_target):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_verify_buffers_pad_each_sequence_and_keep_greedy_exact(tiny_target, proposer):
     from pitstop.verify_graphs import VerifyGraphs
 
     prompts = REPETITIVE[:3]  # three sequences: the bucket of 4 pads one
     plain, _ = _tiny_greedy(tiny_target, prompts)
     k = 4
+    # draft: the target drafts for itself, its drafts written into the buffers on the device
+    extra = {"speculative_model": tiny_target} if proposer == "draft" else {}
     llm = _tiny_llm(
         tiny_target,
-        speculative="ngram",
+        speculative=proposer,
         num_speculative_tokens=k,
         speculative_min_accepted=0.0,  # keep speculating: every step verifies
         overlap="on",
+        **extra,
     )
     runner = llm.engine.runner
     _store_skipping_padding(runner.kernels)
@@ -688,3 +692,37 @@ def test_bench_table_shows_how_many_steps_speculated():
     assert spec["spec_step_share"] == 0.25 and "spec_step_share" not in plain
     text = table([("plain", plain, None), ("ngram", spec, None)])
     assert "steps that speculated" in text and "25.0%" in text
+
+
+def test_self_draft_keeps_the_kv_of_its_accepted_drafts(tiny_target):
+    """Drafts stay on the device until verification; after it, the draft model's KV of the kept
+    drafts stays (their placeholders take the target's tokens) and nothing else is kept."""
+    from pitstop.sequence import PENDING_TOKEN
+
+    llm = _tiny_llm(
+        tiny_target,
+        speculative="draft",
+        speculative_model=tiny_target,
+        num_speculative_tokens=3,
+        max_batch_size=4,
+        max_prefill_batch=4,
+    )
+    engine, proposer = llm.engine, llm.engine.proposer
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for i, ids in enumerate(REPETITIVE[:3]):
+        engine.add_request(prompt_token_ids=ids, params=params, request_id=f"r{i}")
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for req in engine._requests.values():
+            kv = proposer._kv_ids.get(req.seq.seq_id)
+            if kv is None:
+                continue
+            assert PENDING_TOKEN not in kv
+            assert kv == req.seq.token_ids[: len(kv)]
+            if engine.stats.spec_verifications:
+                # greedy self-drafting keeps every draft: at most the last two tokens are new
+                assert len(kv) >= req.seq.num_tokens - 2
+                checked += 1
+    assert checked and engine.stats.spec_acceptance_rate == 1.0
+    assert not proposer._kv_ids and proposer.allocator.stats().tokens_held == 0

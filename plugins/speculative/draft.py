@@ -13,11 +13,16 @@ preemption all roll back the same way), truncates the rest, then
    time: the draft prefills its own copy) and draws ``d_1``;
 2. decodes ``d_1 .. d_{k-1}`` one at a time, drawing ``d_2 .. d_k``.
 
-The drafts stay on the device between these steps: each step's tokens go
-into the draft runner's ``last_sampled`` buffer and the next step reads them
-as pending tokens, so the decode steps replay the draft runner's own CUDA
-decode graphs (captured on a GPU for batches up to ``speculative_max_batch``)
-and the whole proposal reads back once, at its end.
+The drafts stay on the device: each step's tokens go into the draft
+runner's ``last_sampled`` buffer and the next step reads them as pending
+tokens, so the decode steps replay the draft runner's own CUDA decode graphs
+(captured on a GPU for batches up to ``speculative_max_batch``); the
+proposal returns them as a device tensor (``Proposal.device_token_ids``,
+with placeholders for ``token_ids``), which the target's verification reads
+in place. Nothing waits for the device: the step's one synchronization is
+the verification's. The draft's own token list holds placeholders for the
+drafts whose KV it computed until :meth:`DraftProposer.on_accepted` tells it
+which were kept.
 
 Each draft is drawn from the draft model's processed distribution ``q`` under
 the request's own sampling parameters, and ``q`` goes with the proposal, so
@@ -140,30 +145,40 @@ class DraftProposer:
                     probs[seq.seq_id].append(row)
                 made += 1
                 step = [seq for seq in ordered if made < rooms[seq.seq_id]]
-        drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in active}
-        if tokens_per_step:  # the proposal's one read-back
-            flat = iter(torch.cat(tokens_per_step).tolist())
-            for ordered in order_per_step:
-                for seq in ordered:
-                    drafts[seq.seq_id].append(next(flat))
+        drafts = self._gather_drafts(active, order_per_step, tokens_per_step)
         for seq in active:  # the draft now holds the KV of the target's tokens and d_1 .. d_{k-1}
             ids = self._kv_ids[seq.seq_id]
             ids.extend(seq.token_ids[len(ids) :])
-            ids.extend(drafts[seq.seq_id][:-1])
+            ids.extend([PENDING_TOKEN] * (rooms[seq.seq_id] - 1))  # known after verification
         out = []
         for seq in seqs:
-            ids = drafts.get(seq.seq_id)
-            if not ids:
+            device_ids = drafts.get(seq.seq_id)
+            if device_ids is None:
                 out.append(Proposal([]))
                 continue
             greedy = is_greedy(seq.sampling_params)
-            out.append(Proposal(ids, None if greedy else torch.stack(probs[seq.seq_id])))
+            out.append(
+                Proposal(
+                    [PENDING_TOKEN] * len(device_ids),
+                    None if greedy else torch.stack(probs[seq.seq_id]),
+                    device_token_ids=device_ids,
+                )
+            )
         return out
 
     def on_accepted(self, seq: Sequence, num_accepted: int) -> None:
-        """Roll the draft's KV back to what the target kept (the target's tokens are appended)."""
-        if seq.seq_id in self._kv_ids:
-            self._sync(seq)
+        """Roll the draft's KV back to what the target kept (the target's tokens are appended).
+
+        The draft's KV of the kept drafts stays: their placeholders take the
+        target's tokens, which are those drafts.
+        """
+        ids = self._kv_ids.get(seq.seq_id)
+        if ids is None:
+            return
+        first = next((i for i, t in enumerate(ids) if t == PENDING_TOKEN), len(ids))
+        kept = min(num_accepted, len(ids) - first, seq.num_tokens - first)
+        ids[first : first + kept] = seq.token_ids[first : first + kept]
+        self._sync(seq)
 
     def release(self, seq: Sequence) -> None:
         """Free ``seq``'s draft pages (the engine calls this when a request finishes or aborts)."""
@@ -174,6 +189,28 @@ class DraftProposer:
         self.runner.forget_block_tables([seq.seq_id])
 
     # ------------------------------------------------------------------ internals
+    def _gather_drafts(
+        self,
+        active: list[Sequence],
+        order_per_step: list[list[Sequence]],
+        tokens_per_step: list[torch.Tensor],
+    ) -> dict[int, torch.Tensor]:
+        """Each sequence's drafts as one device tensor, gathered from the steps' tokens (no wait)."""
+        if not tokens_per_step:
+            return {}
+        where: dict[int, list[int]] = {seq.seq_id: [] for seq in active}
+        row = 0
+        for ordered in order_per_step:
+            for seq in ordered:
+                where[seq.seq_id].append(row)
+                row += 1
+        flat = torch.cat(tokens_per_step)
+        index = torch.tensor([r for seq in active for r in where[seq.seq_id]], dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        gathered = flat[index].split([len(where[seq.seq_id]) for seq in active])
+        return {seq.seq_id: ids for seq, ids in zip(active, gathered, strict=True)}
+
     def _sync(self, seq: Sequence) -> int:
         """Keep the draft KV of the longest prefix shared with the target's tokens; truncate the rest.
 
