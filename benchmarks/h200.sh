@@ -5,8 +5,16 @@ set -u
 OUT=${1:-${OUT:-/tmp/pitstop-out}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if ! python3 -c "import attrs, pluggy, hypothesis" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# wheels the device image lacks (gguf, ...) travel in .whl/ (see benchmarks/README.md)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+# the real SmolLM2 GGUF travels in parts (.gguf/partNN, one a call); joined once all are there
+if ls .gguf/part* >/dev/null 2>&1; then
+  mkdir -p /tmp/gguf-parts && cp -n .gguf/part* /tmp/gguf-parts/
+  if [ "$(ls /tmp/gguf-parts | wc -l)" -ge "${GGUF_PARTS:-4}" ] && [ ! -f /tmp/smollm2.gguf ]; then
+    cat /tmp/gguf-parts/part* >/tmp/smollm2.gguf && md5sum /tmp/smollm2.gguf
+  fi
 fi
 python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 cd /tmp && python3 -c "import pitstop, torch; print('pitstop', pitstop.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" && cd - >/dev/null
@@ -47,6 +55,12 @@ for spec in ${BENCHES-nano single}; do
       sed "s|\"smollm2-135m\"|\"$gguf\"|" benchmarks/workloads/speculative-single.toml >"$OUT/speculative-single.toml"
       run spec-single offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl --repeats ${SPEC_REPEATS:-2} --matrix "$OUT/speculative-single.toml" ;;
     spec-longtail) run spec-longtail online --workload longtail --num-requests ${SPEC_LT_N:-160} --max-batch-size 64 --matrix benchmarks/workloads/speculative-longtail.toml ;;
+    # issue 19: plugin settings + kinds + commands + logits observer on the GPU (smollm2 GGUF)
+    plugins19) M=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
+      echo "== pitstop plugins --settings --check --kernels fused"; pitstop plugins --settings --check --kernels fused 2>&1 | tail -45
+      echo "== pitstop verify: fused (overlapped loop, CUDA graphs) against reference"
+      timeout 300 pitstop verify --model "$M" --kernels fused --max-tokens 32 --json "$OUT/verify-plugins19.json" 2>&1 | tail -20
+      run nano-plugins19 offline --workload nano --kernels fused --model "$M" ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
   esac
 done

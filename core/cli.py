@@ -1,4 +1,5 @@
-"""The ``pitstop`` command: ``generate``, ``chat``, ``verify``, ``plugins`` (and subcommands plugins add)."""
+"""The ``pitstop`` command: ``generate``, ``chat``, ``plugins``, ``cache``, and every subcommand a
+plugin registers (``register_commands``: ``serve``, ``bench``, ``verify`` and third-party ones)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import sys
 from collections.abc import Sequence
 
 from pitstop.config import EngineConfig, add_cli_flags
-from pitstop.errors import PitstopError
+from pitstop.errors import PitstopError, PluginError
 from pitstop.gguf_loader import add_subcommand as add_cache
-from pitstop.verify.cli import add_subcommand as add_verify
+from pitstop.plugin_manager import get_plugin_manager
 
 
 def _sampling_flags(
@@ -44,14 +45,15 @@ def _params(args: argparse.Namespace):
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     """Print every registered strategy: kind, name, distribution, version."""
-    from pitstop.plugin_manager import get_plugin_manager
-
     pm = get_plugin_manager()
     rows = [("KIND", "NAME", "DISTRIBUTION", "VERSION", "DESCRIPTION")]
     rows += [(s.kind, s.name, s.distribution, s.version, s.description) for s in pm.strategies()]
+    rows += [("command", c.name, c.distribution, c.version, c.help) for c in pm.commands.values()]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
+    if args.settings:
+        _print_settings(pm.strategies())
     if args.check:
         import attrs
         import torch
@@ -68,6 +70,18 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for op, impl in kernels.describe().items():
             print(f"  {op:16s} {impl}")
     return 0
+
+
+def _print_settings(strategies) -> None:
+    """Each strategy's declared settings: key (or engine setting), values, default, meaning."""
+    from pitstop.settings import describe
+
+    for s in strategies:
+        if s.settings is None:
+            continue
+        print(f"\n{s.kind} {s.name!r} settings ({s.distribution}):")
+        for key, allowed, default, meaning in describe(s.settings, s.name, EngineConfig()):
+            print(f"  {key:32s} {allowed:40s} default {default:18s} {meaning}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -128,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check", action="store_true", help="also say which kernel ops run fused on this machine"
     )
+    p.add_argument(
+        "--settings",
+        action="store_true",
+        help="also list every plugin's declared settings (keys, flags, values, defaults)",
+    )
     add_cli_flags(p)
     p.set_defaults(func=cmd_plugins)
 
@@ -144,28 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_flags(p, max_tokens=256, temperature=0.0)
     p.set_defaults(func=cmd_chat)
 
-    add_verify(sub)
     add_cache(sub)
 
-    for extra in _extra_commands():
-        extra(sub)
+    for command in get_plugin_manager().commands.values():  # serve, bench, verify, plugins' own
+        if command.name in sub.choices:
+            raise PluginError(
+                f"{command.distribution} ({command.module}) registers the command "
+                f"{command.name!r}, which pitstop has built in; rename it"
+            )
+        p = sub.add_parser(command.name, help=command.help, description=command.description)
+        command.setup(p)
+        p.set_defaults(func=command.run)
     return parser
-
-
-def _extra_commands():
-    """Subcommands of optional modules (bench, serve) that exist in this install."""
-    import importlib
-
-    found = []
-    for name in ("pitstop.bench.cli", "pitstop.server.cli"):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and name.startswith(exc.name):
-                continue
-            raise
-        found.append(module.add_subcommand)
-    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:

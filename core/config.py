@@ -10,7 +10,6 @@ list of names that exist is known.
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import tomllib
 from collections.abc import Mapping
@@ -20,6 +19,13 @@ from typing import Any
 import attrs
 
 from pitstop.errors import ConfigError
+from pitstop.settings import (
+    TOML_TABLE,
+    allowed_values,
+    flag_name,
+    option_fields,
+    settings_from_toml,
+)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -356,6 +362,12 @@ class EngineConfig:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
         if "engine" in data and isinstance(data["engine"], dict):
             data = {**{k: v for k, v in data.items() if k != "engine"}, **data["engine"]}
+        if TOML_TABLE in data:  # [plugins.<name>] tables: entries of options
+            tables = settings_from_toml(data, path)
+            data = {k: v for k, v in data.items() if k != TOML_TABLE}
+            data["options"] = {**tables, **(data.get("options") or {})}
+        if "options" in overrides and "options" in data:
+            overrides = {**overrides, "options": {**data["options"], **overrides["options"]}}
         return cls.from_dict({**data, **overrides})
 
     @classmethod
@@ -371,6 +383,9 @@ class EngineConfig:
             if not sep:
                 raise ConfigError(f"--option expects KEY=VALUE, got {item!r}")
             given.setdefault("options", {})[key] = _parse_scalar(value)
+        for dest, value in vars(args).items():  # --<plugin>.<setting> flags
+            if dest.startswith(SETTING_DEST) and value is not None:
+                given.setdefault("options", {})[dest[len(SETTING_DEST) :]] = value
         if getattr(args, "config", None):
             return cls.from_toml(args.config, **given)
         return cls.from_dict(given)
@@ -396,25 +411,7 @@ def parse_bool_flag(text: str) -> bool:
         ) from None
 
 
-def check_option_keys(options: Mapping[str, Any], declared: Mapping[str, str]) -> None:
-    """Raise :class:`ConfigError` for an ``options`` key that no plugin declares.
-
-    ``declared`` maps each key a loaded plugin reads to the plugin that reads
-    it. A key whose namespace (the part before the first dot) no plugin
-    declares anything in is left alone, unless it is a near-miss of a
-    declared key: third-party plugins that do not declare their keys yet keep
-    working, while ``prefix.max_cache_pages`` is caught.
-    """
-    namespaces = {key.split(".", 1)[0] for key in declared}
-    for key in options:
-        if key in declared:
-            continue
-        close = difflib.get_close_matches(key, list(declared), n=1, cutoff=0.8)
-        if key.split(".", 1)[0] not in namespaces and not close:
-            continue
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        known = ", ".join(f"{k} ({declared[k]})" for k in sorted(declared))
-        raise ConfigError(f"unknown option {key!r}: {hint}options the loaded plugins read: {known}")
+SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags
 
 
 def _flag_type(att: attrs.Attribute):
@@ -428,8 +425,13 @@ def _flag_type(att: attrs.Attribute):
     return str
 
 
-def add_cli_flags(parser: argparse.ArgumentParser, *, with_model: bool = True) -> None:
-    """Add one ``--flag`` per :class:`EngineConfig` setting, plus ``--config FILE``."""
+def add_cli_flags(
+    parser: argparse.ArgumentParser, *, with_model: bool = True, plugins: Any = None
+) -> None:
+    """Add one ``--flag`` per :class:`EngineConfig` setting, plus ``--config FILE``, plus
+    one ``--<plugin>.<setting>`` flag per declared setting of the registered plugins
+    (``plugins``: a :class:`~pitstop.plugin_manager.PluginManager`; default: the
+    process-wide one)."""
     group = parser.add_argument_group("engine")
     group.add_argument("--config", metavar="FILE", help="TOML file of engine settings (flags win)")
     for att in attrs.fields(EngineConfig):
@@ -447,3 +449,27 @@ def add_cli_flags(parser: argparse.ArgumentParser, *, with_model: bool = True) -
         metavar="KEY=VALUE",
         help="a third-party plugin setting (repeatable)",
     )
+    if plugins is None:
+        from pitstop.plugin_manager import get_plugin_manager  # loads the plugins once
+
+        plugins = get_plugin_manager()
+    add_settings_flags(parser, plugins.strategies())
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, strategies: Any) -> None:
+    """One ``--<plugin>.<setting>`` flag per declared setting (engine-wide ones have theirs)."""
+    group = parser.add_argument_group("plugin settings (pitstop plugins --settings)")
+    for strategy in strategies:
+        if strategy.settings is None:
+            continue
+        for att in option_fields(strategy.settings):
+            kind = att.metadata["type"]
+            group.add_argument(
+                flag_name(strategy.name, att.name),
+                dest=SETTING_DEST + f"{strategy.name}.{att.name}",
+                type=parse_bool_flag if kind is bool else kind,
+                default=None,
+                metavar="true|false" if kind is bool else kind.__name__.upper(),
+                help=f"{strategy.kind} {strategy.name!r}: {att.metadata['help']} "
+                f"({allowed_values(att)}; default {att.default!r})",
+            )

@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -60,6 +61,9 @@ from pitstop.speculative import ProposerContext, draft_room
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
 from pitstop.validation import check_encoded_prompt, validate_request
 from pitstop.weights import load_model_source
+
+# observer(step inputs, the engine's sequence of each or None, logits rows): see observe_logits
+EngineLogitsObserver = Callable[[Seq[SeqInput], list[Sequence | None], Any], None]
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +105,7 @@ class LLMEngine:
             config = attrs.evolve(config, kernels="fused" if fused else "reference")
         self.plugins.check_config(config)  # every name, before any weight loads
         self.dtype = resolve_dtype(config.dtype, self.device)
-        source = load_model_source(config.model, tokenizer=config.tokenizer)
+        source = load_model_source(config.model, tokenizer=config.tokenizer, plugins=self.plugins)
         mc = source.model_config
         self.plugins.get("model", mc.architecture)
         if config.max_model_len is None:
@@ -251,6 +255,26 @@ class LLMEngine:
     def live_sequences(self) -> dict[int, Sequence]:
         """The sequences of the unfinished requests, by the sequence id the runner knows (read only)."""
         return {req.seq.seq_id: req.seq for req in self._requests.values()}
+
+    def observe_logits(self, observer: EngineLogitsObserver | None) -> None:
+        """Hand the target model's logits of every step to ``observer`` (None: stop).
+
+        ``observer(inputs, sequences, logits)`` is called after the step's logits
+        are computed, before sampling: ``inputs`` are the step's
+        :class:`~pitstop.runner.SeqInput` s, ``sequences`` the engine's
+        :class:`Sequence` of each (None for one already finished), and ``logits``
+        holds each sampling input's ``num_logits`` rows in input order. Read only:
+        the observer must not change the tensors or sequences.
+        """
+        if observer is None:
+            self.runner.logits_observer = None
+            return
+
+        def relay(inputs: Seq[SeqInput], logits: Any) -> None:
+            live = self.live_sequences()
+            observer(inputs, [live.get(inp.seq_id) for inp in inputs], logits)
+
+        self.runner.logits_observer = relay
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -628,9 +652,8 @@ class LLMEngine:
         self, req: _Request, delta: str = "", new_ids: list[int] | None = None
     ) -> RequestOutput:
         self._requests.pop(req.seq.request_id, None)
-        release = getattr(self.proposer, "release", None)
-        if release is not None:
-            release(req.seq)  # e.g. the draft model's own KV pages
+        if self.proposer is not None:
+            self.proposer.release(req.seq)  # e.g. the draft model's own KV pages
         if self.spec_policy is not None:
             self.spec_policy.release(req.seq)
         output = self._output(req, delta, new_ids)

@@ -41,11 +41,12 @@ import numpy as np
 import torch
 
 from pitstop.errors import ModelLoadError
+from pitstop.gguf_file import open_gguf, read_gguf_metadata, require_gguf
 from pitstop.model_config import MAX_DIM, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
 
 if TYPE_CHECKING:
+    from pitstop.checkpoint import ModelSource
     from pitstop.tokenizer import Tokenizer
-    from pitstop.weights import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -112,67 +113,6 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- reading
-def _require_gguf():
-    try:
-        import gguf
-    except ImportError as exc:
-        raise ModelLoadError(
-            "loading a GGUF file needs the 'gguf' package: pip install 'pitstop[gguf]' (or pip install gguf)"
-        ) from exc
-    return gguf
-
-
-def open_gguf(path: str | Path) -> Any:
-    """A ``gguf.GGUFReader`` of ``path``; a missing, foreign or corrupt file is a ModelLoadError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"GGUF file {path} does not exist")
-    try:
-        with path.open("rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-    if magic != b"GGUF":
-        raise ModelLoadError(
-            f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); "
-            "pass a .gguf file, a Hugging Face checkpoint folder, or a model name"
-        )
-    gguf = _require_gguf()
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError, ...
-        raise ModelLoadError(
-            f"GGUF file {path} is corrupt or truncated ({type(exc).__name__}: {exc}); download it again"
-        ) from exc
-
-
-def _field_value(field: Any) -> Any:
-    if hasattr(field, "contents"):
-        return field.contents()
-    # older gguf: decode the first data part by hand
-    part = field.parts[field.data[0]]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(part).decode("utf-8")
-    return part.tolist()[0] if len(part) == 1 else part.tolist()
-
-
-def read_gguf_metadata(source: str | Path | Any, *, with_arrays: bool = False) -> dict[str, Any]:
-    """Metadata of a GGUF file (a path or an open reader). Large arrays (the
-    vocabulary, merges, scores) are left out unless ``with_arrays``."""
-    reader = open_gguf(source) if isinstance(source, str | Path) else source
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        if not with_arrays and len(field.data) > 64:
-            continue
-        try:
-            meta[key] = _field_value(field)
-        except Exception:  # an odd field must not stop the load
-            log.debug("skipping GGUF metadata field %s", key)
-    return meta
-
-
 # ---------------------------------------------------------------------- shape and checks
 # ``{arch}.`` metadata keys and what pitstop does with each; any other such key is refused.
 _ARCH_KEYS_READ = (
@@ -328,7 +268,7 @@ def gguf_model_config(reader: Any, path: str | Path = "") -> ModelConfig:
                 f"[{head_size // 2}] (half the head size)"
             )
         _check_bytes(reader, [t], path)
-        gguf = _require_gguf()
+        gguf = require_gguf()
         values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         if not np.isfinite(values).all() or (values <= 0).any():
             raise ModelLoadError(f"GGUF file {path}: rope_freqs.weight holds non-positive factors")
@@ -368,9 +308,9 @@ def gguf_model_config(reader: Any, path: str | Path = "") -> ModelConfig:
 
 def _check_tensors(reader: Any, config: ModelConfig, path: Any) -> None:
     """Each tensor's name and shape against the config, its bytes against the file."""
-    from pitstop.model import expected_weight_shapes
+    from pitstop.plugin_manager import get_plugin_manager
 
-    expected = expected_weight_shapes(config)
+    expected = get_plugin_manager().architecture(config.architecture).weight_shapes(config)
     unknown, seen = [], set()
     for t in reader.tensors:
         if t.name in _IGNORED:
@@ -404,7 +344,7 @@ def _check_tensors(reader: Any, config: ModelConfig, path: Any) -> None:
 
 def _check_bytes(reader: Any, tensors: list[Any], path: Any) -> None:
     """Each tensor's byte count from its type and shape, inside the file, no two overlapping."""
-    gguf = _require_gguf()
+    gguf = require_gguf()
     size = len(reader.data)
     spans = []
     for t in tensors:
@@ -441,7 +381,7 @@ def iter_gguf_tensors(reader: Any, config: ModelConfig) -> Iterator[tuple[str, t
 
     The file must have passed :func:`gguf_model_config` (every name maps, every shape fits).
     """
-    gguf = _require_gguf()
+    gguf = require_gguf()
     arch = str(read_gguf_metadata(reader).get("general.architecture"))
     permuted = arch in _PERMUTED_ARCHITECTURES
     for t in reader.tensors:
@@ -566,7 +506,7 @@ def _write_cache(
 
 
 def _iter_cached(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from pitstop.weights import iter_safetensors, read_safetensors_headers
+    from pitstop.checkpoint import iter_safetensors, read_safetensors_headers
 
     return iter_safetensors(read_safetensors_headers([file]))
 
@@ -576,8 +516,8 @@ def load_gguf(path: str | Path, *, tokenizer: Tokenizer | None = None) -> ModelS
 
     ``tokenizer`` replaces the file's own tokenizer when given.
     """
+    from pitstop.checkpoint import ModelSource
     from pitstop.tokenizer import Tokenizer
-    from pitstop.weights import ModelSource
 
     path = Path(path)
     if not path.is_file():

@@ -1,9 +1,11 @@
 """The hooks a pitstop plugin can implement.
 
 Register-style hooks are called once, when the plugin manager loads, with a
-``register(name, factory, description="")`` callable; every implementation
-is called and each may register any number of strategies. The factory
-signatures are in :mod:`pitstop.protocols`. Observer hooks are called by the
+``register(name, factory, description="", settings=None)`` callable; every
+implementation is called and each may register any number of strategies.
+Each kind's factory signature and protocol are in :data:`pitstop.kinds.KINDS`
+(the one table of them); ``settings`` is a class of declared settings
+(:mod:`pitstop.settings`). Observer hooks are called by the
 engine at most once per step; their return values are ignored.
 
 Implement a hook in your plugin module with ``@pitstop.hookimpl`` and declare
@@ -30,8 +32,8 @@ def register_allocators(register: Register) -> None:
     """Register KV-cache allocators.
 
     Called once when plugins load. Call ``register(name, factory)`` for each
-    allocator, where ``factory(config, num_pages) -> Allocator``. The config's
-    ``allocator`` setting picks one by name.
+    allocator (factory: ``KINDS["allocator"]``). The config's ``allocator``
+    setting picks one by name.
     """
 
 
@@ -39,8 +41,8 @@ def register_allocators(register: Register) -> None:
 def register_schedulers(register: Register) -> None:
     """Register schedulers.
 
-    Called once when plugins load. ``factory(config, allocator) -> Scheduler``.
-    The config's ``scheduler`` setting picks one by name.
+    Called once when plugins load (factory: ``KINDS["scheduler"]``). The
+    config's ``scheduler`` setting picks one by name.
     """
 
 
@@ -48,8 +50,8 @@ def register_schedulers(register: Register) -> None:
 def register_kernels(register: Register) -> None:
     """Register kernel sets.
 
-    Called once when plugins load. ``factory(config, device, dtype) -> KernelSet``.
-    The config's ``kernels`` setting picks one by name.
+    Called once when plugins load (factory: ``KINDS["kernels"]``). The
+    config's ``kernels`` setting picks one by name.
     """
 
 
@@ -57,7 +59,7 @@ def register_kernels(register: Register) -> None:
 def register_samplers(register: Register) -> None:
     """Register samplers.
 
-    Called once when plugins load. ``factory(config, device) -> Sampler``. The
+    Called once when plugins load (factory: ``KINDS["sampler"]``). The
     config's ``sampler`` setting picks one by name.
     """
 
@@ -66,8 +68,8 @@ def register_samplers(register: Register) -> None:
 def register_proposers(register: Register) -> None:
     """Register speculative-decoding proposers.
 
-    Called once when plugins load. ``factory(config, context) -> Proposer``.
-    The config's ``speculative`` setting picks one by name (None: no speculation).
+    Called once when plugins load (factory: ``KINDS["proposer"]``). The
+    config's ``speculative`` setting picks one by name (None: no speculation).
     """
 
 
@@ -77,7 +79,20 @@ def register_models(register: Register) -> None:
 
     Called once when plugins load. ``register(architecture, factory)`` with the
     architecture name a checkpoint's ``config.json`` uses (for example
-    ``"LlamaForCausalLM"``) and ``factory(model_config, kernels) -> torch.nn.Module``.
+    ``"LlamaForCausalLM"``) and a factory as ``KINDS["model"]`` says.
+    """
+
+
+@hookspec
+def register_commands(register: Register) -> None:
+    """Register subcommands of the ``pitstop`` command.
+
+    Called once when plugins load. Call ``register(name, setup, run, help="",
+    description="")`` for each: pitstop adds the subparser ``name``, calls
+    ``setup(parser)`` to add its arguments (``pitstop.config.add_cli_flags``
+    adds every engine and plugin setting), and calls ``run(args) -> int`` (the
+    exit status) when it is chosen. ``serve``, ``bench`` and ``verify`` are
+    registered this way.
     """
 
 

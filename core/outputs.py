@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
+
+
+def time_to_first_token(arrival: float, first_token: float | None) -> float | None:
+    """TTFT: from arrival to the first output token (None before it)."""
+    return None if first_token is None else first_token - arrival
+
+
+def time_per_output_token(token_times: Sequence[float], num_tokens: int = 0) -> float | None:
+    """TPOT: the mean time per output token after the first (vLLM's definition),
+    ``(last - first) / (n - 1)`` with ``n = max(len(token_times), num_tokens)``.
+
+    ``token_times`` are the times tokens arrived; ``num_tokens`` counts tokens
+    when several can share one time (a streamed chunk over HTTP carries more than
+    one). None with fewer than two times.
+    """
+    if len(token_times) < 2:
+        return None
+    n = max(len(token_times), num_tokens)
+    return (token_times[-1] - token_times[0]) / (n - 1)
+
+
+def inter_token_latencies(token_times: Sequence[float]) -> list[float]:
+    """ITL: the gaps between consecutive token arrivals."""
+    return [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
 
 
 @attrs.frozen
@@ -21,7 +47,7 @@ class RequestMetrics:
     @property
     def ttft(self) -> float | None:
         """Time to first token, from arrival."""
-        return None if self.first_token is None else self.first_token - self.arrival
+        return time_to_first_token(self.arrival, self.first_token)
 
     @property
     def e2e(self) -> float | None:
@@ -30,16 +56,13 @@ class RequestMetrics:
 
     @property
     def tpot(self) -> float | None:
-        """Mean time per output token after the first."""
-        if len(self.token_times) < 2:
-            return None
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+        """Mean time per output token after the first (:func:`time_per_output_token`)."""
+        return time_per_output_token(self.token_times)
 
     @property
     def inter_token_latencies(self) -> list[float]:
         """Gaps between consecutive output tokens."""
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
+        return inter_token_latencies(self.token_times)
 
 
 @attrs.frozen

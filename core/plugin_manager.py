@@ -10,7 +10,6 @@ or distribution names) narrows which entry points load.
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata as md
 import logging
 import os
@@ -22,8 +21,11 @@ import attrs
 import pluggy
 
 from pitstop import hookspecs
-from pitstop.config import check_option_keys
+from pitstop.architecture import Architecture
 from pitstop.errors import PluginError
+from pitstop.kinds import KINDS as KIND_TABLE
+from pitstop.kinds import missing_members
+from pitstop.settings import check_option_keys, is_settings_class, option_fields, read_settings
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -33,15 +35,8 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "pitstop"
 ALLOW_LIST_VARIABLE = "PITSTOP_PLUGINS"
 
-# kind -> the register hook that fills it
-KINDS: dict[str, str] = {
-    "allocator": "register_allocators",
-    "scheduler": "register_schedulers",
-    "kernels": "register_kernels",
-    "sampler": "register_samplers",
-    "proposer": "register_proposers",
-    "model": "register_models",
-}
+# kind -> the register hook that fills it (the whole table: pitstop.kinds.KINDS)
+KINDS: dict[str, str] = {name: kind.hook for name, kind in KIND_TABLE.items()}
 
 
 @attrs.frozen
@@ -56,6 +51,33 @@ class Strategy:
     module: str
     description: str = ""
     options: Mapping[str, str] = attrs.field(factory=dict)  # the ``options`` keys it reads -> doc
+    settings: type | None = None  # its declared settings class (see pitstop.settings)
+    architecture: Any = None  # a model's pitstop.architecture.Architecture (loading rules)
+
+    @property
+    def owner(self) -> str:
+        """How errors name it: ``scheduler 'chunked' (pitstop 0.1.0)``."""
+        return f"{self.kind} {self.name!r} ({self.distribution} {self.version})".replace(" )", ")")
+
+    def read_settings(self, config: EngineConfig) -> Any:
+        """Its validated settings from ``config`` (None when it declares none)."""
+        if self.settings is None:
+            return None
+        return read_settings(config, self.name, self.settings, owner=self.owner)
+
+
+@attrs.frozen
+class Command:
+    """One registered subcommand of ``pitstop``: its arguments and its entry function."""
+
+    name: str
+    setup: Callable[[Any], None]  # setup(argparse.ArgumentParser): add the arguments
+    run: Callable[[Any], int]  # run(argparse.Namespace) -> exit status
+    help: str
+    description: str
+    distribution: str
+    version: str
+    module: str
 
 
 @attrs.frozen
@@ -82,6 +104,7 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.sources: list[PluginSource] = []
         self.registry: dict[str, dict[str, Strategy]] = {kind: {} for kind in KINDS}
+        self.commands: dict[str, Command] = {}
         if allow is None:
             env = os.environ.get(ALLOW_LIST_VARIABLE, "").strip()
             allow = [a.strip() for a in env.split(",") if a.strip()] if env else None
@@ -136,6 +159,46 @@ class PluginManager:
             if impl is None or not hasattr(impl, "pitstop_impl"):
                 continue
             impl(register=self._registrar(kind, source))
+        impl = getattr(module, "register_commands", None)
+        if impl is not None and hasattr(impl, "pitstop_impl"):
+            impl(register=self._command_registrar(source))
+
+    def _command_registrar(self, source: PluginSource) -> Callable[..., None]:
+        def register(
+            name: str,
+            setup: Callable[[Any], None],
+            run: Callable[[Any], int],
+            help: str = "",
+            description: str = "",
+        ) -> None:
+            if not isinstance(name, str) or not name or name.startswith("-"):
+                raise PluginError(
+                    f"{source.distribution}: a command needs a name such as 'serve', got {name!r}"
+                )
+            if not callable(setup) or not callable(run):
+                raise PluginError(
+                    f"{source.distribution}: the command {name!r} needs callable setup(parser) "
+                    "and run(args) functions"
+                )
+            existing = self.commands.get(name)
+            if existing is not None:
+                raise PluginError(
+                    f"two plugins register the command {name!r}: {existing.distribution} "
+                    f"({existing.module}) and {source.distribution} ({source.module.__name__}); "
+                    f"uninstall one, or narrow {ALLOW_LIST_VARIABLE}"
+                )
+            self.commands[name] = Command(
+                name,
+                setup,
+                run,
+                help or (run.__doc__ or "").strip().split("\n")[0],
+                description,
+                source.distribution,
+                source.version,
+                source.module.__name__,
+            )
+
+        return register
 
     def _registrar(self, kind: str, source: PluginSource) -> Callable[..., None]:
         def register(
@@ -143,6 +206,8 @@ class PluginManager:
             factory: Callable[..., Any],
             description: str = "",
             options: Mapping[str, str] | None = None,
+            settings: type | None = None,
+            architecture: Any = None,
         ) -> None:
             if not isinstance(name, str) or not name:
                 raise PluginError(
@@ -152,6 +217,31 @@ class PluginManager:
                 raise PluginError(
                     f"{source.distribution}: the {kind} {name!r} factory is not callable"
                 )
+            if (architecture is None) != (kind != "model") or (
+                architecture is not None and not isinstance(architecture, Architecture)
+            ):
+                raise PluginError(
+                    f"{source.distribution}: the {kind} {name!r} "
+                    + (
+                        "needs architecture=pitstop.architecture.Architecture(...): how its "
+                        "config.json is read, which tensors it holds, its rotary tables"
+                        if kind == "model"
+                        else "is not a model; only models take architecture="
+                    )
+                )
+            if settings is not None and not is_settings_class(settings):
+                raise PluginError(
+                    f"{source.distribution}: the {kind} {name!r} settings must be an attrs class "
+                    f"whose fields are made with pitstop.settings.setting(), got {settings!r}"
+                )
+            if settings is not None:
+                for other in self.strategies():
+                    if other.name == name and other.settings is not None:
+                        raise PluginError(
+                            f"the {kind} {name!r} of {source.distribution} and the {other.kind} "
+                            f"{name!r} of {other.distribution} both declare settings under the "
+                            f"namespace {name!r}; rename one"
+                        )
             existing = self.registry[kind].get(name)
             if existing is not None:
                 raise PluginError(
@@ -168,6 +258,8 @@ class PluginManager:
                 module=source.module.__name__,
                 description=description or (factory.__doc__ or "").strip().split("\n")[0],
                 options=dict(options or {}),
+                settings=settings,
+                architecture=architecture,
             )
 
         return register
@@ -190,11 +282,29 @@ class PluginManager:
                 + (f" ({ALLOW_LIST_VARIABLE} is set)" if self.allow is not None else "")
             ) from None
 
+    def architecture(self, name: str) -> Architecture:
+        """The loading rules of the model architecture ``name`` (a checkpoint's
+        ``architectures`` entry); an unknown name lists those registered."""
+        return self.get("model", name).architecture
+
+    def architecture_for_hf(self, raw: Mapping[str, Any]) -> tuple[str, Architecture] | None:
+        """The registered architecture a ``config.json`` names (by ``architectures``,
+        then ``model_type``), or None."""
+        for name in raw.get("architectures") or ():
+            if isinstance(name, str) and name in self.registry["model"]:
+                return name, self.registry["model"][name].architecture
+        for s in self.registry["model"].values():
+            if raw.get("model_type") in s.architecture.model_types:
+                return s.name, s.architecture
+        return None
+
     def check_config(self, config: EngineConfig) -> None:
         """Raise :class:`PluginError` on the first strategy name of ``config`` that is not
         registered (``kernels="auto"`` is skipped: it resolves to a name later), and
-        :class:`~pitstop.errors.ConfigError` on an ``options`` key that the plugins
-        declare nothing like (see :func:`pitstop.config.check_option_keys`)."""
+        :class:`~pitstop.errors.ConfigError` on a declared setting of any registered
+        strategy that is of the wrong type, out of range or unknown (see
+        :mod:`pitstop.settings`), or on an ``options`` key that the plugins declare
+        nothing like (see :func:`pitstop.settings.check_option_keys`)."""
         for kind, name in (
             ("allocator", config.allocator),
             ("scheduler", config.scheduler),
@@ -204,12 +314,40 @@ class PluginManager:
         ):
             if name is not None:
                 self.get(kind, name)
-        declared = {key: f"{s.kind} {s.name!r}" for s in self.strategies() for key in s.options}
-        check_option_keys(config.options, declared)
+        for strategy in self.strategies():
+            strategy.read_settings(config)
+        check_option_keys(config.options, self.declared_options())
+
+    def declared_options(self) -> dict[str, str]:
+        """Every ``options`` key a registered strategy reads -> the strategy that reads it."""
+        declared: dict[str, str] = {}
+        for s in self.strategies():
+            keys = list(s.options)
+            if s.settings is not None:
+                for att in option_fields(s.settings):
+                    keys += [f"{s.name}.{att.name}", *att.metadata["legacy"]]
+            for key in keys:
+                declared.setdefault(key, f"{s.kind} {s.name!r}")
+        return declared
 
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Build the named strategy with its factory."""
-        return self.get(kind, name).factory(*args, **kwargs)
+        """Build the named strategy with its factory and check it against its kind's protocol.
+
+        A :class:`PluginError` names the plugin and every protocol member the
+        object lacks (:func:`pitstop.kinds.missing_members`).
+        """
+        strategy = self.get(kind, name)
+        obj = strategy.factory(*args, **kwargs)
+        missing = missing_members(KIND_TABLE[kind], obj)
+        if missing:
+            protocol = KIND_TABLE[kind].protocol
+            raise PluginError(
+                f"{strategy.owner}: its factory returned a {type(obj).__name__} that lacks "
+                f"{', '.join(missing)}; a {kind} must provide every member of "
+                f"pitstop.protocols.{protocol.__name__} (optional ones have defaults in its "
+                "base class, e.g. pitstop.protocols.KernelSetBase / ProposerBase)"
+            )
+        return obj
 
     def strategies(self) -> list[Strategy]:
         """Every registered strategy, by kind then name."""
@@ -234,8 +372,3 @@ def get_plugin_manager(*, reload: bool = False) -> PluginManager:
     if _default is None or reload:
         _default = PluginManager()
     return _default
-
-
-def import_module(name: str) -> ModuleType:
-    """Import a plugin module by dotted name (for tests and ``extra_modules``)."""
-    return importlib.import_module(name)

@@ -2,18 +2,12 @@
 
 A plugin registers a *factory* under a name (see :mod:`pitstop.hookspecs`);
 the engine calls it once, when it is built, and then talks to the object it
-returned only through the methods below. The factories' signatures:
-
-=========  =======================================================
-kind       factory
-=========  =======================================================
-allocator  ``factory(config: EngineConfig, num_pages: int) -> Allocator``
-scheduler  ``factory(config: EngineConfig, allocator: Allocator) -> Scheduler``
-kernels    ``factory(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> KernelSet``
-sampler    ``factory(config: EngineConfig, device: torch.device) -> Sampler``
-proposer   ``factory(config: EngineConfig, engine_context: ProposerContext) -> Proposer``
-model      ``factory(model_config: ModelConfig, kernels: KernelSet) -> torch.nn.Module``
-=========  =======================================================
+returned only through the members below. Each kind's register hook, factory
+signature and protocol are one table, :data:`pitstop.kinds.KINDS`;
+:meth:`pitstop.plugin_manager.PluginManager.create` checks every object it
+builds against its protocol. Optional capabilities are members with a
+default in a base class (:class:`KernelSetBase`, :class:`ProposerBase`):
+inherit it, or define the member yourself.
 """
 
 from __future__ import annotations
@@ -264,6 +258,24 @@ class KernelSet(Protocol):
         """Op name -> which implementation runs it here (and why, for a fallback)."""
         ...
 
+    merge_projections: bool
+
+    def cuda_graph_safe(self, head_size: int) -> bool:
+        """Whether a decode step of this head size can be captured in a CUDA graph."""
+        ...
+
+
+class KernelSetBase:
+    """The defaults of a kernel set's optional capabilities."""
+
+    # Whether the model concatenates the q/k/v and gate/up weights at load.
+    merge_projections: bool = False
+
+    def cuda_graph_safe(self, head_size: int) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: not unless the set says so."""
+        del head_size
+        return False
+
 
 # ---------------------------------------------------------------- sampler
 
@@ -335,11 +347,41 @@ class Proposer(Protocol):
         ...
 
     def release(self, seq: Sequence) -> None:
-        """Told that ``seq`` finished or was aborted: free whatever the proposer holds for it.
-
-        Optional: the engine calls it only when the proposer defines it.
-        """
+        """Told that ``seq`` finished or was aborted: free whatever the proposer holds for it."""
         ...
 
 
-ModelFactory = Any  # Callable[[ModelConfig, KernelSet], torch.nn.Module]
+class ProposerBase:
+    """The default of a proposer's optional capability."""
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing to free: a proposer that keeps no per-sequence state."""
+        del seq
+
+
+# ---------------------------------------------------------------- model
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A model architecture: a ``torch.nn.Module`` the runner loads and calls."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward pass over one step's tokens (e.g. :mod:`pitstop.plugins.models.llama`)."""
+        ...
+
+    def eval(self) -> Any:
+        """Inference mode (``torch.nn.Module.eval``)."""
+        ...
+
+    def init_dummy(self, seed: int) -> None:
+        """Fill every parameter with seeded random values (``dummy:`` models)."""
+        ...
+
+    def load_weights(self, weights: Any) -> None:
+        """Copy ``(name, tensor)`` pairs of a checkpoint into the parameters."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of the selected hidden rows."""
+        ...

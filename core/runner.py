@@ -21,7 +21,6 @@ import torch
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
-from pitstop.model import rotary_cache
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
 from pitstop.protocols import SamplingBatch
@@ -76,6 +75,9 @@ def pages_asked(
         per_page = kv_bytes_per_page(model_config, config.page_size, dtype)
         return max(1, int((config.kv_cache_gib or 1.0) * 2**30) // per_page)
     return None
+
+
+LogitsObserver = Callable[[Seq["SeqInput"], torch.Tensor], None]
 
 
 @attrs.frozen
@@ -210,9 +212,13 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         self.model.eval()
         assert config.max_model_len is not None
-        self.rotary = rotary_cache(model_config, config.max_model_len, device)
+        rotary = plugins.architecture(model_config.architecture).rotary
+        self.rotary = rotary(model_config, config.max_model_len, device)
         self.page_size = config.page_size
         self.kv_cache: torch.Tensor | None = None
+        # Called with (the step's inputs, the logits rows it computed) after every step's
+        # logits, before sampling; rows are the sampling inputs' num_logits rows, in order.
+        self.logits_observer: LogitsObserver | None = None
         self.num_pages = 0
         self._generators: dict[int, torch.Generator] = {}
         self._verifier: DraftVerifier | None = None
@@ -311,8 +317,7 @@ class ModelRunner:
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager:
             return
-        graph_safe = getattr(self.kernels, "cuda_graph_safe", None)
-        if graph_safe is None or not graph_safe(self.model_config.head_size):
+        if not self.kernels.cuda_graph_safe(self.model_config.head_size):
             log.info(
                 "CUDA graphs off: kernel set %r is not graph-safe; decode runs eagerly", cfg.kernels
             )
@@ -500,12 +505,17 @@ class ModelRunner:
         verifies = any(s.num_logits > 1 for s in step.seqs)
         if verifies and self.verify_graphs is not None and self.verify_graphs.can_run(step.seqs):
             logits, rows = self.verify_graphs.run(step.seqs)
-            return self._launch_verification(step.seqs, self.select_rows(logits, rows))
+            logits = self.select_rows(logits, rows)
+            if self.logits_observer is not None:
+                self.logits_observer(step.seqs, logits)
+            return self._launch_verification(step.seqs, logits)
         hidden, rows = self.forward(step.seqs)
         if not rows:
             self._last_rows = {}
             return LaunchedStep(step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)))
         logits = self.model.compute_logits(self.select_rows(hidden, rows))
+        if self.logits_observer is not None:
+            self.logits_observer(step.seqs, logits)
         sampling = [s for s in step.seqs if s.sample]
         params = [s.params or SamplingParams() for s in sampling]
         generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]

@@ -16,6 +16,9 @@ import attrs
 from pitstop.errors import InvalidRequestError
 from pitstop.validation import INT64_MAX, check_int, check_real, check_text, is_int, seed_of
 
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's convention)."""
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
@@ -128,5 +131,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax: temperature below :data:`SAMPLING_EPS`
+        (0, or near enough that vLLM treats it as 0) or top_k 1. The one definition:
+        the sampling batch, the runner and speculative decoding all ask this."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1

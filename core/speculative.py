@@ -34,7 +34,7 @@ import attrs
 import numpy as np
 import torch
 
-from pitstop.sampling import is_greedy, make_generator, make_sampling_batch
+from pitstop.sampling import exponential_race, is_greedy, make_generator, make_sampling_batch
 
 if TYPE_CHECKING:
     from pitstop.plugin_manager import PluginManager
@@ -278,12 +278,7 @@ def _draw(
     probs: torch.Tensor, generators: Seq[torch.Generator | None], shared: torch.Generator | None
 ) -> torch.Tensor:
     """One token per row by the exponential race (as the standard sampler draws)."""
-    e = torch.empty_like(probs).exponential_(generator=shared)
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            e[i].exponential_(generator=gen)
-    e.clamp_(min=torch.finfo(torch.float32).tiny)
-    return (probs / e).argmax(dim=-1)
+    return exponential_race(probs, generators, shared)
 
 
 class DraftVerifier:

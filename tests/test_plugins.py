@@ -13,7 +13,7 @@ import pytest
 
 from pitstop import EngineConfig, hookspecs
 from pitstop.cli import main as cli_main
-from pitstop.errors import PluginError
+from pitstop.errors import ModelLoadError, PluginError
 from pitstop.plugin_manager import KINDS, PluginManager
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,3 +253,102 @@ def test_example_plugin_runs_the_engine_and_observes_requests(
     ]
     assert pitstop_example.FINISHED["length"] - before == 2 * len(prompts)
     assert lifo.engine.allocator.stats().pages_free == 32
+
+
+def test_the_example_plugin_adds_a_subcommand(
+    with_example: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pitstop.plugin_manager as pmod
+
+    monkeypatch.setattr(pmod, "_default", None)
+    pm = pmod.get_plugin_manager()
+    assert pm.commands["lifo-demo"].distribution == "pitstop-example"
+    assert {"serve", "bench", "verify"} <= set(pm.commands)  # registered the same way
+    assert cli_main(["lifo-demo", "--page-size", "4", "--tokens", "5", "9", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "s0: pages [0, 1]" in out and "s1: pages [2, 3, 4]" in out
+    assert "again: pages [0, 1]" in out  # s0's pages, freed last, come back first
+    # the command reads the plugin's own setting through the same flags
+    assert cli_main(["lifo-demo", "--page-size", "4", "--lifo.max-pages", "3"]) == 1
+    assert "do not fit" in capsys.readouterr().out
+    assert cli_main(["plugins"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["command", "lifo-demo", "pitstop-example", "0.2.0"] in [r[:4] for r in rows]
+    monkeypatch.setattr(pmod, "_default", None)
+
+
+def test_a_command_name_pitstop_has_is_refused() -> None:
+    from types import ModuleType
+
+    import pitstop
+
+    module = ModuleType("clash")
+
+    @pitstop.hookimpl
+    def register_commands(register) -> None:
+        register("serve", lambda p: None, lambda a: 0)
+
+    module.register_commands = register_commands  # type: ignore[attr-defined]
+    with pytest.raises(PluginError, match="two plugins register the command 'serve'"):
+        PluginManager(extra_modules=[module])
+
+
+def test_a_third_party_architecture_loads_and_runs(
+    with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example's BigramForCausalLM, found through its entry point: the HF loader asks
+    the registry for its config parsing and tensor names, and the engine runs it."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from pitstop import LLM, SamplingParams
+
+    vocab, hidden = 50, 8
+    gen = torch.Generator().manual_seed(3)
+    embed = torch.randn(vocab, hidden, generator=gen)
+    head = torch.randn(vocab, hidden, generator=gen)
+    folder = tmp_path / "bigram"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "bigram",
+                "architectures": ["BigramForCausalLM"],
+                "vocab_size": vocab,
+                "hidden_size": hidden,
+            }
+        )
+    )
+    save_file(
+        {"model.embed_tokens.weight": embed, "lm_head.weight": head}, folder / "m.safetensors"
+    )
+    pm = PluginManager(allow=None)
+    assert pm.get("model", "BigramForCausalLM").distribution == "pitstop-example"
+    llm = LLM(str(folder), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+    prompt = [7, 3]
+    out = llm.generate(
+        prompt_token_ids=[prompt],
+        sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    expected, token = [], prompt[-1]
+    for _ in range(6):  # greedy: the argmax of the last token's logits, every step
+        token = int((head @ embed[token]).argmax())
+        expected.append(token)
+    assert out.token_ids == expected
+    # the loader checks its tensors by the plugin's names and shapes
+    save_file({"model.embed_tokens.weight": embed}, folder / "m.safetensors")
+    with pytest.raises(ModelLoadError, match="lm_head.weight"):
+        LLM(str(folder), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+
+
+def test_an_architecture_nobody_registers_is_refused_naming_the_plugins(tmp_path: Path) -> None:
+    import json
+
+    from pitstop.weights import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(ModelLoadError, match="model_type='mamba'.*llama, qwen2, qwen3"):
+        read_hf_config(tmp_path, PluginManager())

@@ -17,7 +17,7 @@ holder frees a cached page leaves it in an LRU pool, still findable, until a
 new page is needed and no never-cached page is free (then the least
 recently freed one is evicted), or until the pool exceeds its capacity.
 
-Setting (``EngineConfig.options``):
+Setting (:class:`PrefixSettings`; ``--prefix.max-cached-pages``, ``[plugins.prefix]``):
 
 ``prefix.max_cached_pages``
     the most pages kept in the LRU pool once no sequence uses them (an
@@ -42,8 +42,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+import attrs
+
 import pitstop
-from pitstop.errors import ConfigError
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
     OnDemandPages,
@@ -53,12 +54,12 @@ from pitstop.plugins.allocators._common import (
     pages_for,
 )
 from pitstop.protocols import AllocatorStats
+from pitstop.settings import read_settings, setting
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
     from pitstop.sequence import Sequence
 
-MAX_CACHED_PAGES_OPTION = "prefix.max_cached_pages"
 
 _ROOT_HASH = 0
 _ROOT_UID = 0  # the "parent" of a sequence's first page; real uids start at 1
@@ -331,18 +332,25 @@ class PrefixCachingAllocator(OnDemandPages):
         )
 
 
+@attrs.frozen
+class PrefixSettings:
+    """The settings of the ``prefix`` allocator."""
+
+    max_cached_pages: int | None = setting(
+        None,
+        type=int,
+        minimum=0,
+        optional=True,
+        help="most freed-but-cached prefix pages kept for reuse (LRU beyond it; unset: all pages)",
+    )
+
+
 def create_prefix(config: EngineConfig, num_pages: int) -> PrefixCachingAllocator:
     """Paged plus reuse of full pages whose token prefix was seen before (chained hash, refcount, LRU)."""
-    cap = config.options.get(MAX_CACHED_PAGES_OPTION)
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-        raise ConfigError(f"option {MAX_CACHED_PAGES_OPTION} must be an integer >= 0, got {cap!r}")
-    return PrefixCachingAllocator(config.page_size, num_pages, cap)
+    settings = read_settings(config, "prefix", PrefixSettings)
+    return PrefixCachingAllocator(config.page_size, num_pages, settings.max_cached_pages)
 
 
 @pitstop.hookimpl
 def register_allocators(register) -> None:
-    register(
-        "prefix",
-        create_prefix,
-        options={MAX_CACHED_PAGES_OPTION: "most freed-but-cached prefix pages kept for reuse"},
-    )
+    register("prefix", create_prefix, settings=PrefixSettings)

@@ -46,6 +46,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -53,7 +54,8 @@ from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.hookspecs import hookimpl
 from pitstop.plugins.kernels import reference
-from pitstop.protocols import RotaryCache
+from pitstop.protocols import KernelSetBase, RotaryCache
+from pitstop.settings import engine_setting, read_settings
 
 log = logging.getLogger(__name__)
 
@@ -80,25 +82,39 @@ def head_size_supported(head_size: int) -> bool:
     return 16 <= head_size <= 256 and head_size & (head_size - 1) == 0
 
 
-class FusedKernels:
+@attrs.frozen
+class FusedSettings:
+    """The settings of the ``fused`` kernel set (the article's ``fused_*`` engine settings)."""
+
+    rmsnorm: bool = engine_setting("fused_rmsnorm", help="fused residual-add + RMSNorm")
+    qkv: bool = engine_setting("fused_qkv", help="merged QKV and gate-up projections")
+    silu: bool = engine_setting("fused_silu", help="fused SiLU-and-mul")
+    attention: bool = engine_setting("fused_attention", help="Triton paged attention")
+    precision: str = engine_setting(
+        "fused_precision", help="fp32 accumulation everywhere, or the fastest safe choice"
+    )
+
+
+class FusedKernels(KernelSetBase):
     """Triton ops where they can run, the reference ops elsewhere; resolved once at construction."""
 
     name = "fused"
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.config, self.device, self.dtype = config, device, dtype
+        settings = read_settings(config, self.name, FusedSettings)
         # The model merges q/k/v and gate/up weights at load when this is set.
-        self.merge_projections = bool(config.fused_qkv)
-        self.precision = config.fused_precision
+        self.merge_projections = bool(settings.qkv)
+        self.precision = settings.precision
         self._status: dict[str, str] = {}
         triton_reason = triton_unavailable_reason(device)
         if triton_reason is None and dtype not in SUPPORTED_DTYPES:
             triton_reason = f"unsupported dtype {dtype}"
         wanted = {
-            "rms_norm": ("fused_rmsnorm", config.fused_rmsnorm),
-            "silu_and_mul": ("fused_silu", config.fused_silu),
-            "rope_and_store": ("fused_attention", config.fused_attention),
-            "attention": ("fused_attention", config.fused_attention),
+            "rms_norm": ("fused_rmsnorm", settings.rmsnorm),
+            "silu_and_mul": ("fused_silu", settings.silu),
+            "rope_and_store": ("fused_attention", settings.attention),
+            "attention": ("fused_attention", settings.attention),
         }
         use: dict[str, bool] = {}
         for op, (flag, on) in wanted.items():
@@ -232,4 +248,4 @@ def make_fused_kernels(
 @hookimpl
 def register_kernels(register) -> None:
     """Register the ``fused`` kernel set."""
-    register("fused", make_fused_kernels)
+    register("fused", make_fused_kernels, settings=FusedSettings)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.hookspecs import hookimpl
-from pitstop.protocols import RotaryCache
+from pitstop.protocols import KernelSetBase, RotaryCache
 
 
 def rms_norm(
@@ -157,8 +157,8 @@ def paged_attention(
     return out
 
 
-class ReferenceKernels:
-    """The plain-PyTorch kernel set."""
+class ReferenceKernels(KernelSetBase):
+    """The plain-PyTorch kernel set (never CUDA-graph safe: it reads lengths on the host)."""
 
     name = "reference"
     # Keep q/k/v and gate/up as separate weights: the same GEMMs transformers runs.

@@ -22,7 +22,7 @@ import torch
 
 from pitstop.hookspecs import hookimpl
 from pitstop.protocols import SamplerOutput, SamplingBatch
-from pitstop.sampling import make_generator
+from pitstop.sampling import exponential_race, make_generator
 
 
 class StandardSampler:
@@ -113,16 +113,7 @@ class StandardSampler:
 
     def _draw(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One token per row from ``probs`` by the exponential race, each row from its own generator."""
-        rows, vocab = probs.shape
-        seeded = [i for i, g in enumerate(batch.generators) if g is not None]
-        q = torch.empty_like(probs)
-        if len(seeded) < rows:
-            q.exponential_(generator=self._shared_generator(probs.device))
-        for i in seeded:  # each seeded row advances only its own generator (no host sync)
-            q[i].exponential_(generator=batch.generators[i])
-        # Exp(1) can round to 0; keep q positive so excluded tokens stay at 0/q = 0.
-        q.clamp_(min=torch.finfo(torch.float32).tiny)
-        return (probs / q).argmax(dim=-1)
+        return exponential_race(probs, batch.generators, self._shared_generator(probs.device))
 
 
 def create_standard_sampler(config: Any, device: torch.device | str) -> StandardSampler:

@@ -13,9 +13,10 @@ Admission order (``config.admission``):
 - ``"shortest-first"``: preempted sequences first (queue order), then every
   sequence that has waited ``max_wait_steps`` scheduling rounds or more
   (arrival order: the aging bound), then the rest by prompt length, shortest
-  first (ties by arrival). The bound is the option ``scheduler.max_wait_steps``
-  (``EngineConfig(options={"scheduler.max_wait_steps": 64})``, default 64;
-  0 makes ``shortest-first`` behave as ``arrival``).
+  first (ties by arrival). The bound is the setting ``max_wait_steps`` of
+  ``continuous`` and ``chunked`` (``--continuous.max-wait-steps 64``; the
+  older key ``scheduler.max_wait_steps`` sets both; default 64; 0 makes
+  ``shortest-first`` behave as ``arrival``).
 
 Admission stops at the first sequence that does not fit (batch room, token
 budget or pages): a sequence is never overtaken by one behind it in the
@@ -42,15 +43,18 @@ from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
-from pitstop.errors import ConfigError, PitstopError
+import attrs
+
+from pitstop.errors import PitstopError
 from pitstop.protocols import ScheduledSequence, StepPlan
 from pitstop.sequence import Sequence, SequenceStatus
+from pitstop.settings import engine_setting, read_settings, setting
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
     from pitstop.protocols import Allocator
 
-MAX_WAIT_STEPS_OPTION = "scheduler.max_wait_steps"
+MAX_WAIT_STEPS_OPTION = "scheduler.max_wait_steps"  # the older key, shared by both schedulers
 DEFAULT_MAX_WAIT_STEPS = 64
 
 
@@ -58,12 +62,31 @@ class SchedulerError(PitstopError, RuntimeError):
     """The scheduler cannot make progress (for example a request larger than the whole KV cache)."""
 
 
-def max_wait_steps(config: EngineConfig) -> int:
-    """The aging bound of ``shortest-first`` admission, from ``config.options``."""
-    value = config.options.get(MAX_WAIT_STEPS_OPTION, DEFAULT_MAX_WAIT_STEPS)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"option {MAX_WAIT_STEPS_OPTION} must be an integer >= 0, got {value!r}")
-    return value
+@attrs.frozen
+class BatchSettings:
+    """The batch limits every built-in scheduler keeps (engine-wide settings)."""
+
+    max_batch_size: int = engine_setting("max_batch_size", help="most sequences in one step")
+    max_prefill_batch: int = engine_setting(
+        "max_prefill_batch", help="most prompts prefilled in one step"
+    )
+    max_num_batched_tokens: int = engine_setting(
+        "max_num_batched_tokens", help="most tokens computed in one step"
+    )
+
+
+@attrs.frozen
+class AdmissionSettings(BatchSettings):
+    """The settings of a scheduler with an admission order (``continuous``, ``chunked``)."""
+
+    admission: str = engine_setting("admission", help="order in which waiting prompts are admitted")
+    max_wait_steps: int = setting(
+        DEFAULT_MAX_WAIT_STEPS,
+        type=int,
+        minimum=0,
+        legacy=(MAX_WAIT_STEPS_OPTION,),
+        help="aging bound (scheduling rounds) of shortest-first admission; 0: arrival order",
+    )
 
 
 class StepBuilder:
@@ -102,16 +125,22 @@ class StepBuilder:
 class BaseScheduler:
     """Queues, admission order, slot growth, preemption by recompute, abort and release.
 
-    Subclasses implement :meth:`schedule`.
+    Subclasses implement :meth:`schedule` and name their registered ``name`` and
+    ``settings_class``, which :meth:`__init__` reads into ``self.settings``.
     """
+
+    name = "base"
+    settings_class: type = AdmissionSettings
 
     def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
         self.config = config
         self.allocator = allocator
-        self.max_batch_size = config.max_batch_size
-        self.max_prefill_batch = config.max_prefill_batch
-        self.admission = config.admission
-        self.max_wait_steps = max_wait_steps(config)
+        self.settings = read_settings(config, self.name, self.settings_class)
+        self.max_batch_size = self.settings.max_batch_size
+        self.max_prefill_batch = self.settings.max_prefill_batch
+        ordered = isinstance(self.settings, AdmissionSettings)
+        self.admission = self.settings.admission if ordered else "arrival"
+        self.max_wait_steps = self.settings.max_wait_steps if ordered else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_request: dict[str, Sequence] = {}

@@ -25,21 +25,37 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import attrs
+
 import pitstop
-from pitstop.plugins.schedulers.base import MAX_WAIT_STEPS_OPTION, BaseScheduler, StepBuilder
+from pitstop.plugins.schedulers.base import AdmissionSettings, BaseScheduler, StepBuilder
 from pitstop.protocols import StepPlan
+from pitstop.settings import engine_setting
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
     from pitstop.protocols import Allocator
 
 
+@attrs.frozen
+class ChunkedSettings(AdmissionSettings):
+    """The settings of the ``chunked`` scheduler."""
+
+    chunk_size: int | None = engine_setting(
+        "chunk_size",
+        help="token budget per step of the chunked scheduler (default: max_num_batched_tokens)",
+    )
+
+
 class ChunkedScheduler(BaseScheduler):
     """Chunked prefill: decodes and prompt chunks share one token budget per step."""
 
+    name = "chunked"
+    settings_class = ChunkedSettings
+
     def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
         super().__init__(config, allocator)
-        self.token_budget = config.step_token_budget
+        self.token_budget = config.step_token_budget  # chunk_size, else max_num_batched_tokens
         self.max_running = min(self.max_batch_size, self.token_budget)
 
     def schedule(self) -> StepPlan:
@@ -78,10 +94,4 @@ def create_chunked(config: EngineConfig, allocator: Allocator) -> ChunkedSchedul
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register(
-        "chunked",
-        create_chunked,
-        options={
-            MAX_WAIT_STEPS_OPTION: "aging bound (scheduling rounds) of shortest-first admission"
-        },
-    )
+    register("chunked", create_chunked, settings=ChunkedSettings)

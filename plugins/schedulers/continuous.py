@@ -29,23 +29,38 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import attrs
+
 import pitstop
-from pitstop.plugins.schedulers.base import MAX_WAIT_STEPS_OPTION, BaseScheduler, StepBuilder
+from pitstop.plugins.schedulers.base import AdmissionSettings, BaseScheduler, StepBuilder
 from pitstop.protocols import StepPlan
+from pitstop.settings import engine_setting
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
     from pitstop.protocols import Allocator
 
 
+@attrs.frozen
+class ContinuousSettings(AdmissionSettings):
+    """The settings of the ``continuous`` scheduler."""
+
+    prefill_priority: str = engine_setting(
+        "prefill_priority", help="high: waiting prompts run before decodes; low: decodes first"
+    )
+
+
 class ContinuousScheduler(BaseScheduler):
     """Continuous batching: sequences join and leave after every step."""
 
+    name = "continuous"
+    settings_class = ContinuousSettings
+
     def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
         super().__init__(config, allocator)
-        self.token_budget = config.max_num_batched_tokens
+        self.token_budget = self.settings.max_num_batched_tokens
         self.max_running = min(self.max_batch_size, self.token_budget)
-        self.prefill_first = config.prefill_priority == "high"
+        self.prefill_first = self.settings.prefill_priority == "high"
 
     def _new_step(self) -> StepBuilder:
         return StepBuilder(self.token_budget, self.max_batch_size, self.max_prefill_batch)
@@ -96,10 +111,4 @@ def create_continuous(config: EngineConfig, allocator: Allocator) -> ContinuousS
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register(
-        "continuous",
-        create_continuous,
-        options={
-            MAX_WAIT_STEPS_OPTION: "aging bound (scheduling rounds) of shortest-first admission"
-        },
-    )
+    register("continuous", create_continuous, settings=ContinuousSettings)

@@ -22,7 +22,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import pitstop
-from pitstop.plugins.schedulers.base import BaseScheduler, StepBuilder
+from pitstop.plugins.schedulers.base import BaseScheduler, BatchSettings, StepBuilder
 from pitstop.protocols import StepPlan
 
 if TYPE_CHECKING:
@@ -36,15 +36,17 @@ log = logging.getLogger(__name__)
 class FCFSScheduler(BaseScheduler):
     """Static batching in arrival order: nothing joins until the whole batch has finished."""
 
+    name = "fcfs"
+    settings_class = BatchSettings
+
     def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
         super().__init__(config, allocator)
-        if self.admission != "arrival":
+        if config.admission != "arrival":
             log.info(
                 "the fcfs scheduler admits in arrival order; admission=%r is ignored",
-                self.admission,
+                config.admission,
             )
-            self.admission = "arrival"
-        self.token_budget = config.max_num_batched_tokens
+        self.token_budget = self.settings.max_num_batched_tokens
         self.max_running = min(self.max_batch_size, self.token_budget)
         self.batch: set[int] = set()  # seq_ids of the batch in flight (running or preempted)
 
@@ -94,4 +96,4 @@ def create_fcfs(config: EngineConfig, allocator: Allocator) -> FCFSScheduler:
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register("fcfs", create_fcfs)
+    register("fcfs", create_fcfs, settings=BatchSettings)

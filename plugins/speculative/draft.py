@@ -46,9 +46,10 @@ import pitstop
 from pitstop.errors import ConfigError
 from pitstop.protocols import Proposal
 from pitstop.runner import ModelRunner, SeqInput
-from pitstop.sampling import is_greedy, make_generator, make_sampling_batch
+from pitstop.sampling import exponential_race, is_greedy, make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import PENDING_TOKEN
+from pitstop.settings import engine_setting
 from pitstop.spec_adaptation import speculation_max_batch
 from pitstop.speculative import draft_room
 from pitstop.weights import load_model_source
@@ -57,6 +58,15 @@ if TYPE_CHECKING:
     from pitstop.config import EngineConfig
     from pitstop.sequence import Sequence
     from pitstop.speculative import ProposerContext
+
+
+@attrs.frozen
+class DraftSettings:
+    """The settings of the ``draft`` proposer."""
+
+    model: str | None = engine_setting(
+        "speculative_model", help="draft model of the 'draft' proposer"
+    )
 
 
 class DraftProposer:
@@ -272,11 +282,7 @@ class DraftProposer:
             runner._last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
             return tokens, [None] * len(inputs)
         q = runner.sampler.probabilities(logits, batch)
-        e = torch.empty_like(q).exponential_(generator=self._shared)
-        for i, g in enumerate(gens):
-            if g is not None:
-                e[i].exponential_(generator=g)
-        tokens = (q / e.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        tokens = exponential_race(q, gens, self._shared)
         greedy = batch.temperature == 0.0  # on the device already: no copy, no wait
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         runner.last_sampled[: len(inputs)].copy_(tokens)
@@ -301,4 +307,4 @@ def create_draft(config: EngineConfig, context: ProposerContext) -> DraftPropose
 @pitstop.hookimpl
 def register_proposers(register: Any) -> None:
     """Register the ``draft`` proposer."""
-    register("draft", create_draft)
+    register("draft", create_draft, settings=DraftSettings)

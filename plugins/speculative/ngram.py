@@ -24,10 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 
 import pitstop
-from pitstop.protocols import Proposal
+from pitstop.protocols import Proposal, ProposerBase
+from pitstop.settings import engine_setting, read_settings
 from pitstop.speculative import draft_room
 
 if TYPE_CHECKING:
@@ -70,12 +72,21 @@ def lookup(tokens: Seq[int] | np.ndarray, k: int, max_n: int, min_n: int = 1) ->
     return []
 
 
-class NgramProposer:
+@attrs.frozen
+class NgramSettings:
+    """The settings of the ``ngram`` proposer (engine settings ``prompt_lookup_*``)."""
+
+    max_n: int = engine_setting("prompt_lookup_max", help="longest n-gram matched")
+    min_n: int = engine_setting("prompt_lookup_min", help="shortest n-gram matched")
+
+
+class NgramProposer(ProposerBase):
     """Prompt lookup over each sequence's own tokens."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.max_n = config.prompt_lookup_max
-        self.min_n = config.prompt_lookup_min
+        settings = read_settings(config, "ngram", NgramSettings)
+        self.max_n = settings.max_n
+        self.min_n = settings.min_n
         assert config.max_model_len is not None
         self.max_model_len = config.max_model_len
         self._tokens: dict[int, tuple[np.ndarray, int]] = {}  # seq_id -> (buffer, tokens in it)
@@ -120,4 +131,4 @@ def create_ngram(config: EngineConfig, context: ProposerContext) -> NgramPropose
 @pitstop.hookimpl
 def register_proposers(register: Any) -> None:
     """Register the ``ngram`` proposer."""
-    register("ngram", create_ngram)
+    register("ngram", create_ngram, settings=NgramSettings)

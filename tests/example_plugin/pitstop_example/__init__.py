@@ -1,10 +1,16 @@
 """An example third-party pitstop plugin.
 
-It registers one strategy and one observer:
+It registers one strategy, one command and one observer:
 
 * the allocator ``lifo``: paged KV cache whose free list is a stack, so the
   page freed last is handed out first (warm in the GPU's L2 when it is
   reused soon);
+* the command ``pitstop lifo-demo``: admits and frees a few sequences on a
+  ``lifo`` allocator built from the engine flags (``--page-size``,
+  ``--lifo.max-pages``) and prints which pages each one got;
+* the model architecture ``BigramForCausalLM`` (:mod:`pitstop_example.bigram`):
+  a checkpoint folder whose ``config.json`` names it loads and runs like a
+  Llama one;
 * an ``on_request_finished`` observer that counts finished requests by
   finish reason (read them from ``FINISHED``).
 
@@ -14,11 +20,18 @@ Install it (``pip install -e tests/example_plugin``) and pick it by name:
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
+import attrs
+
 import pitstop
+import pitstop.config
 from pitstop.protocols import AllocatorStats
+from pitstop.settings import read_settings, setting
+from pitstop_example import bigram
 
 FINISHED: Counter[str] = Counter()
 
@@ -108,15 +121,72 @@ class LifoAllocator:
         )
 
 
+@attrs.frozen
+class LifoSettings:
+    """The settings of the ``lifo`` allocator: ``--lifo.max-pages``, ``[plugins.lifo]``."""
+
+    max_pages: int | None = setting(
+        None,
+        type=int,
+        minimum=1,
+        optional=True,
+        help="use at most this many of the KV cache's pages (unset: all of them)",
+    )
+
+
 def make_lifo(config: pitstop.EngineConfig, num_pages: int) -> LifoAllocator:
     """Paged KV cache that reuses the most recently freed page first."""
+    settings = read_settings(config, "lifo", LifoSettings)
+    if settings.max_pages is not None:
+        num_pages = min(num_pages, settings.max_pages)
     return LifoAllocator(num_pages, config.page_size)
 
 
 @pitstop.hookimpl
 def register_allocators(register) -> None:
     """Register the ``lifo`` allocator."""
-    register("lifo", make_lifo)
+    register("lifo", make_lifo, settings=LifoSettings)
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pitstop lifo-demo``'s flags: the cache size, then every engine and plugin setting."""
+    parser.add_argument("--num-pages", type=int, default=8, help="pages in the demo cache")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=[5, 9, 3], help="token count of each sequence"
+    )
+    pitstop.config.add_cli_flags(parser, with_model=False)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Admit the sequences, free the first, admit it again: the pages it gets back are reused."""
+    allocator = make_lifo(pitstop.EngineConfig.from_cli(args), args.num_pages)
+    seqs = [
+        SimpleNamespace(seq_id=i, request_id=f"s{i}", num_tokens=n)
+        for i, n in enumerate(args.tokens)
+    ]
+    for seq in seqs:
+        if not allocator.can_allocate(seq):
+            print(f"{seq.request_id}: {seq.num_tokens} tokens do not fit")
+            return 1
+        allocator.allocate(seq)
+        print(f"{seq.request_id}: pages {allocator.block_table(seq)}")
+    allocator.free(seqs[0])
+    again = SimpleNamespace(seq_id=len(seqs), request_id="again", num_tokens=seqs[0].num_tokens)
+    allocator.allocate(again)
+    print(f"again: pages {allocator.block_table(again)} (freed last, reused first)")
+    return 0
+
+
+@pitstop.hookimpl
+def register_commands(register) -> None:
+    """Register ``pitstop lifo-demo``."""
+    register("lifo-demo", add_demo_arguments, run_demo, help="show LIFO page reuse")
+
+
+@pitstop.hookimpl
+def register_models(register) -> None:
+    """Register the ``BigramForCausalLM`` architecture."""
+    register(bigram.ARCHITECTURE, bigram.make_bigram, architecture=bigram.BIGRAM)
 
 
 @pitstop.hookimpl

@@ -16,10 +16,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pitstop.architecture import Architecture
 from pitstop.attention import AttentionMetadata
 from pitstop.errors import ModelLoadError
 from pitstop.hookspecs import hookimpl
-from pitstop.model_config import ModelConfig, rope_frequencies
+from pitstop.model_config import HF_MODEL_TYPES, ModelConfig, rope_frequencies
 from pitstop.protocols import KernelSet, RotaryCache
 
 
@@ -260,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
-        merged = bool(getattr(kernels, "merge_projections", False))
+        merged = bool(kernels.merge_projections)
         self.merged = merged
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
@@ -442,5 +443,12 @@ def make_llama(model_config: ModelConfig, kernels: KernelSet) -> LlamaForCausalL
 @hookimpl
 def register_models(register) -> None:
     """Register the Llama family under the architecture names checkpoints use."""
-    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        register(arch, make_llama)
+    for model_type, arch in HF_MODEL_TYPES.items():
+        rules = Architecture(
+            config_from_hf=None,  # pitstop's reader of the family's fields (model_config.py)
+            weight_shapes=expected_weight_shapes,
+            rotary=rotary_cache,
+            ignored_tensor=ignored_checkpoint_tensor,
+            model_types=(model_type,),
+        )
+        register(arch, make_llama, architecture=rules)

@@ -138,40 +138,23 @@ class _LogitsTap:
     The runner computes logits once per step, for the rows it samples:
     ``num_logits`` rows at the end of each sampling sequence's tokens, in input
     order (one per sequence for a decode or prefill, k + 1 when verifying k
-    drafts). The tap wraps the runner's ``launch`` (to see the step's
-    sequences) and the model's ``compute_logits`` (to see the rows), and calls
+    drafts). The tap is the engine's logits observer
+    (:meth:`~pitstop.engine.LLMEngine.observe_logits`) and calls
     ``on_row(prompt_index, output_tokens_before_the_row, logits_row)``.
     """
 
     def __init__(self, engine: LLMEngine, on_row: RowCallback) -> None:
         self.engine, self.on_row = engine, on_row
-        self.step_seqs: list[Any] = []
         # Rows seen at launch, handed on by flush(): under the overlapped loop a row's
         # context ends in a token the host learns of only when the step after it is launched.
         self._rows: list[tuple[int, Any, Any, int, torch.Tensor]] = []
-        runner = engine.runner
-        launch, compute_logits = runner.launch, runner.model.compute_logits
+        engine.observe_logits(self._see)
 
-        def tapped_launch(step):
-            self.step_seqs = step.seqs
-            return launch(step)
-
-        def tapped_compute_logits(hidden: torch.Tensor) -> torch.Tensor:
-            logits = compute_logits(hidden)
-            self._see(logits)
-            return logits
-
-        runner.launch = tapped_launch
-        runner.model.compute_logits = tapped_compute_logits
-
-    def _see(self, logits: torch.Tensor) -> None:
-        # the engine's live requests, by the sequence id the runner knows them by
-        live = self.engine.live_sequences()
+    def _see(self, inputs: Any, sequences: list[Any], logits: torch.Tensor) -> None:
         row = 0
-        for inp in self.step_seqs:
+        for inp, seq in zip(inputs, sequences, strict=True):
             if not inp.sample:
                 continue
-            seq = live.get(inp.seq_id)
             if seq is not None and seq.request_id.startswith(_REQUEST_PREFIX):
                 index = int(seq.request_id.removeprefix(_REQUEST_PREFIX))
                 for j in range(inp.num_logits):

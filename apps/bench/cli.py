@@ -1,6 +1,6 @@
 """``pitstop bench offline|online``: run a workload on one or more configurations (and a peer).
 
-Found by :mod:`pitstop.cli` through :func:`add_subcommand`. Examples::
+Registered through the ``register_commands`` hook (entry point ``commands-bench``). Examples::
 
     pitstop bench offline --workload cpu-smoke --peer transformers
     pitstop bench offline --workload nano --output results.json --plot nano.png
@@ -21,10 +21,15 @@ import attrs
 
 from pitstop.bench import floor as floors
 from pitstop.bench import matrix as matrices
+from pitstop.bench.options import (
+    SCHEMA,
+    BenchError,
+    clients_from_args,
+    fill_column,
+    workload_from_args,
+)
 from pitstop.bench.report import (
-    RunResult,
     device_name,
-    figures,
     git_commit,
     now_iso,
     table,
@@ -34,28 +39,31 @@ from pitstop.bench.workloads import (
     GENERATORS,
     TOKEN_ID_HIGH,
     Workload,
-    build_workload,
     fit_to_model,
     parse_range,
 )
 from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import PitstopError
+from pitstop.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "pitstop.bench/1"
 PEERS = ("transformers",)
 
 
-class BenchError(PitstopError, ValueError):
-    """A ``pitstop bench`` argument is invalid."""
-
-
-def add_subcommand(subparsers: Any) -> None:
-    """Add ``pitstop bench`` with its ``offline`` and ``online`` modes."""
-    bench = subparsers.add_parser(
-        "bench", help="benchmark a workload (offline or online), configurations, peers"
+@hookimpl
+def register_commands(register: Any) -> None:
+    """Register ``pitstop bench``."""
+    register(
+        "bench",
+        add_arguments,
+        cmd_bench,
+        help="benchmark a workload (offline or online), configurations, peers",
     )
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    """``pitstop bench``'s ``offline`` and ``online`` modes and their flags."""
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     for mode, names, help_text in (
         ("offline", "nano|single|cpu-smoke|FILE", "every request submitted at once"),
@@ -147,17 +155,6 @@ def add_subcommand(subparsers: Any) -> None:
 
 
 # ---------------------------------------------------------------------- orchestration
-def _workload(args: argparse.Namespace, token_high: int = TOKEN_ID_HIGH) -> Workload:
-    return build_workload(
-        args.workload,
-        num_requests=args.num_requests,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        seed=args.seed or 0,  # the engine's --seed seeds the workload's draws too
-        token_high=token_high,
-    )
-
-
 def base_config(args: argparse.Namespace, workload: Workload) -> EngineConfig:
     """The engine config of the flags, with the workload's defaults where no flag was given."""
     given = {k: v for k, v in vars(args).items() if v is not None}
@@ -185,22 +182,6 @@ def _tokenize(workload: Workload, tokenizer: Any) -> Workload:
     return attrs.evolve(workload, requests=reqs)
 
 
-def _clients(args: argparse.Namespace, workload: Workload) -> tuple[int | None, float | None]:
-    if args.bench_mode == "offline":
-        return None, None
-    rate = getattr(args, "request_rate", None)
-    conc = getattr(args, "concurrency", None)
-    if conc is not None and conc < 1:
-        raise BenchError(f"--concurrency must be >= 1, got {conc}")
-    if rate is not None and rate <= 0:
-        raise BenchError(f"--request-rate must be > 0, got {rate}")
-    if rate is not None and conc is not None:
-        raise BenchError("give --concurrency (closed loop) or --request-rate (Poisson), not both")
-    if rate is not None:
-        return None, rate
-    return conc or workload.concurrency or 32, None
-
-
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything the flags ask for; return the results document (also printed as a table)."""
     from pitstop.bench.backends import PitstopBackend, TransformersBackend
@@ -213,8 +194,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
         return run_http_bench(args)
     if args.workload not in GENERATORS and not Path(args.workload).exists():
-        _workload(args)  # raises the error that lists the workloads
-    wl = _workload(args)
+        workload_from_args(args)  # raises the error that lists the workloads
+    wl = workload_from_args(args)
     config = base_config(args, wl)
     configs = matrices.parse_matrix(args.matrix) if args.matrix else [("pitstop", {})]
     if getattr(args, "only", None):
@@ -223,7 +204,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     mc = source.model_config
     token_high = min(TOKEN_ID_HIGH, mc.vocab_size - 1)
     if token_high != TOKEN_ID_HIGH:
-        wl = _workload(args, token_high)
+        wl = workload_from_args(args, token_high)
     wl = _tokenize(wl, source.tokenizer)
     max_len = config.max_model_len or min(mc.max_position_embeddings, 4096)
     wl, skipped = fit_to_model(wl, vocab_size=mc.vocab_size, max_model_len=max_len)
@@ -235,7 +216,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "that do not fit the model",
             file=sys.stderr,
         )
-    concurrency, rate = _clients(args, wl)
+    concurrency, rate = clients_from_args(args, wl)
     repeats = args.repeats or wl.repeats
     device = resolve_device(config.device)
     dev = str(device)
@@ -278,7 +259,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 request_rate=rate,
                 warmup=not args.no_warmup,
             )
-            _fill(col, run, floor, skipped)
+            fill_column(col, run, floor, skipped)
         except (PitstopError, RuntimeError, ValueError, ImportError) as exc:
             col["error"] = f"{type(exc).__name__}: {exc}"
             print(f"[bench] {name} failed: {col['error']}", file=sys.stderr)
@@ -309,7 +290,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 request_rate=rate,
                 warmup=not args.no_warmup,
             )
-            _fill(peer, run, floor, skipped)
+            fill_column(peer, run, floor, skipped)
             peer["ratio"] = _ratios(columns, peer)
         except Exception as exc:  # the peer is a third party: any failure is reported, not fatal
             peer["error"] = f"{type(exc).__name__}: {exc}"
@@ -343,15 +324,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def _config_dict(cfg: EngineConfig) -> dict[str, Any]:
     return {k: v for k, v in attrs.asdict(cfg).items() if not isinstance(v, dict) or v}
-
-
-def _fill(
-    col: dict[str, Any], run: RunResult, floor: floors.Floor | None, skipped: list[str]
-) -> None:
-    run.skipped = skipped
-    col["figures"] = figures(run, floor_s=floor.seconds if floor else None)
-    col["ttfts_ms"] = [1e3 * r.ttft for r in run.records if r.ttft is not None]
-    col["requests"] = [r.as_dict(run.start) for r in run.records]
 
 
 def _ratios(columns: list[dict[str, Any]], peer: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,12 @@ from typing import Any
 
 import attrs
 
+from pitstop.outputs import (
+    inter_token_latencies,
+    time_per_output_token,
+    time_to_first_token,
+)
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -39,7 +45,8 @@ class RequestRecord:
 
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
+        """Time to first token, from arrival."""
+        return time_to_first_token(self.arrival, self.first_token)
 
     @property
     def e2e(self) -> float | None:
@@ -47,15 +54,14 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        # Over HTTP several tokens can share one streamed chunk: divide by the tokens produced.
-        t = self.token_times
-        n = max(len(t), self.output_len)
-        return (t[-1] - t[0]) / (n - 1) if len(t) >= 2 else None
+        """Time per output token; over HTTP several tokens can share one streamed chunk, so
+        it divides by the tokens produced (:func:`pitstop.outputs.time_per_output_token`)."""
+        return time_per_output_token(self.token_times, self.output_len)
 
     @property
     def itls(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
+        """Gaps between consecutive token arrivals."""
+        return inter_token_latencies(self.token_times)
 
     def as_dict(self, t0: float) -> dict[str, Any]:
         """A JSON row, times relative to ``t0`` (the run's start)."""

@@ -367,8 +367,14 @@ class HttpBackend:
 # ---------------------------------------------------------------------- orchestration
 def run_http_bench(args: argparse.Namespace) -> dict[str, Any]:
     """``pitstop bench online --url``: the results document (the same shape as in-process)."""
-    from pitstop.bench.cli import SCHEMA, BenchError, _clients, _fill, _workload
     from pitstop.bench.drivers import best_of
+    from pitstop.bench.options import (
+        SCHEMA,
+        BenchError,
+        clients_from_args,
+        fill_column,
+        workload_from_args,
+    )
     from pitstop.bench.report import git_commit, now_iso
     from pitstop.bench.workloads import fit_to_model
     from pitstop.config import EngineConfig
@@ -394,7 +400,7 @@ def run_http_bench(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     url = base_url(args.url)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
-    wl = _workload(args)  # a bad workload name is an error before the server is asked
+    wl = workload_from_args(args)  # a bad workload name is an error before the server is asked
     info = probe(url, api_key)
     max_len = info.max_model_len or 1 << 62
     wl, skipped = fit_to_model(wl, vocab_size=1 << 62, max_model_len=max_len)
@@ -406,7 +412,7 @@ def run_http_bench(args: argparse.Namespace) -> dict[str, Any]:
             f"longer than the server's max_model_len {info.max_model_len}",
             file=sys.stderr,
         )
-    concurrency, rate = _clients(args, wl)
+    concurrency, rate = clients_from_args(args, wl)
     repeats = args.repeats or wl.repeats
     model = args.model or info.model
     col: dict[str, Any] = {"name": "server", "backend": "http", "url": url, "settings": {}}
@@ -435,7 +441,7 @@ def run_http_bench(args: argparse.Namespace) -> dict[str, Any]:
         for msg, n in errors.most_common(5):
             print(f"[bench]   {n} x {msg}", file=sys.stderr)
     if run.records:
-        _fill(col, run, None, skipped)
+        fill_column(col, run, None, skipped)
         tokens = sum(r.output_len for r in run.records)
         chunks = sum(backend.chunks.get(r.request_id, 0) for r in run.records)
         col["stream"] = {"chunks": chunks, "output_tokens": tokens}

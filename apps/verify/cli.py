@@ -14,19 +14,27 @@ from typing import Any
 
 from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import ConfigError
+from pitstop.hookspecs import hookimpl
 from pitstop.verify.prompts import load_prompts, prompt_from_dict, shipped_prompts
 
 
-def add_subcommand(subparsers: Any) -> None:
-    """Add ``pitstop verify``: prompt, tolerance and output flags, then every engine flag."""
-    p = subparsers.add_parser(
+@hookimpl
+def register_commands(register: Any) -> None:
+    """Register ``pitstop verify``."""
+    register(
         "verify",
+        add_arguments,
+        run,
         help="check a configuration's greedy output and logits against the reference kernels",
         description="Run a prompt set through the given configuration and through the reference "
         "one (reference kernels, paged allocator, continuous scheduler, no speculation) on the "
         "same weights; report per prompt the first token where they diverge and the largest "
         "logit difference before it. Exit 0: all pass; 1: some prompt fails; 2: bad input.",
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``pitstop verify``'s flags: prompt, tolerance and output flags, then every engine flag."""
     p.add_argument(
         "--prompts",
         dest="prompts_files",
@@ -56,7 +64,6 @@ def add_subcommand(subparsers: Any) -> None:
     )
     p.add_argument("--json", metavar="FILE", help="also write every result to FILE as JSON")
     add_cli_flags(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

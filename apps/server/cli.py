@@ -1,6 +1,6 @@
 """``pitstop serve MODEL``: the OpenAI-compatible HTTP server.
 
-Found by :mod:`pitstop.cli`, which calls :func:`add_subcommand`. The web
+Registered through the ``register_commands`` hook (entry point ``commands-serve``). The web
 libraries are imported only when the command runs, so ``pitstop`` works
 without them (``pip install 'pitstop[serve]'`` adds them).
 """
@@ -16,6 +16,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from pitstop.config import EngineConfig, add_cli_flags
+from pitstop.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from pitstop.server.app import ServerSettings
@@ -28,13 +29,20 @@ def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def add_subcommand(subparsers: Any) -> None:
-    """Add ``serve`` to the ``pitstop`` command."""
-    p = subparsers.add_parser(
+@hookimpl
+def register_commands(register: Any) -> None:
+    """Register ``pitstop serve``."""
+    register(
         "serve",
+        add_arguments,
+        cmd_serve,
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL over OpenAI's completions and chat API, with /health and /metrics.",
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``pitstop serve``'s flags: the model, the server's own, then every engine flag."""
     p.add_argument(
         "model",
         nargs="?",
@@ -122,7 +130,6 @@ def add_subcommand(subparsers: Any) -> None:
         help="uvicorn's own log level (default warning)",
     )
     add_cli_flags(p, with_model=False)
-    p.set_defaults(func=cmd_serve)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:

@@ -1,0 +1,167 @@
+"""A model ready to build (:class:`ModelSource`) and the safetensors reader.
+
+Every loader (:mod:`pitstop.weights` for Hugging Face folders, the hub cache
+and dummy presets; :mod:`pitstop.gguf_loader` for GGUF files and its cache)
+returns a :class:`ModelSource` and reads safetensors files through here, so
+no loader imports another to get them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from pitstop.errors import ModelLoadError
+from pitstop.model_config import ModelConfig
+from pitstop.tokenizer import Tokenizer
+
+WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+@attrs.frozen
+class ModelSource:
+    """A model ready to build: its shape, tokenizer and a way to read its weights."""
+
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None  # None for dummy presets (unless a tokenizer was given)
+    weights: WeightsFn | None  # each call starts a fresh pass; None => random weights
+    description: str
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.weights is None
+
+
+# ---------------------------------------------------------------------- safetensors
+# dtypes pitstop reads; anything else (int8, fp8, ...) belongs to a quantized checkpoint
+SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
+_MAX_HEADER = 100 * 2**20  # the safetensors format's own limit
+
+
+@attrs.frozen
+class SafetensorsEntry:
+    """One tensor of a safetensors file: where its bytes lie (absolute offsets) and what they are."""
+
+    file: Path
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_safetensors_header(file: Path) -> list[SafetensorsEntry]:
+    """The tensors of one safetensors file, every field checked against the file's size:
+    a corrupt, truncated or hostile header is a ModelLoadError before any allocation."""
+
+    def corrupt(why: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"cannot read weights file {file}: {why}; the file is corrupt or truncated"
+        )
+
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise corrupt(f"it has {size} bytes, fewer than a header")
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, _MAX_HEADER):
+                raise corrupt(f"its header claims {n:,} bytes of {size:,}")
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        raise corrupt(str(exc)) from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise corrupt(f"its header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    data_start = 8 + n
+    entries: list[SafetensorsEntry] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError) as exc:
+            raise corrupt(f"tensor {name!r} has a malformed entry {info!r}") from exc
+        if dtype_name not in SAFETENSORS_DTYPES:
+            raise ModelLoadError(
+                f"{file}: tensor {name!r} has dtype {dtype_name}; pitstop reads "
+                f"{', '.join(SAFETENSORS_DTYPES)} checkpoints (a quantized checkpoint needs "
+                "its own loader: use a GGUF file instead)"
+            )
+        ints = [*shape, begin, end] if isinstance(shape, list) else None
+        if ints is None or not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
+            raise corrupt(f"tensor {name!r} has a malformed shape or offsets {info!r}")
+        dtype = SAFETENSORS_DTYPES[dtype_name]
+        numel = 1
+        for d in shape:
+            numel *= d
+        if min(ints, default=0) < 0 or begin > end or data_start + end > size:
+            raise corrupt(f"tensor {name!r} claims bytes {begin}..{end}, beyond the file's end")
+        if end - begin != numel * dtype.itemsize:
+            raise corrupt(
+                f"tensor {name!r} of shape {tuple(shape)} ({dtype_name}) needs "
+                f"{numel * dtype.itemsize:,} bytes but claims {end - begin:,}"
+            )
+        entries.append(
+            SafetensorsEntry(file, name, dtype, tuple(shape), data_start + begin, data_start + end)
+        )
+    entries.sort(key=lambda e: e.start)
+    for a, b in zip(entries, entries[1:], strict=False):
+        if b.start < a.end:
+            raise corrupt(f"tensors {a.name!r} and {b.name!r} overlap")
+    return entries
+
+
+def read_safetensors_headers(files: list[Path]) -> dict[str, SafetensorsEntry]:
+    """Every tensor of a (sharded) checkpoint by name; a name in two files is an error."""
+    entries: dict[str, SafetensorsEntry] = {}
+    for file in files:
+        for e in read_safetensors_header(file):
+            if e.name in entries:
+                raise ModelLoadError(
+                    f"tensor {e.name!r} is in both {entries[e.name].file.name} and {file.name}"
+                )
+            entries[e.name] = e
+    return entries
+
+
+def iter_safetensors(entries: dict[str, SafetensorsEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor, read from its file straight into a CPU tensor of the file's dtype (no
+    memory map, no intermediate copy), file by file in byte order."""
+    by_file: dict[Path, list[SafetensorsEntry]] = {}
+    for e in entries.values():
+        by_file.setdefault(e.file, []).append(e)
+    for file, items in by_file.items():
+        with open(file, "rb", buffering=0) as f:
+            for e in sorted(items, key=lambda x: x.start):
+                tensor = torch.empty(e.shape, dtype=e.dtype)
+                _read_into(f, e, tensor)
+                yield e.name, tensor
+                del tensor  # the next tensor is allocated only once the caller dropped this one
+
+
+def _read_into(f: Any, e: SafetensorsEntry, tensor: torch.Tensor) -> None:
+    if tensor.numel() == 0:
+        return
+    view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+    f.seek(e.start)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise ModelLoadError(
+                f"weights file {e.file} ended inside tensor {e.name!r}; the file is truncated"
+            )
+        done += n

@@ -1,0 +1,258 @@
+"""Declared plugin settings: one typed, validated path from Python, TOML and CLI flags.
+
+A plugin registers a settings class with its strategy,
+``register("prefix", create_prefix, settings=PrefixSettings)``: a frozen
+attrs class whose fields are made with :func:`setting`. The strategy's name
+is the settings' namespace, so ``prefix.max_cached_pages`` is
+
+- ``EngineConfig(options={"prefix.max_cached_pages": 8})`` in Python,
+- ``[plugins.prefix]`` / ``max_cached_pages = 8`` in a TOML file,
+- ``--prefix.max-cached-pages 8`` on the command line.
+
+:func:`read_settings` turns an :class:`~pitstop.config.EngineConfig` into the
+validated settings object; the plugin manager calls it for every declared
+namespace before any weight loads, and the plugin's factory calls it again to
+read its values. A field made with ``setting(engine="chunk_size")`` is the
+engine-wide setting of that name (one of the documented ``EngineConfig``
+fields): the plugin reads it through its settings class, and users keep
+setting it as ``chunk_size`` / ``--chunk-size``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from pitstop.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pitstop.config import EngineConfig
+
+TOML_TABLE = "plugins"  # [plugins.<strategy name>] tables of a config file
+
+
+class _InvalidSetting(ValueError):
+    """Raised by a field validator; :func:`read_settings` turns it into a ConfigError."""
+
+
+def setting(
+    default: Any,
+    *,
+    help: str,
+    type: type,
+    minimum: float | None = None,
+    choices: Sequence[Any] = (),
+    optional: bool = False,
+    engine: str | None = None,
+    legacy: Sequence[str] = (),
+) -> Any:
+    """One declared setting of a plugin's settings class.
+
+    ``type`` is ``int``, ``float``, ``bool`` or ``str``; ``minimum`` bounds a
+    number from below, ``choices`` lists the allowed values, ``optional``
+    allows ``None`` (unset). ``engine`` names the :class:`EngineConfig` field
+    this setting is (its value comes from there); ``legacy`` lists older
+    ``options`` keys still accepted for it.
+    """
+    if type not in (int, float, bool, str):
+        raise TypeError(f"setting type must be int, float, bool or str, got {type!r}")
+    metadata = {
+        "help": help,
+        "type": type,
+        "minimum": minimum,
+        "choices": tuple(choices),
+        "optional": optional,
+        "engine": engine,
+        "legacy": tuple(legacy),
+    }
+    return attrs.field(default=default, validator=_check_value, metadata=metadata)
+
+
+def engine_setting(name: str, *, help: str) -> Any:
+    """A plugin setting that is the engine-wide :class:`EngineConfig` field ``name``.
+
+    Its type, default and validation are that field's (documented with the
+    other engine settings); the plugin reads it through its settings class.
+    """
+    metadata = {"help": help, "type": None, "engine": name, "legacy": ()}
+    return attrs.field(default=None, metadata=metadata)
+
+
+def allowed_values(att: attrs.Attribute) -> str:
+    """What a setting accepts, in words ("an integer >= 0, or unset")."""
+    md = att.metadata
+    if md["engine"] is not None:
+        return f"engine setting (--{md['engine'].replace('_', '-')})"
+    if md["choices"]:
+        text = "one of " + ", ".join(map(repr, md["choices"]))
+    elif md["type"] is bool:
+        text = "true or false"
+    else:
+        text = {int: "an integer", float: "a finite number", str: "a non-empty string"}[md["type"]]
+        if md["minimum"] is not None:
+            text += f" >= {md['minimum']:g}"
+    return text + (", or unset" if md["optional"] else "")
+
+
+def _check_value(_inst: Any, att: attrs.Attribute, value: Any) -> None:
+    md = att.metadata
+    if value is None and md["optional"]:
+        return
+    kind = md["type"]
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        ok = isinstance(value, str) and bool(value)
+    if ok and md["minimum"] is not None:
+        ok = value >= md["minimum"]
+    if ok and md["choices"]:
+        ok = value in md["choices"]
+    if not ok:
+        raise _InvalidSetting(att.name, value)
+
+
+def is_settings_class(cls: Any) -> bool:
+    """Whether ``cls`` is an attrs class whose every field was made with :func:`setting`."""
+    return (
+        isinstance(cls, type)
+        and attrs.has(cls)
+        and all("engine" in att.metadata for att in attrs.fields(cls))
+    )
+
+
+def option_fields(cls: type) -> list[attrs.Attribute]:
+    """The fields set through ``options`` / TOML / CLI (not engine-wide ones)."""
+    return [att for att in attrs.fields(cls) if att.metadata["engine"] is None]
+
+
+def describe(
+    cls: type, namespace: str, engine_defaults: Any = None
+) -> list[tuple[str, str, str, str]]:
+    """One row per setting: (key, allowed values, default, help).
+
+    An engine-wide setting's key is its :class:`EngineConfig` name, its
+    default read from ``engine_defaults`` (an ``EngineConfig()``) when given.
+    """
+    rows = []
+    for att in attrs.fields(cls):
+        md = att.metadata
+        key = md["engine"] or f"{namespace}.{att.name}"
+        if md["engine"]:
+            default = repr(getattr(engine_defaults, md["engine"], "(engine setting)"))
+        else:
+            default = repr(att.default)
+        rows.append((key, allowed_values(att), default, md["help"]))
+    return rows
+
+
+def read_settings(config: EngineConfig, namespace: str, cls: type, *, owner: str = "") -> Any:
+    """The validated settings of the plugin ``namespace`` from ``config``.
+
+    ``options["<namespace>.<field>"]`` wins over a ``legacy`` key, which wins
+    over the default; an engine-wide field reads its :class:`EngineConfig`
+    value. A wrong type, an out-of-range value or an unknown
+    ``<namespace>.`` key is a :class:`ConfigError` naming the plugin, the
+    setting and what it accepts.
+    """
+    owner = owner or f"plugin {namespace!r}"
+    by_name = {att.name: att for att in attrs.fields(cls)}
+    values: dict[str, Any] = {}
+    given_as: dict[str, str] = {}  # field -> the legacy key it was read from
+    prefix = namespace + "."
+    for key, value in config.options.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :]
+        att = by_name.get(name)
+        if att is None or att.metadata["engine"] is not None:
+            raise ConfigError(_unknown(owner, key, att, cls, namespace))
+        values[name] = value
+    for att in attrs.fields(cls):
+        md = att.metadata
+        if md["engine"] is not None:
+            values[att.name] = getattr(config, md["engine"])
+        elif att.name not in values:
+            for key in md["legacy"]:
+                if key in config.options:
+                    values[att.name] = config.options[key]
+                    given_as[att.name] = key
+                    break
+    try:
+        return cls(**values)
+    except _InvalidSetting as exc:
+        name, value = exc.args
+        att = by_name[name]
+        key = f"{namespace}.{name}"
+        via = f" (given as {given_as[name]})" if name in given_as else ""
+        raise ConfigError(
+            f"{owner}: setting {key}{via} must be {allowed_values(att)}, got {value!r}"
+        ) from None
+
+
+def _unknown(owner: str, key: str, att: Any, cls: type, namespace: str) -> str:
+    if att is not None:  # an engine-wide setting given under the plugin's namespace
+        flag = "--" + att.metadata["engine"].replace("_", "-")
+        return (
+            f"unknown option {key!r}: {owner} reads the engine setting "
+            f"{att.metadata['engine']}; set that instead ({flag}, or "
+            f"{att.metadata['engine']} = ... in TOML)"
+        )
+    known = (
+        ", ".join(f"{namespace}.{a.name} ({allowed_values(a)})" for a in option_fields(cls))
+        or "none"
+    )
+    return f"unknown option {key!r}: {owner} has the settings {known}"
+
+
+def settings_from_toml(data: Mapping[str, Any], path: Any) -> dict[str, Any]:
+    """The ``options`` entries of a file's ``[plugins.<name>]`` tables."""
+    tables = data.get(TOML_TABLE, {})
+    if not isinstance(tables, Mapping):
+        raise ConfigError(
+            f"config file {path}: '{TOML_TABLE}' must be a table of plugin tables, "
+            f"e.g. [{TOML_TABLE}.prefix] with max_cached_pages = 8"
+        )
+    options: dict[str, Any] = {}
+    for name, table in tables.items():
+        if not isinstance(table, Mapping):
+            raise ConfigError(
+                f"config file {path}: [{TOML_TABLE}.{name}] must be a table of that plugin's "
+                f"settings, got {table!r}"
+            )
+        for key, value in table.items():
+            options[f"{name}.{key}"] = value
+    return options
+
+
+def flag_name(namespace: str, field: str) -> str:
+    """The CLI flag of one setting: ``--<namespace>.<field with dashes>``."""
+    return f"--{namespace}.{field.replace('_', '-')}"
+
+
+def check_option_keys(options: Mapping[str, Any], declared: Mapping[str, str]) -> None:
+    """Raise :class:`ConfigError` for an ``options`` key that no plugin declares.
+
+    ``declared`` maps each key a loaded plugin reads to the plugin that reads
+    it. A key whose namespace (the part before the first dot) no plugin
+    declares anything in is left alone, unless it is a near-miss of a
+    declared key: third-party plugins that do not declare their keys yet keep
+    working, while ``prefix.max_cache_pages`` is caught.
+    """
+    namespaces = {key.split(".", 1)[0] for key in declared}
+    for key in options:
+        if key in declared:
+            continue
+        close = difflib.get_close_matches(key, list(declared), n=1, cutoff=0.8)
+        if key.split(".", 1)[0] not in namespaces and not close:
+            continue
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        known = ", ".join(f"{k} ({declared[k]})" for k in sorted(declared))
+        raise ConfigError(f"unknown option {key!r}: {hint}options the loaded plugins read: {known}")

@@ -1,0 +1,110 @@
+"""A tiny third-party model architecture: ``BigramForCausalLM``.
+
+Each token's logits depend on that token alone: ``logits = lm_head(embed(token))``.
+It has no attention, so it reads neither the rotary tables nor the KV cache the
+runner hands it; it exists to show what a model plugin provides: a factory,
+and an :class:`~pitstop.architecture.Architecture` that says how its
+``config.json`` is read and which tensors its checkpoint holds.
+
+``config.json``: ``{"model_type": "bigram", "architectures":
+["BigramForCausalLM"], "vocab_size": V, "hidden_size": H}``; tensors
+``model.embed_tokens.weight`` and ``lm_head.weight``, both ``[V, H]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from pitstop.architecture import Architecture
+from pitstop.errors import ModelLoadError
+from pitstop.model_config import ModelConfig
+from pitstop.protocols import RotaryCache
+
+ARCHITECTURE = "BigramForCausalLM"
+
+
+def config_from_hf(raw: Mapping[str, Any], where: str) -> ModelConfig:
+    """The shape of a bigram model from its ``config.json``; a missing or bad size is an error."""
+    sizes = {}
+    for key in ("vocab_size", "hidden_size"):
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**20:
+            raise ModelLoadError(
+                f"{where}: {key} must be an integer from 1 to 2**20, got {value!r}"
+            )
+        sizes[key] = value
+    return ModelConfig(
+        architecture=ARCHITECTURE,
+        vocab_size=sizes["vocab_size"],
+        hidden_size=sizes["hidden_size"],
+        intermediate_size=1,
+        num_layers=1,  # the runner sizes a KV cache by these; the model never reads it
+        num_heads=1,
+        num_kv_heads=1,
+        head_size=2,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        eos_token_ids=tuple(raw.get("eos_token_id") or ()),
+    )
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The two tensors of a bigram checkpoint."""
+    shape = (config.vocab_size, config.hidden_size)
+    return {"model.embed_tokens.weight": shape, "lm_head.weight": shape}
+
+
+def no_rotary(config: ModelConfig, max_positions: int, device: torch.device) -> RotaryCache:
+    """Empty tables: the model has no attention to rotate."""
+    del config
+    empty = torch.zeros(max_positions, 1, device=device)
+    return RotaryCache(cos=empty, sin=empty)
+
+
+class BigramForCausalLM(nn.Module):
+    """``logits[t] = lm_head(embed(token[t]))``."""
+
+    def __init__(self, config: ModelConfig, kernels: Any) -> None:
+        super().__init__()
+        self.config, self.kernels = config, kernels
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+
+    def forward(self, input_ids: torch.Tensor, rotary: Any, kv_cache: Any, meta: Any) -> Any:
+        """The hidden state of each input token: its embedding."""
+        del rotary, kv_cache, meta
+        return self.embed_tokens[input_ids]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the selected rows, through the kernel set's GEMM."""
+        return self.kernels.linear(hidden, self.lm_head)
+
+    def init_dummy(self, seed: int) -> None:
+        """Seeded random weights."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in (self.embed_tokens, self.lm_head):
+                p.copy_(torch.randn(p.shape, generator=generator))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the checkpoint's two tensors (the loader checked names and shapes)."""
+        params = {"model.embed_tokens.weight": self.embed_tokens, "lm_head.weight": self.lm_head}
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+
+
+def make_bigram(config: ModelConfig, kernels: Any) -> BigramForCausalLM:
+    """A bigram language model: each token's logits depend on that token alone."""
+    return BigramForCausalLM(config, kernels)
+
+
+BIGRAM = Architecture(
+    config_from_hf=config_from_hf,
+    weight_shapes=weight_shapes,
+    rotary=no_rotary,
+    model_types=("bigram",),
+)
