@@ -57,6 +57,7 @@ from pitstop.runner import (
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import Sequence, SequenceStatus
 from pitstop.spec_adaptation import SpeculationPolicy
+from pitstop.spec_graphs import capture_verify_graphs
 from pitstop.speculative import ProposerContext, draft_room
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
 from pitstop.validation import check_encoded_prompt, validate_request
@@ -122,7 +123,9 @@ class LLMEngine:
         self.runner.load_weights(source.weights)
         num_pages = self.runner.plan_num_pages()
         self.runner.init_kv_cache(num_pages)
-        self.runner.maybe_capture_graphs()
+        self.runner.maybe_capture_graphs(
+            capture_verify_graphs if config.speculative is not None else None
+        )
         if num_pages * config.page_size < config.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_pages * config.page_size} tokens, less than one sequence of "

@@ -27,7 +27,7 @@ from pitstop.protocols import SamplingBatch
 from pitstop.sampling import make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import PENDING_TOKEN
-from pitstop.speculative import DraftVerifier
+from pitstop.speculative import DeviceVerified, DraftVerifier
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,46 @@ class LaunchedStep:
         return self._ready
 
 
+class LaunchedVerification(LaunchedStep):
+    """A verification step on its way: its packed results travel to pinned host memory.
+
+    One non-blocking copy, completed on an event; :meth:`result` waits for it
+    (the step's one host-device synchronization) and unpacks.
+    """
+
+    def __init__(self, seqs: list[SeqInput], verified: DeviceVerified) -> None:
+        super().__init__(seqs)
+        self._verified = verified
+        cuda = verified.packed.device.type == "cuda"
+        self._packed = verified.packed.to("cpu", non_blocking=cuda)
+        self._lps = None
+        if verified.logprobs is not None:
+            self._lps = verified.logprobs.to("cpu", non_blocking=cuda)
+        self._done: torch.cuda.Event | None = None
+        if cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> StepOutput:
+        """Wait for the copy; the accepted drafts and one more token per sampling sequence."""
+        if self._ready is not None:
+            return self._ready
+        if self._done is not None:
+            self._done.synchronize()
+        lps = self._lps.tolist() if self._lps is not None else None
+        v = self._verified.unpack(self._packed.tolist(), lps)
+        emitted = iter(range(len(v.token_ids)))
+        results = []
+        for s in self.seqs:
+            if not s.sample:
+                results.append(_NO_TOKENS)
+                continue
+            i = next(emitted)
+            results.append(SeqResult(v.token_ids[i], v.logprobs[i] if v.logprobs else None))
+        self._ready = StepOutput(results)
+        return self._ready
+
+
 class ModelRunner:
     """Runs the model over the paged KV cache and samples the next tokens."""
 
@@ -224,7 +264,7 @@ class ModelRunner:
         self._verifier: DraftVerifier | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
-        self.verify_graphs: Any = None  # pitstop.verify_graphs.VerifyGraphs, with speculation
+        self.verify_graphs: Any = None  # pitstop.spec_graphs.VerifyGraphs, with speculation
         # The last step's sampling rows (seq ids) and their batch: a sequence's params never change.
         self._batch_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         # The last launched step's sampled ids stay here on the device; the next step gathers
@@ -312,8 +352,12 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_pages = num_pages
 
-    def maybe_capture_graphs(self) -> None:
-        """Capture CUDA graphs for decode batches when the device and kernel set allow it."""
+    def maybe_capture_graphs(self, extra: Callable[[ModelRunner], None] | None = None) -> None:
+        """Capture CUDA graphs for decode batches when the device and kernel set allow it.
+
+        ``extra(runner)`` captures more graphs in the same session (the engine
+        passes :func:`pitstop.spec_graphs.capture_verify_graphs` with speculation).
+        """
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager:
             return
@@ -339,7 +383,8 @@ class ModelRunner:
                         "steps run eagerly",
                         exc,
                     )
-            self._capture_verify_graphs()
+            if extra is not None:
+                extra(self)
         finally:
             gc.enable()
         log.info(
@@ -350,23 +395,6 @@ class ModelRunner:
             else "no prefill steps (the model has no before/after_attention)",
             time.perf_counter() - start,
         )
-
-    def _capture_verify_graphs(self) -> None:
-        """With speculation, capture verification steps of (batch, k + 1) tokens too."""
-        from pitstop.spec_adaptation import speculation_max_batch
-        from pitstop.verify_graphs import VerifyGraphs
-
-        cfg = self.config
-        if cfg.speculative is None:
-            return
-        max_batch = speculation_max_batch(cfg)
-        try:
-            self.verify_graphs = VerifyGraphs(self, max_batch, cfg.num_speculative_tokens + 1)
-        except Exception as exc:  # noqa: BLE001 - eager verification still works
-            torch.cuda.synchronize(self.device)
-            log.warning("verification CUDA graphs off (capture failed: %s); it runs eagerly", exc)
-            return
-        log.info("captured CUDA graphs for verification steps: %s", self.verify_graphs.describe())
 
     def mixed_step_tokens(self) -> int:
         """The largest prefill/mixed step to capture piecewise: the step budget, at most 2048.
@@ -566,8 +594,6 @@ class ModelRunner:
         Nothing of this step is pending afterwards: the engine applies a
         verification before it launches the next step.
         """
-        from pitstop.verify_graphs import LaunchedVerification
-
         sampling = [s for s in seqs if s.sample]
         params = [s.params or SamplingParams() for s in sampling]
         generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]

@@ -347,7 +347,7 @@ def _tiny_greedy(target: str, prompts, **settings) -> tuple[list[list[int]], LLM
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_verify_buffers_pad_each_sequence_and_keep_greedy_exact(tiny_target, proposer):
-    from pitstop.verify_graphs import VerifyGraphs
+    from pitstop.spec_graphs import VerifyGraphs
 
     prompts = REPETITIVE[:3]  # three sequences: the bucket of 4 pads one
     plain, _ = _tiny_greedy(tiny_target, prompts)
@@ -388,7 +388,7 @@ def test_verify_buffers_through_the_fused_kernels_keep_greedy_exact(tmp_path):
     """The graphs' forward (fused rope/store skipping slot -1, varlen attention over the padded
     rows) run eagerly through Triton's interpreter: what the GPU replays, minus the capture."""
     pytest.importorskip("triton")
-    from pitstop.verify_graphs import VerifyGraphs
+    from pitstop.spec_graphs import VerifyGraphs
 
     folder = make_tiny_checkpoint(
         tmp_path, "qwen3", with_tokenizer=False, num_hidden_layers=2, head_dim=64

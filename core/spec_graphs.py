@@ -12,14 +12,15 @@ an eager step would. Padding sequences of a bucket have slot -1 everywhere.
 Attention runs as the varlen "prefill" kernel with a fixed grid (``batch``
 sequences, ``k + 1`` query tokens each); its lengths are read on the device.
 
-:class:`LaunchedVerification` is the handle of a verification step: the
-accepted counts, emitted tokens and log-probabilities travel to pinned host
-memory in one non-blocking copy completed on an event, so the engine's step
-has a single host-device synchronization, when it applies the results.
+The engine hands :func:`capture_verify_graphs` to the runner's graph capture
+when speculation is on; the runner replays them and verifies on the device
+(:class:`pitstop.runner.LaunchedVerification` brings the results back in one
+copy).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -27,21 +28,14 @@ import numpy as np
 import torch
 
 from pitstop.attention import AttentionMetadata
-from pitstop.runner import (
-    _NO_TOKENS,
-    BlockTableRows,
-    LaunchedStep,
-    SeqInput,
-    SeqResult,
-    StepOutput,
-    capture_buckets,
-    graph_batch_sizes,
-)
+from pitstop.runner import BlockTableRows, SeqInput, capture_buckets, graph_batch_sizes
 from pitstop.sequence import PENDING_TOKEN
-from pitstop.speculative import DeviceVerified
+from pitstop.spec_adaptation import speculation_max_batch
 
 if TYPE_CHECKING:
     from pitstop.runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 class VerifyGraphs:
@@ -194,41 +188,15 @@ class VerifyGraphs:
         return out, rows
 
 
-class LaunchedVerification(LaunchedStep):
-    """A verification step on its way: its packed results travel to pinned host memory.
-
-    One non-blocking copy, completed on an event; :meth:`result` waits for it
-    (the step's one host-device synchronization) and unpacks.
-    """
-
-    def __init__(self, seqs: list[SeqInput], verified: DeviceVerified) -> None:
-        super().__init__(seqs)
-        self._verified = verified
-        cuda = verified.packed.device.type == "cuda"
-        self._packed = verified.packed.to("cpu", non_blocking=cuda)
-        self._lps = None
-        if verified.logprobs is not None:
-            self._lps = verified.logprobs.to("cpu", non_blocking=cuda)
-        self._done: torch.cuda.Event | None = None
-        if cuda:
-            self._done = torch.cuda.Event()
-            self._done.record()
-
-    def result(self) -> StepOutput:
-        """Wait for the copy; the accepted drafts and one more token per sampling sequence."""
-        if self._ready is not None:
-            return self._ready
-        if self._done is not None:
-            self._done.synchronize()
-        lps = self._lps.tolist() if self._lps is not None else None
-        v = self._verified.unpack(self._packed.tolist(), lps)
-        emitted = iter(range(len(v.token_ids)))
-        results = []
-        for s in self.seqs:
-            if not s.sample:
-                results.append(_NO_TOKENS)
-                continue
-            i = next(emitted)
-            results.append(SeqResult(v.token_ids[i], v.logprobs[i] if v.logprobs else None))
-        self._ready = StepOutput(results)
-        return self._ready
+def capture_verify_graphs(runner: ModelRunner) -> None:
+    """Capture verification steps of (batch, k + 1) tokens for ``runner`` (inside its graph capture)."""
+    cfg = runner.config
+    try:
+        runner.verify_graphs = VerifyGraphs(
+            runner, speculation_max_batch(cfg), cfg.num_speculative_tokens + 1
+        )
+    except Exception as exc:  # noqa: BLE001 - eager verification still works
+        torch.cuda.synchronize(runner.device)
+        log.warning("verification CUDA graphs off (capture failed: %s); it runs eagerly", exc)
+        return
+    log.info("captured CUDA graphs for verification steps: %s", runner.verify_graphs.describe())
