@@ -62,5 +62,19 @@ for spec in ${BENCHES-nano single}; do
       timeout 300 pitstop verify --model "$M" --kernels fused --max-tokens 32 --json "$OUT/verify-plugins19.json" 2>&1 | tail -20
       run nano-plugins19 offline --workload nano --kernels fused --model "$M" ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
+    # issue 15: the KV cache in fp8 (e4m3) beside bf16; kv_floor.py: fraction of the bf16 and fp8 floors
+    fp8-nano) run fp8-nano offline --workload nano --matrix benchmarks/workloads/kv-fp8.toml; python3 benchmarks/kv_floor.py "$OUT/fp8-nano.json" ;;
+    fp8-longtail) echo "== fp8-longtail: longtail, 64 clients, ${LT_N:-200} requests, bf16 vs fp8 KV"
+      timeout ${BENCH_TIMEOUT:-420} pitstop bench online --workload longtail --concurrency 64 --max-batch-size 64 --num-requests ${LT_N:-200} \
+        --matrix benchmarks/workloads/longtail-fp8.toml --output "$OUT/fp8-longtail.json" >"$OUT/fp8-longtail.log" 2>&1
+      grep -E "KV cache:|\[bench\] [a-z0-9_]+: " "$OUT/fp8-longtail.log"; tail -${TAIL:-30} "$OUT/fp8-longtail.log" ;;
+    fp8-kernels) echo "== fp8-kernels: decode attention, KV cache bf16 vs fp8 (bytes at the cache's element size)"
+      timeout 200 python3 benchmarks/kernels_bench.py --decode-suite bfloat16 --json "$OUT/fp8-kernels-bf16.json" 2>&1 | tail -14
+      timeout 300 python3 benchmarks/kernels_bench.py --decode-suite fp8_e4m3 ${FP8_TILES:---decode-tiles 64,4,3 --decode-tiles 128,4,2} --json "$OUT/fp8-kernels-fp8.json" 2>&1 | tail -40 ;;
+    fp8-verify) gguf_file=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
+      if [ ! -f "$gguf_file" ]; then echo "== fp8-verify: no GGUF at $gguf_file (set SMOLLM_GGUF)";
+      elif ! python3 -c "import gguf" 2>/dev/null; then echo "== fp8-verify: the gguf package is missing (its wheel goes in .whl/: benchmarks/README.md)";
+      else for ref in auto same; do echo "== fp8-verify: pitstop verify --model $gguf_file --kv-cache-dtype fp8_e4m3 --reference-kv-cache-dtype $ref"
+        timeout 300 pitstop verify --model "$gguf_file" --kv-cache-dtype fp8_e4m3 --reference-kv-cache-dtype $ref --json "$OUT/fp8-verify-$ref.json" 2>&1 | grep -v " INFO "; done; fi ;;
   esac
 done

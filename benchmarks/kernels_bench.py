@@ -5,7 +5,7 @@ every run) and states its achieved rate against the H200 ceilings measured in
 WORKLOADS.md (4.23 TB/s copy, 792 TFLOP/s bf16):
 
 - decode attention: bytes = every cached K and V token read once per KV head
-  + q and out;
+  (at the cache's element size: 2 bytes in bf16, 1 in fp8) + q and out;
 - prefill attention: causal FLOPs = 4 * Hq * D * (sum over query tokens of the
   keys each one sees), so a chunk over a cached prefix counts the prefix too;
 - residual add + RMSNorm: bytes = x, residual read; out, new residual written;
@@ -17,6 +17,7 @@ Usage (on the H200)::
     python benchmarks/kernels_bench.py --only decode --batch 64 --context 2048
     python benchmarks/kernels_bench.py --only prefill --prefill-len 2048 --prefix 2048
     python benchmarks/kernels_bench.py --suite         # the attention shapes of docs/benchmarks.md
+    python benchmarks/kernels_bench.py --decode-suite bfloat16 --decode-suite fp8_e4m3  # KV bytes
     python benchmarks/kernels_bench.py --tune --json tune.json   # the tile sweep behind PREFILL_TILES
 
 ``--tune`` checks each candidate tile shape against the reference, then times
@@ -140,6 +141,13 @@ def save_json(winners: dict[str, Any] | None = None) -> None:
 # ---------------------------------------------------------------- attention cases
 
 
+KV_CACHE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
 def attention_inputs(
     batch: int,
     query_len: int,
@@ -149,12 +157,19 @@ def attention_inputs(
     head_size: int,
     page_size: int,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random q and paged K/V caches (never zeros) for ``batch`` sequences."""
+    """Random q and paged K/V caches (never zeros) for ``batch`` sequences.
+
+    ``kv_dtype`` fp8: the caches hold the same random values quantized with scale 1.
+    """
     meta, num_pages = paged_meta(batch, query_len, context, page_size)
     q = torch.randn(batch * query_len, heads, head_size, device=DEVICE, dtype=dtype)
     k_cache = torch.randn(num_pages, page_size, kv_heads, head_size, device=DEVICE, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
+    if kv_dtype is not None and kv_dtype != dtype:
+        one = torch.ones((), device=DEVICE)
+        k_cache, v_cache = (reference.quantize_kv(c, one, kv_dtype) for c in (k_cache, v_cache))
     return q, k_cache, v_cache, meta
 
 
@@ -165,9 +180,13 @@ def prefill_flops(query_len: int, context: int, heads: int, head_size: int) -> f
     return 4 * heads * head_size * keys
 
 
-def decode_bytes(batch: int, context: int, heads: int, kv_heads: int, d: int, elt: int) -> float:
-    """Each cached K and V token read once per KV head, plus q read and out written."""
-    return 2 * batch * context * kv_heads * d * elt + 2 * batch * heads * d * elt
+def decode_bytes(
+    batch: int, context: int, heads: int, kv_heads: int, d: int, elt: int, q_elt: int | None = None
+) -> float:
+    """Each cached K and V token read once per KV head (``elt`` bytes each: 1 for fp8), plus q
+    read and out written (``q_elt`` bytes, default ``elt``)."""
+    q_elt = elt if q_elt is None else q_elt
+    return 2 * batch * context * kv_heads * d * elt + 2 * batch * heads * d * q_elt
 
 
 def make_attention(
@@ -214,36 +233,44 @@ def graph_ms(calls: list[Callable[[], Any]], replays: int = 20) -> float:
 
 
 def checked_time(
-    attn, case: tuple, d: int, rep: int, graph_bytes: float | None = None
+    attn,
+    case: tuple,
+    d: int,
+    rep: int,
+    graph_bytes: float | None = None,
+    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[float, float, float | None]:
     """(eager ms, graph ms or None, relative max error against the reference) on ``case``'s seeded inputs.
 
     ``graph_bytes``: also time from a CUDA graph over enough copies of the
     inputs to read ~512 MB per replay. The reference check is skipped (error 0)
-    where its dense mask would not fit (prompts past 16k tokens).
+    where its dense mask would not fit (prompts past 16k tokens). ``kv_dtype``:
+    the caches' element type (fp8: scales of 1, the reference dequantizes).
     """
     torch.manual_seed(hash(case) % 2**31)
-    q, k, v, meta = attention_inputs(*case, torch.bfloat16)
-    out = attn(q, k, v, meta, d**-0.5)
+    scales = torch.ones(2, device=DEVICE)  # used only by an fp8 cache
+    q, k, v, meta = attention_inputs(*case, torch.bfloat16, kv_dtype)
+    out = attn(q, k, v, meta, d**-0.5, scales)
     if COMPILE_ONLY:
         return 0.0, None, 0.0
     err = 0.0
     if case[1] * case[2] <= 16384 * 16384:
-        if case not in REFERENCE:
-            REFERENCE[case] = reference.paged_attention(q, k, v, meta, d**-0.5)
-        ref = REFERENCE[case].float()
+        key = (*case, kv_dtype)
+        if key not in REFERENCE:
+            REFERENCE[key] = reference.paged_attention(q, k, v, meta, d**-0.5, scales)
+        ref = REFERENCE[key].float()
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     del out
-    eager = bench(lambda: attn(q, k, v, meta, d**-0.5), rep)
+    eager = bench(lambda: attn(q, k, v, meta, d**-0.5, scales), rep)
     graph = None
     if graph_bytes is not None:
         copies = max(2, min(512, -(-int(512e6) // int(graph_bytes))))
         if DEVICE != "cuda":
             copies = 2
         inputs = [(q, k, v, meta)] + [
-            attention_inputs(*case, torch.bfloat16) for _ in range(copies - 1)
+            attention_inputs(*case, torch.bfloat16, kv_dtype) for _ in range(copies - 1)
         ]
-        calls = [lambda x=x: attn(x[0], x[1], x[2], x[3], d**-0.5) for x in inputs]
+        calls = [lambda x=x: attn(x[0], x[1], x[2], x[3], d**-0.5, scales) for x in inputs]
         graph = graph_ms(calls)
     return eager, graph, err
 
@@ -255,11 +282,26 @@ def time_prefill(attn, n: int, prefix: int, hq: int, hkv: int, d: int, page: int
     return ms, prefill_flops(n, prefix + n, hq, d), err
 
 
-def time_decode(attn, batch: int, ctx: int, hq: int, hkv: int, d: int, page: int, rep: int = 200):
-    """(eager ms, graph ms, bytes, error) of one decode step of ``batch`` sequences at ``ctx``."""
+def time_decode(
+    attn,
+    batch: int,
+    ctx: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    page: int,
+    rep: int = 200,
+    kv_dtype: torch.dtype = torch.bfloat16,
+):
+    """(eager ms, graph ms, bytes, error) of one decode step of ``batch`` sequences at ``ctx``.
+
+    The bytes are those the kernel reads and writes: K/V at ``kv_dtype``'s size
+    (1 byte for fp8), q and out in bf16.
+    """
     batch, ctx = max(1, batch // DRY_SCALE), max(1, ctx // DRY_SCALE)
-    nbytes = decode_bytes(batch, ctx, hq, hkv, d, 2)
-    eager, graph, err = checked_time(attn, (batch, 1, ctx, hq, hkv, d, page), d, rep, nbytes)
+    nbytes = decode_bytes(batch, ctx, hq, hkv, d, kv_dtype.itemsize, q_elt=2)
+    case = (batch, 1, ctx, hq, hkv, d, page)
+    eager, graph, err = checked_time(attn, case, d, rep, nbytes, kv_dtype)
     return eager, graph, nbytes, err
 
 
@@ -339,7 +381,7 @@ SUITE_DECODE = [(256, 512), (64, 2048), (1, 128), (8, 2048), (1, 4096), (1, 3276
 def run_suite(args: argparse.Namespace, tiles: dict[str, Any]) -> None:
     """The attention figures of docs/benchmarks.md, 32/8 heads x 128, page 16, bf16, with the peers."""
     hq, hkv, d, page = args.heads, args.kv_heads, args.head_size, args.page_size
-    pre, dec = tiles.get("prefill"), tiles.get("decode")
+    pre = tiles.get("prefill")
     for n, prefix in SUITE_PREFILL:
         attn = make_attention(torch.bfloat16, max(4096, n + prefix), prefill=pre)
         t = attn.prefill_tiles(d, hq // hkv, n)
@@ -348,15 +390,27 @@ def run_suite(args: argparse.Namespace, tiles: dict[str, Any]) -> None:
         report(f"{what} {hq}/{hkv}x{d} fused {tuple(t)}", ms, flops=flops, tiles=list(t), err=err)
         if args.peer and not prefix and n <= 16384 and DEVICE == "cuda":
             sdpa_peers(n, hq, hkv, d, flops)
+    run_decode_suite(args, tiles, "bfloat16")
+
+
+def run_decode_suite(args: argparse.Namespace, tiles: dict[str, Any], kv_cache_dtype: str) -> None:
+    """The decode shapes of the suite with the KV cache in ``kv_cache_dtype`` (fp8: half the bytes)."""
+    hq, hkv, d, page = args.heads, args.kv_heads, args.head_size, args.page_size
+    kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
     for batch, ctx in SUITE_DECODE:
         max_ctx = max(4096, ctx)
-        attn = make_attention(torch.bfloat16, max_ctx, decode=dec, splits=tiles.get("splits"))
+        attn = make_attention(
+            torch.bfloat16, max_ctx, decode=tiles.get("decode"), splits=tiles.get("splits")
+        )
         splits = attn.num_splits(batch, hkv)
-        eager, graph, nbytes, err = time_decode(attn, batch, ctx, hq, hkv, d, page)
+        eager, graph, nbytes, err = time_decode(
+            attn, batch, ctx, hq, hkv, d, page, kv_dtype=kv_dtype
+        )
         t = tuple(attn.decode_tiles(d, hq // hkv))
-        what = f"decode {batch}x{ctx} {hq}/{hkv}x{d} fused {t} splits={splits}"
-        report(f"{what} graph", graph, nbytes, tiles=list(t), splits=splits, err=err, mode="graph")
-        report(f"{what} eager", eager, nbytes, tiles=list(t), splits=splits, mode="eager")
+        what = f"decode {batch}x{ctx} {hq}/{hkv}x{d} kv {kv_cache_dtype} fused {t} splits={splits}"
+        extra = dict(tiles=list(t), splits=splits, kv_cache_dtype=kv_cache_dtype, bytes=nbytes)
+        report(f"{what} graph", graph, nbytes, err=err, mode="graph", **extra)
+        report(f"{what} eager", eager, nbytes, mode="eager", **extra)
 
 
 def sdpa_peers(n: int, hq: int, hkv: int, d: int, flops: float) -> None:
@@ -575,6 +629,21 @@ def main() -> None:
         "--suite", action="store_true", help="the attention shapes of docs/benchmarks.md"
     )
     p.add_argument("--peer", action="store_true", help="with --suite: torch SDPA beside prefill")
+    p.add_argument(
+        "--decode-suite",
+        choices=sorted(KV_CACHE_DTYPES),
+        action="append",
+        metavar="KV_CACHE_DTYPE",
+        help="the suite's decode shapes with the KV cache in this dtype (repeatable: "
+        "bfloat16, fp8_e4m3, fp8_e5m2); bytes counted at the cache's element size",
+    )
+    p.add_argument(
+        "--decode-tiles",
+        action="append",
+        metavar="BLOCK_N,WARPS,STAGES",
+        help="with --decode-suite: also run it with these decode tiles (repeatable; "
+        "default: only the tiles in code)",
+    )
     p.add_argument("--tune", action="store_true", help="sweep tile shapes and split counts")
     p.add_argument("--jobs", type=int, default=1, help="with --tune: compile in N processes first")
     p.add_argument("--rep", type=int, default=100, help="with --tune: ms of timed runs per shape")
@@ -632,7 +701,19 @@ def main() -> None:
                 tiles["decode"] = DecodeTiles(*winners["decode"])
             print("\nsuite:", flush=True)
             run_suite(args, tiles)
-        if not (args.tune or args.suite or args.use_winners):
+        if args.decode_suite:
+            from pitstop.plugins.kernels.triton_ops.paged_attention import DecodeTiles
+
+            variants: list[dict[str, Any]] = [{}] + [
+                {"decode": DecodeTiles(*(int(x) for x in t.split(",")))}
+                for t in args.decode_tiles or []
+            ]
+            for kv_cache_dtype in args.decode_suite:
+                for tiles in variants:
+                    which = f"tiles {tuple(tiles['decode'])}" if tiles else "the tiles in code"
+                    print(f"\ndecode suite, KV cache {kv_cache_dtype}, {which}:", flush=True)
+                    run_decode_suite(args, tiles, kv_cache_dtype)
+        if not (args.tune or args.suite or args.use_winners or args.decode_suite):
             config = EngineConfig(max_model_len=args.max_model_len, fused_precision=args.precision)
             kernels = FusedKernels(config, torch.device("cuda"), dtype)
             print(f"{torch.cuda.get_device_name()}; {kernels.describe()}")

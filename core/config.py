@@ -28,6 +28,7 @@ from pitstop.settings import (
 )
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
 
 # No machine pitstop runs on has this much memory: a larger KV cache is a typo
 # (1e6 for 1.0), refused before anything tries to allocate it.
@@ -199,6 +200,14 @@ class EngineConfig:
         validator=_kv_cache_gib,
         metadata=_doc(
             "KV-cache size in GiB (default: 1 on CPU; from gpu_memory_utilization on CUDA)"
+        ),
+    )
+    kv_cache_dtype: str = attrs.field(
+        default="auto",
+        validator=_one_of(*KV_CACHE_DTYPES),
+        metadata=_doc(
+            "element type of the KV cache: auto (the model's dtype), bfloat16, float16, float32, "
+            "or fp8_e4m3 / fp8_e5m2 (one byte per element, one K and one V scale per layer)"
         ),
     )
 

@@ -37,6 +37,7 @@ import attrs
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError, InvalidRequestError
+from pitstop.kv_cache_dtype import resolve_kv_cache_dtype
 from pitstop.memory import check_fits
 from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestMetrics, RequestOutput
@@ -117,7 +118,8 @@ class LLMEngine:
         kv_pages = (
             pages_asked(config, mc, self.device, self.dtype) or 0
         )  # 0: sized after the weights
-        kv_bytes = kv_pages * kv_bytes_per_page(mc, config.page_size, self.dtype)
+        cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        kv_bytes = kv_pages * kv_bytes_per_page(mc, config.page_size, cache_dtype)
         check_fits(mc, self.dtype, self.device, kv_bytes, what=source.description)
         self.runner = ModelRunner(config, mc, self.plugins, self.device, self.dtype)
         self.runner.load_weights(source.weights)
@@ -150,8 +152,9 @@ class LLMEngine:
         self._draft_ids: dict[int, Any] = {}  # seq_id -> this step's drafts, when on the device
         per_page = self.runner.bytes_per_page()
         log.info(
-            "%s KV cache: %d tokens/page, %s pages, %s tokens, %.2f GiB",
+            "%s KV cache: %s, %d tokens/page, %s pages, %s tokens, %.2f GiB",
             config.allocator,
+            str(self.runner.kv_cache_dtype).removeprefix("torch."),
             config.page_size,
             f"{num_pages:,}",
             f"{num_pages * config.page_size:,}",

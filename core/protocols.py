@@ -236,10 +236,15 @@ class KernelSet(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` (neox layout); write k, v into the cache slots.
 
         Caches are ``[num_pages, page_size, Hkv, D]``. Returns the rotated q and k.
+        An fp8 cache (``kv_cache_dtype``) comes with ``kv_scale``, float32 ``[2]`` on
+        the device: store ``k / kv_scale[0]`` and ``v / kv_scale[1]`` saturated to the
+        format's finite range. Wider caches get no ``kv_scale``; a kernel set without
+        the parameter is refused for an fp8 cache.
         """
         ...
 
@@ -250,8 +255,12 @@ class KernelSet(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention of q ``[T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``."""
+        """Causal attention of q ``[T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
+
+        An fp8 cache's values are multiplied by ``kv_scale`` (K's, then V's) when read.
+        """
         ...
 
     def describe(self) -> dict[str, str]:

@@ -21,6 +21,7 @@ import torch
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
+from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
 from pitstop.protocols import SamplingBatch
@@ -54,10 +55,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def kv_bytes_per_page(model_config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one page of ``page_size`` tokens over all layers."""
-    return (
-        model_config.kv_bytes_per_token * page_size * torch.tensor([], dtype=dtype).element_size()
-    )
+    """Bytes of K and V for one page of ``page_size`` tokens over all layers, in cache dtype ``dtype``."""
+    return model_config.kv_bytes_per_token * page_size * dtype.itemsize
 
 
 def pages_asked(
@@ -66,13 +65,16 @@ def pages_asked(
     """The KV pages the config fixes before any weight loads; None: sized from free GPU memory.
 
     ``max_num_pages`` when set; else a ``kv_cache_gib`` budget (1 GiB on the CPU
-    when none is given); on CUDA without either, the cache takes what the
-    weights and ``gpu_memory_utilization`` leave (:meth:`ModelRunner.plan_num_pages`).
+    when none is given) over the bytes of a page in ``kv_cache_dtype``; on CUDA
+    without either, the cache takes what the weights and
+    ``gpu_memory_utilization`` leave (:meth:`ModelRunner.plan_num_pages`).
+    ``dtype`` is the model's.
     """
     if config.max_num_pages is not None:
         return config.max_num_pages
     if device.type != "cuda" or config.kv_cache_gib is not None:
-        per_page = kv_bytes_per_page(model_config, config.page_size, dtype)
+        cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+        per_page = kv_bytes_per_page(model_config, config.page_size, cache_dtype)
         return max(1, int((config.kv_cache_gib or 1.0) * 2**30) // per_page)
     return None
 
@@ -240,7 +242,9 @@ class ModelRunner:
     ) -> None:
         self.config, self.model_config = config, model_config
         self.device, self.dtype = device, dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
         self.kernels = plugins.create("kernels", config.kernels, config, device, dtype)
+        check_kernels_read_fp8(self.kernels, config.kernels, self.kv_cache_dtype)
         self.sampler = plugins.create("sampler", config.sampler, config, device)
         factory = plugins.get("model", model_config.architecture).factory
         previous = torch.get_default_dtype()
@@ -293,7 +297,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
     def bytes_per_page(self) -> int:
         """Bytes of K and V for one page over all layers."""
-        return kv_bytes_per_page(self.model_config, self.page_size, self.dtype)
+        return kv_bytes_per_page(self.model_config, self.page_size, self.kv_cache_dtype)
 
     def plan_num_pages(self) -> int:
         """How many pages the KV cache gets: ``max_num_pages``, a GiB budget, or free GPU memory."""
@@ -346,10 +350,14 @@ class ModelRunner:
         return peak
 
     def init_kv_cache(self, num_pages: int) -> None:
-        """Allocate the KV cache: ``[layers, 2, num_pages, page_size, kv_heads, head_size]``."""
+        """Allocate the KV cache: ``[layers, 2, num_pages, page_size, kv_heads, head_size]`` in ``kv_cache_dtype``."""
         mc = self.model_config
         shape = (mc.num_layers, 2, num_pages, self.page_size, mc.num_kv_heads, mc.head_size)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # fp8 is zeroed as uint8 (zero bytes are +0.0): no float8 fill kernel needed on any device
+        storage = torch.uint8 if self.kv_cache_dtype.itemsize == 1 else self.kv_cache_dtype
+        self.kv_cache = torch.zeros(shape, dtype=storage, device=self.device).view(
+            self.kv_cache_dtype
+        )
         self.num_pages = num_pages
 
     def maybe_capture_graphs(self, extra: Callable[[ModelRunner], None] | None = None) -> None:
@@ -847,6 +855,7 @@ def supports_piecewise(model: torch.nn.Module) -> bool:
         and hasattr(model, "embed_tokens")
         and hasattr(model, "final_norm")
         and all(hasattr(layers[0], m) for m in ("before_attention", "after_attention"))
+        and hasattr(getattr(layers[0], "self_attn", None), "attend")
     )
 
 
@@ -963,7 +972,7 @@ class PiecewiseGraphs:
         self.slots[:n].copy_(meta.slot_mapping)
         self.slots[n:size].fill_(-1)
         self.positions[n:size].zero_()
-        model, kv, kernels = self.runner.model, self.runner.kv_cache, self.runner.kernels
+        model, kv = self.runner.model, self.runner.kv_cache
         assert kv is not None
         graphs = self.graphs.get(size)
         for layer in range(self.num_layers + 1):
@@ -973,8 +982,6 @@ class PiecewiseGraphs:
                 self._segment(layer, size)
             if layer == self.num_layers:
                 break
-            o = kernels.attention(
-                self.q[:n], kv[layer, 0], kv[layer, 1], meta, model.layers[layer].self_attn.scale
-            )
+            o = model.layers[layer].self_attn.attend(self.q[:n], kv[layer, 0], kv[layer, 1], meta)
             self.o[:n].copy_(o)
         return self.hidden[:n]

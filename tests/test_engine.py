@@ -172,14 +172,11 @@ def _mixed_params() -> list[SamplingParams]:
     ]
 
 
-@pytest.mark.parametrize(("allocator", "scheduler"), _combinations())
-def test_every_allocator_and_scheduler_gives_the_same_greedy_tokens(
-    tiny_llama: Path, tiny_reference: list[list[int]], allocator: str, scheduler: str
-) -> None:
-    # A small cache (24 pages of 16 tokens) forces preemption with paged allocators;
-    # preallocated holds one region of max_model_len at a time.
-    llm = LLM(
-        str(tiny_llama),
+def small_cache_llm(folder: Path, allocator: str, scheduler: str, **settings) -> LLM:
+    """An engine whose small cache (24 pages of 16 tokens) makes the paged allocators preempt
+    on the mixed prompts; preallocated holds one region of max_model_len at a time."""
+    return LLM(
+        str(folder),
         device="cpu",
         allocator=allocator,
         scheduler=scheduler,
@@ -188,14 +185,27 @@ def test_every_allocator_and_scheduler_gives_the_same_greedy_tokens(
         max_batch_size=4,
         max_prefill_batch=2,
         chunk_size=48,
+        **settings,
     )
+
+
+@pytest.mark.parametrize(("allocator", "scheduler"), _combinations())
+def test_every_allocator_and_scheduler_gives_the_same_greedy_tokens(
+    tiny_llama: Path, tiny_reference: list[list[int]], allocator: str, scheduler: str
+) -> None:
+    check_mixed_run(small_cache_llm(tiny_llama, allocator, scheduler), tiny_reference)
+
+
+def check_mixed_run(llm: LLM, expected: list[list[int]]) -> None:
+    """The mixed prompts' greedy tokens are ``expected``, and no page is left held
+    (with ``prefix``, freed pages may stay cached, so only ``tokens_held`` is checked)."""
     outs = llm.generate(
         prompt_token_ids=_mixed_prompts(), sampling_params=_mixed_params(), use_tqdm=False
     )
-    assert [o.token_ids for o in outs] == tiny_reference
+    assert [o.token_ids for o in outs] == expected
     stats = llm.engine.allocator.stats()
     assert stats.tokens_held == 0
-    if allocator != "prefix":
+    if llm.engine.config.allocator != "prefix":
         assert stats.pages_free == stats.num_pages
 
 

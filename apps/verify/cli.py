@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pitstop.config import EngineConfig, add_cli_flags
+from pitstop.config import KV_CACHE_DTYPES, EngineConfig, add_cli_flags
 from pitstop.errors import ConfigError
 from pitstop.hookspecs import hookimpl
 from pitstop.verify.prompts import load_prompts, prompt_from_dict, shipped_prompts
@@ -62,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="X",
         help="tolerance relative to the largest |logit| (replaces the dtype's default)",
     )
+    p.add_argument(
+        "--reference-kv-cache-dtype",
+        choices=("same", *KV_CACHE_DTYPES),
+        default="auto",
+        help="the reference's KV cache: auto (the model's dtype; default), or same (the one "
+        "under test, e.g. to check fused fp8 kernels against reference fp8 ones)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write every result to FILE as JSON")
     add_cli_flags(p)
 
@@ -84,7 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if args.atol is not None or args.rtol is not None:
         tolerance = Tolerance(atol=args.atol or 0.0, rtol=args.rtol or 0.0)
     report = verify(
-        config, prompts or shipped_prompts(), tolerance=tolerance, max_tokens=args.max_tokens
+        config,
+        prompts or shipped_prompts(),
+        tolerance=tolerance,
+        max_tokens=args.max_tokens,
+        reference_kv_cache_dtype=args.reference_kv_cache_dtype,
     )
     print(format_report(report))
     if args.json:

@@ -120,6 +120,7 @@ def format_report(report: VerifyReport, *, width: int = 28) -> str:
         f"             {report.reference.describe()}",
         f"  candidate: {describe_config(report.candidate.config)}",
         f"             {report.candidate.describe()}",
+        *_kv_cache_note(report),
         "",
     ]
     header = ("#", "prompt", "tokens", "diverges", "max|dlogit|", "tolerance", "margin", "verdict")
@@ -166,6 +167,20 @@ def format_report(report: VerifyReport, *, width: int = 28) -> str:
         f"tolerance for {report.dtype}: {report.tolerance.describe()}",
     ]
     return "\n".join(lines)
+
+
+def _kv_cache_note(report: VerifyReport) -> list[str]:
+    """A line saying what a lossy KV cache under test means for the verdicts, if there is one."""
+    ref, cand = report.reference.config.kv_cache_dtype, report.candidate.config.kv_cache_dtype
+    if not cand.startswith("fp8") or ref == cand:
+        return []
+    ref = report.dtype if ref == "auto" else ref
+    return [
+        f"  note: the candidate's KV cache is {cand} (lossy), the reference's {ref}: logits move by",
+        "        the format's rounding, beyond the dtype's tolerance. Read tokens and max|dlogit| as",
+        "        its accuracy, or set --atol/--rtol to the error you accept; to check kernels on one",
+        "        format, add --reference-kv-cache-dtype same.",
+    ]
 
 
 def _tail(text: str, width: int) -> str:

@@ -50,11 +50,17 @@ KEPT_SETTINGS = (
 )
 
 
-def reference_config(config: EngineConfig) -> EngineConfig:
+def reference_config(config: EngineConfig, kv_cache_dtype: str = "auto") -> EngineConfig:
     """The reference for ``config``: reference kernels, the paged allocator, the continuous
     scheduler, no speculation; the model, dtype, device, seed and memory settings of
-    ``config`` (:data:`KEPT_SETTINGS`); defaults for the rest."""
+    ``config`` (:data:`KEPT_SETTINGS`); defaults for the rest.
+
+    ``kv_cache_dtype``: the reference's KV cache, by default the model's dtype (so an
+    fp8 cache under test is measured against the unquantized one); ``"same"`` keeps
+    ``config``'s (to check a kernel set on the same cache format).
+    """
     kept = {name: getattr(config, name) for name in KEPT_SETTINGS}
+    kept["kv_cache_dtype"] = config.kv_cache_dtype if kv_cache_dtype == "same" else kv_cache_dtype
     return EngineConfig(**kept, **REFERENCE_SETTINGS)
 
 
@@ -65,18 +71,20 @@ def verify(
     plugins: PluginManager | None = None,
     tolerance: Tolerance | None = None,
     max_tokens: int | None = None,
+    reference_kv_cache_dtype: str = "auto",
 ) -> VerifyReport:
     """Run ``prompts`` (default: the shipped set) through ``config`` and through its
     reference configuration, and compare them prompt by prompt.
 
-    ``tolerance`` defaults to the dtype's; ``max_tokens`` replaces every prompt's own.
+    ``tolerance`` defaults to the dtype's; ``max_tokens`` replaces every prompt's own;
+    ``reference_kv_cache_dtype`` is the reference's KV cache (:func:`reference_config`).
     Bad names or settings raise before any weight loads.
     """
     prompts = list(prompts) if prompts is not None else shipped_prompts()
     if not prompts:
         raise InvalidRequestError("no prompts to verify; give at least one")
     limits = [max_tokens or p.max_tokens for p in prompts]
-    ref_config = reference_config(config)
+    ref_config = reference_config(config, reference_kv_cache_dtype)
 
     (plugins or get_plugin_manager()).check_config(config)  # before any weight loads
     # rows[i][o] = (output tokens before o, the reference's logits predicting output token o)

@@ -9,7 +9,7 @@ Ops and where they run:
   load (:attr:`FusedKernels.merge_projections`) so each is one GEMM;
 - ``silu_and_mul``: one pass over the merged gate-up output (``fused_silu``);
 - ``rope_and_store``: rotary embedding plus the K/V cache store in one kernel
-  (``fused_attention``);
+  (``fused_attention``), quantizing to an fp8 cache (``kv_cache_dtype``);
 - ``attention``: split-K flash-decoding for decodes, and GQA-packed varlen
   causal flash attention for prefills, chunks over a cached prefix and
   drafts; both read K/V page-wise through the block table, with tile shapes
@@ -19,10 +19,11 @@ Ops and where they run:
 Each op is resolved once, when the kernel set is built: to its Triton kernel,
 or to the reference op with one log line that names the op and the reason
 (config flag off, Triton not importable, no CUDA device and
-``TRITON_INTERPRET`` not set, an unsupported dtype). The head size is only
-known at the first attention call: an unsupported one (not a power of two in
-16..256) switches ``rope_and_store`` and ``attention`` to the reference once,
-again with one log line. :meth:`FusedKernels.describe` says what runs where.
+``TRITON_INTERPRET`` not set, an unsupported dtype, an fp8 KV cache on a GPU
+older than compute capability 8.9, where the reference ops' torch casts
+run). The head size is only known at the first attention call: an
+unsupported one (not a power of two in 16..256) switches ``rope_and_store``
+and ``attention`` to the reference once, again with one log line. :meth:`FusedKernels.describe` says what runs where.
 
 Triton is imported lazily, only when the kernel set is built, so that loading
 this plugin costs nothing on a machine that never uses it and so that a test
@@ -77,6 +78,23 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def fp8_unsupported_reason(kv_cache_dtype: str, device: torch.device) -> str | None:
+    """Why Triton cannot read or write this fp8 KV cache on ``device``, or None (not fp8, or fine).
+
+    Triton converts to and from fp8 in hardware from compute capability 8.9
+    (Ada, Hopper) on; the interpreter emulates the conversions on the CPU.
+    """
+    if not kv_cache_dtype.startswith("fp8") or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (
+            f"kv_cache_dtype={kv_cache_dtype} needs compute capability 8.9 or newer in Triton, "
+            f"this GPU has {major}.{minor}"
+        )
+    return None
+
+
 def head_size_supported(head_size: int) -> bool:
     """Attention and rotary kernels take a power-of-two head size in 16..256."""
     return 16 <= head_size <= 256 and head_size & (head_size - 1) == 0
@@ -110,6 +128,7 @@ class FusedKernels(KernelSetBase):
         triton_reason = triton_unavailable_reason(device)
         if triton_reason is None and dtype not in SUPPORTED_DTYPES:
             triton_reason = f"unsupported dtype {dtype}"
+        cache_reason = fp8_unsupported_reason(config.kv_cache_dtype, device)
         wanted = {
             "rms_norm": ("fused_rmsnorm", settings.rmsnorm),
             "silu_and_mul": ("fused_silu", settings.silu),
@@ -120,6 +139,8 @@ class FusedKernels(KernelSetBase):
         for op, (flag, on) in wanted.items():
             reason = None if on else f"config flag {flag} is off"
             reason = reason or triton_reason
+            if op in ("rope_and_store", "attention"):  # the ops that touch the KV cache
+                reason = reason or cache_reason
             use[op] = reason is None
             if reason is not None:
                 self._fallback(op, reason)
@@ -205,11 +226,15 @@ class FusedKernels(KernelSetBase):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k at ``meta.positions`` (neox layout), store k and v at ``meta.slot_mapping``."""
+        """Rotate q and k at ``meta.positions`` (neox layout), store k and v at ``meta.slot_mapping``.
+
+        An fp8 cache stores ``k / kv_scale[0]`` and ``v / kv_scale[1]``, saturated.
+        """
         if not self._head_size_checked:
             self._check_head_size(q.shape[-1])
-        return self._rope(q, k, v, rotary, k_cache, v_cache, meta)
+        return self._rope(q, k, v, rotary, k_cache, v_cache, meta, kv_scale)
 
     def attention(
         self,
@@ -218,11 +243,15 @@ class FusedKernels(KernelSetBase):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention of q ``[T, Hq, D]`` over the paged cache; prefills and decodes in one batch."""
+        """Causal attention of q ``[T, Hq, D]`` over the paged cache; prefills and decodes in one batch.
+
+        An fp8 cache is read with its scales ``kv_scale`` (K's, then V's).
+        """
         if not self._head_size_checked:
             self._check_head_size(q.shape[-1])
-        return self._attn(q, k_cache, v_cache, meta, scale)
+        return self._attn(q, k_cache, v_cache, meta, scale, kv_scale)
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph (no op synchronizes with the host).

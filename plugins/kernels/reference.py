@@ -5,6 +5,11 @@ Every op follows the arithmetic of Hugging Face ``transformers``' Llama code
 matches it token for token. Attention loops over the sequences of a step and
 runs PyTorch's scaled-dot-product attention on each one's gathered pages: easy
 to read and check, not fast.
+
+An fp8 KV cache (``kv_cache_dtype`` fp8_e4m3 / fp8_e5m2) is the numerical
+reference of the format: :func:`quantize_kv` stores ``x / scale`` saturated to
+the format's finite range and rounded by torch's cast (nearest, ties to even);
+:func:`dequantize_kv` multiplies back into the query dtype before attention.
 """
 
 from __future__ import annotations
@@ -40,21 +45,68 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def quantize_kv(
+    x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype
+) -> torch.Tensor:
+    """``x`` in the cache's dtype: for fp8, ``x / scale`` saturated to the format's finite range.
+
+    Saturating (rather than letting the cast overflow) keeps an outlier finite:
+    e4m3 has no infinity and would turn it into NaN, e5m2 into inf.
+    """
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    assert scale is not None, "an fp8 cache needs its scale"
+    limit = torch.finfo(cache_dtype).max
+    return (x.to(torch.float32) / scale).clamp(-limit, limit).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cached K or V back in the activation dtype: for fp8, times its scale."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    assert scale is not None, "an fp8 cache needs its scale"
+    return (x.to(torch.float32) * scale).to(dtype)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a one-byte float (an fp8 KV cache)."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _bytes_view(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as uint8 (CPU torch has no index ops for float8), any other as itself."""
+    return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+
+
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``cache[pages]`` (any index shape), for every cache dtype."""
+    return _bytes_view(cache)[pages].view(cache.dtype)
+
+
+def split_scales(
+    kv_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """(K's scale, V's scale) of an fp8 cache's ``kv_scale`` ``[2]``; (None, None) for a wider cache."""
+    return (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write ``k``, ``v`` ``[T, Hkv, D]`` into the flat slots of the paged caches."""
+    """Write ``k``, ``v`` ``[T, Hkv, D]`` into the flat slots of the paged caches.
+
+    ``kv_scale`` ``[2]`` (K's, then V's) divides the values of an fp8 cache.
+    """
     num_pages, page_size = k_cache.shape[:2]
-    k_cache.view(num_pages * page_size, *k_cache.shape[2:]).index_copy_(
-        0, slots, k.to(k_cache.dtype)
-    )
-    v_cache.view(num_pages * page_size, *v_cache.shape[2:]).index_copy_(
-        0, slots, v.to(v_cache.dtype)
-    )
+    k_scale, v_scale = split_scales(kv_scale)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = _bytes_view(cache).view(num_pages * page_size, *cache.shape[2:])
+        flat.index_copy_(0, slots, _bytes_view(quantize_kv(x, scale, cache.dtype)))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -71,13 +123,14 @@ def rope_and_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k at ``meta.positions``, store k and v at ``meta.slot_mapping``."""
     cos = rotary.cos.index_select(0, meta.positions)
     sin = rotary.sin.index_select(0, meta.positions)
     q = apply_rotary(q, cos, sin)
     k = apply_rotary(k, cos, sin)
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
     return q, k
 
 
@@ -87,6 +140,7 @@ def decode_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the decode sequences (one query each) in one batched call.
 
@@ -103,16 +157,19 @@ def decode_attention(
     tables = meta.block_tables[first:, :pages].clamp(min=0).long()  # -1 padding -> any page, masked
     num_kv_heads, head = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
-    k = k_cache[tables].reshape(nd, pages * ps, num_kv_heads, head)[:, :max_ctx].transpose(1, 2)
-    v = v_cache[tables].reshape(nd, pages * ps, num_kv_heads, head)[:, :max_ctx].transpose(1, 2)
+    k_scale, v_scale = split_scales(kv_scale)
+    k, v = (
+        dequantize_kv(gather_pages(cache, tables), sc, q.dtype)
+        .reshape(nd, pages * ps, num_kv_heads, head)[:, :max_ctx]
+        .transpose(1, 2)
+        for cache, sc in ((k_cache, k_scale), (v_cache, v_scale))
+    )
     lens = meta.context_lens[first:]  # already on the device: no host-to-device copy per layer
     mask = (torch.arange(max_ctx, device=q.device).unsqueeze(0) < lens.unsqueeze(1))[
         :, None, None, :
     ]
     qd = q[meta.num_prefill_tokens :].reshape(nd, num_kv_heads, group, head)
-    o = F.scaled_dot_product_attention(
-        qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
-    )
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
     return o.reshape(nd, num_kv_heads * group, head)
 
 
@@ -122,11 +179,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys.
 
     Prefills (and chunks) run one sequence at a time; decodes all together
-    (:func:`decode_attention`).
+    (:func:`decode_attention`). An fp8 cache is dequantized with ``kv_scale``
+    (K's scale, then V's) into the query dtype before the products.
     """
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -134,17 +193,20 @@ def paged_attention(
     page_size = meta.page_size
     start = 0
     if meta.num_decodes > 1:
-        out[meta.num_prefill_tokens :] = decode_attention(q, k_cache, v_cache, meta, scale)
+        out[meta.num_prefill_tokens :] = decode_attention(
+            q, k_cache, v_cache, meta, scale, kv_scale
+        )
+    k_scale, v_scale = split_scales(kv_scale)
     num_loop = meta.num_prefills if meta.num_decodes > 1 else meta.num_seqs
     for i in range(num_loop):
         qlen, ctx = meta.query_lens_list[i], meta.context_lens_list[i]
         # a slice of the device block table: no device-to-host copy (and wait) per layer
         pages = meta.block_tables[i, : (ctx + page_size - 1) // page_size].long()
-        k = k_cache[pages].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
-        v = v_cache[pages].flatten(0, 1)[:ctx]
+        k = gather_pages(k_cache, pages).flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
+        v = gather_pages(v_cache, pages).flatten(0, 1)[:ctx]
         qi = q[start : start + qlen].transpose(0, 1)  # [Hq, qlen, D]
-        k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-        v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+        k = dequantize_kv(k.transpose(0, 1), k_scale, q.dtype).repeat_interleave(group, dim=0)
+        v = dequantize_kv(v.transpose(0, 1), v_scale, q.dtype).repeat_interleave(group, dim=0)
         if qlen == 1:
             o = F.scaled_dot_product_attention(qi, k, v, scale=scale)
         else:
@@ -197,9 +259,10 @@ class ReferenceKernels(KernelSetBase):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k at ``meta.positions``, store k and v at ``meta.slot_mapping``."""
-        return rope_and_store(q, k, v, rotary, k_cache, v_cache, meta)
+        return rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, kv_scale)
 
     def attention(
         self,
@@ -208,9 +271,10 @@ class ReferenceKernels(KernelSetBase):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention over the paged cache; see :func:`paged_attention`."""
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, kv_scale)
 
     def describe(self) -> dict[str, str]:
         """Every op runs plain PyTorch."""

@@ -123,6 +123,9 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm, self.k_norm = _param(d), _param(d)
         self.scale = d**-0.5
+        # The K and V scales of an fp8 KV cache (stored value = value / scale); unused by
+        # wider caches. A buffer, so it follows the model's device; 1.0 (see docs/configuration.md).
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -134,7 +137,20 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Project, normalize (Qwen3), rotate and store, attend, project back."""
         q = self.project(x, rotary, k_cache, v_cache, meta)
-        return self.output(self.kernels.attention(q, k_cache, v_cache, meta, self.scale))
+        return self.output(self.attend(q, k_cache, v_cache, meta))
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention of the rotated q over the paged cache (this layer's softmax and KV scales)."""
+        return self.kernels.attention(
+            q, k_cache, v_cache, meta, self.scale, **self._scales(k_cache)
+        )
+
+    def _scales(self, cache: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ``kv_scale`` argument of the cache ops for an fp8 cache; none for a wider one
+        (so a kernel set without fp8 support keeps working with the model's dtype)."""
+        return {"kv_scale": self.kv_scale} if cache.element_size() == 1 else {}
 
     def project(
         self,
@@ -164,7 +180,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = kn.rms_norm(q, self.q_norm, cfg.rms_norm_eps)[0]
             k = kn.rms_norm(k, self.k_norm, cfg.rms_norm_eps)[0]
-        q, _ = kn.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta)
+        q, _ = kn.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, **self._scales(k_cache))
         return q
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -223,7 +239,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream), the add deferred to the next norm."""
         q, residual = self.before_attention(x, residual, rotary, k_cache, v_cache, meta)
-        o = self.kernels.attention(q, k_cache, v_cache, meta, self.self_attn.scale)
+        o = self.self_attn.attend(q, k_cache, v_cache, meta)
         return self.after_attention(o, residual)
 
     def before_attention(

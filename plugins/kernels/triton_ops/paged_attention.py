@@ -41,6 +41,12 @@ Tile shapes are kept in code, keyed by head size and GQA ratio
 ``python benchmarks/kernels_bench.py --tune`` on the H200. Nothing is tuned at
 start-up.
 
+An fp8 cache (``float8_e4m3fn``, ``float8_e5m2``: half the bytes of bf16 per
+tile) is read as it is stored and widened to the query dtype in registers
+(exact: every fp8 value is a bf16 and an fp16 value); its scales
+(``kv_scale`` ``[2]``, read on the device) are folded in where they cost
+nothing: K's into the softmax scale, V's into the output once per program.
+
 ``precision="fp32"`` runs float32 inputs' matrix products in IEEE fp32;
 ``"fast"`` lets them use TF32 (for bf16/fp16 inputs the products are on the
 tensor cores either way, the probabilities rounded to the input dtype before
@@ -251,7 +257,7 @@ def _attend_tile(
         v = tl.load(v_ptr + offs)
     else:
         v = tl.load(v_ptr + offs, mask=(n < key_end)[:, None], other=0.0)
-    acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST)
+    acc = _dot_acc(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], DOT_PRECISION, UPCAST)
     return acc, m_new, l_i
 
 
@@ -263,6 +269,7 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     out_ptr,
@@ -287,6 +294,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -309,6 +317,8 @@ def _decode_kernel(
         other=0.0,
     )
 
+    if QUANT:  # fp8 cache: K's scale into the scores' scale, V's into the output below
+        scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD], tl.float32)
@@ -323,6 +333,8 @@ def _decode_kernel(
         acc, m_i, l_i, q, g, k_ptr, v_ptr, table, full_end, end, end, scale_log2e,
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST,
     )  # fmt: skip
+    if QUANT:
+        acc = acc * tl.load(kv_scale_ptr + 1)
 
     if NUM_SPLITS == 1:
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -378,6 +390,7 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     cu_query_lens_ptr,
@@ -399,6 +412,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest rows first
@@ -424,6 +438,8 @@ def _prefill_kernel(
         other=0.0,
     )
 
+    if QUANT:  # fp8 cache: K's scale into the scores' scale, V's into the output below
+        scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
@@ -444,6 +460,8 @@ def _prefill_kernel(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, full_end, diag_end, diag_end, scale_log2e,
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, DOT_PRECISION, UPCAST,
     )  # fmt: skip
+    if QUANT:
+        acc = acc * tl.load(kv_scale_ptr + 1)
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(
@@ -532,19 +550,27 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention of q ``[T, Hq, D]`` over the paged cache; returns a fresh ``[T, Hq, D]``."""
+        """Causal attention of q ``[T, Hq, D]`` over the paged cache; returns a fresh ``[T, Hq, D]``.
+
+        An fp8 cache needs ``kv_scale`` (float32 ``[2]``: K's scale, then V's).
+        """
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
         assert hq % hkv == 0 and k_cache.shape[3] == d and k_cache.stride() == v_cache.stride()
+        if k_cache.element_size() == 1:
+            assert kv_scale is not None and kv_scale.dtype == torch.float32, "fp8 cache: kv_scale"
+        else:
+            kv_scale = None
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
         scale_log2e = scale * LOG2E
         if meta.num_prefills:
-            self.prefill(q, k_cache, v_cache, meta, scale_log2e, out, hkv)
+            self.prefill(q, k_cache, v_cache, meta, scale_log2e, out, hkv, kv_scale)
         if meta.num_decodes:
-            self.decode(q, k_cache, v_cache, meta, scale_log2e, out, hkv)
+            self.decode(q, k_cache, v_cache, meta, scale_log2e, out, hkv, kv_scale)
         return out
 
     def prefill(
@@ -556,6 +582,7 @@ class PagedAttention:
         scale_log2e: float,
         out: torch.Tensor,
         hkv: int,
+        kv_scale: torch.Tensor | None = None,
     ) -> None:
         """Causal attention of the batch's first ``num_prefills`` sequences (prompts, chunks, drafts) into ``out``."""
         _, hq, d = q.shape
@@ -568,6 +595,7 @@ class PagedAttention:
             q,
             k_cache,
             v_cache,
+            out if kv_scale is None else kv_scale,  # any pointer when the cache is not fp8
             bt,
             meta.context_lens,
             meta.cu_query_lens,
@@ -589,6 +617,7 @@ class PagedAttention:
             BLOCK_N=tiles.block_n,
             DOT_PRECISION=self.dot_precision,
             UPCAST=self.upcast_dot,
+            QUANT=kv_scale is not None,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -602,6 +631,7 @@ class PagedAttention:
         scale_log2e: float,
         out: torch.Tensor,
         hkv: int,
+        kv_scale: torch.Tensor | None = None,
     ) -> None:
         """Split-K decode of the batch's last ``num_decodes`` sequences (one query token each) into ``out``."""
         nd = meta.num_decodes
@@ -619,6 +649,7 @@ class PagedAttention:
             q,
             k_cache,
             v_cache,
+            out if kv_scale is None else kv_scale,  # any pointer when the cache is not fp8
             bt,
             meta.context_lens,
             out,
@@ -643,6 +674,7 @@ class PagedAttention:
             NUM_SPLITS=splits,
             DOT_PRECISION=self.dot_precision,
             UPCAST=self.upcast_dot,
+            QUANT=kv_scale is not None,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )

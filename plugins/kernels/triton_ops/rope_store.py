@@ -7,6 +7,12 @@ a CUDA-graph batch) writes nothing into the cache.
 
 Rounding follows the reference (cos/sin rounded to the activation dtype, each
 product rounded, then the sum), so bf16 results match it bit for bit.
+
+An fp8 cache (``float8_e4m3fn`` or ``float8_e5m2``) stores ``k / k_scale`` and
+``v / v_scale`` (``kv_scale`` ``[2]``, read on the device so a captured CUDA
+graph sees the values of the replay), saturated to the format's finite range
+and rounded to nearest-even as torch's cast does (bit for bit the reference's
+bytes): an outlier stays finite (±448 in e4m3), never NaN or inf.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import triton.language as tl
 
 from pitstop.attention import AttentionMetadata
 from pitstop.protocols import RotaryCache
+
+# mantissa bits of the fp8 cache formats Triton stores (float8e4nv, float8e5)
+FP8_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 
 @triton.jit
@@ -47,6 +56,7 @@ def _rope_store_kernel(
     k_out_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scale_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -63,6 +73,10 @@ def _rope_store_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     HALF: tl.constexpr,
+    QUANT: tl.constexpr,
+    QUANT_MAX: tl.constexpr,
+    QUANT_MANTISSA: tl.constexpr,
+    QUANT_MIN_NORMAL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -107,13 +121,46 @@ def _rope_store_kernel(
     cache_offs = (page * stride_cp + off * stride_cs + hk * stride_ch)[:, None] + j[None, :]
     store_mask = k_mask & (tl.zeros_like(hk) + slot >= 0)[:, None]
     ct = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + cache_offs, k1.to(ct), mask=store_mask)
-    tl.store(k_cache_ptr + cache_offs + HALF, k2.to(ct), mask=store_mask)
     v_offs = (t * stride_vt + hk * stride_vh)[:, None] + j[None, :]
     v1 = tl.load(v_ptr + v_offs, mask=k_mask, other=0.0)
     v2 = tl.load(v_ptr + v_offs + HALF, mask=k_mask, other=0.0)
+    if QUANT:
+        k_scale = tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
+        k1 = _quantize(k1, k_scale, QUANT_MAX, QUANT_MANTISSA, QUANT_MIN_NORMAL)
+        k2 = _quantize(k2, k_scale, QUANT_MAX, QUANT_MANTISSA, QUANT_MIN_NORMAL)
+        v1 = _quantize(v1, v_scale, QUANT_MAX, QUANT_MANTISSA, QUANT_MIN_NORMAL)
+        v2 = _quantize(v2, v_scale, QUANT_MAX, QUANT_MANTISSA, QUANT_MIN_NORMAL)
+    tl.store(k_cache_ptr + cache_offs, k1.to(ct), mask=store_mask)
+    tl.store(k_cache_ptr + cache_offs + HALF, k2.to(ct), mask=store_mask)
     tl.store(v_cache_ptr + cache_offs, v1.to(ct), mask=store_mask)
     tl.store(v_cache_ptr + cache_offs + HALF, v2.to(ct), mask=store_mask)
+
+
+@triton.jit
+def _quantize(x, scale, LIMIT: tl.constexpr, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """``x / scale`` clamped to ``±LIMIT`` and rounded to the nearest fp8 value (ties to even), in float32.
+
+    The rounding is done here, on the float32 bits, so that the cast to fp8
+    that follows is exact: Triton 3.9's interpreter rounds a value just below a
+    power of two that should round up to it (31.1 -> 32 in e4m3) down to half
+    of it instead. Done on the GPU too, so the interpreter tests run the code
+    the GPU runs (a few integer operations per element of a memory-bound kernel).
+    Values below the smallest normal are rounded on the subnormal grid by
+    shifting them into ``[MIN_NORMAL, 2 MIN_NORMAL)``, where the spacing is that grid's.
+    """
+    # div_rn: the correctly rounded quotient torch computes (``/`` may be approximate on the GPU)
+    y = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -LIMIT, LIMIT)
+    a = tl.abs(y)
+    subnormal = a < MIN_NORMAL
+    a = tl.where(subnormal, a + MIN_NORMAL, a)
+    bits = a.to(tl.int32, bitcast=True)
+    SHIFT: tl.constexpr = 23 - MANTISSA  # float32 mantissa bits dropped
+    odd = (bits >> SHIFT) & 1
+    bits = (bits + ((1 << (SHIFT - 1)) - 1) + odd) & (-(1 << SHIFT))
+    a = bits.to(tl.float32, bitcast=True)
+    a = tl.where(subnormal, a - MIN_NORMAL, a)
+    return tl.where(y < 0, -a, a)
 
 
 def rope_and_store(
@@ -124,12 +171,14 @@ def rope_and_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` at ``meta.positions``; store k, v at ``meta.slot_mapping``.
 
     q, k, v may be strided views (slices of a merged QKV output) as long as the
     last dimension is contiguous. Caches are ``[num_pages, page_size, Hkv, D]``
-    (k and v with the same strides). Returns fresh contiguous rotated q and k.
+    (k and v with the same strides). An fp8 cache needs ``kv_scale``
+    (float32 ``[2]``: K's scale, V's). Returns fresh contiguous rotated q and k.
     """
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -142,6 +191,9 @@ def rope_and_store(
         return q_out, k_out
     cos, sin = rotary.cos, rotary.sin
     assert cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    quant = k_cache.element_size() == 1
+    assert not quant or (kv_scale is not None and kv_scale.dtype == torch.float32)
+    finfo = torch.finfo(k_cache.dtype)
     _rope_store_kernel[(t,)](
         q,
         k,
@@ -154,6 +206,7 @@ def rope_and_store(
         k_out,
         k_cache,
         v_cache,
+        kv_scale if quant else cos,  # any pointer when unused
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -170,6 +223,10 @@ def rope_and_store(
         BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv),
         HALF=d // 2,
+        QUANT=quant,
+        QUANT_MAX=finfo.max,
+        QUANT_MANTISSA=FP8_MANTISSA_BITS.get(k_cache.dtype, 0),
+        QUANT_MIN_NORMAL=finfo.smallest_normal,
         num_warps=4,
     )
     return q_out, k_out
