@@ -28,6 +28,8 @@ run() { name=$1; shift; echo "== $name: pitstop bench $*"; timeout ${BENCH_TIMEO
 for spec in ${BENCHES-nano single}; do
   case $spec in
     nano) run nano offline --workload nano --kernels fused ;;
+    # issue 20: the sampler's logits processors (penalties, bias, min_tokens, logprobs) per call
+    api) echo "== sampler processors (benchmarks/sampler_bench.py)"; timeout 300 python3 benchmarks/sampler_bench.py 2>&1 | tail -8 ;;
     # issue 13: the serial loop beside the overlapped one, and the GPU busy fraction
     # issue 22: the old default scheduler beside the new (bounded-step) one
     nano-defaults) run nano-defaults offline --workload nano --kernels fused --matrix benchmarks/workloads/defaults.toml ;;

@@ -2,7 +2,7 @@
 
 Times each kernel with ``triton.testing.do_bench`` (median, L2 flushed before
 every run) and states its achieved rate against the H200 ceilings measured in
-WORKLOADS.md (4.23 TB/s copy, 792 TFLOP/s bf16):
+docs/workloads.md (4.23 TB/s copy, 792 TFLOP/s bf16):
 
 - decode attention: bytes = every cached K and V token read once per KV head
   (at the cache's element size: 2 bytes in bf16, 1 in fp8) + q and out;

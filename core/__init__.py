@@ -13,7 +13,9 @@ from pitstop.errors import (
     PluginError,
 )
 from pitstop.hookspecs import hookimpl
+from pitstop.inputs import TextPrompt, TokensPrompt
 from pitstop.sampling_params import SamplingParams
+from pitstop.structured import StructuredOutputs
 
 __version__ = "0.1.0"
 
@@ -33,15 +35,16 @@ def __getattr__(name: str):
         from pitstop.engine import LLMEngine
 
         return LLMEngine
-    if name == "RequestOutput":
-        from pitstop.outputs import RequestOutput
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pitstop import outputs
 
-        return RequestOutput
+        return getattr(outputs, name)
     raise AttributeError(f"module 'pitstop' has no attribute {name!r}")
 
 
 __all__ = [
     "LLM",
+    "CompletionOutput",
     "ConfigError",
     "EngineConfig",
     "InvalidRequestError",
@@ -51,5 +54,8 @@ __all__ = [
     "PluginError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputs",
+    "TextPrompt",
+    "TokensPrompt",
     "hookimpl",
 ]

@@ -13,20 +13,41 @@ from pitstop.errors import PitstopError, PluginError
 from pitstop.gguf_loader import add_subcommand as add_cache
 from pitstop.plugin_manager import get_plugin_manager
 
+# argparse prints this as it is: plain text, no reST markup
+DESCRIPTION = (
+    "pitstop: an LLM inference engine in which every strategy is a plugin. Subcommands: "
+    "generate, chat, serve, bench, verify, plugins, cache."
+)
+
 
 def _sampling_flags(
     parser: argparse.ArgumentParser, *, max_tokens: int, temperature: float
 ) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
-    g.add_argument("--temperature", type=float, default=temperature, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument(
-        "--sampling-seed", type=int, default=None, help="seed of this request's sampling"
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help=f"most tokens to generate (default: {max_tokens})",
     )
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=temperature,
+        help=f"0 is greedy (default: {temperature:g})",
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="1 disables (default: 1)")
+    g.add_argument("--top-k", type=int, default=-1, help="-1 or 0 disables (default: -1)")
+    g.add_argument("--min-p", type=float, default=0.0, help="0 disables (default: 0)")
+    g.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        help="seed of this request's sampling (default: the engine's --seed)",
+    )
+    g.add_argument(
+        "--stop", action="append", default=None, help="stop string (repeatable; default: none)"
+    )
 
 
 def _params(args: argparse.Namespace):
@@ -134,7 +155,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every built-in subcommand."""
-    parser = argparse.ArgumentParser(prog="pitstop", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pitstop", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -157,8 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with the model (interactive unless -m is given)")
-    p.add_argument("-m", "--message", help="send one message, print the answer, exit")
-    p.add_argument("--system", help="system prompt")
+    p.add_argument(
+        "-m",
+        "--message",
+        help="send one message, print the answer, exit (default: interactive)",
+    )
+    p.add_argument("--system", help="system prompt (default: none)")
     add_cli_flags(p)
     _sampling_flags(p, max_tokens=256, temperature=0.0)
     p.set_defaults(func=cmd_chat)

@@ -147,6 +147,14 @@ class EngineConfig:
         ),
     )
     device: str = attrs.field(default="auto", metadata=_doc("auto, cpu, cuda or cuda:N"))
+    threads: int | None = attrs.field(
+        default=None,
+        validator=_positive_int,
+        metadata=_doc(
+            "CPU threads torch uses (default: torch's choice, one per core; the engine prints "
+            "the number at start-up)"
+        ),
+    )
     seed: int = attrs.field(
         default=0, validator=_non_negative_int, metadata=_doc("seed of requests that set none")
     )
@@ -446,7 +454,13 @@ def add_cli_flags(
     for att in attrs.fields(EngineConfig):
         if att.name == "options" or (att.name == "model" and not with_model):
             continue
-        kwargs: dict[str, Any] = {"default": None, "help": att.metadata.get("help", "")}
+        help_text = att.metadata.get("help", "")
+        if "default:" not in help_text:
+            default = att.default
+            shown = "none" if default is None else str(default)
+            help_text += f" (default: {shown.lower() if isinstance(default, bool) else shown})"
+        # the default stays None so that a --config file's value is not overridden
+        kwargs: dict[str, Any] = {"default": None, "help": help_text}
         if "bool" in str(att.type):
             kwargs["metavar"] = "true|false"
         group.add_argument(

@@ -34,15 +34,17 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import attrs
+import torch
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError, InvalidRequestError
 from pitstop.kv_cache_dtype import resolve_kv_cache_dtype
 from pitstop.memory import check_fits
 from pitstop.metrics import EngineStats, StepStats
-from pitstop.outputs import RequestMetrics, RequestOutput
+from pitstop.outputs import RequestOutput
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.protocols import ScheduledSequence, StepPlan
+from pitstop.request_state import RequestState, SampleState, accept_token, token_logprobs
 from pitstop.runner import (
     LaunchedStep,
     ModelRunner,
@@ -55,28 +57,21 @@ from pitstop.runner import (
     resolve_device,
     resolve_dtype,
 )
+from pitstop.sampling import RowInputs
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import Sequence, SequenceStatus
 from pitstop.spec_adaptation import SpeculationPolicy
 from pitstop.spec_graphs import capture_verify_graphs
 from pitstop.speculative import ProposerContext, draft_room
+from pitstop.structured import GrammarCompiler
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
-from pitstop.validation import check_encoded_prompt, validate_request
+from pitstop.validation import SEED_MODULUS, check_encoded_prompt, validate_request
 from pitstop.weights import load_model_source
 
 # observer(step inputs, the engine's sequence of each or None, logits rows): see observe_logits
 EngineLogitsObserver = Callable[[Seq[SeqInput], list[Sequence | None], Any], None]
 
 log = logging.getLogger(__name__)
-
-
-@attrs.define(eq=False)
-class _Request:
-    seq: Sequence
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer | None
-    text: str = ""
-    logprobs: list[float] | None = None
 
 
 @attrs.define(eq=False)
@@ -95,6 +90,11 @@ class _Launched:
         """Whether some sequence verifies drafts (applied before the next launch)."""
         return any(inp.num_logits > 1 for inp in self.inputs)
 
+    @property
+    def follows_grammar(self) -> bool:
+        """Whether a sequence of this step is constrained by a grammar (structured outputs)."""
+        return any(i.row_inputs is not None and i.row_inputs.grammar for i in self.inputs)
+
 
 class LLMEngine:
     """Owns the chosen strategies, the runner and every live request."""
@@ -107,6 +107,10 @@ class LLMEngine:
             config = attrs.evolve(config, kernels="fused" if fused else "reference")
         self.plugins.check_config(config)  # every name, before any weight loads
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        if self.device.type == "cpu":
+            log.info("CPU threads: %d (set with --threads)", torch.get_num_threads())
         source = load_model_source(config.model, tokenizer=config.tokenizer, plugins=self.plugins)
         mc = source.model_config
         self.plugins.get("model", mc.architecture)
@@ -174,7 +178,10 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._samples: dict[int, SampleState] = {}  # by sequence id
+        self._grammars: GrammarCompiler | None = None  # built at the first structured request
+        self._processed: set[int] = set()  # seq ids using penalties, min_tokens or a grammar
         self._ids = itertools.count()
         self._finished_seq_ids: list[int] = []  # gone since the last launch (runner forgets them)
         self._reset_seq_ids: list[int] = []  # block tables rebuilt since the last launch
@@ -230,29 +237,133 @@ class LLMEngine:
             raise InvalidRequestError(
                 "stop strings need a tokenizer; use stop_token_ids with this model"
             )
-        seq = Sequence(
-            request_id, ids, params, max_num_tokens=min(len(ids) + params.max_tokens, max_len)
+        self._check_combination(params)
+        samples = self._new_samples(request_id, ids, params, arrival_time)
+        req = RequestState(request_id, prompt, ids, params, samples)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        uses_processors = (
+            params.needs_penalties or params.min_tokens > 0 or params.structured_outputs is not None
         )
-        if arrival_time is not None:
-            seq.timestamps.arrival = arrival_time
-        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
-        self._requests[request_id] = _Request(
-            seq, prompt, detok, logprobs=[] if params.logprobs else None
-        )
-        self.scheduler.add(seq)
+        for sample in samples:
+            self._samples[sample.seq.seq_id] = sample
+            if uses_processors:
+                self._processed.add(sample.seq.seq_id)
+        self._requests[request_id] = req
+        seqs = [sample.seq for sample in samples]
+        if len(seqs) > 1 and getattr(self.allocator, "shares_prefix_pages", False):
+            # the other samples wait until the first computed the prompt, then share its pages
+            seqs, req.held_back = seqs[:1], seqs[1:]
+        for seq in seqs:
+            self.scheduler.add(seq)
         return request_id
+
+    def _check_combination(self, params: SamplingParams) -> None:
+        """Refuse what this engine's configuration cannot honour (instead of ignoring it)."""
+        if (
+            params.needs_penalties
+            or params.logit_bias
+            or params.min_tokens
+            or params.structured_outputs is not None
+            or params.logprobs
+        ) and not getattr(self.runner.sampler, "supports_logits_processors", False):
+            raise InvalidRequestError(
+                f"the {self.config.sampler!r} sampler does not apply penalties, logit_bias, "
+                "min_tokens, structured outputs or logprobs > 0; use sampler 'standard' or "
+                "leave them unset"
+            )
+        if params.prompt_logprobs is not None and self.config.allocator == "prefix":
+            raise InvalidRequestError(
+                "prompt_logprobs needs every prompt token computed, and the prefix allocator "
+                "serves cached ones without computing them; use allocator paged or preallocated"
+            )
+        if self.proposer is None:
+            return
+        used = [
+            name
+            for name, on in (
+                ("structured_outputs", params.structured_outputs is not None),
+                ("presence/frequency/repetition penalties", params.needs_penalties),
+                ("logit_bias", bool(params.logit_bias)),
+                ("min_tokens", params.min_tokens > 0),
+                ("logprobs > 0", bool(params.logprobs)),
+                ("prompt_logprobs", params.prompt_logprobs is not None),
+            )
+            if on
+        ]
+        if used:
+            raise InvalidRequestError(
+                f"{used[0]} is not supported with speculative decoding (speculative="
+                f"{self.config.speculative!r}); leave it unset or run without --speculative"
+            )
+
+    def _new_samples(
+        self, request_id: str, ids: list[int], params: SamplingParams, arrival: float | None
+    ) -> list[SampleState]:
+        """The ``n`` samples of a request: a sequence each (seed + i for sample i), grammar, text."""
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        grammars = None
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured_outputs needs the model's tokenizer; this model has none"
+                )
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size)
+            grammars = [
+                self._grammars.new_state(params.structured_outputs) for _ in range(params.n)
+            ]
+        samples = []
+        for i in range(params.n):
+            p = params
+            if i and params.seed is not None:
+                p = attrs.evolve(params, seed=(params.seed + i) % SEED_MODULUS)
+            seq = Sequence(
+                request_id if params.n == 1 else f"{request_id}#{i}",
+                ids,
+                p,
+                max_num_tokens=min(len(ids) + params.max_tokens, max_len),
+            )
+            if arrival is not None:
+                seq.timestamps.arrival = arrival
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens
+                )
+            samples.append(
+                SampleState(
+                    i,
+                    seq,
+                    detok,
+                    request_id=request_id,
+                    grammar=grammars[i] if grammars else None,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                )
+            )
+        return samples
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now, wherever it is, and free what it holds; returns its final output."""
         req = self._requests.get(request_id)
         if req is None:
             return None
-        seq = req.seq
-        if self.scheduler.abort(request_id) is None or not seq.is_finished:
-            seq.abort()
+        self._stop_samples(req)
         self.stats.requests_aborted += 1
-        self._finished_seq_ids.append(seq.seq_id)
         return self._finish(req)
+
+    def _stop_samples(self, req: RequestState) -> None:
+        """Abort every unfinished sample of ``req`` and free what it holds."""
+        for sample in req.samples:
+            seq = sample.seq
+            if seq.is_finished:
+                continue
+            if self.scheduler.abort(seq.request_id) is None or not seq.is_finished:
+                seq.abort()
+            self._finished_seq_ids.append(seq.seq_id)
+        req.held_back = []
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
@@ -260,7 +371,7 @@ class LLMEngine:
 
     def live_sequences(self) -> dict[int, Sequence]:
         """The sequences of the unfinished requests, by the sequence id the runner knows (read only)."""
-        return {req.seq.seq_id: req.seq for req in self._requests.values()}
+        return {seq_id: sample.seq for seq_id, sample in self._samples.items()}
 
     def observe_logits(self, observer: EngineLogitsObserver | None) -> None:
         """Hand the target model's logits of every step to ``observer`` (None: stop).
@@ -316,12 +427,13 @@ class LLMEngine:
         """
         outputs: list[RequestOutput] = []
         speculating = self._speculating()
-        if speculating and self._in_flight is not None:  # the proposer needs its tokens
+        if self._in_flight is not None and (speculating or self._in_flight.follows_grammar):
+            # the proposer, or a grammar's next mask, needs the token still on the device
             outputs = self._apply(self._in_flight, stream)
             self._in_flight = None
         launched = self._plan_and_launch(speculating)
         if self._in_flight is not None:
-            outputs = self._apply(self._in_flight, stream)
+            outputs += self._apply(self._in_flight, stream)
             self._in_flight = None
         if launched is not None:
             if self.overlap and not launched.verifies:
@@ -338,9 +450,9 @@ class LLMEngine:
         if self.spec_policy is None:
             return set()
         decoding = (  # prompt work never needs drafts (nor the in-flight step drained for them)
-            r.seq
-            for r in self._requests.values()
-            if r.seq.status is SequenceStatus.RUNNING and r.seq.num_uncomputed_tokens == 1
+            sample.seq
+            for sample in self._samples.values()
+            if sample.seq.status is SequenceStatus.RUNNING and sample.seq.num_uncomputed_tokens == 1
         )
         return self.spec_policy.plan_step(self.scheduler.num_running, decoding)
 
@@ -386,6 +498,10 @@ class LLMEngine:
                     num_logits=1 + num_drafts,
                     draft_probs=self._draft_probs.get(seq.seq_id) if num_drafts else None,
                     draft_ids=self._draft_ids.get(seq.seq_id) if num_drafts else None,
+                    row_inputs=self._row_inputs(seq)
+                    if sample and seq.seq_id in self._processed
+                    else None,
+                    **self._prompt_targets(seq, begin, end),
                 )
             )
         step = StepInput(inputs, self._finished_seq_ids, self._reset_seq_ids)
@@ -401,32 +517,102 @@ class LLMEngine:
                 seq.launch(s.num_new_tokens, samples=inp.sample)
         return _Launched(plan, scheduled, inputs, handle, start, proposed)
 
+    def _prompt_targets(self, seq: Sequence, begin: int, end: int) -> dict[str, Any]:
+        """For ``prompt_logprobs``: the prompt tokens the chunk ``[begin, end)`` of ``seq`` predicts."""
+        k = seq.sampling_params.prompt_logprobs
+        last = seq.num_prompt_tokens - 1  # position last predicts the first output token
+        if k is None or begin >= last or self._samples[seq.seq_id].index != 0:
+            return {}
+        return {
+            "prompt_targets": seq.prompt_token_ids[begin + 1 : min(end, last) + 1],
+            "prompt_logprobs": k,
+        }
+
+    def _row_inputs(self, seq: Sequence) -> RowInputs | None:
+        """What the sampler's penalties, min_tokens and grammar read for ``seq`` this step."""
+        params = seq.sampling_params
+        sample = self._samples[seq.seq_id]
+        blocked: tuple[int, ...] = ()
+        if seq.num_output_tokens < params.min_tokens:
+            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+            blocked = eos + params.stop_token_ids
+        if not (params.needs_penalties or blocked or sample.grammar is not None):
+            return None
+        return RowInputs(
+            history=seq.token_ids if params.needs_penalties else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            blocked_token_ids=blocked,
+            grammar=sample.grammar,
+        )
+
     def _apply_tokens(
         self, seq: Sequence, inp: SeqInput, res: SeqResult, stream: bool
     ) -> RequestOutput | None:
         """One sequence's tokens from a step: resolve, stop checks, text; its output if any."""
         num_drafts = inp.num_logits - 1
-        req = self._requests[seq.request_id]
-        delta = ""
-        new_ids: list[int] = []
+        sample = self._samples[seq.seq_id]
+        req = self._request_of(sample)
+        params = seq.sampling_params
         tokens = res.token_ids
+        decode = self._decode_one
         for j, token in enumerate(tokens):  # accepted drafts, then the corrected or bonus token
             if num_drafts:
                 seq.append_token(token)
             else:
                 seq.resolve_token(token)
-            new_ids.append(token)
-            if req.logprobs is not None and res.logprobs is not None:
-                req.logprobs.append(res.logprobs[j])
-            delta += self._check_stop(req, token)
+            if sample.logprobs is not None and res.logprobs is not None:
+                lp = res.logprobs[j]
+                top = res.top_logprobs[j][: params.logprobs] if res.top_logprobs else []
+                rank = res.ranks[j] if res.ranks else None
+                sample.logprobs.append(token_logprobs(token, lp, rank, top, decode))
+                sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + lp
+            accept_token(
+                sample,
+                token,
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.config.max_model_len or 0,
+            )
             if seq.is_finished:
                 break
         if num_drafts:
             self._after_verify(seq, inp.start_pos, num_drafts, len(tokens) - 1)
-        self.stats.generation_tokens += len(new_ids)
-        if seq.is_finished:
-            return self._finish(req, delta, new_ids)
-        return self._output(req, delta, new_ids) if stream else None
+        self.stats.generation_tokens += len(sample.new_ids)
+        if req.held_back and sample.index == 0:  # the prompt is computed now: share its pages
+            share = getattr(self.allocator, "share_prompt", None)
+            for sibling in req.held_back:
+                if share is not None:
+                    share(sibling, seq)
+                self.scheduler.add(sibling)
+            req.held_back = []
+        if req.finished:
+            return self._finish(req)
+        return req.output() if stream else None
+
+    def _add_prompt_logprobs(self, seq: Sequence, inp: SeqInput, res: SeqResult) -> None:
+        """Record a chunk's prompt log-probabilities; a prompt the cache skipped fails the request."""
+        req = self._request_of(self._samples[seq.seq_id])
+        assert req.prompt_logprobs is not None and res.prompt_logprobs is not None
+        if inp.start_pos + 1 > len(req.prompt_logprobs):
+            self._fail_request(
+                seq,
+                InvalidRequestError(
+                    f"prompt_logprobs: prompt tokens before position {inp.start_pos} were served "
+                    f"from the {self.config.allocator!r} allocator's cache and never computed; "
+                    "use allocator paged or preallocated for prompt_logprobs"
+                ),
+            )
+            return
+        req.add_prompt_logprobs(inp.start_pos, res.prompt_logprobs, self._decode_one)
+
+    def _request_of(self, sample: SampleState) -> RequestState:
+        """The request a sample belongs to."""
+        return self._requests[sample.request_id]
+
+    def _decode_one(self, token: int) -> str | None:
+        """One token's text, for log-probabilities (None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _isolate_failure(
         self, scheduled: list[ScheduledSequence], inputs: list[SeqInput], exc: Exception
@@ -463,17 +649,21 @@ class LLMEngine:
         return LaunchedStep(inputs, ready=StepOutput(results))
 
     def _fail_request(self, seq: Sequence, error: Exception) -> None:
-        """Finish ``seq``'s request with reason ``"error"``: pages freed, output emitted next."""
-        req = self._requests.get(seq.request_id)
+        """Finish ``seq``'s request with reason ``"error"``: pages freed, output emitted next.
+
+        Every sample of the request stops (the request failed); ``seq`` gets
+        reason ``"error"``, its siblings ``"abort"``.
+        """
+        sample = self._samples.get(seq.seq_id)
+        req = self._requests.get(sample.request_id) if sample is not None else None
         if req is None:
             return
-        log.error("request %s failed and was stopped: %s", seq.request_id, error)
-        self.scheduler.abort(seq.request_id)
+        log.error("request %s failed and was stopped: %s", req.request_id, error)
+        self._stop_samples(req)
         seq.finish_reason = "error"
         self.stats.requests_failed += 1
-        self._finished_seq_ids.append(seq.seq_id)
-        output = self._finish(req)
-        self._failed_outputs.append(attrs.evolve(output, error=f"{type(error).__name__}: {error}"))
+        output = self._finish(req, error=f"{type(error).__name__}: {error}")
+        self._failed_outputs.append(output)
 
     def _apply(self, launched: _Launched, stream: bool) -> list[RequestOutput]:
         """Apply a launched step's results: tokens, stop conditions, outputs, finishes, stats."""
@@ -495,6 +685,10 @@ class LLMEngine:
                 continue  # finished (or aborted) since this step was launched: discard its token
             if not num_drafts and seq.status is SequenceStatus.RUNNING:
                 self.allocator.on_tokens_computed(seq)
+            if res.prompt_logprobs is not None:
+                self._add_prompt_logprobs(seq, inp, res)
+                if seq.is_finished:
+                    continue
             if not inp.sample:
                 continue
             try:
@@ -511,7 +705,7 @@ class LLMEngine:
         self._draft_probs.clear()
         self._draft_ids.clear()
         self.stats.prompt_tokens += prefill_tokens
-        self.stats.requests_finished += len(finished)
+        self.stats.requests_finished += sum(1 for out in outputs if out.finished)
         self._finished_seq_ids.extend(seq.seq_id for seq in finished)
         self.scheduler.on_step_done(launched.plan, finished)
         alloc = self.allocator.stats()
@@ -543,12 +737,12 @@ class LLMEngine:
         assert self.spec_policy is not None
         k = self.config.num_speculative_tokens
         seqs = [
-            req.seq
-            for req in self._requests.values()
-            if req.seq.status is SequenceStatus.RUNNING
-            and req.seq.num_uncomputed_tokens == 1
-            and draft_room(req.seq, k, self.config.max_model_len) > 0
-            and req.seq.seq_id in speculating
+            sample.seq
+            for sample in self._samples.values()
+            if sample.seq.status is SequenceStatus.RUNNING
+            and sample.seq.num_uncomputed_tokens == 1
+            and draft_room(sample.seq, k, self.config.max_model_len) > 0
+            and sample.seq.seq_id in speculating
         ]
         if not seqs:
             return []
@@ -589,80 +783,17 @@ class LLMEngine:
         self.proposer.on_accepted(seq, num_accepted)
         self.spec_policy.record(seq, num_drafts, num_accepted)
 
-    def _check_stop(self, req: _Request, token: int) -> str:
-        """Apply the stop conditions after ``token``; return the new text to stream."""
-        seq, params = req.seq, req.seq.sampling_params
-        reason = None
-        if (
-            not params.ignore_eos and token in self.eos_token_ids
-        ) or token in params.stop_token_ids:
-            reason = "stop"
-        elif (
-            seq.num_output_tokens - seq.num_pending_tokens >= params.max_tokens
-            or seq.num_tokens - seq.num_pending_tokens >= (self.config.max_model_len or 0)
-        ):
-            reason = "length"
-        delta = ""
-        if req.detokenizer is not None:
-            delta = req.detokenizer.step([token])
-            if params.stop and delta:
-                text = req.text + delta
-                # a stop string may straddle the previous delta: search its tail too
-                begin = max(0, len(req.text) - max(len(s) for s in params.stop) + 1)
-                hits = [i for s in params.stop if (i := text.find(s, begin)) != -1]
-                if hits:
-                    cut = min(hits)
-                    delta = text[len(req.text) : cut] if cut > len(req.text) else ""
-                    req.text = text[:cut]
-                    seq.finish("stop")
-                    return delta
-            if reason is not None:
-                delta += req.detokenizer.flush()  # text held back for a partial character
-            req.text += delta
-        if reason is not None:
-            seq.finish(reason)
-        return delta
-
-    def _output(
-        self, req: _Request, delta: str = "", new_ids: list[int] | None = None
-    ) -> RequestOutput:
-        seq = req.seq
-        ts = seq.timestamps
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=req.text,
-            token_ids=seq.output_token_ids,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            text_delta=delta,
-            new_token_ids=new_ids or [],
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            # per-request timings on the final output only: building them every step costs O(tokens)
-            metrics=None
-            if not seq.is_finished
-            else RequestMetrics(
-                arrival=ts.arrival,
-                first_scheduled=ts.first_scheduled,
-                first_token=ts.first_token,
-                finish=ts.finish,
-                token_times=tuple(ts.tokens),
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
-                num_preemptions=seq.num_preemptions,
-            ),
-        )
-
-    def _finish(
-        self, req: _Request, delta: str = "", new_ids: list[int] | None = None
-    ) -> RequestOutput:
-        self._requests.pop(req.seq.request_id, None)
-        if self.proposer is not None:
-            self.proposer.release(req.seq)  # e.g. the draft model's own KV pages
-        if self.spec_policy is not None:
-            self.spec_policy.release(req.seq)
-        output = self._output(req, delta, new_ids)
+    def _finish(self, req: RequestState, error: str | None = None) -> RequestOutput:
+        """Forget a finished request (every sample stopped) and return its final output."""
+        self._requests.pop(req.request_id, None)
+        for sample in req.samples:
+            self._samples.pop(sample.seq.seq_id, None)
+            self._processed.discard(sample.seq.seq_id)
+            if self.proposer is not None:
+                self.proposer.release(sample.seq)  # e.g. the draft model's own KV pages
+            if self.spec_policy is not None:
+                self.spec_policy.release(sample.seq)
+        output = req.output(error=error)
         if self._request_observers:
             self.plugins.hook.on_request_finished(engine=self, output=output)
         return output

@@ -8,6 +8,7 @@ from typing import Any
 from pitstop.config import EngineConfig
 from pitstop.engine import LLMEngine
 from pitstop.errors import ConfigError, InvalidRequestError
+from pitstop.inputs import PromptType, parse_prompts
 from pitstop.outputs import RequestOutput
 from pitstop.plugin_manager import PluginManager
 from pitstop.sampling_params import SamplingParams
@@ -51,30 +52,39 @@ class LLM:
         """The model's tokenizer (None for dummy weights)."""
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer, as vLLM's ``LLM.get_tokenizer()`` (the ``transformers`` one).
+
+        Raises :class:`InvalidRequestError` for a model without one (dummy weights).
+        """
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError(
+                f"model {self.config.model!r} has no tokenizer; load one with tokenizer=PATH"
+            )
+        return self.engine.tokenizer.hf
+
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts: PromptType | Sequence[PromptType] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+        """Generate for every prompt; outputs come back in prompt order.
 
-        A prompt that is invalid raises before any request runs, so nothing
-        is half-submitted.
+        A prompt is a string, ``{"prompt": str}`` (:class:`~pitstop.inputs.TextPrompt`)
+        or ``{"prompt_token_ids": [...]}`` (:class:`~pitstop.inputs.TokensPrompt`);
+        give one or a list. ``prompt_token_ids=`` (a list of id lists) is the
+        older spelling of a list of TokensPrompt. A prompt that is invalid
+        raises before any request runs, so nothing is half-submitted.
         """
         if prompts is not None and prompt_token_ids is not None:
             raise InvalidRequestError("pass prompts or prompt_token_ids, not both")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        items: list[tuple[str | None, list[int] | None]]
         if prompt_token_ids is not None:
             items = [(None, list(ids)) for ids in prompt_token_ids]
-        elif prompts is not None:
-            items = [(p, None) for p in prompts]
         else:
-            raise InvalidRequestError("give prompts or prompt_token_ids")
+            items = parse_prompts(prompts)
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(items):
                 raise InvalidRequestError(
@@ -96,11 +106,22 @@ class LLM:
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of messages) or several, with the model's chat template."""
+        """Answer one conversation (a list of messages) or several, with a chat template.
+
+        ``chat_template`` (Jinja text) replaces the model's own;
+        ``add_generation_prompt`` opens the assistant's turn;
+        ``continue_final_message`` leaves the last (assistant) message open so
+        the model continues it (it excludes ``add_generation_prompt``, as in
+        vLLM); ``chat_template_kwargs`` are passed to the template.
+        """
         if not messages:
             raise InvalidRequestError("the conversation is empty; give at least one message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -109,7 +130,21 @@ class LLM:
             raise InvalidRequestError(
                 f"model {self.config.model!r} has no tokenizer, so no chat template"
             )
-        prompts = [tok.apply_chat_template(list(conv)) for conv in conversations]  # type: ignore[arg-type]
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt exclude each other; "
+                "pass add_generation_prompt=False to continue the last message"
+            )
+        prompts = [
+            tok.apply_chat_template(
+                list(conv),  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+            )
+            for conv in conversations
+        ]
         return self.generate(
             prompt_token_ids=prompts, sampling_params=sampling_params, use_tqdm=use_tqdm
         )

@@ -66,22 +66,101 @@ class RequestMetrics:
 
 
 @attrs.frozen
-class RequestOutput:
-    """A request's output so far (or final, when ``finished``).
+class Logprob:
+    """One token's log-probability, its rank (1 = most likely) and its text (vLLM's shape)."""
 
-    ``text`` and ``token_ids`` hold everything generated; ``text_delta`` and
-    ``new_token_ids`` what this step added (for streaming).
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+TokenLogprobs = dict[int, Logprob]
+"""A position's log-probabilities: the chosen token's and the top ``k`` alternatives', by id."""
+
+
+@attrs.frozen
+class CompletionOutput:
+    """One sample of a request (``n`` of them per request).
+
+    ``text`` and ``token_ids`` hold everything generated so far; ``text_delta``
+    and ``new_token_ids`` what the last step added (for streaming).
+    ``logprobs`` (when asked) has one :data:`TokenLogprobs` per token;
+    ``cumulative_logprob`` is the sum of the chosen tokens' log-probabilities.
+    ``finish_reason`` is ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or
+    None while running; ``stop_reason`` is the stop string or stop token id
+    that ended it (None for EOS or any other reason).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text_delta: str = ""
+    new_token_ids: list[int] = attrs.Factory(list)
+
+    @property
+    def finished(self) -> bool:
+        """Whether this sample has stopped."""
+        return self.finish_reason is not None
+
+
+@attrs.frozen
+class RequestOutput:
+    """A request's output so far (or final, when ``finished``), in vLLM's shape.
+
+    ``outputs`` holds one :class:`CompletionOutput` per sample (``n``).
+    ``text``, ``token_ids``, ``finish_reason``, ``text_delta``,
+    ``new_token_ids`` and ``logprobs`` are shortcuts to ``outputs[0]``'s
+    (the only sample when ``n == 1``). ``prompt_logprobs`` (when asked) has
+    None for the first prompt token and one :data:`TokenLogprobs` for each
+    later one.
     """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
-    text_delta: str = ""
-    new_token_ids: list[int] = attrs.Factory(list)
-    logprobs: list[float] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics | None = None  # set on the final output (finished=True)
     error: str | None = None  # why a request with finish_reason "error" was stopped
+
+    @property
+    def text(self) -> str:
+        """``outputs[0].text``."""
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """``outputs[0].token_ids``."""
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``outputs[0].finish_reason`` ("error" when any sample failed)."""
+        if any(o.finish_reason == "error" for o in self.outputs):
+            return "error"
+        return self.outputs[0].finish_reason
+
+    @property
+    def text_delta(self) -> str:
+        """``outputs[0].text_delta``."""
+        return self.outputs[0].text_delta
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        """``outputs[0].new_token_ids``."""
+        return self.outputs[0].new_token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        """``outputs[0].logprobs``."""
+        return self.outputs[0].logprobs
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens generated over every sample."""
+        return sum(len(o.token_ids) for o in self.outputs)

@@ -306,6 +306,19 @@ class SamplingBatch:
     # The largest top_k over the rows, known on the host so that a sampler never reads it back
     # from the device (that read would stall the overlapped loop); -1: some row keeps every token.
     max_top_k: int = -1
+    # logprobs=k: how many alternatives the row wanting the most asks for (0: the chosen only)
+    max_logprobs: int = 0
+    # Logits processors, applied before greedy/temperature (None: no row uses them).
+    needs_penalties: bool = False
+    presence_penalty: torch.Tensor | None = None  # [B] float32
+    frequency_penalty: torch.Tensor | None = None  # [B] float32
+    repetition_penalty: torch.Tensor | None = None  # [B] float32
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
+    # Per step (pitstop.sampling.make_step_inputs):
+    history: torch.Tensor | None = None  # [B, L] int64 prompt + output ids, padded with V
+    prompt_lens: torch.Tensor | None = None  # [B] int64: history[:, :len] is the prompt
+    blocked: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, ids masked this step
+    token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed tokens (grammar)
 
 
 @attrs.frozen
@@ -313,7 +326,10 @@ class SamplerOutput:
     """Sampled tokens (and their log-probabilities when asked)."""
 
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None = None  # [B] float32
+    logprobs: torch.Tensor | None = None  # [B] float32, of the chosen tokens
+    top_ids: torch.Tensor | None = None  # [B, K] int64: the K most likely tokens (logprobs=K)
+    top_logprobs: torch.Tensor | None = None  # [B, K] float32
+    ranks: torch.Tensor | None = None  # [B] int64: the chosen token's rank (1 = most likely)
 
 
 @runtime_checkable

@@ -25,7 +25,13 @@ from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtyp
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
 from pitstop.protocols import SamplingBatch
-from pitstop.sampling import make_generator, make_sampling_batch
+from pitstop.sampling import (
+    RowInputs,
+    TokenHistories,
+    make_generator,
+    make_sampling_batch,
+    make_step_inputs,
+)
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import PENDING_TOKEN
 from pitstop.speculative import DeviceVerified, DraftVerifier
@@ -104,6 +110,12 @@ class SeqInput:
     # Drafts still on the device (the draft model's): the last len(draft_ids) of token_ids are
     # placeholders, and the runner writes these in on the device.
     draft_ids: torch.Tensor | None = None
+    # Penalty history, min_tokens mask and grammar of a sampling row (None: it uses none).
+    row_inputs: RowInputs | None = None
+    # prompt_logprobs=k: the prompt tokens that the first len(prompt_targets) tokens of
+    # token_ids predict (their logits' log-probabilities come back in SeqResult.prompt_logprobs)
+    prompt_targets: list[int] | None = None
+    prompt_logprobs: int = 0
 
 
 @attrs.frozen
@@ -127,6 +139,11 @@ class SeqResult:
 
     token_ids: list[int]
     logprobs: list[float] | None = None
+    # logprobs=k: per emitted token, the k most likely (id, logprob) and the chosen token's rank
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    ranks: list[int] | None = None
+    # per predicted prompt token: (its logprob, its rank, the k most likely (id, logprob))
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 _NO_TOKENS = SeqResult([])
@@ -162,10 +179,21 @@ class LaunchedStep:
         logprobs: torch.Tensor | None = None,
         event: torch.cuda.Event | None = None,
         ready: StepOutput | None = None,
+        top: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None = None,
+        prompt: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] | None = None,
     ) -> None:
         self.seqs = seqs
         self._tokens, self._logprobs, self._event = tokens, logprobs, event
+        self._top = top  # host copies of (top ids, top logprobs, ranks) when logprobs were asked
+        self._prompt = prompt or {}  # input index -> prompt log-probabilities (prompt_logprobs)
         self._ready = ready
+        if ready is not None and self._prompt:
+            self._ready = StepOutput(
+                [
+                    attrs.evolve(r, prompt_logprobs=self._prompt[i]) if i in self._prompt else r
+                    for i, r in enumerate(ready.results)
+                ]
+            )
 
     def result(self) -> StepOutput:
         """Wait for the step's tokens; one result per input sequence."""
@@ -175,17 +203,29 @@ class LaunchedStep:
             self._event.synchronize()
         tokens = self._tokens.tolist() if self._tokens is not None else []
         logprobs = self._logprobs.tolist() if self._logprobs is not None else None
+        top_ids = top_lps = ranks = None
+        if self._top is not None:
+            ids_t, lps_t, ranks_t = self._top
+            ranks = ranks_t.tolist()
+            if ids_t is not None and lps_t is not None:
+                top_ids, top_lps = ids_t.tolist(), lps_t.tolist()
         results: list[SeqResult] = []
         row = 0
         for s in self.seqs:
             if s.sample:
                 lp = [logprobs[row]] if logprobs is not None else None
-                results.append(SeqResult([tokens[row]], lp))
+                top = None
+                if top_ids is not None and top_lps is not None:
+                    top = [list(zip(top_ids[row], top_lps[row], strict=True))]
+                rank = [ranks[row]] if ranks is not None else None
+                results.append(SeqResult([tokens[row]], lp, top, rank))
                 row += 1
             else:
                 results.append(_NO_TOKENS)
+        for i, prompt in self._prompt.items():
+            results[i] = attrs.evolve(results[i], prompt_logprobs=prompt)
         self._ready = StepOutput(results)
-        self._tokens = self._logprobs = self._event = None
+        self._tokens = self._logprobs = self._event = self._top = None
         return self._ready
 
 
@@ -265,6 +305,7 @@ class ModelRunner:
         self.logits_observer: LogitsObserver | None = None
         self.num_pages = 0
         self._generators: dict[int, torch.Generator] = {}
+        self._histories = TokenHistories()  # penalized sequences' tokens, grown step by step
         self._verifier: DraftVerifier | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
@@ -533,22 +574,34 @@ class ModelRunner:
         """
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
+        self._histories.forget(step.finished_seq_ids)
         self.forget_block_tables(step.finished_seq_ids)
         self.forget_block_tables(step.reset_seq_ids)
         if not step.seqs:
             return LaunchedStep([], ready=StepOutput([]))
         assert self.kv_cache is not None, "init_kv_cache() first"
         verifies = any(s.num_logits > 1 for s in step.seqs)
-        if verifies and self.verify_graphs is not None and self.verify_graphs.can_run(step.seqs):
+        wants_prompt = any(s.prompt_targets for s in step.seqs)
+        if (
+            verifies
+            and not wants_prompt
+            and self.verify_graphs is not None
+            and self.verify_graphs.can_run(step.seqs)
+        ):
             logits, rows = self.verify_graphs.run(step.seqs)
             logits = self.select_rows(logits, rows)
             if self.logits_observer is not None:
                 self.logits_observer(step.seqs, logits)
             return self._launch_verification(step.seqs, logits)
-        hidden, rows = self.forward(step.seqs)
+        hidden, rows, starts = self.forward(step.seqs)
+        prompt = None
+        if wants_prompt:
+            prompt = self._prompt_logprobs(step.seqs, hidden, starts)
         if not rows:
             self._last_rows = {}
-            return LaunchedStep(step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)))
+            return LaunchedStep(
+                step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)), prompt=prompt
+            )
         logits = self.model.compute_logits(self.select_rows(hidden, rows))
         if self.logits_observer is not None:
             self.logits_observer(step.seqs, logits)
@@ -563,6 +616,18 @@ class ModelRunner:
         else:
             batch = make_sampling_batch(params, generators, self.device)
             self._batch_cache = (key, batch)
+        row_inputs = [s.row_inputs for s in sampling]
+        if any(r is not None for r in row_inputs):
+            pending = [self._last_rows.get(s.seq_id, 0) for s in sampling]
+            batch = make_step_inputs(
+                batch,
+                row_inputs,
+                pending,
+                self.last_sampled,
+                logits.shape[-1],
+                seq_ids=[s.seq_id for s in sampling],
+                histories=self._histories,
+            )
         out = self.sampler.sample(logits, batch)
         n = len(sampling)
         self.last_sampled[:n].copy_(out.token_ids)
@@ -574,11 +639,55 @@ class ModelRunner:
         if out.logprobs is not None:
             host_logprobs = self._host_logprobs[self._flip][:n]
             host_logprobs.copy_(out.logprobs, non_blocking=True)
+        top = None
+        if out.ranks is not None:
+            top = (_to_host(out.top_ids), _to_host(out.top_logprobs), _to_host(out.ranks))
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return LaunchedStep(step.seqs, host_tokens, host_logprobs, event)
+        return LaunchedStep(step.seqs, host_tokens, host_logprobs, event, top=top, prompt=prompt)
+
+    def _prompt_logprobs(
+        self, seqs: list[SeqInput], hidden: torch.Tensor, starts: list[int]
+    ) -> dict[int, list[tuple[float, int, list[tuple[int, float]]]]]:
+        """Log-probabilities of the prompt tokens some sequences of this step predict.
+
+        One logits GEMM over those rows, then the targets' log-probabilities,
+        ranks and top-k, read back at once (a step with ``prompt_logprobs``
+        waits for the device here; other steps never come here).
+        """
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[int] = []
+        for i, s in enumerate(seqs):
+            if s.prompt_targets:
+                rows.extend(range(starts[i], starts[i] + len(s.prompt_targets)))
+                targets.extend(s.prompt_targets)
+                owners.append(i)
+        k = max(s.prompt_logprobs for s in seqs if s.prompt_targets)
+        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[index]).float(), dim=-1)
+        target = torch.tensor(targets, dtype=torch.int64, device=hidden.device).unsqueeze(1)
+        chosen = logprobs.gather(1, target)
+        ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+        top_lp, top_ids = logprobs.topk(max(k, 1), dim=-1)
+        chosen_l, top_lp_l, top_ids_l = (
+            chosen.squeeze(1).tolist(),
+            top_lp.tolist(),
+            top_ids.tolist(),
+        )
+        out: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] = {}
+        row = 0
+        for i in owners:
+            s = seqs[i]
+            entries = []
+            for _ in s.prompt_targets or ():
+                top = list(zip(top_ids_l[row], top_lp_l[row], strict=True))[: s.prompt_logprobs]
+                entries.append((chosen_l[row], ranks[row], top))
+                row += 1
+            out[i] = entries
+        return out
 
     def forget_block_tables(self, seq_ids: Seq[int]) -> None:
         """Drop the graphs' copies of these sequences' block tables (finished, or shortened)."""
@@ -586,14 +695,19 @@ class ModelRunner:
             if graphs is not None:
                 graphs.forget(seq_ids)
 
-    def forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int]]:
-        """The model over one step (a decode graph, piecewise graphs, or eagerly): hidden, rows to sample."""
+    def forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The model over one step (a decode graph, piecewise graphs, or eagerly).
+
+        Returns the hidden states, the rows to sample and each sequence's first row.
+        """
         if self.graphs is not None and self.graphs.can_run(seqs):
-            return self.graphs.run(seqs), [i for i, s in enumerate(seqs) if s.sample]
+            rows = [i for i, s in enumerate(seqs) if s.sample]
+            return self.graphs.run(seqs), rows, list(range(len(seqs)))  # one token each
         input_ids, meta, rows = self.build_metadata(seqs)
+        starts = np.cumsum([0] + [len(s.token_ids) for s in seqs[:-1]]).tolist()
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(input_ids.shape[0]):
-            return self.mixed_graphs.run(input_ids, meta), rows
-        return self.model(input_ids, self.rotary, self.kv_cache, meta), rows
+            return self.mixed_graphs.run(input_ids, meta), rows, starts
+        return self.model(input_ids, self.rotary, self.kv_cache, meta), rows, starts
 
     def _launch_verification(self, seqs: list[SeqInput], logits: torch.Tensor) -> LaunchedStep:
         """Verify the drafts of a step on the device; its results come back in one copy.
@@ -631,6 +745,15 @@ class ModelRunner:
         if gen is None:
             gen = self._generators[seq_id] = make_generator(params.seed, self.device)
         return gen
+
+
+def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A non-blocking copy of ``tensor`` into pinned host memory (complete at the step's event)."""
+    if tensor is None or tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 def capture_graph(

@@ -138,23 +138,37 @@ class Tokenizer:
         return self.hf.chat_template
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a chat rendered by the model's template.
+        """Token ids of a chat rendered by the model's template (or ``chat_template``).
 
         The template writes any BOS itself, so the text is encoded without special
         tokens; a BOS is added only when the model wants one and the template left it out.
         Roles and contents are checked first (:func:`pitstop.validation.validate_messages`).
+        ``continue_final_message`` leaves the last message open for the model to continue.
         """
         messages = validate_messages(messages)
-        if not self.hf.chat_template:
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
+            raise InvalidRequestError("chat_template must be a non-empty Jinja template string")
+        if not (chat_template or self.hf.chat_template):
             raise InvalidRequestError(
                 f"the tokenizer of {self.name or 'this model'} has no chat template; send a plain "
                 "prompt, or load a tokenizer that has one (--tokenizer)"
             )
         try:
             text = self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                **(template_kwargs or {}),
             )
         except Exception as exc:  # jinja errors, bad message shapes
             raise InvalidRequestError(

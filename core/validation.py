@@ -160,6 +160,8 @@ def validate_request(
             _fail("prompt_token_ids is empty; give at least one token")
     if params.stop_token_ids:
         check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    if params.logit_bias:
+        check_token_ids("logit_bias", [t for t, _ in params.logit_bias], vocab_size)
 
 
 def check_encoded_prompt(prompt: str, ids: Sequence[int]) -> None:

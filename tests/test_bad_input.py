@@ -36,7 +36,6 @@ def _still_serves(llm: LLM) -> None:
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": 0}, "top_k"),
         ({"top_k": -2}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
     ],

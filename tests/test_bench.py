@@ -1,4 +1,4 @@
-"""`pitstop bench`: floors vs WORKLOADS.md, figure arithmetic, workloads, files, end-to-end runs."""
+"""`pitstop bench`: floors vs docs/workloads.md, figure arithmetic, workloads, files, end-to-end runs."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_figures_on_a_hand_built_timeline():
 
 
 def test_record_from_a_request_output():
-    from pitstop.outputs import RequestMetrics, RequestOutput
+    from pitstop.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     m = RequestMetrics(
         arrival=10.0,
@@ -112,7 +112,8 @@ def test_record_from_a_request_output():
         num_cached_prompt_tokens=4,
         num_preemptions=1,
     )
-    out = RequestOutput("a", None, list(range(7)), "", [1, 2, 3], True, "length", metrics=m)
+    sample = CompletionOutput(index=0, text="", token_ids=[1, 2, 3], finish_reason="length")
+    out = RequestOutput("a", None, list(range(7)), [sample], True, metrics=m)
     rec = record_from_output(out)
     assert (rec.ttft, rec.tpot, rec.e2e, rec.itls) == (1.0, 1.0, 3.0, [1.0, 1.0])
     assert rec.ttft == m.ttft and rec.tpot == m.tpot and rec.itls == m.inter_token_latencies

@@ -80,7 +80,7 @@ def test_make_sampling_batch_flags() -> None:
         [
             SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.1),
             SamplingParams(temperature=0.8, top_k=1),
-            SamplingParams(temperature=0.8, top_p=0.9, logprobs=True),
+            SamplingParams(temperature=0.8, top_p=0.9, logprobs=0),
         ],
         [None, 3, None],
     )
@@ -386,10 +386,10 @@ def test_probabilities_sum_to_one_and_vanish_exactly_on_excluded_tokens(
 def test_logprobs_match_log_softmax_of_raw_logits() -> None:
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     params = [
-        SamplingParams(temperature=0.0, logprobs=True),
-        SamplingParams(temperature=0.7, top_k=5, logprobs=True),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.7, top_k=5, logprobs=0),
         SamplingParams(temperature=1.3, top_p=0.5),
-        SamplingParams(temperature=1.0, min_p=0.1, logprobs=True),
+        SamplingParams(temperature=1.0, min_p=0.1, logprobs=0),
         SamplingParams(temperature=0.0),
     ]
     out = sampler().sample(logits, batch_of(params, [None, 1, None, 2, None]))
@@ -409,7 +409,7 @@ def test_cuda_seeded_rows_and_device() -> None:
     dev = torch.device("cuda")
     s = StandardSampler(dev, seed=0)
     logits = torch.randn(4, 1000, device=dev, dtype=torch.bfloat16)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, logprobs=True)] * 4
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, logprobs=0)] * 4
 
     def run(extra: int) -> int:
         gens = [make_generator(11, dev)] + [None] * (3 + extra)

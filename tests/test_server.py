@@ -281,7 +281,33 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_k": -3}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "response_format": {"type": "xml"}},
+        400,
+        "response_format",
+    ),
+    (
+        "/v1/completions",
+        {
+            "prompt": "hi",
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}},
+        },
+        400,
+        "response_format",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "structured_outputs": {"regex": "[a-"}},
+        400,
+        "structured_outputs",
+    ),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": [1] * 5000}, 400, "prompt"),
@@ -291,7 +317,25 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 300}, 400, "n"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi", "tool_calls": []}]},
+        400,
+        "messages",
+    ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "hi " * 5000}]},
@@ -408,7 +452,9 @@ def _stream_lines(server: Server, body: dict, out: list[str], started: threading
 
 def _finish_reason(lines: list[str]) -> str | None:
     chunks = [json.loads(x.removeprefix("data: ")) for x in lines if x != "data: [DONE]"]
-    return next((c["choices"][0]["finish_reason"] for c in reversed(chunks) if c["choices"]), None)
+    return next(
+        (c["choices"][0]["finish_reason"] for c in reversed(chunks) if c.get("choices")), None
+    )
 
 
 # ---------------------------------------------------------------------- last: shutdown
@@ -491,3 +537,5 @@ def test_second_signal_ends_the_drain_at_once() -> None:
     assert took < STEP_GRACE + 4, f"exited {took:.1f} s after the second signal"
     for lines in streams:
         assert lines[-1] == "data: [DONE]" and _finish_reason(lines) == "length", lines[-3:]
+        # cut short: after the OpenAI finish reason, an error event says why
+        assert '"code":"shutting_down"' in lines[-2], lines[-3:]

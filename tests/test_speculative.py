@@ -224,8 +224,7 @@ def _run_checking_invariants(
         engine.add_request(prompt_token_ids=ids, params=sp, request_id=f"r{i}")
     while engine.has_unfinished_requests():
         engine.step()
-        for req in engine._requests.values():
-            seq = req.seq
+        for seq in engine.live_sequences().values():
             assert not seq.draft_token_ids
             if seq.status is SequenceStatus.RUNNING and not seq.is_prefill:
                 # the invariant after a step (plain or verifying): held == computed == num_tokens - 1
@@ -714,15 +713,15 @@ def test_self_draft_keeps_the_kv_of_its_accepted_drafts(tiny_target):
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()
-        for req in engine._requests.values():
-            kv = proposer._kv_ids.get(req.seq.seq_id)
+        for seq in engine.live_sequences().values():
+            kv = proposer._kv_ids.get(seq.seq_id)
             if kv is None:
                 continue
             assert PENDING_TOKEN not in kv
-            assert kv == req.seq.token_ids[: len(kv)]
+            assert kv == seq.token_ids[: len(kv)]
             if engine.stats.spec_verifications:
                 # greedy self-drafting keeps every draft: at most the last two tokens are new
-                assert len(kv) >= req.seq.num_tokens - 2
+                assert len(kv) >= seq.num_tokens - 2
                 checked += 1
     assert checked and engine.stats.spec_acceptance_rate == 1.0
     assert not proposer._kv_ids and proposer.allocator.stats().tokens_held == 0

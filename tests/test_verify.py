@@ -312,3 +312,22 @@ def test_fused_kernels_pass_on_cpu_through_the_triton_interpreter() -> None:
     report = verify(config, prompt, plugins=plugins)
     assert report.candidate.kernels["attention"] == "triton", report.candidate.kernels
     assert report.passed, format_report(report)
+
+
+def test_fallback_to_reference_kernels_is_said_in_the_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU without the Triton interpreter, --kernels fused runs the reference ops: say so."""
+    smollm2_gguf()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    try:
+        PluginManager().get("kernels", "fused")
+    except PluginError:
+        pytest.skip("the fused kernel set is not registered")
+    out_json = tmp_path / "verify.json"
+    args = ["verify", "--prompts", str(_write_prompts(tmp_path)), "--max-tokens", "2"]
+    args += ["--kernels", "fused", "--json", str(out_json), *FLAGS]
+    assert cli_main(args) == 0
+    text = capsys.readouterr().out
+    assert "NOTE: the candidate's 'fused' kernels fell back to the reference ones for" in text
+    assert "attention" in json.loads(out_json.read_text())["kernel_fallback_ops"]

@@ -2,7 +2,7 @@
 
 The pieces, one concept per module:
 
-- :mod:`pitstop.bench.workloads`: the named workloads of WORKLOADS.md and JSON-lines files;
+- :mod:`pitstop.bench.workloads`: the named workloads of docs/workloads.md and JSON-lines files;
 - :mod:`pitstop.bench.floor`: device ceilings and the physical floor of a workload;
 - :mod:`pitstop.bench.backends`: pitstop's engine and the ``transformers`` peer behind one interface;
 - :mod:`pitstop.bench.http`: a running server measured through its OpenAI streaming API (``--url``);

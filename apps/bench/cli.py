@@ -79,7 +79,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         g.add_argument(
             "--workload",
             default="nano" if mode == "offline" else "longtail",
-            help=f"{names}: a named workload (WORKLOADS.md) or a JSON-lines file of requests",
+            help=f"{names}: a named workload (docs/workloads.md) or a JSON-lines file of requests",
         )
         g.add_argument(
             "--num-requests", type=int, help="how many requests (default: the workload's)"

@@ -1,4 +1,4 @@
-"""Device ceilings and the physical floor of a workload (WORKLOADS.md's method).
+"""Device ceilings and the physical floor of a workload (docs/workloads.md's method).
 
 A lower bound on a workload's wall time: the FLOPs of every prefill
 (2 x non-embedding parameters x prompt tokens, plus causal attention) over the
@@ -39,8 +39,8 @@ class Ceilings:
         }
 
 
-# NVIDIA H200, measured 2026-11-29 (WORKLOADS.md).
-H200 = Ceilings(4.23e12, 792e12, source="H200 (WORKLOADS.md, measured 2026-11-29)")
+# NVIDIA H200, measured 2026-11-29 (docs/workloads.md).
+H200 = Ceilings(4.23e12, 792e12, source="H200 (docs/workloads.md, measured 2026-11-29)")
 
 
 @attrs.frozen

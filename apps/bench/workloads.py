@@ -1,10 +1,10 @@
-"""The named workloads of WORKLOADS.md, random ones in the style of ``vllm bench``, and JSONL files.
+"""The named workloads of docs/workloads.md, random ones in the style of ``vllm bench``, and JSONL files.
 
 Token ids are drawn from a seeded generator (the model does not care what they
 say), EOS is ignored, and every request produces exactly its ``output_len``.
 ``nano`` reproduces nano-vllm's ``bench.py`` draw for draw (``random.seed(0)``,
 prompt lengths and token ids interleaved, then output lengths), which is what
-WORKLOADS.md's floor table was computed from.
+docs/workloads.md's floor table was computed from.
 """
 
 from __future__ import annotations

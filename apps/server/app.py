@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` as server-sent events ending in ``data: [DONE]``),
-``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus).
+``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``,
+``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus).
+Any other path is a JSON 404 that says the server has no such endpoint.
 
 Every error is OpenAI's JSON error object: 400 for bad JSON or parameters
 (and a prompt over ``max_model_len``), 401 for a missing, malformed or wrong
@@ -44,10 +46,18 @@ from pitstop.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     new_id,
     now,
     parse_json_body,
-    usage,
+)
+from pitstop.server.render import OPENAI_FINISH as _OPENAI_FINISH
+from pitstop.server.render import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_json,
+    usage_of,
 )
 from pitstop.server.security import RequestGuard
 from pitstop.validation import check_token_ids
@@ -61,9 +71,19 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 # many extra bytes; past them the connection is closed.
 _DRAIN_EXTRA_BYTES = 8 << 20
 
-# OpenAI's finish reasons are stop, length, content_filter, tool_calls. A
-# request the server aborted (shutdown) was cut short: "length" says so.
-_OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "length"}
+ROUTES = (
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "GET /v1/models",
+    "GET /v1/models/{id}",
+    "POST /tokenize",
+    "POST /detokenize",
+    "GET /health",
+    "GET /metrics",
+)
+
+# A chunk builder of a streamed answer: (choice index, text, finish reason, new tokens, output).
+ChunkFn = Callable[[int, str, str | None, int, RequestOutput | None], dict[str, Any]]
 
 
 @attrs.frozen(kw_only=True)
@@ -100,11 +120,15 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def _invalid_request(exc: InvalidRequestError, prompt_param: str) -> APIError:
+def _invalid_request(
+    exc: InvalidRequestError, prompt_param: str, structured_param: str | None = None
+) -> APIError:
     message = str(exc)
     if "max_model_len" in message:
         return APIError(400, message, param=prompt_param, code="context_length_exceeded")
-    first = message.split(" ", 1)[0].rstrip(":").split("[", 1)[0]
+    first = message.split(" ", 1)[0].rstrip(":").split("[", 1)[0].split(".", 1)[0]
+    if first == "structured_outputs" and structured_param is not None:
+        return APIError(400, message, param=structured_param)
     param = (
         first
         if first
@@ -118,6 +142,12 @@ def _invalid_request(exc: InvalidRequestError, prompt_param: str) -> APIError:
             "stop",
             "stop_token_ids",
             "messages",
+            "logit_bias",
+            "n",
+            "min_tokens",
+            "structured_outputs",
+            "logprobs",
+            "prompt_logprobs",
         )
         else prompt_param
     )
@@ -222,9 +252,19 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        err = APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = (
+                f"this server has no endpoint {request.method} {request.url.path}; it serves "
+                + ", ".join(ROUTES)
+            )
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; it serves " + (
+                ", ".join(ROUTES)
+            )
+        err = APIError(exc.status_code, message, type=kind, headers=exc.headers)
         return error_response(err)
 
     @app.exception_handler(RequestValidationError)
@@ -316,6 +356,14 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             first = exc.errors()[0]
             loc = [str(p) for p in first.get("loc", ())]
             param = ".".join(loc) or None
+            if first.get("type") == "extra_forbidden":
+                raise APIError(
+                    400,
+                    f"unknown field {param!r}: pitstop does not implement it, so it is refused "
+                    "rather than ignored; remove it (docs/server.md lists every field)",
+                    param=loc[0] if loc else None,
+                    code="unsupported_field",
+                ) from exc
             got = json.dumps(first.get("input"), ensure_ascii=False)
             got = got if len(got) <= 60 else got[:57] + "..."
             raise APIError(
@@ -340,6 +388,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         messages: list[dict[str, str]] | None = None,
         arrival: float,
         client: str,
+        structured_param: str | None = None,
     ) -> Flight:
         """Admit the request (429/503 when full or draining) and hand it to the engine."""
         check_vocab(params)
@@ -360,7 +409,8 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             raise _shutdown_error() from None
         except InvalidRequestError as exc:
             flight.release()
-            raise _invalid_request(exc, "messages" if messages is not None else "prompt") from exc
+            prompt_param = "messages" if messages is not None else "prompt"
+            raise _invalid_request(exc, prompt_param, structured_param) from exc
         except EngineClosedError as exc:
             flight.release()
             raise APIError(
@@ -419,22 +469,44 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
 
     def sse_response(
         flight: Flight,
-        make_chunk: Callable[[str, str | None], dict[str, Any]],
+        make_chunk: ChunkFn,
         *,
         first: dict[str, Any] | None,
         usage_chunk: Callable[[RequestOutput], dict[str, Any]] | None,
+        num_choices: int = 1,
     ) -> StreamingResponse:
+        """Stream one request's choices as SSE: a chunk per choice that moved, then [DONE].
+
+        A request the engine failed ends with an error event; one cut short by
+        the server's shutdown ends each open choice with ``finish_reason``
+        ``"length"`` and then an error event with code ``shutting_down``.
+        """
+
         async def events() -> AsyncIterator[str]:
+            finished: set[int] = set()  # choices whose finish_reason was sent
             try:
                 if first is not None:
                     yield _sse(first)
                 async for out in flight:
-                    delta, last = out.text_delta, out
-                    while not last.finished and (more := flight.get_nowait()) is not None:
-                        delta, last = delta + more.text_delta, more  # merge a burst into one event
-                    if last.finished and last.finish_reason not in _OPENAI_FINISH:
-                        if delta:
-                            yield _sse(make_chunk(delta, None))
+                    burst = [out]
+                    while not burst[-1].finished and (more := flight.get_nowait()) is not None:
+                        burst.append(more)  # merge a burst into one event per choice
+                    last = burst[-1]
+                    failed = last.finished and last.finish_reason not in _OPENAI_FINISH
+                    for k, choice in enumerate(last.outputs):
+                        delta = "".join(o.outputs[k].text_delta for o in burst)
+                        count = sum(len(o.outputs[k].new_token_ids) for o in burst)
+                        done = choice.finish_reason is not None and k not in finished
+                        if failed:
+                            if delta:
+                                yield _sse(make_chunk(k, delta, None, count, last))
+                            continue
+                        if delta or count or done:
+                            reason = _OPENAI_FINISH[choice.finish_reason] if done else None
+                            if done:
+                                finished.add(k)
+                            yield _sse(make_chunk(k, delta, reason, count, last))
+                    if failed:
                         metrics.observe_request_failure("request_error")
                         yield _sse(
                             APIError(
@@ -445,19 +517,21 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                             ).to_dict()
                         )
                         break
-                    if delta or last.finished:
-                        reason = _OPENAI_FINISH[last.finish_reason] if last.finished else None
-                        if last.finish_reason == "abort":
-                            metrics.observe_request_failure("shutdown")
-                        yield _sse(make_chunk(delta, reason))
+                    if last.finished and any(c.finish_reason == "abort" for c in last.outputs):
+                        metrics.observe_request_failure("shutdown")
+                        yield _sse(_shutdown_error().to_dict())
                 else:
                     if usage_chunk is not None and flight.last is not None:
                         yield _sse(usage_chunk(flight.last))
             except ServerCut:
                 metrics.observe_request_failure("shutdown")
-                yield _sse(make_chunk("", "length"))
-                if usage_chunk is not None and flight.last is not None:
-                    yield _sse(usage_chunk(flight.last))
+                last = flight.last
+                for k in range(num_choices):
+                    if k not in finished:
+                        yield _sse(make_chunk(k, "", "length", 0, last))
+                if usage_chunk is not None and last is not None:
+                    yield _sse(usage_chunk(last))
+                yield _sse(_shutdown_error().to_dict())
             except EngineStepError as exc:
                 metrics.observe_stream_error(exc)
                 yield _sse(_engine_error(exc).to_dict())
@@ -479,18 +553,43 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         key = check_auth(request)
         body = await read_body(request, CompletionRequest)
         check_model(body.model)
-        prompt, ids = body.prompt_input()
-        params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens)
-        rid = new_id("cmpl")
-        flight = await add(
-            request,
-            rid,
-            params,
-            prompt=prompt,
-            prompt_token_ids=ids,
-            arrival=arrival,
-            client=client_of(request, key),
+        prompts = body.prompts()
+        if body.stream and len(prompts) > 1:
+            raise APIError(
+                400,
+                f"stream: true takes one prompt, got {len(prompts)}; send one request per prompt, "
+                "or stream: false for a list",
+                param="prompt",
+            )
+        k = body.logprobs
+        params = body.sampling_params(
+            16 if body.max_tokens is None else body.max_tokens,
+            logprobs=k,
+            best_of=body.best_of,
+            prompt_logprobs=body.prompt_logprobs,
         )
+        if body.stream and params.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs needs stream: false", param="prompt_logprobs")
+        rid = new_id("cmpl")
+        flights: list[Flight] = []
+        try:
+            for i, (prompt, ids) in enumerate(prompts):
+                flights.append(
+                    await add(
+                        request,
+                        rid if len(prompts) == 1 else f"{rid}-{i}",
+                        params,
+                        prompt=prompt,
+                        prompt_token_ids=ids,
+                        arrival=arrival,
+                        client=client_of(request, key),
+                        structured_param=body.structured_param(),
+                    )
+                )
+        except BaseException:
+            for flight in flights:
+                flight.release()
+            raise
         created = now()
         extra = {"usage": None} if body.include_usage else {}
 
@@ -505,29 +604,47 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
 
         if body.stream:
 
-            def chunk(text: str, finish: str | None) -> dict[str, Any]:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            def chunk(
+                index: int, text: str, finish: str | None, count: int, out: RequestOutput | None
+            ) -> dict[str, Any]:
+                logprobs = None
+                if k is not None and count and out is not None:
+                    logprobs = completion_logprobs(out.outputs[index], k, count)
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
                 return {**base([choice]), **extra}
 
             def usage_chunk(final: RequestOutput) -> dict[str, Any]:
-                return {
-                    **base([]),
-                    "usage": usage(len(final.prompt_token_ids), len(final.token_ids)),
-                }
+                return {**base([]), "usage": usage_of([final])}
 
             return sse_response(
-                flight, chunk, first=None, usage_chunk=usage_chunk if body.include_usage else None
+                flights[0],
+                chunk,
+                first=None,
+                usage_chunk=usage_chunk if body.include_usage else None,
+                num_choices=params.n,
             )
-        final = await collect(request, flight)
-        choice = {
-            "index": 0,
-            "text": final.text,
-            "logprobs": None,
-            "finish_reason": final.finish_reason,
-        }
-        return JSONResponse(
-            {**base([choice]), "usage": usage(len(final.prompt_token_ids), len(final.token_ids))}
-        )
+        finals = await asyncio.gather(*(collect(request, f) for f in flights))
+        choices = [
+            {
+                "index": i * params.n + c.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c, k) if k is not None else None,
+                "finish_reason": _OPENAI_FINISH.get(c.finish_reason or "", c.finish_reason),
+                **(
+                    {"prompt_logprobs": prompt_logprobs_json(final)}
+                    if params.prompt_logprobs is not None
+                    else {}
+                ),
+            }
+            for i, final in enumerate(finals)
+            for c in final.outputs
+        ]
+        return JSONResponse({**base(choices), "usage": usage_of(list(finals))})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -541,13 +658,20 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             if body.max_completion_tokens is not None
             else body.max_tokens
         )
+        k = body.num_logprobs()
         # No limit given: the engine stops at max_model_len.
         params = body.sampling_params(
-            (llm.config.max_model_len or 4096) if max_tokens is None else max_tokens
+            (llm.config.max_model_len or 4096) if max_tokens is None else max_tokens, logprobs=k
         )
         rid = new_id("chatcmpl")
         flight = await add(
-            request, rid, params, messages=messages, arrival=arrival, client=client_of(request, key)
+            request,
+            rid,
+            params,
+            messages=messages,
+            arrival=arrival,
+            client=client_of(request, key),
+            structured_param=body.structured_param(),
         )
         created = now()
         extra = {"usage": None} if body.include_usage else {}
@@ -568,53 +692,56 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                     obj,
                     [
                         {
-                            "index": 0,
+                            "index": i,
                             "delta": {"role": "assistant", "content": ""},
                             "logprobs": None,
                             "finish_reason": None,
                         }
+                        for i in range(params.n)
                     ],
                 ),
                 **extra,
             }
 
-            def chunk(text: str, finish: str | None) -> dict[str, Any]:
+            def chunk(
+                index: int, text: str, finish: str | None, count: int, out: RequestOutput | None
+            ) -> dict[str, Any]:
                 delta = {"content": text} if text else {}
-                return {
-                    **base(
-                        obj,
-                        [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-                    ),
-                    **extra,
+                logprobs = None
+                if k is not None and count and out is not None:
+                    logprobs = chat_logprobs(out.outputs[index], k, count)
+                choice = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
                 }
+                return {**base(obj, [choice]), **extra}
 
             def usage_chunk(final: RequestOutput) -> dict[str, Any]:
-                return {
-                    **base(obj, []),
-                    "usage": usage(len(final.prompt_token_ids), len(final.token_ids)),
-                }
+                return {**base(obj, []), "usage": usage_of([final])}
 
             return sse_response(
-                flight, chunk, first=first, usage_chunk=usage_chunk if body.include_usage else None
+                flight,
+                chunk,
+                first=first,
+                usage_chunk=usage_chunk if body.include_usage else None,
+                num_choices=params.n,
             )
         final = await collect(request, flight)
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": final.text},
-            "logprobs": None,
-            "finish_reason": final.finish_reason,
-        }
-        return JSONResponse(
+        choices = [
             {
-                **base("chat.completion", [choice]),
-                "usage": usage(len(final.prompt_token_ids), len(final.token_ids)),
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c, k) if k is not None else None,
+                "finish_reason": _OPENAI_FINISH.get(c.finish_reason or "", c.finish_reason),
             }
-        )
+            for c in final.outputs
+        ]
+        return JSONResponse({**base("chat.completion", choices), "usage": usage_of([final])})
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        check_auth(request)
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": model_name,
             "object": "model",
             "created": started,
@@ -622,7 +749,58 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             "root": llm.config.model,
             "max_model_len": llm.config.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        check_auth(request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        check_auth(request)
+        check_model(model_id)
+        return JSONResponse(model_card())
+
+    def tokenizer_or_400():
+        tok = llm.engine.tokenizer
+        if tok is None:
+            raise APIError(400, f"the model {model_name!r} has no tokenizer", code="no_tokenizer")
+        return tok
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        check_auth(request)
+        body = await read_body(request, TokenizeRequest)
+        check_model(body.model)
+        tok = tokenizer_or_400()
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send one of prompt (text) or messages (a chat)", param="prompt")
+        try:
+            if body.messages is not None:
+                ids = tok.apply_chat_template(
+                    [m.to_template() for m in body.messages],
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            else:
+                assert body.prompt is not None
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+        return JSONResponse(
+            {"tokens": ids, "count": len(ids), "max_model_len": llm.config.max_model_len}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        check_auth(request)
+        body = await read_body(request, DetokenizeRequest)
+        check_model(body.model)
+        tok = tokenizer_or_400()
+        try:
+            check_token_ids("tokens", body.tokens, vocab_size)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="tokens") from exc
+        return JSONResponse({"prompt": tok.decode(body.tokens, skip_special_tokens=False)})
 
     @app.get("/health")
     async def health() -> JSONResponse:

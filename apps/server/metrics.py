@@ -329,10 +329,10 @@ class ServerMetrics:
 
     def observe(self, out: RequestOutput) -> None:
         """Count one engine output (called on the engine thread)."""
-        n_new = len(out.new_token_ids)
+        n_new = sum(len(o.new_token_ids) for o in out.outputs)
         if n_new:
             self.generation_tokens.inc(n_new)
-            if len(out.token_ids) == n_new:  # the request's first tokens: its prompt was computed
+            if out.num_generated_tokens == n_new:  # the first tokens: its prompt was computed
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
         if not out.finished:
             return

@@ -4,11 +4,10 @@ Requests are pydantic models in strict mode: a wrong type is a 400 that
 names the field, and nothing is coerced (``true`` is not the number 1,
 ``"0.5"`` is not a float; an integer is accepted where a float is expected).
 NaN, infinities and lone UTF-16 surrogates never get this far: the body
-parser refuses them (see :func:`parse_json_body`). Unknown fields are ignored, as most OpenAI-compatible servers do, so that
-clients which send extra options keep working; options that would change the
-output but that pitstop does not implement (``n > 1``, ``logprobs``,
-``echo``, penalties, ``logit_bias``, ``suffix``) are rejected with a 400
-rather than silently ignored.
+parser refuses them (see :func:`parse_json_body`). A field pitstop does not
+know is a 400 that names it, and so is a known option it does not implement
+(``echo``, ``suffix``, ``tools``): nothing a request sends is silently
+ignored. ``user`` is accepted and changes nothing (docs/server.md).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pitstop.errors import InvalidRequestError
 from pitstop.sampling_params import SamplingParams
+from pitstop.structured import structured_outputs_of
 
 
 class APIError(Exception):
@@ -132,7 +132,7 @@ def _check_text(text: str, path: str) -> None:
         ) from None
 
 
-_STRICT = ConfigDict(extra="ignore", strict=True)
+_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
@@ -142,8 +142,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the answer must validate against."""
+
+    model_config = _STRICT
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingFields(BaseModel):
-    """The fields completions and chat share."""
+    """The fields completions and chat share (OpenAI's, plus vLLM's extensions)."""
 
     model_config = _STRICT
 
@@ -156,59 +174,140 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
+    min_tokens: int = 0  # extension
+    include_stop_str_in_output: bool = False  # extension
+    skip_special_tokens: bool = True  # extension
+    spaces_between_special_tokens: bool = True  # extension
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # extension (vLLM's name)
+    guided_json: dict[str, Any] | str | None = None  # extension (vLLM's older names)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
 
-    def _check_unsupported(self) -> None:
-        if self.n != 1:
+    def _structured(self) -> dict[str, Any] | None:
+        """The one structured-output constraint the request asks for, as StructuredOutputs fields."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(
+                    400,
+                    "response_format of type json_schema needs json_schema.schema (the JSON "
+                    "schema of the answer)",
+                    param="response_format",
+                )
+            asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", dict(self.structured_outputs)))
+        for field, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, field)
+            if value is not None:
+                asked.append((field, {key: value}))
+        if len(asked) > 1:
             raise APIError(
                 400,
-                f"n must be 1 (pitstop returns one choice per request), got {self.n}",
-                param="n",
+                f"{asked[0][0]} and {asked[1][0]} both constrain the output; send one of them",
+                param=asked[1][0],
             )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported; leave it unset or 0", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        return asked[0][1] if asked else None
+
+    def _check_unsupported(self) -> None:
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise APIError(400, f"stop takes at most 4 strings, got {len(self.stop)}", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400, "stream_options is only allowed with stream: true", param="stream_options"
+            )
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int,
+        *,
+        logprobs: int | None = None,
+        best_of: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         """Build validated :class:`SamplingParams`; an invalid value is a 400 naming the field."""
         self._check_unsupported()
-        top_k = self.top_k
-        if top_k == 0:
-            top_k = -1  # OpenAI-style clients send 0 for "disabled"
         values: dict[str, Any] = {
+            "n": self.n,
+            "best_of": best_of,
             "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": -1 if top_k is None else top_k,
+            "top_k": -1 if self.top_k is None else self.top_k,
             "min_p": 0.0 if self.min_p is None else self.min_p,
             "seed": self.seed,
             "stop": self.stop or (),
             "stop_token_ids": self.stop_token_ids or (),
             "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
+            "logit_bias": self.logit_bias or {},
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
         }
+        structured = self._structured()
         try:
+            if structured is not None:
+                values["structured_outputs"] = structured_outputs_of(structured)
             return SamplingParams(**values)
         except InvalidRequestError as exc:
             message = str(exc)
-            first = message.split(" ", 1)[0].rstrip(":")
+            first = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
             param = first if first in values else None
+            if first == "structured_outputs":
+                param = self.structured_param()
             raise APIError(400, message, param=param) from exc
+
+    def structured_param(self) -> str | None:
+        """The request field that asked for structured outputs (the ``param`` of its errors)."""
+        return next(
+            (
+                f
+                for f in (
+                    "response_format",
+                    "structured_outputs",
+                    "guided_json",
+                    "guided_regex",
+                    "guided_choice",
+                    "guided_grammar",
+                )
+                if getattr(self, f) is not None
+            ),
+            None,
+        )
 
     @property
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = tuple[str | None, list[int] | None]
 
 
 class CompletionRequest(_SamplingFields):
@@ -218,30 +317,26 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # extension (vLLM's)
     suffix: str | None = None
     best_of: int | None = None
 
-    def prompt_input(self) -> tuple[str | None, list[int] | None]:
-        """The one prompt, as text or token ids."""
+    def prompts(self) -> list[Prompt]:
+        """Every prompt of the request, as text or token ids (a list gives one choice each)."""
         if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs is not supported", param="logprobs")
+            raise APIError(
+                400, "echo is not supported (pitstop does not return the prompt)", param="echo"
+            )
         if self.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of must be 1", param="best_of")
+            raise APIError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix")
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt, None
+            return [(prompt, None)]
         if prompt and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)  # type: ignore[arg-type]
-        if len(prompt) == 1:
-            only = prompt[0]
-            return (only, None) if isinstance(only, str) else (None, list(only))  # type: ignore[arg-type]
-        raise APIError(
-            400, "send one prompt per request (a string or a list of token ids)", param="prompt"
-        )
+            return [(None, list(prompt))]  # type: ignore[arg-type]
+        if not prompt:
+            raise APIError(400, "prompt is an empty list; send at least one prompt", param="prompt")
+        return [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt]  # type: ignore[misc]
 
 
 class ContentPart(BaseModel):
@@ -261,7 +356,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def to_template(self) -> dict[str, str]:
-        """The message as the chat template expects it (text content)."""
+        """The message as the chat template expects it (text content, and ``name`` when given)."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -269,13 +364,16 @@ class ChatMessage(BaseModel):
                 if part.type != "text" or part.text is None:
                     raise APIError(
                         400,
-                        f"content parts of type {part.type!r} are not supported",
+                        f"content parts of type {part.type!r} are not supported (text only)",
                         param="messages",
                     )
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name  # templates that know names use it
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -284,16 +382,49 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
 
     def template_messages(self) -> list[dict[str, str]]:
         """The conversation for the chat template."""
-        if self.logprobs:
-            raise APIError(400, "logprobs is not supported", param="logprobs")
         if self.tools:
-            raise APIError(400, "tools are not supported", param="tools")
+            raise APIError(
+                400,
+                "tools are not supported (pitstop has no tool-call parser); leave tools unset",
+                param="tools",
+            )
+        if self.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice is not supported; leave it unset", param="tool_choice")
         return [m.to_template() for m in self.messages]
+
+    def num_logprobs(self) -> int | None:
+        """``logprobs`` + ``top_logprobs`` as SamplingParams.logprobs (None: not asked)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a prompt or a chat to turn into token ids."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids to turn into text."""
+
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------- responses

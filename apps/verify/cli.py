@@ -43,7 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='JSON lines: {"prompt": ...} or {"messages": [...]}, optional "max_tokens", "id" '
         "(repeatable; default: the prompt set shipped with pitstop)",
     )
-    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="a prompt (repeatable; default: the shipped prompt set)",
+    )
     p.add_argument(
         "--max-tokens",
         type=_positive_int,
@@ -69,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the reference's KV cache: auto (the model's dtype; default), or same (the one "
         "under test, e.g. to check fused fp8 kernels against reference fp8 ones)",
     )
-    p.add_argument("--json", metavar="FILE", help="also write every result to FILE as JSON")
+    p.add_argument(
+        "--json", metavar="FILE", help="also write every result to FILE as JSON (default: none)"
+    )
     add_cli_flags(p)
 
 

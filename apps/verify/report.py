@@ -83,6 +83,20 @@ class VerifyReport:
         """Prompts that failed."""
         return sum(not r.passed for r in self.results)
 
+    @property
+    def fallback_ops(self) -> list[str]:
+        """The ops whose candidate kernels fell back to the reference ones (e.g. fused on CPU).
+
+        Empty when the candidate asked for the reference kernels itself.
+        """
+        if self.candidate.config.kernels == "reference":
+            return []
+        return [
+            op
+            for op, impl in self.candidate.kernels.items()
+            if impl.startswith("reference") and self.reference.kernels.get(op, "") != ""
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the configurations, the tolerance and every prompt's result."""
         return {
@@ -94,6 +108,7 @@ class VerifyReport:
             "num_prompts": len(self.results),
             "num_failed": self.num_failed,
             "num_near_ties": sum(r.verdict == NEAR_TIE for r in self.results),
+            "kernel_fallback_ops": self.fallback_ops,
             "reference": self.reference.to_dict(),
             "candidate": self.candidate.to_dict(),
             "prompts": [r.to_dict() for r in self.results],
@@ -166,6 +181,13 @@ def format_report(report: VerifyReport, *, width: int = 28) -> str:
         + f"; largest |dlogit| {_num(worst.max_logit_diff)} ({worst.prompt.label}); "
         f"tolerance for {report.dtype}: {report.tolerance.describe()}",
     ]
+    fallback = report.fallback_ops
+    if fallback:
+        lines.append(
+            f"NOTE: the candidate's {report.candidate.config.kernels!r} kernels fell back to the "
+            f"reference ones for {', '.join(fallback)} on {report.device}, so those ops compared "
+            "the reference with itself; run on a device where they are available to test them"
+        )
     return "\n".join(lines)
 
 

@@ -7,6 +7,15 @@ the most recently freed page is reused first (its cache lines are the
 likeliest to still be warm, and the order is deterministic: a fresh
 allocator hands out pages 0, 1, 2, ...). Every call touches only the pages it
 adds or removes.
+
+Samples of one prompt (``n > 1``). The engine admits the first sample, and
+once it has computed the prompt, calls :meth:`PagedAllocator.share_prompt`
+for each other sample before queueing it: that sample is then admitted with
+the first one's full prompt pages (read-only, reference-counted: a page
+returns to the free list when its last holder frees it) and computes only
+the prompt's last partial page and what follows. Only pages whose KV the
+first sample has computed are shared, and the page holding the last prompt
+token never is, so no sample ever writes into a shared page.
 """
 
 from __future__ import annotations
@@ -30,31 +39,60 @@ if TYPE_CHECKING:
 
 
 class PagedAllocator(OnDemandPages):
-    """Pages on demand; nothing shared, nothing cached."""
+    """Pages on demand; nothing cached; the samples of one prompt share its full pages."""
+
+    shares_prefix_pages = True  # the engine holds an n > 1 request's other samples back
+
+    def __init__(self, page_size: int, num_pages: int) -> None:
+        super().__init__(page_size, num_pages)
+        self._parents: dict[int, Sequence] = {}  # seq_id -> the sample whose prompt pages it shares
+        self._refs: dict[int, int] = {}  # page -> holders, for pages held by more than one
+
+    # ------------------------------------------------------------------ sharing
+    def share_prompt(self, child: Sequence, parent: Sequence) -> None:
+        """Admit ``child`` (not admitted yet) with ``parent``'s computed full prompt pages."""
+        if child.seq_id in self._tables:
+            raise AllocatorUsageError(f"sequence {child.request_id!r} is already admitted")
+        self._parents[child.seq_id] = parent
+
+    def _shared_pages(self, seq: Sequence) -> list[int]:
+        """The parent's pages ``seq`` would share now: full, computed, before the last prompt token."""
+        parent = self._parents.get(seq.seq_id)
+        table = self._tables.get(parent.seq_id) if parent is not None else None
+        if (
+            parent is None
+            or table is None
+            or parent.token_ids[: seq.num_prompt_tokens] != (seq.prompt_token_ids)
+        ):
+            return []
+        full = min(seq.num_prompt_tokens - 1, parent.num_computed_tokens) // self.page_size
+        return table[:full]
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether ``seq`` is not admitted yet and its tokens fit in free pages."""
-        return (
-            seq.seq_id not in self._tables
-            and seq.num_tokens > 0
-            and pages_for(seq.num_tokens, self.page_size) <= len(self._free)
-        )
+        if seq.seq_id in self._tables or seq.num_tokens <= 0:
+            return False
+        shared = len(self._shared_pages(seq)) if self._parents else 0
+        return pages_for(seq.num_tokens, self.page_size) - shared <= len(self._free)
 
     def allocate(self, seq: Sequence) -> int:
-        """Admit ``seq`` with pages for all its tokens; nothing is ever cached, so return 0."""
+        """Admit ``seq`` with pages for all its tokens; return how many it shares (already computed)."""
         if seq.seq_id in self._tables:
             raise AllocatorUsageError(f"sequence {seq.request_id!r} is already admitted")
         check_admissible(seq)
-        need = pages_for(seq.num_tokens, self.page_size)
+        shared = self._shared_pages(seq) if self._parents else []
+        need = pages_for(seq.num_tokens, self.page_size) - len(shared)
         if need > len(self._free):
             raise OutOfPagesError(
                 f"sequence {seq.request_id!r} needs {need} pages for {seq.num_tokens} tokens; {len(self._free)} are free"
             )
-        self._tables[seq.seq_id] = [self._free.pop() for _ in range(need)]
+        for page in shared:
+            self._refs[page] = self._refs.get(page, 1) + 1
+        self._tables[seq.seq_id] = shared + [self._free.pop() for _ in range(need)]
         self._held[seq.seq_id] = seq.num_tokens
         self._tokens_held += seq.num_tokens
-        return 0
+        return len(shared) * self.page_size
 
     # ------------------------------------------------------------------ growth
     def _new_pages_for(self, seq_id: int, num_tokens: int) -> int:
@@ -92,17 +130,29 @@ class PagedAllocator(OnDemandPages):
             )
         keep = pages_for(held - num_tokens, self.page_size)
         while len(table) > keep:
-            self._free.append(table.pop())
+            self._release(table.pop())
         self._held[seq.seq_id] = held - num_tokens
         self._tokens_held -= num_tokens
 
     def free(self, seq: Sequence) -> None:
         """Release every page of ``seq`` (a no-op for a sequence that holds none)."""
+        self._parents.pop(seq.seq_id, None)  # a preempted sample is readmitted without sharing
         table = self._tables.pop(seq.seq_id, None)
         if table is None:
             return
         self._tokens_held -= self._held.pop(seq.seq_id)
-        self._free.extend(reversed(table))  # the sequence's first page is reused first
+        for page in reversed(table):  # the sequence's first page is reused first
+            self._release(page)
+
+    def _release(self, page: int) -> None:
+        """Drop one holder of ``page``; the last one returns it to the free list."""
+        holders = self._refs.get(page)
+        if holders is None:
+            self._free.append(page)
+        elif holders == 2:
+            del self._refs[page]
+        else:
+            self._refs[page] = holders - 1
 
     # ------------------------------------------------------------------ queries
     def on_tokens_computed(self, seq: Sequence) -> None:
@@ -116,6 +166,7 @@ class PagedAllocator(OnDemandPages):
             pages_free=free,
             tokens_held=self._tokens_held,
             tokens_reserved=(self.num_pages - free) * self.page_size,
+            tokens_shared=sum(h - 1 for h in self._refs.values()) * self.page_size,
         )
 
 

@@ -85,6 +85,10 @@ class _CachedPage:
 class PrefixCachingAllocator(OnDemandPages):
     """Pages on demand, plus shared, refcounted, LRU-cached full prefix pages."""
 
+    # The engine admits the other samples of an n > 1 request after the first computed the
+    # prompt, so that they share its full pages instead of computing them again.
+    shares_prefix_pages = True
+
     def __init__(self, page_size: int, num_pages: int, max_cached_pages: int | None = None) -> None:
         super().__init__(page_size, num_pages)  # self._free: never-cached free pages, a stack
         self.max_cached_pages = num_pages if max_cached_pages is None else max_cached_pages

@@ -1,6 +1,13 @@
-"""The ``standard`` sampler: greedy, temperature, top-k, top-p, min-p, per-request seed.
+"""The ``standard`` sampler: logits processors, then greedy, temperature, top-k, top-p, min-p.
 
-Semantics follow vLLM. A greedy row (temperature 0) takes the argmax of its raw
+Semantics follow vLLM. First the logits processors, batched over the rows
+that use them (each a few tensor ops on the device, no loop over rows): the
+structured-output bitmask (disallowed tokens to -inf), ``logit_bias``
+(added), ``min_tokens`` (EOS and stop tokens to -inf), the repetition
+penalty (a positive logit of a token seen in the prompt or output is divided
+by it, a negative one multiplied), then the frequency and presence penalties
+(minus ``frequency * count + presence * [count > 0]`` over output tokens).
+A greedy row (temperature 0) takes the argmax of its raw
 logits. A sampled row divides its logits by its temperature, then keeps its
 top-k tokens (ties with the k-th kept), then the smallest set of most likely
 tokens whose probability reaches top_p (at least one), then drops tokens whose
@@ -12,6 +19,10 @@ draws its ``q`` from that generator only, so a seeded request's tokens never
 depend on what else is in the batch; the other rows share the sampler's own
 generator, seeded from ``config.seed``. The softmax runs in float32 whatever
 the logits' dtype; everything stays on the logits' device.
+
+Log-probabilities (``logprobs=k``) are those of the processed logits (after
+the processors, before temperature and the top-k/top-p/min-p filters): the
+chosen token's, its rank, and the ``k`` most likely tokens'.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import torch
 
 from pitstop.hookspecs import hookimpl
 from pitstop.protocols import SamplerOutput, SamplingBatch
-from pitstop.sampling import exponential_race, make_generator
+from pitstop.sampling import apply_logits_processors, exponential_race, make_generator
 
 
 class StandardSampler:
@@ -38,7 +49,7 @@ class StandardSampler:
     # ------------------------------------------------------------------ public
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[B, V]``; log-probs of the chosen tokens when asked."""
-        raw = logits.float()
+        raw = self.process(logits.float(), batch)
         greedy_ids = raw.argmax(dim=-1)
         if batch.all_greedy:
             token_ids = greedy_ids
@@ -46,14 +57,34 @@ class StandardSampler:
             probs = self._probs(raw, batch)
             sampled = self._draw(probs, batch)
             token_ids = torch.where(batch.temperature == 0, greedy_ids, sampled)
-        logprobs = None
-        if batch.want_logprobs:
-            logprobs = torch.log_softmax(raw, dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        if not batch.want_logprobs:
+            return SamplerOutput(token_ids=token_ids)
+        all_logprobs = torch.log_softmax(raw, dim=-1)
+        chosen = all_logprobs.gather(1, token_ids.unsqueeze(1))
+        ranks = (all_logprobs > chosen).sum(dim=-1) + 1
+        top_ids = top_logprobs = None
+        if batch.max_logprobs > 0:
+            top_logprobs, top_ids = all_logprobs.topk(batch.max_logprobs, dim=-1)
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=chosen.squeeze(1),
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
+            ranks=ranks,
+        )
+
+    # The engine sends penalties, logit_bias, min_tokens, grammars and logprobs=k only to a
+    # sampler that says it applies them (a third-party sampler that does not is refused them).
+    supports_logits_processors = True
+
+    @staticmethod
+    def process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The logits processors over float32 ``[B, V]`` (:func:`pitstop.sampling.apply_logits_processors`)."""
+        return apply_logits_processors(raw, batch)
 
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The distribution ``sample`` draws from, ``[B, V]`` float32; one-hot on the argmax for greedy rows."""
-        raw = logits.float()
+        raw = self.process(logits.float(), batch)
         one_hot = torch.zeros_like(raw).scatter_(1, raw.argmax(dim=-1, keepdim=True), 1.0)
         if batch.all_greedy:
             return one_hot

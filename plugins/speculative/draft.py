@@ -266,7 +266,7 @@ class DraftProposer:
         step's pending inputs); nothing is read back.
         """
         runner = self.runner
-        hidden, rows = runner.forward(inputs)
+        hidden, rows, _ = runner.forward(inputs)
         logits = runner.model.compute_logits(runner.select_rows(hidden, rows))
         if logits.shape[1] < self.vocab_size:  # a draft vocabulary may be smaller than the target's
             pad = logits.new_full(
