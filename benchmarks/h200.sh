@@ -55,6 +55,12 @@ for spec in ${BENCHES-nano single}; do
     prefix) run prefix online --workload prefix --num-requests ${LT_N:-200} --max-batch-size 64 --matrix benchmarks/workloads/prefix-ablation.toml ;;
     sweeps) run sweeps online --workload longtail --num-requests ${LT_N:-200} --max-batch-size 64 --matrix benchmarks/workloads/longtail-sweeps.toml ${SWEEP_ONLY:+--only $SWEEP_ONLY} ;;
     tuned) run tuned online --workload longtail --max-batch-size 64 --matrix benchmarks/workloads/longtail-tuned.toml ;;
+    # issue 16: speculation at batch 1 on the real SmolLM2 (plain, ngram k=4, self-draft k=4 in one
+    # matrix run; output tok/s and acceptance), and ngram beside plain on longtail (the adaptation rule)
+    spec-single) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf" ] || { echo "== spec-single: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
+      sed "s|\"smollm2-135m\"|\"$gguf\"|" benchmarks/workloads/speculative-single.toml >"$OUT/speculative-single.toml"
+      run spec-single offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl --repeats ${SPEC_REPEATS:-2} --matrix "$OUT/speculative-single.toml" ;;
+    spec-longtail) run spec-longtail online --workload longtail --num-requests ${SPEC_LT_N:-160} --max-batch-size 64 --matrix benchmarks/workloads/speculative-longtail.toml ;;
     # issue 19: plugin settings + kinds + commands + logits observer on the GPU (smollm2 GGUF)
     plugins19) M=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
       echo "== pitstop plugins --settings --check --kernels fused"; pitstop plugins --settings --check --kernels fused 2>&1 | tail -45

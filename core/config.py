@@ -68,6 +68,11 @@ def _non_negative_int(_inst: Any, att: attrs.Attribute, value: Any) -> None:
         raise ConfigError(f"{att.name} must be an integer >= 0, got {value!r}")
 
 
+def _non_negative_real(_inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if not _is_real(value) or value < 0:
+        raise ConfigError(f"{att.name} must be a finite number >= 0, got {value!r}")
+
+
 def _one_of(*choices: Any):
     def check(_inst: Any, att: attrs.Attribute, value: Any) -> None:
         if value not in choices:
@@ -280,7 +285,7 @@ class EngineConfig:
         validator=_one_of("auto", "on", "off"),
         metadata=_doc(
             "plan step N+1 on the CPU while the device runs step N (auto: on for CUDA, "
-            "off on CPU; speculative decoding runs the serial loop)"
+            "off on CPU; a step that verifies drafts runs serially)"
         ),
     )
 
@@ -296,6 +301,22 @@ class EngineConfig:
     )
     prompt_lookup_min: int = attrs.field(
         default=1, validator=_positive_int, metadata=_doc("shortest n-gram matched")
+    )
+    speculative_max_batch: int = attrs.field(
+        default=16,
+        validator=_positive_int,
+        metadata=_doc(
+            "speculate only while at most this many sequences run (larger batches are "
+            "compute-bound: they decode plainly, in the overlapped loop)"
+        ),
+    )
+    speculative_min_accepted: float = attrs.field(
+        default=0.5,
+        validator=_non_negative_real,
+        metadata=_doc(
+            "a sequence whose recent drafts kept fewer tokens per step than this pauses "
+            "speculation, for 4 steps doubling to 64 (0: never pause)"
+        ),
     )
 
     # --- third-party plugins' own settings

@@ -14,7 +14,11 @@ One call of :meth:`LLMEngine.step`:
 4. **emit** the outputs of step N.
 
 With ``overlap`` off the same code applies step N+1 right after launching
-it: the serial loop. Speculative decoding always runs serially.
+it: the serial loop. A speculative step runs serially too: the engine first
+applies the step in flight (the proposer reads the tokens on the host),
+then proposes, plans, launches the verification and applies it; the
+adaptation rule (:mod:`pitstop.spec_adaptation`) decides per step whether to
+speculate, so that steps it keeps plain stay overlapped.
 
 The engine resolves every strategy once, when it is built, and then calls
 the chosen objects directly; observer hooks fire at most once per step.
@@ -56,6 +60,8 @@ from pitstop.runner import (
 from pitstop.sampling import RowInputs
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import Sequence, SequenceStatus
+from pitstop.spec_adaptation import SpeculationPolicy
+from pitstop.spec_graphs import capture_verify_graphs
 from pitstop.speculative import ProposerContext, draft_room
 from pitstop.structured import GrammarCompiler
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -78,6 +84,11 @@ class _Launched:
     handle: LaunchedStep
     start: float
     proposed: list[Sequence]
+
+    @property
+    def verifies(self) -> bool:
+        """Whether some sequence verifies drafts (applied before the next launch)."""
+        return any(inp.num_logits > 1 for inp in self.inputs)
 
     @property
     def follows_grammar(self) -> bool:
@@ -130,7 +141,9 @@ class LLMEngine:
         self.runner.load_weights(source.weights)
         num_pages = self.runner.plan_num_pages()
         self.runner.init_kv_cache(num_pages)
-        self.runner.maybe_capture_graphs()
+        self.runner.maybe_capture_graphs(
+            capture_verify_graphs if config.speculative is not None else None
+        )
         if num_pages * config.page_size < config.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_pages * config.page_size} tokens, less than one sequence of "
@@ -152,6 +165,7 @@ class LLMEngine:
             )
             self.proposer = self.plugins.create("proposer", config.speculative, config, context)
         self._draft_probs: dict[int, Any] = {}  # seq_id -> this step's draft distributions
+        self._draft_ids: dict[int, Any] = {}  # seq_id -> this step's drafts, when on the device
         per_page = self.runner.bytes_per_page()
         log.info(
             "%s KV cache: %s, %d tokens/page, %s pages, %s tokens, %.2f GiB",
@@ -185,10 +199,10 @@ class LLMEngine:
         self._reset_seq_ids: list[int] = []  # block tables rebuilt since the last launch
         self._in_flight: _Launched | None = None
         self._failed_outputs: list[RequestOutput] = []  # requests a failed step stopped
-        wanted = {"on": True, "off": False}.get(config.overlap, self.device.type == "cuda")
-        if wanted and self.proposer is not None:
-            log.info("overlap off: speculative decoding runs the serial loop")
-        self.overlap = wanted and self.proposer is None
+        self.overlap = {"on": True, "off": False}.get(config.overlap, self.device.type == "cuda")
+        self.spec_policy = (
+            SpeculationPolicy(config, self.stats) if self.proposer is not None else None
+        )
         self._step_observers = self.plugins.has_observers("on_step_finished")
         self._request_observers = self.plugins.has_observers("on_request_finished")
 
@@ -430,16 +444,17 @@ class LLMEngine:
         module docstring).
         """
         outputs: list[RequestOutput] = []
-        if self._in_flight is not None and self._in_flight.follows_grammar:
-            # a grammar's next mask needs the token still on the device: apply it first
+        speculating = self._speculating()
+        if self._in_flight is not None and (speculating or self._in_flight.follows_grammar):
+            # the proposer, or a grammar's next mask, needs the token still on the device
             outputs = self._apply(self._in_flight, stream)
             self._in_flight = None
-        launched = self._plan_and_launch()
+        launched = self._plan_and_launch(speculating)
         if self._in_flight is not None:
             outputs += self._apply(self._in_flight, stream)
             self._in_flight = None
         if launched is not None:
-            if self.overlap:
+            if self.overlap and not launched.verifies:
                 self._in_flight = launched
             else:
                 outputs.extend(self._apply(launched, stream))
@@ -448,10 +463,24 @@ class LLMEngine:
             self._failed_outputs = []
         return outputs
 
-    def _plan_and_launch(self) -> _Launched | None:
-        """Plan the next step and queue it on the device; None when there is nothing to run."""
+    def _speculating(self) -> set[int]:
+        """The sequences that ask for drafts in the next step (the adaptation rule); may be empty."""
+        if self.spec_policy is None:
+            return set()
+        decoding = (  # prompt work never needs drafts (nor the in-flight step drained for them)
+            sample.seq
+            for sample in self._samples.values()
+            if sample.seq.status is SequenceStatus.RUNNING and sample.seq.num_uncomputed_tokens == 1
+        )
+        return self.spec_policy.plan_step(self.scheduler.num_running, decoding)
+
+    def _plan_and_launch(self, speculating: set[int] | None = None) -> _Launched | None:
+        """Plan the next step and queue it on the device; None when there is nothing to run.
+
+        ``speculating``: the sequences that ask the proposer for drafts first.
+        """
         start = time.perf_counter()
-        proposed = self._propose() if self.proposer is not None else []
+        proposed = self._propose(speculating) if speculating else []
         plan = self.scheduler.schedule()
         if plan.preempted:
             self._warn_preemptions(len(plan.preempted))
@@ -462,6 +491,7 @@ class LLMEngine:
             for seq in proposed:
                 seq.draft_token_ids.clear()
             self._draft_probs.clear()
+            self._draft_ids.clear()
             return None
         scheduled = sorted(plan.scheduled, key=lambda s: s.num_new_tokens == 1)  # prefills first
         inputs = []
@@ -485,6 +515,7 @@ class LLMEngine:
                     params=seq.sampling_params,
                     num_logits=1 + num_drafts,
                     draft_probs=self._draft_probs.get(seq.seq_id) if num_drafts else None,
+                    draft_ids=self._draft_ids.get(seq.seq_id) if num_drafts else None,
                     row_inputs=self._row_inputs(seq)
                     if sample and seq.seq_id in self._processed
                     else None,
@@ -692,6 +723,7 @@ class LLMEngine:
         for seq in launched.proposed:
             seq.draft_token_ids.clear()
         self._draft_probs.clear()
+        self._draft_ids.clear()
         self.stats.prompt_tokens += prefill_tokens
         self.stats.requests_finished += sum(1 for out in outputs if out.finished)
         self._finished_seq_ids.extend(seq.seq_id for seq in finished)
@@ -719,9 +751,10 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ speculation
-    def _propose(self) -> list[Sequence]:
-        """Ask the proposer for drafts for every running, decoding sequence; return those asked."""
+    def _propose(self, speculating: set[int]) -> list[Sequence]:
+        """Ask the proposer for drafts for the decoding sequences in ``speculating``; return those asked."""
         assert self.proposer is not None and self.config.max_model_len is not None
+        assert self.spec_policy is not None
         k = self.config.num_speculative_tokens
         seqs = [
             sample.seq
@@ -729,14 +762,20 @@ class LLMEngine:
             if sample.seq.status is SequenceStatus.RUNNING
             and sample.seq.num_uncomputed_tokens == 1
             and draft_room(sample.seq, k, self.config.max_model_len) > 0
+            and sample.seq.seq_id in speculating
         ]
         if not seqs:
             return []
+        self.stats.spec_steps += 1
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, k), strict=True):
             room = draft_room(seq, k, self.config.max_model_len)
             seq.draft_token_ids = list(proposal.token_ids[:room])
             if proposal.probs is not None and seq.draft_token_ids:
                 self._draft_probs[seq.seq_id] = proposal.probs[: len(seq.draft_token_ids)]
+            if proposal.device_token_ids is not None and seq.draft_token_ids:
+                self._draft_ids[seq.seq_id] = proposal.device_token_ids[: len(seq.draft_token_ids)]
+            if not seq.draft_token_ids:
+                self.spec_policy.record(seq, 0, 0)
         return seqs
 
     def _after_verify(
@@ -760,8 +799,9 @@ class LLMEngine:
         self.stats.spec_verifications += 1
         self.stats.spec_proposed_tokens += num_drafts
         self.stats.spec_accepted_tokens += num_accepted
-        assert self.proposer is not None
+        assert self.proposer is not None and self.spec_policy is not None
         self.proposer.on_accepted(seq, num_accepted)
+        self.spec_policy.record(seq, num_drafts, num_accepted)
 
     def _finish(self, req: RequestState, error: str | None = None) -> RequestOutput:
         """Forget a finished request (every sample stopped) and return its final output."""
@@ -771,6 +811,8 @@ class LLMEngine:
             self._processed.discard(sample.seq.seq_id)
             if self.proposer is not None:
                 self.proposer.release(sample.seq)  # e.g. the draft model's own KV pages
+            if self.spec_policy is not None:
+                self.spec_policy.release(sample.seq)
         output = req.output(error=error)
         if self._request_observers:
             self.plugins.hook.on_request_finished(engine=self, output=output)

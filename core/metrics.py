@@ -46,6 +46,12 @@ class EngineStats:
     spec_verifications: int = 0
     spec_proposed_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # draft tokens the target kept
+    # The adaptation rule (pitstop.spec_adaptation): steps that speculated, steps the batch rule
+    # kept plain, sequence-steps held back by low acceptance, proposals that found no draft.
+    spec_steps: int = 0
+    spec_skipped_batch_steps: int = 0
+    spec_paused_seq_steps: int = 0
+    spec_empty_proposals: int = 0
 
     @property
     def mean_kv_utilization(self) -> float:

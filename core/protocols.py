@@ -359,6 +359,9 @@ class Proposal:
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    # The drafts on the device (a proposer that computes them there, so that the engine never
+    # waits for them): ``token_ids`` then holds as many PENDING_TOKEN placeholders.
+    device_token_ids: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -34,7 +34,7 @@ from pitstop.sampling import (
 )
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import PENDING_TOKEN
-from pitstop.speculative import DraftVerifier
+from pitstop.speculative import DeviceVerified, DraftVerifier
 
 if TYPE_CHECKING:
     from pitstop.parallel.group import TensorParallelGroup
@@ -110,6 +110,9 @@ class SeqInput:
     # which are the last k of token_ids), and the drafts' [k, V] distributions (None: point masses).
     num_logits: int = 1
     draft_probs: torch.Tensor | None = None
+    # Drafts still on the device (the draft model's): the last len(draft_ids) of token_ids are
+    # placeholders, and the runner writes these in on the device.
+    draft_ids: torch.Tensor | None = None
     # Penalty history, min_tokens mask and grammar of a sampling row (None: it uses none).
     row_inputs: RowInputs | None = None
     # prompt_logprobs=k: the prompt tokens that the first len(prompt_targets) tokens of
@@ -229,6 +232,46 @@ class LaunchedStep:
         return self._ready
 
 
+class LaunchedVerification(LaunchedStep):
+    """A verification step on its way: its packed results travel to pinned host memory.
+
+    One non-blocking copy, completed on an event; :meth:`result` waits for it
+    (the step's one host-device synchronization) and unpacks.
+    """
+
+    def __init__(self, seqs: list[SeqInput], verified: DeviceVerified) -> None:
+        super().__init__(seqs)
+        self._verified = verified
+        cuda = verified.packed.device.type == "cuda"
+        self._packed = verified.packed.to("cpu", non_blocking=cuda)
+        self._lps = None
+        if verified.logprobs is not None:
+            self._lps = verified.logprobs.to("cpu", non_blocking=cuda)
+        self._done: torch.cuda.Event | None = None
+        if cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> StepOutput:
+        """Wait for the copy; the accepted drafts and one more token per sampling sequence."""
+        if self._ready is not None:
+            return self._ready
+        if self._done is not None:
+            self._done.synchronize()
+        lps = self._lps.tolist() if self._lps is not None else None
+        v = self._verified.unpack(self._packed.tolist(), lps)
+        emitted = iter(range(len(v.token_ids)))
+        results = []
+        for s in self.seqs:
+            if not s.sample:
+                results.append(_NO_TOKENS)
+                continue
+            i = next(emitted)
+            results.append(SeqResult(v.token_ids[i], v.logprobs[i] if v.logprobs else None))
+        self._ready = StepOutput(results)
+        return self._ready
+
+
 class ModelRunner:
     """Runs the model over the paged KV cache and samples the next tokens."""
 
@@ -286,6 +329,7 @@ class ModelRunner:
         self._verifier: DraftVerifier | None = None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
+        self.verify_graphs: Any = None  # pitstop.spec_graphs.VerifyGraphs, with speculation
         # The last step's sampling rows (seq ids) and their batch: a sequence's params never change.
         self._batch_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         # The last launched step's sampled ids stay here on the device; the next step gathers
@@ -383,8 +427,12 @@ class ModelRunner:
         )
         self.num_pages = num_pages
 
-    def maybe_capture_graphs(self) -> None:
-        """Capture CUDA graphs for decode batches when the device and kernel set allow it."""
+    def maybe_capture_graphs(self, extra: Callable[[ModelRunner], None] | None = None) -> None:
+        """Capture CUDA graphs for decode batches when the device and kernel set allow it.
+
+        ``extra(runner)`` captures more graphs in the same session (the engine
+        passes :func:`pitstop.spec_graphs.capture_verify_graphs` with speculation).
+        """
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager:
             return
@@ -410,6 +458,8 @@ class ModelRunner:
                         "steps run eagerly",
                         exc,
                     )
+            if extra is not None:
+                extra(self)
         finally:
             gc.enable()
         log.info(
@@ -473,6 +523,13 @@ class ModelRunner:
 
         empty = np.zeros(0, dtype=np.int64)
         ids = np.asarray(input_ids, dtype=np.int64)
+        on_device = [
+            (cu[i + 1] - len(s.draft_ids), s.draft_ids)
+            for i, s in enumerate(seqs)
+            if s.draft_ids is not None
+        ]
+        for begin, drafts in on_device:
+            ids[begin : begin + len(drafts)] = 0  # placeholders: written on the device below
         pending = np.flatnonzero(ids == PENDING_TOKEN)
         src = None
         if len(pending):
@@ -498,6 +555,8 @@ class ModelRunner:
         if src is not None:  # the previous step's samples, gathered on the device
             index = tensor(pending, torch.int64)
             input_tensor.index_copy_(0, index, self.last_sampled[tensor(src, torch.int64)])
+        for begin, drafts in on_device:
+            input_tensor[begin : begin + len(drafts)].copy_(drafts)
         return input_tensor, meta, sample_rows
 
     def save_samples(self) -> tuple[torch.Tensor, dict[int, int]]:
@@ -534,58 +593,61 @@ class ModelRunner:
     def launch(self, step: StepInput) -> LaunchedStep:
         """Queue one step on the device: forward, logits, sampling, and the copy of the tokens back.
 
-        Returns without waiting for the device (except for a step that
-        verifies speculative drafts, which is sampled at once). Pending input
-        tokens are read from the previous launched step's samples, on the
-        device.
+        Returns without waiting for the device; a step that verifies
+        speculative drafts is verified on the device too (replaying a
+        verification graph when one fits). Pending input tokens are read from
+        the previous launched step's samples, on the device.
         """
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
         self._histories.forget(step.finished_seq_ids)
-        if self.graphs is not None:
-            self.graphs.forget(step.finished_seq_ids)
-            self.graphs.forget(step.reset_seq_ids)
+        self.forget_block_tables(step.finished_seq_ids)
+        self.forget_block_tables(step.reset_seq_ids)
         if not step.seqs:
             return LaunchedStep([], ready=StepOutput([]))
         assert self.kv_cache is not None, "init_kv_cache() first"
-        if self.graphs is not None and self.graphs.can_run(step.seqs):
-            hidden = self.graphs.run(step.seqs)
-            rows = [i for i, s in enumerate(step.seqs) if s.sample]
-            starts = list(range(len(step.seqs)))  # one token per sequence
-        else:
-            input_ids, meta, rows = self.build_metadata(step.seqs)
-            if self.mixed_graphs is not None and self.mixed_graphs.can_run(input_ids.shape[0]):
-                hidden = self.mixed_graphs.run(input_ids, meta)
-            else:
-                hidden = self.model(input_ids, self.rotary, self.kv_cache, meta)
-            starts = np.cumsum([0] + [len(s.token_ids) for s in step.seqs[:-1]]).tolist()
+        verifies = any(s.num_logits > 1 for s in step.seqs)
+        wants_prompt = any(s.prompt_targets for s in step.seqs)
+        if (
+            verifies
+            and not wants_prompt
+            and self.verify_graphs is not None
+            and self.verify_graphs.can_run(step.seqs)
+        ):
+            logits, rows = self.verify_graphs.run(step.seqs)
+            if self.tensor_parallel is not None:
+                if self.tensor_parallel.rank > 0:  # a worker: rank 0 verifies
+                    return self._follow_rank0(step.seqs, True)
+                self.tensor_parallel.step_open = False
+            logits = self.select_rows(logits, rows)
+            if self.logits_observer is not None:
+                self.logits_observer(step.seqs, logits)
+            return self._launch_verification(step.seqs, logits)
+        hidden, rows, starts = self.forward(step.seqs)
         prompt = None
-        if any(s.prompt_targets for s in step.seqs):
+        if wants_prompt:
             prompt = self._prompt_logprobs(step.seqs, hidden, starts)
         if not rows:
             self._last_rows = {}
             return LaunchedStep(
                 step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)), prompt=prompt
             )
-        logits = self.model.compute_logits(self._select_rows(hidden, rows))
+        logits = self.model.compute_logits(self.select_rows(hidden, rows))
         if self.logits_observer is not None:
             self.logits_observer(step.seqs, logits)
         sampling = [s for s in step.seqs if s.sample]
-        if self.tensor_parallel is not None and self.tensor_parallel.rank > 0:
-            return self._follow_rank0(step.seqs, len(rows) > len(sampling))
+        if self.tensor_parallel is not None:
+            if self.tensor_parallel.rank > 0:  # a worker: rank 0 samples (or verifies)
+                return self._follow_rank0(step.seqs, verifies)
+            self.tensor_parallel.step_open = False  # from here on the ranks stay in step
+        if verifies:
+            return self._launch_verification(step.seqs, logits)
         n = len(sampling)
-        if self.tensor_parallel is not None:  # from here on the ranks stay in step (see finally)
-            self.tensor_parallel.step_open = False
         try:
             params = [s.params or SamplingParams() for s in sampling]
             generators = [
                 self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)
             ]
-            if len(rows) > n:  # some sequence verifies speculative drafts
-                self._last_rows = {}  # the serial loop runs speculation: nothing is pending
-                return LaunchedStep(
-                    step.seqs, ready=self._verify(step.seqs, logits, sampling, generators)
-                )
             key = tuple(s.seq_id for s in sampling)
             if self._batch_cache is not None and self._batch_cache[0] == key:
                 batch = self._batch_cache[1]  # same rows as last step: no host-to-device copies
@@ -607,7 +669,7 @@ class ModelRunner:
             out = self.sampler.sample(logits, batch)
             self.last_sampled[:n].copy_(out.token_ids)
         finally:  # tensor parallelism: the workers wait for these ids, even if sampling failed
-            if self.tensor_parallel is not None and len(rows) == n:
+            if self.tensor_parallel is not None:
                 self.tensor_parallel.share_samples(self.last_sampled[:n])
         self._last_rows = {s.seq_id: i for i, s in enumerate(sampling)}
         self._flip ^= 1
@@ -678,28 +740,42 @@ class ModelRunner:
             self._last_rows = {s.seq_id: i for i, s in enumerate(s for s in seqs if s.sample)}
         return LaunchedStep(seqs, ready=StepOutput([_NO_TOKENS] * len(seqs)))
 
-    def _verify(
-        self,
-        seqs: list[SeqInput],
-        logits: torch.Tensor,
-        sampling: list[SeqInput],
-        generators: list[torch.Generator | None],
-    ) -> StepOutput:
-        """Sample a step in which some sequences verify drafts: accepted drafts plus one token each."""
+    def forget_block_tables(self, seq_ids: Seq[int]) -> None:
+        """Drop the graphs' copies of these sequences' block tables (finished, or shortened)."""
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.forget(seq_ids)
+
+    def forward(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The model over one step (a decode graph, piecewise graphs, or eagerly).
+
+        Returns the hidden states, the rows to sample and each sequence's first row.
+        """
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            rows = [i for i, s in enumerate(seqs) if s.sample]
+            return self.graphs.run(seqs), rows, list(range(len(seqs)))  # one token each
+        input_ids, meta, rows = self.build_metadata(seqs)
+        starts = np.cumsum([0] + [len(s.token_ids) for s in seqs[:-1]]).tolist()
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(input_ids.shape[0]):
+            return self.mixed_graphs.run(input_ids, meta), rows, starts
+        return self.model(input_ids, self.rotary, self.kv_cache, meta), rows, starts
+
+    def _launch_verification(self, seqs: list[SeqInput], logits: torch.Tensor) -> LaunchedStep:
+        """Verify the drafts of a step on the device; its results come back in one copy.
+
+        ``logits`` holds ``num_logits`` rows per sampling sequence, in order.
+        Nothing of this step is pending afterwards: the engine applies a
+        verification before it launches the next step.
+        """
+        sampling = [s for s in seqs if s.sample]
+        params = [s.params or SamplingParams() for s in sampling]
+        generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
         if self._verifier is None:
             self._verifier = DraftVerifier(self.sampler, self.device, self.config.seed)
-        v = self._verifier(logits, sampling, generators)
-        emitted = iter(range(len(sampling)))
-        results = []
-        for s in seqs:
-            if not s.sample:
-                results.append(_NO_TOKENS)
-                continue
-            i = next(emitted)
-            results.append(SeqResult(v.token_ids[i], v.logprobs[i] if v.logprobs else None))
-        return StepOutput(results)
+        self._last_rows = {}
+        return LaunchedVerification(seqs, self._verifier(logits, sampling, generators))
 
-    def _select_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def select_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The hidden rows to turn into logits, without waiting for the GPU.
 
         A pure decode step samples every row in order: no gather at all. Otherwise
@@ -745,6 +821,23 @@ def capture_graph(
     with torch.cuda.graph(graph, pool=pool):
         out = run()
     return graph, out, graph.pool() if pool is None else pool
+
+
+def capture_buckets(
+    sizes: Seq[int], forward: Callable[[int], torch.Tensor], device: torch.device
+) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """One graph of ``forward(size)`` per size, largest first, all on one memory pool.
+
+    Returns size -> (graph, its static output).
+    """
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+    pool = None
+    with torch.inference_mode():
+        for size in sorted(sizes, reverse=True):
+            graph, out, pool = capture_graph(lambda size=size: forward(size), pool, device)
+            graphs[size] = (graph, out)
+    torch.cuda.synchronize(device)
+    return graphs
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -845,13 +938,7 @@ class DecodeGraphs:
         ]
         self._flip = 0
         self.tables = BlockTableRows(self.max_pages, capacity=max(64, 2 * b))
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = None
-        with torch.inference_mode():
-            for size in reversed(self.sizes):
-                graph, out, pool = capture_graph(lambda size=size: self._forward(size), pool, dev)
-                self.graphs[size] = (graph, out)
-        torch.cuda.synchronize(dev)
+        self.graphs = capture_buckets(self.sizes, self._forward, dev)
 
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner

@@ -79,6 +79,31 @@ def test_llama_tp2_logits_and_greedy_equal_tp1(tiny_llama):
     assert_tp_matches_tp1(tiny_llama, 2, overlap="on")
 
 
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_tp2_speculation_equals_plain_tp1_greedy(tiny_llama, speculative):
+    # rank 0 verifies on its device; the workers only run the forward (with the drafts as host
+    # ids, for a draft model's drafts that are still on rank 0's device) and keep nothing pending
+    settings = dict(device="cpu", kv_cache_gib=0.01, max_model_len=96)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7], [11, 12, 13, 11, 12, 13], list(range(20, 40)) * 2]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [
+        o.token_ids
+        for o in LLM(str(tiny_llama), **settings).generate(
+            prompt_token_ids=prompts, sampling_params=params, use_tqdm=False
+        )
+    ]
+    spec = dict(speculative=speculative, num_speculative_tokens=3)
+    if speculative == "draft":
+        spec["speculative_model"] = str(tiny_llama)
+    with LLM(str(tiny_llama), tensor_parallel_size=2, **settings, **spec) as split:
+        outs = split.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        stats = split.engine.stats
+    assert [o.token_ids for o in outs] == want
+    assert stats.spec_proposed_tokens > 0
+    if speculative == "draft":
+        assert stats.spec_acceptance_rate == 1.0  # the model drafts for itself
+
+
 def test_qwen3_tp2_with_replicated_kv_head_equals_tp1(tmp_path):
     # one KV head, two ranks: each rank holds a copy of it; tied embedding and head; the
     # fused set (on the CPU: its merged projections, PyTorch ops)

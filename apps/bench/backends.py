@@ -102,7 +102,7 @@ class PitstopBackend:
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def _snapshot(self) -> tuple[int, float, int, int, int, int, int, int]:
+    def _snapshot(self) -> tuple[int, float, int, int, int, int, int, int, int]:
         s = self.engine.stats
         a = self.engine.allocator.stats()
         return (
@@ -114,13 +114,14 @@ class PitstopBackend:
             s.spec_verifications,
             s.spec_proposed_tokens,
             s.spec_accepted_tokens,
+            s.spec_steps,
         )
 
     def begin_run(self) -> None:
         self._base = self._snapshot()
 
     def run_stats(self) -> dict[str, Any]:
-        steps, util, pre, queried, hits, verifies, proposed, accepted = (
+        steps, util, pre, queried, hits, verifies, proposed, accepted, spec_steps = (
             b - a for a, b in zip(self._base, self._snapshot(), strict=True)
         )
         stats: dict[str, Any] = {
@@ -131,6 +132,7 @@ class PitstopBackend:
         if self.engine.config.speculative is not None:
             stats["spec_acceptance_rate"] = accepted / proposed if proposed else None
             stats["spec_mean_accepted"] = accepted / verifies if verifies else None
+            stats["spec_step_share"] = spec_steps / steps if steps else None
         return stats
 
     def close(self) -> None:

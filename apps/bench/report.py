@@ -113,6 +113,7 @@ class RunResult:
     # Speculative decoding only: drafts accepted / drafts verified, and drafts accepted per verification.
     spec_acceptance_rate: float | None = None
     spec_mean_accepted: float | None = None
+    spec_step_share: float | None = None  # steps that speculated (the adaptation rule let them)
     skipped: list[str] = attrs.Factory(list)
     per_request_counters: bool = True  # records carry cached-prompt and preemption counts
     failed: list[str] | None = None  # over HTTP: why each failed request failed (not in records)
@@ -179,6 +180,7 @@ def figures(run: RunResult, *, floor_s: float | None = None) -> dict[str, Any]:
     if run.spec_acceptance_rate is not None or run.spec_mean_accepted is not None:
         out["spec_acceptance_rate"] = run.spec_acceptance_rate
         out["spec_mean_accepted"] = run.spec_mean_accepted
+        out["spec_step_share"] = run.spec_step_share
     return out
 
 
@@ -211,6 +213,7 @@ OPTIONAL_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("failed requests", ("failed_requests",), "{:d}"),
     ("spec acceptance rate", ("spec_acceptance_rate",), "{:.1%}"),
     ("spec accepted / verify", ("spec_mean_accepted",), "{:.2f}"),
+    ("steps that speculated", ("spec_step_share",), "{:.1%}"),
 ]
 
 

@@ -185,6 +185,26 @@ class _SnapshotCollector(Collector):
             snap.stats.spec_accepted_tokens,
         )
         yield counter(
+            "pitstop:spec_decode_steps",
+            "Engine steps that speculated (proposed drafts and verified them).",
+            snap.stats.spec_steps,
+        )
+        yield counter(
+            "pitstop:spec_decode_skipped_batch_steps",
+            "Engine steps decoded plainly because more than speculative_max_batch sequences ran.",
+            snap.stats.spec_skipped_batch_steps,
+        )
+        yield counter(
+            "pitstop:spec_decode_paused_sequence_steps",
+            "Sequence-steps without drafts because the sequence's recent acceptance was low.",
+            snap.stats.spec_paused_seq_steps,
+        )
+        yield counter(
+            "pitstop:spec_decode_empty_proposals",
+            "Sequence-steps for which the proposer found no draft.",
+            snap.stats.spec_empty_proposals,
+        )
+        yield counter(
             "pitstop:kv_cache_utilization_sum",
             "Sum over engine steps of KV tokens held / tokens reserved (divide by engine_steps).",
             snap.stats.utilization_sum,

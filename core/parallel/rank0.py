@@ -97,9 +97,16 @@ class TensorParallelRunner:
         """Allocate each rank's KV cache (its KV heads) of ``num_pages`` pages."""
         self._call("init_kv_cache", (num_pages,), lambda: self.runner.init_kv_cache(num_pages))
 
-    def maybe_capture_graphs(self) -> None:
-        """Capture CUDA graphs on every rank (the all-reduces inside them)."""
-        self._call("maybe_capture_graphs", (), self.runner.maybe_capture_graphs)
+    def maybe_capture_graphs(self, extra: Callable[[Any], None] | None = None) -> None:
+        """Capture CUDA graphs on every rank (the all-reduces inside them).
+
+        ``extra`` (a module-level function, such as
+        :func:`pitstop.spec_graphs.capture_verify_graphs`) goes to the workers
+        by reference and captures the same extra graphs on every rank.
+        """
+        self._call(
+            "maybe_capture_graphs", (extra,), lambda: self.runner.maybe_capture_graphs(extra)
+        )
 
     def launch(self, step: Any) -> Any:
         """Launch a step on every rank; rank 0 samples and returns the handle."""
@@ -107,7 +114,7 @@ class TensorParallelRunner:
 
         # workers neither sample nor verify: the step goes without what only sampling reads
         sent = StepInput(
-            [attrs.evolve(s, params=None, draft_probs=None, row_inputs=None) for s in step.seqs],
+            [_for_workers(s) for s in step.seqs],
             list(step.finished_seq_ids),
             list(step.reset_seq_ids),
         )
@@ -141,6 +148,21 @@ class TensorParallelRunner:
         """Stop the workers and leave the process group (idempotent; also run at exit)."""
         self._closed = True
         self._finalizer()
+
+
+def _for_workers(s: Any) -> Any:
+    """A step's sequence as the workers get it: without what only sampling reads.
+
+    Drafts still on rank 0's device (``draft_ids``) go as host ids in
+    ``token_ids`` (a worker cannot read rank 0's device memory).
+    """
+    token_ids = s.token_ids
+    if s.draft_ids is not None and len(s.draft_ids):
+        k = len(s.draft_ids)
+        token_ids = list(token_ids[:-k]) + [int(t) for t in s.draft_ids.tolist()]
+    return attrs.evolve(
+        s, token_ids=token_ids, params=None, draft_probs=None, draft_ids=None, row_inputs=None
+    )
 
 
 def _shutdown(group: TensorParallelGroup, watch: WorkerWatch | None, broken: list[bool]) -> None:

@@ -13,6 +13,17 @@ preemption all roll back the same way), truncates the rest, then
    time: the draft prefills its own copy) and draws ``d_1``;
 2. decodes ``d_1 .. d_{k-1}`` one at a time, drawing ``d_2 .. d_k``.
 
+The drafts stay on the device: each step's tokens go into the draft
+runner's ``last_sampled`` buffer and the next step reads them as pending
+tokens, so the decode steps replay the draft runner's own CUDA decode graphs
+(captured on a GPU for batches up to ``speculative_max_batch``); the
+proposal returns them as a device tensor (``Proposal.device_token_ids``,
+with placeholders for ``token_ids``), which the target's verification reads
+in place. Nothing waits for the device: the step's one synchronization is
+the verification's. The draft's own token list holds placeholders for the
+drafts whose KV it computed until :meth:`DraftProposer.on_accepted` tells it
+which were kept.
+
 Each draft is drawn from the draft model's processed distribution ``q`` under
 the request's own sampling parameters, and ``q`` goes with the proposal, so
 the core's rejection sampling is exact; greedy requests draw the argmax.
@@ -37,7 +48,9 @@ from pitstop.protocols import Proposal
 from pitstop.runner import ModelRunner, SeqInput
 from pitstop.sampling import exponential_race, is_greedy, make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
+from pitstop.sequence import PENDING_TOKEN
 from pitstop.settings import engine_setting
+from pitstop.spec_adaptation import speculation_max_batch
 from pitstop.speculative import draft_room
 from pitstop.weights import load_model_source
 
@@ -74,13 +87,20 @@ class DraftProposer:
                 f"more than the target's {context.vocab_size}; a draft model must share the target's tokenizer"
             )
         self.vocab_size = context.vocab_size
+        max_batch = speculation_max_batch(config)  # the most sequences that ever draft at once
         draft_config = attrs.evolve(
-            config, model=config.speculative_model, speculative=None, tokenizer=None
+            config,
+            model=config.speculative_model,
+            speculative=None,
+            tokenizer=None,
+            max_batch_size=max_batch,
+            max_prefill_batch=min(config.max_prefill_batch, max_batch),
         )
         self.device = context.device
         self.runner = ModelRunner(draft_config, mc, context.plugins, context.device, context.dtype)
         self.runner.load_weights(source.weights)
         self.runner.init_kv_cache(context.num_pages)
+        self.runner.maybe_capture_graphs()  # decode graphs for the draft's own steps (CUDA)
         self.allocator = context.plugins.create(
             "allocator", "paged", draft_config, context.num_pages
         )
@@ -96,52 +116,79 @@ class DraftProposer:
         active = [
             seq for seq in seqs if rooms[seq.seq_id] > 0 and self._prepare(seq, rooms[seq.seq_id])
         ]
-        drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in active}
-        probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in active}
+        if len(active) > self.runner.last_sampled.shape[0]:
+            raise RuntimeError(
+                f"{len(active)} sequences asked the draft model for drafts at once, more than the "
+                f"{self.runner.last_sampled.shape[0]} it was built for (speculative_max_batch)"
+            )
+        probs: dict[int, list[torch.Tensor | None]] = {seq.seq_id: [] for seq in active}
+        order_per_step: list[list[Sequence]] = []  # each step's sequences, in its sampled order
+        tokens_per_step: list[torch.Tensor] = []
         with torch.inference_mode():
             step = list(active)
-            first = True
+            made = 0
             while step:
                 inputs = []
                 for seq in step:
                     ids = self._kv_ids[seq.seq_id]
-                    if first:
-                        new = seq.token_ids[len(ids) :]
-                    else:
-                        new = [drafts[seq.seq_id][-1]]
+                    # the first step catches up with the target; later ones read the last draft
+                    if made == 0:
+                        new, start = seq.token_ids[len(ids) :], len(ids)
+                    else:  # draft d_made sits right after the target's tokens and d_1 ..
+                        new, start = [PENDING_TOKEN], seq.num_tokens + made - 1
                     inputs.append(
                         SeqInput(
                             seq.seq_id,
                             new,
-                            len(ids),
+                            start,
                             self.allocator.block_table(seq),
                             True,
                             seq.sampling_params,
                         )
                     )
-                    ids.extend(new)
                 order = sorted(range(len(step)), key=lambda i: len(inputs[i].token_ids) == 1)
-                tokens, q = self._forward([inputs[i] for i in order], [step[i] for i in order])
-                for i, token, row in zip(order, tokens, q, strict=True):
-                    seq = step[i]
-                    drafts[seq.seq_id].append(token)
+                ordered = [step[i] for i in order]
+                tokens, q = self._forward([inputs[i] for i in order], ordered)
+                order_per_step.append(ordered)
+                tokens_per_step.append(tokens)
+                for seq, row in zip(ordered, q, strict=True):
                     probs[seq.seq_id].append(row)
-                step = [seq for seq in step if len(drafts[seq.seq_id]) < rooms[seq.seq_id]]
-                first = False
+                made += 1
+                step = [seq for seq in ordered if made < rooms[seq.seq_id]]
+        drafts = self._gather_drafts(active, order_per_step, tokens_per_step)
+        for seq in active:  # the draft now holds the KV of the target's tokens and d_1 .. d_{k-1}
+            ids = self._kv_ids[seq.seq_id]
+            ids.extend(seq.token_ids[len(ids) :])
+            ids.extend([PENDING_TOKEN] * (rooms[seq.seq_id] - 1))  # known after verification
         out = []
         for seq in seqs:
-            ids = drafts.get(seq.seq_id)
-            if not ids:
+            device_ids = drafts.get(seq.seq_id)
+            if device_ids is None:
                 out.append(Proposal([]))
                 continue
             greedy = is_greedy(seq.sampling_params)
-            out.append(Proposal(ids, None if greedy else torch.stack(probs[seq.seq_id])))
+            out.append(
+                Proposal(
+                    [PENDING_TOKEN] * len(device_ids),
+                    None if greedy else torch.stack(probs[seq.seq_id]),
+                    device_token_ids=device_ids,
+                )
+            )
         return out
 
     def on_accepted(self, seq: Sequence, num_accepted: int) -> None:
-        """Roll the draft's KV back to what the target kept (the target's tokens are appended)."""
-        if seq.seq_id in self._kv_ids:
-            self._sync(seq)
+        """Roll the draft's KV back to what the target kept (the target's tokens are appended).
+
+        The draft's KV of the kept drafts stays: their placeholders take the
+        target's tokens, which are those drafts.
+        """
+        ids = self._kv_ids.get(seq.seq_id)
+        if ids is None:
+            return
+        first = next((i for i, t in enumerate(ids) if t == PENDING_TOKEN), len(ids))
+        kept = min(num_accepted, len(ids) - first, seq.num_tokens - first)
+        ids[first : first + kept] = seq.token_ids[first : first + kept]
+        self._sync(seq)
 
     def release(self, seq: Sequence) -> None:
         """Free ``seq``'s draft pages (the engine calls this when a request finishes or aborts)."""
@@ -149,8 +196,31 @@ class DraftProposer:
         self._synced.pop(seq.seq_id, None)
         self._generators.pop(seq.seq_id, None)
         self.allocator.free(seq)
+        self.runner.forget_block_tables([seq.seq_id])
 
     # ------------------------------------------------------------------ internals
+    def _gather_drafts(
+        self,
+        active: list[Sequence],
+        order_per_step: list[list[Sequence]],
+        tokens_per_step: list[torch.Tensor],
+    ) -> dict[int, torch.Tensor]:
+        """Each sequence's drafts as one device tensor, gathered from the steps' tokens (no wait)."""
+        if not tokens_per_step:
+            return {}
+        where: dict[int, list[int]] = {seq.seq_id: [] for seq in active}
+        row = 0
+        for ordered in order_per_step:
+            for seq in ordered:
+                where[seq.seq_id].append(row)
+                row += 1
+        flat = torch.cat(tokens_per_step)
+        index = torch.tensor([r for seq in active for r in where[seq.seq_id]], dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        gathered = flat[index].split([len(where[seq.seq_id]) for seq in active])
+        return {seq.seq_id: ids for seq, ids in zip(active, gathered, strict=True)}
+
     def _sync(self, seq: Sequence) -> int:
         """Keep the draft KV of the longest prefix shared with the target's tokens; truncate the rest.
 
@@ -169,6 +239,7 @@ class DraftProposer:
         held = self.allocator.num_held_tokens(seq)
         if held > i:
             self.allocator.truncate(seq, held - i)
+            self.runner.forget_block_tables([seq.seq_id])  # the graphs re-read its table
         return i
 
     def _prepare(self, seq: Sequence, room: int) -> bool:
@@ -188,12 +259,15 @@ class DraftProposer:
 
     def _forward(
         self, inputs: list[SeqInput], seqs: list[Sequence]
-    ) -> tuple[list[int], list[torch.Tensor]]:
-        """Run the draft model over one batch; draw one token per sequence from its processed q."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Run the draft model over one batch; draw one token per sequence from its processed q.
+
+        The tokens stay on the device, in the runner's ``last_sampled`` too (the next
+        step's pending inputs); nothing is read back.
+        """
         runner = self.runner
-        input_ids, meta, rows = runner.build_metadata(inputs)
-        hidden = runner.model(input_ids, runner.rotary, runner.kv_cache, meta)
-        logits = runner.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        hidden, rows, _ = runner.forward(inputs)
+        logits = runner.model.compute_logits(runner.select_rows(hidden, rows))
         if logits.shape[1] < self.vocab_size:  # a draft vocabulary may be smaller than the target's
             pad = logits.new_full(
                 (logits.shape[0], self.vocab_size - logits.shape[1]), float("-inf")
@@ -202,11 +276,18 @@ class DraftProposer:
         params = [s.sampling_params or SamplingParams() for s in seqs]
         gens = [self._generator(s) for s in seqs]
         batch = make_sampling_batch(params, gens, self.device)
+        if batch.all_greedy:  # greedy drafts need no distribution (the verifier takes point masses)
+            tokens = logits.argmax(dim=-1)
+            runner.last_sampled[: len(inputs)].copy_(tokens)
+            runner._last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
+            return tokens, [None] * len(inputs)
         q = runner.sampler.probabilities(logits, batch)
         tokens = exponential_race(q, gens, self._shared)
-        greedy = torch.tensor([is_greedy(p) for p in params], device=self.device)
+        greedy = batch.temperature == 0.0  # on the device already: no copy, no wait
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-        return tokens.tolist(), list(q.unbind(0))
+        runner.last_sampled[: len(inputs)].copy_(tokens)
+        runner._last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
+        return tokens, list(q.unbind(0))
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         params = seq.sampling_params

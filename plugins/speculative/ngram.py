@@ -13,7 +13,10 @@ costs k more tokens of compute per sequence.
 
 The search is vectorized with numpy: one comparison over the sequence for
 the candidates that end with the last token, then a check of at most
-``prompt_lookup_max`` tokens back from each candidate.
+``prompt_lookup_max`` tokens back from each candidate. Each sequence's
+tokens are kept in a numpy array that grows by the tokens appended since the
+last proposal (a sequence's tokens only ever grow), so a proposal never
+converts the whole sequence again.
 """
 
 from __future__ import annotations
@@ -86,18 +89,37 @@ class NgramProposer(ProposerBase):
         self.min_n = settings.min_n
         assert config.max_model_len is not None
         self.max_model_len = config.max_model_len
+        self._tokens: dict[int, tuple[np.ndarray, int]] = {}  # seq_id -> (buffer, tokens in it)
+
+    def _token_array(self, seq: Sequence) -> np.ndarray:
+        """``seq``'s tokens as a numpy array, copying only those appended since the last call."""
+        buffer, known = self._tokens.get(seq.seq_id, (np.empty(0, dtype=np.int64), 0))
+        n = seq.num_tokens
+        if n < known:  # not the same sequence's tokens any more: start over
+            known = 0
+        if n > buffer.shape[0]:
+            grown = np.empty(max(n, 2 * buffer.shape[0], 64), dtype=np.int64)
+            grown[:known] = buffer[:known]
+            buffer = grown
+        buffer[known:n] = seq.token_ids[known:n]
+        self._tokens[seq.seq_id] = (buffer, n)
+        return buffer[:n]
 
     def propose(self, seqs: Seq[Sequence], k: int) -> list[Proposal]:
         """Up to ``k`` tokens per sequence (fewer near its ``max_tokens`` or ``max_model_len``)."""
         out = []
         for seq in seqs:
             room = draft_room(seq, k, self.max_model_len)
-            ids = lookup(seq.token_ids, room, self.max_n, self.min_n) if room else []
+            ids = lookup(self._token_array(seq), room, self.max_n, self.min_n) if room else []
             out.append(Proposal(ids))
         return out
 
     def on_accepted(self, seq: Sequence, num_accepted: int) -> None:
-        """Nothing to roll back: the proposer keeps no state."""
+        """Nothing to roll back: rejected drafts never enter a sequence's tokens."""
+
+    def release(self, seq: Sequence) -> None:
+        """Drop a finished sequence's token array."""
+        self._tokens.pop(seq.seq_id, None)
 
 
 def create_ngram(config: EngineConfig, context: ProposerContext) -> NgramProposer:
