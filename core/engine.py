@@ -45,6 +45,7 @@ from pitstop.outputs import RequestOutput
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.protocols import ScheduledSequence, StepPlan
 from pitstop.request_state import RequestState, SampleState, accept_token, token_logprobs
+from pitstop.request_validation import validate_request
 from pitstop.runner import (
     LaunchedStep,
     ModelRunner,
@@ -65,7 +66,7 @@ from pitstop.spec_graphs import capture_verify_graphs
 from pitstop.speculative import ProposerContext, draft_room
 from pitstop.structured import GrammarCompiler
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
-from pitstop.validation import SEED_MODULUS, check_encoded_prompt, validate_request
+from pitstop.validation import SEED_MODULUS, check_encoded_prompt
 from pitstop.weights import load_model_source
 
 # observer(step inputs, the engine's sequence of each or None, logits rows): see observe_logits

@@ -18,12 +18,9 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pitstop.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from pitstop.sampling_params import SamplingParams
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -124,44 +121,6 @@ def check_token_ids(name: str, ids: Any, vocab_size: int | None = None) -> list[
         where = "the vocabulary" if vocab_size is not None else "int64"
         _fail(f"{name}: token id(s) {bad[:5]} outside {where} [0, {hi})")
     return [int(t) for t in out]
-
-
-def validate_request(
-    prompt: Any,
-    params: SamplingParams,
-    prompt_token_ids: Sequence[int] | None,
-    *,
-    vocab_size: int,
-) -> None:
-    """Every check of a request that needs the model: call it first in ``add_request``.
-
-    Raises :class:`InvalidRequestError` when ``params`` is not a
-    :class:`SamplingParams`, the prompt is neither a non-empty UTF-8 string
-    nor a non-empty list of token ids inside the vocabulary, or a
-    ``stop_token_ids`` entry is outside the vocabulary. Length checks against
-    ``max_model_len`` stay with the engine, which knows the tokenized length.
-    """
-    from pitstop.sampling_params import SamplingParams
-
-    if not isinstance(params, SamplingParams):
-        _fail(
-            f"sampling params must be a SamplingParams, got {type(params).__name__}; "
-            "build one with SamplingParams(max_tokens=..., ...)"
-        )
-    if prompt_token_ids is None:
-        if prompt is None:
-            _fail("prompt: give a prompt (text) or prompt_token_ids")
-        check_text("prompt", prompt)
-        if not prompt:
-            _fail("prompt is empty; give at least one token of text")
-    else:
-        ids = check_token_ids("prompt_token_ids", prompt_token_ids, vocab_size)
-        if not ids:
-            _fail("prompt_token_ids is empty; give at least one token")
-    if params.stop_token_ids:
-        check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
-    if params.logit_bias:
-        check_token_ids("logit_bias", [t for t, _ in params.logit_bias], vocab_size)
 
 
 def check_encoded_prompt(prompt: str, ids: Sequence[int]) -> None:
