@@ -20,7 +20,9 @@ from pitstop.errors import ModelLoadError
 from pitstop.model_config import ModelConfig
 from pitstop.tokenizer import Tokenizer
 
-WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+# Called with no argument: every tensor whole; with ``shard=`` a tensor-parallel rank's
+# :class:`~pitstop.parallel.sharding.WeightShard`: only that rank's part of each tensor is read.
+WeightsFn = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 
 @attrs.frozen
@@ -137,15 +139,21 @@ def read_safetensors_headers(files: list[Path]) -> dict[str, SafetensorsEntry]:
     return entries
 
 
-def iter_safetensors(entries: dict[str, SafetensorsEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    entries: dict[str, SafetensorsEntry], shard: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor, read from its file straight into a CPU tensor of the file's dtype (no
-    memory map, no intermediate copy), file by file in byte order."""
+    memory map, no intermediate copy), file by file in byte order; with a tensor-parallel
+    ``shard``, only that rank's part of each (:meth:`WeightShard.read`)."""
     by_file: dict[Path, list[SafetensorsEntry]] = {}
     for e in entries.values():
         by_file.setdefault(e.file, []).append(e)
     for file, items in by_file.items():
         with open(file, "rb", buffering=0) as f:
             for e in sorted(items, key=lambda x: x.start):
+                if shard is not None:
+                    yield e.name, shard.read(f, e)
+                    continue
                 tensor = torch.empty(e.shape, dtype=e.dtype)
                 _read_into(f, e, tensor)
                 yield e.name, tensor
@@ -155,8 +163,12 @@ def iter_safetensors(entries: dict[str, SafetensorsEntry]) -> Iterator[tuple[str
 def _read_into(f: Any, e: SafetensorsEntry, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
         return
-    view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
     f.seek(e.start)
+    read_exactly(f, memoryview(tensor.view(-1).view(torch.uint8).numpy()), e)
+
+
+def read_exactly(f: Any, view: memoryview, e: SafetensorsEntry) -> None:
+    """Fill ``view`` from ``f``'s position on; a file that ends first is a truncated ``e``."""
     done = 0
     while done < len(view):
         n = f.readinto(view[done:])

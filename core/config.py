@@ -147,6 +147,13 @@ class EngineConfig:
         ),
     )
     device: str = attrs.field(default="auto", metadata=_doc("auto, cpu, cuda or cuda:N"))
+    tensor_parallel_size: int = attrs.field(
+        default=1,
+        validator=_positive_int,
+        metadata=_doc(
+            "ranks the model is split over (one per GPU; gloo processes on CPU); 1 starts no worker"
+        ),
+    )
     threads: int | None = attrs.field(
         default=None,
         validator=_positive_int,
@@ -323,6 +330,12 @@ class EngineConfig:
     def __attrs_post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            raise ConfigError(
+                f"device={self.device!r} names one GPU, but tensor_parallel_size="
+                f"{self.tensor_parallel_size} puts rank r on cuda:r; use device='cuda' (or 'auto'), "
+                "and CUDA_VISIBLE_DEVICES to choose the GPUs"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "

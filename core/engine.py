@@ -37,7 +37,7 @@ import attrs
 import torch
 
 from pitstop.config import EngineConfig
-from pitstop.errors import ConfigError, InvalidRequestError
+from pitstop.errors import ConfigError, InvalidRequestError, WorkerDiedError
 from pitstop.kv_cache_dtype import resolve_kv_cache_dtype
 from pitstop.memory import check_fits
 from pitstop.metrics import EngineStats, StepStats
@@ -120,13 +120,25 @@ class LLMEngine:
         self.config = config
         self.model_config = mc
         self.tokenizer: Tokenizer | None = source.tokenizer
+        per_rank = mc  # the part of the model one device holds
+        if config.tensor_parallel_size > 1:
+            from pitstop.parallel.sharding import shard_model_config
+
+            per_rank = shard_model_config(mc, config.tensor_parallel_size)
         kv_pages = (
-            pages_asked(config, mc, self.device, self.dtype) or 0
+            pages_asked(config, per_rank, self.device, self.dtype) or 0
         )  # 0: sized after the weights
         cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        kv_bytes = kv_pages * kv_bytes_per_page(mc, config.page_size, cache_dtype)
-        check_fits(mc, self.dtype, self.device, kv_bytes, what=source.description)
-        self.runner = ModelRunner(config, mc, self.plugins, self.device, self.dtype)
+        kv_bytes = kv_pages * kv_bytes_per_page(per_rank, config.page_size, cache_dtype)
+        check_fits(per_rank, self.dtype, self.device, kv_bytes, what=source.description)
+        if config.tensor_parallel_size > 1:  # rank 0 of N: workers start here (pitstop.parallel)
+            from pitstop.parallel import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(
+                config, mc, self.plugins, self.device, self.dtype, source.weights
+            )
+        else:
+            self.runner = ModelRunner(config, mc, self.plugins, self.device, self.dtype)
         self.runner.load_weights(source.weights)
         num_pages = self.runner.plan_num_pages()
         self.runner.init_kv_cache(num_pages)
@@ -194,6 +206,12 @@ class LLMEngine:
         )
         self._step_observers = self.plugins.has_observers("on_step_finished")
         self._request_observers = self.plugins.has_observers("on_request_finished")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (nothing to do at tensor_parallel_size=1)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -509,6 +527,8 @@ class LLMEngine:
         self._finished_seq_ids, self._reset_seq_ids = [], []
         try:
             handle = self.runner.launch(step)
+        except WorkerDiedError:
+            raise  # a lost tensor-parallel rank fails the engine, not one request
         except Exception as exc:  # one request's bad value must not fail its neighbours
             handle = self._isolate_failure(scheduled, inputs, exc)
         for s, inp in zip(scheduled, inputs, strict=True):

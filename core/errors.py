@@ -25,3 +25,7 @@ class InvalidRequestError(PitstopError, ValueError):
 
 class OutOfPagesError(PitstopError, RuntimeError):
     """An allocator was asked for pages it does not have; nothing was changed (preempt and retry)."""
+
+
+class WorkerDiedError(PitstopError, RuntimeError):
+    """A tensor-parallel rank failed or died; the engine cannot run on and must be rebuilt."""

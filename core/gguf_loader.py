@@ -505,10 +505,10 @@ def _write_cache(
     )
 
 
-def _iter_cached(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_cached(file: Path, shard: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     from pitstop.checkpoint import iter_safetensors, read_safetensors_headers
 
-    return iter_safetensors(read_safetensors_headers([file]))
+    return iter_safetensors(read_safetensors_headers([file]), shard)
 
 
 def load_gguf(path: str | Path, *, tokenizer: Tokenizer | None = None) -> ModelSource:
@@ -540,7 +540,11 @@ def load_gguf(path: str | Path, *, tokenizer: Tokenizer | None = None) -> ModelS
             return ModelSource(
                 model_config=config,
                 tokenizer=tokenizer or own_tokenizer,
-                weights=lambda: iter_gguf_tensors(rd, cfg),
+                weights=lambda shard=None: (
+                    iter_gguf_tensors(rd, cfg)
+                    if shard is None
+                    else shard.take_all(iter_gguf_tensors(rd, cfg))
+                ),
                 description=f"GGUF {path} (not cached: {exc})",
             )
         tokenizer = tokenizer or own_tokenizer
@@ -554,7 +558,7 @@ def load_gguf(path: str | Path, *, tokenizer: Tokenizer | None = None) -> ModelS
     return ModelSource(
         model_config=config,
         tokenizer=tokenizer or Tokenizer.from_pretrained(cache),
-        weights=lambda: _iter_cached(weights_file),
+        weights=lambda shard=None: _iter_cached(weights_file, shard),
         description=f"GGUF {path} (cached at {cache})",
     )
 

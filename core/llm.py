@@ -42,6 +42,16 @@ class LLM:
             config = EngineConfig.from_dict(values)
         self.engine = LLMEngine(config, plugins)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op at tensor_parallel_size=1)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def config(self) -> EngineConfig:
         """The engine's configuration (with ``max_model_len`` filled in)."""

@@ -203,7 +203,12 @@ class RotaryCache:
 
 @runtime_checkable
 class KernelSet(Protocol):
-    """The ops a model runs through. Resolved once; called directly on the hot path."""
+    """The ops a model runs through. Resolved once; called directly on the hot path.
+
+    Under tensor parallelism a rank's kernel set also has ``all_reduce``,
+    ``embed`` and ``gather_logits`` (:mod:`pitstop.parallel.kernels`); a
+    kernel set plugin does not implement them.
+    """
 
     name: str
 
@@ -400,7 +405,12 @@ class Model(Protocol):
         ...
 
     def init_dummy(self, seed: int) -> None:
-        """Fill every parameter with seeded random values (``dummy:`` models)."""
+        """Fill every parameter with seeded random values (``dummy:`` models).
+
+        A model with ``supports_tensor_parallel`` also takes ``shard=`` (a
+        :class:`~pitstop.parallel.sharding.WeightShard`): draw the whole model's
+        tensors, keep the rank's part of each.
+        """
         ...
 
     def load_weights(self, weights: Any) -> None:

@@ -1,8 +1,8 @@
 """The model runner: owns the weights and the KV cache, runs one step, samples.
 
 The engine talks to it through plain data only (:class:`StepInput` in,
-:class:`StepOutput` out), so that a later version can run one runner per GPU
-under ``torch.distributed`` and broadcast the same input to each.
+:class:`StepOutput` out), so that under tensor parallelism one runner per rank
+gets the same input (:mod:`pitstop.parallel`); each then holds its shard.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -35,6 +35,9 @@ from pitstop.sampling import (
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import PENDING_TOKEN
 from pitstop.speculative import DeviceVerified, DraftVerifier
+
+if TYPE_CHECKING:
+    from pitstop.parallel.group import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -279,12 +282,22 @@ class ModelRunner:
         plugins: PluginManager,
         device: torch.device,
         dtype: torch.dtype,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
+        # With tensor parallelism this runner holds one rank's part of the model: its heads,
+        # KV heads, MLP rows and vocabulary rows (pitstop.parallel).
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None:
+            model_config = tensor_parallel.shard_config(model_config)
         self.config, self.model_config = config, model_config
         self.device, self.dtype = device, dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
         self.kernels = plugins.create("kernels", config.kernels, config, device, dtype)
         check_kernels_read_fp8(self.kernels, config.kernels, self.kv_cache_dtype)
+        if tensor_parallel is not None:
+            from pitstop.parallel.kernels import TensorParallelKernels
+
+            self.kernels = TensorParallelKernels(self.kernels, tensor_parallel)
         self.sampler = plugins.create("sampler", config.sampler, config, device)
         factory = plugins.get("model", model_config.architecture).factory
         previous = torch.get_default_dtype()
@@ -294,6 +307,13 @@ class ModelRunner:
                 self.model = factory(model_config, self.kernels)
         finally:
             torch.set_default_dtype(previous)
+        if tensor_parallel is not None and not getattr(
+            self.model, "supports_tensor_parallel", False
+        ):
+            raise ConfigError(
+                f"the {model_config.architecture} model plugin does not support tensor parallelism "
+                "(it sets no supports_tensor_parallel); use tensor_parallel_size=1"
+            )
         self.model.eval()
         assert config.max_model_len is not None
         rotary = plugins.architecture(model_config.architecture).rotary
@@ -330,7 +350,13 @@ class ModelRunner:
     def load_weights(self, weights) -> None:
         """Copy Hugging Face-named tensors into the model (``None``: random dummy weights)."""
         with torch.inference_mode():
-            if weights is None:
+            if self.tensor_parallel is not None:  # this rank's part of each tensor only
+                shard = self.tensor_parallel.shard
+                if weights is None:
+                    self.model.init_dummy(self.config.seed, shard=shard)
+                else:
+                    self.model.load_weights(weights(shard=shard))
+            elif weights is None:
                 self.model.init_dummy(self.config.seed)
             else:
                 self.model.load_weights(weights())
@@ -589,6 +615,10 @@ class ModelRunner:
             and self.verify_graphs.can_run(step.seqs)
         ):
             logits, rows = self.verify_graphs.run(step.seqs)
+            if self.tensor_parallel is not None:
+                if self.tensor_parallel.rank > 0:  # a worker: rank 0 verifies
+                    return self._follow_rank0(step.seqs, True)
+                self.tensor_parallel.step_open = False
             logits = self.select_rows(logits, rows)
             if self.logits_observer is not None:
                 self.logits_observer(step.seqs, logits)
@@ -606,31 +636,41 @@ class ModelRunner:
         if self.logits_observer is not None:
             self.logits_observer(step.seqs, logits)
         sampling = [s for s in step.seqs if s.sample]
-        params = [s.params or SamplingParams() for s in sampling]
-        generators = [self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
+        if self.tensor_parallel is not None:
+            if self.tensor_parallel.rank > 0:  # a worker: rank 0 samples (or verifies)
+                return self._follow_rank0(step.seqs, verifies)
+            self.tensor_parallel.step_open = False  # from here on the ranks stay in step
         if verifies:
             return self._launch_verification(step.seqs, logits)
-        key = tuple(s.seq_id for s in sampling)
-        if self._batch_cache is not None and self._batch_cache[0] == key:
-            batch = self._batch_cache[1]  # same rows as last step: skip the host-to-device copies
-        else:
-            batch = make_sampling_batch(params, generators, self.device)
-            self._batch_cache = (key, batch)
-        row_inputs = [s.row_inputs for s in sampling]
-        if any(r is not None for r in row_inputs):
-            pending = [self._last_rows.get(s.seq_id, 0) for s in sampling]
-            batch = make_step_inputs(
-                batch,
-                row_inputs,
-                pending,
-                self.last_sampled,
-                logits.shape[-1],
-                seq_ids=[s.seq_id for s in sampling],
-                histories=self._histories,
-            )
-        out = self.sampler.sample(logits, batch)
         n = len(sampling)
-        self.last_sampled[:n].copy_(out.token_ids)
+        try:
+            params = [s.params or SamplingParams() for s in sampling]
+            generators = [
+                self._generator(s.seq_id, p) for s, p in zip(sampling, params, strict=True)
+            ]
+            key = tuple(s.seq_id for s in sampling)
+            if self._batch_cache is not None and self._batch_cache[0] == key:
+                batch = self._batch_cache[1]  # same rows as last step: no host-to-device copies
+            else:
+                batch = make_sampling_batch(params, generators, self.device)
+                self._batch_cache = (key, batch)
+            row_inputs = [s.row_inputs for s in sampling]
+            if any(r is not None for r in row_inputs):
+                pending = [self._last_rows.get(s.seq_id, 0) for s in sampling]
+                batch = make_step_inputs(
+                    batch,
+                    row_inputs,
+                    pending,
+                    self.last_sampled,
+                    logits.shape[-1],
+                    seq_ids=[s.seq_id for s in sampling],
+                    histories=self._histories,
+                )
+            out = self.sampler.sample(logits, batch)
+            self.last_sampled[:n].copy_(out.token_ids)
+        finally:  # tensor parallelism: the workers wait for these ids, even if sampling failed
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.share_samples(self.last_sampled[:n])
         self._last_rows = {s.seq_id: i for i, s in enumerate(sampling)}
         self._flip ^= 1
         host_tokens = self._host_tokens[self._flip][:n]
@@ -688,6 +728,17 @@ class ModelRunner:
                 row += 1
             out[i] = entries
         return out
+
+    def _follow_rank0(self, seqs: list[SeqInput], verifies: bool) -> LaunchedStep:
+        """A tensor-parallel worker's end of a step: rank 0 samples; take its ids (for the next
+        step's pending tokens). A verifying step runs serially: nothing is pending after it."""
+        n = sum(s.sample for s in seqs)
+        if verifies:
+            self._last_rows = {}
+        else:
+            self.tensor_parallel.share_samples(self.last_sampled[:n])
+            self._last_rows = {s.seq_id: i for i, s in enumerate(s for s in seqs if s.sample)}
+        return LaunchedStep(seqs, ready=StepOutput([_NO_TOKENS] * len(seqs)))
 
     def forget_block_tables(self, seq_ids: Seq[int]) -> None:
         """Drop the graphs' copies of these sequences' block tables (finished, or shortened)."""
@@ -1067,7 +1118,8 @@ class PiecewiseGraphs:
         assert kv is not None
         meta = self._static_meta(size)
         if segment == 0:
-            x = model.embed_tokens[self.input_ids[:size]]
+            ids = self.input_ids[:size]
+            x = model.embed(ids) if hasattr(model, "embed") else model.embed_tokens[ids]
             residual = None
         else:
             x, residual = model.layers[segment - 1].after_attention(

@@ -32,6 +32,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -209,8 +210,8 @@ def load_hf_checkpoint(
     if tok is None and (folder / "tokenizer.json").is_file():
         tok = Tokenizer.from_pretrained(folder)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_safetensors(entries)
+    def weights(shard: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_safetensors(entries, shard)
 
     return ModelSource(
         model_config=config,

@@ -136,6 +136,7 @@ class PitstopBackend:
         return stats
 
     def close(self) -> None:
+        self.engine.close()  # tensor parallelism: the workers stop before the next engine starts
         del self.engine
         release_memory()
 

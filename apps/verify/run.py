@@ -255,6 +255,7 @@ def _run(
         tap = _LogitsTap(engine, on_row)
         return _generate(engine, ids, max_tokens, tap), ids, engine.tokenizer
     finally:
+        engine.close()  # tensor parallelism: the workers stop before the next engine starts
         del engine  # the tap's closures make a cycle: collect it now
         gc.collect()
         if device.type == "cuda":

@@ -11,7 +11,8 @@ directly. Weight names are Hugging Face's; the model maps them onto its own
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -126,6 +127,8 @@ class Attention(nn.Module):
         # The K and V scales of an fp8 KV cache (stored value = value / scale); unused by
         # wider caches. A buffer, so it follows the model's device; 1.0 (see docs/configuration.md).
         self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
+        # tensor parallelism (pitstop.parallel): sums o_proj's partial outputs over the ranks
+        self.all_reduce = getattr(kernels, "all_reduce", None)
 
     def forward(
         self,
@@ -185,7 +188,8 @@ class Attention(nn.Module):
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The output projection of attention's result ``[T, heads, head_size]``."""
-        return self.kernels.linear(o.reshape(o.shape[0], self.q_size), self.o_proj, self.o_bias)
+        out = self.kernels.linear(o.reshape(o.shape[0], self.q_size), self.o_proj, self.o_bias)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -205,6 +209,7 @@ class MLP(nn.Module):
             self.up_bias = _param(f) if bias else None
         self.down_proj = _param(cfg.hidden_size, f)
         self.down_bias = _param(cfg.hidden_size) if bias else None
+        self.all_reduce = getattr(kernels, "all_reduce", None)  # tensor parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Gate, up, SiLU-and-mul, down."""
@@ -214,7 +219,8 @@ class MLP(nn.Module):
         else:
             gate = kn.linear(x, self.gate_proj, self.gate_bias)
             gate_up = torch.cat([gate, kn.linear(x, self.up_proj, self.up_bias)], dim=-1)
-        return kn.linear(kn.silu_and_mul(gate_up), self.down_proj, self.down_bias)
+        out = kn.linear(kn.silu_and_mul(gate_up), self.down_proj, self.down_bias)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -274,6 +280,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama, Qwen2 and Qwen3: token ids in, hidden states out; logits for chosen rows."""
 
+    # built from one rank's shard_model_config, it runs that rank's part (pitstop.parallel)
+    supports_tensor_parallel = True
+
     def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
@@ -285,6 +294,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        # tensor parallelism: the vocabulary-parallel embedding and head (None: the whole vocabulary)
+        self.vocab_embed = getattr(kernels, "embed", None)
+        self.gather_logits = getattr(kernels, "gather_logits", None)
 
     def forward(
         self,
@@ -294,11 +306,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm. ``kv_cache``: ``[L, 2, pages, page, Hkv, D]``."""
-        x = self.embed_tokens[input_ids]
+        x = self.embed(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rotary, kv_cache[i, 0], kv_cache[i, 1], meta)
         return self.final_norm(x, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``input_ids`` ``[T, hidden]``."""
+        if self.vocab_embed is None:
+            return self.embed_tokens[input_ids]
+        return self.vocab_embed(self.embed_tokens, input_ids)
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The last norm (with the deferred residual add): hidden states ``[T, hidden]``."""
@@ -307,7 +325,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` of the given hidden rows, in float32."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.kernels.linear(hidden, head).float()
+        logits = self.kernels.linear(hidden, head)
+        if self.gather_logits is not None:
+            logits = self.gather_logits(logits)
+        return logits.float()
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -430,25 +451,36 @@ class LlamaForCausalLM(nn.Module):
         """Hugging Face tensor name -> shape, for every tensor a checkpoint of this model holds."""
         return expected_weight_shapes(self.cfg)
 
-    def init_dummy(self, seed: int = 0) -> None:
+    def init_dummy(self, seed: int = 0, shard: Any = None) -> None:
         """Random weights (speed does not depend on them), drawn per Hugging Face tensor.
 
         Drawing per checkpoint tensor, not per parameter, gives the same model
-        whether or not this kernel set merges q/k/v and gate/up.
+        whether or not this kernel set merges q/k/v and gate/up; a tensor-parallel
+        ``shard`` (:class:`~pitstop.parallel.sharding.WeightShard`) keeps this rank's
+        part of each, so the values are the same whatever the tensor-parallel size.
         """
-        device = self.embed_tokens.device
-        gen = torch.Generator(device=device).manual_seed(seed)
-        dtype = self.embed_tokens.dtype
+        param = self.embed_tokens
+        if shard is None:
+            self.load_weights(dummy_weights(self.weight_shapes(), seed, param.device, param.dtype))
+            return
+        # a tensor-parallel rank: the whole model's tensors drawn (one at a time), its parts kept
+        whole = expected_weight_shapes(shard.model_config)
+        self.load_weights(shard.take_all(dummy_weights(whole, seed, param.device, param.dtype)))
 
-        def tensors():
-            for name, shape in self.weight_shapes().items():
-                if len(shape) == 1 and not name.endswith("bias"):
-                    yield name, torch.ones(shape, dtype=dtype, device=device)  # norm weights
-                else:
-                    t = torch.empty(shape, dtype=dtype, device=device)
-                    yield name, t.normal_(0.0, 0.02, generator=gen)
 
-        self.load_weights(tensors())
+def dummy_weights(
+    shapes: dict[str, tuple[int, ...]], seed: int, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random tensors of ``shapes`` (name -> shape), drawn in order from one seeded generator:
+    norm weights are ones, every other tensor N(0, 0.02). The same shapes and seed give the
+    same values, whichever part of each tensor a tensor-parallel rank then keeps."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in shapes.items():
+        if len(shape) == 1 and not name.endswith("bias"):
+            yield name, torch.ones(shape, dtype=dtype, device=device)  # norm weights
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            yield name, t.normal_(0.0, 0.02, generator=gen)
 
 
 def make_llama(model_config: ModelConfig, kernels: KernelSet) -> LlamaForCausalLM:
