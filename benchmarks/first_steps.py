@@ -1,39 +1,39 @@
 """Which Triton kernels compile during the first steps of a run (after start-up), and how long
 those steps take: a start-up warm-up should leave nothing to compile on the user's time.
 
-    TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/first_steps.py --scheduler chunked
+    python3 benchmarks/first_steps.py --scheduler chunked [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import random
 import time
-from pathlib import Path
 
 from pitstop import LLM, SamplingParams
 
 
-def _cache_entries(root: Path) -> set[str]:
-    return {p.name for p in root.rglob("*.json") if not p.name.startswith("__grp__")}
+def _record_compiles() -> list[str] | None:
+    """From now on, append the name of each Triton kernel compiled to the returned list.
 
-
-def _log_compiles() -> None:
-    """Print each Triton kernel compiled from now on, with the call's argument signature."""
+    The hook is Triton's ``JITFunction._do_compile`` (Triton 3.x), which runs only on a
+    cache miss; None (nothing recorded) where this Triton has no such method.
+    """
     from triton.runtime.jit import JITFunction
 
     original = getattr(JITFunction, "_do_compile", None)
     if original is None:
-        return
+        return None
+    compiled: list[str] = []
 
-    def logged(self, *args, **kwargs):
-        print(f"  compiling {self.fn.__name__}: {str(args)[:300]}")
+    def recording(self, *args, **kwargs):
+        compiled.append(self.fn.__name__)
         return original(self, *args, **kwargs)
 
-    JITFunction._do_compile = logged
+    JITFunction._do_compile = recording
+    return compiled
 
 
 def main() -> None:
@@ -44,7 +44,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", action="store_true", help="cProfile the steps; print the top 25")
     args = ap.parse_args()
-    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
     llm = LLM(args.model, kernels="fused", scheduler=args.scheduler, max_model_len=4096)
     engine = llm.engine
     rng = random.Random(0)
@@ -55,9 +54,9 @@ def main() -> None:
             SamplingParams(max_tokens=rng.randint(100, 1024), ignore_eos=True),
             prompt_token_ids=[rng.randint(10, 30000) for _ in range(n)],
         )
-    _log_compiles()
-    seen = _cache_entries(cache)
-    print(f"after start-up: {len(seen)} compiled kernels in {cache}")
+    compiled = _record_compiles()
+    if compiled is None:
+        print("this Triton has no JITFunction._do_compile: compiles are not reported")
     profiler = cProfile.Profile() if args.profile else None
     if profiler is not None:
         profiler.enable()
@@ -65,12 +64,10 @@ def main() -> None:
         start = time.perf_counter()
         engine.step()
         took = time.perf_counter() - start
-        now = _cache_entries(cache)
-        new = sorted(now - seen)
-        seen = now
-        print(
-            f"step {i}: {took * 1e3:8.1f} ms, newly compiled: {', '.join(n.split('.')[0] for n in new) or '-'}"
-        )
+        new = ", ".join(compiled) if compiled else "-"
+        if compiled:
+            compiled.clear()
+        print(f"step {i}: {took * 1e3:8.1f} ms, compiled: {new}")
     if profiler is not None:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
