@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,3 +24,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/example_plugin installed with pip into a site folder of its own."""
+    from plugin_install import EXAMPLE, pip_install
+
+    site = tmp_path_factory.mktemp("example-site")
+    pip_install(EXAMPLE, site)
+    return site
+
+
+@pytest.fixture
+def with_example(example_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Put the installed example plugin (``pitstop-example``) on sys.path for one test."""
+    monkeypatch.syspath_prepend(str(example_site))
+    importlib.invalidate_caches()
+    yield example_site
+    for name in [
+        m for m in sys.modules if m == "pitstop_example" or m.startswith("pitstop_example.")
+    ]:
+        sys.modules.pop(name)

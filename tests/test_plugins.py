@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from plugin_install import pip_install
 
 from pitstop import EngineConfig, hookspecs
 from pitstop.cli import main as cli_main
@@ -17,43 +17,6 @@ from pitstop.errors import ModelLoadError, PluginError
 from pitstop.plugin_manager import KINDS, PluginManager
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "tests" / "example_plugin"
-
-
-def _pip_install(source: Path, target: Path) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--disable-pip-version-check",
-            "--target",
-            str(target),
-            str(source),
-        ],
-        check=True,
-    )
-
-
-@pytest.fixture(scope="module")
-def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tests/example_plugin installed with pip into a site folder of its own."""
-    site = tmp_path_factory.mktemp("example-site")
-    _pip_install(EXAMPLE, site)
-    return site
-
-
-@pytest.fixture
-def with_example(example_site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Put the installed example plugin on sys.path for one test."""
-    monkeypatch.syspath_prepend(str(example_site))
-    importlib.invalidate_caches()
-    yield example_site
-    sys.modules.pop("pitstop_example", None)
 
 
 def test_builtins_register_through_entry_points() -> None:
@@ -98,7 +61,7 @@ def test_discovers_an_installed_third_party_distribution(with_example: Path) -> 
     pm = PluginManager(allow=None)
     lifo = pm.get("allocator", "lifo")
     assert lifo.distribution == "pitstop-example"
-    assert lifo.version == "0.2.0"
+    assert lifo.version == "0.3.0"
     assert lifo.module == "pitstop_example"
     allocator = pm.create("allocator", "lifo", EngineConfig(page_size=4), 8)
     assert allocator.stats().pages_free == 8
@@ -114,7 +77,7 @@ def test_plugins_command_lists_kind_name_distribution_version(
     assert cli_main(["plugins"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines()]
-    assert ["allocator", "lifo", "pitstop-example", "0.2.0"] in [r[:4] for r in rows]
+    assert ["allocator", "lifo", "pitstop-example", "0.3.0"] in [r[:4] for r in rows]
     assert ["allocator", "paged", "pitstop"] in [r[:3] for r in rows]
     monkeypatch.setattr(pmod, "_default", None)
 
@@ -161,7 +124,7 @@ def test_two_distributions_claiming_one_name_is_an_error(
         "    register('paged', lambda config, num_pages: None)\n"
     )
     site = tmp_path / "site"
-    _pip_install(src, site)
+    pip_install(src, site)
     monkeypatch.syspath_prepend(str(site))
     importlib.invalidate_caches()
     try:
@@ -273,7 +236,7 @@ def test_the_example_plugin_adds_a_subcommand(
     assert "do not fit" in capsys.readouterr().out
     assert cli_main(["plugins"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
-    assert ["command", "lifo-demo", "pitstop-example", "0.2.0"] in [r[:4] for r in rows]
+    assert ["command", "lifo-demo", "pitstop-example", "0.3.0"] in [r[:4] for r in rows]
     monkeypatch.setattr(pmod, "_default", None)
 
 

@@ -1,10 +1,17 @@
 """An example third-party pitstop plugin.
 
-It registers one strategy, one command and one observer:
+It registers one strategy of each kind but the sampler, one command and one
+observer:
 
 * the allocator ``lifo``: paged KV cache whose free list is a stack, so the
   page freed last is handed out first (warm in the GPU's L2 when it is
   reused soon);
+* the scheduler ``sjf`` (:mod:`pitstop_example.sjf`): shortest job first
+  with an aging bound, written against the scheduler protocol alone;
+* the kernel set ``sdpa`` (:mod:`pitstop_example.sdpa`): a step's attention
+  in a few batched torch SDPA calls, every other op from another kernel set;
+* the proposer ``recall`` (:mod:`pitstop_example.recall`): drafts what
+  followed the same tokens last time, in any request;
 * the command ``pitstop lifo-demo``: admits and frees a few sequences on a
   ``lifo`` allocator built from the engine flags (``--page-size``,
   ``--lifo.max-pages``) and prints which pages each one got;
@@ -15,7 +22,8 @@ It registers one strategy, one command and one observer:
   finish reason (read them from ``FINISHED``).
 
 Install it (``pip install -e tests/example_plugin``) and pick it by name:
-``LLM("smollm2-135m", allocator="lifo")``.
+``LLM("smollm2-135m", allocator="lifo", scheduler="sjf", kernels="sdpa",
+speculative="recall")``.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import pitstop
 import pitstop.config
 from pitstop.protocols import AllocatorStats
 from pitstop.settings import read_settings, setting
-from pitstop_example import bigram
+from pitstop_example import bigram, recall, sdpa, sjf
 
 FINISHED: Counter[str] = Counter()
 
@@ -146,6 +154,24 @@ def make_lifo(config: pitstop.EngineConfig, num_pages: int) -> LifoAllocator:
 def register_allocators(register) -> None:
     """Register the ``lifo`` allocator."""
     register("lifo", make_lifo, settings=LifoSettings)
+
+
+@pitstop.hookimpl
+def register_schedulers(register) -> None:
+    """Register the ``sjf`` scheduler."""
+    register("sjf", sjf.make_sjf, settings=sjf.SjfSettings)
+
+
+@pitstop.hookimpl
+def register_kernels(register) -> None:
+    """Register the ``sdpa`` kernel set."""
+    register("sdpa", sdpa.make_sdpa, settings=sdpa.SdpaSettings)
+
+
+@pitstop.hookimpl
+def register_proposers(register) -> None:
+    """Register the ``recall`` proposer."""
+    register("recall", recall.make_recall, settings=recall.RecallSettings)
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
