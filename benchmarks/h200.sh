@@ -67,6 +67,18 @@ for spec in ${BENCHES-nano single}; do
       echo "== pitstop verify: fused (overlapped loop, CUDA graphs) against reference"
       timeout 300 pitstop verify --model "$M" --kernels fused --max-tokens 32 --json "$OUT/verify-plugins19.json" 2>&1 | tail -20
       run nano-plugins19 offline --workload nano --kernels fused --model "$M" ;;
+    # issue 19: the example plugin's scheduler (sjf), kernel set (sdpa) and proposer (recall) on
+    # the GPU: its GPU test (sdpa over fused against the reference; greedy tokens equal fused's),
+    # then sdpa-over-fused beside fused on nano, sjf beside chunked on longtail, and recall beside
+    # plain and ngram on the real SmolLM2 (batch 1, edit-and-chat twice)
+    examples19) python3 -m pip install -q --no-deps --no-build-isolation ./tests/example_plugin >"$OUT/example-install.log" 2>&1 || { tail -5 "$OUT/example-install.log"; continue; }
+      pitstop plugins | grep pitstop-example
+      timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_example_strategies.py 2>&1 | tail -5
+      run nano-fused-64 offline --workload nano --kernels fused --num-requests 64
+      run nano-sdpa-64 offline --workload nano --kernels sdpa --sdpa.base fused --num-requests 64
+      run longtail-sjf online --workload longtail --num-requests ${LT_N:-100} --max-batch-size 64 --kernels fused --matrix benchmarks/workloads/sjf.toml
+      gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf" ] || { echo "== recall-single: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
+      run recall-single offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl --repeats 2 --matrix benchmarks/workloads/recall-single.toml ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
     # issue 15: the KV cache in fp8 (e4m3) beside bf16; kv_floor.py: fraction of the bf16 and fp8 floors
     fp8-nano) run fp8-nano offline --workload nano --matrix benchmarks/workloads/kv-fp8.toml; python3 benchmarks/kv_floor.py "$OUT/fp8-nano.json" ;;

@@ -79,6 +79,30 @@ def test_sdpa_gives_the_reference_kernels_greedy_tokens(
         assert _greedy(llm, PROMPTS) == expected
 
 
+@pytest.mark.gpu
+def test_sdpa_over_fused_on_cuda(plugins: PluginManager, tiny_qwen3: str) -> None:
+    """On the GPU: every op against the reference (fp32, bf16, fp8 caches), then the engine's
+    greedy tokens (overlapped loop) equal the fused kernel set's."""
+    import torch
+
+    from pitstop.testing.kernels import check_kernel_set
+
+    over_fused = EngineConfig(options={"sdpa.base": "fused"})
+    check_kernel_set(
+        lambda device, dtype: plugins.create("kernels", "sdpa", over_fused, device, dtype),
+        device="cuda",
+        dtypes=(torch.float32, torch.bfloat16),
+        fp8=True,
+        max_examples=30,
+    )
+    run = {"device": "cuda", "dtype": "float32", "max_model_len": 512, "kv_cache_gib": 0.5}
+    run["plugins"] = plugins
+    fused = LLM(tiny_qwen3, kernels="fused", **run)
+    sdpa = LLM(tiny_qwen3, kernels="sdpa", options={"sdpa.base": "fused"}, **run)
+    assert sdpa.engine.runner.kernels.describe()["rms_norm"] == "triton"
+    assert _greedy(sdpa, PROMPTS) == _greedy(fused, PROMPTS)
+
+
 def test_sdpa_base_must_be_another_kernel_set(plugins: PluginManager, tiny_qwen3: str) -> None:
     with pytest.raises(ConfigError, match="sdpa.base must name another kernel set"):
         _llm(tiny_qwen3, plugins, kernels="sdpa", options={"sdpa.base": "sdpa"})

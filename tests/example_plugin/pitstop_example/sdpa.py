@@ -54,7 +54,8 @@ class _Group:
     """One SDPA call's sequences: their padded query rows and mask, built once per step."""
 
     rows: torch.Tensor  # [B, Q] int64: flat query row of each padded slot (padding repeats one)
-    real: torch.Tensor  # [B, Q] bool: the slots that are real queries
+    real: torch.Tensor  # [its tokens] int64: the padded slots (of B * Q) that are real queries
+    first_row: int  # its tokens are the flat rows first_row ... first_row + len(real) - 1
     # [B, 1, G * Q, L] bool: which keys each padded query sees, repeated for the G query
     # heads of a KV head (stacked along the query axis, as the queries are)
     allowed: torch.Tensor
@@ -88,8 +89,10 @@ def _groups(
             _Group(
                 rows=torch.tensor(rows, device=device),
                 real=torch.tensor(
-                    [[j < qlens[i] for j in range(q_max)] for i in range(a, b)], device=device
+                    [(i - a) * q_max + j for i in range(a, b) for j in range(qlens[i])],
+                    device=device,
                 ),
+                first_row=starts[a],
                 allowed=(keys[None, None, :] <= pos_t[:, :, None]).unsqueeze(1),
                 tables=meta.block_tables[a:b, :pages].clamp(min=0).long(),
                 max_context=l_max,
@@ -133,7 +136,9 @@ def batched_attention(
         qg = qg.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group_size * q_len, head_size)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.allowed, scale=scale)
         o = o.view(b, kv_heads, group_size, q_len, head_size).permute(0, 3, 1, 2, 4)
-        out[g.rows[g.real]] = o.reshape(b, q_len, num_heads, head_size)[g.real]
+        # integer indices only: no device-to-host sync (a boolean mask would need one)
+        real = o.reshape(b * q_len, num_heads, head_size).index_select(0, g.real)
+        out[g.first_row : g.first_row + real.shape[0]] = real
     return out
 
 
