@@ -194,6 +194,28 @@ def test_every_hook_is_documented_in_docs() -> None:
     assert not missing, f"hooks missing from docs/: {missing}"
 
 
+def test_plugins_md_names_every_protocol_member_of_every_kind() -> None:
+    """docs/plugins.md is enough to write any kind: it names each kind's factory, register hook
+    and every member of its protocol (so a member added to pitstop.protocols must be documented)."""
+    from pitstop.kinds import KINDS as KIND_TABLE
+    from pitstop.kinds import protocol_members
+
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    missing = []
+    for kind in KIND_TABLE.values():
+        factory = kind.factory.split("(")[0]
+        assert f"`{kind.hook}(" in text and f"`{factory}(" in text, kind.name
+        missing += [
+            f"{kind.protocol.__name__}.{name}"
+            for name in protocol_members(kind.protocol)
+            if f"`{name}`" not in text and f"`{name}(" not in text
+        ]
+    assert not missing, f"protocol members missing from docs/plugins.md: {missing}"
+    for section in ("An allocator", "A scheduler", "A kernel set", "A proposer", "A sampler"):
+        assert f"### {section}" in text
+    assert "### A model architecture" in text and "### A subcommand" in text
+
+
 def test_example_plugin_runs_the_engine_and_observes_requests(
     with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

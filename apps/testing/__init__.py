@@ -2,7 +2,10 @@
 
 ``pitstop.testing.allocator`` holds the allocator contract: see
 :class:`AllocatorStateMachine`, :func:`allocator_state_machine` and
-:func:`check_allocator`. Importing this package needs ``hypothesis`` (a test
+:func:`check_allocator`; ``pitstop.testing.scheduler`` the scheduler
+contract (:func:`~pitstop.testing.scheduler.check_scheduler_contract`);
+``pitstop.testing.kernels`` the kernel-set check against the reference
+(:func:`~pitstop.testing.kernels.check_kernel_set`). Importing this package needs ``hypothesis`` (a test
 dependency: ``pip install pitstop[test]``).
 """
 
