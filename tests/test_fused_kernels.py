@@ -34,6 +34,7 @@ from pitstop.config import EngineConfig  # noqa: E402
 from pitstop.plugins.kernels import reference  # noqa: E402
 from pitstop.plugins.kernels.fused import FusedKernels  # noqa: E402
 from pitstop.protocols import RotaryCache  # noqa: E402
+from pitstop.testing.kernels import paged_metadata  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -216,42 +217,7 @@ def make_meta(
     query_lens: list[int], context_lens: list[int], page_size: int, num_pages: int, seed: int
 ) -> AttentionMetadata:
     """Metadata of a batch (prefills first, then decodes) over randomly scattered pages."""
-    order = sorted(range(len(query_lens)), key=lambda i: query_lens[i] == 1)
-    query_lens = [query_lens[i] for i in order]
-    context_lens = [context_lens[i] for i in order]
-    gen = torch.Generator().manual_seed(seed)
-    free = torch.randperm(num_pages, generator=gen).tolist()
-    tables, positions, slots, cu = [], [], [], [0]
-    for q, c in zip(query_lens, context_lens, strict=True):
-        n = -(-c // page_size)
-        table, free = free[:n], free[n:]
-        tables.append(table)
-        for p in range(c - q, c):
-            positions.append(p)
-            slots.append(table[p // page_size] * page_size + p % page_size)
-        cu.append(cu[-1] + q)
-    width = max(len(t) for t in tables) + 1  # one more -1 column than needed
-    tables = [t + [-1] * (width - len(t)) for t in tables]
-    num_prefills = sum(q > 1 for q in query_lens)
-
-    def dev(data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=DEVICE)
-
-    return AttentionMetadata(
-        positions=dev(positions, torch.int64),
-        slot_mapping=dev(slots, torch.int64),
-        block_tables=dev(tables, torch.int32),
-        context_lens=dev(context_lens, torch.int32),
-        cu_query_lens=dev(cu, torch.int32),
-        num_prefills=num_prefills,
-        num_prefill_tokens=sum(q for q in query_lens if q > 1),
-        num_decodes=len(query_lens) - num_prefills,
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-        page_size=page_size,
-        context_lens_list=context_lens,
-        query_lens_list=query_lens,
-    )
+    return paged_metadata(query_lens, context_lens, page_size, num_pages, seed, DEVICE)
 
 
 @st.composite

@@ -23,8 +23,8 @@ reference's largest magnitude). How a third party runs it::
     def test_my_kernels_match_the_reference():
         check_kernel_set(lambda device, dtype: MyKernels(device, dtype), max_examples=20)
 
-:func:`paged_batch` builds one random batch (metadata, caches, queries) for
-checks of your own.
+:func:`paged_batch` builds one random batch (metadata, caches, queries) and
+:func:`paged_metadata` the metadata alone, for checks of your own.
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ from pitstop.attention import AttentionMetadata
 from pitstop.plugins.kernels import reference
 from pitstop.protocols import KernelSet, RotaryCache
 
-__all__ = ["TOLERANCE", "PagedBatch", "assert_close", "check_kernel_set", "paged_batch"]
+__all__ = [
+    "TOLERANCE",
+    "PagedBatch",
+    "assert_close",
+    "check_kernel_set",
+    "paged_batch",
+    "paged_metadata",
+]
 
 KernelFactory = Callable[[torch.device, torch.dtype], KernelSet]
 
@@ -70,28 +77,24 @@ class PagedBatch:
     v_cache: torch.Tensor
 
 
-def paged_batch(
+def paged_metadata(
     query_lens: Sequence[int],
     context_lens: Sequence[int],
     page_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
+    num_pages: int,
     seed: int = 0,
-) -> PagedBatch:
-    """A batch laid out as the runner lays it out (prompts and chunks first, then decodes).
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """The metadata of a batch laid out as the runner lays it out (prompts and chunks first).
 
     Sequence ``i`` computes its last ``query_lens[i]`` of ``context_lens[i]``
-    tokens; its pages are drawn at random from a cache two pages larger than
-    needed, filled with random K and V.
+    tokens; its pages are drawn at random (seeded) from the ``num_pages`` of
+    the cache.
     """
     order = sorted(range(len(query_lens)), key=lambda i: query_lens[i] == 1)
     qlens = [query_lens[i] for i in order]
     ctxs = [context_lens[i] for i in order]
     gen = torch.Generator().manual_seed(seed)
-    num_pages = sum(-(-c // page_size) for c in ctxs) + 2
     free = torch.randperm(num_pages, generator=gen).tolist()
     tables, positions, slots, cu = [], [], [], [0]
     for q, c in zip(qlens, ctxs, strict=True):
@@ -109,7 +112,7 @@ def paged_batch(
     def dev(data: list, kind: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=kind, device=device)
 
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         positions=dev(positions, torch.int64),
         slot_mapping=dev(slots, torch.int64),
         block_tables=dev(tables, torch.int32),
@@ -124,10 +127,28 @@ def paged_batch(
         context_lens_list=ctxs,
         query_lens_list=qlens,
     )
+
+
+def paged_batch(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    page_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> PagedBatch:
+    """A batch (:func:`paged_metadata`) over a cache two pages larger than it needs, filled
+    with random K and V, and its random queries."""
+    num_pages = sum(-(-c // page_size) for c in context_lens) + 2
+    meta = paged_metadata(query_lens, context_lens, page_size, num_pages, seed, device)
+    gen = torch.Generator().manual_seed(seed + 1)
     shape = (num_pages, page_size, num_kv_heads, head_size)
     return PagedBatch(
         meta=meta,
-        q=torch.randn(sum(qlens), num_heads, head_size, generator=gen).to(device, dtype),
+        q=torch.randn(meta.num_tokens, num_heads, head_size, generator=gen).to(device, dtype),
         k_cache=torch.randn(shape, generator=gen).to(device, dtype),
         v_cache=torch.randn(shape, generator=gen).to(device, dtype),
     )
