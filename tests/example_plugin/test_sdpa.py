@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from pitstop_example.sdpa import make_sdpa
+from pitstop_example.sdpa import make_sdpa, pack
 
 from pitstop import EngineConfig
 from pitstop.testing.kernels import check_kernel_set, paged_batch
@@ -28,3 +28,17 @@ def test_the_masks_are_built_once_per_step() -> None:
         assert [tuple(g.rows.shape) for g in groups] == [(1, 5), (2, 1)]  # prompts, decodes
     assert kernels._groups is groups
     assert kernels.describe()["rms_norm"] == "reference (PyTorch)"
+
+
+def test_padding_at_most_doubles_a_calls_work() -> None:
+    # a long prompt, two short ones, 40 decodes of mixed contexts
+    qlens = [2048, 30, 25] + [1] * 40
+    ctxs = [2048, 30, 100] + [10 + 7 * i for i in range(40)]
+    calls = pack(qlens, ctxs, max_batch=64)
+    assert [len(call) for call in calls] == [2, 1, 40]  # no decode padded to a prompt's length
+    assert sorted(i for call in calls for i in call) == list(range(len(qlens)))
+    for call in calls:
+        q_max = max(qlens[i] for i in call)
+        l_max = max(ctxs[i] for i in call)
+        assert len(call) * q_max * l_max <= 2 * sum(qlens[i] * ctxs[i] for i in call)
+    assert all(len(call) <= 8 for call in pack(qlens, ctxs, max_batch=8))

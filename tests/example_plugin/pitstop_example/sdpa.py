@@ -1,10 +1,12 @@
 """The kernel set ``sdpa``: a step's attention in a few batched SDPA calls.
 
-Attention gathers each sequence's pages into one padded batch and runs
-:func:`torch.nn.functional.scaled_dot_product_attention` once for the
-step's prompts and chunks and once for its decodes (more calls only when
-``sdpa.max_batch`` caps the sequences per call), where the ``reference``
-set loops over the prompts one at a time. The causal and length masks and
+Attention gathers the pages of a step's sequences into padded batches and
+runs :func:`torch.nn.functional.scaled_dot_product_attention` once per
+batch, where the ``reference`` set loops over the prompts one at a time.
+Sequences are packed longest query first, and one joins a batch only while
+padding at most doubles the batch's work (query-by-key cells), so the
+decodes of a step share one call and a long prompt never pads them to its
+length; ``sdpa.max_batch`` caps the sequences per call. The causal and length masks and
 the padded query rows are built once per step (the runner hands every layer
 the same :class:`~pitstop.attention.AttentionMetadata`) and reused by every
 layer. A GQA model's query heads of one KV head are stacked along the query
@@ -55,7 +57,7 @@ class _Group:
 
     rows: torch.Tensor  # [B, Q] int64: flat query row of each padded slot (padding repeats one)
     real: torch.Tensor  # [its tokens] int64: the padded slots (of B * Q) that are real queries
-    first_row: int  # its tokens are the flat rows first_row ... first_row + len(real) - 1
+    dest: torch.Tensor  # [its tokens] int64: the flat query row each real slot's output goes to
     # [B, 1, G * Q, L] bool: which keys each padded query sees, repeated for the G query
     # heads of a KV head (stacked along the query axis, as the queries are)
     allowed: torch.Tensor
@@ -63,38 +65,57 @@ class _Group:
     max_context: int
 
 
+def pack(query_lens: list[int], context_lens: list[int], max_batch: int) -> list[list[int]]:
+    """Sequence indices in SDPA calls: at most ``max_batch`` each, padding at most doubling the work.
+
+    Sequences go longest query first; one joins the current call while the
+    call's padded query-by-key cells stay within twice its real ones, so a
+    long prompt never pads a batch of decodes up to its length.
+    """
+    order = sorted(range(len(query_lens)), key=lambda i: (-query_lens[i], -context_lens[i]))
+    calls: list[list[int]] = []
+    real = longest = 0
+    for i in order:
+        cells = query_lens[i] * context_lens[i]
+        if calls and len(calls[-1]) < max_batch:
+            call = calls[-1]
+            q_max, l_max = query_lens[call[0]], max(longest, context_lens[i])
+            if (len(call) + 1) * q_max * l_max <= 2 * (real + cells):
+                call.append(i)
+                real, longest = real + cells, l_max
+                continue
+        calls.append([i])
+        real, longest = cells, context_lens[i]
+    return calls
+
+
 def _groups(
     meta: AttentionMetadata, max_batch: int, group_size: int, device: torch.device
 ) -> list[_Group]:
-    """The prompts (and chunks) of a step, then its decodes, in calls of at most ``max_batch``."""
-    qlens, ctxs = meta.query_lens_list, meta.context_lens_list
-    starts = [0]
-    for q in qlens:
-        starts.append(starts[-1] + q)
-    spans = []
-    for lo, hi in ((0, meta.num_prefills), (meta.num_prefills, meta.num_seqs)):
-        spans += [(a, min(a + max_batch, hi)) for a in range(lo, hi, max_batch)]
+    """The step's sequences in SDPA calls (:func:`pack`), with their rows and masks."""
+    qlens = torch.tensor(meta.query_lens_list)
+    ctxs = torch.tensor(meta.context_lens_list)
+    starts = torch.cumsum(qlens, 0) - qlens
     groups = []
-    for a, b in spans:
-        q_max, l_max = max(qlens[a:b]), max(ctxs[a:b])
-        rows = [[starts[i] + min(j, qlens[i] - 1) for j in range(q_max)] for i in range(a, b)]
-        # query j of sequence i sits at ctx - qlen + j and sees the keys up to it
-        pos = [
-            [ctxs[i] - qlens[i] + min(j, qlens[i] - 1) for j in range(q_max)] for i in range(a, b)
-        ]
-        pos_t = torch.tensor(pos, device=device).repeat(1, group_size)  # [B, G * Q]
-        keys = torch.arange(l_max, device=device)
+    for call in pack(meta.query_lens_list, meta.context_lens_list, max_batch):
+        idx = torch.tensor(call)
+        q, c, first = qlens[idx], ctxs[idx], starts[idx]
+        q_max, l_max = int(q.max()), int(c.max())
+        j = torch.minimum(torch.arange(q_max)[None, :], q[:, None] - 1)  # padding repeats the last
+        # query j of a sequence sits at context - query_len + j and sees the keys up to it
+        pos = (c - q)[:, None] + j
+        is_real = torch.arange(q_max)[None, :] < q[:, None]
+        allowed = torch.arange(l_max)[None, None, :] <= pos.repeat(1, group_size)[:, :, None]
         pages = -(-l_max // meta.page_size)
         groups.append(
             _Group(
-                rows=torch.tensor(rows, device=device),
-                real=torch.tensor(
-                    [(i - a) * q_max + j for i in range(a, b) for j in range(qlens[i])],
-                    device=device,
-                ),
-                first_row=starts[a],
-                allowed=(keys[None, None, :] <= pos_t[:, :, None]).unsqueeze(1),
-                tables=meta.block_tables[a:b, :pages].clamp(min=0).long(),
+                rows=(first[:, None] + j).to(device),
+                real=is_real.flatten().nonzero().squeeze(1).to(device),
+                dest=(first[:, None] + j)[is_real].to(device),
+                allowed=allowed.unsqueeze(1).to(device),
+                tables=meta.block_tables[idx.to(meta.block_tables.device), :pages]
+                .clamp(min=0)
+                .long(),
                 max_context=l_max,
             )
         )
@@ -138,7 +159,7 @@ def batched_attention(
         o = o.view(b, kv_heads, group_size, q_len, head_size).permute(0, 3, 1, 2, 4)
         # integer indices only: no device-to-host sync (a boolean mask would need one)
         real = o.reshape(b * q_len, num_heads, head_size).index_select(0, g.real)
-        out[g.first_row : g.first_row + real.shape[0]] = real
+        out.index_copy_(0, g.dest, real)
     return out
 
 
