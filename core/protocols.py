@@ -190,6 +190,23 @@ class Scheduler(Protocol):
         ...
 
 
+@runtime_checkable
+class StepBudgetSettings(Protocol):
+    """A scheduler's settings that bound a step by something else than
+    ``max_num_batched_tokens`` (the ``chunked`` scheduler's ``chunk_size``).
+
+    The runner sizes its prefill workspace and its piecewise CUDA graphs from
+    this budget before the scheduler exists
+    (:meth:`~pitstop.plugin_manager.PluginManager.step_token_budget`); a
+    scheduler whose settings lack the method is taken to keep every step
+    within ``max_num_batched_tokens``.
+    """
+
+    def step_token_budget(self) -> int:
+        """The most tokens one step of this scheduler computes."""
+        ...
+
+
 # ---------------------------------------------------------------- kernels
 
 

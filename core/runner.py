@@ -292,6 +292,9 @@ class ModelRunner:
         self.config, self.model_config = config, model_config
         self.device, self.dtype = device, dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+        # the selected scheduler's step budget (chunked's chunk_size) sizes the prefill
+        # workspace and the piecewise graphs, before the scheduler itself exists
+        self.step_token_budget = plugins.step_token_budget(config)
         self.kernels = plugins.create("kernels", config.kernels, config, device, dtype)
         check_kernels_read_fp8(self.kernels, config.kernels, self.kv_cache_dtype)
         if tensor_parallel is not None:
@@ -395,7 +398,7 @@ class ModelRunner:
         """Extra memory a forward at the largest step takes beyond the weights (bytes)."""
         cfg = self.config
         assert cfg.max_model_len is not None
-        tokens = min(cfg.max_num_batched_tokens, max(cfg.max_model_len, cfg.step_token_budget))
+        tokens = min(cfg.max_num_batched_tokens, max(cfg.max_model_len, self.step_token_budget))
         n_seqs = max(1, min(cfg.max_batch_size, tokens // max(1, cfg.max_model_len)))
         per_seq = tokens // n_seqs
         pages = (per_seq + self.page_size - 1) // self.page_size
@@ -477,8 +480,7 @@ class ModelRunner:
         Longer steps are compute-bound (tens of milliseconds of GEMMs), so
         their eager launch is hidden behind the GPU anyway.
         """
-        cfg = self.config
-        return max(16, min(cfg.step_token_budget, MAX_PIECEWISE_TOKENS))
+        return max(16, min(self.step_token_budget, MAX_PIECEWISE_TOKENS))
 
     # ------------------------------------------------------------------ one step
     def build_metadata(
