@@ -24,7 +24,7 @@ from pitstop.errors import ConfigError
 from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
-from pitstop.protocols import SamplingBatch
+from pitstop.protocols import SamplingBatch, SplitAttention, SplitForwardModel, SplitLayer
 from pitstop.sampling import (
     RowInputs,
     TokenHistories,
@@ -1023,15 +1023,13 @@ MAX_PIECEWISE_TOKENS = 2048
 
 
 def supports_piecewise(model: torch.nn.Module) -> bool:
-    """Whether a model exposes the split forward :class:`PiecewiseGraphs` drives (Llama family)."""
-    layers = getattr(model, "layers", None)
+    """Whether a model has the split forward :class:`PiecewiseGraphs` drives
+    (:class:`~pitstop.protocols.SplitForwardModel`: the Llama family has it)."""
     return (
-        layers is not None
-        and len(layers) > 0
-        and hasattr(model, "embed_tokens")
-        and hasattr(model, "final_norm")
-        and all(hasattr(layers[0], m) for m in ("before_attention", "after_attention"))
-        and hasattr(getattr(layers[0], "self_attn", None), "attend")
+        isinstance(model, SplitForwardModel)
+        and len(model.layers) > 0
+        and all(isinstance(layer, SplitLayer) for layer in model.layers)
+        and all(isinstance(layer.self_attn, SplitAttention) for layer in model.layers)
     )
 
 
@@ -1121,7 +1119,7 @@ class PiecewiseGraphs:
         meta = self._static_meta(size)
         if segment == 0:
             ids = self.input_ids[:size]
-            x = model.embed(ids) if hasattr(model, "embed") else model.embed_tokens[ids]
+            x = model.embed(ids)
             residual = None
         else:
             x, residual = model.layers[segment - 1].after_attention(
