@@ -104,7 +104,7 @@ def _print_settings(strategies) -> None:
         print(f"\n{s.kind} {s.name!r} settings ({s.distribution}):")
         for key, alias, allowed, default, meaning in describe(s.settings, s.name, EngineConfig()):
             names = f"{key} ({alias})" if alias else key
-            print(f"  {names:40s} {allowed:40s} default {default:18s} {meaning}")
+            print(f"  {names:48s} {allowed:42s} default {default:12s} {meaning}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
