@@ -69,12 +69,14 @@ for spec in ${BENCHES-nano single}; do
       run nano-plugins19 offline --workload nano --kernels fused --model "$M" ;;
     # issue 19: the example plugin's scheduler (sjf), kernel set (sdpa) and proposer (recall) on
     # the GPU: its GPU test (sdpa over fused against the reference; greedy tokens equal fused's),
-    # then sdpa-over-fused beside fused on nano, sjf beside chunked on longtail, and recall beside
-    # plain and ngram on the real SmolLM2 (batch 1, edit-and-chat twice)
+    # then sdpa-over-fused beside fused (with graphs, and eager: sdpa is not graph-safe) on nano,
+    # sjf beside chunked on longtail, and recall beside plain and ngram on the real SmolLM2 (batch 1,
+    # edit-and-chat twice). Run with SKIP_TESTS=1 BENCHES=examples19 (the case runs its GPU test).
     examples19) python3 -m pip install -q --no-deps --no-build-isolation ./tests/example_plugin >"$OUT/example-install.log" 2>&1 || { tail -5 "$OUT/example-install.log"; continue; }
       pitstop plugins | grep pitstop-example
       timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_example_strategies.py 2>&1 | tail -5
       run nano-fused-64 offline --workload nano --kernels fused --num-requests 64
+      run nano-fused-eager-64 offline --workload nano --kernels fused --enforce-eager --num-requests 64
       run nano-sdpa-64 offline --workload nano --kernels sdpa --sdpa.base fused --num-requests 64
       run longtail-sjf online --workload longtail --num-requests ${LT_N:-100} --max-batch-size 64 --kernels fused --matrix benchmarks/workloads/sjf.toml
       gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf" ] || { echo "== recall-single: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
