@@ -352,3 +352,140 @@ def test_an_architecture_nobody_registers_is_refused_naming_the_plugins(tmp_path
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ModelLoadError, match="model_type='mamba'.*llama, qwen2, qwen3"):
         read_hf_config(tmp_path, PluginManager())
+
+
+# ---------------------------------------------------------------------- GGUF of a plugin
+def _write_gguf(path: Path, architecture: str, tensors: dict, fields: dict) -> Path:
+    """A float32 GGUF file of ``architecture``: ``fields`` (name -> uint32), a tiny BPE
+    tokenizer of as many tokens as token_embd has rows, and ``tensors``."""
+    import gguf
+    from checkpoint_helpers import write_tokenizer
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for key, value in fields.items():
+        writer.add_uint32(key, value)
+    write_tokenizer(writer, tensors["token_embd.weight"].shape[0])
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_third_party_architecture_loads_from_gguf_and_runs(
+    with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example's BigramForCausalLM claims general.architecture 'bigram': the GGUF
+    loader asks the registry, the plugin reads the metadata, the loader renames and checks
+    the tensors by the plugin's rules, and the engine runs it, converted and then cached."""
+    import numpy as np
+
+    from pitstop import LLM, SamplingParams
+    from pitstop.weights import load_model_source
+
+    monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path / "cache"))
+    vocab, hidden = 40, 8
+    rng = np.random.default_rng(5)
+    embed = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    head = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    path = _write_gguf(
+        tmp_path / "bigram.gguf",
+        "bigram",
+        {"token_embd.weight": embed, "output.weight": head},
+        {"bigram.embedding_length": hidden, "bigram.context_length": 64},
+    )
+    pm = PluginManager(allow=None)
+    expected, token = [], 7
+    for _ in range(6):  # greedy: the argmax of the last token's logits, every step
+        token = int((head @ embed[token]).argmax())
+        expected.append(token)
+    for run in range(2):  # converted, then read back from the cache
+        if run == 1:
+            assert "cached at" in load_model_source(str(path), plugins=pm).description
+        llm = LLM(str(path), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+        mc = llm.engine.model_config
+        assert (mc.architecture, mc.vocab_size, mc.hidden_size) == (
+            "BigramForCausalLM",
+            vocab,
+            hidden,
+        )
+        assert mc.max_position_embeddings == 64 and mc.eos_token_ids == (2,)
+        out = llm.generate(
+            prompt_token_ids=[[3, 7]],
+            sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        assert out.token_ids == expected
+    assert llm.engine.tokenizer.encode("t1", add_special_tokens=False) == [2]  # the file's own
+
+    # the loader checks the tensors by the plugin's names and shapes
+    bad = _write_gguf(
+        tmp_path / "extra.gguf",
+        "bigram",
+        {"token_embd.weight": embed, "output.weight": head, "blk.0.attn_q.weight": head},
+        {"bigram.embedding_length": hidden},
+    )
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_q\.weight.*refuses rather than skips"):
+        LLM(str(bad), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+    # and the plugin refuses a field of its architecture it does not read
+    odd = _write_gguf(
+        tmp_path / "odd.gguf",
+        "bigram",
+        {"token_embd.weight": embed, "output.weight": head},
+        {"bigram.embedding_length": hidden, "bigram.block_count": 2},
+    )
+    with pytest.raises(ModelLoadError, match="bigram.block_count is not a bigram field"):
+        LLM(str(odd), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+
+
+def test_a_gguf_architecture_nobody_claims_is_refused_naming_the_claimed_ones(
+    with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+
+    from pitstop.weights import load_model_source
+
+    monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path / "cache"))
+    embed = np.zeros((16, 4), dtype=np.float32)
+    path = _write_gguf(
+        tmp_path / "mamba.gguf", "mamba", {"token_embd.weight": embed}, {"mamba.block_count": 1}
+    )
+    with pytest.raises(ModelLoadError) as info:
+        load_model_source(str(path), plugins=PluginManager(allow=None))
+    msg = str(info.value)
+    assert "architecture 'mamba' (general.architecture), which no registered model plugin" in msg
+    claims = "bigram, llama, qwen2, qwen3 (BigramForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM"
+    assert f"the registered ones read {claims}, Qwen3ForCausalLM)" in msg
+    with pytest.raises(ModelLoadError, match="architecture 'mamba'.*read llama, qwen2, qwen3 \\("):
+        load_model_source(str(path), plugins=PluginManager(allow=["pitstop"]))  # built-ins
+    assert not (tmp_path / "cache" / "gguf").exists() or not any(
+        p.name.endswith("-v2") for p in (tmp_path / "cache" / "gguf").iterdir()
+    )  # nothing converted, nothing cached
+
+
+def test_two_architectures_claiming_one_gguf_architecture_are_refused() -> None:
+    from types import ModuleType
+
+    import pitstop
+    from pitstop.architecture import Architecture, GGUFRules
+    from pitstop.plugins.models import llama
+
+    module = ModuleType("clash")
+
+    @pitstop.hookimpl
+    def register_models(register) -> None:
+        rules = Architecture(
+            config_from_hf=lambda raw, where: None,
+            weight_shapes=llama.expected_weight_shapes,
+            rotary=llama.rotary_cache,
+            gguf=GGUFRules(("llama",), config=lambda f: None, tensor_name=lambda n: None),
+        )
+        register("MyLlamaForCausalLM", llama.make_llama, architecture=rules)
+
+    module.register_models = register_models  # type: ignore[attr-defined]
+    with pytest.raises(PluginError, match="general.architecture 'llama'.*LlamaForCausalLM"):
+        PluginManager(extra_modules=[module])
+    with pytest.raises(ValueError, match="at least one general.architecture"):
+        GGUFRules((), config=lambda f: None, tensor_name=lambda n: None)
