@@ -44,6 +44,10 @@ def _unchanged(name: str, tensor: np.ndarray, config: ModelConfig) -> np.ndarray
     return tensor
 
 
+# a rule that is not a function is refused when the Architecture is built, naming it
+_callable = attrs.validators.is_callable()
+
+
 def _non_empty(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
     if not value or not all(isinstance(v, str) and v for v in value):
         raise ValueError(
@@ -61,14 +65,18 @@ class GGUFRules:
     architectures: tuple[str, ...] = attrs.field(converter=tuple, validator=_non_empty)
     # the open file -> ModelConfig; checks every metadata field it reads and refuses those
     # it does not implement (the loader then checks every tensor against weight_shapes)
-    config: Callable[[GGUFModelFile], ModelConfig]
+    config: Callable[[GGUFModelFile], ModelConfig] = attrs.field(validator=_callable)
     # GGUF tensor name -> Hugging Face name (a key of weight_shapes); None: maps to nothing
-    tensor_name: Callable[[str], str | None]
+    tensor_name: Callable[[str], str | None] = attrs.field(validator=_callable)
     # a tensor read into the config instead of loaded as a weight (llama.cpp's rope_freqs)
-    config_tensor: Callable[[str], bool] = _keep_every_tensor
+    config_tensor: Callable[[str], bool] = attrs.field(
+        default=_keep_every_tensor, validator=_callable
+    )
     # (Hugging Face name, float32 array in that name's shape, config) -> the array the model
-    # loads: undoes what the converter rearranged (llama.cpp permutes some q/k rows)
-    fix_tensor: Callable[[str, np.ndarray, ModelConfig], np.ndarray] = _unchanged
+    # loads, same shape: undoes what the converter rearranged (llama.cpp permutes q/k rows)
+    fix_tensor: Callable[[str, np.ndarray, ModelConfig], np.ndarray] = attrs.field(
+        default=_unchanged, validator=_callable
+    )
 
 
 @attrs.frozen
@@ -77,14 +85,29 @@ class Architecture:
 
     # (config.json as a dict, where it came from) -> ModelConfig; every field decided
     # (read, known to have no effect, or refused with an error naming it)
-    config_from_hf: Callable[[Mapping[str, Any], str], ModelConfig]
+    config_from_hf: Callable[[Mapping[str, Any], str], ModelConfig] = attrs.field(
+        validator=_callable
+    )
     # ModelConfig -> {Hugging Face tensor name: shape} of every tensor a checkpoint holds
-    weight_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+    weight_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] = attrs.field(
+        validator=_callable
+    )
     # (config, positions, device) -> the cos/sin tables the model's attention reads
-    rotary: Callable[[ModelConfig, int, torch.device], RotaryCache]
+    rotary: Callable[[ModelConfig, int, torch.device], RotaryCache] = attrs.field(
+        validator=_callable
+    )
     # a checkpoint tensor the model recomputes instead of loading (rotary inv_freq, ...)
-    ignored_tensor: Callable[[str], bool] = _keep_every_tensor
+    ignored_tensor: Callable[[str], bool] = attrs.field(
+        default=_keep_every_tensor, validator=_callable
+    )
     # config.json model_type values it reads (for error messages and the registry lookup)
-    model_types: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = attrs.field(
+        default=(),
+        validator=attrs.validators.deep_iterable(
+            attrs.validators.instance_of(str), attrs.validators.instance_of(tuple)
+        ),
+    )
     # how it reads GGUF files; None: it reads none (a GGUF of it is refused)
-    gguf: GGUFRules | None = None
+    gguf: GGUFRules | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(GGUFRules))
+    )

@@ -309,6 +309,8 @@ class PluginManager:
     def architecture_for_gguf(self, gguf_architecture: Any) -> tuple[str, Architecture] | None:
         """The registered architecture that claims a GGUF file's ``general.architecture``
         (through its :class:`~pitstop.architecture.GGUFRules`), or None."""
+        if not isinstance(gguf_architecture, str):  # absent, or not text: nobody claims it
+            return None
         name = self.gguf_claims().get(gguf_architecture)
         return None if name is None else (name, self.registry["model"][name].architecture)
 
