@@ -12,7 +12,9 @@ loaders treat every architecture alike, built-in or third-party:
   :class:`GGUFRules` build the config from the file's metadata, rename each
   tensor to its Hugging Face name and fix up any the converter rearranged;
 - both check every tensor against :attr:`~Architecture.weight_shapes`, and the
-  runner builds the rotary tables with :attr:`~Architecture.rotary`.
+  runner builds the rotary tables with :attr:`~Architecture.rotary`;
+- ``dummy:<preset>`` finds the architecture that gives that preset
+  (:attr:`~Architecture.presets`).
 """
 
 from __future__ import annotations
@@ -107,6 +109,9 @@ class Architecture:
             attrs.validators.instance_of(str), attrs.validators.instance_of(tuple)
         ),
     )
+    # named shapes of it for ``dummy:<name>`` models (random weights, for benchmarks); each
+    # one's architecture is the registered name, and a name only one plugin gives
+    presets: Mapping[str, ModelConfig] = attrs.field(factory=dict)
     # how it reads GGUF files; None: it reads none (a GGUF of it is refused)
     gguf: GGUFRules | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(GGUFRules))

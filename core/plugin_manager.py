@@ -25,6 +25,7 @@ from pitstop.architecture import Architecture
 from pitstop.errors import PluginError
 from pitstop.kinds import KINDS as KIND_TABLE
 from pitstop.kinds import missing_members
+from pitstop.model_config import ModelConfig
 from pitstop.settings import check_option_keys, is_settings_class, option_fields, read_settings
 
 if TYPE_CHECKING:
@@ -242,8 +243,9 @@ class PluginManager:
                             f"{name!r} of {other.distribution} both declare settings under the "
                             f"namespace {name!r}; rename one"
                         )
-            if architecture is not None and architecture.gguf is not None:
+            if architecture is not None:
                 self._check_gguf_claims(name, architecture, source)
+                self._check_presets(name, architecture, source)
             existing = self.registry[kind].get(name)
             if existing is not None:
                 raise PluginError(
@@ -337,6 +339,29 @@ class PluginManager:
                     f"{other} of {strategy.distribution} ({strategy.module}) and {name} of "
                     f"{source.distribution} ({source.module.__name__}); uninstall one, or "
                     f"narrow {ALLOW_LIST_VARIABLE}"
+                )
+
+    def presets(self) -> dict[str, ModelConfig]:
+        """Every ``dummy:<name>`` shape the registered architectures give, by name."""
+        return {
+            preset: config
+            for s in self.registry["model"].values()
+            for preset, config in s.architecture.presets.items()
+        }
+
+    def _check_presets(self, name: str, architecture: Architecture, source: PluginSource) -> None:
+        """A preset is of the architecture that gives it, and only one gives each name."""
+        given = self.presets()
+        for preset, config in architecture.presets.items():
+            if not isinstance(config, ModelConfig) or config.architecture != name:
+                raise PluginError(
+                    f"{source.distribution}: the preset {preset!r} of the model {name!r} must be "
+                    f"a pitstop.model_config.ModelConfig with architecture={name!r}, got {config!r}"
+                )
+            if preset in given:
+                raise PluginError(
+                    f"two model plugins give the preset {preset!r}: {given[preset].architecture} "
+                    f"and {name} of {source.distribution} ({source.module.__name__}); rename one"
                 )
 
     def check_config(self, config: EngineConfig) -> None:

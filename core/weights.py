@@ -8,7 +8,8 @@ A model is one of:
 - a Hugging Face checkpoint folder (``config.json``, ``*.safetensors``, ``tokenizer.json``);
 - a Hugging Face model id ``org/name``, resolved from the local Hugging Face cache only
   (pitstop never downloads);
-- ``"dummy:<preset>"``: random weights in the shape of a preset (:mod:`pitstop.presets`).
+- ``"dummy:<preset>"``: random weights in the shape of a preset a model plugin registers
+  (:attr:`Architecture.presets <pitstop.architecture.Architecture>`).
 
 A checkpoint loads exactly or not at all: the architecture plugin its
 ``config.json`` names reads the config, deciding every field (implemented or
@@ -50,7 +51,6 @@ from pitstop.checkpoint import (  # noqa: F401  (the names this module has alway
 from pitstop.errors import ModelLoadError
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
-from pitstop.presets import PRESETS
 from pitstop.tokenizer import Tokenizer
 
 SMOLLM2_NAME = "smollm2-135m"
@@ -73,14 +73,17 @@ def load_model_source(
     what is wrong and how to fix it.
     """
     tok = Tokenizer.from_pretrained(tokenizer) if tokenizer else None
+    plugins = plugins or get_plugin_manager()
+    presets = plugins.presets()
     if model.startswith("dummy:"):
         preset = model.removeprefix("dummy:")
-        if preset not in PRESETS:
+        if preset not in presets:
             raise ModelLoadError(
-                f"unknown preset {preset!r} in {model!r}; presets: {', '.join(PRESETS)}"
+                f"unknown preset {preset!r} in {model!r}; the registered model plugins give "
+                f"presets {', '.join(presets) or '(none)'}"
             )
         return ModelSource(
-            model_config=PRESETS[preset],
+            model_config=presets[preset],
             tokenizer=tok,
             weights=None,
             description=f"dummy (random) weights in the shape of {preset}",
@@ -97,7 +100,7 @@ def load_model_source(
     raise ModelLoadError(
         f"model {model!r} is neither a known name nor an existing file or folder; pass "
         f"{SMOLLM2_NAME!r}, a .gguf file, a Hugging Face checkpoint folder, an 'org/name' id in "
-        f"the local Hugging Face cache, or 'dummy:<preset>' (presets: {', '.join(PRESETS)})"
+        f"the local Hugging Face cache, or 'dummy:<preset>' (presets: {', '.join(presets)})"
     )
 
 

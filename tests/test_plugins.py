@@ -489,3 +489,38 @@ def test_two_architectures_claiming_one_gguf_architecture_are_refused() -> None:
         GGUFRules((), config=lambda f: None, tensor_name=lambda n: None)
     with pytest.raises(TypeError, match="'config_from_hf' must be callable"):  # no built-in reader
         Architecture(config_from_hf=None, weight_shapes=len, rotary=len)
+
+
+def test_presets_come_from_the_architectures_that_give_them(with_example: Path) -> None:
+    from types import ModuleType
+
+    import attrs
+
+    import pitstop
+    from pitstop import LLM, SamplingParams
+    from pitstop.plugins.models import llama
+
+    pm = PluginManager(allow=None)
+    assert pm.presets()["bigram-tiny"].architecture == "BigramForCausalLM"
+    assert pm.presets()["qwen3-8b"].architecture == "Qwen3ForCausalLM"
+    llm = LLM("dummy:bigram-tiny", plugins=pm, device="cpu", max_model_len=32, kv_cache_gib=0.01)
+    assert llm.engine.model_config is pm.presets()["bigram-tiny"]
+    out = llm.generate(
+        prompt_token_ids=[[1, 2]],
+        sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert len(out.token_ids) == 4 and all(0 <= t < 64 for t in out.token_ids)
+
+    module = ModuleType("clash")
+    qwen3 = PluginManager().architecture("Qwen3ForCausalLM")
+
+    @pitstop.hookimpl
+    def register_models(register) -> None:
+        preset = attrs.evolve(qwen3.presets["qwen3-8b"], architecture="MyQwen3ForCausalLM")
+        rules = attrs.evolve(qwen3, gguf=None, presets={"qwen3-8b": preset})
+        register("MyQwen3ForCausalLM", llama.make_llama, architecture=rules)
+
+    module.register_models = register_models  # type: ignore[attr-defined]
+    with pytest.raises(PluginError, match="two model plugins give the preset 'qwen3-8b'"):
+        PluginManager(extra_modules=[module])

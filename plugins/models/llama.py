@@ -28,6 +28,7 @@ from pitstop.hookspecs import hookimpl
 from pitstop.model_config import ModelConfig
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
 from pitstop.plugins.models.llama_gguf import gguf_rules
+from pitstop.plugins.models.llama_presets import PRESETS
 from pitstop.plugins.models.llama_rope import rope_frequencies
 from pitstop.protocols import KernelSet, RotaryCache
 
@@ -508,5 +509,6 @@ def register_models(register) -> None:
             ignored_tensor=ignored_checkpoint_tensor,
             model_types=(model_type,),
             gguf=gguf_rules(model_type),
+            presets={name: c for name, c in PRESETS.items() if c.architecture == arch},
         )
         register(arch, make_llama, architecture=rules)

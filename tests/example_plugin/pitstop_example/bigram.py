@@ -154,6 +154,7 @@ BIGRAM = Architecture(
     weight_shapes=weight_shapes,
     rotary=no_rotary,
     model_types=("bigram",),
+    presets={"bigram-tiny": _bigram_config(64, 8, 4096, ())},  # dummy:bigram-tiny
     gguf=GGUFRules(
         architectures=(GGUF_ARCHITECTURE,),
         config=config_from_gguf,
