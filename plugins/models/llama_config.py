@@ -104,7 +104,7 @@ def config_from_hf(raw: Mapping[str, Any], where: str = "config.json") -> ModelC
 
 
 def _check_model_type(model_type: Any, where: str) -> None:
-    if model_type not in HF_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
         raise ModelLoadError(
             f"{where} describes model_type={model_type!r}; pitstop's Llama family reads "
             f"{', '.join(HF_MODEL_TYPES)} ({', '.join(HF_MODEL_TYPES.values())})"
