@@ -94,15 +94,17 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _print_settings(strategies) -> None:
-    """Each strategy's declared settings: key (or engine setting), values, default, meaning."""
+    """Each strategy's declared settings: key and alias (or engine setting), values,
+    default, meaning."""
     from pitstop.settings import describe
 
     for s in strategies:
         if s.settings is None:
             continue
         print(f"\n{s.kind} {s.name!r} settings ({s.distribution}):")
-        for key, allowed, default, meaning in describe(s.settings, s.name, EngineConfig()):
-            print(f"  {key:32s} {allowed:40s} default {default:18s} {meaning}")
+        for key, alias, allowed, default, meaning in describe(s.settings, s.name, EngineConfig()):
+            names = f"{key} ({alias})" if alias else key
+            print(f"  {names:48s} {allowed:42s} default {default:12s} {meaning}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -1,7 +1,12 @@
-"""`EngineConfig`: every engine setting, validated before any weight loads.
+"""`EngineConfig`: the engine's settings and the plugins', validated before any weight loads.
 
-The config loads from keyword arguments, from a TOML file
-(:meth:`EngineConfig.from_toml`) and from CLI flags
+The fields are the engine's own settings (the model, the strategies' names,
+memory, batch bounds, the engine loop). Each strategy's knobs are its
+plugin's declared settings (:mod:`pitstop.settings`), held in ``options``;
+the built-ins' keep their documented short names as aliases, so
+``EngineConfig(chunk_size=512)`` and ``config.chunk_size`` read the chunked
+scheduler's setting. The config loads from keyword arguments, from a TOML
+file (:meth:`EngineConfig.from_toml`) and from CLI flags
 (:func:`add_cli_flags` / :meth:`EngineConfig.from_cli`). Strategy names are
 checked against the registered plugins when the engine is built, where the
 list of names that exist is known.
@@ -18,10 +23,11 @@ from typing import Any
 
 import attrs
 
-from pitstop.errors import ConfigError
+from pitstop.errors import ConfigError, PluginError
 from pitstop.settings import (
     TOML_TABLE,
     allowed_values,
+    check_value,
     flag_name,
     option_fields,
     settings_from_toml,
@@ -121,7 +127,7 @@ def _bool(_inst: Any, att: attrs.Attribute, value: Any) -> None:
         raise ConfigError(f"{att.name} must be true or false, got {value!r}")
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, init=False)
 class EngineConfig:
     """Every setting of one engine. Frozen: build a new one with :func:`attrs.evolve`."""
 
@@ -230,52 +236,15 @@ class EngineConfig:
     max_batch_size: int = attrs.field(
         default=256, validator=_positive_int, metadata=_doc("most sequences in one step")
     )
-    max_prefill_batch: int = attrs.field(
-        default=64, validator=_positive_int, metadata=_doc("most prompts prefilled in one step")
-    )
     max_num_batched_tokens: int = attrs.field(
         default=8192,
         validator=_positive_int,
         metadata=_doc(
-            "most tokens computed in one step (the chunked scheduler's budget unless chunk_size is set)"
+            "most tokens computed in one step (the chunked scheduler's budget unless its chunk_size "
+            "is set)"
         ),
     )
-    prefill_priority: str = attrs.field(
-        default="high",
-        validator=_one_of("high", "low"),
-        metadata=_doc("high: waiting prompts run before decodes; low: decodes first"),
-    )
-    chunk_size: int | None = attrs.field(
-        default=None,
-        validator=_positive_int,
-        metadata=_doc(
-            "token budget per step of the chunked scheduler (default: max_num_batched_tokens)"
-        ),
-    )
-    admission: str = attrs.field(
-        default="arrival",
-        validator=_one_of("arrival", "shortest-first"),
-        metadata=_doc("order in which waiting prompts are admitted"),
-    )
-
-    # --- fused kernels
-    fused_rmsnorm: bool = attrs.field(
-        default=True, validator=_bool, metadata=_doc("fused residual-add + RMSNorm")
-    )
-    fused_qkv: bool = attrs.field(
-        default=True, validator=_bool, metadata=_doc("merged QKV and gate-up projections")
-    )
-    fused_silu: bool = attrs.field(
-        default=True, validator=_bool, metadata=_doc("fused SiLU-and-mul")
-    )
-    fused_attention: bool = attrs.field(
-        default=True, validator=_bool, metadata=_doc("Triton paged attention")
-    )
-    fused_precision: str = attrs.field(
-        default="fp32",
-        validator=_one_of("fp32", "fast"),
-        metadata=_doc("fp32 accumulation everywhere, or the fastest safe choice"),
-    )
+    # --- CUDA graphs and the engine loop
     enforce_eager: bool = attrs.field(
         default=False, validator=_bool, metadata=_doc("never capture CUDA graphs")
     )
@@ -292,15 +261,6 @@ class EngineConfig:
     # --- speculative decoding
     num_speculative_tokens: int = attrs.field(
         default=4, validator=_positive_int, metadata=_doc("draft tokens proposed per step (k)")
-    )
-    speculative_model: str | None = attrs.field(
-        default=None, validator=_optional_path, metadata=_doc("draft model of the 'draft' proposer")
-    )
-    prompt_lookup_max: int = attrs.field(
-        default=4, validator=_positive_int, metadata=_doc("longest n-gram matched")
-    )
-    prompt_lookup_min: int = attrs.field(
-        default=1, validator=_positive_int, metadata=_doc("shortest n-gram matched")
     )
     speculative_max_batch: int = attrs.field(
         default=16,
@@ -319,13 +279,54 @@ class EngineConfig:
         ),
     )
 
-    # --- third-party plugins' own settings
+    # --- the plugins' own settings
     options: Mapping[str, Any] = attrs.field(
         factory=dict,
         converter=lambda d: dict(d or {}),
         validator=_options,
-        metadata=_doc("settings for third-party plugins, e.g. {'myalloc.eviction': 'lfu'}"),
+        metadata=_doc(
+            "the plugins' declared settings by '<plugin>.<setting>' key or by alias, e.g. "
+            "{'prefix.max_cached_pages': 8, 'chunk_size': 512} (pitstop plugins --settings)"
+        ),
     )
+
+    def __init__(self, **settings: Any) -> None:
+        """Every keyword is an engine setting (a field below) or a plugin setting's alias
+        (``chunk_size=512``: stored as ``options["chunk_size"]``, replacing the same
+        setting given by its ``<plugin>.<setting>`` key); anything else is an error that
+        lists the settings that exist."""
+        fields = attrs.fields_dict(EngineConfig)
+        short = {k: v for k, v in settings.items() if k not in fields}
+        if short:
+            table = _setting_aliases()
+            unknown = sorted(set(short) - set(table))
+            if unknown:
+                raise ConfigError(
+                    f"unknown setting(s) {', '.join(unknown)}; known settings: "
+                    f"{', '.join(EngineConfig.setting_names())}"
+                )
+            options = dict(settings.get("options") or {})
+            for alias, value in short.items():
+                for strategy, att in table[alias]:
+                    options.pop(f"{strategy.name}.{att.name}", None)
+                options[alias] = value
+            settings = {k: v for k, v in settings.items() if k in fields} | {"options": options}
+        self.__attrs_init__(**settings)
+
+    def __getattr__(self, name: str) -> Any:
+        """A plugin setting read by its alias (``config.chunk_size``): its value as the
+        selected strategy that declares it reads it, else the declared default."""
+        if name.startswith("_") or name == "options":
+            raise AttributeError(name)
+        declared = _setting_aliases().get(name)
+        if declared is None:
+            raise AttributeError(f"EngineConfig has no setting {name!r}")
+        if name in self.options:
+            return self.options[name]
+        for strategy, att in declared:
+            if strategy.is_selected(self):
+                return getattr(strategy.read_settings(self), att.name)
+        return declared[0][1].default
 
     def __attrs_post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -336,29 +337,16 @@ class EngineConfig:
                 f"{self.tensor_parallel_size} puts rank r on cuda:r; use device='cuda' (or 'auto'), "
                 "and CUDA_VISIBLE_DEVICES to choose the GPUs"
             )
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ConfigError(
-                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
-                f"prompt_lookup_max ({self.prompt_lookup_max})"
-            )
-        if self.speculative == "draft" and not self.speculative_model:
-            raise ConfigError(
-                "speculative='draft' needs speculative_model: the draft model to load "
-                "(a smaller model with the target's tokenizer)"
-            )
-        if self.max_prefill_batch > self.max_batch_size:
-            raise ConfigError(
-                f"max_prefill_batch ({self.max_prefill_batch}) must not exceed "
-                f"max_batch_size ({self.max_batch_size})"
-            )
+        _check_plugin_settings(self)
 
     @property
     def step_token_budget(self) -> int:
-        """The most tokens one step computes: ``chunk_size`` under ``chunked`` when set, else
+        """The most tokens one step of the selected scheduler computes: its own budget when
+        its settings declare one (``chunked``'s ``chunk_size``), else
         ``max_num_batched_tokens`` (``continuous`` runs a longer prompt alone, over budget)."""
-        if self.scheduler == "chunked" and self.chunk_size is not None:
-            return self.chunk_size
-        return self.max_num_batched_tokens
+        from pitstop.plugin_manager import get_plugin_manager
+
+        return get_plugin_manager().step_token_budget(self)
 
     # ------------------------------------------------------------------ loaders
     @classmethod
@@ -367,14 +355,13 @@ class EngineConfig:
         return [a.name for a in attrs.fields(cls)]
 
     @classmethod
+    def setting_names(cls) -> list[str]:
+        """The engine's settings and the registered plugins' aliases (``chunk_size``)."""
+        return cls.field_names() + sorted(_setting_aliases())
+
+    @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:
         """Build from a mapping; an unknown key is an error that lists the known ones."""
-        known = set(cls.field_names())
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown setting(s) {', '.join(unknown)}; known settings: {', '.join(cls.field_names())}"
-            )
         try:
             return cls(**values)
         except TypeError as exc:  # a wrong type that no validator caught
@@ -396,6 +383,10 @@ class EngineConfig:
             tables = settings_from_toml(data, path)
             data = {k: v for k, v in data.items() if k != TOML_TABLE}
             data["options"] = {**tables, **(data.get("options") or {})}
+        aliases = set(data) & set(_setting_aliases())  # chunk_size = 512 at the top level
+        if aliases:
+            short = {k: data.pop(k) for k in sorted(aliases)}
+            data["options"] = {**(data.get("options") or {}), **short}
         if "options" in overrides and "options" in data:
             overrides = {**overrides, "options": {**data["options"], **overrides["options"]}}
         return cls.from_dict({**data, **overrides})
@@ -419,6 +410,50 @@ class EngineConfig:
         if getattr(args, "config", None):
             return cls.from_toml(args.config, **given)
         return cls.from_dict(given)
+
+
+def _plugins() -> Any:
+    """The process-wide plugin manager, or None while it is loading the plugins (a plugin
+    that builds an EngineConfig at import time gets no plugin-setting checks)."""
+    from pitstop import plugin_manager
+
+    return None if plugin_manager.is_loading() else plugin_manager.get_plugin_manager()
+
+
+def _setting_aliases() -> dict[str, list[tuple[Any, attrs.Attribute]]]:
+    """Each registered plugin-setting alias -> (strategy, field) of every declaration."""
+    plugins = _plugins()
+    if plugins is None:
+        raise PluginError(
+            "a plugin setting's alias was used while the plugins were still loading; "
+            "build the EngineConfig in the plugin's factory, not when its module is imported"
+        )
+    table = plugins.setting_aliases()
+    for alias in set(table) & set(attrs.fields_dict(EngineConfig)):
+        owners = ", ".join(s.owner for s, _ in table[alias])
+        raise PluginError(
+            f"{owners}: the setting alias {alias!r} is the name of an engine setting; "
+            "the plugin must choose another alias"
+        )
+    return table
+
+
+def _check_plugin_settings(config: EngineConfig) -> None:
+    """Validate the plugin settings ``config`` sets by alias, and the settings of the
+    strategies it selects, before any weight loads (the engine checks every plugin's
+    again, against its own plugin manager, when it is built)."""
+    plugins = _plugins()
+    if plugins is None:
+        return
+    table = _setting_aliases()
+    to_read = {s.owner: s for s in plugins.strategies() if s.is_selected(config)}
+    for alias, declared in table.items():
+        if alias in config.options:
+            strategy, att = declared[0]
+            check_value(att, config.options[alias], key=alias, owner=strategy.owner)
+            to_read |= {s.owner: s for s, _ in declared}
+    for strategy in to_read.values():
+        strategy.read_settings(config)
 
 
 def _parse_scalar(text: str) -> Any:
@@ -493,8 +528,27 @@ def add_cli_flags(
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, strategies: Any) -> None:
-    """One ``--<plugin>.<setting>`` flag per declared setting (engine-wide ones have theirs)."""
+    """One ``--<plugin>.<setting>`` flag per declared setting (engine-wide ones have theirs),
+    and one ``--<alias>`` flag per alias (``--chunk-size``)."""
     group = parser.add_argument_group("plugin settings (pitstop plugins --settings)")
+    aliases: dict[str, list[tuple[Any, attrs.Attribute]]] = {}
+    for strategy in strategies:
+        for att in option_fields(strategy.settings) if strategy.settings is not None else ():
+            if att.metadata["alias"]:
+                aliases.setdefault(att.metadata["alias"], []).append((strategy, att))
+    for alias, declared in sorted(aliases.items()):
+        att = declared[0][1]
+        kind = att.metadata["type"]
+        readers = ", ".join(f"{s.kind} {s.name!r}" for s, _ in declared)
+        group.add_argument(
+            "--" + alias.replace("_", "-"),
+            dest=SETTING_DEST + alias,
+            type=parse_bool_flag if kind is bool else kind,
+            default=None,
+            metavar="true|false" if kind is bool else kind.__name__.upper(),
+            help=f"{att.metadata['help']} ({allowed_values(att)}; default {att.default!r}; "
+            f"read by {readers}; also --{declared[0][0].name}.{att.name.replace('_', '-')})",
+        )
     for strategy in strategies:
         if strategy.settings is None:
             continue

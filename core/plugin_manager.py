@@ -26,7 +26,15 @@ from pitstop.errors import PluginError
 from pitstop.kinds import KINDS as KIND_TABLE
 from pitstop.kinds import missing_members
 from pitstop.model_config import ModelConfig
-from pitstop.settings import check_option_keys, is_settings_class, option_fields, read_settings
+from pitstop.protocols import StepBudgetSettings
+from pitstop.settings import (
+    aliased_fields,
+    check_option_keys,
+    is_settings_class,
+    option_fields,
+    read_settings,
+    same_declaration,
+)
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -60,11 +68,19 @@ class Strategy:
         """How errors name it: ``scheduler 'chunked' (pitstop 0.1.0)``."""
         return f"{self.kind} {self.name!r} ({self.distribution} {self.version})".replace(" )", ")")
 
+    def is_selected(self, config: EngineConfig) -> bool:
+        """Whether ``config`` picks this strategy by name (``kernels="auto"`` picks none yet)."""
+        field = KIND_TABLE[self.kind].selected_by
+        return field in attrs.fields_dict(type(config)) and getattr(config, field) == self.name
+
     def read_settings(self, config: EngineConfig) -> Any:
-        """Its validated settings from ``config`` (None when it declares none)."""
+        """Its validated settings from ``config`` (None when it declares none); a
+        ``required`` setting must be set only when ``config`` selects it."""
         if self.settings is None:
             return None
-        return read_settings(config, self.name, self.settings, owner=self.owner)
+        return read_settings(
+            config, self.name, self.settings, owner=self.owner, selected=self.is_selected(config)
+        )
 
 
 @attrs.frozen
@@ -236,6 +252,7 @@ class PluginManager:
                     f"whose fields are made with pitstop.settings.setting(), got {settings!r}"
                 )
             if settings is not None:
+                self._check_aliases(kind, name, settings, source)
                 for other in self.strategies():
                     if other.name == name and other.settings is not None:
                         raise PluginError(
@@ -268,7 +285,39 @@ class PluginManager:
 
         return register
 
+    def _check_aliases(self, kind: str, name: str, settings: type, source: PluginSource) -> None:
+        """Plugins sharing one alias declare it alike (pitstop.config refuses an alias that
+        is an engine setting's name)."""
+        shared = self.setting_aliases()
+        for att in aliased_fields(settings):
+            alias = att.metadata["alias"]
+            for other, other_att in shared.get(alias, ()):
+                if not same_declaration(att, other_att):
+                    raise PluginError(
+                        f"{source.distribution}: the {kind} {name!r} declares the alias "
+                        f"{alias!r} unlike {other.owner} does (type, default, minimum and "
+                        "choices must agree); rename one"
+                    )
+
     # ------------------------------------------------------------------ lookup
+    def setting_aliases(self) -> dict[str, list[tuple[Strategy, attrs.Attribute]]]:
+        """Each setting alias (``chunk_size``) -> the strategies declaring it, with the field."""
+        found: dict[str, list[tuple[Strategy, attrs.Attribute]]] = {}
+        for s in self.strategies():
+            for att in aliased_fields(s.settings) if s.settings is not None else ():
+                found.setdefault(att.metadata["alias"], []).append((s, att))
+        return found
+
+    def step_token_budget(self, config: EngineConfig) -> int:
+        """The most tokens one step computes: the selected scheduler's own budget when its
+        settings declare one (:class:`~pitstop.protocols.StepBudgetSettings`, the
+        ``chunked`` scheduler's ``chunk_size``), else ``max_num_batched_tokens``."""
+        strategy = self.registry["scheduler"].get(config.scheduler)
+        settings = strategy.read_settings(config) if strategy is not None else None
+        if isinstance(settings, StepBudgetSettings):
+            return settings.step_token_budget()
+        return config.max_num_batched_tokens
+
     def names(self, kind: str) -> list[str]:
         """The registered names of one kind, sorted."""
         return sorted(self.registry[kind])
@@ -383,6 +432,20 @@ class PluginManager:
         for strategy in self.strategies():
             strategy.read_settings(config)
         check_option_keys(config.options, self.declared_options())
+        self._warn_unread_aliases(config)
+
+    def _warn_unread_aliases(self, config: EngineConfig) -> None:
+        """Log each alias ``config`` sets that none of its selected strategies reads
+        (``chunk_size`` with ``scheduler="continuous"``)."""
+        for alias, declared in self.setting_aliases().items():
+            if alias in config.options and not any(s.is_selected(config) for s, _ in declared):
+                readers = ", ".join(s.owner for s, _ in declared)
+                log.warning(
+                    "%s = %r has no effect: only %s read(s) it, and none is selected",
+                    alias,
+                    config.options[alias],
+                    readers,
+                )
 
     def declared_options(self) -> dict[str, str]:
         """Every ``options`` key a registered strategy reads -> the strategy that reads it."""
@@ -392,6 +455,7 @@ class PluginManager:
             if s.settings is not None:
                 for att in option_fields(s.settings):
                     keys += [f"{s.name}.{att.name}", *att.metadata["legacy"]]
+                    keys += [att.metadata["alias"]] if att.metadata["alias"] else []
             for key in keys:
                 declared.setdefault(key, f"{s.kind} {s.name!r}")
         return declared
@@ -430,11 +494,22 @@ class PluginManager:
 
 
 _default: PluginManager | None = None
+_loading = False  # the process-wide manager is importing the plugins right now
 
 
 def get_plugin_manager(*, reload: bool = False) -> PluginManager:
     """The process-wide plugin manager, loaded on first use."""
-    global _default
+    global _default, _loading
     if _default is None or reload:
-        _default = PluginManager()
+        _loading = True
+        try:
+            _default = PluginManager()
+        finally:
+            _loading = False
     return _default
+
+
+def is_loading() -> bool:
+    """Whether the process-wide plugin manager is loading the plugins (see
+    :func:`get_plugin_manager`): what a plugin imports then cannot ask it yet."""
+    return _loading

@@ -24,7 +24,7 @@ from pitstop.errors import ConfigError
 from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
-from pitstop.protocols import SamplingBatch
+from pitstop.protocols import SamplingBatch, SplitAttention, SplitForwardModel, SplitLayer
 from pitstop.sampling import (
     RowInputs,
     TokenHistories,
@@ -292,6 +292,9 @@ class ModelRunner:
         self.config, self.model_config = config, model_config
         self.device, self.dtype = device, dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+        # the selected scheduler's step budget (chunked's chunk_size) sizes the prefill
+        # workspace and the piecewise graphs, before the scheduler itself exists
+        self.step_token_budget = plugins.step_token_budget(config)
         self.kernels = plugins.create("kernels", config.kernels, config, device, dtype)
         check_kernels_read_fp8(self.kernels, config.kernels, self.kv_cache_dtype)
         if tensor_parallel is not None:
@@ -395,7 +398,7 @@ class ModelRunner:
         """Extra memory a forward at the largest step takes beyond the weights (bytes)."""
         cfg = self.config
         assert cfg.max_model_len is not None
-        tokens = min(cfg.max_num_batched_tokens, max(cfg.max_model_len, cfg.step_token_budget))
+        tokens = min(cfg.max_num_batched_tokens, max(cfg.max_model_len, self.step_token_budget))
         n_seqs = max(1, min(cfg.max_batch_size, tokens // max(1, cfg.max_model_len)))
         per_seq = tokens // n_seqs
         pages = (per_seq + self.page_size - 1) // self.page_size
@@ -477,8 +480,7 @@ class ModelRunner:
         Longer steps are compute-bound (tens of milliseconds of GEMMs), so
         their eager launch is hidden behind the GPU anyway.
         """
-        cfg = self.config
-        return max(16, min(cfg.step_token_budget, MAX_PIECEWISE_TOKENS))
+        return max(16, min(self.step_token_budget, MAX_PIECEWISE_TOKENS))
 
     # ------------------------------------------------------------------ one step
     def build_metadata(
@@ -1021,15 +1023,13 @@ MAX_PIECEWISE_TOKENS = 2048
 
 
 def supports_piecewise(model: torch.nn.Module) -> bool:
-    """Whether a model exposes the split forward :class:`PiecewiseGraphs` drives (Llama family)."""
-    layers = getattr(model, "layers", None)
+    """Whether a model has the split forward :class:`PiecewiseGraphs` drives
+    (:class:`~pitstop.protocols.SplitForwardModel`: the Llama family has it)."""
     return (
-        layers is not None
-        and len(layers) > 0
-        and hasattr(model, "embed_tokens")
-        and hasattr(model, "final_norm")
-        and all(hasattr(layers[0], m) for m in ("before_attention", "after_attention"))
-        and hasattr(getattr(layers[0], "self_attn", None), "attend")
+        isinstance(model, SplitForwardModel)
+        and len(model.layers) > 0
+        and all(isinstance(layer, SplitLayer) for layer in model.layers)
+        and all(isinstance(layer.self_attn, SplitAttention) for layer in model.layers)
     )
 
 
@@ -1119,7 +1119,7 @@ class PiecewiseGraphs:
         meta = self._static_meta(size)
         if segment == 0:
             ids = self.input_ids[:size]
-            x = model.embed(ids) if hasattr(model, "embed") else model.embed_tokens[ids]
+            x = model.embed(ids)
             residual = None
         else:
             x, residual = model.layers[segment - 1].after_attention(

@@ -12,10 +12,22 @@ is the settings' namespace, so ``prefix.max_cached_pages`` is
 :func:`read_settings` turns an :class:`~pitstop.config.EngineConfig` into the
 validated settings object; the plugin manager calls it for every declared
 namespace before any weight loads, and the plugin's factory calls it again to
-read its values. A field made with ``setting(engine="chunk_size")`` is the
-engine-wide setting of that name (one of the documented ``EngineConfig``
-fields): the plugin reads it through its settings class, and users keep
-setting it as ``chunk_size`` / ``--chunk-size``.
+read its values.
+
+A setting may also have a short name of its own, ``alias``: the chunked
+scheduler's ``chunk_size`` is ``chunked.chunk_size`` and also plain
+``chunk_size`` (``EngineConfig(chunk_size=512)``, ``chunk_size = 512`` at the
+top of a TOML file, ``--chunk-size 512``), the name the article and older
+pitstop versions use. Plugins that read the same quantity share one alias
+(every built-in scheduler declares ``max_prefill_batch``); their declarations
+must agree. A field made with :func:`engine_setting` is instead one of the
+engine's own :class:`~pitstop.config.EngineConfig` fields (``max_batch_size``),
+read through the plugin's settings class.
+
+A ``required`` setting must be given when its plugin is the one selected
+(the ``draft`` proposer's ``speculative_model``); a settings class may check
+its fields against each other in ``__attrs_post_init__`` by raising
+:class:`~pitstop.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -47,26 +59,37 @@ def setting(
     minimum: float | None = None,
     choices: Sequence[Any] = (),
     optional: bool = False,
-    engine: str | None = None,
+    alias: str | None = None,
+    required: bool = False,
     legacy: Sequence[str] = (),
 ) -> Any:
     """One declared setting of a plugin's settings class.
 
     ``type`` is ``int``, ``float``, ``bool`` or ``str``; ``minimum`` bounds a
     number from below, ``choices`` lists the allowed values, ``optional``
-    allows ``None`` (unset). ``engine`` names the :class:`EngineConfig` field
-    this setting is (its value comes from there); ``legacy`` lists older
+    allows ``None`` (unset). ``alias`` is a short, top-level name for it
+    (``chunk_size``: a keyword of :class:`EngineConfig`, a top-level TOML key
+    and a ``--chunk-size`` flag); ``required`` (with a ``None`` default) makes
+    it compulsory when the plugin is selected; ``legacy`` lists older
     ``options`` keys still accepted for it.
     """
     if type not in (int, float, bool, str):
         raise TypeError(f"setting type must be int, float, bool or str, got {type!r}")
+    if required and default is not None:
+        raise TypeError("a required setting has no default: give default=None")
+    if alias is not None and (not alias.isidentifier() or "." in alias):
+        raise TypeError(
+            f"a setting alias is a Python identifier such as 'chunk_size', got {alias!r}"
+        )
     metadata = {
         "help": help,
         "type": type,
         "minimum": minimum,
         "choices": tuple(choices),
-        "optional": optional,
-        "engine": engine,
+        "optional": optional or required,
+        "required": required,
+        "engine": None,
+        "alias": alias,
         "legacy": tuple(legacy),
     }
     return attrs.field(default=default, validator=_check_value, metadata=metadata)
@@ -78,7 +101,14 @@ def engine_setting(name: str, *, help: str) -> Any:
     Its type, default and validation are that field's (documented with the
     other engine settings); the plugin reads it through its settings class.
     """
-    metadata = {"help": help, "type": None, "engine": name, "legacy": ()}
+    metadata = {
+        "help": help,
+        "type": None,
+        "engine": name,
+        "alias": None,
+        "required": False,
+        "legacy": (),
+    }
     return attrs.field(default=None, metadata=metadata)
 
 
@@ -120,7 +150,8 @@ def _check_value(_inst: Any, att: attrs.Attribute, value: Any) -> None:
 
 
 def is_settings_class(cls: Any) -> bool:
-    """Whether ``cls`` is an attrs class whose every field was made with :func:`setting`."""
+    """Whether ``cls`` is an attrs class whose every field was made with :func:`setting`
+    or :func:`engine_setting`."""
     return (
         isinstance(cls, type)
         and attrs.has(cls)
@@ -133,39 +164,68 @@ def option_fields(cls: type) -> list[attrs.Attribute]:
     return [att for att in attrs.fields(cls) if att.metadata["engine"] is None]
 
 
+def aliased_fields(cls: type) -> list[attrs.Attribute]:
+    """The fields that have a short top-level name (``alias``)."""
+    return [att for att in option_fields(cls) if att.metadata.get("alias")]
+
+
+def same_declaration(a: attrs.Attribute, b: attrs.Attribute) -> bool:
+    """Whether two fields sharing one alias accept the same values with the same default."""
+    keys = ("type", "minimum", "choices", "optional", "required")
+    return a.default == b.default and all(a.metadata[k] == b.metadata[k] for k in keys)
+
+
+def check_value(att: attrs.Attribute, value: Any, *, key: str, owner: str) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is one ``att`` accepts (``key``: how the
+    user gave it, e.g. ``chunk_size``)."""
+    try:
+        _check_value(None, att, value)
+    except _InvalidSetting:
+        raise ConfigError(
+            f"{key} must be {allowed_values(att)}, got {value!r} (a setting of {owner})"
+        ) from None
+
+
 def describe(
     cls: type, namespace: str, engine_defaults: Any = None
-) -> list[tuple[str, str, str, str]]:
-    """One row per setting: (key, allowed values, default, help).
+) -> list[tuple[str, str, str, str, str]]:
+    """One row per setting: (key, alias, allowed values, default, help).
 
-    An engine-wide setting's key is its :class:`EngineConfig` name, its
-    default read from ``engine_defaults`` (an ``EngineConfig()``) when given.
+    ``alias`` is ``""`` for a setting without one; an engine-wide setting's
+    key is its :class:`EngineConfig` name, its default read from
+    ``engine_defaults`` (an ``EngineConfig()``) when given.
     """
     rows = []
     for att in attrs.fields(cls):
         md = att.metadata
-        key = md["engine"] or f"{namespace}.{att.name}"
         if md["engine"]:
+            key = md["engine"]
             default = repr(getattr(engine_defaults, md["engine"], "(engine setting)"))
         else:
-            default = repr(att.default)
-        rows.append((key, allowed_values(att), default, md["help"]))
+            key = f"{namespace}.{att.name}"
+            default = "(required)" if md["required"] else repr(att.default)
+        rows.append((key, md["alias"] or "", allowed_values(att), default, md["help"]))
     return rows
 
 
-def read_settings(config: EngineConfig, namespace: str, cls: type, *, owner: str = "") -> Any:
+def read_settings(
+    config: EngineConfig, namespace: str, cls: type, *, owner: str = "", selected: bool = False
+) -> Any:
     """The validated settings of the plugin ``namespace`` from ``config``.
 
-    ``options["<namespace>.<field>"]`` wins over a ``legacy`` key, which wins
-    over the default; an engine-wide field reads its :class:`EngineConfig`
-    value. A wrong type, an out-of-range value or an unknown
-    ``<namespace>.`` key is a :class:`ConfigError` naming the plugin, the
+    ``options["<namespace>.<field>"]`` wins over the field's alias
+    (``options["chunk_size"]``, which ``EngineConfig(chunk_size=...)`` sets),
+    which wins over a ``legacy`` key, which wins over the default; an
+    engine-wide field reads its :class:`EngineConfig` value. A wrong type, an
+    out-of-range value, an unknown ``<namespace>.`` key, a ``required`` setting
+    left unset while the plugin is ``selected``, or a check of the class's own
+    ``__attrs_post_init__`` is a :class:`ConfigError` naming the plugin, the
     setting and what it accepts.
     """
     owner = owner or f"plugin {namespace!r}"
     by_name = {att.name: att for att in attrs.fields(cls)}
     values: dict[str, Any] = {}
-    given_as: dict[str, str] = {}  # field -> the legacy key it was read from
+    given_as: dict[str, str] = {}  # field -> the alias or legacy key it was read from
     prefix = namespace + "."
     for key, value in config.options.items():
         if not key.startswith(prefix):
@@ -179,12 +239,16 @@ def read_settings(config: EngineConfig, namespace: str, cls: type, *, owner: str
         md = att.metadata
         if md["engine"] is not None:
             values[att.name] = getattr(config, md["engine"])
-        elif att.name not in values:
-            for key in md["legacy"]:
+            continue
+        if att.name not in values:
+            for key in ((md["alias"],) if md["alias"] else ()) + md["legacy"]:
                 if key in config.options:
                     values[att.name] = config.options[key]
                     given_as[att.name] = key
                     break
+        if selected and md["required"] and values.get(att.name) is None:
+            names = f"{namespace}.{att.name}" + (f" ({md['alias']})" if md["alias"] else "")
+            raise ConfigError(f"{owner} needs the setting {names}: {md['help']}")
     try:
         return cls(**values)
     except _InvalidSetting as exc:
@@ -195,10 +259,12 @@ def read_settings(config: EngineConfig, namespace: str, cls: type, *, owner: str
         raise ConfigError(
             f"{owner}: setting {key}{via} must be {allowed_values(att)}, got {value!r}"
         ) from None
+    except ConfigError as exc:  # a check between fields, from the class's __attrs_post_init__
+        raise ConfigError(f"{owner}: {exc}") from None
 
 
 def _unknown(owner: str, key: str, att: Any, cls: type, namespace: str) -> str:
-    if att is not None:  # an engine-wide setting given under the plugin's namespace
+    if att is not None and att.metadata["engine"] is not None:  # an engine setting, namespaced
         flag = "--" + att.metadata["engine"].replace("_", "-")
         return (
             f"unknown option {key!r}: {owner} reads the engine setting "

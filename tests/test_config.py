@@ -101,7 +101,7 @@ def test_cli_flags_and_config_file(tmp_path: Path) -> None:
     assert (
         config.page_size == 8 and config.fused_attention is False and config.scheduler == "chunked"
     )
-    assert config.options == {"x.y": 3}
+    assert config.options == {"x.y": 3, "fused_attention": False}  # an alias is a plugin setting
     path = tmp_path / "engine.toml"
     path.write_text('allocator = "prefix"\npage_size = 32\n')
     config = _cli("--config", str(path), "--page-size", "4")

@@ -90,10 +90,75 @@ def test_unknown_key_names_the_plugin_and_lists_its_settings(plugins: PluginMana
 def test_an_engine_setting_under_a_namespace_points_at_the_engine_flag(
     plugins: PluginManager,
 ) -> None:
-    with pytest.raises(ConfigError, match="--chunk-size"):
-        plugins.check_config(EngineConfig(options={"chunked.chunk_size": 64}))
-    with pytest.raises(ConfigError, match="fused_qkv"):
-        plugins.check_config(EngineConfig(options={"fused.qkv": False}))
+    with pytest.raises(ConfigError, match="--max-batch-size"):
+        plugins.check_config(EngineConfig(options={"chunked.max_batch_size": 64}))
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens"):
+        plugins.check_config(EngineConfig(options={"fcfs.max_num_batched_tokens": 64}))
+
+
+def test_an_alias_and_its_key_are_one_setting(plugins: PluginManager) -> None:
+    """``chunk_size`` and ``chunked.chunk_size`` reach the same field; the key wins, and an
+    alias given as a keyword replaces the key (so attrs.evolve(config, chunk_size=...) works)."""
+    by_key = EngineConfig(options={"chunked.chunk_size": 64})
+    by_alias = EngineConfig(chunk_size=64)
+    for config in (by_key, by_alias):
+        assert plugins.create("scheduler", "chunked", config, None).token_budget == 64
+        assert plugins.step_token_budget(config) == 64
+    both = EngineConfig(options={"chunk_size": 32, "chunked.chunk_size": 64})
+    assert plugins.create("scheduler", "chunked", both, None).token_budget == 64
+    assert attrs.evolve(both, chunk_size=16).step_token_budget == 16
+    assert by_alias.chunk_size == 64 and EngineConfig().chunk_size is None
+    assert EngineConfig(fused_qkv=False).fused_qkv is False
+    fused = plugins.get("kernels", "fused")
+    assert fused.read_settings(EngineConfig(fused_qkv=False)).qkv is False
+    assert fused.read_settings(EngineConfig(options={"fused.qkv": False})).qkv is False
+    with pytest.raises(ConfigError, match="unknown setting"):
+        EngineConfig(chunk_sise=64)
+
+
+def test_a_shared_alias_reaches_every_scheduler_that_reads_it(plugins: PluginManager) -> None:
+    config = EngineConfig(max_prefill_batch=3, admission="shortest-first")
+    for name in ("continuous", "chunked", "fcfs"):
+        scheduler = plugins.create("scheduler", name, config, None)
+        assert scheduler.max_prefill_batch == 3, name
+    assert plugins.create("scheduler", "chunked", config, None).admission == "shortest-first"
+
+
+def test_an_alias_no_selected_plugin_reads_is_logged(
+    plugins: PluginManager, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="pitstop.plugin_manager"):
+        plugins.check_config(EngineConfig(scheduler="continuous", chunk_size=64))
+    assert "chunk_size = 64 has no effect" in caplog.text and "chunked" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pitstop.plugin_manager"):
+        plugins.check_config(EngineConfig(scheduler="chunked", chunk_size=64))
+    assert "no effect" not in caplog.text
+
+
+def test_a_required_setting_is_refused_only_when_its_plugin_is_selected(
+    plugins: PluginManager,
+) -> None:
+    plugins.check_config(EngineConfig())  # draft.model unset, draft not selected
+    with pytest.raises(ConfigError, match=r"draft.*speculative_model"):
+        EngineConfig(speculative="draft")
+    config = EngineConfig(speculative="draft", speculative_model="smollm2-135m")
+    assert plugins.get("proposer", "draft").read_settings(config).model == "smollm2-135m"
+
+
+def test_plugins_that_share_an_alias_must_declare_it_alike() -> None:
+    @attrs.frozen
+    class Other:
+        chunk: int = setting(7, type=int, minimum=1, alias="chunk_size", help="a clash")
+
+    mod = type(sys)("fake_plugin_alias_clash")
+
+    def hook(register) -> None:
+        register("clash", lambda config, allocator: None, settings=Other)
+
+    mod.register_schedulers = pitstop.hookimpl(hook)
+    with pytest.raises(PluginError, match="alias 'chunk_size'"):
+        PluginManager(extra_modules=[mod])
 
 
 def test_refused_before_any_weight_loads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,7 +182,7 @@ def test_cli_flags_per_setting(plugins: PluginManager) -> None:
         ["--prefix.max-cached-pages", "3", "--lifo.max-pages", "5", "--chunk-size", "64"]
     )
     config = EngineConfig.from_cli(args)
-    assert config.options == {"prefix.max_cached_pages": 3, "lifo.max_pages": 5}
+    assert config.options == {"prefix.max_cached_pages": 3, "lifo.max_pages": 5, "chunk_size": 64}
     assert config.chunk_size == 64
     with pytest.raises(SystemExit):
         parser.parse_args(["--continuous.max-wait-steps", "soon"])
@@ -160,11 +225,12 @@ def test_values_reach_the_strategies(plugins: PluginManager) -> None:
 def test_every_setting_is_in_the_configuration_reference(plugins: PluginManager) -> None:
     text = (ROOT / "docs" / "configuration.md").read_text()
     missing = [
-        key
+        name
         for s in _with_settings(plugins)
         if s.distribution == "pitstop"
-        for key, *_ in describe(s.settings, s.name)
-        if f"`{key}`" not in text
+        for key, alias, *_ in describe(s.settings, s.name)
+        for name in (key, alias)
+        if name and f"`{name}`" not in text
     ]
     assert not missing, f"plugin settings missing from docs/configuration.md: {missing}"
 
@@ -175,7 +241,8 @@ def test_pitstop_plugins_lists_the_settings(capsys: pytest.CaptureFixture[str]) 
     assert main(["plugins", "--settings"]) == 0
     out = capsys.readouterr().out
     assert "prefix.max_cached_pages" in out and "an integer >= 0, or unset" in out
-    assert "chunk_size" in out and "engine setting (--chunk-size)" in out
+    assert "chunked.chunk_size (chunk_size)" in out and "an integer >= 1, or unset" in out
+    assert "max_batch_size" in out and "engine setting (--max-batch-size)" in out
 
 
 def test_registering_settings_that_are_not_declared_is_refused() -> None:

@@ -56,7 +56,7 @@ from pitstop.config import EngineConfig
 from pitstop.hookspecs import hookimpl
 from pitstop.plugins.kernels import reference
 from pitstop.protocols import KernelSetBase, RotaryCache
-from pitstop.settings import engine_setting, read_settings
+from pitstop.settings import read_settings, setting
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +102,24 @@ def head_size_supported(head_size: int) -> bool:
 
 @attrs.frozen
 class FusedSettings:
-    """The settings of the ``fused`` kernel set (the article's ``fused_*`` engine settings)."""
+    """The settings of the ``fused`` kernel set (``fused.qkv``, or the article's ``fused_qkv``)."""
 
-    rmsnorm: bool = engine_setting("fused_rmsnorm", help="fused residual-add + RMSNorm")
-    qkv: bool = engine_setting("fused_qkv", help="merged QKV and gate-up projections")
-    silu: bool = engine_setting("fused_silu", help="fused SiLU-and-mul")
-    attention: bool = engine_setting("fused_attention", help="Triton paged attention")
-    precision: str = engine_setting(
-        "fused_precision", help="fp32 accumulation everywhere, or the fastest safe choice"
+    rmsnorm: bool = setting(
+        True, type=bool, alias="fused_rmsnorm", help="fused residual-add + RMSNorm"
+    )
+    qkv: bool = setting(
+        True, type=bool, alias="fused_qkv", help="merged QKV and gate-up projections"
+    )
+    silu: bool = setting(True, type=bool, alias="fused_silu", help="fused SiLU-and-mul")
+    attention: bool = setting(
+        True, type=bool, alias="fused_attention", help="Triton paged attention"
+    )
+    precision: str = setting(
+        "fp32",
+        type=str,
+        choices=("fp32", "fast"),
+        alias="fused_precision",
+        help="fp32 accumulation everywhere, or the fastest safe choice",
     )
 
 

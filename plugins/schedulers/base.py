@@ -7,7 +7,8 @@ A scheduler keeps two collections:
 - ``running``: admitted sequences, oldest admission first. "Newest" always
   means the end of this list.
 
-Admission order (``config.admission``):
+Admission order (the setting ``admission``, an alias every built-in
+scheduler declares):
 
 - ``"arrival"``: the waiting deque's order.
 - ``"shortest-first"``: preempted sequences first (queue order), then every
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from pitstop.errors import PitstopError
+from pitstop.errors import ConfigError, PitstopError
 from pitstop.protocols import ScheduledSequence, StepPlan
 from pitstop.sequence import Sequence, SequenceStatus
 from pitstop.settings import engine_setting, read_settings, setting
@@ -62,24 +63,50 @@ class SchedulerError(PitstopError, RuntimeError):
     """The scheduler cannot make progress (for example a request larger than the whole KV cache)."""
 
 
+ADMISSION_ORDERS = ("arrival", "shortest-first")
+
+
 @attrs.frozen
 class BatchSettings:
-    """The batch limits every built-in scheduler keeps (engine-wide settings)."""
+    """The batch limits every built-in scheduler keeps.
+
+    ``max_batch_size`` and ``max_num_batched_tokens`` are the engine's own
+    settings (the runner sizes its buffers by them); ``max_prefill_batch`` and
+    ``admission`` are the schedulers' (the aliases ``--max-prefill-batch``,
+    ``--admission`` set them for whichever built-in scheduler is selected).
+    """
 
     max_batch_size: int = engine_setting("max_batch_size", help="most sequences in one step")
-    max_prefill_batch: int = engine_setting(
-        "max_prefill_batch", help="most prompts prefilled in one step"
+    max_prefill_batch: int = setting(
+        64,
+        type=int,
+        minimum=1,
+        alias="max_prefill_batch",
+        help="most prompts prefilled in one step",
     )
     max_num_batched_tokens: int = engine_setting(
         "max_num_batched_tokens", help="most tokens computed in one step"
     )
+    admission: str = setting(
+        "arrival",
+        type=str,
+        choices=ADMISSION_ORDERS,
+        alias="admission",
+        help="order in which waiting prompts are admitted (fcfs: arrival only)",
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_prefill_batch > self.max_batch_size:
+            raise ConfigError(
+                f"max_prefill_batch ({self.max_prefill_batch}) must not exceed "
+                f"max_batch_size ({self.max_batch_size})"
+            )
 
 
 @attrs.frozen
 class AdmissionSettings(BatchSettings):
     """The settings of a scheduler with an admission order (``continuous``, ``chunked``)."""
 
-    admission: str = engine_setting("admission", help="order in which waiting prompts are admitted")
     max_wait_steps: int = setting(
         DEFAULT_MAX_WAIT_STEPS,
         type=int,

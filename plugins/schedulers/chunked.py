@@ -30,7 +30,7 @@ import attrs
 import pitstop
 from pitstop.plugins.schedulers.base import AdmissionSettings, BaseScheduler, StepBuilder
 from pitstop.protocols import StepPlan
-from pitstop.settings import engine_setting
+from pitstop.settings import setting
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -41,10 +41,18 @@ if TYPE_CHECKING:
 class ChunkedSettings(AdmissionSettings):
     """The settings of the ``chunked`` scheduler."""
 
-    chunk_size: int | None = engine_setting(
-        "chunk_size",
-        help="token budget per step of the chunked scheduler (default: max_num_batched_tokens)",
+    chunk_size: int | None = setting(
+        None,
+        type=int,
+        minimum=1,
+        optional=True,
+        alias="chunk_size",
+        help="token budget per step of the chunked scheduler (unset: max_num_batched_tokens)",
     )
+
+    def step_token_budget(self) -> int:
+        """The step's token budget: ``chunk_size`` when set, else ``max_num_batched_tokens``."""
+        return self.chunk_size if self.chunk_size is not None else self.max_num_batched_tokens
 
 
 class ChunkedScheduler(BaseScheduler):
@@ -55,7 +63,7 @@ class ChunkedScheduler(BaseScheduler):
 
     def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
         super().__init__(config, allocator)
-        self.token_budget = config.step_token_budget  # chunk_size, else max_num_batched_tokens
+        self.token_budget = self.settings.step_token_budget()
         self.max_running = min(self.max_batch_size, self.token_budget)
 
     def schedule(self) -> StepPlan:

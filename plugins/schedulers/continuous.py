@@ -34,7 +34,7 @@ import attrs
 import pitstop
 from pitstop.plugins.schedulers.base import AdmissionSettings, BaseScheduler, StepBuilder
 from pitstop.protocols import StepPlan
-from pitstop.settings import engine_setting
+from pitstop.settings import setting
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -45,8 +45,12 @@ if TYPE_CHECKING:
 class ContinuousSettings(AdmissionSettings):
     """The settings of the ``continuous`` scheduler."""
 
-    prefill_priority: str = engine_setting(
-        "prefill_priority", help="high: waiting prompts run before decodes; low: decodes first"
+    prefill_priority: str = setting(
+        "high",
+        type=str,
+        choices=("high", "low"),
+        alias="prefill_priority",
+        help="high: waiting prompts run before decodes; low: decodes first",
     )
 
 

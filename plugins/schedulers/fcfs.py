@@ -41,10 +41,10 @@ class FCFSScheduler(BaseScheduler):
 
     def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
         super().__init__(config, allocator)
-        if config.admission != "arrival":
-            log.info(
-                "the fcfs scheduler admits in arrival order; admission=%r is ignored",
-                config.admission,
+        if self.settings.admission != "arrival":
+            log.warning(
+                "the fcfs scheduler admits in arrival order; admission=%r has no effect",
+                self.settings.admission,
             )
         self.token_budget = self.settings.max_num_batched_tokens
         self.max_running = min(self.max_batch_size, self.token_budget)

@@ -49,7 +49,7 @@ from pitstop.runner import ModelRunner, SeqInput
 from pitstop.sampling import exponential_race, is_greedy, make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import PENDING_TOKEN
-from pitstop.settings import engine_setting
+from pitstop.settings import read_settings, setting
 from pitstop.spec_adaptation import speculation_max_batch
 from pitstop.speculative import draft_room
 from pitstop.weights import load_model_source
@@ -64,8 +64,12 @@ if TYPE_CHECKING:
 class DraftSettings:
     """The settings of the ``draft`` proposer."""
 
-    model: str | None = engine_setting(
-        "speculative_model", help="draft model of the 'draft' proposer"
+    model: str | None = setting(
+        None,
+        type=str,
+        required=True,
+        alias="speculative_model",
+        help="the draft model to load (a smaller model with the target's tokenizer)",
     )
 
 
@@ -73,24 +77,22 @@ class DraftProposer:
     """A small model that drafts autoregressively over its own paged KV cache."""
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
-        if not config.speculative_model:
-            raise ConfigError(
-                "speculative='draft' needs speculative_model (the draft model to load)"
-            )
+        settings = read_settings(config, "draft", DraftSettings, selected=True)
+        draft_model = settings.model
         assert config.max_model_len is not None
         self.max_model_len = config.max_model_len
-        source = load_model_source(config.speculative_model)
+        source = load_model_source(draft_model)
         mc = source.model_config
         if mc.vocab_size > context.vocab_size:
             raise ConfigError(
-                f"the draft model {config.speculative_model!r} has a vocabulary of {mc.vocab_size} tokens, "
+                f"the draft model {draft_model!r} has a vocabulary of {mc.vocab_size} tokens, "
                 f"more than the target's {context.vocab_size}; a draft model must share the target's tokenizer"
             )
         self.vocab_size = context.vocab_size
         max_batch = speculation_max_batch(config)  # the most sequences that ever draft at once
         draft_config = attrs.evolve(
             config,
-            model=config.speculative_model,
+            model=draft_model,
             speculative=None,
             tokenizer=None,
             max_batch_size=max_batch,

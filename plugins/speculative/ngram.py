@@ -28,8 +28,9 @@ import attrs
 import numpy as np
 
 import pitstop
+from pitstop.errors import ConfigError
 from pitstop.protocols import Proposal, ProposerBase
-from pitstop.settings import engine_setting, read_settings
+from pitstop.settings import read_settings, setting
 from pitstop.speculative import draft_room
 
 if TYPE_CHECKING:
@@ -74,10 +75,20 @@ def lookup(tokens: Seq[int] | np.ndarray, k: int, max_n: int, min_n: int = 1) ->
 
 @attrs.frozen
 class NgramSettings:
-    """The settings of the ``ngram`` proposer (engine settings ``prompt_lookup_*``)."""
+    """The settings of the ``ngram`` proposer (``ngram.max_n``, or vLLM's ``prompt_lookup_max``)."""
 
-    max_n: int = engine_setting("prompt_lookup_max", help="longest n-gram matched")
-    min_n: int = engine_setting("prompt_lookup_min", help="shortest n-gram matched")
+    max_n: int = setting(
+        4, type=int, minimum=1, alias="prompt_lookup_max", help="longest n-gram matched"
+    )
+    min_n: int = setting(
+        1, type=int, minimum=1, alias="prompt_lookup_min", help="shortest n-gram matched"
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_n > self.max_n:
+            raise ConfigError(
+                f"prompt_lookup_min ({self.min_n}) must not exceed prompt_lookup_max ({self.max_n})"
+            )
 
 
 class NgramProposer(ProposerBase):
