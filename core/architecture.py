@@ -51,10 +51,14 @@ _callable = attrs.validators.is_callable()
 
 
 def _non_empty(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
-    if not value or not all(isinstance(v, str) and v for v in value):
+    if (
+        not isinstance(value, tuple)
+        or not value
+        or not all(isinstance(v, str) and v for v in value)
+    ):
         raise ValueError(
-            f"GGUFRules.{attribute.name} must name at least one general.architecture value, "
-            f"got {value!r}"
+            f"GGUFRules.{attribute.name} must be a tuple that names at least one "
+            f"general.architecture value, got {value!r}"
         )
 
 
@@ -64,7 +68,7 @@ class GGUFRules:
     llama.cpp's names and whose shape lives in ``{general.architecture}.*`` metadata."""
 
     # the general.architecture values it reads (e.g. ("llama",)); one plugin claims each
-    architectures: tuple[str, ...] = attrs.field(converter=tuple, validator=_non_empty)
+    architectures: tuple[str, ...] = attrs.field(validator=_non_empty)
     # the open file -> ModelConfig; checks every metadata field it reads and refuses those
     # it does not implement (the loader then checks every tensor against weight_shapes)
     config: Callable[[GGUFModelFile], ModelConfig] = attrs.field(validator=_callable)

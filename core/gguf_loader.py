@@ -144,7 +144,14 @@ def iter_gguf_tensors(
         name = rules.gguf.tensor_name(t.name)
         if name is None:  # refused by _check_tensors; never reached for a checked file
             raise ModelLoadError(f"GGUF file {file.path}: tensor {t.name} maps to nothing")
-        w = rules.gguf.fix_tensor(name, dequantize(t), config)
+        stored = dequantize(t)
+        w = rules.gguf.fix_tensor(name, stored, config)
+        if getattr(w, "shape", None) != stored.shape:
+            raise ModelLoadError(
+                f"GGUF file {file.path}: the {config.architecture} plugin's fix_tensor turned "
+                f"{t.name} of shape {list(stored.shape)} into {getattr(w, 'shape', type(w))}; "
+                "it must keep the shape (the tensors were checked in it)"
+            )
         yield name, torch.from_numpy(np.ascontiguousarray(w).copy())
 
 
@@ -288,7 +295,9 @@ def load_gguf(
         own_tokenizer = Tokenizer.from_gguf(path, file.metadata)
         try:
             _write_cache(cache, config, file, rules, own_tokenizer)
-        except OSError as exc:
+        except ModelLoadError:  # the file cannot be converted (an OSError too): no fallback
+            raise
+        except OSError as exc:  # the cache cannot be written: convert on every load instead
             log.warning(
                 "cannot cache GGUF file %s under %s (%s); converting on every load",
                 path,

@@ -440,6 +440,42 @@ def test_a_third_party_architecture_loads_from_gguf_and_runs(
         LLM(str(odd), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
 
 
+def test_a_fix_tensor_that_changes_a_shape_is_refused(
+    with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import ModuleType
+
+    import attrs
+    import numpy as np
+    from pitstop_example import bigram
+
+    import pitstop
+    from pitstop.weights import load_model_source
+
+    monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path / "cache"))
+    module = ModuleType("transposing")
+
+    @pitstop.hookimpl
+    def register_models(register) -> None:
+        gguf = attrs.evolve(bigram.BIGRAM.gguf, fix_tensor=lambda name, t, config: t.T)
+        rules = attrs.evolve(bigram.BIGRAM, gguf=gguf)
+        register(bigram.ARCHITECTURE, bigram.make_bigram, architecture=rules)
+
+    module.register_models = register_models  # type: ignore[attr-defined]
+    pm = PluginManager(allow=["pitstop"], extra_modules=[module])
+    embed = np.zeros((16, 4), dtype=np.float32)
+    path = _write_gguf(
+        tmp_path / "t.gguf",
+        "bigram",
+        {"token_embd.weight": embed, "output.weight": embed},
+        {"bigram.embedding_length": 4},
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"fix_tensor turned token_embd.weight of shape \[16, 4\]"
+    ):
+        load_model_source(str(path), plugins=pm)
+
+
 def test_a_gguf_architecture_nobody_claims_is_refused_naming_the_claimed_ones(
     with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -485,8 +521,9 @@ def test_two_architectures_claiming_one_gguf_architecture_are_refused() -> None:
     module.register_models = register_models  # type: ignore[attr-defined]
     with pytest.raises(PluginError, match="general.architecture 'llama'.*LlamaForCausalLM"):
         PluginManager(extra_modules=[module])
-    with pytest.raises(ValueError, match="at least one general.architecture"):
-        GGUFRules((), config=lambda f: None, tensor_name=lambda n: None)
+    for claimed in ((), "llama"):  # a bare string would claim its letters
+        with pytest.raises(ValueError, match="names at least one general.architecture"):
+            GGUFRules(claimed, config=lambda f: None, tensor_name=lambda n: None)
     with pytest.raises(TypeError, match="'config_from_hf' must be callable"):  # no built-in reader
         Architecture(config_from_hf=None, weight_shapes=len, rotary=len)
 
