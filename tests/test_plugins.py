@@ -356,22 +356,10 @@ def test_an_architecture_nobody_registers_is_refused_naming_the_plugins(tmp_path
 
 # ---------------------------------------------------------------------- GGUF of a plugin
 def _write_gguf(path: Path, architecture: str, tensors: dict, fields: dict) -> Path:
-    """A float32 GGUF file of ``architecture``: ``fields`` (name -> uint32), a tiny BPE
-    tokenizer of as many tokens as token_embd has rows, and ``tensors``."""
-    import gguf
-    from checkpoint_helpers import write_tokenizer
+    """A float32 GGUF file of ``architecture`` with a tokenizer of token_embd's rows."""
+    from checkpoint_helpers import write_gguf
 
-    writer = gguf.GGUFWriter(str(path), architecture)
-    for key, value in fields.items():
-        writer.add_uint32(key, value)
-    write_tokenizer(writer, tensors["token_embd.weight"].shape[0])
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf(path, architecture, fields, tensors, tensors["token_embd.weight"].shape[0])
 
 
 def test_a_third_party_architecture_loads_from_gguf_and_runs(
