@@ -81,6 +81,21 @@ for spec in ${BENCHES-nano single}; do
       run longtail-sjf online --workload longtail --num-requests ${LT_N:-100} --max-batch-size 64 --kernels fused --matrix benchmarks/workloads/sjf.toml
       gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf" ] || { echo "== recall-single: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
       run recall-single offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl --repeats 2 --matrix benchmarks/workloads/recall-single.toml ;;
+    # issue 19, models as plugins: the real SmolLM2 GGUF converted afresh through the registry (the Llama
+    # family's GGUFRules: metadata, tensor names, q/k un-permutation), then fused against reference on it
+    models19) M=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
+      if [ ! -f "$M" ]; then echo "== models19: no GGUF at $M (set SMOLLM_GGUF)";
+      elif ! python3 -c "import gguf" 2>/dev/null; then echo "== models19: the gguf package is missing (its wheel goes in .whl/: benchmarks/README.md)";
+      else ( export PITSTOP_CACHE_DIR="$OUT/models19-cache"; rm -rf "$PITSTOP_CACHE_DIR"
+        echo "== models19: load $M into a fresh cache, then again from it"
+        timeout 300 python3 -c "import sys, time; from pitstop.weights import load_model_source; from pitstop.plugin_manager import get_plugin_manager
+print('models19: GGUF claims', get_plugin_manager().gguf_claims())
+for _ in range(2):
+    t = time.perf_counter(); s = load_model_source(sys.argv[1]); n = sum(1 for _ in s.weights()); mc = s.model_config
+    print(f'models19: {mc.architecture} layers={mc.num_layers} hidden={mc.hidden_size} heads={mc.num_heads}/{mc.num_kv_heads} tied={mc.tie_word_embeddings} tensors={n} {time.perf_counter() - t:.1f} s: {s.description}')" "$M" 2>&1 | grep -v " INFO " | tail -6
+        echo "== models19: pitstop verify --model $M --kernels fused"
+        timeout 300 pitstop verify --model "$M" --kernels fused --max-tokens 32 --json "$OUT/verify-models19.json" 2>&1 | tail -20
+        run nano-models19 offline --workload nano --kernels fused --model "$M" ); fi ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
     # issue 15: the KV cache in fp8 (e4m3) beside bf16; kv_floor.py: fraction of the bf16 and fp8 floors
     fp8-nano) run fp8-nano offline --workload nano --matrix benchmarks/workloads/kv-fp8.toml; python3 benchmarks/kv_floor.py "$OUT/fp8-nano.json" ;;

@@ -1,14 +1,16 @@
 """Read a GGUF file: its model shape, its tensors (dequantized, Hugging Face names), a cache.
 
-GGUF (llama.cpp's format) names tensors ``blk.N.attn_q.weight`` and so on; the
-engine's models take Hugging Face names, so every tensor is renamed here and
-dequantized to float32 in the Hugging Face shape. llama.cpp's converter
-permutes the rows of a Llama model's ``attn_q`` and ``attn_k`` for its rotary
-layout; :func:`unpermute_rotary_rows` undoes that (Qwen2 and Qwen3 GGUFs use
-the NeoX layout and are stored unpermuted).
+GGUF is llama.cpp's format: its ``general.architecture`` says which model it
+holds, and the architecture plugin that claims that value
+(:class:`~pitstop.architecture.GGUFRules`, found through the registry) reads
+the rest: the :class:`ModelConfig` from the metadata, each tensor's Hugging
+Face name, and any fix-up of a tensor the converter rearranged. This module
+knows no architecture: it asks, checks every tensor's name and shape against
+the plugin's ``weight_shapes`` and its bytes against the file, dequantizes to
+float32 and caches the result.
 
 Every metadata field and tensor is checked before anything is allocated
-(:func:`gguf_model_config`): a field pitstop does not implement, a count that
+(:func:`gguf_model_config`): a field the plugin does not implement, a count that
 is zero or absurd, a shape that disagrees with the metadata or a byte range
 outside the file is a :class:`ModelLoadError` naming it.
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -40,360 +41,117 @@ import attrs
 import numpy as np
 import torch
 
+from pitstop.architecture import Architecture
 from pitstop.errors import ModelLoadError
-from pitstop.gguf_file import open_gguf, read_gguf_metadata, require_gguf
-from pitstop.model_config import MAX_DIM, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
+from pitstop.gguf_file import GGUFModelFile, check_tensor_bytes, dequantize, tensor_shape
+from pitstop.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from pitstop.checkpoint import ModelSource
+    from pitstop.plugin_manager import PluginManager
     from pitstop.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-# general.architecture -> the Hugging Face architecture name the model registry knows
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-# Architectures whose q/k rows llama.cpp's converter permuted (the others keep HF order).
-_PERMUTED_ARCHITECTURES = {"llama"}
-
 # Bump when the cache layout or the conversion changes: old entries are then ignored.
 CACHE_VERSION = 2
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# llama.cpp's Llama 3 rope scaling: read into ModelConfig.rope_freq_factors, not a weight.
-_IGNORED = {"rope_freqs.weight"}
 
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor (None for a tensor the models do not use)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
-
-
-def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's row permutation of a q or k projection (weight or bias).
-
-    llama.cpp's ``convert_hf_to_gguf.py`` turns each head's rows ``[first half,
-    second half]`` (HF's rotate-half layout) into interleaved pairs: it views the
-    rows as ``(heads, 2, head_size/2)`` and swaps the last two axes. The inverse
-    views them as ``(heads, head_size/2, 2)`` and swaps back.
-    """
-    rows = weight.shape[0]
-    if rows % (2 * num_heads):
-        raise ModelLoadError(f"a q/k tensor of {rows} rows does not split into {num_heads} heads")
-    half = rows // num_heads // 2
-    return (
-        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-    )
-
-
-# ---------------------------------------------------------------------- reading
-# ---------------------------------------------------------------------- shape and checks
-# ``{arch}.`` metadata keys and what pitstop does with each; any other such key is refused.
-_ARCH_KEYS_READ = (
-    "context_length",
-    "embedding_length",
-    "block_count",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "attention.key_length",
-    "attention.value_length",
-    "attention.layer_norm_rms_epsilon",
-    "rope.dimension_count",
-    "rope.freq_base",
-    "rope.scaling.type",
-    "rope.scaling.factor",
-    "rope.scaling.original_context_length",
-    "vocab_size",
-    "expert_count",
-    "expert_used_count",
-)
-_ARCH_KEYS_WITHOUT_EFFECT = ("rope.scaling.finetuned",)
-# GGUF rope scaling types implemented (llama.cpp's yarn differs from transformers' in details)
-GGUF_ROPE_SCALING = ("none", "linear")
-
-
-def _count(meta: dict[str, Any], key: str, path: Any, limit: int, default: Any = None) -> int:
-    """A positive whole-number metadata field, else a ModelLoadError naming the key."""
-    value = meta.get(key, default)
-    if value is None:
-        raise ModelLoadError(
-            f"GGUF file {path} lacks the metadata field {key}; the file is incomplete"
-        )
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise ModelLoadError(
-            f"GGUF file {path}: {key}={value!r} is not a whole number between 1 and {limit:,}; "
-            "the file is corrupt or describes no model pitstop can run"
-        )
-    return value
-
-
-def _number(meta: dict[str, Any], key: str, path: Any, default: float, low: float, high: float):
-    value = meta.get(key, default)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not low < value < high
-    ):
-        raise ModelLoadError(
-            f"GGUF file {path}: {key}={value!r} is not a number between {low} and {high}"
-        )
-    return float(value)
-
-
-def gguf_model_config(reader: Any, path: str | Path = "") -> ModelConfig:
-    """The :class:`ModelConfig` of an open GGUF file, from its metadata and tensor shapes.
-
-    Every metadata field that shapes the model is checked (present, a positive whole
-    number below a bound, consistent with the others), and so is every tensor: its
-    name maps to a Hugging Face one, its shape is what the metadata makes it, and its
-    bytes lie inside the file without overlapping another tensor's. All of it before
-    anything proportional to a claimed size is allocated.
-    """
-    meta = read_gguf_metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"GGUF file {path} holds a model of architecture {arch!r}; pitstop supports "
-            f"{', '.join(GGUF_ARCHITECTURES)}"
-        )
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ModelLoadError(
-            f"GGUF file {path} has no token_embd.weight tensor; it is not a complete model"
-        )
-    known = {f"{arch}.{k}" for k in _ARCH_KEYS_READ + _ARCH_KEYS_WITHOUT_EFFECT}
-    for key in reader.fields:
-        if key.startswith(f"{arch}.") and key not in known:
-            value = meta.get(key, "<array>")
-            raise ModelLoadError(
-                f"GGUF file {path}: metadata field {key}={value!r} is not implemented by pitstop; "
-                f"it reads {', '.join(sorted(known))}"
-            )
-    for key in (f"{arch}.expert_count", f"{arch}.expert_used_count"):
-        if meta.get(key, 0) not in (0, None):
-            raise ModelLoadError(
-                f"GGUF file {path}: {key}={meta[key]!r}; pitstop does not run mixture-of-experts models"
-            )
-
-    k = f"{arch}."
-    hidden = _count(meta, k + "embedding_length", path, MAX_DIM)
-    heads = _count(meta, k + "attention.head_count", path, MAX_DIM)
-    kv_heads = _count(meta, k + "attention.head_count_kv", path, MAX_DIM, default=heads)
-    if heads % kv_heads:
-        raise ModelLoadError(
-            f"GGUF file {path}: {k}attention.head_count={heads} is not a multiple of "
-            f"{k}attention.head_count_kv={kv_heads}"
-        )
-    if k + "attention.key_length" not in meta and hidden % heads:
-        raise ModelLoadError(
-            f"GGUF file {path}: {k}embedding_length={hidden} is not a multiple of "
-            f"{k}attention.head_count={heads} and {k}attention.key_length is absent"
-        )
-    head_size = _count(meta, k + "attention.key_length", path, MAX_DIM, default=hidden // heads)
-    for other in ("attention.value_length", "rope.dimension_count"):
-        if meta.get(k + other, head_size) != head_size:
-            raise ModelLoadError(
-                f"GGUF file {path}: {k}{other}={meta[k + other]!r} differs from the head size "
-                f"{head_size}; pitstop supports only value heads of the key size, rotating the whole head"
-            )
-    if head_size % 2:
-        raise ModelLoadError(f"GGUF file {path}: the head size {head_size} is odd")
-    layers = _count(meta, k + "block_count", path, MAX_LAYERS)
-    ffn = _count(meta, k + "feed_forward_length", path, MAX_DIM)
-    context = _count(meta, k + "context_length", path, MAX_POSITIONS, default=4096)
-    embd_shape = [int(d) for d in tensors["token_embd.weight"].shape.tolist()]  # [cols, rows]
-    if len(embd_shape) != 2 or embd_shape[0] != hidden:
-        raise ModelLoadError(
-            f"GGUF file {path}: token_embd.weight has shape {embd_shape[::-1]}, which is not "
-            f"[vocabulary, {k}embedding_length={hidden}]"
-        )
-    vocab = embd_shape[1]
-    if not 1 <= vocab <= MAX_VOCAB:
-        raise ModelLoadError(f"GGUF file {path}: token_embd.weight claims {vocab:,} rows")
-    token_field = reader.fields.get("tokenizer.ggml.tokens")
-    claims = {k + "vocab_size": meta.get(k + "vocab_size")}
-    if token_field is not None:
-        claims["tokenizer.ggml.tokens"] = len(token_field.data)
-    for key, n in claims.items():
-        if n is not None and n != vocab:
-            raise ModelLoadError(
-                f"GGUF file {path}: token_embd.weight has {vocab:,} rows but {key} counts "
-                f"{n!r} tokens; the embedding must hold one row per token"
-            )
-
-    rope_scaling = None
-    scaling_type = meta.get(k + "rope.scaling.type") or "none"
-    if scaling_type not in GGUF_ROPE_SCALING:
-        raise ModelLoadError(
-            f"GGUF file {path}: {k}rope.scaling.type={scaling_type!r} is not supported for GGUF "
-            f"files (supported: {', '.join(GGUF_ROPE_SCALING)}); load the Hugging Face checkpoint"
-        )
-    if scaling_type == "linear":
-        factor = _number(meta, k + "rope.scaling.factor", path, 1.0, 0.0, 1e6)
-        rope_scaling = {"rope_type": "linear", "factor": factor}
-    freq_factors = None
-    if "rope_freqs.weight" in tensors:
-        t = tensors["rope_freqs.weight"]
-        if [int(d) for d in t.shape.tolist()] != [head_size // 2]:
-            raise ModelLoadError(
-                f"GGUF file {path}: rope_freqs.weight has shape {t.shape.tolist()}, not "
-                f"[{head_size // 2}] (half the head size)"
-            )
-        _check_bytes(reader, [t], path)
-        gguf = require_gguf()
-        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if not np.isfinite(values).all() or (values <= 0).any():
-            raise ModelLoadError(f"GGUF file {path}: rope_freqs.weight holds non-positive factors")
-        freq_factors = tuple(float(x) for x in values.reshape(-1))
-
-    eos = [
-        int(meta[key])
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-        if isinstance(meta.get(key), int)
-    ]
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    config = ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_size=head_size,
-        rms_norm_eps=_number(meta, k + "attention.layer_norm_rms_epsilon", path, 1e-6, 0.0, 1.0),
-        rope_theta=_number(meta, k + "rope.freq_base", path, 10000.0, 1.0, 1e12),
-        rope_scaling=rope_scaling,
-        rope_freq_factors=freq_factors,
-        max_position_embeddings=context,
-        tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        o_proj_bias="blk.0.attn_output.bias" in tensors,
-        mlp_bias="blk.0.ffn_up.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        bos_token_id=int(bos) if isinstance(bos, int) else None,
-        eos_token_ids=tuple(dict.fromkeys(eos)),
-    )
-    _check_tensors(reader, config, path)
-    return config
-
-
-def _check_tensors(reader: Any, config: ModelConfig, path: Any) -> None:
-    """Each tensor's name and shape against the config, its bytes against the file."""
+def gguf_architecture(file: GGUFModelFile, plugins: PluginManager | None = None) -> Architecture:
+    """The registered architecture that claims the file's ``general.architecture``; an
+    unclaimed one is a ModelLoadError naming what the registered plugins claim."""
     from pitstop.plugin_manager import get_plugin_manager
 
-    expected = get_plugin_manager().architecture(config.architecture).weight_shapes(config)
+    plugins = plugins or get_plugin_manager()
+    found = plugins.architecture_for_gguf(file.architecture)
+    if found is None:
+        claims = dict(sorted(plugins.gguf_claims().items()))
+        listed = f"{', '.join(claims)} ({', '.join(claims.values())})" if claims else "none"
+        raise ModelLoadError(
+            f"GGUF file {file.path} holds a model of architecture {file.architecture!r} "
+            f"(general.architecture), which no registered model plugin reads; the registered "
+            f"ones read {listed}: install the plugin of {file.architecture!r}, or load a "
+            "Hugging Face checkpoint"
+        )
+    return found[1]
+
+
+def gguf_model_config(
+    file: GGUFModelFile, plugins: PluginManager | None = None
+) -> tuple[ModelConfig, Architecture]:
+    """The :class:`ModelConfig` of an open GGUF file and the architecture that read it.
+
+    The plugin that claims the file checks every metadata field that shapes the
+    model (present, a positive whole number below a bound, consistent with the
+    others); then every tensor is checked here: its name maps to a Hugging Face one,
+    its shape is what the metadata makes it, and its bytes lie inside the file
+    without overlapping another tensor's. All of it before anything proportional to
+    a claimed size is allocated.
+    """
+    rules = gguf_architecture(file, plugins)
+    assert rules.gguf is not None  # architecture_for_gguf finds only those with rules
+    config = rules.gguf.config(file)
+    _check_tensors(file, config, rules)
+    return config, rules
+
+
+def _check_tensors(file: GGUFModelFile, config: ModelConfig, rules: Architecture) -> None:
+    """Each tensor's name and shape against the config, its bytes against the file."""
+    assert rules.gguf is not None
+    expected = rules.weight_shapes(config)
     unknown, seen = [], set()
-    for t in reader.tensors:
-        if t.name in _IGNORED:
+    for t in file.reader.tensors:
+        if rules.gguf.config_tensor(t.name):
             continue
-        name = hf_tensor_name(t.name)
+        name = rules.gguf.tensor_name(t.name)
         if name is None or name not in expected:
             unknown.append(t.name)
             continue
         seen.add(name)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = tensor_shape(t)
         if shape != expected[name]:
             raise ModelLoadError(
-                f"GGUF file {path}: tensor {t.name} has shape {list(shape)}, but the metadata "
-                f"(embedding_length={config.hidden_size}, feed_forward_length="
+                f"GGUF file {file.path}: tensor {t.name} has shape {list(shape)}, but the "
+                f"metadata (embedding_length={config.hidden_size}, feed_forward_length="
                 f"{config.intermediate_size}, head counts {config.num_heads}/{config.num_kv_heads} "
                 f"of {config.head_size}, {config.vocab_size} tokens) makes it {list(expected[name])}"
             )
     if unknown:
         raise ModelLoadError(
-            f"GGUF file {path} has {len(unknown)} tensor(s) that map to nothing pitstop runs "
+            f"GGUF file {file.path} has {len(unknown)} tensor(s) that map to nothing pitstop runs "
             f"(or that the other layers lack), e.g. {unknown[:5]}; it refuses rather than skips them"
         )
     missing = [n for n in expected if n not in seen]
     if missing:
         raise ModelLoadError(
-            f"GGUF file {path} lacks {len(missing)} tensor(s) a {config.architecture} needs, "
+            f"GGUF file {file.path} lacks {len(missing)} tensor(s) a {config.architecture} needs, "
             f"e.g. {missing[:3]}; the file is incomplete"
         )
-    _check_bytes(reader, reader.tensors, path)
+    check_tensor_bytes(file.reader, file.reader.tensors, file.path)
 
 
-def _check_bytes(reader: Any, tensors: list[Any], path: Any) -> None:
-    """Each tensor's byte count from its type and shape, inside the file, no two overlapping."""
-    gguf = require_gguf()
-    size = len(reader.data)
-    spans = []
-    for t in tensors:
-        dims = [int(d) for d in t.shape.tolist()]
-        try:
-            block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-        except KeyError:
-            raise ModelLoadError(
-                f"GGUF file {path}: tensor {t.name} has type {t.tensor_type!r}, which gguf cannot dequantize"
-            ) from None
-        numel = math.prod(dims)
-        if not dims or dims[0] % block:
-            raise ModelLoadError(
-                f"GGUF file {path}: tensor {t.name} has rows of {dims[:1]} values, not a whole "
-                f"number of {t.tensor_type.name} blocks of {block}"
-            )
-        n_bytes = numel // block * type_size
-        if t.data_offset < 0 or t.data_offset + n_bytes > size or t.data.nbytes != n_bytes:
-            raise ModelLoadError(
-                f"GGUF file {path}: tensor {t.name} claims bytes {t.data_offset:,}..."
-                f"{t.data_offset + n_bytes:,}, beyond the file's {size:,}; the file is truncated"
-            )
-        spans.append((t.data_offset, t.data_offset + n_bytes, t.name))
-    spans.sort()
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
-        if start < end:
-            raise ModelLoadError(
-                f"GGUF file {path}: tensors {a} and {b} overlap; the file is corrupt"
-            )
-
-
-def iter_gguf_tensors(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of an open GGUF file: Hugging Face name, float32, HF shape, on CPU.
+def iter_gguf_tensors(
+    file: GGUFModelFile, config: ModelConfig, rules: Architecture
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of an open GGUF file: Hugging Face name, float32, HF shape, on CPU.
 
     The file must have passed :func:`gguf_model_config` (every name maps, every shape fits).
     """
-    gguf = require_gguf()
-    arch = str(read_gguf_metadata(reader).get("general.architecture"))
-    permuted = arch in _PERMUTED_ARCHITECTURES
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is None:  # rope_freqs: part of the config, not a weight
+    assert rules.gguf is not None
+    for t in file.reader.tensors:
+        if rules.gguf.config_tensor(t.name):  # part of the config, not a weight
             continue
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape.tolist())])
-        if permuted and ".self_attn.q_proj." in name:
-            w = unpermute_rotary_rows(w, config.num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            w = unpermute_rotary_rows(w, config.num_kv_heads)
+        name = rules.gguf.tensor_name(t.name)
+        if name is None:  # refused by _check_tensors; never reached for a checked file
+            raise ModelLoadError(f"GGUF file {file.path}: tensor {t.name} maps to nothing")
+        stored = dequantize(t)
+        w = rules.gguf.fix_tensor(name, stored, config)
+        if getattr(w, "shape", None) != stored.shape:
+            raise ModelLoadError(
+                f"GGUF file {file.path}: the {config.architecture} plugin's fix_tensor turned "
+                f"{t.name} of shape {list(stored.shape)} into {getattr(w, 'shape', type(w))}; "
+                "it must keep the shape (the tensors were checked in it)"
+            )
         yield name, torch.from_numpy(np.ascontiguousarray(w).copy())
 
 
@@ -465,16 +223,21 @@ def _folder_size(folder: Path) -> int:
 
 
 def _write_cache(
-    target: Path, config: ModelConfig, reader: Any, tokenizer: Tokenizer, source: Path
+    target: Path,
+    config: ModelConfig,
+    file: GGUFModelFile,
+    rules: Architecture,
+    tokenizer: Tokenizer,
 ) -> None:
     """Convert into a temporary folder next to ``target``, then rename it into place
     (atomic: a reader never sees half a cache; a concurrent writer's copy wins or loses whole)."""
     from safetensors.torch import save_file
 
+    source = file.path
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        tensors = dict(iter_gguf_tensors(reader, config))
+        tensors = dict(iter_gguf_tensors(file, config, rules))
         save_file(tensors, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
         del tensors
         tokenizer.save(tmp)
@@ -511,10 +274,13 @@ def _iter_cached(file: Path, shard: Any = None) -> Iterator[tuple[str, torch.Ten
     return iter_safetensors(read_safetensors_headers([file]), shard)
 
 
-def load_gguf(path: str | Path, *, tokenizer: Tokenizer | None = None) -> ModelSource:
+def load_gguf(
+    path: str | Path, *, tokenizer: Tokenizer | None = None, plugins: PluginManager | None = None
+) -> ModelSource:
     """A :class:`ModelSource` for a GGUF file, checked, converted once and cached.
 
-    ``tokenizer`` replaces the file's own tokenizer when given.
+    ``tokenizer`` replaces the file's own tokenizer when given; ``plugins`` is the
+    registry asked which architecture reads the file (default: the process's own).
     """
     from pitstop.checkpoint import ModelSource
     from pitstop.tokenizer import Tokenizer
@@ -524,26 +290,27 @@ def load_gguf(path: str | Path, *, tokenizer: Tokenizer | None = None) -> ModelS
         raise ModelLoadError(f"GGUF file {path} does not exist")
     cache = cache_dir_for(path)
     if not (cache / _CONFIG_FILE).is_file():
-        reader = open_gguf(path)
-        config = gguf_model_config(reader, path)
-        own_tokenizer = Tokenizer.from_gguf(path, read_gguf_metadata(reader))
+        file = GGUFModelFile.open(path)
+        config, rules = gguf_model_config(file, plugins)
+        own_tokenizer = Tokenizer.from_gguf(path, file.metadata)
         try:
-            _write_cache(cache, config, reader, own_tokenizer, path)
-        except OSError as exc:
+            _write_cache(cache, config, file, rules, own_tokenizer)
+        except ModelLoadError:  # the file cannot be converted (an OSError too): no fallback
+            raise
+        except OSError as exc:  # the cache cannot be written: convert on every load instead
             log.warning(
                 "cannot cache GGUF file %s under %s (%s); converting on every load",
                 path,
                 cache,
                 exc,
             )
-            rd, cfg = reader, config
             return ModelSource(
                 model_config=config,
                 tokenizer=tokenizer or own_tokenizer,
                 weights=lambda shard=None: (
-                    iter_gguf_tensors(rd, cfg)
+                    iter_gguf_tensors(file, config, rules)
                     if shard is None
-                    else shard.take_all(iter_gguf_tensors(rd, cfg))
+                    else shard.take_all(iter_gguf_tensors(file, config, rules))
                 ),
                 description=f"GGUF {path} (not cached: {exc})",
             )

@@ -25,6 +25,7 @@ from pitstop.architecture import Architecture
 from pitstop.errors import PluginError
 from pitstop.kinds import KINDS as KIND_TABLE
 from pitstop.kinds import missing_members
+from pitstop.model_config import ModelConfig
 from pitstop.protocols import StepBudgetSettings
 from pitstop.settings import (
     aliased_fields,
@@ -259,6 +260,9 @@ class PluginManager:
                             f"{name!r} of {other.distribution} both declare settings under the "
                             f"namespace {name!r}; rename one"
                         )
+            if architecture is not None:
+                self._check_gguf_claims(name, architecture, source)
+                self._check_presets(name, architecture, source)
             existing = self.registry[kind].get(name)
             if existing is not None:
                 raise PluginError(
@@ -346,6 +350,68 @@ class PluginManager:
             if raw.get("model_type") in s.architecture.model_types:
                 return s.name, s.architecture
         return None
+
+    def hf_model_types(self) -> dict[str, str]:
+        """Every ``config.json`` model_type a registered architecture reads -> its name."""
+        return {
+            t: s.name for s in self.registry["model"].values() for t in s.architecture.model_types
+        }
+
+    def architecture_for_gguf(self, gguf_architecture: Any) -> tuple[str, Architecture] | None:
+        """The registered architecture that claims a GGUF file's ``general.architecture``
+        (through its :class:`~pitstop.architecture.GGUFRules`), or None."""
+        if not isinstance(gguf_architecture, str):  # absent, or not text: nobody claims it
+            return None
+        name = self.gguf_claims().get(gguf_architecture)
+        return None if name is None else (name, self.registry["model"][name].architecture)
+
+    def gguf_claims(self) -> dict[str, str]:
+        """Every GGUF ``general.architecture`` value a registered architecture reads -> its name."""
+        return {
+            value: s.name
+            for s in self.registry["model"].values()
+            if s.architecture.gguf is not None
+            for value in s.architecture.gguf.architectures
+        }
+
+    def _check_gguf_claims(
+        self, name: str, architecture: Architecture, source: PluginSource
+    ) -> None:
+        """Two architectures claiming one GGUF ``general.architecture`` is an error naming both."""
+        claims = self.gguf_claims()
+        for value in architecture.gguf.architectures if architecture.gguf else ():
+            other = claims.get(value)
+            if other is not None and other != name:
+                strategy = self.registry["model"][other]
+                raise PluginError(
+                    f"two model plugins read GGUF files of general.architecture {value!r}: "
+                    f"{other} of {strategy.distribution} ({strategy.module}) and {name} of "
+                    f"{source.distribution} ({source.module.__name__}); uninstall one, or "
+                    f"narrow {ALLOW_LIST_VARIABLE}"
+                )
+
+    def presets(self) -> dict[str, ModelConfig]:
+        """Every ``dummy:<name>`` shape the registered architectures give, by name."""
+        return {
+            preset: config
+            for s in self.registry["model"].values()
+            for preset, config in s.architecture.presets.items()
+        }
+
+    def _check_presets(self, name: str, architecture: Architecture, source: PluginSource) -> None:
+        """A preset is of the architecture that gives it, and only one gives each name."""
+        given = self.presets()
+        for preset, config in architecture.presets.items():
+            if not isinstance(config, ModelConfig) or config.architecture != name:
+                raise PluginError(
+                    f"{source.distribution}: the preset {preset!r} of the model {name!r} must be "
+                    f"a pitstop.model_config.ModelConfig with architecture={name!r}, got {config!r}"
+                )
+            if preset in given:
+                raise PluginError(
+                    f"two model plugins give the preset {preset!r}: {given[preset].architecture} "
+                    f"and {name} of {source.distribution} ({source.module.__name__}); rename one"
+                )
 
     def check_config(self, config: EngineConfig) -> None:
         """Raise :class:`PluginError` on the first strategy name of ``config`` that is not

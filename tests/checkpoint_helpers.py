@@ -181,7 +181,6 @@ def write_gguf_from_hf(
     (Llama q/k rows permuted; Llama 3 rope scaling as rope_freqs). ``meta`` overrides
     metadata fields (``{arch}.`` keys without the prefix; None deletes one), ``tokens``
     the vocabulary size of the tokenizer: both to craft bad files."""
-    import gguf
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -209,28 +208,38 @@ def write_gguf_from_hf(
     if rope.get("rope_type") == "linear":
         fields |= {"rope.scaling.type": "linear", "rope.scaling.factor": float(rope["factor"])}
     fields |= meta or {}
-    w = gguf.GGUFWriter(str(path), arch)
-    for key, value in fields.items():
-        if value is None:
-            continue
-        full = f"{arch}.{key}"
-        if isinstance(value, str):
-            w.add_string(full, value)
-        elif isinstance(value, float):
-            w.add_float32(full, value)
-        else:
-            w.add_uint32(full, value)
-    write_tokenizer(w, tokens or cfg["vocab_size"])
+    arrays = {}
     if rope.get("rope_type") == "llama3":
-        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, theta, head_dim))
+        arrays["rope_freqs.weight"] = llama3_rope_factors(rope, theta, head_dim)
     for name, t in tensors.items():
         a = t.float().numpy()
         if arch == "llama" and ".q_proj." in name:
             a = permute_rotary_rows(a, heads)
         elif arch == "llama" and ".k_proj." in name:
             a = permute_rotary_rows(a, kv)
-        w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
-    for name, a in (extra_tensors or {}).items():
+        arrays[gguf_name(name)] = np.ascontiguousarray(a)
+    arrays |= extra_tensors or {}
+    fields = {f"{arch}.{key}": value for key, value in fields.items() if value is not None}
+    return write_gguf(path, arch, fields, arrays, tokens or cfg["vocab_size"])
+
+
+def write_gguf(
+    path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, np.ndarray], vocab: int
+) -> Path:
+    """A GGUF file of general.architecture ``arch``: metadata ``fields`` (full key -> str,
+    float or int), a tiny BPE tokenizer of ``vocab`` tokens, and ``tensors`` as given."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in fields.items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
+    write_tokenizer(w, vocab)
+    for name, a in tensors.items():
         w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()

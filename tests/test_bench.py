@@ -24,7 +24,7 @@ from pitstop.bench.report import (
     record_from_output,
     table,
 )
-from pitstop.presets import PRESETS
+from pitstop.plugins.models.llama_presets import PRESETS
 
 
 # ---------------------------------------------------------------------- floors

@@ -21,12 +21,9 @@ from checkpoint_helpers import (
 from conftest_models import make_tiny_checkpoint
 
 from pitstop.errors import ConfigError, ModelLoadError
-from pitstop.model_config import (
-    HF_FIELDS_READ,
-    HF_FIELDS_WITHOUT_EFFECT,
-    ModelConfig,
-    rope_frequencies,
-)
+from pitstop.model_config import ModelConfig
+from pitstop.plugins.models.llama_config import HF_FIELDS_READ, HF_FIELDS_WITHOUT_EFFECT
+from pitstop.plugins.models.llama_rope import rope_frequencies
 from pitstop.weights import load_model_source
 
 
@@ -210,7 +207,7 @@ def test_every_field_of_the_config_classes_is_decided() -> None:
 
 
 def test_an_undecided_field_at_a_non_default_value_is_refused(tmp_path, monkeypatch) -> None:
-    import pitstop.model_config as mc
+    import pitstop.plugins.models.llama_config as mc
 
     monkeypatch.setattr(
         mc,

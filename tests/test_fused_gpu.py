@@ -248,7 +248,7 @@ def test_decode_attention_is_graph_capturable() -> None:
 def _dummy_runner(kernels: str, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
     """A ModelRunner of the dummy ``qwen3-0.6b`` shape on CUDA (same seeded weights for every kernel set)."""
     from pitstop.plugin_manager import PluginManager
-    from pitstop.presets import PRESETS
+    from pitstop.plugins.models.llama_presets import PRESETS
     from pitstop.runner import ModelRunner
 
     config = EngineConfig(

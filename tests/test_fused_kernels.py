@@ -607,8 +607,8 @@ def _tiny_runner(
 ):
     """A ModelRunner over a tiny random Hugging Face model of ``arch`` (same weights for every kernel set)."""
     transformers = pytest.importorskip("transformers")
-    from pitstop.model_config import ModelConfig
     from pitstop.plugin_manager import PluginManager
+    from pitstop.plugins.models.llama_config import config_from_hf
     from pitstop.runner import ModelRunner
 
     cfg_cls, model_cls = {
@@ -651,7 +651,7 @@ def _tiny_runner(
         device=DEVICE.type,
         kv_cache_dtype=kv_cache_dtype,
     )
-    runner = ModelRunner(config, ModelConfig.from_hf_dict(config_dict), plugins, DEVICE, dtype)
+    runner = ModelRunner(config, config_from_hf(config_dict), plugins, DEVICE, dtype)
     state = {k: v.to(dtype) for k, v in hf_model.state_dict().items()}
     runner.load_weights(lambda: iter(state.items()))
     runner.init_kv_cache(32)

@@ -139,7 +139,7 @@ def test_overlapping_or_out_of_file_byte_ranges_are_refused() -> None:
     """The byte checks on their own (GGUFWriter cannot write such a file)."""
     import gguf
 
-    from pitstop.gguf_loader import _check_bytes
+    from pitstop.gguf_file import check_tensor_bytes as _check_bytes
 
     class Tensor:
         def __init__(self, name, offset, n, data=None):

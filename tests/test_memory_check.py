@@ -35,7 +35,7 @@ def test_unknown_free_memory_skips_the_check(monkeypatch: pytest.MonkeyPatch) ->
     import torch
 
     import pitstop.memory as memory
-    from pitstop.presets import PRESETS
+    from pitstop.plugins.models.llama_presets import PRESETS
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: None)
     memory.check_fits(PRESETS["qwen3-32b"], torch.float32, torch.device("cpu"), 0)

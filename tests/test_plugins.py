@@ -337,3 +337,200 @@ def test_an_architecture_nobody_registers_is_refused_naming_the_plugins(tmp_path
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ModelLoadError, match="model_type='mamba'.*llama, qwen2, qwen3"):
         read_hf_config(tmp_path, PluginManager())
+
+
+# ---------------------------------------------------------------------- GGUF of a plugin
+def _write_gguf(path: Path, architecture: str, tensors: dict, fields: dict) -> Path:
+    """A float32 GGUF file of ``architecture`` with a tokenizer of token_embd's rows."""
+    from checkpoint_helpers import write_gguf
+
+    return write_gguf(path, architecture, fields, tensors, tensors["token_embd.weight"].shape[0])
+
+
+def test_a_third_party_architecture_loads_from_gguf_and_runs(
+    with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example's BigramForCausalLM claims general.architecture 'bigram': the GGUF
+    loader asks the registry, the plugin reads the metadata, the loader renames and checks
+    the tensors by the plugin's rules, and the engine runs it, converted and then cached."""
+    import numpy as np
+
+    from pitstop import LLM, SamplingParams
+    from pitstop.weights import load_model_source
+
+    monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path / "cache"))
+    vocab, hidden = 40, 8
+    rng = np.random.default_rng(5)
+    embed = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    head = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    path = _write_gguf(
+        tmp_path / "bigram.gguf",
+        "bigram",
+        {"token_embd.weight": embed, "output.weight": head},
+        {"bigram.embedding_length": hidden, "bigram.context_length": 64},
+    )
+    pm = PluginManager(allow=None)
+    expected, token = [], 7
+    for _ in range(6):  # greedy: the argmax of the last token's logits, every step
+        token = int((head @ embed[token]).argmax())
+        expected.append(token)
+    for run in range(2):  # converted, then read back from the cache
+        if run == 1:
+            assert "cached at" in load_model_source(str(path), plugins=pm).description
+        llm = LLM(str(path), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+        mc = llm.engine.model_config
+        assert (mc.architecture, mc.vocab_size, mc.hidden_size) == (
+            "BigramForCausalLM",
+            vocab,
+            hidden,
+        )
+        assert mc.max_position_embeddings == 64 and mc.eos_token_ids == (2,)
+        out = llm.generate(
+            prompt_token_ids=[[3, 7]],
+            sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        assert out.token_ids == expected
+    assert llm.engine.tokenizer.encode("t1", add_special_tokens=False) == [2]  # the file's own
+
+    # the loader checks the tensors by the plugin's names and shapes
+    bad = _write_gguf(
+        tmp_path / "extra.gguf",
+        "bigram",
+        {"token_embd.weight": embed, "output.weight": head, "blk.0.attn_q.weight": head},
+        {"bigram.embedding_length": hidden},
+    )
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_q\.weight.*refuses rather than skips"):
+        LLM(str(bad), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+    # and the plugin refuses a field of its architecture it does not read
+    odd = _write_gguf(
+        tmp_path / "odd.gguf",
+        "bigram",
+        {"token_embd.weight": embed, "output.weight": head},
+        {"bigram.embedding_length": hidden, "bigram.block_count": 2},
+    )
+    with pytest.raises(ModelLoadError, match="bigram.block_count is not a bigram field"):
+        LLM(str(odd), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+
+
+def test_a_fix_tensor_that_changes_a_shape_is_refused(
+    with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import ModuleType
+
+    import attrs
+    import numpy as np
+    from pitstop_example import bigram
+
+    import pitstop
+    from pitstop.weights import load_model_source
+
+    monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path / "cache"))
+    module = ModuleType("transposing")
+
+    @pitstop.hookimpl
+    def register_models(register) -> None:
+        gguf = attrs.evolve(bigram.BIGRAM.gguf, fix_tensor=lambda name, t, config: t.T)
+        rules = attrs.evolve(bigram.BIGRAM, gguf=gguf)
+        register(bigram.ARCHITECTURE, bigram.make_bigram, architecture=rules)
+
+    module.register_models = register_models  # type: ignore[attr-defined]
+    pm = PluginManager(allow=["pitstop"], extra_modules=[module])
+    embed = np.zeros((16, 4), dtype=np.float32)
+    path = _write_gguf(
+        tmp_path / "t.gguf",
+        "bigram",
+        {"token_embd.weight": embed, "output.weight": embed},
+        {"bigram.embedding_length": 4},
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"fix_tensor turned token_embd.weight of shape \[16, 4\]"
+    ):
+        load_model_source(str(path), plugins=pm)
+
+
+def test_a_gguf_architecture_nobody_claims_is_refused_naming_the_claimed_ones(
+    with_example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+
+    from pitstop.weights import load_model_source
+
+    monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path / "cache"))
+    embed = np.zeros((16, 4), dtype=np.float32)
+    path = _write_gguf(
+        tmp_path / "mamba.gguf", "mamba", {"token_embd.weight": embed}, {"mamba.block_count": 1}
+    )
+    with pytest.raises(ModelLoadError) as info:
+        load_model_source(str(path), plugins=PluginManager(allow=None))
+    msg = str(info.value)
+    assert "architecture 'mamba' (general.architecture), which no registered model plugin" in msg
+    claims = "bigram, llama, qwen2, qwen3 (BigramForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM"
+    assert f"the registered ones read {claims}, Qwen3ForCausalLM)" in msg
+    with pytest.raises(ModelLoadError, match="architecture 'mamba'.*read llama, qwen2, qwen3 \\("):
+        load_model_source(str(path), plugins=PluginManager(allow=["pitstop"]))  # built-ins
+    assert not list((tmp_path / "cache").glob("gguf/*-v*"))  # nothing converted, nothing cached
+
+
+def test_two_architectures_claiming_one_gguf_architecture_are_refused() -> None:
+    from types import ModuleType
+
+    import pitstop
+    from pitstop.architecture import Architecture, GGUFRules
+    from pitstop.plugins.models import llama
+
+    module = ModuleType("clash")
+
+    @pitstop.hookimpl
+    def register_models(register) -> None:
+        rules = Architecture(
+            config_from_hf=lambda raw, where: None,
+            weight_shapes=llama.expected_weight_shapes,
+            rotary=llama.rotary_cache,
+            gguf=GGUFRules(("llama",), config=lambda f: None, tensor_name=lambda n: None),
+        )
+        register("MyLlamaForCausalLM", llama.make_llama, architecture=rules)
+
+    module.register_models = register_models  # type: ignore[attr-defined]
+    with pytest.raises(PluginError, match="general.architecture 'llama'.*LlamaForCausalLM"):
+        PluginManager(extra_modules=[module])
+    for claimed in ((), "llama"):  # a bare string would claim its letters
+        with pytest.raises(ValueError, match="names at least one general.architecture"):
+            GGUFRules(claimed, config=lambda f: None, tensor_name=lambda n: None)
+    with pytest.raises(TypeError, match="'config_from_hf' must be callable"):  # no built-in reader
+        Architecture(config_from_hf=None, weight_shapes=len, rotary=len)
+
+
+def test_presets_come_from_the_architectures_that_give_them(with_example: Path) -> None:
+    from types import ModuleType
+
+    import attrs
+
+    import pitstop
+    from pitstop import LLM, SamplingParams
+    from pitstop.plugins.models import llama
+
+    pm = PluginManager(allow=None)
+    assert pm.presets()["bigram-tiny"].architecture == "BigramForCausalLM"
+    assert pm.presets()["qwen3-8b"].architecture == "Qwen3ForCausalLM"
+    llm = LLM("dummy:bigram-tiny", plugins=pm, device="cpu", max_model_len=32, kv_cache_gib=0.01)
+    assert llm.engine.model_config is pm.presets()["bigram-tiny"]
+    out = llm.generate(
+        prompt_token_ids=[[1, 2]],
+        sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert len(out.token_ids) == 4 and all(0 <= t < 64 for t in out.token_ids)
+
+    module = ModuleType("clash")
+    qwen3 = PluginManager().architecture("Qwen3ForCausalLM")
+
+    @pitstop.hookimpl
+    def register_models(register) -> None:
+        preset = attrs.evolve(qwen3.presets["qwen3-8b"], architecture="MyQwen3ForCausalLM")
+        rules = attrs.evolve(qwen3, gguf=None, presets={"qwen3-8b": preset})
+        register("MyQwen3ForCausalLM", llama.make_llama, architecture=rules)
+
+    module.register_models = register_models  # type: ignore[attr-defined]
+    with pytest.raises(PluginError, match="two model plugins give the preset 'qwen3-8b'"):
+        PluginManager(extra_modules=[module])

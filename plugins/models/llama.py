@@ -7,6 +7,10 @@ and Llama ones on the MLP (``mlp_bias``). Every op goes
 through the selected kernel set; the model never calls a kernel library
 directly. Weight names are Hugging Face's; the model maps them onto its own
 (merged q/k/v and gate/up weights when the kernel set asks for them).
+
+The family's loading rules live beside it: :mod:`.llama_config` reads a
+``config.json``, :mod:`.llama_gguf` a GGUF file, :mod:`.llama_rope` computes the
+rotary frequencies; :func:`register_models` hands them to the registry.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ from pitstop.architecture import Architecture
 from pitstop.attention import AttentionMetadata
 from pitstop.errors import ModelLoadError
 from pitstop.hookspecs import hookimpl
-from pitstop.model_config import HF_MODEL_TYPES, ModelConfig, rope_frequencies
+from pitstop.model_config import ModelConfig
+from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
+from pitstop.plugins.models.llama_gguf import gguf_rules
+from pitstop.plugins.models.llama_presets import PRESETS
+from pitstop.plugins.models.llama_rope import rope_frequencies
 from pitstop.protocols import KernelSet, RotaryCache
 
 
@@ -490,13 +498,17 @@ def make_llama(model_config: ModelConfig, kernels: KernelSet) -> LlamaForCausalL
 
 @hookimpl
 def register_models(register) -> None:
-    """Register the Llama family under the architecture names checkpoints use."""
+    """Register the Llama family under the architecture names checkpoints use: one
+    reader of config.json (llama_config) and of GGUF files (llama_gguf) for all three;
+    llama.cpp names each member's GGUF architecture as config.json names its model_type."""
     for model_type, arch in HF_MODEL_TYPES.items():
         rules = Architecture(
-            config_from_hf=None,  # pitstop's reader of the family's fields (model_config.py)
+            config_from_hf=config_from_hf,
             weight_shapes=expected_weight_shapes,
             rotary=rotary_cache,
             ignored_tensor=ignored_checkpoint_tensor,
             model_types=(model_type,),
+            gguf=gguf_rules(model_type),
+            presets={name: c for name, c in PRESETS.items() if c.architecture == arch},
         )
         register(arch, make_llama, architecture=rules)

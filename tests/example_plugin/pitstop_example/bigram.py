@@ -4,11 +4,16 @@ Each token's logits depend on that token alone: ``logits = lm_head(embed(token))
 It has no attention, so it reads neither the rotary tables nor the KV cache the
 runner hands it; it exists to show what a model plugin provides: a factory,
 and an :class:`~pitstop.architecture.Architecture` that says how its
-``config.json`` is read and which tensors its checkpoint holds.
+``config.json`` and its GGUF files are read and which tensors its checkpoint holds.
 
 ``config.json``: ``{"model_type": "bigram", "architectures":
 ["BigramForCausalLM"], "vocab_size": V, "hidden_size": H}``; tensors
 ``model.embed_tokens.weight`` and ``lm_head.weight``, both ``[V, H]``.
+
+A GGUF file: ``general.architecture = "bigram"``, ``bigram.embedding_length = H``
+(and optionally ``bigram.context_length``), a tokenizer in the usual
+``tokenizer.ggml.*`` fields, tensors ``token_embd.weight`` and ``output.weight``
+(llama.cpp's names for the two), each ``[V, H]``.
 """
 
 from __future__ import annotations
@@ -19,12 +24,41 @@ from typing import Any
 import torch
 from torch import nn
 
-from pitstop.architecture import Architecture
+from pitstop.architecture import Architecture, GGUFRules
 from pitstop.errors import ModelLoadError
+from pitstop.gguf_file import GGUFModelFile
 from pitstop.model_config import ModelConfig
 from pitstop.protocols import RotaryCache
 
 ARCHITECTURE = "BigramForCausalLM"
+
+
+GGUF_ARCHITECTURE = "bigram"  # general.architecture of its GGUF files
+MAX_SIZE = 2**20
+# llama.cpp's names of its two tensors -> the Hugging Face names the model loads
+GGUF_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_KEYS = (f"{GGUF_ARCHITECTURE}.embedding_length", f"{GGUF_ARCHITECTURE}.context_length")
+
+
+def _bigram_config(
+    vocab: int, hidden: int, max_positions: int, eos: tuple[int, ...], bos: int | None = None
+) -> ModelConfig:
+    return ModelConfig(
+        architecture=ARCHITECTURE,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=1,
+        num_layers=1,  # the runner sizes a KV cache by these; the model never reads it
+        num_heads=1,
+        num_kv_heads=1,
+        head_size=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=bos,
+        eos_token_ids=eos,
+    )
 
 
 def config_from_hf(raw: Mapping[str, Any], where: str) -> ModelConfig:
@@ -32,23 +66,36 @@ def config_from_hf(raw: Mapping[str, Any], where: str) -> ModelConfig:
     sizes = {}
     for key in ("vocab_size", "hidden_size"):
         value = raw.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**20:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
             raise ModelLoadError(
                 f"{where}: {key} must be an integer from 1 to 2**20, got {value!r}"
             )
         sizes[key] = value
-    return ModelConfig(
-        architecture=ARCHITECTURE,
-        vocab_size=sizes["vocab_size"],
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=1,
-        num_layers=1,  # the runner sizes a KV cache by these; the model never reads it
-        num_heads=1,
-        num_kv_heads=1,
-        head_size=2,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        eos_token_ids=tuple(raw.get("eos_token_id") or ()),
+    return _bigram_config(
+        sizes["vocab_size"],
+        sizes["hidden_size"],
+        int(raw.get("max_position_embeddings", 4096)),
+        tuple(raw.get("eos_token_id") or ()),
     )
+
+
+def config_from_gguf(file: GGUFModelFile) -> ModelConfig:
+    """The shape of a bigram model from a GGUF file's metadata and its embedding's shape;
+    a ``bigram.*`` field it does not read, or a size that disagrees, is an error."""
+    for key in file.keys:
+        if key.startswith(f"{GGUF_ARCHITECTURE}.") and key not in GGUF_KEYS:
+            raise ModelLoadError(
+                f"GGUF file {file.path}: {key} is not a bigram field; it reads {', '.join(GGUF_KEYS)}"
+            )
+    hidden = file.count(GGUF_KEYS[0], MAX_SIZE)
+    shape = file.tensor_shapes.get("token_embd.weight")
+    if shape is None or len(shape) != 2 or shape[1] != hidden or not 1 <= shape[0] <= MAX_SIZE:
+        raise ModelLoadError(
+            f"GGUF file {file.path}: token_embd.weight has shape {shape}, not "
+            f"[vocabulary, {GGUF_KEYS[0]}={hidden}]"
+        )
+    max_positions = file.count(GGUF_KEYS[1], 2**31 - 1, default=4096)
+    return _bigram_config(shape[0], hidden, max_positions, file.eos_token_ids, file.bos_token_id)
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -107,4 +154,10 @@ BIGRAM = Architecture(
     weight_shapes=weight_shapes,
     rotary=no_rotary,
     model_types=("bigram",),
+    presets={"bigram-tiny": _bigram_config(64, 8, 4096, ())},  # dummy:bigram-tiny
+    gguf=GGUFRules(
+        architectures=(GGUF_ARCHITECTURE,),
+        config=config_from_gguf,
+        tensor_name=GGUF_TENSOR_NAMES.get,
+    ),
 )

@@ -1,8 +1,10 @@
-"""Named model shapes for ``dummy:<preset>`` models (random weights, for benchmarks).
+"""The Llama family's named shapes for ``dummy:<preset>`` models (random weights, for benchmarks).
 
 Speed does not depend on the values of the weights, so a benchmark can run a
 model of the exact shape of a real checkpoint without downloading it. Each
-shape is copied from the model's published ``config.json``.
+shape is copied from the model's published ``config.json``. The family
+registers each with its architecture (``Architecture.presets``), and the
+loader finds them through the registry.
 """
 
 from __future__ import annotations
