@@ -60,6 +60,7 @@ def test_sjf_runs_the_engine_with_the_same_greedy_tokens(
             options=options,
         )
         assert _greedy(llm, PROMPTS) == expected
+        assert llm.engine.stats.preemptions > 0  # a preempted request resumed where it left off
         assert llm.engine.allocator.stats().pages_free == 12
     # and in the overlapped loop (plan step N+1 before step N's tokens are known)
     llm = _llm(tiny_qwen3, plugins, scheduler="sjf", overlap="on", max_num_batched_tokens=8)
@@ -134,6 +135,24 @@ def test_recall_keeps_greedy_tokens_and_its_drafts_are_accepted(
     accepted = stats.spec_accepted_tokens - first[1]
     assert proposed > 0 and accepted == proposed, (proposed, accepted)
     assert not llm.engine.proposer._learnt  # every finished sequence was released
+
+
+def test_recall_drafts_are_accepted_on_a_repetitive_prompt(plugins: PluginManager) -> None:
+    """The shipped SmolLM2 copying its prompt: recall drafts the copy from the prompt's table."""
+    from conftest_models import smollm2_gguf
+
+    smollm2_gguf()
+    prompts = [
+        "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog. The quick"
+    ]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    run = {"device": "cpu", "kv_cache_gib": 0.05, "max_model_len": 256, "plugins": plugins}
+    plain = LLM("smollm2-135m", **run).generate(prompts, params, use_tqdm=False)
+    llm = LLM("smollm2-135m", speculative="recall", **run)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    stats = llm.engine.stats
+    assert stats.spec_accepted_tokens > 0, (stats.spec_proposed_tokens, stats.spec_accepted_tokens)
 
 
 # ---------------------------------------------------------------- settings
