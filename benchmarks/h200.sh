@@ -76,7 +76,7 @@ for spec in ${BENCHES-nano single}; do
       pitstop plugins | grep pitstop-example
       timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_example_strategies.py 2>&1 | tail -5
       run nano-fused-64 offline --workload nano --kernels fused --num-requests 64
-      run nano-fused-eager-64 offline --workload nano --kernels fused --enforce-eager --num-requests 64
+      run nano-fused-eager-64 offline --workload nano --kernels fused --enforce-eager true --num-requests 64
       run nano-sdpa-64 offline --workload nano --kernels sdpa --sdpa.base fused --num-requests 64
       run longtail-sjf online --workload longtail --num-requests ${LT_N:-100} --max-batch-size 64 --kernels fused --matrix benchmarks/workloads/sjf.toml
       gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf" ] || { echo "== recall-single: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
