@@ -15,12 +15,12 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import attrs
 import pluggy
 
-from pitstop import hookspecs
+from pitstop import hookspecs, protocols
 from pitstop.architecture import Architecture
 from pitstop.errors import PluginError
 from pitstop.kinds import KINDS as KIND_TABLE
@@ -459,6 +459,33 @@ class PluginManager:
             for key in keys:
                 declared.setdefault(key, f"{s.kind} {s.name!r}")
         return declared
+
+    @overload
+    def create(
+        self, kind: Literal["allocator"], name: str, *args: Any, **kwargs: Any
+    ) -> protocols.Allocator: ...
+    @overload
+    def create(
+        self, kind: Literal["scheduler"], name: str, *args: Any, **kwargs: Any
+    ) -> protocols.Scheduler: ...
+    @overload
+    def create(
+        self, kind: Literal["kernels"], name: str, *args: Any, **kwargs: Any
+    ) -> protocols.KernelSet: ...
+    @overload
+    def create(
+        self, kind: Literal["sampler"], name: str, *args: Any, **kwargs: Any
+    ) -> protocols.Sampler: ...
+    @overload
+    def create(
+        self, kind: Literal["proposer"], name: str, *args: Any, **kwargs: Any
+    ) -> protocols.Proposer: ...
+    @overload
+    def create(
+        self, kind: Literal["model"], name: str, *args: Any, **kwargs: Any
+    ) -> protocols.Model: ...
+    @overload
+    def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any: ...
 
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
         """Build the named strategy with its factory and check it against its kind's protocol.

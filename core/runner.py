@@ -303,12 +303,13 @@ class ModelRunner:
 
             self.kernels = TensorParallelKernels(self.kernels, tensor_parallel)
         self.sampler = plugins.create("sampler", config.sampler, config, device)
-        factory = plugins.get("model", model_config.architecture).factory
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device(device):
-                self.model = factory(model_config, self.kernels)
+            with torch.device(device):  # the model's factory, checked against protocols.Model
+                self.model = plugins.create(
+                    "model", model_config.architecture, model_config, self.kernels
+                )
         finally:
             torch.set_default_dtype(previous)
         if tensor_parallel is not None and not getattr(
