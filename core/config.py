@@ -524,42 +524,36 @@ def add_cli_flags(
         from pitstop.plugin_manager import get_plugin_manager  # loads the plugins once
 
         plugins = get_plugin_manager()
-    add_settings_flags(parser, plugins.strategies())
+    add_settings_flags(parser, plugins)
 
 
-def add_settings_flags(parser: argparse.ArgumentParser, strategies: Any) -> None:
-    """One ``--<plugin>.<setting>`` flag per declared setting (engine-wide ones have theirs),
-    and one ``--<alias>`` flag per alias (``--chunk-size``)."""
+def add_settings_flags(parser: argparse.ArgumentParser, plugins: Any) -> None:
+    """One ``--<plugin>.<setting>`` flag per declared setting of ``plugins``' strategies
+    (engine-wide ones have theirs), and one ``--<alias>`` flag per alias (``--chunk-size``)."""
     group = parser.add_argument_group("plugin settings (pitstop plugins --settings)")
-    aliases: dict[str, list[tuple[Any, attrs.Attribute]]] = {}
-    for strategy in strategies:
-        for att in option_fields(strategy.settings) if strategy.settings is not None else ():
-            if att.metadata["alias"]:
-                aliases.setdefault(att.metadata["alias"], []).append((strategy, att))
-    for alias, declared in sorted(aliases.items()):
-        att = declared[0][1]
+
+    def add(flag: str, key: str, att: attrs.Attribute, help_text: str) -> None:
         kind = att.metadata["type"]
-        readers = ", ".join(f"{s.kind} {s.name!r}" for s, _ in declared)
         group.add_argument(
-            "--" + alias.replace("_", "-"),
-            dest=SETTING_DEST + alias,
+            flag,
+            dest=SETTING_DEST + key,
             type=parse_bool_flag if kind is bool else kind,
             default=None,
             metavar="true|false" if kind is bool else kind.__name__.upper(),
-            help=f"{att.metadata['help']} ({allowed_values(att)}; default {att.default!r}; "
-            f"read by {readers}; also --{declared[0][0].name}.{att.name.replace('_', '-')})",
+            help=f"{help_text} ({allowed_values(att)}; default {att.default!r})",
         )
-    for strategy in strategies:
-        if strategy.settings is None:
-            continue
-        for att in option_fields(strategy.settings):
-            kind = att.metadata["type"]
-            group.add_argument(
+
+    for alias, declared in sorted(plugins.setting_aliases().items()):
+        first, att = declared[0]
+        readers = ", ".join(f"{s.kind} {s.name!r}" for s, _ in declared)
+        also = flag_name(first.name, att.name)
+        help_text = f"{att.metadata['help']}; read by {readers}; also {also}"
+        add("--" + alias.replace("_", "-"), alias, att, help_text)
+    for strategy in plugins.strategies():
+        for att in option_fields(strategy.settings) if strategy.settings is not None else ():
+            add(
                 flag_name(strategy.name, att.name),
-                dest=SETTING_DEST + f"{strategy.name}.{att.name}",
-                type=parse_bool_flag if kind is bool else kind,
-                default=None,
-                metavar="true|false" if kind is bool else kind.__name__.upper(),
-                help=f"{strategy.kind} {strategy.name!r}: {att.metadata['help']} "
-                f"({allowed_values(att)}; default {att.default!r})",
+                f"{strategy.name}.{att.name}",
+                att,
+                f"{strategy.kind} {strategy.name!r}: {att.metadata['help']}",
             )

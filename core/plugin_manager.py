@@ -121,6 +121,7 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.sources: list[PluginSource] = []
         self.registry: dict[str, dict[str, Strategy]] = {kind: {} for kind in KINDS}
+        self._aliases: dict[str, list[tuple[Strategy, attrs.Attribute]]] | None = None
         self.commands: dict[str, Command] = {}
         if allow is None:
             env = os.environ.get(ALLOW_LIST_VARIABLE, "").strip()
@@ -282,6 +283,7 @@ class PluginManager:
                 settings=settings,
                 architecture=architecture,
             )
+            self._aliases = None  # setting_aliases() is built again on its next call
 
         return register
 
@@ -301,12 +303,15 @@ class PluginManager:
 
     # ------------------------------------------------------------------ lookup
     def setting_aliases(self) -> dict[str, list[tuple[Strategy, attrs.Attribute]]]:
-        """Each setting alias (``chunk_size``) -> the strategies declaring it, with the field."""
-        found: dict[str, list[tuple[Strategy, attrs.Attribute]]] = {}
-        for s in self.strategies():
-            for att in aliased_fields(s.settings) if s.settings is not None else ():
-                found.setdefault(att.metadata["alias"], []).append((s, att))
-        return found
+        """Each setting alias (``chunk_size``) -> the strategies declaring it, with the field
+        (built once per registration, not on every EngineConfig)."""
+        if self._aliases is None:
+            found: dict[str, list[tuple[Strategy, attrs.Attribute]]] = {}
+            for s in self.strategies():
+                for att in aliased_fields(s.settings) if s.settings is not None else ():
+                    found.setdefault(att.metadata["alias"], []).append((s, att))
+            self._aliases = found
+        return self._aliases
 
     def step_token_budget(self, config: EngineConfig) -> int:
         """The most tokens one step computes: the selected scheduler's own budget when its
