@@ -14,6 +14,7 @@ from pitstop.config import EngineConfig
 from pitstop.plugins.kernels import reference
 from pitstop.plugins.kernels.fused import FusedKernels
 from pitstop.protocols import RotaryCache
+from pitstop.testing.kernels import paged_metadata
 
 pytestmark = pytest.mark.gpu
 
@@ -56,41 +57,11 @@ def _poisoned():
 def _meta(
     query_lens: list[int], context_lens: list[int], page_size: int, seed: int
 ) -> tuple[AttentionMetadata, int]:
-    """A batch (prefills first) over shuffled pages; returns the metadata and the page count."""
-    order = sorted(range(len(query_lens)), key=lambda i: query_lens[i] == 1)
-    query_lens = [query_lens[i] for i in order]
-    context_lens = [context_lens[i] for i in order]
+    """A batch (prefills first) over shuffled pages, its block table exactly as wide as the
+    longest sequence's pages; returns the metadata and the page count."""
     num_pages = sum(-(-c // page_size) for c in context_lens) + 8
-    free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
-    tables, positions, slots, cu = [], [], [], [0]
-    for q, c in zip(query_lens, context_lens, strict=True):
-        n = -(-c // page_size)
-        table, free = free[:n], free[n:]
-        tables.append(table)
-        positions += range(c - q, c)
-        slots += [table[p // page_size] * page_size + p % page_size for p in range(c - q, c)]
-        cu.append(cu[-1] + q)
-    width = max(len(t) for t in tables)
-    tables = [t + [-1] * (width - len(t)) for t in tables]
-    num_prefills = sum(q > 1 for q in query_lens)
-
-    def dev(x: list, dt: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dt, device="cuda")
-
-    meta = AttentionMetadata(
-        positions=dev(positions, torch.int64),
-        slot_mapping=dev(slots, torch.int64),
-        block_tables=dev(tables, torch.int32),
-        context_lens=dev(context_lens, torch.int32),
-        cu_query_lens=dev(cu, torch.int32),
-        num_prefills=num_prefills,
-        num_prefill_tokens=sum(q for q in query_lens if q > 1),
-        num_decodes=len(query_lens) - num_prefills,
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-        page_size=page_size,
-        context_lens_list=context_lens,
-        query_lens_list=query_lens,
+    meta = paged_metadata(
+        query_lens, context_lens, page_size, num_pages, seed, device="cuda", padding=0
     )
     return meta, num_pages
 

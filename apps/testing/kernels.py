@@ -84,12 +84,15 @@ def paged_metadata(
     num_pages: int,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    padding: int = 1,
 ) -> AttentionMetadata:
     """The metadata of a batch laid out as the runner lays it out (prompts and chunks first).
 
     Sequence ``i`` computes its last ``query_lens[i]`` of ``context_lens[i]``
     tokens; its pages are drawn at random (seeded) from the ``num_pages`` of
-    the cache.
+    the cache. The block table has ``padding`` ``-1`` columns beyond the
+    longest sequence's pages (1, as the runner pads; 0 leaves a kernel that
+    reads past a sequence's pages nothing to read there).
     """
     order = sorted(range(len(query_lens)), key=lambda i: query_lens[i] == 1)
     qlens = [query_lens[i] for i in order]
@@ -105,7 +108,7 @@ def paged_metadata(
             positions.append(p)
             slots.append(table[p // page_size] * page_size + p % page_size)
         cu.append(cu[-1] + q)
-    width = max(len(t) for t in tables) + 1  # one -1 column more than needed, as the runner pads
+    width = max(len(t) for t in tables) + padding
     tables = [t + [-1] * (width - len(t)) for t in tables]
     num_prefills = sum(q > 1 for q in qlens)
 
