@@ -95,11 +95,18 @@ def protocol_members(protocol: type) -> list[str]:
 
 def missing_members(kind: Kind, obj: object) -> list[str]:
     """The members of ``kind``'s protocol that ``obj`` lacks (empty: it conforms)."""
+    return lacks(kind.protocol, obj)
+
+
+def lacks(protocol: type, obj: object) -> list[str]:
+    """The members of ``protocol`` that ``obj`` lacks, looked up with ``getattr`` (unlike a
+    runtime protocol's ``isinstance`` on Python 3.12+, this finds an ``nn.Module``'s
+    submodules); a method must be callable."""
     missing = []
-    for name in protocol_members(kind.protocol):
+    for name in protocol_members(protocol):
         value = getattr(obj, name, None)
         if value is None or (
-            inspect.isfunction(getattr(kind.protocol, name, None)) and not callable(value)
+            inspect.isfunction(getattr(protocol, name, None)) and not callable(value)
         ):
             missing.append(name)
     return missing

@@ -21,7 +21,7 @@ import torch
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
-from pitstop.kinds import protocol_members
+from pitstop.kinds import lacks
 from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
@@ -1027,17 +1027,12 @@ MAX_PIECEWISE_TOKENS = 2048
 def supports_piecewise(model: torch.nn.Module) -> bool:
     """Whether a model has the split forward :class:`PiecewiseGraphs` drives
     (:class:`~pitstop.protocols.SplitForwardModel`: the Llama family has it)."""
-
-    # Not isinstance(): from Python 3.12 a runtime protocol's check looks members up
-    # statically, and a torch.nn.Module keeps its submodules (layers, self_attn) elsewhere.
-    def has(obj: object, protocol: type) -> bool:
-        return all(getattr(obj, name, None) is not None for name in protocol_members(protocol))
-
+    # kinds.lacks, not isinstance(): see there (an nn.Module's submodules)
     layers = getattr(model, "layers", None) or ()
     return (
-        has(model, SplitForwardModel)
+        not lacks(SplitForwardModel, model)
         and len(layers) > 0
-        and all(has(layer, SplitLayer) and has(layer.self_attn, SplitAttention) for layer in layers)
+        and all(not lacks(SplitLayer, x) and not lacks(SplitAttention, x.self_attn) for x in layers)
     )
 
 
