@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 
 from pitstop.errors import ConfigError, PluginError
+from pitstop.poison import poison_from_env
 from pitstop.settings import (
     TOML_TABLE,
     allowed_values,
@@ -255,6 +256,17 @@ class EngineConfig:
         metadata=_doc(
             "plan step N+1 on the CPU while the device runs step N (auto: on for CUDA, "
             "off on CPU; a step that verifies drafts runs serially)"
+        ),
+    )
+
+    # --- debugging
+    poison_memory: bool = attrs.field(
+        factory=poison_from_env,
+        validator=_bool,
+        metadata=_doc(
+            "fill fresh KV pages, workspaces and staging buffers with NaN or an out-of-range "
+            "integer, so a read of memory the engine never wrote fails instead of passing on "
+            "stale values (tests and pitstop verify; slower; default: PITSTOP_POISON_MEMORY)"
         ),
     )
 

@@ -43,12 +43,14 @@ from pitstop.memory import check_fits
 from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestOutput
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
+from pitstop.poison import FreshPageTracker
 from pitstop.protocols import ScheduledSequence, StepPlan
 from pitstop.request_state import RequestState, SampleState, accept_token, token_logprobs
 from pitstop.request_validation import validate_request
 from pitstop.runner import (
     LaunchedStep,
     ModelRunner,
+    PoisonedReadError,
     SeqInput,
     SeqResult,
     StepInput,
@@ -152,6 +154,9 @@ class LLMEngine:
                 f"gpu_memory_utilization) or lower max_model_len"
             )
         self.allocator = self.plugins.create("allocator", config.allocator, config, num_pages)
+        self._fresh_pages: list[int] = []  # handed out since the last launch (poison_memory)
+        if config.poison_memory:
+            self.allocator = FreshPageTracker(self.allocator, self._fresh_pages.extend)
         self.scheduler = self.plugins.create("scheduler", config.scheduler, config, self.allocator)
         self.proposer = None
         if config.speculative is not None:
@@ -196,6 +201,9 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
         self._processed: set[int] = set()  # seq ids using penalties, min_tokens or a grammar
         self._ids = itertools.count()
+        # Sequence ids count from 0 in every engine, so an engine behaves the same whatever ran
+        # before it in the process (ids are keys of the runner's per-sequence state).
+        self._seq_ids = itertools.count()
         self._finished_seq_ids: list[int] = []  # gone since the last launch (runner forgets them)
         self._reset_seq_ids: list[int] = []  # block tables rebuilt since the last launch
         self._in_flight: _Launched | None = None
@@ -342,6 +350,7 @@ class LLMEngine:
                 request_id if params.n == 1 else f"{request_id}#{i}",
                 ids,
                 p,
+                seq_id=next(self._seq_ids),
                 max_num_tokens=min(len(ids) + params.max_tokens, max_len),
             )
             if arrival is not None:
@@ -523,8 +532,11 @@ class LLMEngine:
                     **self._prompt_targets(seq, begin, end),
                 )
             )
-        step = StepInput(inputs, self._finished_seq_ids, self._reset_seq_ids)
+        step = StepInput(
+            inputs, self._finished_seq_ids, self._reset_seq_ids, poison_pages=self._fresh_pages[:]
+        )
         self._finished_seq_ids, self._reset_seq_ids = [], []
+        self._fresh_pages.clear()
         try:
             handle = self.runner.launch(step)
         except WorkerDiedError:
@@ -656,7 +668,10 @@ class LLMEngine:
             if error is None:
                 self.runner.restore_samples(saved)
                 try:
-                    result = self.runner.launch(StepInput([inp])).result().results[0]
+                    alone_output = self.runner.launch(StepInput([inp])).result()
+                    result = alone_output.results[0]
+                    if inp.seq_id in alone_output.poisoned_seq_ids:
+                        raise PoisonedReadError(inp.seq_id)
                 except Exception as alone:
                     error = alone
             if error is not None:
@@ -704,6 +719,9 @@ class LLMEngine:
                 prefill_tokens += s.num_new_tokens
             if seq.is_finished:
                 continue  # finished (or aborted) since this step was launched: discard its token
+            if seq.seq_id in result.poisoned_seq_ids:
+                self._fail_request(seq, PoisonedReadError(seq.seq_id))
+                continue
             if not num_drafts and seq.status is SequenceStatus.RUNNING:
                 self.allocator.on_tokens_computed(seq)
             if res.prompt_logprobs is not None:

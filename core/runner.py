@@ -25,6 +25,7 @@ from pitstop.kinds import lacks
 from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
+from pitstop.poison import poison_, poison_array, poison_pages_, poison_torch_empty
 from pitstop.protocols import SamplingBatch, SplitAttention, SplitForwardModel, SplitLayer
 from pitstop.sampling import (
     RowInputs,
@@ -129,12 +130,15 @@ class StepInput:
     ``finished_seq_ids`` are sequences gone since the last step (their
     generators and block-table rows are dropped); ``reset_seq_ids`` are live
     sequences whose block table was rebuilt or shortened since the last step
-    (preempted, or drafts truncated).
+    (preempted, or drafts truncated). ``poison_pages``: KV pages handed out
+    since the last step, to fill with NaN before this step writes them
+    (``poison_memory`` on; :mod:`pitstop.poison`).
     """
 
     seqs: list[SeqInput]
     finished_seq_ids: list[int] = attrs.Factory(list)
     reset_seq_ids: list[int] = attrs.Factory(list)
+    poison_pages: list[int] = attrs.Factory(list)
 
 
 @attrs.frozen
@@ -162,6 +166,9 @@ class StepOutput:
     """
 
     results: list[SeqResult]
+    # poison_memory: the sequences whose logits this step were not finite (they read memory
+    # nothing wrote); the engine fails their requests instead of taking their tokens
+    poisoned_seq_ids: frozenset[int] = frozenset()
 
     @property
     def token_ids(self) -> list[int]:
@@ -185,9 +192,11 @@ class LaunchedStep:
         ready: StepOutput | None = None,
         top: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None = None,
         prompt: dict[int, list[tuple[float, int, list[tuple[int, float]]]]] | None = None,
+        nonfinite: torch.Tensor | None = None,
     ) -> None:
         self.seqs = seqs
         self._tokens, self._logprobs, self._event = tokens, logprobs, event
+        self._nonfinite = nonfinite  # poison_memory: per logits row, not finite (host, pinned)
         self._top = top  # host copies of (top ids, top logprobs, ranks) when logprobs were asked
         self._prompt = prompt or {}  # input index -> prompt log-probabilities (prompt_logprobs)
         self._ready = ready
@@ -228,8 +237,8 @@ class LaunchedStep:
                 results.append(_NO_TOKENS)
         for i, prompt in self._prompt.items():
             results[i] = attrs.evolve(results[i], prompt_logprobs=prompt)
-        self._ready = StepOutput(results)
-        self._tokens = self._logprobs = self._event = self._top = None
+        self._ready = StepOutput(results, poisoned_seq_ids(self.seqs, self._nonfinite))
+        self._tokens = self._logprobs = self._event = self._top = self._nonfinite = None
         return self._ready
 
 
@@ -240,8 +249,10 @@ class LaunchedVerification(LaunchedStep):
     (the step's one host-device synchronization) and unpacks.
     """
 
-    def __init__(self, seqs: list[SeqInput], verified: DeviceVerified) -> None:
-        super().__init__(seqs)
+    def __init__(
+        self, seqs: list[SeqInput], verified: DeviceVerified, nonfinite: torch.Tensor | None = None
+    ) -> None:
+        super().__init__(seqs, nonfinite=nonfinite)
         self._verified = verified
         cuda = verified.packed.device.type == "cuda"
         self._packed = verified.packed.to("cpu", non_blocking=cuda)
@@ -269,7 +280,7 @@ class LaunchedVerification(LaunchedStep):
                 continue
             i = next(emitted)
             results.append(SeqResult(v.token_ids[i], v.logprobs[i] if v.logprobs else None))
-        self._ready = StepOutput(results)
+        self._ready = StepOutput(results, poisoned_seq_ids(self.seqs, self._nonfinite))
         return self._ready
 
 
@@ -296,6 +307,9 @@ class ModelRunner:
         # the selected scheduler's step budget (chunked's chunk_size) sizes the prefill
         # workspace and the piecewise graphs, before the scheduler itself exists
         self.step_token_budget = plugins.step_token_budget(config)
+        self.poison = config.poison_memory
+        if self.poison:
+            poison_torch_empty()
         self.kernels = plugins.create("kernels", config.kernels, config, device, dtype)
         check_kernels_read_fp8(self.kernels, config.kernels, self.kv_cache_dtype)
         if tensor_parallel is not None:
@@ -350,6 +364,9 @@ class ModelRunner:
             torch.zeros(rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)
         ]
         self._flip = 0
+        if self.poison:
+            for buffer in (self.last_sampled, *self._host_tokens, *self._host_logprobs):
+                poison_(buffer)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights) -> None:
@@ -408,18 +425,49 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         self.init_kv_cache(pages * n_seqs)
-        seqs = [
-            SeqInput(
-                i, [0] * per_seq, 0, list(range(i * pages, (i + 1) * pages)), True, SamplingParams()
-            )
-            for i in range(n_seqs)
-        ]
-        self.execute(StepInput(seqs))
+        self.run_synthetic_step(n_seqs, per_seq, pages)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.kv_cache = None
         torch.cuda.empty_cache()
         return peak
+
+    def run_synthetic_step(self, num_seqs: int, num_tokens: int, pages_per_seq: int) -> None:
+        """Run one step of ``num_seqs`` made-up prompts of ``num_tokens`` tokens (memory profiling).
+
+        The sequences get negative ids, which no real sequence has, and every
+        per-sequence cache the step filled is cleared afterwards: once, a
+        profile sequence left its sampling batch (temperature 1) cached under
+        id 0, and the first real request of a fresh process, also id 0,
+        sampled with it instead of its own parameters.
+        """
+        seqs = [
+            SeqInput(
+                -1 - i,
+                [0] * num_tokens,
+                0,
+                list(range(i * pages_per_seq, (i + 1) * pages_per_seq)),
+                True,
+                SamplingParams(),
+            )
+            for i in range(num_seqs)
+        ]
+        try:
+            self.execute(StepInput(seqs))
+        finally:
+            self.forget_sequences([s.seq_id for s in seqs])
+
+    def forget_sequences(self, seq_ids: Seq[int]) -> None:
+        """Drop everything the runner keeps per sequence for ``seq_ids`` (they are gone)."""
+        gone = set(seq_ids)
+        for seq_id in gone:
+            self._generators.pop(seq_id, None)
+        self._histories.forget(list(gone))
+        self.forget_block_tables(list(gone))
+        if self._batch_cache is not None and gone.intersection(self._batch_cache[0]):
+            self._batch_cache = None
+        if gone.intersection(self._last_rows):
+            self._last_rows = {k: v for k, v in self._last_rows.items() if k not in gone}
 
     def init_kv_cache(self, num_pages: int) -> None:
         """Allocate the KV cache: ``[layers, 2, num_pages, page_size, kv_heads, head_size]`` in ``kv_cache_dtype``."""
@@ -431,6 +479,15 @@ class ModelRunner:
             self.kv_cache_dtype
         )
         self.num_pages = num_pages
+        if self.poison:
+            poison_(self.kv_cache)
+
+    def poison_pages(self, pages: Seq[int]) -> None:
+        """Fill KV pages with NaN (``poison_memory``: pages handed to a sequence that writes them)."""
+        if not pages or self.kv_cache is None:
+            return
+        index = torch.tensor(list(pages), dtype=torch.int64).to(self.device)
+        poison_pages_(self.kv_cache, index)
 
     def maybe_capture_graphs(self, extra: Callable[[ModelRunner], None] | None = None) -> None:
         """Capture CUDA graphs for decode batches when the device and kernel set allow it.
@@ -467,6 +524,10 @@ class ModelRunner:
                 extra(self)
         finally:
             gc.enable()
+        if self.poison:  # what a replay reads, each replay must have written
+            for graphs in (self.graphs, self.mixed_graphs, self.verify_graphs):
+                if graphs is not None:
+                    graphs.poison()
         log.info(
             "captured CUDA graphs for decode batch sizes %s and %s in %.1f s",
             self.graphs.describe(),
@@ -602,11 +663,9 @@ class ModelRunner:
         verification graph when one fits). Pending input tokens are read from
         the previous launched step's samples, on the device.
         """
-        for seq_id in step.finished_seq_ids:
-            self._generators.pop(seq_id, None)
-        self._histories.forget(step.finished_seq_ids)
-        self.forget_block_tables(step.finished_seq_ids)
+        self.forget_sequences(step.finished_seq_ids)
         self.forget_block_tables(step.reset_seq_ids)
+        self.poison_pages(step.poison_pages)
         if not step.seqs:
             return LaunchedStep([], ready=StepOutput([]))
         assert self.kv_cache is not None, "init_kv_cache() first"
@@ -686,11 +745,20 @@ class ModelRunner:
         top = None
         if out.ranks is not None:
             top = (_to_host(out.top_ids), _to_host(out.top_logprobs), _to_host(out.ranks))
+        nonfinite = _to_host(nonfinite_rows(logits)) if self.poison else None
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return LaunchedStep(step.seqs, host_tokens, host_logprobs, event, top=top, prompt=prompt)
+        return LaunchedStep(
+            step.seqs,
+            host_tokens,
+            host_logprobs,
+            event,
+            top=top,
+            prompt=prompt,
+            nonfinite=nonfinite,
+        )
 
     def _prompt_logprobs(
         self, seqs: list[SeqInput], hidden: torch.Tensor, starts: list[int]
@@ -777,7 +845,8 @@ class ModelRunner:
         if self._verifier is None:
             self._verifier = DraftVerifier(self.sampler, self.device, self.config.seed)
         self._last_rows = {}
-        return LaunchedVerification(seqs, self._verifier(logits, sampling, generators))
+        nonfinite = _to_host(nonfinite_rows(logits)) if self.poison else None
+        return LaunchedVerification(seqs, self._verifier(logits, sampling, generators), nonfinite)
 
     def select_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """The hidden rows to turn into logits, without waiting for the GPU.
@@ -800,6 +869,36 @@ class ModelRunner:
         if gen is None:
             gen = self._generators[seq_id] = make_generator(params.seed, self.device)
         return gen
+
+
+class PoisonedReadError(RuntimeError):
+    """A step's logits held NaN with ``poison_memory`` on: something read memory nothing wrote."""
+
+    def __init__(self, seq_id: int) -> None:
+        super().__init__(
+            f"sequence {seq_id} got non-finite logits with poison_memory on: a kernel or "
+            "workspace read memory the engine never wrote (poisoned with NaN); run with the "
+            "reference kernels and enforce_eager to narrow it down"
+        )
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits``, whether any value is NaN or infinite (on the device, no wait).
+
+    With poisoned memory a NaN is how a read of unwritten KV slots, workspace
+    or staging memory shows; unchecked, greedy sampling would turn it into
+    token 0, a plausible answer.
+    """
+    return (~torch.isfinite(logits)).any(dim=-1)
+
+
+def poisoned_seq_ids(seqs: Seq[SeqInput], nonfinite: torch.Tensor | None) -> frozenset[int]:
+    """The sampling sequences (``num_logits`` rows each, in order) with a non-finite row."""
+    if nonfinite is None:
+        return frozenset()
+    flags = nonfinite.tolist()
+    owners = [s.seq_id for s in seqs if s.sample for _ in range(s.num_logits)]
+    return frozenset(owner for owner, bad in zip(owners, flags, strict=True) if bad)
 
 
 def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -863,9 +962,12 @@ class BlockTableRows:
     in one vectorized copy.
     """
 
-    def __init__(self, max_pages: int, capacity: int = 64) -> None:
+    def __init__(self, max_pages: int, capacity: int = 64, *, poison: bool = False) -> None:
         self.max_pages = max_pages
+        self.poison = poison  # released rows and new capacity hold INT_SENTINEL, not zeros
         self.array = np.zeros((capacity, max_pages), dtype=np.int32)
+        if poison:
+            poison_array(self.array)
         self._row: dict[int, int] = {}  # seq_id -> row
         self._known: dict[int, tuple[list[int], int]] = {}  # seq_id -> (table object, length)
         self._free = list(range(capacity - 1, -1, -1))
@@ -877,6 +979,8 @@ class BlockTableRows:
             if row is not None:
                 self._free.append(row)
                 del self._known[seq_id]
+                if self.poison:
+                    poison_array(self.array[row])
 
     def rows(self, seqs: Seq[SeqInput]) -> np.ndarray:
         """The rows of ``seqs`` (in order), every table brought up to date."""
@@ -900,7 +1004,10 @@ class BlockTableRows:
 
     def _grow(self) -> None:
         old = self.array.shape[0]
-        self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+        grown = np.zeros_like(self.array)
+        if self.poison:
+            poison_array(grown)
+        self.array = np.concatenate([self.array, grown])
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
 
@@ -941,8 +1048,16 @@ class DecodeGraphs:
             for _ in range(2)
         ]
         self._flip = 0
-        self.tables = BlockTableRows(self.max_pages, capacity=max(64, 2 * b))
+        self.tables = BlockTableRows(self.max_pages, capacity=max(64, 2 * b), poison=runner.poison)
         self.graphs = capture_buckets(self.sizes, self._forward, dev)
+
+    def poison(self) -> None:
+        """Poison every static input and staging buffer (``poison_memory``, after capture)."""
+        for buffer in (
+            self.input_ids, self.src, self.positions, self.slots, self.block_tables,
+            self.context_lens, *self._host64, *self._host32,
+        ):  # fmt: skip
+            poison_(buffer)
 
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner
@@ -994,6 +1109,7 @@ class DecodeGraphs:
         ids = [s.token_ids[0] for s in seqs]
         pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
         a64[0, :n] = ids
+        a64[0, n:size] = 0  # padding rows read token 0 (and store nothing)
         pending = a64[0, :n] == PENDING_TOKEN
         a64[1, :n] = -1
         if pending.any():
@@ -1010,6 +1126,7 @@ class DecodeGraphs:
         a64[1:, n:size] = -1  # padding: no pending token, no KV store
         a64[2, n:size] = 0
         a_ctx[n:size] = 0
+        a_tables[n:size] = 0  # padding rows attend to nothing; their tables point at page 0
         self.input_ids[:size].copy_(h64[0, :size], non_blocking=True)
         self.src[:size].copy_(h64[1, :size], non_blocking=True)
         self.positions[:size].copy_(h64[2, :size], non_blocking=True)
@@ -1098,6 +1215,13 @@ class PiecewiseGraphs:
                 self.graphs[size] = graphs
         torch.cuda.synchronize(dev)
 
+    def poison(self) -> None:
+        """Poison the static inputs and activations (``poison_memory``, after capture)."""
+        for buffer in (
+            self.input_ids, self.positions, self.slots, self.q, self.o, self.residual, self.hidden,
+        ):  # fmt: skip
+            poison_(buffer)
+
     def _static_meta(self, size: int) -> AttentionMetadata:
         """What the captured segments read: positions and slots (rotary, K/V store)."""
         return AttentionMetadata(
@@ -1150,6 +1274,7 @@ class PiecewiseGraphs:
         self.slots[:n].copy_(meta.slot_mapping)
         self.slots[n:size].fill_(-1)
         self.positions[n:size].zero_()
+        self.input_ids[n:size].zero_()
         model, kv = self.runner.model, self.runner.kv_cache
         assert kv is not None
         graphs = self.graphs.get(size)

@@ -5,10 +5,13 @@ drafts (its last token and up to ``k`` drafts) has the shape of a decode step
 with ``k + 1`` query tokens per sequence. :class:`VerifyGraphs` captures the
 model's forward and its logits for such steps, one graph per batch size:
 sequence ``i`` owns query rows ``i * (k + 1) .. i * (k + 1) + k``; a sequence
-with ``m < k + 1`` real tokens fills the rest of its rows with padding
-tokens placed after its real ones, which store no K/V (slot -1) and which no
-real token sees (attention is causal), so its real rows compute exactly what
-an eager step would. Padding sequences of a bucket have slot -1 everywhere.
+with ``m < k + 1`` real tokens puts them in its last ``m`` rows and padding
+tokens before them, at the positions just before its first real token: they
+store no K/V (slot -1), and the sequence's context ends at its last real
+token, so its real rows compute exactly what an eager step would and never
+have a never-written slot in their key range (a zero attention weight times
+a NaN of poisoned memory is still NaN). Padding sequences of a bucket have
+slot -1 everywhere.
 Attention runs as the varlen "prefill" kernel with a fixed grid (``batch``
 sequences, ``k + 1`` query tokens each); its lengths are read on the device.
 
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from pitstop.attention import AttentionMetadata
+from pitstop.poison import poison_
 from pitstop.runner import BlockTableRows, SeqInput, capture_buckets, graph_batch_sizes
 from pitstop.sequence import PENDING_TOKEN
 from pitstop.spec_adaptation import speculation_max_batch
@@ -58,7 +62,7 @@ class VerifyGraphs:
         self.max_batch = b = self.sizes[-1]
         self.max_model_len = cfg.max_model_len
         self.max_pages = -(-cfg.max_model_len // runner.page_size)
-        # padding tokens sit up to k positions past a sequence's end: a few more table columns
+        # a padding sequence's table and the kernels' tile reads: a few more (zero) columns
         self.width = self.max_pages + -(-q // runner.page_size) + 1
         t = b * q
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
@@ -75,10 +79,18 @@ class VerifyGraphs:
             torch.zeros(b * (1 + self.width), dtype=torch.int32, pin_memory=pin) for _ in range(2)
         ]
         self._flip = 0
-        self.tables = BlockTableRows(self.max_pages, capacity=max(64, 2 * b))
+        self.tables = BlockTableRows(self.max_pages, capacity=max(64, 2 * b), poison=runner.poison)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self.graphs = capture_buckets(self.sizes, self._forward, dev)
+
+    def poison(self) -> None:
+        """Poison every static input and staging buffer (``poison_memory``, after capture)."""
+        for buffer in (
+            self.input_ids, self.src, self.positions, self.slots, self.block_tables,
+            self.context_lens, *self._host64, *self._host32,
+        ):  # fmt: skip
+            poison_(buffer)
 
     def _forward(self, size: int) -> torch.Tensor:
         """Logits ``[size * num_query, V]`` of the bucket, from the static buffers."""
@@ -129,7 +141,14 @@ class VerifyGraphs:
             self.tables.forget(seq_ids)
 
     def run(self, seqs: Seq[SeqInput]) -> tuple[torch.Tensor, list[int]]:
-        """Copy the step in, replay; returns the bucket's logits and each sequence's logits rows."""
+        """Copy the step in, replay; returns the bucket's logits and each sequence's logits rows.
+
+        Each sequence's tokens fill the *end* of its ``num_query`` rows, its
+        padding rows the start (positions just before its first token, no K/V
+        stored), and its context length ends at its last real token: no real
+        row then has a key it must not see in its range, so none multiplies a
+        never-written V slot (NaN under ``poison_memory``) by a zero weight.
+        """
         n, q, ps = len(seqs), self.num_query, self.runner.page_size
         size = next(b for b in self.sizes if b >= n)
         self._flip ^= 1
@@ -140,11 +159,13 @@ class VerifyGraphs:
         ids = a64[0, :t].reshape(size, q)
         ids[:] = 0
         lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
+        pad = q - lens  # leading padding rows of each sequence
         for i, s in enumerate(seqs):
-            ids[i, : lens[i]] = s.token_ids
+            ids[i, pad[i] :] = s.token_ids
         start = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
-        pos = start[:, None] + np.arange(q)[None, :]  # [n, q]
-        real = np.arange(q)[None, :] < lens[:, None]
+        pos = (start - pad)[:, None] + np.arange(q)[None, :]  # [n, q]; padding before start
+        real = np.arange(q)[None, :] >= pad[:, None]
+        pos = np.clip(pos, 0, self.max_model_len - 1)
         rows_of = self.tables.rows(seqs)
         tables = self.tables.array
         page = tables[rows_of[:, None], np.minimum(pos // ps, self.max_pages - 1)]
@@ -153,17 +174,17 @@ class VerifyGraphs:
         src[:] = -1
         for i, s in enumerate(seqs):
             if s.draft_ids is not None:  # placeholders: written on the device below
-                ids[i, lens[i] - len(s.draft_ids) : lens[i]] = 0
+                ids[i, q - len(s.draft_ids) :] = 0
         pending = ids[:n] == PENDING_TOKEN
         if pending.any():
             for i, j in zip(*np.nonzero(pending), strict=True):
                 src[i, j] = self.runner._pending_row(seqs[i].seq_id)
             ids[:n][pending] = 0
-        a64[2, :t].reshape(size, q)[:n] = np.minimum(pos, self.max_model_len - 1)
+        a64[2, :t].reshape(size, q)[:n] = pos
         a64[2, n * q : t] = 0
         a64[3, :t].reshape(size, q)[:n] = slots
         a64[3, n * q : t] = -1
-        a_ctx[:n] = start + q
+        a_ctx[:n] = start + lens
         a_ctx[n:size] = q  # padding sequences: keys of page 0, nothing stored
         a_tables[:n, : self.max_pages] = tables[rows_of]
         a_tables[:n, self.max_pages :] = 0
@@ -177,14 +198,16 @@ class VerifyGraphs:
         self.block_tables[:size].copy_(h_tables[:size], non_blocking=nb)
         for i, s in enumerate(seqs):
             if s.draft_ids is not None:
-                end = i * q + int(lens[i])
+                end = (i + 1) * q
                 self.input_ids[end - len(s.draft_ids) : end].copy_(s.draft_ids)
         if self.captured:
             graph, out = self.graphs[size]
             graph.replay()
         else:
             out = self._forward(size)
-        rows = [i * q + j for i, s in enumerate(seqs) for j in range(s.num_logits)]
+        rows = [
+            (i + 1) * q - s.num_logits + j for i, s in enumerate(seqs) for j in range(s.num_logits)
+        ]
         return out, rows
 
 

@@ -12,6 +12,10 @@ import pytest
 
 # Keep CPU tests predictable on a 2-core machine.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every engine of the suite (and of the servers and workers it starts) runs with poisoned
+# memory: a read of memory the engine never wrote fails a test instead of passing on a
+# previous engine's values (pitstop.poison). PITSTOP_POISON_MEMORY=0 turns it off.
+os.environ.setdefault("PITSTOP_POISON_MEMORY", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -61,7 +61,7 @@ def reference_config(config: EngineConfig, kv_cache_dtype: str = "auto") -> Engi
     """
     kept = {name: getattr(config, name) for name in KEPT_SETTINGS}
     kept["kv_cache_dtype"] = config.kv_cache_dtype if kv_cache_dtype == "same" else kv_cache_dtype
-    return EngineConfig(**kept, **REFERENCE_SETTINGS)
+    return EngineConfig(**kept, **REFERENCE_SETTINGS, poison_memory=True)
 
 
 def verify(
@@ -84,6 +84,9 @@ def verify(
     if not prompts:
         raise InvalidRequestError("no prompts to verify; give at least one")
     limits = [max_tokens or p.max_tokens for p in prompts]
+    # Both engines run with poisoned memory (pitstop.poison): the reference, then the
+    # candidate, each built fresh, and neither can pass on values the other left in memory.
+    config = attrs.evolve(config, poison_memory=True)
     ref_config = reference_config(config, reference_kv_cache_dtype)
 
     (plugins or get_plugin_manager()).check_config(config)  # before any weight loads

@@ -117,6 +117,7 @@ class TensorParallelRunner:
             [_for_workers(s) for s in step.seqs],
             list(step.finished_seq_ids),
             list(step.reset_seq_ids),
+            list(step.poison_pages),
         )
 
         def local() -> Any:

@@ -165,11 +165,13 @@ def decode_attention(
         for cache, sc in ((k_cache, k_scale), (v_cache, v_scale))
     )
     lens = meta.context_lens[first:]  # already on the device: no host-to-device copy per layer
-    mask = (torch.arange(max_ctx, device=q.device).unsqueeze(0) < lens.unsqueeze(1))[
-        :, None, None, :
-    ]
+    visible = torch.arange(max_ctx, device=q.device).unsqueeze(0) < lens.unsqueeze(1)
+    # Slots past a context were never written (NaN with poison_memory): a masked score is
+    # still NaN * 0 in the product with V, so they are zeroed, not only masked.
+    written = visible[:, None, :, None]
+    k, v = torch.where(written, k, 0), torch.where(written, v, 0)
     qd = q[meta.num_prefill_tokens :].reshape(nd, num_kv_heads, group, head)
-    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=visible[:, None, None, :], scale=scale)
     return o.reshape(nd, num_kv_heads * group, head)
 
 

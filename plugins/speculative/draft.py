@@ -44,6 +44,7 @@ import torch
 
 import pitstop
 from pitstop.errors import ConfigError
+from pitstop.poison import FreshPageTracker
 from pitstop.protocols import Proposal
 from pitstop.runner import ModelRunner, SeqInput
 from pitstop.sampling import exponential_race, is_greedy, make_generator, make_sampling_batch
@@ -106,6 +107,8 @@ class DraftProposer:
         self.allocator = context.plugins.create(
             "allocator", "paged", draft_config, context.num_pages
         )
+        if draft_config.poison_memory:  # its pages are poisoned when handed out, as the engine's
+            self.allocator = FreshPageTracker(self.allocator, self.runner.poison_pages)
         self._kv_ids: dict[int, list[int]] = {}  # seq_id -> the tokens whose KV the draft holds
         self._synced: dict[int, int] = {}  # seq_id -> how many of them are known to be the target's
         self._generators: dict[int, torch.Generator] = {}
