@@ -196,7 +196,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything the flags ask for; return the results document (also printed as a table)."""
     from pitstop.bench.backends import PitstopBackend
     from pitstop.bench.drivers import run_repeats
-    from pitstop.bench.peers import PeerRun, run_peer
+    from pitstop.bench.peers import SEPARATE_PROCESS_PEERS, PeerRun, run_peer
     from pitstop.runner import resolve_device
     from pitstop.weights import load_model_source
 
@@ -249,6 +249,26 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             ceilings=ceilings,
         )
 
+    peer: dict[str, Any] | None = None
+    notes: list[str] = []
+    peer_run = PeerRun(
+        args=args,
+        config=config,
+        workload=wl,
+        model_config=mc,
+        device=dev,
+        max_model_len=max_len,
+        concurrency=concurrency,
+        request_rate=rate,
+        repeats=repeats,
+        warmup=not args.no_warmup,
+        floor=floor,
+        skipped=skipped,
+    )
+    if args.peer and args.peer in SEPARATE_PROCESS_PEERS:
+        # first, while this process holds no GPU memory; its process has exited before ours start
+        peer, notes = run_peer(args.peer, peer_run)
+
     columns: list[dict[str, Any]] = []
     base_settings = {k: getattr(config, k) for k in EngineConfig.field_names()}
     for name, overrides in configs:
@@ -281,28 +301,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             _release()
         columns.append(col)
 
-    peer: dict[str, Any] | None = None
-    notes: list[str] = []
-    if args.peer:
-        peer, notes = run_peer(
-            args.peer,
-            PeerRun(
-                args=args,
-                config=config,
-                workload=wl,
-                model_config=mc,
-                device=dev,
-                max_model_len=max_len,
-                concurrency=concurrency,
-                request_rate=rate,
-                repeats=repeats,
-                warmup=not args.no_warmup,
-                floor=floor,
-                skipped=skipped,
-            ),
-        )
-        if peer.get("figures"):
-            peer["ratio"] = _ratios(columns, peer)
+    if args.peer and peer is None:
+        peer, notes = run_peer(args.peer, peer_run)
+    if peer is not None and peer.get("figures"):
+        peer["ratio"] = _ratios(columns, peer)
 
     doc = {
         "schema": SCHEMA,

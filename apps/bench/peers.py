@@ -25,6 +25,9 @@ from pitstop.bench.options import fill_column
 from pitstop.bench.workloads import Workload
 
 PEERS = ("transformers", "vllm")
+# Peers that run in a process of their own: the bench runs them before its own columns, so
+# that they find the GPU's memory free, and its engines start after theirs have exited.
+SEPARATE_PROCESS_PEERS = ("vllm",)
 
 
 @attrs.frozen(kw_only=True)
@@ -65,6 +68,11 @@ def run_peer(name: str, run: PeerRun) -> tuple[dict[str, Any], list[str]]:
         col.pop("figures", None)
         col["error"] = f"{type(exc).__name__}: {exc}"
         print(f"[bench] peer {name} failed: {col['error']}", file=sys.stderr)
+    finally:
+        if name in SEPARATE_PROCESS_PEERS:
+            from pitstop.bench.vllm_peer import wait_for_gpu_memory
+
+            wait_for_gpu_memory(run.device)
     return col, notes
 
 

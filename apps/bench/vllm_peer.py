@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,30 @@ def stop_process(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
             signal_group(signal.SIGKILL)
             proc.wait(10)
     signal_group(signal.SIGKILL)  # children the leader left behind (vLLM's engine core)
+
+
+def wait_for_gpu_memory(device: str, fraction: float = 0.9, timeout_s: float = 30.0) -> None:
+    """After vLLM's processes exit, wait (at most ``timeout_s``) until ``fraction`` of the
+    GPU's memory is free again, so that the engine started next sizes its KV cache on all of
+    it; a no-op off CUDA."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        if free >= fraction * total or time.monotonic() > deadline:
+            if free < fraction * total:
+                print(
+                    f"[bench] only {free / 2**30:.1f} of {total / 2**30:.1f} GiB of {device} are "
+                    "free after the vLLM peer exited",
+                    file=sys.stderr,
+                )
+            return
+        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------------- the arguments
