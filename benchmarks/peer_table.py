@@ -23,7 +23,8 @@ def _rate(figs: dict[str, Any] | None) -> tuple[float | None, str]:
         return None, "failed"
     rep = (figs.get("repeats") or {}).get("output_tok_per_s")
     if rep:
-        return rep["median"], f"{rep['median']:,.0f} ({rep['range']}, {figs['repeats']['runs']} runs)"
+        runs = figs["repeats"]["runs"]
+        return rep["median"], f"{rep['median']:,.0f} ({rep['range']}, {runs} runs)"
     value = figs.get("output_tok_per_s")
     return value, f"{value:,.0f}" if value is not None else "n/a"
 
@@ -71,7 +72,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path)
     args = parser.parse_args()
-    header = ["run", "pitstop output tok/s", "vLLM output tok/s", "ratio", "TTFT P50 / P99 ms", "vLLM"]
+    header = [
+        "run",
+        "pitstop output tok/s",
+        "vLLM output tok/s",
+        "ratio",
+        "TTFT P50 / P99 ms",
+        "vLLM",
+    ]
     table = [header, *rows(args.results)]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for k, r in enumerate(table):
