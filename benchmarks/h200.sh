@@ -25,6 +25,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 ABLATION=baseline,+paged,+continuous,+fused,+chunked,+ngram
 run() { name=$1; shift; echo "== $name: pitstop bench $*"; timeout ${BENCH_TIMEOUT:-300} pitstop bench "$@" --output "$OUT/$name.json" 2>&1 | tail -${TAIL:-30}; }
+# issue 28: one row of pitstop beside vLLM (--peer vllm), its log in OUT/NAME.log, the ratio lines shown
+vrun() { name=$1; shift; echo "== $name: pitstop bench $* --peer vllm"
+  timeout ${VLLM_BENCH_TIMEOUT:-590} pitstop bench "$@" --peer vllm --output "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+  echo "   exit $? ($OUT/$name.log)"; grep -E "peer vllm failed|^pitstop\[|^peer:vllm|failed:" "$OUT/$name.log" | cut -c1-400 | tail -6; }
 for spec in ${BENCHES-nano single}; do
   case $spec in
     nano) run nano offline --workload nano --kernels fused ;;
@@ -116,6 +120,40 @@ for _ in range(2):
     fp8-kernels) echo "== fp8-kernels: decode attention, KV cache bf16 vs fp8 (bytes at the cache's element size)"
       timeout 200 python3 benchmarks/kernels_bench.py --decode-suite bfloat16 --json "$OUT/fp8-kernels-bf16.json" 2>&1 | tail -14
       timeout 300 python3 benchmarks/kernels_bench.py --decode-suite fp8_e4m3 ${FP8_TILES:---decode-tiles 64,4,3 --decode-tiles 128,4,2} --json "$OUT/fp8-kernels-fp8.json" 2>&1 | tail -40 ;;
+    # issue 28: vLLM 0.24 beside pitstop, each row one `pitstop bench --peer vllm` (both engines in the
+    # same run, vLLM in a process of its own). The wheels travel in .vv/ (benchmarks/vllm_download.sh:
+    # vp00..vp06 + vp.sum, one part a run, back to back); benchmarks/vllm_setup.sh joins and installs
+    # them under /tmp/vsite once all are there (until then this case says which are missing).
+    # VLLM_ROWS: nano single fp8 longtail longtail64 longtail128 prefix longctx spec (docs/benchmarks.md).
+    vllm) if bash benchmarks/vllm_setup.sh .vv; then
+        [ -d /tmp/vhttp ] && export PYTHONPATH=/tmp/vhttp${PYTHONPATH:+:$PYTHONPATH}
+        export PITSTOP_VLLM_PYTHONPATH=${PITSTOP_VLLM_PYTHONPATH:-/tmp/vsite} VLLM_USE_FLASHINFER_SAMPLER=0
+        export PITSTOP_VLLM_START_TIMEOUT=${PITSTOP_VLLM_START_TIMEOUT:-300} PITSTOP_VLLM_TIMEOUT=${PITSTOP_VLLM_TIMEOUT:-420}
+        R=${VLLM_REPEATS:-3}
+        for row in ${VLLM_ROWS:-nano single}; do
+          case $row in
+            nano) vrun vllm-nano offline --workload nano --kernels fused --repeats $R ;;
+            single) vrun vllm-single offline --workload single --kernels fused --repeats 5 ;;
+            fp8) vrun vllm-nano-fp8 offline --workload nano --kernels fused --repeats $R --kv-cache-dtype fp8_e4m3 ;;
+            longtail|longtail64|longtail128) c=${row#longtail}; c=${c:-32}
+              vrun vllm-longtail-$c online --workload longtail --num-requests ${LT_N:-500} --concurrency $c \
+                --max-batch-size $((c > 64 ? c : 64)) --kernels fused --repeats $R ;;
+            prefix) vrun vllm-prefix online --workload prefix --num-requests ${LT_N:-500} --max-batch-size 64 \
+                --allocator prefix --kernels fused --repeats $R ;;
+            # one 32,000-token prompt at a time: TTFT (online, so that both sides stream their first token)
+            longctx) echo '{"input_len": 32000, "output_len": 16}' >"$OUT/longctx-32k.jsonl"
+              vrun vllm-longctx online --workload "$OUT/longctx-32k.jsonl" --model dummy:qwen3-8b --concurrency 1 \
+                --max-model-len 32768 --kernels fused --repeats $R ;;
+            # n-gram speculation at batch 1 on the real SmolLM2 GGUF, if vLLM loads that file
+            spec) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf" ] || { echo "== vllm spec: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
+              vrun vllm-spec offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl \
+                --speculative ngram --num-speculative-tokens 4 --repeats 2 \
+                --peer-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ;;
+            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 longtail longtail64 longtail128 prefix longctx spec)" ;;
+          esac
+        done
+        ls "$OUT"/vllm-*.json >/dev/null 2>&1 && python3 benchmarks/peer_table.py "$OUT"/vllm-*.json
+      fi ;;
     fp8-verify) gguf_file=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
       if [ ! -f "$gguf_file" ]; then echo "== fp8-verify: no GGUF at $gguf_file (set SMOLLM_GGUF)";
       elif ! python3 -c "import gguf" 2>/dev/null; then echo "== fp8-verify: the gguf package is missing (its wheel goes in .whl/: benchmarks/README.md)";

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from pitstop.bench.options import (
     fill_column,
     workload_from_args,
 )
+from pitstop.bench.peers import PEERS
 from pitstop.bench.report import (
     device_name,
     git_commit,
@@ -47,8 +49,6 @@ from pitstop.errors import PitstopError
 from pitstop.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)
-
-PEERS = ("transformers",)
 
 
 @hookimpl
@@ -128,7 +128,17 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
             "settings of its place in the steps), e.g. to split one matrix over several runs",
         )
         r.add_argument(
-            "--peer", choices=PEERS, help="also run the workload through this peer, same weights"
+            "--peer",
+            choices=PEERS,
+            help="also run the workload through this engine, same requests and model: "
+            "transformers (in this process) or vllm (a process of its own; docs/benchmarks.md)",
+        )
+        r.add_argument(
+            "--peer-arg",
+            action="append",
+            metavar="KEY=VALUE",
+            help="with --peer vllm: an LLM(...) keyword / vllm serve flag on top of the "
+            "shared ones (repeatable; VALUE is JSON or text), e.g. enforce_eager=true",
         )
         r.add_argument(
             "--measure-ceilings",
@@ -184,8 +194,9 @@ def _tokenize(workload: Workload, tokenizer: Any) -> Workload:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything the flags ask for; return the results document (also printed as a table)."""
-    from pitstop.bench.backends import PitstopBackend, TransformersBackend
-    from pitstop.bench.drivers import best_of
+    from pitstop.bench.backends import PitstopBackend
+    from pitstop.bench.drivers import run_repeats
+    from pitstop.bench.peers import SEPARATE_PROCESS_PEERS, PeerRun, run_peer
     from pitstop.runner import resolve_device
     from pitstop.weights import load_model_source
 
@@ -238,6 +249,26 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             ceilings=ceilings,
         )
 
+    peer: dict[str, Any] | None = None
+    notes: list[str] = []
+    peer_run = PeerRun(
+        args=args,
+        config=config,
+        workload=wl,
+        model_config=mc,
+        device=dev,
+        max_model_len=max_len,
+        concurrency=concurrency,
+        request_rate=rate,
+        repeats=repeats,
+        warmup=not args.no_warmup,
+        floor=floor,
+        skipped=skipped,
+    )
+    if args.peer and args.peer in SEPARATE_PROCESS_PEERS:
+        # first, while this process holds no GPU memory; its process has exited before ours start
+        peer, notes = run_peer(args.peer, peer_run)
+
     columns: list[dict[str, Any]] = []
     base_settings = {k: getattr(config, k) for k in EngineConfig.field_names()}
     for name, overrides in configs:
@@ -251,7 +282,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
             )
             backend = PitstopBackend(cfg, wl)
-            run = best_of(
+            runs = run_repeats(
                 backend,
                 wl,
                 repeats=repeats,
@@ -259,7 +290,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 request_rate=rate,
                 warmup=not args.no_warmup,
             )
-            fill_column(col, run, floor, skipped)
+            fill_column(col, runs, floor, skipped)
         except (PitstopError, RuntimeError, ValueError, ImportError) as exc:
             col["error"] = f"{type(exc).__name__}: {exc}"
             print(f"[bench] {name} failed: {col['error']}", file=sys.stderr)
@@ -270,36 +301,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             _release()
         columns.append(col)
 
-    peer: dict[str, Any] | None = None
-    if args.peer:
-        peer = {"name": f"peer:{args.peer}", "backend": args.peer}
-        backend = None
-        try:
-            dtype = (
-                config.dtype
-                if config.dtype != "auto"
-                else ("bfloat16" if device.type == "cuda" else "float32")
-            )
-            print(f"[bench] peer {args.peer} on {config.model} ({dev}, {dtype})", file=sys.stderr)
-            backend = TransformersBackend(config.model, dev, dtype, wl, max_len)
-            run = best_of(
-                backend,
-                wl,
-                repeats=repeats,
-                concurrency=concurrency,
-                request_rate=rate,
-                warmup=not args.no_warmup,
-            )
-            fill_column(peer, run, floor, skipped)
-            peer["ratio"] = _ratios(columns, peer)
-        except Exception as exc:  # the peer is a third party: any failure is reported, not fatal
-            peer["error"] = f"{type(exc).__name__}: {exc}"
-            print(f"[bench] peer {args.peer} failed: {peer['error']}", file=sys.stderr)
-        finally:
-            if backend is not None:
-                backend.close()
-            del backend
-            _release()
+    if args.peer and peer is None:
+        peer, notes = run_peer(args.peer, peer_run)
+    if peer is not None and peer.get("figures"):
+        peer["ratio"] = _ratios(columns, peer)
 
     doc = {
         "schema": SCHEMA,
@@ -318,6 +323,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "floor": floor.as_dict() if floor else None,
         "configs": columns,
         "peer": peer,
+        "notes": notes,
     }
     return doc
 
@@ -327,20 +333,26 @@ def _config_dict(cfg: EngineConfig) -> dict[str, Any]:
 
 
 def _ratios(columns: list[dict[str, Any]], peer: dict[str, Any]) -> dict[str, Any]:
-    """pitstop / peer for each configuration that ran: throughput up is better, TTFT down."""
+    """pitstop / peer for each configuration that ran: throughput up is better, TTFT down;
+    with ``--repeats``, also the ratio of the medians of output tok/s."""
     out: dict[str, Any] = {}
     pf = peer["figures"]
     for c in columns:
         f = c.get("figures")
         if not f:
             continue
+        ttft, peer_ttft = f["ttft_ms"]["p50"], pf["ttft_ms"]["p50"]
         out[c["name"]] = {
             "output_tok_per_s": f["output_tok_per_s"] / pf["output_tok_per_s"],
             "req_per_s": f["req_per_s"] / pf["req_per_s"],
-            "ttft_p50_peer_over_pitstop": (pf["ttft_ms"]["p50"] / f["ttft_ms"]["p50"])
-            if f["ttft_ms"]["p50"]
+            "ttft_p50_peer_over_pitstop": peer_ttft / ttft
+            if ttft and not math.isnan(ttft) and not math.isnan(peer_ttft)
             else None,
         }
+        mine = (f.get("repeats") or {}).get("output_tok_per_s")
+        theirs = (pf.get("repeats") or {}).get("output_tok_per_s")
+        if mine and theirs and theirs["median"]:
+            out[c["name"]]["output_tok_per_s_median"] = mine["median"] / theirs["median"]
     return out
 
 
@@ -395,16 +407,28 @@ def render(doc: dict[str, Any]) -> str:
     if peer and peer.get("ratio"):
         lines.append("")
         for name, r in peer["ratio"].items():
+            median = r.get("output_tok_per_s_median")
             lines.append(
-                f"pitstop[{name}] / {peer['name']}: {r['output_tok_per_s']:.2f}x output tok/s, "
-                f"{r['req_per_s']:.2f}x req/s (same run)"
+                f"pitstop[{name}] / {peer['name']}: {r['output_tok_per_s']:.2f}x output tok/s"
+                + (f" ({median:.2f}x of the medians)" if median else "")
+                + f", {r['req_per_s']:.2f}x req/s (same run)"
             )
+    if peer and peer.get("version"):
+        lines.append(f"{peer['name']}: {peer['backend']} {peer['version']}, {_peer_config(peer)}")
     return "\n".join(lines)
 
 
+def _peer_config(peer: dict[str, Any]) -> str:
+    """The peer's arguments in one line (the model last: a path can be long)."""
+    cfg = dict(peer.get("config") or {})
+    model = cfg.pop("model", None)
+    return ", ".join(f"{k}={v}" for k, v in cfg.items()) + (f"; model {model}" if model else "")
+
+
 def publish(doc: dict[str, Any], out_json: str | Path | None, out_png: str | Path | None) -> int:
-    """Write the results JSON and the plot asked for, print the report; 2 if the plot failed
-    (the JSON is still written), else 0 if any configuration has figures, else 1."""
+    """Write the results JSON and the plot asked for, print the report. The exit status: 1 if
+    no configuration has figures, 2 if the plot failed (the JSON is still written), 3 if the
+    peer asked for failed (the pitstop columns are still written), else 0."""
     if out_json:
         write_json(out_json, doc)
         print(f"[bench] wrote {out_json}", file=sys.stderr)
@@ -426,8 +450,13 @@ def publish(doc: dict[str, Any], out_json: str | Path | None, out_png: str | Pat
     if plot_error is not None:
         print(f"pitstop: error: {plot_error}", file=sys.stderr)
         return 2
-    ok = any(c.get("figures") for c in doc["configs"])
-    return 0 if ok else 1
+    if not any(c.get("figures") for c in doc["configs"]):
+        return 1
+    peer = doc.get("peer")
+    if peer and peer.get("error"):
+        print(f"pitstop: error: {peer['name']} failed: {peer['error']}", file=sys.stderr)
+        return 3
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -109,7 +109,7 @@ def run_workload(
     return RunResult(records=records, start=start, end=end, **stats)
 
 
-def best_of(
+def run_repeats(
     backend: Backend,
     workload: Workload,
     *,
@@ -117,8 +117,8 @@ def best_of(
     concurrency: int | None = None,
     request_rate: float | None = None,
     warmup: bool = True,
-) -> RunResult:
-    """Warm up on a short copy of the workload, then run it ``repeats`` times; keep the fastest.
+) -> list[RunResult]:
+    """Warm up on a short copy of the workload, then run it ``repeats`` times; every run.
 
     The warm-up sends the first ``max(4, concurrency)`` requests (outputs cut
     to 8 tokens) through the same clients, so that the mixed prefill + decode
@@ -136,17 +136,43 @@ def best_of(
             ],
         )
         run_workload(backend, short, concurrency=concurrency, desc="warm-up", id_prefix="warm")
-    best: RunResult | None = None
+    runs: list[RunResult] = []
     for k in range(max(1, repeats)):
-        run = run_workload(
+        runs.append(
+            run_workload(
+                backend,
+                workload,
+                concurrency=concurrency,
+                request_rate=request_rate,
+                desc=f"{workload.name} run {k + 1}/{repeats}" if repeats > 1 else workload.name,
+                id_prefix=f"r{k}-",
+            )
+        )
+    return runs
+
+
+def fastest(runs: list[RunResult]) -> RunResult:
+    """The run with the shortest wall time (the first of equals)."""
+    return min(runs, key=lambda r: r.wall_s)
+
+
+def best_of(
+    backend: Backend,
+    workload: Workload,
+    *,
+    repeats: int,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+    warmup: bool = True,
+) -> RunResult:
+    """:func:`run_repeats`, keeping the fastest run."""
+    return fastest(
+        run_repeats(
             backend,
             workload,
+            repeats=repeats,
             concurrency=concurrency,
             request_rate=request_rate,
-            desc=f"{workload.name} run {k + 1}/{repeats}" if repeats > 1 else workload.name,
-            id_prefix=f"r{k}-",
+            warmup=warmup,
         )
-        if best is None or run.wall_s < best.wall_s:
-            best = run
-    assert best is not None
-    return best
+    )

