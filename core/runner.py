@@ -418,8 +418,10 @@ class ModelRunner:
         cfg = self.config
         assert cfg.max_model_len is not None
         tokens = min(cfg.max_num_batched_tokens, max(cfg.max_model_len, self.step_token_budget))
-        n_seqs = max(1, min(cfg.max_batch_size, tokens // max(1, cfg.max_model_len)))
-        per_seq = tokens // n_seqs
+        n_seqs = max(1, min(cfg.max_batch_size, -(-tokens // cfg.max_model_len)))
+        # no made-up sequence longer than max_model_len: its positions would run past the
+        # rotary table (a device-side assert with the reference kernels' index_select)
+        per_seq = min(cfg.max_model_len, tokens // n_seqs)
         pages = (per_seq + self.page_size - 1) // self.page_size
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -123,7 +123,7 @@ def issue_table() -> list[dict[str, Any]]:
             "continuous,max_num_batched_tokens=64",
             {"scheduler": "continuous", "max_num_batched_tokens": 64},
         ),
-        ("chunk_size=16,device=cpu", {"chunk_size": 16, "device": "cpu", "max_num_pages": 64}),
+        ("chunk_size=16,device=cpu", {"chunk_size": 16, "device": "cpu", "max_num_pages": 300}),
     ]
     return [{"name": f"issue27/{name}", "settings": {**base, **extra}} for name, extra in rows]
 
@@ -146,6 +146,7 @@ def run_configuration(
             "dtype": "float32",
             "max_model_len": MAX_MODEL_LEN,
             "max_batch_size": 32,
+            "max_prefill_batch": 16,
             "max_num_pages": 256,
             "poison_memory": True,
             **case["settings"],
