@@ -253,7 +253,7 @@ class LLMEngine:
                     f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids instead of text"
                 )
             ids = self.tokenizer.encode(prompt)
-            check_encoded_prompt(prompt, ids)
+            check_encoded_prompt(prompt, ids, self.model_config.vocab_size)
         else:
             ids = [int(t) for t in prompt_token_ids]
         max_len = self.config.max_model_len

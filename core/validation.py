@@ -123,17 +123,28 @@ def check_token_ids(name: str, ids: Any, vocab_size: int | None = None) -> list[
     return [int(t) for t in out]
 
 
-def check_encoded_prompt(prompt: str, ids: Sequence[int]) -> None:
-    """Refuse a text prompt that the tokenizer turns into no tokens (call it after encoding).
+def check_encoded_prompt(prompt: str, ids: Sequence[int], vocab_size: int | None = None) -> None:
+    """Refuse a text prompt that the tokenizer turns into no tokens, or into ids outside
+    ``[0, vocab_size)`` (call it after encoding).
 
     Some control characters (``"\\x04"`` with SmolLM2's tokenizer) encode to
-    nothing; a request with no tokens must not reach the scheduler.
+    nothing; a request with no tokens must not reach the scheduler. A tokenizer
+    larger than the model is refused at load, so an id outside the vocabulary
+    here means a tokenizer that adds ids at run time: refused, not indexed.
     """
     if not ids:
         _fail(
             f"prompt {prompt[:40]!r} encodes to no tokens (the tokenizer drops every character "
             "of it); send text with at least one printable character, or prompt_token_ids"
         )
+    if vocab_size is not None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            _fail(
+                f"prompt encodes to token id(s) {bad[:5]} outside the model's vocabulary "
+                f"[0, {vocab_size}); the tokenizer does not match the model: load the model's "
+                "own tokenizer"
+            )
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
