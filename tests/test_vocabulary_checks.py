@@ -67,6 +67,11 @@ def test_text_prompt_ids_are_checked_against_the_vocabulary() -> None:
 
 
 def test_a_matching_checkpoint_still_serves_text(tmp_path: Path) -> None:
-    llm = LLM(str(make_tiny_checkpoint(tmp_path, "llama")), device="cpu", max_num_pages=16, max_model_len=128)
+    llm = LLM(
+        str(make_tiny_checkpoint(tmp_path, "llama")),
+        device="cpu",
+        max_num_pages=16,
+        max_model_len=128,
+    )
     out = llm.generate(["hello"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
