@@ -294,6 +294,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n"),  # the server's --max-n cap
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": ["hi"] * 65}, 400, "prompt"),  # --max-prompts-per-request
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     (
         "/v1/completions",
