@@ -34,9 +34,60 @@ class ModelSource:
     weights: WeightsFn | None  # each call starts a fresh pass; None => random weights
     description: str
 
+    def __attrs_post_init__(self) -> None:
+        check_vocabulary(self.model_config, self.tokenizer, self.description)
+
     @property
     def is_dummy(self) -> bool:
         return self.weights is None
+
+
+def check_special_token_ids(config: ModelConfig, where: str) -> None:
+    """Refuse a model whose BOS or EOS ids lie outside its vocabulary ``[0, vocab_size)``.
+
+    Called by every loader as soon as the config is read (a GGUF's before its
+    tokenizer is converted), so a bad id fails at once, not at the first request.
+    """
+    ids = {"bos_token_id": [] if config.bos_token_id is None else [config.bos_token_id]}
+    ids["eos_token_id"] = list(config.eos_token_ids)
+    for field, values in ids.items():
+        bad = [i for i in values if isinstance(i, bool) or not isinstance(i, int)]
+        bad += [i for i in values if isinstance(i, int) and not 0 <= i < config.vocab_size]
+        if bad:
+            raise ModelLoadError(
+                f"{where}: {field} {bad[0]!r} is outside the vocabulary [0, {config.vocab_size}); "
+                "the file is corrupt or its config belongs to another model: fix the id "
+                "(or vocab_size) in the model's config"
+            )
+
+
+def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer | None, where: str) -> None:
+    """The model's special-token ids, and the tokenizer against the model's vocabulary.
+
+    A tokenizer with more tokens than the embedding has rows (``vocab_size``) would
+    encode text into ids the model cannot look up; its BOS/EOS ids must index the
+    vocabulary too. A tokenizer smaller than the vocabulary is normal (padded
+    embeddings). Raises :class:`ModelLoadError` naming both sizes and the fix.
+    """
+    check_special_token_ids(config, where)
+    if tokenizer is None:
+        return
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"{where}: the tokenizer {tokenizer.name or ''} has {tokenizer.vocab_size:,} tokens but "
+            f"the model's vocab_size is {config.vocab_size:,}, so text would encode into ids the "
+            "embedding has no row for; use the model's own tokenizer (tokenizer=PATH) or fix "
+            "vocab_size in its config"
+        )
+    special = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(
+        tokenizer.eos_token_ids
+    )
+    bad = [i for i in special if not 0 <= i < config.vocab_size]
+    if bad:
+        raise ModelLoadError(
+            f"{where}: the tokenizer's special token id {bad[0]} (BOS/EOS) is outside the "
+            f"model's vocabulary [0, {config.vocab_size}); use the model's own tokenizer"
+        )
 
 
 # ---------------------------------------------------------------------- safetensors

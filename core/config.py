@@ -15,11 +15,13 @@ list of names that exist is known.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -34,12 +36,25 @@ from pitstop.settings import (
     settings_from_toml,
 )
 
+if TYPE_CHECKING:
+    from pitstop.model_config import ModelConfig
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
 
 # No machine pitstop runs on has this much memory: a larger KV cache is a typo
 # (1e6 for 1.0), refused before anything tries to allocate it.
 MAX_KV_CACHE_GIB = 4096.0
+
+# Positions are int32 in the kernels and no model has a longer context: a larger
+# max_model_len is a typo (2**40), refused before anything is sized by it.
+MAX_MODEL_LEN = 2**31 - 1
+
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "PITSTOP_ALLOW_LONG_MAX_MODEL_LEN"
+"""Set to 1 to let ``max_model_len`` exceed the model's context (as vLLM's
+``VLLM_ALLOW_LONG_MAX_MODEL_LEN``); the config's ``allow_long_max_model_len`` does the same."""
+
+log = logging.getLogger(__name__)
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -68,6 +83,16 @@ def _kv_cache_gib(inst: Any, att: attrs.Attribute, value: Any) -> None:
 def _positive_int(_inst: Any, att: attrs.Attribute, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise ConfigError(f"{att.name} must be a positive integer, got {value!r}")
+
+
+def _model_len(inst: Any, att: attrs.Attribute, value: Any) -> None:
+    _positive_int(inst, att, value)
+    if value is not None and value > MAX_MODEL_LEN:
+        raise ConfigError(
+            f"{att.name}={value:,} is more than any model's context (positions are int32: at "
+            f"most {MAX_MODEL_LEN:,}); give the longest prompt + output in tokens (e.g. 8192), or "
+            "leave it unset to use the model's own"
+        )
 
 
 def _non_negative_int(_inst: Any, att: attrs.Attribute, value: Any) -> None:
@@ -174,8 +199,19 @@ class EngineConfig:
     )
     max_model_len: int | None = attrs.field(
         default=None,
-        validator=_positive_int,
-        metadata=_doc("longest prompt + output in tokens (default: the model's, capped at 4096)"),
+        validator=_model_len,
+        metadata=_doc(
+            "longest prompt + output in tokens (default: the model's, capped at 4096); at most "
+            "the model's context unless allow_long_max_model_len"
+        ),
+    )
+    allow_long_max_model_len: bool = attrs.field(
+        default=False,
+        validator=_bool,
+        metadata=_doc(
+            "let max_model_len exceed the model's context (max_position_embeddings), with a "
+            f"warning: positions past it were never trained (also {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1)"
+        ),
     )
 
     # --- the strategies, by name
@@ -422,6 +458,47 @@ class EngineConfig:
         if getattr(args, "config", None):
             return cls.from_toml(args.config, **given)
         return cls.from_dict(given)
+
+
+def long_max_model_len_allowed(config: EngineConfig) -> bool:
+    """Whether ``config`` (``allow_long_max_model_len``) or the environment
+    (``PITSTOP_ALLOW_LONG_MAX_MODEL_LEN=1``) lets max_model_len exceed the model's context."""
+    env = os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").strip().lower()
+    return config.allow_long_max_model_len or env in ("1", "true", "yes")
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """``config.max_model_len`` checked against the model's context (its
+    ``max_position_embeddings``), or the default ``min(context, 4096)`` when unset.
+
+    First the model's own limits (:meth:`ModelConfig.check_max_model_len`: no
+    override lifts them). A length past the context is a :class:`ConfigError`
+    naming both numbers and the two ways to allow it; allowed, it logs a warning
+    (the model never saw those positions).
+    """
+    context = model_config.max_position_embeddings
+    asked = config.max_model_len
+    if asked is None:
+        return min(context, 4096)
+    model_config.check_max_model_len(asked)
+    if asked <= context:
+        return asked
+    if not long_max_model_len_allowed(config):
+        raise ConfigError(
+            f"max_model_len={asked:,} is longer than the model's context of {context:,} tokens "
+            f"(max_position_embeddings); use max_model_len <= {context}, or, if you know the "
+            f"model works past it, set allow_long_max_model_len=true (--allow-long-max-model-len "
+            f"true) or {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1"
+        )
+    log.warning(
+        "max_model_len=%d exceeds the model's context of %d tokens (allowed by "
+        "allow_long_max_model_len / %s): output past position %d may be garbage",
+        asked,
+        context,
+        ALLOW_LONG_MAX_MODEL_LEN_ENV,
+        context,
+    )
+    return asked
 
 
 def _plugins() -> Any:

@@ -36,10 +36,10 @@ from typing import Any
 import attrs
 import torch
 
-from pitstop.config import EngineConfig
+from pitstop.config import EngineConfig, resolve_max_model_len
 from pitstop.errors import ConfigError, InvalidRequestError, WorkerDiedError
 from pitstop.kv_cache_dtype import resolve_kv_cache_dtype
-from pitstop.memory import check_fits
+from pitstop.memory import check_fits, check_max_model_len_fits
 from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestOutput
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
@@ -117,8 +117,8 @@ class LLMEngine:
         source = load_model_source(config.model, tokenizer=config.tokenizer, plugins=self.plugins)
         mc = source.model_config
         self.plugins.get("model", mc.architecture)
-        if config.max_model_len is None:
-            config = attrs.evolve(config, max_model_len=min(mc.max_position_embeddings, 4096))
+        max_model_len = resolve_max_model_len(config, mc)
+        config = attrs.evolve(config, max_model_len=max_model_len)
         self.config = config
         self.model_config = mc
         self.tokenizer: Tokenizer | None = source.tokenizer
@@ -131,8 +131,19 @@ class LLMEngine:
             pages_asked(config, per_rank, self.device, self.dtype) or 0
         )  # 0: sized after the weights
         cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        kv_bytes = kv_pages * kv_bytes_per_page(per_rank, config.page_size, cache_dtype)
-        check_fits(per_rank, self.dtype, self.device, kv_bytes, what=source.description)
+        page_bytes = kv_bytes_per_page(per_rank, config.page_size, cache_dtype)
+        check_fits(
+            per_rank, self.dtype, self.device, kv_pages * page_bytes, what=source.description
+        )
+        check_max_model_len_fits(  # before the rotary tables and the cache are allocated
+            max_model_len,
+            per_rank,
+            self.dtype,
+            self.device,
+            kv_pages=kv_pages,
+            page_size=config.page_size,
+            kv_page_bytes=page_bytes,
+        )
         if config.tensor_parallel_size > 1:  # rank 0 of N: workers start here (pitstop.parallel)
             from pitstop.parallel import start_tensor_parallel
 
@@ -250,7 +261,7 @@ class LLMEngine:
                     f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids instead of text"
                 )
             ids = self.tokenizer.encode(prompt)
-            check_encoded_prompt(prompt, ids)
+            check_encoded_prompt(prompt, ids, self.model_config.vocab_size)
         else:
             ids = [int(t) for t in prompt_token_ids]
         max_len = self.config.max_model_len

@@ -282,7 +282,7 @@ def load_gguf(
     ``tokenizer`` replaces the file's own tokenizer when given; ``plugins`` is the
     registry asked which architecture reads the file (default: the process's own).
     """
-    from pitstop.checkpoint import ModelSource
+    from pitstop.checkpoint import ModelSource, check_special_token_ids
     from pitstop.tokenizer import Tokenizer
 
     path = Path(path)
@@ -292,6 +292,7 @@ def load_gguf(
     if not (cache / _CONFIG_FILE).is_file():
         file = GGUFModelFile.open(path)
         config, rules = gguf_model_config(file, plugins)
+        check_special_token_ids(config, f"GGUF file {path}")  # before the slow tokenizer build
         own_tokenizer = Tokenizer.from_gguf(path, file.metadata)
         try:
             _write_cache(cache, config, file, rules, own_tokenizer)

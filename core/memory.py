@@ -63,3 +63,63 @@ def check_fits(
         f"{smaller_dtype}a smaller model, a smaller kv_cache_gib / max_num_pages, or a machine "
         f"with more memory"
     )
+
+
+def rotary_table_bytes(model_config: ModelConfig, max_model_len: int) -> int:
+    """Peak bytes of building the rotary cos/sin tables for ``max_model_len`` positions.
+
+    The tables are float32 ``[max_model_len, head_size/2]`` each, built through an
+    int64 and a float32 position vector and a frequency table of the same shape:
+    about ``max_model_len * (12 + 6 * head_size)`` bytes at their peak.
+    """
+    return max_model_len * (12 + 6 * model_config.head_size)
+
+
+def check_max_model_len_fits(
+    max_model_len: int,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    kv_pages: int,
+    page_size: int,
+    kv_page_bytes: int,
+) -> None:
+    """Refuse a ``max_model_len`` whose tables or one sequence cannot fit, before allocating.
+
+    ``kv_pages`` is the KV cache the configuration fixes up front (0 where it is
+    sized after the weights, as on CUDA): it must hold one whole sequence of
+    ``max_model_len`` tokens. The rotary tables (:func:`rotary_table_bytes`), the
+    weights and the KV cache (at least one sequence of ``max_model_len`` tokens)
+    must fit in the free memory. Each failure is a :class:`ConfigError` that names
+    the numbers and the largest ``max_model_len`` that fits.
+    """
+    pages_per_seq = -(-max_model_len // page_size)
+    if kv_pages and kv_pages < pages_per_seq:
+        raise ConfigError(
+            f"the KV cache holds {kv_pages * page_size:,} tokens, less than one sequence of "
+            f"max_model_len={max_model_len:,}; give it more memory (kv_cache_gib, max_num_pages, "
+            f"gpu_memory_utilization) or use max_model_len <= {kv_pages * page_size}"
+        )
+    available = available_bytes(device)
+    if available is None:
+        return
+    element = torch.tensor([], dtype=dtype).element_size()
+    weights = model_config.num_params * element
+    rotary = rotary_table_bytes(model_config, max_model_len)
+    kv = kv_pages * kv_page_bytes if kv_pages else pages_per_seq * kv_page_bytes
+    budget = int(HEADROOM * available)
+    if weights + rotary + kv <= budget:
+        return
+    per_token = rotary_table_bytes(model_config, 1) + (0 if kv_pages else kv_page_bytes / page_size)
+    fixed = weights + (kv_pages * kv_page_bytes if kv_pages else 0)
+    largest = max(0, int((budget - fixed) // per_token))
+    gib = 2**30
+    where = "GPU" if device.type == "cuda" else "host"
+    what = "the KV cache" if kv_pages else "the KV cache of one sequence"
+    raise ConfigError(
+        f"max_model_len={max_model_len:,} needs {rotary / gib:.1f} GiB of rotary tables and "
+        f"{kv / gib:.1f} GiB for {what}, plus {weights / gib:.1f} GiB of weights, but the "
+        f"{where} has {available / gib:.1f} GiB free (at most {HEADROOM:.0%} of it is planned "
+        f"for); use max_model_len <= {largest:,}"
+    )

@@ -15,7 +15,15 @@ import attrs
 
 from pitstop.errors import InvalidRequestError
 from pitstop.structured import StructuredOutputs, structured_outputs_of
-from pitstop.validation import INT64_MAX, check_int, check_real, check_text, is_int, seed_of
+from pitstop.validation import (
+    INT64_MAX,
+    check_int,
+    check_real,
+    check_text,
+    is_int,
+    seed_of,
+    token_id_key,
+)
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's convention)."""
@@ -48,7 +56,7 @@ def _bias(value: Any) -> Any:
     if value is None:
         return ()
     if isinstance(value, dict):
-        return tuple(sorted(value.items(), key=lambda kv: str(kv[0])))
+        return tuple(value.items())  # sorted once the keys are token ids
     return value
 
 
@@ -68,7 +76,8 @@ class SamplingParams:
     ``temperature=0`` is greedy decoding. ``top_k`` 0 or -1 disables top-k
     (stored as -1); ``top_p=1`` and ``min_p=0`` disable their filters.
     ``seed`` makes one request's sampling repeatable whatever else is in the
-    batch; any integer is accepted and reduced modulo 2**64.
+    batch; it is an int64 (outside it: an error, as vLLM answers 400), reduced
+    modulo 2**64 for torch.
 
     ``n`` samples per prompt (``best_of``, if given, must equal ``n``: pitstop
     returns every sample it draws). ``min_tokens`` forbids EOS and
@@ -77,7 +86,8 @@ class SamplingParams:
     the logit of every token already generated, once or per occurrence;
     ``repetition_penalty`` (> 0, 1 = off) divides a positive logit (multiplies
     a negative one) of every token in the prompt or output. ``logit_bias``
-    maps token ids to a bias in [-100, 100] added to their logits.
+    maps token ids to a bias in [-100, 100] added to their logits; a key is an
+    int or a string of ASCII digits (``"50256"``), and must be in the vocabulary.
 
     ``logprobs=k`` returns, per generated token, the log-probabilities of the
     ``k`` most likely tokens and of the chosen one (0: the chosen one only;
@@ -192,13 +202,15 @@ class SamplingParams:
                 "logit_bias must map token ids to numbers, e.g. {50256: -100}",
             )
             key, value = pair
-            if isinstance(key, str) and key.strip().lstrip("-").isdigit():
-                key = int(key)  # JSON object keys are strings
-            token = check_int("logit_bias", key, lo=0)
+            token = token_id_key(key)  # JSON object keys are strings: ASCII digits only
             amount = check_real("logit_bias", value, "send a number in [-100, 100]")
             _check(
                 -100 <= amount <= 100,
                 f"logit_bias for token {token} must be in [-100, 100], got {amount!r}",
+            )
+            _check(
+                all(t != token for t, _ in bias),
+                f"logit_bias names token {token} twice; give each token id once",
             )
             bias.append((token, amount))
         set_(self, "logit_bias", tuple(sorted(bias)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,9 +25,13 @@ from pitstop.errors import InvalidRequestError
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
-# torch seeds a generator with 64 bits; a seed is reduced modulo this (torch
-# itself treats a negative seed that way), so any integer is a valid seed.
+# torch seeds a generator with 64 bits; a seed (an int64, as vLLM takes it) is
+# reduced modulo this (torch itself treats a negative seed that way).
 SEED_MODULUS = 2**64
+
+# A token id key of logit_bias: ASCII decimal digits only (str.isdigit() also takes
+# "²", "①", "٣" and "𝟓", and int() strips spaces), at most 19 of them (int64).
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -65,10 +70,10 @@ def _fail(message: str) -> None:
 def check_int(name: str, value: Any, *, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
     """``value`` as an int in ``[lo, hi]``; anything else raises naming ``name``."""
     if not is_int(value):
-        _fail(f"{name} must be an integer, got {_type_name(value)} {value!r}")
+        _fail(f"{name} must be an integer, got {_type_name(value)} {_short(value)}")
     value = int(value)
     if not lo <= value <= hi:
-        _fail(f"{name} must be in [{lo}, {hi}], got {value}")
+        _fail(f"{name} must be in [{lo}, {hi}], got {_short(value)}")
     return value
 
 
@@ -96,12 +101,45 @@ def check_text(name: str, value: Any) -> str:
 
 
 def seed_of(value: Any) -> int | None:
-    """A request seed reduced into ``[0, 2**64)``; None stays None (the engine's own seed)."""
+    """A request seed, an int64 (as vLLM takes it), reduced into ``[0, 2**64)`` for torch;
+    None stays None (the engine's own seed). Outside int64 it raises naming ``seed``."""
     if value is None:
         return None
     if not is_int(value):
         _fail(f"seed must be an integer or null, got {_type_name(value)} {value!r}")
+    if not INT64_MIN <= int(value) <= INT64_MAX:
+        _fail(
+            f"seed must be in [{INT64_MIN}, {INT64_MAX}] (int64), got {_short(int(value))}; "
+            "send a smaller seed"
+        )
     return int(value) % SEED_MODULUS
+
+
+def _short(value: Any, limit: int = 24) -> str:
+    """``repr(value)`` cut to ``limit`` characters, with its full length (a 5,000-digit key)."""
+    if is_int(value) and int(value).bit_length() > 4 * limit:  # str() of it may even raise
+        return f"an integer of about {int(int(value).bit_length() * math.log10(2)) + 1:,} digits"
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value):,} characters)"
+    text = str(value) if is_int(value) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def token_id_key(key: Any) -> int:
+    """A ``logit_bias`` key as a token id: an int, or a string of ASCII decimal digits
+    (JSON object keys are strings). Anything else raises naming the key: ``"²"``,
+    ``"①"``, ``"٣"``, ``"𝟓"``, ``" 5"``, ``"+5"``, ``"-1"`` and keys past int64."""
+    if is_int(key):
+        return check_int("logit_bias", key, lo=0)
+    if isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key) and int(key) <= INT64_MAX:
+        return int(key)
+    if isinstance(key, str):
+        _fail(
+            f"logit_bias key {_short(key)} is not a token id; keys must be token ids written "
+            'in ASCII digits 0-9 (no spaces, signs or other numerals), e.g. {"50256": -100}'
+        )
+    _fail(f"logit_bias keys must be token ids, got {_type_name(key)} {_short(key)}")
+    raise AssertionError  # unreachable: _fail raises
 
 
 def check_token_ids(name: str, ids: Any, vocab_size: int | None = None) -> list[int]:
@@ -123,17 +161,28 @@ def check_token_ids(name: str, ids: Any, vocab_size: int | None = None) -> list[
     return [int(t) for t in out]
 
 
-def check_encoded_prompt(prompt: str, ids: Sequence[int]) -> None:
-    """Refuse a text prompt that the tokenizer turns into no tokens (call it after encoding).
+def check_encoded_prompt(prompt: str, ids: Sequence[int], vocab_size: int | None = None) -> None:
+    """Refuse a text prompt that the tokenizer turns into no tokens, or into ids outside
+    ``[0, vocab_size)`` (call it after encoding).
 
     Some control characters (``"\\x04"`` with SmolLM2's tokenizer) encode to
-    nothing; a request with no tokens must not reach the scheduler.
+    nothing; a request with no tokens must not reach the scheduler. A tokenizer
+    larger than the model is refused at load, so an id outside the vocabulary
+    here means a tokenizer that adds ids at run time: refused, not indexed.
     """
     if not ids:
         _fail(
             f"prompt {prompt[:40]!r} encodes to no tokens (the tokenizer drops every character "
             "of it); send text with at least one printable character, or prompt_token_ids"
         )
+    if vocab_size is not None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            _fail(
+                f"prompt encodes to token id(s) {bad[:5]} outside the model's vocabulary "
+                f"[0, {vocab_size}); the tokenizer does not match the model: load the model's "
+                "own tokenizer"
+            )
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:

@@ -156,16 +156,19 @@ def llama3_rope_factors(scaling: dict[str, Any], theta: float, head_dim: int) ->
     return np.array(out, dtype=np.float32)
 
 
-def write_tokenizer(writer: Any, vocab: int) -> None:
-    """A minimal BPE tokenizer of ``vocab`` tokens (transformers builds it in well under a second)."""
-    tokens = ["t", "1", "t1"] + [f"x{i}" for i in range(vocab - 3)]
+def write_tokenizer(writer: Any, vocab: int, bos_token_id: int = 1) -> None:
+    """A minimal BPE tokenizer of ``vocab`` tokens (transformers builds it in well under a
+    second); ``bos_token_id`` may be set outside the vocabulary, to craft a bad file."""
+    # ends with <|endoftext|>, which transformers' GGUF converter adds when it is missing
+    # (a tokenizer one token larger than the vocabulary is refused at load)
+    tokens = ["t", "1", "t1"] + [f"x{i}" for i in range(vocab - 4)] + ["<|endoftext|>"]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * vocab)
     writer.add_token_scores([0.0] * vocab)
     writer.add_token_merges(["t 1"])
-    writer.add_bos_token_id(1)
+    writer.add_bos_token_id(bos_token_id)
     writer.add_eos_token_id(2)
 
 
@@ -176,6 +179,7 @@ def write_gguf_from_hf(
     meta: dict[str, Any] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     tokens: int | None = None,
+    bos_token_id: int = 1,
 ) -> Path:
     """A float32 GGUF of a Hugging Face checkpoint, as llama.cpp's converter lays it out
     (Llama q/k rows permuted; Llama 3 rope scaling as rope_freqs). ``meta`` overrides
@@ -220,11 +224,19 @@ def write_gguf_from_hf(
         arrays[gguf_name(name)] = np.ascontiguousarray(a)
     arrays |= extra_tensors or {}
     fields = {f"{arch}.{key}": value for key, value in fields.items() if value is not None}
-    return write_gguf(path, arch, fields, arrays, tokens or cfg["vocab_size"])
+    return write_gguf(
+        path, arch, fields, arrays, tokens or cfg["vocab_size"], bos_token_id=bos_token_id
+    )
 
 
 def write_gguf(
-    path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, np.ndarray], vocab: int
+    path: Path,
+    arch: str,
+    fields: dict[str, Any],
+    tensors: dict[str, np.ndarray],
+    vocab: int,
+    *,
+    bos_token_id: int = 1,
 ) -> Path:
     """A GGUF file of general.architecture ``arch``: metadata ``fields`` (full key -> str,
     float or int), a tiny BPE tokenizer of ``vocab`` tokens, and ``tensors`` as given."""
@@ -238,7 +250,7 @@ def write_gguf(
             w.add_float32(key, value)
         else:
             w.add_uint32(key, value)
-    write_tokenizer(w, vocab)
+    write_tokenizer(w, vocab, bos_token_id)
     for name, a in tensors.items():
         w.add_tensor(name, a)
     w.write_header_to_file()

@@ -175,11 +175,15 @@ def test_strict_sampling_params(kwargs: dict, fragment: str) -> None:
         SamplingParams(**kwargs)
 
 
-def test_seeds_are_reduced_modulo_2_64() -> None:
-    assert SamplingParams(seed=2**70).seed == 0
+def test_seeds_are_int64_reduced_modulo_2_64() -> None:
+    """vLLM answers 400 outside int64; inside it a negative seed maps as torch maps it."""
     assert SamplingParams(seed=-1).seed == 2**64 - 1
-    assert SamplingParams(seed=2**64 + 5).seed == SamplingParams(seed=5).seed == 5
+    assert SamplingParams(seed=-(2**63)).seed == 2**63
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
     assert SamplingParams(seed=None).seed is None
+    for seed in (2**63, -(2**63) - 1, 2**70, 10**5000):
+        with pytest.raises(InvalidRequestError, match=r"^seed must be in .*\(int64\)"):
+            SamplingParams(seed=seed)
     np = pytest.importorskip("numpy")
     p = SamplingParams(top_k=np.int64(5), temperature=np.float32(0.5), max_tokens=np.int32(3))
     assert (p.top_k, p.temperature, p.max_tokens) == (5, 0.5, 3)
@@ -187,10 +191,10 @@ def test_seeds_are_reduced_modulo_2_64() -> None:
 
 
 def test_values_that_used_to_fail_the_step_run(llm: LLM) -> None:
-    """seed >= 2**64 and a top_k near int64 run beside a normal request (issue 22, point 1)."""
+    """int64 seeds at both ends and a top_k near int64 run beside a normal request (issue 22, point 1)."""
     params = [
-        SamplingParams(seed=2**70, temperature=1.0, max_tokens=4, ignore_eos=True),
-        SamplingParams(seed=-(2**63) - 1, temperature=1.0, max_tokens=4, ignore_eos=True),
+        SamplingParams(seed=2**63 - 1, temperature=1.0, max_tokens=4, ignore_eos=True),
+        SamplingParams(seed=-(2**63), temperature=1.0, max_tokens=4, ignore_eos=True),
         SamplingParams(top_k=2**62, temperature=1.0, max_tokens=4, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
     ]
@@ -301,4 +305,34 @@ def test_chat_roles_and_contents_are_checked(llm: LLM) -> None:
         llm.chat([[{"role": "wizard", "content": "hi"}]])
     with pytest.raises(InvalidRequestError, match="content"):
         llm.chat([[{"role": "user", "content": 123}]])
+    _still_serves(llm)
+
+
+@pytest.mark.parametrize(
+    "key", ["²", "①", " 5", "5 ", "٣", "𝟓", "+5", "-1", "0x5", "", "1" * 5000, "9" * 20]
+)
+def test_logit_bias_keys_are_ascii_decimal_token_ids(key: str) -> None:
+    """str.isdigit() took "²" and "①" and then int() failed (a 500); int() took " 5", "٣"
+    and "𝟓" as token ids; a 5,000-digit key hit Python's integer-string limit."""
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"^logit_bias key '.*'(\.\.\. \(5,000 characters\))? is not a token id",
+    ) as err:
+        SamplingParams(logit_bias={key: 1})
+    assert len(str(err.value)) < 300  # the key is named, not echoed whole
+
+
+def test_logit_bias_keys_that_are_token_ids(llm: LLM) -> None:
+    assert SamplingParams(logit_bias={"5": 1, 7: -2}).logit_bias == ((5, 1.0), (7, -2.0))
+    with pytest.raises(InvalidRequestError, match="names token 5 twice"):
+        SamplingParams(logit_bias={"5": 1, 5: 2})
+    with pytest.raises(InvalidRequestError, match=r"an integer of about 5,001 digits"):
+        SamplingParams(logit_bias={10**5000: 1})
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(
+        InvalidRequestError, match=rf"logit_bias: token id\(s\) \[{vocab}\] outside the vocabulary"
+    ):
+        llm.generate(
+            prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(logit_bias={str(vocab): 1})
+        )
     _still_serves(llm)

@@ -286,6 +286,17 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"²": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"①": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {" 5": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"٣": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"𝟓": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n"),  # the server's --max-n cap
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": ["hi"] * 65}, 400, "prompt"),  # --max-prompts-per-request
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     (
         "/v1/completions",
@@ -412,7 +423,8 @@ def test_auth_off_in_process(tmp_path: Path) -> None:
 
 
 def test_huge_seed_beside_three_normal_streams(server: Server) -> None:
-    """Issue 22: seed=2**70 used to fail the shared step and every request in it."""
+    """Issue 22: seed=2**70 used to fail the shared step and every request in it; seeds are
+    int64 now (issue 32), so the largest one runs beside three normal streams."""
 
     async def one(aclient: openai.AsyncOpenAI, extra: dict) -> str | None:
         stream = await aclient.completions.create(
@@ -434,7 +446,9 @@ def test_huge_seed_beside_three_normal_streams(server: Server) -> None:
             base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120
         ) as aclient:
             normal = [one(aclient, {"temperature": 0}) for _ in range(3)]
-            return await asyncio.gather(one(aclient, {"seed": 2**70, "temperature": 1.0}), *normal)
+            return await asyncio.gather(
+                one(aclient, {"seed": 2**63 - 1, "temperature": 1.0}), *normal
+            )
 
     assert asyncio.run(main()) == ["length"] * 4
     server.wait_all_pages_free(within=2)

@@ -207,12 +207,22 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.workload not in GENERATORS and not Path(args.workload).exists():
         workload_from_args(args)  # raises the error that lists the workloads
     wl = workload_from_args(args)
+    asked_max_len = getattr(args, "max_model_len", None)  # a flag, before the workload's default
     config = base_config(args, wl)
     configs = matrices.parse_matrix(args.matrix) if args.matrix else [("pitstop", {})]
     if getattr(args, "only", None):
         configs = matrices.select(configs, args.only)
     source = load_model_source(config.model, tokenizer=config.tokenizer)
     mc = source.model_config
+    context = mc.max_position_embeddings
+    if asked_max_len is None and (config.max_model_len or 0) > context:
+        # the workload's default is a wish: a model of a shorter context runs at its own
+        print(
+            f"[bench] max_model_len {config.max_model_len} (the workload's default) is capped at "
+            f"the model's context of {context} tokens",
+            file=sys.stderr,
+        )
+        config = attrs.evolve(config, max_model_len=context)
     token_high = min(TOKEN_ID_HIGH, mc.vocab_size - 1)
     if token_high != TOKEN_ID_HIGH:
         wl = workload_from_args(args, token_high)

@@ -102,6 +102,8 @@ class ServerSettings:
     max_connections: int = 1024  # open TCP connections; more get 429
     max_queued_requests: int = 1024  # requests waiting for a place in the batch; more get 429
     max_requests_per_client: int | None = None  # open requests per API key (or address)
+    max_n: int = 16  # samples per prompt (n); more get 400 (n=128 x 1 token stalled others)
+    max_prompts_per_request: int = 64  # prompts in one completions list; more get 400
     retry_after_s: int = 1  # the Retry-After of a 429
     step_grace_s: float = 2.0  # after the drain, how long the engine may take to abort
 
@@ -372,6 +374,24 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 param=loc[0] if loc else None,
             ) from exc
 
+    def check_request_size(params: SamplingParams, num_prompts: int) -> None:
+        """The server's caps on ``n`` and on prompts per request (400 above them)."""
+        if params.n > settings.max_n:
+            raise APIError(
+                400,
+                f"n is {params.n}, above this server's cap of {settings.max_n} samples per prompt "
+                f"(--max-n); ask for at most {settings.max_n}, or send several requests",
+                param="n",
+            )
+        if num_prompts > settings.max_prompts_per_request:
+            raise APIError(
+                400,
+                f"prompt holds {num_prompts} prompts, above this server's cap of "
+                f"{settings.max_prompts_per_request} per request (--max-prompts-per-request); "
+                "split the list over several requests",
+                param="prompt",
+            )
+
     def check_vocab(params: SamplingParams) -> None:
         try:
             check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
@@ -570,6 +590,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         )
         if body.stream and params.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs needs stream: false", param="prompt_logprobs")
+        check_request_size(params, len(prompts))
         rid = new_id("cmpl")
         flights: list[Flight] = []
         try:
@@ -663,6 +684,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         params = body.sampling_params(
             (llm.config.max_model_len or 4096) if max_tokens is None else max_tokens, logprobs=k
         )
+        check_request_size(params, 1)
         rid = new_id("chatcmpl")
         flight = await add(
             request,

@@ -124,6 +124,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "0: no cap (default 0)",
     )
     g.add_argument(
+        "--max-n",
+        type=int,
+        default=16,
+        help="most samples per prompt (n) a request may ask for; more get 400 (default 16)",
+    )
+    g.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=64,
+        help="most prompts in one /v1/completions list; more get 400 (default 64)",
+    )
+    g.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -144,6 +156,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         ("--max-connections", args.max_connections, 1),
         ("--max-queued-requests", args.max_queued_requests, 1),
         ("--max-requests-per-client", args.max_requests_per_client, 0),
+        ("--max-n", args.max_n, 1),
+        ("--max-prompts-per-request", args.max_prompts_per_request, 1),
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
@@ -171,6 +185,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_connections=args.max_connections,
         max_queued_requests=args.max_queued_requests,
         max_requests_per_client=args.max_requests_per_client or None,
+        max_n=args.max_n,
+        max_prompts_per_request=args.max_prompts_per_request,
     )
 
 

@@ -10,12 +10,16 @@ adds or removes.
 
 Samples of one prompt (``n > 1``). The engine admits the first sample, and
 once it has computed the prompt, calls :meth:`PagedAllocator.share_prompt`
-for each other sample before queueing it: that sample is then admitted with
-the first one's full prompt pages (read-only, reference-counted: a page
-returns to the free list when its last holder frees it) and computes only
-the prompt's last partial page and what follows. Only pages whose KV the
-first sample has computed are shared, and the page holding the last prompt
-token never is, so no sample ever writes into a shared page.
+for each other sample before queueing it: that call takes a reference on
+the first one's full prompt pages for the sample at once (so they stay
+cached even if the first sample finishes, on its first token, before the
+others are admitted), and the sample is then admitted with them (read-only,
+reference-counted: a page returns to the free list when its last holder
+frees it) and computes only the prompt's last partial page and what
+follows. Only pages whose KV the first sample has computed are shared, and
+the page holding the last prompt token never is, so no sample ever writes
+into a shared page. A sample freed before it is admitted (aborted) drops
+its references.
 """
 
 from __future__ import annotations
@@ -45,35 +49,46 @@ class PagedAllocator(OnDemandPages):
 
     def __init__(self, page_size: int, num_pages: int) -> None:
         super().__init__(page_size, num_pages)
-        self._parents: dict[int, Sequence] = {}  # seq_id -> the sample whose prompt pages it shares
+        # seq_id of a sample not admitted yet -> the prompt pages it will share, one reference
+        # each already taken (share_prompt), so that they outlive the sample that computed them
+        self._pinned: dict[int, list[int]] = {}
         self._refs: dict[int, int] = {}  # page -> holders, for pages held by more than one
 
     # ------------------------------------------------------------------ sharing
     def share_prompt(self, child: Sequence, parent: Sequence) -> None:
-        """Admit ``child`` (not admitted yet) with ``parent``'s computed full prompt pages."""
+        """Admit ``child`` (not admitted yet) with ``parent``'s computed full prompt pages.
+
+        The pages are referenced for ``child`` now, so they stay whether or not
+        ``parent`` is still running when ``child`` is admitted.
+        """
         if child.seq_id in self._tables:
             raise AllocatorUsageError(f"sequence {child.request_id!r} is already admitted")
-        self._parents[child.seq_id] = parent
+        self._unpin(child.seq_id)
+        pages = self._shareable_pages(child, parent)
+        for page in pages:
+            self._refs[page] = self._refs.get(page, 1) + 1
+        if pages:
+            self._pinned[child.seq_id] = pages
 
-    def _shared_pages(self, seq: Sequence) -> list[int]:
-        """The parent's pages ``seq`` would share now: full, computed, before the last prompt token."""
-        parent = self._parents.get(seq.seq_id)
-        table = self._tables.get(parent.seq_id) if parent is not None else None
-        if (
-            parent is None
-            or table is None
-            or parent.token_ids[: seq.num_prompt_tokens] != (seq.prompt_token_ids)
-        ):
+    def _shareable_pages(self, seq: Sequence, parent: Sequence) -> list[int]:
+        """The parent's pages ``seq`` can share: full, computed, before the last prompt token."""
+        table = self._tables.get(parent.seq_id)
+        if table is None or parent.token_ids[: seq.num_prompt_tokens] != seq.prompt_token_ids:
             return []
         full = min(seq.num_prompt_tokens - 1, parent.num_computed_tokens) // self.page_size
         return table[:full]
+
+    def _unpin(self, seq_id: int) -> None:
+        """Drop the references a not-admitted sample holds on shared prompt pages."""
+        for page in reversed(self._pinned.pop(seq_id, [])):
+            self._release(page)
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether ``seq`` is not admitted yet and its tokens fit in free pages."""
         if seq.seq_id in self._tables or seq.num_tokens <= 0:
             return False
-        shared = len(self._shared_pages(seq)) if self._parents else 0
+        shared = len(self._pinned.get(seq.seq_id, ()))
         return pages_for(seq.num_tokens, self.page_size) - shared <= len(self._free)
 
     def allocate(self, seq: Sequence) -> int:
@@ -81,14 +96,13 @@ class PagedAllocator(OnDemandPages):
         if seq.seq_id in self._tables:
             raise AllocatorUsageError(f"sequence {seq.request_id!r} is already admitted")
         check_admissible(seq)
-        shared = self._shared_pages(seq) if self._parents else []
+        shared = self._pinned.get(seq.seq_id, [])
         need = pages_for(seq.num_tokens, self.page_size) - len(shared)
         if need > len(self._free):
             raise OutOfPagesError(
                 f"sequence {seq.request_id!r} needs {need} pages for {seq.num_tokens} tokens; {len(self._free)} are free"
             )
-        for page in shared:
-            self._refs[page] = self._refs.get(page, 1) + 1
+        self._pinned.pop(seq.seq_id, None)  # its references pass to the block table
         self._tables[seq.seq_id] = shared + [self._free.pop() for _ in range(need)]
         self._held[seq.seq_id] = seq.num_tokens
         self._tokens_held += seq.num_tokens
@@ -136,8 +150,8 @@ class PagedAllocator(OnDemandPages):
 
     def free(self, seq: Sequence) -> None:
         """Release every page of ``seq`` (a no-op for a sequence that holds none)."""
-        self._parents.pop(seq.seq_id, None)  # a preempted sample is readmitted without sharing
-        table = self._tables.pop(seq.seq_id, None)
+        self._unpin(seq.seq_id)  # a sample aborted before it was admitted
+        table = self._tables.pop(seq.seq_id, None)  # preempted: readmitted without sharing
         if table is None:
             return
         self._tokens_held -= self._held.pop(seq.seq_id)
