@@ -104,12 +104,14 @@ for _ in range(2):
         run nano-models19 offline --workload nano --kernels fused --model "$M" ); fi ;;
     # issue 27: every allocator x scheduler x kernels x step budget x overlap (+ preemption, n=2, the
     # issue's table) against transformers fp32 greedy on the real SmolLM2, each configuration in a
-    # fresh process with poisoned memory (tests/gpu_matrix.py); MATRIX_ONLY=TEXT narrows it
+    # fresh process with poisoned memory (tests/gpu_matrix.py); MATRIX_ONLY=TEXT narrows it, and
+    # MATRIX_SHARD=1/2 then 2/2 splits it over two calls (the whole of it outlasted 545 s with 16
+    # processes on 2026-12-01; with 12 it took 440 s while 39 cases failed early)
     matrix) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
       if [ ! -f "$gguf" ]; then echo "== matrix: no GGUF at $gguf (set SMOLLM_GGUF)"
-      else echo "== matrix: tests/gpu_matrix.py (${PITSTOP_MATRIX_WORKERS:-8} processes)"
-        SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-560} python3 tests/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-8} \
-          --json "$OUT/matrix.json" ${MATRIX_ONLY:+--only "$MATRIX_ONLY"} 2>"$OUT/matrix.log" | tail -60; fi ;;
+      else echo "== matrix: tests/gpu_matrix.py (${PITSTOP_MATRIX_WORKERS:-12} processes, shard ${MATRIX_SHARD:-1/1})"
+        SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-560} python3 tests/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
+          --json "$OUT/matrix.json" --shard ${MATRIX_SHARD:-1/1} ${MATRIX_ONLY:+--only "$MATRIX_ONLY"} 2>"$OUT/matrix.log" | tail -60; fi ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
     # issue 15: the KV cache in fp8 (e4m3) beside bf16; kv_floor.py: fraction of the bf16 and fp8 floors
     fp8-nano) run fp8-nano offline --workload nano --matrix benchmarks/workloads/kv-fp8.toml; python3 benchmarks/kv_floor.py "$OUT/fp8-nano.json" ;;

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -274,9 +275,16 @@ def model_path() -> Path:
 
 
 def run_matrix(
-    cases: list[dict[str, Any]] | None = None, workers: int = 8, device: str = "cuda"
+    cases: list[dict[str, Any]] | None = None,
+    workers: int = 12,
+    device: str = "cuda",
+    on_row: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """The reference in this process, then every case in a fresh process; one row per case."""
+    """The reference in this process, then every case in a fresh process; one row per case.
+
+    ``on_row(rows)`` is called after each case with the rows so far (so a run stopped at
+    its time limit still leaves what it measured).
+    """
     gguf = model_path()
     prompt_ids, reference, margins = transformers_reference(gguf, device)
     cases = cases if cases is not None else configurations()
@@ -302,6 +310,9 @@ def run_matrix(
                     "reference_first": reference[0][:6],
                 }
             )
+            print(f"[matrix] {len(rows)}/{len(cases)} {verdict} {case['name']}", file=sys.stderr)
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -332,17 +343,31 @@ def summary(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python tests/gpu_matrix.py``: run the matrix, print the summary, 0 when nothing fails."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--only", metavar="TEXT", help="run only cases whose name contains TEXT")
     parser.add_argument(
         "--device", default="cuda", help="cuda (default), or cpu to try the harness"
     )
+    parser.add_argument(
+        "--shard",
+        metavar="I/N",
+        default="1/1",
+        help="run every N-th case from the I-th (1-based): the whole matrix outlasts one "
+        "10-minute device call, two shards do not",
+    )
     args = parser.parse_args(argv)
+    index, count = (int(x) for x in args.shard.split("/"))
+    if not 1 <= index <= count:
+        parser.error(f"--shard {args.shard}: want I/N with 1 <= I <= N")
     cases = [c for c in configurations() if not args.only or args.only in c["name"]]
-    rows = run_matrix(cases, args.workers, args.device)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    cases = cases[index - 1 :: count]
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+    rows = run_matrix(cases, args.workers, args.device, save)
     print(summary(rows))
     return 1 if any(r["verdict"] == "FAIL" for r in rows) else 0
 
