@@ -61,6 +61,10 @@ class _Group:
     # [B, 1, G * Q, L] bool: which keys each padded query sees, repeated for the G query
     # heads of a KV head (stacked along the query axis, as the queries are)
     allowed: torch.Tensor
+    # [B, 1, L, 1] bool: the key slots each sequence's context holds. The slots past it were
+    # never written (NaN with poison_memory): a masked-out NaN still makes NaN in the product
+    # with V, so they are zeroed, not only masked.
+    written: torch.Tensor
     tables: torch.Tensor  # [B, pages] int64: block tables, -1 padding read as page 0
     max_context: int
 
@@ -113,6 +117,7 @@ def _groups(
                 real=is_real.flatten().nonzero().squeeze(1).to(device),
                 dest=(first[:, None] + j)[is_real].to(device),
                 allowed=allowed.unsqueeze(1).to(device),
+                written=(torch.arange(l_max)[None, :] < c[:, None])[:, None, :, None].to(device),
                 tables=meta.block_tables[idx.to(meta.block_tables.device), :pages]
                 .clamp(min=0)
                 .long(),
@@ -152,6 +157,7 @@ def batched_attention(
         b, q_len = g.rows.shape
         k = _read_pages(k_cache, g.tables, g.max_context, k_scale, q.dtype)
         v = _read_pages(v_cache, g.tables, g.max_context, v_scale, q.dtype)
+        k, v = torch.where(g.written, k, 0), torch.where(g.written, v, 0)
         # [B, Q, Hkv, G, D] -> [B, Hkv, G * Q, D]: a KV head's query heads share its K and V
         qg = q[g.rows].view(b, q_len, kv_heads, group_size, head_size)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group_size * q_len, head_size)
