@@ -166,7 +166,7 @@ class StepOutput:
     """
 
     results: list[SeqResult]
-    # poison_memory: the sequences whose logits this step were not finite (they read memory
+    # poison_memory: the sequences whose logits this step held NaN (they read memory
     # nothing wrote); the engine fails their requests instead of taking their tokens
     poisoned_seq_ids: frozenset[int] = frozenset()
 
@@ -196,7 +196,7 @@ class LaunchedStep:
     ) -> None:
         self.seqs = seqs
         self._tokens, self._logprobs, self._event = tokens, logprobs, event
-        self._nonfinite = nonfinite  # poison_memory: per logits row, not finite (host, pinned)
+        self._nonfinite = nonfinite  # poison_memory: per logits row, NaN anywhere (host, pinned)
         self._top = top  # host copies of (top ids, top logprobs, ranks) when logprobs were asked
         self._prompt = prompt or {}  # input index -> prompt log-probabilities (prompt_logprobs)
         self._ready = ready
@@ -698,6 +698,8 @@ class ModelRunner:
                 step.seqs, ready=StepOutput([_NO_TOKENS] * len(step.seqs)), prompt=prompt
             )
         logits = self.model.compute_logits(self.select_rows(hidden, rows))
+        # before sampling: logits processors may write into the rows
+        nan_rows = nan_rows_of(logits) if self.poison else None
         if self.logits_observer is not None:
             self.logits_observer(step.seqs, logits)
         sampling = [s for s in step.seqs if s.sample]
@@ -747,7 +749,7 @@ class ModelRunner:
         top = None
         if out.ranks is not None:
             top = (_to_host(out.top_ids), _to_host(out.top_logprobs), _to_host(out.ranks))
-        nonfinite = _to_host(nonfinite_rows(logits)) if self.poison else None
+        nonfinite = _to_host(nan_rows)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -847,7 +849,7 @@ class ModelRunner:
         if self._verifier is None:
             self._verifier = DraftVerifier(self.sampler, self.device, self.config.seed)
         self._last_rows = {}
-        nonfinite = _to_host(nonfinite_rows(logits)) if self.poison else None
+        nonfinite = _to_host(nan_rows_of(logits)) if self.poison else None
         return LaunchedVerification(seqs, self._verifier(logits, sampling, generators), nonfinite)
 
     def select_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -878,24 +880,25 @@ class PoisonedReadError(RuntimeError):
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(
-            f"sequence {seq_id} got non-finite logits with poison_memory on: a kernel or "
+            f"sequence {seq_id} got NaN logits with poison_memory on: a kernel or "
             "workspace read memory the engine never wrote (poisoned with NaN); run with the "
             "reference kernels and enforce_eager to narrow it down"
         )
 
 
-def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Per row of ``logits``, whether any value is NaN or infinite (on the device, no wait).
+def nan_rows_of(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits``, whether any value is NaN (on the device, no wait).
 
     With poisoned memory a NaN is how a read of unwritten KV slots, workspace
     or staging memory shows; unchecked, greedy sampling would turn it into
-    token 0, a plausible answer.
+    token 0, a plausible answer. An infinite logit is not flagged: ``-inf``
+    is how masks (grammars, banned tokens) remove a token.
     """
-    return (~torch.isfinite(logits)).any(dim=-1)
+    return torch.isnan(logits).any(dim=-1)
 
 
 def poisoned_seq_ids(seqs: Seq[SeqInput], nonfinite: torch.Tensor | None) -> frozenset[int]:
-    """The sampling sequences (``num_logits`` rows each, in order) with a non-finite row."""
+    """The sampling sequences (``num_logits`` rows each, in order) with a NaN row."""
     if nonfinite is None:
         return frozenset()
     flags = nonfinite.tolist()
