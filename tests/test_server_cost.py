@@ -1,4 +1,6 @@
-"""Issue 32, fair cost accounting: admission counts tokens (prompt x n + max_tokens x n).
+"""Issue 32 at the server: fair cost accounting (admission counts tokens, prompt x n +
+max_tokens x n) and the load checks (strict Host and --host, UTF-8 bodies, one order
+for the end of a stream).
 
 The unit tests drive :class:`ServerState` with a stand-in engine; the live
 ones run the real server (``test_server_safety.Live``) on a tiny checkpoint
@@ -7,6 +9,7 @@ and stall its steps so that requests stay queued.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +18,7 @@ from typing import Any
 import attrs
 import pytest
 from conftest_models import make_tiny_checkpoint
-from test_server_safety import KEY_A, KEY_B, Live, _post_async, completion
+from test_server_safety import KEY_A, KEY_B, MODEL, Live, _post_async, completion
 
 from pitstop.server.limits import ServerState, request_cost
 from pitstop.server.protocol import APIError
@@ -120,7 +123,12 @@ def test_costly_request_is_400_with_the_numbers_and_the_fix(live: Live) -> None:
     assert error["code"] == "request_too_costly"
     assert "512" in error["message"] and "400" in error["message"]
     assert "--max-queued-tokens" in error["message"] and "lower n" in error["message"]
-    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60, "n": 8}
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 60,
+        "n": 8,
+    }
     r = live.http.post("/v1/chat/completions", json=chat)
     assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_costly", r.text
     assert not live.state.flights
@@ -138,3 +146,89 @@ def test_n_counts_in_the_queue_budget(live: Live) -> None:
     assert refused["code"] == "too_many_queued_tokens" and "384" in refused["message"]
     assert results[4].headers["retry-after"] == "1"
     assert not live.state.flights and not live.state.client_cost
+
+
+# ---------------------------------------------------------------------- load checks
+def test_host_header_is_parsed_strictly() -> None:
+    from pitstop.server.security import bind_host, host_name
+
+    assert host_name("[::1]:8000") == "::1" and host_name("[0:0::1]") == "::1"
+    assert host_name("localhost:8000") == "localhost" and host_name("::1") == "::1"
+    for bad in ("[::1]evil.example", "[::1]:80x", "[localhost]", "[::1", "localhost:80x", "[]"):
+        assert host_name(bad) == "", bad
+    assert bind_host("[::1]") == "::1" and bind_host("127.0.0.1") == "127.0.0.1"
+    for bad in ("[::1]x", "[localhost]", "[::1", "::1]"):
+        with pytest.raises(ValueError, match="IPv6"):
+            bind_host(bad)
+
+
+def test_serve_refuses_a_malformed_bracketed_host() -> None:
+    import argparse
+
+    from pitstop.errors import ConfigError
+    from pitstop.server.cli import add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ConfigError, match="IPv6"):
+        settings_from_args(parser.parse_args(["m", "--host", "[::1]evil"]))
+    args = parser.parse_args(["m", "--host", "[::1]"])
+    assert settings_from_args(args).allowed_hosts is not None and args.host == "::1"
+
+
+def test_bodies_must_be_utf8(live: Live) -> None:
+    raw = json.dumps(completion())
+    for body in (
+        raw.encode("utf-16"),
+        raw.encode("utf-16-le"),
+        raw.encode("utf-32"),
+        b"\xef\xbb\xbf" + raw.encode(),
+        raw.replace("Hello", "H\xe9llo").encode("latin-1"),
+    ):
+        r = live.http.post(
+            "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+        )
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "invalid_encoding" and "UTF-8" in error["message"], error
+    ok = live.http.post(
+        "/v1/completions",
+        content=raw.replace("Hello", "H\xe9llo").encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_stream_order_is_choices_usage_error_done(live: Live) -> None:
+    """A step fails after the stream began: usage chunk, then the error event, then [DONE]."""
+    engine = live.llm.engine
+    step = engine.step
+    calls = {"n": 0}
+
+    def failing_step(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("boom")
+        return step(*args, **kwargs)
+
+    body = {
+        **completion(max_tokens=30, ignore_eos=True),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    engine.step = failing_step  # type: ignore[method-assign]
+    try:
+        with live.http.stream("POST", "/v1/completions", json=body) as r:
+            lines = [x for x in r.iter_lines() if x]
+    finally:
+        engine.step = step  # type: ignore[method-assign]
+    assert lines[-1] == "data: [DONE]", lines
+    events = [json.loads(x.removeprefix("data: ")) for x in lines[:-1]]
+    assert events[-1]["error"]["code"] == "engine_error", events
+    usage = events[-2]
+    assert usage["choices"] == [], events
+    sent = sum(
+        1 for e in events[:-2] if e["choices"][0]["text"] or e["choices"][0]["finish_reason"]
+    )
+    assert 1 <= usage["usage"]["completion_tokens"] < 30 and sent >= 1
+    assert all(e.get("choices") for e in events[:-2])

@@ -315,7 +315,17 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             return key
         return request.client.host if request.client is not None else "unknown"
 
-    def check_model(name: str | None) -> None:
+    def check_model(name: str | None, *, required: bool = True) -> None:
+        """The request's ``model``: exactly the served name (or the model setting), else 404;
+        missing or empty on a generation route, 400 (vLLM answers alike)."""
+        if not name and required:
+            raise APIError(
+                400,
+                f"model is required; this server serves {model_name!r}: send "
+                f'"model": "{model_name}"',
+                param="model",
+                code="model_required",
+            )
         if name and name not in model_aliases:
             raise APIError(
                 404,
@@ -542,10 +552,13 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         A request the engine failed ends with an error event; one cut short by
         the server's shutdown ends each open choice with ``finish_reason``
         ``"length"`` and then an error event with code ``shutting_down``.
+        The order is always: choice chunks, the usage chunk (when asked for),
+        the error event (if any), ``data: [DONE]``.
         """
 
         async def events() -> AsyncIterator[str]:
             finished: set[int] = set()  # choices whose finish_reason was sent
+            error: APIError | None = None  # the error event, sent after the usage chunk
             try:
                 if first is not None:
                     yield _sse(first)
@@ -570,35 +583,32 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                             yield _sse(make_chunk(k, delta, reason, count, last))
                     if failed:
                         metrics.observe_request_failure("request_error")
-                        yield _sse(
-                            APIError(
-                                500,
-                                f"the engine failed this request ({last.finish_reason})",
-                                type="server_error",
-                                code="request_failed",
-                            ).to_dict()
+                        error = APIError(
+                            500,
+                            f"the engine failed this request ({last.finish_reason})",
+                            type="server_error",
+                            code="request_failed",
                         )
                         break
                     if last.finished and any(c.finish_reason == "abort" for c in last.outputs):
                         metrics.observe_request_failure("shutdown")
-                        yield _sse(_shutdown_error().to_dict())
-                else:
-                    if usage_chunk is not None and flight.last is not None:
-                        yield _sse(usage_chunk(flight.last))
+                        error = _shutdown_error()
             except ServerCut:
                 metrics.observe_request_failure("shutdown")
-                last = flight.last
                 for k in range(num_choices):
                     if k not in finished:
-                        yield _sse(make_chunk(k, "", "length", 0, last))
-                if usage_chunk is not None and last is not None:
-                    yield _sse(usage_chunk(last))
-                yield _sse(_shutdown_error().to_dict())
+                        yield _sse(make_chunk(k, "", "length", 0, flight.last))
+                error = _shutdown_error()
             except EngineStepError as exc:
                 metrics.observe_stream_error(exc)
-                yield _sse(_engine_error(exc).to_dict())
+                error = _engine_error(exc)
             finally:
                 flight.release()  # aborts the request if the client went away (cancelled)
+            # One order, whatever ended the stream: choices, usage (when asked), error, [DONE].
+            if usage_chunk is not None and flight.last is not None:
+                yield _sse(usage_chunk(flight.last))
+            if error is not None:
+                yield _sse(error.to_dict())
             yield _sse("[DONE]")
 
         return _FlightResponse(
@@ -836,7 +846,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
     async def tokenize(request: Request) -> JSONResponse:
         check_auth(request)
         body = await read_body(request, TokenizeRequest)
-        check_model(body.model)
+        check_model(body.model, required=False)
         tok = tokenizer_or_400()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send one of prompt (text) or messages (a chat)", param="prompt")
@@ -859,7 +869,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
     async def detokenize(request: Request) -> JSONResponse:
         check_auth(request)
         body = await read_body(request, DetokenizeRequest)
-        check_model(body.model)
+        check_model(body.model, required=False)
         tok = tokenizer_or_400()
         try:
             check_token_ids("tokens", body.tokens, vocab_size)

@@ -163,7 +163,12 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """The server settings of the ``serve`` flags; an invalid value is a ConfigError."""
     from pitstop.errors import ConfigError
     from pitstop.server.app import ServerSettings
-    from pitstop.server.security import default_allowed_hosts
+    from pitstop.server.security import bind_host, default_allowed_hosts
+
+    try:
+        args.host = bind_host(args.host)  # cmd_serve listens on the checked address
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
     for flag, value, low in (
         ("--max-body-bytes", args.max_body_bytes, 1),
