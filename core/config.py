@@ -296,6 +296,14 @@ class EngineConfig:
     )
 
     # --- debugging
+    check_weights: bool = attrs.field(
+        default=True,
+        validator=_bool,
+        metadata=_doc(
+            "refuse a checkpoint with NaN or infinite weights at load, checked as each tensor "
+            "streams into its parameter (one read of it; see docs/configuration.md for the cost)"
+        ),
+    )
     poison_memory: bool = attrs.field(
         factory=poison_from_env,
         validator=_bool,

@@ -21,6 +21,7 @@ import torch
 from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
+from pitstop.finite_weights import finite_weights
 from pitstop.kinds import lacks
 from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.model_config import ModelConfig
@@ -370,18 +371,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights) -> None:
-        """Copy Hugging Face-named tensors into the model (``None``: random dummy weights)."""
+        """Copy Hugging Face-named tensors into the model (``None``: random dummy weights).
+
+        With ``check_weights`` (default) each tensor is checked for NaN and
+        infinities as it streams into its copy (:mod:`pitstop.finite_weights`).
+        """
+        checked = finite_weights if self.config.check_weights else iter
         with torch.inference_mode():
             if self.tensor_parallel is not None:  # this rank's part of each tensor only
                 shard = self.tensor_parallel.shard
                 if weights is None:
                     self.model.init_dummy(self.config.seed, shard=shard)
                 else:
-                    self.model.load_weights(weights(shard=shard))
+                    self.model.load_weights(checked(weights(shard=shard)))
             elif weights is None:
                 self.model.init_dummy(self.config.seed)
             else:
-                self.model.load_weights(weights())
+                self.model.load_weights(checked(weights()))
 
     # ------------------------------------------------------------------ KV cache
     def bytes_per_page(self) -> int:

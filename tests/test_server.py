@@ -228,6 +228,7 @@ def test_64_concurrent_streams_and_metrics(server: Server) -> None:
 
 def test_disconnect_mid_stream_frees_pages(server: Server) -> None:
     body = {
+        "model": "smollm2-135m",
         "prompt": PROMPT,
         "max_tokens": 2000,
         "temperature": 0,
@@ -326,6 +327,16 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": "SmolLM2-135M"}, 404, "model"),  # exact
+    ("/v1/completions", {"prompt": "hi", "model": " smollm2-135m"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": ""}, 400, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": None}, 400, "model"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "model": None},
+        400,
+        "model",
+    ),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 300}, 400, "n"),
@@ -360,7 +371,7 @@ BAD_REQUESTS = [
 def test_invalid_parameters_are_4xx(
     server: Server, route: str, body: dict, status: int, param: str
 ) -> None:
-    r = server.http.post(route, json=body)
+    r = server.http.post(route, json={"model": "smollm2-135m", **body})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param, error
@@ -475,7 +486,13 @@ def _finish_reason(lines: list[str]) -> str | None:
 def test_sigterm_drains_then_ends_every_request(server: Server) -> None:
     """SIGTERM during a long prefill: /health says draining, every stream ends with a finish
     reason and [DONE], a waiting non-streamed client gets a JSON error, exit 0 in time."""
-    body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "smollm2-135m",
+        "prompt": PROMPT,
+        "max_tokens": 2000,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     long_prompt = {**body, "prompt": [504] * 1500}  # a long prefill
     streams: list[list[str]] = [[] for _ in range(3)]
     started = [threading.Event() for _ in streams]
@@ -526,7 +543,13 @@ def test_second_signal_ends_the_drain_at_once() -> None:
     args = ["smollm2-135m", *ENGINE_FLAGS, "--drain-timeout", "120"]
     with serve_subprocess(args, env, start_timeout=180) as (proc, url):
         srv = Server(proc, url)
-        body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": "smollm2-135m",
+            "prompt": PROMPT,
+            "max_tokens": 2000,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         streams: list[list[str]] = [[], []]
         started = [threading.Event(), threading.Event()]
         threads = [

@@ -188,7 +188,12 @@ def test_json_object_and_regex_and_choice(client: openai.OpenAI) -> None:
 
 
 def test_prompt_logprobs_extension(url: str) -> None:
-    body = {"prompt": "The capital of France is", "max_tokens": 1, "prompt_logprobs": 2}
+    body = {
+        "model": MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": 1,
+        "prompt_logprobs": 2,
+    }
     choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     ids = httpx.post(f"{url}/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
     prompt = choice["prompt_logprobs"]

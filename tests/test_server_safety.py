@@ -37,14 +37,24 @@ from pitstop.server.security import default_allowed_hosts, host_name
 KEY_A, KEY_B = "sk-client-a", "sk-client-b"
 ALLOWED_ORIGIN = "https://app.example"
 READ_TIMEOUT = 1.0
+MODEL = "tiny"  # the served name of every Live server
 
 
 class Live:
     """A server running in a thread of this process."""
 
-    def __init__(self, folder: Path, **overrides: Any) -> None:
+    def __init__(
+        self, folder: Path, *, engine: dict[str, Any] | None = None, **overrides: Any
+    ) -> None:
         config = EngineConfig(
-            model=str(folder), device="cpu", dtype="float32", kv_cache_gib=0.02, max_model_len=64
+            **{
+                "model": str(folder),
+                "device": "cpu",
+                "dtype": "float32",
+                "kv_cache_gib": 0.02,
+                "max_model_len": 64,
+                **(engine or {}),
+            }
         )
         self.llm = AsyncLLM(LLMEngine(config))
         values: dict[str, Any] = dict(
@@ -55,6 +65,7 @@ class Live:
             max_connections=400,
             drain_timeout_s=0.5,
             step_grace_s=0.5,
+            served_model_name=MODEL,
         )
         values.update(overrides)
         self.settings = ServerSettings(**values)
@@ -129,7 +140,7 @@ def live(folder: Path) -> Iterator[Live]:
 
 
 def completion(**extra: Any) -> dict[str, Any]:
-    return {"prompt": "Hello there", "max_tokens": 4, "temperature": 0, **extra}
+    return {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "temperature": 0, **extra}
 
 
 def sse_lines(response: httpx.Response) -> list[str]:
@@ -271,8 +282,10 @@ def test_bad_values_are_400_naming_the_field(
     live: Live, route: str, body: bytes | dict[str, Any], param: str | None
 ) -> None:
     if isinstance(body, dict):
-        r = live.http.post(route, json=body)
+        r = live.http.post(route, json={"model": MODEL, **body})
     else:
+        if body.startswith(b'{"'):
+            body = b'{"model": "' + MODEL.encode() + b'", ' + body[1:]
         r = live.http.post(route, content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -495,7 +508,6 @@ _VALID = {
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "n": st.just(1),
-    "model": st.none(),
 }
 _prompts = st.one_of(
     st.text(_text, min_size=1, max_size=20),
@@ -510,6 +522,7 @@ _messages = st.lists(
 )
 _JUNK = {
     **{name: _json for name in _VALID},
+    "model": st.one_of(st.none(), st.just(""), st.just("TINY"), _json),
     "prompt": st.one_of(st.lists(st.integers(-2, SMOLLM2_VOCAB + 2), max_size=4), _json),
     "messages": st.one_of(
         st.lists(st.fixed_dictionaries({"role": _json, "content": _json}), max_size=2), _json
@@ -538,6 +551,7 @@ _RAW = st.sampled_from(
 def _fuzzed(draw: st.DrawFn) -> tuple[str, Any]:
     chat = draw(st.booleans())
     first = {"messages": _messages} if chat else {"prompt": _prompts}
+    first["model"] = st.just(MODEL)
     body = draw(st.fixed_dictionaries(first, optional=_VALID))
     for _ in range(draw(st.integers(0, 2))):
         key = draw(st.sampled_from(sorted(_JUNK)))
@@ -588,8 +602,10 @@ def test_fuzzed_bodies_never_5xx_nor_hurt_a_neighbour(live: Live) -> None:
         route, body = request
         if isinstance(body, bytes):
             r = client.post(route, content=body, headers={"Content-Type": "application/json"})
-        else:
-            r = client.post(route, json=body)
+        else:  # ASCII-escaped, so a lone surrogate travels as "\\ud800" (httpx would fail)
+            r = client.post(
+                route, content=json.dumps(body), headers={"Content-Type": "application/json"}
+            )
         text = r.read().decode("utf-8", "replace")
         assert r.status_code < 500, (body, r.status_code, text)
         if r.headers.get("content-type", "").startswith("text/event-stream"):

@@ -40,7 +40,7 @@ from pitstop.async_engine import AsyncLLM, EngineClosedError, EngineStepError
 from pitstop.errors import InvalidRequestError
 from pitstop.outputs import RequestOutput
 from pitstop.sampling_params import SamplingParams
-from pitstop.server.limits import Flight, ServerCut, ServerState
+from pitstop.server.limits import Flight, ServerCut, ServerState, request_cost
 from pitstop.server.metrics import ServerMetrics, failure_reason
 from pitstop.server.protocol import (
     APIError,
@@ -60,7 +60,7 @@ from pitstop.server.render import (
     usage_of,
 )
 from pitstop.server.security import RequestGuard
-from pitstop.validation import check_token_ids
+from pitstop.validation import check_encoded_prompt, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,9 @@ class ServerSettings:
     max_connections: int = 1024  # open TCP connections; more get 429
     max_queued_requests: int = 1024  # requests waiting for a place in the batch; more get 429
     max_requests_per_client: int | None = None  # open requests per API key (or address)
+    # Costs in tokens (prompt tokens x n + max_tokens x n, limits.request_cost):
+    max_queued_tokens: int | None = 1 << 20  # of the requests waiting; more get 429
+    max_tokens_per_client: int | None = None  # of a client's open requests; more get 429
     max_n: int = 16  # samples per prompt (n); more get 400 (n=128 x 1 token stalled others)
     max_prompts_per_request: int = 64  # prompts in one completions list; more get 400
     retry_after_s: int = 1  # the Retry-After of a 429
@@ -202,6 +205,8 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         max_requests_per_client=settings.max_requests_per_client,
         retry_after_s=settings.retry_after_s,
         step_grace_s=settings.step_grace_s,
+        max_queued_tokens=settings.max_queued_tokens,
+        max_tokens_per_client=settings.max_tokens_per_client,
     )
     keys = [k.encode("utf-8") for k in settings.keys]
     vocab_size: int = llm.engine.model_config.vocab_size
@@ -310,7 +315,17 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             return key
         return request.client.host if request.client is not None else "unknown"
 
-    def check_model(name: str | None) -> None:
+    def check_model(name: str | None, *, required: bool = True) -> None:
+        """The request's ``model``: exactly the served name (or the model setting), else 404;
+        missing or empty on a generation route, 400 (vLLM answers alike)."""
+        if not name and required:
+            raise APIError(
+                400,
+                f"model is required; this server serves {model_name!r}: send "
+                f'"model": "{model_name}"',
+                param="model",
+                code="model_required",
+            )
         if name and name not in model_aliases:
             raise APIError(
                 404,
@@ -398,8 +413,45 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="stop_token_ids") from exc
 
+    async def encoded(prompt: str | None, ids: list[int] | None) -> list[int] | None:
+        """The token ids of a prompt (text is encoded off the event loop), to count its cost.
+
+        None when they cannot be known here (no tokenizer, an empty text): the
+        engine then refuses the request with its own message.
+        """
+        tok = llm.engine.tokenizer
+        if ids is not None or prompt is None or not prompt or tok is None:
+            return ids
+        try:
+            out = await asyncio.to_thread(tok.encode, prompt)
+            check_encoded_prompt(prompt, out, vocab_size)
+        except InvalidRequestError as exc:
+            raise _invalid_request(exc, "prompt") from exc
+        return out
+
+    async def rendered(messages: list[dict[str, str]]) -> list[int] | None:
+        """The token ids of a chat (the model's template), or None without a tokenizer."""
+        tok = llm.engine.tokenizer
+        if tok is None:
+            return None
+        try:
+            return await asyncio.to_thread(tok.apply_chat_template, messages)
+        except InvalidRequestError as exc:
+            raise _invalid_request(exc, "messages") from exc
+
+    def admit(
+        params: SamplingParams, prompt_ids: list[list[int] | None], client: str
+    ) -> list[Flight]:
+        """One place per prompt, admitted together by their cost in tokens (400/429/503)."""
+        check_vocab(params)
+        max_len = llm.config.max_model_len or 4096
+        costs = [
+            request_cost(len(ids or ()), params.max_tokens, params.n, max_len) for ids in prompt_ids
+        ]
+        return state.admit_many(client, costs)
+
     async def add(
-        request: Request,
+        flight: Flight,
         request_id: str,
         params: SamplingParams,
         *,
@@ -407,12 +459,13 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         prompt_token_ids: list[int] | None = None,
         messages: list[dict[str, str]] | None = None,
         arrival: float,
-        client: str,
         structured_param: str | None = None,
+        prompt_param: str = "prompt",
     ) -> Flight:
-        """Admit the request (429/503 when full or draining) and hand it to the engine."""
-        check_vocab(params)
-        flight = state.admit(client)
+        """Hand an admitted request to the engine; its place is given back if that fails.
+
+        ``prompt_param`` names the field an error about the prompt points at.
+        """
         try:
             await flight.add(
                 llm.add_request(
@@ -429,7 +482,6 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             raise _shutdown_error() from None
         except InvalidRequestError as exc:
             flight.release()
-            prompt_param = "messages" if messages is not None else "prompt"
             raise _invalid_request(exc, prompt_param, structured_param) from exc
         except EngineClosedError as exc:
             flight.release()
@@ -500,10 +552,13 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         A request the engine failed ends with an error event; one cut short by
         the server's shutdown ends each open choice with ``finish_reason``
         ``"length"`` and then an error event with code ``shutting_down``.
+        The order is always: choice chunks, the usage chunk (when asked for),
+        the error event (if any), ``data: [DONE]``.
         """
 
         async def events() -> AsyncIterator[str]:
             finished: set[int] = set()  # choices whose finish_reason was sent
+            error: APIError | None = None  # the error event, sent after the usage chunk
             try:
                 if first is not None:
                     yield _sse(first)
@@ -528,35 +583,32 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                             yield _sse(make_chunk(k, delta, reason, count, last))
                     if failed:
                         metrics.observe_request_failure("request_error")
-                        yield _sse(
-                            APIError(
-                                500,
-                                f"the engine failed this request ({last.finish_reason})",
-                                type="server_error",
-                                code="request_failed",
-                            ).to_dict()
+                        error = APIError(
+                            500,
+                            f"the engine failed this request ({last.finish_reason})",
+                            type="server_error",
+                            code="request_failed",
                         )
                         break
                     if last.finished and any(c.finish_reason == "abort" for c in last.outputs):
                         metrics.observe_request_failure("shutdown")
-                        yield _sse(_shutdown_error().to_dict())
-                else:
-                    if usage_chunk is not None and flight.last is not None:
-                        yield _sse(usage_chunk(flight.last))
+                        error = _shutdown_error()
             except ServerCut:
                 metrics.observe_request_failure("shutdown")
-                last = flight.last
                 for k in range(num_choices):
                     if k not in finished:
-                        yield _sse(make_chunk(k, "", "length", 0, last))
-                if usage_chunk is not None and last is not None:
-                    yield _sse(usage_chunk(last))
-                yield _sse(_shutdown_error().to_dict())
+                        yield _sse(make_chunk(k, "", "length", 0, flight.last))
+                error = _shutdown_error()
             except EngineStepError as exc:
                 metrics.observe_stream_error(exc)
-                yield _sse(_engine_error(exc).to_dict())
+                error = _engine_error(exc)
             finally:
                 flight.release()  # aborts the request if the client went away (cancelled)
+            # One order, whatever ended the stream: choices, usage (when asked), error, [DONE].
+            if usage_chunk is not None and flight.last is not None:
+                yield _sse(usage_chunk(flight.last))
+            if error is not None:
+                yield _sse(error.to_dict())
             yield _sse("[DONE]")
 
         return _FlightResponse(
@@ -592,20 +644,18 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             raise APIError(400, "prompt_logprobs needs stream: false", param="prompt_logprobs")
         check_request_size(params, len(prompts))
         rid = new_id("cmpl")
-        flights: list[Flight] = []
+        prompt_ids = [await encoded(prompt, ids) for prompt, ids in prompts]
+        flights = admit(params, prompt_ids, client_of(request, key))
         try:
-            for i, (prompt, ids) in enumerate(prompts):
-                flights.append(
-                    await add(
-                        request,
-                        rid if len(prompts) == 1 else f"{rid}-{i}",
-                        params,
-                        prompt=prompt,
-                        prompt_token_ids=ids,
-                        arrival=arrival,
-                        client=client_of(request, key),
-                        structured_param=body.structured_param(),
-                    )
+            for i, ((prompt, _), ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
+                await add(
+                    flights[i],
+                    rid if len(prompts) == 1 else f"{rid}-{i}",
+                    params,
+                    prompt=prompt,
+                    prompt_token_ids=ids,
+                    arrival=arrival,
+                    structured_param=body.structured_param(),
                 )
         except BaseException:
             for flight in flights:
@@ -686,14 +736,17 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         )
         check_request_size(params, 1)
         rid = new_id("chatcmpl")
+        chat_ids = await rendered(messages)
+        (flight,) = admit(params, [chat_ids], client_of(request, key))
         flight = await add(
-            request,
+            flight,
             rid,
             params,
-            messages=messages,
+            messages=messages if chat_ids is None else None,
+            prompt_token_ids=chat_ids,
             arrival=arrival,
-            client=client_of(request, key),
             structured_param=body.structured_param(),
+            prompt_param="messages",
         )
         created = now()
         extra = {"usage": None} if body.include_usage else {}
@@ -793,7 +846,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
     async def tokenize(request: Request) -> JSONResponse:
         check_auth(request)
         body = await read_body(request, TokenizeRequest)
-        check_model(body.model)
+        check_model(body.model, required=False)
         tok = tokenizer_or_400()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send one of prompt (text) or messages (a chat)", param="prompt")
@@ -816,7 +869,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
     async def detokenize(request: Request) -> JSONResponse:
         check_auth(request)
         body = await read_body(request, DetokenizeRequest)
-        check_model(body.model)
+        check_model(body.model, required=False)
         tok = tokenizer_or_400()
         try:
             check_token_ids("tokens", body.tokens, vocab_size)

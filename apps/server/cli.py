@@ -124,6 +124,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "0: no cap (default 0)",
     )
     g.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=1 << 20,
+        help="cost in tokens (prompt tokens x n + max_tokens x n) of the requests waiting for a "
+        "place in the batch; more get 429, one request costing more alone 400; 0: no budget "
+        "(default 1048576)",
+    )
+    g.add_argument(
+        "--max-tokens-per-client",
+        type=int,
+        default=0,
+        help="cost in tokens of one client's open requests (as --max-requests-per-client counts "
+        "them); more get 429, one request costing more alone 400; 0: no budget (default 0)",
+    )
+    g.add_argument(
         "--max-n",
         type=int,
         default=16,
@@ -148,7 +163,12 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """The server settings of the ``serve`` flags; an invalid value is a ConfigError."""
     from pitstop.errors import ConfigError
     from pitstop.server.app import ServerSettings
-    from pitstop.server.security import default_allowed_hosts
+    from pitstop.server.security import bind_host, default_allowed_hosts
+
+    try:
+        args.host = bind_host(args.host)  # cmd_serve listens on the checked address
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
     for flag, value, low in (
         ("--max-body-bytes", args.max_body_bytes, 1),
@@ -156,6 +176,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         ("--max-connections", args.max_connections, 1),
         ("--max-queued-requests", args.max_queued_requests, 1),
         ("--max-requests-per-client", args.max_requests_per_client, 0),
+        ("--max-queued-tokens", args.max_queued_tokens, 0),
+        ("--max-tokens-per-client", args.max_tokens_per_client, 0),
         ("--max-n", args.max_n, 1),
         ("--max-prompts-per-request", args.max_prompts_per_request, 1),
     ):
@@ -185,6 +207,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_connections=args.max_connections,
         max_queued_requests=args.max_queued_requests,
         max_requests_per_client=args.max_requests_per_client or None,
+        max_queued_tokens=args.max_queued_tokens or None,
+        max_tokens_per_client=args.max_tokens_per_client or None,
         max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request,
     )

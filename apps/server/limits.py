@@ -7,7 +7,14 @@ answer):
 - **admission**: a new request is refused with 429 and ``Retry-After`` when
   ``max_queued_requests`` requests already wait for a place in the running
   batch, or when its client already has ``max_requests_per_client`` requests
-  open (fair share); with 503 while the server drains.
+  open (fair share); with 503 while the server drains. Beside those counts
+  every request has a **cost** in tokens (:func:`request_cost`: its prompt
+  tokens times ``n`` plus its output budget, ``max_tokens`` times ``n``):
+  the waiting requests' costs together stay within ``max_queued_tokens``
+  and a client's open requests' costs within ``max_tokens_per_client``
+  (429 beyond). A request whose cost alone is over either budget could
+  never be admitted: it is a 400 (``code: request_too_costly``) naming the
+  numbers.
 - **drain**: on the first SIGTERM/SIGINT the server keeps listening (so
   ``/health`` can answer 503 ``"draining"``), refuses new requests, and lets
   open ones finish for up to the drain time. Then it asks the engine to
@@ -56,9 +63,11 @@ class Flight:
     engine if it has not finished.
     """
 
-    def __init__(self, state: ServerState, client: str) -> None:
+    def __init__(self, state: ServerState, client: str, cost: int = 0) -> None:
         self.state = state
         self.client = client
+        self.cost = cost  # tokens (request_cost); counted while open, and while waiting
+        self.started = False  # the engine produced its first output
         self.stream: RequestStream | None = None
         self.last: RequestOutput | None = None  # the latest output seen (usage on a cut)
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -74,6 +83,7 @@ class Flight:
     async def _forward(self, stream: RequestStream) -> None:
         try:
             async for out in stream:
+                self.started = True
                 self._queue.put_nowait(out)
         except Exception as exc:  # noqa: BLE001 - handed to the reader, who answers it
             self._queue.put_nowait(exc)
@@ -131,6 +141,19 @@ class Flight:
         self.state._release(self)
 
 
+def request_cost(prompt_tokens: int, max_tokens: int, n: int, max_model_len: int) -> int:
+    """The tokens one prompt of a request may make the engine hold: ``n x (prompt + output)``.
+
+    Each of the ``n`` samples holds at most ``max_model_len`` tokens (the
+    engine stops a sample there), so a sample's cost is
+    ``min(prompt_tokens + max_tokens, max_model_len)``. Under the paged
+    allocators the samples share the prompt's pages, but each runs its own
+    decode and counts its own prompt: the cost bounds the work, not only the
+    memory.
+    """
+    return n * min(prompt_tokens + max_tokens, max_model_len)
+
+
 class ServerState:
     """Admission counts and the drain of one server (see the module docstring)."""
 
@@ -142,10 +165,15 @@ class ServerState:
         max_requests_per_client: int | None,
         retry_after_s: int,
         step_grace_s: float = 2.0,
+        max_queued_tokens: int | None = None,
+        max_tokens_per_client: int | None = None,
     ) -> None:
         self.llm = llm
         self.max_queued_requests = max_queued_requests
         self.max_requests_per_client = max_requests_per_client
+        self.max_queued_tokens = max_queued_tokens
+        self.max_tokens_per_client = max_tokens_per_client
+        self.client_cost: Counter[str] = Counter()
         self.retry_after_s = retry_after_s
         self.step_grace_s = step_grace_s
         self.flights: set[Flight] = set()
@@ -161,11 +189,50 @@ class ServerState:
     # ------------------------------------------------------------------ admission
     @property
     def num_queued(self) -> int:
-        """Open requests the engine does not (yet) run: waiting for a place in the batch."""
-        return max(0, len(self.flights) - self.llm.snapshot.num_running)
+        """Open requests (prompts) with no output yet: waiting for a place in the batch."""
+        return sum(1 for f in self.flights if not f.started)
 
-    def admit(self, client: str) -> Flight:
-        """A place for a new request of ``client``, or an :class:`APIError` (429, 503)."""
+    @property
+    def queued_cost(self) -> int:
+        """Tokens of the open requests that have not produced a first output yet."""
+        return sum(f.cost for f in self.flights if not f.started)
+
+    def check_cost(self, cost: int) -> None:
+        """Refuse (400) a request whose cost alone is over a budget: it could never be admitted."""
+        for budget, flag in (
+            (self.max_queued_tokens, "--max-queued-tokens"),
+            (self.max_tokens_per_client, "--max-tokens-per-client"),
+        ):
+            if budget is not None and cost > budget:
+                raise APIError(
+                    400,
+                    f"this request costs {cost} tokens (prompt tokens x n + max_tokens x n), "
+                    f"over this server's budget of {budget} ({flag}); lower n, max_tokens or "
+                    "the prompt, or split it over several requests",
+                    param="max_tokens",
+                    code="request_too_costly",
+                )
+
+    def admit_many(self, client: str, costs: list[int]) -> list[Flight]:
+        """Places for all prompts of one request at once (each its own :class:`Flight`), or an
+        :class:`APIError` (400, 429, 503) that admits none of them."""
+        total = sum(costs)
+        self.check_cost(total)
+        self._check_room(client, total, len(costs))
+        flights = [Flight(self, client, cost) for cost in costs]
+        for flight in flights:
+            self.flights.add(flight)
+            self.per_client[client] += 1
+            self.client_cost[client] += flight.cost
+        return flights
+
+    def admit(self, client: str, cost: int = 0) -> Flight:
+        """A place for a new request of ``client`` costing ``cost`` tokens, or an
+        :class:`APIError` (400, 429, 503)."""
+        return self.admit_many(client, [cost])[0]
+
+    def _check_room(self, client: str, cost: int, count: int) -> None:
+        """Refuse (429, 503) what does not fit now; ``count`` flights costing ``cost`` in all."""
         if self.draining or not self.llm.accepting:
             raise APIError(
                 503,
@@ -176,7 +243,7 @@ class ServerState:
                 headers={"Connection": "close"},
             )
         retry = {"Retry-After": str(self.retry_after_s)}
-        if self.num_queued >= self.max_queued_requests:
+        if self.num_queued + count > self.max_queued_requests:
             raise APIError(
                 429,
                 f"the server already has {self.num_queued} requests waiting "
@@ -187,7 +254,7 @@ class ServerState:
                 headers=retry,
             )
         cap = self.max_requests_per_client
-        if cap is not None and self.per_client[client] >= cap:
+        if cap is not None and self.per_client[client] + count > cap:
             raise APIError(
                 429,
                 f"this client already has {self.per_client[client]} requests open "
@@ -196,16 +263,37 @@ class ServerState:
                 code="too_many_requests_per_client",
                 headers=retry,
             )
-        flight = Flight(self, client)
-        self.flights.add(flight)
-        self.per_client[client] += 1
-        return flight
+        budget = self.max_queued_tokens
+        if budget is not None and self.queued_cost + cost > budget:
+            raise APIError(
+                429,
+                f"the requests waiting already cost {self.queued_cost} tokens and this one "
+                f"{cost}, over the queue's budget of {budget} (--max-queued-tokens); retry "
+                f"after {self.retry_after_s} s",
+                type="server_error",
+                code="too_many_queued_tokens",
+                headers=retry,
+            )
+        budget = self.max_tokens_per_client
+        if budget is not None and self.client_cost[client] + cost > budget:
+            raise APIError(
+                429,
+                f"this client's open requests already cost {self.client_cost[client]} tokens "
+                f"and this one {cost}, over {budget} (--max-tokens-per-client); wait for one "
+                "to finish and retry",
+                type="server_error",
+                code="too_many_tokens_per_client",
+                headers=retry,
+            )
 
     def _release(self, flight: Flight) -> None:
         self.flights.discard(flight)
         self.per_client[flight.client] -= 1
         if self.per_client[flight.client] <= 0:
             del self.per_client[flight.client]
+        self.client_cost[flight.client] -= flight.cost
+        if self.client_cost[flight.client] <= 0:
+            del self.client_cost[flight.client]
         self._changed.set()
 
     # ------------------------------------------------------------------ drain

@@ -65,7 +65,8 @@ def parse_json_body(body: bytes, *, max_depth: int) -> dict[str, Any]:
     Stricter than :func:`json.loads`: ``NaN``, ``Infinity`` and numbers that
     overflow a float (``1e400``) are refused, as are strings holding a lone
     UTF-16 surrogate (``"\\ud800"``, which is not text) and nesting deeper
-    than ``max_depth`` arrays and objects.
+    than ``max_depth`` arrays and objects. The body must be UTF-8 (RFC 8259;
+    ``json.loads`` of bytes would also take UTF-16 and UTF-32), without a BOM.
     """
 
     def no_constant(name: str) -> Any:
@@ -78,7 +79,24 @@ def parse_json_body(body: bytes, *, max_depth: int) -> dict[str, Any]:
         return value
 
     try:
-        data = json.loads(body, parse_constant=no_constant, parse_float=finite)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(
+            400,
+            f"the request body is not UTF-8 (byte {exc.start} is not); send JSON encoded as "
+            "UTF-8 (RFC 8259), not UTF-16, UTF-32 or Latin-1",
+            code="invalid_encoding",
+        ) from None
+    if "\x00" in text or text.startswith("\ufeff"):
+        # NUL never appears raw in JSON: this is UTF-16/32 that happens to be valid UTF-8
+        raise APIError(
+            400,
+            "the request body is not UTF-8 JSON (it holds a byte-order mark or NUL bytes, as "
+            "UTF-16 and UTF-32 do); send JSON encoded as UTF-8 (RFC 8259) without a BOM",
+            code="invalid_encoding",
+        )
+    try:
+        data = json.loads(text, parse_constant=no_constant, parse_float=finite)
     except RecursionError:
         raise APIError(
             400,

@@ -20,6 +20,7 @@ opens. Three checks keep such pages out:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
@@ -47,12 +48,56 @@ def default_allowed_hosts(bind_host: str) -> tuple[str, ...] | None:
 
 
 def host_name(header: str) -> str:
-    """The name in a ``Host`` header, without the port, lowercased (``[::1]:8000`` -> ``::1``)."""
+    """The name in a ``Host`` header, without the port, lowercased (``[::1]:8000`` -> ``::1``).
+
+    Parsed strictly (RFC 3986's host and port): a bracketed host must hold an
+    IPv6 address and be followed by nothing or ``:port``, and a port is
+    digits. A header that does not parse (``[::1]evil.example``,
+    ``[localhost]``, ``localhost:80x``) gives ``""``, which no allowed name
+    matches.
+    """
     header = header.strip().lower()
     if header.startswith("["):
-        return header[1 : header.find("]")] if "]" in header else header
-    name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-    return name.rstrip(".")
+        end = header.find("]")
+        rest = header[end + 1 :] if end > 0 else None
+        if rest is None or (rest and not (rest[0] == ":" and _is_port(rest[1:]))):
+            return ""
+        return _ipv6(header[1:end]) or ""
+    if header.count(":") == 1:
+        header, port = header.split(":")
+        if not _is_port(port):
+            return ""
+    elif ":" in header:  # a bare IPv6 address: no port can follow it (RFC 3986 wants brackets)
+        return _ipv6(header) or ""
+    return header.rstrip(".")
+
+
+def _is_port(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) <= 5
+
+
+def _ipv6(text: str) -> str | None:
+    """``text`` as a compressed IPv6 address, or None when it is not one."""
+    try:
+        return ipaddress.IPv6Address(text).compressed
+    except ValueError:
+        return None
+
+
+def bind_host(host: str) -> str:
+    """The address of ``--host`` for the socket: ``[::1]`` (bracketed IPv6) becomes ``::1``.
+
+    Raises ``ValueError`` for brackets around anything but an IPv6 address
+    (``[::1]x``, ``[localhost]``, ``[::1``), which the listener would misread.
+    """
+    if host.startswith("[") or host.endswith("]"):
+        inner = _ipv6(host[1:-1]) if host.startswith("[") and host.endswith("]") else None
+        if inner is None:
+            raise ValueError(
+                f"--host {host!r}: brackets may only enclose an IPv6 address, as in [::1]"
+            )
+        return host[1:-1]
+    return host
 
 
 def _normalize_origin(origin: str) -> str:
