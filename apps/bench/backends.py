@@ -153,21 +153,12 @@ def hf_config_from_model_config(mc: Any) -> Any:
     """A ``transformers`` config of the same shape as a pitstop :class:`ModelConfig`."""
     import transformers
 
+    from pitstop.bench.vllm_model import hf_shape_fields
+
     cls = getattr(transformers, _HF_CONFIG_CLASSES[mc.architecture])
     kwargs: dict[str, Any] = {
-        "vocab_size": mc.vocab_size,
-        "hidden_size": mc.hidden_size,
-        "intermediate_size": mc.intermediate_size,
-        "num_hidden_layers": mc.num_layers,
-        "num_attention_heads": mc.num_heads,
-        "num_key_value_heads": mc.num_kv_heads,
-        "head_dim": mc.head_size,
-        "rms_norm_eps": mc.rms_norm_eps,
-        "max_position_embeddings": mc.max_position_embeddings,
-        "tie_word_embeddings": mc.tie_word_embeddings,
-        "bos_token_id": mc.bos_token_id,
+        **hf_shape_fields(mc),
         "eos_token_id": list(mc.eos_token_ids) or None,
-        "architectures": [mc.architecture],
     }
     rope = {"rope_type": "default", "rope_theta": mc.rope_theta}
     if mc.rope_scaling:

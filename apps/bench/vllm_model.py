@@ -35,6 +35,26 @@ class UnsupportedPresetError(ValueError):
     """A ``dummy:`` preset of an architecture this module cannot describe to vLLM."""
 
 
+def hf_shape_fields(mc: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config fields every supported architecture names the same way:
+    sizes, heads, norm, positions, tied embeddings, architecture (rope and EOS differ by
+    consumer: ``config.json`` keeps ``rope_theta``, ``transformers`` 5 ``rope_parameters``)."""
+    return {
+        "architectures": [mc.architecture],
+        "vocab_size": mc.vocab_size,
+        "hidden_size": mc.hidden_size,
+        "intermediate_size": mc.intermediate_size,
+        "num_hidden_layers": mc.num_layers,
+        "num_attention_heads": mc.num_heads,
+        "num_key_value_heads": mc.num_kv_heads,
+        "head_dim": mc.head_size,
+        "rms_norm_eps": mc.rms_norm_eps,
+        "max_position_embeddings": mc.max_position_embeddings,
+        "tie_word_embeddings": mc.tie_word_embeddings,
+        "bos_token_id": mc.bos_token_id,
+    }
+
+
 def hf_config_dict(mc: ModelConfig, *, dtype: str = "bfloat16") -> dict[str, Any]:
     """The Hugging Face ``config.json`` (as a dict) of a model of ``mc``'s shape."""
     model_type = MODEL_TYPES.get(mc.architecture)
@@ -45,23 +65,12 @@ def hf_config_dict(mc: ModelConfig, *, dtype: str = "bfloat16") -> dict[str, Any
         )
     eos: Any = list(mc.eos_token_ids)
     cfg: dict[str, Any] = {
-        "architectures": [mc.architecture],
+        **hf_shape_fields(mc),
         "model_type": model_type,
-        "vocab_size": mc.vocab_size,
-        "hidden_size": mc.hidden_size,
-        "intermediate_size": mc.intermediate_size,
-        "num_hidden_layers": mc.num_layers,
-        "num_attention_heads": mc.num_heads,
-        "num_key_value_heads": mc.num_kv_heads,
-        "head_dim": mc.head_size,
         "hidden_act": "silu",
-        "rms_norm_eps": mc.rms_norm_eps,
-        "max_position_embeddings": mc.max_position_embeddings,
         "rope_theta": mc.rope_theta,
         "rope_scaling": dict(mc.rope_scaling) if mc.rope_scaling else None,
-        "tie_word_embeddings": mc.tie_word_embeddings,
         "attention_bias": mc.attention_bias,
-        "bos_token_id": mc.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "torch_dtype": dtype,
         "use_cache": True,
