@@ -125,7 +125,8 @@ for _ in range(2):
     # issue 28: vLLM 0.24 beside pitstop, each row one `pitstop bench --peer vllm` (both engines in the
     # same run, vLLM in a process of its own). The wheels travel in .vv/ (benchmarks/vllm_download.sh:
     # vp00..vp06 + vp.sum, one part a run, back to back); benchmarks/vllm_setup.sh joins and installs
-    # them under /tmp/vsite once all are there (until then this case says which are missing).
+    # them under /tmp/vsite once all are there (until then this case says which are missing), with the
+    # wheels of .vx/ (added after the parts were made: vllm serve's model-hosting-container-standards).
     # VLLM_ROWS: nano single fp8 longtail longtail64 longtail128 prefix longctx spec (docs/benchmarks.md).
     vllm) if bash benchmarks/vllm_setup.sh .vv; then
         [ -d /tmp/vhttp ] && export PYTHONPATH=/tmp/vhttp${PYTHONPATH:+:$PYTHONPATH}

@@ -8,9 +8,18 @@
 # Exit status: 0 vLLM imports from /tmp/vsite; 2 parts still missing (carry the next); 1 failed.
 set -u
 src=${1:-.vv}
+# wheels found missing after a set of parts was made travel beside them in .vx/ (EXTRA_DIR),
+# installed into the same folder; a run may carry them at any time, before or after the parts
+extra=${EXTRA_DIR:-.vx}
+add_extra() {
+  [ -d "$extra" ] && ls "$extra"/*.whl >/dev/null 2>&1 || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$extra"/*.whl 2>&1 \
+    | grep -v "^WARNING: Target directory" | tail -3
+  echo "vllm-setup: added $(ls "$extra"/*.whl | wc -l) extra wheel(s) from $extra"
+}
 vv=${VV_DIR:-/tmp/vv}
 site=${VSITE:-/tmp/vsite}
-if [ -f "$site/.done" ]; then echo "vllm-setup: $(cat "$site/.done") in $site"; exit 0; fi
+if [ -f "$site/.done" ]; then add_extra; echo "vllm-setup: $(cat "$site/.done") in $site"; exit 0; fi
 mkdir -p "$vv"
 [ -d "$src" ] && cp -n "$src"/vp* "$vv"/ 2>/dev/null
 want=${VV_PARTS:-$(cut -d' ' -f1 "$vv/vp.sum" 2>/dev/null)}
@@ -35,6 +44,7 @@ if ! python3 -c "import httpx" 2>/dev/null; then
   echo "vllm-setup: httpx for pitstop's process in /tmp/vhttp (add it to PYTHONPATH)"
 fi
 rm -rf /tmp/vx
+add_extra
 out=$(cd /tmp && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" VLLM_USE_FLASHINFER_SAMPLER=0 \
   timeout 300 python3 -P -c "import vllm; print('vllm', vllm.__version__, 'from', vllm.__file__)" 2>&1)
 last=$(echo "$out" | tail -1)

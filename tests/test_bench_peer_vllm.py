@@ -410,3 +410,19 @@ def test_the_worker_imports_nothing_of_pitstop() -> None:
         line for line in source.splitlines() if line.startswith(("import", "from"))
     )
     assert os.access(vllm_peer.WORKER, os.R_OK)
+
+
+def test_a_module_vllm_needs_is_named_with_its_fix() -> None:
+    """vLLM 0.24's server imports ``model_hosting_container_standards``, which its offline path
+    does not: the H200 run of 2026-12-02 stopped on it, and the error named vLLM instead."""
+    from pitstop.bench.vllm_peer import INSTALL_HINT, missing_module_hint
+
+    log = (
+        'File "/tmp/vsite/vllm/entrypoints/serve/sagemaker/api_router.py", line 8\n'
+        "ModuleNotFoundError: No module named 'model_hosting_container_standards'"
+    )
+    fix = missing_module_hint(log)
+    assert "'model_hosting_container_standards'" in fix
+    assert "pip install model-hosting-container-standards" in fix
+    assert missing_module_hint("ModuleNotFoundError: No module named 'vllm'") == INSTALL_HINT
+    assert missing_module_hint("RuntimeError: CUDA out of memory") == ""

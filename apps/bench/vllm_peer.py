@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,6 +89,26 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+def missing_module_hint(log: str) -> str:
+    """The fix for a vLLM process that stopped on ``ModuleNotFoundError`` ('' for any other end).
+
+    vLLM itself missing is :data:`INSTALL_HINT`; a module vLLM imports that is missing (its
+    server needs packages its offline path does not) is named, with how to add it."""
+    found = re.findall(r"No module named '([^']+)'", log)
+    if not found:
+        return ""
+    module = found[-1]
+    if module.split(".")[0] == "vllm":
+        return INSTALL_HINT
+    package = module.split(".")[0].replace("_", "-")
+    return (
+        f"vLLM imports the module {module!r}, which {where()} lacks: pip install {package} for "
+        "that interpreter (on the H200: carry its wheel and its own needs in .vx/, which "
+        "benchmarks/vllm_setup.sh installs beside vLLM; benchmarks/vllm_download.sh fetches "
+        "them for the next set of parts)"
+    )
 
 
 def installed_version() -> str:
@@ -245,7 +266,8 @@ def _failure(result: dict[str, Any], args: dict[str, Any], log: Path) -> VllmPee
     stage, error = result.get("stage"), result.get("error", "unknown error")
     version = result.get("vllm_version")
     if stage == "import":
-        return VllmPeerError(f"vLLM is not importable by {where()} ({error}); fix: {INSTALL_HINT}")
+        fix = missing_module_hint(str(error)) or INSTALL_HINT
+        return VllmPeerError(f"vLLM is not importable by {where()} ({error}); fix: {fix}")
     if stage == "load":
         return VllmPeerError(
             f"vLLM {version} cannot load the model {args.get('model')} ({error}); fix: pass a "

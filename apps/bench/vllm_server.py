@@ -24,9 +24,9 @@ from types import TracebackType
 from typing import Any
 
 from pitstop.bench.vllm_peer import (
-    INSTALL_HINT,
     VllmPeerError,
     log_tail,
+    missing_module_hint,
     peer_python,
     start_process,
     stop_on_sigterm,
@@ -143,9 +143,8 @@ class VllmServer:
             code = self.proc.poll()
             if code is not None:
                 tail = log_tail(self.log_path)
-                hint = (
-                    f"; fix: {INSTALL_HINT}" if "No module named" in tail and "vllm" in tail else ""
-                )
+                fix = missing_module_hint(tail)
+                hint = f"; fix: {fix}" if fix else ""
                 raise VllmPeerError(
                     f"vllm serve ({where()}) exited with status {code} before it answered "
                     f"/health{hint}; the end of its log ({self.log_path}):\n{tail}"
