@@ -527,7 +527,9 @@ def test_sigterm_drains_then_ends_every_request(server: Server) -> None:
     code = server.proc.wait(DRAIN + STEP_GRACE + 8)
     took = time.monotonic() - t0
     assert code == 0
-    assert took < DRAIN + STEP_GRACE + 6, f"exited {took:.1f} s after SIGTERM"
+    # the documented bound (docs/server.md): the drain, the step grace, then an exit without
+    # the interpreter's teardown; 1 s for a busy 2-core machine to deliver and reap
+    assert took < DRAIN + STEP_GRACE + 1.0, f"exited {took:.1f} s after SIGTERM"
     for t in threads:
         t.join(5)
     for lines in streams:
@@ -571,7 +573,7 @@ def test_second_signal_ends_the_drain_at_once() -> None:
         srv.http.close()
     for t in threads:
         t.join(5)
-    assert took < STEP_GRACE + 4, f"exited {took:.1f} s after the second signal"
+    assert took < STEP_GRACE + 1.0, f"exited {took:.1f} s after the second signal"
     for lines in streams:
         assert lines[-1] == "data: [DONE]" and _finish_reason(lines) == "length", lines[-3:]
         # cut short: after the OpenAI finish reason, an error event says why

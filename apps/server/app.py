@@ -217,10 +217,12 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         llm.start()
         yield
         # The drain (ServerState) already finished or aborted every request; the
-        # engine thread ends after its current step. Do not wait past one step.
+        # engine thread ends after its current step. Do not wait past one step, nor at
+        # all when the drain already waited out the step grace for it.
         log.info("stopping the engine thread")
         llm.begin_shutdown(0.0)
-        if not await asyncio.to_thread(llm.join, 1.0):
+        wait_s = 0.0 if state.engine_stuck else 1.0
+        if not await asyncio.to_thread(llm.join, wait_s):
             log.warning("the engine thread is still in a step; exiting without it")
 
     app = FastAPI(

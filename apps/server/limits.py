@@ -185,6 +185,8 @@ class ServerState:
         self._changed = asyncio.Event()
         self.on_drained: list[Callable[[], None]] = []
         self.drained = False
+        # set when the drain ended requests itself because the engine was still in a step
+        self.engine_stuck = False
 
     # ------------------------------------------------------------------ admission
     @property
@@ -339,6 +341,7 @@ class ServerState:
                 await self._wait_for_change(grace_end - time.monotonic())
             # 3. A step still runs: end them here (final chunk + [DONE], or a JSON error).
             if self.flights:
+                self.engine_stuck = True
                 log.warning(
                     "ending %d open request(s) without the engine (a step is still running)",
                     len(self.flights),
