@@ -128,6 +128,15 @@ for _ in range(2):
     # them under /tmp/vsite once all are there (until then this case says which are missing), with the
     # wheels of .vx/ (added after the parts were made: vllm serve's model-hosting-container-standards).
     # VLLM_ROWS: nano single fp8 longtail longtail64 longtail128 prefix longctx spec (docs/benchmarks.md).
+    # issue 29: kernel by kernel, one step of each engine on the same requests (benchmarks/kernel_profile.py);
+    # PROFILE_ROWS "nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b"
+    profile) PEER=""; bash benchmarks/vllm_setup.sh .vv >/dev/null 2>&1 && PEER="--peer vllm" \
+        && export PITSTOP_VLLM_PYTHONPATH=${PITSTOP_VLLM_PYTHONPATH:-/tmp/vsite} VLLM_USE_FLASHINFER_SAMPLER=0
+      [ -d /tmp/vhttp ] && export PYTHONPATH=/tmp/vhttp${PYTHONPATH:+:$PYTHONPATH}
+      for row in ${PROFILE_ROWS:-nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b}; do
+        sc=${row%%:*}; model=${row#*:}; echo "== profile $sc on $model ${PEER:-(no vLLM: pitstop alone)}"
+        timeout ${PROFILE_TIMEOUT:-300} python3 benchmarks/kernel_profile.py --scenario $sc --model $model $PEER \
+          --trace-dir /tmp/kp-$sc --json "$OUT/profile-$sc.json" 2>"$OUT/profile-$sc.log" | head -40; done ;;
     vllm) if bash benchmarks/vllm_setup.sh .vv; then
         [ -d /tmp/vhttp ] && export PYTHONPATH=/tmp/vhttp${PYTHONPATH:+:$PYTHONPATH}
         export PITSTOP_VLLM_PYTHONPATH=${PITSTOP_VLLM_PYTHONPATH:-/tmp/vsite} VLLM_USE_FLASHINFER_SAMPLER=0

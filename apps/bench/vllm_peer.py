@@ -68,7 +68,8 @@ def peer_env() -> dict[str, str]:
     """The environment of vLLM's process: this one, with vLLM's ``PYTHONPATH`` first."""
     env = dict(os.environ)
     extra = env.get(ENV_PYTHONPATH, "")
-    if extra:
+    if extra:  # absolute: vLLM's process runs in a folder of its own
+        extra = os.pathsep.join(os.path.abspath(p) for p in extra.split(os.pathsep) if p)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -278,6 +279,43 @@ def _failure(result: dict[str, Any], args: dict[str, Any], log: Path) -> VllmPee
     return VllmPeerError(f"vLLM {version} failed while generating ({error}); vLLM's log: {log}")
 
 
+def run_worker(
+    worker: Path, job: dict[str, Any], *, workdir: Path, log_path: Path, timeout_s: float | None
+) -> dict[str, Any]:
+    """Run a worker script (``python -P WORKER JOB.json RESULT.json``) in vLLM's environment,
+    stopped whatever happens; return the result it wrote. A :class:`VllmPeerError` when it
+    outlasts ``timeout_s`` (default ``PITSTOP_VLLM_TIMEOUT`` or 3,600 s) or writes nothing."""
+    timeout_s = timeout_s or float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S)
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_path, result_path = (
+        workdir / f"{worker.stem}-job.json",
+        workdir / f"{worker.stem}-result.json",
+    )
+    if worker == WORKER:  # the names earlier results and docs use
+        job_path, result_path = workdir / "vllm-job.json", workdir / "vllm-result.json"
+    result_path.unlink(missing_ok=True)
+    job_path.write_text(json.dumps(job))
+    argv = [peer_python(), "-P", str(worker), str(job_path), str(result_path)]
+    with stop_on_sigterm():
+        proc = start_process(argv, log_path, workdir)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise VllmPeerError(
+                f"the vLLM process did not finish within {timeout_s:.0f} s (set {ENV_TIMEOUT} "
+                f"for more); vLLM's log: {log_path}"
+            ) from None
+        finally:
+            stop_process(proc)
+    try:
+        return json.loads(result_path.read_text())
+    except (OSError, ValueError):
+        raise VllmPeerError(
+            f"the vLLM process ({where()}) exited with status {proc.returncode} before it "
+            f"reported anything; the end of its log ({log_path}):\n{log_tail(log_path)}"
+        ) from None
+
+
 def run_offline(
     workload: Workload,
     args: dict[str, Any],
@@ -294,10 +332,6 @@ def run_offline(
     (``vllm_version``, ``resolved_config``, ``load_s``)."""
     if any(r.prompt_token_ids is None for r in workload.requests):
         raise VllmPeerError("the vLLM peer takes token ids; tokenize text prompts first")
-    timeout_s = timeout_s or float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S)
-    workdir.mkdir(parents=True, exist_ok=True)
-    job_path, result_path = workdir / "vllm-job.json", workdir / "vllm-result.json"
-    result_path.unlink(missing_ok=True)
     job = {
         "llm": args,
         "requests": [[list(r.prompt_token_ids or ()), r.output_len] for r in workload.requests],
@@ -306,26 +340,7 @@ def run_offline(
         "repeats": repeats,
         "warmup": warmup,
     }
-    job_path.write_text(json.dumps(job))
-    argv = [peer_python(), "-P", str(WORKER), str(job_path), str(result_path)]
-    with stop_on_sigterm():
-        proc = start_process(argv, log_path, workdir)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            raise VllmPeerError(
-                f"the vLLM process did not finish within {timeout_s:.0f} s (set {ENV_TIMEOUT} "
-                f"for more); vLLM's log: {log_path}"
-            ) from None
-        finally:
-            stop_process(proc)
-    try:
-        result = json.loads(result_path.read_text())
-    except (OSError, ValueError):
-        raise VllmPeerError(
-            f"the vLLM process ({where()}) exited with status {proc.returncode} before it "
-            f"reported anything; the end of its log ({log_path}):\n{log_tail(log_path)}"
-        ) from None
+    result = run_worker(WORKER, job, workdir=workdir, log_path=log_path, timeout_s=timeout_s)
     if not result.get("ok"):
         print(log_tail(log_path), file=sys.stderr)
         raise _failure(result, args, log_path)

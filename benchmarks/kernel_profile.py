@@ -1,0 +1,104 @@
+"""Kernel-by-kernel time of one step, pitstop beside vLLM, on the same requests (issue 29).
+
+    python benchmarks/kernel_profile.py --scenario nano-decode [--model dummy:qwen3-0.6b]
+        [--peer vllm] [--json OUT.json] [--trace-dir DIR] [--kernels fused] [--device cuda]
+
+Scenarios (pitstop.bench.kernel_profile.SCENARIOS): nano-decode (256 x 512 tokens, a
+decode step), single-decode (1 x 512, dummy:llama3-8b for the `single` workload),
+prefill-2048 (per 2,048-token prompt). Prints the table by category (time per step in
+each engine, what the category moves, the fraction of the H200 ceiling), then each
+engine's top kernels. vLLM is found as `pitstop bench --peer vllm` finds it
+(PITSTOP_VLLM_PYTHON, PITSTOP_VLLM_PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from pitstop.bench.kernel_profile import (
+    SCENARIOS,
+    category_table,
+    markdown,
+    profile_pitstop,
+    profile_vllm,
+    top_kernels,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Profile pitstop (and vLLM with ``--peer vllm``); print the tables; 3 if the peer failed."""
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="nano-decode")
+    parser.add_argument("--model", default="dummy:qwen3-0.6b")
+    parser.add_argument("--peer", choices=["vllm"], default=None)
+    parser.add_argument("--kernels", default="fused")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--batch", type=int, default=None, help="override the scenario's batch")
+    parser.add_argument("--prompt-len", type=int, default=None, help="override its prompt length")
+    parser.add_argument("--decode-steps", type=int, default=None, help="override its N")
+    parser.add_argument("--trace-dir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    scenario = SCENARIOS[args.scenario]
+    changes = {
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "decode_steps": args.decode_steps,
+    }
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if changes:
+        import attrs
+
+        scenario = attrs.evolve(scenario, **changes)
+    trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="kernel-profile-"))
+    engine_kwargs = {"kernels": args.kernels}
+    if args.device:
+        engine_kwargs["device"] = args.device
+    pitstop_kernels, mc = profile_pitstop(args.model, scenario, trace_dir, **engine_kwargs)
+    engines = {"pitstop": pitstop_kernels}
+    status, version = 0, None
+    if args.peer == "vllm":
+        from pitstop.bench.vllm_peer import VllmPeerError
+
+        try:
+            engines["vllm"], version = profile_vllm(args.model, mc, scenario, trace_dir)
+        except VllmPeerError as exc:
+            print(f"peer vllm failed: {exc}", file=sys.stderr)
+            status = 3
+    unit = "µs per prompt" if scenario.decode_steps == 0 else "µs per step"
+    rows = category_table(engines, mc, scenario)
+    print(
+        f"scenario {scenario.name}: batch {scenario.batch}, prompt {scenario.prompt_len}, "
+        f"model {args.model}" + (f", vLLM {version}" if version else "")
+    )
+    print(markdown(rows, list(engines), unit))
+    for engine, kernels in engines.items():
+        print(f"\n{engine}: top kernels ({unit}, launches)")
+        for name, us, launches in top_kernels(kernels):
+            print(f"  {us:10.1f}  {launches:6.1f}  {name[:110]}")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "scenario": scenario.name,
+                    "batch": scenario.batch,
+                    "prompt_len": scenario.prompt_len,
+                    "decode_steps": scenario.decode_steps,
+                    "model": args.model,
+                    "vllm_version": version,
+                    "categories": rows,
+                    "kernels": {e: k for e, k in engines.items()},
+                },
+                indent=1,
+            )
+        )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
