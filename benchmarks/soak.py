@@ -203,7 +203,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
 
 def parser() -> argparse.ArgumentParser:
     """The soak's flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("model", help="what `pitstop serve` loads (e.g. smollm2-135m or a folder)")
     p.add_argument("--sequential", type=int, default=5000, help="requests one at a time")
     p.add_argument("--concurrent", type=int, default=1000, help="requests in the concurrent part")
