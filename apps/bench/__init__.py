@@ -12,6 +12,7 @@ The pieces, one concept per module:
 - :mod:`pitstop.bench.vllm_server`: ``vllm serve`` on a loopback port for the online peer;
 - :mod:`pitstop.bench.vllm_model`: a pitstop model name as vLLM loads it (a preset's ``config.json``);
 - :mod:`pitstop.bench.drivers`: offline (all at once), closed-loop and Poisson clients;
+- :mod:`pitstop.bench.progress`: a bar on a terminal, a log line every 10 s elsewhere;
 - :mod:`pitstop.bench.report`: per-request records, figures, tables and JSON;
 - :mod:`pitstop.bench.matrix`: named configurations (``baseline,+paged,...`` or TOML);
 - :mod:`pitstop.bench.plot`: the PNG (matplotlib, imported only when asked);
