@@ -14,9 +14,20 @@ wraps uvicorn's HTTP protocol class:
   open is answered 429 with ``Retry-After`` and closed, without reaching
   the app.
 
-The subclass reads two attributes of uvicorn's protocol (``cycle`` and its
-``more_body``, ``response_started``, ``response_complete``), common to its
-h11 and httptools implementations.
+Why not uvicorn's own settings: ``timeout_keep_alive`` is armed only after
+a response, so it neither covers a connection that never sends a request
+nor one that sends half of it; ``limit_concurrency`` counts only
+connections that have sent their headers (a slowloris socket is never
+counted) and answers with a plain-text 503 from an app of its own, not a
+429 that the client's retry logic understands; ``h11_max_incomplete_event_size``
+(its default, 16 KiB of headers, is kept) bounds a request's size, not its
+time; ``limit_max_requests`` restarts a worker. So the subclass stays.
+
+It reads uvicorn's protocol internals (``cycle`` and its ``more_body``,
+``response_started``, ``response_complete``; ``on_response_complete``),
+common to its h11 and httptools implementations. pyproject.toml pins the
+uvicorn versions it was checked on, and tests/test_server_guard.py runs it
+over every installed implementation.
 """
 
 from __future__ import annotations
