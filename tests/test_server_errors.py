@@ -4,7 +4,7 @@ One server (the ``Live`` of test_server_safety: uvicorn in a thread, the
 same ``build_server`` as ``pitstop serve``) with small limits, so that each
 refusal can be provoked in turn: bad values (pydantic's and the engine's),
 401, 403 (Host, Origin), 404 and 405 (Starlette's routing), 408 and 429
-(the connection guard below the app), 413, 415, 429 (the queue), 500
+and a malformed request (the connection guard below the app), 413, 415, 429 (the queue), 500
 (a route and the middleware failing) and 503 (shutting down).
 """
 
@@ -183,6 +183,13 @@ def test_read_timeout_is_408_in_openai_shape(live: Live) -> None:
         time.sleep(READ_TIMEOUT + 0.5)
         status, body = _raw_answer(s)
     assert status == 408 and assert_openai_error(body)["code"] == "request_timeout"
+
+
+def test_malformed_http_is_400_in_openai_shape(live: Live) -> None:
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n")
+        status, body = _raw_answer(s)
+    assert status == 400 and assert_openai_error(body)["code"] == "invalid_http"
 
 
 def test_connection_cap_is_429_in_openai_shape(live: Live) -> None:

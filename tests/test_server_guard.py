@@ -171,3 +171,13 @@ def test_connections_over_the_cap_are_429(server: tuple[int, ConnectionLimits]) 
     with socket.create_connection(("127.0.0.1", port)) as s:  # room again
         s.sendall(GET)
         assert _answer(s).startswith(b"HTTP/1.1 200")
+
+
+def test_malformed_http_is_400_in_openai_shape(server: tuple[int, ConnectionLimits]) -> None:
+    port, _limits = server
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        head, _, body = _read_all(s).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_http"
