@@ -27,7 +27,7 @@ import pitstop.server.app as server_app
 from pitstop.server.security import RequestGuard
 
 MAX_BODY = 8192
-MAX_CONNECTIONS = 8
+MAX_CONNECTIONS = 16
 
 
 def assert_openai_error(body: Any) -> dict[str, Any]:
@@ -69,9 +69,20 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         srv.stop()
 
 
-def client(live: Live, **kwargs: Any) -> openai.OpenAI:
-    kwargs.setdefault("api_key", KEY_A)
-    return openai.OpenAI(base_url=f"{live.url}/v1", max_retries=0, timeout=30, **kwargs)
+@pytest.fixture
+def client(live: Live) -> Iterator[Any]:
+    """``client(**kwargs)``: an official client of the live server, closed after the test (its
+    keep-alive connections count against the connection cap)."""
+    made: list[openai.OpenAI] = []
+
+    def make(**kwargs: Any) -> openai.OpenAI:
+        kwargs.setdefault("api_key", KEY_A)
+        made.append(openai.OpenAI(base_url=f"{live.url}/v1", max_retries=0, timeout=30, **kwargs))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
 
 
 # ---------------------------------------------------------------------- 400
@@ -91,8 +102,8 @@ def test_bad_values_are_openai_errors_in_one_style(
         assert param in err["message"], err  # the message names the field
 
 
-def test_pydantic_errors_read_like_pitstops_own(live: Live) -> None:
-    c = client(live)
+def test_pydantic_errors_read_like_pitstops_own(live: Live, client: Any) -> None:
+    c = client()
     with pytest.raises(openai.BadRequestError) as exc:
         c.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature="hot")  # type: ignore[arg-type]
     err = assert_client_error(exc, 400)
@@ -117,24 +128,25 @@ def test_pydantic_errors_read_like_pitstops_own(live: Live) -> None:
 
 
 # ---------------------------------------------------------------------- 401, 403, 404, 405
-def test_auth_host_origin_route_and_method_errors(live: Live) -> None:
+def test_auth_host_origin_route_and_method_errors(live: Live, client: Any) -> None:
     with pytest.raises(openai.AuthenticationError) as exc:
-        client(live, api_key="sk-wrong").models.list()
+        client(api_key="sk-wrong").models.list()
     assert assert_client_error(exc, 401)["code"] == "invalid_api_key"
 
     for host in ("evil.example", "[::1]evil.example", "localhost:80x"):
         with pytest.raises(openai.PermissionDeniedError) as exc:
-            client(live, default_headers={"Host": host}).models.list()
+            client(default_headers={"Host": host}).models.list()
         assert assert_client_error(exc, 403)["code"] == "host_not_allowed", host
         r = live.http.get("/v1/models", headers={"Host": host})
         assert r.status_code == 403 and assert_openai_error(r.json())["code"] == "host_not_allowed"
-    assert client(live, default_headers={"Host": f"[::1]:{live.port}"}).models.list().data
+    for host in (f"[::1]:{live.port}", "localhost.", f"LOCALHOST:{live.port}"):
+        assert client(default_headers={"Host": host}).models.list().data, host
 
     with pytest.raises(openai.PermissionDeniedError) as exc:
-        client(live, default_headers={"Origin": "https://evil.example"}).models.list()
+        client(default_headers={"Origin": "https://evil.example"}).models.list()
     assert assert_client_error(exc, 403)["code"] == "origin_not_allowed"
 
-    c = client(live)
+    c = client()
     with pytest.raises(openai.NotFoundError) as exc:
         c.post("/nothing-here", cast_to=object, body={})
     assert "no endpoint POST /v1/nothing-here" in assert_client_error(exc, 404)["message"]
@@ -149,13 +161,40 @@ def test_auth_host_origin_route_and_method_errors(live: Live) -> None:
     assert_openai_error(r.json())
 
 
+def test_allowed_host_names_are_checked_at_start() -> None:
+    from pitstop.server.security import host_patterns
+
+    assert host_patterns(["::1", "LocalHost", "*.lan"]) == [
+        "*.lan",
+        "*.lan.",
+        "[::1]",
+        "localhost",
+        "localhost.",
+    ]
+    for bad in ("a*b", "*x.lan", "[x]", "localhost:80x"):
+        with pytest.raises(ValueError, match="--allowed-hosts"):
+            host_patterns([bad])
+
+
+def test_serve_refuses_a_malformed_allowed_host() -> None:
+    import argparse
+
+    from pitstop.errors import ConfigError
+    from pitstop.server.cli import add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ConfigError, match=r"a\*b"):
+        settings_from_args(parser.parse_args(["m", "--allowed-hosts", "box.lan,a*b"]))
+
+
 # ---------------------------------------------------------------------- 413, 415
-def test_too_large_and_not_json(live: Live) -> None:
+def test_too_large_and_not_json(live: Live, client: Any) -> None:
     with pytest.raises(openai.APIStatusError) as exc:
-        client(live).completions.create(model=MODEL, prompt="x" * (2 * MAX_BODY), max_tokens=2)
+        client().completions.create(model=MODEL, prompt="x" * (2 * MAX_BODY), max_tokens=2)
     assert assert_client_error(exc, 413)["code"] == "request_too_large"
     with pytest.raises(openai.APIStatusError) as exc:
-        client(live).completions.create(
+        client().completions.create(
             model=MODEL, prompt="hi", extra_headers={"Content-Type": "text/plain"}
         )
     assert assert_client_error(exc, 415)["code"] == "unsupported_media_type"
@@ -192,23 +231,23 @@ def test_malformed_http_is_400_in_openai_shape(live: Live) -> None:
     assert status == 400 and assert_openai_error(body)["code"] == "invalid_http"
 
 
-def test_connection_cap_is_429_in_openai_shape(live: Live) -> None:
+def test_connection_cap_is_429_in_openai_shape(live: Live, client: Any) -> None:
     held = [socket.create_connection(("127.0.0.1", live.port)) for _ in range(MAX_CONNECTIONS)]
     try:
         time.sleep(0.1)
         with pytest.raises(openai.RateLimitError) as exc:
-            client(live).models.list()
+            client().models.list()
         assert assert_client_error(exc, 429)["code"] == "too_many_connections"
         assert exc.value.response.headers["retry-after"] == "1"
     finally:
         for s in held:
             s.close()
     time.sleep(0.2)
-    assert client(live).models.list().data
+    assert client().models.list().data
 
 
 # ---------------------------------------------------------------------- 429, 503 of admission
-def test_full_queue_is_429_and_shutdown_503(live: Live) -> None:
+def test_full_queue_is_429_and_shutdown_503(live: Live, client: Any) -> None:
     with live.stalled() as release:
         waiting = threading.Thread(
             target=lambda: live.http.post("/v1/completions", json=completion()), daemon=True
@@ -218,14 +257,14 @@ def test_full_queue_is_429_and_shutdown_503(live: Live) -> None:
         while live.state.num_queued < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         with pytest.raises(openai.RateLimitError) as exc:
-            client(live).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            client().completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert assert_client_error(exc, 429)["code"] == "too_many_requests"
         release.set()
         waiting.join(30)
     live.state.draining = True
     try:
         with pytest.raises(openai.InternalServerError) as exc:
-            client(live).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            client().completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert assert_client_error(exc, 503)["code"] == "shutting_down"
     finally:
         live.state.draining = False
@@ -233,14 +272,14 @@ def test_full_queue_is_429_and_shutdown_503(live: Live) -> None:
 
 # ---------------------------------------------------------------------- 500
 def test_a_failing_route_and_a_failing_middleware_are_500_json(
-    live: Live, monkeypatch: pytest.MonkeyPatch
+    live: Live, client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(*_args: Any, **_kwargs: Any) -> Any:
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(server_app, "generate_latest", broken)
     with pytest.raises(openai.InternalServerError) as exc:
-        client(live).get(f"{live.url}/metrics", cast_to=object)
+        client().get(f"{live.url}/metrics", cast_to=object)
     err = assert_client_error(exc, 500)
     assert err["type"] == "server_error" and "injected failure" in err["message"]
 

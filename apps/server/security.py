@@ -15,9 +15,9 @@ opens. Three checks keep such pages out:
   403; allowed origins get CORS headers (and their preflights a 204), so a
   web app of your own can call the server. Clients that are not browsers
   (curl, the ``openai`` client) send no ``Origin`` and are not affected.
-- **Origin** is checked here: Starlette's ``CORSMiddleware`` adds CORS
+  This check is pitstop's own: Starlette's ``CORSMiddleware`` adds CORS
   headers for allowed origins but lets a request from any other origin
-  through, and a loopback server must refuse it.
+  through, which a loopback server must refuse.
 - **Content-Type**: a ``POST`` must declare ``application/json``, or it is
   415. A page can send ``text/plain`` (or no type) cross-origin without a
   CORS preflight; it cannot send ``application/json`` that way.
@@ -109,11 +109,32 @@ def bind_host(host: str) -> str:
 
 def host_pattern(name: str) -> str:
     """An allowed name as ``TrustedHostMiddleware`` matches it: lowercased, an IPv6 address in
-    brackets (``::1`` -> ``[::1]``), ``*`` and ``*.example.com`` as they are."""
-    if name.strip().startswith("*"):
-        return name.strip().lower()
+    brackets (``::1`` -> ``[::1]``), ``*`` and ``*.example.com`` as they are.
+
+    Raises ``ValueError`` for a name that matches no Host header (``a*b``, ``[x]``).
+    """
+    name = name.strip().lower()
+    if name.startswith("*"):
+        if name != "*" and (not name.startswith("*.") or "*" in name[1:]):
+            raise ValueError(
+                f"--allowed-hosts {name!r}: a wildcard must be the whole name ('*') or its "
+                "first label ('*.example.com')"
+            )
+        return name
     host = host_name(name)
+    if not host or "*" in host:
+        raise ValueError(
+            f"--allowed-hosts {name!r} is not a host name or IP address (IPv6 as ::1 or [::1])"
+        )
     return f"[{host}]" if ":" in host else host
+
+
+def host_patterns(names: Iterable[str]) -> list[str]:
+    """:func:`host_pattern` of each name, and each name spelled with a final dot (``localhost.``,
+    the same name as a fully qualified one), sorted."""
+    patterns = {host_pattern(n) for n in names}
+    dotted = {f"{p}." for p in patterns if p != "*" and not p.startswith("[")}
+    return sorted(patterns | dotted)
 
 
 _HOST_PASSED = "pitstop.host_passed"
@@ -152,9 +173,8 @@ class RequestGuard:
         on_reject: Callable[[int, str], None] | None = None,
     ) -> None:
         self.app = app
-        self.allowed_hosts = (
-            None if allowed_hosts is None else sorted({host_pattern(h) for h in allowed_hosts})
-        )
+        self.allowed_hosts = None if allowed_hosts is None else host_patterns(allowed_hosts)
+        self._host_names = ", ".join(h for h in self.allowed_hosts or () if not h.endswith("."))
         self._host_check = (
             None
             if self.allowed_hosts is None or "*" in self.allowed_hosts
@@ -176,8 +196,8 @@ class RequestGuard:
                 send,
                 403,
                 f"the Host header {headers.get('host', '')!r} is not a name this server "
-                f"answers to ({', '.join(self.allowed_hosts or ())}); connect through one "
-                "of them, or start the server with --allowed-hosts NAME",
+                f"answers to ({self._host_names}); connect through one of them, or start the "
+                "server with --allowed-hosts NAME",
                 "host_not_allowed",
             )
             return
