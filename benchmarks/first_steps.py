@@ -37,7 +37,7 @@ def _record_compiles() -> list[str] | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     ap.add_argument("--model", default="dummy:qwen3-0.6b")
     ap.add_argument("--scheduler", default="chunked")
     ap.add_argument("--requests", type=int, default=256)

@@ -155,7 +155,7 @@ def measure(shape: str, overlap: str, steps: int, top: int) -> None:
 
 def main() -> None:
     """Print the busy fraction for the chosen shape and loop(s)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--shape", default="nano", choices=sorted(SHAPES))
     parser.add_argument("--overlap", default="both", choices=("on", "off", "both"))
     parser.add_argument("--steps", type=int, default=40)

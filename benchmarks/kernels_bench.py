@@ -609,7 +609,7 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     """Parse flags, build the fused kernel set, run the chosen benchmarks."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--only", choices=["decode", "prefill", "norm"], action="append")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=2048)

@@ -43,7 +43,7 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Merge, write the JSON and the plot, print the table (exit status as ``pitstop bench``)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("parts", nargs="+", type=Path, help="results JSON files of pitstop bench")
     p.add_argument("--output", type=Path, help="write the merged JSON here")
     p.add_argument("--plot", type=Path, help="draw the merged PNG here")

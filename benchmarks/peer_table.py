@@ -69,7 +69,7 @@ def rows(paths: list[Path]) -> list[list[str]]:
 
 def main() -> None:
     """Print the table of the files given."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("results", nargs="+", type=Path)
     args = parser.parse_args()
     header = [

@@ -34,7 +34,7 @@ def _time(fn, iters: int) -> float:
 
 def main() -> None:
     """Print the sampler's time per call for each case."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--history", type=int, default=1024)

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,11 +28,7 @@ from typing import Any
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from pitstop.bench.local_server import ServerExited, ServerStartTimeout, free_port, wait_healthy
 
 
 def rss_mib(pid: int) -> float:
@@ -130,7 +125,7 @@ def wait_idle(url: str, within: float) -> dict[str, Any]:
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     """Run the soak (see the module docstring); the figures, with ``ok`` and ``errors``."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pitstop.cli", "serve", args.model, "--port", str(port)]
     cmd += ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(args.max_model_len)]
     cmd += ["--kv-cache-gib", str(args.kv_cache_gib), "--max-connections", "4096", *args.serve_arg]
@@ -140,18 +135,13 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     start = time.monotonic()
     deadline = start + args.time_limit
     try:
-        while True:
-            if proc.poll() is not None:
-                out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-                raise RuntimeError(f"the server exited with {proc.returncode}:\n{out}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not start within the time limit")
-            time.sleep(0.1)
+        try:
+            wait_healthy(url, proc, timeout_s=args.time_limit)
+        except ServerExited as exc:
+            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+            raise RuntimeError(f"the server exited with {exc.returncode}:\n{out}") from None
+        except ServerStartTimeout:
+            raise RuntimeError("the server did not start within the time limit") from None
         warm = sequential(url, args.model, args.warmup, args.max_tokens, deadline)
         warm += concurrent(
             url, args.model, args.warmup, args.concurrency, args.max_tokens, deadline
@@ -203,7 +193,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
 
 def parser() -> argparse.ArgumentParser:
     """The soak's flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("model", help="what `pitstop serve` loads (e.g. smollm2-135m or a folder)")
     p.add_argument("--sequential", type=int, default=5000, help="requests one at a time")
     p.add_argument("--concurrent", type=int, default=1000, help="requests in the concurrent part")

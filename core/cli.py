@@ -7,11 +7,25 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import PitstopError, PluginError
 from pitstop.gguf_loader import add_subcommand as add_cache
 from pitstop.plugin_manager import get_plugin_manager
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with abbreviations off: ``--max-token 4`` is an error, not ``--max-tokens``.
+
+    ``add_subparsers`` builds its subparsers with the class of the parser it is called on, so
+    every subcommand (and a plugin's own, and theirs) inherits this.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
 
 # argparse prints this as it is: plain text, no reST markup
 DESCRIPTION = (
@@ -157,7 +171,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every built-in subcommand."""
-    parser = argparse.ArgumentParser(prog="pitstop", description=DESCRIPTION)
+    parser = ArgumentParser(prog="pitstop", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -342,7 +342,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python tests/gpu_matrix.py``: run the matrix, print the summary, 0 when nothing fails."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--only", metavar="TEXT", help="run only cases whose name contains TEXT")

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
-import httpx
+from pitstop.bench.local_server import ServerExited, ServerStartTimeout, free_port, wait_healthy
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "serve_subprocess"]
 
 
 @contextlib.contextmanager
@@ -34,21 +27,15 @@ def serve_subprocess(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + start_timeout
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"the server exited with {proc.returncode}:\n{proc.stdout.read()}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not come up within {start_timeout:.0f} s")
-            time.sleep(0.1)
+        try:
+            wait_healthy(url, proc, timeout_s=start_timeout)
+        except ServerExited as exc:
+            raise RuntimeError(
+                f"the server exited with {exc.returncode}:\n{proc.stdout.read()}"
+            ) from None
+        except ServerStartTimeout:
+            raise RuntimeError(f"the server did not come up within {start_timeout:.0f} s") from None
         yield proc, url
     finally:
         if proc.poll() is None:

@@ -10,8 +10,10 @@ The pieces, one concept per module:
 - :mod:`pitstop.bench.vllm_peer`: vLLM's process, environment, arguments and offline run;
 - :mod:`pitstop.bench.vllm_worker`: the script that runs ``LLM.generate`` in that process;
 - :mod:`pitstop.bench.vllm_server`: ``vllm serve`` on a loopback port for the online peer;
+- :mod:`pitstop.bench.local_server`: a free port and the wait for a local server's ``/health``;
 - :mod:`pitstop.bench.vllm_model`: a pitstop model name as vLLM loads it (a preset's ``config.json``);
 - :mod:`pitstop.bench.drivers`: offline (all at once), closed-loop and Poisson clients;
+- :mod:`pitstop.bench.progress`: a bar on a terminal, a log line every 10 s elsewhere;
 - :mod:`pitstop.bench.report`: per-request records, figures, tables and JSON;
 - :mod:`pitstop.bench.matrix`: named configurations (``baseline,+paged,...`` or TOML);
 - :mod:`pitstop.bench.plot`: the PNG (matplotlib, imported only when asked);

@@ -9,27 +9,13 @@ the loop got to it, so queueing delay counts in TTFT.
 from __future__ import annotations
 
 import random
-import sys
 import time
 from collections import deque
-from typing import Any
 
 from pitstop.bench.backends import Backend
+from pitstop.bench.progress import progress
 from pitstop.bench.report import RequestRecord, RunResult
 from pitstop.bench.workloads import Workload, WorkloadError
-
-
-def _progress(total: int, desc: str) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="req",
-        file=sys.stderr,
-        disable=not sys.stderr.isatty(),
-        leave=False,
-    )
 
 
 def run_workload(
@@ -76,7 +62,7 @@ def run_workload(
         while queue:
             send(queue.popleft(), start)
 
-    with _progress(n, desc or workload.name) as bar:
+    with progress(n, desc or workload.name) as bar:
         while len(records) < n:
             now = time.perf_counter()
             while schedule and schedule[0] <= now:

@@ -8,7 +8,8 @@ repeats) and the figures of :mod:`pitstop.bench.report` are the very ones of
 the in-process path; only where the times come from differs:
 
 - arrival: the time the driver scheduled the request (as in-process);
-- token times: the moment each streamed chunk reached this client. The
+- token times: the moment each streamed chunk reached this client (the
+  events are read with ``httpx-sse``). The
   server sends one chunk per engine output that has text, so a token whose
   text is empty (a partial UTF-8 character) or a burst of tokens from one
   step arrives in one chunk with the next: ITL pools the gaps between chunks,
@@ -222,6 +223,14 @@ class HttpBackend:
     ) -> None:
         import httpx
 
+        try:
+            import httpx_sse  # noqa: F401  (imported for the first request, here to fail early)
+        except ModuleNotFoundError as exc:
+            raise ServerBenchError(
+                "pitstop bench --url reads the server's stream with httpx-sse, which is not "
+                "installed: pip install httpx-sse (or 'pitstop[bench]')"
+            ) from exc
+
         self.name = "http"
         self.info = info
         self.url = info.url
@@ -307,6 +316,8 @@ class HttpBackend:
         return body
 
     async def _send(self, request_id: str, request: BenchRequest, arrival: float) -> None:
+        from httpx_sse import EventSource
+
         times: list[float] = []
         finish: float | None = None
         usage: dict[str, Any] | None = None
@@ -318,14 +329,11 @@ class HttpBackend:
                 if resp.status_code != 200:
                     error = f"HTTP {resp.status_code}: {_error_message(resp, await resp.aread())}"
                 else:
-                    async for line in resp.aiter_lines():
+                    async for event in EventSource(resp).aiter_sse():
                         now = time.perf_counter()
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
+                        if event.data == "[DONE]":
                             break
-                        obj = json.loads(data)
+                        obj = json.loads(event.data)
                         if "error" in obj:
                             err = obj["error"]
                             error = "stream error: " + (

@@ -125,14 +125,12 @@ class RunResult:
 
 # ---------------------------------------------------------------------- arithmetic
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile with linear interpolation (numpy's default); NaN when empty."""
+    """The ``q``-th percentile (``numpy.percentile``, linear interpolation); NaN when empty."""
     if not values:
         return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    import numpy as np  # here, so that `pitstop --help` stays quick
+
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
 
 
 def distribution(values: Iterable[float | None], scale: float = 1e3) -> dict[str, float]:

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from pitstop.bench.local_server import (
+    HOST,
+    ServerExited,
+    ServerStartTimeout,
+    free_port,
+    wait_healthy,
+)
 from pitstop.bench.vllm_peer import (
     VllmPeerError,
     log_tail,
@@ -36,15 +40,7 @@ from pitstop.bench.vllm_peer import (
 
 ENV_START_TIMEOUT = "PITSTOP_VLLM_START_TIMEOUT"
 DEFAULT_START_TIMEOUT_S = 900.0  # torch.compile + CUDA graph capture take about a minute
-HOST = "127.0.0.1"
 POLL_S = 0.5
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port on ``host`` that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def serve_flags(args: dict[str, Any]) -> list[str]:
@@ -71,16 +67,6 @@ def serve_argv(args: dict[str, Any], port: int, host: str = HOST) -> list[str]:
     """The command line that serves ``args["model"]`` on ``host:port``."""
     cmd = [peer_python(), "-P", "-m", "vllm.entrypoints.cli.main", "serve", str(args["model"])]
     return cmd + serve_flags(args) + ["--host", host, "--port", str(port)]
-
-
-def health(url: str, timeout: float = 2.0) -> bool:
-    """Whether ``GET url/health`` answers 200 now."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
-    try:
-        with opener.open(f"{url}/health", timeout=timeout) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 class VllmServer:
@@ -139,22 +125,20 @@ class VllmServer:
 
     def _wait_healthy(self, start: float) -> None:
         assert self.proc is not None
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                tail = log_tail(self.log_path)
-                fix = missing_module_hint(tail)
-                hint = f"; fix: {fix}" if fix else ""
-                raise VllmPeerError(
-                    f"vllm serve ({where()}) exited with status {code} before it answered "
-                    f"/health{hint}; the end of its log ({self.log_path}):\n{tail}"
-                )
-            if health(self.url):
-                return
-            if time.monotonic() - start > self.start_timeout_s:
-                raise VllmPeerError(
-                    f"vllm serve did not answer {self.url}/health within "
-                    f"{self.start_timeout_s:.0f} s (set {ENV_START_TIMEOUT} for more); the end of "
-                    f"its log ({self.log_path}):\n{log_tail(self.log_path)}"
-                )
-            time.sleep(POLL_S)
+        left = self.start_timeout_s - (time.monotonic() - start)
+        try:
+            wait_healthy(self.url, self.proc, timeout_s=left, poll_s=POLL_S)
+        except ServerExited as exc:
+            tail = log_tail(self.log_path)
+            fix = missing_module_hint(tail)
+            hint = f"; fix: {fix}" if fix else ""
+            raise VllmPeerError(
+                f"vllm serve ({where()}) exited with status {exc.returncode} before it answered "
+                f"/health{hint}; the end of its log ({self.log_path}):\n{tail}"
+            ) from None
+        except ServerStartTimeout:
+            raise VllmPeerError(
+                f"vllm serve did not answer {self.url}/health within "
+                f"{self.start_timeout_s:.0f} s (set {ENV_START_TIMEOUT} for more); the end of "
+                f"its log ({self.log_path}):\n{log_tail(self.log_path)}"
+            ) from None

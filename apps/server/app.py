@@ -23,7 +23,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -40,6 +40,7 @@ from pitstop.async_engine import AsyncLLM, EngineClosedError, EngineStepError
 from pitstop.errors import InvalidRequestError
 from pitstop.outputs import RequestOutput
 from pitstop.sampling_params import SamplingParams
+from pitstop.server.errors import validation_message
 from pitstop.server.limits import Flight, ServerCut, ServerState, request_cost
 from pitstop.server.metrics import ServerMetrics, failure_reason
 from pitstop.server.protocol import (
@@ -156,6 +157,22 @@ def _invalid_request(
         )
         else prompt_param
     )
+    return APIError(400, message, param=param)
+
+
+def body_error(errors: Sequence[dict[str, Any]]) -> APIError:
+    """The 400 of a body that fails the request models, in pitstop's words (server.errors)."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "extra_forbidden":
+        loc = [str(p) for p in first.get("loc", ())]
+        return APIError(
+            400,
+            f"unknown field {'.'.join(loc)!r}: pitstop does not implement it, so it is refused "
+            "rather than ignored; remove it (docs/server.md lists every field)",
+            param=loc[0] if loc else None,
+            code="unsupported_field",
+        )
+    param, message = validation_message(errors)
     return APIError(400, message, param=param)
 
 
@@ -278,7 +295,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(APIError(400, str(exc)))
+        return error_response(body_error(exc.errors()))
 
     @app.exception_handler(Exception)
     async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -372,24 +389,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         try:
             return model.model_validate(data)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = [str(p) for p in first.get("loc", ())]
-            param = ".".join(loc) or None
-            if first.get("type") == "extra_forbidden":
-                raise APIError(
-                    400,
-                    f"unknown field {param!r}: pitstop does not implement it, so it is refused "
-                    "rather than ignored; remove it (docs/server.md lists every field)",
-                    param=loc[0] if loc else None,
-                    code="unsupported_field",
-                ) from exc
-            got = json.dumps(first.get("input"), ensure_ascii=False)
-            got = got if len(got) <= 60 else got[:57] + "..."
-            raise APIError(
-                400,
-                f"{param or 'body'}: {first.get('msg')}, got {got}",
-                param=loc[0] if loc else None,
-            ) from exc
+            raise body_error(exc.errors()) from exc
 
     def check_request_size(params: SamplingParams, num_prompts: int) -> None:
         """The server's caps on ``n`` and on prompts per request (400 above them)."""

@@ -163,10 +163,11 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """The server settings of the ``serve`` flags; an invalid value is a ConfigError."""
     from pitstop.errors import ConfigError
     from pitstop.server.app import ServerSettings
-    from pitstop.server.security import bind_host, default_allowed_hosts
+    from pitstop.server.security import bind_host, default_allowed_hosts, host_patterns
 
     try:
         args.host = bind_host(args.host)  # cmd_serve listens on the checked address
+        host_patterns(args.allowed_hosts or ())  # checked now, not at the first request
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

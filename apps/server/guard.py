@@ -13,10 +13,23 @@ wraps uvicorn's HTTP protocol class:
 - **connection cap**: a connection opened while ``max_connections`` are
   open is answered 429 with ``Retry-After`` and closed, without reaching
   the app.
+- **malformed HTTP**: bytes uvicorn's parser refuses get a 400 in OpenAI's
+  error shape (uvicorn answers plain text).
 
-The subclass reads two attributes of uvicorn's protocol (``cycle`` and its
-``more_body``, ``response_started``, ``response_complete``), common to its
-h11 and httptools implementations.
+Why not uvicorn's own settings: ``timeout_keep_alive`` is armed only after
+a response, so it neither covers a connection that never sends a request
+nor one that sends half of it; ``limit_concurrency`` counts only
+connections that have sent their headers (a slowloris socket is never
+counted) and answers with a plain-text 503 from an app of its own, not a
+429 that the client's retry logic understands; ``h11_max_incomplete_event_size``
+(its default, 16 KiB of headers, is kept) bounds a request's size, not its
+time; ``limit_max_requests`` restarts a worker. So the subclass stays.
+
+It reads uvicorn's protocol internals (``cycle`` and its ``more_body``,
+``response_started``, ``response_complete``; ``on_response_complete``),
+common to its h11 and httptools implementations. pyproject.toml pins the
+uvicorn versions it was checked on, and tests/test_server_guard.py runs it
+over every installed implementation.
 """
 
 from __future__ import annotations
@@ -28,9 +41,16 @@ from typing import Any
 _REJECT_LINGER_S = 1.0  # how long a refused connection may finish sending before it is closed
 
 
-def _canned(status: int, reason: str, message: str, code: str, extra: str = "") -> bytes:
+def _canned(
+    status: int,
+    reason: str,
+    message: str,
+    code: str,
+    extra: str = "",
+    kind: str = "server_error",
+) -> bytes:
     body = json.dumps(
-        {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}
     ).encode()
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
@@ -80,6 +100,17 @@ class ConnectionLimits:
         )
 
 
+def invalid_http_bytes(detail: str) -> bytes:
+    """The 400 answer of bytes that are not an HTTP/1.1 request (uvicorn's is plain text)."""
+    return _canned(
+        400,
+        "Bad Request",
+        f"the request is not valid HTTP/1.1 ({detail.rstrip('.')}); send a well-formed request",
+        "invalid_http",
+        kind="invalid_request_error",
+    )
+
+
 def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type:
     """A subclass of uvicorn's protocol class ``base`` that applies ``limits``."""
 
@@ -125,6 +156,13 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits) -> 
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._guard_arm()  # the next request must arrive in time too
+
+        def send_400_response(self, msg: str) -> None:  # noqa: D102
+            # uvicorn's answer to bytes its parser refuses, in OpenAI's shape
+            if limits.on_reject is not None:
+                limits.on_reject(400, "invalid_http")
+            self.transport.write(invalid_http_bytes(msg))
+            self.transport.close()
 
         # -------------------------------------------------- the read deadline
         def _guard_request_in(self) -> bool:

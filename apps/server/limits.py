@@ -244,49 +244,48 @@ class ServerState:
                 code="shutting_down",
                 headers={"Connection": "close"},
             )
-        retry = {"Retry-After": str(self.retry_after_s)}
-        if self.num_queued + count > self.max_queued_requests:
-            raise APIError(
-                429,
-                f"the server already has {self.num_queued} requests waiting "
-                f"(--max-queued-requests {self.max_queued_requests}); retry after "
+        queued, per_client = self.num_queued, self.per_client[client]
+        queued_cost, client_cost = self.queued_cost, self.client_cost[client]
+        client_cap = self.max_requests_per_client
+        queue_budget, client_budget = self.max_queued_tokens, self.max_tokens_per_client
+        # (over the cap, why, code): the first cap exceeded is the 429's answer
+        checks = (
+            (
+                queued + count > self.max_queued_requests,
+                f"the server already has {queued} requests waiting (--max-queued-requests "
+                f"{self.max_queued_requests}); retry after {self.retry_after_s} s",
+                "too_many_requests",
+            ),
+            (
+                client_cap is not None and per_client + count > client_cap,
+                f"this client already has {per_client} requests open (--max-requests-per-client "
+                f"{client_cap}); wait for one to finish and retry",
+                "too_many_requests_per_client",
+            ),
+            (
+                queue_budget is not None and queued_cost + cost > queue_budget,
+                f"the requests waiting already cost {queued_cost} tokens and this one {cost}, "
+                f"over the queue's budget of {queue_budget} (--max-queued-tokens); retry after "
                 f"{self.retry_after_s} s",
-                type="server_error",
-                code="too_many_requests",
-                headers=retry,
-            )
-        cap = self.max_requests_per_client
-        if cap is not None and self.per_client[client] + count > cap:
-            raise APIError(
-                429,
-                f"this client already has {self.per_client[client]} requests open "
-                f"(--max-requests-per-client {cap}); wait for one to finish and retry",
-                type="server_error",
-                code="too_many_requests_per_client",
-                headers=retry,
-            )
-        budget = self.max_queued_tokens
-        if budget is not None and self.queued_cost + cost > budget:
-            raise APIError(
-                429,
-                f"the requests waiting already cost {self.queued_cost} tokens and this one "
-                f"{cost}, over the queue's budget of {budget} (--max-queued-tokens); retry "
-                f"after {self.retry_after_s} s",
-                type="server_error",
-                code="too_many_queued_tokens",
-                headers=retry,
-            )
-        budget = self.max_tokens_per_client
-        if budget is not None and self.client_cost[client] + cost > budget:
-            raise APIError(
-                429,
-                f"this client's open requests already cost {self.client_cost[client]} tokens "
-                f"and this one {cost}, over {budget} (--max-tokens-per-client); wait for one "
-                "to finish and retry",
-                type="server_error",
-                code="too_many_tokens_per_client",
-                headers=retry,
-            )
+                "too_many_queued_tokens",
+            ),
+            (
+                client_budget is not None and client_cost + cost > client_budget,
+                f"this client's open requests already cost {client_cost} tokens and this one "
+                f"{cost}, over {client_budget} (--max-tokens-per-client); wait for one to finish and "
+                "retry",
+                "too_many_tokens_per_client",
+            ),
+        )
+        for over, message, code in checks:
+            if over:
+                raise APIError(
+                    429,
+                    message,
+                    type="server_error",
+                    code=code,
+                    headers={"Retry-After": str(self.retry_after_s)},
+                )
 
     def _release(self, flight: Flight) -> None:
         self.flights.discard(flight)

@@ -7,12 +7,17 @@ opens. Three checks keep such pages out:
   resolve to 127.0.0.1 sends ``Host: evil.example``. When ``allowed_hosts``
   is set, a request whose ``Host`` (without the port) is not in it gets 403.
   ``pitstop serve`` sets it to the loopback names when bound to a loopback
-  address.
+  address. Starlette's ``TrustedHostMiddleware`` decides (its parser is
+  strict: ``[::1]evil.example`` and ``localhost:80x`` match no name); the
+  refusal is answered here, as OpenAI's error object.
 - **Origin** (CSRF): browsers send ``Origin`` on cross-origin requests. A
   request carrying an ``Origin`` that is not in ``allowed_origins`` gets
   403; allowed origins get CORS headers (and their preflights a 204), so a
   web app of your own can call the server. Clients that are not browsers
   (curl, the ``openai`` client) send no ``Origin`` and are not affected.
+  This check is pitstop's own: Starlette's ``CORSMiddleware`` adds CORS
+  headers for allowed origins but lets a request from any other origin
+  through, which a loopback server must refuse.
 - **Content-Type**: a ``POST`` must declare ``application/json``, or it is
   415. A page can send ``text/plain`` (or no type) cross-origin without a
   CORS preflight; it cannot send ``application/json`` that way.
@@ -24,6 +29,8 @@ import ipaddress
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
+
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -100,6 +107,51 @@ def bind_host(host: str) -> str:
     return host
 
 
+def host_pattern(name: str) -> str:
+    """An allowed name as ``TrustedHostMiddleware`` matches it: lowercased, an IPv6 address in
+    brackets (``::1`` -> ``[::1]``), ``*`` and ``*.example.com`` as they are.
+
+    Raises ``ValueError`` for a name that matches no Host header (``a*b``, ``[x]``).
+    """
+    name = name.strip().lower()
+    if name.startswith("*"):
+        if name != "*" and (not name.startswith("*.") or "*" in name[1:]):
+            raise ValueError(
+                f"--allowed-hosts {name!r}: a wildcard must be the whole name ('*') or its "
+                "first label ('*.example.com')"
+            )
+        return name
+    host = host_name(name)
+    if not host or "*" in host:
+        raise ValueError(
+            f"--allowed-hosts {name!r} is not a host name or IP address (IPv6 as ::1 or [::1])"
+        )
+    return f"[{host}]" if ":" in host else host
+
+
+def host_patterns(names: Iterable[str]) -> list[str]:
+    """:func:`host_pattern` of each name, and each name spelled with a final dot (``localhost.``,
+    the same name as a fully qualified one), sorted."""
+    patterns = {host_pattern(n) for n in names}
+    dotted = {f"{p}." for p in patterns if p != "*" and not p.startswith("[")}
+    return sorted(patterns | dotted)
+
+
+_HOST_PASSED = "pitstop.host_passed"
+
+
+async def _mark_passed(scope: Scope, _receive: Receive, _send: Send) -> None:
+    scope[_HOST_PASSED] = True
+
+
+async def _nothing() -> Message:
+    return {"type": "http.disconnect"}
+
+
+async def _discard(_message: Message) -> None:
+    return None
+
+
 def _normalize_origin(origin: str) -> str:
     return origin.strip().rstrip("/").lower()
 
@@ -121,8 +173,14 @@ class RequestGuard:
         on_reject: Callable[[int, str], None] | None = None,
     ) -> None:
         self.app = app
-        self.allowed_hosts = (
-            None if allowed_hosts is None else {host_name(h) for h in allowed_hosts}
+        self.allowed_hosts = None if allowed_hosts is None else host_patterns(allowed_hosts)
+        self._host_names = ", ".join(h for h in self.allowed_hosts or () if not h.endswith("."))
+        self._host_check = (
+            None
+            if self.allowed_hosts is None or "*" in self.allowed_hosts
+            else TrustedHostMiddleware(
+                _mark_passed, allowed_hosts=self.allowed_hosts, www_redirect=False
+            )
         )
         self.allowed_origins = {_normalize_origin(o) for o in allowed_origins}
         self.on_reject = on_reject
@@ -133,18 +191,16 @@ class RequestGuard:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         method = scope["method"]
-        if self.allowed_hosts is not None and "*" not in self.allowed_hosts:
-            host = host_name(headers.get("host", ""))
-            if host not in self.allowed_hosts:
-                await self._refuse(
-                    send,
-                    403,
-                    f"the Host header {headers.get('host', '')!r} is not a name this server "
-                    f"answers to ({', '.join(sorted(self.allowed_hosts))}); connect through one "
-                    "of them, or start the server with --allowed-hosts NAME",
-                    "host_not_allowed",
-                )
-                return
+        if self._host_check is not None and not await self._host_passes(scope):
+            await self._refuse(
+                send,
+                403,
+                f"the Host header {headers.get('host', '')!r} is not a name this server "
+                f"answers to ({self._host_names}); connect through one of them, or start the "
+                "server with --allowed-hosts NAME",
+                "host_not_allowed",
+            )
+            return
         origin = headers.get("origin")
         cors: list[tuple[bytes, bytes]] = []
         if origin is not None:
@@ -188,6 +244,13 @@ class RequestGuard:
             await send(message)
 
         await self.app(scope, receive, send_with_cors)
+
+    async def _host_passes(self, scope: Scope) -> bool:
+        """Whether ``TrustedHostMiddleware`` lets the request through (its answer is dropped)."""
+        assert self._host_check is not None
+        scope.pop(_HOST_PASSED, None)
+        await self._host_check(scope, _nothing, _discard)
+        return bool(scope.pop(_HOST_PASSED, False))
 
     async def _preflight(
         self, send: Send, cors: list[tuple[bytes, bytes]], headers: dict[str, str]
