@@ -171,11 +171,13 @@ class JSONSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+    """``response_format``: ``text``, ``json_object``, ``json_schema`` or vLLM's ``structural_tag``."""
 
     model_config = _STRICT
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None  # structural_tag (vLLM's extension)
+    triggers: list[str] | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -209,6 +211,7 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # applies to guided_json / json constraints
     user: str | None = None
 
     def _structured(self) -> dict[str, Any] | None:
@@ -226,6 +229,9 @@ class _SamplingFields(BaseModel):
                     param="response_format",
                 )
             asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+        elif fmt is not None and fmt.type == "structural_tag":
+            tag = {"type": "structural_tag", "structures": fmt.structures, "triggers": fmt.triggers}
+            asked.append(("response_format", {"structural_tag": tag}))
         if self.structured_outputs is not None:
             asked.append(("structured_outputs", dict(self.structured_outputs)))
         for field, key in (
@@ -243,6 +249,15 @@ class _SamplingFields(BaseModel):
                 f"{asked[0][0]} and {asked[1][0]} both constrain the output; send one of them",
                 param=asked[1][0],
             )
+        if self.guided_whitespace_pattern is not None:
+            if not asked:
+                raise APIError(
+                    400,
+                    "guided_whitespace_pattern shapes JSON output; send it with guided_json "
+                    "(or structured_outputs.whitespace_pattern with structured_outputs.json)",
+                    param="guided_whitespace_pattern",
+                )
+            asked[0][1].setdefault("whitespace_pattern", self.guided_whitespace_pattern)
         return asked[0][1] if asked else None
 
     def _check_unsupported(self) -> None:
