@@ -107,10 +107,18 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
             message["content"] = content
         if message.get("role") == "developer":
             message["role"] = "system"
+        for key, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
+            if key in message and message.get("role") != role:
+                _fail(
+                    f"messages[{i}].{key} belongs to a message of role {role!r}, not "
+                    f"{message.get('role')!r}; remove it"
+                )
         if "tool_calls" in message:
             message["tool_calls"] = _template_tool_calls(
                 message["tool_calls"], f"messages[{i}].tool_calls"
             )
+            if not message["tool_calls"]:
+                del message["tool_calls"]
         out.append(message)
     return out
 

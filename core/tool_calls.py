@@ -242,8 +242,9 @@ class ToolCallStream:
         self._text += delta
         return self._diff(self._view(self._text, False))
 
-    def finish(self) -> dict[str, Any]:
-        """The last delta, once the text is complete."""
+    def finish(self, delta: str = "") -> dict[str, Any]:
+        """The last delta, once the text is complete (``delta``: its last piece, if any)."""
+        self._text += delta
         return self._diff(self._view(self._text, True))
 
     def _diff(self, view: ToolCallView) -> dict[str, Any]:

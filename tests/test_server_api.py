@@ -321,3 +321,24 @@ def test_metric_names_in_the_docs_are_the_ones_served(url: str) -> None:
     assert named, "no metric names found in docs/"
     unknown = sorted((page, n) for page, n in named if n not in samples | histograms)
     assert not unknown, f"docs name metrics that /metrics does not export: {unknown}"
+
+
+def test_tools_without_auto_tool_choice(client: openai.OpenAI) -> None:
+    """This server has no --enable-auto-tool-choice: tools default to "none", "auto" is a 400."""
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Say hi"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=4)
+    assert resp.choices[0].message.content and not resp.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, tool_choice="auto", max_tokens=4
+        )
+    assert (
+        "--enable-auto-tool-choice" in info.value.message
+        and "--tool-call-parser" in info.value.message
+    )
+    named = {"type": "function", "function": {"name": "ping"}}
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, tool_choice=named, max_tokens=20
+    )
+    assert resp.choices[0].message.tool_calls[0].function.name == "ping"
