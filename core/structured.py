@@ -102,6 +102,11 @@ class StructuredOutputs:
     disable_additional_properties: bool = False
     disable_fallback: bool = False
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> StructuredOutputs:
+        # attrs' __init__ would refuse an unknown keyword with a bare TypeError
+        _check_field_names(kwargs)
+        return super().__new__(cls)
+
     def __attrs_post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
@@ -352,19 +357,23 @@ def structural_tag_of(value: Any) -> list[tuple[str, str, Any, str]]:
     return out
 
 
+def _check_field_names(values: dict[str, Any]) -> None:
+    unknown = sorted(set(values) - {f.name for f in attrs.fields(StructuredOutputs)})
+    if unknown:
+        _fail(
+            f"structured_outputs has no field {unknown[0]!r}; use one of "
+            "json, json_object, regex, choice, grammar, structural_tag (and "
+            "grammar_syntax, whitespace_flexible, whitespace_pattern, "
+            "disable_any_whitespace, disable_additional_properties, disable_fallback)"
+        )
+
+
 def structured_outputs_of(value: Any) -> StructuredOutputs | None:
     """``SamplingParams.structured_outputs`` from a :class:`StructuredOutputs`, a dict or None."""
     if value is None or isinstance(value, StructuredOutputs):
         return value
     if isinstance(value, dict):
-        unknown = sorted(set(value) - {f.name for f in attrs.fields(StructuredOutputs)})
-        if unknown:
-            _fail(
-                f"structured_outputs has no field {unknown[0]!r}; use one of "
-                "json, json_object, regex, choice, grammar, structural_tag (and "
-                "grammar_syntax, whitespace_flexible, whitespace_pattern, "
-                "disable_any_whitespace, disable_additional_properties, disable_fallback)"
-            )
+        _check_field_names(value)
         return StructuredOutputs(**value)
     _fail(
         "structured_outputs must be a StructuredOutputs or a dict such as {'json': schema}, got "

@@ -242,5 +242,7 @@ def test_whitespace_and_tag_options_are_checked_by_name() -> None:
     ):
         with pytest.raises(InvalidRequestError, match=fragment):
             SamplingParams(structured_outputs=spec)
+    with pytest.raises(InvalidRequestError, match="no field 'backend'"):
+        StructuredOutputs(json_object=True, backend="xgrammar")  # not a bare TypeError
     # vLLM's flag for "never fall back to another backend": pitstop has one, so it holds
     assert SamplingParams(structured_outputs={"regex": "a", "disable_fallback": True})

@@ -233,3 +233,20 @@ def test_any_text_streams_to_what_the_whole_text_gives(parts: list[str], cuts: l
     ):
         assert streamed(view, every_character(text)) == whole(view, text), view
         assert streamed(view, _splits(text, cuts)) == whole(view, text), view
+
+
+def test_serve_flags_name_the_parser_and_its_partner() -> None:
+    import argparse
+
+    from pitstop.errors import ConfigError, PluginError
+    from pitstop.server.cli import add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ConfigError, match="needs --tool-call-parser NAME"):
+        settings_from_args(parser.parse_args(["m", "--enable-auto-tool-choice"]))
+    with pytest.raises(PluginError, match="hermes, llama3_json"):
+        settings_from_args(parser.parse_args(["m", "--tool-call-parser", "mistral"]))
+    args = parser.parse_args(["m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    settings = settings_from_args(args)
+    assert settings.enable_auto_tool_choice and settings.tool_call_parser == "hermes"

@@ -108,4 +108,8 @@ def create_hermes(tokenizer: Any) -> HermesToolParser:
 @hookimpl
 def register_tool_parsers(register: Any) -> None:
     """The Hermes / Qwen tool-call format."""
-    register("hermes", create_hermes)
+    register(
+        "hermes",
+        create_hermes,
+        description="<tool_call>{name, arguments}</tool_call> (Hermes, Qwen)",
+    )

@@ -71,4 +71,8 @@ def create_llama3_json(tokenizer: Any) -> Llama3JsonToolParser:
 @hookimpl
 def register_tool_parsers(register: Any) -> None:
     """Llama 3's JSON tool-call format."""
-    register("llama3_json", create_llama3_json)
+    register(
+        "llama3_json",
+        create_llama3_json,
+        description='{"name", "parameters"} answers (Llama 3.1 / 3.2 JSON tool calling)',
+    )
