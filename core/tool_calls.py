@@ -328,20 +328,23 @@ def scan_object(text: str, start: int) -> ScannedObject:
                     except json.JSONDecodeError:
                         key = text[i + 1 : j]
                     value_start = _skip_ws(text, k + 1)
-                    values[key] = (value_start, None)
+                    if key in values:
+                        key = None  # a repeated key: the first one stands
+                    else:
+                        values[key] = (value_start, None)
                     expect_key = False
                     i = value_start
                     continue
             i = j + 1
-            if depth == 1 and key is not None and text[value_start] == '"':
+            if depth == 1 and key is not None and values[key][1] is None:
                 values[key] = (value_start, i)  # a string value ends at its quote
             continue
         if ch in "{[":
             depth += 1
         elif ch in "}]":
             depth -= 1
-            if depth == 1 and key is not None:
-                values[key] = (value_start, i + 1)
+            if depth == 1 and key is not None and values[key][1] is None:
+                values[key] = (value_start, i + 1)  # (a value ends once: junk after it is not it)
             if depth == 0:
                 if key is not None and values[key][1] is None:
                     values[key] = (value_start, _rstrip_end(text, value_start, i))

@@ -70,6 +70,13 @@ def test_hermes_reads_calls_and_content() -> None:
     assert whole(HERMES.parse, plain) == (plain, [])
     assert streamed(HERMES.parse, every_character(plain)) == (plain, [])
     assert whole(HERMES.parse, "<tool_call>oops</tool_call>") == ("<tool_call>oops</tool_call>", [])
+    # junk after a value is not part of it: the name shown first stays the name
+    junk = '<tool_call>{"name": "f" "g", "arguments": {"a": 1} {"b": 2}}</tool_call>'
+    assert whole(HERMES.parse, junk) == ("", [("f", '{"a": 1}')])
+    assert streamed(HERMES.parse, every_character(junk)) == whole(HERMES.parse, junk)
+    twice = '<tool_call>{"name": "f", "name": "g", "arguments": {}}</tool_call>'
+    assert whole(HERMES.parse, twice) == ("", [("f", "{}")])
+    assert streamed(HERMES.parse, every_character(twice)) == whole(HERMES.parse, twice)
     # cut short (max_tokens): the call so far
     assert whole(HERMES.parse, '<tool_call>{"name": "f", "arguments": {"a": 1')[1] == [
         ("f", '{"a": 1')
