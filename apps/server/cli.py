@@ -162,7 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME",
         help="the format the model writes tool calls in: a tool_parser plugin "
-        "(hermes, llama3_json, or a third party's; pitstop plugins lists them)",
+        "(hermes, llama3_json, or a third party's; pitstop plugins lists them); "
+        'default none: tool_choice "auto" is refused',
     )
     g.add_argument(
         "--uvicorn-log-level",
