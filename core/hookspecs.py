@@ -84,6 +84,16 @@ def register_models(register: Register) -> None:
 
 
 @hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers (the formats in which models write tool calls).
+
+    Called once when plugins load (factory: ``KINDS["tool_parser"]``).
+    ``pitstop serve --tool-call-parser NAME`` picks one by name; it reads the
+    calls of ``tool_choice="auto"`` answers, streamed or not.
+    """
+
+
+@hookspec
 def register_commands(register: Register) -> None:
     """Register subcommands of the ``pitstop`` command.
 

@@ -72,6 +72,13 @@ KINDS: dict[str, Kind] = {
             protocols.Model,
             "the checkpoint's architecture name",
         ),
+        Kind(
+            "tool_parser",
+            "register_tool_parsers",
+            "factory(tokenizer: Tokenizer | None) -> ToolParser",
+            protocols.ToolParser,
+            "--tool-call-parser (pitstop serve)",
+        ),
     )
 }
 

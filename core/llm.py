@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pitstop.chat import ChatOptions, render_chat
 from pitstop.config import EngineConfig
 from pitstop.engine import LLMEngine
 from pitstop.errors import ConfigError, InvalidRequestError
@@ -12,8 +13,9 @@ from pitstop.inputs import PromptType, parse_prompts
 from pitstop.outputs import RequestOutput
 from pitstop.plugin_manager import PluginManager
 from pitstop.sampling_params import SamplingParams
+from pitstop.tool_calls import default_tool_prompt, parse_tools
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class LLM:
@@ -95,6 +97,16 @@ class LLM:
             items = [(None, list(ids)) for ids in prompt_token_ids]
         else:
             items = parse_prompts(prompts)
+        return self._submit(items, sampling_params, use_tqdm=use_tqdm)
+
+    def _submit(
+        self,
+        items: Sequence[tuple[str | None, list[int] | None]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        *,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Queue every ``(text, token ids)`` prompt (all or none) and run them to the end."""
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(items):
                 raise InvalidRequestError(
@@ -123,40 +135,44 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several, with a chat template.
 
+        A message's content is a string or a list of text parts
+        (``[{"type": "text", "text": ...}]``), as the server takes it.
         ``chat_template`` (Jinja text) replaces the model's own;
         ``add_generation_prompt`` opens the assistant's turn;
         ``continue_final_message`` leaves the last (assistant) message open so
         the model continues it (it excludes ``add_generation_prompt``, as in
-        vLLM); ``chat_template_kwargs`` are passed to the template.
+        vLLM); ``chat_template_kwargs`` are passed to the template; ``tools``
+        (OpenAI function definitions) are passed to it as ``tools`` (a
+        template that does not render them gets them listed in the system
+        message, :func:`pitstop.tool_calls.default_tool_prompt`). Each
+        output's ``prompt`` is the rendered text.
         """
         if not messages:
             raise InvalidRequestError("the conversation is empty; give at least one message")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        first = messages[0]
+        conversations = [messages] if isinstance(first, dict) else list(messages)
         tok = self.engine.tokenizer
         if tok is None:
             raise InvalidRequestError(
                 f"model {self.config.model!r} has no tokenizer, so no chat template"
             )
-        if continue_final_message and add_generation_prompt:
-            raise InvalidRequestError(
-                "continue_final_message and add_generation_prompt exclude each other; "
-                "pass add_generation_prompt=False to continue the last message"
-            )
-        prompts = [
-            tok.apply_chat_template(
-                list(conv),  # type: ignore[arg-type]
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-                continue_final_message=continue_final_message,
-                template_kwargs=chat_template_kwargs,
-            )
+        options = ChatOptions(
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=[t.to_openai() for t in parse_tools(tools)] if tools is not None else None,
+        )
+        rendered = [
+            render_chat(tok, conv, options, tool_prompt=default_tool_prompt)
             for conv in conversations
         ]
-        return self.generate(
-            prompt_token_ids=prompts, sampling_params=sampling_params, use_tqdm=use_tqdm
+        return self._submit(
+            [(r.text, r.token_ids) for r in rendered], sampling_params, use_tqdm=use_tqdm
         )
 
     def stream(

@@ -406,6 +406,33 @@ class ProposerBase:
         del seq
 
 
+# ---------------------------------------------------------------- tool-call parser
+
+
+@runtime_checkable
+class ToolParser(Protocol):
+    """Reads the tool calls a model wrote in its own format (``tool_choice="auto"``).
+
+    One per server, built by ``factory(tokenizer)``; it keeps no state per
+    request (streaming is done by :class:`pitstop.tool_calls.ToolCallStream`
+    from successive views).
+    """
+
+    def parse(self, text: str, final: bool) -> Any:
+        """The :class:`~pitstop.tool_calls.ToolCallView` of ``text``: its content and calls.
+
+        With ``final=False`` the text may still grow, and the view must be a
+        prefix of the view of any longer text (hold back what may change:
+        the start of a tag, trailing whitespace, a name not yet closed).
+        """
+        ...
+
+    def tool_prompt(self, tools: Seq[dict[str, Any]]) -> str:
+        """System-prompt text that lists ``tools`` (OpenAI's shape) and says how to call
+        them in this parser's format, for chat templates that do not render tools."""
+        ...
+
+
 # ---------------------------------------------------------------- model
 
 

@@ -146,13 +146,37 @@ class Tokenizer:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a chat rendered by the model's template (or ``chat_template``).
 
-        The template writes any BOS itself, so the text is encoded without special
-        tokens; a BOS is added only when the model wants one and the template left it out.
+        :meth:`render_chat_template` then :meth:`encode_chat_text`.
+        """
+        text = self.render_chat_template(
+            messages,
+            add_generation_prompt,
+            chat_template=chat_template,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+            tools=tools,
+        )
+        return self.encode_chat_text(text)
+
+    def render_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The text of a chat rendered by the model's template (or ``chat_template``).
+
         Roles and contents are checked first (:func:`pitstop.validation.validate_messages`).
-        ``continue_final_message`` leaves the last message open for the model to continue.
+        ``continue_final_message`` leaves the last message open for the model to continue;
+        ``tools`` (OpenAI function definitions) are passed to the template as ``tools``.
         """
         messages = validate_messages(messages)
         if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
@@ -163,18 +187,24 @@ class Tokenizer:
                 "prompt, or load a tokenizer that has one (--tokenizer)"
             )
         try:
-            text = self.hf.apply_chat_template(
+            return self.hf.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                tools=tools,
                 **(template_kwargs or {}),
             )
         except Exception as exc:  # jinja errors, bad message shapes
             raise InvalidRequestError(
                 f"cannot apply the chat template to these messages: {exc}"
             ) from exc
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """Token ids of a rendered chat: the template writes any BOS itself, so the text is
+        encoded without special tokens; a BOS is added only when the model wants one and
+        the template left it out."""
         ids = self.encode(text, add_special_tokens=False)
         if self._adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]

@@ -152,6 +152,74 @@ def test_chat_matches_llm_chat(client: openai.OpenAI, offline: LLM) -> None:
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
 
 
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant ({{ mood | default('calm') }}):{% endif %}"
+)
+
+
+def test_chat_options_match_llm_chat(client: openai.OpenAI, offline: LLM) -> None:
+    """The server takes LLM.chat's options, and LLM.chat the server's content parts: one
+    rendering (pitstop.chat) behind both, so the answers are the same."""
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is 2 + 2?"},
+                {"type": "text", "text": " Answer briefly."},
+            ],
+        }
+    ]
+    cont = [*CHAT, {"role": "assistant", "content": "The answer is"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    cases = [
+        (parts, {}, {}),
+        (cont, {"add_generation_prompt": False, "continue_final_message": True}, {}),
+        (CHAT, {"chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"mood": "terse"}}, {}),
+        (CHAT, {"chat_template": TOOLS_TEMPLATE}, {"tools": tools, "tool_choice": "none"}),
+    ]
+    for messages, options, tool_fields in cases:
+        expected = offline.chat(
+            messages, greedy, use_tqdm=False, **options, **({"tools": tools} if tool_fields else {})
+        )[0]
+        assert (
+            expected.prompt is not None
+            and offline.get_tokenizer().encode(expected.prompt, add_special_tokens=False)[-3:]
+            == expected.prompt_token_ids[-3:]
+        )
+        resp = client.chat.completions.create(
+            model="smollm2-135m",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            extra_body=options or None,
+            **tool_fields,
+        )
+        assert resp.choices[0].message.content == expected.text, options
+        assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    rendered = offline.chat(CHAT, greedy, chat_template=TOOLS_TEMPLATE, tools=tools)[0].prompt
+    assert rendered.startswith("TOOLS: add") and rendered.endswith("assistant (calm):")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="smollm2-135m",
+            messages=CHAT,
+            max_tokens=4,
+            extra_body={"continue_final_message": True},
+        )
+    assert "add_generation_prompt" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="smollm2-135m",
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ],
+            max_tokens=4,
+        )
+    assert "'image_url'" in info.value.message and info.value.param == "messages"
+
+
 def test_stop_and_sampling_options(client: openai.OpenAI) -> None:
     resp = client.completions.create(
         model="smollm2-135m", prompt=PROMPT, max_tokens=24, temperature=0, stop=["."]

@@ -187,6 +187,73 @@ def test_json_object_and_regex_and_choice(client: openai.OpenAI) -> None:
     assert text in ("yes", "no")
 
 
+SQL_GBNF = """
+    root ::= select_statement
+
+    select_statement ::= "SELECT " column " from " table " where " condition
+
+    column ::= "col_1 " | "col_2 "
+
+    table ::= "table_1 " | "table_2 "
+
+    condition ::= column "= " number
+
+    number ::= "1 " | "2 "
+"""
+
+
+def test_gbnf_grammar_online_and_its_parse_errors(client: openai.OpenAI) -> None:
+    """vLLM's documented GBNF grammar, through structured_outputs and guided_grammar."""
+    messages = [{"role": "user", "content": "Generate an SQL query."}]
+    for extra in ({"structured_outputs": {"grammar": SQL_GBNF}}, {"guided_grammar": SQL_GBNF}):
+        resp = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=40, temperature=0, extra_body=extra
+        )
+        text = resp.choices[0].message.content
+        assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", text)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=4,
+            extra_body={"structured_outputs": {"grammar": 'root ::= "SELECT'}},
+        )
+    assert "not valid GBNF" in info.value.message and info.value.param == "structured_outputs"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_grammar": "start: a ="}
+        )
+    assert "read as Lark" in info.value.message and info.value.param == "guided_grammar"
+
+
+def test_json_whitespace_options_online(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    text = (
+        client.completions.create(
+            model=MODEL,
+            prompt="JSON:",
+            max_tokens=20,
+            temperature=0,
+            extra_body={"guided_json": schema, "guided_whitespace_pattern": "[ ]{2}"},
+        )
+        .choices[0]
+        .text
+    )
+    assert re.fullmatch(r'\{  "a":  [0-9](  )?\}', text), text  # spaces where JSON allows them
+    with pytest.raises(openai.BadRequestError, match="applies to JSON output only"):
+        client.completions.create(
+            model=MODEL,
+            prompt="x",
+            max_tokens=4,
+            extra_body={"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+        )
+
+
 def test_prompt_logprobs_extension(url: str) -> None:
     body = {
         "model": MODEL,
@@ -254,3 +321,24 @@ def test_metric_names_in_the_docs_are_the_ones_served(url: str) -> None:
     assert named, "no metric names found in docs/"
     unknown = sorted((page, n) for page, n in named if n not in samples | histograms)
     assert not unknown, f"docs name metrics that /metrics does not export: {unknown}"
+
+
+def test_tools_without_auto_tool_choice(client: openai.OpenAI) -> None:
+    """This server has no --enable-auto-tool-choice: tools default to "none", "auto" is a 400."""
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Say hi"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=4)
+    assert resp.choices[0].message.content and not resp.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, tool_choice="auto", max_tokens=4
+        )
+    assert (
+        "--enable-auto-tool-choice" in info.value.message
+        and "--tool-call-parser" in info.value.message
+    )
+    named = {"type": "function", "function": {"name": "ping"}}
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, tool_choice=named, max_tokens=20
+    )
+    assert resp.choices[0].message.tool_calls[0].function.name == "ping"

@@ -37,7 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pitstop.async_engine import AsyncLLM, EngineClosedError, EngineStepError
-from pitstop.errors import InvalidRequestError
+from pitstop.chat import ChatOptions, RenderedChat, render_chat, template_reads_tools
+from pitstop.errors import InvalidRequestError, PluginError
 from pitstop.outputs import RequestOutput
 from pitstop.sampling_params import SamplingParams
 from pitstop.server.errors import validation_message
@@ -61,6 +62,7 @@ from pitstop.server.render import (
     usage_of,
 )
 from pitstop.server.security import RequestGuard
+from pitstop.server.tools import ChatTools, plan_tools
 from pitstop.validation import check_encoded_prompt, check_token_ids
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,8 @@ class ServerSettings:
     max_prompts_per_request: int = 64  # prompts in one completions list; more get 400
     retry_after_s: int = 1  # the Retry-After of a 429
     step_grace_s: float = 2.0  # after the drain, how long the engine may take to abort
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str | None = None  # a tool_parser plugin's name (hermes, llama3_json)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -227,6 +231,16 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
     )
     keys = [k.encode("utf-8") for k in settings.keys]
     vocab_size: int = llm.engine.model_config.vocab_size
+    tool_parser = None
+    if settings.tool_call_parser is not None:
+        tool_parser = llm.engine.plugins.create(
+            "tool_parser", settings.tool_call_parser, llm.engine.tokenizer
+        )
+    elif settings.enable_auto_tool_choice:
+        raise PluginError(
+            "--enable-auto-tool-choice needs --tool-call-parser NAME (the format the model "
+            "writes its calls in: " + ", ".join(llm.engine.plugins.names("tool_parser")) + ")"
+        )
     started = now()
 
     @asynccontextmanager
@@ -431,13 +445,20 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             raise _invalid_request(exc, "prompt") from exc
         return out
 
-    async def rendered(messages: list[dict[str, str]]) -> list[int] | None:
-        """The token ids of a chat (the model's template), or None without a tokenizer."""
+    async def rendered(
+        messages: list[dict[str, Any]], options: ChatOptions, tools: ChatTools | None = None
+    ) -> RenderedChat | None:
+        """A chat rendered by the model's template (pitstop.chat, as ``LLM.chat`` renders
+        it), or None without a tokenizer (the engine then refuses the request)."""
         tok = llm.engine.tokenizer
         if tok is None:
             return None
+        prompt = None if tools is None else tools.prompt
+        if tools is not None and options.tools and prompt is None:
+            if not template_reads_tools(tok, options):  # tool_choice "none": nothing to show
+                options = attrs.evolve(options, tools=None)
         try:
-            return await asyncio.to_thread(tok.apply_chat_template, messages)
+            return await asyncio.to_thread(render_chat, tok, messages, options, tool_prompt=prompt)
         except InvalidRequestError as exc:
             raise _invalid_request(exc, "messages") from exc
 
@@ -726,28 +747,41 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         body = await read_body(request, ChatCompletionRequest)
         check_model(body.model)
         messages = body.template_messages()
+        tools = plan_tools(
+            body.tools,
+            body.tool_choice,
+            parser=tool_parser,
+            auto_enabled=settings.enable_auto_tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+        )
+        options = body.chat_options(tools.template_tools)
         max_tokens = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None
             else body.max_tokens
         )
         k = body.num_logprobs()
+        tool_constraint = tools.constraint(body.parallel_tool_calls)
         # No limit given: the engine stops at max_model_len.
         params = body.sampling_params(
-            (llm.config.max_model_len or 4096) if max_tokens is None else max_tokens, logprobs=k
+            (llm.config.max_model_len or 4096) if max_tokens is None else max_tokens,
+            logprobs=k,
+            tool_constraint=tool_constraint,
         )
         check_request_size(params, 1)
         rid = new_id("chatcmpl")
-        chat_ids = await rendered(messages)
+        chat = await rendered(messages, options, tools)
+        chat_ids = None if chat is None else chat.token_ids
         (flight,) = admit(params, [chat_ids], client_of(request, key))
         flight = await add(
             flight,
             rid,
             params,
-            messages=messages if chat_ids is None else None,
+            prompt=None if chat is None else chat.text,
+            messages=messages if chat is None else None,
             prompt_token_ids=chat_ids,
             arrival=arrival,
-            structured_param=body.structured_param(),
+            structured_param="tool_choice" if tool_constraint else body.structured_param(),
             prompt_param="messages",
         )
         created = now()
@@ -780,10 +814,19 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 **extra,
             }
 
+            streams = [tools.stream() for _ in range(params.n)]  # one per choice
+
             def chunk(
                 index: int, text: str, finish: str | None, count: int, out: RequestOutput | None
             ) -> dict[str, Any]:
-                delta = {"content": text} if text else {}
+                stream = streams[index]
+                if stream is None:
+                    delta: dict[str, Any] = {"content": text} if text else {}
+                elif finish is None:
+                    delta = stream.feed(text)
+                else:
+                    delta = stream.finish(text)
+                    finish = tools.finish_reason(finish, stream.has_calls)
                 logprobs = None
                 if k is not None and count and out is not None:
                     logprobs = chat_logprobs(out.outputs[index], k, count)
@@ -806,15 +849,21 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 num_choices=params.n,
             )
         final = await collect(request, flight)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, k) if k is not None else None,
-                "finish_reason": _OPENAI_FINISH.get(c.finish_reason or "", c.finish_reason),
-            }
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            content, calls = tools.message(c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            reason = _OPENAI_FINISH.get(c.finish_reason or "", c.finish_reason or "")
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(c, k) if k is not None else None,
+                    "finish_reason": tools.finish_reason(reason, bool(calls)),
+                }
+            )
         return JSONResponse({**base("chat.completion", choices), "usage": usage_of([final])})
 
     def model_card() -> dict[str, Any]:
@@ -854,10 +903,11 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
             raise APIError(400, "send one of prompt (text) or messages (a chat)", param="prompt")
         try:
             if body.messages is not None:
-                ids = tok.apply_chat_template(
-                    [m.to_template() for m in body.messages],
-                    add_generation_prompt=body.add_generation_prompt,
-                )
+                ids = render_chat(
+                    tok,
+                    [m.as_dict() for m in body.messages],
+                    ChatOptions(add_generation_prompt=body.add_generation_prompt),
+                ).token_ids
             else:
                 assert body.prompt is not None
                 ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -150,6 +150,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=64,
         help="most prompts in one /v1/completions list; more get 400 (default 64)",
     )
+    t = p.add_argument_group("tool calling")
+    t.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default when tools are sent), read by the '
+        '--tool-call-parser; without it, tools default to "none" and "auto" is a 400',
+    )
+    t.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="the format the model writes tool calls in: a tool_parser plugin "
+        "(hermes, llama3_json, or a third party's; pitstop plugins lists them); "
+        'default none: tool_choice "auto" is refused',
+    )
     g.add_argument(
         "--uvicorn-log-level",
         default="warning",
@@ -195,6 +210,15 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             raise ConfigError(
                 "an API key must be printable ASCII without spaces (it travels in an HTTP header)"
             )
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ConfigError(
+            "--enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, or "
+            "a plugin's): the format in which the model writes its calls"
+        )
+    if args.tool_call_parser:
+        from pitstop.plugin_manager import get_plugin_manager
+
+        get_plugin_manager().get("tool_parser", args.tool_call_parser)  # lists the names there are
     hosts = args.allowed_hosts
     return ServerSettings(
         api_keys=tuple(keys),
@@ -212,6 +236,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_tokens_per_client=args.max_tokens_per_client or None,
         max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -6,7 +6,7 @@ names the field, and nothing is coerced (``true`` is not the number 1,
 NaN, infinities and lone UTF-16 surrogates never get this far: the body
 parser refuses them (see :func:`parse_json_body`). A field pitstop does not
 know is a 400 that names it, and so is a known option it does not implement
-(``echo``, ``suffix``, ``tools``): nothing a request sends is silently
+(``echo``, ``suffix``): nothing a request sends is silently
 ignored. ``user`` is accepted and changes nothing (docs/server.md).
 """
 
@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pitstop.chat import ChatOptions
 from pitstop.errors import InvalidRequestError
 from pitstop.sampling_params import SamplingParams
 from pitstop.structured import structured_outputs_of
@@ -171,11 +172,13 @@ class JSONSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+    """``response_format``: ``text``, ``json_object``, ``json_schema`` or vLLM's ``structural_tag``."""
 
     model_config = _STRICT
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None  # structural_tag (vLLM's extension)
+    triggers: list[str] | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -209,11 +212,17 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # applies to guided_json / json constraints
     user: str | None = None
 
-    def _structured(self) -> dict[str, Any] | None:
-        """The one structured-output constraint the request asks for, as StructuredOutputs fields."""
+    def _structured(self, implied: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The one structured-output constraint the request asks for, as StructuredOutputs fields.
+
+        ``implied`` is the constraint of ``tool_choice`` (``"required"`` or a named function).
+        """
         asked: list[tuple[str, dict[str, Any]]] = []
+        if implied is not None:
+            asked.append(("tool_choice", implied))
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
             asked.append(("response_format", {"json_object": True}))
@@ -226,6 +235,9 @@ class _SamplingFields(BaseModel):
                     param="response_format",
                 )
             asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+        elif fmt is not None and fmt.type == "structural_tag":
+            tag = {"type": "structural_tag", "structures": fmt.structures, "triggers": fmt.triggers}
+            asked.append(("response_format", {"structural_tag": tag}))
         if self.structured_outputs is not None:
             asked.append(("structured_outputs", dict(self.structured_outputs)))
         for field, key in (
@@ -243,6 +255,15 @@ class _SamplingFields(BaseModel):
                 f"{asked[0][0]} and {asked[1][0]} both constrain the output; send one of them",
                 param=asked[1][0],
             )
+        if self.guided_whitespace_pattern is not None:
+            if not asked:
+                raise APIError(
+                    400,
+                    "guided_whitespace_pattern shapes JSON output; send it with guided_json "
+                    "(or structured_outputs.whitespace_pattern with structured_outputs.json)",
+                    param="guided_whitespace_pattern",
+                )
+            asked[0][1].setdefault("whitespace_pattern", self.guided_whitespace_pattern)
         return asked[0][1] if asked else None
 
     def _check_unsupported(self) -> None:
@@ -260,8 +281,12 @@ class _SamplingFields(BaseModel):
         logprobs: int | None = None,
         best_of: int | None = None,
         prompt_logprobs: int | None = None,
+        tool_constraint: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """Build validated :class:`SamplingParams`; an invalid value is a 400 naming the field."""
+        """Build validated :class:`SamplingParams`; an invalid value is a 400 naming the field.
+
+        ``tool_constraint``: the structured output ``tool_choice`` implies.
+        """
         self._check_unsupported()
         values: dict[str, Any] = {
             "n": self.n,
@@ -288,7 +313,7 @@ class _SamplingFields(BaseModel):
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
         }
-        structured = self._structured()
+        structured = self._structured(tool_constraint)
         try:
             if structured is not None:
                 values["structured_outputs"] = structured_outputs_of(structured)
@@ -357,41 +382,19 @@ class CompletionRequest(_SamplingFields):
         return [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt]  # type: ignore[misc]
 
 
-class ContentPart(BaseModel):
-    """One part of a message's content; only ``text`` parts are supported."""
-
-    model_config = _STRICT
-    type: str
-    text: str | None = None
-
-
 class ChatMessage(BaseModel):
-    """One chat message."""
+    """One chat message (content: text, or a list of ``{"type": "text", "text"}`` parts)."""
 
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
-    def to_template(self) -> dict[str, str]:
-        """The message as the chat template expects it (text content, and ``name`` when given)."""
-        content = self.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        400,
-                        f"content parts of type {part.type!r} are not supported (text only)",
-                        param="messages",
-                    )
-                texts.append(part.text)
-            content = "".join(texts)
-        role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name  # templates that know names use it
-        return message
+    def as_dict(self) -> dict[str, Any]:
+        """The message as sent, for :func:`pitstop.chat.template_messages`."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -404,18 +407,37 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template: str | None = None  # extension (vLLM's)
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM's)
+    add_generation_prompt: bool = True  # extension (vLLM's)
+    continue_final_message: bool = False  # extension (vLLM's)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation for the chat template."""
-        if self.tools:
-            raise APIError(
-                400,
-                "tools are not supported (pitstop has no tool-call parser); leave tools unset",
-                param="tools",
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as sent (content parts and tool calls are read by pitstop.chat)."""
+        return [m.as_dict() for m in self.messages]
+
+    def chat_options(self, tools: list[dict[str, Any]] | None) -> ChatOptions:
+        """The template options (:class:`pitstop.chat.ChatOptions`); a bad one is a 400."""
+        try:
+            return ChatOptions(
+                chat_template=self.chat_template,
+                add_generation_prompt=self.add_generation_prompt,
+                continue_final_message=self.continue_final_message,
+                chat_template_kwargs=self.chat_template_kwargs,
+                tools=tools,
             )
-        if self.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice is not supported; leave it unset", param="tool_choice")
-        return [m.to_template() for m in self.messages]
+        except InvalidRequestError as exc:
+            message = str(exc)
+            param = next(
+                (
+                    f
+                    for f in ("chat_template_kwargs", "continue_final_message", "chat_template")
+                    if f in message
+                ),
+                None,
+            )
+            raise APIError(400, message, param=param) from exc
 
     def num_logprobs(self) -> int | None:
         """``logprobs`` + ``top_logprobs`` as SamplingParams.logprobs (None: not asked)."""
