@@ -693,6 +693,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
             dest=VLLM_DEST + name,
             nargs="?",
             const=True,
+            type=_parse_scalar,
             default=None,
             help=argparse.SUPPRESS,
         )

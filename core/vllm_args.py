@@ -14,7 +14,8 @@ three ways settings enter:
 - :data:`ACCEPTED`: names pitstop takes without a setting of its own
   (``trust_remote_code``: pitstop never runs a checkpoint's code either way);
 - :data:`REFUSED`: vLLM arguments pitstop does not have, refused by name with
-  what to use instead.
+  what to use instead, unless the value asks for what pitstop does anyway
+  (None, ``pipeline_parallel_size=1``, ``tokenizer_mode="auto"``: :data:`NEUTRAL`).
 
 A vLLM name given together with the pitstop setting it stands for is an
 error naming both, unless the two say the same. docs/api.md's table of
@@ -220,6 +221,32 @@ REFUSED: Mapping[str, str] = {
 }
 """vLLM arguments pitstop does not have: what to do instead."""
 
+NEUTRAL: Mapping[str, tuple[Any, ...]] = {
+    "pipeline_parallel_size": (1,),
+    "data_parallel_size": (1,),
+    "swap_space": (0,),
+    "cpu_offload_gb": (0,),
+    "tokenizer_mode": ("auto",),
+    "load_format": ("auto",),
+    "enable_lora": (False,),
+    "preemption_mode": ("recompute",),
+    "enable_sleep_mode": (False,),
+    "skip_tokenizer_init": (False,),
+    "enable_expert_parallel": (False,),
+    "task": ("auto", "generate"),
+    "runner": ("auto", "generate"),
+    "disable_sliding_window": (False,),
+}
+"""Values of refused arguments that ask for what pitstop does anyway (besides None, which
+every refused argument takes): accepted, so that code passing vLLM's defaults runs."""
+
+
+def is_neutral(name: str, value: Any) -> bool:
+    """Whether ``value`` of the refused argument ``name`` asks for pitstop's own behaviour."""
+    return value is None or any(
+        type(value) is type(v) and value == v for v in NEUTRAL.get(name, ())
+    )
+
 
 def renamed_by_name() -> dict[str, Renamed]:
     """:data:`RENAMED` by vLLM name."""
@@ -248,7 +275,9 @@ def translate(settings: Mapping[str, Any]) -> dict[str, Any]:
     renamed = renamed_by_name()
     for name, value in settings.items():
         if name in REFUSED:
-            raise ConfigError(refusal(name))
+            if is_neutral(name, value):
+                continue
+            raise ConfigError(refusal(name) + f" (got {name}={value!r})")
         if name in ACCEPTED:
             _bool(name, value)
             continue
@@ -298,7 +327,9 @@ def table_rows() -> list[tuple[str, str]]:
     rows = [(r.vllm, f"`{r.pitstop}`" + (f" ({r.note})" if r.note else "")) for r in RENAMED]
     rows += [(name, "same name") for name in SAME_NAME]
     rows += [(name, text) for name, text in ACCEPTED.items()]
-    rows += [(name, f"refused: {text}") for name, text in REFUSED.items()]
+    for name, text in REFUSED.items():
+        neutral = ", ".join(repr(v) for v in (None, *NEUTRAL.get(name, ())))
+        rows.append((name, f"refused: {text}; {neutral} accepted (what pitstop does)"))
     return sorted(rows)
 
 

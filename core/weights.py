@@ -244,7 +244,8 @@ def read_hf_config(folder: str | Path, plugins: PluginManager | None = None) -> 
             f"{config_file} has auto_map: the checkpoint needs its own Python code "
             f"({', '.join(map(str, classes))}), and pitstop does not run a "
             "checkpoint's code, whatever trust_remote_code says; use a checkpoint of an "
-            "architecture pitstop ships (Llama, Qwen2, Qwen3) or install a model plugin for it"
+            "architecture a registered model plugin reads (pitstop plugins lists them), or "
+            "install a model plugin for it"
         )
     plugins = plugins or get_plugin_manager()
     found = plugins.architecture_for_hf(raw)

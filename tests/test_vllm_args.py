@@ -84,7 +84,22 @@ def test_a_vllm_name_against_the_pitstop_one_names_both() -> None:
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_refused_vllm_arguments_are_named_with_the_alternative(name: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{name} is vLLM's; pitstop does not have it: "):
-        EngineConfig(**{name: 1})
+        EngineConfig(**{name: "x"})
+    EngineConfig(**{name: None})  # None asks for nothing pitstop lacks
+
+
+def test_values_that_ask_for_what_pitstop_does_are_accepted() -> None:
+    config = EngineConfig(
+        pipeline_parallel_size=1, tokenizer_mode="auto", swap_space=0, quantization=None
+    )
+    assert config == EngineConfig()
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2"):
+        EngineConfig(pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="swap_space"):
+        EngineConfig(swap_space=True)  # a bool is not the number 0
+    assert _cli("--pipeline-parallel-size", "1") == EngineConfig()
+    with pytest.raises(ConfigError, match="enable_lora"):
+        _cli("--enable-lora")
 
 
 def test_refusals_point_at_pitstops_equivalent() -> None:

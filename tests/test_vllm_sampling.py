@@ -5,6 +5,7 @@ stop_reason, num_cached_tokens and a callable ``finished``."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -82,6 +83,15 @@ def test_the_server_answers_400_for_max_tokens_over_the_context(tiny: Path) -> N
             r = await c.post("/v1/completions", json=stop)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+            # every token stops: the first one is the stop_reason, and its text is left out
+            every = {**stop, "stop_token_ids": list(range(SMOLLM2_VOCAB)), "stream": True}
+            async with c.stream("POST", "/v1/completions", json=every) as streamed:
+                lines = [x async for x in streamed.aiter_lines() if x.startswith("data: {")]
+            choices = [ch for x in lines for ch in json.loads(x[6:])["choices"]]
+            final = [ch for ch in choices if ch["finish_reason"]]
+            assert final[0]["finish_reason"] == "stop" and isinstance(final[0]["stop_reason"], int)
+            assert "".join(ch["text"] for ch in choices) == ""
+            assert all(ch["stop_reason"] is None for ch in choices if not ch["finish_reason"])
 
     try:
         asyncio.run(main())
