@@ -13,6 +13,7 @@ from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import PitstopError, PluginError
 from pitstop.gguf_loader import add_subcommand as add_cache
 from pitstop.plugin_manager import get_plugin_manager
+from pitstop.vllm_args import did_you_mean
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -167,6 +168,40 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
         if not interactive:
             return 0
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse without prefix matching (``--max-token 4`` is not ``--max-tokens``), whose
+    error for an unknown flag names the nearest flag of the chosen subcommand."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """Parse ``args``; an unknown flag is an error (exit 2) with a did-you-mean."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            known = _option_strings(self, parsed)
+            named = [
+                e + did_you_mean(e.split("=", 1)[0], known) if e.startswith("--") else e
+                for e in extras
+            ]
+            self.error(f"unrecognized arguments: {' '.join(named)}")
+        return parsed
+
+
+def _option_strings(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> list[str]:
+    """Every long flag of ``parser`` and of the subcommands ``parsed`` chose."""
+    found: list[str] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+            if chosen is not None:
+                found += _option_strings(chosen, parsed)
+        elif action.help is not argparse.SUPPRESS:
+            found += [o for o in action.option_strings if o.startswith("--")]
+    return found
 
 
 def build_parser() -> argparse.ArgumentParser:

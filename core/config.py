@@ -35,6 +35,17 @@ from pitstop.settings import (
     option_fields,
     settings_from_toml,
 )
+from pitstop.vllm_args import (
+    ACCEPTED,
+    DTYPE_WORDS,
+    KV_CACHE_DTYPE_WORDS,
+    REFUSED,
+    RENAMED,
+    did_you_mean,
+    merge,
+    translate,
+    vllm_names,
+)
 
 if TYPE_CHECKING:
     from pitstop.model_config import ModelConfig
@@ -173,9 +184,11 @@ class EngineConfig:
     )
     dtype: str = attrs.field(
         default="auto",
+        converter=lambda v: DTYPE_WORDS.get(v, v) if isinstance(v, str) else v,
         validator=_one_of(*DTYPES),
         metadata=_doc(
-            "weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16"
+            "weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32 (or "
+            "float), float16 (or half), bfloat16"
         ),
     )
     device: str = attrs.field(default="auto", metadata=_doc("auto, cpu, cuda or cuda:N"))
@@ -262,10 +275,12 @@ class EngineConfig:
     )
     kv_cache_dtype: str = attrs.field(
         default="auto",
+        converter=lambda v: KV_CACHE_DTYPE_WORDS.get(v, v) if isinstance(v, str) else v,
         validator=_one_of(*KV_CACHE_DTYPES),
         metadata=_doc(
             "element type of the KV cache: auto (the model's dtype), bfloat16, float16, float32, "
-            "or fp8_e4m3 / fp8_e5m2 (one byte per element, one K and one V scale per layer)"
+            "or fp8_e4m3 (or fp8) / fp8_e5m2 (one byte per element, one K and one V scale per "
+            "layer)"
         ),
     )
 
@@ -349,17 +364,21 @@ class EngineConfig:
     def __init__(self, **settings: Any) -> None:
         """Every keyword is an engine setting (a field below) or a plugin setting's alias
         (``chunk_size=512``: stored as ``options["chunk_size"]``, replacing the same
-        setting given by its ``<plugin>.<setting>`` key); anything else is an error that
-        lists the settings that exist."""
+        setting given by its ``<plugin>.<setting>`` key) or one of vLLM's engine-argument
+        names (``max_num_seqs=64``: :mod:`pitstop.vllm_args`); anything else is an error
+        that names the nearest known setting and lists the settings that exist."""
+        settings = translate(settings)
         fields = attrs.fields_dict(EngineConfig)
         short = {k: v for k, v in settings.items() if k not in fields}
         if short:
             table = _setting_aliases()
             unknown = sorted(set(short) - set(table))
             if unknown:
+                known = EngineConfig.setting_names()
+                named = ", ".join(f"{n}{did_you_mean(n, known + vllm_names())}" for n in unknown)
                 raise ConfigError(
-                    f"unknown setting(s) {', '.join(unknown)}; known settings: "
-                    f"{', '.join(EngineConfig.setting_names())}"
+                    f"unknown setting(s) {named}; known settings: {', '.join(known)} "
+                    "(and vLLM's names: docs/api.md)"
                 )
             options = dict(settings.get("options") or {})
             for alias, value in short.items():
@@ -445,7 +464,7 @@ class EngineConfig:
             data["options"] = {**(data.get("options") or {}), **short}
         if "options" in overrides and "options" in data:
             overrides = {**overrides, "options": {**data["options"], **overrides["options"]}}
-        return cls.from_dict({**data, **overrides})
+        return cls.from_dict(merge(data, overrides))  # vLLM's names or pitstop's, either side
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
@@ -463,6 +482,9 @@ class EngineConfig:
         for dest, value in vars(args).items():  # --<plugin>.<setting> flags
             if dest.startswith(SETTING_DEST) and value is not None:
                 given.setdefault("options", {})[dest[len(SETTING_DEST) :]] = value
+        for dest, value in vars(args).items():  # --max-num-seqs and vLLM's other flags
+            if dest.startswith(VLLM_DEST) and value is not None:
+                given[dest[len(VLLM_DEST) :]] = value
         if getattr(args, "config", None):
             return cls.from_toml(args.config, **given)
         return cls.from_dict(given)
@@ -574,6 +596,7 @@ def parse_bool_flag(text: str) -> bool:
 
 
 SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags
+VLLM_DEST = "vllm:"  # argparse dest prefix of vLLM's flags (--max-num-seqs)
 
 
 def _flag_type(att: attrs.Attribute):
@@ -606,8 +629,8 @@ def add_cli_flags(
             help_text += f" (default: {shown.lower() if isinstance(default, bool) else shown})"
         # the default stays None so that a --config file's value is not overridden
         kwargs: dict[str, Any] = {"default": None, "help": help_text}
-        if "bool" in str(att.type):
-            kwargs["metavar"] = "true|false"
+        if "bool" in str(att.type):  # --enforce-eager alone (vLLM's habit) is true
+            kwargs.update(metavar="true|false", nargs="?", const=True)
         group.add_argument(
             "--" + att.name.replace("_", "-"), dest=att.name, type=_flag_type(att), **kwargs
         )
@@ -622,6 +645,58 @@ def add_cli_flags(
 
         plugins = get_plugin_manager()
     add_settings_flags(parser, plugins)
+    add_vllm_flags(parser)
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags: ``--max-num-seqs N``, ``--enable-prefix-caching`` /
+    ``--no-enable-prefix-caching`` and the others of :mod:`pitstop.vllm_args`. A flag
+    of an argument pitstop refuses parses (hidden from ``--help``) so that the
+    config can refuse it by name."""
+    group = parser.add_argument_group("vLLM's names for the settings above (docs/api.md)")
+    for rule in RENAMED:
+        flag = "--" + rule.vllm.replace("_", "-")
+        help_text = f"vLLM's name of --{rule.pitstop.replace('_', '-')}" + (
+            f" ({rule.note})" if rule.note else ""
+        )
+        help_text += f" (default: that of --{rule.pitstop.replace('_', '-')})"
+        if rule.flag_type is bool:
+            group.add_argument(
+                flag,
+                dest=VLLM_DEST + rule.vllm,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                flag,
+                dest=VLLM_DEST + rule.vllm,
+                type=rule.flag_type,
+                default=None,
+                metavar="N",
+                help=help_text,
+            )
+    for name, meaning in ACCEPTED.items():
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=VLLM_DEST + name,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"vLLM's flag, {meaning} (default: false)",
+        )
+    for name in REFUSED:
+        if "--" + name.replace("_", "-") in parser._option_string_actions:
+            continue  # a command's own flag (pitstop serve --served-model-name)
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=VLLM_DEST + name,
+            nargs="?",
+            const=True,
+            type=_parse_scalar,
+            default=None,
+            help=argparse.SUPPRESS,
+        )
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, plugins: Any) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 import torch
 
+from pitstop.bad_words import bad_word_token_ids, blocked_now
 from pitstop.config import EngineConfig, resolve_max_model_len
 from pitstop.errors import ConfigError, InvalidRequestError, WorkerDiedError
 from pitstop.kv_cache_dtype import resolve_kv_cache_dtype
@@ -94,9 +95,10 @@ class _Launched:
         return any(inp.num_logits > 1 for inp in self.inputs)
 
     @property
-    def follows_grammar(self) -> bool:
-        """Whether a sequence of this step is constrained by a grammar (structured outputs)."""
-        return any(i.row_inputs is not None and i.row_inputs.grammar for i in self.inputs)
+    def needs_host_tokens(self) -> bool:
+        """Whether a sequence of this step needs its sampled token on the host before the
+        next step is planned (a grammar's next mask, bad words, logits processors)."""
+        return any(i.row_inputs is not None and i.row_inputs.needs_host_tokens for i in self.inputs)
 
 
 class LLMEngine:
@@ -266,10 +268,20 @@ class LLMEngine:
             ids = [int(t) for t in prompt_token_ids]
         max_len = self.config.max_model_len
         assert max_len is not None
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the prompt's last tokens (-1: the last max_model_len)
+            ids = ids[-(max_len if keep == -1 else keep) :]
         if len(ids) >= max_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {max_len}, which leaves no room "
                 f"for output; shorten the prompt or raise max_model_len"
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{len(ids) + params.max_tokens} tokens, more than max_model_len={max_len}; "
+                f"ask for at most max_tokens={max_len - len(ids)}, or max_tokens=None (up to "
+                "max_model_len), or shorten the prompt"
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(
@@ -281,7 +293,11 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         uses_processors = (
-            params.needs_penalties or params.min_tokens > 0 or params.structured_outputs is not None
+            params.needs_penalties
+            or params.min_tokens > 0
+            or params.structured_outputs is not None
+            or params.allowed_token_ids is not None
+            or params.needs_host_tokens
         )
         for sample in samples:
             self._samples[sample.seq.seq_id] = sample
@@ -304,10 +320,13 @@ class LLMEngine:
             or params.min_tokens
             or params.structured_outputs is not None
             or params.logprobs
+            or params.allowed_token_ids is not None
+            or params.needs_host_tokens
         ) and not getattr(self.runner.sampler, "supports_logits_processors", False):
             raise InvalidRequestError(
                 f"the {self.config.sampler!r} sampler does not apply penalties, logit_bias, "
-                "min_tokens, structured outputs or logprobs > 0; use sampler 'standard' or "
+                "min_tokens, structured outputs, allowed_token_ids, bad_words, "
+                "logits_processors or logprobs other than 0; use sampler 'standard' or "
                 "leave them unset"
             )
         if params.prompt_logprobs is not None and self.config.allocator == "prefix":
@@ -326,6 +345,9 @@ class LLMEngine:
                 ("min_tokens", params.min_tokens > 0),
                 ("logprobs > 0", bool(params.logprobs)),
                 ("prompt_logprobs", params.prompt_logprobs is not None),
+                ("allowed_token_ids", params.allowed_token_ids is not None),
+                ("bad_words", bool(params.bad_words)),
+                ("logits_processors", bool(params.logits_processors)),
             )
             if on
         ]
@@ -352,6 +374,9 @@ class LLMEngine:
             grammars = [
                 self._grammars.new_state(params.structured_outputs) for _ in range(params.n)
             ]
+        bad_words = ()
+        if params.bad_words:
+            bad_words = bad_word_token_ids(self.tokenizer, params.bad_words)
         samples = []
         for i in range(params.n):
             p = params
@@ -362,12 +387,14 @@ class LLMEngine:
                 ids,
                 p,
                 seq_id=next(self._seq_ids),
-                max_num_tokens=min(len(ids) + params.max_tokens, max_len),
+                max_num_tokens=max_len
+                if params.max_tokens is None
+                else len(ids) + params.max_tokens,
             )
             if arrival is not None:
                 seq.timestamps.arrival = arrival
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens
                 )
@@ -380,6 +407,7 @@ class LLMEngine:
                     grammar=grammars[i] if grammars else None,
                     logprobs=[] if params.logprobs is not None else None,
                     cumulative_logprob=0.0 if params.logprobs is not None else None,
+                    bad_words=bad_words,
                 )
             )
         return samples
@@ -466,8 +494,9 @@ class LLMEngine:
         """
         outputs: list[RequestOutput] = []
         speculating = self._speculating()
-        if self._in_flight is not None and (speculating or self._in_flight.follows_grammar):
-            # the proposer, or a grammar's next mask, needs the token still on the device
+        if self._in_flight is not None and (speculating or self._in_flight.needs_host_tokens):
+            # the proposer, a grammar's next mask or a processor reading the output tokens
+            # needs the token still on the device
             outputs = self._apply(self._in_flight, stream)
             self._in_flight = None
         launched = self._plan_and_launch(speculating)
@@ -580,13 +609,29 @@ class LLMEngine:
         if seq.num_output_tokens < params.min_tokens:
             eos = () if params.ignore_eos else tuple(self.eos_token_ids)
             blocked = eos + params.stop_token_ids
-        if not (params.needs_penalties or blocked or sample.grammar is not None):
+        reads_tokens = params.needs_host_tokens
+        output_ids: tuple[int, ...] = ()
+        if reads_tokens:  # the step before was applied (_Launched.needs_host_tokens): none pending
+            output_ids = tuple(seq.output_token_ids)
+            blocked += tuple(blocked_now(sample.bad_words, output_ids))
+        if not (
+            params.needs_penalties
+            or blocked
+            or sample.grammar is not None
+            or params.allowed_token_ids is not None
+            or reads_tokens
+        ):
             return None
         return RowInputs(
             history=seq.token_ids if params.needs_penalties else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             blocked_token_ids=blocked,
             grammar=sample.grammar,
+            allowed_token_ids=params.allowed_token_ids,
+            logits_processors=params.logits_processors,
+            prompt_ids=tuple(seq.prompt_token_ids) if params.logits_processors else (),
+            output_ids=output_ids,
+            reads_tokens=reads_tokens,
         )
 
     def _apply_tokens(self, seq: Sequence, inp: SeqInput, res: SeqResult) -> RequestState:
@@ -608,7 +653,9 @@ class LLMEngine:
                 seq.resolve_token(token)
             if sample.logprobs is not None and res.logprobs is not None:
                 lp = res.logprobs[j]
-                top = res.top_logprobs[j][: params.logprobs] if res.top_logprobs else []
+                top = res.top_logprobs[j] if res.top_logprobs else []
+                if params.logprobs != -1:  # -1: the whole vocabulary
+                    top = top[: params.logprobs]
                 rank = res.ranks[j] if res.ranks else None
                 sample.logprobs.append(token_logprobs(token, lp, rank, top, decode))
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + lp

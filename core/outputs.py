@@ -78,6 +78,24 @@ TokenLogprobs = dict[int, Logprob]
 """A position's log-probabilities: the chosen token's and the top ``k`` alternatives', by id."""
 
 
+class CallableBool(int):
+    """A truth value that is also callable: ``if out.finished:`` and ``out.finished()`` (the
+    latter is how vLLM code asks a ``CompletionOutput``) both work. It compares equal to
+    True or False (``out.finished == True``), but is not the object ``True``."""
+
+    def __new__(cls, value: object) -> CallableBool:
+        return super().__new__(cls, bool(value))
+
+    def __call__(self) -> bool:
+        """The value as a plain bool."""
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
+
+    __str__ = __repr__
+
+
 @attrs.frozen
 class CompletionOutput:
     """One sample of a request (``n`` of them per request).
@@ -88,7 +106,8 @@ class CompletionOutput:
     ``cumulative_logprob`` is the sum of the chosen tokens' log-probabilities.
     ``finish_reason`` is ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or
     None while running; ``stop_reason`` is the stop string or stop token id
-    that ended it (None for EOS or any other reason).
+    that ended it (None for EOS or any other reason). A stop token's text is
+    not in ``text`` unless ``include_stop_str_in_output`` (as a stop string's).
     """
 
     index: int
@@ -102,16 +121,20 @@ class CompletionOutput:
     new_token_ids: list[int] = attrs.Factory(list)
 
     @property
-    def finished(self) -> bool:
-        """Whether this sample has stopped."""
-        return self.finish_reason is not None
+    def finished(self) -> CallableBool:
+        """Whether this sample has stopped: a truth value, also callable as vLLM's
+        ``CompletionOutput.finished()`` is."""
+        return CallableBool(self.finish_reason is not None)
 
 
 @attrs.frozen
 class RequestOutput:
     """A request's output so far (or final, when ``finished``), in vLLM's shape.
 
-    ``outputs`` holds one :class:`CompletionOutput` per sample (``n``).
+    ``outputs`` holds one :class:`CompletionOutput` per sample (``n``);
+    ``finished`` is a bool attribute, as in vLLM. ``num_cached_tokens`` counts
+    the prompt tokens the prefix cache served (not computed) at the request's
+    last admission.
     ``text``, ``token_ids``, ``finish_reason``, ``text_delta``,
     ``new_token_ids`` and ``logprobs`` are shortcuts to ``outputs[0]``'s
     (the only sample when ``n == 1``). ``prompt_logprobs`` (when asked) has
@@ -127,6 +150,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics | None = None  # set on the final output (finished=True)
     error: str | None = None  # why a request with finish_reason "error" was stopped
+    num_cached_tokens: int = 0
 
     @property
     def text(self) -> str:

@@ -328,7 +328,8 @@ class SamplingBatch:
     # The largest top_k over the rows, known on the host so that a sampler never reads it back
     # from the device (that read would stall the overlapped loop); -1: some row keeps every token.
     max_top_k: int = -1
-    # logprobs=k: how many alternatives the row wanting the most asks for (0: the chosen only)
+    # logprobs=k: how many alternatives the row wanting the most asks for (0: the chosen only;
+    # -1: some row asks for the whole vocabulary)
     max_logprobs: int = 0
     # Logits processors, applied before greedy/temperature (None: no row uses them).
     needs_penalties: bool = False
@@ -341,6 +342,10 @@ class SamplingBatch:
     prompt_lens: torch.Tensor | None = None  # [B] int64: history[:, :len] is the prompt
     blocked: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, ids masked this step
     token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed tokens (grammar)
+    allowed: torch.Tensor | None = None  # [B, V] bool: allowed_token_ids (True where allowed)
+    # logits_processors: per row (row, callables, prompt ids, output ids), run on the host's
+    # view of the step after every other processor (pitstop.sampling.run_user_processors)
+    user_processors: tuple[tuple[int, tuple[Any, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
 @attrs.frozen

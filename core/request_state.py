@@ -35,6 +35,7 @@ class SampleState:
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
     delta: str = ""  # text since the last output
     new_ids: list[int] = attrs.Factory(list)  # tokens since the last output
 
@@ -106,6 +107,7 @@ class RequestState:
             else None,
             metrics=self._metrics() if finished else None,
             error=error,
+            num_cached_tokens=self.samples[0].seq.num_cached_prompt_tokens,
         )
 
     def _metrics(self) -> RequestMetrics:
@@ -148,7 +150,8 @@ def accept_token(
     """Apply one sampled token: grammar, stop conditions and text; the sequence may finish.
 
     EOS (unless ``ignore_eos``) and ``stop_token_ids`` stop with reason
-    ``"stop"``; so does a stop string (cut from the text unless
+    ``"stop"`` (a stop token's text is left out of the text unless
+    ``include_stop_str_in_output``); so does a stop string (cut from the text unless
     ``include_stop_str_in_output``) and a grammar that is complete. None of
     these stops a sample before ``min_tokens`` tokens (the sampler also masks
     EOS and the stop tokens until then). Reaching ``max_tokens`` or
@@ -161,15 +164,24 @@ def accept_token(
     num_known = seq.num_output_tokens - seq.num_pending_tokens
     may_stop = num_known >= params.min_tokens
     reason = None
+    stop_token = False  # stopped by one of stop_token_ids: its text stays out unless asked
     if may_stop and token in params.stop_token_ids:
-        reason, sample.stop_reason = "stop", token
+        reason, sample.stop_reason, stop_token = "stop", token, True
     elif may_stop and not params.ignore_eos and token in eos_token_ids:
         reason = "stop"
     elif sample.grammar is not None and sample.grammar.is_finished:
         reason = "stop"
-    elif num_known >= params.max_tokens or seq.num_tokens - seq.num_pending_tokens >= max_model_len:
+    elif (
+        params.max_tokens is not None and num_known >= params.max_tokens
+    ) or seq.num_tokens - seq.num_pending_tokens >= max_model_len:
         reason = "length"
     if sample.detokenizer is not None:
+        if stop_token and not params.include_stop_str_in_output:
+            delta = sample.detokenizer.flush()  # the text before the stop token, not its own
+            sample.text += delta
+            sample.delta += delta
+            seq.finish(reason)
+            return
         delta = sample.detokenizer.step([token])
         if params.stop and delta and may_stop:
             text = sample.text + delta

@@ -54,3 +54,5 @@ def validate_request(
         check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
     if params.logit_bias:
         check_token_ids("logit_bias", [t for t, _ in params.logit_bias], vocab_size)
+    if params.allowed_token_ids is not None:
+        check_token_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)

@@ -10,14 +10,19 @@ order of the logits' rows.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 import torch
 
+from pitstop.errors import InvalidRequestError
 from pitstop.protocols import SamplingBatch
-from pitstop.sampling_params import SAMPLING_EPS, SamplingParams  # noqa: F401  (re-exported)
+from pitstop.sampling_params import (  # noqa: F401  (SAMPLING_EPS re-exported)
+    SAMPLING_EPS,
+    SamplingParams,
+    processor_arity,
+)
 from pitstop.structured import apply_bitmask
 
 if TYPE_CHECKING:
@@ -68,13 +73,28 @@ class RowInputs:
     last token still on the device is :data:`~pitstop.sequence.PENDING_TOKEN`),
     given only when a penalty is set and read during the launch only.
     ``blocked_token_ids`` are masked this step (EOS and stop tokens before
-    ``min_tokens``); ``grammar`` is the structured-output matcher.
+    ``min_tokens``, ``bad_words``); ``grammar`` is the structured-output
+    matcher; ``allowed_token_ids`` the only tokens the row may sample.
+    ``logits_processors`` are the request's own callables, given
+    ``prompt_ids`` and the known ``output_ids`` (the engine applies the step
+    in flight first, so that none is pending).
     """
 
     history: list[int] | None = None
     num_prompt_tokens: int = 0
     blocked_token_ids: tuple[int, ...] = ()
     grammar: GrammarState | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    logits_processors: tuple[Any, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+    reads_tokens: bool = False  # bad_words or logits_processors read the known output tokens
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether this row's processors read its last token on the host (grammar, bad words,
+        logits processors): the step before must be applied before this one is planned."""
+        return self.grammar is not None or self.reads_tokens
 
 
 class TokenHistories:
@@ -179,8 +199,27 @@ def make_step_inputs(
     first = next((g for g in states if g is not None), None)
     if first is not None:
         bitmask = to_device(first.compiler.bitmask(states), torch.int32, device)
+    allowed = None
+    if any(r is not None and r.allowed_token_ids is not None for r in rows):
+        mask = torch.ones(len(rows), vocab_size, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            if r is not None and r.allowed_token_ids is not None:
+                mask[i] = False
+                mask[i, list(r.allowed_token_ids)] = True
+        allowed = to_device(mask, torch.bool, device)
+    user = tuple(
+        (i, r.logits_processors, r.prompt_ids, r.output_ids)
+        for i, r in enumerate(rows)
+        if r is not None and r.logits_processors
+    )
     return attrs.evolve(
-        batch, history=history, prompt_lens=prompt_lens, blocked=blocked, token_bitmask=bitmask
+        batch,
+        history=history,
+        prompt_lens=prompt_lens,
+        blocked=blocked,
+        token_bitmask=bitmask,
+        allowed=allowed,
+        user_processors=user,
     )
 
 
@@ -237,7 +276,9 @@ def make_sampling_batch(
         needs_top_p=any(v < 1.0 for v in top_p),
         needs_min_p=any(v > 0.0 for v in min_p),
         want_logprobs=any(p.logprobs is not None for p in params),
-        max_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        max_logprobs=-1
+        if any(p.logprobs == -1 for p in params)
+        else max((p.logprobs or 0 for p in params), default=0),
         needs_penalties=penalties,
         presence_penalty=to_device([p.presence_penalty for p in params], torch.float32, device)
         if penalties
@@ -263,14 +304,18 @@ def make_sampling_batch(
 def apply_logits_processors(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The logits processors of ``batch`` over float32 logits ``[B, V]``, on their device.
 
-    In order: the structured-output bitmask (disallowed tokens to -inf),
-    ``logit_bias`` (added), the ``min_tokens`` mask (EOS and stop tokens to
-    -inf), the repetition penalty, then the frequency and presence
-    penalties. Rows that use none are returned unchanged. A sampler plugin
-    calls this first and sets ``supports_logits_processors = True``.
+    In order: the structured-output bitmask and ``allowed_token_ids``
+    (disallowed tokens to -inf), ``logit_bias`` (added), the blocked tokens
+    (EOS and stop tokens before ``min_tokens``, ``bad_words``: to -inf), the
+    repetition penalty, the frequency and presence penalties, then the
+    requests' own ``logits_processors``. Rows that use none are returned
+    unchanged. A sampler plugin calls this first and sets
+    ``supports_logits_processors = True``.
     """
     if batch.token_bitmask is not None:
         raw = apply_bitmask(raw, batch.token_bitmask)
+    if batch.allowed is not None:
+        raw = raw.masked_fill(~batch.allowed, float("-inf"))
     if batch.logit_bias is not None:
         rows, ids, values = batch.logit_bias
         raw = raw.index_put((rows, ids), values, accumulate=True)
@@ -278,7 +323,43 @@ def apply_logits_processors(raw: torch.Tensor, batch: SamplingBatch) -> torch.Te
         raw = raw.index_put(batch.blocked, torch.tensor(float("-inf"), device=raw.device))
     if batch.needs_penalties and batch.history is not None:
         raw = _apply_penalties(raw, batch)
+    if batch.user_processors:
+        raw = run_user_processors(raw, batch.user_processors)
     return raw
+
+
+def run_user_processors(
+    raw: torch.Tensor,
+    rows: Sequence[tuple[int, tuple[Any, ...], tuple[int, ...], tuple[int, ...]]],
+) -> torch.Tensor:
+    """The requests' own ``logits_processors`` over their rows of ``raw`` ``[B, V]``.
+
+    Each callable gets its row's token ids as lists and the row's logits (a
+    copy: ``[V]``) and returns the new row, ``fn(output_ids, logits)`` or
+    ``fn(prompt_ids, output_ids, logits)``; the new rows go back into the
+    batch in one ``index_copy``. A result of another shape or a non-tensor
+    is an :class:`InvalidRequestError` (that request fails, its neighbours run).
+    """
+    index: list[int] = []
+    new_rows: list[torch.Tensor] = []
+    for i, fns, prompt_ids, output_ids in rows:
+        row = raw[i].clone()
+        for fn in fns:
+            args = (list(output_ids), row)
+            if processor_arity(fn) == 3:
+                args = (list(prompt_ids), *args)
+            out = fn(*args)
+            if not isinstance(out, torch.Tensor) or out.shape != row.shape:
+                shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise InvalidRequestError(
+                    f"logits_processors: {getattr(fn, '__qualname__', fn)} returned {shape}; "
+                    f"return the row's logits, a tensor of shape {tuple(row.shape)}"
+                )
+            row = out.to(device=raw.device, dtype=raw.dtype)
+        index.append(i)
+        new_rows.append(row)
+    at = torch.tensor(index, device=raw.device)
+    return raw.index_copy(0, at, torch.stack(new_rows))
 
 
 def _apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

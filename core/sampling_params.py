@@ -3,12 +3,20 @@
 Every value is checked here, where a request enters, so that nothing a
 caller sends can make the shared engine step fail (see
 :mod:`pitstop.validation`): integers fit int64, floats are finite, booleans
-are not numbers, stop strings are valid UTF-8. Token ids are checked against
-the vocabulary when the engine accepts the request, where it is known.
+are not numbers, stop strings are valid UTF-8. The checks are attrs
+validators (numbers, flags) and converters (fields that are parsed: token
+maps, stop strings, processors), with one message style, ``top_p must be a
+finite number in (0, 1], got 1.5; use 1 to disable top-p``. Token ids are
+checked against the vocabulary when the engine accepts the request, where
+it is known. vLLM's fields that pitstop lacks are refused by name
+(:data:`VLLM_ONLY`).
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -17,10 +25,16 @@ from pitstop.errors import InvalidRequestError
 from pitstop.structured import StructuredOutputs, structured_outputs_of
 from pitstop.validation import (
     INT64_MAX,
+    as_float,
+    as_int,
+    boolean,
     check_int,
     check_real,
     check_text,
+    int_in,
     is_int,
+    must_be,
+    real_in,
     seed_of,
     token_id_key,
 )
@@ -35,41 +49,167 @@ MAX_LOGPROBS = 20
 """The most alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (OpenAI's limit)."""
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise InvalidRequestError(message)
+VLLM_ONLY: dict[str, str] = {
+    "output_kind": (
+        "LLM.generate returns each request's final output; LLM.stream yields cumulative ones "
+        "with text_delta and new_token_ids"
+    ),
+    "guided_decoding": "pitstop's is structured_outputs=StructuredOutputsParams(...)",
+    "extra_args": "pitstop has no per-request extension arguments; use logits_processors",
+    "flat_logprobs": "pitstop's logprobs are a list of {token_id: Logprob} per token",
+    "skip_clone": "pitstop's SamplingParams is frozen: nothing copies it; leave it out",
+    "skip_reading_prefix_cache": "pitstop's is the engine setting allocator='paged'",
+    "bad_words_token_ids": "give bad_words as strings; pitstop tokenizes them",
+    "use_beam_search": "pitstop has no beam search; ask for n samples",
+    "length_penalty": "pitstop has no beam search",
+    "early_stopping": "pitstop has no beam search",
+}
+"""vLLM's SamplingParams fields pitstop does not have: what to use instead."""
 
 
-def _strings(value: Any) -> Any:
-    """``stop`` as a tuple: one string becomes a 1-tuple; other types are left for the check."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list | tuple):
+def _strings(name: str, *, single: bool) -> Callable[[Any], tuple[str, ...]]:
+    """A converter: a list of non-empty UTF-8 strings as a tuple (``single``: one string is a
+    list of one)."""
+
+    def convert(value: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if single and isinstance(value, str):
+            value = (value,)
+        if not isinstance(value, list | tuple):
+            raise must_be(name, "a list of strings", value)
+        for s in value:
+            check_text(name, s)
+            if not s:
+                raise must_be(name, "a list of non-empty strings", s)
         return tuple(value)
-    return value
+
+    return convert
 
 
-def _bias(value: Any) -> Any:
-    """``logit_bias`` as a sorted tuple of ``(token_id, bias)``; other types are left for the check."""
+def _bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A converter: ``logit_bias`` as a sorted tuple of ``(token_id, bias)``."""
     if value is None:
         return ()
     if isinstance(value, dict):
-        return tuple(value.items())  # sorted once the keys are token ids
-    return value
+        value = tuple(value.items())
+    if not isinstance(value, tuple):
+        raise must_be("logit_bias", "a map of token ids to numbers, e.g. {50256: -100}", value)
+    bias: list[tuple[int, float]] = []
+    for pair in value:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise must_be("logit_bias", "a map of token ids to numbers, e.g. {50256: -100}", pair)
+        key, amount = pair
+        token = token_id_key(key)  # JSON object keys are strings: ASCII digits only
+        amount = check_real("logit_bias", amount, "send a number in [-100, 100]")
+        if not -100 <= amount <= 100:
+            raise must_be(f"logit_bias for token {token}", "in [-100, 100]", amount)
+        if any(t == token for t, _ in bias):
+            raise InvalidRequestError(
+                f"logit_bias names token {token} twice; give each token id once"
+            )
+        bias.append((token, amount))
+    return tuple(sorted(bias))
 
 
-def _ids(value: Any) -> Any:
-    """``stop_token_ids`` as a tuple; other types are left for the check."""
+def _ids(name: str, *, optional: bool = False) -> Callable[[Any], tuple[int, ...] | None]:
+    """A converter: a list of token ids (integers >= 0) as a tuple (``optional``: None stays)."""
+
+    def convert(value: Any) -> tuple[int, ...] | None:
+        if value is None:
+            return None if optional else ()
+        if not isinstance(value, list | tuple):
+            raise must_be(name, "a list of token ids (integers)", value)
+        ids = tuple(check_int(name, t, lo=0) for t in value)
+        if optional and not ids:
+            raise must_be(name, "null or a non-empty list of token ids", [])
+        return ids
+
+    return convert
+
+
+def processor_arity(fn: Any) -> int:
+    """How many arguments a logits processor takes: 2, ``fn(output_ids, logits)``, or 3,
+    ``fn(prompt_ids, output_ids, logits)``; anything else raises naming ``logits_processors``."""
+    if not callable(fn):
+        raise must_be("logits_processors", "a list of callables", fn)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: take it as the 2-form
+        return 2
+    positional = [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    if len(positional) not in (2, 3):
+        raise InvalidRequestError(
+            f"logits_processors must be callables of 2 or 3 arguments, fn(output_token_ids, "
+            f"logits) or fn(prompt_token_ids, output_token_ids, logits), got "
+            f"{getattr(fn, '__qualname__', type(fn).__name__)} of {len(positional)}"
+        )
+    return len(positional)
+
+
+def _processors(value: Any) -> tuple[Callable[..., Any], ...]:
+    """A converter: ``logits_processors`` as a tuple of callables of 2 or 3 arguments."""
     if value is None:
         return ()
-    if isinstance(value, list | tuple):
-        return tuple(value)
-    return value
+    if not isinstance(value, list | tuple):
+        raise must_be("logits_processors", "a list of callables", value)
+    for fn in value:
+        processor_arity(fn)
+    return tuple(value)
 
 
-@attrs.frozen(kw_only=True)
+def _top_k(value: Any) -> Any:
+    """A converter: ``top_k`` 0 (off) is stored as -1."""
+    value = as_int(value)
+    return -1 if is_int(value) and value == 0 else value
+
+
+def _best_of(inst: Any, att: Any, value: Any) -> None:
+    if value is not None and not (is_int(value) and value == inst.n):
+        raise must_be(
+            "best_of",
+            f"null or equal to n ({inst.n})",
+            value,
+            "pitstop returns every sample it draws, so ask for n samples and rank them yourself",
+        )
+
+
+def _logprobs(inst: Any, att: Any, value: Any) -> None:
+    if value is None or (is_int(value) and (value == -1 or 0 <= value <= MAX_LOGPROBS)):
+        return
+    raise must_be(
+        "logprobs",
+        f"null, -1 (the whole vocabulary) or an integer in [0, {MAX_LOGPROBS}]",
+        value,
+        "how many alternatives per token; 0: the chosen token only",
+    )
+
+
+def _truncate(_inst: Any, att: Any, value: Any) -> None:
+    if value is None or (is_int(value) and (value == -1 or 1 <= value <= INT64_MAX)):
+        return
+    raise must_be(
+        "truncate_prompt_tokens",
+        "null, -1 (max_model_len) or an integer >= 1",
+        value,
+        "how many of the prompt's last tokens to keep",
+    )
+
+
+def _stop_needs_text(inst: Any, _att: Any, value: Any) -> None:
+    boolean(inst, _att, value)
+    if not value and inst.stop:
+        raise InvalidRequestError(
+            "detokenize=False leaves no text for stop strings to match; use stop_token_ids, "
+            "or detokenize=True"
+        )
+
+
+@attrs.frozen(kw_only=True, init=False)
 class SamplingParams:
     """How to turn a request's logits into tokens, and when to stop (vLLM's fields).
 
@@ -80,7 +220,8 @@ class SamplingParams:
     modulo 2**64 for torch.
 
     ``n`` samples per prompt (``best_of``, if given, must equal ``n``: pitstop
-    returns every sample it draws). ``min_tokens`` forbids EOS and
+    returns every sample it draws). ``max_tokens=None`` generates up to
+    ``max_model_len`` (prompt included). ``min_tokens`` forbids EOS and
     ``stop_token_ids`` until that many tokens were generated.
     ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) subtract from
     the logit of every token already generated, once or per occurrence;
@@ -88,171 +229,133 @@ class SamplingParams:
     a negative one) of every token in the prompt or output. ``logit_bias``
     maps token ids to a bias in [-100, 100] added to their logits; a key is an
     int or a string of ASCII digits (``"50256"``), and must be in the vocabulary.
+    ``allowed_token_ids`` restricts every generated token to those ids;
+    ``bad_words`` never generates those words (a word of one token is
+    blocked always, a longer one blocks its last token after the rest of it);
+    ``logits_processors`` are callables ``fn(output_token_ids, logits)`` or
+    ``fn(prompt_token_ids, output_token_ids, logits)`` that return the row's
+    new logits, run after pitstop's own processors.
 
     ``logprobs=k`` returns, per generated token, the log-probabilities of the
     ``k`` most likely tokens and of the chosen one (0: the chosen one only;
-    None: none); ``prompt_logprobs=k`` the same for each prompt token after
-    the first. ``skip_special_tokens`` and ``spaces_between_special_tokens``
+    -1: every token of the vocabulary; None: none); ``prompt_logprobs=k`` the
+    same for each prompt token after the first. ``truncate_prompt_tokens=k``
+    keeps the prompt's last ``k`` tokens (-1: the last ``max_model_len``).
+    ``detokenize=False`` leaves ``text`` empty (token ids only).
+    ``skip_special_tokens`` and ``spaces_between_special_tokens``
     shape the detokenized text; ``include_stop_str_in_output`` keeps a
-    matched stop string at the end of the text. ``structured_outputs``
-    constrains the text to a JSON schema, any JSON object, a regular
-    expression, a choice of strings or a Lark grammar (see
+    matched stop string, or a stop token's text, at the end of the text.
+    ``structured_outputs`` constrains the text to a JSON schema, any JSON
+    object, a regular expression, a choice of strings or a Lark grammar (see
     :class:`~pitstop.structured.StructuredOutputs`; a dict is accepted).
 
     Types are strict: ``True`` is not a number, ``"0.5"`` is not a float, and
-    NaN and infinities are refused. Integers are bounded by int64.
+    NaN and infinities are refused. Integers are bounded by int64. A vLLM
+    field pitstop lacks (:data:`VLLM_ONLY`) or a misspelt one is an
+    :class:`InvalidRequestError` naming it.
     """
 
-    n: int = 1
-    best_of: int | None = None
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    n: int = attrs.field(
+        default=1, converter=as_int, validator=int_in(1, 128, hint="how many samples to return")
+    )
+    best_of: int | None = attrs.field(default=None, converter=as_int, validator=_best_of)
+    temperature: float = attrs.field(
+        default=1.0, converter=as_float, validator=real_in(0, hint="use 0 for greedy decoding")
+    )
+    top_k: int = attrs.field(
+        default=-1,
+        converter=_top_k,
+        validator=int_in(
+            1,
+            off=(-1, 0),
+            hint="a top_k at or above the vocabulary size keeps every token",
+        ),
+    )
+    top_p: float = attrs.field(
+        default=1.0,
+        converter=as_float,
+        validator=real_in(0, 1, lo_open=True, hint="use 1 to disable top-p"),
+    )
+    min_p: float = attrs.field(
+        default=0.0, converter=as_float, validator=real_in(0, 1, hint="use 0 to disable min-p")
+    )
+    seed: int | None = attrs.field(default=None, converter=seed_of)
+    max_tokens: int | None = attrs.field(
+        default=16,
+        converter=as_int,
+        validator=int_in(
+            1, optional=True, hint="ask for at least one token, or null: up to max_model_len"
+        ),
+    )
+    min_tokens: int = attrs.field(
+        default=0,
+        converter=as_int,
+        validator=int_in(0, lambda inst: inst.max_tokens, hint="at most max_tokens"),
+    )
+    presence_penalty: float = attrs.field(
+        default=0.0, converter=as_float, validator=real_in(-2, 2, hint="0 disables it")
+    )
+    frequency_penalty: float = attrs.field(
+        default=0.0, converter=as_float, validator=real_in(-2, 2, hint="0 disables it")
+    )
+    repetition_penalty: float = attrs.field(
+        default=1.0,
+        converter=as_float,
+        validator=real_in(0, lo_open=True, hint="1 disables it, above 1 discourages repeats"),
+    )
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias)
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_strings)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ids)
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_strings("stop", single=True))
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ids("stop_token_ids"))
+    bad_words: tuple[str, ...] = attrs.field(
+        default=(), converter=_strings("bad_words", single=False)
+    )
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_ids("allowed_token_ids", optional=True)
+    )
+    logits_processors: tuple[Callable[..., Any], ...] = attrs.field(
+        default=(), converter=_processors
+    )
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=boolean)
+    ignore_eos: bool = attrs.field(default=False, validator=boolean)
+    logprobs: int | None = attrs.field(default=None, converter=as_int, validator=_logprobs)
+    prompt_logprobs: int | None = attrs.field(
+        default=None,
+        converter=as_int,
+        validator=int_in(
+            0, MAX_LOGPROBS, optional=True, hint="how many alternatives per prompt token"
+        ),
+    )
+    truncate_prompt_tokens: int | None = attrs.field(
+        default=None, converter=as_int, validator=_truncate
+    )
+    detokenize: bool = attrs.field(default=True, validator=_stop_needs_text)
+    skip_special_tokens: bool = attrs.field(default=True, validator=boolean)
+    spaces_between_special_tokens: bool = attrs.field(default=True, validator=boolean)
     structured_outputs: StructuredOutputs | None = attrs.field(
         default=None, converter=structured_outputs_of
     )
 
-    def __attrs_post_init__(self) -> None:
-        set_ = object.__setattr__  # frozen: store the normalized values once, here
-        _check(
-            is_int(self.n) and 1 <= self.n <= 128,
-            f"n must be an integer in [1, 128], got {self.n!r}; it is how many samples to return",
-        )
-        set_(self, "n", int(self.n))
-        if self.best_of is not None:
-            _check(
-                is_int(self.best_of) and int(self.best_of) == self.n,
-                f"best_of must be null or equal to n ({self.n}), got {self.best_of!r}; pitstop "
-                "returns every sample it draws, so ask for n samples and rank them yourself",
-            )
-            set_(self, "best_of", int(self.best_of))
-        _check(
-            is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX,
-            f"max_tokens must be an integer in [1, 2**63 - 1], got {self.max_tokens!r}; "
-            "ask for at least one token",
-        )
-        set_(self, "max_tokens", int(self.max_tokens))
-        _check(
-            is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-            f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
-            f"{self.min_tokens!r}",
-        )
-        set_(self, "min_tokens", int(self.min_tokens))
-        temperature = check_real("temperature", self.temperature, "use 0 for greedy decoding")
-        _check(
-            temperature >= 0,
-            f"temperature must be >= 0, got {self.temperature!r}; use 0 for greedy decoding",
-        )
-        set_(self, "temperature", temperature)
-        top_p = check_real("top_p", self.top_p, "use 1 to disable top-p")
-        _check(
-            0 < top_p <= 1,
-            f"top_p must be in (0, 1], got {self.top_p!r}; use 1 to disable top-p",
-        )
-        set_(self, "top_p", top_p)
-        _check(
-            is_int(self.top_k) and (self.top_k in (-1, 0) or 1 <= self.top_k <= INT64_MAX),
-            f"top_k must be -1 or 0 (disabled) or an integer in [1, 2**63 - 1], got "
-            f"{self.top_k!r}; a top_k at or above the vocabulary size keeps every token",
-        )
-        set_(self, "top_k", -1 if self.top_k == 0 else int(self.top_k))
-        min_p = check_real("min_p", self.min_p, "use 0 to disable min-p")
-        _check(
-            0 <= min_p <= 1,
-            f"min_p must be in [0, 1], got {self.min_p!r}; use 0 to disable min-p",
-        )
-        set_(self, "min_p", min_p)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = check_real(name, getattr(self, name), "use 0 to disable it")
-            _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}; 0 disables it")
-            set_(self, name, value)
-        repetition = check_real(
-            "repetition_penalty", self.repetition_penalty, "use 1 to disable it"
-        )
-        _check(
-            repetition > 0,
-            f"repetition_penalty must be > 0, got {repetition!r}; 1 disables it, above 1 "
-            "discourages repeats",
-        )
-        set_(self, "repetition_penalty", repetition)
-        _check(
-            isinstance(self.logit_bias, tuple),
-            f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}",
-        )
-        bias: list[tuple[int, float]] = []
-        for pair in self.logit_bias:
-            _check(
-                isinstance(pair, tuple) and len(pair) == 2,
-                "logit_bias must map token ids to numbers, e.g. {50256: -100}",
-            )
-            key, value = pair
-            token = token_id_key(key)  # JSON object keys are strings: ASCII digits only
-            amount = check_real("logit_bias", value, "send a number in [-100, 100]")
-            _check(
-                -100 <= amount <= 100,
-                f"logit_bias for token {token} must be in [-100, 100], got {amount!r}",
-            )
-            _check(
-                all(t != token for t, _ in bias),
-                f"logit_bias names token {token} twice; give each token id once",
-            )
-            bias.append((token, amount))
-        set_(self, "logit_bias", tuple(sorted(bias)))
-        set_(self, "seed", seed_of(self.seed))
-        _check(
-            isinstance(self.stop, tuple),
-            f"stop must be a string or a list of strings, got {type(self.stop).__name__}",
-        )
-        for s in self.stop:
-            check_text("stop", s)
-            _check(bool(s), "stop strings must be non-empty strings")
-        _check(
-            isinstance(self.stop_token_ids, tuple),
-            f"stop_token_ids must be a list of token ids (integers), got "
-            f"{type(self.stop_token_ids).__name__}",
-        )
-        set_(
-            self,
-            "stop_token_ids",
-            tuple(check_int("stop_token_ids", t, lo=0) for t in self.stop_token_ids),
-        )
-        for name in (
-            "ignore_eos",
-            "include_stop_str_in_output",
-            "skip_special_tokens",
-            "spaces_between_special_tokens",
-        ):
-            value = getattr(self, name)
-            _check(
-                isinstance(value, bool),
-                f"{name} must be true or false, got {type(value).__name__} {value!r}",
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            _check(
-                is_int(value) and 0 <= value <= MAX_LOGPROBS,
-                f"{name} must be null or an integer in [0, {MAX_LOGPROBS}] (how many "
-                f"alternatives per token; 0: the chosen token only), got {value!r}",
-            )
-            set_(self, name, int(value))
+    def __init__(self, **fields: Any) -> None:
+        """Every keyword is a field below; a vLLM field pitstop lacks, or a misspelt one, is an
+        :class:`InvalidRequestError` naming it (not a bare ``TypeError``)."""
+        known = [a.name for a in attrs.fields(SamplingParams)]
+        for name in fields:
+            if name in VLLM_ONLY:
+                raise InvalidRequestError(
+                    f"{name} is vLLM's SamplingParams field; pitstop does not have it: "
+                    f"{VLLM_ONLY[name]}"
+                )
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise InvalidRequestError(
+                    f"{name} is not a SamplingParams field{hint}; the fields: {', '.join(known)}"
+                )
+        self.__attrs_init__(**fields)
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's ``clone()``): the same values, logits processors shared, not copied."""
+        return attrs.evolve(self)
 
     @property
     def greedy(self) -> bool:
@@ -260,6 +363,13 @@ class SamplingParams:
         (0, or near enough that vLLM treats it as 0) or top_k 1. The one definition:
         the sampling batch, the runner and speculative decoding all ask this."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether a processor of this request reads its tokens on the host each step
+        (``bad_words``, ``logits_processors``): the overlapped loop then applies the step
+        in flight before it plans the next."""
+        return bool(self.bad_words or self.logits_processors)
 
     @property
     def needs_penalties(self) -> bool:

@@ -88,7 +88,13 @@ class Sequence:
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.max_num_tokens <= 0:
-            self.max_num_tokens = len(self.prompt_token_ids) + self.sampling_params.max_tokens
+            limit = self.sampling_params.max_tokens
+            if limit is None:
+                raise ValueError(
+                    f"{self.request_id}: max_tokens=None (up to the context) needs "
+                    "max_num_tokens, the engine's max_model_len"
+                )
+            self.max_num_tokens = len(self.prompt_token_ids) + limit
 
     # ------------------------------------------------------------------ reading
     @property

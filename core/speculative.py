@@ -62,8 +62,9 @@ def draft_room(seq: Sequence, k: int, max_model_len: int) -> int:
     A step that verifies ``n`` drafts may emit ``n + 1`` tokens, so ``n`` stays
     below the tokens left before ``max_tokens`` and before ``max_model_len``.
     """
-    left_output = seq.sampling_params.max_tokens - seq.num_output_tokens
+    limit = seq.sampling_params.max_tokens
     left_context = max_model_len - seq.num_tokens
+    left_output = left_context if limit is None else limit - seq.num_output_tokens
     return max(0, min(k, left_output - 1, left_context - 1))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pitstop.errors import InvalidRequestError
@@ -210,3 +210,95 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     if not out:
         _fail("messages is empty; send at least one message")
     return out
+
+
+# ---------------------------------------------------------------- attrs validators and converters
+# One message style for every field: "<field> must be <what it accepts>, got <value>[; <hint>]",
+# the field's name first (the HTTP layer reads it as the OpenAI error's ``param``).
+
+
+def _got(value: Any) -> str:
+    return f"{_short(value)} (a bool)" if isinstance(value, bool | _numpy_bool()) else _short(value)
+
+
+def _bounds(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}]"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {_num(lo)}"
+    return f"<= {_num(hi)}"
+
+
+def _num(x: float) -> str:
+    if x == INT64_MAX:
+        return "2**63 - 1"
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def must_be(name: str, what: str, value: Any, hint: str = "") -> InvalidRequestError:
+    """The one error message of a field's value: ``<name> must be <what>, got <value>; <hint>``."""
+    return InvalidRequestError(
+        f"{name} must be {what}, got {_got(value)}" + (f"; {hint}" if hint else "")
+    )
+
+
+def int_in(
+    lo: int | None = None,
+    hi: int | None | Callable[[Any], int | None] = INT64_MAX,
+    *,
+    hint: str = "",
+    off: Sequence[int] = (),
+    optional: bool = False,
+) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: an integer in ``[lo, hi]`` (``hi`` may read the instance), or one
+    of ``off`` (values that switch the field off), or None when ``optional``."""
+
+    def check(inst: Any, att: Any, value: Any) -> None:
+        if value is None and optional:
+            return
+        top = hi(inst) if callable(hi) else hi
+        if is_int(value) and (
+            value in off or ((lo is None or value >= lo) and (top is None or value <= top))
+        ):
+            return
+        what = f"an integer {_bounds(lo, top)}"
+        if off:
+            what = f"{' or '.join(map(str, off))} (off) or {what}"
+        if optional:
+            what = f"null or {what}"
+        raise must_be(att.name, what, value, hint)
+
+    return check
+
+
+def real_in(
+    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hint: str = ""
+) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: a finite number in the range (``lo_open``: ``lo`` excluded)."""
+
+    def check(_inst: Any, att: Any, value: Any) -> None:
+        ok = is_real(value)
+        if ok and lo is not None:
+            ok = value > lo if lo_open else value >= lo
+        if ok and hi is not None:
+            ok = value <= hi
+        if not ok:
+            raise must_be(att.name, f"a finite number {_bounds(lo, hi, lo_open)}", value, hint)
+
+    return check
+
+
+def boolean(_inst: Any, att: Any, value: Any) -> None:
+    """An attrs validator: True or False (not 1, not "true")."""
+    if not isinstance(value, bool):
+        raise must_be(att.name, "true or false", value)
+
+
+def as_int(value: Any) -> Any:
+    """A converter: an integer (numpy's too) as a Python int; anything else unchanged."""
+    return int(value) if is_int(value) else value
+
+
+def as_float(value: Any) -> Any:
+    """A converter: a finite real number (numpy's too) as a float; anything else unchanged."""
+    return float(value) if is_real(value) else value

@@ -237,6 +237,16 @@ def read_hf_config(folder: str | Path, plugins: PluginManager | None = None) -> 
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {config_file}: {exc}; the file is corrupt") from exc
+    auto_map = raw.get("auto_map")
+    if auto_map:
+        classes = sorted(map(str, auto_map)) if isinstance(auto_map, dict | list) else [auto_map]
+        raise ModelLoadError(
+            f"{config_file} has auto_map: the checkpoint needs its own Python code "
+            f"({', '.join(map(str, classes))}), and pitstop does not run a "
+            "checkpoint's code, whatever trust_remote_code says; use a checkpoint of an "
+            "architecture a registered model plugin reads (pitstop plugins lists them), or "
+            "install a model plugin for it"
+        )
     plugins = plugins or get_plugin_manager()
     found = plugins.architecture_for_hf(raw)
     if found is None:

@@ -53,7 +53,7 @@ def allm(engine: LLMEngine) -> Iterator[AsyncLLM]:
     assert not engine.has_unfinished_requests()
 
 
-def greedy(n: int, **kw) -> SamplingParams:
+def greedy(n: int | None, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, **kw)
 
 
@@ -134,7 +134,7 @@ def test_chat_messages_use_the_template(allm: AsyncLLM, offline: LLM) -> None:
 
 def test_abort_frees_pages_at_once(allm: AsyncLLM) -> None:
     async def main() -> None:
-        stream = await allm.add_request("a long one", greedy(MAX_MODEL_LEN, ignore_eos=True))
+        stream = await allm.add_request("a long one", greedy(None, ignore_eos=True))
         first = await stream.__anext__()
         assert not first.finished
         t0 = time.monotonic()
@@ -150,7 +150,7 @@ def test_abort_frees_pages_at_once(allm: AsyncLLM) -> None:
 
 def test_abort_from_another_thread(allm: AsyncLLM) -> None:
     async def main() -> str | None:
-        stream = await allm.add_request("abort me", greedy(MAX_MODEL_LEN, ignore_eos=True))
+        stream = await allm.add_request("abort me", greedy(None, ignore_eos=True))
         await stream.__anext__()
         threading.Thread(target=allm.abort, args=(stream.request_id,)).start()
         last = None
@@ -163,7 +163,7 @@ def test_abort_from_another_thread(allm: AsyncLLM) -> None:
 
 def test_leaving_generate_early_aborts(allm: AsyncLLM) -> None:
     async def main() -> None:
-        async for _out in allm.generate("stop reading", greedy(MAX_MODEL_LEN, ignore_eos=True)):
+        async for _out in allm.generate("stop reading", greedy(None, ignore_eos=True)):
             break
         t0 = time.monotonic()
         while allm.snapshot.num_running or not _all_pages_free(allm):
@@ -217,9 +217,7 @@ def test_shutdown_aborts_what_runs(engine: LLMEngine) -> None:
     llm = AsyncLLM(engine)
 
     async def main() -> None:
-        stream = await llm.add_request(
-            "running at shutdown", greedy(MAX_MODEL_LEN, ignore_eos=True)
-        )
+        stream = await llm.add_request("running at shutdown", greedy(None, ignore_eos=True))
         await stream.__anext__()
         await llm.shutdown(grace_s=0.0)
         rest = [out async for out in stream]

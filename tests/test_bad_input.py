@@ -75,10 +75,20 @@ def test_a_bad_prompt_in_a_batch_submits_nothing(llm: LLM) -> None:
 
 
 def test_output_stops_at_max_model_len(llm: LLM) -> None:
+    # max_tokens=None (vLLM's "up to the context"): the 4 tokens left of max_model_len=64
     out = llm.generate(
-        prompt_token_ids=[[5] * 60], sampling_params=SamplingParams(max_tokens=50, ignore_eos=True)
+        prompt_token_ids=[[5] * 60],
+        sampling_params=SamplingParams(max_tokens=None, ignore_eos=True),
     )[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
+    # more than fits is an error naming both numbers, as vLLM's (it used to be cut silently)
+    with pytest.raises(
+        InvalidRequestError, match=r"60 tokens and max_tokens is 50.*max_model_len=64"
+    ):
+        llm.generate(
+            prompt_token_ids=[[5] * 60],
+            sampling_params=SamplingParams(max_tokens=50, ignore_eos=True),
+        )
     _still_serves(llm)
 
 

@@ -48,8 +48,11 @@ def test_every_name_resolves(name: str, expected: torch.dtype) -> None:
 
 
 def test_a_bad_name_is_refused_before_anything_loads() -> None:
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of .*'fp8_e4m3'.*got 'fp8'"):
-        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(
+        ConfigError, match="kv_cache_dtype must be one of .*'fp8_e4m3'.*got 'fp8_inc'"
+    ):
+        EngineConfig(kv_cache_dtype="fp8_inc")
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # vLLM's word
 
 
 def test_a_torch_without_fp8_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -208,7 +208,7 @@ def test_no_output_after_finish_and_aborts_mid_flight(tiny: Path) -> None:
 def test_max_model_len_caps_under_lag(tiny: Path) -> None:
     """A sequence that reaches max_model_len is never scheduled past it, in either loop."""
     params = [
-        SamplingParams(temperature=0, max_tokens=500, ignore_eos=True) for _ in PROMPT_LENGTHS
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True) for _ in PROMPT_LENGTHS
     ]
     serial = _generate(tiny, params, max_model_len=64, overlap="off", max_num_pages=64)
     lagged = _generate(tiny, params, max_model_len=64, overlap="on", max_num_pages=64)

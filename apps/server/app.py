@@ -130,6 +130,14 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
+def _stop_reason(out: RequestOutput | None, index: int, finish: str | None) -> str | int | None:
+    """vLLM's ``stop_reason`` of a streamed choice: on its last chunk, the stop string or
+    stop token id that ended it (None for EOS, length, or before the end)."""
+    if finish is None or out is None:
+        return None
+    return out.outputs[index].stop_reason
+
+
 def _invalid_request(
     exc: InvalidRequestError, prompt_param: str, structured_param: str | None = None
 ) -> APIError:
@@ -469,7 +477,8 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         check_vocab(params)
         max_len = llm.config.max_model_len or 4096
         costs = [
-            request_cost(len(ids or ()), params.max_tokens, params.n, max_len) for ids in prompt_ids
+            request_cost(len(ids or ()), params.max_tokens or max_len, params.n, max_len)
+            for ids in prompt_ids
         ]
         return state.admit_many(client, costs)
 
@@ -709,6 +718,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                     "text": text,
                     "logprobs": logprobs,
                     "finish_reason": finish,
+                    "stop_reason": _stop_reason(out, index, finish),
                 }
                 return {**base([choice]), **extra}
 
@@ -729,6 +739,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                 "text": c.text,
                 "logprobs": completion_logprobs(c, k) if k is not None else None,
                 "finish_reason": _OPENAI_FINISH.get(c.finish_reason or "", c.finish_reason),
+                "stop_reason": c.stop_reason,
                 **(
                     {"prompt_logprobs": prompt_logprobs_json(final)}
                     if params.prompt_logprobs is not None
@@ -762,12 +773,8 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
         )
         k = body.num_logprobs()
         tool_constraint = tools.constraint(body.parallel_tool_calls)
-        # No limit given: the engine stops at max_model_len.
-        params = body.sampling_params(
-            (llm.config.max_model_len or 4096) if max_tokens is None else max_tokens,
-            logprobs=k,
-            tool_constraint=tool_constraint,
-        )
+        # No limit given (None): the engine stops at max_model_len.
+        params = body.sampling_params(max_tokens, logprobs=k, tool_constraint=tool_constraint)
         check_request_size(params, 1)
         rid = new_id("chatcmpl")
         chat = await rendered(messages, options, tools)
@@ -835,6 +842,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                     "delta": delta,
                     "logprobs": logprobs,
                     "finish_reason": finish,
+                    "stop_reason": _stop_reason(out, index, finish),
                 }
                 return {**base(obj, [choice]), **extra}
 
@@ -862,6 +870,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
                     "message": message,
                     "logprobs": chat_logprobs(c, k) if k is not None else None,
                     "finish_reason": tools.finish_reason(reason, bool(calls)),
+                    "stop_reason": c.stop_reason,
                 }
             )
         return JSONResponse({**base("chat.completion", choices), "usage": usage_of([final])})

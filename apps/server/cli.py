@@ -44,10 +44,12 @@ def register_commands(register: Any) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``pitstop serve``'s flags: the model, the server's own, then every engine flag."""
     p.add_argument(
-        "model",
+        "model_positional",
         nargs="?",
         default=None,
-        help="'smollm2-135m', a .gguf file, a Hugging Face folder or 'dummy:<preset>' (or set it in --config)",
+        metavar="model",
+        help="'smollm2-135m', a .gguf file, a Hugging Face folder or 'dummy:<preset>' (or "
+        "--model, as vllm serve takes it, or set it in --config)",
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -171,7 +173,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("critical", "error", "warning", "info", "debug", "trace"),
         help="uvicorn's own log level (default warning)",
     )
-    add_cli_flags(p, with_model=False)
+    add_cli_flags(p)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -241,6 +243,20 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     )
 
 
+def model_from_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the model given as ``serve MODEL`` or ``serve --model MODEL`` (vLLM's
+    spelling) in ``args.model``; two different models are a ConfigError."""
+    from pitstop.errors import ConfigError
+
+    positional, flag = getattr(args, "model_positional", None), getattr(args, "model", None)
+    if positional is not None and flag is not None and positional != flag:
+        raise ConfigError(
+            f"two models given: {positional!r} (positional) and --model {flag!r}; give one"
+        )
+    args.model = flag or positional
+    return args
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM; exit 0 after a graceful shutdown."""
     try:
@@ -252,7 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pitstop.server.app import create_app
 
     settings = settings_from_args(args)
-    config = EngineConfig.from_cli(args)
+    config = EngineConfig.from_cli(model_from_args(args))
     llm = AsyncLLM.from_config(config)
     app = create_app(llm, settings)
     server = build_server(

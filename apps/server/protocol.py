@@ -276,7 +276,7 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(
         self,
-        max_tokens: int,
+        max_tokens: int | None,
         *,
         logprobs: int | None = None,
         best_of: int | None = None,

@@ -102,12 +102,14 @@ def prompt_logprobs_json(output: RequestOutput) -> list[dict[str, Any] | None] |
     ]
 
 
-def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
-    """OpenAI's ``usage`` over the requests of one response (every prompt, every sample)."""
+def usage_of(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's ``usage`` over the requests of one response (every prompt, every sample);
+    ``prompt_tokens_details.cached_tokens`` counts the prompt tokens the prefix cache served."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(o.num_generated_tokens for o in outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
     }

@@ -63,8 +63,9 @@ class StandardSampler:
         chosen = all_logprobs.gather(1, token_ids.unsqueeze(1))
         ranks = (all_logprobs > chosen).sum(dim=-1) + 1
         top_ids = top_logprobs = None
-        if batch.max_logprobs > 0:
-            top_logprobs, top_ids = all_logprobs.topk(batch.max_logprobs, dim=-1)
+        k = all_logprobs.shape[-1] if batch.max_logprobs < 0 else batch.max_logprobs  # -1: all
+        if k > 0:
+            top_logprobs, top_ids = all_logprobs.topk(k, dim=-1)
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=chosen.squeeze(1),

@@ -1,0 +1,340 @@
+"""vLLM's engine-argument names, read as pitstop's settings.
+
+A vLLM user writes ``LLM(model, max_num_seqs=64, enable_prefix_caching=True)``,
+``max_num_seqs = 64`` in a config file or ``--max-num-seqs 64`` on the command
+line. :func:`translate` turns such names into pitstop's own settings before
+:class:`~pitstop.config.EngineConfig` validates them, in one place for the
+three ways settings enter:
+
+- :data:`RENAMED`: a vLLM name with a pitstop setting of the same meaning
+  (``max_num_seqs`` is ``max_batch_size``), its value converted where the two
+  differ in kind (``enable_prefix_caching=True`` selects the ``prefix``
+  allocator, ``kv_cache_memory_bytes`` becomes ``kv_cache_gib``);
+- :data:`SAME_NAME`: vLLM names pitstop uses as they are;
+- :data:`ACCEPTED`: names pitstop takes without a setting of its own
+  (``trust_remote_code``: pitstop never runs a checkpoint's code either way);
+- :data:`REFUSED`: vLLM arguments pitstop does not have, refused by name with
+  what to use instead, unless the value asks for what pitstop does anyway
+  (None, ``pipeline_parallel_size=1``, ``tokenizer_mode="auto"``: :data:`NEUTRAL`).
+
+A vLLM name given together with the pitstop setting it stands for is an
+error naming both, unless the two say the same. docs/api.md's table of
+vLLM arguments is checked against these tables by tests/test_vllm_args.py.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from pitstop.errors import ConfigError
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+@attrs.frozen
+class Renamed:
+    """A vLLM argument read as pitstop settings: ``convert(value)`` gives them by name."""
+
+    vllm: str
+    pitstop: str  # the setting it becomes, as the docs table shows it
+    convert: Callable[[Any], dict[str, Any]]
+    flag_type: type = int  # the value type of its CLI flag (bool: --x / --no-x)
+    note: str = ""
+    implies: Callable[[Any, Mapping[str, Any]], dict[str, Any]] | None = None
+    """Settings it also sets, from its value and the other settings given, unless given."""
+
+
+def _as(setting: str) -> Callable[[Any], dict[str, Any]]:
+    return lambda value: {setting: value}
+
+
+def _prefix_caching(value: Any) -> dict[str, Any]:
+    return {"allocator": "prefix" if _bool("enable_prefix_caching", value) else "paged"}
+
+
+def _chunked_prefill(value: Any) -> dict[str, Any]:
+    return {"scheduler": "chunked" if _bool("enable_chunked_prefill", value) else "continuous"}
+
+
+def _async_scheduling(value: Any) -> dict[str, Any]:
+    return {"overlap": "on" if _bool("async_scheduling", value) else "off"}
+
+
+def _memory_bytes(value: Any) -> dict[str, Any]:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(
+            f"kv_cache_memory_bytes must be a positive integer (bytes), got {value!r}"
+        )
+    return {"kv_cache_gib": value / 2**30}
+
+
+# The built-in schedulers' default max_prefill_batch; must not exceed max_batch_size.
+_DEFAULT_MAX_PREFILL_BATCH = 64
+
+
+def _prefill_cap(value: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM bounds prefills by max_num_seqs alone: a smaller max_num_seqs also lowers
+    pitstop's max_prefill_batch (default 64) to it, unless that is given some way."""
+    options = settings.get("options") or {}
+    given = "max_prefill_batch" in settings or any(
+        k == "max_prefill_batch" or k.endswith(".max_prefill_batch") for k in options
+    )
+    small = isinstance(value, int) and not isinstance(value, bool)
+    if given or not small or value >= _DEFAULT_MAX_PREFILL_BATCH:
+        return {}
+    return {"max_prefill_batch": max(1, value)}
+
+
+RENAMED: tuple[Renamed, ...] = (
+    Renamed(
+        "max_num_seqs",
+        "max_batch_size",
+        _as("max_batch_size"),
+        note="below 64 also max_prefill_batch, unless given",
+        implies=_prefill_cap,
+    ),
+    Renamed("block_size", "page_size", _as("page_size")),
+    Renamed("num_gpu_blocks_override", "max_num_pages", _as("max_num_pages")),
+    Renamed(
+        "enable_prefix_caching",
+        "allocator",
+        _prefix_caching,
+        bool,
+        "true: allocator='prefix'; false: allocator='paged'",
+    ),
+    Renamed(
+        "enable_chunked_prefill",
+        "scheduler",
+        _chunked_prefill,
+        bool,
+        "true: scheduler='chunked'; false: scheduler='continuous'",
+    ),
+    Renamed(
+        "async_scheduling",
+        "overlap",
+        _async_scheduling,
+        bool,
+        "true: overlap='on'; false: overlap='off'",
+    ),
+    Renamed(
+        "kv_cache_memory_bytes",
+        "kv_cache_gib",
+        _memory_bytes,
+        int,
+        "bytes / 2**30",
+    ),
+)
+"""vLLM arguments with a pitstop setting of the same meaning under another name."""
+
+SAME_NAME: tuple[str, ...] = (
+    "model",
+    "tokenizer",
+    "dtype",
+    "kv_cache_dtype",
+    "seed",
+    "max_model_len",
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "max_num_batched_tokens",
+    "enforce_eager",
+    "device",
+)
+"""vLLM arguments that are pitstop settings of the same name (``dtype`` also takes
+vLLM's ``"half"`` and ``"float"``, ``kv_cache_dtype`` its ``"fp8"``)."""
+
+DTYPE_WORDS: Mapping[str, str] = {"half": "float16", "float": "float32"}
+"""vLLM's other words for a ``dtype``."""
+
+KV_CACHE_DTYPE_WORDS: Mapping[str, str] = {"fp8": "fp8_e4m3"}
+"""vLLM's other words for a ``kv_cache_dtype``."""
+
+ACCEPTED: Mapping[str, str] = {
+    "trust_remote_code": (
+        "accepted (true or false); pitstop never runs a checkpoint's own code, and refuses a "
+        "checkpoint that needs it (config.json with auto_map)"
+    ),
+    "disable_log_stats": (
+        "accepted (true or false); pitstop logs no periodic statistics (pitstop serve "
+        "serves them on /metrics)"
+    ),
+}
+"""vLLM arguments taken without a pitstop setting: what each means here."""
+
+REFUSED: Mapping[str, str] = {
+    "quantization": "pitstop runs unquantized weights (a GGUF is dequantized at load); leave it out",
+    "pipeline_parallel_size": "pitstop splits a model by tensor_parallel_size only",
+    "data_parallel_size": "pitstop runs one engine per process; start one per replica",
+    "swap_space": "pitstop preempts by recompute, never swaps KV to CPU; leave it out",
+    "cpu_offload_gb": "pitstop keeps every weight on the device; leave it out",
+    "speculative_config": (
+        "pitstop's is speculative='ngram' or speculative='draft' with num_speculative_tokens "
+        "and speculative_model"
+    ),
+    "tokenizer_mode": "pitstop reads the fast tokenizer (tokenizer.json) only; leave it out",
+    "load_format": "pitstop's is model='dummy:<preset>' for random weights; else leave it out",
+    "download_dir": "pitstop reaches no model hub; give a local folder or .gguf file as model",
+    "revision": "pitstop reaches no model hub; give a local folder or .gguf file as model",
+    "code_revision": "pitstop runs no checkpoint code; leave it out",
+    "tokenizer_revision": "pitstop reaches no model hub; give tokenizer a local folder",
+    "hf_token": "pitstop reaches no model hub; give a local folder or .gguf file as model",
+    "hf_overrides": "edit the checkpoint's config.json instead",
+    "max_logprobs": "pitstop's limit is fixed at 20 (logprobs=-1 asks for the whole vocabulary)",
+    "enable_lora": "pitstop serves no LoRA adapters; merge the adapter into the weights",
+    "max_loras": "pitstop serves no LoRA adapters",
+    "max_lora_rank": "pitstop serves no LoRA adapters",
+    "distributed_executor_backend": "pitstop always uses torch.distributed (tensor_parallel_size)",
+    "preemption_mode": "pitstop preempts by recompute only",
+    "scheduling_policy": "pitstop's is scheduler=... and its admission setting",
+    "max_num_partial_prefills": "pitstop's is the chunked scheduler's chunk_size",
+    "long_prefill_token_threshold": "pitstop's is the chunked scheduler's chunk_size",
+    "compilation_config": "pitstop's is enforce_eager (CUDA graphs for decode on or off)",
+    "cuda_graph_sizes": "pitstop's is enforce_eager (CUDA graphs for decode on or off)",
+    "max_seq_len_to_capture": "pitstop's is enforce_eager (CUDA graphs for decode on or off)",
+    "structured_outputs_config": "pitstop has one grammar backend; leave it out",
+    "guided_decoding_backend": "pitstop has one grammar backend; leave it out",
+    "kv_transfer_config": "pitstop has no KV transfer between engines",
+    "served_model_name": "pitstop's is pitstop serve --served-model-name",
+    "enable_sleep_mode": "pitstop has no sleep mode",
+    "limit_mm_per_prompt": "pitstop serves text-only models",
+    "mm_processor_kwargs": "pitstop serves text-only models",
+    "rope_scaling": "edit the checkpoint's config.json instead",
+    "rope_theta": "edit the checkpoint's config.json instead",
+    "skip_tokenizer_init": "pass prompt_token_ids; a model without a tokenizer takes only those",
+    "max_parallel_loading_workers": "pitstop streams weights in one thread; leave it out",
+    "enable_expert_parallel": "pitstop runs dense models only",
+    "task": "pitstop generates text only",
+    "runner": "pitstop generates text only",
+    "generation_config": "give sampling values in SamplingParams",
+    "override_generation_config": "give sampling values in SamplingParams",
+    "disable_custom_all_reduce": "pitstop uses torch.distributed's all-reduce only",
+    "disable_sliding_window": "pitstop's models use full attention",
+    "worker_cls": "pitstop's strategies are plugins: see docs/plugins.md",
+    "scheduler_cls": "pitstop's is scheduler=<a registered scheduler plugin>",
+}
+"""vLLM arguments pitstop does not have: what to do instead."""
+
+NEUTRAL: Mapping[str, tuple[Any, ...]] = {
+    "pipeline_parallel_size": (1,),
+    "data_parallel_size": (1,),
+    "swap_space": (0,),
+    "cpu_offload_gb": (0,),
+    "tokenizer_mode": ("auto",),
+    "load_format": ("auto",),
+    "enable_lora": (False,),
+    "preemption_mode": ("recompute",),
+    "enable_sleep_mode": (False,),
+    "skip_tokenizer_init": (False,),
+    "enable_expert_parallel": (False,),
+    "task": ("auto", "generate"),
+    "runner": ("auto", "generate"),
+    "disable_sliding_window": (False,),
+}
+"""Values of refused arguments that ask for what pitstop does anyway (besides None, which
+every refused argument takes): accepted, so that code passing vLLM's defaults runs."""
+
+
+def is_neutral(name: str, value: Any) -> bool:
+    """Whether ``value`` of the refused argument ``name`` asks for pitstop's own behaviour."""
+    return value is None or any(
+        type(value) is type(v) and value == v for v in NEUTRAL.get(name, ())
+    )
+
+
+def renamed_by_name() -> dict[str, Renamed]:
+    """:data:`RENAMED` by vLLM name."""
+    return {r.vllm: r for r in RENAMED}
+
+
+def vllm_names() -> list[str]:
+    """Every vLLM name pitstop reads or refuses by name (for did-you-mean)."""
+    return sorted({r.vllm for r in RENAMED} | set(SAME_NAME) | set(ACCEPTED) | set(REFUSED))
+
+
+def refusal(name: str) -> str:
+    """The error text of a refused vLLM argument."""
+    return f"{name} is vLLM's; pitstop does not have it: {REFUSED[name]}"
+
+
+def translate(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` with every vLLM name turned into pitstop's settings.
+
+    A refused name raises :class:`ConfigError` naming it and what to use
+    instead; an accepted one (``trust_remote_code``) is checked and dropped;
+    a renamed one becomes its pitstop setting(s). When the pitstop setting is
+    also given with another value, the error names both.
+    """
+    out = {k: v for k, v in settings.items() if k not in _vllm_only()}
+    renamed = renamed_by_name()
+    for name, value in settings.items():
+        if name in REFUSED:
+            if is_neutral(name, value):
+                continue
+            raise ConfigError(refusal(name) + f" (got {name}={value!r})")
+        if name in ACCEPTED:
+            _bool(name, value)
+            continue
+        rule = renamed.get(name)
+        if rule is None:
+            continue
+        for setting, new in rule.convert(value).items():
+            if setting in settings and settings[setting] != new:
+                raise ConfigError(
+                    f"{name}={value!r} (vLLM's name) means {setting}={new!r}, but {setting}="
+                    f"{settings[setting]!r} is given too; give one of them"
+                )
+            out[setting] = new
+        if rule.implies is not None:
+            for setting, new in rule.implies(value, settings).items():
+                out.setdefault(setting, new)
+    return out
+
+
+def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``{**base, **overrides}`` where an override wins over ``base`` whichever of the two
+    names each uses (a ``--max-batch-size`` flag beats a file's ``max_num_seqs``, and
+    ``--max-num-seqs`` a file's ``max_batch_size``)."""
+    renamed = renamed_by_name()
+    kept = dict(base)
+    for name in overrides:
+        if name in renamed:
+            kept.pop(renamed[name].pitstop, None)
+    for name in list(kept):
+        if name in renamed and renamed[name].pitstop in overrides:
+            del kept[name]
+    return {**kept, **overrides}
+
+
+def _vllm_only() -> set[str]:
+    return {r.vllm for r in RENAMED} | set(ACCEPTED) | set(REFUSED)
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the known name nearest ``name``, or ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def table_rows() -> list[tuple[str, str]]:
+    """The rows of docs/api.md's table: (vLLM argument, pitstop setting or what instead)."""
+    rows = [(r.vllm, f"`{r.pitstop}`" + (f" ({r.note})" if r.note else "")) for r in RENAMED]
+    rows += [(name, "same name") for name in SAME_NAME]
+    rows += [(name, text) for name, text in ACCEPTED.items()]
+    for name, text in REFUSED.items():
+        neutral = ", ".join(repr(v) for v in (None, *NEUTRAL.get(name, ())))
+        rows.append((name, f"refused: {text}; {neutral} accepted (what pitstop does)"))
+    return sorted(rows)
+
+
+def markdown_table() -> str:
+    """docs/api.md's table of vLLM arguments, as Markdown."""
+    lines = ["| vLLM argument | pitstop |", "|---|---|"]
+    lines += [f"| `{name}` | {text} |" for name, text in table_rows()]
+    return "\n".join(lines)
