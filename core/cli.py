@@ -15,19 +15,6 @@ from pitstop.gguf_loader import add_subcommand as add_cache
 from pitstop.plugin_manager import get_plugin_manager
 from pitstop.vllm_args import did_you_mean
 
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser with abbreviations off: ``--max-token 4`` is an error, not ``--max-tokens``.
-
-    ``add_subparsers`` builds its subparsers with the class of the parser it is called on, so
-    every subcommand (and a plugin's own, and theirs) inherits this.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["allow_abbrev"] = False
-        super().__init__(*args, **kwargs)
-
-
 # argparse prints this as it is: plain text, no reST markup
 DESCRIPTION = (
     "pitstop: an LLM inference engine in which every strategy is a plugin. Subcommands: "
@@ -171,11 +158,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse without prefix matching (``--max-token 4`` is not ``--max-tokens``), whose
-    error for an unknown flag names the nearest flag of the chosen subcommand."""
+    """argparse without prefix matching (``--max-token 4`` is an error, not ``--max-tokens``),
+    whose error for an unknown flag names the nearest flag of the chosen subcommand.
+
+    ``add_subparsers`` builds its subparsers with the class of the parser it is called on, so
+    every subcommand (and a plugin's own, and theirs) inherits this.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
+        kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
