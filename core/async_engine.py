@@ -30,6 +30,7 @@ from typing import Any
 
 import attrs
 
+from pitstop.chat import render_chat
 from pitstop.config import EngineConfig
 from pitstop.engine import LLMEngine
 from pitstop.errors import InvalidRequestError, PitstopError
@@ -365,7 +366,7 @@ class AsyncLLM:
                     raise InvalidRequestError(
                         f"model {self.config.model!r} has no tokenizer, so no chat template"
                     )
-                ids = tokenizer.apply_chat_template(cmd.messages)
+                ids = render_chat(tokenizer, cmd.messages).token_ids
             self.engine.add_request(
                 cmd.prompt,
                 cmd.params,

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from pitstop.chat import render_chat
 from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import PitstopError, PluginError
 from pitstop.gguf_loader import add_subcommand as add_cache
@@ -146,7 +147,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         else:
             text = args.message
         history.append({"role": "user", "content": text})
-        ids = llm.tokenizer.apply_chat_template(history)
+        ids = render_chat(llm.tokenizer, history).token_ids
         reply = ""
         for out in llm.stream(prompt_token_ids=ids, sampling_params=params):
             print(out.text_delta, end="", flush=True)

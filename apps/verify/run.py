@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import torch
 
+from pitstop.chat import render_chat
 from pitstop.config import EngineConfig
 from pitstop.engine import LLMEngine
 from pitstop.errors import InvalidRequestError
@@ -277,7 +278,7 @@ def _tokenize(engine: LLMEngine, prompts: Sequence[VerifyPrompt]) -> list[list[i
     ids_list = []
     for p in prompts:
         if p.messages is not None:
-            ids = tok.apply_chat_template([dict(m) for m in p.messages])
+            ids = render_chat(tok, [dict(m) for m in p.messages]).token_ids
         else:
             assert p.prompt is not None
             ids = tok.encode(p.prompt)
