@@ -87,7 +87,7 @@ def client(live: Live) -> Iterator[Any]:
 
 # ---------------------------------------------------------------------- 400
 @pytest.mark.parametrize(("route", "body", "param"), BAD_BODIES)
-def test_bad_values_are_openai_errors_in_one_style(
+def test_bad_values_are_400_naming_the_field_in_openai_shape(
     live: Live, route: str, body: bytes | dict[str, Any], param: str | None
 ) -> None:
     if isinstance(body, dict):
@@ -98,6 +98,8 @@ def test_bad_values_are_openai_errors_in_one_style(
         r = live.http.post(route, content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     err = assert_openai_error(r.json())
+    assert err["param"] == param, err
+    assert len(err["message"]) > 20, err
     if param is not None:
         assert param in err["message"], err  # the message names the field
 
