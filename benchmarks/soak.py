@@ -28,7 +28,13 @@ from typing import Any
 
 import httpx
 
-from pitstop.bench.local_server import ServerExited, ServerStartTimeout, free_port, wait_healthy
+from pitstop.bench.local_server import (
+    ServerExited,
+    ServerStartTimeout,
+    free_port,
+    stop,
+    wait_healthy,
+)
 
 
 def rss_mib(pid: int) -> float:
@@ -158,12 +164,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         health = wait_idle(url, 5.0)
         rss_end = rss_mib(proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc, grace_s=15)
     growth = rss_end - rss_start
     checks = {
         "no_errors": not (warm or errors),

@@ -7,7 +7,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from pitstop.bench.local_server import ServerExited, ServerStartTimeout, free_port, wait_healthy
+from pitstop.bench.local_server import (
+    ServerExited,
+    ServerStartTimeout,
+    free_port,
+    stop,
+    wait_healthy,
+)
 
 __all__ = ["free_port", "serve_subprocess"]
 
@@ -38,10 +44,4 @@ def serve_subprocess(
             raise RuntimeError(f"the server did not come up within {start_timeout:.0f} s") from None
         yield proc, url
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop(proc, grace_s=10)

@@ -4,7 +4,9 @@
 and the tests' ``pitstop serve`` subprocesses all start a server and poll its
 ``/health`` until it answers 200, giving up when the process exits or a
 start-up time passes. :func:`wait_healthy` is that loop; each caller turns
-its two exceptions into its own message (with the server's log).
+its two exceptions into its own message (with the server's log). :func:`stop`
+ends a server started as one process (``vllm serve``, which starts children,
+is stopped by its group: :func:`pitstop.bench.vllm_peer.stop_process`).
 """
 
 from __future__ import annotations
@@ -65,3 +67,15 @@ def wait_healthy(
         if time.monotonic() - start > timeout_s:
             raise ServerStartTimeout(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
         time.sleep(poll_s)
+
+
+def stop(process: subprocess.Popen, grace_s: float) -> None:
+    """End ``process`` if it still runs: SIGTERM, then SIGKILL after ``grace_s`` seconds."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
