@@ -125,3 +125,10 @@ def test_without_vllm_the_profile_fails_clearly(
     mc = get_plugin_manager().presets()["qwen3-0.6b"]
     with pytest.raises(vllm_peer.VllmPeerError, match="failed at import.*No module named 'vllm'"):
         profile_vllm("dummy:qwen3-0.6b", mc, SMALL, tmp_path)
+
+
+def test_a_prefill_scenario_is_per_prompt_and_a_decode_one_per_step() -> None:
+    prefill = Scenario("p", batch=4, prompt_len=16, decode_steps=0)
+    assert prefill.max_tokens == (1,) and SMALL.max_tokens == (1, 5)
+    assert prefill.per_unit([{"k": (400.0, 8)}]) == {"k": (100.0, 2.0)}
+    assert SMALL.per_unit([{"k": (100.0, 1)}, {"k": (500.0, 5)}]) == {"k": (100.0, 1.0)}

@@ -122,6 +122,20 @@ class Scenario:
     prompt_len: int
     decode_steps: int  # N: the long run asks max_tokens = 1 + N
 
+    @property
+    def max_tokens(self) -> tuple[int, ...]:
+        """The runs' output lengths: 1 (the prefill), then ``1 + N`` for a decode scenario."""
+        return (1, 1 + self.decode_steps) if self.decode_steps else (1,)
+
+    def per_unit(self, runs: list[dict[str, tuple[float, int]]]) -> dict[str, tuple[float, float]]:
+        """(µs, launches) of each kernel per decode step (the runs of :attr:`max_tokens`: the
+        second minus the first, over N) or, for a prefill scenario, per prompt."""
+        if self.decode_steps == 0:
+            (run,) = runs
+            return {k: (t / self.batch, n / self.batch) for k, (t, n) in run.items()}
+        short, long = runs
+        return per_step(long, short, self.decode_steps)
+
     def prompts(self, vocab_size: int) -> list[list[int]]:
         """Seeded token ids, the same for both engines (distinct per prompt: no prefix hits)."""
         import random
@@ -234,9 +248,10 @@ def top_kernels(
 # ---------------------------------------------------------------------- running the engines
 def profiled_runs(
     generate: Any, scenario: Scenario, prompts: list[list[int]], trace_dir: Path, prefix: str
-) -> tuple[Path, Path | None]:
-    """Run ``generate(prompts, max_tokens)`` under the torch profiler: once with 1 token, then
-    (for a decode scenario) with ``1 + N``; return the two Chrome traces written."""
+) -> list[dict[str, tuple[float, int]]]:
+    """Run ``generate(prompts, max_tokens)`` under the torch profiler for each of the
+    scenario's :attr:`~Scenario.max_tokens`; each run's Chrome trace is written to
+    ``trace_dir/PREFIX-TOKENS.json`` and its kernel times returned."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -244,26 +259,16 @@ def profiled_runs(
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
     trace_dir.mkdir(parents=True, exist_ok=True)
-    paths: list[Path | None] = []
-    for tokens in (1, 1 + scenario.decode_steps) if scenario.decode_steps else (1,):
+    runs = []
+    for tokens in scenario.max_tokens:
         with profile(activities=activities) as prof:
             generate(prompts, tokens)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         path = trace_dir / f"{prefix}-{tokens}.json"
         prof.export_chrome_trace(str(path))
-        paths.append(path)
-    return paths[0], (paths[1] if len(paths) > 1 else None)  # type: ignore[return-value]
-
-
-def per_step_from_traces(
-    scenario: Scenario, short: Path, long: Path | None
-) -> dict[str, tuple[float, float]]:
-    """Kernel time per decode step (two traces) or per prompt (one trace, prefill)."""
-    first = kernel_times(read_trace(short))
-    if long is None:
-        return {k: (t / scenario.batch, n / scenario.batch) for k, (t, n) in first.items()}
-    return per_step(kernel_times(read_trace(long)), first, scenario.decode_steps)
+        runs.append(kernel_times(read_trace(path)))
+    return runs
 
 
 def profile_pitstop(
@@ -271,24 +276,28 @@ def profile_pitstop(
 ) -> tuple[dict[str, tuple[float, float]], ModelConfig]:
     """pitstop's kernels per step of ``scenario`` (a warm-up run first, outside the profile),
     and the model's shape (which the vLLM side and the ceilings need)."""
+    engine_kwargs.setdefault("max_model_len", scenario.prompt_len + scenario.decode_steps + 16)
+    runs, mc = _profile_pitstop_runs(model, scenario, trace_dir, engine_kwargs)
+    _free_cuda()  # vLLM runs next, in its own process: the engine's memory is given back first
+    return scenario.per_unit(runs), mc
+
+
+def _profile_pitstop_runs(
+    model: str, scenario: Scenario, trace_dir: Path, engine_kwargs: dict[str, Any]
+) -> tuple[list[dict[str, tuple[float, int]]], ModelConfig]:
     from pitstop import LLM, SamplingParams
 
-    engine_kwargs.setdefault("max_model_len", scenario.prompt_len + scenario.decode_steps + 16)
-    llm = LLM(model, **engine_kwargs)
-    prompts = scenario.prompts(llm.engine.model_config.vocab_size)
+    with LLM(model, **engine_kwargs) as llm:
+        prompts = scenario.prompts(llm.engine.model_config.vocab_size)
 
-    def generate(batch: list[list[int]], tokens: int) -> None:
-        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
-        llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+        def generate(batch: list[list[int]], tokens: int) -> None:
+            params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+            llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
 
-    generate(prompts[: min(8, len(prompts))], 4)  # warm-up: graphs, autotuning
-    short, long = profiled_runs(generate, scenario, prompts, trace_dir, "pitstop")
-    mc = llm.engine.model_config
-    llm.close()  # vLLM runs next, in its own process: give the GPU's memory back first
-    generate = None  # type: ignore[assignment]  # drops the last reference to the engine
-    llm = None  # type: ignore[assignment]
-    _free_cuda()
-    return per_step_from_traces(scenario, short, long), mc
+        generate(prompts[: min(8, len(prompts))], 4)  # warm-up: graphs, autotuning
+        return profiled_runs(
+            generate, scenario, prompts, trace_dir, "pitstop"
+        ), llm.engine.model_config
 
 
 def _free_cuda() -> None:
@@ -328,11 +337,10 @@ def profile_vllm(
         "seed": 0,
         **(extra or {}),
     }
-    steps = (1, 1 + scenario.decode_steps) if scenario.decode_steps else (1,)
     job = {
         "llm_kwargs": kwargs,
         "prompts": scenario.prompts(mc.vocab_size),
-        "max_tokens": list(steps),
+        "max_tokens": list(scenario.max_tokens),
         "trace_dir": str(trace_dir / "vllm-traces"),
     }
     log = trace_dir / "vllm-profile.log"
@@ -349,14 +357,5 @@ def profile_vllm(
             raise vllm_peer.VllmPeerError(
                 f"vLLM wrote no trace for max_tokens={run['max_tokens']} under {job['trace_dir']}"
             )
-        merged: dict[str, tuple[float, int]] = defaultdict(lambda: (0.0, 0))
-        for path in run["traces"]:
-            for name, (t, n) in kernel_times(read_trace(path)).items():
-                t0, n0 = merged[name]
-                merged[name] = (t0 + t, n0 + n)
-        runs.append(dict(merged))
-    if len(runs) == 1:
-        return {k: (t / scenario.batch, n / scenario.batch) for k, (t, n) in runs[0].items()}, str(
-            result.get("vllm_version")
-        )
-    return per_step(runs[1], runs[0], scenario.decode_steps), str(result.get("vllm_version"))
+        runs.append(kernel_times(e for path in run["traces"] for e in read_trace(path)))
+    return scenario.per_unit(runs), str(result.get("vllm_version"))
