@@ -9,6 +9,7 @@ no loader imports another to get them.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -113,67 +114,76 @@ class SafetensorsEntry:
     end: int
 
 
-def read_safetensors_header(file: Path) -> list[SafetensorsEntry]:
-    """The tensors of one safetensors file, every field checked against the file's size:
-    a corrupt, truncated or hostile header is a ModelLoadError before any allocation."""
+def _corrupt(file: Path, why: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"cannot read weights file {file}: {why}; the file is corrupt or truncated"
+    )
 
-    def corrupt(why: str) -> ModelLoadError:
-        return ModelLoadError(
-            f"cannot read weights file {file}: {why}; the file is corrupt or truncated"
-        )
 
+def _read_header_json(file: Path) -> tuple[dict[str, Any], int, int]:
+    """A safetensors file's JSON header, where its data starts, and the file's size."""
     try:
         size = file.stat().st_size
         with file.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise corrupt(f"it has {size} bytes, fewer than a header")
+                raise _corrupt(file, f"it has {size} bytes, fewer than a header")
             n = int.from_bytes(head, "little")
             if n > min(size - 8, _MAX_HEADER):
-                raise corrupt(f"its header claims {n:,} bytes of {size:,}")
+                raise _corrupt(file, f"its header claims {n:,} bytes of {size:,}")
             header = json.loads(f.read(n))
     except OSError as exc:
-        raise corrupt(str(exc)) from exc
+        raise _corrupt(file, str(exc)) from exc
     except (ValueError, UnicodeDecodeError) as exc:
-        raise corrupt(f"its header is not JSON ({exc})") from exc
+        raise _corrupt(file, f"its header is not JSON ({exc})") from exc
     if not isinstance(header, dict):
-        raise corrupt("its header is not a JSON object")
-    data_start = 8 + n
-    entries: list[SafetensorsEntry] = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        except (TypeError, KeyError, ValueError) as exc:
-            raise corrupt(f"tensor {name!r} has a malformed entry {info!r}") from exc
-        if dtype_name not in SAFETENSORS_DTYPES:
-            raise ModelLoadError(
-                f"{file}: tensor {name!r} has dtype {dtype_name}; pitstop reads "
-                f"{', '.join(SAFETENSORS_DTYPES)} checkpoints (a quantized checkpoint needs "
-                "its own loader: use a GGUF file instead)"
-            )
-        ints = [*shape, begin, end] if isinstance(shape, list) else None
-        if ints is None or not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
-            raise corrupt(f"tensor {name!r} has a malformed shape or offsets {info!r}")
-        dtype = SAFETENSORS_DTYPES[dtype_name]
-        numel = 1
-        for d in shape:
-            numel *= d
-        if min(ints, default=0) < 0 or begin > end or data_start + end > size:
-            raise corrupt(f"tensor {name!r} claims bytes {begin}..{end}, beyond the file's end")
-        if end - begin != numel * dtype.itemsize:
-            raise corrupt(
-                f"tensor {name!r} of shape {tuple(shape)} ({dtype_name}) needs "
-                f"{numel * dtype.itemsize:,} bytes but claims {end - begin:,}"
-            )
-        entries.append(
-            SafetensorsEntry(file, name, dtype, tuple(shape), data_start + begin, data_start + end)
+        raise _corrupt(file, "its header is not a JSON object")
+    return header, 8 + n, size
+
+
+def _header_entry(file: Path, name: str, info: Any, data_start: int, size: int) -> SafetensorsEntry:
+    """One header entry as a :class:`SafetensorsEntry`, its dtype, shape and offsets checked."""
+    try:
+        dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+    except (TypeError, KeyError, ValueError) as exc:
+        raise _corrupt(file, f"tensor {name!r} has a malformed entry {info!r}") from exc
+    if dtype_name not in SAFETENSORS_DTYPES:
+        raise ModelLoadError(
+            f"{file}: tensor {name!r} has dtype {dtype_name}; pitstop reads "
+            f"{', '.join(SAFETENSORS_DTYPES)} checkpoints (a quantized checkpoint needs "
+            "its own loader: use a GGUF file instead)"
         )
-    entries.sort(key=lambda e: e.start)
+    ints = [*shape, begin, end] if isinstance(shape, list) else None
+    if ints is None or not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
+        raise _corrupt(file, f"tensor {name!r} has a malformed shape or offsets {info!r}")
+    dtype = SAFETENSORS_DTYPES[dtype_name]
+    numel = math.prod(shape)
+    if min(ints, default=0) < 0 or begin > end or data_start + end > size:
+        raise _corrupt(file, f"tensor {name!r} claims bytes {begin}..{end}, beyond the file's end")
+    if end - begin != numel * dtype.itemsize:
+        raise _corrupt(
+            file,
+            f"tensor {name!r} of shape {tuple(shape)} ({dtype_name}) needs "
+            f"{numel * dtype.itemsize:,} bytes but claims {end - begin:,}",
+        )
+    return SafetensorsEntry(file, name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def read_safetensors_header(file: Path) -> list[SafetensorsEntry]:
+    """The tensors of one safetensors file, every field checked against the file's size:
+    a corrupt, truncated or hostile header is a ModelLoadError before any allocation."""
+    header, data_start, size = _read_header_json(file)
+    entries = sorted(
+        (
+            _header_entry(file, name, info, data_start, size)
+            for name, info in header.items()
+            if name != "__metadata__"
+        ),
+        key=lambda e: e.start,
+    )
     for a, b in zip(entries, entries[1:], strict=False):
         if b.start < a.end:
-            raise corrupt(f"tensors {a.name!r} and {b.name!r} overlap")
+            raise _corrupt(file, f"tensors {a.name!r} and {b.name!r} overlap")
     return entries
 
 

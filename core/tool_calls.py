@@ -296,6 +296,85 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
+def _string_end(text: str, i: int) -> int:
+    """The index of the quote closing the string that opens at ``text[i]`` (``len(text)``
+    while the text stops inside it)."""
+    j = i + 1
+    while j < len(text) and text[j] != '"':
+        j += 2 if text[j] == "\\" else 1
+    return j
+
+
+@attrs.define
+class _ObjectScan:
+    """The state of :func:`scan_object` as it walks one object's text."""
+
+    text: str
+    values: dict[str, tuple[int, int | None]] = attrs.field(factory=dict)
+    depth: int = 1
+    key: str | None = None  # the key whose value is being read
+    value_start: int = 0
+    expect_key: bool = True
+
+    def end_value(self, end: int) -> None:
+        """End the value being read at ``end``, unless it has ended already."""
+        if self.key is not None and self.values[self.key][1] is None:
+            self.values[self.key] = (self.value_start, end)
+
+    def start_key(self, i: int, j: int) -> int | None:
+        """At a top-level string ``text[i..j]`` where a key may stand: when a colon follows,
+        record the key and return where its value starts; else None (-1: the text ends)."""
+        text = self.text
+        k = _skip_ws(text, j + 1)
+        if k >= len(text):
+            return -1
+        if text[k] != ":":
+            return None
+        try:
+            key = json.loads(text[i : j + 1])
+        except json.JSONDecodeError:
+            key = text[i + 1 : j]
+        self.value_start = _skip_ws(text, k + 1)
+        if key in self.values:
+            self.key = None  # a repeated key: the first one stands
+        else:
+            self.key = key
+            self.values[key] = (self.value_start, None)
+        self.expect_key = False
+        return self.value_start
+
+    def string(self, i: int) -> int | None:
+        """Past the string at ``text[i]``: the next index to read, None when the text ends."""
+        j = _string_end(self.text, i)
+        if j >= len(self.text):
+            return None  # an open string: the text stops inside it
+        if self.depth == 1 and self.expect_key:
+            nxt = self.start_key(i, j)
+            if nxt == -1:
+                return None
+            if nxt is not None:
+                return nxt
+        if self.depth == 1:
+            self.end_value(j + 1)  # a string value ends at its quote
+        return j + 1
+
+    def close(self, i: int) -> bool:
+        """At a closing bracket ``text[i]``; True when it closes the object itself."""
+        self.depth -= 1
+        if self.depth == 1:
+            self.end_value(i + 1)  # (a value ends once: junk after it is not it)
+        if self.depth == 0:
+            self.end_value(_rstrip_end(self.text, self.value_start, i))
+            return True
+        return False
+
+    def comma(self, i: int) -> None:
+        """At a top-level comma: the value ends, a key comes next."""
+        self.end_value(_rstrip_end(self.text, self.value_start, i))
+        self.key = None
+        self.expect_key = True
+
+
 def scan_object(text: str, start: int) -> ScannedObject:
     """Scan the JSON object that opens at ``text[start] == "{"``, as far as the text goes.
 
@@ -304,58 +383,22 @@ def scan_object(text: str, start: int) -> ScannedObject:
     whoever needs them.
     """
     assert text[start] == "{"
-    values: dict[str, tuple[int, int | None]] = {}
-    i = start + 1
-    depth = 1
-    key: str | None = None  # the key whose value is being read
-    value_start = 0
-    expect_key = True
-    while i < len(text):
+    scan = _ObjectScan(text)
+    i: int | None = start + 1
+    while i is not None and i < len(text):
         ch = text[i]
         if ch == '"':
-            j = i + 1
-            while j < len(text) and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            if j >= len(text):
-                break  # an open string: the text stops inside it
-            if depth == 1 and expect_key:
-                k = _skip_ws(text, j + 1)
-                if k >= len(text):
-                    break
-                if text[k] == ":":
-                    try:
-                        key = json.loads(text[i : j + 1])
-                    except json.JSONDecodeError:
-                        key = text[i + 1 : j]
-                    value_start = _skip_ws(text, k + 1)
-                    if key in values:
-                        key = None  # a repeated key: the first one stands
-                    else:
-                        values[key] = (value_start, None)
-                    expect_key = False
-                    i = value_start
-                    continue
-            i = j + 1
-            if depth == 1 and key is not None and values[key][1] is None:
-                values[key] = (value_start, i)  # a string value ends at its quote
+            i = scan.string(i)
             continue
         if ch in "{[":
-            depth += 1
+            scan.depth += 1
         elif ch in "}]":
-            depth -= 1
-            if depth == 1 and key is not None and values[key][1] is None:
-                values[key] = (value_start, i + 1)  # (a value ends once: junk after it is not it)
-            if depth == 0:
-                if key is not None and values[key][1] is None:
-                    values[key] = (value_start, _rstrip_end(text, value_start, i))
-                return ScannedObject(start, values, i + 1)
-        elif ch == "," and depth == 1:
-            if key is not None and values[key][1] is None:
-                values[key] = (value_start, _rstrip_end(text, value_start, i))
-            key = None
-            expect_key = True
+            if scan.close(i):
+                return ScannedObject(start, scan.values, i + 1)
+        elif ch == "," and scan.depth == 1:
+            scan.comma(i)
         i += 1
-    return ScannedObject(start, values, None)
+    return ScannedObject(start, scan.values, None)
 
 
 def _rstrip_end(text: str, start: int, end: int) -> int:
