@@ -34,7 +34,7 @@ DRAIN_EXTRA_BYTES = 8 << 20
 _HOW = "send the header 'Authorization: Bearer <key>'"
 
 
-def app_state(request: Request) -> AppState:
+async def app_state(request: Request) -> AppState:
     """The :class:`AppState` that :func:`~pitstop.server.app.create_app` put on the app."""
     return request.app.state.app_state
 
@@ -75,7 +75,7 @@ def check_key(keys: tuple[bytes, ...], header: str | None) -> str | None:
     return matched
 
 
-def authorize(request: Request, state: State) -> Caller:
+async def authorize(request: Request, state: State) -> Caller:
     """The dependency of every ``/v1`` and tokenizer route: the caller, once its key is checked."""
     arrival = time.perf_counter()
     key = check_key(state.keys, request.headers.get("authorization"))
