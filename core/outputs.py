@@ -12,6 +12,11 @@ def time_to_first_token(arrival: float, first_token: float | None) -> float | No
     return None if first_token is None else first_token - arrival
 
 
+def end_to_end_latency(arrival: float, finish: float | None) -> float | None:
+    """E2E: from arrival to the request's finish (None before it)."""
+    return None if finish is None else finish - arrival
+
+
 def time_per_output_token(token_times: Sequence[float], num_tokens: int = 0) -> float | None:
     """TPOT: the mean time per output token after the first (vLLM's definition),
     ``(last - first) / (n - 1)`` with ``n = max(len(token_times), num_tokens)``.
@@ -52,7 +57,7 @@ class RequestMetrics:
     @property
     def e2e(self) -> float | None:
         """End-to-end latency, from arrival to finish."""
-        return None if self.finish is None else self.finish - self.arrival
+        return end_to_end_latency(self.arrival, self.finish)
 
     @property
     def tpot(self) -> float | None:

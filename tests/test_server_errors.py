@@ -23,7 +23,7 @@ import pytest
 from conftest_models import make_tiny_checkpoint
 from test_server_safety import BAD_BODIES, KEY_A, MODEL, READ_TIMEOUT, Live, completion
 
-import pitstop.server.app as server_app
+import pitstop.server.routes.health as health_routes
 from pitstop.server.security import RequestGuard
 
 MAX_BODY = 8192
@@ -281,7 +281,7 @@ def test_a_failing_route_and_a_failing_middleware_are_500_json(
     def broken(*_args: Any, **_kwargs: Any) -> Any:
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(server_app, "generate_latest", broken)
+    monkeypatch.setattr(health_routes, "generate_latest", broken)
     with pytest.raises(openai.InternalServerError) as exc:
         client().get(f"{live.url}/metrics", cast_to=object)
     err = assert_client_error(exc, 500)

@@ -174,12 +174,10 @@ def load_peer_model(model: str, device: str, dtype: str) -> Any:
     import torch
     import transformers
 
+    from pitstop.runner import resolve_dtype
     from pitstop.weights import SMOLLM2_NAME, load_model_source, smollm2_path
 
-    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
-        dtype
-    ]
-    common = {"dtype": torch_dtype, "attn_implementation": "sdpa"}
+    common = {"dtype": resolve_dtype(dtype, torch.device(device)), "attn_implementation": "sdpa"}
     if model.startswith("dummy:"):
         cfg = hf_config_from_model_config(load_model_source(model).model_config)
         with torch.device(device):

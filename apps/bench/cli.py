@@ -12,6 +12,7 @@ Registered through the ``register_commands`` hook (entry point ``commands-bench`
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import sys
@@ -26,10 +27,9 @@ from pitstop.bench.options import (
     SCHEMA,
     BenchError,
     clients_from_args,
-    fill_column,
     workload_from_args,
 )
-from pitstop.bench.peers import PEERS
+from pitstop.bench.peers import PEERS, PeerRun, measure_in_process
 from pitstop.bench.report import (
     device_name,
     git_commit,
@@ -194,9 +194,7 @@ def _tokenize(workload: Workload, tokenizer: Any) -> Workload:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything the flags ask for; return the results document (also printed as a table)."""
-    from pitstop.bench.backends import PitstopBackend
-    from pitstop.bench.drivers import run_repeats
-    from pitstop.bench.peers import SEPARATE_PROCESS_PEERS, PeerRun, run_peer
+    from pitstop.bench.peers import SEPARATE_PROCESS_PEERS, run_peer
     from pitstop.runner import resolve_device
     from pitstop.weights import load_model_source
 
@@ -282,34 +280,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     columns: list[dict[str, Any]] = []
     base_settings = {k: getattr(config, k) for k in EngineConfig.field_names()}
     for name, overrides in configs:
-        col: dict[str, Any] = {"name": name, "backend": "pitstop", "settings": overrides}
-        backend = None
-        try:
-            cfg = EngineConfig.from_dict({**base_settings, **overrides})
-            col["config"] = _config_dict(cfg)
-            print(
-                f"[bench] {name}: {matrices.describe(col['config'])} on {cfg.model}",
-                file=sys.stderr,
-            )
-            backend = PitstopBackend(cfg, wl)
-            runs = run_repeats(
-                backend,
-                wl,
-                repeats=repeats,
-                concurrency=concurrency,
-                request_rate=rate,
-                warmup=not args.no_warmup,
-            )
-            fill_column(col, runs, floor, skipped)
-        except (PitstopError, RuntimeError, ValueError, ImportError) as exc:
-            col["error"] = f"{type(exc).__name__}: {exc}"
-            print(f"[bench] {name} failed: {col['error']}", file=sys.stderr)
-        finally:
-            if backend is not None:
-                backend.close()
-            del backend
-            _release()
-        columns.append(col)
+        columns.append(_pitstop_column(name, {**base_settings, **overrides}, overrides, peer_run))
 
     if args.peer and peer is None:
         peer, notes = run_peer(args.peer, peer_run)
@@ -366,10 +337,25 @@ def _ratios(columns: list[dict[str, Any]], peer: dict[str, Any]) -> dict[str, An
     return out
 
 
-def _release() -> None:
-    from pitstop.bench.backends import release_memory
+def _pitstop_column(
+    name: str, settings: dict[str, Any], overrides: dict[str, Any], run: PeerRun
+) -> dict[str, Any]:
+    """The results column of one configuration (``error`` when it cannot run)."""
+    from pitstop.bench.backends import PitstopBackend
 
-    release_memory()
+    col: dict[str, Any] = {"name": name, "backend": "pitstop", "settings": overrides}
+    try:
+        cfg = EngineConfig.from_dict(settings)
+        col["config"] = _config_dict(cfg)
+        print(
+            f"[bench] {name}: {matrices.describe(col['config'])} on {cfg.model}",
+            file=sys.stderr,
+        )
+        measure_in_process(run, functools.partial(PitstopBackend, cfg, run.workload), col)
+    except (PitstopError, RuntimeError, ValueError, ImportError) as exc:
+        col["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"[bench] {name} failed: {col['error']}", file=sys.stderr)
+    return col
 
 
 def render(doc: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 
 from pitstop.bench.backends import Backend
 from pitstop.bench.progress import progress
@@ -137,23 +138,26 @@ def run_repeats(
     return runs
 
 
-def fastest(runs: list[RunResult]) -> RunResult:
-    """The run with the shortest wall time (the first of equals)."""
-    return min(runs, key=lambda r: r.wall_s)
-
-
-def best_of(
-    backend: Backend,
+def run_backend(
+    open_backend: Callable[[], Backend],
     workload: Workload,
     *,
     repeats: int,
     concurrency: int | None = None,
     request_rate: float | None = None,
     warmup: bool = True,
-) -> RunResult:
-    """:func:`run_repeats`, keeping the fastest run."""
-    return fastest(
-        run_repeats(
+    release: Callable[[], None] | None = None,
+) -> list[RunResult]:
+    """Open a backend, :func:`run_repeats` on it, and close it however that ends.
+
+    ``release`` (for example :func:`~pitstop.bench.backends.release_memory`)
+    runs last, once no reference to the backend is left, so that the next
+    configuration finds the memory it held free.
+    """
+    backend = None
+    try:
+        backend = open_backend()
+        return run_repeats(
             backend,
             workload,
             repeats=repeats,
@@ -161,4 +165,9 @@ def best_of(
             request_rate=request_rate,
             warmup=warmup,
         )
-    )
+    finally:
+        if backend is not None:
+            backend.close()
+        del backend
+        if release is not None:
+            release()

@@ -40,7 +40,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.bench.report import RequestRecord
+from pitstop.bench.report import RequestRecord, fastest
 from pitstop.bench.workloads import BenchRequest, Workload
 from pitstop.errors import PitstopError
 
@@ -391,23 +391,20 @@ def measure_server(
     timed runs) and fill ``col`` with the figures (or ``error`` when every request failed);
     return the notes on how to read them. Used by ``--url`` and by ``--peer vllm`` online
     (``floor``: the workload's :class:`~pitstop.bench.floor.Floor`, when the device is known)."""
-    from pitstop.bench.drivers import run_repeats
+    from pitstop.bench.drivers import run_backend
     from pitstop.bench.options import fill_column
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     notes: list[str] = []
     backend = HttpBackend(info, workload, api_key=api_key, model=model)
-    try:
-        runs = run_repeats(
-            backend,
-            workload,
-            repeats=repeats,
-            concurrency=concurrency,
-            request_rate=request_rate,
-            warmup=warmup,
-        )
-    finally:
-        backend.close()
+    runs = run_backend(
+        lambda: backend,
+        workload,
+        repeats=repeats,
+        concurrency=concurrency,
+        request_rate=request_rate,
+        warmup=warmup,
+    )
     errors: Counter[str] = Counter()
     sent = 0
     for run in runs:
@@ -425,7 +422,7 @@ def measure_server(
     runs = [r for r in runs if r.records]
     if runs:
         fill_column(col, runs, floor, skipped)
-        best = min(runs, key=lambda r: r.wall_s)
+        best = fastest(runs)
         tokens = sum(r.output_len for r in best.records)
         chunks = sum(backend.chunks.get(r.request_id, 0) for r in best.records)
         col["stream"] = {"chunks": chunks, "output_tokens": tokens}

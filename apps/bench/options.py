@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from pitstop.bench import floor as floors
-from pitstop.bench.report import RunResult, figures, repeat_summary
+from pitstop.bench.report import RunResult, fastest, figures, repeat_summary
 from pitstop.bench.workloads import TOKEN_ID_HIGH, Workload, build_workload
 from pitstop.errors import PitstopError
 
@@ -67,7 +67,7 @@ def fill_column(
     headline figure over all of them (:func:`~pitstop.bench.report.repeat_summary`).
     """
     runs = run if isinstance(run, list) else [run]
-    best = min(runs, key=lambda r: r.wall_s)
+    best = fastest(runs)
     floor_s = floor.seconds if floor else None
     for r in runs:
         r.skipped = skipped

@@ -14,15 +14,20 @@ columns of the same run stand.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from pitstop.bench import floor as floors
 from pitstop.bench.options import fill_column
 from pitstop.bench.workloads import Workload
+
+if TYPE_CHECKING:
+    from pitstop.bench.backends import Backend
 
 PEERS = ("transformers", "vllm")
 # Peers that run in a process of their own: the bench runs them before its own columns, so
@@ -49,10 +54,14 @@ class PeerRun:
 
     @property
     def dtype(self) -> str:
-        """The weights' dtype pitstop runs with (``auto`` resolved as the engine does)."""
-        if self.config.dtype != "auto":
-            return str(self.config.dtype)
-        return "bfloat16" if self.device.startswith("cuda") else "float32"
+        """The weights' dtype pitstop runs with (``auto`` resolved by the engine's own rule,
+        :func:`pitstop.runner.resolve_dtype`), by name: ``bfloat16``, ``float32``..."""
+        import torch
+
+        from pitstop.runner import resolve_dtype
+
+        resolved = resolve_dtype(str(self.config.dtype), torch.device(self.device))
+        return str(resolved).removeprefix("torch.")
 
 
 def run_peer(name: str, run: PeerRun) -> tuple[dict[str, Any], list[str]]:
@@ -77,28 +86,37 @@ def run_peer(name: str, run: PeerRun) -> tuple[dict[str, Any], list[str]]:
 
 
 def _transformers(run: PeerRun, col: dict[str, Any]) -> None:
-    from pitstop.bench.backends import TransformersBackend, release_memory
-    from pitstop.bench.drivers import run_repeats
+    from pitstop.bench.backends import TransformersBackend
 
     model = run.config.model
     print(f"[bench] peer transformers on {model} ({run.device}, {run.dtype})", file=sys.stderr)
-    backend = None
-    try:
-        backend = TransformersBackend(model, run.device, run.dtype, run.workload, run.max_model_len)
-        runs = run_repeats(
-            backend,
-            run.workload,
-            repeats=run.repeats,
-            concurrency=run.concurrency,
-            request_rate=run.request_rate,
-            warmup=run.warmup,
-        )
-        fill_column(col, runs, run.floor, run.skipped)
-    finally:
-        if backend is not None:
-            backend.close()
-        del backend
-        release_memory()
+    measure_in_process(
+        run,
+        functools.partial(
+            TransformersBackend, model, run.device, run.dtype, run.workload, run.max_model_len
+        ),
+        col,
+    )
+
+
+def measure_in_process(
+    run: PeerRun, open_backend: Callable[[], Backend], col: dict[str, Any]
+) -> None:
+    """Drive a backend of this process as ``run`` settled (repeats, clients, warm-up), hand
+    its memory back after, and put the figures into ``col``."""
+    from pitstop.bench.backends import release_memory
+    from pitstop.bench.drivers import run_backend
+
+    runs = run_backend(
+        open_backend,
+        run.workload,
+        repeats=run.repeats,
+        concurrency=run.concurrency,
+        request_rate=run.request_rate,
+        warmup=run.warmup,
+        release=release_memory,
+    )
+    fill_column(col, runs, run.floor, run.skipped)
 
 
 def _output_path(args: argparse.Namespace) -> str | None:

@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from pitstop.outputs import (
+    end_to_end_latency,
     inter_token_latencies,
     time_per_output_token,
     time_to_first_token,
@@ -50,7 +51,8 @@ class RequestRecord:
 
     @property
     def e2e(self) -> float | None:
-        return None if self.finish is None else self.finish - self.arrival
+        """End-to-end latency, from arrival to the last token."""
+        return end_to_end_latency(self.arrival, self.finish)
 
     @property
     def tpot(self) -> float | None:
@@ -139,6 +141,11 @@ def distribution(values: Iterable[float | None], scale: float = 1e3) -> dict[str
     out = {"mean": sum(xs) / len(xs) if xs else math.nan}
     out.update({f"p{q}": percentile(xs, q) for q in PERCENTILES})
     return out
+
+
+def fastest(runs: list[RunResult]) -> RunResult:
+    """The run with the shortest wall time (the first of equals)."""
+    return min(runs, key=lambda r: r.wall_s)
 
 
 def figures(run: RunResult, *, floor_s: float | None = None) -> dict[str, Any]:

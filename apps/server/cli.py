@@ -19,7 +19,7 @@ from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from pitstop.server.app import ServerSettings
+    from pitstop.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """The server settings of the ``serve`` flags; an invalid value is a ConfigError."""
     from pitstop.errors import ConfigError
-    from pitstop.server.app import ServerSettings
     from pitstop.server.security import bind_host, default_allowed_hosts, host_patterns
+    from pitstop.server.settings import ServerSettings
 
     try:
         args.host = bind_host(args.host)  # cmd_serve listens on the checked address

@@ -111,98 +111,105 @@ def invalid_http_bytes(detail: str) -> bytes:
     )
 
 
+class _Guard:
+    """The limits' methods, put before uvicorn's protocol class by :func:`guarded_protocol`
+    (their ``super()`` calls reach that class)."""
+
+    _guard_limits: ConnectionLimits
+    _guard_timer: asyncio.TimerHandle | None = None
+    _guard_refused = False
+    _guard_bytes = 0  # received since the deadline was armed
+    transport: Any
+
+    # -------------------------------------------------- refused connections
+    def connection_made(self, transport: Any) -> None:  # noqa: D102
+        limits = self._guard_limits
+        if len(limits.open) >= limits.max_connections:
+            self._guard_refused = True
+            limits.refused += 1
+            if limits.on_reject is not None:
+                limits.on_reject(429, "too_many_connections")
+            transport.write(limits.reject_bytes())
+            # Not at once: closing with the request unread would reset the connection and
+            # the client could lose the answer. Most clients close first, having read it.
+            self._guard_timer = asyncio.get_running_loop().call_later(
+                _REJECT_LINGER_S, transport.close
+            )
+            return
+        limits.open.add(self)
+        super().connection_made(transport)  # type: ignore[misc]
+        self._guard_arm()
+
+    def data_received(self, data: bytes) -> None:  # noqa: D102
+        if self._guard_refused:
+            return  # read and dropped, so that closing later does not reset the connection
+        self._guard_bytes += len(data)
+        super().data_received(data)  # type: ignore[misc]
+        if self._guard_timer is not None and self._guard_request_in():
+            self._guard_disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
+        self._guard_disarm()
+        if self._guard_refused:
+            return
+        self._guard_limits.open.discard(self)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def on_response_complete(self) -> None:  # noqa: D102
+        super().on_response_complete()  # type: ignore[misc]
+        if not self.transport.is_closing():
+            self._guard_arm()  # the next request must arrive in time too
+
+    def send_400_response(self, msg: str) -> None:  # noqa: D102
+        # uvicorn's answer to bytes its parser refuses, in OpenAI's shape
+        limits = self._guard_limits
+        if limits.on_reject is not None:
+            limits.on_reject(400, "invalid_http")
+        self.transport.write(invalid_http_bytes(msg))
+        self.transport.close()
+
+    # -------------------------------------------------- the read deadline
+    def _guard_request_in(self) -> bool:
+        """Whether a request is wholly received and not yet answered (the app's turn)."""
+        cycle = getattr(self, "cycle", None)
+        return (
+            cycle is not None
+            and not getattr(cycle, "response_complete", False)
+            and not getattr(cycle, "more_body", True)
+        )
+
+    def _guard_arm(self) -> None:
+        self._guard_disarm()
+        self._guard_bytes = 0
+        self._guard_timer = asyncio.get_running_loop().call_later(
+            self._guard_limits.read_timeout_s, self._guard_expired
+        )
+
+    def _guard_disarm(self) -> None:
+        if self._guard_timer is not None:
+            self._guard_timer.cancel()
+            self._guard_timer = None
+
+    def _guard_expired(self) -> None:
+        self._guard_timer = None
+        transport = self.transport
+        if transport is None or transport.is_closing() or self._guard_request_in():
+            return
+        cycle = getattr(self, "cycle", None)
+        idle = cycle is None or getattr(cycle, "response_complete", False)
+        if idle and not self._guard_bytes:
+            transport.close()  # nothing sent: close quietly, as a keep-alive timeout does
+            return
+        limits = self._guard_limits
+        limits.timed_out += 1
+        if limits.on_reject is not None:
+            limits.on_reject(408, "request_timeout")
+        if idle or not getattr(cycle, "response_started", False):
+            transport.write(limits.timeout_bytes())
+        transport.close()
+
+
 def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type:
     """A subclass of uvicorn's protocol class ``base`` that applies ``limits``."""
-
-    class GuardedProtocol(base):  # type: ignore[valid-type, misc]
-        _guard_timer: asyncio.TimerHandle | None = None
-        _guard_refused = False
-        _guard_bytes = 0  # received since the deadline was armed
-
-        # -------------------------------------------------- refused connections
-        def connection_made(self, transport: Any) -> None:  # noqa: D102
-            if len(limits.open) >= limits.max_connections:
-                self._guard_refused = True
-                limits.refused += 1
-                if limits.on_reject is not None:
-                    limits.on_reject(429, "too_many_connections")
-                transport.write(limits.reject_bytes())
-                # Not at once: closing with the request unread would reset the connection and
-                # the client could lose the answer. Most clients close first, having read it.
-                self._guard_timer = asyncio.get_running_loop().call_later(
-                    _REJECT_LINGER_S, transport.close
-                )
-                return
-            limits.open.add(self)
-            super().connection_made(transport)
-            self._guard_arm()
-
-        def data_received(self, data: bytes) -> None:  # noqa: D102
-            if self._guard_refused:
-                return  # read and dropped, so that closing later does not reset the connection
-            self._guard_bytes += len(data)
-            super().data_received(data)
-            if self._guard_timer is not None and self._guard_request_in():
-                self._guard_disarm()
-
-        def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
-            self._guard_disarm()
-            if self._guard_refused:
-                return
-            limits.open.discard(self)
-            super().connection_lost(exc)
-
-        def on_response_complete(self) -> None:  # noqa: D102
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._guard_arm()  # the next request must arrive in time too
-
-        def send_400_response(self, msg: str) -> None:  # noqa: D102
-            # uvicorn's answer to bytes its parser refuses, in OpenAI's shape
-            if limits.on_reject is not None:
-                limits.on_reject(400, "invalid_http")
-            self.transport.write(invalid_http_bytes(msg))
-            self.transport.close()
-
-        # -------------------------------------------------- the read deadline
-        def _guard_request_in(self) -> bool:
-            """Whether a request is wholly received and not yet answered (the app's turn)."""
-            cycle = getattr(self, "cycle", None)
-            return (
-                cycle is not None
-                and not getattr(cycle, "response_complete", False)
-                and not getattr(cycle, "more_body", True)
-            )
-
-        def _guard_arm(self) -> None:
-            self._guard_disarm()
-            self._guard_bytes = 0
-            self._guard_timer = asyncio.get_running_loop().call_later(
-                limits.read_timeout_s, self._guard_expired
-            )
-
-        def _guard_disarm(self) -> None:
-            if self._guard_timer is not None:
-                self._guard_timer.cancel()
-                self._guard_timer = None
-
-        def _guard_expired(self) -> None:
-            self._guard_timer = None
-            transport = self.transport
-            if transport is None or transport.is_closing() or self._guard_request_in():
-                return
-            cycle = getattr(self, "cycle", None)
-            idle = cycle is None or getattr(cycle, "response_complete", False)
-            if idle and not self._guard_bytes:
-                transport.close()  # nothing sent: close quietly, as a keep-alive timeout does
-                return
-            limits.timed_out += 1
-            if limits.on_reject is not None:
-                limits.on_reject(408, "request_timeout")
-            if idle or not getattr(cycle, "response_started", False):
-                transport.write(limits.timeout_bytes())
-            transport.close()
-
-    GuardedProtocol.__name__ = f"Guarded{base.__name__}"
-    GuardedProtocol.__qualname__ = GuardedProtocol.__name__
-    return GuardedProtocol
+    name = f"Guarded{base.__name__}"
+    return type(name, (_Guard, base), {"_guard_limits": limits, "__qualname__": name})

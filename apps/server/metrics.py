@@ -17,7 +17,8 @@ several servers can live in one process (tests).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -239,34 +240,20 @@ class ServerMetrics:
         self.request_success = {
             reason: self._success.labels(model_name, reason) for reason in FINISH_REASONS
         }
-        self.ttft = Histogram(
-            "pitstop:time_to_first_token_seconds",
-            "Time to first token.",
-            label,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.itl = Histogram(
-            "pitstop:inter_token_latency_seconds",
-            "Time between consecutive output tokens.",
-            label,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.tpot = Histogram(
-            "pitstop:time_per_output_token_seconds",
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS
+        )
+        self.tpot = self._histogram(
+            "time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
-            label,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "pitstop:e2e_request_latency_seconds",
-            "Request latency from arrival to finish.",
-            label,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        ).labels(model_name)
+            ITL_BUCKETS,
+        )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "Request latency from arrival to finish.", E2E_BUCKETS
+        )
         self.step_failures = Counter(
             "pitstop:step_failures",
             "Engine steps that raised (each fails the requests it could not isolate).",
@@ -288,6 +275,12 @@ class ServerMetrics:
         add_failure_listener = getattr(llm, "add_failure_listener", None)
         if add_failure_listener is not None:  # steps the engine isolated a failure in
             add_failure_listener(self.observe_step_failure)
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Any:
+        """The histogram ``pitstop:NAME`` of this server's model, in its registry."""
+        return Histogram(
+            f"pitstop:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry
+        ).labels(self.model_name)
 
     # ------------------------------------------------------------------ failures
     def observe_step_failure(self, num_requests_failed: int = 0) -> None:

@@ -10,8 +10,10 @@ and what is supported. A checkpoint the family accepts therefore computes what
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import attrs
 
 from pitstop.errors import ModelLoadError
 from pitstop.model_config import (
@@ -147,21 +149,18 @@ def config_from_transformers(hf: Any, where: str = "config.json") -> ModelConfig
     kv_heads = positive_int(
         get("num_key_value_heads") or heads, "num_key_value_heads", where, MAX_DIM
     )
-    if heads % kv_heads:
-        raise ModelLoadError(
-            f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-        )
-    head_dim = get("head_dim")
-    if head_dim is None:
-        if hidden % heads:
-            raise ModelLoadError(
-                f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
-                "and head_dim is not given"
-            )
-        head_dim = hidden // heads
-    head_dim = positive_int(head_dim, "head_dim", where, MAX_DIM)
-    if head_dim % 2:
-        raise ModelLoadError(f"{where}: head_dim={head_dim} is odd; rotary embeddings need it even")
+    given = get("head_dim")
+    head_dim = head_size(
+        where,
+        HF_HEAD_FIELDS,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        given=given is not None,
+        read=lambda derived: positive_int(
+            derived if given is None else given, "head_dim", where, MAX_DIM
+        ),
+    )
     max_pos = positive_int(
         get("max_position_embeddings", 4096), "max_position_embeddings", where, MAX_POSITIONS
     )
@@ -205,6 +204,54 @@ def config_from_transformers(hf: Any, where: str = "config.json") -> ModelConfig
     )
     check_rope(config, where)
     return config
+
+
+@attrs.frozen
+class HeadFields:
+    """How a checkpoint format names the attention shape's fields, for its error messages."""
+
+    hidden: str  # the model width
+    heads: str  # query heads
+    kv_heads: str  # key/value heads
+    head_size_absent: str  # "no head size given", in the format's words
+    odd: str  # the message of an odd head size, ``{}`` the size
+
+
+HF_HEAD_FIELDS = HeadFields(
+    hidden="hidden_size",
+    heads="num_attention_heads",
+    kv_heads="num_key_value_heads",
+    head_size_absent="head_dim is not given",
+    odd="head_dim={} is odd; rotary embeddings need it even",
+)
+
+
+def head_size(
+    where: str,
+    fields: HeadFields,
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    given: bool,
+    read: Callable[[int], int],
+) -> int:
+    """The attention head size of a checkpoint, checked: the query heads a multiple of the
+    key/value heads, the size given (``read`` reads and range-checks it, from the width
+    over the heads when not ``given``) and even (rotary embeddings rotate pairs)."""
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{where}: {fields.heads}={heads} is not a multiple of {fields.kv_heads}={kv_heads}"
+        )
+    if not given and hidden % heads:
+        raise ModelLoadError(
+            f"{where}: {fields.hidden}={hidden} is not a multiple of {fields.heads}={heads} "
+            f"and {fields.head_size_absent}"
+        )
+    size = read(hidden // heads)
+    if size % 2:
+        raise ModelLoadError(f"{where}: {fields.odd.format(size)}")
+    return size
 
 
 def check_rope(config: ModelConfig, where: str) -> None:

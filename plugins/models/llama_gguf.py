@@ -20,7 +20,8 @@ from pitstop.architecture import GGUFRules
 from pitstop.errors import ModelLoadError
 from pitstop.gguf_file import GGUFModelFile
 from pitstop.model_config import MAX_DIM, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
-from pitstop.plugins.models.llama_config import HF_MODEL_TYPES
+from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, HeadFields
+from pitstop.plugins.models.llama_config import head_size as checked_head_size
 
 # general.architecture -> the Hugging Face architecture name the model registry knows
 # (llama.cpp names the family's members as their config.json model_type does)
@@ -153,25 +154,28 @@ def config_from_gguf(file: GGUFModelFile) -> ModelConfig:
     hidden = file.count(k + "embedding_length", MAX_DIM)
     heads = file.count(k + "attention.head_count", MAX_DIM)
     kv_heads = file.count(k + "attention.head_count_kv", MAX_DIM, default=heads)
-    if heads % kv_heads:
-        raise ModelLoadError(
-            f"GGUF file {path}: {k}attention.head_count={heads} is not a multiple of "
-            f"{k}attention.head_count_kv={kv_heads}"
-        )
-    if k + "attention.key_length" not in meta and hidden % heads:
-        raise ModelLoadError(
-            f"GGUF file {path}: {k}embedding_length={hidden} is not a multiple of "
-            f"{k}attention.head_count={heads} and {k}attention.key_length is absent"
-        )
-    head_size = file.count(k + "attention.key_length", MAX_DIM, default=hidden // heads)
+    fields = HeadFields(
+        hidden=f"{k}embedding_length",
+        heads=f"{k}attention.head_count",
+        kv_heads=f"{k}attention.head_count_kv",
+        head_size_absent=f"{k}attention.key_length is absent",
+        odd="the head size {} is odd",
+    )
+    head_size = checked_head_size(
+        f"GGUF file {path}",
+        fields,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        given=k + "attention.key_length" in meta,
+        read=lambda derived: file.count(k + "attention.key_length", MAX_DIM, default=derived),
+    )
     for other in ("attention.value_length", "rope.dimension_count"):
         if meta.get(k + other, head_size) != head_size:
             raise ModelLoadError(
                 f"GGUF file {path}: {k}{other}={meta[k + other]!r} differs from the head size "
                 f"{head_size}; pitstop supports only value heads of the key size, rotating the whole head"
             )
-    if head_size % 2:
-        raise ModelLoadError(f"GGUF file {path}: the head size {head_size} is odd")
     layers = file.count(k + "block_count", MAX_LAYERS)
     ffn = file.count(k + "feed_forward_length", MAX_DIM)
     context = file.count(k + "context_length", MAX_POSITIONS, default=4096)

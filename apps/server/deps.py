@@ -1,0 +1,167 @@
+"""The routes' shared dependencies: the app state, authentication, the body, the size caps.
+
+A route declares what it needs as parameters (``state: State``,
+``caller: Authorized``, ``body: Annotated[Model, Depends(json_body(Model))]``);
+FastAPI resolves them in that order, so the key is checked before the
+body is read, as OpenAI's server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, TypeVar
+
+import attrs
+from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+
+from pitstop.sampling_params import SamplingParams
+from pitstop.server.api_errors import body_error
+from pitstop.server.protocol import APIError, parse_json_body
+from pitstop.server.state import AppState
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+# A client that sends a body over the limit is answered 413 after its body is
+# read and thrown away (so it sees the answer rather than a reset), up to this
+# many extra bytes; past them the connection is closed.
+DRAIN_EXTRA_BYTES = 8 << 20
+
+_HOW = "send the header 'Authorization: Bearer <key>'"
+
+
+async def app_state(request: Request) -> AppState:
+    """The :class:`AppState` that :func:`~pitstop.server.app.create_app` put on the app."""
+    return request.app.state.app_state
+
+
+State = Annotated[AppState, Depends(app_state)]
+
+
+@attrs.frozen
+class Caller:
+    """Who sent a request that passed authentication, and when it arrived."""
+
+    arrival: float  # time.perf_counter() when the route was entered
+    key: str | None  # which API key matched ("key0", ...), None without authentication
+    client: str  # whom the per-client limits count: the key, else the address
+
+
+def check_key(keys: tuple[bytes, ...], header: str | None) -> str | None:
+    """Refuse a missing, malformed or wrong key (401); return which key matched."""
+    if not keys:
+        return None
+    if header is None:
+        raise APIError(401, f"missing API key: {_HOW}", code="invalid_api_key")
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    # The scheme is case-insensitive (RFC 9110): "bearer" works too.
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(401, f"malformed Authorization header: {_HOW}", code="invalid_api_key")
+    try:
+        raw = token.encode("latin-1")  # the header's own bytes (ASGI decodes latin-1)
+    except UnicodeEncodeError:
+        raw = b""
+    matched = None
+    for i, key in enumerate(keys):  # every key compared, in constant time each
+        if secrets.compare_digest(raw, key) and matched is None:
+            matched = f"key{i}"
+    if matched is None:
+        raise APIError(401, f"invalid API key: {_HOW}", code="invalid_api_key")
+    return matched
+
+
+async def authorize(request: Request, state: State) -> Caller:
+    """The dependency of every ``/v1`` and tokenizer route: the caller, once its key is checked."""
+    arrival = time.perf_counter()
+    key = check_key(state.keys, request.headers.get("authorization"))
+    if key is not None:
+        client = key
+    else:
+        client = request.client.host if request.client is not None else "unknown"
+    return Caller(arrival=arrival, key=key, client=client)
+
+
+Authorized = Annotated[Caller, Depends(authorize)]
+
+
+async def read_body(request: Request, state: AppState, model: type[BodyT]) -> BodyT:
+    """The request's JSON body as ``model``: 413 over the size limit, 408 when it comes too
+    slowly, 400 when it is not JSON or fails the model."""
+    settings = state.settings
+    limit = settings.max_body_bytes
+    too_large = APIError(
+        413,
+        f"the request body is over the limit of {limit} bytes (--max-body-bytes)",
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit + DRAIN_EXTRA_BYTES:
+        raise too_large
+    try:
+        body, size = await _receive(request, limit, settings.read_timeout_s)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {settings.read_timeout_s:g} s "
+            "(--read-timeout); send it at once",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+    except ClientDisconnect:
+        raise APIError(400, "the client closed the connection while sending") from None
+    if size > limit:
+        raise too_large
+    data = parse_json_body(body, max_depth=settings.max_json_depth)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise body_error(exc.errors()) from exc
+
+
+async def _receive(request: Request, limit: int, timeout_s: float) -> tuple[bytes, int]:
+    """The body's first ``limit`` bytes and its size, reading on past the limit (to answer
+    413 rather than reset) up to :data:`DRAIN_EXTRA_BYTES` more."""
+    body = bytearray()
+    size = 0
+    async with asyncio.timeout(timeout_s):
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                body += chunk
+            elif size > limit + DRAIN_EXTRA_BYTES:
+                break
+    return bytes(body), size
+
+
+def json_body(model: type[BodyT]) -> Callable[[Request, AppState], Awaitable[BodyT]]:
+    """A dependency that reads the body as ``model`` (:func:`read_body`)."""
+
+    async def dependency(request: Request, state: State) -> BodyT:
+        return await read_body(request, state, model)
+
+    return dependency
+
+
+def check_request_size(state: AppState, params: SamplingParams, num_prompts: int) -> None:
+    """The server's caps on ``n`` and on prompts per request (400 above them)."""
+    settings = state.settings
+    if params.n > settings.max_n:
+        raise APIError(
+            400,
+            f"n is {params.n}, above this server's cap of {settings.max_n} samples per prompt "
+            f"(--max-n); ask for at most {settings.max_n}, or send several requests",
+            param="n",
+        )
+    if num_prompts > settings.max_prompts_per_request:
+        raise APIError(
+            400,
+            f"prompt holds {num_prompts} prompts, above this server's cap of "
+            f"{settings.max_prompts_per_request} per request (--max-prompts-per-request); "
+            "split the list over several requests",
+            param="prompt",
+        )

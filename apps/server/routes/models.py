@@ -1,0 +1,23 @@
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the one model this server serves."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from pitstop.server.deps import Authorized, State
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(state: State, _caller: Authorized) -> JSONResponse:
+    """The list of served models (one)."""
+    return JSONResponse({"object": "list", "data": [state.model_card()]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(state: State, _caller: Authorized, model_id: str) -> JSONResponse:
+    """The served model's card; any other name is a 404."""
+    state.check_model(model_id)
+    return JSONResponse(state.model_card())

@@ -1,0 +1,120 @@
+"""What every route reads: the engine, the settings and the server's bookkeeping, in one object.
+
+:func:`~pitstop.server.app.create_app` builds one :class:`AppState` and puts
+it on ``app.state.app_state``; the routes receive it through the
+:func:`~pitstop.server.deps.app_state` dependency instead of closing over
+variables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from pitstop.async_engine import AsyncLLM
+from pitstop.errors import PluginError
+from pitstop.protocols import ToolParser
+from pitstop.server.limits import ServerState
+from pitstop.server.metrics import ServerMetrics
+from pitstop.server.protocol import APIError, now
+from pitstop.server.settings import ServerSettings
+
+
+@attrs.define(kw_only=True)
+class AppState:
+    """One server's engine, settings, names, metrics and admission state."""
+
+    llm: AsyncLLM
+    settings: ServerSettings
+    model_name: str  # the name the server answers to and reports
+    model_aliases: frozenset[str]  # the names a request may give: model_name and the setting
+    metrics: ServerMetrics
+    server: ServerState
+    keys: tuple[bytes, ...]  # the accepted API keys' bytes (empty: no authentication)
+    vocab_size: int
+    tool_parser: ToolParser | None
+    started: int  # when the server started (a model card's ``created``)
+
+    @classmethod
+    def build(cls, llm: AsyncLLM, settings: ServerSettings) -> AppState:
+        """The state of a server of ``llm``; a tool-call setting that cannot work is a PluginError."""
+        model_name = settings.served_model_name or llm.config.model
+        return cls(
+            llm=llm,
+            settings=settings,
+            model_name=model_name,
+            model_aliases=frozenset({model_name, llm.config.model}),
+            metrics=ServerMetrics(llm, model_name),
+            server=ServerState(
+                llm,
+                max_queued_requests=settings.max_queued_requests,
+                max_requests_per_client=settings.max_requests_per_client,
+                retry_after_s=settings.retry_after_s,
+                step_grace_s=settings.step_grace_s,
+                max_queued_tokens=settings.max_queued_tokens,
+                max_tokens_per_client=settings.max_tokens_per_client,
+            ),
+            keys=tuple(k.encode("utf-8") for k in settings.keys),
+            vocab_size=llm.engine.model_config.vocab_size,
+            tool_parser=_tool_parser(llm, settings),
+            started=now(),
+        )
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine's ``max_model_len`` setting."""
+        return self.llm.config.max_model_len
+
+    def check_model(self, name: str | None, *, required: bool = True) -> None:
+        """The request's ``model``: exactly the served name (or the model setting), else 404;
+        missing or empty on a generation route, 400 (vLLM answers alike)."""
+        if not name and required:
+            raise APIError(
+                400,
+                f"model is required; this server serves {self.model_name!r}: send "
+                f'"model": "{self.model_name}"',
+                param="model",
+                code="model_required",
+            )
+        if name and name not in self.model_aliases:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def tokenizer_or_400(self) -> Any:
+        """The engine's tokenizer; a 400 when the model has none."""
+        tok = self.llm.engine.tokenizer
+        if tok is None:
+            raise APIError(
+                400, f"the model {self.model_name!r} has no tokenizer", code="no_tokenizer"
+            )
+        return tok
+
+    def model_card(self) -> dict[str, Any]:
+        """The served model, as ``GET /v1/models`` lists it."""
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "pitstop",
+            "root": self.llm.config.model,
+            "max_model_len": self.max_model_len,
+        }
+
+
+def _tool_parser(llm: AsyncLLM, settings: ServerSettings) -> ToolParser | None:
+    """The tool-call parser the settings name, or None; auto tool choice needs one."""
+    if settings.tool_call_parser is not None:
+        return llm.engine.plugins.create(
+            "tool_parser", settings.tool_call_parser, llm.engine.tokenizer
+        )
+    if settings.enable_auto_tool_choice:
+        raise PluginError(
+            "--enable-auto-tool-choice needs --tool-call-parser NAME (the format the model "
+            "writes its calls in: " + ", ".join(llm.engine.plugins.names("tool_parser")) + ")"
+        )
+    return None
