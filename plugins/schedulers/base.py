@@ -49,10 +49,9 @@ import attrs
 from pitstop.errors import ConfigError, PitstopError
 from pitstop.protocols import ScheduledSequence, StepPlan
 from pitstop.sequence import Sequence, SequenceStatus
-from pitstop.settings import engine_setting, read_settings, setting
+from pitstop.settings import engine_setting, setting
 
 if TYPE_CHECKING:
-    from pitstop.config import EngineConfig
     from pitstop.protocols import Allocator
 
 MAX_WAIT_STEPS_OPTION = "scheduler.max_wait_steps"  # the older key, shared by both schedulers
@@ -152,17 +151,14 @@ class StepBuilder:
 class BaseScheduler:
     """Queues, admission order, slot growth, preemption by recompute, abort and release.
 
-    Subclasses implement :meth:`schedule` and name their registered ``name`` and
-    ``settings_class``, which :meth:`__init__` reads into ``self.settings``.
+    Subclasses implement :meth:`schedule`. A scheduler is built from its typed
+    settings (those its plugin registers, which the plugin manager reads and
+    validates once and hands to the factory) and the allocator.
     """
 
-    name = "base"
-    settings_class: type = AdmissionSettings
-
-    def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
-        self.config = config
+    def __init__(self, settings: BatchSettings, allocator: Allocator) -> None:
         self.allocator = allocator
-        self.settings = read_settings(config, self.name, self.settings_class)
+        self.settings = settings
         self.max_batch_size = self.settings.max_batch_size
         self.max_prefill_batch = self.settings.max_prefill_batch
         ordered = isinstance(self.settings, AdmissionSettings)

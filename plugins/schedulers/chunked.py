@@ -58,11 +58,8 @@ class ChunkedSettings(AdmissionSettings):
 class ChunkedScheduler(BaseScheduler):
     """Chunked prefill: decodes and prompt chunks share one token budget per step."""
 
-    name = "chunked"
-    settings_class = ChunkedSettings
-
-    def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
-        super().__init__(config, allocator)
+    def __init__(self, settings: ChunkedSettings, allocator: Allocator) -> None:
+        super().__init__(settings, allocator)
         self.token_budget = self.settings.step_token_budget()
         self.max_running = min(self.max_batch_size, self.token_budget)
 
@@ -95,9 +92,12 @@ class ChunkedScheduler(BaseScheduler):
             step.add(seq, min(seq.num_uncomputed_tokens, step.tokens_left))
 
 
-def create_chunked(config: EngineConfig, allocator: Allocator) -> ChunkedScheduler:
+def create_chunked(
+    config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings
+) -> ChunkedScheduler:
     """Continuous batching with long prompts split into chunks that share a step with decodes."""
-    return ChunkedScheduler(config, allocator)
+    del config  # everything it reads is in its settings
+    return ChunkedScheduler(settings, allocator)
 
 
 @pitstop.hookimpl

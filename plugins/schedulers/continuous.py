@@ -57,11 +57,8 @@ class ContinuousSettings(AdmissionSettings):
 class ContinuousScheduler(BaseScheduler):
     """Continuous batching: sequences join and leave after every step."""
 
-    name = "continuous"
-    settings_class = ContinuousSettings
-
-    def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
-        super().__init__(config, allocator)
+    def __init__(self, settings: ContinuousSettings, allocator: Allocator) -> None:
+        super().__init__(settings, allocator)
         self.token_budget = self.settings.max_num_batched_tokens
         self.max_running = min(self.max_batch_size, self.token_budget)
         self.prefill_first = self.settings.prefill_priority == "high"
@@ -108,9 +105,12 @@ class ContinuousScheduler(BaseScheduler):
                 return
 
 
-def create_continuous(config: EngineConfig, allocator: Allocator) -> ContinuousScheduler:
+def create_continuous(
+    config: EngineConfig, allocator: Allocator, *, settings: ContinuousSettings
+) -> ContinuousScheduler:
     """Continuous batching: finished sequences leave and waiting ones join after every step."""
-    return ContinuousScheduler(config, allocator)
+    del config  # everything it reads is in its settings
+    return ContinuousScheduler(settings, allocator)
 
 
 @pitstop.hookimpl

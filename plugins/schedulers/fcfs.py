@@ -36,11 +36,8 @@ log = logging.getLogger(__name__)
 class FCFSScheduler(BaseScheduler):
     """Static batching in arrival order: nothing joins until the whole batch has finished."""
 
-    name = "fcfs"
-    settings_class = BatchSettings
-
-    def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
-        super().__init__(config, allocator)
+    def __init__(self, settings: BatchSettings, allocator: Allocator) -> None:
+        super().__init__(settings, allocator)
         if self.settings.admission != "arrival":
             log.warning(
                 "the fcfs scheduler admits in arrival order; admission=%r has no effect",
@@ -89,9 +86,12 @@ class FCFSScheduler(BaseScheduler):
         self.batch.discard(seq.seq_id)
 
 
-def create_fcfs(config: EngineConfig, allocator: Allocator) -> FCFSScheduler:
+def create_fcfs(
+    config: EngineConfig, allocator: Allocator, *, settings: BatchSettings
+) -> FCFSScheduler:
     """Requests in arrival order, in static batches: nothing joins until the batch has finished."""
-    return FCFSScheduler(config, allocator)
+    del config  # everything it reads is in its settings
+    return FCFSScheduler(settings, allocator)
 
 
 @pitstop.hookimpl
