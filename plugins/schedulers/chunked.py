@@ -58,8 +58,13 @@ class ChunkedSettings(AdmissionSettings):
 class ChunkedScheduler(BaseScheduler):
     """Chunked prefill: decodes and prompt chunks share one token budget per step."""
 
-    def __init__(self, settings: ChunkedSettings, allocator: Allocator) -> None:
-        super().__init__(settings, allocator)
+    name = "chunked"
+    settings_class = ChunkedSettings
+
+    def __init__(
+        self, config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings | None = None
+    ) -> None:
+        super().__init__(config, allocator, settings=settings)
         self.token_budget = self.settings.step_token_budget()
         self.max_running = min(self.max_batch_size, self.token_budget)
 
@@ -93,13 +98,12 @@ class ChunkedScheduler(BaseScheduler):
 
 
 def create_chunked(
-    config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings
+    config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings | None = None
 ) -> ChunkedScheduler:
     """Continuous batching with long prompts split into chunks that share a step with decodes."""
-    del config  # everything it reads is in its settings
-    return ChunkedScheduler(settings, allocator)
+    return ChunkedScheduler(config, allocator, settings=settings)
 
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register("chunked", create_chunked, settings=ChunkedSettings)
+    ChunkedScheduler.register_with(register, create_chunked)

@@ -57,8 +57,17 @@ class ContinuousSettings(AdmissionSettings):
 class ContinuousScheduler(BaseScheduler):
     """Continuous batching: sequences join and leave after every step."""
 
-    def __init__(self, settings: ContinuousSettings, allocator: Allocator) -> None:
-        super().__init__(settings, allocator)
+    name = "continuous"
+    settings_class = ContinuousSettings
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: Allocator,
+        *,
+        settings: ContinuousSettings | None = None,
+    ) -> None:
+        super().__init__(config, allocator, settings=settings)
         self.token_budget = self.settings.max_num_batched_tokens
         self.max_running = min(self.max_batch_size, self.token_budget)
         self.prefill_first = self.settings.prefill_priority == "high"
@@ -106,13 +115,12 @@ class ContinuousScheduler(BaseScheduler):
 
 
 def create_continuous(
-    config: EngineConfig, allocator: Allocator, *, settings: ContinuousSettings
+    config: EngineConfig, allocator: Allocator, *, settings: ContinuousSettings | None = None
 ) -> ContinuousScheduler:
     """Continuous batching: finished sequences leave and waiting ones join after every step."""
-    del config  # everything it reads is in its settings
-    return ContinuousScheduler(settings, allocator)
+    return ContinuousScheduler(config, allocator, settings=settings)
 
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register("continuous", create_continuous, settings=ContinuousSettings)
+    ContinuousScheduler.register_with(register, create_continuous)

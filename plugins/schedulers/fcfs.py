@@ -36,8 +36,13 @@ log = logging.getLogger(__name__)
 class FCFSScheduler(BaseScheduler):
     """Static batching in arrival order: nothing joins until the whole batch has finished."""
 
-    def __init__(self, settings: BatchSettings, allocator: Allocator) -> None:
-        super().__init__(settings, allocator)
+    name = "fcfs"
+    settings_class = BatchSettings
+
+    def __init__(
+        self, config: EngineConfig, allocator: Allocator, *, settings: BatchSettings | None = None
+    ) -> None:
+        super().__init__(config, allocator, settings=settings)
         if self.settings.admission != "arrival":
             log.warning(
                 "the fcfs scheduler admits in arrival order; admission=%r has no effect",
@@ -87,13 +92,12 @@ class FCFSScheduler(BaseScheduler):
 
 
 def create_fcfs(
-    config: EngineConfig, allocator: Allocator, *, settings: BatchSettings
+    config: EngineConfig, allocator: Allocator, *, settings: BatchSettings | None = None
 ) -> FCFSScheduler:
     """Requests in arrival order, in static batches: nothing joins until the batch has finished."""
-    del config  # everything it reads is in its settings
-    return FCFSScheduler(settings, allocator)
+    return FCFSScheduler(config, allocator, settings=settings)
 
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register("fcfs", create_fcfs, settings=BatchSettings)
+    FCFSScheduler.register_with(register, create_fcfs)
