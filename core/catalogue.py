@@ -59,7 +59,7 @@ class Declaration:
             return self._memo[key]
         value = read_settings(config, self.name, self.settings, owner=self.owner, selected=selected)
         if len(self._memo) >= _MEMO_SIZE:
-            self._memo.pop(next(iter(self._memo)))
+            self._memo.clear()
         self._memo[key] = value
         return value
 
