@@ -312,7 +312,7 @@ class PluginManager:
         return register
 
     def _check_aliases(self, kind: str, name: str, settings: type, source: PluginSource) -> None:
-        """Plugins sharing one alias declare it alike (pitstop.config refuses an alias that
+        """Plugins sharing one alias declare it alike (pitstop.options refuses an alias that
         is an engine setting's name)."""
         shared = self.setting_aliases()
         for att in aliased_fields(settings):
