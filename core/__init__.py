@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pitstop import catalogue
 from pitstop.config import EngineConfig
 from pitstop.errors import (
     ConfigError,
@@ -18,6 +19,17 @@ from pitstop.sampling_params import SamplingParams
 from pitstop.structured import StructuredOutputs
 
 __version__ = "0.1.0"
+
+
+def _installed_plugins() -> catalogue.Catalogue | None:
+    """The process-wide plugin manager's catalogue (loading the plugins on first use), or
+    None while it is loading them: what an EngineConfig parses its keywords against."""
+    from pitstop import plugin_manager
+
+    return None if plugin_manager.is_loading() else plugin_manager.get_plugin_manager().catalogue
+
+
+catalogue.use_installed(_installed_plugins)
 
 if TYPE_CHECKING:
     from pitstop.engine import LLMEngine

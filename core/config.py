@@ -7,9 +7,11 @@ the built-ins' keep their documented short names as aliases, so
 ``EngineConfig(chunk_size=512)`` and ``config.chunk_size`` read the chunked
 scheduler's setting. The config loads from keyword arguments, from a TOML
 file (:meth:`EngineConfig.from_toml`) and from CLI flags
-(:func:`add_cli_flags` / :meth:`EngineConfig.from_cli`). Strategy names are
-checked against the registered plugins when the engine is built, where the
-list of names that exist is known.
+(:func:`add_cli_flags` / :meth:`EngineConfig.from_cli`); every spelling is
+parsed in :mod:`pitstop.options`, against the installed plugins' declared
+settings (:mod:`pitstop.catalogue`): the config knows no plugin manager.
+Strategy names are checked, and each strategy's typed settings read once,
+when the engine is built (:meth:`pitstop.plugin_manager.PluginManager.resolve`).
 """
 
 from __future__ import annotations
@@ -18,34 +20,25 @@ import argparse
 import logging
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from pitstop import catalogue
 from pitstop.errors import ConfigError, PluginError
+from pitstop.options import (
+    add_engine_flags,
+    add_settings_flags,
+    add_vllm_flags,
+    aliases,
+    fold_keywords,
+    keywords_from_cli,
+    keywords_from_toml,
+)
 from pitstop.poison import poison_from_env
-from pitstop.settings import (
-    TOML_TABLE,
-    allowed_values,
-    check_value,
-    flag_name,
-    option_fields,
-    settings_from_toml,
-)
-from pitstop.vllm_args import (
-    ACCEPTED,
-    DTYPE_WORDS,
-    KV_CACHE_DTYPE_WORDS,
-    REFUSED,
-    RENAMED,
-    did_you_mean,
-    merge,
-    translate,
-    vllm_names,
-)
+from pitstop.vllm_args import DTYPE_WORDS, KV_CACHE_DTYPE_WORDS, merge
 
 if TYPE_CHECKING:
     from pitstop.model_config import ModelConfig
@@ -366,42 +359,20 @@ class EngineConfig:
         (``chunk_size=512``: stored as ``options["chunk_size"]``, replacing the same
         setting given by its ``<plugin>.<setting>`` key) or one of vLLM's engine-argument
         names (``max_num_seqs=64``: :mod:`pitstop.vllm_args`); anything else is an error
-        that names the nearest known setting and lists the settings that exist."""
-        settings = translate(settings)
-        fields = attrs.fields_dict(EngineConfig)
-        short = {k: v for k, v in settings.items() if k not in fields}
-        if short:
-            table = _setting_aliases()
-            unknown = sorted(set(short) - set(table))
-            if unknown:
-                known = EngineConfig.setting_names()
-                named = ", ".join(f"{n}{did_you_mean(n, known + vllm_names())}" for n in unknown)
-                raise ConfigError(
-                    f"unknown setting(s) {named}; known settings: {', '.join(known)} "
-                    "(and vLLM's names: docs/api.md)"
-                )
-            options = dict(settings.get("options") or {})
-            for alias, value in short.items():
-                for strategy, att in table[alias]:
-                    options.pop(f"{strategy.name}.{att.name}", None)
-                options[alias] = value
-            settings = {k: v for k, v in settings.items() if k in fields} | {"options": options}
-        self.__attrs_init__(**settings)
+        that names the nearest known setting and lists the settings that exist
+        (:func:`pitstop.options.fold_keywords`)."""
+        self.__attrs_init__(**fold_keywords(settings, self.field_names(), catalogue.installed()))
 
     def __getattr__(self, name: str) -> Any:
         """A plugin setting read by its alias (``config.chunk_size``): its value as the
         selected strategy that declares it reads it, else the declared default."""
         if name.startswith("_") or name == "options":
             raise AttributeError(name)
-        declared = _setting_aliases().get(name)
-        if declared is None:
+        installed = catalogue.installed()
+        if name not in aliases(installed, self.field_names()):
             raise AttributeError(f"EngineConfig has no setting {name!r}")
-        if name in self.options:
-            return self.options[name]
-        for strategy, att in declared:
-            if strategy.is_selected(self):
-                return getattr(strategy.read_settings(self), att.name)
-        return declared[0][1].default
+        assert installed is not None
+        return installed.alias_value(self, name)
 
     def __attrs_post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -412,16 +383,21 @@ class EngineConfig:
                 f"{self.tensor_parallel_size} puts rank r on cuda:r; use device='cuda' (or 'auto'), "
                 "and CUDA_VISIBLE_DEVICES to choose the GPUs"
             )
-        _check_plugin_settings(self)
+        installed = catalogue.installed()
+        if installed is not None:  # the plugin settings it sets or selects, before any weight loads
+            aliases(installed, self.field_names())
+            installed.check(self)
 
     @property
     def step_token_budget(self) -> int:
         """The most tokens one step of the selected scheduler computes: its own budget when
         its settings declare one (``chunked``'s ``chunk_size``), else
-        ``max_num_batched_tokens`` (``continuous`` runs a longer prompt alone, over budget)."""
-        from pitstop.plugin_manager import get_plugin_manager
-
-        return get_plugin_manager().step_token_budget(self)
+        ``max_num_batched_tokens`` (``continuous`` runs a longer prompt alone, over budget);
+        the engine takes it from :meth:`pitstop.plugin_manager.PluginManager.resolve`."""
+        installed = catalogue.installed()
+        if installed is None:
+            return self.max_num_batched_tokens
+        return installed.step_token_budget(self)
 
     # ------------------------------------------------------------------ loaders
     @classmethod
@@ -432,7 +408,7 @@ class EngineConfig:
     @classmethod
     def setting_names(cls) -> list[str]:
         """The engine's settings and the registered plugins' aliases (``chunk_size``)."""
-        return cls.field_names() + sorted(_setting_aliases())
+        return cls.field_names() + sorted(aliases(catalogue.installed(), cls.field_names()))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:
@@ -445,23 +421,7 @@ class EngineConfig:
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
         """Load a TOML file (top-level keys, or an ``[engine]`` table); ``overrides`` win."""
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {path} does not exist") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
-        if "engine" in data and isinstance(data["engine"], dict):
-            data = {**{k: v for k, v in data.items() if k != "engine"}, **data["engine"]}
-        if TOML_TABLE in data:  # [plugins.<name>] tables: entries of options
-            tables = settings_from_toml(data, path)
-            data = {k: v for k, v in data.items() if k != TOML_TABLE}
-            data["options"] = {**tables, **(data.get("options") or {})}
-        aliases = set(data) & set(_setting_aliases())  # chunk_size = 512 at the top level
-        if aliases:
-            short = {k: data.pop(k) for k in sorted(aliases)}
-            data["options"] = {**(data.get("options") or {}), **short}
+        data = keywords_from_toml(path, catalogue.installed())
         if "options" in overrides and "options" in data:
             overrides = {**overrides, "options": {**data["options"], **overrides["options"]}}
         return cls.from_dict(merge(data, overrides))  # vLLM's names or pitstop's, either side
@@ -469,22 +429,7 @@ class EngineConfig:
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
         """Build from flags added by :func:`add_cli_flags` (flags beat ``--config``)."""
-        given = {
-            name: getattr(args, name)
-            for name in cls.field_names()
-            if getattr(args, name, None) is not None and name != "options"
-        }
-        for item in getattr(args, "option", None) or []:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ConfigError(f"--option expects KEY=VALUE, got {item!r}")
-            given.setdefault("options", {})[key] = _parse_scalar(value)
-        for dest, value in vars(args).items():  # --<plugin>.<setting> flags
-            if dest.startswith(SETTING_DEST) and value is not None:
-                given.setdefault("options", {})[dest[len(SETTING_DEST) :]] = value
-        for dest, value in vars(args).items():  # --max-num-seqs and vLLM's other flags
-            if dest.startswith(VLLM_DEST) and value is not None:
-                given[dest[len(VLLM_DEST) :]] = value
+        given = keywords_from_cli(args, cls.field_names())
         if getattr(args, "config", None):
             return cls.from_toml(args.config, **given)
         return cls.from_dict(given)
@@ -531,201 +476,17 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return asked
 
 
-def _plugins() -> Any:
-    """The process-wide plugin manager, or None while it is loading the plugins (a plugin
-    that builds an EngineConfig at import time gets no plugin-setting checks)."""
-    from pitstop import plugin_manager
-
-    return None if plugin_manager.is_loading() else plugin_manager.get_plugin_manager()
-
-
-def _setting_aliases() -> dict[str, list[tuple[Any, attrs.Attribute]]]:
-    """Each registered plugin-setting alias -> (strategy, field) of every declaration."""
-    plugins = _plugins()
-    if plugins is None:
-        raise PluginError(
-            "a plugin setting's alias was used while the plugins were still loading; "
-            "build the EngineConfig in the plugin's factory, not when its module is imported"
-        )
-    table = plugins.setting_aliases()
-    for alias in set(table) & set(attrs.fields_dict(EngineConfig)):
-        owners = ", ".join(s.owner for s, _ in table[alias])
-        raise PluginError(
-            f"{owners}: the setting alias {alias!r} is the name of an engine setting; "
-            "the plugin must choose another alias"
-        )
-    return table
-
-
-def _check_plugin_settings(config: EngineConfig) -> None:
-    """Validate the plugin settings ``config`` sets by alias, and the settings of the
-    strategies it selects, before any weight loads (the engine checks every plugin's
-    again, against its own plugin manager, when it is built)."""
-    plugins = _plugins()
-    if plugins is None:
-        return
-    table = _setting_aliases()
-    to_read = {s.owner: s for s in plugins.strategies() if s.is_selected(config)}
-    for alias, declared in table.items():
-        if alias in config.options:
-            strategy, att = declared[0]
-            check_value(att, config.options[alias], key=alias, owner=strategy.owner)
-            to_read |= {s.owner: s for s, _ in declared}
-    for strategy in to_read.values():
-        strategy.read_settings(config)
-
-
-def _parse_scalar(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-def parse_bool_flag(text: str) -> bool:
-    """A boolean flag's value; anything else is an argparse error (usage + message, exit 2)."""
-    try:
-        return _BOOL_WORDS[text.strip().lower()]
-    except KeyError:
-        raise argparse.ArgumentTypeError(
-            f"expected true or false (or yes/no, 1/0), got {text!r}"
-        ) from None
-
-
-SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags
-VLLM_DEST = "vllm:"  # argparse dest prefix of vLLM's flags (--max-num-seqs)
-
-
-def _flag_type(att: attrs.Attribute):
-    t = str(att.type)
-    if "bool" in t:
-        return parse_bool_flag
-    if "int" in t:
-        return int
-    if "float" in t:
-        return float
-    return str
-
-
 def add_cli_flags(
     parser: argparse.ArgumentParser, *, with_model: bool = True, plugins: Any = None
 ) -> None:
     """Add one ``--flag`` per :class:`EngineConfig` setting, plus ``--config FILE``, plus
     one ``--<plugin>.<setting>`` flag per declared setting of the registered plugins
-    (``plugins``: a :class:`~pitstop.plugin_manager.PluginManager`; default: the
-    process-wide one)."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--config", metavar="FILE", help="TOML file of engine settings (flags win)")
-    for att in attrs.fields(EngineConfig):
-        if att.name == "options" or (att.name == "model" and not with_model):
-            continue
-        help_text = att.metadata.get("help", "")
-        if "default:" not in help_text:
-            default = att.default
-            shown = "none" if default is None else str(default)
-            help_text += f" (default: {shown.lower() if isinstance(default, bool) else shown})"
-        # the default stays None so that a --config file's value is not overridden
-        kwargs: dict[str, Any] = {"default": None, "help": help_text}
-        if "bool" in str(att.type):  # --enforce-eager alone (vLLM's habit) is true
-            kwargs.update(metavar="true|false", nargs="?", const=True)
-        group.add_argument(
-            "--" + att.name.replace("_", "-"), dest=att.name, type=_flag_type(att), **kwargs
-        )
-    group.add_argument(
-        "--option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="a third-party plugin setting (repeatable)",
-    )
-    if plugins is None:
-        from pitstop.plugin_manager import get_plugin_manager  # loads the plugins once
-
-        plugins = get_plugin_manager()
-    add_settings_flags(parser, plugins)
+    (``plugins``: a :class:`~pitstop.plugin_manager.PluginManager` or its
+    :class:`~pitstop.catalogue.Catalogue`; default: the installed plugins'), plus vLLM's."""
+    add_engine_flags(parser, attrs.fields(EngineConfig), with_model=with_model)
+    found = getattr(plugins, "catalogue", plugins) if plugins is not None else None
+    found = found if found is not None else catalogue.installed()
+    if found is None:
+        raise PluginError("the plugins are still loading; add the flags in a command's setup")
+    add_settings_flags(parser, found)
     add_vllm_flags(parser)
-
-
-def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
-    """vLLM's engine flags: ``--max-num-seqs N``, ``--enable-prefix-caching`` /
-    ``--no-enable-prefix-caching`` and the others of :mod:`pitstop.vllm_args`. A flag
-    of an argument pitstop refuses parses (hidden from ``--help``) so that the
-    config can refuse it by name."""
-    group = parser.add_argument_group("vLLM's names for the settings above (docs/api.md)")
-    for rule in RENAMED:
-        flag = "--" + rule.vllm.replace("_", "-")
-        help_text = f"vLLM's name of --{rule.pitstop.replace('_', '-')}" + (
-            f" ({rule.note})" if rule.note else ""
-        )
-        help_text += f" (default: that of --{rule.pitstop.replace('_', '-')})"
-        if rule.flag_type is bool:
-            group.add_argument(
-                flag,
-                dest=VLLM_DEST + rule.vllm,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=help_text,
-            )
-        else:
-            group.add_argument(
-                flag,
-                dest=VLLM_DEST + rule.vllm,
-                type=rule.flag_type,
-                default=None,
-                metavar="N",
-                help=help_text,
-            )
-    for name, meaning in ACCEPTED.items():
-        group.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=VLLM_DEST + name,
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help=f"vLLM's flag, {meaning} (default: false)",
-        )
-    for name in REFUSED:
-        if "--" + name.replace("_", "-") in parser._option_string_actions:
-            continue  # a command's own flag (pitstop serve --served-model-name)
-        group.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=VLLM_DEST + name,
-            nargs="?",
-            const=True,
-            type=_parse_scalar,
-            default=None,
-            help=argparse.SUPPRESS,
-        )
-
-
-def add_settings_flags(parser: argparse.ArgumentParser, plugins: Any) -> None:
-    """One ``--<plugin>.<setting>`` flag per declared setting of ``plugins``' strategies
-    (engine-wide ones have theirs), and one ``--<alias>`` flag per alias (``--chunk-size``)."""
-    group = parser.add_argument_group("plugin settings (pitstop plugins --settings)")
-
-    def add(flag: str, key: str, att: attrs.Attribute, help_text: str) -> None:
-        kind = att.metadata["type"]
-        group.add_argument(
-            flag,
-            dest=SETTING_DEST + key,
-            type=parse_bool_flag if kind is bool else kind,
-            default=None,
-            metavar="true|false" if kind is bool else kind.__name__.upper(),
-            help=f"{help_text} ({allowed_values(att)}; default {att.default!r})",
-        )
-
-    for alias, declared in sorted(plugins.setting_aliases().items()):
-        first, att = declared[0]
-        readers = ", ".join(f"{s.kind} {s.name!r}" for s, _ in declared)
-        also = flag_name(first.name, att.name)
-        help_text = f"{att.metadata['help']}; read by {readers}; also {also}"
-        add("--" + alias.replace("_", "-"), alias, att, help_text)
-    for strategy in plugins.strategies():
-        for att in option_fields(strategy.settings) if strategy.settings is not None else ():
-            add(
-                flag_name(strategy.name, att.name),
-                f"{strategy.name}.{att.name}",
-                att,
-                f"{strategy.kind} {strategy.name!r}: {att.metadata['help']}",
-            )

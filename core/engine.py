@@ -110,7 +110,7 @@ class LLMEngine:
         if config.kernels == "auto":
             fused = self.device.type == "cuda" and "fused" in self.plugins.names("kernels")
             config = attrs.evolve(config, kernels="fused" if fused else "reference")
-        self.plugins.check_config(config)  # every name, before any weight loads
+        resolved = self.plugins.resolve(config)  # every name and setting, before any weight loads
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -166,11 +166,15 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len}; give it more memory (kv_cache_gib, max_num_pages, "
                 f"gpu_memory_utilization) or lower max_model_len"
             )
-        self.allocator = self.plugins.create("allocator", config.allocator, config, num_pages)
+        self.allocator = self.plugins.create(
+            "allocator", config.allocator, config, num_pages, settings=resolved.of("allocator")
+        )
         self._fresh_pages: list[int] = []  # handed out since the last launch (poison_memory)
         if config.poison_memory:
             self.allocator = FreshPageTracker(self.allocator, self._fresh_pages.extend)
-        self.scheduler = self.plugins.create("scheduler", config.scheduler, config, self.allocator)
+        self.scheduler = self.plugins.create(
+            "scheduler", config.scheduler, config, self.allocator, settings=resolved.of("scheduler")
+        )
         self.proposer = None
         if config.speculative is not None:
             context = ProposerContext(
@@ -182,7 +186,9 @@ class LLMEngine:
                 num_pages=num_pages,
                 tokenizer=self.tokenizer,
             )
-            self.proposer = self.plugins.create("proposer", config.speculative, config, context)
+            self.proposer = self.plugins.create(
+                "proposer", config.speculative, config, context, settings=resolved.of("proposer")
+            )
         self._draft_probs: dict[int, Any] = {}  # seq_id -> this step's draft distributions
         self._draft_ids: dict[int, Any] = {}  # seq_id -> this step's drafts, when on the device
         per_page = self.runner.bytes_per_page()

@@ -11,6 +11,7 @@ or distribution names) narrows which entry points load.
 from __future__ import annotations
 
 import importlib.metadata as md
+import inspect
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -22,17 +23,16 @@ import pluggy
 
 from pitstop import hookspecs, protocols
 from pitstop.architecture import Architecture
+from pitstop.catalogue import Catalogue, Declaration, ResolvedConfig, step_token_budget
 from pitstop.errors import PluginError
 from pitstop.kinds import KINDS as KIND_TABLE
 from pitstop.kinds import missing_members
 from pitstop.model_config import ModelConfig
-from pitstop.protocols import StepBudgetSettings
 from pitstop.settings import (
     aliased_fields,
     check_option_keys,
     is_settings_class,
     option_fields,
-    read_settings,
     same_declaration,
 )
 
@@ -62,11 +62,13 @@ class Strategy:
     options: Mapping[str, str] = attrs.field(factory=dict)  # the ``options`` keys it reads -> doc
     settings: type | None = None  # its declared settings class (see pitstop.settings)
     architecture: Any = None  # a model's pitstop.architecture.Architecture (loading rules)
+    declaration: Declaration | None = attrs.field(default=None, eq=False, repr=False)
+    takes_settings: bool = False  # its factory has a ``settings`` keyword: create() fills it
 
     @property
     def owner(self) -> str:
         """How errors name it: ``scheduler 'chunked' (pitstop 0.1.0)``."""
-        return f"{self.kind} {self.name!r} ({self.distribution} {self.version})".replace(" )", ")")
+        return owner(self.kind, self.name, self.distribution, self.version)
 
     def is_selected(self, config: EngineConfig) -> bool:
         """Whether ``config`` picks this strategy by name (``kernels="auto"`` picks none yet)."""
@@ -74,13 +76,24 @@ class Strategy:
         return field in attrs.fields_dict(type(config)) and getattr(config, field) == self.name
 
     def read_settings(self, config: EngineConfig) -> Any:
-        """Its validated settings from ``config`` (None when it declares none); a
-        ``required`` setting must be set only when ``config`` selects it."""
-        if self.settings is None:
-            return None
-        return read_settings(
-            config, self.name, self.settings, owner=self.owner, selected=self.is_selected(config)
-        )
+        """Its validated settings from ``config`` (None when it declares none), read once
+        per distinct input (:meth:`pitstop.catalogue.Declaration.read`); a ``required``
+        setting must be set only when ``config`` selects it."""
+        return None if self.declaration is None else self.declaration.read(config)
+
+
+def owner(kind: str, name: str, distribution: str, version: str) -> str:
+    """How errors name a strategy: ``scheduler 'chunked' (pitstop 0.1.0)``."""
+    return f"{kind} {name!r} ({distribution} {version})".replace(" )", ")")
+
+
+def _takes_settings(factory: Callable[..., Any]) -> bool:
+    """Whether ``factory`` has a ``settings`` keyword (create() then hands it its settings)."""
+    try:
+        param = inspect.signature(factory).parameters.get("settings")
+    except (TypeError, ValueError):  # a builtin or a C callable: no signature to read
+        return False
+    return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
 
 
 @attrs.frozen
@@ -121,7 +134,7 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.sources: list[PluginSource] = []
         self.registry: dict[str, dict[str, Strategy]] = {kind: {} for kind in KINDS}
-        self._aliases: dict[str, list[tuple[Strategy, attrs.Attribute]]] | None = None
+        self._catalogue: Catalogue | None = None
         self.commands: dict[str, Command] = {}
         if allow is None:
             env = os.environ.get(ALLOW_LIST_VARIABLE, "").strip()
@@ -271,6 +284,15 @@ class PluginManager:
                     f"({existing.module}) and {source.distribution} ({source.module.__name__}); "
                     f"uninstall one, or narrow {ALLOW_LIST_VARIABLE}"
                 )
+            declaration = None
+            if settings is not None:
+                declaration = Declaration(
+                    kind=kind,
+                    name=name,
+                    owner=owner(kind, name, source.distribution, source.version),
+                    settings=settings,
+                    selected_by=KIND_TABLE[kind].selected_by,
+                )
             self.registry[kind][name] = Strategy(
                 kind=kind,
                 name=name,
@@ -282,13 +304,15 @@ class PluginManager:
                 options=dict(options or {}),
                 settings=settings,
                 architecture=architecture,
+                declaration=declaration,
+                takes_settings=settings is not None and _takes_settings(factory),
             )
-            self._aliases = None  # setting_aliases() is built again on its next call
+            self._catalogue = None  # built again on its next use
 
         return register
 
     def _check_aliases(self, kind: str, name: str, settings: type, source: PluginSource) -> None:
-        """Plugins sharing one alias declare it alike (pitstop.config refuses an alias that
+        """Plugins sharing one alias declare it alike (pitstop.options refuses an alias that
         is an engine setting's name)."""
         shared = self.setting_aliases()
         for att in aliased_fields(settings):
@@ -302,26 +326,23 @@ class PluginManager:
                     )
 
     # ------------------------------------------------------------------ lookup
-    def setting_aliases(self) -> dict[str, list[tuple[Strategy, attrs.Attribute]]]:
-        """Each setting alias (``chunk_size``) -> the strategies declaring it, with the field
-        (built once per registration, not on every EngineConfig)."""
-        if self._aliases is None:
-            found: dict[str, list[tuple[Strategy, attrs.Attribute]]] = {}
-            for s in self.strategies():
-                for att in aliased_fields(s.settings) if s.settings is not None else ():
-                    found.setdefault(att.metadata["alias"], []).append((s, att))
-            self._aliases = found
-        return self._aliases
+    @property
+    def catalogue(self) -> Catalogue:
+        """The declared settings of every registered strategy, with their aliases (built
+        once per registration, not on every EngineConfig)."""
+        if self._catalogue is None:
+            found = (s.declaration for s in self.strategies() if s.declaration is not None)
+            self._catalogue = Catalogue(tuple(found))
+        return self._catalogue
+
+    def setting_aliases(self) -> Mapping[str, tuple[tuple[Declaration, attrs.Attribute], ...]]:
+        """Each setting alias (``chunk_size``) -> the declarations of it, with the field."""
+        return self.catalogue.aliases
 
     def step_token_budget(self, config: EngineConfig) -> int:
-        """The most tokens one step computes: the selected scheduler's own budget when its
-        settings declare one (:class:`~pitstop.protocols.StepBudgetSettings`, the
-        ``chunked`` scheduler's ``chunk_size``), else ``max_num_batched_tokens``."""
-        strategy = self.registry["scheduler"].get(config.scheduler)
-        settings = strategy.read_settings(config) if strategy is not None else None
-        if isinstance(settings, StepBudgetSettings):
-            return settings.step_token_budget()
-        return config.max_num_batched_tokens
+        """The most tokens one step computes (:func:`pitstop.catalogue.step_token_budget`
+        of the selected scheduler's settings); :meth:`resolve` gives it too."""
+        return self.catalogue.step_token_budget(config)
 
     def names(self, kind: str) -> list[str]:
         """The registered names of one kind, sorted."""
@@ -418,13 +439,17 @@ class PluginManager:
                     f"and {name} of {source.distribution} ({source.module.__name__}); rename one"
                 )
 
-    def check_config(self, config: EngineConfig) -> None:
-        """Raise :class:`PluginError` on the first strategy name of ``config`` that is not
+    def resolve(self, config: EngineConfig) -> ResolvedConfig:
+        """Turn ``config`` into each selected strategy's typed settings and the step token
+        budget, once, before any weight loads (:meth:`create` hands each its settings).
+
+        Raises :class:`PluginError` on the first strategy name of ``config`` that is not
         registered (``kernels="auto"`` is skipped: it resolves to a name later), and
         :class:`~pitstop.errors.ConfigError` on a declared setting of any registered
         strategy that is of the wrong type, out of range or unknown (see
         :mod:`pitstop.settings`), or on an ``options`` key that the plugins declare
         nothing like (see :func:`pitstop.settings.check_option_keys`)."""
+        selected: dict[str, Strategy] = {}
         for kind, name in (
             ("allocator", config.allocator),
             ("scheduler", config.scheduler),
@@ -433,11 +458,18 @@ class PluginManager:
             ("proposer", config.speculative),
         ):
             if name is not None:
-                self.get(kind, name)
+                selected[kind] = self.get(kind, name)
         for strategy in self.strategies():
             strategy.read_settings(config)
         check_option_keys(config.options, self.declared_options())
         self._warn_unread_aliases(config)
+        settings = {kind: s.read_settings(config) for kind, s in selected.items()}
+        budget = step_token_budget(settings.get("scheduler"), config.max_num_batched_tokens)
+        return ResolvedConfig(config=config, settings=settings, step_token_budget=budget)
+
+    def check_config(self, config: EngineConfig) -> None:
+        """Check ``config`` against the registered plugins, as :meth:`resolve` does."""
+        self.resolve(config)
 
     def _warn_unread_aliases(self, config: EngineConfig) -> None:
         """Log each alias ``config`` sets that none of its selected strategies reads
@@ -495,10 +527,18 @@ class PluginManager:
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
         """Build the named strategy with its factory and check it against its kind's protocol.
 
-        A :class:`PluginError` names the plugin and every protocol member the
-        object lacks (:func:`pitstop.kinds.missing_members`).
+        A factory with a ``settings`` keyword gets the strategy's typed settings: the
+        ``settings`` given (:meth:`ResolvedConfig.of`), else those of the config it is
+        built from (its first argument), read once (:meth:`Strategy.read_settings`). A
+        :class:`PluginError` names the plugin and every protocol member the object
+        lacks (:func:`pitstop.kinds.missing_members`).
         """
         strategy = self.get(kind, name)
+        settings = kwargs.pop("settings", None)
+        if strategy.takes_settings:
+            kwargs["settings"] = (
+                settings if settings is not None else strategy.read_settings(args[0])
+            )
         obj = strategy.factory(*args, **kwargs)
         missing = missing_members(KIND_TABLE[kind], obj)
         if missing:

@@ -35,14 +35,22 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
 from pitstop.errors import ConfigError
 
-if TYPE_CHECKING:
-    from pitstop.config import EngineConfig
+
+class SettingsSource(Protocol):
+    """What settings are read from: an :class:`~pitstop.config.EngineConfig` (its
+    ``options``, and its fields for :func:`engine_setting` ones)."""
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """The plugins' settings by ``<plugin>.<setting>`` key or alias."""
+        ...
+
 
 TOML_TABLE = "plugins"  # [plugins.<strategy name>] tables of a config file
 
@@ -209,7 +217,7 @@ def describe(
 
 
 def read_settings(
-    config: EngineConfig, namespace: str, cls: type, *, owner: str = "", selected: bool = False
+    config: SettingsSource, namespace: str, cls: type, *, owner: str = "", selected: bool = False
 ) -> Any:
     """The validated settings of the plugin ``namespace`` from ``config``.
 

@@ -349,9 +349,12 @@ class PrefixSettings:
     )
 
 
-def create_prefix(config: EngineConfig, num_pages: int) -> PrefixCachingAllocator:
+def create_prefix(
+    config: EngineConfig, num_pages: int, *, settings: PrefixSettings | None = None
+) -> PrefixCachingAllocator:
     """Paged plus reuse of full pages whose token prefix was seen before (chained hash, refcount, LRU)."""
-    settings = read_settings(config, "prefix", PrefixSettings)
+    if settings is None:  # built directly, not through the plugin manager
+        settings = read_settings(config, "prefix", PrefixSettings)
     return PrefixCachingAllocator(config.page_size, num_pages, settings.max_cached_pages)
 
 

@@ -128,9 +128,17 @@ class FusedKernels(KernelSetBase):
 
     name = "fused"
 
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        settings: FusedSettings | None = None,
+    ) -> None:
         self.config, self.device, self.dtype = config, device, dtype
-        settings = read_settings(config, self.name, FusedSettings)
+        if settings is None:  # built directly, not through the plugin manager
+            settings = read_settings(config, self.name, FusedSettings)
         # The model merges q/k/v and gate/up weights at load when this is set.
         self.merge_projections = bool(settings.qkv)
         self.precision = settings.precision
@@ -278,10 +286,14 @@ class FusedKernels(KernelSetBase):
 
 
 def make_fused_kernels(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    settings: FusedSettings | None = None,
 ) -> FusedKernels:
     """Triton kernels where this machine runs them, the reference ops elsewhere."""
-    return FusedKernels(config, device, dtype)
+    return FusedKernels(config, device, dtype, settings=settings)
 
 
 @hookimpl

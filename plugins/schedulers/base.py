@@ -40,9 +40,9 @@ them, the scheduler clears them and the sequence decodes one token.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -152,17 +152,22 @@ class StepBuilder:
 class BaseScheduler:
     """Queues, admission order, slot growth, preemption by recompute, abort and release.
 
-    Subclasses implement :meth:`schedule` and name their registered ``name`` and
-    ``settings_class``, which :meth:`__init__` reads into ``self.settings``.
+    Subclasses implement :meth:`schedule` and declare, once, their plugin ``name``
+    and ``settings_class``: :meth:`register_with` registers them from there, and
+    the plugin manager hands the validated settings to :meth:`__init__`.
     """
 
     name = "base"
     settings_class: type = AdmissionSettings
 
-    def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
+    def __init__(self, config: EngineConfig, allocator: Allocator, *, settings: Any = None) -> None:
+        """``settings``: this scheduler's typed settings, as the plugin manager resolved
+        them (read from ``config`` only when the class is built directly, as in tests)."""
         self.config = config
         self.allocator = allocator
-        self.settings = read_settings(config, self.name, self.settings_class)
+        if settings is None:
+            settings = read_settings(config, self.name, self.settings_class)
+        self.settings = settings
         self.max_batch_size = self.settings.max_batch_size
         self.max_prefill_batch = self.settings.max_prefill_batch
         ordered = isinstance(self.settings, AdmissionSettings)
@@ -174,6 +179,12 @@ class BaseScheduler:
         self._arrival_round: dict[int, int] = {}  # seq_id -> round it was added (for aging)
         self._requeued: set[int] = set()  # preempted sequences waiting at the front
         self._round = 0  # schedule() calls so far
+
+    @classmethod
+    def register_with(cls, register: Callable[..., None], factory: Callable[..., Any]) -> None:
+        """Register ``factory`` as the scheduler ``name`` with its ``settings_class`` (the
+        ``register`` a ``register_schedulers`` hook receives)."""
+        register(cls.name, factory, settings=cls.settings_class)
 
     # ------------------------------------------------------------------ protocol
     def add(self, seq: Sequence) -> None:

@@ -61,8 +61,10 @@ class ChunkedScheduler(BaseScheduler):
     name = "chunked"
     settings_class = ChunkedSettings
 
-    def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
-        super().__init__(config, allocator)
+    def __init__(
+        self, config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings | None = None
+    ) -> None:
+        super().__init__(config, allocator, settings=settings)
         self.token_budget = self.settings.step_token_budget()
         self.max_running = min(self.max_batch_size, self.token_budget)
 
@@ -95,11 +97,13 @@ class ChunkedScheduler(BaseScheduler):
             step.add(seq, min(seq.num_uncomputed_tokens, step.tokens_left))
 
 
-def create_chunked(config: EngineConfig, allocator: Allocator) -> ChunkedScheduler:
+def create_chunked(
+    config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings | None = None
+) -> ChunkedScheduler:
     """Continuous batching with long prompts split into chunks that share a step with decodes."""
-    return ChunkedScheduler(config, allocator)
+    return ChunkedScheduler(config, allocator, settings=settings)
 
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register("chunked", create_chunked, settings=ChunkedSettings)
+    ChunkedScheduler.register_with(register, create_chunked)

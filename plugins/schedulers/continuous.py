@@ -60,8 +60,14 @@ class ContinuousScheduler(BaseScheduler):
     name = "continuous"
     settings_class = ContinuousSettings
 
-    def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
-        super().__init__(config, allocator)
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: Allocator,
+        *,
+        settings: ContinuousSettings | None = None,
+    ) -> None:
+        super().__init__(config, allocator, settings=settings)
         self.token_budget = self.settings.max_num_batched_tokens
         self.max_running = min(self.max_batch_size, self.token_budget)
         self.prefill_first = self.settings.prefill_priority == "high"
@@ -108,11 +114,13 @@ class ContinuousScheduler(BaseScheduler):
                 return
 
 
-def create_continuous(config: EngineConfig, allocator: Allocator) -> ContinuousScheduler:
+def create_continuous(
+    config: EngineConfig, allocator: Allocator, *, settings: ContinuousSettings | None = None
+) -> ContinuousScheduler:
     """Continuous batching: finished sequences leave and waiting ones join after every step."""
-    return ContinuousScheduler(config, allocator)
+    return ContinuousScheduler(config, allocator, settings=settings)
 
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register("continuous", create_continuous, settings=ContinuousSettings)
+    ContinuousScheduler.register_with(register, create_continuous)

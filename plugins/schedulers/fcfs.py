@@ -39,8 +39,10 @@ class FCFSScheduler(BaseScheduler):
     name = "fcfs"
     settings_class = BatchSettings
 
-    def __init__(self, config: EngineConfig, allocator: Allocator) -> None:
-        super().__init__(config, allocator)
+    def __init__(
+        self, config: EngineConfig, allocator: Allocator, *, settings: BatchSettings | None = None
+    ) -> None:
+        super().__init__(config, allocator, settings=settings)
         if self.settings.admission != "arrival":
             log.warning(
                 "the fcfs scheduler admits in arrival order; admission=%r has no effect",
@@ -89,11 +91,13 @@ class FCFSScheduler(BaseScheduler):
         self.batch.discard(seq.seq_id)
 
 
-def create_fcfs(config: EngineConfig, allocator: Allocator) -> FCFSScheduler:
+def create_fcfs(
+    config: EngineConfig, allocator: Allocator, *, settings: BatchSettings | None = None
+) -> FCFSScheduler:
     """Requests in arrival order, in static batches: nothing joins until the batch has finished."""
-    return FCFSScheduler(config, allocator)
+    return FCFSScheduler(config, allocator, settings=settings)
 
 
 @pitstop.hookimpl
 def register_schedulers(register) -> None:
-    register("fcfs", create_fcfs, settings=BatchSettings)
+    FCFSScheduler.register_with(register, create_fcfs)

@@ -77,8 +77,15 @@ class DraftSettings:
 class DraftProposer:
     """A small model that drafts autoregressively over its own paged KV cache."""
 
-    def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
-        settings = read_settings(config, "draft", DraftSettings, selected=True)
+    def __init__(
+        self,
+        config: EngineConfig,
+        context: ProposerContext,
+        *,
+        settings: DraftSettings | None = None,
+    ) -> None:
+        if settings is None or settings.model is None:  # built directly, or not selected
+            settings = read_settings(config, "draft", DraftSettings, selected=True)
         draft_model = settings.model
         assert config.max_model_len is not None
         self.max_model_len = config.max_model_len
@@ -304,9 +311,11 @@ class DraftProposer:
         return gen
 
 
-def create_draft(config: EngineConfig, context: ProposerContext) -> DraftProposer:
+def create_draft(
+    config: EngineConfig, context: ProposerContext, *, settings: DraftSettings | None = None
+) -> DraftProposer:
     """A smaller model of the same tokenizer proposes k tokens autoregressively."""
-    return DraftProposer(config, context)
+    return DraftProposer(config, context, settings=settings)
 
 
 @pitstop.hookimpl

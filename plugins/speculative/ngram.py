@@ -94,8 +94,9 @@ class NgramSettings:
 class NgramProposer(ProposerBase):
     """Prompt lookup over each sequence's own tokens."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        settings = read_settings(config, "ngram", NgramSettings)
+    def __init__(self, config: EngineConfig, *, settings: NgramSettings | None = None) -> None:
+        if settings is None:  # built directly, not through the plugin manager
+            settings = read_settings(config, "ngram", NgramSettings)
         self.max_n = settings.max_n
         self.min_n = settings.min_n
         assert config.max_model_len is not None
@@ -133,10 +134,12 @@ class NgramProposer(ProposerBase):
         self._tokens.pop(seq.seq_id, None)
 
 
-def create_ngram(config: EngineConfig, context: ProposerContext) -> NgramProposer:
+def create_ngram(
+    config: EngineConfig, context: ProposerContext, *, settings: NgramSettings | None = None
+) -> NgramProposer:
     """Prompt-lookup drafting: propose what followed the last n-gram's previous occurrence."""
     del context
-    return NgramProposer(config)
+    return NgramProposer(config, settings=settings)
 
 
 @pitstop.hookimpl
