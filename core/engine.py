@@ -44,29 +44,20 @@ from pitstop.memory import check_fits, check_max_model_len_fits
 from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestOutput
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
-from pitstop.poison import FreshPageTracker
+from pitstop.poison import FreshPageTracker, PoisonedReadError
 from pitstop.protocols import ScheduledSequence, StepPlan
 from pitstop.request_state import RequestState, SampleState, accept_token, token_logprobs
 from pitstop.request_validation import validate_request
-from pitstop.runner import (
-    LaunchedStep,
-    ModelRunner,
-    PoisonedReadError,
-    SeqInput,
-    SeqResult,
-    StepInput,
-    StepOutput,
-    kv_bytes_per_page,
-    pages_asked,
-    resolve_device,
-    resolve_dtype,
-)
+from pitstop.runner import ModelRunner
+from pitstop.runner_launched import LaunchedStep
+from pitstop.runner_memory import kv_bytes_per_page, pages_asked, resolve_device, resolve_dtype
 from pitstop.sampling import RowInputs
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import Sequence, SequenceStatus
 from pitstop.spec_adaptation import SpeculationPolicy
 from pitstop.spec_graphs import capture_verify_graphs
 from pitstop.speculative import ProposerContext, draft_room
+from pitstop.step import SeqInput, SeqResult, StepInput, StepOutput
 from pitstop.structured import GrammarCompiler
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
 from pitstop.validation import SEED_MODULUS, check_encoded_prompt
@@ -445,7 +436,7 @@ class LLMEngine:
 
         ``observer(inputs, sequences, logits)`` is called after the step's logits
         are computed, before sampling: ``inputs`` are the step's
-        :class:`~pitstop.runner.SeqInput` s, ``sequences`` the engine's
+        :class:`~pitstop.step.SeqInput` s, ``sequences`` the engine's
         :class:`Sequence` of each (None for one already finished), and ``logits``
         holds each sampling input's ``num_logits`` rows in input order. Read only:
         the observer must not change the tensors or sequences.
