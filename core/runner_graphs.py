@@ -221,12 +221,15 @@ class DecodeGraphs:
             graph.replay()
         else:
             out = self._forward(size)
-        rows = [
-            (i + 1) * q - s.num_logits + j
-            for i, s in enumerate(seqs)
-            if s.sample
-            for j in range(s.num_logits)
-        ]
+        if q == 1:  # one row each: the sampling sequences'
+            rows = [i for i, s in enumerate(seqs) if s.sample]
+        else:
+            rows = [
+                (i + 1) * q - s.num_logits + j
+                for i, s in enumerate(seqs)
+                if s.sample
+                for j in range(s.num_logits)
+            ]
         return (out if self.logits else out[: n * q]), rows
 
     def _stage(self, seqs: Seq[SeqInput], size: int) -> None:
@@ -238,7 +241,7 @@ class DecodeGraphs:
         row then has a key it must not see in its range, so none multiplies a
         never-written V slot (NaN under ``poison_memory``) by a zero weight.
         """
-        n, q, ps = len(seqs), self.num_query, self.runner.page_size
+        n, q = len(seqs), self.num_query
         self._flip ^= 1
         h64, h32 = self._host64[self._flip], self._host32[self._flip]
         b, t = self.max_batch, size * q
@@ -246,21 +249,16 @@ class DecodeGraphs:
         a64, a_ctx, a_tables = h64.numpy(), h_ctx.numpy(), h_tables.numpy()
         ids = a64[0, :t].reshape(size, q)
         lens = self._put_ids(ids, seqs)
-        pad = q - lens  # leading padding rows of each sequence
         start = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
-        pos = (start - pad)[:, None] + np.arange(q)[None, :]  # [n, q]; padding before start
-        real = np.arange(q)[None, :] >= pad[:, None]
-        pos = np.clip(pos, 0, self.max_model_len - 1)
-        rows_of = self.tables.rows(seqs)
-        tables = self.tables.array
-        page = tables[rows_of[:, None], np.minimum(pos // ps, self.max_pages - 1)]
-        slots = np.where(real, page.astype(np.int64) * ps + pos % ps, -1)
+        tables = self.tables.array[self.tables.rows(seqs)]  # [n, max_pages]
+        pos, slots = self._positions(start, lens, tables)
         src = a64[1, :t].reshape(size, q)
         src[:] = -1
         pending = ids[:n] == PENDING_TOKEN
         if pending.any():
-            for i, j in zip(*np.nonzero(pending), strict=True):
-                src[i, j] = self.runner._pending_row(seqs[i].seq_id)
+            seq_of, col = np.nonzero(pending)
+            pending_row = self.runner._pending_row
+            src[seq_of, col] = [pending_row(seqs[i].seq_id) for i in seq_of]
             ids[:n][pending] = 0
         a64[2, :t].reshape(size, q)[:n] = pos
         a64[2, n * q : t] = 0
@@ -268,7 +266,7 @@ class DecodeGraphs:
         a64[3, n * q : t] = -1
         a_ctx[:n] = start + lens
         a_ctx[n:size] = self.pad_context  # padding sequences: keys of page 0, nothing stored
-        a_tables[:n, : self.max_pages] = tables[rows_of]
+        a_tables[:n, : self.max_pages] = tables
         a_tables[:n, self.max_pages :] = 0
         a_tables[n:size] = 0  # padding rows' tables point at page 0
         self._copy_in(h64, h_ctx, h_tables, size)
@@ -277,6 +275,26 @@ class DecodeGraphs:
                 if s.draft_ids is not None:
                     end = (i + 1) * q
                     self.input_ids[end - len(s.draft_ids) : end].copy_(s.draft_ids)
+
+    def _positions(
+        self, start: np.ndarray, lens: np.ndarray, tables: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Positions and KV slots ``[n, q]`` of the sequences' rows (slot -1: padding, no store).
+
+        ``tables`` holds each sequence's block table. A sequence's padding rows
+        sit at the positions just before its first token.
+        """
+        q, ps = self.num_query, self.runner.page_size
+        if q == 1:  # decode: one real row each
+            pos = start[:, None]
+            page = tables[np.arange(len(start)), start // ps][:, None]
+            return pos, page.astype(np.int64) * ps + pos % ps
+        pad = q - lens  # leading padding rows of each sequence
+        pos = (start - pad)[:, None] + np.arange(q)[None, :]  # [n, q]; padding before start
+        real = np.arange(q)[None, :] >= pad[:, None]
+        pos = np.clip(pos, 0, self.max_model_len - 1)
+        page = np.take_along_axis(tables, np.minimum(pos // ps, self.max_pages - 1), axis=1)
+        return pos, np.where(real, page.astype(np.int64) * ps + pos % ps, -1)
 
     def _put_ids(self, ids: np.ndarray, seqs: Seq[SeqInput]) -> np.ndarray:
         """Write the sequences' tokens into the ``[size, q]`` host ids; returns their counts.
