@@ -44,29 +44,20 @@ from pitstop.memory import check_fits, check_max_model_len_fits
 from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestOutput
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
-from pitstop.poison import FreshPageTracker
+from pitstop.poison import FreshPageTracker, PoisonedReadError
 from pitstop.protocols import ScheduledSequence, StepPlan
 from pitstop.request_state import RequestState, SampleState, accept_token, token_logprobs
 from pitstop.request_validation import validate_request
-from pitstop.runner import (
-    LaunchedStep,
-    ModelRunner,
-    PoisonedReadError,
-    SeqInput,
-    SeqResult,
-    StepInput,
-    StepOutput,
-    kv_bytes_per_page,
-    pages_asked,
-    resolve_device,
-    resolve_dtype,
-)
+from pitstop.runner import ModelRunner
+from pitstop.runner_launched import LaunchedStep
+from pitstop.runner_memory import kv_bytes_per_page, pages_asked, resolve_device, resolve_dtype
 from pitstop.sampling import RowInputs
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import Sequence, SequenceStatus
 from pitstop.spec_adaptation import SpeculationPolicy
 from pitstop.spec_graphs import capture_verify_graphs
 from pitstop.speculative import ProposerContext, draft_room
+from pitstop.step import SeqInput, SeqResult, StepInput, StepOutput
 from pitstop.structured import GrammarCompiler
 from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
 from pitstop.validation import SEED_MODULUS, check_encoded_prompt
@@ -451,7 +442,7 @@ class LLMEngine:
 
         ``observer(inputs, sequences, logits)`` is called after the step's logits
         are computed, before sampling: ``inputs`` are the step's
-        :class:`~pitstop.runner.SeqInput` s, ``sequences`` the engine's
+        :class:`~pitstop.step.SeqInput` s, ``sequences`` the engine's
         :class:`Sequence` of each (None for one already finished), and ``logits``
         holds each sampling input's ``num_logits`` rows in input order. Read only:
         the observer must not change the tensors or sequences.
@@ -498,26 +489,37 @@ class LLMEngine:
         ``overlap`` the outputs are those of the previous step (see the
         module docstring).
         """
-        outputs: list[RequestOutput] = []
-        speculating = self._speculating()
-        if self._in_flight is not None and (speculating or self._in_flight.needs_host_tokens):
-            # the proposer, a grammar's next mask or a processor reading the output tokens
-            # needs the token still on the device
-            outputs = self._apply(self._in_flight, stream)
-            self._in_flight = None
-        launched = self._plan_and_launch(speculating)
-        if self._in_flight is not None:
-            outputs += self._apply(self._in_flight, stream)
-            self._in_flight = None
-        if launched is not None:
-            if self.overlap and not launched.verifies:
-                self._in_flight = launched
-            else:
-                outputs.extend(self._apply(launched, stream))
+        outputs, self._in_flight = self._advance(self._in_flight, stream)
         if self._failed_outputs:
             outputs.extend(self._failed_outputs)
             self._failed_outputs = []
         return outputs
+
+    def _advance(
+        self, in_flight: _Launched | None, stream: bool
+    ) -> tuple[list[RequestOutput], _Launched | None]:
+        """One turn of the loop: the step in flight comes in, the step left in flight goes out.
+
+        The launched step is a value passed from one turn to the next (``step``
+        keeps it between calls): launch the next step, then apply the one that
+        came in; under ``overlap`` the new one stays in flight.
+        """
+        outputs: list[RequestOutput] = []
+        speculating = self._speculating()
+        if in_flight is not None and (speculating or in_flight.needs_host_tokens):
+            # the proposer, a grammar's next mask or a processor reading the output tokens
+            # needs the token still on the device
+            outputs = self._apply(in_flight, stream)
+            in_flight = None
+        launched = self._plan_and_launch(speculating, busy=in_flight is not None)
+        if in_flight is not None:
+            outputs += self._apply(in_flight, stream)
+        if launched is None:
+            return outputs, None
+        if self.overlap and not launched.verifies:
+            return outputs, launched
+        outputs.extend(self._apply(launched, stream))
+        return outputs, None
 
     def _speculating(self) -> set[int]:
         """The sequences that ask for drafts in the next step (the adaptation rule); may be empty."""
@@ -530,10 +532,13 @@ class LLMEngine:
         )
         return self.spec_policy.plan_step(self.scheduler.num_running, decoding)
 
-    def _plan_and_launch(self, speculating: set[int] | None = None) -> _Launched | None:
+    def _plan_and_launch(
+        self, speculating: set[int] | None = None, *, busy: bool = False
+    ) -> _Launched | None:
         """Plan the next step and queue it on the device; None when there is nothing to run.
 
-        ``speculating``: the sequences that ask the proposer for drafts first.
+        ``speculating``: the sequences that ask the proposer for drafts first;
+        ``busy``: a step is in flight (its sequences may have no work planned).
         """
         start = time.perf_counter()
         proposed = self._propose(speculating) if speculating else []
@@ -542,7 +547,7 @@ class LLMEngine:
             self._warn_preemptions(len(plan.preempted))
             self._reset_seq_ids.extend(seq.seq_id for seq in plan.preempted)
         if plan.is_empty:
-            if self._requests and not self.scheduler.has_work() and self._in_flight is None:
+            if self._requests and not self.scheduler.has_work() and not busy:
                 raise RuntimeError("requests are live but the scheduler holds none of them")
             for seq in proposed:
                 seq.draft_token_ids.clear()

@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # torch loads lazily: the config imports this module, and the
     import numpy as np
     import torch
 
+    from pitstop.step import SeqInput
+
 ENV_VAR = "PITSTOP_POISON_MEMORY"
 
 INT_SENTINEL = 2**30 + 7
@@ -102,6 +104,39 @@ def poison_torch_empty() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
     _torch_fill_on = True
+
+
+class PoisonedReadError(RuntimeError):
+    """A step's logits held NaN with ``poison_memory`` on: something read memory nothing wrote."""
+
+    def __init__(self, seq_id: int) -> None:
+        super().__init__(
+            f"sequence {seq_id} got NaN logits with poison_memory on: a kernel or "
+            "workspace read memory the engine never wrote (poisoned with NaN); run with the "
+            "reference kernels and enforce_eager to narrow it down"
+        )
+
+
+def nan_rows_of(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits``, whether any value is NaN (on the device, no wait).
+
+    With poisoned memory a NaN is how a read of unwritten KV slots, workspace
+    or staging memory shows; unchecked, greedy sampling would turn it into
+    token 0, a plausible answer. An infinite logit is not flagged: ``-inf``
+    is how masks (grammars, banned tokens) remove a token.
+    """
+    import torch
+
+    return torch.isnan(logits).any(dim=-1)
+
+
+def poisoned_seq_ids(seqs: Seq[SeqInput], nonfinite: torch.Tensor | None) -> frozenset[int]:
+    """The sampling sequences (``num_logits`` rows each, in order) with a NaN row."""
+    if nonfinite is None:
+        return frozenset()
+    flags = nonfinite.tolist()
+    owners = [s.seq_id for s in seqs if s.sample for _ in range(s.num_logits)]
+    return frozenset(owner for owner, bad in zip(owners, flags, strict=True) if bad)
 
 
 class FreshPageTracker:

@@ -39,8 +39,8 @@ from pitstop.sampling import exponential_race, is_greedy, make_generator, make_s
 if TYPE_CHECKING:
     from pitstop.plugin_manager import PluginManager
     from pitstop.protocols import Sampler
-    from pitstop.runner import SeqInput
     from pitstop.sequence import Sequence
+    from pitstop.step import SeqInput
 
 
 @attrs.frozen

@@ -22,8 +22,14 @@ from conftest_models import make_tiny_checkpoint, smollm2_gguf
 
 from pitstop import LLM, SamplingParams
 from pitstop.config import EngineConfig
-from pitstop.poison import INT_SENTINEL, FreshPageTracker, poison_, poison_from_env
-from pitstop.runner import PoisonedReadError, SeqInput, StepInput
+from pitstop.poison import (
+    INT_SENTINEL,
+    FreshPageTracker,
+    PoisonedReadError,
+    poison_,
+    poison_from_env,
+)
+from pitstop.step import SeqInput, StepInput
 
 RIVERS = [
     {"role": "user", "content": "Name three rivers in South America and one fact about each."}

@@ -240,8 +240,8 @@ def _dummy_runner(kernels: str, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 
 def _greedy(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """Prefill every prompt in one step, then ``steps`` greedy decode steps of the whole batch."""
-    from pitstop.runner import SeqInput, StepInput
     from pitstop.sampling_params import SamplingParams
+    from pitstop.step import SeqInput, StepInput
 
     greedy = SamplingParams(temperature=0.0)
     tables = [list(range(i * 64, (i + 1) * 64)) for i in range(len(prompts))]
@@ -283,7 +283,7 @@ def test_dummy_qwen3_greedy_matches_reference(dtype: torch.dtype) -> None:
 
 def _logits(runner, seqs: list[list[int]]) -> torch.Tensor:
     """Float32 logits of every position of every sequence, all prefilled in one step."""
-    from pitstop.runner import SeqInput
+    from pitstop.step import SeqInput
 
     tables = [list(range(i * 64, (i + 1) * 64)) for i in range(len(seqs))]
     ids, meta, _ = runner.build_metadata(

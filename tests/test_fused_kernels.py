@@ -662,8 +662,8 @@ def _greedy_schedule(
     runner, prompts: list[list[int]], page_size: int, steps: int
 ) -> list[list[int]]:
     """Prefill (the last prompt in two chunks, its second chunk beside decodes), then greedy decodes."""
-    from pitstop.runner import SeqInput, StepInput
     from pitstop.sampling_params import SamplingParams
+    from pitstop.step import SeqInput, StepInput
 
     greedy = SamplingParams(temperature=0.0)
     pages_each = 128 // page_size
@@ -717,7 +717,7 @@ def test_tiny_model_greedy_tokens_match_reference(arch: str) -> None:
 def _forced_logits(runner, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
     """Float32 logits of every prompt position (one prefill step), then of one decode step per
     column of ``forced`` (each sequence fed its forced token): the same path for every runner."""
-    from pitstop.runner import SeqInput
+    from pitstop.step import SeqInput
 
     tables = [list(range(i * 8, (i + 1) * 8)) for i in range(len(prompts))]
 

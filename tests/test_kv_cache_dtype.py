@@ -24,7 +24,7 @@ from pitstop.errors import ConfigError
 from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.model_config import ModelConfig
 from pitstop.plugins.kernels.reference import ReferenceKernels
-from pitstop.runner import kv_bytes_per_page, pages_asked
+from pitstop.runner_memory import kv_bytes_per_page, pages_asked
 
 CPU = torch.device("cpu")
 

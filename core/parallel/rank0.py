@@ -110,7 +110,7 @@ class TensorParallelRunner:
 
     def launch(self, step: Any) -> Any:
         """Launch a step on every rank; rank 0 samples and returns the handle."""
-        from pitstop.runner import StepInput
+        from pitstop.step import StepInput
 
         # workers neither sample nor verify: the step goes without what only sampling reads
         sent = StepInput(

@@ -46,13 +46,14 @@ import pitstop
 from pitstop.errors import ConfigError
 from pitstop.poison import FreshPageTracker
 from pitstop.protocols import Proposal
-from pitstop.runner import ModelRunner, SeqInput
+from pitstop.runner import ModelRunner
 from pitstop.sampling import exponential_race, is_greedy, make_generator, make_sampling_batch
 from pitstop.sampling_params import SamplingParams
 from pitstop.sequence import PENDING_TOKEN
 from pitstop.settings import read_settings, setting
 from pitstop.spec_adaptation import speculation_max_batch
 from pitstop.speculative import draft_room
+from pitstop.step import SeqInput
 from pitstop.weights import load_model_source
 
 if TYPE_CHECKING:
