@@ -45,7 +45,7 @@ from pitstop.metrics import EngineStats, StepStats
 from pitstop.outputs import RequestOutput
 from pitstop.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.poison import FreshPageTracker, PoisonedReadError
-from pitstop.protocols import ScheduledSequence, StepPlan
+from pitstop.protocols import AllocatorBase, SamplerBase, ScheduledSequence, StepPlan
 from pitstop.request_state import RequestState, SampleState, accept_token, token_logprobs
 from pitstop.request_validation import validate_request
 from pitstop.runner import ModelRunner
@@ -53,7 +53,7 @@ from pitstop.runner_launched import LaunchedStep
 from pitstop.runner_memory import kv_bytes_per_page, pages_asked, resolve_device, resolve_dtype
 from pitstop.sampling import RowInputs
 from pitstop.sampling_params import SamplingParams
-from pitstop.sequence import Sequence, SequenceStatus
+from pitstop.sequence import Sequence, SequenceStatus, Timestamps
 from pitstop.spec_adaptation import SpeculationPolicy
 from pitstop.spec_graphs import capture_verify_graphs
 from pitstop.speculative import ProposerContext, draft_room
@@ -78,7 +78,6 @@ class _Launched:
     inputs: list[SeqInput]
     handle: LaunchedStep
     start: float
-    proposed: list[Sequence]
 
     @property
     def verifies(self) -> bool:
@@ -180,8 +179,6 @@ class LLMEngine:
             self.proposer = self.plugins.create(
                 "proposer", config.speculative, config, context, settings=resolved.of("proposer")
             )
-        self._draft_probs: dict[int, Any] = {}  # seq_id -> this step's draft distributions
-        self._draft_ids: dict[int, Any] = {}  # seq_id -> this step's drafts, when on the device
         per_page = self.runner.bytes_per_page()
         log.info(
             "%s KV cache: %s, %d tokens/page, %s pages, %s tokens, %.2f GiB",
@@ -207,9 +204,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
-        self._samples: dict[int, SampleState] = {}  # by sequence id
+        self._samples: dict[int, SampleState] = {}  # by sequence id: each one's record
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
-        self._processed: set[int] = set()  # seq ids using penalties, min_tokens or a grammar
         self._ids = itertools.count()
         # Sequence ids count from 0 in every engine, so an engine behaves the same whatever ran
         # before it in the process (ids are keys of the runner's per-sequence state).
@@ -289,20 +285,11 @@ class LLMEngine:
         req = RequestState(request_id, prompt, ids, params, samples)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
-        uses_processors = (
-            params.needs_penalties
-            or params.min_tokens > 0
-            or params.structured_outputs is not None
-            or params.allowed_token_ids is not None
-            or params.needs_host_tokens
-        )
         for sample in samples:
             self._samples[sample.seq.seq_id] = sample
-            if uses_processors:
-                self._processed.add(sample.seq.seq_id)
         self._requests[request_id] = req
         seqs = [sample.seq for sample in samples]
-        if len(seqs) > 1 and getattr(self.allocator, "shares_prefix_pages", False):
+        if len(seqs) > 1 and AllocatorBase.of(self.allocator, "shares_prefix_pages"):
             # the other samples wait until the first computed the prompt, then share its pages
             seqs, req.held_back = seqs[:1], seqs[1:]
         for seq in seqs:
@@ -319,17 +306,20 @@ class LLMEngine:
             or params.logprobs
             or params.allowed_token_ids is not None
             or params.needs_host_tokens
-        ) and not getattr(self.runner.sampler, "supports_logits_processors", False):
+        ) and not SamplerBase.of(self.runner.sampler, "supports_logits_processors"):
             raise InvalidRequestError(
                 f"the {self.config.sampler!r} sampler does not apply penalties, logit_bias, "
                 "min_tokens, structured outputs, allowed_token_ids, bad_words, "
                 "logits_processors or logprobs other than 0; use sampler 'standard' or "
                 "leave them unset"
             )
-        if params.prompt_logprobs is not None and self.config.allocator == "prefix":
+        if params.prompt_logprobs is not None and AllocatorBase.of(
+            self.allocator, "caches_prefixes"
+        ):
             raise InvalidRequestError(
-                "prompt_logprobs needs every prompt token computed, and the prefix allocator "
-                "serves cached ones without computing them; use allocator paged or preallocated"
+                f"prompt_logprobs needs every prompt token computed, and the {self.config.allocator} "
+                "allocator serves cached ones without computing them; use allocator paged or "
+                "preallocated"
             )
         if self.proposer is None:
             return
@@ -374,6 +364,13 @@ class LLMEngine:
         bad_words = ()
         if params.bad_words:
             bad_words = bad_word_token_ids(self.tokenizer, params.bad_words)
+        uses_processors = (
+            params.needs_penalties
+            or params.min_tokens > 0
+            or params.structured_outputs is not None
+            or params.allowed_token_ids is not None
+            or params.needs_host_tokens
+        )
         samples = []
         for i in range(params.n):
             p = params
@@ -387,9 +384,8 @@ class LLMEngine:
                 max_num_tokens=max_len
                 if params.max_tokens is None
                 else len(ids) + params.max_tokens,
+                timestamps=Timestamps() if arrival is None else Timestamps(arrival=arrival),
             )
-            if arrival is not None:
-                seq.timestamps.arrival = arrival
             detok = None
             if self.tokenizer is not None and params.detokenize:
                 detok = IncrementalDetokenizer(
@@ -405,6 +401,7 @@ class LLMEngine:
                     logprobs=[] if params.logprobs is not None else None,
                     cumulative_logprob=0.0 if params.logprobs is not None else None,
                     bad_words=bad_words,
+                    uses_processors=uses_processors,
                 )
             )
         return samples
@@ -549,10 +546,7 @@ class LLMEngine:
         if plan.is_empty:
             if self._requests and not self.scheduler.has_work() and not busy:
                 raise RuntimeError("requests are live but the scheduler holds none of them")
-            for seq in proposed:
-                seq.draft_token_ids.clear()
-            self._draft_probs.clear()
-            self._draft_ids.clear()
+            self._clear_drafts(proposed)
             return None
         scheduled = sorted(plan.scheduled, key=lambda s: s.num_new_tokens == 1)  # prefills first
         inputs = []
@@ -560,8 +554,7 @@ class LLMEngine:
             seq = s.seq
             begin = seq.num_computed_tokens
             end = begin + s.num_new_tokens
-            if seq.timestamps.first_scheduled is None:
-                seq.timestamps.first_scheduled = start
+            seq.mark_scheduled(start)
             # A sequence verifying k drafts computes [last token] + drafts: k past its end.
             num_drafts = max(0, end - seq.num_tokens)
             assert num_drafts == 0 or num_drafts == len(seq.draft_token_ids)
@@ -575,14 +568,15 @@ class LLMEngine:
                     sample=sample,
                     params=seq.sampling_params,
                     num_logits=1 + num_drafts,
-                    draft_probs=self._draft_probs.get(seq.seq_id) if num_drafts else None,
-                    draft_ids=self._draft_ids.get(seq.seq_id) if num_drafts else None,
+                    draft_probs=seq.draft_probs if num_drafts else None,
+                    draft_ids=seq.draft_device_ids if num_drafts else None,
                     row_inputs=self._row_inputs(seq)
-                    if sample and seq.seq_id in self._processed
+                    if sample and self._uses_processors(seq)
                     else None,
                     **self._prompt_targets(seq, begin, end),
                 )
             )
+        self._clear_drafts(proposed)  # the inputs hold what verification reads of them
         step = StepInput(
             inputs, self._finished_seq_ids, self._reset_seq_ids, poison_pages=self._fresh_pages[:]
         )
@@ -599,7 +593,18 @@ class LLMEngine:
             if not seq.is_finished and inp.num_logits == 1:
                 # a verification's computed count is set when it is applied
                 seq.launch(s.num_new_tokens, samples=inp.sample)
-        return _Launched(plan, scheduled, inputs, handle, start, proposed)
+        return _Launched(plan, scheduled, inputs, handle, start)
+
+    def _uses_processors(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s request uses penalties, min_tokens, a grammar or host tokens."""
+        sample = self._samples.get(seq.seq_id)
+        return sample is not None and sample.uses_processors
+
+    @staticmethod
+    def _clear_drafts(proposed: list[Sequence]) -> None:
+        """Drop the drafts of this step's proposals once its inputs are built (or none will be)."""
+        for seq in proposed:
+            seq.clear_drafts()
 
     def _prompt_targets(self, seq: Sequence, begin: int, end: int) -> dict[str, Any]:
         """For ``prompt_logprobs``: the prompt tokens the chunk ``[begin, end)`` of ``seq`` predicts."""
@@ -682,10 +687,9 @@ class LLMEngine:
             self._after_verify(seq, inp.start_pos, num_drafts, len(tokens) - 1)
         self.stats.generation_tokens += len(sample.new_ids)
         if req.held_back and sample.index == 0:  # the prompt is computed now: share its pages
-            share = getattr(self.allocator, "share_prompt", None)
+            share = AllocatorBase.of(self.allocator, "share_prompt")
             for sibling in req.held_back:
-                if share is not None:
-                    share(sibling, seq)
+                share(sibling, seq)
                 self.scheduler.add(sibling)
             req.held_back = []
         return req
@@ -765,7 +769,7 @@ class LLMEngine:
             return
         log.error("request %s failed and was stopped: %s", req.request_id, error)
         self._stop_samples(req)
-        seq.finish_reason = "error"
+        seq.fail()
         self.stats.requests_failed += 1
         output = self._finish(req, error=f"{type(error).__name__}: {error}")
         self._failed_outputs.append(output)
@@ -815,10 +819,6 @@ class LLMEngine:
                 outputs.append(self._finish(req))
             elif stream:
                 outputs.append(req.output())
-        for seq in launched.proposed:
-            seq.draft_token_ids.clear()
-        self._draft_probs.clear()
-        self._draft_ids.clear()
         self.stats.prompt_tokens += prefill_tokens
         self.stats.requests_finished += sum(1 for out in outputs if out.finished)
         self._finished_seq_ids.extend(seq.seq_id for seq in finished)
@@ -864,11 +864,7 @@ class LLMEngine:
         self.stats.spec_steps += 1
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, k), strict=True):
             room = draft_room(seq, k, self.config.max_model_len)
-            seq.draft_token_ids = list(proposal.token_ids[:room])
-            if proposal.probs is not None and seq.draft_token_ids:
-                self._draft_probs[seq.seq_id] = proposal.probs[: len(seq.draft_token_ids)]
-            if proposal.device_token_ids is not None and seq.draft_token_ids:
-                self._draft_ids[seq.seq_id] = proposal.device_token_ids[: len(seq.draft_token_ids)]
+            seq.set_drafts(proposal.token_ids[:room], proposal.probs, proposal.device_token_ids)
             if not seq.draft_token_ids:
                 self.spec_policy.record(seq, 0, 0)
         return seqs
@@ -885,7 +881,7 @@ class LLMEngine:
         holds exactly ``num_computed_tokens == num_tokens - 1`` slots, as after
         a plain decode step.
         """
-        seq.num_computed_tokens = min(start_pos + 1 + num_accepted, seq.num_tokens)
+        seq.verified(start_pos + 1 + num_accepted)
         held = self.allocator.num_held_tokens(seq)
         if held > seq.num_computed_tokens:
             self.allocator.truncate(seq, held - seq.num_computed_tokens)
@@ -903,7 +899,6 @@ class LLMEngine:
         self._requests.pop(req.request_id, None)
         for sample in req.samples:
             self._samples.pop(sample.seq.seq_id, None)
-            self._processed.discard(sample.seq.seq_id)
             if self.proposer is not None:
                 self.proposer.release(sample.seq)  # e.g. the draft model's own KV pages
             if self.spec_policy is not None:

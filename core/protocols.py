@@ -5,13 +5,20 @@ the engine calls it once, when it is built, and then talks to the object it
 returned only through the members below. Each kind's register hook, factory
 signature and protocol are one table, :data:`pitstop.kinds.KINDS`;
 :meth:`pitstop.plugin_manager.PluginManager.create` checks every object it
-builds against its protocol. Optional capabilities are members with a
-default in a base class (:class:`KernelSetBase`, :class:`ProposerBase`):
-inherit it, or define the member yourself.
+builds against its protocol.
+
+Optional capabilities are declared, with their defaults, on one class per
+kind (:class:`AllocatorBase`, :class:`KernelSetBase`, :class:`SamplerBase`,
+:class:`ProposerBase`, :class:`ModelBase`): a plugin inherits it, or defines
+the member itself, or leaves it out and gets the default. The core asks one
+way, ``AllocatorBase.of(allocator, "caches_prefixes")``
+(:meth:`Capabilities.of`), and never tests a plugin's name.
 """
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,6 +27,30 @@ import torch
 
 from pitstop.attention import AttentionMetadata
 from pitstop.sequence import Sequence
+
+# ---------------------------------------------------------------- capabilities
+
+
+class Capabilities:
+    """The optional members of one kind, with their defaults (subclassed per kind).
+
+    :meth:`of` is how the core reads a capability of a strategy, whether the
+    strategy inherits the class, defines the member itself, or leaves it out.
+    """
+
+    @classmethod
+    def of(cls, obj: object, member: str) -> Any:
+        """``obj``'s optional ``member``, or this kind's default when ``obj`` lacks it.
+
+        A default method comes bound to ``obj``; a name this kind does not
+        declare raises ``AttributeError`` (a typo is not a missing capability).
+        """
+        default = inspect.getattr_static(cls, member)
+        value = getattr(obj, member, None)
+        if value is not None:
+            return value
+        return types.MethodType(default, obj) if inspect.isfunction(default) else default
+
 
 # ---------------------------------------------------------------- allocator
 
@@ -109,6 +140,22 @@ class Allocator(Protocol):
     def stats(self) -> AllocatorStats:
         """A snapshot of the allocator's state."""
         ...
+
+
+class AllocatorBase(Capabilities):
+    """The defaults of an allocator's optional capabilities."""
+
+    # Whether the samples of an n > 1 request share the first one's prompt pages: the engine then
+    # starts the others once the first computed the prompt, calling share_prompt for each.
+    shares_prefix_pages: bool = False
+    # Whether allocate() may serve a prompt's leading tokens from a cache without computing them
+    # (then prompt_logprobs, which needs every prompt token computed, is refused).
+    caches_prefixes: bool = False
+
+    def share_prompt(self, child: Sequence, parent: Sequence) -> None:
+        """Let ``child`` (not admitted yet) share ``parent``'s computed prompt pages: by
+        default nothing is shared and ``child`` computes its own prompt."""
+        del child, parent
 
 
 # ---------------------------------------------------------------- scheduler
@@ -296,7 +343,7 @@ class KernelSet(Protocol):
         ...
 
 
-class KernelSetBase:
+class KernelSetBase(Capabilities):
     """The defaults of a kernel set's optional capabilities."""
 
     # Whether the model concatenates the q/k/v and gate/up weights at load.
@@ -372,6 +419,15 @@ class Sampler(Protocol):
         ...
 
 
+class SamplerBase(Capabilities):
+    """The default of a sampler's optional capability."""
+
+    # Whether it applies the SamplingBatch's penalties, logit_bias, blocked tokens, grammar
+    # masks, allowed tokens, user processors and logprobs=k; the engine refuses requests that
+    # use them with a sampler that does not.
+    supports_logits_processors: bool = False
+
+
 # ---------------------------------------------------------------- proposer
 
 
@@ -403,7 +459,7 @@ class Proposer(Protocol):
         ...
 
 
-class ProposerBase:
+class ProposerBase(Capabilities):
     """The default of a proposer's optional capability."""
 
     def release(self, seq: Sequence) -> None:
@@ -469,6 +525,14 @@ class Model(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` of the selected hidden rows."""
         ...
+
+
+class ModelBase(Capabilities):
+    """The default of a model's optional capability."""
+
+    # Whether the model takes init_dummy(shard=) and loads one rank's part of each tensor
+    # (tensor_parallel_size > 1 is refused for a model that does not).
+    supports_tensor_parallel: bool = False
 
 
 @runtime_checkable

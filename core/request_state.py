@@ -38,6 +38,8 @@ class SampleState:
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
     delta: str = ""  # text since the last output
     new_ids: list[int] = attrs.Factory(list)  # tokens since the last output
+    # penalties, min_tokens, a grammar, allowed_token_ids or host tokens: the sampler's row inputs
+    uses_processors: bool = False
 
     def take_output(self) -> CompletionOutput:
         """This sample's output, with the delta since the last one (which is then cleared)."""

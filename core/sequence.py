@@ -1,13 +1,23 @@
 """A request's sequence: its tokens, how many have KV in the cache, its state and timestamps.
 
-Every change of a sequence's state is a method of :class:`Sequence`, called by
-the engine and the scheduler base: :meth:`~Sequence.admit`,
-:meth:`~Sequence.launch` (a step with this sequence was launched: its chunk
-counts as computed and, when the step samples, a *pending* token is
-appended), :meth:`~Sequence.resolve_token` (the sampled value of the oldest
-pending token arrived), :meth:`~Sequence.append_token`,
-:meth:`~Sequence.preempt`, :meth:`~Sequence.finish` and
-:meth:`~Sequence.abort`.
+Every change of a sequence's state is a method of :class:`Sequence`; no
+other module assigns its fields (``tests/test_sequence_ownership.py`` checks
+it). The scheduler calls :meth:`~Sequence.queue`, :meth:`~Sequence.admit`
+and :meth:`~Sequence.preempt`; the engine calls the rest:
+:meth:`~Sequence.mark_scheduled`, :meth:`~Sequence.set_drafts` and
+:meth:`~Sequence.clear_drafts` (the one place drafts are set and the one
+place they are dropped), :meth:`~Sequence.launch` (a step with this sequence
+was launched: its chunk counts as computed and, when the step samples, a
+*pending* token is appended), :meth:`~Sequence.resolve_token` (the sampled
+value of the oldest pending token arrived), :meth:`~Sequence.append_token`,
+:meth:`~Sequence.verified`, :meth:`~Sequence.finish`,
+:meth:`~Sequence.abort` and :meth:`~Sequence.fail`.
+
+State that lives as long as the sequence lives on it (the scheduler's
+admission round and requeue mark, this step's drafts); what a strategy keeps
+of its own (an allocator's block tables, a proposer's draft KV) stays in that
+strategy, because two strategies may hold the same sequence (the ``draft``
+proposer's allocator holds the target's sequences too).
 
 Pending tokens are what lets the engine plan step N+1 while step N runs on
 the device: step N's sampled token is appended at once as a placeholder
@@ -22,6 +32,8 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Sequence as Seq
+from typing import Any
 
 import attrs
 
@@ -80,10 +92,17 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     timestamps: Timestamps = attrs.Factory(Timestamps)
     num_preemptions: int = 0
-    # Draft tokens under verification this step (speculative decoding).
+    # Draft tokens under verification this step (speculative decoding), with their draft
+    # distributions [k, V] and their ids on the device when the proposer gave them (set_drafts).
     draft_token_ids: list[int] = attrs.Factory(list)
+    draft_probs: Any = None
+    draft_device_ids: Any = None
     max_num_tokens: int = attrs.field(default=0)
     num_pending_tokens: int = 0  # trailing tokens sampled on the device, not yet known here
+    # The scheduler's: the round (schedule() call) it was queued in, for aging, and whether it
+    # waits at the front of the queue after a preemption (queue, preempt, admit).
+    queued_round: int = 0
+    requeued: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -145,13 +164,36 @@ class Sequence:
         return len(self.token_ids) >= self.max_num_tokens
 
     # ------------------------------------------------------------------ state changes
+    def queue(self, round_: int) -> None:
+        """Queued (new, at the back of a scheduler's queue) in the scheduler's round ``round_``."""
+        self.status = SequenceStatus.WAITING
+        self.queued_round = round_
+        self.requeued = False
+
     def admit(self, num_cached_tokens: int) -> None:
         """Admitted with pages: the first ``num_cached_tokens`` come from the prefix cache."""
         self.num_computed_tokens = num_cached_tokens
         self.num_cached_prompt_tokens = num_cached_tokens
         self.status = SequenceStatus.RUNNING
+        self.requeued = False
+        self.mark_scheduled()
+
+    def mark_scheduled(self, now: float | None = None) -> None:
+        """Stamp the first time the sequence is scheduled (``now``, or the current time)."""
         if self.timestamps.first_scheduled is None:
-            self.timestamps.first_scheduled = time.perf_counter()
+            self.timestamps.first_scheduled = time.perf_counter() if now is None else now
+
+    def set_drafts(self, token_ids: Seq[int], probs: Any = None, device_ids: Any = None) -> None:
+        """This step's drafts (the first ``len(token_ids)`` rows of ``probs``/``device_ids`` kept)."""
+        self.draft_token_ids = list(token_ids)
+        n = len(self.draft_token_ids)
+        self.draft_probs = probs[:n] if probs is not None and n else None
+        self.draft_device_ids = device_ids[:n] if device_ids is not None and n else None
+
+    def clear_drafts(self) -> None:
+        """Drop the drafts (the step that verifies them is built, or none will)."""
+        self.draft_token_ids.clear()
+        self.draft_probs = self.draft_device_ids = None
 
     def launch(self, num_new_tokens: int, *, samples: bool) -> None:
         """A step that computes ``num_new_tokens`` of this sequence was launched.
@@ -185,11 +227,16 @@ class Sequence:
             self.num_pending_tokens = 0
             self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids))
 
+    def verified(self, num_valid: int) -> None:
+        """A verification was applied: the first ``num_valid`` tokens (at most all) have valid KV."""
+        self.num_computed_tokens = min(num_valid, self.num_tokens)
+
     def preempt(self) -> None:
-        """Preempted by recompute: back to waiting, no KV, every token kept."""
+        """Preempted by recompute: back to waiting (at the front), no KV, every token kept."""
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
+        self.requeued = True
 
     def finish(self, reason: str) -> None:
         """Stopped (``"stop"`` or ``"length"``): tokens still pending after this one are dropped."""
@@ -201,6 +248,12 @@ class Sequence:
     def abort(self) -> None:
         """Aborted by the user or the engine: finished with reason ``"abort"``."""
         self.finish("abort")
+
+    def fail(self) -> None:
+        """Stopped by an error of its own request: finished (if not yet) with reason ``"error"``."""
+        if not self.is_finished:
+            self.finish("error")
+        self.finish_reason = "error"
 
     def _stamp(self) -> None:
         now = time.perf_counter()

@@ -76,7 +76,8 @@ class LeaksOnFree(PagedAllocator):
     """Forgets to return a sequence's last page."""
 
     def free(self, seq: Sequence) -> None:
-        table = self._tables.get(seq.seq_id)
+        holding = self._holdings.get(seq.seq_id)
+        table = holding.table if holding is not None else None
         if table and len(table) > 1:
             table.pop()
         super().free(seq)
@@ -87,7 +88,7 @@ class HandsOutTwice(PagedAllocator):
 
     def allocate(self, seq: Sequence) -> int:
         cached = super().allocate(seq)
-        self._free.append(self._tables[seq.seq_id][-1])
+        self._free.append(self._holdings[seq.seq_id].table[-1])
         return cached
 
 

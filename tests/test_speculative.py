@@ -62,7 +62,7 @@ def test_draft_self_accepts_everything(plain_greedy):
     stats = llm.engine.stats
     assert stats.spec_proposed_tokens > 0
     assert stats.spec_acceptance_rate == 1.0
-    assert not llm.engine.proposer._kv_ids  # every draft sequence was released
+    assert not llm.engine.proposer._seqs  # every draft sequence was released
     assert llm.engine.proposer.allocator.stats().tokens_held == 0
 
 
@@ -302,7 +302,7 @@ def test_draft_proposer_state_after_rejections(tiny_target, tiny_draft):
     ]
     _run_checking_invariants(llm, prompts, params)
     proposer = llm.engine.proposer
-    assert not proposer._kv_ids
+    assert not proposer._seqs
     assert proposer.allocator.stats().tokens_held == 0
     assert proposer.allocator.stats().pages_free == proposer.allocator.num_pages
 
@@ -643,7 +643,7 @@ def test_gpu_self_draft_replays_its_graphs_and_accepts_everything(gpu_tiny, gpu_
     stats = llm.engine.stats
     assert stats.spec_proposed_tokens > 0 and stats.spec_acceptance_rate > 0.98
     assert replays["draft"] > 0 and replays["verify"] > 0
-    assert not llm.engine.proposer._kv_ids
+    assert not llm.engine.proposer._seqs
 
 
 @pytest.mark.gpu
@@ -714,7 +714,7 @@ def test_self_draft_keeps_the_kv_of_its_accepted_drafts(tiny_target):
     while engine.has_unfinished_requests():
         engine.step()
         for seq in engine.live_sequences().values():
-            kv = proposer._kv_ids.get(seq.seq_id)
+            kv = proposer._seqs[seq.seq_id].kv_ids if seq.seq_id in proposer._seqs else None
             if kv is None:
                 continue
             assert PENDING_TOKEN not in kv
@@ -724,4 +724,4 @@ def test_self_draft_keeps_the_kv_of_its_accepted_drafts(tiny_target):
                 assert len(kv) >= seq.num_tokens - 2
                 checked += 1
     assert checked and engine.stats.spec_acceptance_rate == 1.0
-    assert not proposer._kv_ids and proposer.allocator.stats().tokens_held == 0
+    assert not proposer._seqs and proposer.allocator.stats().tokens_held == 0

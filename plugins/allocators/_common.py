@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pitstop.errors import OutOfPagesError as _CoreOutOfPagesError
 from pitstop.errors import PitstopError
+from pitstop.protocols import AllocatorBase
 
 if TYPE_CHECKING:
     from pitstop.sequence import Sequence
@@ -51,9 +52,24 @@ def check_admissible(seq: Sequence) -> None:
         raise AllocatorUsageError(f"sequence {seq.request_id!r} has no tokens to admit")
 
 
-class OnDemandPages:
+class Holding:
+    """What an allocator keeps for one admitted sequence: its block table and the tokens it holds.
+
+    One record per sequence, in the allocator that owns it (not on the
+    sequence: the ``draft`` proposer's allocator holds the same sequences as
+    the engine's).
+    """
+
+    __slots__ = ("held", "table")
+
+    def __init__(self, table: list[int], held: int) -> None:
+        self.table = table
+        self.held = held
+
+
+class OnDemandPages(AllocatorBase):
     """The state ``paged`` and ``prefix`` share: a stack of free pages, and per admitted
-    sequence its block table and the tokens it holds."""
+    sequence its :class:`Holding`."""
 
     def __init__(self, page_size: int, num_pages: int) -> None:
         if page_size <= 0 or num_pages < 0:
@@ -64,20 +80,20 @@ class OnDemandPages:
         self.num_pages = num_pages
         # A stack: pop() takes the most recently freed page; reversed so a fresh allocator gives 0, 1, 2, ...
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._tables: dict[int, list[int]] = {}  # seq_id -> block table
-        self._held: dict[int, int] = {}  # seq_id -> tokens held
+        self._holdings: dict[int, Holding] = {}  # seq_id -> its block table and tokens held
         self._tokens_held = 0
 
-    def _table(self, seq: Sequence) -> list[int]:
+    def _holding(self, seq: Sequence) -> Holding:
         try:
-            return self._tables[seq.seq_id]
+            return self._holdings[seq.seq_id]
         except KeyError:
             raise AllocatorUsageError(f"sequence {seq.request_id!r} is not admitted") from None
 
     def block_table(self, seq: Sequence) -> list[int]:
         """The pages of ``seq`` in order (the live list: read it, copy it to keep it)."""
-        return self._table(seq)
+        return self._holding(seq).table
 
     def num_held_tokens(self, seq: Sequence) -> int:
         """Token slots ``seq`` holds (0 when not admitted)."""
-        return self._held.get(seq.seq_id, 0)
+        holding = self._holdings.get(seq.seq_id)
+        return 0 if holding is None else holding.held

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import pitstop
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
+    Holding,
     OnDemandPages,
     OutOfPagesError,
     check_admissible,
@@ -50,7 +51,8 @@ class PagedAllocator(OnDemandPages):
     def __init__(self, page_size: int, num_pages: int) -> None:
         super().__init__(page_size, num_pages)
         # seq_id of a sample not admitted yet -> the prompt pages it will share, one reference
-        # each already taken (share_prompt), so that they outlive the sample that computed them
+        # each already taken (share_prompt), so that they outlive the sample that computed them;
+        # at admission they become the first pages of its Holding
         self._pinned: dict[int, list[int]] = {}
         self._refs: dict[int, int] = {}  # page -> holders, for pages held by more than one
 
@@ -61,7 +63,7 @@ class PagedAllocator(OnDemandPages):
         The pages are referenced for ``child`` now, so they stay whether or not
         ``parent`` is still running when ``child`` is admitted.
         """
-        if child.seq_id in self._tables:
+        if child.seq_id in self._holdings:
             raise AllocatorUsageError(f"sequence {child.request_id!r} is already admitted")
         self._unpin(child.seq_id)
         pages = self._shareable_pages(child, parent)
@@ -72,11 +74,11 @@ class PagedAllocator(OnDemandPages):
 
     def _shareable_pages(self, seq: Sequence, parent: Sequence) -> list[int]:
         """The parent's pages ``seq`` can share: full, computed, before the last prompt token."""
-        table = self._tables.get(parent.seq_id)
-        if table is None or parent.token_ids[: seq.num_prompt_tokens] != seq.prompt_token_ids:
+        holding = self._holdings.get(parent.seq_id)
+        if holding is None or parent.token_ids[: seq.num_prompt_tokens] != seq.prompt_token_ids:
             return []
         full = min(seq.num_prompt_tokens - 1, parent.num_computed_tokens) // self.page_size
-        return table[:full]
+        return holding.table[:full]
 
     def _unpin(self, seq_id: int) -> None:
         """Drop the references a not-admitted sample holds on shared prompt pages."""
@@ -86,14 +88,14 @@ class PagedAllocator(OnDemandPages):
     # ------------------------------------------------------------------ admission
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether ``seq`` is not admitted yet and its tokens fit in free pages."""
-        if seq.seq_id in self._tables or seq.num_tokens <= 0:
+        if seq.seq_id in self._holdings or seq.num_tokens <= 0:
             return False
         shared = len(self._pinned.get(seq.seq_id, ()))
         return pages_for(seq.num_tokens, self.page_size) - shared <= len(self._free)
 
     def allocate(self, seq: Sequence) -> int:
         """Admit ``seq`` with pages for all its tokens; return how many it shares (already computed)."""
-        if seq.seq_id in self._tables:
+        if seq.seq_id in self._holdings:
             raise AllocatorUsageError(f"sequence {seq.request_id!r} is already admitted")
         check_admissible(seq)
         shared = self._pinned.get(seq.seq_id, [])
@@ -103,59 +105,60 @@ class PagedAllocator(OnDemandPages):
                 f"sequence {seq.request_id!r} needs {need} pages for {seq.num_tokens} tokens; {len(self._free)} are free"
             )
         self._pinned.pop(seq.seq_id, None)  # its references pass to the block table
-        self._tables[seq.seq_id] = shared + [self._free.pop() for _ in range(need)]
-        self._held[seq.seq_id] = seq.num_tokens
+        table = shared + [self._free.pop() for _ in range(need)]
+        self._holdings[seq.seq_id] = Holding(table, seq.num_tokens)
         self._tokens_held += seq.num_tokens
         return len(shared) * self.page_size
 
     # ------------------------------------------------------------------ growth
-    def _new_pages_for(self, seq_id: int, num_tokens: int) -> int:
-        held = self._held[seq_id]
-        return pages_for(held + num_tokens, self.page_size) - len(self._tables[seq_id])
+    def _new_pages_for(self, holding: Holding, num_tokens: int) -> int:
+        return pages_for(holding.held + num_tokens, self.page_size) - len(holding.table)
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the admitted ``seq`` can hold ``num_tokens`` more tokens."""
-        if seq.seq_id not in self._tables or num_tokens < 0:
+        holding = self._holdings.get(seq.seq_id)
+        if holding is None or num_tokens < 0:
             return False
-        return self._new_pages_for(seq.seq_id, num_tokens) <= len(self._free)
+        return self._new_pages_for(holding, num_tokens) <= len(self._free)
 
     def append(self, seq: Sequence, num_tokens: int) -> None:
         """Make ``seq`` hold ``num_tokens`` more tokens, taking pages as they fill."""
         check_count(num_tokens, "append")
-        table = self._table(seq)
-        need = self._new_pages_for(seq.seq_id, num_tokens)
+        holding = self._holding(seq)
+        need = self._new_pages_for(holding, num_tokens)
         if need > len(self._free):
             raise OutOfPagesError(
                 f"sequence {seq.request_id!r} needs {need} more pages; {len(self._free)} are free"
             )
         for _ in range(need):
-            table.append(self._free.pop())
-        self._held[seq.seq_id] += num_tokens
+            holding.table.append(self._free.pop())
+        holding.held += num_tokens
         self._tokens_held += num_tokens
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Give back ``seq``'s last ``num_tokens`` tokens; pages left empty return to the free list."""
         check_count(num_tokens, "truncate")
-        table = self._table(seq)
-        held = self._held[seq.seq_id]
-        if num_tokens > held:
+        holding = self._holding(seq)
+        if num_tokens > holding.held:
             raise AllocatorUsageError(
-                f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, which holds {held}"
+                f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, "
+                f"which holds {holding.held}"
             )
-        keep = pages_for(held - num_tokens, self.page_size)
+        holding.held -= num_tokens
+        keep = pages_for(holding.held, self.page_size)
+        table = holding.table
         while len(table) > keep:
             self._release(table.pop())
-        self._held[seq.seq_id] = held - num_tokens
         self._tokens_held -= num_tokens
 
     def free(self, seq: Sequence) -> None:
         """Release every page of ``seq`` (a no-op for a sequence that holds none)."""
         self._unpin(seq.seq_id)  # a sample aborted before it was admitted
-        table = self._tables.pop(seq.seq_id, None)  # preempted: readmitted without sharing
-        if table is None:
+        holding = self._holdings.pop(seq.seq_id, None)  # preempted: readmitted without sharing
+        if holding is None:
             return
-        self._tokens_held -= self._held.pop(seq.seq_id)
-        for page in reversed(table):  # the sequence's first page is reused first
+        self._tokens_held -= holding.held
+        for page in reversed(holding.table):  # the sequence's first page is reused first
             self._release(page)
 
     def _release(self, page: int) -> None:

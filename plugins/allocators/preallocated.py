@@ -17,19 +17,30 @@ import pitstop
 from pitstop.errors import ConfigError
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
+    Holding,
     OutOfPagesError,
     check_admissible,
     check_count,
     pages_for,
 )
-from pitstop.protocols import AllocatorStats
+from pitstop.protocols import AllocatorBase, AllocatorStats
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
     from pitstop.sequence import Sequence
 
 
-class PreallocatedAllocator:
+class _RegionHolding(Holding):
+    """A sequence's :class:`Holding`: its region's (shared) block table, tokens held, and the region."""
+
+    __slots__ = ("region",)
+
+    def __init__(self, region: int, table: list[int], held: int) -> None:
+        super().__init__(table, held)
+        self.region = region
+
+
+class PreallocatedAllocator(AllocatorBase):
     """One contiguous ``max_model_len`` region per sequence."""
 
     def __init__(self, page_size: int, num_pages: int, max_model_len: int) -> None:
@@ -51,21 +62,20 @@ class PreallocatedAllocator:
         self._free_regions: list[int] = list(
             range(self.num_regions - 1, -1, -1)
         )  # a stack; 0 first
-        self._region: dict[int, int] = {}  # seq_id -> region
-        self._held: dict[int, int] = {}  # seq_id -> tokens held
+        self._holdings: dict[int, _RegionHolding] = {}  # seq_id -> its region and tokens held
         self._tokens_held = 0
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether ``seq`` is new, fits in ``max_model_len`` and a region is free."""
         return (
-            seq.seq_id not in self._region
+            seq.seq_id not in self._holdings
             and 0 < seq.num_tokens <= self.max_model_len
             and bool(self._free_regions)
         )
 
     def allocate(self, seq: Sequence) -> int:
         """Give ``seq`` a whole region; nothing is cached, so return 0."""
-        if seq.seq_id in self._region:
+        if seq.seq_id in self._holdings:
             raise AllocatorUsageError(f"sequence {seq.request_id!r} is already admitted")
         check_admissible(seq)
         if seq.num_tokens > self.max_model_len:
@@ -77,68 +87,75 @@ class PreallocatedAllocator:
                 f"no free region for sequence {seq.request_id!r}: all {self.num_regions} regions of "
                 f"{self.pages_per_region} pages (max_model_len={self.max_model_len}) are taken"
             )
-        self._region[seq.seq_id] = self._free_regions.pop()
-        self._held[seq.seq_id] = seq.num_tokens
+        region = self._free_regions.pop()
+        self._holdings[seq.seq_id] = _RegionHolding(
+            region, self._region_tables[region], seq.num_tokens
+        )
         self._tokens_held += seq.num_tokens
         return 0
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether ``seq`` stays within ``max_model_len`` after ``num_tokens`` more."""
-        held = self._held.get(seq.seq_id)
-        return held is not None and 0 <= num_tokens and held + num_tokens <= self.max_model_len
+        holding = self._holdings.get(seq.seq_id)
+        return (
+            holding is not None
+            and 0 <= num_tokens
+            and holding.held + num_tokens <= self.max_model_len
+        )
 
     def append(self, seq: Sequence, num_tokens: int) -> None:
         """Hold ``num_tokens`` more tokens inside the region."""
         check_count(num_tokens, "append")
-        held = self._held_of(seq)
-        if held + num_tokens > self.max_model_len:
+        holding = self._holding(seq)
+        if holding.held + num_tokens > self.max_model_len:
             raise OutOfPagesError(
-                f"sequence {seq.request_id!r} would hold {held + num_tokens} tokens, "
+                f"sequence {seq.request_id!r} would hold {holding.held + num_tokens} tokens, "
                 f"more than its max_model_len={self.max_model_len} region"
             )
-        self._held[seq.seq_id] = held + num_tokens
+        holding.held += num_tokens
         self._tokens_held += num_tokens
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the last ``num_tokens`` tokens (the region stays reserved)."""
         check_count(num_tokens, "truncate")
-        held = self._held_of(seq)
-        if num_tokens > held:
+        holding = self._holding(seq)
+        if num_tokens > holding.held:
             raise AllocatorUsageError(
-                f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, which holds {held}"
+                f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, "
+                f"which holds {holding.held}"
             )
-        self._held[seq.seq_id] = held - num_tokens
+        holding.held -= num_tokens
         self._tokens_held -= num_tokens
 
     def free(self, seq: Sequence) -> None:
         """Return ``seq``'s region (a no-op for a sequence that holds none)."""
-        region = self._region.pop(seq.seq_id, None)
-        if region is None:
+        holding = self._holdings.pop(seq.seq_id, None)
+        if holding is None:
             return
-        self._tokens_held -= self._held.pop(seq.seq_id)
-        self._free_regions.append(region)
+        self._tokens_held -= holding.held
+        self._free_regions.append(holding.region)
 
-    def _held_of(self, seq: Sequence) -> int:
+    def _holding(self, seq: Sequence) -> _RegionHolding:
         try:
-            return self._held[seq.seq_id]
+            return self._holdings[seq.seq_id]
         except KeyError:
             raise AllocatorUsageError(f"sequence {seq.request_id!r} is not admitted") from None
 
     def block_table(self, seq: Sequence) -> list[int]:
         """The whole region of ``seq`` (the shared list: read it, copy it to keep it)."""
-        self._held_of(seq)
-        return self._region_tables[self._region[seq.seq_id]]
+        return self._holding(seq).table
 
     def num_held_tokens(self, seq: Sequence) -> int:
         """Token slots ``seq`` holds (0 when not admitted)."""
-        return self._held.get(seq.seq_id, 0)
+        holding = self._holdings.get(seq.seq_id)
+        return 0 if holding is None else holding.held
 
     def on_tokens_computed(self, seq: Sequence) -> None:
         """Nothing to do: nothing is cached across sequences."""
 
     def stats(self) -> AllocatorStats:
         """Tokens held; ``max_model_len`` tokens reserved per sequence; pages outside taken regions free."""
-        taken = len(self._region)
+        taken = len(self._holdings)
         return AllocatorStats(
             num_pages=self.num_pages,
             pages_free=self.num_pages - taken * self.pages_per_region,

@@ -47,6 +47,7 @@ import attrs
 import pitstop
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
+    Holding,
     OnDemandPages,
     OutOfPagesError,
     check_admissible,
@@ -82,12 +83,23 @@ class _CachedPage:
         self.token_ids = token_ids
 
 
+class _PrefixHolding(Holding):
+    """A sequence's :class:`Holding` plus the cache keys of its leading full computed pages."""
+
+    __slots__ = ("chain",)
+
+    def __init__(self, table: list[int], held: int, chain: list[tuple[int, int]]) -> None:
+        super().__init__(table, held)
+        self.chain = chain  # (hash, uid of the cache entry with that content) per full page
+
+
 class PrefixCachingAllocator(OnDemandPages):
     """Pages on demand, plus shared, refcounted, LRU-cached full prefix pages."""
 
     # The engine admits the other samples of an n > 1 request after the first computed the
     # prompt, so that they share its full pages instead of computing them again.
     shares_prefix_pages = True
+    caches_prefixes = True  # allocate() serves cached leading pages without computing them
 
     def __init__(self, page_size: int, num_pages: int, max_cached_pages: int | None = None) -> None:
         super().__init__(page_size, num_pages)  # self._free: never-cached free pages, a stack
@@ -99,8 +111,7 @@ class PrefixCachingAllocator(OnDemandPages):
         self._cached: dict[int, _CachedPage] = {}  # page -> its cache entry
         self._buckets: dict[int, list[int]] = {}  # hash -> cached pages with that hash
         self._next_uid = _ROOT_UID + 1
-        # seq_id -> (hash, uid of the cache entry with that content) of its leading full computed pages
-        self._chains: dict[int, list[tuple[int, int]]] = {}
+        self._holdings: dict[int, _PrefixHolding] = {}  # seq_id -> table, tokens held, chain
         self._tokens_shared = 0  # (holders - 1) x page_size over the shared pages
         self._queried = 0
         self._hit = 0
@@ -180,14 +191,14 @@ class PrefixCachingAllocator(OnDemandPages):
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether ``seq`` is new and its uncached pages fit."""
-        if seq.seq_id in self._tables or seq.num_tokens <= 0:
+        if seq.seq_id in self._holdings or seq.num_tokens <= 0:
             return False
         need, available = self._new_pages_needed(seq, self._lookup(seq)[0])
         return need <= available
 
     def allocate(self, seq: Sequence) -> int:
         """Admit ``seq``, sharing its cached leading pages; return how many tokens they hold."""
-        if seq.seq_id in self._tables:
+        if seq.seq_id in self._holdings:
             raise AllocatorUsageError(f"sequence {seq.request_id!r} is already admitted")
         check_admissible(seq)
         hits, chain = self._lookup(seq)
@@ -205,9 +216,7 @@ class PrefixCachingAllocator(OnDemandPages):
         table = hits + [self._take() for _ in range(need)]
         for page in table[len(hits) :]:
             self._refs[page] = 1
-        self._tables[seq.seq_id] = table
-        self._held[seq.seq_id] = seq.num_tokens
-        self._chains[seq.seq_id] = chain
+        self._holdings[seq.seq_id] = _PrefixHolding(table, seq.num_tokens, chain)
         self._tokens_held += seq.num_tokens
         cached_tokens = len(hits) * self.page_size
         self._queried += seq.num_tokens
@@ -217,18 +226,18 @@ class PrefixCachingAllocator(OnDemandPages):
     # ------------------------------------------------------------------ growth
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the admitted ``seq`` can hold ``num_tokens`` more tokens."""
-        table = self._tables.get(seq.seq_id)
-        if table is None or num_tokens < 0:
+        holding = self._holdings.get(seq.seq_id)
+        if holding is None or num_tokens < 0:
             return False
-        need = pages_for(self._held[seq.seq_id] + num_tokens, self.page_size) - len(table)
+        need = pages_for(holding.held + num_tokens, self.page_size) - len(holding.table)
         return need <= self._available()
 
     def append(self, seq: Sequence, num_tokens: int) -> None:
         """Make ``seq`` hold ``num_tokens`` more tokens, in pages of its own."""
         check_count(num_tokens, "append")
-        table = self._table(seq)
-        held = self._held[seq.seq_id]
-        need = pages_for(held + num_tokens, self.page_size) - len(table)
+        holding = self._holding(seq)
+        table = holding.table
+        need = pages_for(holding.held + num_tokens, self.page_size) - len(table)
         if need > self._available():
             raise OutOfPagesError(
                 f"sequence {seq.request_id!r} needs {need} more pages; {self._available()} are free"
@@ -237,14 +246,14 @@ class PrefixCachingAllocator(OnDemandPages):
             page = self._take()
             self._refs[page] = 1
             table.append(page)
-        self._held[seq.seq_id] = held + num_tokens
+        holding.held += num_tokens
         self._tokens_held += num_tokens
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Give back ``seq``'s last ``num_tokens`` tokens; shared pages stay with their other holders."""
         check_count(num_tokens, "truncate")
-        table = self._table(seq)
-        held = self._held[seq.seq_id]
+        holding = self._holding(seq)
+        table, held = holding.table, holding.held
         if num_tokens > held:
             raise AllocatorUsageError(
                 f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, which holds {held}"
@@ -263,29 +272,28 @@ class PrefixCachingAllocator(OnDemandPages):
             self._release(table.pop())
         if partial is not None and partial in self._cached:
             self._unregister(partial)  # its tail will be overwritten
-        del self._chains[seq.seq_id][new_held // self.page_size :]
-        self._held[seq.seq_id] = new_held
+        del holding.chain[new_held // self.page_size :]
+        holding.held = new_held
         self._tokens_held -= num_tokens
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s pages; cached ones nobody else holds join the LRU pool, last page first."""
-        table = self._tables.pop(seq.seq_id, None)
-        if table is None:
+        holding = self._holdings.pop(seq.seq_id, None)
+        if holding is None:
             return
-        self._tokens_held -= self._held.pop(seq.seq_id)
-        del self._chains[seq.seq_id]
-        for page in reversed(table):
+        self._tokens_held -= holding.held
+        for page in reversed(holding.table):
             self._release(page)
 
     # ------------------------------------------------------------------ hashing
     def on_tokens_computed(self, seq: Sequence) -> None:
         """Enter in the cache every page of ``seq`` that is now full and computed."""
-        table = self._tables.get(seq.seq_id)
-        if table is None:
+        holding = self._holdings.get(seq.seq_id)
+        if holding is None:
             return
         ps = self.page_size
-        chain = self._chains[seq.seq_id]
-        num_full = min(seq.num_computed_tokens, self._held[seq.seq_id], seq.num_tokens) // ps
+        table, chain = holding.table, holding.chain
+        num_full = min(seq.num_computed_tokens, holding.held, seq.num_tokens) // ps
         if num_full <= len(chain):
             return
         parent_hash, parent_uid = chain[-1] if chain else (_ROOT_HASH, _ROOT_UID)

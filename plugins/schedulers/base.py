@@ -34,7 +34,8 @@ Speculative decoding: a decoding sequence whose ``draft_token_ids`` the
 engine filled is scheduled for ``1 + len(draft_token_ids)`` tokens (all of
 them count against the token budget) and grows by that many slots. Drafts
 never cause a preemption: when the budget or the free pages cannot take
-them, the scheduler clears them and the sequence decodes one token.
+them, the sequence decodes one token and its drafts go unverified (the engine
+drops every draft once the step's inputs are built).
 """
 
 from __future__ import annotations
@@ -176,9 +177,7 @@ class BaseScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_request: dict[str, Sequence] = {}
-        self._arrival_round: dict[int, int] = {}  # seq_id -> round it was added (for aging)
-        self._requeued: set[int] = set()  # preempted sequences waiting at the front
-        self._round = 0  # schedule() calls so far
+        self._round = 0  # schedule() calls so far (a sequence keeps the round it was queued in)
 
     @classmethod
     def register_with(cls, register: Callable[..., None], factory: Callable[..., Any]) -> None:
@@ -191,10 +190,9 @@ class BaseScheduler:
         """Queue a new sequence at the back of the waiting queue."""
         if seq.request_id in self._by_request:
             raise ValueError(f"request {seq.request_id!r} is already queued or running")
-        seq.status = SequenceStatus.WAITING
+        seq.queue(self._round)
         self.waiting.append(seq)
         self._by_request[seq.request_id] = seq
-        self._arrival_round[seq.seq_id] = self._round
 
     def abort(self, request_id: str) -> Sequence | None:
         """Remove a request from the queue or the running set, free its pages; return it."""
@@ -243,8 +241,6 @@ class BaseScheduler:
             self.waiting.remove(seq)
         self.allocator.free(seq)
         del self._by_request[seq.request_id]
-        self._arrival_round.pop(seq.seq_id, None)
-        self._requeued.discard(seq.seq_id)
 
     def _next_round(self) -> None:
         self._round += 1
@@ -258,9 +254,9 @@ class BaseScheduler:
         aged: list[Sequence] = []
         rest: list[tuple[int, int, Sequence]] = []
         for i, seq in enumerate(self.waiting):
-            if seq.seq_id in self._requeued:
+            if seq.requeued:
                 front.append(seq)
-            elif self._round - self._arrival_round[seq.seq_id] >= self.max_wait_steps:
+            elif self._round - seq.queued_round >= self.max_wait_steps:
                 aged.append(seq)
             else:
                 rest.append((seq.num_tokens, i, seq))
@@ -273,7 +269,6 @@ class BaseScheduler:
         """Give ``seq`` its pages (the caller checked ``can_allocate``) and make it the newest running."""
         seq.admit(self.allocator.allocate(seq))
         self.waiting.remove(seq)
-        self._requeued.discard(seq.seq_id)
         self.running.append(seq)
 
     def _preempt(self, seq: Sequence, step: StepBuilder) -> None:
@@ -281,8 +276,7 @@ class BaseScheduler:
         self.allocator.free(seq)
         seq.preempt()
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
-        self._requeued.add(seq.seq_id)
+        self.waiting.appendleft(seq)  # seq.requeued: it waits at the front
         step.preempted.append(seq)
 
     def _ensure_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -330,7 +324,7 @@ class BaseScheduler:
                 if want + drafts <= step.tokens_left and self._ensure_slots(seq, want + drafts):
                     step.add(seq, want + drafts)
                     continue
-                seq.draft_token_ids.clear()
+                # the engine drops the drafts once the step is built
             if self._reserve(seq, want, step):
                 step.add(seq, want)
 

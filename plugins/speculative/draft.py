@@ -75,6 +75,15 @@ class DraftSettings:
     )
 
 
+@attrs.define(eq=False)
+class _DraftSeq:
+    """What the draft keeps for one of the target's sequences (one record per sequence)."""
+
+    kv_ids: list[int] = attrs.Factory(list)  # the tokens whose KV the draft holds
+    synced: int = 0  # how many of them are known to be the target's
+    generator: torch.Generator | None = None  # a seeded request's draws (made at its first)
+
+
 class DraftProposer:
     """A small model that drafts autoregressively over its own paged KV cache."""
 
@@ -117,9 +126,7 @@ class DraftProposer:
         )
         if draft_config.poison_memory:  # its pages are poisoned when handed out, as the engine's
             self.allocator = FreshPageTracker(self.allocator, self.runner.poison_pages)
-        self._kv_ids: dict[int, list[int]] = {}  # seq_id -> the tokens whose KV the draft holds
-        self._synced: dict[int, int] = {}  # seq_id -> how many of them are known to be the target's
-        self._generators: dict[int, torch.Generator] = {}
+        self._seqs: dict[int, _DraftSeq] = {}  # seq_id -> its draft KV tokens, sync point, draws
         self._shared = make_generator(config.seed + 1, context.device)
 
     # ------------------------------------------------------------------ protocol
@@ -143,7 +150,7 @@ class DraftProposer:
             while step:
                 inputs = []
                 for seq in step:
-                    ids = self._kv_ids[seq.seq_id]
+                    ids = self._seqs[seq.seq_id].kv_ids
                     # the first step catches up with the target; later ones read the last draft
                     if made == 0:
                         new, start = seq.token_ids[len(ids) :], len(ids)
@@ -170,7 +177,7 @@ class DraftProposer:
                 step = [seq for seq in ordered if made < rooms[seq.seq_id]]
         drafts = self._gather_drafts(active, order_per_step, tokens_per_step)
         for seq in active:  # the draft now holds the KV of the target's tokens and d_1 .. d_{k-1}
-            ids = self._kv_ids[seq.seq_id]
+            ids = self._seqs[seq.seq_id].kv_ids
             ids.extend(seq.token_ids[len(ids) :])
             ids.extend([PENDING_TOKEN] * (rooms[seq.seq_id] - 1))  # known after verification
         out = []
@@ -195,9 +202,10 @@ class DraftProposer:
         The draft's KV of the kept drafts stays: their placeholders take the
         target's tokens, which are those drafts.
         """
-        ids = self._kv_ids.get(seq.seq_id)
-        if ids is None:
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
             return
+        ids = state.kv_ids
         first = next((i for i, t in enumerate(ids) if t == PENDING_TOKEN), len(ids))
         kept = min(num_accepted, len(ids) - first, seq.num_tokens - first)
         ids[first : first + kept] = seq.token_ids[first : first + kept]
@@ -205,9 +213,7 @@ class DraftProposer:
 
     def release(self, seq: Sequence) -> None:
         """Free ``seq``'s draft pages (the engine calls this when a request finishes or aborts)."""
-        self._kv_ids.pop(seq.seq_id, None)
-        self._synced.pop(seq.seq_id, None)
-        self._generators.pop(seq.seq_id, None)
+        self._seqs.pop(seq.seq_id, None)
         self.allocator.free(seq)
         self.runner.forget_block_tables([seq.seq_id])
 
@@ -240,15 +246,16 @@ class DraftProposer:
         Only the tokens past the last synced point can differ (the target's
         tokens are append-only), so this compares at most a few drafts.
         """
-        ids = self._kv_ids[seq.seq_id]
+        state = self._seqs[seq.seq_id]
+        ids = state.kv_ids
         target = seq.token_ids
         # The last token is always recomputed: its logits give the first draft.
         keep = min(len(ids), len(target) - 1)
-        i = min(self._synced.get(seq.seq_id, 0), keep)
+        i = min(state.synced, keep)
         while i < keep and ids[i] == target[i]:
             i += 1
         del ids[i:]
-        self._synced[seq.seq_id] = i
+        state.synced = i
         held = self.allocator.num_held_tokens(seq)
         if held > i:
             self.allocator.truncate(seq, held - i)
@@ -257,11 +264,11 @@ class DraftProposer:
 
     def _prepare(self, seq: Sequence, room: int) -> bool:
         """Sync ``seq`` and make the draft hold slots for its tokens and ``room - 1`` drafts."""
-        if seq.seq_id not in self._kv_ids:
+        if seq.seq_id not in self._seqs:
             if not self.allocator.can_allocate(seq):
                 return False
             self.allocator.allocate(seq)
-            self._kv_ids[seq.seq_id] = []
+            self._seqs[seq.seq_id] = _DraftSeq()
         self._sync(seq)
         need = seq.num_tokens + room - 1 - self.allocator.num_held_tokens(seq)
         if need > 0:
@@ -306,10 +313,10 @@ class DraftProposer:
         params = seq.sampling_params
         if params.seed is None or is_greedy(params):
             return None
-        gen = self._generators.get(seq.seq_id)
-        if gen is None:
-            gen = self._generators[seq.seq_id] = make_generator(params.seed + 1, self.device)
-        return gen
+        state = self._seqs[seq.seq_id]  # prepared: every sequence a draft step runs
+        if state.generator is None:
+            state.generator = make_generator(params.seed + 1, self.device)
+        return state.generator
 
 
 def create_draft(
