@@ -13,20 +13,17 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from pitstop.runner_graphs import DecodeGraphs
 from pitstop.runner_piecewise import PiecewiseGraphs, mixed_step_tokens, supports_piecewise
-
-if TYPE_CHECKING:
-    from pitstop.runner import ModelRunner
+from pitstop.runner_view import RunnerView
 
 log = logging.getLogger(__name__)
 
 
-def capture_graphs(runner: ModelRunner, extra: Callable[[ModelRunner], None] | None) -> None:
+def capture_graphs(runner: RunnerView, extra: Callable[[RunnerView], None] | None) -> None:
     """Capture ``runner``'s decode graphs, its piecewise graphs and ``extra``'s in one session.
 
     Python's garbage collection is held off during capture: a collection

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,11 +41,9 @@ import torch
 from pitstop.attention import AttentionMetadata
 from pitstop.poison import poison_
 from pitstop.runner_batch import BlockTableRows
+from pitstop.runner_view import RunnerView
 from pitstop.sequence import PENDING_TOKEN
 from pitstop.step import SeqInput
-
-if TYPE_CHECKING:
-    from pitstop.runner import ModelRunner
 
 
 def capture_graph(
@@ -101,7 +99,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: RunnerView,
         max_batch: int,
         num_query: int = 1,
         *,

@@ -8,17 +8,13 @@ step at the largest step (:func:`plan_num_pages`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
 from pitstop.kv_cache_dtype import resolve_kv_cache_dtype
 from pitstop.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from pitstop.runner import ModelRunner
+from pitstop.runner_view import RunnerView
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -67,7 +63,7 @@ def pages_asked(
     return None
 
 
-def plan_num_pages(runner: ModelRunner) -> int:
+def plan_num_pages(runner: RunnerView) -> int:
     """How many pages ``runner``'s KV cache gets: ``max_num_pages``, a GiB budget, or free GPU memory."""
     per_page = runner.bytes_per_page()
     cfg = runner.config
@@ -93,7 +89,7 @@ def plan_num_pages(runner: ModelRunner) -> int:
     return fit
 
 
-def profile_peak_memory(runner: ModelRunner) -> int:
+def profile_peak_memory(runner: RunnerView) -> int:
     """Extra memory a forward at the largest step takes beyond the weights (bytes)."""
     cfg = runner.config
     assert cfg.max_model_len is not None

@@ -6,8 +6,6 @@ runs eagerly between the captured segments (:class:`PiecewiseGraphs`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from pitstop.attention import AttentionMetadata
@@ -15,9 +13,7 @@ from pitstop.kinds import lacks
 from pitstop.poison import poison_
 from pitstop.protocols import SplitAttention, SplitForwardModel, SplitLayer
 from pitstop.runner_graphs import capture_graph
-
-if TYPE_CHECKING:
-    from pitstop.runner import ModelRunner
+from pitstop.runner_view import RunnerView
 
 MAX_PIECEWISE_TOKENS = 2048
 
@@ -73,7 +69,7 @@ class PiecewiseGraphs:
     plus the attention call, so the host keeps ahead of the GPU.
     """
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, *, capture: bool = True) -> None:
+    def __init__(self, runner: RunnerView, max_tokens: int, *, capture: bool = True) -> None:
         self.runner = runner
         self.captured = capture
         model = runner.model

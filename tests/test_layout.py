@@ -33,21 +33,13 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[int, str]]:
-    """(line, module) of every pitstop module ``path`` imports, at any depth, but for
-    imports under ``if TYPE_CHECKING:``."""
+    """(line, module) of every pitstop module ``path`` imports, at any depth: inside
+    functions and under ``if TYPE_CHECKING:`` too (a cycle that only type hints close
+    is still a cycle of the design)."""
     tree = ast.parse(path.read_text())
-    typing_only = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for stmt in node.body
-        for inner in ast.walk(stmt)
-    }
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
