@@ -88,7 +88,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         if config.kernels == "auto":
-            config = attrs.evolve(config, kernels="fused" if device.type == "cuda" else "reference")
+            config = attrs.evolve(config, kernels=pm.auto_kernels(device.type))
         kernels = pm.create("kernels", config.kernels, config, device, dtype)
         print(f"\nkernels {config.kernels!r} on {device} ({dtype}, torch {torch.__version__}):")
         for op, impl in kernels.describe().items():

@@ -72,9 +72,8 @@ class LLMEngine(RequestIntake, StepResults):
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
         self.plugins = plugins or get_plugin_manager()
         self.device = resolve_device(config.device)
-        if config.kernels == "auto":
-            fused = self.device.type == "cuda" and "fused" in self.plugins.names("kernels")
-            config = attrs.evolve(config, kernels="fused" if fused else "reference")
+        if config.kernels == "auto":  # the kernel set declared for this device type
+            config = attrs.evolve(config, kernels=self.plugins.auto_kernels(self.device.type))
         resolved = self.plugins.resolve(config)  # every name and setting, before any weight loads
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.threads is not None:

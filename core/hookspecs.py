@@ -51,7 +51,9 @@ def register_kernels(register: Register) -> None:
     """Register kernel sets.
 
     Called once when plugins load (factory: ``KINDS["kernels"]``). The
-    config's ``kernels`` setting picks one by name.
+    config's ``kernels`` setting picks one by name; ``kernels="auto"`` picks one
+    that registered with ``auto_devices=`` naming the device's type (``"cuda"``),
+    else one registered with ``auto_devices=("*",)``.
     """
 
 

@@ -11,7 +11,6 @@ or distribution names) narrows which entry points load.
 from __future__ import annotations
 
 import importlib.metadata as md
-import inspect
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -24,14 +23,21 @@ import pluggy
 from pitstop import hookspecs, protocols
 from pitstop.architecture import Architecture
 from pitstop.catalogue import Catalogue, Declaration, ResolvedConfig, step_token_budget
-from pitstop.errors import PluginError
+from pitstop.errors import ConfigError, PluginError
 from pitstop.kinds import KINDS as KIND_TABLE
 from pitstop.kinds import missing_members
 from pitstop.model_config import ModelConfig
+from pitstop.registration import (
+    Command,
+    PluginSource,
+    Strategy,
+    check_registration,
+    owner,
+    takes_settings,
+)
 from pitstop.settings import (
     aliased_fields,
     check_option_keys,
-    is_settings_class,
     option_fields,
     same_declaration,
 )
@@ -46,78 +52,6 @@ ALLOW_LIST_VARIABLE = "PITSTOP_PLUGINS"
 
 # kind -> the register hook that fills it (the whole table: pitstop.kinds.KINDS)
 KINDS: dict[str, str] = {name: kind.hook for name, kind in KIND_TABLE.items()}
-
-
-@attrs.frozen
-class Strategy:
-    """One registered strategy: its kind, name, factory and where it came from."""
-
-    kind: str
-    name: str
-    factory: Callable[..., Any]
-    distribution: str
-    version: str
-    module: str
-    description: str = ""
-    options: Mapping[str, str] = attrs.field(factory=dict)  # the ``options`` keys it reads -> doc
-    settings: type | None = None  # its declared settings class (see pitstop.settings)
-    architecture: Any = None  # a model's pitstop.architecture.Architecture (loading rules)
-    declaration: Declaration | None = attrs.field(default=None, eq=False, repr=False)
-    takes_settings: bool = False  # its factory has a ``settings`` keyword: create() fills it
-
-    @property
-    def owner(self) -> str:
-        """How errors name it: ``scheduler 'chunked' (pitstop 0.1.0)``."""
-        return owner(self.kind, self.name, self.distribution, self.version)
-
-    def is_selected(self, config: EngineConfig) -> bool:
-        """Whether ``config`` picks this strategy by name (``kernels="auto"`` picks none yet)."""
-        field = KIND_TABLE[self.kind].selected_by
-        return field in attrs.fields_dict(type(config)) and getattr(config, field) == self.name
-
-    def read_settings(self, config: EngineConfig) -> Any:
-        """Its validated settings from ``config`` (None when it declares none), read once
-        per distinct input (:meth:`pitstop.catalogue.Declaration.read`); a ``required``
-        setting must be set only when ``config`` selects it."""
-        return None if self.declaration is None else self.declaration.read(config)
-
-
-def owner(kind: str, name: str, distribution: str, version: str) -> str:
-    """How errors name a strategy: ``scheduler 'chunked' (pitstop 0.1.0)``."""
-    return f"{kind} {name!r} ({distribution} {version})".replace(" )", ")")
-
-
-def _takes_settings(factory: Callable[..., Any]) -> bool:
-    """Whether ``factory`` has a ``settings`` keyword (create() then hands it its settings)."""
-    try:
-        param = inspect.signature(factory).parameters.get("settings")
-    except (TypeError, ValueError):  # a builtin or a C callable: no signature to read
-        return False
-    return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
-
-
-@attrs.frozen
-class Command:
-    """One registered subcommand of ``pitstop``: its arguments and its entry function."""
-
-    name: str
-    setup: Callable[[Any], None]  # setup(argparse.ArgumentParser): add the arguments
-    run: Callable[[Any], int]  # run(argparse.Namespace) -> exit status
-    help: str
-    description: str
-    distribution: str
-    version: str
-    module: str
-
-
-@attrs.frozen
-class PluginSource:
-    """A loaded plugin module and the distribution that declared it."""
-
-    entry_point: str
-    module: ModuleType
-    distribution: str
-    version: str
 
 
 class PluginManager:
@@ -239,32 +173,10 @@ class PluginManager:
             options: Mapping[str, str] | None = None,
             settings: type | None = None,
             architecture: Any = None,
+            auto_devices: Iterable[str] = (),
         ) -> None:
-            if not isinstance(name, str) or not name:
-                raise PluginError(
-                    f"{source.distribution}: a {kind} needs a non-empty name, got {name!r}"
-                )
-            if not callable(factory):
-                raise PluginError(
-                    f"{source.distribution}: the {kind} {name!r} factory is not callable"
-                )
-            if (architecture is None) != (kind != "model") or (
-                architecture is not None and not isinstance(architecture, Architecture)
-            ):
-                raise PluginError(
-                    f"{source.distribution}: the {kind} {name!r} "
-                    + (
-                        "needs architecture=pitstop.architecture.Architecture(...): how its "
-                        "config.json is read, which tensors it holds, its rotary tables"
-                        if kind == "model"
-                        else "is not a model; only models take architecture="
-                    )
-                )
-            if settings is not None and not is_settings_class(settings):
-                raise PluginError(
-                    f"{source.distribution}: the {kind} {name!r} settings must be an attrs class "
-                    f"whose fields are made with pitstop.settings.setting(), got {settings!r}"
-                )
+            auto_devices = tuple(auto_devices)
+            check_registration(kind, source, name, factory, settings, architecture, auto_devices)
             if settings is not None:
                 self._check_aliases(kind, name, settings, source)
                 for other in self.strategies():
@@ -305,7 +217,8 @@ class PluginManager:
                 settings=settings,
                 architecture=architecture,
                 declaration=declaration,
-                takes_settings=settings is not None and _takes_settings(factory),
+                takes_settings=settings is not None and takes_settings(factory),
+                auto_devices=auto_devices,
             )
             self._catalogue = None  # built again on its next use
 
@@ -343,6 +256,21 @@ class PluginManager:
         """The most tokens one step computes (:func:`pitstop.catalogue.step_token_budget`
         of the selected scheduler's settings); :meth:`resolve` gives it too."""
         return self.catalogue.step_token_budget(config)
+
+    def auto_kernels(self, device_type: str) -> str:
+        """The kernel set ``kernels="auto"`` picks on a device of ``device_type``: one that
+        declares that type (``register(..., auto_devices=...)``), else one that declares
+        ``"*"`` (any device); the first by name when several do."""
+        for wanted in (device_type, "*"):
+            names = sorted(
+                s.name for s in self.registry["kernels"].values() if wanted in s.auto_devices
+            )
+            if names:
+                return names[0]
+        raise ConfigError(
+            f"kernels='auto': no registered kernel set declares itself for {device_type!r} "
+            f"devices; pass kernels=NAME (registered: {', '.join(self.names('kernels'))})"
+        )
 
     def names(self, kind: str) -> list[str]:
         """The registered names of one kind, sorted."""

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 
 import pitstop
 from pitstop import EngineConfig, hookspecs
-from pitstop.errors import PluginError
+from pitstop.errors import ConfigError, PluginError
 from pitstop.kinds import KINDS, missing_members, protocol_members
 from pitstop.plugin_manager import PluginManager
 from pitstop.protocols import ProposerBase
@@ -124,3 +126,38 @@ def test_every_built_in_conforms() -> None:
     assert len(built) >= 9
     kernels = pm.create("kernels", "reference", config, cpu, torch.float32)
     assert kernels.cuda_graph_safe(64) is False and kernels.merge_projections is False
+
+
+def _kernels_module(name: str, **register_kw: Any) -> Any:
+    """A plugin module whose register_kernels hook registers one kernel set ``name``."""
+    mod = type(sys)(f"fake_kernels_{name}")
+
+    def hook(register) -> None:
+        register(name, lambda config, device, dtype: None, **register_kw)
+
+    mod.register_kernels = pitstop.hookimpl(hook)
+    return mod
+
+
+def test_kernels_auto_asks_what_each_kernel_set_declares() -> None:
+    pm = PluginManager()  # the built-ins: fused declares cuda, reference any device
+    assert (pm.auto_kernels("cuda"), pm.auto_kernels("cpu")) == ("fused", "reference")
+    assert pm.auto_kernels("xpu") == "reference"
+    pm.add_module(_kernels_module("cpu-fast", auto_devices=("cpu",)), distribution="x", version="1")
+    assert pm.auto_kernels("cpu") == "cpu-fast" and pm.auto_kernels("cuda") == "fused"
+    bare = PluginManager(load_entry_points=False, extra_modules=[_kernels_module("only")])
+    with pytest.raises(ConfigError, match="no registered kernel set declares itself for 'cpu'"):
+        bare.auto_kernels("cpu")
+
+
+def test_auto_devices_is_for_kernel_sets_only() -> None:
+    mod = type(sys)("fake_sampler_auto")
+    mod.register_samplers = pitstop.hookimpl(
+        lambda register: register("s", lambda config, device: None, auto_devices=("cuda",))
+    )
+    with pytest.raises(PluginError, match="only kernel sets take auto_devices"):
+        PluginManager(load_entry_points=False, extra_modules=[mod])
+    with pytest.raises(PluginError, match="device type names"):
+        PluginManager(
+            load_entry_points=False, extra_modules=[_kernels_module("k", auto_devices=("",))]
+        )

@@ -115,15 +115,7 @@ def test_the_check_sees_direct_writes() -> None:
     ]
 
 
-# Left: ``kernels="auto"`` picks a kernel set before any exists, so no kernel set can be asked
-# yet; it needs a declaration at registration (the plugin manager's registrar), which belongs
-# with the settings resolution (issue 30's "settings resolved once").
-KERNELS_AUTO = frozenset(
-    {
-        'fused = self.device.type == "cuda" and "fused" in self.plugins.names("kernels")',
-        'config = attrs.evolve(config, kernels="fused" if fused else "reference")',
-    }
-)
+KERNELS_AUTO: frozenset[str] = frozenset()  # kernels="auto" asks the registry (auto_devices)
 STRATEGIES = ("allocator", "scheduler", "proposer", "sampler", "kernels", "model")
 
 

@@ -298,5 +298,5 @@ def make_fused_kernels(
 
 @hookimpl
 def register_kernels(register) -> None:
-    """Register the ``fused`` kernel set."""
-    register("fused", make_fused_kernels, settings=FusedSettings)
+    """Register the ``fused`` kernel set (``kernels="auto"``'s choice on CUDA)."""
+    register("fused", make_fused_kernels, settings=FusedSettings, auto_devices=("cuda",))

@@ -293,5 +293,6 @@ def make_reference_kernels(
 
 @hookimpl
 def register_kernels(register) -> None:
-    """Register the ``reference`` kernel set."""
-    register("reference", make_reference_kernels)
+    """Register the ``reference`` kernel set (``kernels="auto"``'s choice on any device
+    no other kernel set declares itself for)."""
+    register("reference", make_reference_kernels, auto_devices=("*",))
