@@ -38,6 +38,7 @@ from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtyp
 from pitstop.model_config import ModelConfig
 from pitstop.plugin_manager import PluginManager
 from pitstop.poison import nan_rows_of, poison_, poison_pages_, poison_torch_empty
+from pitstop.protocols import ModelBase
 from pitstop.runner_batch import build_metadata, select_rows
 from pitstop.runner_capture import capture_graphs
 from pitstop.runner_graphs import DecodeGraphs
@@ -158,9 +159,7 @@ class ModelRunner:
                 model = plugins.create("model", mc.architecture, mc, self.kernels)
         finally:
             torch.set_default_dtype(previous)
-        if self.tensor_parallel is not None and not getattr(
-            model, "supports_tensor_parallel", False
-        ):
+        if self.tensor_parallel is not None and not ModelBase.of(model, "supports_tensor_parallel"):
             raise ConfigError(
                 f"the {mc.architecture} model plugin does not support tensor parallelism "
                 "(it sets no supports_tensor_parallel); use tensor_parallel_size=1"
