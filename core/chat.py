@@ -17,14 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from pitstop.errors import InvalidRequestError
+from pitstop.errors import fail_request as _fail
+from pitstop.errors import refuse_unknown_keys
 
 if TYPE_CHECKING:
     from pitstop.tokenizer import Tokenizer
-
-
-def _fail(message: str) -> None:
-    raise InvalidRequestError(message)
 
 
 def _text_of_parts(parts: Sequence[Any], where: str) -> str:
@@ -41,9 +38,9 @@ def _text_of_parts(parts: Sequence[Any], where: str) -> str:
                 f"{where}[{j}] is a content part of type {kind!r}; pitstop serves text models, "
                 "so only {'type': 'text', 'text': ...} parts are accepted"
             )
-        unknown = sorted(set(part) - {"type", "text"})
-        if unknown:
-            _fail(f"{where}[{j}] has the unknown key {unknown[0]!r}; a text part has type and text")
+        refuse_unknown_keys(
+            part, {"type", "text"}, f"{where}[{j}]", "a text part has type and text"
+        )
         text = part.get("text")
         if not isinstance(text, str):
             _fail(f"{where}[{j}].text must be a string, got {type(text).__name__}")

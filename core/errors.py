@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set
+from typing import Any, NoReturn
+
 
 class PitstopError(Exception):
     """Base class of every error pitstop raises on purpose."""
@@ -29,3 +32,18 @@ class OutOfPagesError(PitstopError, RuntimeError):
 
 class WorkerDiedError(PitstopError, RuntimeError):
     """A tensor-parallel rank failed or died; the engine cannot run on and must be rebuilt."""
+
+
+def fail_request(message: str) -> NoReturn:
+    """Raise :class:`InvalidRequestError` with ``message`` (request checks end here)."""
+    raise InvalidRequestError(message)
+
+
+def refuse_unknown_keys(obj: Mapping[str, Any], known: Set[str], where: str, hint: str) -> None:
+    """Refuse ``obj`` when it has a key outside ``known``, naming the first (sorted) one.
+
+    The message reads ``{where} has the unknown key 'k'; {hint}``.
+    """
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        fail_request(f"{where} has the unknown key {unknown[0]!r}; {hint}")

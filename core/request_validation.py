@@ -11,13 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pitstop.errors import InvalidRequestError
+from pitstop.errors import fail_request as _fail
 from pitstop.sampling_params import SamplingParams
 from pitstop.validation import check_text, check_token_ids
-
-
-def _fail(message: str) -> None:
-    raise InvalidRequestError(message)
 
 
 def validate_request(

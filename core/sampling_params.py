@@ -178,8 +178,13 @@ def _best_of(inst: Any, att: Any, value: Any) -> None:
         )
 
 
+def _null_minus_one_or_in(value: Any, low: int, high: int) -> bool:
+    """Whether ``value`` is None, -1 or an integer in ``[low, high]``."""
+    return value is None or (is_int(value) and (value == -1 or low <= value <= high))
+
+
 def _logprobs(inst: Any, att: Any, value: Any) -> None:
-    if value is None or (is_int(value) and (value == -1 or 0 <= value <= MAX_LOGPROBS)):
+    if _null_minus_one_or_in(value, 0, MAX_LOGPROBS):
         return
     raise must_be(
         "logprobs",
@@ -190,7 +195,7 @@ def _logprobs(inst: Any, att: Any, value: Any) -> None:
 
 
 def _truncate(_inst: Any, att: Any, value: Any) -> None:
-    if value is None or (is_int(value) and (value == -1 or 1 <= value <= INT64_MAX)):
+    if _null_minus_one_or_in(value, 1, INT64_MAX):
         return
     raise must_be(
         "truncate_prompt_tokens",

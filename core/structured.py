@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from pitstop.errors import InvalidRequestError
+from pitstop.errors import fail_request as _fail
 
 if TYPE_CHECKING:  # torch is imported where a mask is built: SamplingParams must not need it
     import torch
@@ -57,10 +58,6 @@ _GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z][A-Za-z0-9_-]*\s*::=")
 _LARK_RULE = re.compile(
     r"(?m)^\s*(%llguidance\b|%import\b|[?!]?[A-Za-z_][A-Za-z0-9_]*(\.-?[0-9]+)?(\[[^\]]*\])?\s*:(?!:))"
 )
-
-
-def _fail(message: str) -> None:
-    raise InvalidRequestError(message)
 
 
 @attrs.frozen(kw_only=True)

@@ -27,12 +27,8 @@ from typing import Any
 
 import attrs
 
-from pitstop.errors import InvalidRequestError
-
-
-def _fail(message: str) -> None:
-    raise InvalidRequestError(message)
-
+from pitstop.errors import fail_request as _fail
+from pitstop.errors import refuse_unknown_keys
 
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
@@ -69,18 +65,16 @@ def parse_tools(tools: Any) -> tuple[FunctionTool, ...]:
                 f"{where} is of type {kind!r}; pitstop takes function tools: "
                 "{'type': 'function', 'function': {'name', 'description', 'parameters'}}"
             )
-        unknown = sorted(set(tool) - {"type", "function"})
-        if unknown:
-            _fail(f"{where} has the unknown key {unknown[0]!r}; a tool has type and function")
+        refuse_unknown_keys(tool, {"type", "function"}, where, "a tool has type and function")
         function = tool.get("function")
         if not isinstance(function, Mapping):
             _fail(f"{where}.function must be an object with name (and description, parameters)")
-        unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
-        if unknown:
-            _fail(
-                f"{where}.function has the unknown key {unknown[0]!r}; it takes name, "
-                "description, parameters and strict"
-            )
+        refuse_unknown_keys(
+            function,
+            {"name", "description", "parameters", "strict"},
+            f"{where}.function",
+            "it takes name, description, parameters and strict",
+        )
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             _fail(

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pitstop.errors import InvalidRequestError
+from pitstop.errors import fail_request as _fail
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -61,10 +62,6 @@ def _numpy_bool() -> type:
 
 def _type_name(value: Any) -> str:
     return "a bool" if isinstance(value, bool) else type(value).__name__
-
-
-def _fail(message: str) -> None:
-    raise InvalidRequestError(message)
 
 
 def check_int(name: str, value: Any, *, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:

@@ -76,6 +76,26 @@ class AnswerHead:
         """The stream's last chunk before [DONE] when usage is asked for."""
         return {**self.body(obj, []), "usage": usage_of([final])}
 
+    def choice_chunk(
+        self,
+        obj: str,
+        index: int,
+        content: dict[str, Any],
+        logprobs: Any,
+        finish: str | None,
+        out: RequestOutput | None,
+    ) -> dict[str, Any]:
+        """A stream chunk of choice ``index``: its ``content`` (``text`` or ``delta``),
+        ``logprobs``, ``finish_reason`` and ``stop_reason`` (:func:`stop_reason`)."""
+        choice = {
+            "index": index,
+            **content,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": stop_reason(out, index, finish),
+        }
+        return self.chunk(obj, [choice])
+
 
 def chunk_logprobs(
     render: Callable[[CompletionOutput, int, int], Any],

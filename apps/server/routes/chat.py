@@ -12,7 +12,7 @@ from pitstop.outputs import CompletionOutput, RequestOutput
 from pitstop.server.deps import Authorized, State, check_request_size, json_body
 from pitstop.server.protocol import ChatCompletionRequest, new_id, now
 from pitstop.server.render import OPENAI_FINISH, chat_logprobs, usage_of
-from pitstop.server.streaming import AnswerHead, chunk_logprobs, sse_response, stop_reason
+from pitstop.server.streaming import AnswerHead, chunk_logprobs, sse_response
 from pitstop.server.submit import add, admit, collect, rendered
 from pitstop.server.tools import ChatTools, plan_tools
 from pitstop.tool_calls import ToolCallStream
@@ -62,14 +62,8 @@ class ChatAnswer:
         else:
             delta = stream.finish(text)
             finish = self.tools.finish_reason(finish, stream.has_calls)
-        choice = {
-            "index": index,
-            "delta": delta,
-            "logprobs": chunk_logprobs(chat_logprobs, out, index, self.logprobs, count),
-            "finish_reason": finish,
-            "stop_reason": stop_reason(out, index, finish),
-        }
-        return self.head.chunk(_CHUNK, [choice])
+        logprobs = chunk_logprobs(chat_logprobs, out, index, self.logprobs, count)
+        return self.head.choice_chunk(_CHUNK, index, {"delta": delta}, logprobs, finish, out)
 
     def usage_chunk(self, final: RequestOutput) -> dict[str, Any]:
         """The stream's last chunk before [DONE] when usage is asked for."""

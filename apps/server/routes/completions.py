@@ -16,7 +16,7 @@ from pitstop.server.limits import Flight
 from pitstop.server.protocol import APIError, CompletionRequest, Prompt, new_id, now
 from pitstop.server.render import OPENAI_FINISH, completion_logprobs, prompt_logprobs_json, usage_of
 from pitstop.server.state import AppState
-from pitstop.server.streaming import AnswerHead, chunk_logprobs, sse_response, stop_reason
+from pitstop.server.streaming import AnswerHead, chunk_logprobs, sse_response
 from pitstop.server.submit import add, admit, collect, encoded
 
 router = APIRouter()
@@ -38,14 +38,8 @@ class CompletionAnswer:
         self, index: int, text: str, finish: str | None, count: int, out: RequestOutput | None
     ) -> dict[str, Any]:
         """A stream chunk of choice ``index`` (:data:`~pitstop.server.streaming.ChunkFn`)."""
-        choice = {
-            "index": index,
-            "text": text,
-            "logprobs": chunk_logprobs(completion_logprobs, out, index, self.logprobs, count),
-            "finish_reason": finish,
-            "stop_reason": stop_reason(out, index, finish),
-        }
-        return self.head.chunk(_OBJECT, [choice])
+        logprobs = chunk_logprobs(completion_logprobs, out, index, self.logprobs, count)
+        return self.head.choice_chunk(_OBJECT, index, {"text": text}, logprobs, finish, out)
 
     def usage_chunk(self, final: RequestOutput) -> dict[str, Any]:
         """The stream's last chunk before [DONE] when usage is asked for."""
