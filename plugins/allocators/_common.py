@@ -67,7 +67,48 @@ class Holding:
         self.held = held
 
 
-class OnDemandPages(AllocatorBase):
+class HeldSequences(AllocatorBase):
+    """Per admitted sequence its :class:`Holding` (``_holdings``), and the tokens they hold in all
+    (``_tokens_held``): the lookups and checks every built-in allocator makes on them."""
+
+    _holdings: dict[int, Holding]
+    _tokens_held: int
+
+    def _holding(self, seq: Sequence) -> Holding:
+        try:
+            return self._holdings[seq.seq_id]
+        except KeyError:
+            raise AllocatorUsageError(f"sequence {seq.request_id!r} is not admitted") from None
+
+    def _holding_to_truncate(self, seq: Sequence, num_tokens: int) -> Holding:
+        """``seq``'s holding, after refusing a bad count or more tokens than it holds."""
+        check_count(num_tokens, "truncate")
+        holding = self._holding(seq)
+        if num_tokens > holding.held:
+            raise AllocatorUsageError(
+                f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, "
+                f"which holds {holding.held}"
+            )
+        return holding
+
+    def _pop_holding(self, seq: Sequence) -> Holding | None:
+        """Forget ``seq``'s holding and its tokens; None when it holds none."""
+        holding = self._holdings.pop(seq.seq_id, None)
+        if holding is not None:
+            self._tokens_held -= holding.held
+        return holding
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The pages of ``seq`` in order (the live list: read it, copy it to keep it)."""
+        return self._holding(seq).table
+
+    def num_held_tokens(self, seq: Sequence) -> int:
+        """Token slots ``seq`` holds (0 when not admitted)."""
+        holding = self._holdings.get(seq.seq_id)
+        return 0 if holding is None else holding.held
+
+
+class OnDemandPages(HeldSequences):
     """The state ``paged`` and ``prefix`` share: a stack of free pages, and per admitted
     sequence its :class:`Holding`."""
 
@@ -82,18 +123,3 @@ class OnDemandPages(AllocatorBase):
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._holdings: dict[int, Holding] = {}  # seq_id -> its block table and tokens held
         self._tokens_held = 0
-
-    def _holding(self, seq: Sequence) -> Holding:
-        try:
-            return self._holdings[seq.seq_id]
-        except KeyError:
-            raise AllocatorUsageError(f"sequence {seq.request_id!r} is not admitted") from None
-
-    def block_table(self, seq: Sequence) -> list[int]:
-        """The pages of ``seq`` in order (the live list: read it, copy it to keep it)."""
-        return self._holding(seq).table
-
-    def num_held_tokens(self, seq: Sequence) -> int:
-        """Token slots ``seq`` holds (0 when not admitted)."""
-        holding = self._holdings.get(seq.seq_id)
-        return 0 if holding is None else holding.held

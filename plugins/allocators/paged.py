@@ -137,13 +137,7 @@ class PagedAllocator(OnDemandPages):
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Give back ``seq``'s last ``num_tokens`` tokens; pages left empty return to the free list."""
-        check_count(num_tokens, "truncate")
-        holding = self._holding(seq)
-        if num_tokens > holding.held:
-            raise AllocatorUsageError(
-                f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, "
-                f"which holds {holding.held}"
-            )
+        holding = self._holding_to_truncate(seq, num_tokens)
         holding.held -= num_tokens
         keep = pages_for(holding.held, self.page_size)
         table = holding.table
@@ -154,10 +148,9 @@ class PagedAllocator(OnDemandPages):
     def free(self, seq: Sequence) -> None:
         """Release every page of ``seq`` (a no-op for a sequence that holds none)."""
         self._unpin(seq.seq_id)  # a sample aborted before it was admitted
-        holding = self._holdings.pop(seq.seq_id, None)  # preempted: readmitted without sharing
+        holding = self._pop_holding(seq)  # preempted: readmitted without sharing
         if holding is None:
             return
-        self._tokens_held -= holding.held
         for page in reversed(holding.table):  # the sequence's first page is reused first
             self._release(page)
 

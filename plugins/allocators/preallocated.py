@@ -17,13 +17,14 @@ import pitstop
 from pitstop.errors import ConfigError
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
+    HeldSequences,
     Holding,
     OutOfPagesError,
     check_admissible,
     check_count,
     pages_for,
 )
-from pitstop.protocols import AllocatorBase, AllocatorStats
+from pitstop.protocols import AllocatorStats
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -40,7 +41,7 @@ class _RegionHolding(Holding):
         self.region = region
 
 
-class PreallocatedAllocator(AllocatorBase):
+class PreallocatedAllocator(HeldSequences):
     """One contiguous ``max_model_len`` region per sequence."""
 
     def __init__(self, page_size: int, num_pages: int, max_model_len: int) -> None:
@@ -117,38 +118,15 @@ class PreallocatedAllocator(AllocatorBase):
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the last ``num_tokens`` tokens (the region stays reserved)."""
-        check_count(num_tokens, "truncate")
-        holding = self._holding(seq)
-        if num_tokens > holding.held:
-            raise AllocatorUsageError(
-                f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, "
-                f"which holds {holding.held}"
-            )
+        holding = self._holding_to_truncate(seq, num_tokens)
         holding.held -= num_tokens
         self._tokens_held -= num_tokens
 
     def free(self, seq: Sequence) -> None:
         """Return ``seq``'s region (a no-op for a sequence that holds none)."""
-        holding = self._holdings.pop(seq.seq_id, None)
-        if holding is None:
-            return
-        self._tokens_held -= holding.held
-        self._free_regions.append(holding.region)
-
-    def _holding(self, seq: Sequence) -> _RegionHolding:
-        try:
-            return self._holdings[seq.seq_id]
-        except KeyError:
-            raise AllocatorUsageError(f"sequence {seq.request_id!r} is not admitted") from None
-
-    def block_table(self, seq: Sequence) -> list[int]:
-        """The whole region of ``seq`` (the shared list: read it, copy it to keep it)."""
-        return self._holding(seq).table
-
-    def num_held_tokens(self, seq: Sequence) -> int:
-        """Token slots ``seq`` holds (0 when not admitted)."""
-        holding = self._holdings.get(seq.seq_id)
-        return 0 if holding is None else holding.held
+        holding = self._pop_holding(seq)
+        if holding is not None:
+            self._free_regions.append(holding.region)  # type: ignore[attr-defined]
 
     def on_tokens_computed(self, seq: Sequence) -> None:
         """Nothing to do: nothing is cached across sequences."""

@@ -251,13 +251,8 @@ class PrefixCachingAllocator(OnDemandPages):
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Give back ``seq``'s last ``num_tokens`` tokens; shared pages stay with their other holders."""
-        check_count(num_tokens, "truncate")
-        holding = self._holding(seq)
+        holding = self._holding_to_truncate(seq, num_tokens)
         table, held = holding.table, holding.held
-        if num_tokens > held:
-            raise AllocatorUsageError(
-                f"cannot truncate {num_tokens} tokens of sequence {seq.request_id!r}, which holds {held}"
-            )
         new_held = held - num_tokens
         keep = pages_for(new_held, self.page_size)
         partial = (
@@ -278,10 +273,9 @@ class PrefixCachingAllocator(OnDemandPages):
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s pages; cached ones nobody else holds join the LRU pool, last page first."""
-        holding = self._holdings.pop(seq.seq_id, None)
+        holding = self._pop_holding(seq)
         if holding is None:
             return
-        self._tokens_held -= holding.held
         for page in reversed(holding.table):
             self._release(page)
 

@@ -44,24 +44,19 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from typing import Any
 
 import attrs
 import torch
-import torch.nn.functional as F
 
-from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
 from pitstop.hookspecs import hookimpl
 from pitstop.plugins.kernels import reference
-from pitstop.protocols import KernelSetBase, RotaryCache
 from pitstop.settings import read_settings, setting
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-OPS = ("rms_norm", "linear", "silu_and_mul", "rope_and_store", "attention")
+OPS = reference.OPS
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -123,7 +118,7 @@ class FusedSettings:
     )
 
 
-class FusedKernels(KernelSetBase):
+class FusedKernels(reference.DispatchKernels):
     """Triton ops where they can run, the reference ops elsewhere; resolved once at construction."""
 
     name = "fused"
@@ -168,10 +163,6 @@ class FusedKernels(KernelSetBase):
             else "; fused_qkv off: separate GEMMs"
         )
 
-        self._rms_norm: Callable[..., Any] = reference.rms_norm
-        self._silu: Callable[[torch.Tensor], torch.Tensor] = reference.silu_and_mul
-        self._rope: Callable[..., Any] = reference.rope_and_store
-        self._attn: Callable[..., torch.Tensor] = reference.paged_attention
         self._head_size_checked = not (use["rope_and_store"] or use["attention"])
         if use["rms_norm"]:
             from pitstop.plugins.kernels.triton_ops import rmsnorm
@@ -213,63 +204,6 @@ class FusedKernels(KernelSetBase):
         if self._status.get("attention") == "triton":
             self._attn = reference.paged_attention
             self._fallback("attention", reason)
-
-    # ------------------------------------------------------------------ ops
-    def rms_norm(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """RMSNorm of ``x`` (+ ``residual`` first, when given); returns (normed, new residual or None)."""
-        return self._rms_norm(x, weight, eps, residual)
-
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``x @ weight.T + bias`` through cuBLAS (one GEMM for merged weights)."""
-        return F.linear(x, weight, bias)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(x[..., :d]) * x[..., d:]`` of a merged gate-up output of width ``2d``."""
-        return self._silu(x)
-
-    def rope_and_store(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rotary: RotaryCache,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_scale: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k at ``meta.positions`` (neox layout), store k and v at ``meta.slot_mapping``.
-
-        An fp8 cache stores ``k / kv_scale[0]`` and ``v / kv_scale[1]``, saturated.
-        """
-        if not self._head_size_checked:
-            self._check_head_size(q.shape[-1])
-        return self._rope(q, k, v, rotary, k_cache, v_cache, meta, kv_scale)
-
-    def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        kv_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Causal attention of q ``[T, Hq, D]`` over the paged cache; prefills and decodes in one batch.
-
-        An fp8 cache is read with its scales ``kv_scale`` (K's, then V's).
-        """
-        if not self._head_size_checked:
-            self._check_head_size(q.shape[-1])
-        return self._attn(q, k_cache, v_cache, meta, scale, kv_scale)
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph (no op synchronizes with the host).

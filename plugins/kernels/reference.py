@@ -14,6 +14,9 @@ the format's finite range and rounded by torch's cast (nearest, ties to even);
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -221,16 +224,26 @@ def paged_attention(
     return out
 
 
-class ReferenceKernels(KernelSetBase):
-    """The plain-PyTorch kernel set (never CUDA-graph safe: it reads lengths on the host)."""
+OPS = ("rms_norm", "linear", "silu_and_mul", "rope_and_store", "attention")
 
-    name = "reference"
-    # Keep q/k/v and gate/up as separate weights: the same GEMMs transformers runs.
-    merge_projections = False
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device = device
-        self.dtype = dtype
+class DispatchKernels(KernelSetBase):
+    """A kernel set whose ops call the functions it holds: the reference ones unless replaced.
+
+    A subclass swaps an op by setting ``_rms_norm``, ``_silu``, ``_rope`` or ``_attn`` on
+    the instance, and may check the head size once, at the first rotary/attention call
+    (``_head_size_checked`` False, :meth:`_check_head_size`).
+    """
+
+    _rms_norm: Callable[..., Any] = staticmethod(rms_norm)
+    _silu: Callable[[torch.Tensor], torch.Tensor] = staticmethod(silu_and_mul)
+    _rope: Callable[..., Any] = staticmethod(rope_and_store)
+    _attn: Callable[..., torch.Tensor] = staticmethod(paged_attention)
+    _head_size_checked = True
+
+    def _check_head_size(self, head_size: int) -> None:
+        """Once, at the first rotary/attention call: nothing to check here."""
+        self._head_size_checked = True
 
     def rms_norm(
         self,
@@ -239,18 +252,18 @@ class ReferenceKernels(KernelSetBase):
         eps: float,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """RMSNorm (after adding ``residual``); see :func:`rms_norm`."""
-        return rms_norm(x, weight, eps, residual)
+        """RMSNorm of ``x`` (+ ``residual`` first, when given); returns (normed, new residual or None)."""
+        return self._rms_norm(x, weight, eps, residual)
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``x @ weight.T + bias``."""
+        """``x @ weight.T + bias`` through torch (cuBLAS on CUDA; one GEMM for merged weights)."""
         return F.linear(x, weight, bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of a merged ``[gate | up]`` tensor."""
-        return silu_and_mul(x)
+        """``silu(x[..., :d]) * x[..., d:]`` of a merged ``[gate | up]`` output of width ``2d``."""
+        return self._silu(x)
 
     def rope_and_store(
         self,
@@ -263,8 +276,13 @@ class ReferenceKernels(KernelSetBase):
         meta: AttentionMetadata,
         kv_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k at ``meta.positions``, store k and v at ``meta.slot_mapping``."""
-        return rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, kv_scale)
+        """Rotate q and k at ``meta.positions`` (neox layout), store k and v at ``meta.slot_mapping``.
+
+        An fp8 cache stores ``k / kv_scale[0]`` and ``v / kv_scale[1]``, saturated.
+        """
+        if not self._head_size_checked:
+            self._check_head_size(q.shape[-1])
+        return self._rope(q, k, v, rotary, k_cache, v_cache, meta, kv_scale)
 
     def attention(
         self,
@@ -275,13 +293,29 @@ class ReferenceKernels(KernelSetBase):
         scale: float,
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention over the paged cache; see :func:`paged_attention`."""
-        return paged_attention(q, k_cache, v_cache, meta, scale, kv_scale)
+        """Causal attention of q ``[T, Hq, D]`` over the paged cache; prefills and decodes in one batch.
+
+        An fp8 cache is read with its scales ``kv_scale`` (K's, then V's).
+        """
+        if not self._head_size_checked:
+            self._check_head_size(q.shape[-1])
+        return self._attn(q, k_cache, v_cache, meta, scale, kv_scale)
+
+
+class ReferenceKernels(DispatchKernels):
+    """The plain-PyTorch kernel set (never CUDA-graph safe: it reads lengths on the host)."""
+
+    name = "reference"
+    # Keep q/k/v and gate/up as separate weights: the same GEMMs transformers runs.
+    merge_projections = False
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype
 
     def describe(self) -> dict[str, str]:
         """Every op runs plain PyTorch."""
-        ops = ("rms_norm", "linear", "silu_and_mul", "rope_and_store", "attention")
-        return {op: "reference (PyTorch)" for op in ops}
+        return {op: "reference (PyTorch)" for op in OPS}
 
 
 def make_reference_kernels(
