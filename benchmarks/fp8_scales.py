@@ -84,7 +84,7 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> str:
 
 def main() -> None:
     """Measure the agreement at unit and at calibrated scales; print one line each."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kernels", default="reference")
