@@ -315,20 +315,15 @@ class _ObjectScan:
         if self.key is not None and self.values[self.key][1] is None:
             self.values[self.key] = (self.value_start, end)
 
-    def start_key(self, i: int, j: int) -> int | None:
-        """At a top-level string ``text[i..j]`` where a key may stand: when a colon follows,
-        record the key and return where its value starts; else None (-1: the text ends)."""
+    def start_key(self, i: int, j: int, colon: int) -> int:
+        """Record the top-level key ``text[i..j]`` (a colon at ``colon`` follows it); return
+        where its value starts."""
         text = self.text
-        k = _skip_ws(text, j + 1)
-        if k >= len(text):
-            return -1
-        if text[k] != ":":
-            return None
         try:
             key = json.loads(text[i : j + 1])
         except json.JSONDecodeError:
             key = text[i + 1 : j]
-        self.value_start = _skip_ws(text, k + 1)
+        self.value_start = _skip_ws(text, colon + 1)
         if key in self.values:
             self.key = None  # a repeated key: the first one stands
         else:
@@ -343,11 +338,11 @@ class _ObjectScan:
         if j >= len(self.text):
             return None  # an open string: the text stops inside it
         if self.depth == 1 and self.expect_key:
-            nxt = self.start_key(i, j)
-            if nxt == -1:
-                return None
-            if nxt is not None:
-                return nxt
+            k = _skip_ws(self.text, j + 1)
+            if k >= len(self.text):
+                return None  # the text stops before what follows the string
+            if self.text[k] == ":":
+                return self.start_key(i, j, k)
         if self.depth == 1:
             self.end_value(j + 1)  # a string value ends at its quote
         return j + 1

@@ -103,6 +103,8 @@ def checkpoint_from_gguf(path: Path, folder: Path, *, dtype: str = "bfloat16") -
     import torch
     import transformers
 
+    from pitstop.runner import resolve_dtype
+
     marker = folder / ".converted-from"
     source = f"{path.resolve()} {path.stat().st_size} {path.stat().st_mtime_ns}"
     if marker.is_file() and marker.read_text() == source:
@@ -110,7 +112,7 @@ def checkpoint_from_gguf(path: Path, folder: Path, *, dtype: str = "bfloat16") -
     folder.mkdir(parents=True, exist_ok=True)
     load = {"gguf_file": path.name}
     net = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), dtype=getattr(torch, dtype), **load
+        str(path.parent), dtype=resolve_dtype(dtype, torch.device("cpu")), **load
     )
     # a GGUF-loaded model refuses save_pretrained ("quantized with gguf"): its weights are
     # plain tensors by now, so the config and the weights are written one by one
