@@ -156,10 +156,11 @@ for _ in range(2):
             longctx) echo '{"input_len": 32000, "output_len": 16}' >"$OUT/longctx-32k.jsonl"
               vrun vllm-longctx online --workload "$OUT/longctx-32k.jsonl" --model dummy:qwen3-8b --concurrency 1 \
                 --max-model-len 32768 --kernels fused --repeats $R ;;
-            # n-gram speculation at batch 1 on the real SmolLM2 GGUF, if vLLM loads that file
+            # n-gram speculation at batch 1 on the real SmolLM2 GGUF, if vLLM loads that file (one
+            # sequence at a time on both sides: --max-batch-size 1 is vLLM's max_num_seqs=1)
             spec) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf" ] || { echo "== vllm spec: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
               vrun vllm-spec offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl \
-                --speculative ngram --num-speculative-tokens 4 --repeats 2 \
+                --max-batch-size 1 --max-prefill-batch 1 --speculative ngram --num-speculative-tokens 4 --repeats 2 \
                 --peer-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ;;
             *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 longtail longtail64 longtail128 prefix longctx spec)" ;;
           esac
