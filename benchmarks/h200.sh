@@ -22,6 +22,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 GPU_TESTS=${GPU_TESTS:-"tests/test_overlap.py tests/test_gpu_engine.py tests/test_fused_gpu.py tests/test_sampler.py tests/test_speculative.py"}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider -m gpu $GPU_TESTS 2>&1 | tail -25
+  rc=${PIPESTATUS[0]}; [ "$rc" = 124 ] && echo "== GPU tests: cut at TEST_TIMEOUT=${TEST_TIMEOUT:-240} s (no summary above); raise it"
+  [ "$rc" != 0 ] && [ "$rc" != 124 ] && echo "== GPU tests: pytest exit $rc"
 fi
 ABLATION=baseline,+paged,+continuous,+fused,+chunked,+ngram
 run() { name=$1; shift; echo "== $name: pitstop bench $*"; timeout ${BENCH_TIMEOUT:-300} pitstop bench "$@" --output "$OUT/$name.json" 2>&1 | tail -${TAIL:-30}; }
