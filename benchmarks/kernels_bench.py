@@ -19,6 +19,7 @@ Usage (on the H200)::
     python benchmarks/kernels_bench.py --suite         # the attention shapes of docs/benchmarks.md
     python benchmarks/kernels_bench.py --decode-suite bfloat16 --decode-suite fp8_e4m3  # KV bytes
     python benchmarks/kernels_bench.py --tune --json tune.json   # the tile sweep behind PREFILL_TILES
+    python benchmarks/kernels_bench.py --decode-sweep --jobs 14 --json sweep.json  # issue 29
 
 ``--tune`` checks each candidate tile shape against the reference, then times
 it: the prefill kernel at 4,096 and 16,384 causal tokens (a few candidates also
@@ -31,6 +32,19 @@ of its inputs (how the engine runs it; eager timing of a small decode
 measures the host's launch overhead). ``--jobs N`` first compiles every
 candidate in N processes (Triton's on-disk cache), so the sweep itself only
 times. ``benchmarks/kernels_h200.sh`` runs tests, sweep and suite in one call.
+
+``--decode-sweep`` (issue 29) times decode launch configurations from CUDA
+graphs over bf16 and fp8_e4m3 caches (fp8 with scales 0.05 and 0.02) at
+1 x 4,096, 8 x 2,048, 64 x 2,048, 256 x 512 and 1 x 32,768: the engine's
+(the tiles in code, ``num_splits()``, and for fp8 both widenings,
+``fp8_widen="fp16"`` and ``"query"``), every split count 1..128 (powers of
+two) with the tiles in code, every tile shape of block_n 32/64/128 x warps
+1/2/4 x stages 2/3/4 at the engine's split count, then the best tiles at the
+best split count. Each is checked against the reference first. It prints the
+best per shape, the engine's, and the runners-up, as % of copy bandwidth at
+the cache's bytes (1 per fp8 element); ``--sweep-budget`` (default 130 s)
+stops it starting candidates, ``--jobs`` compiles them in processes first
+(at most 55% of the budget), ``--verbose`` prints every config.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -190,12 +204,24 @@ def decode_bytes(
 
 
 def make_attention(
-    dtype: torch.dtype, max_context: int, prefill=None, decode=None, splits: int | None = None
+    dtype: torch.dtype,
+    max_context: int,
+    prefill=None,
+    decode=None,
+    splits: int | None = None,
+    fp8_widen: str = "fp16",
 ):
     """A PagedAttention with the given tiles (None: the tables in code), optionally a forced split count."""
     from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
 
-    attn = PagedAttention(torch.device(DEVICE), dtype, max_context, prefill=prefill, decode=decode)
+    attn = PagedAttention(
+        torch.device(DEVICE),
+        dtype,
+        max_context,
+        prefill=prefill,
+        decode=decode,
+        fp8_widen=fp8_widen,
+    )
     if splits is not None:
         attn.num_splits = lambda num_decodes, num_kv_heads: splits  # type: ignore[method-assign]
     return attn
@@ -524,18 +550,37 @@ def run_job(job: tuple, rep: int) -> dict[str, Any] | None:
     return row
 
 
-def compile_in_processes(jobs: int) -> None:
-    """Compile every sweep candidate in ``jobs`` processes first: the sweep then hits Triton's cache."""
+def compile_in_processes(
+    jobs: int, flags: list[str] | None = None, timeout: float | None = None
+) -> None:
+    """Compile every sweep candidate in ``jobs`` processes first: the sweep then hits Triton's cache.
+
+    ``flags``: the sweep's (default ``--tune``); ``timeout``: seconds after which the processes
+    still compiling are stopped (what they left is compiled when first timed).
+    """
+    import time
+
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--tune", "--compile-only", f"--shard={i}/{jobs}"],
+            [
+                sys.executable,
+                __file__,
+                *(flags or ["--tune"]),
+                "--compile-only",
+                f"--shard={i}/{jobs}",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         for i in range(jobs)
     ]
+    end = None if timeout is None else time.monotonic() + timeout
     for p in procs:
-        p.wait()
+        try:
+            p.wait(None if end is None else max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def best_by(rows: list[dict], kind: str, metric: str, group_key: Callable[[dict], Any]) -> dict:
@@ -607,6 +652,307 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     return winners
 
 
+# ---------------------------------------------------------------- the decode sweep (issue 29)
+
+
+SWEEP_SHAPES = [(1, 4096), (8, 2048), (64, 2048), (256, 512), (1, 32768)]  # (batch, context)
+SWEEP_KV = ("bfloat16", "fp8_e4m3")
+SWEEP_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128]
+SWEEP_TILES = [(n, w, s) for n in (32, 64, 128) for w in (1, 2, 4) for s in (2, 3, 4)]
+SWEEP_BUDGET_S = 130.0  # --sweep-budget's default: no candidate starts after it
+SWEEP_COMPILE_SHARE = 0.55  # of the budget, at most, for the parallel compile (--jobs)
+H200_SMS = 132  # the candidates' split counts off a GPU (tests, --dry-run)
+
+
+class SweepConfig(NamedTuple):
+    """One decode launch configuration of the sweep."""
+
+    kv: str  # a KV_CACHE_DTYPES key
+    tiles: tuple[int, int, int]  # DecodeTiles: block_n, warps, stages
+    splits: int
+    widen: str | None  # PagedAttention's fp8_widen; None for a bf16 cache (it changes nothing)
+
+
+def sweep_candidates(
+    kv: str, batch: int, ctx: int, hq: int, hkv: int, d: int, num_sms: int
+) -> list[tuple[str, SweepConfig]]:
+    """The sweep's (stage, config) list for one shape, the engine's config first.
+
+    Stages: ``current`` (the tiles in code, ``num_splits()``, the default widening; for fp8
+    also ``fp8_widen="query"``, the widening before issue 29), ``splits`` (the tiles in code,
+    every split count of SWEEP_SPLITS, for fp8 with both widenings), ``tiles`` (every tile shape
+    of SWEEP_TILES at the engine's split count, the default widening). The run adds a ``best``
+    stage: the best tiles at the best split count, where that pair was not timed.
+    """
+    from pitstop.plugins.kernels.triton_ops.paged_attention import (
+        FP8_WIDEN,
+        PagedAttention,
+        decode_tiles,
+    )
+
+    engine = PagedAttention(torch.device("cuda"), torch.bfloat16, max(4096, ctx), num_sms=num_sms)
+    tiles = tuple(decode_tiles(d, hq // hkv, torch.bfloat16))
+    splits = engine.num_splits(batch, hkv)
+    widens: tuple[str | None, ...] = (None,) if kv == "bfloat16" else FP8_WIDEN
+    out = [("current", SweepConfig(kv, tiles, splits, w)) for w in widens]
+    for w in widens:
+        out += [("splits", SweepConfig(kv, tiles, s, w)) for s in SWEEP_SPLITS if s != splits]
+    out += [("tiles", SweepConfig(kv, t, splits, widens[0])) for t in SWEEP_TILES if t != tiles]
+    return out
+
+
+def sweep_plan(args: argparse.Namespace, num_sms: int) -> dict[tuple[str, int, int], list]:
+    """``sweep_candidates`` of every (KV dtype, batch, context) of the sweep."""
+    hq, hkv, d = args.heads, args.kv_heads, args.head_size
+    return {
+        (kv, b, c): sweep_candidates(kv, b, c, hq, hkv, d, num_sms)
+        for kv in SWEEP_KV
+        for b, c in SWEEP_SHAPES
+    }
+
+
+def sweep_compile_set(plan: dict[tuple[str, int, int], list]) -> list[SweepConfig]:
+    """The distinct compiled variants of a plan (the shape does not change the kernel)."""
+    return sorted({cfg for cands in plan.values() for _, cfg in cands}, key=repr)
+
+
+def sweep_attention(cfg: SweepConfig, max_context: int):
+    """A PagedAttention launching ``cfg`` whatever the batch size."""
+    from pitstop.plugins.kernels.triton_ops.paged_attention import DecodeTiles
+
+    return make_attention(
+        torch.bfloat16,
+        max_context,
+        decode=DecodeTiles(*cfg.tiles),
+        splits=cfg.splits,
+        fp8_widen=cfg.widen or "fp16",
+    )
+
+
+class SweepInputs(NamedTuple):
+    """One shape's inputs: enough copies for a graph replay to read ~512 MB, the reference output."""
+
+    copies: list[tuple]
+    nbytes: float
+    ref: torch.Tensor
+
+
+def sweep_inputs(kv: str, batch: int, ctx: int, args: argparse.Namespace) -> SweepInputs:
+    """Seeded inputs of one (KV dtype, shape); fp8 caches with non-unit scales."""
+    hq, hkv, d, page = args.heads, args.kv_heads, args.head_size, args.page_size
+    batch, ctx = max(1, batch // DRY_SCALE), max(1, ctx // DRY_SCALE)  # --dry-run only
+    kv_dtype = KV_CACHE_DTYPES[kv]
+    nbytes = decode_bytes(batch, ctx, hq, hkv, d, kv_dtype.itemsize, q_elt=2)
+    copies = 2 if DEVICE != "cuda" else max(2, min(512, -(-int(512e6) // int(nbytes))))
+    torch.manual_seed(batch * 100003 + ctx)
+    scales = torch.tensor([0.05, 0.02] if kv_dtype.itemsize == 1 else [1.0, 1.0], device=DEVICE)
+    made = []
+    for _ in range(copies):
+        q, k, v, meta = attention_inputs(batch, 1, ctx, hq, hkv, d, page, torch.bfloat16)
+        if kv_dtype.itemsize == 1:
+            k, v = (
+                reference.quantize_kv(c * s, s, kv_dtype)
+                for c, s in zip((k, v), scales, strict=True)
+            )
+        made.append((q, k, v, meta, d**-0.5, scales))
+    ref = reference.paged_attention(*made[0])
+    return SweepInputs(made, nbytes, ref)
+
+
+def time_sweep_config(
+    stage: str, cfg: SweepConfig, batch: int, ctx: int, inputs: SweepInputs
+) -> dict[str, Any]:
+    """Check ``cfg`` against the reference, then time it from a CUDA graph; the row (not printed)."""
+    row: dict[str, Any] = {
+        "kind": "decode-sweep",
+        "stage": stage,
+        "kv_cache_dtype": cfg.kv,
+        "shape": [batch, ctx],
+        "tiles": list(cfg.tiles),
+        "splits": cfg.splits,
+        "widen": cfg.widen,
+    }
+    attn = sweep_attention(cfg, max(4096, ctx))
+    try:
+        out = attn(*inputs.copies[0])
+        ref = inputs.ref.float()
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        if not err <= 2e-2:  # a wrong (or NaN) result never wins
+            row["wrong"] = err
+            return row
+        ms = graph_ms([lambda x=x: attn(*x) for x in inputs.copies])
+    except Exception as exc:  # a tile shape that does not compile or launch (shared memory)
+        row["failed"] = (
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        )
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return row
+    bw = inputs.nbytes / (ms * 1e-3)
+    row.update(
+        name=f"sweep {cfg.kv} {batch}x{ctx} {cfg.tiles} splits={cfg.splits} widen={cfg.widen}",
+        us=round(ms * 1e3, 2),
+        tb_s=round(bw / 1e12, 3),
+        frac_copy=round(bw / COPY_BW, 4),
+        err=round(err, 5),
+        nbytes=inputs.nbytes,
+    )
+    return row
+
+
+def sweep_best(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """The fastest correct row of each (KV dtype, batch, context)."""
+    best: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for r in rows:
+        if r.get("kind") != "decode-sweep" or "frac_copy" not in r:
+            continue
+        key = (r["kv_cache_dtype"], *r["shape"])
+        if key not in best or r["us"] < best[key]["us"]:  # the same bytes within a shape
+            best[key] = r
+    return best
+
+
+def best_pair_config(key: tuple[str, int, int], rows: list[dict[str, Any]]) -> SweepConfig | None:
+    """The ``best`` stage's config of one shape: the best tiles at the best split count (each
+    the fastest of its stage, the default widening), None where that pair was timed already."""
+    mine = [
+        r
+        for r in rows
+        if r.get("kind") == "decode-sweep"
+        and (r["kv_cache_dtype"], *r["shape"]) == key
+        and r["widen"] in (None, "fp16")
+        and "frac_copy" in r
+    ]
+    by_stage = {
+        s: min((r for r in mine if r["stage"] in (s, "current")), key=lambda r: r["us"])
+        for s in ("splits", "tiles")
+        if any(r["stage"] in (s, "current") for r in mine)
+    }
+    if len(by_stage) < 2:
+        return None
+    widen = None if key[0] == "bfloat16" else "fp16"
+    cfg = SweepConfig(
+        key[0], tuple(by_stage["tiles"]["tiles"]), by_stage["splits"]["splits"], widen
+    )
+    timed = {(tuple(r["tiles"]), r["splits"]) for r in mine}
+    return None if (cfg.tiles, cfg.splits) in timed else cfg
+
+
+def sweep_table(rows: list[dict[str, Any]], top: int = 3) -> str:
+    """The compact summary: per shape the best config first, then the engine's, then the runners-up."""
+
+    def cfg(r: dict[str, Any]) -> str:
+        w = f" {r['widen']}" if r.get("widen") else ""
+        return (
+            f"{100 * r['frac_copy']:5.1f}% {r['us']:8.1f}us {tuple(r['tiles'])} s={r['splits']}{w}"
+        )
+
+    best = sweep_best(rows)
+    lines = ["decode sweep (CUDA graph; % of copy bandwidth, fp8 at 1 byte/element):"]
+
+    def order(k: tuple[str, int, int]) -> tuple:
+        kv, shape = k[0], tuple(k[1:])
+        known = SWEEP_KV.index(kv) if kv in SWEEP_KV else len(SWEEP_KV)
+        return known, SWEEP_SHAPES.index(shape) if shape in SWEEP_SHAPES else len(SWEEP_SHAPES), k
+
+    for key in sorted(best, key=order):
+        kv, b, c = key
+        mine = sorted(
+            (
+                r
+                for r in rows
+                if r.get("kind") == "decode-sweep"
+                and (r["kv_cache_dtype"], *r["shape"]) == key
+                and "frac_copy" in r
+            ),
+            key=lambda r: r["us"],
+        )
+        current = [r for r in mine if r["stage"] == "current"]
+        lines.append(f"{kv:<9} {b:>3}x{c:<6} best {cfg(mine[0])} [{mine[0]['stage']}]")
+        for r in current:
+            lines.append(f"{'':<17}now  {cfg(r)}")
+        for r in [r for r in mine[1:] if r["stage"] != "current"][:top]:
+            lines.append(f"{'':<17}next {cfg(r)} [{r['stage']}]")
+        bad = [r for r in rows if (r.get("kv_cache_dtype"), *r.get("shape", ())) == key]
+        n_bad = sum(1 for r in bad if "failed" in r or "wrong" in r)
+        if n_bad:
+            lines.append(f"{'':<17}({n_bad} configs failed to compile/launch or were wrong)")
+    return "\n".join(lines)
+
+
+def run_decode_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """The issue-29 sweep: every stage of ``sweep_candidates`` over SWEEP_KV x SWEEP_SHAPES.
+
+    Stages run in order over all shapes (current, splits, tiles, best), so a run cut short by
+    ``--sweep-budget`` loses the least useful candidates. Returns the best config per shape.
+    """
+    import time
+
+    t0 = time.monotonic()
+    budget = args.sweep_budget
+    num_sms = (
+        torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else H200_SMS
+    )
+    plan = sweep_plan(args, num_sms)
+    if args.compile_only:  # one shard of the compile set, each variant launched once, tiny
+        i, n = (int(x) for x in args.shard.split("/"))
+        hq, hkv, d, page = args.heads, args.kv_heads, args.head_size, args.page_size
+        for cfg in sweep_compile_set(plan)[i::n]:
+            inp = attention_inputs(
+                1, 1, 64, hq, hkv, d, page, torch.bfloat16, KV_CACHE_DTYPES[cfg.kv]
+            )
+            try:
+                sweep_attention(cfg, 4096)(*inp, d**-0.5, torch.ones(2, device=DEVICE))
+            except Exception:  # reported by the timed run
+                pass
+        return {}
+    if args.jobs > 1 and DEVICE == "cuda":
+        flags = ["--decode-sweep", "--heads", str(args.heads), "--kv-heads", str(args.kv_heads)]
+        flags += ["--head-size", str(args.head_size), "--page-size", str(args.page_size)]
+        compile_in_processes(args.jobs, flags, timeout=SWEEP_COMPILE_SHARE * budget)
+        print(f"compiled in {time.monotonic() - t0:.0f} s ({args.jobs} processes)", flush=True)
+    inputs = {key: sweep_inputs(*key, args) for key in plan}
+    rows: list[dict[str, Any]] = []
+    skipped = 0
+
+    def run(stage: str, cfg: SweepConfig, key: tuple[str, int, int]) -> None:
+        nonlocal skipped
+        if time.monotonic() - t0 > budget:
+            skipped += 1
+            return
+        row = time_sweep_config(stage, cfg, key[1], key[2], inputs[key])
+        rows.append(row)
+        ROWS.append(row)
+        if args.verbose and "frac_copy" in row:
+            print(f"{row['name']:<64} {row['us']:9.1f} us {100 * row['frac_copy']:5.1f}%")
+        save_json()
+
+    for stage in ("current", "splits", "tiles"):
+        for key, cands in plan.items():
+            for s, cfg in cands:
+                if s == stage:
+                    run(stage, cfg, key)
+        print(f"stage {stage} done at {time.monotonic() - t0:.0f} s", flush=True)
+    for key in plan:
+        cfg = best_pair_config(key, rows)
+        if cfg is not None:
+            run("best", cfg, key)
+    if skipped:
+        print(f"--sweep-budget {budget:.0f} s reached: {skipped} candidates not timed")
+    print(sweep_table(rows), flush=True)
+    print(f"sweep took {time.monotonic() - t0:.0f} s", flush=True)
+    best = sweep_best(rows)
+    return {
+        f"{k[0]} {k[1]}x{k[2]}": {
+            "tiles": r["tiles"],
+            "splits": r["splits"],
+            "widen": r["widen"],
+            "frac_copy": r["frac_copy"],
+        }
+        for k, r in best.items()
+    }
+
+
 def main() -> None:
     """Parse flags, build the fused kernel set, run the chosen benchmarks."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -645,6 +991,20 @@ def main() -> None:
         "default: only the tiles in code)",
     )
     p.add_argument("--tune", action="store_true", help="sweep tile shapes and split counts")
+    p.add_argument(
+        "--decode-sweep",
+        action="store_true",
+        help="issue 29: decode configs (split counts, tiles, fp8 widenings) over bf16 and fp8_e4m3 "
+        "caches at 1x4096, 8x2048, 64x2048, 256x512, 1x32768, from CUDA graphs; best per shape",
+    )
+    p.add_argument(
+        "--sweep-budget",
+        type=float,
+        default=SWEEP_BUDGET_S,
+        metavar="SECONDS",
+        help="with --decode-sweep: start no candidate after this many seconds",
+    )
+    p.add_argument("--verbose", action="store_true", help="with --decode-sweep: every config")
     p.add_argument("--jobs", type=int, default=1, help="with --tune: compile in N processes first")
     p.add_argument("--rep", type=int, default=100, help="with --tune: ms of timed runs per shape")
     p.add_argument("--warm-only", action="store_true", help="with --tune --jobs: only compile")
@@ -683,14 +1043,19 @@ def main() -> None:
     dtype = torch.bfloat16
     winners: dict[str, Any] = {}
     with torch.inference_mode():
+        if args.decode_sweep:
+            winners["decode_sweep"] = run_decode_sweep(args)
+            if args.compile_only:
+                return
+            save_json(winners)
         if args.tune:
-            winners = run_tune(args)
+            winners.update(run_tune(args))
             if args.compile_only or args.warm_only:
                 return
             save_json(winners)
         if args.suite or args.use_winners:
             tiles: dict[str, Any] = {}
-            if args.use_winners and winners:
+            if args.use_winners and "prefill" in winners:
                 from pitstop.plugins.kernels.triton_ops.paged_attention import (
                     DecodeTiles,
                     PrefillTiles,
@@ -713,7 +1078,9 @@ def main() -> None:
                     which = f"tiles {tuple(tiles['decode'])}" if tiles else "the tiles in code"
                     print(f"\ndecode suite, KV cache {kv_cache_dtype}, {which}:", flush=True)
                     run_decode_suite(args, tiles, kv_cache_dtype)
-        if not (args.tune or args.suite or args.use_winners or args.decode_suite):
+        if not (
+            args.tune or args.suite or args.use_winners or args.decode_suite or args.decode_sweep
+        ):
             config = EngineConfig(max_model_len=args.max_model_len, fused_precision=args.precision)
             kernels = FusedKernels(config, torch.device("cuda"), dtype)
             print(f"{torch.cuda.get_device_name()}; {kernels.describe()}")

@@ -355,6 +355,34 @@ def _check_fp8_attention(
     _assert_close(out, expected, torch.bfloat16, f"{what} {cache_dtype}")
 
 
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8), (64, 8)])
+@pytest.mark.parametrize("batch", ["decode-ragged", "chunked-mixed", "prefill-batch"])
+def test_fp8_widened_to_fp16_full_size(batch: str, heads: tuple[int, int]) -> None:
+    """Issue 29: bf16 queries over e4m3 pages (scales 0.05, 0.02) with fp16 operands, and with
+    queries past fp16's range (x 3e5, the softmax scale divided back): within 1e-2 of a float32
+    truth over the same bytes (half a bf16 ulp of the largest output, 2^-8, plus the fp16
+    probabilities' rounding), and no less accurate than ``fp8_widen="query"`` but by 2^-9."""
+    from pitstop.plugins.kernels.triton_ops.paged_attention import FP8_WIDEN, PagedAttention
+
+    hq, hkv = heads
+    qlens, ctxs = BATCHES[batch]
+    meta, num_pages = _meta(qlens, ctxs, 16, seed=2)
+    k_cache, v_cache, scales = _fp8_caches(
+        (num_pages, 16, hkv, 128), torch.float8_e4m3fn, (0.05, 0.02), 3
+    )
+    for q_mul in (1.0, 3e5):
+        q = (torch.randn(sum(qlens), hq, 128, device="cuda") * q_mul).to(torch.bfloat16)
+        scale = 128**-0.5 / q_mul
+        truth = reference.paged_attention(q.float(), k_cache, v_cache, meta, scale, scales)
+        errs = {}
+        for widen in FP8_WIDEN:
+            attn = PagedAttention(torch.device("cuda"), torch.bfloat16, 4096, fp8_widen=widen)
+            out = attn(q, k_cache, v_cache, meta, scale, scales)
+            assert torch.isfinite(out).all(), f"{widen} x{q_mul}: non-finite output"
+            errs[widen] = ((out.float() - truth).abs().max() / truth.abs().max()).item()
+        assert errs["fp16"] <= 1e-2 and errs["fp16"] <= errs["query"] + 2**-9, (q_mul, errs)
+
+
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rope_and_store_fp8_full_size(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:

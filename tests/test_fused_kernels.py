@@ -497,6 +497,117 @@ def test_fp8_outliers_saturate_to_finite_outputs(kernels: str, cache_dtype: torc
     assert out.abs().max() > 1.0  # the saturated V rows carry weight: the output is not all zeros
 
 
+# ---------------------------------------------------------------- fp8 pages widened to fp16 (issue 29)
+
+# Against a float64 truth over the same fp8 bytes, a bf16 output is off by at most one bf16 ulp
+# of its largest element, 2^-7 (a GPU rounds to nearest: half of it; Triton's interpreter
+# truncates float32 to bf16), plus the fp16 rounding of the probabilities before P·V (2^-11 of
+# each term: ~2^-9 of the largest output for these random V, averages of a few rows): 1e-2.
+# The queries and K/V are exact fp16 operands, the products and sums float32.
+WIDEN_TOL = 1e-2
+# decode contexts on either side of the interpreter's 16-key tiles and of split borders,
+# a chunk over a cached prefix, a fresh prompt
+WIDEN_BATCH = ([20, 9, 1, 1, 1, 1, 1, 1], [53, 9, 1, 15, 16, 17, 47, 100])
+
+
+def _fp8_widen_case(
+    group: int,
+    cache_dtype: torch.dtype,
+    kv_scale: tuple[float, float],
+    q_scale: torch.Tensor | float = 1.0,
+    page_size: int = 8,
+    seed: int = 0,
+) -> tuple[tuple, torch.Tensor]:
+    """(attention arguments, float64 truth) of WIDEN_BATCH over an fp8 cache, 2 KV heads of 64.
+
+    ``q_scale`` multiplies the bf16 queries (per head if a tensor) and divides the softmax
+    scale, so that the scores stay those of unit queries however far from fp16's range they are.
+    """
+    qlens, ctxs = WIDEN_BATCH
+    hkv, d = 2, 64
+    num_pages = sum(-(-c // page_size) for c in ctxs) + 2
+    meta = make_meta(qlens, ctxs, page_size, num_pages, seed)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(qlens), hkv * group, d, generator=gen)
+    q = (q * torch.as_tensor(q_scale).reshape(-1, 1)).to(DEVICE, torch.bfloat16)
+    shape = (num_pages, page_size, hkv, d)
+    scales = torch.tensor(kv_scale, dtype=torch.float32, device=DEVICE)
+    k = torch.randn(shape, generator=gen).to(DEVICE) * 3 * kv_scale[0]
+    v = torch.randn(shape, generator=gen).to(DEVICE) * kv_scale[1]
+    k_cache = reference.quantize_kv(k, scales[0], cache_dtype)
+    v_cache = reference.quantize_kv(v, scales[1], cache_dtype)
+    scale = d**-0.5 / float(torch.as_tensor(q_scale).max())
+    truth = reference.paged_attention(q.double(), k_cache, v_cache, meta, scale, scales)
+    return (q, k_cache, v_cache, meta, scale, scales), truth
+
+
+def _widened(fp8_widen: str, args: tuple, num_sms: int = 4) -> torch.Tensor:
+    from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+
+    attn = PagedAttention(DEVICE, args[0].dtype, 512, fp8_widen=fp8_widen, num_sms=num_sms)
+    with poisoned_outputs():
+        out = attn(*args)
+    assert torch.isfinite(out).all(), f"fp8_widen={fp8_widen}: non-finite output"
+    return out
+
+
+def _rel_err(out: torch.Tensor, truth: torch.Tensor) -> float:
+    return ((out.double() - truth).abs().max() / truth.abs().max()).item()
+
+
+@pytest.mark.parametrize("num_sms", [4, 64])
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_fp8_widened_to_fp16_matches_float64_truth(
+    group: int, cache_dtype: torch.dtype, num_sms: int
+) -> None:
+    """bf16 queries over fp8 pages with non-unit scales, fp16 operands: prefill, chunk and decodes
+    (1 split and several, contexts across tile and split borders) within WIDEN_TOL of a float64
+    truth, and no less accurate than widening to bf16 (``fp8_widen="query"``) but by half an ulp."""
+    args, truth = _fp8_widen_case(group, cache_dtype, (0.05, 0.02), seed=group)
+    err = _rel_err(_widened("fp16", args, num_sms), truth)
+    err_query = _rel_err(_widened("query", args, num_sms), truth)
+    assert err <= WIDEN_TOL, f"fp16 widening: relative error {err:.3g}"
+    assert err <= err_query + 2**-9, f"fp16 {err:.3g} vs query {err_query:.3g}"
+
+
+@pytest.mark.parametrize(
+    "q_scale",
+    [3e5, 1e-6, torch.tensor([1e4, 1.0, 1e-2, 1.0, 1.0, 3.0, 1.0, 1e-2])],
+    ids=["past-fp16-max", "fp16-subnormal", "heads-apart"],
+)
+def test_fp8_widened_to_fp16_any_query_range(q_scale: torch.Tensor | float) -> None:
+    """Queries whose bf16 values overflow fp16 (3e5 > 65504), would be fp16 subnormals (1e-6), or
+    differ per head by 1e6 in one tile: the power-of-two pre-scaling keeps them exact."""
+    args, truth = _fp8_widen_case(4, torch.float8_e4m3fn, (4.0, 2.0), q_scale, page_size=16)
+    err = _rel_err(_widened("fp16", args), truth)
+    assert err <= WIDEN_TOL, f"relative error {err:.3g}"
+
+
+def test_fp8_widen_leaves_bf16_caches_and_float32_queries_alone() -> None:
+    """A bf16 cache, or float32 queries over fp8 pages, give the same bits whatever fp8_widen says
+    (the fp16 operands are for bf16 queries over fp8 pages only); a bad value is refused."""
+    from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+
+    args, _ = _fp8_widen_case(4, torch.float8_e4m3fn, (0.05, 0.02))
+    q, k_cache, v_cache, meta, scale, scales = args
+    bf16_caches = (
+        q,
+        *(reference.dequantize_kv(c, s, q.dtype) for c, s in zip(args[1:3], scales, strict=True)),
+    )
+    for case in (
+        (*bf16_caches, meta, scale),
+        (q.float(), k_cache, v_cache, meta, scale, scales),
+    ):
+        outs = [_widened(w, case, num_sms=64) for w in ("fp16", "query")]
+        assert torch.equal(outs[0], outs[1])
+    attn = PagedAttention(DEVICE, torch.bfloat16, 512)
+    assert attn.fp8_widen == "fp16" and attn.widen_f16(q, scales)
+    assert not attn.widen_f16(q, None) and not attn.widen_f16(q.float(), scales)
+    with pytest.raises(ValueError, match="fp8_widen"):
+        PagedAttention(DEVICE, torch.bfloat16, 512, fp8_widen="bf16")
+
+
 def test_fp8_cache_on_an_old_gpu_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before compute capability 8.9 Triton has no fp8 conversions: the cache ops fall back, saying why."""
     from pitstop.plugins.kernels import fused as fused_module

@@ -42,10 +42,30 @@ Tile shapes are kept in code, keyed by head size and GQA ratio
 start-up.
 
 An fp8 cache (``float8_e4m3fn``, ``float8_e5m2``: half the bytes of bf16 per
-tile) is read as it is stored and widened to the query dtype in registers
-(exact: every fp8 value is a bf16 and an fp16 value); its scales
-(``kv_scale`` ``[2]``, read on the device) are folded in where they cost
-nothing: K's into the softmax scale, V's into the output once per program.
+tile) is read as it is stored and widened in registers (exact: every fp8
+value is a bf16 and an fp16 value); its scales (``kv_scale`` ``[2]``, read on
+the device) are folded in where they cost nothing: K's into the softmax
+scale, V's into the output once per program. The widening is a compile-time
+choice (``PagedAttention(fp8_widen=...)``):
+
+- ``"fp16"`` (the default; bf16 queries only): K and V tiles are widened to
+  fp16, one hardware conversion per pair on Hopper (``cvt.rn.f16x2.e4m3x2``)
+  where e4m3 to bf16 takes several instructions (which bounded the decode
+  kernel at 45% of copy bandwidth on the H200, issue 29); both products run on fp16 operands with float32 accumulation, the
+  probabilities rounded to fp16 (3 more mantissa bits than bf16) before P·V.
+  The query tile is converted once per program, scaled by a power of two
+  ``2^-e`` taken from the bits of its largest magnitude (``e`` = its exponent
+  minus 14, clamped to [-112, 113]) so that the largest element lands in
+  [2^14, 2^15) (lower for a tile below 2^-98, e.g. all zeros): nothing overflows fp16's 65504 whatever the bf16 query
+  holds, every element within 2^-28 of the largest converts exactly (bf16's
+  8 significant bits fit fp16's 11), smaller ones keep fp16's subnormal
+  spacing (an error below 2^-39 of the largest); ``2^e`` is folded into the
+  softmax scale (exact: a power of two), so no score changes.
+- ``"query"``: K and V widened to the query's dtype (bf16), as before.
+
+fp16 and float32 queries always widen to their own dtype (fp16 already is
+the one-instruction path; float32 keeps IEEE products), and a bf16 cache
+compiles the same kernel whatever ``fp8_widen`` says.
 
 ``precision="fp32"`` runs float32 inputs' matrix products in IEEE fp32;
 ``"fast"`` lets them use TF32 (for bf16/fp16 inputs the products are on the
@@ -64,6 +84,7 @@ import triton.language as tl
 from pitstop.attention import AttentionMetadata
 
 LOG2E = 1.4426950408889634
+FP8_WIDEN = ("fp16", "query")  # PagedAttention(fp8_widen=...): see the module docstring
 
 
 class PrefillTiles(NamedTuple):
@@ -141,6 +162,24 @@ def _dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _fp16_query(q, scale_log2e):
+    """``(q * 2^-e in fp16, scale_log2e * 2^e)``: the query tile as fp16 operands (module docstring).
+
+    ``e`` comes from the exponent bits of the tile's largest magnitude (exact,
+    no log2), minus 14 so that the largest lands in [2^14, 2^15), clamped so
+    that ``2^e`` and ``2^-e`` are normal float32 numbers (an all-zero tile,
+    e.g. padding rows only, stays zero).
+    """
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14
+    e = tl.minimum(tl.maximum(e, -112), 113)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)  # 2^e
+    return (qf * down).to(tl.float16), scale_log2e * up
 
 
 @triton.jit
@@ -295,6 +334,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     QUANT: tl.constexpr,
+    WIDEN_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -319,6 +359,8 @@ def _decode_kernel(
 
     if QUANT:  # fp8 cache: K's scale into the scores' scale, V's into the output below
         scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
+        if WIDEN_F16:  # fp16 operands: the K/V tiles and P follow q's dtype in _attend_tile
+            q, scale_log2e = _fp16_query(q, scale_log2e)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD], tl.float32)
@@ -413,6 +455,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     QUANT: tl.constexpr,
+    WIDEN_F16: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest rows first
@@ -440,6 +483,8 @@ def _prefill_kernel(
 
     if QUANT:  # fp8 cache: K's scale into the scores' scale, V's into the output below
         scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
+        if WIDEN_F16:  # fp16 operands: the K/V tiles and P follow q's dtype in _attend_tile
+            q, scale_log2e = _fp16_query(q, scale_log2e)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
@@ -478,7 +523,9 @@ class PagedAttention:
     first call of each head size and GQA ratio (or from ``prefill``/``decode``,
     which the tuning sweep passes). The split count is fixed at construction
     from the device and ``max_context`` (the configured ``max_model_len``), so
-    that a decode launch's grid depends only on its batch size.
+    that a decode launch's grid depends only on its batch size. ``fp8_widen``:
+    how bf16 queries meet an fp8 cache, ``"fp16"`` or ``"query"`` (the module
+    docstring).
     """
 
     def __init__(
@@ -492,8 +539,12 @@ class PagedAttention:
         decode: DecodeTiles | None = None,
         split_waves: int = 4,
         min_split_tokens: int | None = None,
+        fp8_widen: str = "fp16",
     ) -> None:
+        if fp8_widen not in FP8_WIDEN:
+            raise ValueError(f"fp8_widen must be one of {FP8_WIDEN}, not {fp8_widen!r}")
         self.device, self.dtype, self.max_context = device, dtype, max_context
+        self.fp8_widen = fp8_widen
         # input_precision matters for float32 inputs only: IEEE fp32, or TF32 tensor cores when "fast"
         self.dot_precision = "ieee" if precision == "fp32" and dtype == torch.float32 else "tf32"
         self.on_gpu = device.type == "cuda"
@@ -528,6 +579,10 @@ class PagedAttention:
         if self._decode_override is not None:
             return self._decode_override
         return decode_tiles(head_size, group, self.dtype) if self.on_gpu else INTERPRETER_DECODE
+
+    def widen_f16(self, q: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
+        """Whether this launch widens fp8 K/V to fp16 (an fp8 cache, bf16 queries, ``fp8_widen="fp16"``)."""
+        return kv_scale is not None and q.dtype == torch.bfloat16 and self.fp8_widen == "fp16"
 
     def num_splits(self, num_decodes: int, num_kv_heads: int) -> int:
         """Context splits per decode sequence: up to ``split_waves`` programs per SM.
@@ -618,6 +673,7 @@ class PagedAttention:
             DOT_PRECISION=self.dot_precision,
             UPCAST=self.upcast_dot,
             QUANT=kv_scale is not None,
+            WIDEN_F16=self.widen_f16(q, kv_scale),
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -675,6 +731,7 @@ class PagedAttention:
             DOT_PRECISION=self.dot_precision,
             UPCAST=self.upcast_dot,
             QUANT=kv_scale is not None,
+            WIDEN_F16=self.widen_f16(q, kv_scale),
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
