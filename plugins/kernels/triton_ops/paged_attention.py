@@ -182,8 +182,8 @@ def _attend(
     v_ptr,
     table,
     start,
+    full_end,
     end,
-    key_end,
     scale_log2e,
     stride_cp,
     stride_cs,
@@ -197,14 +197,21 @@ def _attend(
     """Online-softmax attention of the rows ``q`` over the keys ``start..end`` in tiles of ``BLOCK_N``.
 
     ``k_ptr``/``v_ptr`` point at the KV head's first element in the caches,
-    ``table`` at the sequence's block-table row. ``MASK``: 0, every key of
-    every tile is visible; 1, keys at or past ``key_end`` are not (the last
-    tile of a context); 2, also causal: row ``i`` sees the keys ``<= q_pos[i]``
-    (the diagonal). Returns the updated ``(acc, m_i, l_i)`` (log2 domain).
+    ``table`` at the sequence's block-table row. The tiles before ``full_end``
+    (a multiple of ``BLOCK_N`` past ``start``) see every key unmasked; the
+    rest are masked by ``MASK``: 1, keys at or past ``end`` are not visible
+    (the last tile of a context); 2, also causal: row ``i`` sees the keys
+    ``<= q_pos[i]`` (the diagonal). Returns the updated ``(acc, m_i, l_i)``
+    (log2 domain).
     """
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, key_end, scale_log2e,
+            acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, end, scale_log2e,
+            stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+    for n0 in range(full_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, end, scale_log2e,
             stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, MASK, DOT_PRECISION, UPCAST,
         )  # fmt: skip
     return acc, m_i, l_i
@@ -259,6 +266,39 @@ def _attend_tile(
         v = tl.load(v_ptr + offs, mask=(n < key_end)[:, None], other=0.0)
     acc = _dot_acc(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], DOT_PRECISION, UPCAST)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_begin(
+    scale_log2e,
+    kv_scale_ptr,
+    block_tables_ptr,
+    seq,
+    stride_bt,
+    k_cache_ptr,
+    v_cache_ptr,
+    kvh,
+    stride_ch,
+    ROWS: tl.constexpr,
+    HEAD: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    """What both kernels start :func:`_attend` from, for ``ROWS`` query rows of KV head ``kvh``.
+
+    Returns ``(scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr)``: the softmax
+    scale (with an fp8 cache's K scale, ``kv_scale[0]``, folded in when ``QUANT``),
+    an empty online-softmax state, the sequence's block-table row and the KV
+    head's first element in the K and V caches.
+    """
+    if QUANT:
+        scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    k_ptr = k_cache_ptr + kvh * stride_ch
+    v_ptr = v_cache_ptr + kvh * stride_ch
+    return scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr
 
 
 # q_row0 and seq0 change every mixed step, and stride_bt with the step's block-table width:
@@ -317,20 +357,13 @@ def _decode_kernel(
         other=0.0,
     )
 
-    if QUANT:  # fp8 cache: K's scale into the scores' scale, V's into the output below
-        scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD], tl.float32)
-    table = block_tables_ptr + seq * stride_bt
-    k_ptr = k_cache_ptr + kvh * stride_ch
-    v_ptr = v_cache_ptr + kvh * stride_ch
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, g, k_ptr, v_ptr, table, start, full_end, end, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
+    # an fp8 cache: K's scale goes into the scores' scale here, V's into the output below
+    scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _attend_begin(
+        scale_log2e, kv_scale_ptr, block_tables_ptr, seq, stride_bt, k_cache_ptr, v_cache_ptr,
+        kvh, stride_ch, BLOCK_G, HEAD, QUANT,
     )  # fmt: skip
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, g, k_ptr, v_ptr, table, full_end, end, end, scale_log2e,
+        acc, m_i, l_i, q, g, k_ptr, v_ptr, table, start, full_end, end, scale_log2e,
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST,
     )  # fmt: skip
     if QUANT:
@@ -438,26 +471,19 @@ def _prefill_kernel(
         other=0.0,
     )
 
-    if QUANT:  # fp8 cache: K's scale into the scores' scale, V's into the output below
-        scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
-    table = block_tables_ptr + seq * stride_bt
-    k_ptr = k_cache_ptr + kvh * stride_ch
-    v_ptr = v_cache_ptr + kvh * stride_ch
+    # an fp8 cache: K's scale goes into the scores' scale here, V's into the output below
+    scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _attend_begin(
+        scale_log2e, kv_scale_ptr, block_tables_ptr, seq, stride_bt, k_cache_ptr, v_cache_ptr,
+        kvh, stride_ch, BLOCK_M, HEAD, QUANT,
+    )  # fmt: skip
 
-    # keys every row of the block sees: up to the block's first query position
+    # keys every row of the block sees, unmasked: up to the block's first query position; then
+    # the diagonal, causal, up to the block's last query position (tiles above it are skipped)
     first_pos = prefix + mb * BLOCK_Q
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, 0, full_end, ctx, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
-    )  # fmt: skip
-    # the diagonal, up to the block's last query position; tiles above it are skipped
     diag_end = prefix + tl.minimum(q_len, (mb + 1) * BLOCK_Q)
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, full_end, diag_end, diag_end, scale_log2e,
+        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, 0, full_end, diag_end, scale_log2e,
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, DOT_PRECISION, UPCAST,
     )  # fmt: skip
     if QUANT:
