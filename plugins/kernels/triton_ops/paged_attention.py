@@ -269,6 +269,15 @@ def _attend_tile(
 
 
 @triton.jit
+def _head_rows(ptr, tokens, heads, d, stride_t, stride_h):
+    """Pointers ``[rows, D]`` to the heads ``heads`` of ``tokens`` in a ``[T, H, D]`` tensor.
+
+    ``tokens`` is one token (every row's) or a column ``[rows, 1]`` (a token per row).
+    """
+    return ptr + tokens * stride_t + heads[:, None] * stride_h + d[None, :]
+
+
+@triton.jit
 def _attend_begin(
     scale_log2e,
     kv_scale_ptr,
@@ -351,11 +360,8 @@ def _decode_kernel(
     g_mask = g < GROUP
     heads = kvh * GROUP + g
     row = (q_row0 + b).to(tl.int64)
-    q = tl.load(
-        q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None],
-        other=0.0,
-    )
+    q_rows = _head_rows(q_ptr, row, heads, d, stride_qt, stride_qh)
+    q = tl.load(q_rows, mask=g_mask[:, None], other=0.0)
 
     # an fp8 cache: K's scale goes into the scores' scale here, V's into the output below
     scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _attend_begin(
@@ -372,7 +378,7 @@ def _decode_kernel(
     if NUM_SPLITS == 1:
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(
-            out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            _head_rows(out_ptr, row, heads, d, stride_ot, stride_oh),
             o.to(out_ptr.dtype.element_ty),
             mask=g_mask[:, None],
         )
@@ -465,11 +471,8 @@ def _prefill_kernel(
     q_pos = prefix + tok
     d = tl.arange(0, HEAD)
     rows = (q_start + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=r_mask[:, None],
-        other=0.0,
-    )
+    q_rows = _head_rows(q_ptr, rows[:, None], head, d, stride_qt, stride_qh)
+    q = tl.load(q_rows, mask=r_mask[:, None], other=0.0)
 
     # an fp8 cache: K's scale goes into the scores' scale here, V's into the output below
     scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _attend_begin(
@@ -491,7 +494,7 @@ def _prefill_kernel(
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        _head_rows(out_ptr, rows[:, None], head, d, stride_ot, stride_oh),
         o.to(out_ptr.dtype.element_ty),
         mask=r_mask[:, None],
     )
