@@ -500,6 +500,22 @@ def _prefill_kernel(
     )
 
 
+def _row_strides(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor
+) -> tuple[int, ...]:
+    """The strides both kernels take, in their order: ``stride_qt`` ... ``stride_oh``."""
+    return (
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+    )
+
+
 class PagedAttention:
     """Launches the prefill and decode kernels for one step's mixed batch.
 
@@ -630,14 +646,7 @@ class PagedAttention:
             meta.cu_query_lens,
             out,
             scale_log2e,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            bt.stride(0),
-            out.stride(0),
-            out.stride(1),
+            *_row_strides(q, k_cache, bt, out),
             GROUP=group,
             HEAD=d,
             PAGE_SIZE=meta.page_size,
@@ -687,14 +696,7 @@ class PagedAttention:
             scale_log2e,
             meta.num_prefill_tokens,
             meta.num_prefills,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            bt.stride(0),
-            out.stride(0),
-            out.stride(1),
+            *_row_strides(q, k_cache, bt, out),
             GROUP=group,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
             HEAD=d,
