@@ -160,6 +160,7 @@ class BaseScheduler:
 
     name = "base"
     settings_class: type = AdmissionSettings
+    max_running: int  # the most sequences running at once (a subclass's __init__ sets it)
 
     def __init__(self, config: EngineConfig, allocator: Allocator, *, settings: Any = None) -> None:
         """``settings``: this scheduler's typed settings, as the plugin manager resolved
@@ -270,6 +271,13 @@ class BaseScheduler:
         seq.admit(self.allocator.allocate(seq))
         self.waiting.remove(seq)
         self.running.append(seq)
+
+    def _room_for_prompt(self, step: StepBuilder) -> bool:
+        """Whether one more prompt may be admitted into ``step``: fewer than ``max_running``
+        sequences run (set by the subclass) and the step takes another sequence and prefill."""
+        return (
+            len(self.running) < self.max_running and step.seqs_left > 0 and step.prefills_left > 0
+        )
 
     def _preempt(self, seq: Sequence, step: StepBuilder) -> None:
         """Recompute preemption: free everything, forget the KV, go to the front of the queue."""

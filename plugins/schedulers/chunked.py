@@ -87,9 +87,7 @@ class ChunkedScheduler(BaseScheduler):
         for seq in self.admission_order():
             if (
                 step.tokens_left <= 0
-                or step.seqs_left <= 0
-                or step.prefills_left <= 0
-                or len(self.running) >= self.max_running
+                or not self._room_for_prompt(step)
                 or not self.allocator.can_allocate(seq)
             ):
                 return

@@ -97,11 +97,7 @@ class ContinuousScheduler(BaseScheduler):
     def _admit_prompts(self, step: StepBuilder) -> None:
         """Admit waiting prompts in admission order while they fit; stop at the first that does not."""
         for seq in self.admission_order():
-            if (
-                len(self.running) >= self.max_running
-                or step.seqs_left <= 0
-                or step.prefills_left <= 0
-            ):
+            if not self._room_for_prompt(step):
                 return
             oversized = seq.num_tokens > step.tokens_left
             if oversized and (step.scheduled or step.tokens_left < step.token_budget):
