@@ -160,7 +160,9 @@ class BaseScheduler:
 
     name = "base"
     settings_class: type = AdmissionSettings
-    max_running: int  # the most sequences running at once (a subclass's __init__ sets it)
+    # set by a subclass's __init__: tokens per step, and the most sequences running at once
+    token_budget: int
+    max_running: int
 
     def __init__(self, config: EngineConfig, allocator: Allocator, *, settings: Any = None) -> None:
         """``settings``: this scheduler's typed settings, as the plugin manager resolved
@@ -231,7 +233,16 @@ class BaseScheduler:
         """Sequences admitted (holding pages)."""
         return len(self.running)
 
-    def schedule(self) -> StepPlan:  # pragma: no cover - abstract
+    def schedule(self) -> StepPlan:
+        """Plan one step: a fresh step filled by the subclass's :meth:`_fill`, checked for progress."""
+        self._next_round()
+        step = StepBuilder(self.token_budget, self.max_batch_size, self.max_prefill_batch)
+        self._fill(step)
+        self._check_progress(step)
+        return step.plan()
+
+    def _fill(self, step: StepBuilder) -> None:  # pragma: no cover - abstract
+        """Schedule this step's sequences into ``step`` (the subclass's policy)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ helpers
