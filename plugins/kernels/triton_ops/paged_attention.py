@@ -182,8 +182,8 @@ def _attend(
     v_ptr,
     table,
     start,
-    full_end,
     end,
+    key_end,
     scale_log2e,
     stride_cp,
     stride_cs,
@@ -197,21 +197,14 @@ def _attend(
     """Online-softmax attention of the rows ``q`` over the keys ``start..end`` in tiles of ``BLOCK_N``.
 
     ``k_ptr``/``v_ptr`` point at the KV head's first element in the caches,
-    ``table`` at the sequence's block-table row. The tiles before ``full_end``
-    (a multiple of ``BLOCK_N`` past ``start``) see every key unmasked; the
-    rest are masked by ``MASK``: 1, keys at or past ``end`` are not visible
-    (the last tile of a context); 2, also causal: row ``i`` sees the keys
-    ``<= q_pos[i]`` (the diagonal). Returns the updated ``(acc, m_i, l_i)``
-    (log2 domain).
+    ``table`` at the sequence's block-table row. ``MASK``: 0, every key of
+    every tile is visible; 1, keys at or past ``key_end`` are not (the last
+    tile of a context); 2, also causal: row ``i`` sees the keys ``<= q_pos[i]``
+    (the diagonal). Returns the updated ``(acc, m_i, l_i)`` (log2 domain).
     """
-    for n0 in range(start, full_end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, end, scale_log2e,
-            stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
-        )  # fmt: skip
-    for n0 in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, end, scale_log2e,
+            acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, key_end, scale_log2e,
             stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, MASK, DOT_PRECISION, UPCAST,
         )  # fmt: skip
     return acc, m_i, l_i
@@ -310,6 +303,14 @@ def _attend_begin(
     return scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr
 
 
+@triton.jit
+def _v_scaled(acc, kv_scale_ptr, QUANT: tl.constexpr):
+    """``acc`` times an fp8 cache's V scale (``kv_scale[1]``) when ``QUANT``, once per program."""
+    if QUANT:
+        acc = acc * tl.load(kv_scale_ptr + 1)
+    return acc
+
+
 # q_row0 and seq0 change every mixed step, and stride_bt with the step's block-table width:
 # not specializing on them (== 1, % 16) keeps one compiled variant per split count instead
 # of several, all compiled at start-up (otherwise mixed steps compiled ~1 s each on first use).
@@ -363,17 +364,20 @@ def _decode_kernel(
     q_rows = _head_rows(q_ptr, row, heads, d, stride_qt, stride_qh)
     q = tl.load(q_rows, mask=g_mask[:, None], other=0.0)
 
-    # an fp8 cache: K's scale goes into the scores' scale here, V's into the output below
+    # an fp8 cache: K's scale goes into the scores' scale here, V's into the output (_v_scaled)
     scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _attend_begin(
         scale_log2e, kv_scale_ptr, block_tables_ptr, seq, stride_bt, k_cache_ptr, v_cache_ptr,
         kvh, stride_ch, BLOCK_G, HEAD, QUANT,
     )  # fmt: skip
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, g, k_ptr, v_ptr, table, start, full_end, end, scale_log2e,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, g, k_ptr, v_ptr, table, full_end, end, end, scale_log2e,
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST,
     )  # fmt: skip
-    if QUANT:
-        acc = acc * tl.load(kv_scale_ptr + 1)
+    acc = _v_scaled(acc, kv_scale_ptr, QUANT)
 
     if NUM_SPLITS == 1:
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -474,23 +478,26 @@ def _prefill_kernel(
     q_rows = _head_rows(q_ptr, rows[:, None], head, d, stride_qt, stride_qh)
     q = tl.load(q_rows, mask=r_mask[:, None], other=0.0)
 
-    # an fp8 cache: K's scale goes into the scores' scale here, V's into the output below
+    # an fp8 cache: K's scale goes into the scores' scale here, V's into the output (_v_scaled)
     scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _attend_begin(
         scale_log2e, kv_scale_ptr, block_tables_ptr, seq, stride_bt, k_cache_ptr, v_cache_ptr,
         kvh, stride_ch, BLOCK_M, HEAD, QUANT,
     )  # fmt: skip
 
-    # keys every row of the block sees, unmasked: up to the block's first query position; then
-    # the diagonal, causal, up to the block's last query position (tiles above it are skipped)
+    # keys every row of the block sees: up to the block's first query position
     first_pos = prefix + mb * BLOCK_Q
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, 0, full_end, ctx, scale_log2e,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    # the diagonal, up to the block's last query position; tiles above it are skipped
     diag_end = prefix + tl.minimum(q_len, (mb + 1) * BLOCK_Q)
     acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, 0, full_end, diag_end, scale_log2e,
+        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, full_end, diag_end, diag_end, scale_log2e,
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, DOT_PRECISION, UPCAST,
     )  # fmt: skip
-    if QUANT:
-        acc = acc * tl.load(kv_scale_ptr + 1)
+    acc = _v_scaled(acc, kv_scale_ptr, QUANT)
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(
