@@ -94,20 +94,16 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-            self.final = item
-        return item
+        return self._take(await self._queue.get())
 
     def get_nowait(self) -> RequestOutput | None:
         """The next output if one is already queued (to merge bursts), else None."""
         if self.finished or self._queue.empty():
             return None
-        item = self._queue.get_nowait()
+        return self._take(self._queue.get_nowait())
+
+    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
+        """An item off the queue: an error ends the stream and is raised; the final output is kept."""
         if isinstance(item, BaseException):
             self.finished = True
             raise item

@@ -160,6 +160,9 @@ class BaseScheduler:
 
     name = "base"
     settings_class: type = AdmissionSettings
+    # set by a subclass's __init__: tokens per step, and the most sequences running at once
+    token_budget: int
+    max_running: int
 
     def __init__(self, config: EngineConfig, allocator: Allocator, *, settings: Any = None) -> None:
         """``settings``: this scheduler's typed settings, as the plugin manager resolved
@@ -230,7 +233,16 @@ class BaseScheduler:
         """Sequences admitted (holding pages)."""
         return len(self.running)
 
-    def schedule(self) -> StepPlan:  # pragma: no cover - abstract
+    def schedule(self) -> StepPlan:
+        """Plan one step: a fresh step filled by the subclass's :meth:`_fill`, checked for progress."""
+        self._next_round()
+        step = StepBuilder(self.token_budget, self.max_batch_size, self.max_prefill_batch)
+        self._fill(step)
+        self._check_progress(step)
+        return step.plan()
+
+    def _fill(self, step: StepBuilder) -> None:  # pragma: no cover - abstract
+        """Schedule this step's sequences into ``step`` (the subclass's policy)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ helpers
@@ -270,6 +282,13 @@ class BaseScheduler:
         seq.admit(self.allocator.allocate(seq))
         self.waiting.remove(seq)
         self.running.append(seq)
+
+    def _room_for_prompt(self, step: StepBuilder) -> bool:
+        """Whether one more prompt may be admitted into ``step``: fewer than ``max_running``
+        sequences run (set by the subclass) and the step takes another sequence and prefill."""
+        return (
+            len(self.running) < self.max_running and step.seqs_left > 0 and step.prefills_left > 0
+        )
 
     def _preempt(self, seq: Sequence, step: StepBuilder) -> None:
         """Recompute preemption: free everything, forget the KV, go to the front of the queue."""

@@ -29,7 +29,6 @@ import attrs
 
 import pitstop
 from pitstop.plugins.schedulers.base import AdmissionSettings, BaseScheduler, StepBuilder
-from pitstop.protocols import StepPlan
 from pitstop.settings import setting
 
 if TYPE_CHECKING:
@@ -68,10 +67,8 @@ class ChunkedScheduler(BaseScheduler):
         self.token_budget = self.settings.step_token_budget()
         self.max_running = min(self.max_batch_size, self.token_budget)
 
-    def schedule(self) -> StepPlan:
-        """Plan one step: decodes, then chunks of running prompts, then new prompts."""
-        self._next_round()
-        step = StepBuilder(self.token_budget, self.max_batch_size, self.max_prefill_batch)
+    def _fill(self, step: StepBuilder) -> None:
+        """Decodes, then chunks of running prompts, then new prompts."""
         self._schedule_running([s for s in self.running if s.num_uncomputed_tokens == 1], step)
         for seq in list(self.running):
             if step.tokens_left <= 0 or step.prefills_left <= 0:
@@ -80,16 +77,12 @@ class ChunkedScheduler(BaseScheduler):
                 self._schedule_running([seq], step, max_tokens=step.tokens_left)
         if not step.preempted:
             self._admit_prompts(step)
-        self._check_progress(step)
-        return step.plan()
 
     def _admit_prompts(self, step: StepBuilder) -> None:
         for seq in self.admission_order():
             if (
                 step.tokens_left <= 0
-                or step.seqs_left <= 0
-                or step.prefills_left <= 0
-                or len(self.running) >= self.max_running
+                or not self._room_for_prompt(step)
                 or not self.allocator.can_allocate(seq)
             ):
                 return

@@ -33,7 +33,6 @@ import attrs
 
 import pitstop
 from pitstop.plugins.schedulers.base import AdmissionSettings, BaseScheduler, StepBuilder
-from pitstop.protocols import StepPlan
 from pitstop.settings import setting
 
 if TYPE_CHECKING:
@@ -72,13 +71,8 @@ class ContinuousScheduler(BaseScheduler):
         self.max_running = min(self.max_batch_size, self.token_budget)
         self.prefill_first = self.settings.prefill_priority == "high"
 
-    def _new_step(self) -> StepBuilder:
-        return StepBuilder(self.token_budget, self.max_batch_size, self.max_prefill_batch)
-
-    def schedule(self) -> StepPlan:
-        """Plan one step (see the module docstring)."""
-        self._next_round()
-        step = self._new_step()
+    def _fill(self, step: StepBuilder) -> None:
+        """Prompts and decodes in the order ``prefill_priority`` says (see the module docstring)."""
         if self.prefill_first:
             self._admit_prompts(step)
             if not step.scheduled:
@@ -91,17 +85,11 @@ class ContinuousScheduler(BaseScheduler):
                 self._schedule_running(self.running, step)
                 if not step.preempted:
                     self._admit_prompts(step)
-        self._check_progress(step)
-        return step.plan()
 
     def _admit_prompts(self, step: StepBuilder) -> None:
         """Admit waiting prompts in admission order while they fit; stop at the first that does not."""
         for seq in self.admission_order():
-            if (
-                len(self.running) >= self.max_running
-                or step.seqs_left <= 0
-                or step.prefills_left <= 0
-            ):
+            if not self._room_for_prompt(step):
                 return
             oversized = seq.num_tokens > step.tokens_left
             if oversized and (step.scheduled or step.tokens_left < step.token_budget):

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import pitstop
 from pitstop.plugins.schedulers.base import BaseScheduler, BatchSettings, StepBuilder
-from pitstop.protocols import StepPlan
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -52,10 +51,8 @@ class FCFSScheduler(BaseScheduler):
         self.max_running = min(self.max_batch_size, self.token_budget)
         self.batch: set[int] = set()  # seq_ids of the batch in flight (running or preempted)
 
-    def schedule(self) -> StepPlan:
+    def _fill(self, step: StepBuilder) -> None:
         """Admit (a new batch, or preempted members back), then prefill pending members or decode all."""
-        self._next_round()
-        step = StepBuilder(self.token_budget, self.max_batch_size, self.max_prefill_batch)
         forming = not self.batch
         for seq in list(self.waiting):
             if forming and len(self.batch) >= self.max_running:
@@ -71,8 +68,6 @@ class FCFSScheduler(BaseScheduler):
             self._prefill(pending, step)
         else:
             self._schedule_running(self.running, step)
-        self._check_progress(step)
-        return step.plan()
 
     def _prefill(self, pending: list[Sequence], step: StepBuilder) -> None:
         for seq in pending:

@@ -300,6 +300,56 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _head_rows(ptr, tokens, heads, d, stride_t, stride_h):
+    """Pointers ``[rows, D]`` to the heads ``heads`` of ``tokens`` in a ``[T, H, D]`` tensor.
+
+    ``tokens`` is one token (every row's) or a column ``[rows, 1]`` (a token per row).
+    """
+    return ptr + tokens * stride_t + heads[:, None] * stride_h + d[None, :]
+
+
+@triton.jit
+def _attend_begin(
+    scale_log2e,
+    kv_scale_ptr,
+    block_tables_ptr,
+    seq,
+    stride_bt,
+    k_cache_ptr,
+    v_cache_ptr,
+    kvh,
+    stride_ch,
+    ROWS: tl.constexpr,
+    HEAD: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    """What both kernels start :func:`_attend` from, for ``ROWS`` query rows of KV head ``kvh``.
+
+    Returns ``(scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr)``: the softmax
+    scale (with an fp8 cache's K scale, ``kv_scale[0]``, folded in when ``QUANT``),
+    an empty online-softmax state, the sequence's block-table row and the KV
+    head's first element in the K and V caches.
+    """
+    if QUANT:
+        scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    k_ptr = k_cache_ptr + kvh * stride_ch
+    v_ptr = v_cache_ptr + kvh * stride_ch
+    return scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr
+
+
+@triton.jit
+def _v_scaled(acc, kv_scale_ptr, QUANT: tl.constexpr):
+    """``acc`` times an fp8 cache's V scale (``kv_scale[1]``) when ``QUANT``, once per program."""
+    if QUANT:
+        acc = acc * tl.load(kv_scale_ptr + 1)
+    return acc
+
+
 # q_row0 and seq0 change every mixed step, and stride_bt with the step's block-table width:
 # not specializing on them (== 1, % 16) keeps one compiled variant per split count instead
 # of several, all compiled at start-up (otherwise mixed steps compiled ~1 s each on first use).
@@ -351,22 +401,16 @@ def _decode_kernel(
     g_mask = g < GROUP
     heads = kvh * GROUP + g
     row = (q_row0 + b).to(tl.int64)
-    q = tl.load(
-        q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None],
-        other=0.0,
-    )
+    q_rows = _head_rows(q_ptr, row, heads, d, stride_qt, stride_qh)
+    q = tl.load(q_rows, mask=g_mask[:, None], other=0.0)
 
-    if QUANT:  # fp8 cache: K's scale into the scores' scale, V's into the output below
-        scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
-        if WIDEN_F16:  # fp16 operands: the K/V tiles and P follow q's dtype in _attend_tile
-            q, scale_log2e = _fp16_query(q, scale_log2e)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD], tl.float32)
-    table = block_tables_ptr + seq * stride_bt
-    k_ptr = k_cache_ptr + kvh * stride_ch
-    v_ptr = v_cache_ptr + kvh * stride_ch
+    # an fp8 cache: K's scale goes into the scores' scale here, V's into the output (_v_scaled)
+    scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _attend_begin(
+        scale_log2e, kv_scale_ptr, block_tables_ptr, seq, stride_bt, k_cache_ptr, v_cache_ptr,
+        kvh, stride_ch, BLOCK_G, HEAD, QUANT,
+    )  # fmt: skip
+    if WIDEN_F16:  # fp8 cache, bf16 query: fp16 operands (K/V tiles and P follow q in _attend_tile)
+        q, scale_log2e = _fp16_query(q, scale_log2e)
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, g, k_ptr, v_ptr, table, start, full_end, end, scale_log2e,
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
@@ -375,13 +419,12 @@ def _decode_kernel(
         acc, m_i, l_i, q, g, k_ptr, v_ptr, table, full_end, end, end, scale_log2e,
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST,
     )  # fmt: skip
-    if QUANT:
-        acc = acc * tl.load(kv_scale_ptr + 1)
+    acc = _v_scaled(acc, kv_scale_ptr, QUANT)
 
     if NUM_SPLITS == 1:
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(
-            out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            _head_rows(out_ptr, row, heads, d, stride_ot, stride_oh),
             o.to(out_ptr.dtype.element_ty),
             mask=g_mask[:, None],
         )
@@ -475,22 +518,16 @@ def _prefill_kernel(
     q_pos = prefix + tok
     d = tl.arange(0, HEAD)
     rows = (q_start + tok).to(tl.int64)
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=r_mask[:, None],
-        other=0.0,
-    )
+    q_rows = _head_rows(q_ptr, rows[:, None], head, d, stride_qt, stride_qh)
+    q = tl.load(q_rows, mask=r_mask[:, None], other=0.0)
 
-    if QUANT:  # fp8 cache: K's scale into the scores' scale, V's into the output below
-        scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
-        if WIDEN_F16:  # fp16 operands: the K/V tiles and P follow q's dtype in _attend_tile
-            q, scale_log2e = _fp16_query(q, scale_log2e)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
-    table = block_tables_ptr + seq * stride_bt
-    k_ptr = k_cache_ptr + kvh * stride_ch
-    v_ptr = v_cache_ptr + kvh * stride_ch
+    # an fp8 cache: K's scale goes into the scores' scale here, V's into the output (_v_scaled)
+    scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _attend_begin(
+        scale_log2e, kv_scale_ptr, block_tables_ptr, seq, stride_bt, k_cache_ptr, v_cache_ptr,
+        kvh, stride_ch, BLOCK_M, HEAD, QUANT,
+    )  # fmt: skip
+    if WIDEN_F16:  # fp8 cache, bf16 query: fp16 operands (K/V tiles and P follow q in _attend_tile)
+        q, scale_log2e = _fp16_query(q, scale_log2e)
 
     # keys every row of the block sees: up to the block's first query position
     first_pos = prefix + mb * BLOCK_Q
@@ -505,14 +542,29 @@ def _prefill_kernel(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, full_end, diag_end, diag_end, scale_log2e,
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, DOT_PRECISION, UPCAST,
     )  # fmt: skip
-    if QUANT:
-        acc = acc * tl.load(kv_scale_ptr + 1)
+    acc = _v_scaled(acc, kv_scale_ptr, QUANT)
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        _head_rows(out_ptr, rows[:, None], head, d, stride_ot, stride_oh),
         o.to(out_ptr.dtype.element_ty),
         mask=r_mask[:, None],
+    )
+
+
+def _row_strides(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor
+) -> tuple[int, ...]:
+    """The strides both kernels take, in their order: ``stride_qt`` ... ``stride_oh``."""
+    return (
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
     )
 
 
@@ -656,14 +708,7 @@ class PagedAttention:
             meta.cu_query_lens,
             out,
             scale_log2e,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            bt.stride(0),
-            out.stride(0),
-            out.stride(1),
+            *_row_strides(q, k_cache, bt, out),
             GROUP=group,
             HEAD=d,
             PAGE_SIZE=meta.page_size,
@@ -714,14 +759,7 @@ class PagedAttention:
             scale_log2e,
             meta.num_prefill_tokens,
             meta.num_prefills,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            bt.stride(0),
-            out.stride(0),
-            out.stride(1),
+            *_row_strides(q, k_cache, bt, out),
             GROUP=group,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
             HEAD=d,

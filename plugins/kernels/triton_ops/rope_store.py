@@ -29,8 +29,16 @@ FP8_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 
 @triton.jit
-def _rotate(x_ptr, out_ptr, row_offs, out_row_offs, j, mask, c, s, HALF: tl.constexpr):
-    """Rotate one block of heads: rows at ``row_offs``; returns the rotated halves."""
+def _rotate(
+    x_ptr, out_ptr, t, stride_t, stride_h, h, mask, j, c, s, H: tl.constexpr, HALF: tl.constexpr
+):
+    """Rotate the heads ``h`` of token ``t`` (``H`` heads in all); returns the rotated halves.
+
+    The input rows sit at ``t * stride_t + h * stride_h``, the output (contiguous
+    ``[T, H, 2 * HALF]``) rows at ``(t * H + h) * 2 * HALF``.
+    """
+    row_offs = t * stride_t + h * stride_h
+    out_row_offs = (t * H + h) * (2 * HALF)
     x1 = tl.load(x_ptr + row_offs[:, None] + j[None, :], mask=mask, other=0.0)
     x2 = tl.load(x_ptr + row_offs[:, None] + HALF + j[None, :], mask=mask, other=0.0)
     dt = x1.dtype
@@ -90,31 +98,11 @@ def _rope_store_kernel(
 
     hq = tl.arange(0, BLOCK_HQ)
     q_mask = (hq < HQ)[:, None] & (j < HALF)[None, :]
-    _rotate(
-        q_ptr,
-        q_out_ptr,
-        t * stride_qt + hq * stride_qh,
-        (t * HQ + hq) * (2 * HALF),
-        j,
-        q_mask,
-        c,
-        s,
-        HALF,
-    )
+    _rotate(q_ptr, q_out_ptr, t, stride_qt, stride_qh, hq, q_mask, j, c, s, HQ, HALF)
 
     hk = tl.arange(0, BLOCK_HKV)
     k_mask = (hk < HKV)[:, None] & (j < HALF)[None, :]
-    k1, k2 = _rotate(
-        k_ptr,
-        k_out_ptr,
-        t * stride_kt + hk * stride_kh,
-        (t * HKV + hk) * (2 * HALF),
-        j,
-        k_mask,
-        c,
-        s,
-        HALF,
-    )
+    k1, k2 = _rotate(k_ptr, k_out_ptr, t, stride_kt, stride_kh, hk, k_mask, j, c, s, HKV, HALF)
     # the cache slot: page slot // page_size, offset slot % page_size; skip padding rows (slot < 0)
     page = slot // page_size
     off = slot % page_size
