@@ -875,3 +875,20 @@ def test_tiny_model_fp8_cache_fused_is_as_accurate_as_reference(kv_cache_dtype: 
         errors[kernels] = (logits - truth).abs().max().item()
     assert errors["reference"] > 1e-4, "the fp8 cache changed nothing"
     assert errors["fused"] <= 2 * errors["reference"], errors
+
+
+def test_fp8_widen_is_a_fused_setting() -> None:
+    """``fused.fp8_widen`` (default ``fp16``) reaches the attention kernels; a bad value is refused
+    where the config is built, with the choices named."""
+    from pitstop.errors import ConfigError
+    from pitstop.plugin_manager import get_plugin_manager
+
+    default = FusedKernels(EngineConfig(max_model_len=512), DEVICE, torch.bfloat16)
+    assert default._attn.fp8_widen == "fp16"
+    config = EngineConfig(max_model_len=512, options={"fused.fp8_widen": "query"})
+    chosen = FusedKernels(config, DEVICE, torch.bfloat16)
+    assert chosen._attn.fp8_widen == "query"
+    with pytest.raises(ConfigError, match="fp16"):
+        get_plugin_manager().resolve(
+            EngineConfig(kernels="fused", options={"fused.fp8_widen": "bf16"})
+        )

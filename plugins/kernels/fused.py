@@ -116,6 +116,13 @@ class FusedSettings:
         alias="fused_precision",
         help="fp32 accumulation everywhere, or the fastest safe choice",
     )
+    fp8_widen: str = setting(
+        "fp16",
+        type=str,
+        choices=("fp16", "query"),
+        help="how attention widens an fp8 KV cache for bf16 queries: to fp16 (one hardware "
+        "conversion; the query goes to fp16, pre-scaled by a power of two) or to the query's dtype",
+    )
 
 
 class FusedKernels(reference.DispatchKernels):
@@ -137,6 +144,7 @@ class FusedKernels(reference.DispatchKernels):
         # The model merges q/k/v and gate/up weights at load when this is set.
         self.merge_projections = bool(settings.qkv)
         self.precision = settings.precision
+        self.fp8_widen = settings.fp8_widen
         self._status: dict[str, str] = {}
         triton_reason = triton_unavailable_reason(device)
         if triton_reason is None and dtype not in SUPPORTED_DTYPES:
@@ -183,7 +191,11 @@ class FusedKernels(reference.DispatchKernels):
             from pitstop.plugins.kernels.triton_ops import paged_attention
 
             self._attn = paged_attention.PagedAttention(
-                device, dtype, max_context=config.max_model_len or 4096, precision=self.precision
+                device,
+                dtype,
+                max_context=config.max_model_len or 4096,
+                precision=self.precision,
+                fp8_widen=self.fp8_widen,
             )
             self._status["attention"] = "triton"
 
