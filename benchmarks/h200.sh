@@ -96,7 +96,7 @@ for spec in ${BENCHES-nano single}; do
       elif ! python3 -c "import gguf" 2>/dev/null; then echo "== models19: the gguf package is missing (its wheel goes in .whl/: benchmarks/README.md)";
       else ( export PITSTOP_CACHE_DIR="$OUT/models19-cache"; rm -rf "$PITSTOP_CACHE_DIR"
         echo "== models19: load $M into a fresh cache, then again from it"
-        timeout 300 python3 -c "import sys, time; from pitstop.weights import load_model_source; from pitstop.plugin_manager import get_plugin_manager
+        timeout 300 python3 -c "import sys, time; from pitstop.loading.weights import load_model_source; from pitstop.plugin_system.plugin_manager import get_plugin_manager
 print('models19: GGUF claims', get_plugin_manager().gguf_claims())
 for _ in range(2):
     t = time.perf_counter(); s = load_model_source(sys.argv[1]); n = sum(1 for _ in s.weights()); mc = s.model_config

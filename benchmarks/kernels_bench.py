@@ -61,8 +61,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
+from pitstop.loop.attention import AttentionMetadata
 from pitstop.plugins.kernels import reference
 
 COPY_BW = 4.23e12  # bytes/s, device-to-device copy (read + written), H200

@@ -17,8 +17,13 @@ import time
 import torch
 
 from pitstop.plugins.samplers.standard import StandardSampler
-from pitstop.sampling import RowInputs, TokenHistories, make_sampling_batch, make_step_inputs
-from pitstop.sampling_params import SamplingParams
+from pitstop.requests.sampling import (
+    RowInputs,
+    TokenHistories,
+    make_sampling_batch,
+    make_step_inputs,
+)
+from pitstop.requests.sampling_params import SamplingParams
 
 
 def _time(fn, iters: int) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pitstop import catalogue
 from pitstop.config import EngineConfig
 from pitstop.errors import (
     ConfigError,
@@ -13,10 +12,11 @@ from pitstop.errors import (
     PitstopError,
     PluginError,
 )
-from pitstop.hookspecs import hookimpl
-from pitstop.inputs import TextPrompt, TokensPrompt
-from pitstop.sampling_params import SamplingParams
-from pitstop.structured import StructuredOutputs
+from pitstop.plugin_system import catalogue
+from pitstop.plugin_system.hookspecs import hookimpl
+from pitstop.requests.inputs import TextPrompt, TokensPrompt
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.structured import StructuredOutputs
 
 __version__ = "0.1.0"
 
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 def _installed_plugins() -> catalogue.Catalogue | None:
     """The process-wide plugin manager's catalogue (loading the plugins on first use), or
     None while it is loading them: what an EngineConfig parses its keywords against."""
-    from pitstop import plugin_manager
+    from pitstop.plugin_system import plugin_manager
 
     return None if plugin_manager.is_loading() else plugin_manager.get_plugin_manager().catalogue
 
@@ -32,9 +32,9 @@ def _installed_plugins() -> catalogue.Catalogue | None:
 catalogue.use_installed(_installed_plugins)
 
 if TYPE_CHECKING:
-    from pitstop.engine import LLMEngine
     from pitstop.llm import LLM
-    from pitstop.outputs import RequestOutput
+    from pitstop.loop.engine import LLMEngine
+    from pitstop.requests.outputs import RequestOutput
 
 
 def __getattr__(name: str):
@@ -44,11 +44,11 @@ def __getattr__(name: str):
 
         return LLM
     if name == "LLMEngine":
-        from pitstop.engine import LLMEngine
+        from pitstop.loop.engine import LLMEngine
 
         return LLMEngine
     if name in ("RequestOutput", "CompletionOutput"):
-        from pitstop import outputs
+        from pitstop.requests import outputs
 
         return getattr(outputs, name)
     raise AttributeError(f"module 'pitstop' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""`AsyncLLM`: an asyncio front end to :class:`~pitstop.engine.LLMEngine`.
+"""`AsyncLLM`: an asyncio front end to :class:`~pitstop.loop.engine.LLMEngine`.
 
 The engine is plain blocking code (a model forward holds a core for
 milliseconds to seconds), so it steps in a thread of its own and the asyncio
@@ -30,15 +30,15 @@ from typing import Any
 
 import attrs
 
-from pitstop.chat import render_chat
 from pitstop.config import EngineConfig
-from pitstop.engine import LLMEngine
 from pitstop.errors import InvalidRequestError, PitstopError
-from pitstop.metrics import EngineStats
-from pitstop.outputs import RequestOutput
-from pitstop.plugin_manager import PluginManager
-from pitstop.protocols import AllocatorStats
-from pitstop.sampling_params import SamplingParams
+from pitstop.loop.engine import LLMEngine
+from pitstop.loop.metrics import EngineStats
+from pitstop.plugin_system.plugin_manager import PluginManager
+from pitstop.plugin_system.protocols import AllocatorStats
+from pitstop.requests.chat import render_chat
+from pitstop.requests.outputs import RequestOutput
+from pitstop.requests.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pitstop.chat import render_chat
 from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import PitstopError, PluginError
-from pitstop.gguf_loader import add_subcommand as add_cache
-from pitstop.plugin_manager import get_plugin_manager
+from pitstop.loading.gguf_loader import add_subcommand as add_cache
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
+from pitstop.requests.chat import render_chat
 from pitstop.vllm_args import did_you_mean
 
 # argparse prints this as it is: plain text, no reST markup
@@ -54,7 +54,7 @@ def _sampling_flags(
 
 
 def _params(args: argparse.Namespace):
-    from pitstop.sampling_params import SamplingParams
+    from pitstop.requests.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -82,7 +82,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         import attrs
         import torch
 
-        from pitstop.runner import resolve_device, resolve_dtype
+        from pitstop.loop.runner import resolve_device, resolve_dtype
 
         config = EngineConfig.from_cli(args)
         device = resolve_device(config.device)
@@ -99,7 +99,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def _print_settings(strategies) -> None:
     """Each strategy's declared settings: key and alias (or engine setting), values,
     default, meaning."""
-    from pitstop.settings import describe
+    from pitstop.plugin_system.settings import describe
 
     for s in strategies:
         if s.settings is None:

@@ -2,16 +2,16 @@
 
 The fields are the engine's own settings (the model, the strategies' names,
 memory, batch bounds, the engine loop). Each strategy's knobs are its
-plugin's declared settings (:mod:`pitstop.settings`), held in ``options``;
+plugin's declared settings (:mod:`pitstop.plugin_system.settings`), held in ``options``;
 the built-ins' keep their documented short names as aliases, so
 ``EngineConfig(chunk_size=512)`` and ``config.chunk_size`` read the chunked
 scheduler's setting. The config loads from keyword arguments, from a TOML
 file (:meth:`EngineConfig.from_toml`) and from CLI flags
 (:func:`add_cli_flags` / :meth:`EngineConfig.from_cli`); every spelling is
 parsed in :mod:`pitstop.options`, against the installed plugins' declared
-settings (:mod:`pitstop.catalogue`): the config knows no plugin manager.
+settings (:mod:`pitstop.plugin_system.catalogue`): the config knows no plugin manager.
 Strategy names are checked, and each strategy's typed settings read once,
-when the engine is built (:meth:`pitstop.plugin_manager.PluginManager.resolve`).
+when the engine is built (:meth:`pitstop.plugin_system.plugin_manager.PluginManager.resolve`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from pitstop import catalogue
 from pitstop.errors import ConfigError, PluginError
+from pitstop.loop.poison import poison_from_env
 from pitstop.options import (
     add_engine_flags,
     add_settings_flags,
@@ -37,11 +37,11 @@ from pitstop.options import (
     keywords_from_cli,
     keywords_from_toml,
 )
-from pitstop.poison import poison_from_env
+from pitstop.plugin_system import catalogue
 from pitstop.vllm_args import DTYPE_WORDS, KV_CACHE_DTYPE_WORDS, merge
 
 if TYPE_CHECKING:
-    from pitstop.model_config import ModelConfig
+    from pitstop.loading.model_config import ModelConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
@@ -393,7 +393,7 @@ class EngineConfig:
         """The most tokens one step of the selected scheduler computes: its own budget when
         its settings declare one (``chunked``'s ``chunk_size``), else
         ``max_num_batched_tokens`` (``continuous`` runs a longer prompt alone, over budget);
-        the engine takes it from :meth:`pitstop.plugin_manager.PluginManager.resolve`."""
+        the engine takes it from :meth:`pitstop.plugin_system.plugin_manager.PluginManager.resolve`."""
         installed = catalogue.installed()
         if installed is None:
             return self.max_num_batched_tokens
@@ -481,8 +481,8 @@ def add_cli_flags(
 ) -> None:
     """Add one ``--flag`` per :class:`EngineConfig` setting, plus ``--config FILE``, plus
     one ``--<plugin>.<setting>`` flag per declared setting of the registered plugins
-    (``plugins``: a :class:`~pitstop.plugin_manager.PluginManager` or its
-    :class:`~pitstop.catalogue.Catalogue`; default: the installed plugins'), plus vLLM's."""
+    (``plugins``: a :class:`~pitstop.plugin_system.plugin_manager.PluginManager` or its
+    :class:`~pitstop.plugin_system.catalogue.Catalogue`; default: the installed plugins'), plus vLLM's."""
     add_engine_flags(parser, attrs.fields(EngineConfig), with_model=with_model)
     found = getattr(plugins, "catalogue", plugins) if plugins is not None else None
     found = found if found is not None else catalogue.installed()

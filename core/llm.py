@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pitstop.chat import ChatOptions, render_chat
 from pitstop.config import EngineConfig
-from pitstop.engine import LLMEngine
 from pitstop.errors import ConfigError, InvalidRequestError
-from pitstop.inputs import PromptType, parse_prompts
-from pitstop.outputs import RequestOutput
-from pitstop.plugin_manager import PluginManager
-from pitstop.sampling_params import SamplingParams
-from pitstop.tool_calls import default_tool_prompt, parse_tools
+from pitstop.loop.engine import LLMEngine
+from pitstop.plugin_system.plugin_manager import PluginManager
+from pitstop.requests.chat import ChatOptions, render_chat
+from pitstop.requests.inputs import PromptType, parse_prompts
+from pitstop.requests.outputs import RequestOutput
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.tool_calls import default_tool_prompt, parse_tools
 
 Message = dict[str, Any]
 
@@ -85,8 +85,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        A prompt is a string, ``{"prompt": str}`` (:class:`~pitstop.inputs.TextPrompt`)
-        or ``{"prompt_token_ids": [...]}`` (:class:`~pitstop.inputs.TokensPrompt`);
+        A prompt is a string, ``{"prompt": str}`` (:class:`~pitstop.requests.inputs.TextPrompt`)
+        or ``{"prompt_token_ids": [...]}`` (:class:`~pitstop.requests.inputs.TokensPrompt`);
         give one or a list. ``prompt_token_ids=`` (a list of id lists) is the
         older spelling of a list of TokensPrompt. A prompt that is invalid
         raises before any request runs, so nothing is half-submitted.
@@ -148,7 +148,7 @@ class LLM:
         vLLM); ``chat_template_kwargs`` are passed to the template; ``tools``
         (OpenAI function definitions) are passed to it as ``tools`` (a
         template that does not render them gets them listed in the system
-        message, :func:`pitstop.tool_calls.default_tool_prompt`). Each
+        message, :func:`pitstop.requests.tool_calls.default_tool_prompt`). Each
         output's ``prompt`` is the rendered text.
         """
         if not messages:

@@ -12,7 +12,7 @@ keywords ``EngineConfig`` is built from (its fields plus ``options``):
   ``--option KEY=VALUE`` and vLLM's ``--max-num-seqs``: :func:`keywords_from_cli`,
   whose flags :func:`add_settings_flags` and :func:`add_vllm_flags` add.
 
-The plugins' aliases come from a :class:`~pitstop.catalogue.Catalogue`. An
+The plugins' aliases come from a :class:`~pitstop.plugin_system.catalogue.Catalogue`. An
 unknown name is an error that names the nearest known one.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 
 import attrs
 
-from pitstop.catalogue import Catalogue, Declaration
 from pitstop.errors import ConfigError, PluginError
-from pitstop.settings import TOML_TABLE, allowed_values, flag_name, settings_from_toml
+from pitstop.plugin_system.catalogue import Catalogue, Declaration
+from pitstop.plugin_system.settings import TOML_TABLE, allowed_values, flag_name, settings_from_toml
 from pitstop.vllm_args import ACCEPTED, REFUSED, RENAMED, did_you_mean, translate, vllm_names
 
 SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags

@@ -6,6 +6,6 @@ manager exactly as a third-party plugin is. For convenience this package
 re-exports the plugin manager.
 """
 
-from pitstop.plugin_manager import PluginManager, Strategy, get_plugin_manager
+from pitstop.plugin_system.plugin_manager import PluginManager, Strategy, get_plugin_manager
 
 __all__ = ["PluginManager", "Strategy", "get_plugin_manager"]

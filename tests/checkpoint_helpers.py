@@ -17,7 +17,7 @@ TINY_VOCAB = 512  # small: the tests compare logits, not text
 
 def prefill_logits(llm: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
     """pitstop's logits at every prompt position, all prompts prefilled in one step."""
-    from pitstop.step import SeqInput
+    from pitstop.loop.step import SeqInput
 
     runner = llm.engine.runner
     pages = -(-max(map(len, prompts)) // runner.page_size)
@@ -54,7 +54,7 @@ def assert_matches_transformers(
     """Logits at every prompt position within 1e-4 (relative, fp32) and greedy tokens
     identical, for prompts of several lengths run as one batch."""
     from pitstop.llm import LLM
-    from pitstop.sampling_params import SamplingParams
+    from pitstop.requests.sampling_params import SamplingParams
 
     llm = LLM(str(model), device="cpu", kv_cache_gib=0.01, max_model_len=max_model_len)
     gen = torch.Generator().manual_seed(len(lengths))

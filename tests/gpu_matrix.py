@@ -189,7 +189,7 @@ def transformers_reference(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pitstop.gguf_loader import cache_dir_for, load_gguf
+    from pitstop.loading.gguf_loader import cache_dir_for, load_gguf
 
     folder = cache_dir_for(gguf)
     if not (folder / "tokenizer.json").is_file():
@@ -269,7 +269,7 @@ def model_path() -> Path:
     env = os.environ.get("SMOLLM_GGUF")
     if env:
         return Path(env)
-    from pitstop.weights import smollm2_path
+    from pitstop.loading.weights import smollm2_path
 
     return smollm2_path()
 

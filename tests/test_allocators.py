@@ -8,15 +8,15 @@ from hypothesis import Phase
 
 from pitstop import EngineConfig
 from pitstop.errors import ConfigError
+from pitstop.plugin_system.protocols import Allocator
 from pitstop.plugins import PluginManager
 from pitstop.plugins.allocators import prefix as prefix_module
 from pitstop.plugins.allocators._common import AllocatorUsageError, OutOfPagesError
 from pitstop.plugins.allocators.paged import PagedAllocator
 from pitstop.plugins.allocators.preallocated import PreallocatedAllocator
 from pitstop.plugins.allocators.prefix import PrefixCachingAllocator
-from pitstop.protocols import Allocator
-from pitstop.sampling_params import SamplingParams
-from pitstop.sequence import Sequence
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.sequence import Sequence
 from pitstop.testing import allocator_state_machine, check_allocator
 
 CONTRACT = hypothesis.settings(max_examples=200, stateful_step_count=40, deadline=None)

@@ -16,8 +16,8 @@ from conftest_models import make_tiny_checkpoint
 
 from pitstop import LLM, SamplingParams
 from pitstop.async_engine import AsyncLLM, EngineClosedError, EngineStepError
-from pitstop.engine import LLMEngine
 from pitstop.errors import InvalidRequestError
+from pitstop.loop.engine import LLMEngine
 
 MAX_MODEL_LEN = 128
 

@@ -214,7 +214,7 @@ def test_values_that_used_to_fail_the_step_run(llm: LLM) -> None:
 
 
 def test_validate_request_checks_against_the_vocabulary() -> None:
-    from pitstop.request_validation import validate_request
+    from pitstop.requests.request_validation import validate_request
 
     ok = SamplingParams(stop_token_ids=[3])
     validate_request("hi", ok, None, vocab_size=10)
@@ -238,7 +238,7 @@ def test_validate_request_checks_against_the_vocabulary() -> None:
 
 
 def test_check_encoded_prompt() -> None:
-    from pitstop.validation import check_encoded_prompt
+    from pitstop.requests.validation import check_encoded_prompt
 
     check_encoded_prompt("hi", [5])
     with pytest.raises(InvalidRequestError, match="no tokens"):
@@ -246,7 +246,7 @@ def test_check_encoded_prompt() -> None:
 
 
 def test_validate_messages() -> None:
-    from pitstop.validation import validate_messages
+    from pitstop.requests.validation import validate_messages
 
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert validate_messages(chat) == chat
@@ -288,7 +288,7 @@ def test_config_values_refused_before_weights(kwargs: dict, fragment: str) -> No
 
 def test_misspelled_option_key_is_refused() -> None:
     from pitstop.config import EngineConfig
-    from pitstop.plugin_manager import get_plugin_manager
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
     pm = get_plugin_manager()
     pm.check_config(EngineConfig(options={"prefix.max_cached_pages": 4, "thirdparty.knob": 1}))

@@ -100,7 +100,7 @@ def test_figures_on_a_hand_built_timeline():
 
 
 def test_record_from_a_request_output():
-    from pitstop.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from pitstop.requests.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     m = RequestMetrics(
         arrival=10.0,
@@ -480,7 +480,7 @@ def test_online_poisson(tmp_path, tiny_model):
 
 
 def _registered(kind: str, *names: str) -> bool:
-    from pitstop.plugin_manager import get_plugin_manager
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
     have = get_plugin_manager().names(kind)
     return all(n in have for n in names)

@@ -28,7 +28,7 @@ from pitstop.bench.vllm_server import serve_flags
 from pitstop.bench.workloads import BenchRequest, Workload, build_workload
 from pitstop.cli import main
 from pitstop.config import EngineConfig
-from pitstop.plugin_manager import get_plugin_manager
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
 FAKE_VLLM = Path(__file__).parent / "fake_vllm"
 PRESETS = get_plugin_manager().presets()
@@ -55,7 +55,7 @@ def test_dummy_config_json_is_the_preset_for_transformers_and_pitstop(
 ) -> None:
     from transformers import AutoConfig
 
-    from pitstop.weights import read_hf_config
+    from pitstop.loading.weights import read_hf_config
 
     mc = PRESETS[preset]
     folder = write_dummy_folder(mc, tmp_path / preset)
@@ -107,7 +107,7 @@ def test_a_gguf_with_speculation_becomes_the_same_checkpoint(tmp_path: Path) -> 
     import torch
     import transformers
 
-    from pitstop.weights import smollm2_path
+    from pitstop.loading.weights import smollm2_path
 
     gguf = smollm2_path()
     mc = PRESETS["qwen3-0.6b"]  # the shape is not used for a file

@@ -21,10 +21,10 @@ from checkpoint_helpers import (
 from conftest_models import make_tiny_checkpoint
 
 from pitstop.errors import ConfigError, ModelLoadError
-from pitstop.model_config import ModelConfig
+from pitstop.loading.model_config import ModelConfig
+from pitstop.loading.weights import load_model_source
 from pitstop.plugins.models.llama_config import HF_FIELDS_READ, HF_FIELDS_WITHOUT_EFFECT
 from pitstop.plugins.models.llama_rope import rope_frequencies
-from pitstop.weights import load_model_source
 
 
 def _tiny(tmp_path: Path, arch: str, **overrides) -> Path:
@@ -310,7 +310,7 @@ def _write_raw_safetensors(path: Path, header: dict, data: bytes) -> None:
 def test_hostile_safetensors_headers_are_refused_before_allocation(
     tmp_path: Path, header: dict, data: bytes, expected: str
 ) -> None:
-    from pitstop.weights import read_safetensors_header
+    from pitstop.loading.weights import read_safetensors_header
 
     file = tmp_path / "model.safetensors"
     _write_raw_safetensors(file, header, data)
@@ -320,7 +320,7 @@ def test_hostile_safetensors_headers_are_refused_before_allocation(
 
 
 def test_header_length_beyond_the_file_is_refused(tmp_path: Path) -> None:
-    from pitstop.weights import read_safetensors_header
+    from pitstop.loading.weights import read_safetensors_header
 
     file = tmp_path / "model.safetensors"
     file.write_bytes((2**40).to_bytes(8, "little") + b"{}")
@@ -376,7 +376,7 @@ _PEAK_SCRIPT = textwrap.dedent(
     import sys, torch
     from pitstop.model import LlamaForCausalLM
     from pitstop.plugins.kernels.reference import ReferenceKernels
-    from pitstop.weights import load_model_source
+    from pitstop.loading.weights import load_model_source
 
     def rss(field):
         for line in open("/proc/self/status"):

@@ -57,7 +57,7 @@ def test_threads_are_set_and_printed_at_start_up(caplog: pytest.LogCaptureFixtur
 
     smollm2_gguf()
     wanted = torch.get_num_threads()  # the same count: the rest of the test session is unchanged
-    with caplog.at_level(logging.INFO, logger="pitstop.engine"):
+    with caplog.at_level(logging.INFO, logger="pitstop.loop.engine"):
         LLM("smollm2-135m", device="cpu", kv_cache_gib=0.02, max_model_len=128, threads=wanted)
     assert f"CPU threads: {wanted}" in caplog.text
     assert torch.get_num_threads() == wanted

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from pitstop.bench.report import RequestRecord
-from pitstop.outputs import RequestMetrics, time_per_output_token
-from pitstop.sampling import (
+from pitstop.requests.outputs import RequestMetrics, time_per_output_token
+from pitstop.requests.sampling import (
     SAMPLING_EPS,
     exponential_race,
     is_greedy,
     make_generator,
     make_sampling_batch,
 )
-from pitstop.sampling_params import SamplingParams
+from pitstop.requests.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

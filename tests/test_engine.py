@@ -10,7 +10,7 @@ import torch
 from conftest_models import make_tiny_checkpoint, smollm2_gguf
 
 from pitstop import LLM, EngineConfig, SamplingParams
-from pitstop.plugin_manager import get_plugin_manager
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
 PROMPTS = [
     "Hi",
@@ -95,7 +95,7 @@ def test_tiny_checkpoint_logits_and_greedy_match_transformers(
 
     # logits of every prompt position, all prompts prefilled in one step
     runner = llm.engine.runner
-    from pitstop.step import SeqInput
+    from pitstop.loop.step import SeqInput
 
     tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(prompts))]
     ids, meta, _ = runner.build_metadata(
@@ -221,7 +221,7 @@ def test_preemption_is_logged_with_the_fix(tiny_llama: Path, caplog) -> None:
         max_batch_size=9,
         max_prefill_batch=2,
     )
-    with caplog.at_level("WARNING", logger="pitstop.engine"):
+    with caplog.at_level("WARNING", logger="pitstop.loop.engine"):
         llm.generate(
             prompt_token_ids=_mixed_prompts(), sampling_params=_mixed_params(), use_tqdm=False
         )

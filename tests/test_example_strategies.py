@@ -10,7 +10,7 @@ from conftest_models import make_tiny_checkpoint
 
 from pitstop import LLM, EngineConfig, SamplingParams
 from pitstop.errors import ConfigError
-from pitstop.plugin_manager import PluginManager
+from pitstop.plugin_system.plugin_manager import PluginManager
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [9] * 20, [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -193,7 +193,7 @@ def test_bad_settings_are_refused_before_any_weight_loads(
     def no_weights(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("weights were loaded before the settings were checked")
 
-    monkeypatch.setattr("pitstop.engine.load_model_source", no_weights)
+    monkeypatch.setattr("pitstop.loop.engine.load_model_source", no_weights)
     with pytest.raises(ConfigError) as info:
         LLM("smollm2-135m", device="cpu", plugins=plugins, options=options, **{field: name})
     text = str(info.value)

@@ -10,9 +10,9 @@ from conftest_models import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from pitstop.config import EngineConfig
-from pitstop.engine import LLMEngine
 from pitstop.errors import ModelLoadError
-from pitstop.finite_weights import check_finite, finite_weights
+from pitstop.loading.finite_weights import check_finite, finite_weights
+from pitstop.loop.engine import LLMEngine
 
 
 def _config(folder: Path, **kw: object) -> EngineConfig:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
+from pitstop.loop.attention import AttentionMetadata
+from pitstop.plugin_system.protocols import RotaryCache
 from pitstop.plugins.kernels import reference
 from pitstop.plugins.kernels.fused import FusedKernels
-from pitstop.protocols import RotaryCache
 from pitstop.testing.kernels import paged_metadata
 
 pytestmark = pytest.mark.gpu
@@ -218,9 +218,9 @@ def test_decode_attention_is_graph_capturable() -> None:
 
 def _dummy_runner(kernels: str, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
     """A ModelRunner of the dummy ``qwen3-0.6b`` shape on CUDA (same seeded weights for every kernel set)."""
-    from pitstop.plugin_manager import PluginManager
+    from pitstop.loop.runner import ModelRunner
+    from pitstop.plugin_system.plugin_manager import PluginManager
     from pitstop.plugins.models.llama_presets import PRESETS
-    from pitstop.runner import ModelRunner
 
     config = EngineConfig(
         model="dummy:qwen3-0.6b",
@@ -240,8 +240,8 @@ def _dummy_runner(kernels: str, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 
 def _greedy(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """Prefill every prompt in one step, then ``steps`` greedy decode steps of the whole batch."""
-    from pitstop.sampling_params import SamplingParams
-    from pitstop.step import SeqInput, StepInput
+    from pitstop.loop.step import SeqInput, StepInput
+    from pitstop.requests.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     tables = [list(range(i * 64, (i + 1) * 64)) for i in range(len(prompts))]
@@ -283,7 +283,7 @@ def test_dummy_qwen3_greedy_matches_reference(dtype: torch.dtype) -> None:
 
 def _logits(runner, seqs: list[list[int]]) -> torch.Tensor:
     """Float32 logits of every position of every sequence, all prefilled in one step."""
-    from pitstop.step import SeqInput
+    from pitstop.loop.step import SeqInput
 
     tables = [list(range(i * 64, (i + 1) * 64)) for i in range(len(seqs))]
     ids, meta, _ = runner.build_metadata(

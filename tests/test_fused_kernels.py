@@ -29,11 +29,11 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pitstop.attention import AttentionMetadata  # noqa: E402
 from pitstop.config import EngineConfig  # noqa: E402
+from pitstop.loop.attention import AttentionMetadata  # noqa: E402
+from pitstop.plugin_system.protocols import RotaryCache  # noqa: E402
 from pitstop.plugins.kernels import reference  # noqa: E402
 from pitstop.plugins.kernels.fused import FusedKernels  # noqa: E402
-from pitstop.protocols import RotaryCache  # noqa: E402
 from pitstop.testing.kernels import paged_metadata  # noqa: E402
 
 pytest.importorskip("triton")
@@ -718,9 +718,9 @@ def _tiny_runner(
 ):
     """A ModelRunner over a tiny random Hugging Face model of ``arch`` (same weights for every kernel set)."""
     transformers = pytest.importorskip("transformers")
-    from pitstop.plugin_manager import PluginManager
+    from pitstop.loop.runner import ModelRunner
+    from pitstop.plugin_system.plugin_manager import PluginManager
     from pitstop.plugins.models.llama_config import config_from_hf
-    from pitstop.runner import ModelRunner
 
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -773,8 +773,8 @@ def _greedy_schedule(
     runner, prompts: list[list[int]], page_size: int, steps: int
 ) -> list[list[int]]:
     """Prefill (the last prompt in two chunks, its second chunk beside decodes), then greedy decodes."""
-    from pitstop.sampling_params import SamplingParams
-    from pitstop.step import SeqInput, StepInput
+    from pitstop.loop.step import SeqInput, StepInput
+    from pitstop.requests.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     pages_each = 128 // page_size
@@ -828,7 +828,7 @@ def test_tiny_model_greedy_tokens_match_reference(arch: str) -> None:
 def _forced_logits(runner, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
     """Float32 logits of every prompt position (one prefill step), then of one decode step per
     column of ``forced`` (each sequence fed its forced token): the same path for every runner."""
-    from pitstop.step import SeqInput
+    from pitstop.loop.step import SeqInput
 
     tables = [list(range(i * 8, (i + 1) * 8)) for i in range(len(prompts))]
 
@@ -881,7 +881,7 @@ def test_fp8_widen_is_a_fused_setting() -> None:
     """``fused.fp8_widen`` (default ``fp16``) reaches the attention kernels; a bad value is refused
     where the config is built, with the choices named."""
     from pitstop.errors import ConfigError
-    from pitstop.plugin_manager import get_plugin_manager
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
     default = FusedKernels(EngineConfig(max_model_len=512), DEVICE, torch.bfloat16)
     assert default._attn.fp8_widen == "fp16"

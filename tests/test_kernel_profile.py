@@ -29,7 +29,7 @@ from pitstop.bench.kernel_profile import (
     read_trace,
     roofline,
 )
-from pitstop.plugin_manager import get_plugin_manager
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
 FAKE_VLLM = Path(__file__).parent / "fake_vllm"
 SMALL = Scenario("small-decode", batch=2, prompt_len=16, decode_steps=4)

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import pitstop
-from pitstop import EngineConfig, hookspecs
+from pitstop import EngineConfig
 from pitstop.errors import ConfigError, PluginError
-from pitstop.kinds import KINDS, missing_members, protocol_members
-from pitstop.plugin_manager import PluginManager
-from pitstop.protocols import ProposerBase
+from pitstop.plugin_system import hookspecs
+from pitstop.plugin_system.kinds import KINDS, missing_members, protocol_members
+from pitstop.plugin_system.plugin_manager import PluginManager
+from pitstop.plugin_system.protocols import ProposerBase
 
 
 def _module(name: str, hook: str, strategy: str, factory) -> ModuleType:
@@ -93,7 +94,11 @@ def test_create_names_the_plugin_and_the_missing_members() -> None:
         pm.create("allocator", "half", EngineConfig(), 8)
     text = str(info.value)
     assert "allocator 'half'" in text and "HalfAllocator" in text
-    assert "free" in text and "block_table" in text and "pitstop.protocols.Allocator" in text
+    assert (
+        "free" in text
+        and "block_table" in text
+        and "pitstop.plugin_system.protocols.Allocator" in text
+    )
     assert "can_allocate" not in text.split("lacks")[1].split(";")[0]
 
 

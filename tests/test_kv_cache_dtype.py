@@ -21,10 +21,10 @@ from test_engine import (
 
 from pitstop import LLM, EngineConfig
 from pitstop.errors import ConfigError
-from pitstop.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
-from pitstop.model_config import ModelConfig
+from pitstop.loading.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
+from pitstop.loading.model_config import ModelConfig
+from pitstop.loop.runner_memory import kv_bytes_per_page, pages_asked
 from pitstop.plugins.kernels.reference import ReferenceKernels
-from pitstop.runner_memory import kv_bytes_per_page, pages_asked
 
 CPU = torch.device("cpu")
 
@@ -57,7 +57,7 @@ def test_a_bad_name_is_refused_before_anything_loads() -> None:
 
 def test_a_torch_without_fp8_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """The message names the missing support and the fix."""
-    from pitstop import kv_cache_dtype
+    from pitstop.loading import kv_cache_dtype
 
     monkeypatch.setitem(kv_cache_dtype.FP8_DTYPES, "fp8_e4m3", "float8_missing")
     with pytest.raises(ConfigError, match=r"no torch\.float8_missing.*kv_cache_dtype='auto'"):

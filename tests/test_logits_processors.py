@@ -19,8 +19,8 @@ from conftest_models import smollm2_gguf
 from pitstop import LLM, SamplingParams, TextPrompt, TokensPrompt
 from pitstop.errors import InvalidRequestError
 from pitstop.plugins.samplers.standard import StandardSampler
-from pitstop.sampling import RowInputs, make_sampling_batch, make_step_inputs
-from pitstop.sequence import PENDING_TOKEN
+from pitstop.requests.sampling import RowInputs, make_sampling_batch, make_step_inputs
+from pitstop.requests.sequence import PENDING_TOKEN
 
 CPU = torch.device("cpu")
 VOCAB = 12
@@ -96,7 +96,7 @@ def test_a_pending_last_token_is_read_from_the_device() -> None:
 
 
 def test_token_histories_copy_only_new_tokens_and_keep_the_pending_slot() -> None:
-    from pitstop.sampling import TokenHistories
+    from pitstop.requests.sampling import TokenHistories
 
     histories = TokenHistories()
     tokens = [5, 6, 7]
@@ -140,7 +140,7 @@ def test_blocked_tokens_and_bitmask_mask_to_minus_inf() -> None:
     got = sampler.process(logits.clone(), batch)
     assert torch.isinf(got[0]).nonzero().flatten().tolist() == [3, 7]
     assert not torch.isinf(got[1]).any()
-    from pitstop.structured import apply_bitmask
+    from pitstop.requests.structured import apply_bitmask
 
     mask = torch.full((2, 2), -1, dtype=torch.int32)
     mask[0, 0] = 0b1010  # row 0 allows tokens 1 and 3 of the first word only, and all of word 2
@@ -462,7 +462,7 @@ def test_a_sampler_without_processors_is_refused_them(tmp_path) -> None:
     import types
 
     import pitstop
-    from pitstop.plugin_manager import PluginManager
+    from pitstop.plugin_system.plugin_manager import PluginManager
     from pitstop.plugins.samplers.standard import StandardSampler
 
     class PlainSampler(StandardSampler):

@@ -9,7 +9,7 @@ import attrs
 import pytest
 import torch
 
-import pitstop.memory as memory
+import pitstop.loop.memory as memory
 from pitstop import LLM, EngineConfig
 from pitstop.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, resolve_max_model_len
 from pitstop.errors import ConfigError

@@ -20,7 +20,7 @@ def test_a_model_larger_than_the_host_is_refused_before_allocating() -> None:
 
 def test_the_figures_and_the_kv_cache_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """Weights plus the KV cache asked for, against 90% of what is free."""
-    import pitstop.memory as memory
+    import pitstop.loop.memory as memory
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: 20 * 2**30)
     with pytest.raises(
@@ -34,7 +34,7 @@ def test_the_figures_and_the_kv_cache_count(monkeypatch: pytest.MonkeyPatch) -> 
 def test_unknown_free_memory_skips_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    import pitstop.memory as memory
+    import pitstop.loop.memory as memory
     from pitstop.plugins.models.llama_presets import PRESETS
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: None)

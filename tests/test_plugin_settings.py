@@ -1,7 +1,7 @@
 """Declared plugin settings: one path for every built-in and the example plugin.
 
 Python (``options``), TOML (``[plugins.<name>]``) and CLI flags
-(``--<name>.<setting>``) all end in :func:`pitstop.settings.read_settings`;
+(``--<name>.<setting>``) all end in :func:`pitstop.plugin_system.settings.read_settings`;
 a wrong type, an out-of-range value and an unknown key are refused before
 any weight loads, naming the plugin, the setting and what it accepts.
 """
@@ -20,8 +20,14 @@ import pitstop
 from pitstop import EngineConfig
 from pitstop.config import add_cli_flags
 from pitstop.errors import ConfigError, PluginError
-from pitstop.plugin_manager import PluginManager, Strategy
-from pitstop.settings import allowed_values, describe, option_fields, read_settings, setting
+from pitstop.plugin_system.plugin_manager import PluginManager, Strategy
+from pitstop.plugin_system.settings import (
+    allowed_values,
+    describe,
+    option_fields,
+    read_settings,
+    setting,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "tests" / "example_plugin"
@@ -127,11 +133,11 @@ def test_a_shared_alias_reaches_every_scheduler_that_reads_it(plugins: PluginMan
 def test_an_alias_no_selected_plugin_reads_is_logged(
     plugins: PluginManager, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level("WARNING", logger="pitstop.plugin_manager"):
+    with caplog.at_level("WARNING", logger="pitstop.plugin_system.plugin_manager"):
         plugins.check_config(EngineConfig(scheduler="continuous", chunk_size=64))
     assert "chunk_size = 64 has no effect" in caplog.text and "chunked" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="pitstop.plugin_manager"):
+    with caplog.at_level("WARNING", logger="pitstop.plugin_system.plugin_manager"):
         plugins.check_config(EngineConfig(scheduler="chunked", chunk_size=64))
     assert "no effect" not in caplog.text
 
@@ -165,7 +171,7 @@ def test_refused_before_any_weight_loads(monkeypatch: pytest.MonkeyPatch) -> Non
     def no_weights(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("weights were loaded before the settings were checked")
 
-    monkeypatch.setattr("pitstop.engine.load_model_source", no_weights)
+    monkeypatch.setattr("pitstop.loop.engine.load_model_source", no_weights)
     for options, fragment in [
         ({"prefix.max_cached_pages": -1}, "an integer >= 0"),
         ({"continuous.max_wait_steps": "soon"}, "continuous.max_wait_steps"),
@@ -262,7 +268,7 @@ def test_registering_settings_that_are_not_declared_is_refused() -> None:
         setattr(mod, kind_hook, pitstop.hookimpl(hook))
         return mod
 
-    with pytest.raises(PluginError, match="pitstop.settings.setting"):
+    with pytest.raises(PluginError, match="pitstop.plugin_system.settings.setting"):
         PluginManager(
             load_entry_points=False, extra_modules=[module("register_allocators", "a", Loose)]
         )

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from plugin_install import pip_install
 
-from pitstop import EngineConfig, hookspecs
+from pitstop import EngineConfig
 from pitstop.cli import main as cli_main
 from pitstop.errors import ModelLoadError, PluginError
-from pitstop.plugin_manager import KINDS, PluginManager
+from pitstop.plugin_system import hookspecs
+from pitstop.plugin_system.plugin_manager import KINDS, PluginManager
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +72,7 @@ def test_discovers_an_installed_third_party_distribution(with_example: Path) -> 
 def test_plugins_command_lists_kind_name_distribution_version(
     with_example: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pitstop.plugin_manager as pmod
+    import pitstop.plugin_system.plugin_manager as pmod
 
     monkeypatch.setattr(pmod, "_default", None)
     assert cli_main(["plugins"]) == 0
@@ -146,13 +147,13 @@ def test_unknown_name_lists_the_names_that_exist() -> None:
 def test_unknown_strategy_in_config_fails_before_weights_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import pitstop.engine as engine_mod
+    import pitstop.loop.engine as engine_mod
 
     def boom(*args, **kwargs):
         raise AssertionError("weights must not load for a config with an unknown strategy")
 
     monkeypatch.setattr(engine_mod, "load_model_source", boom)
-    from pitstop.engine import LLMEngine
+    from pitstop.loop.engine import LLMEngine
 
     with pytest.raises(PluginError, match="registered scheduler names"):
         LLMEngine(EngineConfig(scheduler="does-not-exist"))
@@ -196,9 +197,9 @@ def test_every_hook_is_documented_in_docs() -> None:
 
 def test_plugins_md_names_every_protocol_member_of_every_kind() -> None:
     """docs/plugins.md is enough to write any kind: it names each kind's factory, register hook
-    and every member of its protocol (so a member added to pitstop.protocols must be documented)."""
-    from pitstop.kinds import KINDS as KIND_TABLE
-    from pitstop.kinds import protocol_members
+    and every member of its protocol (so a member added to pitstop.plugin_system.protocols must be documented)."""
+    from pitstop.plugin_system.kinds import KINDS as KIND_TABLE
+    from pitstop.plugin_system.kinds import protocol_members
 
     text = (ROOT / "docs" / "plugins.md").read_text()
     missing = []
@@ -243,7 +244,7 @@ def test_example_plugin_runs_the_engine_and_observes_requests(
 def test_the_example_plugin_adds_a_subcommand(
     with_example: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pitstop.plugin_manager as pmod
+    import pitstop.plugin_system.plugin_manager as pmod
 
     monkeypatch.setattr(pmod, "_default", None)
     pm = pmod.get_plugin_manager()
@@ -332,7 +333,7 @@ def test_a_third_party_architecture_loads_and_runs(
 def test_an_architecture_nobody_registers_is_refused_naming_the_plugins(tmp_path: Path) -> None:
     import json
 
-    from pitstop.weights import read_hf_config
+    from pitstop.loading.weights import read_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ModelLoadError, match="model_type='mamba'.*llama, qwen2, qwen3"):
@@ -356,7 +357,7 @@ def test_a_third_party_architecture_loads_from_gguf_and_runs(
     import numpy as np
 
     from pitstop import LLM, SamplingParams
-    from pitstop.weights import load_model_source
+    from pitstop.loading.weights import load_model_source
 
     monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path / "cache"))
     vocab, hidden = 40, 8
@@ -423,7 +424,7 @@ def test_a_fix_tensor_that_changes_a_shape_is_refused(
     from pitstop_example import bigram
 
     import pitstop
-    from pitstop.weights import load_model_source
+    from pitstop.loading.weights import load_model_source
 
     monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path / "cache"))
     module = ModuleType("transposing")
@@ -454,7 +455,7 @@ def test_a_gguf_architecture_nobody_claims_is_refused_naming_the_claimed_ones(
 ) -> None:
     import numpy as np
 
-    from pitstop.weights import load_model_source
+    from pitstop.loading.weights import load_model_source
 
     monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path / "cache"))
     embed = np.zeros((16, 4), dtype=np.float32)
@@ -476,7 +477,7 @@ def test_two_architectures_claiming_one_gguf_architecture_are_refused() -> None:
     from types import ModuleType
 
     import pitstop
-    from pitstop.architecture import Architecture, GGUFRules
+    from pitstop.loading.architecture import Architecture, GGUFRules
     from pitstop.plugins.models import llama
 
     module = ModuleType("clash")

@@ -9,7 +9,7 @@ from conftest_models import make_tiny_checkpoint
 
 from pitstop import LLM, SamplingParams
 from pitstop.plugins.allocators.paged import PagedAllocator
-from pitstop.sequence import Sequence
+from pitstop.requests.sequence import Sequence
 
 PROMPT = list(range(5, 105))  # 100 tokens: 6 full pages of 16 before the last prompt token
 

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pitstop import EngineConfig, SamplingParams
-from pitstop.plugin_manager import PluginManager
+from pitstop.plugin_system.plugin_manager import PluginManager
+from pitstop.plugin_system.protocols import Sampler, SamplingBatch
 from pitstop.plugins.samplers.standard import StandardSampler
-from pitstop.protocols import Sampler, SamplingBatch
-from pitstop.sampling import make_generator, make_sampling_batch
+from pitstop.requests.sampling import make_generator, make_sampling_batch
 
 CPU = torch.device("cpu")
 

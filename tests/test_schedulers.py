@@ -10,6 +10,7 @@ import pytest
 from hypothesis import Phase
 
 from pitstop import EngineConfig
+from pitstop.plugin_system.protocols import Scheduler, StepPlan
 from pitstop.plugins.allocators.paged import PagedAllocator, create_paged
 from pitstop.plugins.allocators.preallocated import create_preallocated
 from pitstop.plugins.allocators.prefix import create_prefix
@@ -17,9 +18,8 @@ from pitstop.plugins.schedulers.base import SchedulerError
 from pitstop.plugins.schedulers.chunked import ChunkedScheduler
 from pitstop.plugins.schedulers.continuous import ContinuousScheduler
 from pitstop.plugins.schedulers.fcfs import FCFSScheduler
-from pitstop.protocols import Scheduler, StepPlan
-from pitstop.sampling_params import SamplingParams
-from pitstop.sequence import Sequence, SequenceStatus
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.sequence import Sequence, SequenceStatus
 from pitstop.testing.scheduler import (
     ContractViolation,
     SimRequest,
@@ -525,7 +525,7 @@ class _SchedulesPastTheEnd(ContinuousScheduler):
 
     def schedule(self) -> StepPlan:
         plan = super().schedule()
-        from pitstop.protocols import ScheduledSequence
+        from pitstop.plugin_system.protocols import ScheduledSequence
 
         ids = {s.seq.seq_id for s in plan.scheduled}
         extra = [

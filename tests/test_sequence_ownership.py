@@ -14,11 +14,17 @@ from pathlib import Path
 import attrs
 import pytest
 
-from pitstop.protocols import AllocatorBase, KernelSetBase, ModelBase, ProposerBase, SamplerBase
-from pitstop.sequence import Sequence, Timestamps
+from pitstop.plugin_system.protocols import (
+    AllocatorBase,
+    KernelSetBase,
+    ModelBase,
+    ProposerBase,
+    SamplerBase,
+)
+from pitstop.requests.sequence import Sequence, Timestamps
 
 ROOT = Path(__file__).resolve().parent.parent
-OWNER = ROOT / "core" / "sequence.py"
+OWNER = ROOT / "core" / "requests" / "sequence.py"
 EXEMPT = (ROOT / "apps" / "testing",)
 STATE = frozenset(f.name for f in attrs.fields(Sequence))
 TIMES = frozenset(f.name for f in attrs.fields(Timestamps))
@@ -82,7 +88,7 @@ def test_only_the_sequence_changes_its_state(path: Path) -> None:
     assert not writes, (
         f"{path.relative_to(ROOT)} changes a Sequence's state directly: "
         + ", ".join(f"line {line}: {what}" for line, what in writes)
-        + "; call a method of pitstop.sequence.Sequence instead"
+        + "; call a method of pitstop.requests.sequence.Sequence instead"
     )
 
 
@@ -149,8 +155,8 @@ def _name_tests(path: Path) -> list[tuple[int, str]]:
 
 def test_the_engine_names_no_plugin() -> None:
     """The step loop asks capabilities (``AllocatorBase.of`` and the like), not names or probes."""
-    found = _name_tests(ROOT / "core" / "engine.py")
-    assert not found, f"core/engine.py tests plugins by name or probe: {found}"
+    found = _name_tests(ROOT / "core" / "loop" / "engine.py")
+    assert not found, f"core/loop/engine.py tests plugins by name or probe: {found}"
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from server_process import free_port
 
 from pitstop.async_engine import AsyncLLM
 from pitstop.config import EngineConfig
-from pitstop.engine import LLMEngine
+from pitstop.loop.engine import LLMEngine
 from pitstop.server.app import ServerSettings, create_app
 from pitstop.server.cli import build_server
 from pitstop.server.security import default_allowed_hosts, host_name

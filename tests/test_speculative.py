@@ -12,9 +12,9 @@ if not torch.cuda.is_available():  # the fused kernels run through Triton's inte
 from conftest_models import make_tiny_checkpoint, smollm2_gguf
 
 from pitstop import LLM, SamplingParams
-from pitstop.sampling import make_sampling_batch
-from pitstop.sequence import Sequence, SequenceStatus
-from pitstop.speculative import draft_room, verify
+from pitstop.requests.sampling import make_sampling_batch
+from pitstop.requests.sequence import Sequence, SequenceStatus
+from pitstop.speculation.speculative import draft_room, verify
 
 # Prompts with repetition, so that prompt lookup finds drafts; of mixed lengths.
 PROMPTS = [
@@ -346,7 +346,7 @@ def _tiny_greedy(target: str, prompts, **settings) -> tuple[list[list[int]], LLM
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_verify_buffers_pad_each_sequence_and_keep_greedy_exact(tiny_target, proposer):
-    from pitstop.spec_graphs import VerifyGraphs
+    from pitstop.speculation.spec_graphs import VerifyGraphs
 
     prompts = REPETITIVE[:3]  # three sequences: the bucket of 4 pads one
     plain, _ = _tiny_greedy(tiny_target, prompts)
@@ -387,7 +387,7 @@ def test_verify_buffers_through_the_fused_kernels_keep_greedy_exact(tmp_path):
     """The graphs' forward (fused rope/store skipping slot -1, varlen attention over the padded
     rows) run eagerly through Triton's interpreter: what the GPU replays, minus the capture."""
     pytest.importorskip("triton")
-    from pitstop.spec_graphs import VerifyGraphs
+    from pitstop.speculation.spec_graphs import VerifyGraphs
 
     folder = make_tiny_checkpoint(
         tmp_path, "qwen3", with_tokenizer=False, num_hidden_layers=2, head_dim=64
@@ -435,15 +435,15 @@ def test_batch_rule_decodes_plainly_above_speculative_max_batch(tiny_target):
 # ---------------------------------------------------------------- the adaptation rule
 def _policy(**settings):
     from pitstop.config import EngineConfig
-    from pitstop.metrics import EngineStats
-    from pitstop.spec_adaptation import SpeculationPolicy
+    from pitstop.loop.metrics import EngineStats
+    from pitstop.speculation.spec_adaptation import SpeculationPolicy
 
     stats = EngineStats()
     return SpeculationPolicy(EngineConfig(model="x", **settings), stats), stats
 
 
 def test_policy_pauses_a_sequence_that_keeps_nothing_and_doubles_the_pause():
-    from pitstop.spec_adaptation import EMA_WEIGHT, FIRST_PAUSE, START_SCORE
+    from pitstop.speculation.spec_adaptation import EMA_WEIGHT, FIRST_PAUSE, START_SCORE
 
     policy, stats = _policy(speculative_min_accepted=0.5)
     seq = Sequence("a", [1, 2, 3], SamplingParams())
@@ -502,8 +502,8 @@ def test_adaptation_settings_are_validated():
 def test_adaptation_counters_are_on_metrics():
     import types
 
-    from pitstop.metrics import EngineStats
-    from pitstop.protocols import AllocatorStats
+    from pitstop.loop.metrics import EngineStats
+    from pitstop.plugin_system.protocols import AllocatorStats
     from pitstop.server.metrics import _SnapshotCollector
 
     stats = EngineStats(spec_steps=7, spec_skipped_batch_steps=3, spec_paused_seq_steps=5)
@@ -524,7 +524,7 @@ def test_adaptation_counters_are_on_metrics():
 
 
 def test_verify_on_device_packs_tokens_and_logprobs():
-    from pitstop.speculative import verify_on_device
+    from pitstop.speculation.speculative import verify_on_device
 
     logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(0))
     best = logits.argmax(dim=-1).tolist()
@@ -696,7 +696,7 @@ def test_bench_table_shows_how_many_steps_speculated():
 def test_self_draft_keeps_the_kv_of_its_accepted_drafts(tiny_target):
     """Drafts stay on the device until verification; after it, the draft model's KV of the kept
     drafts stays (their placeholders take the target's tokens) and nothing else is kept."""
-    from pitstop.sequence import PENDING_TOKEN
+    from pitstop.requests.sequence import PENDING_TOKEN
 
     llm = _tiny_llm(
         tiny_target,

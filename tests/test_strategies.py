@@ -23,8 +23,8 @@ from conftest_models import smollm2_gguf
 
 import pitstop
 from pitstop import LLM, SamplingParams
-from pitstop.metrics import StepStats
-from pitstop.plugin_manager import PluginManager
+from pitstop.loop.metrics import StepStats
+from pitstop.plugin_system.plugin_manager import PluginManager
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +135,7 @@ def _greedy(max_tokens: int) -> SamplingParams:
 @functools.cache
 def _encoded() -> tuple[tuple[int, ...], ...]:
     """Token ids of the texts, and of the prefix prompts (system prompt cut to PREFIX_LEN + question)."""
-    from pitstop.weights import load_model_source
+    from pitstop.loading.weights import load_model_source
 
     smollm2_gguf()
     tok = load_model_source("smollm2-135m").tokenizer

@@ -112,7 +112,7 @@ def test_bad_constraints_are_refused_where_they_enter(llm: LLM) -> None:
 
 
 def test_missing_library_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pitstop.structured import import_llguidance
+    from pitstop.requests.structured import import_llguidance
 
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(InvalidRequestError, match=r"pitstop\[structured\]"):
@@ -137,7 +137,7 @@ SQL = r"SELECT col_[12]  from table_[12]  where col_[12] = [12] "
 
 
 def test_gbnf_grammar_of_the_vllm_docs(llm: LLM) -> None:
-    from pitstop.structured import detect_grammar_syntax
+    from pitstop.requests.structured import detect_grammar_syntax
 
     assert detect_grammar_syntax(VLLM_SQL_GBNF) == "gbnf"
     assert detect_grammar_syntax('start: "a" | b\nb: "c"') == "lark"

@@ -20,9 +20,9 @@ from conftest_models import make_tiny_checkpoint, smollm2_gguf
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError, WorkerDiedError
 from pitstop.llm import LLM
-from pitstop.model_config import ModelConfig
+from pitstop.loading.model_config import ModelConfig
 from pitstop.parallel.sharding import WeightShard, check_tensor_parallel_size, shard_model_config
-from pitstop.sampling_params import SamplingParams
+from pitstop.requests.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 57))]
@@ -247,13 +247,13 @@ def test_killed_worker_stops_the_engine_naming_its_rank(tiny_llama):
 def one_rank_engine(monkeypatch, folder_or_model: str, **settings) -> LLM:
     """An engine whose runner goes through the tensor-parallel path with a world of one rank
     (this process): the groups, the wrapped kernel set, rank 0's runner, every collective."""
-    import pitstop.engine
+    import pitstop.loop.engine
     from pitstop.parallel.launch import _spawn
 
     def runner(config, mc, plugins, device, dtype):
         return _spawn(config, mc, plugins, device.type, dtype)
 
-    monkeypatch.setattr(pitstop.engine, "ModelRunner", runner)
+    monkeypatch.setattr(pitstop.loop.engine, "ModelRunner", runner)
     llm = LLM(folder_or_model, **settings)
     monkeypatch.undo()
     return llm
@@ -383,7 +383,7 @@ def test_more_ranks_than_gpus_is_refused_before_anything_starts(monkeypatch):
 
 
 def test_reading_a_shard_from_safetensors_equals_cutting_the_whole_tensor(tiny_llama):
-    from pitstop.weights import iter_safetensors, read_hf_config, read_safetensors_headers
+    from pitstop.loading.weights import iter_safetensors, read_hf_config, read_safetensors_headers
 
     entries = read_safetensors_headers(sorted(tiny_llama.glob("*.safetensors")))
     cfg = read_hf_config(tiny_llama)
@@ -438,8 +438,8 @@ class _OneRank:
 
 
 def test_dummy_weights_are_the_same_values_whatever_the_size():
-    from pitstop.plugin_manager import get_plugin_manager
-    from pitstop.runner import ModelRunner
+    from pitstop.loop.runner import ModelRunner
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
     cfg = _config()
     config = EngineConfig(

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pitstop.errors import InvalidRequestError
-from pitstop.tokenizer import IncrementalDetokenizer, Tokenizer
+from pitstop.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pitstop.errors import InvalidRequestError
-from pitstop.plugin_manager import PluginManager
-from pitstop.tool_calls import (
+from pitstop.plugin_system.plugin_manager import PluginManager
+from pitstop.requests.tool_calls import (
     ToolCallStream,
     ToolChoice,
     constrained_view,

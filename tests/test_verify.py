@@ -26,11 +26,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # fused kernels on CPU: before triton loads
 
 import pitstop  # noqa: E402
-import pitstop.plugin_manager as pmod  # noqa: E402
+import pitstop.plugin_system.plugin_manager as pmod  # noqa: E402
 from pitstop import EngineConfig  # noqa: E402
 from pitstop.cli import main as cli_main  # noqa: E402
 from pitstop.errors import ConfigError, PluginError  # noqa: E402
-from pitstop.plugin_manager import PluginManager  # noqa: E402
+from pitstop.plugin_system.plugin_manager import PluginManager  # noqa: E402
 from pitstop.plugins.kernels.reference import ReferenceKernels  # noqa: E402
 from pitstop.verify.compare import (  # noqa: E402
     FAIL,

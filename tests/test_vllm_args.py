@@ -189,7 +189,7 @@ def test_serve_takes_the_model_as_a_flag_too() -> None:
 def test_a_checkpoint_that_needs_remote_code_is_refused(tmp_path: Path) -> None:
     from conftest_models import make_tiny_checkpoint
 
-    from pitstop.weights import read_hf_config
+    from pitstop.loading.weights import read_hf_config
 
     folder = make_tiny_checkpoint(tmp_path, "llama", with_tokenizer=False)
     config = json.loads((folder / "config.json").read_text())

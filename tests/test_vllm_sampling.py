@@ -14,10 +14,10 @@ import torch
 from conftest_models import SMOLLM2_VOCAB, make_tiny_checkpoint
 
 from pitstop import LLM, SamplingParams
-from pitstop.bad_words import bad_word_token_ids, blocked_now
 from pitstop.errors import InvalidRequestError
-from pitstop.outputs import CallableBool
-from pitstop.sampling_params import VLLM_ONLY
+from pitstop.requests.bad_words import bad_word_token_ids, blocked_now
+from pitstop.requests.outputs import CallableBool
+from pitstop.requests.sampling_params import VLLM_ONLY
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -58,7 +58,7 @@ def test_the_server_answers_400_for_max_tokens_over_the_context(tiny: Path) -> N
     pytest.importorskip("fastapi")
     from pitstop.async_engine import AsyncLLM
     from pitstop.config import EngineConfig
-    from pitstop.engine import LLMEngine
+    from pitstop.loop.engine import LLMEngine
     from pitstop.server.app import ServerSettings, create_app
 
     config = EngineConfig(

@@ -12,8 +12,8 @@ from conftest_models import make_tiny_checkpoint
 
 from pitstop import LLM, SamplingParams
 from pitstop.errors import InvalidRequestError, ModelLoadError
-from pitstop.validation import check_encoded_prompt
-from pitstop.weights import load_model_source
+from pitstop.loading.weights import load_model_source
+from pitstop.requests.validation import check_encoded_prompt
 
 
 @pytest.fixture(autouse=True)

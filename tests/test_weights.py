@@ -14,9 +14,9 @@ import torch
 from conftest_models import make_tiny_checkpoint, smollm2_gguf
 
 from pitstop.errors import ModelLoadError
+from pitstop.loading.weights import load_model_source
 from pitstop.plugins.models.llama_gguf import hf_tensor_name, unpermute_rotary_rows
 from pitstop.plugins.models.llama_presets import PRESETS
-from pitstop.weights import load_model_source
 
 
 # ---------------------------------------------------------------------- SmolLM2 GGUF

@@ -63,10 +63,10 @@ def release_memory() -> None:
 
 # ---------------------------------------------------------------------- pitstop
 class PitstopBackend:
-    """pitstop's :class:`~pitstop.engine.LLMEngine`, stepped in this thread."""
+    """pitstop's :class:`~pitstop.loop.engine.LLMEngine`, stepped in this thread."""
 
     def __init__(self, config: Any, workload: Workload) -> None:
-        from pitstop.engine import LLMEngine
+        from pitstop.loop.engine import LLMEngine
 
         self.name = "pitstop"
         self.engine: Any = LLMEngine(config)
@@ -74,7 +74,7 @@ class PitstopBackend:
         self._base: tuple[int, float, int, int, int] = (0, 0.0, 0, 0, 0)
 
     def _params(self, request: BenchRequest) -> Any:
-        from pitstop.sampling_params import SamplingParams
+        from pitstop.requests.sampling_params import SamplingParams
 
         return SamplingParams(
             max_tokens=request.output_len,
@@ -174,8 +174,8 @@ def load_peer_model(model: str, device: str, dtype: str) -> Any:
     import torch
     import transformers
 
-    from pitstop.runner import resolve_dtype
-    from pitstop.weights import SMOLLM2_NAME, load_model_source, smollm2_path
+    from pitstop.loading.weights import SMOLLM2_NAME, load_model_source, smollm2_path
+    from pitstop.loop.runner import resolve_dtype
 
     common = {"dtype": resolve_dtype(dtype, torch.device(device)), "attn_implementation": "sdpa"}
     if model.startswith("dummy:"):

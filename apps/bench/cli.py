@@ -46,7 +46,7 @@ from pitstop.bench.workloads import (
 )
 from pitstop.config import EngineConfig, add_cli_flags
 from pitstop.errors import PitstopError
-from pitstop.hookspecs import hookimpl
+from pitstop.plugin_system.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,8 @@ def _tokenize(workload: Workload, tokenizer: Any) -> Workload:
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything the flags ask for; return the results document (also printed as a table)."""
     from pitstop.bench.peers import SEPARATE_PROCESS_PEERS, run_peer
-    from pitstop.runner import resolve_device
-    from pitstop.weights import load_model_source
+    from pitstop.loading.weights import load_model_source
+    from pitstop.loop.runner import resolve_device
 
     if getattr(args, "url", None):
         from pitstop.bench.http import run_http_bench

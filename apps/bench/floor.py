@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.model_config import ModelConfig
+from pitstop.loading.model_config import ModelConfig
 
 
 @attrs.frozen

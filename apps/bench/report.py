@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.outputs import (
+from pitstop.requests.outputs import (
     end_to_end_latency,
     inter_token_latencies,
     time_per_output_token,
@@ -57,7 +57,7 @@ class RequestRecord:
     @property
     def tpot(self) -> float | None:
         """Time per output token; over HTTP several tokens can share one streamed chunk, so
-        it divides by the tokens produced (:func:`pitstop.outputs.time_per_output_token`)."""
+        it divides by the tokens produced (:func:`pitstop.requests.outputs.time_per_output_token`)."""
         return time_per_output_token(self.token_times, self.output_len)
 
     @property

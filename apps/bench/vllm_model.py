@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.model_config import ModelConfig
+from pitstop.loading.model_config import ModelConfig
 
 # architecture -> the model_type of its config.json
 MODEL_TYPES = {
@@ -103,7 +103,7 @@ def checkpoint_from_gguf(path: Path, folder: Path, *, dtype: str = "bfloat16") -
     import torch
     import transformers
 
-    from pitstop.runner import resolve_dtype
+    from pitstop.loop.runner import resolve_dtype
 
     marker = folder / ".converted-from"
     source = f"{path.resolve()} {path.stat().st_size} {path.stat().st_mtime_ns}"
@@ -162,7 +162,7 @@ def vllm_model(
     """What vLLM loads for the pitstop model ``name`` (shape ``mc``); a ``dummy:`` preset's
     ``config.json`` is written under ``workdir``, and with ``as_checkpoint`` a GGUF file
     becomes a checkpoint folder there (see the module doc)."""
-    from pitstop.weights import SMOLLM2_NAME, resolve_hub_model, smollm2_path
+    from pitstop.loading.weights import SMOLLM2_NAME, resolve_hub_model, smollm2_path
 
     tok = str(Path(tokenizer).expanduser().resolve()) if tokenizer else None
     if name.startswith("dummy:"):

@@ -16,7 +16,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from pitstop.config import EngineConfig, add_cli_flags
-from pitstop.hookspecs import hookimpl
+from pitstop.plugin_system.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from pitstop.server.settings import ServerSettings
@@ -218,7 +218,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             "a plugin's): the format in which the model writes its calls"
         )
     if args.tool_call_parser:
-        from pitstop.plugin_manager import get_plugin_manager
+        from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
         get_plugin_manager().get("tool_parser", args.tool_call_parser)  # lists the names there are
     hosts = args.allowed_hosts

@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pitstop.async_engine import AsyncLLM, RequestStream
-from pitstop.outputs import RequestOutput
+from pitstop.requests.outputs import RequestOutput
 from pitstop.server.protocol import APIError
 
 log = logging.getLogger(__name__)

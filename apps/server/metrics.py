@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pitstop.async_engine import AsyncLLM
-from pitstop.outputs import RequestOutput
+from pitstop.requests.outputs import RequestOutput
 
 # Bucket bounds (seconds) after vLLM's, wide enough for a CPU and a GPU.
 TTFT_BUCKETS = (

@@ -20,10 +20,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pitstop.chat import ChatOptions
 from pitstop.errors import InvalidRequestError
-from pitstop.sampling_params import SamplingParams
-from pitstop.structured import structured_outputs_of
+from pitstop.requests.chat import ChatOptions
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.structured import structured_outputs_of
 
 
 class APIError(Exception):
@@ -393,7 +393,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # the call a tool message answers
 
     def as_dict(self) -> dict[str, Any]:
-        """The message as sent, for :func:`pitstop.chat.template_messages`."""
+        """The message as sent, for :func:`pitstop.requests.chat.template_messages`."""
         return self.model_dump(exclude_none=True)
 
 
@@ -414,11 +414,11 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False  # extension (vLLM's)
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The conversation as sent (content parts and tool calls are read by pitstop.chat)."""
+        """The conversation as sent (content parts and tool calls are read by pitstop.requests.chat)."""
         return [m.as_dict() for m in self.messages]
 
     def chat_options(self, tools: list[dict[str, Any]] | None) -> ChatOptions:
-        """The template options (:class:`pitstop.chat.ChatOptions`); a bad one is a 400."""
+        """The template options (:class:`pitstop.requests.chat.ChatOptions`); a bad one is a 400."""
         try:
             return ChatOptions(
                 chat_template=self.chat_template,

@@ -4,7 +4,7 @@ Completions use OpenAI's legacy log-probability object (``tokens``,
 ``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``,
 ``text_offset``); chat uses the newer one (``content``: a list of
 ``{token, logprob, bytes, top_logprobs}``). Both are built from a
-:class:`~pitstop.outputs.CompletionOutput`'s ``logprobs`` (one dict per token
+:class:`~pitstop.requests.outputs.CompletionOutput`'s ``logprobs`` (one dict per token
 of the chosen token and the top ``k``), for the last ``count`` tokens when
 streaming.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pitstop.outputs import CompletionOutput, Logprob, RequestOutput
+from pitstop.requests.outputs import CompletionOutput, Logprob, RequestOutput
 
 # OpenAI's finish reasons are stop, length, content_filter, tool_calls. A
 # request the server aborted (shutdown) was cut short: "length" says so (and

@@ -14,7 +14,7 @@ import attrs
 
 from pitstop.async_engine import AsyncLLM
 from pitstop.errors import PluginError
-from pitstop.protocols import ToolParser
+from pitstop.plugin_system.protocols import ToolParser
 from pitstop.server.limits import ServerState
 from pitstop.server.metrics import ServerMetrics
 from pitstop.server.protocol import APIError, now

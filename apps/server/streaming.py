@@ -17,7 +17,7 @@ import attrs
 from fastapi.responses import StreamingResponse
 
 from pitstop.async_engine import EngineStepError
-from pitstop.outputs import CompletionOutput, RequestOutput
+from pitstop.requests.outputs import CompletionOutput, RequestOutput
 from pitstop.server.api_errors import engine_error, request_failed, shutdown_error
 from pitstop.server.limits import Flight, ServerCut
 from pitstop.server.metrics import ServerMetrics

@@ -16,10 +16,11 @@ import attrs
 from fastapi import Request
 
 from pitstop.async_engine import EngineClosedError, EngineStepError
-from pitstop.chat import ChatOptions, RenderedChat, render_chat, template_reads_tools
 from pitstop.errors import InvalidRequestError
-from pitstop.outputs import RequestOutput
-from pitstop.sampling_params import SamplingParams
+from pitstop.requests.chat import ChatOptions, RenderedChat, render_chat, template_reads_tools
+from pitstop.requests.outputs import RequestOutput
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.validation import check_encoded_prompt, check_token_ids
 from pitstop.server.api_errors import (
     engine_closed_error,
     engine_error,
@@ -32,7 +33,6 @@ from pitstop.server.protocol import APIError
 from pitstop.server.render import OPENAI_FINISH
 from pitstop.server.state import AppState
 from pitstop.server.tools import ChatTools
-from pitstop.validation import check_encoded_prompt, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ async def rendered(
     options: ChatOptions,
     tools: ChatTools | None = None,
 ) -> RenderedChat | None:
-    """A chat rendered by the model's template (pitstop.chat, as ``LLM.chat`` renders
+    """A chat rendered by the model's template (pitstop.requests.chat, as ``LLM.chat`` renders
     it), or None without a tokenizer (the engine then refuses the request)."""
     tok = state.llm.engine.tokenizer
     if tok is None:

@@ -65,9 +65,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from pitstop.protocols import Allocator, AllocatorStats
-from pitstop.sampling_params import SamplingParams
-from pitstop.sequence import Sequence
+from pitstop.plugin_system.protocols import Allocator, AllocatorStats
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.sequence import Sequence
 
 __all__ = ["AllocatorStateMachine", "allocator_state_machine", "check_allocator"]
 

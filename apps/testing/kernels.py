@@ -36,9 +36,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pitstop.attention import AttentionMetadata
+from pitstop.loop.attention import AttentionMetadata
+from pitstop.plugin_system.protocols import KernelSet, RotaryCache
 from pitstop.plugins.kernels import reference
-from pitstop.protocols import KernelSet, RotaryCache
 
 __all__ = [
     "TOLERANCE",

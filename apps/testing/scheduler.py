@@ -25,7 +25,7 @@ cache small enough that preemption happens, and checks on every step:
   ``on_step_done`` reports finished, or that are aborted: never a step early;
 - by default the loop is the overlapped one (``lag=1``): step N+1 is
   planned before step N's tokens arrive, so the scheduler sees them as
-  pending tokens (:mod:`pitstop.sequence`) and learns of finishes one step
+  pending tokens (:mod:`pitstop.requests.sequence`) and learns of finishes one step
   late; a sequence at its length limit has no uncomputed token and must not
   be scheduled; ``lag=0`` is the serial loop;
 
@@ -71,9 +71,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pitstop.config import EngineConfig
-from pitstop.protocols import Allocator, AllocatorStats, Scheduler, StepPlan
-from pitstop.sampling_params import SamplingParams
-from pitstop.sequence import Sequence, SequenceStatus
+from pitstop.plugin_system.protocols import Allocator, AllocatorStats, Scheduler, StepPlan
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.sequence import Sequence, SequenceStatus
 
 SchedulerFactory = Callable[[EngineConfig, Allocator], Scheduler]
 AllocatorFactory = Callable[[EngineConfig, int], Allocator]

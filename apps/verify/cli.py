@@ -14,7 +14,7 @@ from typing import Any
 
 from pitstop.config import KV_CACHE_DTYPES, EngineConfig, add_cli_flags
 from pitstop.errors import ConfigError
-from pitstop.hookspecs import hookimpl
+from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.verify.prompts import load_prompts, prompt_from_dict, shipped_prompts
 
 

@@ -12,13 +12,13 @@ from typing import Any
 import attrs
 import torch
 
-from pitstop.chat import render_chat
 from pitstop.config import EngineConfig
-from pitstop.engine import LLMEngine
 from pitstop.errors import InvalidRequestError
-from pitstop.plugin_manager import PluginManager, get_plugin_manager
-from pitstop.sampling_params import SamplingParams
-from pitstop.tokenizer import Tokenizer
+from pitstop.loading.tokenizer import Tokenizer
+from pitstop.loop.engine import LLMEngine
+from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
+from pitstop.requests.chat import render_chat
+from pitstop.requests.sampling_params import SamplingParams
 from pitstop.verify.compare import Tolerance, default_tolerance, judge
 from pitstop.verify.prompts import VerifyPrompt, shipped_prompts
 from pitstop.verify.report import RunSummary, VerifyReport, describe_config
@@ -85,7 +85,7 @@ def verify(
     if not prompts:
         raise InvalidRequestError("no prompts to verify; give at least one")
     limits = [max_tokens or p.max_tokens for p in prompts]
-    # Both engines run with poisoned memory (pitstop.poison): the reference, then the
+    # Both engines run with poisoned memory (pitstop.loop.poison): the reference, then the
     # candidate, each built fresh, and neither can pass on values the other left in memory.
     config = attrs.evolve(config, poison_memory=True)
     ref_config = reference_config(config, reference_kv_cache_dtype)
@@ -151,7 +151,7 @@ class _LogitsTap:
     ``num_logits`` rows at the end of each sampling sequence's tokens, in input
     order (one per sequence for a decode or prefill, k + 1 when verifying k
     drafts). The tap is the engine's logits observer
-    (:meth:`~pitstop.engine.LLMEngine.observe_logits`) and calls
+    (:meth:`~pitstop.loop.engine.LLMEngine.observe_logits`) and calls
     ``on_row(prompt_index, output_tokens_before_the_row, logits_row)``.
     """
 

@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from pitstop.errors import ConfigError
-from pitstop.model_config import ModelConfig
+from pitstop.loading.model_config import ModelConfig
 
 # The largest size listed as "sizes that work" in an error.
 _MAX_LISTED_SIZE = 64
@@ -171,7 +171,7 @@ class WeightShard:
             inner = math.prod(shape[region.dim + 1 :]) * itemsize
             outer = math.prod(shape[: region.dim])
             stride = (shape[region.dim] if shape else 1) * inner
-            from pitstop.checkpoint import read_exactly
+            from pitstop.loading.checkpoint import read_exactly
 
             view = memoryview(out.view(-1).view(torch.uint8).numpy())
             chunk = count * inner

@@ -81,9 +81,9 @@ def worker_main(
     joining and ``("error", rank, traceback)`` if anything fails, so rank 0
     can name this rank and its error.
     """
-    from pitstop.plugin_manager import get_plugin_manager
-    from pitstop.runner import ModelRunner
-    from pitstop.weights import load_model_source
+    from pitstop.loading.weights import load_model_source
+    from pitstop.loop.runner import ModelRunner
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
     group = None
     try:

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from pitstop.errors import OutOfPagesError as _CoreOutOfPagesError
 from pitstop.errors import PitstopError
-from pitstop.protocols import AllocatorBase
+from pitstop.plugin_system.protocols import AllocatorBase
 
 if TYPE_CHECKING:
-    from pitstop.sequence import Sequence
+    from pitstop.requests.sequence import Sequence
 
 
 class AllocatorError(PitstopError, RuntimeError):

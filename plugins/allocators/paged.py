@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import pitstop
+from pitstop.plugin_system.protocols import AllocatorStats
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
     Holding,
@@ -36,11 +37,10 @@ from pitstop.plugins.allocators._common import (
     check_count,
     pages_for,
 )
-from pitstop.protocols import AllocatorStats
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
-    from pitstop.sequence import Sequence
+    from pitstop.requests.sequence import Sequence
 
 
 class PagedAllocator(OnDemandPages):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import pitstop
 from pitstop.errors import ConfigError
+from pitstop.plugin_system.protocols import AllocatorStats
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
     HeldSequences,
@@ -24,11 +25,10 @@ from pitstop.plugins.allocators._common import (
     check_count,
     pages_for,
 )
-from pitstop.protocols import AllocatorStats
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
-    from pitstop.sequence import Sequence
+    from pitstop.requests.sequence import Sequence
 
 
 class _RegionHolding(Holding):

@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING
 import attrs
 
 import pitstop
+from pitstop.plugin_system.protocols import AllocatorStats
+from pitstop.plugin_system.settings import read_settings, setting
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
     Holding,
@@ -54,12 +56,10 @@ from pitstop.plugins.allocators._common import (
     check_count,
     pages_for,
 )
-from pitstop.protocols import AllocatorStats
-from pitstop.settings import read_settings, setting
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
-    from pitstop.sequence import Sequence
+    from pitstop.requests.sequence import Sequence
 
 
 _ROOT_HASH = 0

@@ -49,9 +49,9 @@ import attrs
 import torch
 
 from pitstop.config import EngineConfig
-from pitstop.hookspecs import hookimpl
+from pitstop.plugin_system.hookspecs import hookimpl
+from pitstop.plugin_system.settings import read_settings, setting
 from pitstop.plugins.kernels import reference
-from pitstop.settings import read_settings, setting
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pitstop.attention import AttentionMetadata
 from pitstop.config import EngineConfig
-from pitstop.hookspecs import hookimpl
-from pitstop.protocols import KernelSetBase, RotaryCache
+from pitstop.loop.attention import AttentionMetadata
+from pitstop.plugin_system.hookspecs import hookimpl
+from pitstop.plugin_system.protocols import KernelSetBase, RotaryCache
 
 
 def rms_norm(

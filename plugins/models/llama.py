@@ -21,16 +21,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from pitstop.architecture import Architecture
-from pitstop.attention import AttentionMetadata
 from pitstop.errors import ModelLoadError
-from pitstop.hookspecs import hookimpl
-from pitstop.model_config import ModelConfig
+from pitstop.loading.architecture import Architecture
+from pitstop.loading.model_config import ModelConfig
+from pitstop.loop.attention import AttentionMetadata
+from pitstop.plugin_system.hookspecs import hookimpl
+from pitstop.plugin_system.protocols import KernelSet, RotaryCache
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
 from pitstop.plugins.models.llama_gguf import gguf_rules
 from pitstop.plugins.models.llama_presets import PRESETS
 from pitstop.plugins.models.llama_rope import rope_frequencies
-from pitstop.protocols import KernelSet, RotaryCache
 
 
 def _param(*shape: int) -> nn.Parameter:

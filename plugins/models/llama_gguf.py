@@ -16,10 +16,10 @@ import re
 
 import numpy as np
 
-from pitstop.architecture import GGUFRules
 from pitstop.errors import ModelLoadError
-from pitstop.gguf_file import GGUFModelFile
-from pitstop.model_config import MAX_DIM, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
+from pitstop.loading.architecture import GGUFRules
+from pitstop.loading.gguf_file import GGUFModelFile
+from pitstop.loading.model_config import MAX_DIM, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, HeadFields
 from pitstop.plugins.models.llama_config import head_size as checked_head_size
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from pitstop.hookspecs import hookimpl
-from pitstop.protocols import SamplerOutput, SamplingBatch
-from pitstop.sampling import apply_logits_processors, exponential_race, make_generator
+from pitstop.plugin_system.hookspecs import hookimpl
+from pitstop.plugin_system.protocols import SamplerOutput, SamplingBatch
+from pitstop.requests.sampling import apply_logits_processors, exponential_race, make_generator
 
 
 class StandardSampler:
@@ -80,7 +80,7 @@ class StandardSampler:
 
     @staticmethod
     def process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The logits processors over float32 ``[B, V]`` (:func:`pitstop.sampling.apply_logits_processors`)."""
+        """The logits processors over float32 ``[B, V]`` (:func:`pitstop.requests.sampling.apply_logits_processors`)."""
         return apply_logits_processors(raw, batch)
 
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -48,13 +48,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from pitstop.errors import ConfigError, PitstopError
-from pitstop.protocols import ScheduledSequence, StepPlan
-from pitstop.sequence import Sequence, SequenceStatus
-from pitstop.settings import engine_setting, read_settings, setting
+from pitstop.plugin_system.protocols import ScheduledSequence, StepPlan
+from pitstop.plugin_system.settings import engine_setting, read_settings, setting
+from pitstop.requests.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
-    from pitstop.protocols import Allocator
+    from pitstop.plugin_system.protocols import Allocator
 
 MAX_WAIT_STEPS_OPTION = "scheduler.max_wait_steps"  # the older key, shared by both schedulers
 DEFAULT_MAX_WAIT_STEPS = 64

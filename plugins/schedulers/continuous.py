@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING
 import attrs
 
 import pitstop
+from pitstop.plugin_system.settings import setting
 from pitstop.plugins.schedulers.base import AdmissionSettings, BaseScheduler, StepBuilder
-from pitstop.settings import setting
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
-    from pitstop.protocols import Allocator
+    from pitstop.plugin_system.protocols import Allocator
 
 
 @attrs.frozen

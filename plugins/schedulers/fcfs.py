@@ -26,8 +26,8 @@ from pitstop.plugins.schedulers.base import BaseScheduler, BatchSettings, StepBu
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
-    from pitstop.protocols import Allocator
-    from pitstop.sequence import Sequence
+    from pitstop.plugin_system.protocols import Allocator
+    from pitstop.requests.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

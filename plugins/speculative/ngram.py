@@ -29,14 +29,14 @@ import numpy as np
 
 import pitstop
 from pitstop.errors import ConfigError
-from pitstop.protocols import Proposal, ProposerBase
-from pitstop.settings import read_settings, setting
-from pitstop.speculative import draft_room
+from pitstop.plugin_system.protocols import Proposal, ProposerBase
+from pitstop.plugin_system.settings import read_settings, setting
+from pitstop.speculation.speculative import draft_room
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
-    from pitstop.sequence import Sequence
-    from pitstop.speculative import ProposerContext
+    from pitstop.requests.sequence import Sequence
+    from pitstop.speculation.speculative import ProposerContext
 
 
 def lookup(tokens: Seq[int] | np.ndarray, k: int, max_n: int, min_n: int = 1) -> list[int]:

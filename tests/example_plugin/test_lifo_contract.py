@@ -27,15 +27,15 @@ def test_lifo_meets_the_allocator_contract() -> None:
 
 
 def test_the_built_in_schedulers_run_on_lifo_pages() -> None:
-    from pitstop.plugin_manager import get_plugin_manager
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
     continuous = get_plugin_manager().get("scheduler", "continuous").factory
     check_scheduler_contract(continuous, allocator_factory=make_lifo, max_examples=10)
 
 
 def test_most_recently_freed_page_is_reused_first() -> None:
-    from pitstop.sampling_params import SamplingParams
-    from pitstop.sequence import Sequence
+    from pitstop.requests.sampling_params import SamplingParams
+    from pitstop.requests.sequence import Sequence
 
     alloc = LifoAllocator(num_pages=8, page_size=4)
     a = Sequence("a", [1] * 8, SamplingParams())

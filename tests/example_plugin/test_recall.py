@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pitstop_example.recall import RecallProposer, RecallSettings
 
-from pitstop.sampling_params import SamplingParams
-from pitstop.sequence import Sequence
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.sequence import Sequence
 
 
 def _seq(tokens: list[int], max_tokens: int = 16) -> Sequence:

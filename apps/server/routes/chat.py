@@ -8,14 +8,14 @@ import attrs
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from pitstop.outputs import CompletionOutput, RequestOutput
+from pitstop.requests.outputs import CompletionOutput, RequestOutput
+from pitstop.requests.tool_calls import ToolCallStream
 from pitstop.server.deps import Authorized, State, check_request_size, json_body
 from pitstop.server.protocol import ChatCompletionRequest, new_id, now
 from pitstop.server.render import OPENAI_FINISH, chat_logprobs, usage_of
 from pitstop.server.streaming import AnswerHead, chunk_logprobs, sse_response
 from pitstop.server.submit import add, admit, collect, rendered
 from pitstop.server.tools import ChatTools, plan_tools
-from pitstop.tool_calls import ToolCallStream
 
 router = APIRouter()
 

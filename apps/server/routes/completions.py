@@ -9,8 +9,8 @@ import attrs
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from pitstop.outputs import RequestOutput
-from pitstop.sampling_params import SamplingParams
+from pitstop.requests.outputs import RequestOutput
+from pitstop.requests.sampling_params import SamplingParams
 from pitstop.server.deps import Authorized, Caller, State, check_request_size, json_body
 from pitstop.server.limits import Flight
 from pitstop.server.protocol import APIError, CompletionRequest, Prompt, new_id, now

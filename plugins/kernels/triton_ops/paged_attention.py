@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pitstop.attention import AttentionMetadata
+from pitstop.loop.attention import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 FP8_WIDEN = ("fp16", "query")  # PagedAttention(fp8_widen=...): see the module docstring

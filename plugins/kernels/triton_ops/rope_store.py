@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pitstop.attention import AttentionMetadata
-from pitstop.protocols import RotaryCache
+from pitstop.loop.attention import AttentionMetadata
+from pitstop.plugin_system.protocols import RotaryCache
 
 # mantissa bits of the fp8 cache formats Triton stores (float8e4nv, float8e5)
 FP8_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}

@@ -37,8 +37,8 @@ import attrs
 
 import pitstop
 import pitstop.config
-from pitstop.protocols import AllocatorStats
-from pitstop.settings import read_settings, setting
+from pitstop.plugin_system.protocols import AllocatorStats
+from pitstop.plugin_system.settings import read_settings, setting
 from pitstop_example import bigram, recall, sdpa, sjf
 
 FINISHED: Counter[str] = Counter()

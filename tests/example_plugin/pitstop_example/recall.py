@@ -25,10 +25,10 @@ from collections.abc import Sequence as Seq
 import attrs
 
 import pitstop
-from pitstop.protocols import Proposal, ProposerBase
-from pitstop.sequence import Sequence
-from pitstop.settings import read_settings, setting
-from pitstop.speculative import ProposerContext, draft_room
+from pitstop.plugin_system.protocols import Proposal, ProposerBase
+from pitstop.plugin_system.settings import read_settings, setting
+from pitstop.requests.sequence import Sequence
+from pitstop.speculation.speculative import ProposerContext, draft_room
 
 Table = OrderedDict[tuple[int, ...], int]
 

@@ -8,7 +8,7 @@ padding at most doubles the batch's work (query-by-key cells), so the
 decodes of a step share one call and a long prompt never pads them to its
 length; ``sdpa.max_batch`` caps the sequences per call. The causal and length masks and
 the padded query rows are built once per step (the runner hands every layer
-the same :class:`~pitstop.attention.AttentionMetadata`) and reused by every
+the same :class:`~pitstop.loop.attention.AttentionMetadata`) and reused by every
 layer. A GQA model's query heads of one KV head are stacked along the query
 axis, so K and V are never repeated.
 
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 import pitstop
-from pitstop.attention import AttentionMetadata
 from pitstop.errors import ConfigError
-from pitstop.protocols import KernelSet, KernelSetBase, RotaryCache
-from pitstop.settings import read_settings, setting
+from pitstop.loop.attention import AttentionMetadata
+from pitstop.plugin_system.protocols import KernelSet, KernelSetBase, RotaryCache
+from pitstop.plugin_system.settings import read_settings, setting
 
 
 @attrs.frozen
@@ -245,7 +245,7 @@ def make_sdpa(
     config: pitstop.EngineConfig, device: torch.device, dtype: torch.dtype
 ) -> SdpaKernels:
     """Attention in batched torch SDPA calls; the other ops from another kernel set."""
-    from pitstop.plugin_manager import get_plugin_manager
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
     settings = read_settings(config, "sdpa", SdpaSettings)
     if settings.base == "sdpa":

@@ -1,6 +1,6 @@
 """The scheduler ``sjf``: shortest job first, with an aging bound so that nothing starves.
 
-Written against :class:`pitstop.protocols.Scheduler` alone (no built-in
+Written against :class:`pitstop.plugin_system.protocols.Scheduler` alone (no built-in
 scheduler class): the queues, admission, growth and preemption are all here.
 
 - **Admission.** Waiting sequences are admitted in this order: sequences it
@@ -37,9 +37,9 @@ from collections.abc import Sequence as Seq
 import attrs
 
 import pitstop
-from pitstop.protocols import Allocator, ScheduledSequence, StepPlan
-from pitstop.sequence import Sequence, SequenceStatus
-from pitstop.settings import engine_setting, read_settings, setting
+from pitstop.plugin_system.protocols import Allocator, ScheduledSequence, StepPlan
+from pitstop.plugin_system.settings import engine_setting, read_settings, setting
+from pitstop.requests.sequence import Sequence, SequenceStatus
 
 JOB_SIZES = ("total", "prompt", "output")
 

@@ -1,0 +1,289 @@
+"""Text <-> token ids, chat templates, and incremental detokenization for streaming.
+
+A thin wrapper over a ``transformers`` fast tokenizer (never a hand-written
+BPE). ``transformers`` is imported inside the functions that need it, so a
+benchmark on dummy weights runs without it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pitstop.errors import InvalidRequestError, ModelLoadError
+from pitstop.loading.gguf_file import gguf_eos_token_ids, read_gguf_metadata
+from pitstop.requests.validation import validate_messages
+
+# How many prompt tokens the detokenizer keeps as context for the first output
+# token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): some tokenizers
+# decode a token differently at the start of a text (leading spaces).
+_DETOKENIZE_CONTEXT = 5
+
+
+class Tokenizer:
+    """Encodes, decodes and applies the chat template of one model."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        name: str = "",
+    ) -> None:
+        self.hf = hf_tokenizer
+        self.name = name
+        eos: list[int] = []
+        if hf_tokenizer.eos_token_id is not None:
+            eos.append(int(hf_tokenizer.eos_token_id))
+        eos += [int(i) for i in eos_token_ids if int(i) not in eos]
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        bos = hf_tokenizer.bos_token_id
+        self.bos_token_id: int | None = None if bos is None else int(bos)
+        self.vocab_size: int = len(hf_tokenizer)
+        # Does plain encoding put a BOS in front? (decides whether a chat prompt needs one)
+        self._adds_bos = bool(
+            self.bos_token_id is not None and hf_tokenizer.encode("a")[:1] == [self.bos_token_id]
+        )
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos={self.eos_token_ids})"
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load from a folder holding ``tokenizer.json`` (+ ``tokenizer_config.json``), or a
+        ``tokenizer.json`` file itself. EOS ids of ``generation_config.json`` and
+        ``config.json`` in the same folder are added to the tokenizer's own."""
+        path = Path(path)
+        if not path.exists():
+            raise ModelLoadError(
+                f"tokenizer path {path} does not exist; pass a folder with tokenizer.json"
+            )
+        if path.suffix == ".gguf":
+            return cls.from_gguf(path)
+        folder = path.parent if path.is_file() else path
+        if path.is_file() and path.name != "tokenizer.json":
+            raise ModelLoadError(
+                f"{path} is not a tokenizer.json file; pass a folder with tokenizer.json"
+            )
+        if not (folder / "tokenizer.json").is_file():
+            raise ModelLoadError(
+                f"no tokenizer.json in {folder}; pass --tokenizer with a folder that has one"
+            )
+        try:
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+            if (folder / "tokenizer_config.json").is_file():
+                hf = AutoTokenizer.from_pretrained(str(folder))
+            else:
+                hf = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+        except Exception as exc:  # transformers raises many kinds
+            raise ModelLoadError(f"cannot load the tokenizer in {folder}: {exc}") from exc
+        return cls(hf, eos_token_ids=_extra_eos_ids(folder), name=str(folder))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, metadata: dict[str, Any] | None = None) -> Tokenizer:
+        """Build the tokenizer stored in a GGUF file's metadata (slow: seconds; the GGUF
+        loader caches the result as ``tokenizer.json``). ``metadata`` (from
+        :func:`pitstop.loading.gguf_file.read_gguf_metadata`) saves parsing the file again."""
+        path = Path(path)
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        if metadata is None:
+            metadata = read_gguf_metadata(path)
+        try:
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+            # AutoTokenizer reads a transformers model config from the file first, so it
+            # takes only the architectures transformers runs; the tokenizer itself is
+            # described by the tokenizer.ggml.* fields alone, which the generic fast
+            # tokenizer reads for any other (a third-party plugin's) architecture.
+            known = _transformers_reads_gguf(metadata.get("general.architecture"))
+            builder = AutoTokenizer if known else PreTrainedTokenizerFast
+            hf = builder.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot build the tokenizer of GGUF file {path}: {exc}") from exc
+        if hf.chat_template is None and metadata.get("tokenizer.chat_template"):
+            hf.chat_template = metadata["tokenizer.chat_template"]
+        return cls(hf, eos_token_ids=gguf_eos_token_ids(metadata), name=str(path))
+
+    def save(self, folder: str | Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (chat template included)."""
+        folder = Path(folder)
+        self.hf.save_pretrained(str(folder))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if self.hf.chat_template is not None:
+            config["chat_template"] = self.hf.chat_template
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        if len(self.eos_token_ids) > 1:
+            (folder / "generation_config.json").write_text(
+                json.dumps({"eos_token_id": list(self.eos_token_ids)}, indent=2)
+            )
+
+    # ------------------------------------------------------------------ use
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the model's BOS when ``add_special_tokens``)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return list(self.hf.convert_ids_to_tokens(list(ids)))
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.hf.chat_template
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a chat rendered by the model's template (or ``chat_template``).
+
+        :meth:`render_chat_template` then :meth:`encode_chat_text`.
+        """
+        text = self.render_chat_template(
+            messages,
+            add_generation_prompt,
+            chat_template=chat_template,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+            tools=tools,
+        )
+        return self.encode_chat_text(text)
+
+    def render_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The text of a chat rendered by the model's template (or ``chat_template``).
+
+        Roles and contents are checked first (:func:`pitstop.requests.validation.validate_messages`).
+        ``continue_final_message`` leaves the last message open for the model to continue;
+        ``tools`` (OpenAI function definitions) are passed to the template as ``tools``.
+        """
+        messages = validate_messages(messages)
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
+            raise InvalidRequestError("chat_template must be a non-empty Jinja template string")
+        if not (chat_template or self.hf.chat_template):
+            raise InvalidRequestError(
+                f"the tokenizer of {self.name or 'this model'} has no chat template; send a plain "
+                "prompt, or load a tokenizer that has one (--tokenizer)"
+            )
+        try:
+            return self.hf.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                tools=tools,
+                **(template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja errors, bad message shapes
+            raise InvalidRequestError(
+                f"cannot apply the chat template to these messages: {exc}"
+            ) from exc
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """Token ids of a rendered chat: the template writes any BOS itself, so the text is
+        encoded without special tokens; a BOS is added only when the model wants one and
+        the template left it out."""
+        ids = self.encode(text, add_special_tokens=False)
+        if self._adds_bos and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+        return ids
+
+
+def _transformers_reads_gguf(architecture: Any) -> bool:
+    """Whether transformers' own GGUF loader knows ``general.architecture`` (a
+    transformers without the list is assumed to: it is then asked as before)."""
+    try:
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    except ImportError:
+        return True
+    return architecture in GGUF_SUPPORTED_ARCHITECTURES
+
+
+def _extra_eos_ids(folder: Path) -> list[int]:
+    """EOS ids a checkpoint folder declares besides the tokenizer's own."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            eos = json.loads(file.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of output tokens into text deltas, one instance per sequence.
+
+    vLLM's method: decode a small window ``ids[prefix_offset:]`` and emit what it
+    adds beyond ``ids[prefix_offset:read_offset]``. Text that ends in U+FFFD (an
+    incomplete UTF-8 character split across tokens) is held back until the
+    character completes; :meth:`flush` releases it when the sequence ends.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-_DETOKENIZE_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        return "".join(self._parts)
+
+    def step(self, new_token_ids: Sequence[int]) -> str:
+        """Append tokens; return the newly finalized text (possibly empty)."""
+        self._ids.extend(new_token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Release text held back at the end of the sequence (an incomplete character)."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = decode(self._ids[self._prefix_offset :], self._skip)
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        delta = full[len(prefix) :]
+        # The new window starts at the old read offset; drop the ids before it so
+        # the list stays short on long outputs.
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        self._parts.append(delta)
+        return delta

@@ -1,0 +1,235 @@
+"""The engine's request intake: a request checked, tokenized and queued as its
+samples' sequences; a combination the chosen strategies cannot serve refused
+before it is queued; a request aborted.
+
+:class:`RequestIntake` is a part of :class:`~pitstop.loop.engine.LLMEngine` (which
+inherits it): its methods read and write the engine's request tables, built in
+``LLMEngine.__init__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import attrs
+
+from pitstop.config import EngineConfig
+from pitstop.errors import InvalidRequestError
+from pitstop.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from pitstop.plugin_system.protocols import AllocatorBase, SamplerBase
+from pitstop.requests.bad_words import bad_word_token_ids
+from pitstop.requests.outputs import RequestOutput
+from pitstop.requests.request_state import RequestState, SampleState
+from pitstop.requests.request_validation import validate_request
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.sequence import Sequence, Timestamps
+from pitstop.requests.structured import GrammarCompiler
+from pitstop.requests.validation import SEED_MODULUS, check_encoded_prompt
+
+
+class RequestIntake:
+    """Adding and aborting requests (a part of :class:`~pitstop.loop.engine.LLMEngine`)."""
+
+    # the engine's own, set in LLMEngine.__init__
+    config: EngineConfig
+    tokenizer: Tokenizer | None
+    _requests: dict[str, RequestState]
+    _samples: dict[int, SampleState]
+
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Seq[int] | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request (text or token ids); returns its id. Bad input raises InvalidRequestError.
+
+        ``arrival_time`` (``time.perf_counter`` seconds) backdates the request's
+        arrival, for benchmark clients whose request was due before the engine
+        loop got to it.
+        """
+        params = params or SamplingParams()
+        validate_request(prompt, params, prompt_token_ids, vocab_size=self.model_config.vocab_size)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use; pick another")
+        if prompt_token_ids is None:
+            assert prompt is not None
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    f"model {self.config.model!r} has no tokenizer; pass prompt_token_ids instead of text"
+                )
+            ids = self.tokenizer.encode(prompt)
+            check_encoded_prompt(prompt, ids, self.model_config.vocab_size)
+        else:
+            ids = [int(t) for t in prompt_token_ids]
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the prompt's last tokens (-1: the last max_model_len)
+            ids = ids[-(max_len if keep == -1 else keep) :]
+        if len(ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {max_len}, which leaves no room "
+                f"for output; shorten the prompt or raise max_model_len"
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{len(ids) + params.max_tokens} tokens, more than max_model_len={max_len}; "
+                f"ask for at most max_tokens={max_len - len(ids)}, or max_tokens=None (up to "
+                "max_model_len), or shorten the prompt"
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                "stop strings need a tokenizer; use stop_token_ids with this model"
+            )
+        self._check_combination(params)
+        samples = self._new_samples(request_id, ids, params, arrival_time)
+        req = RequestState(request_id, prompt, ids, params, samples)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        for sample in samples:
+            self._samples[sample.seq.seq_id] = sample
+        self._requests[request_id] = req
+        seqs = [sample.seq for sample in samples]
+        if len(seqs) > 1 and AllocatorBase.of(self.allocator, "shares_prefix_pages"):
+            # the other samples wait until the first computed the prompt, then share its pages
+            seqs, req.held_back = seqs[:1], seqs[1:]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def _check_combination(self, params: SamplingParams) -> None:
+        """Refuse what this engine's configuration cannot honour (instead of ignoring it)."""
+        if (
+            params.needs_penalties
+            or params.logit_bias
+            or params.min_tokens
+            or params.structured_outputs is not None
+            or params.logprobs
+            or params.allowed_token_ids is not None
+            or params.needs_host_tokens
+        ) and not SamplerBase.of(self.runner.sampler, "supports_logits_processors"):
+            raise InvalidRequestError(
+                f"the {self.config.sampler!r} sampler does not apply penalties, logit_bias, "
+                "min_tokens, structured outputs, allowed_token_ids, bad_words, "
+                "logits_processors or logprobs other than 0; use sampler 'standard' or "
+                "leave them unset"
+            )
+        if params.prompt_logprobs is not None and AllocatorBase.of(
+            self.allocator, "caches_prefixes"
+        ):
+            raise InvalidRequestError(
+                f"prompt_logprobs needs every prompt token computed, and the {self.config.allocator} "
+                "allocator serves cached ones without computing them; use allocator paged or "
+                "preallocated"
+            )
+        if self.proposer is None:
+            return
+        used = [
+            name
+            for name, on in (
+                ("structured_outputs", params.structured_outputs is not None),
+                ("presence/frequency/repetition penalties", params.needs_penalties),
+                ("logit_bias", bool(params.logit_bias)),
+                ("min_tokens", params.min_tokens > 0),
+                ("logprobs > 0", bool(params.logprobs)),
+                ("prompt_logprobs", params.prompt_logprobs is not None),
+                ("allowed_token_ids", params.allowed_token_ids is not None),
+                ("bad_words", bool(params.bad_words)),
+                ("logits_processors", bool(params.logits_processors)),
+            )
+            if on
+        ]
+        if used:
+            raise InvalidRequestError(
+                f"{used[0]} is not supported with speculative decoding (speculative="
+                f"{self.config.speculative!r}); leave it unset or run without --speculative"
+            )
+
+    def _new_samples(
+        self, request_id: str, ids: list[int], params: SamplingParams, arrival: float | None
+    ) -> list[SampleState]:
+        """The ``n`` samples of a request: a sequence each (seed + i for sample i), grammar, text."""
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        grammars = None
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured_outputs needs the model's tokenizer; this model has none"
+                )
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size)
+            grammars = [
+                self._grammars.new_state(params.structured_outputs) for _ in range(params.n)
+            ]
+        bad_words = ()
+        if params.bad_words:
+            bad_words = bad_word_token_ids(self.tokenizer, params.bad_words)
+        uses_processors = (
+            params.needs_penalties
+            or params.min_tokens > 0
+            or params.structured_outputs is not None
+            or params.allowed_token_ids is not None
+            or params.needs_host_tokens
+        )
+        samples = []
+        for i in range(params.n):
+            p = params
+            if i and params.seed is not None:
+                p = attrs.evolve(params, seed=(params.seed + i) % SEED_MODULUS)
+            seq = Sequence(
+                request_id if params.n == 1 else f"{request_id}#{i}",
+                ids,
+                p,
+                seq_id=next(self._seq_ids),
+                max_num_tokens=max_len
+                if params.max_tokens is None
+                else len(ids) + params.max_tokens,
+                timestamps=Timestamps() if arrival is None else Timestamps(arrival=arrival),
+            )
+            detok = None
+            if self.tokenizer is not None and params.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens
+                )
+            samples.append(
+                SampleState(
+                    i,
+                    seq,
+                    detok,
+                    request_id=request_id,
+                    grammar=grammars[i] if grammars else None,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                    bad_words=bad_words,
+                    uses_processors=uses_processors,
+                )
+            )
+        return samples
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now, wherever it is, and free what it holds; returns its final output."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self._stop_samples(req)
+        self.stats.requests_aborted += 1
+        return self._finish(req)
+
+    def _stop_samples(self, req: RequestState) -> None:
+        """Abort every unfinished sample of ``req`` and free what it holds."""
+        for sample in req.samples:
+            seq = sample.seq
+            if seq.is_finished:
+                continue
+            if self.scheduler.abort(seq.request_id) is None or not seq.is_finished:
+                seq.abort()
+            self._finished_seq_ids.append(seq.seq_id)
+        req.held_back = []

@@ -1,0 +1,127 @@
+"""The hooks a pitstop plugin can implement.
+
+Register-style hooks are called once, when the plugin manager loads, with a
+``register(name, factory, description="", settings=None)`` callable; every
+implementation is called and each may register any number of strategies.
+Each kind's factory signature and protocol are in :data:`pitstop.plugin_system.kinds.KINDS`
+(the one table of them); ``settings`` is a class of declared settings
+(:mod:`pitstop.plugin_system.settings`). Observer hooks are called by the
+engine at most once per step; their return values are ignored.
+
+Implement a hook in your plugin module with ``@pitstop.hookimpl`` and declare
+the module under the ``pitstop`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    Register = Callable[..., None]
+
+hookspec = pluggy.HookspecMarker("pitstop")
+hookimpl = pluggy.HookimplMarker("pitstop")
+
+
+@hookspec
+def register_allocators(register: Register) -> None:
+    """Register KV-cache allocators.
+
+    Called once when plugins load. Call ``register(name, factory)`` for each
+    allocator (factory: ``KINDS["allocator"]``). The config's ``allocator``
+    setting picks one by name.
+    """
+
+
+@hookspec
+def register_schedulers(register: Register) -> None:
+    """Register schedulers.
+
+    Called once when plugins load (factory: ``KINDS["scheduler"]``). The
+    config's ``scheduler`` setting picks one by name.
+    """
+
+
+@hookspec
+def register_kernels(register: Register) -> None:
+    """Register kernel sets.
+
+    Called once when plugins load (factory: ``KINDS["kernels"]``). The
+    config's ``kernels`` setting picks one by name; ``kernels="auto"`` picks one
+    that registered with ``auto_devices=`` naming the device's type (``"cuda"``),
+    else one registered with ``auto_devices=("*",)``.
+    """
+
+
+@hookspec
+def register_samplers(register: Register) -> None:
+    """Register samplers.
+
+    Called once when plugins load (factory: ``KINDS["sampler"]``). The
+    config's ``sampler`` setting picks one by name.
+    """
+
+
+@hookspec
+def register_proposers(register: Register) -> None:
+    """Register speculative-decoding proposers.
+
+    Called once when plugins load (factory: ``KINDS["proposer"]``). The
+    config's ``speculative`` setting picks one by name (None: no speculation).
+    """
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model architectures.
+
+    Called once when plugins load. ``register(architecture, factory)`` with the
+    architecture name a checkpoint's ``config.json`` uses (for example
+    ``"LlamaForCausalLM"``) and a factory as ``KINDS["model"]`` says.
+    """
+
+
+@hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers (the formats in which models write tool calls).
+
+    Called once when plugins load (factory: ``KINDS["tool_parser"]``).
+    ``pitstop serve --tool-call-parser NAME`` picks one by name; it reads the
+    calls of ``tool_choice="auto"`` answers, streamed or not.
+    """
+
+
+@hookspec
+def register_commands(register: Register) -> None:
+    """Register subcommands of the ``pitstop`` command.
+
+    Called once when plugins load. Call ``register(name, setup, run, help="",
+    description="")`` for each: pitstop adds the subparser ``name``, calls
+    ``setup(parser)`` to add its arguments (``pitstop.config.add_cli_flags``
+    adds every engine and plugin setting), and calls ``run(args) -> int`` (the
+    exit status) when it is chosen. ``serve``, ``bench`` and ``verify`` are
+    registered this way.
+    """
+
+
+@hookspec
+def on_step_finished(engine: Any, stats: Any) -> None:
+    """Observe one finished engine step.
+
+    Called after every step that ran, with the engine and a
+    :class:`pitstop.loop.metrics.StepStats` (tokens, batch composition, timings,
+    allocator statistics). Keep it cheap: it runs on the serving loop.
+    """
+
+
+@hookspec
+def on_request_finished(engine: Any, output: Any) -> None:
+    """Observe a request that finished (stopped, hit its length, or was aborted).
+
+    Called once per request with the engine and its final
+    :class:`pitstop.requests.outputs.RequestOutput`, which carries its timestamps.
+    """

@@ -1,0 +1,597 @@
+"""What each kind of strategy must provide: small typed protocols.
+
+A plugin registers a *factory* under a name (see :mod:`pitstop.plugin_system.hookspecs`);
+the engine calls it once, when it is built, and then talks to the object it
+returned only through the members below. Each kind's register hook, factory
+signature and protocol are one table, :data:`pitstop.plugin_system.kinds.KINDS`;
+:meth:`pitstop.plugin_system.plugin_manager.PluginManager.create` checks every object it
+builds against its protocol.
+
+Optional capabilities are declared, with their defaults, on one class per
+kind (:class:`AllocatorBase`, :class:`KernelSetBase`, :class:`SamplerBase`,
+:class:`ProposerBase`, :class:`ModelBase`): a plugin inherits it, or defines
+the member itself, or leaves it out and gets the default. The core asks one
+way, ``AllocatorBase.of(allocator, "caches_prefixes")``
+(:meth:`Capabilities.of`), and never tests a plugin's name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Sequence as Seq
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from pitstop.loop.attention import AttentionMetadata
+from pitstop.requests.sequence import Sequence
+
+# ---------------------------------------------------------------- capabilities
+
+
+class Capabilities:
+    """The optional members of one kind, with their defaults (subclassed per kind).
+
+    :meth:`of` is how the core reads a capability of a strategy, whether the
+    strategy inherits the class, defines the member itself, or leaves it out.
+    """
+
+    @classmethod
+    def of(cls, obj: object, member: str) -> Any:
+        """``obj``'s optional ``member``, or this kind's default when ``obj`` lacks it.
+
+        A default method comes bound to ``obj``; a name this kind does not
+        declare raises ``AttributeError`` (a typo is not a missing capability).
+        """
+        default = inspect.getattr_static(cls, member)
+        value = getattr(obj, member, None)
+        if value is not None:
+            return value
+        return types.MethodType(default, obj) if inspect.isfunction(default) else default
+
+
+# ---------------------------------------------------------------- allocator
+
+
+@attrs.frozen
+class AllocatorStats:
+    """A snapshot of an allocator's state."""
+
+    num_pages: int
+    pages_free: int
+    tokens_held: int  # tokens whose KV slots are in use by live sequences
+    tokens_reserved: (
+        int  # token slots set aside for live sequences (pages x page_size, or max_model_len each)
+    )
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    # slots counted more than once in tokens_held because several sequences share their page
+    tokens_shared: int = 0
+
+    @property
+    def utilization(self) -> float:
+        """Slots in use over slots reserved, each shared slot counted once (1.0 when nothing is reserved)."""
+        if not self.tokens_reserved:
+            return 1.0
+        return (self.tokens_held - self.tokens_shared) / self.tokens_reserved
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache over prompt tokens looked up."""
+        return (
+            self.prefix_hit_tokens / self.prefix_queried_tokens
+            if self.prefix_queried_tokens
+            else 0.0
+        )
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    """Hands out KV-cache pages (numbers, never tensors) to sequences.
+
+    A sequence *holds* token slots: after ``allocate`` it holds
+    ``seq.num_tokens``; ``append(seq, n)`` makes it hold ``n`` more;
+    ``truncate(seq, n)`` gives back its last ``n``. Every method that is
+    refused (``can_*`` false) must have been checked first by the caller;
+    calling ``allocate``/``append`` without room raises and changes no state.
+    """
+
+    page_size: int
+    num_pages: int
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether ``seq`` (``seq.num_tokens`` tokens) can be admitted now."""
+        ...
+
+    def allocate(self, seq: Sequence) -> int:
+        """Admit ``seq``; return how many of its leading tokens are already cached (< num_tokens)."""
+        ...
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq`` can hold ``num_tokens`` more tokens."""
+        ...
+
+    def append(self, seq: Sequence, num_tokens: int) -> None:
+        """Make ``seq`` hold ``num_tokens`` more tokens."""
+        ...
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the slots of ``seq``'s last ``num_tokens`` held tokens."""
+        ...
+
+    def free(self, seq: Sequence) -> None:
+        """Release everything ``seq`` holds (a no-op for an unknown sequence)."""
+        ...
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The pages of ``seq`` in order: token ``t`` lives in page ``table[t // page_size]``."""
+        ...
+
+    def num_held_tokens(self, seq: Sequence) -> int:
+        """How many token slots ``seq`` holds."""
+        ...
+
+    def on_tokens_computed(self, seq: Sequence) -> None:
+        """Told after a step that ``seq.num_computed_tokens`` tokens now have KV (for prefix hashing)."""
+        ...
+
+    def stats(self) -> AllocatorStats:
+        """A snapshot of the allocator's state."""
+        ...
+
+
+class AllocatorBase(Capabilities):
+    """The defaults of an allocator's optional capabilities."""
+
+    # Whether the samples of an n > 1 request share the first one's prompt pages: the engine then
+    # starts the others once the first computed the prompt, calling share_prompt for each.
+    shares_prefix_pages: bool = False
+    # Whether allocate() may serve a prompt's leading tokens from a cache without computing them
+    # (then prompt_logprobs, which needs every prompt token computed, is refused).
+    caches_prefixes: bool = False
+
+    def share_prompt(self, child: Sequence, parent: Sequence) -> None:
+        """Let ``child`` (not admitted yet) share ``parent``'s computed prompt pages: by
+        default nothing is shared and ``child`` computes its own prompt."""
+        del child, parent
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+@attrs.frozen
+class ScheduledSequence:
+    """One sequence in a step: it computes ``num_new_tokens`` tokens from ``num_computed_tokens`` on."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+
+@attrs.frozen
+class StepPlan:
+    """What one step runs, and which sequences the scheduler preempted to make room."""
+
+    scheduled: list[ScheduledSequence]
+    preempted: list[Sequence] = attrs.Factory(list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in this step."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is scheduled."""
+        return not self.scheduled
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Decides which sequences run each step and how many tokens each computes.
+
+    Under the overlapped engine loop (``overlap``) a step is planned before
+    the previous step's sampled tokens are known: a decoding sequence's last
+    token may be *pending* (still one uncomputed token to schedule), a
+    sequence at its length limit has ``num_uncomputed_tokens == 0`` and must
+    not be scheduled, and finishes arrive through :meth:`on_step_done` one
+    step late. Free a sequence's pages only when preempting it (listed in
+    ``StepPlan.preempted``), in :meth:`abort`, or when :meth:`on_step_done`
+    names it. ``pitstop.testing.scheduler`` checks all of it.
+    """
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (status WAITING)."""
+        ...
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request wherever it is, freeing its pages; return it (None if unknown)."""
+        ...
+
+    def has_work(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        ...
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step: admit, grow and preempt through the allocator."""
+        ...
+
+    def on_step_done(self, plan: StepPlan, finished: Seq[Sequence]) -> None:
+        """Told, once ``plan``'s results are applied, which sequences finished; release them.
+
+        Under the overlapped loop ``plan`` is the step before the last one
+        planned, and a finished sequence may be in the step in flight (its
+        extra token is discarded by the engine).
+        """
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued."""
+        ...
+
+    @property
+    def num_running(self) -> int:
+        """Sequences admitted."""
+        ...
+
+
+@runtime_checkable
+class StepBudgetSettings(Protocol):
+    """A scheduler's settings that bound a step by something else than
+    ``max_num_batched_tokens`` (the ``chunked`` scheduler's ``chunk_size``).
+
+    The runner sizes its prefill workspace and its piecewise CUDA graphs from
+    this budget before the scheduler exists
+    (:meth:`~pitstop.plugin_system.plugin_manager.PluginManager.step_token_budget`); a
+    scheduler whose settings lack the method is taken to keep every step
+    within ``max_num_batched_tokens``.
+    """
+
+    def step_token_budget(self) -> int:
+        """The most tokens one step of this scheduler computes."""
+        ...
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@attrs.frozen
+class RotaryCache:
+    """Precomputed cos and sin for every position: ``[max_positions, head_size // 2]`` each."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@runtime_checkable
+class KernelSet(Protocol):
+    """The ops a model runs through. Resolved once; called directly on the hot path.
+
+    Under tensor parallelism a rank's kernel set also has ``all_reduce``,
+    ``embed`` and ``gather_logits`` (:mod:`pitstop.parallel.kernels`); a
+    kernel set plugin does not implement them.
+    """
+
+    name: str
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """RMSNorm of ``x`` (+ ``residual`` first, when given); returns (normed, new residual or None)."""
+        ...
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias``."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[..., :d]) * x[..., d:]`` for the merged gate-up output of width 2d."""
+        ...
+
+    def rope_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryCache,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` (neox layout); write k, v into the cache slots.
+
+        Caches are ``[num_pages, page_size, Hkv, D]``. Returns the rotated q and k.
+        An fp8 cache (``kv_cache_dtype``) comes with ``kv_scale``, float32 ``[2]`` on
+        the device: store ``k / kv_scale[0]`` and ``v / kv_scale[1]`` saturated to the
+        format's finite range. Wider caches get no ``kv_scale``; a kernel set without
+        the parameter is refused for an fp8 cache.
+        """
+        ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of q ``[T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
+
+        An fp8 cache's values are multiplied by ``kv_scale`` (K's, then V's) when read.
+        """
+        ...
+
+    def describe(self) -> dict[str, str]:
+        """Op name -> which implementation runs it here (and why, for a fallback)."""
+        ...
+
+    merge_projections: bool
+
+    def cuda_graph_safe(self, head_size: int) -> bool:
+        """Whether a decode step of this head size can be captured in a CUDA graph."""
+        ...
+
+
+class KernelSetBase(Capabilities):
+    """The defaults of a kernel set's optional capabilities."""
+
+    # Whether the model concatenates the q/k/v and gate/up weights at load.
+    merge_projections: bool = False
+
+    def cuda_graph_safe(self, head_size: int) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: not unless the set says so."""
+        del head_size
+        return False
+
+
+# ---------------------------------------------------------------- sampler
+
+
+@attrs.frozen
+class SamplingBatch:
+    """Per-row sampling settings of one step's logits, as tensors on the device."""
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_k: torch.Tensor  # [B] int64; -1 = off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    generators: list[torch.Generator | None]  # per-row seeded generator
+    all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+    want_logprobs: bool = False
+    # The largest top_k over the rows, known on the host so that a sampler never reads it back
+    # from the device (that read would stall the overlapped loop); -1: some row keeps every token.
+    max_top_k: int = -1
+    # logprobs=k: how many alternatives the row wanting the most asks for (0: the chosen only;
+    # -1: some row asks for the whole vocabulary)
+    max_logprobs: int = 0
+    # Logits processors, applied before greedy/temperature (None: no row uses them).
+    needs_penalties: bool = False
+    presence_penalty: torch.Tensor | None = None  # [B] float32
+    frequency_penalty: torch.Tensor | None = None  # [B] float32
+    repetition_penalty: torch.Tensor | None = None  # [B] float32
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
+    # Per step (pitstop.requests.sampling.make_step_inputs):
+    history: torch.Tensor | None = None  # [B, L] int64 prompt + output ids, padded with V
+    prompt_lens: torch.Tensor | None = None  # [B] int64: history[:, :len] is the prompt
+    blocked: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, ids masked this step
+    token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed tokens (grammar)
+    allowed: torch.Tensor | None = None  # [B, V] bool: allowed_token_ids (True where allowed)
+    # logits_processors: per row (row, callables, prompt ids, output ids), run on the host's
+    # view of the step after every other processor (pitstop.requests.sampling.run_user_processors)
+    user_processors: tuple[tuple[int, tuple[Any, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
+
+
+@attrs.frozen
+class SamplerOutput:
+    """Sampled tokens (and their log-probabilities when asked)."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] float32, of the chosen tokens
+    top_ids: torch.Tensor | None = None  # [B, K] int64: the K most likely tokens (logprobs=K)
+    top_logprobs: torch.Tensor | None = None  # [B, K] float32
+    ranks: torch.Tensor | None = None  # [B] int64: the chosen token's rank (1 = most likely)
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Turns a batch of logits into tokens."""
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of ``logits`` ``[B, V]``."""
+        ...
+
+    def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution ``sample`` draws from, after temperature and filters: ``[B, V]``."""
+        ...
+
+
+class SamplerBase(Capabilities):
+    """The default of a sampler's optional capability."""
+
+    # Whether it applies the SamplingBatch's penalties, logit_bias, blocked tokens, grammar
+    # masks, allowed tokens, user processors and logprobs=k; the engine refuses requests that
+    # use them with a sampler that does not.
+    supports_logits_processors: bool = False
+
+
+# ---------------------------------------------------------------- proposer
+
+
+@attrs.frozen
+class Proposal:
+    """Draft tokens for one sequence (and their draft probabilities ``[k, V]`` when known)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+    # The drafts on the device (a proposer that computes them there, so that the engine never
+    # waits for them): ``token_ids`` then holds as many PENDING_TOKEN placeholders.
+    device_token_ids: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Proposes draft tokens for speculative decoding."""
+
+    def propose(self, seqs: Seq[Sequence], k: int) -> list[Proposal]:
+        """Up to ``k`` draft tokens for each sequence."""
+        ...
+
+    def on_accepted(self, seq: Sequence, num_accepted: int) -> None:
+        """Told how many of ``seq``'s drafts were kept, so it can roll its own state back."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """Told that ``seq`` finished or was aborted: free whatever the proposer holds for it."""
+        ...
+
+
+class ProposerBase(Capabilities):
+    """The default of a proposer's optional capability."""
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing to free: a proposer that keeps no per-sequence state."""
+        del seq
+
+
+# ---------------------------------------------------------------- tool-call parser
+
+
+@runtime_checkable
+class ToolParser(Protocol):
+    """Reads the tool calls a model wrote in its own format (``tool_choice="auto"``).
+
+    One per server, built by ``factory(tokenizer)``; it keeps no state per
+    request (streaming is done by :class:`pitstop.requests.tool_calls.ToolCallStream`
+    from successive views).
+    """
+
+    def parse(self, text: str, final: bool) -> Any:
+        """The :class:`~pitstop.requests.tool_calls.ToolCallView` of ``text``: its content and calls.
+
+        With ``final=False`` the text may still grow, and the view must be a
+        prefix of the view of any longer text (hold back what may change:
+        the start of a tag, trailing whitespace, a name not yet closed).
+        """
+        ...
+
+    def tool_prompt(self, tools: Seq[dict[str, Any]]) -> str:
+        """System-prompt text that lists ``tools`` (OpenAI's shape) and says how to call
+        them in this parser's format, for chat templates that do not render tools."""
+        ...
+
+
+# ---------------------------------------------------------------- model
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A model architecture: a ``torch.nn.Module`` the runner loads and calls."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward pass over one step's tokens (e.g. :mod:`pitstop.plugins.models.llama`)."""
+        ...
+
+    def eval(self) -> Any:
+        """Inference mode (``torch.nn.Module.eval``)."""
+        ...
+
+    def init_dummy(self, seed: int) -> None:
+        """Fill every parameter with seeded random values (``dummy:`` models).
+
+        A model with ``supports_tensor_parallel`` also takes ``shard=`` (a
+        :class:`~pitstop.parallel.sharding.WeightShard`): draw the whole model's
+        tensors, keep the rank's part of each.
+        """
+        ...
+
+    def load_weights(self, weights: Any) -> None:
+        """Copy ``(name, tensor)`` pairs of a checkpoint into the parameters."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of the selected hidden rows."""
+        ...
+
+
+class ModelBase(Capabilities):
+    """The default of a model's optional capability."""
+
+    # Whether the model takes init_dummy(shard=) and loads one rank's part of each tensor
+    # (tensor_parallel_size > 1 is refused for a model that does not).
+    supports_tensor_parallel: bool = False
+
+
+@runtime_checkable
+class SplitAttention(Protocol):
+    """A layer's attention that can run apart from its projections."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention of the rotated queries over the paged cache: ``[T, heads * head_size]``."""
+        ...
+
+
+@runtime_checkable
+class SplitLayer(Protocol):
+    """A decoder layer cut at its attention (see :class:`SplitForwardModel`)."""
+
+    self_attn: SplitAttention
+
+    def before_attention(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryCache,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything up to attention (norm, projections, rotary, the cache store): (q, residual)."""
+        ...
+
+    def after_attention(
+        self, o: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything after attention (output projection, norm, MLP): (hidden, residual)."""
+        ...
+
+
+@runtime_checkable
+class SplitForwardModel(Protocol):
+    """An optional capability of a :class:`Model`: its forward pass cut at each attention.
+
+    The runner captures prefill and mixed steps as CUDA graphs of the pieces
+    between attentions, and runs attention (whose shapes change with the
+    step) eagerly between them (``pitstop.loop.runner.PiecewiseGraphs``). A model
+    whose ``layers`` are :class:`SplitLayer` s and that has ``embed`` and
+    ``final_norm`` gets this; any other runs those steps eagerly.
+    """
+
+    layers: Any  # a sequence (torch.nn.ModuleList) of SplitLayer
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings ``[T, hidden]``."""
+        ...
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's residual add and the final norm."""
+        ...

@@ -1,0 +1,301 @@
+"""Checks of per-request values, run where a request enters (never inside a step).
+
+A value that passes these checks cannot make the shared engine step fail:
+integers fit an int64 tensor, floats are finite, token ids index the
+vocabulary, text encodes as UTF-8, and ``True`` is not the number 1. Each
+check raises :class:`~pitstop.errors.InvalidRequestError` with a message that
+starts with the name of the field (the HTTP layer reads it as the ``param``)
+and says what to send instead.
+
+:class:`~pitstop.requests.sampling_params.SamplingParams` runs the checks that need no
+model; :func:`validate_request` adds those that need the vocabulary, for the
+engine's ``add_request``; :func:`validate_messages` checks a chat before its
+template is applied.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from pitstop.errors import InvalidRequestError
+from pitstop.errors import fail_request as _fail
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+# torch seeds a generator with 64 bits; a seed (an int64, as vLLM takes it) is
+# reduced modulo this (torch itself treats a negative seed that way).
+SEED_MODULUS = 2**64
+
+# A token id key of logit_bias: ASCII decimal digits only (str.isdigit() also takes
+# "²", "①", "٣" and "𝟓", and int() strips spaces), at most 19 of them (int64).
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python or numpy), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | _numpy_bool())
+
+
+def is_real(value: Any) -> bool:
+    """A finite int or float (Python or numpy), but not a bool."""
+    if isinstance(value, bool | _numpy_bool()) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float is finite but absurd here
+        return False
+
+
+def _numpy_bool() -> type:
+    try:
+        import numpy as np
+    except ModuleNotFoundError:  # pragma: no cover - numpy is a dependency
+        return bool
+    return np.bool_
+
+
+def _type_name(value: Any) -> str:
+    return "a bool" if isinstance(value, bool) else type(value).__name__
+
+
+def check_int(name: str, value: Any, *, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
+    """``value`` as an int in ``[lo, hi]``; anything else raises naming ``name``."""
+    if not is_int(value):
+        _fail(f"{name} must be an integer, got {_type_name(value)} {_short(value)}")
+    value = int(value)
+    if not lo <= value <= hi:
+        _fail(f"{name} must be in [{lo}, {hi}], got {_short(value)}")
+    return value
+
+
+def check_real(name: str, value: Any, hint: str) -> float:
+    """``value`` as a finite float; ``hint`` says what to send instead."""
+    if not is_real(value):
+        kind = "a finite number" if isinstance(value, numbers.Real) else "a number"
+        _fail(f"{name} must be {kind}, got {_type_name(value)} {value!r}; {hint}")
+    return float(value)
+
+
+def check_text(name: str, value: Any) -> str:
+    """``value`` as a string that encodes as UTF-8 (no lone surrogate halves)."""
+    if not isinstance(value, str):
+        _fail(f"{name} must be a string, got {_type_name(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start : exc.end]
+        _fail(
+            f"{name} contains {bad!r} at position {exc.start}, half of a UTF-16 surrogate "
+            "pair, which is not text; send valid Unicode (pair the surrogates or remove it)"
+        )
+    return value
+
+
+def seed_of(value: Any) -> int | None:
+    """A request seed, an int64 (as vLLM takes it), reduced into ``[0, 2**64)`` for torch;
+    None stays None (the engine's own seed). Outside int64 it raises naming ``seed``."""
+    if value is None:
+        return None
+    if not is_int(value):
+        _fail(f"seed must be an integer or null, got {_type_name(value)} {value!r}")
+    if not INT64_MIN <= int(value) <= INT64_MAX:
+        _fail(
+            f"seed must be in [{INT64_MIN}, {INT64_MAX}] (int64), got {_short(int(value))}; "
+            "send a smaller seed"
+        )
+    return int(value) % SEED_MODULUS
+
+
+def _short(value: Any, limit: int = 24) -> str:
+    """``repr(value)`` cut to ``limit`` characters, with its full length (a 5,000-digit key)."""
+    if is_int(value) and int(value).bit_length() > 4 * limit:  # str() of it may even raise
+        return f"an integer of about {int(int(value).bit_length() * math.log10(2)) + 1:,} digits"
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value):,} characters)"
+    text = str(value) if is_int(value) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def token_id_key(key: Any) -> int:
+    """A ``logit_bias`` key as a token id: an int, or a string of ASCII decimal digits
+    (JSON object keys are strings). Anything else raises naming the key: ``"²"``,
+    ``"①"``, ``"٣"``, ``"𝟓"``, ``" 5"``, ``"+5"``, ``"-1"`` and keys past int64."""
+    if is_int(key):
+        return check_int("logit_bias", key, lo=0)
+    if isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key) and int(key) <= INT64_MAX:
+        return int(key)
+    if isinstance(key, str):
+        _fail(
+            f"logit_bias key {_short(key)} is not a token id; keys must be token ids written "
+            'in ASCII digits 0-9 (no spaces, signs or other numerals), e.g. {"50256": -100}'
+        )
+    _fail(f"logit_bias keys must be token ids, got {_type_name(key)} {_short(key)}")
+    raise AssertionError  # unreachable: _fail raises
+
+
+def check_token_ids(name: str, ids: Any, vocab_size: int | None = None) -> list[int]:
+    """A list of token ids, each an integer in ``[0, vocab_size)`` (``[0, 2**63)`` if unknown)."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        _fail(f"{name} must be a list of token ids (integers), got {_type_name(ids)}")
+    out = list(ids)
+    not_ints = [t for t in out if not is_int(t)]
+    if not_ints:
+        _fail(
+            f"{name} must hold integers, got {not_ints[0]!r} ({_type_name(not_ints[0])}); "
+            "send token ids as JSON integers"
+        )
+    hi = INT64_MAX + 1 if vocab_size is None else vocab_size
+    bad = [int(t) for t in out if not 0 <= t < hi]
+    if bad:
+        where = "the vocabulary" if vocab_size is not None else "int64"
+        _fail(f"{name}: token id(s) {bad[:5]} outside {where} [0, {hi})")
+    return [int(t) for t in out]
+
+
+def check_encoded_prompt(prompt: str, ids: Sequence[int], vocab_size: int | None = None) -> None:
+    """Refuse a text prompt that the tokenizer turns into no tokens, or into ids outside
+    ``[0, vocab_size)`` (call it after encoding).
+
+    Some control characters (``"\\x04"`` with SmolLM2's tokenizer) encode to
+    nothing; a request with no tokens must not reach the scheduler. A tokenizer
+    larger than the model is refused at load, so an id outside the vocabulary
+    here means a tokenizer that adds ids at run time: refused, not indexed.
+    """
+    if not ids:
+        _fail(
+            f"prompt {prompt[:40]!r} encodes to no tokens (the tokenizer drops every character "
+            "of it); send text with at least one printable character, or prompt_token_ids"
+        )
+    if vocab_size is not None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            _fail(
+                f"prompt encodes to token id(s) {bad[:5]} outside the model's vocabulary "
+                f"[0, {vocab_size}); the tokenizer does not match the model: load the model's "
+                "own tokenizer"
+            )
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """A chat as a list of ``{"role", "content"}`` dicts, checked before the template runs.
+
+    Roles are ``system``, ``user``, ``assistant`` and ``tool``; content is a
+    string (empty allowed). Other keys pass through to the template.
+    """
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Iterable):
+        _fail(
+            f"messages must be a list of {{'role', 'content'}} objects, got {_type_name(messages)}"
+        )
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            _fail(
+                f"messages[{i}] must be an object with role and content, got {_type_name(message)}"
+            )
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            _fail(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        content = message.get("content", "")
+        check_text(f"messages[{i}].content", "" if content is None else content)
+        out.append(dict(message))
+    if not out:
+        _fail("messages is empty; send at least one message")
+    return out
+
+
+# ---------------------------------------------------------------- attrs validators and converters
+# One message style for every field: "<field> must be <what it accepts>, got <value>[; <hint>]",
+# the field's name first (the HTTP layer reads it as the OpenAI error's ``param``).
+
+
+def _got(value: Any) -> str:
+    return f"{_short(value)} (a bool)" if isinstance(value, bool | _numpy_bool()) else _short(value)
+
+
+def _bounds(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}]"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {_num(lo)}"
+    return f"<= {_num(hi)}"
+
+
+def _num(x: float) -> str:
+    if x == INT64_MAX:
+        return "2**63 - 1"
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def must_be(name: str, what: str, value: Any, hint: str = "") -> InvalidRequestError:
+    """The one error message of a field's value: ``<name> must be <what>, got <value>; <hint>``."""
+    return InvalidRequestError(
+        f"{name} must be {what}, got {_got(value)}" + (f"; {hint}" if hint else "")
+    )
+
+
+def int_in(
+    lo: int | None = None,
+    hi: int | None | Callable[[Any], int | None] = INT64_MAX,
+    *,
+    hint: str = "",
+    off: Sequence[int] = (),
+    optional: bool = False,
+) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: an integer in ``[lo, hi]`` (``hi`` may read the instance), or one
+    of ``off`` (values that switch the field off), or None when ``optional``."""
+
+    def check(inst: Any, att: Any, value: Any) -> None:
+        if value is None and optional:
+            return
+        top = hi(inst) if callable(hi) else hi
+        if is_int(value) and (
+            value in off or ((lo is None or value >= lo) and (top is None or value <= top))
+        ):
+            return
+        what = f"an integer {_bounds(lo, top)}"
+        if off:
+            what = f"{' or '.join(map(str, off))} (off) or {what}"
+        if optional:
+            what = f"null or {what}"
+        raise must_be(att.name, what, value, hint)
+
+    return check
+
+
+def real_in(
+    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hint: str = ""
+) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: a finite number in the range (``lo_open``: ``lo`` excluded)."""
+
+    def check(_inst: Any, att: Any, value: Any) -> None:
+        ok = is_real(value)
+        if ok and lo is not None:
+            ok = value > lo if lo_open else value >= lo
+        if ok and hi is not None:
+            ok = value <= hi
+        if not ok:
+            raise must_be(att.name, f"a finite number {_bounds(lo, hi, lo_open)}", value, hint)
+
+    return check
+
+
+def boolean(_inst: Any, att: Any, value: Any) -> None:
+    """An attrs validator: True or False (not 1, not "true")."""
+    if not isinstance(value, bool):
+        raise must_be(att.name, "true or false", value)
+
+
+def as_int(value: Any) -> Any:
+    """A converter: an integer (numpy's too) as a Python int; anything else unchanged."""
+    return int(value) if is_int(value) else value
+
+
+def as_float(value: Any) -> Any:
+    """A converter: a finite real number (numpy's too) as a float; anything else unchanged."""
+    return float(value) if is_real(value) else value
