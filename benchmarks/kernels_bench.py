@@ -673,6 +673,19 @@ class SweepConfig(NamedTuple):
     widen: str | None  # PagedAttention's fp8_widen; None for a bf16 cache (it changes nothing)
 
 
+def sweep_shapes(text: str) -> list[tuple[int, int]]:
+    """``--sweep-shapes``: ``"256x1024,128x2048"`` -> ``[(256, 1024), (128, 2048)]``."""
+    shapes = []
+    for item in text.split(","):
+        batch, sep, ctx = item.strip().lower().partition("x")
+        if not sep or not batch.isdigit() or not ctx.isdigit() or int(batch) < 1 or int(ctx) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not BATCHxCONTEXT with two positive integers (e.g. 256x1024)"
+            )
+        shapes.append((int(batch), int(ctx)))
+    return shapes
+
+
 def sweep_candidates(
     kv: str, batch: int, ctx: int, hq: int, hkv: int, d: int, num_sms: int
 ) -> list[tuple[str, SweepConfig]]:
@@ -707,7 +720,7 @@ def sweep_plan(args: argparse.Namespace, num_sms: int) -> dict[tuple[str, int, i
     return {
         (kv, b, c): sweep_candidates(kv, b, c, hq, hkv, d, num_sms)
         for kv in SWEEP_KV
-        for b, c in SWEEP_SHAPES
+        for b, c in (args.sweep_shapes or SWEEP_SHAPES)
     }
 
 
@@ -909,6 +922,8 @@ def run_decode_sweep(args: argparse.Namespace) -> dict[str, Any]:
     if args.jobs > 1 and DEVICE == "cuda":
         flags = ["--decode-sweep", "--heads", str(args.heads), "--kv-heads", str(args.kv_heads)]
         flags += ["--head-size", str(args.head_size), "--page-size", str(args.page_size)]
+        if args.sweep_shapes:  # the split counts (so the compiled set) follow the batch sizes
+            flags += ["--sweep-shapes", ",".join(f"{b}x{c}" for b, c in args.sweep_shapes)]
         compile_in_processes(args.jobs, flags, timeout=SWEEP_COMPILE_SHARE * budget)
         print(f"compiled in {time.monotonic() - t0:.0f} s ({args.jobs} processes)", flush=True)
     inputs = {key: sweep_inputs(*key, args) for key in plan}
@@ -1003,6 +1018,13 @@ def main() -> None:
         default=SWEEP_BUDGET_S,
         metavar="SECONDS",
         help="with --decode-sweep: start no candidate after this many seconds",
+    )
+    p.add_argument(
+        "--sweep-shapes",
+        type=sweep_shapes,
+        metavar="BxC,...",
+        help="with --decode-sweep: these (batch x context) shapes instead of "
+        + ",".join(f"{b}x{c}" for b, c in SWEEP_SHAPES),
     )
     p.add_argument("--verbose", action="store_true", help="with --decode-sweep: every config")
     p.add_argument("--jobs", type=int, default=1, help="with --tune: compile in N processes first")

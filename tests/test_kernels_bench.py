@@ -38,7 +38,7 @@ def kb():
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(heads=32, kv_heads=8, head_size=128, page_size=16, jobs=1, compile_only=False)
-    base.update(sweep_budget=130.0, verbose=False, shard="0/1")
+    base.update(sweep_budget=130.0, verbose=False, shard="0/1", sweep_shapes=None)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -132,3 +132,14 @@ def test_without_cuda_the_sweep_fails_clearly(kb, monkeypatch) -> None:
     monkeypatch.setattr(sys, "argv", ["kernels_bench.py", "--decode-sweep"])
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         kb.main()
+
+
+def test_sweep_shapes_are_parsed_and_replace_the_default(kb) -> None:
+    """``--sweep-shapes 256x1024,128x2048`` plans those shapes; a malformed one names the form."""
+    shapes = kb.sweep_shapes("256x1024, 128X2048")
+    assert shapes == [(256, 1024), (128, 2048)]
+    plan = kb.sweep_plan(_args(sweep_shapes=shapes), kb.H200_SMS)
+    assert {(b, c) for _, b, c in plan} == set(shapes)
+    for bad in ("256", "0x512", "ax512", "256x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BATCHxCONTEXT"):
+            kb.sweep_shapes(bad)
