@@ -1,0 +1,66 @@
+"""The Triton dequant-GEMV kernel against GGUFLinear's exact CPU forward (issue 33).
+
+Without CUDA the kernel runs on CPU tensors through Triton's interpreter:
+``TRITON_INTERPRET=1`` must be set before the kernel's module is first imported (its
+``@triton.jit`` reads it), hence the first lines. Shapes are small (the interpreter runs
+each program in numpy); ragged row counts and block counts that are no multiple of the
+kernel's group exercise its masks. The kernel sums in another order than the BLAS, so
+the bound is float32 rounding, not bit equality.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+
+import pytest  # noqa: E402
+from gguf_block_helpers import quantized  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pitstop.plugins.weights import triton_dequant_gemv as gemv  # noqa: E402
+from pitstop.plugins.weights.quantized_linear import GGUFLinear  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+SHAPES = [(40, 96, 1), (64, 512, 3), (33, 288, 2)]  # (out, in, batch): 3, 16 and 9 blocks a row
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize(("out", "cols", "batch"), SHAPES)
+def test_kernel_matches_the_cpu_forward(name: str, out: int, cols: int, batch: int) -> None:
+    layer = GGUFLinear(torch.from_numpy(quantized(name, out, cols, seed=out)), name, (out, cols))
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(cols))
+    want = layer(x)  # the CPU path: bit-equal to dequantize-then-matmul
+    got = gemv.dequant_gemv(x.to(DEVICE), layer.raw.to(DEVICE), name, out).cpu()
+    assert got.dtype == torch.float32 and got.shape == (batch, out)
+    assert torch.isfinite(got).all()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_supports_and_refuses() -> None:
+    assert all(gemv.supports(name) for name in TYPES)
+    assert not gemv.supports("Q6_K") and not gemv.supports("IQ2_XXS")
+    raw = torch.zeros(144, dtype=torch.uint8)
+    with pytest.raises(NotImplementedError, match="reads Q8_0, Q4_0, Q4_1 blocks, not Q4_K"):
+        gemv.dequant_gemv(torch.zeros(1, 256), raw, "Q4_K", 1)
+    with pytest.raises(ValueError, match="raw must be 68 uint8 bytes"):
+        gemv.dequant_gemv(torch.zeros(1, 32), torch.zeros(34, dtype=torch.uint8), "Q8_0", 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_forward_uses_the_kernel_and_falls_back() -> None:
+    layer = GGUFLinear(torch.from_numpy(quantized("Q4_1", 300, 1024)), "Q4_1", (300, 1024))
+    x = torch.randn(4, 1024)
+    want = layer(x)
+    on_gpu = layer.to("cuda")
+    got = on_gpu(x.cuda()).cpu()
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    big = torch.randn(gemv.MAX_BATCH + 1, 1024)  # dequantize + matmul instead
+    torch.testing.assert_close(on_gpu(big.cuda()).cpu(), layer.cpu()(big), rtol=1e-4, atol=1e-4)
