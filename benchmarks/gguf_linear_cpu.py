@@ -43,7 +43,7 @@ def _best_ms(fn: Callable[[], object], repeat: int) -> float:
 
 def main() -> None:
     """Parse the arguments, time each matrix at batch 1 and 16, print one line each."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--file", type=Path, default=None)
