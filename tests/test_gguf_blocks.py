@@ -30,6 +30,7 @@ from pitstop.plugins.weights.gguf_blocks import (
     dequantize,
     dequantize_blocks,
     layout_of,
+    nonfinite_blocks,
     supported_types,
 )
 
@@ -104,6 +105,7 @@ def _check_file_tensor(t: object) -> None:
     got = dequantize(raw, t.tensor_type, shape)
     assert same_bits(got.numpy(), want.reshape(shape)), t.name
     assert layout_of(t.tensor_type).tensor_bytes(shape) == int(t.n_bytes), t.name
+    assert nonfinite_blocks(raw, t.tensor_type) == 0, t.name
 
 
 def test_smollm2_holds_q4_1_q8_0_and_f32() -> None:
@@ -156,6 +158,25 @@ def test_wrong_bytes_or_shape_is_an_error() -> None:
 def test_layouts_table_is_keyed_by_type() -> None:
     assert all(layout.qtype == key for key, layout in LAYOUTS.items())
     assert gguf_blocks.QK_K == gguf.QK_K
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_nonfinite_blocks_finds_a_broken_scale(name: str) -> None:
+    layout = layout_of(name)
+    cols = layout.block_elems * 4
+    raw = random_blocks(name, rows=8, cols=cols, seed=8)
+    assert nonfinite_blocks(torch.from_numpy(raw), name) == 0
+    assert np.isfinite(reference(raw, name)).all()
+    broken = raw.reshape(-1, layout.block_bytes).copy()
+    # a NaN in the first float field of blocks 3 and 17 (for BF16: a float32 NaN's top half)
+    f32_nan = np.array([np.nan], np.float32).view(np.uint8)
+    f16_nan = np.array([np.nan], np.float16).view(np.uint8)
+    field = next(f for f in layout.fields if f.holds.startswith(("f16", "float", "bfloat")))
+    value = {"F32": f32_nan, "BF16": f32_nan[2:]}.get(name, f16_nan)
+    for block in (3, 17):
+        broken[block, field.offset : field.offset + field.size] = value
+    assert nonfinite_blocks(torch.from_numpy(broken.reshape(-1)), name) == 2
+    assert not np.isfinite(reference(broken.reshape(raw.shape), name)).all()
 
 
 @pytest.mark.gpu

@@ -5,12 +5,18 @@ Without CUDA the kernel runs on CPU tensors through Triton's interpreter:
 ``@triton.jit`` reads it), hence the first lines. Shapes are small (the interpreter runs
 each program in numpy); ragged row counts and block counts that are no multiple of the
 kernel's group exercise its masks. The kernel sums in another order than the BLAS, so
-the bound is float32 rounding, not bit equality.
+the bound is float32 rounding, not bit equality. The interpreter runs any Python, so one
+test also compiles the kernel for the H200 (sm_90, ptxas included) in a subprocess, no
+GPU needed: what Triton's compiler would refuse fails here.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import torch
 
@@ -25,6 +31,7 @@ pytest.importorskip("triton")
 from pitstop.plugins.weights import triton_dequant_gemv as gemv  # noqa: E402
 from pitstop.plugins.weights.quantized_linear import GGUFLinear  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TYPES = ["Q8_0", "Q4_0", "Q4_1"]
 SHAPES = [(40, 96, 1), (64, 512, 3), (33, 288, 2)]  # (out, in, batch): 3, 16 and 9 blocks a row
@@ -51,6 +58,47 @@ def test_supports_and_refuses() -> None:
         gemv.dequant_gemv(torch.zeros(1, 256), raw, "Q4_K", 1)
     with pytest.raises(ValueError, match="raw must be 68 uint8 bytes"):
         gemv.dequant_gemv(torch.zeros(1, 32), torch.zeros(34, dtype=torch.uint8), "Q8_0", 2)
+
+
+# Compiles the kernel for the H200 (sm_90) without a GPU: the interpreter runs any Python,
+# so only a real compile catches what Triton's compiler refuses (types, shapes, constexprs).
+_COMPILE = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from pitstop.plugins.weights import triton_dequant_gemv as g
+
+    args = ["x_ptr", "w_ptr", "y_ptr", "N", "n_blocks", "row_bytes", "stride_x", "stride_y"]
+    kinds = ["*fp32", "*u8", "*fp32"] + ["i32"] * 5
+    for kind, qs_at, block_bytes in ((0, 2, 34), (1, 2, 18), (2, 4, 20)):
+        consts = dict(KIND=kind, QS_AT=qs_at, BLOCK_BYTES=block_bytes, BLOCK_N=g.BLOCK_N,
+                      GROUP=g.GROUP)
+        signature = dict(zip(args, kinds)) | {name: "constexpr" for name in consts}
+        at = {(i,): consts[n] for i, n in enumerate(signature) if n in consts}
+        src = ASTSource(fn=g._dequant_gemv_kernel, signature=signature, constexprs=at)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        assert kernel.asm["cubin"], kind
+    print("compiled")
+    """
+)
+
+
+def test_kernel_compiles_for_sm90(tmp_path: Path) -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.gpu

@@ -62,6 +62,9 @@ Each formula is evaluated in float32 with exactly the operations, in exactly the
 of ``gguf.quants`` (one rounding per product or sum, no fused multiply-add), which is what
 makes the result bit-equal to the numpy reference. Every function here is made of
 vectorized torch ops over all blocks at once, so it runs unchanged on CUDA tensors.
+
+:func:`nonfinite_blocks` checks kept blocks for NaN or infinite scales without
+dequantizing them (the engine's finite-weights check skips integer tensors).
 """
 
 from __future__ import annotations
@@ -455,3 +458,28 @@ def dequantize(
         )
     values = layout.decode(raw.reshape(-1, layout.block_bytes))
     return values.reshape(shape).to(dtype)
+
+
+def nonfinite_blocks(raw: torch.Tensor, qtype: int | str | enum.Enum) -> int:
+    """How many blocks of ``raw`` (a tensor's bytes) hold a NaN or infinite float field.
+
+    A block's values are finite exactly when its float fields are (every other field is
+    a small integer, and the largest finite f16 times the largest quant stays far inside
+    float32), so this checks a quantized weight without dequantizing it: the f16 scales
+    and mins of the block types, the values themselves for F32, F16 and BF16. The
+    engine's finite-weights check skips integer tensors, so kept blocks need this one.
+    """
+    layout = layout_of(qtype)
+    if raw.dtype != torch.uint8 or raw.numel() % layout.block_bytes:
+        raise ValueError(
+            f"{layout.qtype.name} bytes must be a uint8 tensor of whole "
+            f"{layout.block_bytes}-byte blocks, not {raw.numel()} {raw.dtype}"
+        )
+    blocks = raw.reshape(-1, layout.block_bytes)
+    if not layout.quantized:
+        return int((~torch.isfinite(layout.decode(blocks))).sum())
+    bad = torch.zeros(blocks.shape[0], dtype=torch.bool, device=blocks.device)
+    for field in layout.fields:
+        if field.holds.startswith("f16"):
+            bad |= ~torch.isfinite(_f16(blocks, field.offset)).reshape(-1)
+    return int(bad.sum())
