@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
 
 import pytest  # noqa: E402
-from gguf_block_helpers import quantized  # noqa: E402
+from gguf_block_helpers import quantized, random_blocks  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -35,27 +35,45 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TYPES = ["Q8_0", "Q4_0", "Q4_1"]
 SHAPES = [(40, 96, 1), (64, 512, 3), (33, 288, 2)]  # (out, in, batch): 3, 16 and 9 blocks a row
+K_TYPES = ["Q4_K", "Q6_K"]
+K_SHAPES = [(40, 256, 1), (33, 768, 2)]  # one and three super-blocks a row
+
+
+def _check(layer: GGUFLinear, batch: int, seed: int) -> None:
+    x = torch.randn(batch, layer.in_features, generator=torch.Generator().manual_seed(seed))
+    want = layer(x)  # the CPU path: bit-equal to dequantize-then-matmul
+    raw = layer.raw.to(DEVICE)
+    got = gemv.dequant_gemv(x.to(DEVICE), raw, layer.qtype_name, layer.out_features).cpu()
+    assert got.dtype == torch.float32 and got.shape == (batch, layer.out_features)
+    assert torch.isfinite(got).all()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 1e-5 * scale, layer.qtype_name
 
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize(("out", "cols", "batch"), SHAPES)
 def test_kernel_matches_the_cpu_forward(name: str, out: int, cols: int, batch: int) -> None:
     layer = GGUFLinear(torch.from_numpy(quantized(name, out, cols, seed=out)), name, (out, cols))
-    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(cols))
-    want = layer(x)  # the CPU path: bit-equal to dequantize-then-matmul
-    got = gemv.dequant_gemv(x.to(DEVICE), layer.raw.to(DEVICE), name, out).cpu()
-    assert got.dtype == torch.float32 and got.shape == (batch, out)
-    assert torch.isfinite(got).all()
-    scale = want.abs().max().item()
-    assert (got - want).abs().max().item() <= 1e-5 * scale, name
+    _check(layer, batch, seed=cols)
+
+
+@pytest.mark.parametrize("name", K_TYPES)
+@pytest.mark.parametrize(("out", "cols", "batch"), K_SHAPES)
+def test_k_quant_kernel_matches_the_cpu_forward(name: str, out: int, cols: int, batch: int) -> None:
+    # random valid super-blocks (gguf cannot quantize K-quants): every scale, min and
+    # quant bit pattern, f16 scales over their whole finite range
+    raw = random_blocks(name, out, cols, seed=out + cols)
+    _check(GGUFLinear(torch.from_numpy(raw), name, (out, cols)), batch, seed=out)
 
 
 def test_supports_and_refuses() -> None:
-    assert all(gemv.supports(name) for name in TYPES)
-    assert not gemv.supports("Q6_K") and not gemv.supports("IQ2_XXS")
-    raw = torch.zeros(144, dtype=torch.uint8)
-    with pytest.raises(NotImplementedError, match="reads Q8_0, Q4_0, Q4_1 blocks, not Q4_K"):
-        gemv.dequant_gemv(torch.zeros(1, 256), raw, "Q4_K", 1)
+    assert all(gemv.supports(name) for name in TYPES + K_TYPES)
+    assert not gemv.supports("Q5_K") and not gemv.supports("IQ2_XXS")
+    raw = torch.zeros(176, dtype=torch.uint8)
+    with pytest.raises(
+        NotImplementedError, match="reads Q8_0, Q4_0, Q4_1, Q4_K, Q6_K blocks, not Q5_K"
+    ):
+        gemv.dequant_gemv(torch.zeros(1, 256), raw, "Q5_K", 1)
     with pytest.raises(ValueError, match="raw must be 68 uint8 bytes"):
         gemv.dequant_gemv(torch.zeros(1, 32), torch.zeros(34, dtype=torch.uint8), "Q8_0", 2)
 
@@ -77,6 +95,12 @@ _COMPILE = textwrap.dedent(
         signature = dict(zip(args, kinds)) | {name: "constexpr" for name in consts}
         at = {(i,): consts[n] for i, n in enumerate(signature) if n in consts}
         src = ASTSource(fn=g._dequant_gemv_kernel, signature=signature, constexprs=at)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        assert kernel.asm["cubin"], kind
+    for kind in (0, 1):
+        signature = dict(zip(args, kinds)) | {"KIND": "constexpr", "BLOCK_N": "constexpr"}
+        at = {(8,): kind, (9,): g.BLOCK_N}
+        src = ASTSource(fn=g._kquant_gemv_kernel, signature=signature, constexprs=at)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
         assert kernel.asm["cubin"], kind
     print("compiled")
