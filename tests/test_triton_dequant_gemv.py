@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
 
 import pytest  # noqa: E402
-from gguf_block_helpers import quantized, random_blocks  # noqa: E402
+from gguf_block_helpers import quantized, random_blocks, smollm2_tensors  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -64,6 +64,16 @@ def test_k_quant_kernel_matches_the_cpu_forward(name: str, out: int, cols: int, 
     # quant bit pattern, f16 scales over their whole finite range
     raw = random_blocks(name, out, cols, seed=out + cols)
     _check(GGUFLinear(torch.from_numpy(raw), name, (out, cols)), batch, seed=out)
+
+
+def test_kernel_on_the_smollm2_weights() -> None:
+    # a Q4_1 projection of the shipped file, and 64 rows of its Q8_0 embedding (small enough
+    # for the interpreter)
+    tensors = smollm2_tensors()
+    _check(GGUFLinear.from_gguf_tensor(tensors["blk.0.attn_k.weight"]), batch=2, seed=1)
+    embed = GGUFLinear.from_gguf_tensor(tensors["token_embd.weight"])
+    rows = GGUFLinear(embed.raw[:64].clone(), "Q8_0", (64, embed.in_features))
+    _check(rows, batch=1, seed=2)
 
 
 def test_supports_and_refuses() -> None:
