@@ -748,11 +748,13 @@ def _merge_case(
 
 
 def _merge_attention(merge: str, dtype: torch.dtype, splits: int, pairs: int):
-    """A PagedAttention whose decodes take ``splits`` splits at ``pairs`` (decode, KV head) pairs."""
+    """A PagedAttention whose decodes take ``splits`` splits at ``pairs`` (decode, KV head) pairs
+    (splits as short as 16 keys on a GPU too, where they would be 128 at least)."""
     from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
 
+    num_sms = max(1, pairs * splits // 4)
     attn = PagedAttention(
-        DEVICE, dtype, 512, num_sms=max(1, pairs * splits // 4), decode_merge=merge
+        DEVICE, dtype, 512, num_sms=num_sms, min_split_tokens=16, decode_merge=merge
     )
     assert attn.num_splits(pairs, 1) == splits
     return attn

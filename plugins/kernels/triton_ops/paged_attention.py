@@ -753,6 +753,7 @@ class PagedAttention:
         # needs num_decodes * num_kv_heads <= split_waves * num_sms / 2, so this many always
         # suffice for the engine's split counts (a forced count may need more: _counters()).
         self.decode_counters: torch.Tensor | None = None
+        self._retired_counters: list[torch.Tensor | None] = []
         if decode_merge == "last-program":
             self.decode_counters = torch.zeros(
                 max(1, split_waves * num_sms), dtype=torch.int32, device=device
@@ -803,6 +804,8 @@ class PagedAttention:
             counters = torch.zeros(
                 triton.next_power_of_2(pairs), dtype=torch.int32, device=counters.device
             )
+            # a graph captured earlier still points at the old ones: they stay allocated
+            self._retired_counters.append(self.decode_counters)
             self.decode_counters = counters
         return counters
 
