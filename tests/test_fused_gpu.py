@@ -238,7 +238,9 @@ def _with_lens(meta: AttentionMetadata, lens: list[int]) -> AttentionMetadata:
 
 @pytest.mark.parametrize("cache", ["bf16", "e4m3"])
 @pytest.mark.parametrize("shape", [(1, 4096), (8, 2048), (3, 1000)], ids=str)
-def test_last_program_merge_replays_from_a_cuda_graph(shape: tuple[int, int], cache: str) -> None:
+def test_decode_last_program_merge_replays_from_a_cuda_graph(
+    shape: tuple[int, int], cache: str
+) -> None:
     """Issue 29: ``decode_merge="last-program"`` (the split arriving last merges, in one launch).
 
     Four launches (a model's layers: four queries, the same counters) captured in one CUDA graph

@@ -524,39 +524,40 @@ def _merge_splits(
 
     What :func:`_decode_reduce_kernel` computes for one query head, for the
     group's heads at once (``MERGE_G`` rows, the group padded to a power of
-    two): ``m_max`` and the denominator ``sum_s 2^(m_s - m_max) l_s`` from one
-    ``[MERGE_G, splits]`` load of the ``(m, l)`` pairs, then ``o`` accumulated
-    over the splits in split order (unrolled: no split's loads wait for
-    another's, and no barrier between them). Every load bypasses L1
-    (``.cg``): the partials come from L2, where the other programs' stores are.
-    The split order, not the arrival order, fixes the sums: the output does
-    not depend on which program merges.
+    two), split after split in split order: ``m_max``, the largest ``m``,
+    then the denominator ``sum_s 2^(m_s - m_max) l_s`` and
+    ``sum_s 2^(m_s - m_max) o_s``. Every per-split value is a ``[MERGE_G, 1]``
+    column broadcast over the ``[MERGE_G, HEAD]`` tile, so nothing changes
+    layout between splits (no shared-memory round trip, no barrier: each
+    split's loads wait for no other split's, the loops are unrolled). Every
+    load bypasses L1 (``.cg``): the partials come from L2, where the other
+    programs' stores are. The split order, not the arrival order, fixes the
+    sums: the output does not depend on which program merges.
     """
     g = tl.arange(0, MERGE_G)
     g_mask = g < GROUP
-    s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD)
     heads = kvh * GROUP + g
-    base = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS
-    ml = part_ml_ptr + (base[:, None] + s[None, :]) * 2
-    m = tl.load(ml, mask=g_mask[:, None], other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(ml + 1, mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=1)
+    base = ((b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS)[:, None]
+    rows = g_mask[:, None]
+    m_max = tl.full([MERGE_G, 1], float("-inf"), tl.float32)
+    for i in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(
+            part_ml_ptr + (base + i) * 2, mask=rows, other=float("-inf"), cache_modifier=".cg"
+        )
+        m_max = tl.maximum(m_max, m_s)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padding row with no keys: output 0
-    denom = tl.maximum(tl.sum(tl.exp2(m - m_max[:, None]) * l_s, axis=1), 1e-30)
+    denom = tl.zeros([MERGE_G, 1], tl.float32)
     acc = tl.zeros([MERGE_G, HEAD], tl.float32)
     for i in tl.static_range(NUM_SPLITS):
-        m_i = tl.load(
-            part_ml_ptr + (base + i) * 2, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
+        ml = part_ml_ptr + (base + i) * 2
+        w = tl.exp2(tl.load(ml, mask=rows, other=float("-inf"), cache_modifier=".cg") - m_max)
+        denom += w * tl.load(ml + 1, mask=rows, other=0.0, cache_modifier=".cg")
+        o_s = tl.load(
+            part_o_ptr + (base + i) * HEAD + d[None, :], mask=rows, other=0.0, cache_modifier=".cg"
         )
-        o_i = tl.load(
-            part_o_ptr + (base + i)[:, None] * HEAD + d[None, :],
-            mask=g_mask[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += o_i * tl.exp2(m_i - m_max)[:, None]
-    o = acc / denom[:, None]
+        acc += o_s * w
+    o = acc / tl.maximum(denom, 1e-30)
     tl.store(
         _head_rows(out_ptr, row, heads, d, stride_ot, stride_oh),
         o.to(out_ptr.dtype.element_ty),
