@@ -38,13 +38,17 @@ graphs over bf16 and fp8_e4m3 caches (fp8 with scales 0.05 and 0.02) at
 1 x 4,096, 8 x 2,048, 64 x 2,048, 256 x 512 and 1 x 32,768: the engine's
 (the tiles in code, ``num_splits()``, and for fp8 both widenings,
 ``fp8_widen="fp16"`` and ``"query"``), every split count 1..128 (powers of
-two) with the tiles in code, every tile shape of block_n 32/64/128 x warps
-1/2/4 x stages 2/3/4 at the engine's split count, then the best tiles at the
-best split count. Each is checked against the reference first. It prints the
-best per shape, the engine's, and the runners-up, as % of copy bandwidth at
-the cache's bytes (1 per fp8 element); ``--sweep-budget`` (default 130 s)
-stops it starting candidates, ``--jobs`` compiles them in processes first
-(at most 55% of the budget), ``--verbose`` prints every config.
+two) with the tiles in code, the one-launch merge
+(``decode_merge="last-program"``: the split arriving last merges, no second
+kernel) at every split count 2..128 with the tiles in code and the default
+widening, every tile shape of block_n 32/64/128 x warps 1/2/4 x stages 2/3/4
+at the engine's split count, then the best tiles at the best split count.
+Each is checked against the reference first (a last-program candidate also
+for its counters, all zero after the timed replays). It prints the best per
+shape, the engine's, the runners-up, and the best of each merge, as % of
+copy bandwidth at the cache's bytes (1 per fp8 element); ``--sweep-budget``
+(default 130 s) stops it starting candidates, ``--jobs`` compiles them in
+processes first (at most 55% of the budget), ``--verbose`` prints every config.
 """
 
 from __future__ import annotations
@@ -210,6 +214,7 @@ def make_attention(
     decode=None,
     splits: int | None = None,
     fp8_widen: str = "fp16",
+    decode_merge: str = "separate",
 ):
     """A PagedAttention with the given tiles (None: the tables in code), optionally a forced split count."""
     from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
@@ -221,6 +226,7 @@ def make_attention(
         prefill=prefill,
         decode=decode,
         fp8_widen=fp8_widen,
+        decode_merge=decode_merge,
     )
     if splits is not None:
         attn.num_splits = lambda num_decodes, num_kv_heads: splits  # type: ignore[method-assign]
@@ -671,6 +677,7 @@ class SweepConfig(NamedTuple):
     tiles: tuple[int, int, int]  # DecodeTiles: block_n, warps, stages
     splits: int
     widen: str | None  # PagedAttention's fp8_widen; None for a bf16 cache (it changes nothing)
+    merge: str = "separate"  # PagedAttention's decode_merge (changes nothing at one split)
 
 
 def sweep_shapes(text: str) -> list[tuple[int, int]]:
@@ -693,9 +700,11 @@ def sweep_candidates(
 
     Stages: ``current`` (the tiles in code, ``num_splits()``, the default widening; for fp8
     also ``fp8_widen="query"``, the widening before issue 29), ``splits`` (the tiles in code,
-    every split count of SWEEP_SPLITS, for fp8 with both widenings), ``tiles`` (every tile shape
-    of SWEEP_TILES at the engine's split count, the default widening). The run adds a ``best``
-    stage: the best tiles at the best split count, where that pair was not timed.
+    every split count of SWEEP_SPLITS, for fp8 with both widenings), ``merge`` (the tiles in
+    code, ``decode_merge="last-program"`` at every split count of SWEEP_SPLITS but 1, the default
+    widening), ``tiles`` (every tile shape of SWEEP_TILES at the engine's split count, the
+    default widening). The run adds a ``best`` stage: the best tiles at the best split count
+    (both with the separate merge), where that pair was not timed.
     """
     from pitstop.plugins.kernels.triton_ops.paged_attention import (
         FP8_WIDEN,
@@ -710,6 +719,8 @@ def sweep_candidates(
     out = [("current", SweepConfig(kv, tiles, splits, w)) for w in widens]
     for w in widens:
         out += [("splits", SweepConfig(kv, tiles, s, w)) for s in SWEEP_SPLITS if s != splits]
+    last = [SweepConfig(kv, tiles, s, widens[0], "last-program") for s in SWEEP_SPLITS if s > 1]
+    out += [("merge", cfg) for cfg in last]
     out += [("tiles", SweepConfig(kv, t, splits, widens[0])) for t in SWEEP_TILES if t != tiles]
     return out
 
@@ -739,6 +750,7 @@ def sweep_attention(cfg: SweepConfig, max_context: int):
         decode=DecodeTiles(*cfg.tiles),
         splits=cfg.splits,
         fp8_widen=cfg.widen or "fp16",
+        decode_merge=cfg.merge,
     )
 
 
@@ -784,6 +796,7 @@ def time_sweep_config(
         "tiles": list(cfg.tiles),
         "splits": cfg.splits,
         "widen": cfg.widen,
+        "merge": cfg.merge,
     }
     attn = sweep_attention(cfg, max(4096, ctx))
     try:
@@ -794,6 +807,11 @@ def time_sweep_config(
             row["wrong"] = err
             return row
         ms = graph_ms([lambda x=x: attn(*x) for x in inputs.copies])
+        if attn.decode_counters is not None:  # last-program: every replay left them at zero
+            left = int(attn.decode_counters.count_nonzero())
+            if left:
+                row["wrong"] = f"{left} arrival counters non-zero after the replays"
+                return row
     except Exception as exc:  # a tile shape that does not compile or launch (shared memory)
         row["failed"] = (
             f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
@@ -803,7 +821,8 @@ def time_sweep_config(
         return row
     bw = inputs.nbytes / (ms * 1e-3)
     row.update(
-        name=f"sweep {cfg.kv} {batch}x{ctx} {cfg.tiles} splits={cfg.splits} widen={cfg.widen}",
+        name=f"sweep {cfg.kv} {batch}x{ctx} {cfg.tiles} splits={cfg.splits} widen={cfg.widen}"
+        + (f" merge={cfg.merge}" if cfg.merge != "separate" else ""),
         us=round(ms * 1e3, 2),
         tb_s=round(bw / 1e12, 3),
         frac_copy=round(bw / COPY_BW, 4),
@@ -834,6 +853,7 @@ def best_pair_config(key: tuple[str, int, int], rows: list[dict[str, Any]]) -> S
         if r.get("kind") == "decode-sweep"
         and (r["kv_cache_dtype"], *r["shape"]) == key
         and r["widen"] in (None, "fp16")
+        and r.get("merge", "separate") == "separate"
         and "frac_copy" in r
     ]
     by_stage = {
@@ -856,6 +876,7 @@ def sweep_table(rows: list[dict[str, Any]], top: int = 3) -> str:
 
     def cfg(r: dict[str, Any]) -> str:
         w = f" {r['widen']}" if r.get("widen") else ""
+        w += " last-program" if r.get("merge", "separate") != "separate" else ""
         return (
             f"{100 * r['frac_copy']:5.1f}% {r['us']:8.1f}us {tuple(r['tiles'])} s={r['splits']}{w}"
         )
@@ -886,6 +907,12 @@ def sweep_table(rows: list[dict[str, Any]], top: int = 3) -> str:
             lines.append(f"{'':<17}now  {cfg(r)}")
         for r in [r for r in mine[1:] if r["stage"] != "current"][:top]:
             lines.append(f"{'':<17}next {cfg(r)} [{r['stage']}]")
+        by_merge = {}  # the fastest of each merge (separate, last-program), any stage
+        for r in mine:
+            by_merge.setdefault(r.get("merge", "separate"), r)
+        if len(by_merge) > 1:
+            each = "; ".join(f"{m} {cfg(r)}" for m, r in sorted(by_merge.items()))
+            lines.append(f"{'':<17}merge {each}")
         bad = [r for r in rows if (r.get("kv_cache_dtype"), *r.get("shape", ())) == key]
         n_bad = sum(1 for r in bad if "failed" in r or "wrong" in r)
         if n_bad:
@@ -896,7 +923,7 @@ def sweep_table(rows: list[dict[str, Any]], top: int = 3) -> str:
 def run_decode_sweep(args: argparse.Namespace) -> dict[str, Any]:
     """The issue-29 sweep: every stage of ``sweep_candidates`` over SWEEP_KV x SWEEP_SHAPES.
 
-    Stages run in order over all shapes (current, splits, tiles, best), so a run cut short by
+    Stages run in order over all shapes (current, splits, merge, tiles, best), so a run cut short by
     ``--sweep-budget`` loses the least useful candidates. Returns the best config per shape.
     """
     import time
@@ -942,7 +969,7 @@ def run_decode_sweep(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{row['name']:<64} {row['us']:9.1f} us {100 * row['frac_copy']:5.1f}%")
         save_json()
 
-    for stage in ("current", "splits", "tiles"):
+    for stage in ("current", "splits", "merge", "tiles"):
         for key, cands in plan.items():
             for s, cfg in cands:
                 if s == stage:
@@ -962,6 +989,7 @@ def run_decode_sweep(args: argparse.Namespace) -> dict[str, Any]:
             "tiles": r["tiles"],
             "splits": r["splits"],
             "widen": r["widen"],
+            "merge": r.get("merge", "separate"),
             "frac_copy": r["frac_copy"],
         }
         for k, r in best.items()

@@ -216,6 +216,90 @@ def test_decode_attention_is_graph_capturable() -> None:
     _assert_close(out, expected, torch.bfloat16, "graph replay")
 
 
+def _with_lens(meta: AttentionMetadata, lens: list[int]) -> AttentionMetadata:
+    """``meta`` of decodes only, its context lengths ``lens`` (written into its device tensor)."""
+    meta.context_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    return AttentionMetadata(
+        positions=meta.positions,
+        slot_mapping=meta.slot_mapping,
+        block_tables=meta.block_tables,
+        context_lens=meta.context_lens,
+        cu_query_lens=meta.cu_query_lens,
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=len(lens),
+        max_query_len=1,
+        max_context_len=max(lens),
+        page_size=meta.page_size,
+        context_lens_list=lens,
+        query_lens_list=[1] * len(lens),
+    )
+
+
+@pytest.mark.parametrize("cache", ["bf16", "e4m3"])
+@pytest.mark.parametrize("shape", [(1, 4096), (8, 2048), (3, 1000)], ids=str)
+def test_decode_last_program_merge_replays_from_a_cuda_graph(
+    shape: tuple[int, int], cache: str
+) -> None:
+    """Issue 29: ``decode_merge="last-program"`` (the split arriving last merges, in one launch).
+
+    Four launches (a model's layers: four queries, the same counters) captured in one CUDA graph
+    and replayed 300 times, the contexts redrawn every 30 replays (shorter ones leave splits
+    empty; scratch is NaN-filled at every replay): every replay gives the same bits as the first
+    replay of its contexts (the merge sums in split order, whatever order the splits arrive in:
+    a race that read a partial too early would show here), within an ulp of the ``separate``
+    merge and within the bf16 bound of the reference, and leaves every counter at zero.
+    """
+    from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+
+    batch, ctx = shape
+    hq, hkv, d = 32, 8, 128
+    meta, num_pages = _meta([1] * batch, [ctx] * batch, 16, seed=5)
+    shape4 = (num_pages, 16, hkv, d)
+    if cache == "bf16":
+        k_cache = torch.randn(shape4, device="cuda", dtype=torch.bfloat16)
+        v_cache, scales = torch.randn_like(k_cache), None
+    else:
+        k_cache, v_cache, scales = _fp8_caches(shape4, torch.float8_e4m3fn, (0.05, 0.02), 4)
+    qs = [torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    scale = d**-0.5
+    sep = PagedAttention(torch.device("cuda"), torch.bfloat16, 4096)
+    last = PagedAttention(torch.device("cuda"), torch.bfloat16, 4096, decode_merge="last-program")
+    assert last.num_splits(batch, hkv) > 1 and last.decode_counters is not None
+    for q in qs:  # compile outside the capture
+        last(q, k_cache, v_cache, meta, scale, scales)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [last(q, k_cache, v_cache, meta, scale, scales) for q in qs]
+    gen = torch.Generator().manual_seed(0)
+    first: list[torch.Tensor] = []
+    for i in range(300):
+        if i % 30 == 0:
+            lens = torch.randint(1, ctx + 1, (batch,), generator=gen).tolist()
+            lens[0] = ctx if i == 0 else lens[0]
+            eager_meta = _with_lens(meta, lens)
+            separate = [sep(q, k_cache, v_cache, eager_meta, scale, scales) for q in qs]
+            expected = [
+                reference.paged_attention(q, k_cache, v_cache, eager_meta, scale, scales)
+                for q in qs
+            ]
+            first = []
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not last.decode_counters.any(), f"replay {i}: counters left non-zero"
+        if not first:
+            first = [o.clone() for o in outs]
+            for j, o in enumerate(outs):
+                what = f"replay {i} layer {j} lens {lens}"
+                _assert_close(o, expected[j], torch.bfloat16, what)
+                a, e = o.double(), separate[j].double()
+                bound = 2**-7 * e.abs() + 2**-16 * e.abs().max()
+                assert ((a - e).abs() <= bound).all(), f"{what}: past an ulp of separate"
+        for j, o in enumerate(outs):
+            assert torch.equal(o, first[j]), f"replay {i} layer {j} lens {lens}: bits changed"
+
+
 def _dummy_runner(kernels: str, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
     """A ModelRunner of the dummy ``qwen3-0.6b`` shape on CUDA (same seeded weights for every kernel set)."""
     from pitstop.loop.runner import ModelRunner

@@ -710,6 +710,182 @@ def test_padding_rows_are_harmless() -> None:
     assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+# ---------------------------------------------------------------- one-launch split-K decode (issue 29)
+
+# decode contexts per batch size: inside one split, on either side of the interpreter's 16-key
+# tiles and of split borders, and shorter than one split (the other splits empty); a 5-token
+# chunk goes first, so that the decodes' rows start past it. The split count per batch size
+# (num_sms picks it): 16, 8 and 4 splits of 16, 16 and 32 keys for the 100-token context.
+MERGE_CONTEXTS = {1: [100], 3: [1, 47, 100], 8: [1, 15, 16, 17, 47, 64, 65, 100]}
+MERGE_SPLITS = {1: 16, 3: 8, 8: 4}
+
+
+def _merge_case(
+    batch: int,
+    group: int,
+    cache_dtype: torch.dtype | None,
+    seed: int,
+    dtype: torch.dtype = torch.bfloat16,
+    hkv: int = 2,
+    d: int = 64,
+    page_size: int = 8,
+) -> tuple:
+    """Attention arguments of a 5-token chunk and ``batch`` decodes (MERGE_CONTEXTS) over pages
+    of ``cache_dtype`` (None: the queries' dtype; fp8: scales 0.05 and 0.02)."""
+    qlens, ctxs = [5] + [1] * batch, [30] + MERGE_CONTEXTS[batch]
+    num_pages = sum(-(-c // page_size) for c in ctxs) + 2
+    meta = make_meta(qlens, ctxs, page_size, num_pages, seed)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(qlens), hkv * group, d, generator=gen).to(DEVICE, dtype)
+    shape = (num_pages, page_size, hkv, d)
+    k, v = (torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2))
+    scales = torch.tensor([0.05, 0.02], dtype=torch.float32, device=DEVICE)
+    if cache_dtype is None:
+        return q, k.to(dtype), v.to(dtype), meta, d**-0.5
+    k = reference.quantize_kv(k * 3 * scales[0], scales[0], cache_dtype)
+    v = reference.quantize_kv(v * scales[1], scales[1], cache_dtype)
+    return q, k, v, meta, d**-0.5, scales
+
+
+def _merge_attention(merge: str, dtype: torch.dtype, splits: int, pairs: int):
+    """A PagedAttention whose decodes take ``splits`` splits at ``pairs`` (decode, KV head) pairs
+    (splits as short as 16 keys on a GPU too, where they would be 128 at least)."""
+    from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+
+    num_sms = max(1, pairs * splits // 4)
+    attn = PagedAttention(
+        DEVICE, dtype, 512, num_sms=num_sms, min_split_tokens=16, decode_merge=merge
+    )
+    assert attn.num_splits(pairs, 1) == splits
+    return attn
+
+
+def assert_within_an_ulp(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Element-wise within one ulp of the output dtype (``eps * |expected|`` is at least one ulp),
+    plus 2^-16 of the largest output: the two merges sum the same float32 terms in another order
+    (a tree over the splits, or split after split), which moves a float32 sum by a few of its
+    ulps, relative to the terms (2^-16 covers cancelling terms); rounded to bf16 that is the
+    same value or its neighbour."""
+    assert torch.isfinite(actual).all(), f"{what}: non-finite output"
+    a, e = actual.double(), expected.double()
+    bound = torch.finfo(actual.dtype).eps * e.abs() + 2**-16 * e.abs().max()
+    worst = ((a - e).abs() - bound).max().item()
+    assert worst <= 0, f"{what}: {worst:.3g} past one ulp"
+
+
+def _assert_counters_zero(attn, what: str) -> None:
+    counters = attn.decode_counters
+    assert counters is not None and counters.dtype == torch.int32
+    assert not counters.any(), f"{what}: counters left at {counters.nonzero().flatten().tolist()}"
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_last_program_merge_matches_reference_and_separate(
+    batch: int, group: int, cache_dtype: torch.dtype | None
+) -> None:
+    """``decode_merge="last-program"``: the split that arrives last merges inside the decode launch.
+
+    Its output is the reference's within the decode tolerance and the ``separate`` merge's within
+    one ulp (equal bits here: the interpreter sums both in the same order), and it leaves every
+    arrival counter at zero, for a second launch over other contexts too. The interpreter runs
+    the programs one after another, so this cannot show a race: the ordering argument is in
+    paged_attention.py's module docstring, the replay test in tests/test_fused_gpu.py.
+    """
+    hkv = 2
+    splits = MERGE_SPLITS[batch]
+    args = _merge_case(batch, group, cache_dtype, seed=batch * 10 + group)
+    sep = _merge_attention("separate", torch.bfloat16, splits, batch * hkv)
+    last = _merge_attention("last-program", torch.bfloat16, splits, batch * hkv)
+    _assert_counters_zero(last, "fresh")
+    what = f"batch {batch} group {group} cache {cache_dtype}"
+    with poisoned_outputs():
+        expected = sep(*args)
+        out = last(*args)
+    _assert_counters_zero(last, what)
+    assert_close(out, reference.paged_attention(*args), torch.bfloat16, what)
+    assert_within_an_ulp(out, expected, what)
+    if not torch.cuda.is_available():
+        assert torch.equal(out, expected), what
+
+    # a second launch: new queries, the decode contexts 35 shorter (other splits empty; within
+    # each sequence's pages, which the block table lists)
+    q, k, v, meta, *rest = args
+    ctx = meta.context_lens.clone()
+    ctx[1:] = (ctx[1:] - 35).clamp_min(1)
+    lens = ctx.tolist()
+    meta2 = AttentionMetadata(
+        positions=meta.positions,
+        slot_mapping=meta.slot_mapping,
+        block_tables=meta.block_tables,
+        context_lens=ctx,
+        cu_query_lens=meta.cu_query_lens,
+        num_prefills=meta.num_prefills,
+        num_prefill_tokens=meta.num_prefill_tokens,
+        num_decodes=meta.num_decodes,
+        max_query_len=meta.max_query_len,
+        max_context_len=max(lens),
+        page_size=meta.page_size,
+        context_lens_list=lens,
+        query_lens_list=meta.query_lens_list,
+    )
+    args2 = (torch.randn_like(q, dtype=torch.float32).to(q.dtype), k, v, meta2, *rest)
+    with poisoned_outputs():
+        out2 = last(*args2)
+    _assert_counters_zero(last, f"{what}, second launch")
+    assert_close(out2, reference.paged_attention(*args2), torch.bfloat16, f"{what}, second")
+    assert_within_an_ulp(out2, sep(*args2), f"{what}, second")
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e5m2], ids=["fp32", "e5m2"])
+def test_last_program_merge_float32(cache_dtype: torch.dtype | None) -> None:
+    """float32 queries (IEEE products): the one-launch merge within 1e-5 of the reference and
+    within an ulp of the separate merge; one split (num_sms 1) writes the output directly,
+    touching no counter, the same bits as ``separate``."""
+    args = _merge_case(3, 4, cache_dtype, seed=7, dtype=torch.float32)
+    for splits in (8, 1):
+        sep = _merge_attention("separate", torch.float32, splits, 6)
+        last = _merge_attention("last-program", torch.float32, splits, 6)
+        with poisoned_outputs():
+            out, expected = last(*args), sep(*args)
+        _assert_counters_zero(last, f"{splits} splits")
+        assert_close(out, reference.paged_attention(*args), torch.float32, f"{splits} splits")
+        assert_within_an_ulp(out, expected, f"{splits} splits")
+        if splits == 1:
+            assert torch.equal(out, expected)
+
+
+def test_last_program_counters_and_knob() -> None:
+    """The counters: zeros at construction, enough for every split count that num_splits() gives,
+    grown (zeroed) for a forced count that needs more; ``separate`` owns none; a bad value names
+    the choices."""
+    from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+
+    attn = PagedAttention(DEVICE, torch.bfloat16, 4096, num_sms=132, decode_merge="last-program")
+    assert attn.decode_counters is not None and attn.decode_counters.numel() == 4 * 132
+    assert not attn.decode_counters.any()
+    for nd in range(1, 600):
+        for hkv in (1, 2, 8):
+            if attn.num_splits(nd, hkv) > 1:
+                assert nd * hkv <= attn.decode_counters.numel(), (nd, hkv)
+    assert PagedAttention(DEVICE, torch.bfloat16, 512).decode_counters is None
+    with pytest.raises(ValueError, match="separate"):
+        PagedAttention(DEVICE, torch.bfloat16, 512, decode_merge="atomic")
+
+    small = PagedAttention(DEVICE, torch.bfloat16, 512, num_sms=1, decode_merge="last-program")
+    small.num_splits = lambda num_decodes, num_kv_heads: 2  # type: ignore[method-assign]
+    args = _merge_case(3, 4, None, seed=3)
+    with poisoned_outputs():
+        out = small(*args)
+    assert small.decode_counters is not None and small.decode_counters.numel() >= 6
+    _assert_counters_zero(small, "grown")
+    assert_close(out, reference.paged_attention(*args), torch.bfloat16, "grown")
+    small.decode_counters.fill_(1)
+    small.reset_decode_counters()
+    _assert_counters_zero(small, "reset")
+
+
 # ---------------------------------------------------------------- whole model
 
 

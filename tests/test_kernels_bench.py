@@ -45,7 +45,8 @@ def _args(**kw) -> argparse.Namespace:
 
 def test_candidates_on_the_h200(kb) -> None:
     """The engine's config first (its split counts on 132 SMs), every split count and tile shape
-    once, both widenings for fp8 only, and a compile set that 14 processes get through."""
+    once, both widenings for fp8 only, the one-launch merge at every split count past 1, and a
+    compile set that 14 processes get through."""
     plan = kb.sweep_plan(_args(), kb.H200_SMS)
     assert set(plan) == {(kv, b, c) for kv in kb.SWEEP_KV for b, c in kb.SWEEP_SHAPES}
     now = {key: [cfg for stage, cfg in c if stage == "current"] for key, c in plan.items()}
@@ -64,7 +65,15 @@ def test_candidates_on_the_h200(kb) -> None:
         assert timed_tiles == set(kb.SWEEP_TILES) and len(kb.SWEEP_TILES) == 27
         widens = {cfg.widen for cfg in cfgs}
         assert widens == ({"fp16", "query"} if fp8 else {None})
-    assert len(kb.sweep_compile_set(plan)) <= 250
+        last = [(stage, cfg) for stage, cfg in cands if cfg.merge == "last-program"]
+        assert {stage for stage, _ in last} == {"merge"}
+        assert sorted(cfg.splits for _, cfg in last) == [s for s in kb.SWEEP_SPLITS if s > 1]
+        assert {(cfg.tiles, cfg.widen) for _, cfg in last} == {(cur.tiles, cur.widen)}
+        assert all(cfg.merge == "separate" for stage, cfg in cands if stage != "merge")
+    # 14 of them last-program (7 split counts x bf16, fp8 with fp16 operands)
+    compiled = kb.sweep_compile_set(plan)
+    assert sum(cfg.merge == "last-program" for cfg in compiled) == 14
+    assert len(compiled) <= 250
 
 
 def test_a_tiny_sweep_runs_every_stage_on_cpu(kb, monkeypatch, tmp_path) -> None:
@@ -82,12 +91,24 @@ def test_a_tiny_sweep_runs_every_stage_on_cpu(kb, monkeypatch, tmp_path) -> None
     assert set(winners) == {"bfloat16 3x40", "fp8_e4m3 3x40"}
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     stages = {(r["kv_cache_dtype"], r["stage"]) for r in rows}
-    assert {("bfloat16", s) for s in ("current", "splits", "tiles")} <= stages
+    assert {
+        (kv, s) for kv in kb.SWEEP_KV for s in ("current", "splits", "merge", "tiles")
+    } <= stages
+    assert {(r["splits"], r["merge"]) for r in rows if r["stage"] == "merge"} == {
+        (4, "last-program")
+    }
     assert {r["widen"] for r in rows if r["kv_cache_dtype"] == "fp8_e4m3"} == {"fp16", "query"}
     assert all("frac_copy" in r and r["err"] <= 2e-2 for r in rows), rows
     assert len(rows) == len(
         {
-            (r["kv_cache_dtype"], r["stage"], tuple(r["tiles"]), r["splits"], r["widen"])
+            (
+                r["kv_cache_dtype"],
+                r["stage"],
+                tuple(r["tiles"]),
+                r["splits"],
+                r["widen"],
+                r["merge"],
+            )
             for r in rows
         }
     )
@@ -96,9 +117,17 @@ def test_a_tiny_sweep_runs_every_stage_on_cpu(kb, monkeypatch, tmp_path) -> None
 def test_the_best_stage_pairs_the_best_tiles_with_the_best_split_count(kb) -> None:
     """Best tiles (at the engine's splits) x best splits (at the engine's tiles), if not yet timed."""
 
-    def row(stage: str, tiles: tuple, splits: int, us: float, widen: str | None = "fp16") -> dict:
+    def row(
+        stage: str,
+        tiles: tuple,
+        splits: int,
+        us: float,
+        widen: str | None = "fp16",
+        merge: str = "separate",
+    ) -> dict:
         return dict(kind="decode-sweep", stage=stage, kv_cache_dtype="fp8_e4m3", shape=[8, 2048],
-                    tiles=list(tiles), splits=splits, widen=widen, us=us, frac_copy=1 / us)  # fmt: skip
+                    tiles=list(tiles), splits=splits, widen=widen, merge=merge, us=us,
+                    frac_copy=1 / us)  # fmt: skip
 
     rows = [
         row("current", (64, 2, 4), 8, 10.0),
@@ -107,6 +136,7 @@ def test_the_best_stage_pairs_the_best_tiles_with_the_best_split_count(kb) -> No
         row("splits", (64, 2, 4), 4, 11.0),
         row("tiles", (32, 1, 3), 8, 8.0),
         row("tiles", (128, 4, 2), 8, 12.0),
+        row("merge", (64, 2, 4), 32, 6.0, merge="last-program"),  # not a best-stage candidate
     ]
     key = ("fp8_e4m3", 8, 2048)
     assert kb.best_pair_config(key, rows) == kb.SweepConfig("fp8_e4m3", (32, 1, 3), 16, "fp16")
@@ -116,6 +146,9 @@ def test_the_best_stage_pairs_the_best_tiles_with_the_best_split_count(kb) -> No
     table = kb.sweep_table(rows).splitlines()
     assert table[1].split()[:4] == ["fp8_e4m3", "8x2048", "best", "20.0%"], table
     assert [line.split()[0] for line in table[2:4]] == ["now", "now"], table
+    # the fastest of each merge: last-program 6.0 us at 32 splits, separate 5.0 us
+    assert table[-1].split()[:3] == ["merge", "last-program", "16.7%"], table
+    assert "separate  20.0%" in table[-1] and "s=32 fp16 last-program" in table[-1], table
 
 
 def test_the_sweep_stops_at_its_budget(kb, monkeypatch) -> None:

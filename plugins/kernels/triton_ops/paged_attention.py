@@ -36,6 +36,54 @@ Decode (sequences computing one token):
     context (never on this step's lengths), so the grid is fixed for a fixed
     batch size and the launch can be captured in a CUDA graph.
 
+One-launch merge (``PagedAttention(decode_merge="last-program")``, issue 29;
+the default ``"separate"`` keeps the second kernel, unchanged): with more than
+one split, each split program writes its partial ``(o, m, l)`` as before (an
+empty split its zero ``o`` too), then increments the arrival counter of its
+(decode, KV head), an int32 owned by the ``PagedAttention``
+(:attr:`PagedAttention.decode_counters`, zeroed once at construction). The
+program that reads ``num_splits - 1`` from the counter arrived last: it loads
+every split's partial, merges them as the second kernel would (the same
+formula, split after split in split order; the sums, not the arrival order,
+fix the bits, so the result is deterministic), writes the output and stores
+0 into the counter. No program waits for another (nothing spins, so nothing
+depends on which programs are resident), and every launch leaves the counters
+as it found them: zero, without a memset per call, which keeps it graph-safe.
+
+    Memory ordering. Triton executes a scalar atomic in one thread of the
+    program and broadcasts its result through shared memory. The writer: all
+    threads store their part of the partial (plain ``st.global``), then
+    ``tl.debug_barrier()`` (``bar.sync``: every thread's stores precede
+    whatever the program does next, in the PTX model's causality order),
+    then ``atomic_add(counter, 1, sem="acq_rel", scope="gpu")``, whose release
+    is cumulative: it publishes every store ordered before it, the other
+    threads' included. The reader: the increments of one counter are totally
+    ordered (its modification order); reading ``num_splits - 1`` means every
+    other split's increment came before, and as each is an ``acq_rel`` RMW,
+    each one's release synchronizes with the next one's acquire down the
+    chain: every split's partial stores happen before the last program's
+    acquire. Its other threads are ordered after that acquire by the result's
+    broadcast and a second ``tl.debug_barrier()``, and its loads of the
+    partials bypass L1 (``.cg``), so no line cached there earlier can be
+    read. The reset is a plain store: every increment of this launch has
+    happened, and the next launch on the stream (or the next node of a graph)
+    starts after this grid completes. Counters are per (decode, KV head) of
+    one launch, so launches must not run concurrently on two streams (the
+    engine uses one). Triton's interpreter runs programs one after another
+    (the last split always merges), so the CPU tests check the arithmetic and
+    the counters' reset, not this argument; tests/test_fused_gpu.py replays a
+    captured graph hundreds of times and requires the same bits every time.
+
+    An aborted launch: a program that never increments (a device fault
+    mid-grid) would leave a count behind, and the next launch would merge
+    early and wrong. CUDA faults are sticky (the context must be recreated,
+    and the counters with it); otherwise
+    :meth:`PagedAttention.reset_decode_counters` zeroes them. ``num_splits``
+    gives more than one split only while ``num_decodes * Hkv <= split_waves
+    * num_sms / 2``, so ``split_waves * num_sms`` counters cover every split
+    launch of the engine; a forced split count past that grows them, outside
+    a capture only.
+
 Tile shapes are kept in code, keyed by head size and GQA ratio
 (:data:`PREFILL_TILES`, :data:`DECODE_TILES`); they were chosen by the sweep
 ``python benchmarks/kernels_bench.py --tune`` on the H200. Nothing is tuned at
@@ -85,6 +133,7 @@ from pitstop.loop.attention import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 FP8_WIDEN = ("fp16", "query")  # PagedAttention(fp8_widen=...): see the module docstring
+DECODE_MERGE = ("separate", "last-program")  # PagedAttention(decode_merge=...): module docstring
 
 
 class PrefillTiles(NamedTuple):
@@ -364,6 +413,7 @@ def _decode_kernel(
     out_ptr,
     part_o_ptr,
     part_ml_ptr,
+    counters_ptr,
     scale_log2e,
     q_row0,
     seq0,
@@ -385,6 +435,8 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     QUANT: tl.constexpr,
     WIDEN_F16: tl.constexpr,
+    MERGE_LAST: tl.constexpr,
+    MERGE_G: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -432,10 +484,85 @@ def _decode_kernel(
         # partial state of (decode b, query head, split): o [D] (not for an empty split: the
         # merge skips it), then m and l
         part = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS + split
-        o_mask = (g_mask & (l_i > 0))[:, None]
+        if MERGE_LAST:  # an empty split writes its o too (zeros): the merge loads o unmasked
+            o_mask = g_mask[:, None]
+        else:
+            o_mask = (g_mask & (l_i > 0))[:, None]
         tl.store(part_o_ptr + part[:, None] * HEAD + d[None, :], acc, mask=o_mask)
         tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+        if MERGE_LAST:
+            # every thread's partial stores before the one thread's release (module docstring)
+            tl.debug_barrier()
+            counter = counters_ptr + b * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:  # the last of the splits: every partial is visible
+                tl.debug_barrier()  # the acquire (one thread) before every thread's loads
+                _merge_splits(
+                    out_ptr, part_o_ptr, part_ml_ptr, b, kvh, row, stride_ot, stride_oh,
+                    GROUP, MERGE_G, HEAD, NUM_SPLITS,
+                )  # fmt: skip
+                tl.store(counter, 0)  # zero again for the next launch (or graph replay)
+
+
+@triton.jit
+def _merge_splits(
+    out_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    b,
+    kvh,
+    row,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    MERGE_G: tl.constexpr,
+    HEAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """The split partials of the ``GROUP`` query heads of (decode ``b``, KV head ``kvh``) merged into ``out``.
+
+    What :func:`_decode_reduce_kernel` computes for one query head, for the
+    group's heads at once (``MERGE_G`` rows, the group padded to a power of
+    two), split after split in split order: ``m_max``, the largest ``m``,
+    then the denominator ``sum_s 2^(m_s - m_max) l_s`` and
+    ``sum_s 2^(m_s - m_max) o_s``. Every per-split value is a ``[MERGE_G, 1]``
+    column broadcast over the ``[MERGE_G, HEAD]`` tile, so nothing changes
+    layout between splits (no shared-memory round trip, no barrier: each
+    split's loads wait for no other split's, the loops are unrolled). Every
+    load bypasses L1 (``.cg``): the partials come from L2, where the other
+    programs' stores are. The split order, not the arrival order, fixes the
+    sums: the output does not depend on which program merges.
+    """
+    g = tl.arange(0, MERGE_G)
+    g_mask = g < GROUP
+    d = tl.arange(0, HEAD)
+    heads = kvh * GROUP + g
+    base = ((b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS)[:, None]
+    rows = g_mask[:, None]
+    m_max = tl.full([MERGE_G, 1], float("-inf"), tl.float32)
+    for i in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(
+            part_ml_ptr + (base + i) * 2, mask=rows, other=float("-inf"), cache_modifier=".cg"
+        )
+        m_max = tl.maximum(m_max, m_s)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padding row with no keys: output 0
+    denom = tl.zeros([MERGE_G, 1], tl.float32)
+    acc = tl.zeros([MERGE_G, HEAD], tl.float32)
+    for i in tl.static_range(NUM_SPLITS):
+        ml = part_ml_ptr + (base + i) * 2
+        w = tl.exp2(tl.load(ml, mask=rows, other=float("-inf"), cache_modifier=".cg") - m_max)
+        denom += w * tl.load(ml + 1, mask=rows, other=0.0, cache_modifier=".cg")
+        o_s = tl.load(
+            part_o_ptr + (base + i) * HEAD + d[None, :], mask=rows, other=0.0, cache_modifier=".cg"
+        )
+        acc += o_s * w
+    o = acc / tl.maximum(denom, 1e-30)
+    tl.store(
+        _head_rows(out_ptr, row, heads, d, stride_ot, stride_oh),
+        o.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None],
+    )
 
 
 @triton.jit(do_not_specialize=["q_row0"])
@@ -576,8 +703,11 @@ class PagedAttention:
     which the tuning sweep passes). The split count is fixed at construction
     from the device and ``max_context`` (the configured ``max_model_len``), so
     that a decode launch's grid depends only on its batch size. ``fp8_widen``:
-    how bf16 queries meet an fp8 cache, ``"fp16"`` or ``"query"`` (the module
-    docstring).
+    how bf16 queries meet an fp8 cache, ``"fp16"`` or ``"query"``;
+    ``decode_merge``: how a split decode's partials are merged, ``"separate"``
+    (a second kernel) or ``"last-program"`` (inside the decode launch, by the
+    split that finishes last; it owns :attr:`decode_counters`). Both in the
+    module docstring.
     """
 
     def __init__(
@@ -592,9 +722,13 @@ class PagedAttention:
         split_waves: int = 4,
         min_split_tokens: int | None = None,
         fp8_widen: str = "fp16",
+        decode_merge: str = "separate",
     ) -> None:
         if fp8_widen not in FP8_WIDEN:
             raise ValueError(f"fp8_widen must be one of {FP8_WIDEN}, not {fp8_widen!r}")
+        if decode_merge not in DECODE_MERGE:
+            raise ValueError(f"decode_merge must be one of {DECODE_MERGE}, not {decode_merge!r}")
+        self.decode_merge = decode_merge
         self.device, self.dtype, self.max_context = device, dtype, max_context
         self.fp8_widen = fp8_widen
         # input_precision matters for float32 inputs only: IEEE fp32, or TF32 tensor cores when "fast"
@@ -615,6 +749,16 @@ class PagedAttention:
         # 4,096 and 64 for 32,768, and 1 x 128 lost only 0.5 us at 32 splits against 1)
         self.split_waves = split_waves
         self.min_split_tokens = min_split_tokens or (128 if self.on_gpu else 16)
+        # decode_merge="last-program": one arrival counter per (decode, KV head), zeroed here
+        # once and zero again after every launch (its last program resets it). num_splits() > 1
+        # needs num_decodes * num_kv_heads <= split_waves * num_sms / 2, so this many always
+        # suffice for the engine's split counts (a forced count may need more: _counters()).
+        self.decode_counters: torch.Tensor | None = None
+        self._retired_counters: list[torch.Tensor | None] = []
+        if decode_merge == "last-program":
+            self.decode_counters = torch.zeros(
+                max(1, split_waves * num_sms), dtype=torch.int32, device=device
+            )
 
     def prefill_tiles(self, head_size: int, group: int, max_query_len: int) -> PrefillTiles:
         """The prefill tiles of this call; short queries (drafts, small chunks) take fewer rows."""
@@ -635,6 +779,36 @@ class PagedAttention:
     def widen_f16(self, q: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
         """Whether this launch widens fp8 K/V to fp16 (an fp8 cache, bf16 queries, ``fp8_widen="fp16"``)."""
         return kv_scale is not None and q.dtype == torch.bfloat16 and self.fp8_widen == "fp16"
+
+    def reset_decode_counters(self) -> None:
+        """Zero the arrival counters of ``decode_merge="last-program"`` (not inside a capture).
+
+        Every completed launch leaves them zero; only a launch that never
+        finished (a device fault, after which CUDA needs a new context anyway)
+        could leave a count behind, and the next launch would then merge early
+        and wrong. Call this after recovering from such an error.
+        """
+        if self.decode_counters is not None:
+            self.decode_counters.zero_()
+
+    def _counters(self, pairs: int) -> torch.Tensor:
+        """The arrival counters, at least ``pairs`` of them (grown, zeroed, outside a capture)."""
+        counters = self.decode_counters
+        assert counters is not None
+        if pairs > counters.numel():
+            if self.on_gpu and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"decode_merge='last-program': {pairs} (decode, KV head) pairs need more "
+                    f"counters than the {counters.numel()} allocated; run this batch size "
+                    "once before capturing it"
+                )
+            counters = torch.zeros(
+                triton.next_power_of_2(pairs), dtype=torch.int32, device=counters.device
+            )
+            # a graph captured earlier still points at the old ones: they stay allocated
+            self._retired_counters.append(self.decode_counters)
+            self.decode_counters = counters
+        return counters
 
     def num_splits(self, num_decodes: int, num_kv_heads: int) -> int:
         """Context splits per decode sequence: up to ``split_waves`` programs per SM.
@@ -741,11 +915,19 @@ class PagedAttention:
         tiles = self.decode_tiles(d, group)
         splits = self.num_splits(nd, hkv)
         bt = meta.block_tables
+        merge_last = splits > 1 and self.decode_merge == "last-program"
         if splits > 1:
             part_o = torch.empty((nd, hq, splits, d), dtype=torch.float32, device=q.device)
             part_ml = torch.empty((nd, hq, splits, 2), dtype=torch.float32, device=q.device)
         else:
             part_o = part_ml = out  # unused
+        if merge_last:
+            assert splits & (splits - 1) == 0, (
+                f"last-program merge: {splits} splits, not a power of 2"
+            )
+            counters = self._counters(nd * hkv)
+        else:
+            counters = out  # unused
         _decode_kernel[(nd, hkv, splits)](
             q,
             k_cache,
@@ -756,6 +938,7 @@ class PagedAttention:
             out,
             part_o,
             part_ml,
+            counters,
             scale_log2e,
             meta.num_prefill_tokens,
             meta.num_prefills,
@@ -770,10 +953,12 @@ class PagedAttention:
             UPCAST=self.upcast_dot,
             QUANT=kv_scale is not None,
             WIDEN_F16=self.widen_f16(q, kv_scale),
+            MERGE_LAST=merge_last,
+            MERGE_G=triton.next_power_of_2(group) if merge_last else 1,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
-        if splits > 1:
+        if splits > 1 and not merge_last:
             _decode_reduce_kernel[(nd, hq)](
                 out,
                 part_o,
