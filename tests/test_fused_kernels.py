@@ -1064,6 +1064,13 @@ def test_fp8_widen_is_a_fused_setting() -> None:
     config = EngineConfig(max_model_len=512, options={"fused.fp8_widen": "query"})
     chosen = FusedKernels(config, DEVICE, torch.bfloat16)
     assert chosen._attn.fp8_widen == "query"
+    merged = FusedKernels(
+        EngineConfig(max_model_len=512, options={"fused.decode_merge": "last-program"}),
+        DEVICE,
+        torch.bfloat16,
+    )
+    assert default._attn.decode_merge == "separate"
+    assert merged._attn.decode_merge == "last-program"
     with pytest.raises(ConfigError, match="fp16"):
         get_plugin_manager().resolve(
             EngineConfig(kernels="fused", options={"fused.fp8_widen": "bf16"})

@@ -123,6 +123,13 @@ class FusedSettings:
         help="how attention widens an fp8 KV cache for bf16 queries: to fp16 (one hardware "
         "conversion; the query goes to fp16, pre-scaled by a power of two) or to the query's dtype",
     )
+    decode_merge: str = setting(
+        "separate",
+        type=str,
+        choices=("separate", "last-program"),
+        help="how split-K decode merges its splits: a second kernel, or the last split program "
+        "to finish (one launch; an arrival counter per sequence and KV head)",
+    )
 
 
 class FusedKernels(reference.DispatchKernels):
@@ -145,6 +152,7 @@ class FusedKernels(reference.DispatchKernels):
         self.merge_projections = bool(settings.qkv)
         self.precision = settings.precision
         self.fp8_widen = settings.fp8_widen
+        self.decode_merge = settings.decode_merge
         self._status: dict[str, str] = {}
         triton_reason = triton_unavailable_reason(device)
         if triton_reason is None and dtype not in SUPPORTED_DTYPES:
@@ -196,6 +204,7 @@ class FusedKernels(reference.DispatchKernels):
                 max_context=config.max_model_len or 4096,
                 precision=self.precision,
                 fp8_widen=self.fp8_widen,
+                decode_merge=self.decode_merge,
             )
             self._status["attention"] = "triton"
 
