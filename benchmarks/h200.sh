@@ -169,6 +169,14 @@ for _ in range(2):
         done
         ls "$OUT"/vllm-*.json >/dev/null 2>&1 && python3 benchmarks/peer_table.py "$OUT"/vllm-*.json
       fi ;;
+    # issue 29: the decode sweep (split counts, tiles, fp8 widenings, the one-launch merge) at the
+    # default shapes, or SWEEP_SHAPES="256x1024,128x2048,..."; then the two merges end to end
+    decode-sweep) echo "== decode sweep (benchmarks/kernels_bench.py --decode-sweep)"
+      timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/kernels_bench.py --decode-sweep --jobs 14 \
+        ${SWEEP_SHAPES:+--sweep-shapes $SWEEP_SHAPES} --json "$OUT/decode_sweep.json" >"$OUT/decode_sweep.log" 2>&1
+      echo "   exit $?"; sed -n '/^decode sweep/,$p' "$OUT/decode_sweep.log" | head -${SWEEP_LINES:-80} ;;
+    decode-merge) run decode-merge-single offline --workload single --repeats 3 --matrix benchmarks/workloads/decode-merge.toml
+      run decode-merge-nano offline --workload nano --matrix benchmarks/workloads/decode-merge.toml ;;
     fp8-verify) gguf_file=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
       if [ ! -f "$gguf_file" ]; then echo "== fp8-verify: no GGUF at $gguf_file (set SMOLLM_GGUF)";
       elif ! python3 -c "import gguf" 2>/dev/null; then echo "== fp8-verify: the gguf package is missing (its wheel goes in .whl/: benchmarks/README.md)";
