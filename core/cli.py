@@ -79,21 +79,29 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.settings:
         _print_settings(pm.strategies())
     if args.check:
-        import attrs
-        import torch
-
-        from pitstop.loop.runner import resolve_device, resolve_dtype
-
-        config = EngineConfig.from_cli(args)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        if config.kernels == "auto":
-            config = attrs.evolve(config, kernels=pm.auto_kernels(device.type))
-        kernels = pm.create("kernels", config.kernels, config, device, dtype)
-        print(f"\nkernels {config.kernels!r} on {device} ({dtype}, torch {torch.__version__}):")
-        for op, impl in kernels.describe().items():
-            print(f"  {op:16s} {impl}")
+        _print_check(pm, EngineConfig.from_cli(args))
     return 0
+
+
+def _print_check(pm, config: EngineConfig) -> None:
+    """What the kernel set and the weight format run on this machine (``--check``)."""
+    import attrs
+    import torch
+
+    from pitstop.loop.runner import resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.kernels == "auto":
+        config = attrs.evolve(config, kernels=pm.auto_kernels(device.type))
+    kernels = pm.create("kernels", config.kernels, config, device, dtype)
+    print(f"\nkernels {config.kernels!r} on {device} ({dtype}, torch {torch.__version__}):")
+    for op, impl in kernels.describe().items():
+        print(f"  {op:16s} {impl}")
+    weights = pm.create("weights", config.weights, config, kernels, device, dtype)
+    print(f"\nweights {config.weights!r}:")
+    for op, impl in weights.describe().items():
+        print(f"  {op:16s} {impl}")
 
 
 def _print_settings(strategies) -> None:

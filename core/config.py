@@ -244,6 +244,14 @@ class EngineConfig:
         validator=_optional_name,
         metadata=_doc("speculative-decoding proposer plugin (default: none)"),
     )
+    weights: str = attrs.field(
+        default="dense",
+        validator=_name,
+        metadata=_doc(
+            "weight-format plugin of the linear layers: dense (the checkpoint's weights in "
+            "dtype), fp8 (per-channel e4m3 weights, per-token activations)"
+        ),
+    )
 
     # --- KV cache
     page_size: int = attrs.field(

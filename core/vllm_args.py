@@ -169,7 +169,10 @@ ACCEPTED: Mapping[str, str] = {
 """vLLM arguments taken without a pitstop setting: what each means here."""
 
 REFUSED: Mapping[str, str] = {
-    "quantization": "pitstop runs unquantized weights (a GGUF is dequantized at load); leave it out",
+    "quantization": (
+        "pitstop's is weights=NAME (dense, fp8: e4m3 weights quantized at load); a "
+        "quantized checkpoint is refused"
+    ),
     "pipeline_parallel_size": "pitstop splits a model by tensor_parallel_size only",
     "data_parallel_size": "pitstop runs one engine per process; start one per replica",
     "swap_space": "pitstop preempts by recompute, never swaps KV to CPU; leave it out",

@@ -73,6 +73,13 @@ class PitstopBackend:
         self.workload = workload
         self._base: tuple[int, float, int, int, int] = (0, 0.0, 0, 0, 0)
 
+    def weight_bytes(self) -> int:
+        """Device bytes of the weights the engine holds, as its weight format holds them
+        (0 under tensor parallelism: the floor then counts dense bytes)."""
+        if self.engine.config.tensor_parallel_size > 1:
+            return 0
+        return self.engine.runner.weight_bytes()
+
     def _params(self, request: BenchRequest) -> Any:
         from pitstop.requests.sampling_params import SamplingParams
 

@@ -12,7 +12,6 @@ Registered through the ``register_commands`` hook (entry point ``commands-bench`
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import math
 import sys
@@ -351,11 +350,26 @@ def _pitstop_column(
             f"[bench] {name}: {matrices.describe(col['config'])} on {cfg.model}",
             file=sys.stderr,
         )
-        measure_in_process(run, functools.partial(PitstopBackend, cfg, run.workload), col)
+        held: dict[str, int] = {}
+
+        def open_backend() -> PitstopBackend:
+            backend = PitstopBackend(cfg, run.workload)
+            held["weight_bytes"] = backend.weight_bytes()
+            return backend
+
+        measure_in_process(run, open_backend, col, floor=lambda: _column_floor(run, held))
     except (PitstopError, RuntimeError, ValueError, ImportError) as exc:
         col["error"] = f"{type(exc).__name__}: {exc}"
         print(f"[bench] {name} failed: {col['error']}", file=sys.stderr)
     return col
+
+
+def _column_floor(run: PeerRun, held: dict[str, int]) -> floors.Floor | None:
+    """The workload's floor with the weight bytes the column's engine held (its weight
+    format's), recorded in the column; the run's floor when none were read."""
+    if run.floor is None or not held.get("weight_bytes"):
+        return run.floor
+    return run.floor.with_weight_bytes(held["weight_bytes"])
 
 
 def render(doc: dict[str, Any]) -> str:

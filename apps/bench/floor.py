@@ -4,7 +4,9 @@ A lower bound on a workload's wall time: the FLOPs of every prefill
 (2 x non-embedding parameters x prompt tokens, plus causal attention) over the
 matrix rate, plus, for decode, the bytes that must cross HBM (all weights once
 per decode step; every cached K and V read once per generated token) over the
-copy bandwidth.
+copy bandwidth. The weights' bytes are those the chosen weight format holds
+(``weights=``: ``fp8`` about half of bf16's), read from the loaded engine
+(:meth:`Floor.with_weight_bytes`); before one is loaded, ``num_params`` x 2.
 
 How many decode steps there are depends on how many sequences can decode
 together: at least the longest request's decode length, and at least the
@@ -53,6 +55,15 @@ class Floor:
     decode_steps: int
     output_tokens: int
     num_requests: int
+    weight_bytes: int = 0  # bytes of weights one decode step reads (weights_s counts them)
+
+    def with_weight_bytes(self, weight_bytes: int) -> Floor:
+        """The same floor with decode reading ``weight_bytes`` of weights a step (those of
+        the weight format an engine holds: ``ModelRunner.weight_bytes()``)."""
+        if not self.weight_bytes or weight_bytes <= 0:
+            return self
+        weights_s = self.weights_s * weight_bytes / self.weight_bytes
+        return attrs.evolve(self, weights_s=weights_s, weight_bytes=weight_bytes)
 
     @property
     def seconds(self) -> float:
@@ -80,6 +91,7 @@ class Floor:
             "weights_s": self.weights_s,
             "kv_s": self.kv_s,
             "decode_steps": self.decode_steps,
+            "weight_bytes": self.weight_bytes,
             "output_tok_per_s": self.output_tok_per_s,
             "req_per_s": self.req_per_s,
             "ms_per_output_token": 1e3 * self.s_per_output_token,
@@ -101,12 +113,15 @@ def floor(
     ceilings: Ceilings = H200,
     weight_bytes: int = 2,
     kv_bytes: int = 2,
+    weight_bytes_total: int | None = None,
 ) -> Floor:
     """The floor of requests of ``(input_len, output_len)`` on a model of shape ``mc``.
 
     ``concurrency`` is how many sequences decode together (None: all of them).
     ``shared_prefix = (length, count)`` says every prompt begins with one of
     ``count`` prefixes of ``length`` tokens: the fastest engine prefills each once.
+    ``weight_bytes_total`` is what one decode step reads of the weights (default:
+    ``num_params * weight_bytes``, dense weights of ``weight_bytes`` bytes each).
     """
     if not lengths:
         raise ValueError("a floor needs at least one request")
@@ -129,13 +144,15 @@ def floor(
         kv_reads += d * p + d * (d + 1) // 2
     in_flight = min(concurrency or len(lengths), len(lengths))
     steps = max(max(o - 1 for _, o in lengths), math.ceil(decode_tokens / in_flight))
+    read = weight_bytes_total if weight_bytes_total is not None else mc.num_params * weight_bytes
     return Floor(
         prefill_s=flops / ceilings.matmul_flops_per_s,
-        weights_s=steps * mc.num_params * weight_bytes / ceilings.copy_bytes_per_s,
+        weights_s=steps * read / ceilings.copy_bytes_per_s,
         kv_s=kv_reads * mc.kv_bytes_per_token * kv_bytes / ceilings.copy_bytes_per_s,
         decode_steps=steps,
         output_tokens=sum(o for _, o in lengths),
         num_requests=len(lengths),
+        weight_bytes=read,
     )
 
 

@@ -100,10 +100,16 @@ def _transformers(run: PeerRun, col: dict[str, Any]) -> None:
 
 
 def measure_in_process(
-    run: PeerRun, open_backend: Callable[[], Backend], col: dict[str, Any]
+    run: PeerRun,
+    open_backend: Callable[[], Backend],
+    col: dict[str, Any],
+    *,
+    floor: Callable[[], floors.Floor | None] | None = None,
 ) -> None:
     """Drive a backend of this process as ``run`` settled (repeats, clients, warm-up), hand
-    its memory back after, and put the figures into ``col``."""
+    its memory back after, and put the figures into ``col``; ``floor()``, when given, is
+    the column's own floor once the backend ran (the weight bytes its engine held), kept
+    in ``col["floor"]``."""
     from pitstop.bench.backends import release_memory
     from pitstop.bench.drivers import run_backend
 
@@ -116,7 +122,10 @@ def measure_in_process(
         warmup=run.warmup,
         release=release_memory,
     )
-    fill_column(col, runs, run.floor, run.skipped)
+    column_floor = floor() if floor is not None else run.floor
+    if floor is not None and column_floor is not None:
+        col["floor"] = column_floor.as_dict()
+    fill_column(col, runs, column_floor, run.skipped)
 
 
 def _output_path(args: argparse.Namespace) -> str | None:

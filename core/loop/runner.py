@@ -27,6 +27,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Protocol
 
+import attrs
 import numpy as np
 import torch
 
@@ -53,6 +54,7 @@ from pitstop.loop.runner_sampling import StepSampling
 from pitstop.loop.step import NO_TOKENS, LogitsObserver, SeqInput, StepInput, StepOutput
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import ModelBase
+from pitstop.plugin_system.registration import takes_keyword
 from pitstop.requests.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -90,6 +92,22 @@ class Alone:
         """Nobody to share them with."""
 
 
+def weights_keyword(runner: ModelRunner, plugins: PluginManager) -> dict[str, object]:
+    """``{"weights": format}`` for a model factory that takes ``weights=``; nothing for one
+    that does not, which runs dense weights only (any other format is a ConfigError)."""
+    architecture = runner.model_config.architecture
+    if takes_keyword(plugins.get("model", architecture).factory, "weights"):
+        return {"weights": runner.weights}
+    default = attrs.fields(EngineConfig).weights.default
+    if runner.config.weights != default:
+        raise ConfigError(
+            f"weights={runner.config.weights!r}: the {architecture} model plugin takes no weight "
+            f"format (its factory has no weights= keyword) and holds its weights dense; use "
+            f"weights={default!r}"
+        )
+    return {}
+
+
 class ModelRunner:
     """Runs the model over the paged KV cache and samples the next tokens."""
 
@@ -123,6 +141,10 @@ class ModelRunner:
 
             self.kernels = TensorParallelKernels(self.kernels, tensor_parallel)
         self.sampler = plugins.create("sampler", config.sampler, config, device)
+        # how the model holds and multiplies its linear weights (weights=NAME)
+        self.weights = plugins.create(
+            "weights", config.weights, config, self.kernels, device, dtype
+        )
         self.model = self._build_model(plugins)
         assert config.max_model_len is not None
         rotary = plugins.architecture(model_config.architecture).rotary
@@ -158,7 +180,9 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):  # the model's factory, checked against protocols.Model
-                model = plugins.create("model", mc.architecture, mc, self.kernels)
+                model = plugins.create(
+                    "model", mc.architecture, mc, self.kernels, **weights_keyword(self, plugins)
+                )
         finally:
             torch.set_default_dtype(previous)
         if self.tensor_parallel is not None and not ModelBase.of(model, "supports_tensor_parallel"):
@@ -168,6 +192,11 @@ class ModelRunner:
             )
         model.eval()
         return model
+
+    def weight_bytes(self) -> int:
+        """Device bytes of the model's weights as held (the weight format's resident bytes
+        for its linear layers): what one decode step reads of them."""
+        return ModelBase.of(self.model, "weight_bytes")()
 
     # ------------------------------------------------------------------ per-step state
     @property

@@ -86,6 +86,16 @@ def register_models(register: Register) -> None:
 
 
 @hookspec
+def register_weight_formats(register: Register) -> None:
+    """Register weight formats: how a model holds and multiplies its linear layers' weights.
+
+    Called once when plugins load (factory: ``KINDS["weights"]``). The config's
+    ``weights`` setting picks one by name (default ``dense``: the checkpoint's tensors
+    in the model's dtype, through the kernel set's ``linear``).
+    """
+
+
+@hookspec
 def register_tool_parsers(register: Register) -> None:
     """Register tool-call parsers (the formats in which models write tool calls).
 

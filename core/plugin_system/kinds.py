@@ -68,9 +68,18 @@ KINDS: dict[str, Kind] = {
         Kind(
             "model",
             "register_models",
-            "factory(model_config: ModelConfig, kernels: KernelSet) -> Model (a torch.nn.Module)",
+            "factory(model_config: ModelConfig, kernels: KernelSet[, *, weights: WeightFormat])"
+            " -> Model (a torch.nn.Module)",
             protocols.Model,
             "the checkpoint's architecture name",
+        ),
+        Kind(
+            "weights",
+            "register_weight_formats",
+            "factory(config: EngineConfig, kernels: KernelSet, device: torch.device, "
+            "dtype: torch.dtype) -> WeightFormat",
+            protocols.WeightFormat,
+            "weights",
         ),
         Kind(
             "tool_parser",

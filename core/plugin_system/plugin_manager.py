@@ -46,6 +46,7 @@ from pitstop.plugin_system.settings import (
     option_fields,
     same_declaration,
 )
+from pitstop.vllm_args import did_you_mean
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -290,7 +291,8 @@ class PluginManager:
         except KeyError:
             have = ", ".join(self.names(kind)) or "none registered"
             raise PluginError(
-                f"unknown {kind} {name!r}; registered {kind} names: {have}"
+                f"unknown {kind} {name!r}{did_you_mean(name, self.names(kind))}; "
+                f"registered {kind} names: {have}"
                 + (f" ({ALLOW_LIST_VARIABLE} is set)" if self.allow is not None else "")
             ) from None
 
@@ -389,6 +391,7 @@ class PluginManager:
             ("kernels", None if config.kernels == "auto" else config.kernels),
             ("sampler", config.sampler),
             ("proposer", config.speculative),
+            ("weights", config.weights),
         ):
             if name is not None:
                 selected[kind] = self.get(kind, name)
@@ -454,6 +457,10 @@ class PluginManager:
     def create(
         self, kind: Literal["model"], name: str, *args: Any, **kwargs: Any
     ) -> protocols.Model: ...
+    @overload
+    def create(
+        self, kind: Literal["weights"], name: str, *args: Any, **kwargs: Any
+    ) -> protocols.WeightFormat: ...
     @overload
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any: ...
 

@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from pitstop.loop.attention import AttentionMetadata
+from pitstop.plugin_system.weight_format import WeightFormat  # noqa: F401  (its home: short)
 from pitstop.requests.sequence import Sequence
 
 # ---------------------------------------------------------------- capabilities
@@ -62,9 +63,8 @@ class AllocatorStats:
     num_pages: int
     pages_free: int
     tokens_held: int  # tokens whose KV slots are in use by live sequences
-    tokens_reserved: (
-        int  # token slots set aside for live sequences (pages x page_size, or max_model_len each)
-    )
+    # token slots set aside for live sequences (pages x page_size, or max_model_len each)
+    tokens_reserved: int
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     # slots counted more than once in tokens_held because several sequences share their page
@@ -528,11 +528,14 @@ class Model(Protocol):
 
 
 class ModelBase(Capabilities):
-    """The default of a model's optional capability."""
+    """The defaults of a model's optional capabilities."""
 
-    # Whether the model takes init_dummy(shard=) and loads one rank's part of each tensor
-    # (tensor_parallel_size > 1 is refused for a model that does not).
+    # it takes init_dummy(shard=) and loads a rank's part of each tensor (else TP > 1 is refused)
     supports_tensor_parallel: bool = False
+
+    def weight_bytes(self) -> int:
+        """Device bytes of its weights as held (the bench's floor): parameters and buffers."""
+        return sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])  # type: ignore[attr-defined]
 
 
 @runtime_checkable

@@ -64,8 +64,13 @@ def owner(kind: str, name: str, distribution: str, version: str) -> str:
 
 def takes_settings(factory: Callable[..., Any]) -> bool:
     """Whether ``factory`` has a ``settings`` keyword (create() then hands it its settings)."""
+    return takes_keyword(factory, "settings")
+
+
+def takes_keyword(factory: Callable[..., Any], keyword: str) -> bool:
+    """Whether ``factory`` can be called with ``keyword=`` (a model's ``weights``)."""
     try:
-        param = inspect.signature(factory).parameters.get("settings")
+        param = inspect.signature(factory).parameters.get(keyword)
     except (TypeError, ValueError):  # a builtin or a C callable: no signature to read
         return False
     return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)

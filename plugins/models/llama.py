@@ -15,7 +15,7 @@ rotary frequencies; :func:`register_models` hands them to the registry.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -26,11 +26,14 @@ from pitstop.loading.architecture import Architecture
 from pitstop.loading.model_config import ModelConfig
 from pitstop.loop.attention import AttentionMetadata
 from pitstop.plugin_system.hookspecs import hookimpl
-from pitstop.plugin_system.protocols import KernelSet, RotaryCache
+from pitstop.plugin_system.protocols import KernelSet, RotaryCache, WeightFormat
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
 from pitstop.plugins.models.llama_gguf import gguf_rules
 from pitstop.plugins.models.llama_presets import PRESETS
 from pitstop.plugins.models.llama_rope import rope_frequencies
+from pitstop.plugins.weight_formats.dense import DenseWeights
+
+Linear = Callable[..., torch.Tensor]  # a weight format's linear(x, resident, bias=None)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -107,9 +110,10 @@ def ignored_checkpoint_tensor(name: str) -> bool:
 class Attention(nn.Module):
     """Self-attention over the paged KV cache."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, merged: bool) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, merged: bool, linear: Linear) -> None:
         super().__init__()
         self.cfg, self.kernels, self.merged = cfg, kernels, merged
+        self.linear = linear  # the weight format's: every projection's weight is its resident
         d, hq, hkv = cfg.head_size, cfg.num_heads, cfg.num_kv_heads
         self.q_size, self.kv_size = hq * d, hkv * d
         if merged:
@@ -176,15 +180,15 @@ class Attention(nn.Module):
         Reads only ``meta.positions`` and ``meta.slot_mapping`` (device tensors),
         so it can be captured in a CUDA graph for any batch shape.
         """
-        kn, cfg = self.kernels, self.cfg
+        kn, cfg, linear = self.kernels, self.cfg, self.linear
         t = x.shape[0]
         if self.merged:
-            qkv = kn.linear(x, self.qkv_proj, self.qkv_bias)
+            qkv = linear(x, self.qkv_proj, self.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
-            q = kn.linear(x, self.q_proj, self.q_bias)
-            k = kn.linear(x, self.k_proj, self.k_bias)
-            v = kn.linear(x, self.v_proj, self.v_bias)
+            q = linear(x, self.q_proj, self.q_bias)
+            k = linear(x, self.k_proj, self.k_bias)
+            v = linear(x, self.v_proj, self.v_bias)
         q = q.reshape(t, cfg.num_heads, cfg.head_size)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_size)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_size)
@@ -194,18 +198,22 @@ class Attention(nn.Module):
         q, _ = kn.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, **self._scales(k_cache))
         return q
 
+    def linear_weights(self) -> tuple[str, ...]:
+        """The attribute names of its linear weights."""
+        return ("qkv_proj", "o_proj") if self.merged else ("q_proj", "k_proj", "v_proj", "o_proj")
+
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The output projection of attention's result ``[T, heads, head_size]``."""
-        out = self.kernels.linear(o.reshape(o.shape[0], self.q_size), self.o_proj, self.o_bias)
+        out = self.linear(o.reshape(o.shape[0], self.q_size), self.o_proj, self.o_bias)
         return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, merged: bool) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, merged: bool, linear: Linear) -> None:
         super().__init__()
-        self.kernels, self.merged = kernels, merged
+        self.kernels, self.merged, self.linear = kernels, merged, linear
         f, bias = cfg.intermediate_size, cfg.mlp_bias
         if merged:
             self.gate_up_proj = _param(2 * f, cfg.hidden_size)
@@ -221,24 +229,30 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Gate, up, SiLU-and-mul, down."""
-        kn = self.kernels
+        linear = self.linear
         if self.merged:
-            gate_up = kn.linear(x, self.gate_up_proj, self.gate_up_bias)
+            gate_up = linear(x, self.gate_up_proj, self.gate_up_bias)
         else:
-            gate = kn.linear(x, self.gate_proj, self.gate_bias)
-            gate_up = torch.cat([gate, kn.linear(x, self.up_proj, self.up_bias)], dim=-1)
-        out = kn.linear(kn.silu_and_mul(gate_up), self.down_proj, self.down_bias)
+            gate = linear(x, self.gate_proj, self.gate_bias)
+            gate_up = torch.cat([gate, linear(x, self.up_proj, self.up_bias)], dim=-1)
+        out = linear(self.kernels.silu_and_mul(gate_up), self.down_proj, self.down_bias)
         return out if self.all_reduce is None else self.all_reduce(out)
+
+    def linear_weights(self) -> tuple[str, ...]:
+        """The attribute names of its linear weights."""
+        return (
+            ("gate_up_proj", "down_proj") if self.merged else ("gate_proj", "up_proj", "down_proj")
+        )
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm MLP, each with a residual connection."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, merged: bool) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, merged: bool, linear: Linear) -> None:
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
-        self.self_attn = Attention(cfg, kernels, merged)
-        self.mlp = MLP(cfg, kernels, merged)
+        self.self_attn = Attention(cfg, kernels, merged, linear)
+        self.mlp = MLP(cfg, kernels, merged, linear)
         self.input_layernorm = _param(cfg.hidden_size)
         self.post_attention_layernorm = _param(cfg.hidden_size)
 
@@ -291,14 +305,19 @@ class LlamaForCausalLM(nn.Module):
     # built from one rank's shard_model_config, it runs that rank's part (pitstop.parallel)
     supports_tensor_parallel = True
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
+    def __init__(
+        self, cfg: ModelConfig, kernels: KernelSet, weights: WeightFormat | None = None
+    ) -> None:
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
+        # how each linear weight is held and multiplied (pitstop.plugin_system.protocols.WeightFormat)
+        self.weights = weights if weights is not None else DenseWeights(kernels)
+        self.linear = self.weights.linear
         merged = bool(kernels.merge_projections)
         self.merged = merged
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, kernels, merged) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, kernels, merged, self.linear) for _ in range(cfg.num_layers)
         )
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
@@ -332,8 +351,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` of the given hidden rows, in float32."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = self.kernels.linear(hidden, head)
+        if self.lm_head is None:  # tied: the embedding, which stays dense
+            logits = self.kernels.linear(hidden, self.embed_tokens)
+        else:
+            logits = self.linear(hidden, self.lm_head)
         if self.gather_logits is not None:
             logits = self.gather_logits(logits)
         return logits.float()
@@ -398,6 +419,50 @@ class LlamaForCausalLM(nn.Module):
                     "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight; "
                     "fix tie_word_embeddings in config.json"
                 )
+        self.prepare_weights()
+
+    def linear_slots(self) -> Iterator[tuple[nn.Module, str, str]]:
+        """(module, attribute, name) of every linear weight: the projections of each layer
+        (merged or not, as loaded) and an untied output head; the embedding is no linear."""
+        for i, layer in enumerate(self.layers):
+            for part, module in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+                for attr in module.linear_weights():
+                    yield module, attr, f"layers.{i}.{part}.{attr}"
+        if not self.cfg.tie_word_embeddings:
+            yield self, "lm_head", "lm_head"
+
+    def prepare_weights(self) -> None:
+        """Hand each loaded linear weight to the weight format once and keep what it returns.
+
+        A format that keeps the tensor (``dense``) leaves the parameter as it is; any
+        other resident replaces it, and the dense tensor is freed as soon as its resident
+        exists (the peak is the dense model plus one prepared weight). Called at the end
+        of :meth:`load_weights`; the weights load once.
+        """
+        for module, attr, name in self.linear_slots():
+            weight = getattr(module, attr)
+            if not isinstance(weight, nn.Parameter):
+                raise ModelLoadError(
+                    f"the {self.cfg.architecture} model's weights were already prepared for "
+                    f"weights={self.weights.name!r}; load a model's weights once"
+                )
+            resident = self.weights.prepare(name, weight.data)
+            if _same_tensor(resident, weight):
+                continue
+            delattr(module, attr)
+            del weight
+            object.__setattr__(module, attr, resident)
+
+    def weight_bytes(self) -> int:
+        """Device bytes of the weights as held: dense parameters and buffers, plus the
+        weight format's ``resident_bytes`` of every linear weight it replaced."""
+        tensors = [*self.parameters(), *self.buffers()]
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        for module, attr, _ in self.linear_slots():
+            resident = getattr(module, attr)
+            if not isinstance(resident, nn.Parameter):
+                total += self.weights.resident_bytes(resident)
+        return total
 
     def expected_weight_names(self) -> list[str]:
         """The Hugging Face tensor names a checkpoint of this shape must contain."""
@@ -491,9 +556,22 @@ def dummy_weights(
             yield name, t.normal_(0.0, 0.02, generator=gen)
 
 
-def make_llama(model_config: ModelConfig, kernels: KernelSet) -> LlamaForCausalLM:
-    """A Llama-family model (Llama, Qwen2, Qwen3) running on ``kernels``."""
-    return LlamaForCausalLM(model_config, kernels)
+def _same_tensor(resident: Any, weight: torch.Tensor) -> bool:
+    """Whether a weight format handed ``weight`` back as it is (kept dense)."""
+    return (
+        isinstance(resident, torch.Tensor)
+        and resident.data_ptr() == weight.data_ptr()
+        and resident.shape == weight.shape
+        and resident.dtype == weight.dtype
+    )
+
+
+def make_llama(
+    model_config: ModelConfig, kernels: KernelSet, *, weights: WeightFormat | None = None
+) -> LlamaForCausalLM:
+    """A Llama-family model (Llama, Qwen2, Qwen3) running on ``kernels``, its linear
+    weights held by ``weights`` (default: dense)."""
+    return LlamaForCausalLM(model_config, kernels, weights)
 
 
 @hookimpl

@@ -18,6 +18,8 @@ observer:
 * the model architecture ``BigramForCausalLM`` (:mod:`pitstop_example.bigram`):
   a checkpoint folder whose ``config.json`` names it loads and runs like a
   Llama one;
+* the weight format ``int8`` (:mod:`pitstop_example.int8`): weight-only int8
+  with one scale per output channel, in plain torch (``weights="int8"``);
 * an ``on_request_finished`` observer that counts finished requests by
   finish reason (read them from ``FINISHED``).
 
@@ -39,7 +41,7 @@ import pitstop
 import pitstop.config
 from pitstop.plugin_system.protocols import AllocatorStats
 from pitstop.plugin_system.settings import read_settings, setting
-from pitstop_example import bigram, recall, sdpa, sjf
+from pitstop_example import bigram, int8, recall, sdpa, sjf
 
 FINISHED: Counter[str] = Counter()
 
@@ -201,6 +203,12 @@ def run_demo(args: argparse.Namespace) -> int:
     allocator.allocate(again)
     print(f"again: pages {allocator.block_table(again)} (freed last, reused first)")
     return 0
+
+
+@pitstop.hookimpl
+def register_weight_formats(register) -> None:
+    """Register the ``int8`` weight format."""
+    register("int8", int8.make_int8, settings=int8.Int8Settings)
 
 
 @pitstop.hookimpl

@@ -1,0 +1,46 @@
+"""The weight format protocol: how a model holds and multiplies its linear layers' weights.
+
+Its own module only to keep :mod:`pitstop.plugin_system.protocols` short; that module
+imports it, so ``pitstop.plugin_system.protocols.WeightFormat`` is the name to use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class WeightFormat(Protocol):
+    """How a model holds and multiplies the weight of each linear layer (``weights=NAME``).
+
+    The model hands every linear weight to :meth:`prepare` once, at load, as a dense
+    ``[out_features, in_features]`` tensor in the model's dtype on its device (after
+    the merge of q/k/v and gate/up, when the kernel set merges them; one rank's shard
+    under tensor parallelism), and keeps what it returns, the *resident* weight, in
+    place of the tensor. Every forward pass then calls :meth:`linear` with it. The
+    embedding and the norms stay dense; a tied output head is the embedding and is
+    never prepared, an untied one is prepared under the name ``"lm_head"``.
+    """
+
+    name: str
+
+    def prepare(self, name: str, weight: torch.Tensor) -> Any:
+        """The resident form of the linear weight ``name`` (the model's parameter name,
+        ``"layers.3.self_attn.qkv_proj"``, ``"lm_head"``). Called once per weight at
+        load; may return ``weight`` itself to keep it dense."""
+        ...
+
+    def linear(self, x: torch.Tensor, resident: Any, bias: torch.Tensor | None = None) -> Any:
+        """``x @ W.T + bias`` for the weight ``resident`` holds, in ``x``'s dtype. Runs
+        inside CUDA graphs: no host synchronisation, no allocation that depends on data."""
+        ...
+
+    def resident_bytes(self, resident: Any) -> int:
+        """Device bytes ``resident`` holds (what a decode step reads of this weight)."""
+        ...
+
+    def describe(self) -> dict[str, str]:
+        """What runs here (``"linear"`` -> the GEMM and why), for ``pitstop plugins --check``."""
+        ...

@@ -1,0 +1,1 @@
+"""Weight formats: how a model holds and multiplies its linear layers' weights (``weights=``)."""
