@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pitstop.plugins.weights.quantized_linear import GGUFLinear
+from pitstop.plugins.weight_formats.gguf_linear import GGUFLinear
 
 MATRICES = ("blk.0.ffn_down.weight", "blk.0.ffn_up.weight", "token_embd.weight")
 

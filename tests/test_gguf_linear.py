@@ -13,8 +13,8 @@ import pytest
 import torch
 from gguf_block_helpers import one_thread, quantized, random_blocks, smollm2_tensors
 
-from pitstop.plugins.weights.gguf_blocks import UnsupportedQuantType, dequantize, layout_of
-from pitstop.plugins.weights.quantized_linear import (
+from pitstop.plugins.weight_formats.gguf_blocks import UnsupportedQuantType, dequantize, layout_of
+from pitstop.plugins.weight_formats.gguf_linear import (
     TILE_ALIGN,
     GGUFLinear,
     tile_bounds,

@@ -1,6 +1,6 @@
 """Triton kernels for ``y = x @ W.T`` reading ``W``'s GGUF blocks directly (fp32 accumulation).
 
-Layouts in :mod:`~pitstop.plugins.weights.gguf_blocks`. Each program computes
+Layouts in :mod:`~pitstop.plugins.weight_formats.gguf_blocks`. Each program computes
 ``BLOCK_N`` outputs of one input row; the grid is ``(cdiv(N, BLOCK_N), batch)``, which
 suits decoding (a batch of up to :data:`MAX_BATCH` rows); larger batches are better
 served by dequantize-then-matmul on tensor cores. The weight is never materialized.
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pitstop.plugins.weights.gguf_blocks import QuantType, layout_of
+from pitstop.plugins.weight_formats.gguf_blocks import QuantType, layout_of
 
 MAX_BATCH = 16  # input rows above which GGUFLinear prefers dequantize + matmul
 _KINDS = {QuantType.Q8_0: 0, QuantType.Q4_0: 1, QuantType.Q4_1: 2}

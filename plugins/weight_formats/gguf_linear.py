@@ -3,7 +3,7 @@
 :class:`GGUFLinear` holds one weight matrix of logical shape ``(out_features,
 in_features)`` as the file stores it: a uint8 tensor of ``out_features`` rows of
 ``in_features // block_elems * block_bytes`` bytes (see
-:mod:`~pitstop.plugins.weights.gguf_blocks` for each type's block layout). Its resident
+:mod:`~pitstop.plugins.weight_formats.gguf_blocks` for each type's block layout). Its resident
 memory is therefore the file's tensor bytes (plus a float32 bias, if any), which is what
 issue 33's "within 1.2x the file's tensor bytes" rule checks through
 :meth:`GGUFLinear.resident_bytes` and :attr:`GGUFLinear.file_bytes`.
@@ -48,7 +48,7 @@ How :meth:`GGUFLinear.forward` multiplies:
   SmolLM2 weight but the embedding, at this tile size) is the very same matmul, so it is
   bit-equal on any thread count. The dequantized weights are always the same bits.
 
-* **CUDA**: the Triton kernel of :mod:`~pitstop.plugins.weights.triton_dequant_gemv` for
+* **CUDA**: the Triton kernel of :mod:`~pitstop.plugins.weight_formats.gguf_gemv` for
   the types it reads directly and batches of up to its ``MAX_BATCH`` rows (it never
   materializes the weight); otherwise (another type, a larger batch, no Triton, another
   device) the whole matrix dequantized by the same torch decoder and one matmul.
@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pitstop.plugins.weights.gguf_blocks import BlockLayout, dequantize, layout_of
+from pitstop.plugins.weight_formats.gguf_blocks import BlockLayout, dequantize, layout_of
 
 TILE_ELEMS = 1 << 19  # weights dequantized at once on the CPU (2 MiB of float32)
 TILE_ALIGN = 64  # tile rows are a multiple of this (see the module docstring)
@@ -189,7 +189,7 @@ class GGUFLinear(torch.nn.Module):
     def _on_device(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             try:
-                from pitstop.plugins.weights import triton_dequant_gemv as gemv
+                from pitstop.plugins.weight_formats import gguf_gemv as gemv
             except ImportError:  # no Triton: dequantize + matmul below
                 gemv = None
             if gemv and gemv.supports(self.layout.qtype) and x.shape[0] <= gemv.MAX_BATCH:

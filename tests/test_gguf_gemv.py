@@ -28,8 +28,8 @@ from gguf_block_helpers import quantized, random_blocks, smollm2_tensors  # noqa
 
 pytest.importorskip("triton")
 
-from pitstop.plugins.weights import triton_dequant_gemv as gemv  # noqa: E402
-from pitstop.plugins.weights.quantized_linear import GGUFLinear  # noqa: E402
+from pitstop.plugins.weight_formats import gguf_gemv as gemv  # noqa: E402
+from pitstop.plugins.weight_formats.gguf_linear import GGUFLinear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,7 +95,7 @@ _COMPILE = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from pitstop.plugins.weights import triton_dequant_gemv as g
+    from pitstop.plugins.weight_formats import gguf_gemv as g
 
     args = ["x_ptr", "w_ptr", "y_ptr", "N", "n_blocks", "row_bytes", "stride_x", "stride_y"]
     kinds = ["*fp32", "*u8", "*fp32"] + ["i32"] * 5
