@@ -928,6 +928,7 @@ def _tiny_runner(
             "pitstop.plugins.kernels.reference",
             "pitstop.plugins.kernels.fused",
             "pitstop.plugins.samplers.standard",
+            "pitstop.plugins.weight_formats.dense",
         )
     ]
     plugins = PluginManager(load_entry_points=False, extra_modules=modules)
