@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pitstop.plugins.weight_formats.gguf_blocks import QuantType, layout_of
+from pitstop.plugins.weight_formats.gguf_blocks import QuantType, UnsupportedQuantType, layout_of
 
 MAX_BATCH = 16  # input rows above which GGUFLinear prefers dequantize + matmul
 _KINDS = {QuantType.Q8_0: 0, QuantType.Q4_0: 1, QuantType.Q4_1: 2}
@@ -184,7 +184,7 @@ def supports(qtype: int | str | enum.Enum) -> bool:
     """Whether :func:`dequant_gemv` reads this ggml type's blocks directly."""
     try:
         found = layout_of(qtype).qtype
-    except NotImplementedError:
+    except UnsupportedQuantType:
         return False
     return found in _KINDS or found in _K_KINDS
 
@@ -198,7 +198,7 @@ def dequant_gemv(
     layout = layout_of(qtype)
     if not supports(layout.qtype):
         names = ", ".join(t.name for t in (*_KINDS, *_K_KINDS))
-        raise NotImplementedError(f"dequant_gemv reads {names} blocks, not {layout.qtype.name}")
+        raise UnsupportedQuantType(f"dequant_gemv reads {names} blocks, not {layout.qtype.name}")
     if x.dim() != 2:
         raise ValueError(f"x must be (batch, in_features), not {tuple(x.shape)}")
     batch, k = x.shape
