@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pitstop import EngineConfig
-from pitstop.bench.matrix import _from_toml
+from pitstop.bench.matrix import parse_matrix
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "benchmarks" / "workloads"
@@ -27,13 +27,14 @@ def test_there_are_matrix_files() -> None:
 
 @pytest.mark.parametrize("path", MATRICES, ids=lambda p: p.name)
 def test_every_configuration_resolves(path: Path) -> None:
-    """Each table becomes an EngineConfig whose strategies and settings resolve."""
+    """Each table becomes an EngineConfig whose strategies and settings resolve, the way
+    ``pitstop bench --matrix FILE`` builds them (parse_matrix, then EngineConfig.from_dict)."""
     manager = get_plugin_manager()
     if path.name in EXAMPLE_STRATEGIES:
         kind, strategy = EXAMPLE_STRATEGIES[path.name]
         if strategy not in manager.names(kind):
             pytest.skip(f"{path.name} needs pitstop-example's {kind} {strategy!r} (not installed)")
-    for name, settings in _from_toml(path):
-        config = EngineConfig(**settings)
+    for name, settings in parse_matrix(str(path)):
+        config = EngineConfig.from_dict(settings)
         manager.resolve(config)
         assert name
