@@ -114,6 +114,27 @@ for _ in range(2):
       else echo "== matrix: tests/gpu_matrix.py (${PITSTOP_MATRIX_WORKERS:-12} processes, shard ${MATRIX_SHARD:-1/1})"
         SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-560} python3 tests/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
           --json "$OUT/matrix.json" --shard ${MATRIX_SHARD:-1/1} ${MATRIX_ONLY:+--only "$MATRIX_ONLY"} 2>"$OUT/matrix.log" | tail -60; fi ;;
+    # issue 30: the three rows of the headline table, pitstop alone, as issue 28 measured them
+    # (nano median of 3, single median of 5, longtail all 500 requests at 32 clients, median of 3)
+    headline) run headline-nano offline --workload nano --kernels fused --repeats 3
+      run headline-single offline --workload single --kernels fused --repeats 5
+      run headline-longtail online --workload longtail --num-requests 500 --concurrency 32 --max-batch-size 64 --kernels fused --repeats 3 ;;
+    # issue 30: correctness only, so both at once: one shard of the matrix (MATRIX_SHARD) beside the
+    # GPU test files CHECK_TESTS in a second process (nothing here is timed; a cut run still leaves
+    # the matrix rows so far in OUT/matrix-I-of-N.json and the test log in OUT/gpu-tests-I-of-N.log)
+    checks) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; shard=${MATRIX_SHARD:-1/1}; tag=${shard/\//-of-}
+      [ -f "$gguf" ] || { echo "== checks: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
+      echo "== checks: matrix shard $shard (${PITSTOP_MATRIX_WORKERS:-12} processes) beside pytest -m gpu ${CHECK_TESTS:-}"
+      if [ -n "${CHECK_TESTS:-}" ]; then
+        ( SMOLLM_GGUF=$gguf timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 \
+            $CHECK_TESTS >"$OUT/gpu-tests-$tag.log" 2>&1; echo "pytest exit $?" >>"$OUT/gpu-tests-$tag.log" ) &
+        tests_pid=$!
+      fi
+      SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-540} python3 tests/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
+        --json "$OUT/matrix-$tag.json" --shard $shard 2>"$OUT/matrix-$tag.log" | tail -40
+      echo "   matrix exit ${PIPESTATUS[0]}"
+      if [ -n "${CHECK_TESTS:-}" ]; then wait $tests_pid
+        echo "== GPU tests ($CHECK_TESTS):"; grep -E "passed|failed|error|FAILED|ERROR|pytest exit|^[0-9.]+s " "$OUT/gpu-tests-$tag.log" | tail -30; fi ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
     # issue 15: the KV cache in fp8 (e4m3) beside bf16; kv_floor.py: fraction of the bf16 and fp8 floors
     fp8-nano) run fp8-nano offline --workload nano --matrix benchmarks/workloads/kv-fp8.toml; python3 benchmarks/kv_floor.py "$OUT/fp8-nano.json" ;;
