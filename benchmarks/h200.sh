@@ -125,16 +125,18 @@ for _ in range(2):
     checks) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; shard=${MATRIX_SHARD:-1/1}; tag=${shard/\//-of-}
       [ -f "$gguf" ] || { echo "== checks: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
       echo "== checks: matrix shard $shard (${PITSTOP_MATRIX_WORKERS:-12} processes) beside pytest -m gpu ${CHECK_TESTS:-}"
-      if [ -n "${CHECK_TESTS:-}" ]; then
+      # CHECK_TESTS: groups of test files separated by ';', one pytest process each
+      pids=(); g=0; IFS=';' read -ra groups <<<"${CHECK_TESTS:-}"
+      for files in "${groups[@]}"; do g=$((g + 1))
         ( SMOLLM_GGUF=$gguf timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 \
-            $CHECK_TESTS >"$OUT/gpu-tests-$tag.log" 2>&1; echo "pytest exit $?" >>"$OUT/gpu-tests-$tag.log" ) &
-        tests_pid=$!
-      fi
+            $files >"$OUT/gpu-tests-$tag-$g.log" 2>&1; echo "pytest exit $?" >>"$OUT/gpu-tests-$tag-$g.log" ) &
+        pids+=($!)
+      done
       SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-540} python3 tests/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
         --json "$OUT/matrix-$tag.json" --shard $shard 2>"$OUT/matrix-$tag.log" | tail -40
       echo "   matrix exit ${PIPESTATUS[0]}"
-      if [ -n "${CHECK_TESTS:-}" ]; then wait $tests_pid
-        echo "== GPU tests ($CHECK_TESTS):"; grep -E "passed|failed|error|FAILED|ERROR|pytest exit|^[0-9.]+s " "$OUT/gpu-tests-$tag.log" | tail -30; fi ;;
+      g=0; for files in "${groups[@]}"; do g=$((g + 1)); wait ${pids[$((g - 1))]}
+        echo "== GPU tests ($files):"; grep -E "passed|failed|error|FAILED|ERROR|pytest exit|^[0-9.]+s " "$OUT/gpu-tests-$tag-$g.log" | tail -14; done ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
     # issue 15: the KV cache in fp8 (e4m3) beside bf16; kv_floor.py: fraction of the bf16 and fp8 floors
     fp8-nano) run fp8-nano offline --workload nano --matrix benchmarks/workloads/kv-fp8.toml; python3 benchmarks/kv_floor.py "$OUT/fp8-nano.json" ;;
