@@ -178,31 +178,29 @@ def _best_of(inst: Any, att: Any, value: Any) -> None:
         )
 
 
-def _null_minus_one_or_in(value: Any, low: int, high: int) -> bool:
-    """Whether ``value`` is None, -1 or an integer in ``[low, high]``."""
-    return value is None or (is_int(value) and (value == -1 or low <= value <= high))
+def _null_minus_one_or_in(low: int, high: int, what: str, hint: str) -> Callable[..., None]:
+    """An attrs validator: None, -1 or an integer in ``[low, high]``; else ``<field> must be <what>``."""
+
+    def check(_inst: Any, att: Any, value: Any) -> None:
+        if value is None or (is_int(value) and (value == -1 or low <= value <= high)):
+            return
+        raise must_be(att.name, what, value, hint)
+
+    return check
 
 
-def _logprobs(inst: Any, att: Any, value: Any) -> None:
-    if _null_minus_one_or_in(value, 0, MAX_LOGPROBS):
-        return
-    raise must_be(
-        "logprobs",
-        f"null, -1 (the whole vocabulary) or an integer in [0, {MAX_LOGPROBS}]",
-        value,
-        "how many alternatives per token; 0: the chosen token only",
-    )
-
-
-def _truncate(_inst: Any, att: Any, value: Any) -> None:
-    if _null_minus_one_or_in(value, 1, INT64_MAX):
-        return
-    raise must_be(
-        "truncate_prompt_tokens",
-        "null, -1 (max_model_len) or an integer >= 1",
-        value,
-        "how many of the prompt's last tokens to keep",
-    )
+_logprobs = _null_minus_one_or_in(
+    0,
+    MAX_LOGPROBS,
+    f"null, -1 (the whole vocabulary) or an integer in [0, {MAX_LOGPROBS}]",
+    "how many alternatives per token; 0: the chosen token only",
+)
+_truncate = _null_minus_one_or_in(
+    1,
+    INT64_MAX,
+    "null, -1 (max_model_len) or an integer >= 1",
+    "how many of the prompt's last tokens to keep",
+)
 
 
 def _stop_needs_text(inst: Any, _att: Any, value: Any) -> None:
