@@ -160,7 +160,8 @@ class BaseScheduler:
 
     name = "base"
     settings_class: type = AdmissionSettings
-    # set by a subclass's __init__: tokens per step, and the most sequences running at once
+    # set by a subclass's __init__ (:meth:`_set_token_budget`): tokens per step, and the most
+    # sequences running at once
     token_budget: int
     max_running: int
 
@@ -181,6 +182,12 @@ class BaseScheduler:
         self.running: list[Sequence] = []
         self._by_request: dict[str, Sequence] = {}
         self._round = 0  # schedule() calls so far (a sequence keeps the round it was queued in)
+
+    def _set_token_budget(self, token_budget: int) -> None:
+        """Set the tokens one step may compute, and so ``max_running``: at most
+        ``max_batch_size`` sequences, and no more than one per token of the budget."""
+        self.token_budget = token_budget
+        self.max_running = min(self.max_batch_size, token_budget)
 
     @classmethod
     def register_with(cls, register: Callable[..., None], factory: Callable[..., Any]) -> None:

@@ -64,8 +64,7 @@ class ChunkedScheduler(BaseScheduler):
         self, config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings | None = None
     ) -> None:
         super().__init__(config, allocator, settings=settings)
-        self.token_budget = self.settings.step_token_budget()
-        self.max_running = min(self.max_batch_size, self.token_budget)
+        self._set_token_budget(self.settings.step_token_budget())
 
     def _fill(self, step: StepBuilder) -> None:
         """Decodes, then chunks of running prompts, then new prompts."""

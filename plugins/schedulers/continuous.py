@@ -67,8 +67,7 @@ class ContinuousScheduler(BaseScheduler):
         settings: ContinuousSettings | None = None,
     ) -> None:
         super().__init__(config, allocator, settings=settings)
-        self.token_budget = self.settings.max_num_batched_tokens
-        self.max_running = min(self.max_batch_size, self.token_budget)
+        self._set_token_budget(self.settings.max_num_batched_tokens)
         self.prefill_first = self.settings.prefill_priority == "high"
 
     def _fill(self, step: StepBuilder) -> None:

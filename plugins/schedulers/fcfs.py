@@ -47,8 +47,7 @@ class FCFSScheduler(BaseScheduler):
                 "the fcfs scheduler admits in arrival order; admission=%r has no effect",
                 self.settings.admission,
             )
-        self.token_budget = self.settings.max_num_batched_tokens
-        self.max_running = min(self.max_batch_size, self.token_budget)
+        self._set_token_budget(self.settings.max_num_batched_tokens)
         self.batch: set[int] = set()  # seq_ids of the batch in flight (running or preempted)
 
     def _fill(self, step: StepBuilder) -> None:
