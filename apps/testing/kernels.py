@@ -33,12 +33,13 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.loop.attention import AttentionMetadata
 from pitstop.plugin_system.protocols import KernelSet, RotaryCache
 from pitstop.plugins.kernels import reference
+from pitstop.testing._hypothesis import suite_settings
 
 __all__ = [
     "TOLERANCE",
@@ -254,12 +255,7 @@ def check_kernel_set(
     kernel_sets: dict[torch.dtype, KernelSet] = {}
     caches = [None] + ([torch.float8_e4m3fn, torch.float8_e5m2] if fp8 else [])
 
-    @settings(
-        max_examples=max_examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @suite_settings(max_examples)
     @given(
         batch=_batches(),
         heads=st.tuples(st.integers(1, 2), st.sampled_from([1, 2, 4])),

@@ -67,13 +67,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.config import EngineConfig
 from pitstop.plugin_system.protocols import Allocator, AllocatorStats, Scheduler, StepPlan
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence, SequenceStatus
+from pitstop.testing._hypothesis import suite_settings
 
 SchedulerFactory = Callable[[EngineConfig, Allocator], Scheduler]
 AllocatorFactory = Callable[[EngineConfig, int], Allocator]
@@ -654,13 +655,7 @@ def check_scheduler_contract(
     """
     overrides = dict(config_overrides or {})
 
-    @settings(
-        max_examples=max_examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        **dict(hypothesis_settings or {}),
-    )
+    @suite_settings(max_examples, **dict(hypothesis_settings or {}))
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         config = data.draw(scheduler_configs(**overrides), label="config")

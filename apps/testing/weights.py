@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.plugin_system.protocols import WeightFormat
+from pitstop.testing._hypothesis import suite_settings
 
 __all__ = ["LINEAR_NAMES", "check_weight_format", "relative_error"]
 
@@ -149,12 +150,7 @@ def check_weight_format(
 
     features = st.one_of(st.integers(1, 160), st.sampled_from([16, 32, 64, 128, 144]))
 
-    @settings(
-        max_examples=max_examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @suite_settings(max_examples)
     @given(
         out_features=features,
         in_features=features,
