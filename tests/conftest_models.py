@@ -45,7 +45,7 @@ def smollm2_tokenizer_dir() -> Path:
     path = smollm2_gguf()
     folder = cache_dir_for(path)
     if not (folder / "tokenizer.json").is_file():
-        load_gguf(path)
+        load_gguf(path).weights()  # the first dense read converts it
     return folder
 
 

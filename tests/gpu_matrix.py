@@ -193,7 +193,7 @@ def transformers_reference(
 
     folder = cache_dir_for(gguf)
     if not (folder / "tokenizer.json").is_file():
-        load_gguf(gguf)  # converts once: the engines' processes then find the cache
+        load_gguf(gguf).weights()  # converts once: the engines' processes then find the cache
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32

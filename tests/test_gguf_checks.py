@@ -168,7 +168,7 @@ def test_cache_is_keyed_by_content_and_reports_its_size(tmp_path, tiny_llama, ca
     shutil.copy(first, copy)
     assert cache_dir_for(first) == cache_dir_for(copy)  # same bytes, one entry
     with caplog.at_level(logging.WARNING, logger="pitstop.loading.gguf_loader"):
-        load_model_source(str(first))
+        load_model_source(str(first)).weights()  # the first dense read writes the cache
     created = [r.getMessage() for r in caplog.records if "cached its dequantized" in r.message]
     assert len(created) == 1 and "kB on disk" in created[0] and "pitstop cache clear" in created[0]
     caplog.clear()
@@ -187,7 +187,7 @@ def test_pitstop_cache_list_and_clear(tmp_path, tiny_llama, capsys, _own_cache) 
     from pitstop.cli import main
 
     path = write_gguf_from_hf(tiny_llama, tmp_path / "listed.gguf")
-    load_model_source(str(path))
+    load_model_source(str(path)).weights()
     stale = _own_cache / "gguf" / "0123abcd-v1"  # an older pitstop's entry
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"\0" * 5000)

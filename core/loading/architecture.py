@@ -83,6 +83,20 @@ class GGUFRules:
     fix_tensor: Callable[[str, np.ndarray, ModelConfig], np.ndarray] = attrs.field(
         default=_unchanged, validator=_callable
     )
+    # (Hugging Face name, its row count, config) -> the row order fix_tensor gives it (row i
+    # of the result is row order[i] of the file), or None where fix_tensor keeps it as it is.
+    # Declared by an architecture whose fix_tensor only reorders rows, so that a weight kept
+    # in its quantized blocks (weights=gguf) is fixed without dequantizing; left None with a
+    # fix_tensor of its own, every tensor is offered dequantized (the only safe form)
+    fix_rows: Callable[[str, int, ModelConfig], np.ndarray | None] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_callable)
+    )
+
+    @property
+    def blocks_keep_values(self) -> bool:
+        """Whether a tensor's quantized rows, reordered by :attr:`fix_rows`, hold what
+        :attr:`fix_tensor` makes of it (no fix, or one declared a row permutation)."""
+        return self.fix_rows is not None or self.fix_tensor is _unchanged
 
 
 @attrs.frozen

@@ -22,8 +22,15 @@ from pitstop.errors import ModelLoadError
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """Raise :class:`ModelLoadError` when floating-point ``tensor`` holds a NaN or an infinity."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
+    """Raise :class:`ModelLoadError` when floating-point ``tensor`` holds a NaN or an infinity.
+
+    A weight kept in its quantized blocks (not a tensor) passes: the weight format that
+    keeps it checks its scales (``weights=gguf``: ``gguf_blocks.nonfinite_blocks``)."""
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or not tensor.is_floating_point()
+        or tensor.numel() == 0
+    ):
         return
     low, high = torch.aminmax(tensor.detach())
     if math.isfinite(float(low)) and math.isfinite(float(high)):

@@ -43,8 +43,15 @@ import torch
 
 from pitstop.errors import ModelLoadError
 from pitstop.loading.architecture import Architecture
-from pitstop.loading.gguf_file import GGUFModelFile, check_tensor_bytes, dequantize, tensor_shape
+from pitstop.loading.gguf_file import (
+    GGUFModelFile,
+    check_tensor_bytes,
+    dequantize,
+    require_gguf,
+    tensor_shape,
+)
 from pitstop.loading.model_config import ModelConfig
+from pitstop.loading.quantized import QuantizedWeight
 
 if TYPE_CHECKING:
     from pitstop.loading.checkpoint import ModelSource
@@ -131,11 +138,14 @@ def _check_tensors(file: GGUFModelFile, config: ModelConfig, rules: Architecture
 
 
 def iter_gguf_tensors(
-    file: GGUFModelFile, config: ModelConfig, rules: Architecture
-) -> Iterator[tuple[str, torch.Tensor]]:
+    file: GGUFModelFile, config: ModelConfig, rules: Architecture, *, blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Every weight of an open GGUF file: Hugging Face name, float32, HF shape, on CPU.
 
-    The file must have passed :func:`gguf_model_config` (every name maps, every shape fits).
+    With ``blocks``, each 2-D block-quantized tensor comes as a :class:`QuantizedWeight`
+    instead (its bytes copied out of the file's map, its rows reordered as the
+    architecture's ``fix_rows`` says; see :func:`gguf_blocks`). The file must have passed
+    :func:`gguf_model_config` (every name maps, every shape fits).
     """
     assert rules.gguf is not None
     for t in file.reader.tensors:
@@ -144,6 +154,10 @@ def iter_gguf_tensors(
         name = rules.gguf.tensor_name(t.name)
         if name is None:  # refused by _check_tensors; never reached for a checked file
             raise ModelLoadError(f"GGUF file {file.path}: tensor {t.name} maps to nothing")
+        kept = gguf_blocks(t, name, config, rules) if blocks else None
+        if kept is not None:
+            yield name, kept
+            continue
         stored = dequantize(t)
         w = rules.gguf.fix_tensor(name, stored, config)
         if getattr(w, "shape", None) != stored.shape:
@@ -153,6 +167,34 @@ def iter_gguf_tensors(
                 "it must keep the shape (the tensors were checked in it)"
             )
         yield name, torch.from_numpy(np.ascontiguousarray(w).copy())
+
+
+def gguf_blocks(
+    tensor: Any, name: str, config: ModelConfig, rules: Architecture
+) -> QuantizedWeight | None:
+    """A 2-D block-quantized GGUF tensor as a :class:`QuantizedWeight` in the model's row
+    order; None for one that comes dense (a float type, a vector, or an architecture whose
+    ``fix_tensor`` is not declared a row permutation by ``fix_rows``)."""
+    assert rules.gguf is not None
+    gguf = require_gguf()
+    shape = tensor_shape(tensor)
+    block, _ = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    if len(shape) != 2 or block == 1:
+        return None
+    if not rules.gguf.blocks_keep_values:
+        return None  # a fix_tensor that may change values: only the dequantized tensor is safe
+    fix_rows = rules.gguf.fix_rows
+    data = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
+    weight = QuantizedWeight.of(torch.from_numpy(data.copy()), tensor.tensor_type.name, shape)
+    order = None if fix_rows is None else fix_rows(name, shape[0], config)
+    if order is None:
+        return weight
+    if sorted(int(i) for i in order) != list(range(shape[0])):
+        raise ModelLoadError(
+            f"the {config.architecture} plugin's fix_rows gave {name} a row order that is not a "
+            f"permutation of its {shape[0]} rows"
+        )
+    return weight.take_rows(order)
 
 
 # ---------------------------------------------------------------------- cache
@@ -277,10 +319,14 @@ def _iter_cached(file: Path, shard: Any = None) -> Iterator[tuple[str, torch.Ten
 def load_gguf(
     path: str | Path, *, tokenizer: Tokenizer | None = None, plugins: PluginManager | None = None
 ) -> ModelSource:
-    """A :class:`ModelSource` for a GGUF file, checked, converted once and cached.
+    """A :class:`ModelSource` for a GGUF file, checked; its dense weights converted once and cached.
 
     ``tokenizer`` replaces the file's own tokenizer when given; ``plugins`` is the
     registry asked which architecture reads the file (default: the process's own).
+    The source's ``weights()`` reads the dequantized cache, writing it on its first call
+    (so a model loaded with ``weights=gguf`` never writes one); ``weights(blocks=True)``
+    reads the file itself, its block-quantized matrices as
+    :class:`~pitstop.loading.quantized.QuantizedWeight`.
     """
     from pitstop.loading.checkpoint import ModelSource, check_special_token_ids
     from pitstop.loading.tokenizer import Tokenizer
@@ -289,46 +335,85 @@ def load_gguf(
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     cache = cache_dir_for(path)
-    if not (cache / _CONFIG_FILE).is_file():
-        file = GGUFModelFile.open(path)
-        config, rules = gguf_model_config(file, plugins)
-        check_special_token_ids(config, f"GGUF file {path}")  # before the slow tokenizer build
-        own_tokenizer = Tokenizer.from_gguf(path, file.metadata)
+    if (cache / _CONFIG_FILE).is_file():
         try:
-            _write_cache(cache, config, file, rules, own_tokenizer)
-        except ModelLoadError:  # the file cannot be converted (an OSError too): no fallback
-            raise
-        except OSError as exc:  # the cache cannot be written: convert on every load instead
-            log.warning(
-                "cannot cache GGUF file %s under %s (%s); converting on every load",
-                path,
-                cache,
-                exc,
-            )
-            return ModelSource(
-                model_config=config,
-                tokenizer=tokenizer or own_tokenizer,
-                weights=lambda shard=None: (
-                    iter_gguf_tensors(file, config, rules)
-                    if shard is None
-                    else shard.take_all(iter_gguf_tensors(file, config, rules))
-                ),
-                description=f"GGUF {path} (not cached: {exc})",
-            )
-        tokenizer = tokenizer or own_tokenizer
-    try:
-        config = _config_from_json((cache / _CONFIG_FILE).read_text())
-    except (OSError, ValueError, TypeError) as exc:
-        raise ModelLoadError(
-            f"the GGUF cache {cache} is damaged ({exc}); run `pitstop cache clear` and load again"
-        ) from exc
-    weights_file = cache / _WEIGHTS_FILE
+            config = _config_from_json((cache / _CONFIG_FILE).read_text())
+        except (OSError, ValueError, TypeError) as exc:
+            raise ModelLoadError(
+                f"the GGUF cache {cache} is damaged ({exc}); run `pitstop cache clear` and load "
+                "again"
+            ) from exc
+        reading = GGUFConversion(path, cache, plugins)
+        return ModelSource(
+            model_config=config,
+            tokenizer=tokenizer or Tokenizer.from_pretrained(cache),
+            weights=reading.weights,
+            description=f"GGUF {path} (cached at {cache})",
+        )
+    file = GGUFModelFile.open(path)
+    config, rules = gguf_model_config(file, plugins)
+    check_special_token_ids(config, f"GGUF file {path}")  # before the slow tokenizer build
+    own_tokenizer = Tokenizer.from_gguf(path, file.metadata)
+    conversion = GGUFConversion(path, cache, plugins, (file, config, rules, own_tokenizer))
     return ModelSource(
         model_config=config,
-        tokenizer=tokenizer or Tokenizer.from_pretrained(cache),
-        weights=lambda shard=None: _iter_cached(weights_file, shard),
-        description=f"GGUF {path} (cached at {cache})",
+        tokenizer=tokenizer or own_tokenizer,
+        weights=conversion.weights,
+        description=f"GGUF {path} (dequantized into {cache} when first read)",
     )
+
+
+@attrs.define
+class GGUFConversion:
+    """A GGUF model's weights: dequantized from the cache (written on the first read) or
+    as the file's blocks. ``opened``: the file, config, architecture and tokenizer, when
+    the loader has them (no cache yet); else they are read again when needed."""
+
+    path: Path
+    cache: Path
+    plugins: PluginManager | None
+    opened: tuple[GGUFModelFile, ModelConfig, Architecture, Tokenizer] | None = None
+
+    def _open(self) -> tuple[GGUFModelFile, ModelConfig, Architecture]:
+        if self.opened is not None:
+            return self.opened[:3]
+        file = GGUFModelFile.open(self.path)
+        config, rules = gguf_model_config(file, self.plugins)
+        return file, config, rules
+
+    def _tokenizer(self, file: GGUFModelFile) -> Tokenizer:
+        from pitstop.loading.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(self.path, file.metadata)
+
+    def weights(
+        self, shard: Any = None, *, blocks: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Every weight: dense (the cache), or with ``blocks`` the quantized matrices kept."""
+        if blocks:
+            if shard is not None:
+                raise ModelLoadError(
+                    "a GGUF file's quantized blocks are read whole; tensor parallelism takes "
+                    "its dense weights (weights='dense')"
+                )
+            return iter_gguf_tensors(*self._open(), blocks=True)
+        if not (self.cache / _CONFIG_FILE).is_file():
+            file, config, rules = self._open()
+            tokenizer = self.opened[3] if self.opened else self._tokenizer(file)
+            try:
+                _write_cache(self.cache, config, file, rules, tokenizer)
+            except ModelLoadError:  # the file cannot be converted (an OSError too): no fallback
+                raise
+            except OSError as exc:  # the cache cannot be written: convert on every load instead
+                log.warning(
+                    "cannot cache GGUF file %s under %s (%s); converting on every load",
+                    self.path,
+                    self.cache,
+                    exc,
+                )
+                tensors = iter_gguf_tensors(file, config, rules)
+                return tensors if shard is None else shard.take_all(tensors)
+        return _iter_cached(self.cache / _WEIGHTS_FILE, shard)
 
 
 # ---------------------------------------------------------------------- pitstop cache

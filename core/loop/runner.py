@@ -36,6 +36,7 @@ from pitstop.errors import ConfigError
 from pitstop.loading.finite_weights import finite_weights
 from pitstop.loading.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.loading.model_config import ModelConfig
+from pitstop.loading.quantized import weight_stream
 from pitstop.loop.attention import AttentionMetadata
 from pitstop.loop.poison import nan_rows_of, poison_, poison_pages_, poison_torch_empty
 from pitstop.loop.runner_batch import build_metadata, select_rows
@@ -233,10 +234,13 @@ class ModelRunner:
                     self.model.init_dummy(self.config.seed, shard=shard)
                 else:
                     self.model.load_weights(checked(weights(shard=shard)))
-            elif weights is None:
+                return
+            # a weight format that keeps quantized blocks gets them (pitstop.loading.quantized)
+            stream = weight_stream(weights, self.weights, self.model)
+            if stream is None:
                 self.model.init_dummy(self.config.seed)
             else:
-                self.model.load_weights(checked(weights()))
+                self.model.load_weights(checked(stream))
 
     # ------------------------------------------------------------------ KV cache
     def bytes_per_page(self) -> int:

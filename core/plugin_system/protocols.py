@@ -26,7 +26,7 @@ import attrs
 import torch
 
 from pitstop.loop.attention import AttentionMetadata
-from pitstop.plugin_system.weight_format import WeightFormat  # noqa: F401  (its home: short)
+from pitstop.plugin_system.weight_format import KeepsBlocks, WeightFormat  # noqa: F401  (home: short)
 from pitstop.requests.sequence import Sequence
 
 # ---------------------------------------------------------------- capabilities

@@ -24,6 +24,7 @@ from torch import nn
 from pitstop.errors import ModelLoadError
 from pitstop.loading.architecture import Architecture
 from pitstop.loading.model_config import ModelConfig
+from pitstop.loading.quantized import QuantizedWeight, RowMerger
 from pitstop.loop.attention import AttentionMetadata
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.protocols import KernelSet, RotaryCache, WeightFormat
@@ -304,6 +305,8 @@ class LlamaForCausalLM(nn.Module):
 
     # built from one rank's shard_model_config, it runs that rank's part (pitstop.parallel)
     supports_tensor_parallel = True
+    # load_weights takes QuantizedWeight items (a GGUF file's blocks, for weights=gguf)
+    loads_quantized_weights = True
 
     def __init__(
         self, cfg: ModelConfig, kernels: KernelSet, weights: WeightFormat | None = None
@@ -324,6 +327,9 @@ class LlamaForCausalLM(nn.Module):
         # tensor parallelism: the vocabulary-parallel embedding and head (None: the whole vocabulary)
         self.vocab_embed = getattr(kernels, "embed", None)
         self.gather_logits = getattr(kernels, "gather_logits", None)
+        # True once the weight format holds the embedding (a format with an ``embedding``
+        # method, given the embedding's quantized blocks): it then also is the tied head
+        self.embed_held = False
 
     def forward(
         self,
@@ -341,6 +347,8 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of ``input_ids`` ``[T, hidden]``."""
+        if self.embed_held:
+            return self.weights.embedding(self.embed_tokens, input_ids)
         if self.vocab_embed is None:
             return self.embed_tokens[input_ids]
         return self.vocab_embed(self.embed_tokens, input_ids)
@@ -351,8 +359,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` of the given hidden rows, in float32."""
-        if self.lm_head is None:  # tied: the embedding, which stays dense
-            logits = self.kernels.linear(hidden, self.embed_tokens)
+        if self.lm_head is None:  # tied: the embedding, dense unless the format holds it
+            linear = self.linear if self.embed_held else self.kernels.linear
+            logits = linear(hidden, self.embed_tokens)
         else:
             logits = self.linear(hidden, self.lm_head)
         if self.gather_logits is not None:
@@ -364,9 +373,11 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors in, merging q/k/v and gate/up when the model is merged.
 
         Each tensor arrives in the checkpoint's dtype and is cast once, by the copy into
-        its parameter. A tensor that maps to nothing is an error (listing the first
-        few), as is a missing one, a wrong shape, or a tied ``lm_head.weight`` that
-        differs from the embedding.
+        its parameter. A :class:`~pitstop.loading.quantized.QuantizedWeight` (a GGUF
+        file's blocks, which the weight format takes) is kept as it is, the parts of a
+        merged weight stacked by rows, and handed to the format whole. A tensor that
+        maps to nothing is an error (listing the first few), as is a missing one, a
+        wrong shape, or a tied ``lm_head.weight`` that differs from the embedding.
         """
         params = dict(self.named_parameters())
         expected = expected_weight_shapes(self.cfg)
@@ -374,6 +385,8 @@ class LlamaForCausalLM(nn.Module):
         unknown: list[str] = []
         tied_head: torch.Tensor | None = None
         cfg = self.cfg
+        merger = RowMerger(self._parts_per_weight(expected))
+        blocks: dict[str, QuantizedWeight] = {}
         for name, tensor in weights:
             if ignored_checkpoint_tensor(name):
                 continue
@@ -391,7 +404,9 @@ class LlamaForCausalLM(nn.Module):
                     f"the model expects {expected[name]}"
                 )
             param = params[target]
-            if offset is None:
+            if isinstance(tensor, QuantizedWeight):
+                self._keep_blocks(target, offset, tensor, merger, blocks, param)
+            elif offset is None:
                 param.data.copy_(tensor)
             else:
                 param.data[offset : offset + tensor.shape[0]].copy_(tensor)
@@ -408,7 +423,9 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(
                 f"checkpoint lacks {len(missing)} tensor(s) a {cfg.architecture} model needs, e.g. {missing[:3]}"
             )
-        if tied_head is not None:
+        for target, offset, part in merger.take_unfinished():  # some parts came dense
+            params[target].data[offset : offset + part.shape[0]].copy_(part.dequantize())
+        if tied_head is not None and "embed_tokens" not in blocks:  # GGUF never has both
             embed = self.embed_tokens
             same = tuple(tied_head.shape) == tuple(embed.shape) and torch.equal(
                 tied_head.to(device=embed.device, dtype=embed.dtype), embed.data
@@ -419,7 +436,37 @@ class LlamaForCausalLM(nn.Module):
                     "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight; "
                     "fix tie_word_embeddings in config.json"
                 )
-        self.prepare_weights()
+        self.prepare_weights(blocks)
+
+    def _parts_per_weight(self, expected: dict[str, tuple[int, ...]]) -> dict[str, int]:
+        """Model weight -> how many checkpoint tensors fill it (3 for a merged q/k/v)."""
+        parts: dict[str, int] = {}
+        for name in expected:
+            target, _ = self._map_name(name)
+            if target is not None and name.endswith(".weight"):
+                parts[target] = parts.get(target, 0) + 1
+        return parts
+
+    def _keep_blocks(
+        self,
+        target: str,
+        offset: int | None,
+        weight: QuantizedWeight,
+        merger: RowMerger,
+        blocks: dict[str, QuantizedWeight],
+        param: nn.Parameter,
+    ) -> None:
+        """Keep a weight's quantized blocks for the format (whole once all its parts are
+        in); an embedding the format cannot hold is dequantized into its parameter."""
+        if target == "embed_tokens" and not self._format_holds_embedding():
+            param.data.copy_(weight.dequantize())
+            return
+        merged = merger.add(target, offset, weight)
+        if merged is not None:
+            blocks[target] = merged
+
+    def _format_holds_embedding(self) -> bool:
+        return self.vocab_embed is None and callable(getattr(self.weights, "embedding", None))
 
     def linear_slots(self) -> Iterator[tuple[nn.Module, str, str]]:
         """(module, attribute, name) of every linear weight: the projections of each layer
@@ -431,35 +478,44 @@ class LlamaForCausalLM(nn.Module):
         if not self.cfg.tie_word_embeddings:
             yield self, "lm_head", "lm_head"
 
-    def prepare_weights(self) -> None:
+    def prepare_weights(self, blocks: dict[str, QuantizedWeight] | None = None) -> None:
         """Hand each loaded linear weight to the weight format once and keep what it returns.
 
         A format that keeps the tensor (``dense``) leaves the parameter as it is; any
         other resident replaces it, and the dense tensor is freed as soon as its resident
-        exists (the peak is the dense model plus one prepared weight). Called at the end
-        of :meth:`load_weights`; the weights load once.
+        exists (the peak is the dense model plus one prepared weight). ``blocks``: the
+        weights loaded as quantized blocks (by model name), handed over instead of their
+        (never written) parameters; ``"embed_tokens"`` among them goes to the format too.
+        Called at the end of :meth:`load_weights`; the weights load once.
         """
-        for module, attr, name in self.linear_slots():
+        blocks = blocks or {}
+        slots = list(self.linear_slots())
+        if "embed_tokens" in blocks:
+            slots.append((self, "embed_tokens", "embed_tokens"))
+        for module, attr, name in slots:
             weight = getattr(module, attr)
             if not isinstance(weight, nn.Parameter):
                 raise ModelLoadError(
                     f"the {self.cfg.architecture} model's weights were already prepared for "
                     f"weights={self.weights.name!r}; load a model's weights once"
                 )
-            resident = self.weights.prepare(name, weight.data)
+            resident = self.weights.prepare(name, blocks.pop(name, weight.data))
             if _same_tensor(resident, weight):
                 continue
             delattr(module, attr)
             del weight
             object.__setattr__(module, attr, resident)
+            self.embed_held = self.embed_held or name == "embed_tokens"
 
     def weight_bytes(self) -> int:
         """Device bytes of the weights as held: dense parameters and buffers, plus the
         weight format's ``resident_bytes`` of every linear weight it replaced."""
         tensors = [*self.parameters(), *self.buffers()]
         total = sum(t.numel() * t.element_size() for t in tensors)
-        for module, attr, _ in self.linear_slots():
-            resident = getattr(module, attr)
+        held = [getattr(module, attr) for module, attr, _ in self.linear_slots()]
+        if self.embed_held:
+            held.append(self.embed_tokens)
+        for resident in held:
             if not isinstance(resident, nn.Parameter):
                 total += self.weights.resident_bytes(resident)
         return total

@@ -112,6 +112,15 @@ def unpermute_llama_qk(name: str, tensor: np.ndarray, config: ModelConfig) -> np
     return tensor
 
 
+def llama_qk_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
+    """The row order :func:`unpermute_llama_qk` gives a tensor of ``rows`` rows (None: it
+    keeps the tensor as it is): a permutation of whole rows, so a weight kept in its
+    quantized blocks is reordered exactly, without dequantizing."""
+    if ".self_attn.q_proj." not in name and ".self_attn.k_proj." not in name:
+        return None
+    return unpermute_llama_qk(name, np.arange(rows), config)
+
+
 def is_rope_freqs(gguf_name: str) -> bool:
     """llama.cpp's ``rope_freqs``: part of the config, not a weight."""
     return gguf_name == ROPE_FREQS
@@ -263,5 +272,5 @@ def gguf_rules(gguf_architecture: str) -> GGUFRules:
         config=config_from_gguf,
         tensor_name=hf_tensor_name,
         config_tensor=is_rope_freqs,
-        **({"fix_tensor": unpermute_llama_qk} if permuted else {}),
+        **({"fix_tensor": unpermute_llama_qk, "fix_rows": llama_qk_row_order} if permuted else {}),
     )
