@@ -70,6 +70,7 @@ dequantizing them (the engine's finite-weights check skips integer tensors).
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -159,8 +160,13 @@ def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return blocks[:, offset : offset + 2].contiguous().view(torch.float16).to(torch.float32)
 
 
-def _shifts(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """A uint8 tensor of shift counts, shaped ``(len, 1)`` to broadcast over a byte axis."""
+@functools.cache
+def _shifts(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of shift counts, shaped ``(len, 1)`` to broadcast over a byte axis.
+
+    Made once per device (cached): a decoder run inside a CUDA graph capture (a weight
+    format's fallback matmul) must not copy from the host, and the eager warm-up before
+    the capture has made it by then."""
     return torch.tensor(values, dtype=torch.uint8, device=device).reshape(-1, 1)
 
 
@@ -174,7 +180,7 @@ def _bits(qs: torch.Tensor, width: int) -> torch.Tensor:
 
     Field ``j`` is bits ``width*j`` to ``width*(j+1) - 1`` (lowest bits first).
     """
-    shifts = _shifts(range(0, 8, width), qs.device)
+    shifts = _shifts(tuple(range(0, 8, width)), qs.device)
     return (qs.unsqueeze(-2) >> shifts) & ((1 << width) - 1)
 
 
