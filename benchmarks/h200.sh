@@ -161,7 +161,8 @@ for _ in range(2):
       for row in ${PROFILE_ROWS:-nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b}; do
         sc=${row%%:*}; model=${row#*:}; echo "== profile $sc on $model ${PEER:-(no vLLM: pitstop alone)}"
         timeout ${PROFILE_TIMEOUT:-300} python3 benchmarks/kernel_profile.py --scenario $sc --model $model $PEER \
-          --trace-dir /tmp/kp-$sc --json "$OUT/profile-$sc.json" 2>"$OUT/profile-$sc.log" | head -40; done ;;
+          --trace-dir /tmp/kp-$sc --json "$OUT/profile-$sc.json" >"$OUT/profile-$sc.txt" 2>"$OUT/profile-$sc.log"
+        echo "   exit $?"; head -${PROFILE_LINES:-40} "$OUT/profile-$sc.txt"; done ;;
     vllm) if bash benchmarks/vllm_setup.sh .vv; then
         [ -d /tmp/vhttp ] && export PYTHONPATH=/tmp/vhttp${PYTHONPATH:+:$PYTHONPATH}
         export PITSTOP_VLLM_PYTHONPATH=${PITSTOP_VLLM_PYTHONPATH:-/tmp/vsite} VLLM_USE_FLASHINFER_SAMPLER=0
@@ -185,7 +186,7 @@ for _ in range(2):
             # sequence at a time on both sides: --max-batch-size 1 is vLLM's max_num_seqs=1)
             spec) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf" ] || { echo "== vllm spec: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
               vrun vllm-spec offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl \
-                --max-batch-size 1 --max-prefill-batch 1 --speculative ngram --num-speculative-tokens 4 --repeats 2 \
+                --max-batch-size 1 --max-prefill-batch 1 --speculative ngram --num-speculative-tokens 4 --repeats ${SPEC_REPEATS:-3} \
                 --peer-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ;;
             *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 longtail longtail64 longtail128 prefix longctx spec)" ;;
           esac
@@ -200,6 +201,13 @@ for _ in range(2):
       echo "   exit $?"; sed -n '/^decode sweep/,$p' "$OUT/decode_sweep.log" | head -${SWEEP_LINES:-80} ;;
     decode-merge) run decode-merge-single offline --workload single --repeats 3 --matrix benchmarks/workloads/decode-merge.toml
       run decode-merge-nano offline --workload nano --matrix benchmarks/workloads/decode-merge.toml ;;
+    # issue 33: the SmolLM2 GGUF kept in its quantized blocks (--weights gguf): its GPU tests, then
+    # `single`-shaped decoding on that file beside the dequantized (dense) weights, and verify on it
+    gguf-weights) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf" ] || { echo "== gguf-weights: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
+      SMOLLM_GGUF=$gguf timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gguf_weights.py tests/test_gguf_gemv.py \
+        tests/test_weight_formats.py 2>&1 | tail -8
+      for w in dense gguf; do run gguf-single-$w offline --model "$gguf" --workload single --kernels fused --weights $w --repeats 3; done
+      timeout 300 pitstop verify --model "$gguf" --kernels fused --weights gguf --max-tokens 32 --json "$OUT/verify-gguf.json" 2>&1 | grep -v " INFO " | tail -8 ;;
     fp8-verify) gguf_file=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
       if [ ! -f "$gguf_file" ]; then echo "== fp8-verify: no GGUF at $gguf_file (set SMOLLM_GGUF)";
       elif ! python3 -c "import gguf" 2>/dev/null; then echo "== fp8-verify: the gguf package is missing (its wheel goes in .whl/: benchmarks/README.md)";

@@ -72,16 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             status = 3
     unit = "µs per prompt" if scenario.decode_steps == 0 else "µs per step"
     rows = category_table(engines, mc, scenario)
-    print(
-        f"scenario {scenario.name}: batch {scenario.batch}, prompt {scenario.prompt_len}, "
-        f"model {args.model}" + (f", vLLM {version}" if version else "")
-    )
-    print(markdown(rows, list(engines), unit))
-    for engine, kernels in engines.items():
-        print(f"\n{engine}: top kernels ({unit}, launches)")
-        for name, us, launches in top_kernels(kernels):
-            print(f"  {us:10.1f}  {launches:6.1f}  {name[:110]}")
-    if args.json:
+    if args.json:  # first: a reader that stops early (head) must not cost the file
         args.json.write_text(
             json.dumps(
                 {
@@ -97,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
                 indent=1,
             )
         )
+    print(
+        f"scenario {scenario.name}: batch {scenario.batch}, prompt {scenario.prompt_len}, "
+        f"model {args.model}" + (f", vLLM {version}" if version else "")
+    )
+    print(markdown(rows, list(engines), unit))
+    for engine, kernels in engines.items():
+        print(f"\n{engine}: top kernels ({unit}, launches)")
+        for name, us, launches in top_kernels(kernels):
+            print(f"  {us:10.1f}  {launches:6.1f}  {name[:110]}")
     return status
 
 
