@@ -249,7 +249,10 @@ def test_fp8_engine_on_cuda_graphs_and_eager_agree(tmp_path: Path) -> None:
     folder = str(make_tiny_checkpoint(tmp_path, "qwen3", with_tokenizer=False))
 
     def run(**settings):
-        llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=48, **settings)
+        # a fixed KV budget: three engines are alive at once here (see test_gguf_weights)
+        llm = LLM(
+            folder, device="cuda", dtype="bfloat16", max_model_len=48, kv_cache_gib=1, **settings
+        )
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
         return llm, [o.outputs[0].token_ids for o in outs]
 
