@@ -35,7 +35,12 @@ from pitstop.loading.model_config import ModelConfig
 # What a kernel does, by its name (first match wins; names lower-cased).
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("kv store", r"reshape_and_cache|store_kv|kv_store|write_kv|cache_write|concat_and_cache"),
-    ("attention", r"attn|attention|flash|fmha|paged_decode|decode_kernel|split_kv|mha|mla"),
+    (
+        "attention",
+        r"attn|attention|flash|fmha|paged_decode|decode_kernel|decode_reduce|prefill_kernel"
+        r"|split_kv|mha|mla",
+    ),
+    # pitstop's _rope_store_kernel rotates q/k and stores k/v in one pass: it counts as rotary
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|_mm_|mm_kernel|splitk|\baddmm|\bmm\b|linear"),
     ("norm", r"rms|norm"),
     ("rotary", r"rotary|rope"),
