@@ -167,6 +167,7 @@ def test_the_engine_names_no_plugin() -> None:
         (SamplerBase, "supports_logits_processors", False),
         (KernelSetBase, "merge_projections", False),
         (ModelBase, "supports_tensor_parallel", False),
+        (ModelBase, "loads_quantized_weights", False),
     ],
 )
 def test_a_capability_left_out_reads_as_its_default(

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pitstop.errors import ConfigError
+from pitstop.plugin_system.weight_format import KeepsBlocks
 
 
 @attrs.frozen(eq=False)
@@ -160,11 +161,6 @@ class RowMerger:
 WeightItem = tuple[str, "torch.Tensor | QuantizedWeight"]
 
 
-def keeps_blocks(fmt: Any) -> bool:
-    """Whether a weight format takes quantized blocks (has ``takes_blocks``)."""
-    return callable(getattr(fmt, "takes_blocks", None))
-
-
 def weight_stream(
     weights: Callable[..., Iterator[WeightItem]] | None, fmt: Any, model: Any
 ) -> Iterator[WeightItem] | None:
@@ -176,9 +172,10 @@ def weight_stream(
     loads them (``loads_quantized_weights``); anything else is a :class:`ConfigError`
     naming the fix.
     """
+    from pitstop.plugin_system.protocols import ModelBase
     from pitstop.plugin_system.registration import takes_keyword
 
-    if not keeps_blocks(fmt):
+    if not isinstance(fmt, KeepsBlocks):
         return None if weights is None else weights()
     name = getattr(fmt, "name", type(fmt).__name__)
     if weights is None or not takes_keyword(weights, "blocks"):
@@ -187,7 +184,7 @@ def weight_stream(
             f"weights={name!r} keeps a GGUF file's quantized blocks, but the model is {what}; "
             "pass a .gguf model (e.g. smollm2-135m), or use weights='dense' (or 'fp8')"
         )
-    if not getattr(model, "loads_quantized_weights", False):
+    if not ModelBase.of(model, "loads_quantized_weights"):
         raise ConfigError(
             f"weights={name!r}: the {type(model).__name__} model plugin loads no quantized "
             "weights (it sets no loads_quantized_weights); use weights='dense'"

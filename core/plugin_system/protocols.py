@@ -375,8 +375,7 @@ class SamplingBatch:
     # The largest top_k over the rows, known on the host so that a sampler never reads it back
     # from the device (that read would stall the overlapped loop); -1: some row keeps every token.
     max_top_k: int = -1
-    # logprobs=k: how many alternatives the row wanting the most asks for (0: the chosen only;
-    # -1: some row asks for the whole vocabulary)
+    # logprobs=k: most alternatives any row asks for (0: the chosen only; -1: the whole vocabulary)
     max_logprobs: int = 0
     # Logits processors, applied before greedy/temperature (None: no row uses them).
     needs_penalties: bool = False
@@ -422,9 +421,8 @@ class Sampler(Protocol):
 class SamplerBase(Capabilities):
     """The default of a sampler's optional capability."""
 
-    # Whether it applies the SamplingBatch's penalties, logit_bias, blocked tokens, grammar
-    # masks, allowed tokens, user processors and logprobs=k; the engine refuses requests that
-    # use them with a sampler that does not.
+    # Whether it applies the SamplingBatch's penalties, logit_bias, blocked tokens, grammar masks,
+    # allowed tokens, user processors and logprobs=k (else the engine refuses requests using them).
     supports_logits_processors: bool = False
 
 
@@ -532,6 +530,8 @@ class ModelBase(Capabilities):
 
     # it takes init_dummy(shard=) and loads a rank's part of each tensor (else TP > 1 is refused)
     supports_tensor_parallel: bool = False
+    # load_weights takes QuantizedWeight items, a GGUF file's blocks (else weights=gguf is refused)
+    loads_quantized_weights: bool = False
 
     def weight_bytes(self) -> int:
         """Device bytes of its weights as held (the bench's floor): parameters and buffers."""

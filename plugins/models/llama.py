@@ -27,7 +27,7 @@ from pitstop.loading.model_config import ModelConfig
 from pitstop.loading.quantized import QuantizedWeight, RowMerger
 from pitstop.loop.attention import AttentionMetadata
 from pitstop.plugin_system.hookspecs import hookimpl
-from pitstop.plugin_system.protocols import KernelSet, RotaryCache, WeightFormat
+from pitstop.plugin_system.protocols import KeepsBlocks, KernelSet, RotaryCache, WeightFormat
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
 from pitstop.plugins.models.llama_gguf import gguf_rules
 from pitstop.plugins.models.llama_presets import PRESETS
@@ -327,8 +327,8 @@ class LlamaForCausalLM(nn.Module):
         # tensor parallelism: the vocabulary-parallel embedding and head (None: the whole vocabulary)
         self.vocab_embed = getattr(kernels, "embed", None)
         self.gather_logits = getattr(kernels, "gather_logits", None)
-        # True once the weight format holds the embedding (a format with an ``embedding``
-        # method, given the embedding's quantized blocks): it then also is the tied head
+        # True once the weight format holds the embedding (a KeepsBlocks format, given the
+        # embedding's quantized blocks): it then also is the tied head
         self.embed_held = False
 
     def forward(
@@ -466,7 +466,7 @@ class LlamaForCausalLM(nn.Module):
             blocks[target] = merged
 
     def _format_holds_embedding(self) -> bool:
-        return self.vocab_embed is None and callable(getattr(self.weights, "embedding", None))
+        return self.vocab_embed is None and isinstance(self.weights, KeepsBlocks)
 
     def linear_slots(self) -> Iterator[tuple[nn.Module, str, str]]:
         """(module, attribute, name) of every linear weight: the projections of each layer
