@@ -152,7 +152,7 @@ for _ in range(2):
     # vp00..vp06 + vp.sum, one part a run, back to back); benchmarks/vllm_setup.sh joins and installs
     # them under /tmp/vsite once all are there (until then this case says which are missing), with the
     # wheels of .vx/ (added after the parts were made: vllm serve's model-hosting-container-standards).
-    # VLLM_ROWS: nano single fp8 longtail longtail64 longtail128 prefix longctx spec (docs/benchmarks.md).
+    # VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec (docs/benchmarks.md).
     # issue 29: kernel by kernel, one step of each engine on the same requests (benchmarks/kernel_profile.py);
     # PROFILE_ROWS "nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b"
     profile) PEER=""; bash benchmarks/vllm_setup.sh .vv >/dev/null 2>&1 && PEER="--peer vllm" \
@@ -173,6 +173,9 @@ for _ in range(2):
             nano) vrun vllm-nano offline --workload nano --kernels fused --repeats $R ;;
             single) vrun vllm-single offline --workload single --kernels fused --repeats 5 ;;
             fp8) vrun vllm-nano-fp8 offline --workload nano --kernels fused --repeats $R --kv-cache-dtype fp8_e4m3 ;;
+            # issue 33: fp8 weights on both sides (vLLM's --quantization fp8)
+            single-fp8w) vrun vllm-single-fp8w offline --workload single --kernels fused --weights fp8 --repeats 5 ;;
+            nano-fp8w) vrun vllm-nano-fp8w offline --workload nano --kernels fused --weights fp8 --repeats $R ;;
             longtail|longtail64|longtail128) c=${row#longtail}; c=${c:-32}
               vrun vllm-longtail-$c online --workload longtail --num-requests ${LT_N:-500} --concurrency $c \
                 --max-batch-size $((c > 64 ? c : 64)) --kernels fused --repeats $R ;;
@@ -188,7 +191,7 @@ for _ in range(2):
               vrun vllm-spec offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl \
                 --max-batch-size 1 --max-prefill-batch 1 --speculative ngram --num-speculative-tokens 4 --repeats ${SPEC_REPEATS:-3} \
                 --peer-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ;;
-            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 longtail longtail64 longtail128 prefix longctx spec)" ;;
+            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec)" ;;
           esac
         done
         ls "$OUT"/vllm-*.json >/dev/null 2>&1 && python3 benchmarks/peer_table.py "$OUT"/vllm-*.json
@@ -208,6 +211,14 @@ for _ in range(2):
         tests/test_weight_formats.py 2>&1 | tail -8
       for w in dense gguf; do run gguf-single-$w offline --model "$gguf" --workload single --kernels fused --weights $w --repeats 3; done
       timeout 300 pitstop verify --model "$gguf" --kernels fused --weights gguf --max-tokens 32 --json "$OUT/verify-gguf.json" 2>&1 | grep -v " INFO " | tail -8 ;;
+    # issue 33: fp8 weights. Their GPU tests, the GEMMs at llama3-8b's shapes (FP8_SWEEP=1: a
+    # grid of skinny tiles too; benchmarks/fp8_gemm_bench.py), then `single` (and FP8W_NANO=1:
+    # `nano`) with bf16, fp8 and fp8 without the skinny kernel (benchmarks/workloads/fp8-weights.toml)
+    fp8-weights) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_gemm.py \
+        tests/test_weight_formats.py 2>&1 | tail -4
+      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gemm_bench.py ${FP8_SWEEP:+--sweep} --json "$OUT/fp8-gemm.json" 2>"$OUT/fp8-gemm.log"
+      run fp8w-single offline --workload single --repeats ${FP8W_REPEATS:-3} --matrix benchmarks/workloads/fp8-weights.toml
+      [ "${FP8W_NANO:-0}" = 1 ] && run fp8w-nano offline --workload nano --matrix benchmarks/workloads/fp8-weights.toml ;;
     fp8-verify) gguf_file=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
       if [ ! -f "$gguf_file" ]; then echo "== fp8-verify: no GGUF at $gguf_file (set SMOLLM_GGUF)";
       elif ! python3 -c "import gguf" 2>/dev/null; then echo "== fp8-verify: the gguf package is missing (its wheel goes in .whl/: benchmarks/README.md)";

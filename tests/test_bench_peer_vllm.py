@@ -166,6 +166,11 @@ def test_engine_args_share_pitstops_limits_and_prefix_caching_follows_the_worklo
     assert both["enable_prefix_caching"] is True and both["enforce_eager"] is True
     with pytest.raises(vllm_peer.VllmPeerError, match="KEY=VALUE"):
         vllm_peer.parse_peer_args(["no-value"])
+    assert "quantization" not in both  # dense weights: vLLM's default
+    fp8 = vllm_peer.engine_args(
+        {"model": "m"}, _config(weights="fp8"), longtail, dtype="bfloat16", max_model_len=9
+    )
+    assert fp8["quantization"] == "fp8"  # weights=fp8 is vLLM's --quantization fp8
 
 
 def test_serve_flags() -> None:

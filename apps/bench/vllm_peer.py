@@ -13,7 +13,7 @@ memory, and vLLM's packages never enter pitstop's process. Where vLLM lives:
 
 :func:`engine_args` gives both sides the same model, shapes and limits: dtype,
 ``max_model_len``, ``max_num_seqs`` (pitstop's ``max_batch_size``), memory fraction,
-KV-cache dtype, seed; prefix caching only for a workload with shared prefixes (the
+KV-cache dtype, weight quantization (``weights=fp8`` is vLLM's ``quantization=fp8``), seed; prefix caching only for a workload with shared prefixes (the
 timed passes and the warm-up repeat the same prompts, which a prefix cache would
 serve from memory); vLLM's own defaults for everything else (CUDA graphs, chunked
 prefill, its attention backend), and ``--peer-arg KEY=VALUE`` on top.
@@ -215,6 +215,13 @@ def kv_cache_dtype(pitstop_value: str) -> str:
     return pitstop_value if pitstop_value.startswith("fp8") else "auto"
 
 
+def quantization(weights: str | None) -> str | None:
+    """vLLM's ``quantization`` for pitstop's weight format: ``fp8`` (vLLM's
+    ``--quantization fp8``: per-channel e4m3 weights quantized at load, activations
+    per token, as pitstop's), else none (dense weights; a GGUF file vLLM reads as it is)."""
+    return "fp8" if weights == "fp8" else None
+
+
 def parse_peer_args(items: list[str] | None) -> dict[str, Any]:
     """``--peer-arg KEY=VALUE`` items -> ``{key: value}``; a value that is JSON
     (``true``, ``8``, ``{"method": "ngram"}``) is parsed, any other is a string."""
@@ -256,6 +263,8 @@ def engine_args(
     )
     if config.tensor_parallel_size > 1:
         args["tensor_parallel_size"] = config.tensor_parallel_size
+    if quantization(getattr(config, "weights", None)):
+        args["quantization"] = quantization(config.weights)
     if config.enforce_eager:
         args["enforce_eager"] = True
     args.update(extra or {})

@@ -21,6 +21,13 @@ compute exactly that:
 - ``reference``: both operands widened to float32 (exact: every e4m3 value is a
   float32), multiplied, scaled; the numerical reference, and what runs on CPU.
 
+On the GPU the activations are quantized by a Triton kernel in one launch
+(:mod:`~pitstop.plugins.weight_formats.fp8_gemm`), and a step of up to
+``fp8.skinny_rows`` tokens (decoding a small batch) runs the whole linear, its
+quantization included, as one skinny Triton GEMM on the fp8 tensor cores: at
+batch 1 the torch operations around ``_scaled_mm`` would cost more than the
+halved weight bytes save.
+
 ``fp8.gemm = "auto"`` takes ``scaled-mm`` on a GPU of compute capability 8.9 or
 more with ``dtype = bfloat16``, and ``reference`` on CPU; a GPU below 8.9 is
 refused with its capability named (``fp8.gemm = "reference"`` runs there anyway,
@@ -51,6 +58,7 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_AMAX = 1e-12  # the scale of an all-zero row or token: any positive value keeps zeros zero
 FAST_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
 ALIGNMENT = 16  # _scaled_mm's requirement on in_features and out_features
+SKINNY_MAX_ROWS = 16  # the skinny Triton GEMM's tile of rows (fp8_gemm)
 
 
 @attrs.frozen
@@ -75,6 +83,20 @@ class Fp8Settings:
         help="the fp8 GEMM: torch._scaled_mm (sm89+ GPUs), the float32 reference, or auto "
         "(scaled-mm on a GPU with fp8 tensor cores and bfloat16 activations, else reference)",
     )
+    skinny_rows: int = setting(
+        SKINNY_MAX_ROWS,
+        type=int,
+        minimum=0,
+        help="steps of up to this many tokens run each linear as one skinny Triton fp8 GEMM "
+        f"(GPU only; 0: always torch._scaled_mm; at most {SKINNY_MAX_ROWS})",
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.skinny_rows > SKINNY_MAX_ROWS:
+            raise ConfigError(
+                f"fp8.skinny_rows is at most {SKINNY_MAX_ROWS} (the skinny kernel's "
+                f"tile); got {self.skinny_rows}. Larger steps run torch._scaled_mm"
+            )
 
 
 @attrs.frozen(eq=False)
@@ -137,9 +159,16 @@ class Fp8Weights:
         self.fast = fast
         self.why = why
         self.out_dtype = out_dtype  # what _scaled_mm writes (bf16 on CUDA); None: x's dtype
-        self.quantize_input = (
-            quantize_rows if settings.activation_scale == "per-token" else quantize_tensor
-        )
+        per_token = settings.activation_scale == "per-token"
+        self.quantize_input = quantize_rows if per_token else quantize_tensor
+        self.skinny = None  # the Triton kernels (fp8_gemm), on CUDA only
+        if fast and out_dtype is not None:
+            from pitstop.plugins.weight_formats import fp8_gemm
+
+            self.skinny = fp8_gemm
+            if per_token:  # one Triton launch instead of eight torch operations
+                self.quantize_input = fp8_gemm.quantize_rows
+        self.skinny_rows = settings.skinny_rows if self.skinny is not None else 0
         self.num_fp8 = 0
         self.num_slow = 0  # fp8 weights the reference GEMM multiplies (dimensions not aligned)
         self.num_dense = 0
@@ -164,7 +193,17 @@ class Fp8Weights:
             return self.kernels.linear(x, resident, bias)
         lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
-        xq, x_scale = self.quantize_input(rows)
+        if resident.fast and rows.shape[0] <= self.skinny_rows:
+            out = self.skinny.skinny_linear(
+                rows.contiguous(),
+                resident.qweight,
+                resident.scale,
+                bias,
+                per_tensor=self.settings.activation_scale == "per-tensor",
+                out_dtype=x.dtype,
+            )
+            return out.reshape(*lead, out.shape[-1])
+        xq, x_scale = self.quantize_input(rows.contiguous())
         if resident.fast:
             out = scaled_mm_gemm(xq, x_scale, resident, self.out_dtype or x.dtype).to(x.dtype)
         else:
@@ -190,6 +229,8 @@ class Fp8Weights:
     def describe(self) -> dict[str, str]:
         """Which GEMM runs, why, and how many weights are fp8, slow or dense."""
         gemm = "torch._scaled_mm (row-wise scales)" if self.fast else "reference (float32)"
+        if self.skinny_rows:
+            gemm += f", the skinny Triton fp8 GEMM for steps of up to {self.skinny_rows} tokens"
         counts = f"; {self.num_fp8} fp8 weights" if self.num_fp8 or self.num_dense else ""
         if self.num_slow:
             counts += f", {self.num_slow} of them on the reference (dimensions not multiples of 16)"
