@@ -202,6 +202,11 @@ for _ in range(2):
       timeout ${SWEEP_TIMEOUT:-200} python3 benchmarks/kernels_bench.py --decode-sweep --jobs 14 \
         ${SWEEP_SHAPES:+--sweep-shapes $SWEEP_SHAPES} --json "$OUT/decode_sweep.json" >"$OUT/decode_sweep.log" 2>&1
       echo "   exit $?"; sed -n '/^decode sweep/,$p' "$OUT/decode_sweep.log" | head -${SWEEP_LINES:-80} ;;
+    # issue 29: decode tiles by batch and cache dtype (fused.decode_tiles) against the fixed ones:
+    # their GPU test, then `nano` (median of TILES_REPEATS) with bf16 and fp8 caches
+    decode-tiles) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_gpu.py \
+        -k by_batch 2>&1 | tail -3
+      run decode-tiles-nano offline --workload nano --repeats ${TILES_REPEATS:-3} --matrix benchmarks/workloads/decode-tiles.toml ;;
     decode-merge) run decode-merge-single offline --workload single --repeats 3 --matrix benchmarks/workloads/decode-merge.toml
       run decode-merge-nano offline --workload nano --matrix benchmarks/workloads/decode-merge.toml ;;
     # issue 33: the SmolLM2 GGUF kept in its quantized blocks (--weights gguf): its GPU tests, then

@@ -527,3 +527,33 @@ def test_dummy_qwen3_fp8_cache_fused_is_as_accurate_as_reference() -> None:
     assert torch.isfinite(fused).all()
     fused_err = (fused - truth).abs().max().item()
     assert fused_err <= 2 * ref_err + 1e-3, (fused_err, ref_err)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "e4m3"])
+@pytest.mark.parametrize("shape", [(256, 512), (64, 2048), (1, 4096)], ids=str)
+def test_by_batch_decode_tiles_match_the_reference(cache: str, shape: tuple[int, int]) -> None:
+    """Issue 29: ``fused.decode_tiles = "by-batch"`` (the sweep's tiles: 32 keys and one warp
+    from 128 decodes, 64 keys / two warps / two stages for fp8 below) against the reference,
+    at the batch sizes that pick each tile, bf16 and e4m3 caches."""
+    from pitstop.plugins.kernels.triton_ops import paged_attention as pa
+
+    batch, context = shape
+    meta, num_pages = _meta([1] * batch, [context] * batch, 16, seed=4)
+    q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+    flags = {"options": {"fused.decode_tiles": "by-batch"}}
+    if cache == "e4m3":
+        k_cache, v_cache, scales = _fp8_caches(
+            (num_pages, 16, 8, 128), torch.float8_e4m3fn, (0.05, 0.02), 5
+        )
+        ks = _fused(torch.bfloat16, kv_cache_dtype="fp8_e4m3", **flags)
+    else:
+        k_cache = torch.randn(num_pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        scales = None
+        ks = _fused(torch.bfloat16, **flags)
+    attn = ks._attn
+    want_tiles = attn.decode_tiles(128, 4, batch, fp8=scales is not None)
+    assert want_tiles != pa.DECODE_TILES[128] or (cache == "bf16" and batch < 128)
+    out = ks.attention(q, k_cache, v_cache, meta, 128**-0.5, scales)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5, scales)
+    _assert_close(out, expected, torch.bfloat16, f"{shape} {cache} {want_tiles}")

@@ -666,6 +666,26 @@ def test_tiles_keyed_by_head_size_and_group() -> None:
     assert attn.prefill_tiles(64, 4, max_query_len=500).block_m == pa.INTERPRETER_PREFILL.block_m
 
 
+def test_by_batch_decode_tiles_follow_the_sweep_and_fixed_stays() -> None:
+    """``decode_tile_rule="by-batch"`` picks the sweep's tiles by batch and cache dtype on a GPU;
+    ``"fixed"`` (the default) keeps one tile per head size; a bad rule is refused."""
+    from pitstop.plugins.kernels.triton_ops import paged_attention as pa
+
+    fixed = pa.PagedAttention(torch.device("cpu"), torch.bfloat16, 512)
+    rule = pa.PagedAttention(torch.device("cpu"), torch.bfloat16, 512, decode_tile_rule="by-batch")
+    assert rule.decode_tiles(128, 4, 256) == pa.INTERPRETER_DECODE  # the interpreter's tiles
+    fixed.on_gpu = rule.on_gpu = True  # the rule itself, without a GPU
+    base = pa.DECODE_TILES[128]
+    assert {fixed.decode_tiles(128, 4, n, fp8) for n in (1, 256) for fp8 in (0, 1)} == {base}
+    assert rule.decode_tiles(128, 4, 256) == rule.decode_tiles(128, 2, 128, fp8=True)
+    assert rule.decode_tiles(128, 4, 256) == pa.WIDE_BATCH_TILES
+    assert rule.decode_tiles(128, 4, 64, fp8=True) == pa.FP8_DECODE_TILES
+    assert rule.decode_tiles(128, 4, 64) == base  # bf16 below 128 decodes: unchanged
+    assert rule.decode_tiles(128, 16, 256) == pa.decode_tiles(128, 16, torch.bfloat16)  # unswept
+    with pytest.raises(ValueError, match="decode_tile_rule"):
+        pa.PagedAttention(torch.device("cpu"), torch.bfloat16, 512, decode_tile_rule="fast")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_sms", [1, 64])
 def test_decode_split_counts(dtype: torch.dtype, num_sms: int) -> None:

@@ -130,6 +130,13 @@ class FusedSettings:
         help="how split-K decode merges its splits: a second kernel, or the last split program "
         "to finish (one launch; an arrival counter per sequence and KV head)",
     )
+    decode_tiles: str = setting(
+        "fixed",
+        type=str,
+        choices=("fixed", "by-batch"),
+        help="decode attention's tiles: one per head size, or the H200 sweep's best for the "
+        "launch's batch and KV-cache dtype (smaller tiles from 128 decodes, others for fp8)",
+    )
 
 
 class FusedKernels(reference.DispatchKernels):
@@ -153,6 +160,7 @@ class FusedKernels(reference.DispatchKernels):
         self.precision = settings.precision
         self.fp8_widen = settings.fp8_widen
         self.decode_merge = settings.decode_merge
+        self.decode_tile_rule = settings.decode_tiles
         self._status: dict[str, str] = {}
         triton_reason = triton_unavailable_reason(device)
         if triton_reason is None and dtype not in SUPPORTED_DTYPES:
@@ -205,6 +213,7 @@ class FusedKernels(reference.DispatchKernels):
                 precision=self.precision,
                 fp8_widen=self.fp8_widen,
                 decode_merge=self.decode_merge,
+                decode_tile_rule=self.decode_tile_rule,
             )
             self._status["attention"] = "triton"
 

@@ -169,6 +169,14 @@ DECODE_TILES: dict[int, DecodeTiles] = {
     128: DecodeTiles(64, 2, 4),
     64: DecodeTiles(64, 2, 4),
 }
+# decode_tiles="by-batch" (fused.decode_tiles): the H200 decode sweep's best tiles at head size
+# 128, group 4 (docs/benchmarks.md, 2026-12-02): (32, 1, 2) from 128 decodes a launch (bf16
+# 92.5% -> 99.9% of copy bandwidth at 256 x 512, fp8 59.6% -> 70.2%), and (64, 2, 2) for an
+# fp8 cache below that (63.0% -> 65.7% at 64 x 2,048); bf16 below 128 keeps DECODE_TILES.
+DECODE_TILE_RULES = ("fixed", "by-batch")  # PagedAttention(decode_tile_rule=...)
+WIDE_BATCH_DECODE = 128
+WIDE_BATCH_TILES = DecodeTiles(32, 1, 2)
+FP8_DECODE_TILES = DecodeTiles(64, 2, 2)
 # the interpreter: small tiles so that small test shapes still cross tile borders
 INTERPRETER_PREFILL = PrefillTiles(32, 16, 1, 1)
 INTERPRETER_DECODE = DecodeTiles(16, 1, 1)
@@ -707,7 +715,9 @@ class PagedAttention:
     ``decode_merge``: how a split decode's partials are merged, ``"separate"``
     (a second kernel) or ``"last-program"`` (inside the decode launch, by the
     split that finishes last; it owns :attr:`decode_counters`). Both in the
-    module docstring.
+    module docstring. ``decode_tile_rule``: ``"fixed"`` (one tile per head size)
+    or ``"by-batch"`` (the decode sweep's best tiles for the launch's batch and
+    cache dtype: :data:`WIDE_BATCH_TILES`, :data:`FP8_DECODE_TILES`).
     """
 
     def __init__(
@@ -723,7 +733,13 @@ class PagedAttention:
         min_split_tokens: int | None = None,
         fp8_widen: str = "fp16",
         decode_merge: str = "separate",
+        decode_tile_rule: str = "fixed",
     ) -> None:
+        if decode_tile_rule not in DECODE_TILE_RULES:
+            raise ValueError(
+                f"decode_tile_rule must be one of {DECODE_TILE_RULES}, not {decode_tile_rule!r}"
+            )
+        self.decode_tile_rule = decode_tile_rule
         if fp8_widen not in FP8_WIDEN:
             raise ValueError(f"fp8_widen must be one of {FP8_WIDEN}, not {fp8_widen!r}")
         if decode_merge not in DECODE_MERGE:
@@ -770,11 +786,21 @@ class PagedAttention:
             tiles = tiles._replace(block_m=rows, num_warps=min(tiles.num_warps, 4))
         return tiles
 
-    def decode_tiles(self, head_size: int, group: int) -> DecodeTiles:
-        """The decode tiles for this head size and GQA ratio."""
+    def decode_tiles(
+        self, head_size: int, group: int, num_decodes: int = 1, fp8: bool = False
+    ) -> DecodeTiles:
+        """The decode tiles for this head size and GQA ratio (and, under the ``by-batch``
+        rule, the launch's number of decodes and whether the cache is fp8)."""
         if self._decode_override is not None:
             return self._decode_override
-        return decode_tiles(head_size, group, self.dtype) if self.on_gpu else INTERPRETER_DECODE
+        if not self.on_gpu:
+            return INTERPRETER_DECODE
+        tiles = decode_tiles(head_size, group, self.dtype)
+        if self.decode_tile_rule == "fixed" or tiles != DECODE_TILES.get(head_size):
+            return tiles  # float32, an unswept head size or a large group: the fixed rule
+        if num_decodes >= WIDE_BATCH_DECODE:
+            return WIDE_BATCH_TILES
+        return FP8_DECODE_TILES if fp8 else tiles
 
     def widen_f16(self, q: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
         """Whether this launch widens fp8 K/V to fp16 (an fp8 cache, bf16 queries, ``fp8_widen="fp16"``)."""
@@ -912,7 +938,7 @@ class PagedAttention:
         nd = meta.num_decodes
         _, hq, d = q.shape
         group = hq // hkv
-        tiles = self.decode_tiles(d, group)
+        tiles = self.decode_tiles(d, group, nd, fp8=kv_scale is not None)
         splits = self.num_splits(nd, hkv)
         bt = meta.block_tables
         merge_last = splits > 1 and self.decode_merge == "last-program"
