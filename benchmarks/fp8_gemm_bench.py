@@ -52,7 +52,7 @@ def time_per_call(fns: list) -> float:
 
 def main() -> int:
     """Print the table (and write ``--json``)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
         "--sweep", action="store_true", help="time the skinny kernel at a grid of tiles"
     )

@@ -119,6 +119,8 @@ def test_skinny_rows_setting_is_bounded() -> None:
     assert f8.Fp8Settings(skinny_rows=0).skinny_rows == 0
     with pytest.raises(ConfigError, match="at most 16"):
         f8.Fp8Settings(skinny_rows=17)
+    # the settings' bound is the kernel's tile of rows (fp8.py repeats it to import no Triton)
+    assert f8.SKINNY_MAX_ROWS == fp8_gemm.SKINNY_MAX_ROWS
 
 
 # Compiles both kernels for the H200 (sm_90) without a GPU: the interpreter runs any Python,

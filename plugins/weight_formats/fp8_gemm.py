@@ -37,7 +37,10 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops.rope_store import _quantize
-from pitstop.plugins.weight_formats.fp8 import SKINNY_MAX_ROWS
+
+# The skinny kernel's tile of rows (BLOCK_M): the most rows one launch multiplies.
+# fp8.py repeats the number for its settings without importing Triton; a test keeps them equal.
+SKINNY_MAX_ROWS = 16
 
 # The kernels write e4m3's constants as literals (a jitted function reads no Python globals):
 # 448 its largest finite value (fp8.FP8_MAX), 3 mantissa bits, 2^-6 = 0.015625 its smallest
@@ -186,7 +189,7 @@ def skinny_linear(
     if rows == 0:
         return y
     tiles = tiles or skinny_tiles(rows, out_features, in_features)
-    block_m = 1 if rows == 1 else 16
+    block_m = 1 if rows == 1 else SKINNY_MAX_ROWS
     grid = (triton.cdiv(out_features, tiles.block_n),)
     _skinny_kernel[grid](
         x,
