@@ -5,11 +5,13 @@ batch of rows, the time of one linear with L2-cold weights: every timed launch
 reads a different copy of the weight (copies worth 512 MB, replayed from a CUDA
 graph so that launch gaps do not count), as the layers of a model do. Columns:
 bf16 ``F.linear`` (cuBLAS); ``torch._scaled_mm`` after the one-launch Triton
-quantization; the skinny Triton kernel at the tile ``skinny_tiles`` picks and, with
-``--sweep``, at each tile of a grid (the best is printed). Each time is also a
-fraction of the copy bandwidth (4.23 TB/s) for the weight bytes it reads.
+quantization; the skinny weight-only Triton kernel at the tile ``skinny_tiles``
+picks and, with ``--sweep``, at each tile of a grid (the best is printed). Each
+time is also a fraction of the copy bandwidth (4.23 TB/s) for the weight bytes it
+reads. ``--best-tiles FILE`` writes the tiles whose time summed over the four
+linears is least (one row's; the largest batch's), as an ``fp8.skinny_tiles`` value.
 
-    python benchmarks/fp8_gemm_bench.py [--sweep] [--rows 1,4,16] [--json OUT.json]
+    python benchmarks/fp8_gemm_bench.py [--sweep] [--rows 1,4,16] [--json OUT.json] [--best-tiles F]
 """
 
 from __future__ import annotations
@@ -50,6 +52,22 @@ def time_per_call(fns: list) -> float:
     return start.elapsed_time(end) / 1e3 / (REPLAYS * len(fns))
 
 
+def _best_tiles(summed: dict, rows_list: list[int]) -> str:
+    """The ``fp8.skinny_tiles`` value of the least summed times (one row; the largest batch)."""
+
+    def best(rows: int) -> str:
+        times = {t: sec for (r, t), sec in summed.items() if r == rows}
+        if not times:
+            return "auto"
+        t = min(times, key=times.get)
+        return f"{t.block_n},{t.block_k},{t.num_warps},{t.num_stages}"
+
+    several = max((r for r in rows_list if 1 < r <= 16), default=0)
+    if not summed:
+        return ""
+    return f"{best(1)};{best(several) if several else 'auto'}"
+
+
 def main() -> int:
     """Print the table (and write ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -58,6 +76,9 @@ def main() -> int:
     )
     parser.add_argument("--rows", default="1,4,16", help="batches of rows, comma-separated")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--best-tiles", default=None, help="with --sweep: write the best fp8.skinny_tiles here"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("fp8_gemm_bench: needs a CUDA GPU", file=sys.stderr)
@@ -67,10 +88,15 @@ def main() -> int:
 
     dev = torch.device("cuda")
     rows_list = [int(r) for r in args.rows.split(",")]
-    grid = [
+    one_row = [  # CUDA cores: BLOCK_N from 8
+        g.SkinnyTiles(bn, bk, warps, 3)
+        for bn, bk, warps in itertools.product((8, 16, 32), (512, 1024), (4, 8))
+    ]
+    rows_grid = [  # tensor cores: BLOCK_N from 16
         g.SkinnyTiles(bn, bk, 4, stages)
-        for bn, bk, stages in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
-    ] + [g.SkinnyTiles(32, 512, 8, 4), g.SkinnyTiles(64, 512, 8, 4), g.SkinnyTiles(64, 256, 8, 3)]
+        for bn, bk, stages in itertools.product((16, 32, 64), (128, 256), (3, 4))
+    ]
+    summed: dict[tuple[int, g.SkinnyTiles], float] = {}  # (rows, tile) -> seconds over linears
     results = []
     print(
         f"{'linear':8} {'rows':>4} {'bf16 us':>8} {'%bw':>4} {'qnt+smm':>8} {'%bw':>4} "
@@ -103,15 +129,13 @@ def main() -> int:
                 tiles = g.skinny_tiles(rows, n, k)
 
                 def sk(q, s, t=tiles, x=x):
-                    return g.skinny_linear(
-                        x, q, s, None, per_tensor=False, out_dtype=torch.bfloat16, tiles=t
-                    )
+                    return g.skinny_linear(x, q, s, None, out_dtype=torch.bfloat16, tiles=t)
 
                 skinny = time_per_call([lambda q=q, s=s: sk(q, s) for q, s in fp8w])
                 row |= {"skinny_s": skinny, "skinny_tiles": attrs.asdict(tiles)}
                 best = None
                 if args.sweep:
-                    for t in grid:
+                    for t in one_row if rows == 1 else rows_grid:
                         if t.block_k > k:
                             continue
                         try:
@@ -123,6 +147,7 @@ def main() -> int:
                                 f"   {name} rows={rows} {t}: {type(exc).__name__}", file=sys.stderr
                             )
                             continue
+                        summed[rows, t] = summed.get((rows, t), 0.0) + s_t
                         if best is None or s_t < best[1]:
                             best = (t, s_t)
                     if best:
@@ -145,9 +170,23 @@ def main() -> int:
             print(line, flush=True)
         del dense, fp8w
         torch.cuda.empty_cache()
+    best_tiles = _best_tiles(summed, rows_list)
+    if best_tiles:
+        print(f"best fp8.skinny_tiles over the four linears: {best_tiles}")
+        if args.best_tiles:
+            with open(args.best_tiles, "w") as fh:
+                fh.write(best_tiles + "\n")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "results": results,
+                    "best_tiles": best_tiles,
+                },
+                fh,
+                indent=1,
+            )
     return 0
 
 

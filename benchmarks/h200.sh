@@ -21,7 +21,7 @@ cd /tmp && python3 -c "import pitstop, torch; print('pitstop', pitstop.__version
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 GPU_TESTS=${GPU_TESTS:-"tests/test_overlap.py tests/test_gpu_engine.py tests/test_fused_gpu.py tests/test_sampler.py tests/test_speculative.py"}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider -m gpu $GPU_TESTS 2>&1 | tail -25
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q ${PYTEST_FLAGS--x} -p no:cacheprovider -m gpu $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
   rc=${PIPESTATUS[0]}; [ "$rc" = 124 ] && echo "== GPU tests: cut at TEST_TIMEOUT=${TEST_TIMEOUT:-240} s (no summary above); raise it"
   [ "$rc" != 0 ] && [ "$rc" != 124 ] && echo "== GPU tests: pytest exit $rc"
 fi
@@ -221,9 +221,14 @@ for _ in range(2):
     # `nano`) with bf16, fp8 and fp8 without the skinny kernel (benchmarks/workloads/fp8-weights.toml)
     fp8-weights) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_gemm.py \
         tests/test_weight_formats.py 2>&1 | tail -4
-      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gemm_bench.py ${FP8_SWEEP:+--sweep} --json "$OUT/fp8-gemm.json" 2>"$OUT/fp8-gemm.log"
-      run fp8w-single offline --workload single --repeats ${FP8W_REPEATS:-3} --matrix benchmarks/workloads/fp8-weights.toml
-      [ "${FP8W_NANO:-0}" = 1 ] && run fp8w-nano offline --workload nano --matrix benchmarks/workloads/fp8-weights.toml ;;
+      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gemm_bench.py ${FP8_SWEEP:+--sweep --best-tiles "$OUT/best-tiles.txt"} \
+        --json "$OUT/fp8-gemm.json" 2>"$OUT/fp8-gemm.log"
+      # with FP8_SWEEP=1 a fourth configuration: fp8 at the sweep's best tiles (fp8.skinny_tiles)
+      m=benchmarks/workloads/fp8-weights.toml
+      if [ -s "$OUT/best-tiles.txt" ]; then cp $m "$OUT/fp8-weights.toml"; m="$OUT/fp8-weights.toml"
+        printf '\n[fp8-swept]\nkernels = "fused"\nweights = "fp8"\noptions = { "fp8.skinny_tiles" = "%s" }\n' "$(cat "$OUT/best-tiles.txt")" >>$m; fi
+      run fp8w-single offline --workload single --repeats ${FP8W_REPEATS:-3} --matrix $m
+      [ "${FP8W_NANO:-0}" = 1 ] && run fp8w-nano offline --workload nano --matrix $m ;;
     fp8-verify) gguf_file=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
       if [ ! -f "$gguf_file" ]; then echo "== fp8-verify: no GGUF at $gguf_file (set SMOLLM_GGUF)";
       elif ! python3 -c "import gguf" 2>/dev/null; then echo "== fp8-verify: the gguf package is missing (its wheel goes in .whl/: benchmarks/README.md)";

@@ -1,8 +1,8 @@
 """The fp8 weight format's Triton kernels against its float32 reference (issue 33).
 
 ``fp8_gemm.quantize_rows`` must give the reference's e4m3 bytes and scales bit for
-bit; ``fp8_gemm.skinny_linear`` the reference product up to float32 summation order
-(every product of two e4m3 values is exact in float32). Without CUDA the kernels
+bit; ``fp8_gemm.skinny_linear`` (weight-only) its float32 reference up to the order of
+the sums (every product of an e4m3 value and a bf16 or float32 one is exact in float32). Without CUDA the kernels
 run in Triton's interpreter: ``TRITON_INTERPRET=1`` is set before the kernel module
 is first imported. One test compiles both kernels for the H200 (sm_90) in a
 subprocess, no GPU needed; the GPU tests run them on the device inside an engine.
@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
@@ -31,15 +32,14 @@ from pitstop.plugins.weight_formats import fp8_gemm  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-# (rows, out_features, in_features, bias, per-tensor): one row (CUDA cores), several rows
-# (tensor cores), ragged N and K that no tile divides, up to SKINNY_MAX_ROWS rows
+# (rows, out_features, in_features, bias): one row (CUDA cores), several rows (tensor
+# cores), ragged N and K that no tile divides, up to SKINNY_MAX_ROWS rows
 CASES = [
-    (1, 40, 96, False, False),
-    (1, 33, 200, True, False),
-    (3, 33, 200, True, False),
-    (5, 48, 128, True, True),
-    (16, 64, 256, False, False),
-    (16, 64, 256, False, True),
+    (1, 40, 96, False),
+    (1, 33, 200, True),
+    (3, 33, 200, True),
+    (5, 48, 128, True),
+    (16, 64, 256, False),
 ]
 
 
@@ -55,36 +55,38 @@ def _inputs(rows: int, out_features: int, in_features: int, seed: int):
     return x.to(DTYPE), weight, bias.to(DTYPE)
 
 
-@pytest.mark.parametrize(("rows", "out_features", "in_features", "with_bias", "per_tensor"), CASES)
-def test_skinny_linear_is_the_reference_product(
-    rows: int, out_features: int, in_features: int, with_bias: bool, per_tensor: bool
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "with_bias"), CASES)
+@pytest.mark.parametrize("tiles", [(16, 64), (8, 128)])
+def test_skinny_linear_is_the_weight_only_product(
+    rows: int, out_features: int, in_features: int, with_bias: bool, tiles: tuple[int, int]
 ) -> None:
+    if rows > 1 and tiles[0] < 16:
+        pytest.skip("several rows take a tensor-core tile: BLOCK_N of 16 or more")
     x, weight, bias = _inputs(rows, out_features, in_features, seed=rows + in_features)
     bias = bias if with_bias else None
-    quantize = f8.quantize_tensor if per_tensor else f8.quantize_rows
-    xq, x_scale = quantize(x)
-    want = f8.reference_gemm(xq, x_scale, weight, DTYPE)
+    want = fp8_gemm.weight_only_reference(x, weight.qweight, weight.scale, DTYPE)
     if bias is not None:
         want = want + bias
-    dev = (
-        weight
-        if DEVICE.type == "cpu"
-        else f8.Fp8Weight(weight.qweight.to(DEVICE), weight.scale.to(DEVICE), True)
-    )
     got = fp8_gemm.skinny_linear(
         x.to(DEVICE),
-        dev.qweight,
-        dev.scale,
+        weight.qweight.to(DEVICE),
+        weight.scale.to(DEVICE),
         None if bias is None else bias.to(DEVICE),
-        per_tensor=per_tensor,
         out_dtype=DTYPE,
-        tiles=fp8_gemm.SkinnyTiles(block_n=16, block_k=64),  # several tiles of N and of K
+        tiles=fp8_gemm.SkinnyTiles(block_n=tiles[0], block_k=tiles[1]),  # several N and K tiles
     ).cpu()
     assert got.dtype == DTYPE and got.shape == (rows, out_features)
     # float32 sums in another order; in bf16 on the GPU one rounding step of the output apart
     ulp = 2.0**-7 if DTYPE == torch.bfloat16 else 1e-6
     bound = ulp * want.float().abs().max().item()
     assert (got.float() - want.float()).abs().max().item() <= bound
+    # weight-only is closer to the dense product than the per-token fp8 product is
+    dense = F.linear(x.float(), weight.qweight.float() * weight.scale.reshape(-1, 1))
+    xq, x_scale = f8.quantize_rows(x)
+    w8a8 = f8.reference_gemm(xq, x_scale, weight, torch.float32)
+    assert (want.float() - (dense + (0 if bias is None else bias.float()))).abs().max() <= (
+        (w8a8 - dense).abs().max() + bound
+    )
 
 
 def test_skinny_linear_keeps_a_zero_row_zero_and_refuses_wide_steps() -> None:
@@ -92,14 +94,12 @@ def test_skinny_linear_keeps_a_zero_row_zero_and_refuses_wide_steps() -> None:
     x[0] = 0.0  # the reference's amax floor (1e-12) keeps it zero, never NaN
     dev_w = weight.qweight.to(DEVICE)
     got = fp8_gemm.skinny_linear(
-        x.to(DEVICE), dev_w, weight.scale.to(DEVICE), None, per_tensor=False, out_dtype=DTYPE
+        x.to(DEVICE), dev_w, weight.scale.to(DEVICE), None, out_dtype=DTYPE
     ).cpu()
     assert torch.equal(got[0], torch.zeros_like(got[0])) and torch.isfinite(got).all()
     wide = torch.zeros(fp8_gemm.SKINNY_MAX_ROWS + 1, 64, dtype=DTYPE, device=DEVICE)
     with pytest.raises(ValueError, match="up to 16 rows"):
-        fp8_gemm.skinny_linear(
-            wide, dev_w, weight.scale.to(DEVICE), None, per_tensor=False, out_dtype=DTYPE
-        )
+        fp8_gemm.skinny_linear(wide, dev_w, weight.scale.to(DEVICE), None, out_dtype=DTYPE)
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(1, 96), (4, 200), (3, 4096 + 8)])
@@ -123,6 +123,22 @@ def test_skinny_rows_setting_is_bounded() -> None:
     assert f8.SKINNY_MAX_ROWS == fp8_gemm.SKINNY_MAX_ROWS
 
 
+def test_skinny_tiles_setting_is_parsed_and_checked() -> None:
+    from pitstop.errors import ConfigError
+
+    assert f8.parse_skinny_tiles("auto") == (None, None)
+    assert f8.parse_skinny_tiles("8,1024,4,3") == ((8, 1024, 4, 3), None)
+    assert f8.parse_skinny_tiles("auto;32,256,8,3") == (None, (32, 256, 8, 3))
+    for bad, why in [
+        ("8,1024,4", "four positive integers"),
+        ("12,1024,4,3", "powers of two"),
+        ("8,512,4,3;8,512,4,3", "at least 16"),
+        ("a;b;c", "more than two"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            f8.Fp8Settings(skinny_tiles=bad)
+
+
 # Compiles both kernels for the H200 (sm_90) without a GPU: the interpreter runs any Python,
 # so only a real compile catches what Triton's compiler refuses (fp8 dot shapes, constexprs).
 _COMPILE = textwrap.dedent(
@@ -135,15 +151,13 @@ _COMPILE = textwrap.dedent(
     names = ["x_ptr", "w_ptr", "w_scale_ptr", "bias_ptr", "y_ptr", "M", "N", "K",
              "stride_x", "stride_w", "stride_y"]
     kinds = ["*bf16", "*fp8e4nv", "*fp32", "*bf16", "*bf16"] + ["i32"] * 6
-    for block_m in (1, 16):
-        for block_n, block_k in ((16, 512), (32, 256)):
-            consts = dict(PER_TENSOR=False, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=block_n,
-                          BLOCK_K=block_k)
-            signature = dict(zip(names, kinds)) | {name: "constexpr" for name in consts}
-            at = {(i,): consts[n] for i, n in enumerate(signature) if n in consts}
-            src = ASTSource(fn=g._skinny_kernel, signature=signature, constexprs=at)
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_stages": 4})
-            assert kernel.asm["cubin"], (block_m, block_n, block_k)
+    for block_m, block_n, block_k in ((1, 8, 1024), (1, 16, 512), (16, 16, 256), (16, 32, 128)):
+        consts = dict(HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        signature = dict(zip(names, kinds)) | {name: "constexpr" for name in consts}
+        at = {(i,): consts[n] for i, n in enumerate(signature) if n in consts}
+        src = ASTSource(fn=g._skinny_kernel, signature=signature, constexprs=at)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_stages": 3})
+        assert kernel.asm["cubin"], (block_m, block_n, block_k)
     signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "K": "i32",
                  "stride_x": "i32", "stride_q": "i32", "BLOCK_K": "constexpr"}
     src = ASTSource(fn=g._quantize_rows_kernel, signature=signature, constexprs={(6,): 2048})

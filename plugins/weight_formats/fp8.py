@@ -23,10 +23,13 @@ compute exactly that:
 
 On the GPU the activations are quantized by a Triton kernel in one launch
 (:mod:`~pitstop.plugins.weight_formats.fp8_gemm`), and a step of up to
-``fp8.skinny_rows`` tokens (decoding a small batch) runs the whole linear, its
-quantization included, as one skinny Triton GEMM on the fp8 tensor cores: at
-batch 1 the torch operations around ``_scaled_mm`` would cost more than the
-halved weight bytes save.
+``fp8.skinny_rows`` tokens (decoding a small batch) runs each linear as one
+skinny Triton kernel that is **weight-only**: the activations stay in their
+dtype and the e4m3 weights are widened in registers, ``out = (x @ wq.T) *
+w_scale``. There the time is the weight bytes, which fp8 halves; quantizing the
+activations too would only add work and rounding. So with ``fp8.skinny_rows >
+0`` small steps skip the activation rounding that larger ones have (they are
+the more accurate); ``fp8.skinny_rows = 0`` quantizes every step's activations.
 
 ``fp8.gemm = "auto"`` takes ``scaled-mm`` on a GPU of compute capability 8.9 or
 more with ``dtype = bfloat16``, and ``reference`` on CPU; a GPU below 8.9 is
@@ -89,16 +92,59 @@ class Fp8Settings:
         SKINNY_MAX_ROWS,
         type=int,
         minimum=0,
-        help="steps of up to this many tokens run each linear as one skinny Triton fp8 GEMM "
-        f"(GPU only; 0: always torch._scaled_mm; at most {SKINNY_MAX_ROWS})",
+        help="steps of up to this many tokens run each linear as one skinny weight-only Triton "
+        "kernel, activations unquantized (GPU only; 0: always quantize + torch._scaled_mm; "
+        f"at most {SKINNY_MAX_ROWS})",
+    )
+    skinny_tiles: str = setting(
+        "auto",
+        type=str,
+        help="the skinny kernel's tiles: 'auto', or 'BN,BK,WARPS,STAGES' for one row, "
+        "optionally ';BN,BK,WARPS,STAGES' for several (benchmarks/fp8_gemm_bench.py --sweep "
+        "measures them)",
     )
 
     def __attrs_post_init__(self) -> None:
+        parse_skinny_tiles(self.skinny_tiles)
         if self.skinny_rows > SKINNY_MAX_ROWS:
             raise ConfigError(
                 f"fp8.skinny_rows is at most {SKINNY_MAX_ROWS} (the skinny kernel's "
                 f"tile); got {self.skinny_rows}. Larger steps run torch._scaled_mm"
             )
+
+
+Tile = tuple[int, int, int, int]  # the skinny kernel's BLOCK_N, BLOCK_K, warps, stages
+
+
+def parse_skinny_tiles(text: str) -> tuple[Tile | None, Tile | None]:
+    """``fp8.skinny_tiles`` as (one row's tile, several rows'); ``None`` where ``auto`` decides.
+
+    Raises a ConfigError naming the problem for a malformed value.
+    """
+    parts = text.split(";")
+    problem = "more than two tiles" if len(parts) > 2 else ""
+    tiles: list[Tile | None] = [None, None]
+    for i, part in enumerate(parts[:2]):
+        if part.strip() in ("", "auto"):
+            continue
+        try:
+            values = tuple(int(v) for v in part.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != 4 or any(v <= 0 for v in values):
+            problem = problem or f"{part!r} is not four positive integers"
+        elif any(v & (v - 1) for v in values[:3]):
+            problem = problem or f"{part!r}: BN, BK and WARPS must be powers of two"
+        elif i == 1 and values[0] < 16:
+            problem = problem or f"{part!r}: several rows' BN is at least 16 (a tensor-core tile)"
+        else:
+            tiles[i] = values  # type: ignore[assignment]
+    if problem:
+        raise ConfigError(
+            f"fp8.skinny_tiles={text!r}: {problem}. Give 'auto', 'BN,BK,WARPS,STAGES' (one "
+            "row's tile) or 'BN,BK,WARPS,STAGES;BN,BK,WARPS,STAGES' (one row's; several rows')"
+        )
+    return tiles[0], tiles[1]
 
 
 @attrs.frozen(eq=False)
@@ -164,10 +210,15 @@ class Fp8Weights:
         per_token = settings.activation_scale == "per-token"
         self.quantize_input = quantize_rows if per_token else quantize_tensor
         self.skinny = None  # the Triton kernels (fp8_gemm), on CUDA only
+        self.tiles: tuple[Any, Any] = (None, None)  # fp8_gemm.SkinnyTiles for 1 row, several
         if fast and out_dtype is not None:
             from pitstop.plugins.weight_formats import fp8_gemm
 
             self.skinny = fp8_gemm
+            self.tiles = tuple(  # type: ignore[assignment]
+                None if t is None else fp8_gemm.SkinnyTiles(*t)
+                for t in parse_skinny_tiles(settings.skinny_tiles)
+            )
             if per_token:  # one Triton launch instead of eight torch operations
                 self.quantize_input = fp8_gemm.quantize_rows
         self.skinny_rows = settings.skinny_rows if self.skinny is not None else 0
@@ -201,8 +252,8 @@ class Fp8Weights:
                 resident.qweight,
                 resident.scale,
                 bias,
-                per_tensor=self.settings.activation_scale == "per-tensor",
                 out_dtype=x.dtype,
+                tiles=self.tiles[rows.shape[0] > 1],
             )
             return out.reshape(*lead, out.shape[-1])
         xq, x_scale = self.quantize_input(rows.contiguous())
@@ -232,7 +283,10 @@ class Fp8Weights:
         """Which GEMM runs, why, and how many weights are fp8, slow or dense."""
         gemm = "torch._scaled_mm (row-wise scales)" if self.fast else "reference (float32)"
         if self.skinny_rows:
-            gemm += f", the skinny Triton fp8 GEMM for steps of up to {self.skinny_rows} tokens"
+            gemm += (
+                f", the skinny weight-only Triton kernel for steps of up to {self.skinny_rows} "
+                "tokens"
+            )
         counts = f"; {self.num_fp8} fp8 weights" if self.num_fp8 or self.num_dense else ""
         if self.num_slow:
             counts += f", {self.num_slow} of them on the reference (dimensions not multiples of 16)"

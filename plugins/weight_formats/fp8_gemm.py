@@ -1,4 +1,4 @@
-"""Triton kernels of the ``fp8`` weight format: per-token quantization and the skinny fp8 GEMM.
+"""Triton kernels of the ``fp8`` weight format: per-token quantization and the skinny GEMM.
 
 The ``fp8`` format's product (:mod:`~pitstop.plugins.weight_formats.fp8`) is
 
@@ -6,27 +6,28 @@ The ``fp8`` format's product (:mod:`~pitstop.plugins.weight_formats.fp8`) is
 
 with ``xq = round_e4m3(clamp(x / x_scale, ±448))`` and ``x_scale = amax(|x[m]|) / 448``.
 Run as torch operations, the quantization of ``x`` alone is eight launches
-(widen, abs, amax, clamp, divide twice, clamp, cast) before ``torch._scaled_mm``;
-at decode's batch sizes those launches cost more than the GEMM saves. Two
-kernels here do the same arithmetic in one launch each:
+(widen, abs, amax, clamp, divide twice, clamp, cast) before ``torch._scaled_mm``.
+Two kernels here:
 
 * ``_quantize_rows_kernel``: one program per row of ``x``; its amax, scale and
-  e4m3 values, for ``torch._scaled_mm`` (batches above :data:`SKINNY_MAX_ROWS`).
+  e4m3 values, for ``torch._scaled_mm`` (steps above ``fp8.skinny_rows``), bit
+  for bit the reference's.
 * ``_skinny_kernel``: the whole linear for up to :data:`SKINNY_MAX_ROWS` rows in
-  one launch. Each program owns ``BLOCK_N`` output channels and every row of
-  ``x``: it takes the rows' amax in a first pass over ``x`` (a few KB, from L2),
-  then streams its ``[BLOCK_N, K]`` slice of the e4m3 weight once, quantizing
-  ``x`` tile by tile as the reference does and multiplying on the fp8 tensor
-  cores (``tl.dot`` of two e4m3 tiles, float32 accumulation); one row alone
-  takes the CUDA cores instead (products widened to float32, summed by
-  ``tl.sum``), where a tensor-core tile would be 15/16 padding.
+  one launch, **weight-only**: ``x`` stays in its dtype and each e4m3 weight
+  tile is widened in registers, ``out = (x @ wq.T) * w_scale``
+  (:func:`weight_only_reference`). At decode's batch sizes the time is the
+  weight bytes; quantizing ``x`` would need every row's amax before the first
+  product (a pass over ``x`` in every program, measured 2026-12-03 on the H200
+  at 3-10x bf16's time with the tensor-core fp8 product of 4 and 16 rows) and
+  adds rounding the weight-only product does not have. Each program owns
+  ``BLOCK_N`` output channels and streams their ``[BLOCK_N, K]`` slice once;
+  one row takes the CUDA cores (products summed once, at the end), several rows
+  the tensor cores in the activation dtype (every e4m3 value is exact in bf16).
 
-Both quantize bit for bit as the reference (the quotient correctly rounded,
-then rounded to e4m3 with ties to even on the float32 bits, the same helper the
-fp8 KV store uses); products of two e4m3 values are exact in float32, so the
-outputs differ from the float32 reference only by the order of the sums.
-Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``
-set before this module is imported), which is how the CPU tests check them.
+Products are exact in float32 in both kernels, so the outputs differ from the
+float32 references only by the order of the sums. Without a GPU the kernels run
+in Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is
+imported), which is how the CPU tests check them.
 """
 
 from __future__ import annotations
@@ -61,13 +62,16 @@ class SkinnyTiles:
 def skinny_tiles(rows: int, out_features: int, in_features: int) -> SkinnyTiles:
     """The tile for a ``[rows, in_features] x [out_features, in_features]^T`` product.
 
-    Enough programs to cover the H200's 132 SMs a few times over (``BLOCK_N``
-    falls to 16 for narrow outputs), ``BLOCK_K`` as wide as the row allows.
+    Enough programs to cover the H200's 132 SMs a few times over: ``BLOCK_N`` 8
+    for one row of a narrow output (16 otherwise; the tensor-core path needs 16),
+    ``BLOCK_K`` as wide as the row allows.
     """
-    del rows
-    block_n = 32 if out_features >= 8192 else 16
-    block_k = 512 if in_features % 512 == 0 else 256 if in_features % 256 == 0 else 128
-    return SkinnyTiles(block_n=block_n, block_k=block_k)
+    if rows == 1:
+        block_n = 8 if out_features <= 8192 else 16
+        block_k = 1024 if block_n == 8 and in_features % 1024 == 0 else 512
+        return SkinnyTiles(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+    block_k = 256 if in_features % 256 == 0 else 128
+    return SkinnyTiles(block_n=16, block_k=block_k, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -113,42 +117,54 @@ def _skinny_kernel(
     stride_x,
     stride_w,
     stride_y,
-    PER_TENSOR: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``y[:, cols] = fp8(x) @ W[cols].T * scales (+ bias)`` for all ``M <= BLOCK_M`` rows of ``x``."""
+    """``y[:, cols] = x @ widen(W[cols]).T * w_scale[cols] (+ bias)`` for all ``M <= BLOCK_M`` rows.
+
+    Weight-only: ``x`` stays in its dtype; each e4m3 weight tile is widened in
+    registers (exactly: every e4m3 value is a bf16 and a float32).
+    """
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    amax = _row_amax(x_ptr, rows, row_ok, stride_x, K, BLOCK_K)
-    if PER_TENSOR:  # one scale for the step: the largest row's
-        amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
-    x_scale = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)  # (BLOCK_M,)
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        xq = _quantize(x, x_scale[:, None], 448.0, 3, 0.015625)
-        if BLOCK_M == 1:  # one row: CUDA cores, no padded tensor-core tile
-            acc += tl.sum(xq * w.to(tl.float32), axis=1)[None, :]
-        else:
-            acc = tl.dot(xq.to(w.dtype), tl.trans(w), acc)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    if BLOCK_M == 1:  # one row: CUDA cores, products summed once at the end
+        part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            part += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = tl.sum(part, axis=1)[None, :]
+    else:  # several rows: tensor cores on the activation dtype (x and widened W)
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
-    out = (acc * x_scale[:, None] * w_scale[None, :]).to(y_ptr.dtype.element_ty)
+    out = (acc * w_scale[None, :]).to(y_ptr.dtype.element_ty)
     if HAS_BIAS:  # added after the rounding, as the reference adds it to the rounded product
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         out = (out.to(tl.float32) + bias[None, :]).to(y_ptr.dtype.element_ty)
     mask = row_ok[:, None] & col_ok[None, :]
     tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], out, mask=mask)
+
+
+def weight_only_reference(
+    x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The skinny kernel's product in float32: ``(x @ wq.T) * w_scale``, rounded once."""
+    return (torch.nn.functional.linear(x.float(), qweight.float()) * w_scale).to(out_dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,14 +186,13 @@ def skinny_linear(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     *,
-    per_tensor: bool,
     out_dtype: torch.dtype,
     tiles: SkinnyTiles | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` (``M <= SKINNY_MAX_ROWS``) times the e4m3 ``qweight`` ``[N, K]``, one launch.
 
-    ``w_scale`` holds one float32 per output channel; ``x`` is quantized per row
-    (or with one scale for all rows, ``per_tensor``) inside the kernel.
+    ``w_scale`` holds one float32 per output channel. Weight-only: ``x`` is not
+    quantized (:func:`weight_only_reference` is the product it computes).
     """
     rows, in_features = x.shape
     out_features = qweight.shape[0]
@@ -203,7 +218,6 @@ def skinny_linear(
         x.stride(0),
         qweight.stride(0),
         y.stride(0),
-        PER_TENSOR=per_tensor,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
