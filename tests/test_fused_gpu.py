@@ -181,6 +181,50 @@ def test_rope_and_store_full_size(dtype: torch.dtype) -> None:
     assert torch.equal(v_cache, v_ref)
 
 
+def test_rope_and_store_with_qk_norm_full_size() -> None:
+    """Qwen3's q/k norm inside rotary + store (bf16, qwen3-0.6b's 16 and 8 heads of 128) against
+    the reference's ``rms_norm`` then ``rope_and_store``: q, k and the cache within the bf16 bound,
+    v copied; two padding rows (slot -1) store nothing."""
+    import attrs
+
+    dtype, page_size = torch.bfloat16, 16
+    meta, num_pages = _meta([1000, 1, 1, 17], [3000, 4096, 5, 17], page_size, seed=2)
+    pad = torch.tensor([7, 4000], device="cuda")
+    meta = attrs.evolve(
+        meta,
+        positions=torch.cat([meta.positions, pad]),
+        slot_mapping=torch.cat([meta.slot_mapping, torch.full_like(pad, -1)]),
+    )
+    t, hq, hkv, d = meta.num_tokens, 16, 8, 128
+    qkv = 3 * torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=dtype)
+    q, k, v = (x.reshape(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    weights = tuple(1 + 0.2 * torch.randn(d, device="cuda", dtype=dtype) for _ in "qk")
+    angles = torch.outer(
+        torch.arange(4096, device="cuda").float(), torch.rand(d // 2, device="cuda")
+    )
+    rotary = RotaryCache(angles.cos(), angles.sin())
+    # the reference's caches have one more page, where its padding rows are sent
+    k_ref = torch.randn(num_pages + 1, page_size, hkv, d, device="cuda", dtype=dtype)
+    v_ref = torch.randn_like(k_ref)
+    k_cache, v_cache = k_ref[:num_pages].clone(), v_ref[:num_pages].clone()
+    spare = num_pages * page_size + torch.arange(t, device="cuda") % page_size
+    ref_meta = attrs.evolve(
+        meta, slot_mapping=torch.where(meta.slot_mapping >= 0, meta.slot_mapping, spare)
+    )
+    ks = _fused(dtype)
+    assert ks.fuses_qk_norm
+    q_out, k_out = ks.rope_and_store(
+        q, k, v, rotary, k_cache, v_cache, meta, qk_norm=weights, qk_norm_eps=1e-6
+    )
+    ref = reference.ReferenceKernels("cuda", dtype)
+    qn, kn = (ref.rms_norm(x, w, 1e-6)[0] for x, w in zip((q, k), weights, strict=True))
+    q_exp, k_exp = ref.rope_and_store(qn, kn, v, rotary, k_ref, v_ref, ref_meta)
+    _assert_close(q_out, q_exp, dtype, "q")
+    _assert_close(k_out, k_exp, dtype, "k")
+    _assert_close(k_cache, k_ref[:num_pages], dtype, "k cache")
+    assert torch.equal(v_cache, v_ref[:num_pages])
+
+
 def test_decode_attention_is_graph_capturable() -> None:
     """A decode launch replays from a CUDA graph for other context lengths and gives the eager result."""
     ks = _fused(torch.bfloat16)

@@ -25,6 +25,7 @@ import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import logging  # noqa: E402
 
+import attrs  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -39,6 +40,7 @@ from pitstop.testing.kernels import paged_metadata  # noqa: E402
 pytest.importorskip("triton")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = DEVICE.type == "cpu"  # Triton's interpreter runs the kernels
 DTYPES = [torch.float32, torch.bfloat16]
 # relative error bound (max |fused - reference| / max |reference|) per dtype
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -290,6 +292,8 @@ def test_rope_and_store_matches_reference(
     )
     assert_close(q_out, q_exp, dtype, "q")
     assert_close(k_out, k_exp, dtype, "k")
+    if INTERPRETED:  # the reference's rounding step by step: its bits (a GPU may fuse FMAs)
+        assert torch.equal(q_out, q_exp) and torch.equal(k_out, k_exp)
     written = torch.zeros(num_pages * page_size, dtype=torch.bool, device=DEVICE)
     written[meta.slot_mapping] = True
     flat = (num_pages * page_size, hkv, head_size)
@@ -730,6 +734,222 @@ def test_padding_rows_are_harmless() -> None:
     assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+# ---------------------------------------------------------------- Qwen3's q/k norm in rope_and_store (issue 29)
+
+
+def _qk_norm_case(
+    batch: tuple[list[int], list[int], int],
+    hq: int,
+    hkv: int,
+    head_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    pad: int = 0,
+    exact: bool = False,
+    cache_dtype: torch.dtype | None = None,
+) -> dict:
+    """Inputs of ``rope_and_store`` with Qwen3's q/k norm: q, k, v strided views of one merged
+    QKV output, norm weights near 1, ``pad`` padding rows (slot -1) after the batch's tokens.
+
+    ``exact``: every q and k value a multiple of 1/8 below 2 in magnitude, so that a head's
+    float32 sum of squares is exact in any order (the one thing the fused kernel computes in
+    another order than torch).
+    """
+    qlens, ctxs, page_size = batch
+    num_pages = sum(-(-c // page_size) for c in ctxs) + 3
+    meta = make_meta(qlens, ctxs, page_size, num_pages, seed)
+    gen = torch.Generator().manual_seed(seed)
+    if pad:
+        positions = torch.randint(0, 256, (pad,), generator=gen).to(DEVICE)
+        meta = attrs.evolve(
+            meta,
+            positions=torch.cat([meta.positions, positions]),
+            slot_mapping=torch.cat([meta.slot_mapping, torch.full_like(positions, -1)]),
+        )
+    t = meta.num_tokens
+    width = (hq + 2 * hkv) * head_size
+    if exact:
+        qkv = torch.randint(-15, 16, (t, width), generator=gen) / 8
+    else:
+        qkv = torch.randn(t, width, generator=gen) * 3
+    q, k, v = qkv.to(DEVICE, dtype).split([hq * head_size, hkv * head_size, hkv * head_size], -1)
+    q, k, v = (x.reshape(t, -1, head_size) for x in (q, k, v))
+    weights = tuple(
+        (1 + 0.2 * torch.randn(head_size, generator=gen)).to(DEVICE, dtype) for _ in "qk"
+    )
+    angles = torch.outer(torch.arange(256).float(), torch.rand(head_size // 2, generator=gen))
+    rotary = RotaryCache(angles.cos().to(DEVICE), angles.sin().to(DEVICE))
+    k_cache = torch.randn(num_pages, page_size, hkv, head_size, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(k_cache.shape, generator=gen).to(DEVICE, dtype)
+    extra = {}
+    if cache_dtype is not None:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+        extra["kv_scale"] = torch.tensor([0.5, 0.25], dtype=torch.float32, device=DEVICE)
+    return dict(
+        q=q, k=k, v=v, rotary=rotary, k_cache=k_cache, v_cache=v_cache, meta=meta,
+        weights=weights, extra=extra,
+    )  # fmt: skip
+
+
+def _unfused_qk_norm(case: dict, eps: float) -> tuple[torch.Tensor, ...]:
+    """The reference path: ``rms_norm`` of q and k, then ``rope_and_store`` into copies of the
+    caches with one more page, where the padding rows (slot -1) are sent. Returns (q, k, k_cache,
+    v_cache), the caches without that page."""
+    meta, k_cache = case["meta"], case["k_cache"]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    spare = torch.arange(num_slots, num_slots + meta.num_tokens, device=DEVICE)
+    slots = torch.where(meta.slot_mapping >= 0, meta.slot_mapping, spare)
+    meta = attrs.evolve(meta, slot_mapping=slots)
+    spare_pages = -(-meta.num_tokens // k_cache.shape[1])
+    caches = [  # through bytes: CPU torch has no cat for float8
+        torch.cat([_bytes(c), _bytes(c[:1]).repeat(spare_pages, 1, 1, 1)]).view(c.dtype)
+        for c in (k_cache, case["v_cache"])
+    ]
+    ks = reference.ReferenceKernels(DEVICE, case["q"].dtype)
+    q = ks.rms_norm(case["q"], case["weights"][0], eps)[0]
+    k = ks.rms_norm(case["k"], case["weights"][1], eps)[0]
+    q, k = ks.rope_and_store(q, k, case["v"], case["rotary"], *caches, meta, **case["extra"])
+    pages = k_cache.shape[0]
+    return q, k, caches[0][:pages], caches[1][:pages]
+
+
+def _fused_qk_norm(
+    case: dict, eps: float, ks: FusedKernels | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_and_store`` with ``qk_norm`` of a fused set (outputs poisoned); the rotated q and k."""
+    ks = ks or fused(case["q"].dtype)
+    assert ks.fuses_qk_norm
+    with poisoned_outputs():
+        return ks.rope_and_store(
+            case["q"], case["k"], case["v"], case["rotary"], case["k_cache"], case["v_cache"],
+            case["meta"], **case["extra"], qk_norm=case["weights"], qk_norm_eps=eps,
+        )  # fmt: skip
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """Any tensor's raw bytes (compares fp8 and NaN payloads exactly)."""
+    return x.contiguous().view(torch.uint8)
+
+
+@FEW
+@given(
+    batch=batches(max_seqs=3, max_context=40),
+    heads=heads_strategy((1, 2, 4)),
+    head_size=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(DTYPES),
+    pad=st.integers(0, 2),
+    exact=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rope_and_store_with_qk_norm_matches_rms_norm_then_rope(
+    batch: tuple[list[int], list[int], int],
+    heads: tuple[int, int],
+    head_size: int,
+    dtype: torch.dtype,
+    pad: int,
+    exact: bool,
+    seed: int,
+) -> None:
+    """Qwen3's q/k norm inside the fused rotary + store equals the reference's ``rms_norm`` then
+    ``rope_and_store``: q, k and the slots written (padding rows write none, no other slot changes).
+
+    Through the interpreter bit for bit, in bf16 and float32, when every head's sum of squares is
+    exact (the kernel sums in another order than torch, its one difference); within the dtype's
+    bound otherwise, and on a GPU (where float32 products may fuse into FMAs).
+    """
+    case = _qk_norm_case(batch, *heads, head_size, dtype, seed, pad, exact)
+    k0, v0 = case["k_cache"].clone(), case["v_cache"].clone()
+    q_exp, k_exp, k_ref, v_ref = _unfused_qk_norm(case, 1e-6)
+    q_out, k_out = _fused_qk_norm(case, 1e-6)
+    k_cache, v_cache = case["k_cache"], case["v_cache"]
+    meta = case["meta"]
+    pages, page_size = k_cache.shape[:2]
+    written = torch.zeros(pages * page_size, dtype=torch.bool, device=DEVICE)
+    written[meta.slot_mapping[meta.slot_mapping >= 0]] = True
+    flat = (pages * page_size, *k_cache.shape[2:])
+    assert torch.equal(k_cache.view(flat)[~written], k0.view(flat)[~written])
+    assert torch.equal(v_cache.view(flat)[~written], v0.view(flat)[~written])
+    assert torch.equal(v_cache, v_ref)  # v is a plain copy
+    pairs = ((q_out, q_exp, "q"), (k_out, k_exp, "k"), (k_cache, k_ref, "k cache"))
+    for got, exp, what in pairs:
+        if exact and INTERPRETED:
+            assert torch.equal(_bytes(got), _bytes(exp)), f"{what}: bits differ"
+        else:
+            assert_close(got, exp, dtype, what)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("exact", [False, True])
+def test_rope_and_store_with_qk_norm_fp8_cache(
+    cache_dtype: torch.dtype, dtype: torch.dtype, exact: bool
+) -> None:
+    """An fp8 cache with the q/k norm: the bytes stored are the reference's quantization of the
+    normalized, rotated k (bit for bit) and of v; the whole unfused path's bytes when that k is
+    the reference's (exact sums, through the interpreter); padding rows (slot -1) store nothing."""
+    case = _qk_norm_case(([3, 1, 1], [7, 12, 1], 4), 4, 2, 64, dtype, 5, 1, exact, cache_dtype)
+    k0 = case["k_cache"].clone()
+    q_exp, k_exp, k_ref, v_ref = _unfused_qk_norm(case, 1e-6)
+    q_out, k_out = _fused_qk_norm(case, 1e-6)
+    meta, scales = case["meta"], case["extra"]["kv_scale"]
+    real = meta.slot_mapping >= 0
+    for cache, x, scale in (
+        (case["k_cache"], k_out, scales[0]),
+        (case["v_cache"], case["v"], scales[1]),
+    ):
+        stored = reference.gather_pages(cache.flatten(0, 1), meta.slot_mapping[real])
+        expected = reference.quantize_kv(x[real], scale, cache_dtype)
+        assert torch.equal(_bytes(stored), _bytes(expected))
+    assert torch.equal(_bytes(case["v_cache"]), _bytes(v_ref))
+    if exact and INTERPRETED:
+        assert torch.equal(q_out, q_exp) and torch.equal(k_out, k_exp)
+        assert torch.equal(_bytes(case["k_cache"]), _bytes(k_ref))
+    else:
+        assert_close(q_out, q_exp, dtype, "q")
+        assert_close(k_out, k_exp, dtype, "k")
+    changed = (_bytes(case["k_cache"]) != _bytes(k0)).flatten(0, 1).flatten(1).any(-1)
+    written = torch.zeros_like(changed)
+    written[meta.slot_mapping[real]] = True
+    assert not (changed & ~written).any(), "a slot outside slot_mapping changed"
+
+
+def test_qk_norm_capability_follows_the_rotary_kernel() -> None:
+    """``fuses_qk_norm`` is declared while rope_and_store runs Triton; the reference set, a set
+    whose rotary falls back, and a third-party set that says nothing read as False."""
+    from pitstop.plugin_system.protocols import KernelSetBase
+
+    assert KernelSetBase.of(fused(torch.float32), "fuses_qk_norm") is True
+    off = fused(torch.float32, fused_attention=False)
+    assert off.describe()["rope_and_store"].startswith("reference")
+    assert KernelSetBase.of(off, "fuses_qk_norm") is False
+    assert (
+        KernelSetBase.of(reference.ReferenceKernels(DEVICE, torch.float32), "fuses_qk_norm")
+        is False
+    )
+    assert KernelSetBase.of(object(), "fuses_qk_norm") is False
+
+
+def test_qk_norm_survives_the_head_size_fallback() -> None:
+    """A head size without a kernel switches rotary to the reference at the first call; the set
+    still declared ``fuses_qk_norm`` when the model was built, and the reference op normalizes
+    q and k itself: the reference path's bits exactly."""
+    ks = fused(torch.float32)
+    case = _qk_norm_case(([2, 1], [5, 9], 4), 2, 1, 64, torch.float32, 3, pad=0)
+    narrow = {n: case[n][..., :24].contiguous() for n in ("q", "k", "v")}
+    narrow["k_cache"] = case["k_cache"][..., :24].contiguous()
+    narrow["v_cache"] = case["v_cache"][..., :24].contiguous()
+    narrow["weights"] = tuple(w[:24].contiguous() for w in case["weights"])
+    angles = torch.outer(torch.arange(256).float(), torch.rand(12)).to(DEVICE)
+    narrow["rotary"] = RotaryCache(angles.cos(), angles.sin())
+    case = case | narrow
+    ref_case = case | {"k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}
+    q_exp, k_exp, k_ref, _ = _unfused_qk_norm(ref_case, 1e-5)
+    q_out, k_out = _fused_qk_norm(case, 1e-5, ks)
+    assert ks.describe()["rope_and_store"].startswith("reference (unsupported head size 24")
+    assert torch.equal(q_out, q_exp) and torch.equal(k_out, k_exp)
+    assert torch.equal(case["k_cache"], k_ref)
+
+
 # ---------------------------------------------------------------- one-launch split-K decode (issue 29)
 
 # decode contexts per batch size: inside one split, on either side of the interpreter's 16-key
@@ -1096,3 +1316,39 @@ def test_fp8_widen_is_a_fused_setting() -> None:
         get_plugin_manager().resolve(
             EngineConfig(kernels="fused", options={"fused.fp8_widen": "bf16"})
         )
+
+
+def test_tiny_qwen3_normalizes_q_and_k_inside_rope_and_store() -> None:
+    """A tiny Qwen3 (q/k norm) through `fused`: the norm goes into rope_and_store (two rms_norm
+    calls fewer per layer), and the logits (a prefill, then decodes) are the reference set's and
+    those of the same set with the norm left to rms_norm, within the float32 bound."""
+    page_size = 16
+    prompts = [[3, 17, 5, 9, 22, 1, 8], [4, 4], [11] * 15 + [7, 2, 9]]
+    gen = torch.Generator().manual_seed(1)
+    forced = torch.randint(0, 128, (len(prompts), 4), generator=gen).tolist()
+    reference_runner = _tiny_runner("qwen3", "reference", torch.float32, page_size)
+    assert not any(layer.self_attn.fuse_qk_norm for layer in reference_runner.model.layers)
+    expected = _forced_logits(reference_runner, prompts, forced)
+
+    runner = _tiny_runner("qwen3", "fused", torch.float32, page_size)
+    attns = [layer.self_attn for layer in runner.model.layers]
+    assert all(attn.fuse_qk_norm for attn in attns)
+    kernels, calls = runner.kernels, []
+    rms_norm = kernels.rms_norm
+
+    def counted(*args: object, **kwargs: object):
+        calls.append(1)
+        return rms_norm(*args, **kwargs)
+
+    kernels.rms_norm = counted
+    fused_logits = _forced_logits(runner, prompts, forced)
+    num_fused = len(calls)
+    for attn in attns:
+        attn.fuse_qk_norm = False  # the unfused path of the same set, on the same weights
+    calls.clear()
+    unfused_logits = _forced_logits(runner, prompts, forced)
+    steps, layers = 1 + len(forced[0]), len(attns)
+    assert num_fused == steps * (2 * layers + 1)  # input and post-attention norms, final norm
+    assert len(calls) == steps * (4 * layers + 1)
+    assert_close(fused_logits, expected, torch.float32, "fused q/k norm vs reference")
+    assert_close(fused_logits, unfused_logits, torch.float32, "fused q/k norm vs rms_norm")

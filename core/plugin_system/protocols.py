@@ -269,9 +269,8 @@ class RotaryCache:
 class KernelSet(Protocol):
     """The ops a model runs through. Resolved once; called directly on the hot path.
 
-    Under tensor parallelism a rank's kernel set also has ``all_reduce``,
-    ``embed`` and ``gather_logits`` (:mod:`pitstop.parallel.kernels`); a
-    kernel set plugin does not implement them.
+    Under tensor parallelism a rank's set also has ``all_reduce``, ``embed`` and ``gather_logits``
+    (:mod:`pitstop.parallel.kernels`), which a kernel set plugin does not implement.
     """
 
     name: str
@@ -309,11 +308,11 @@ class KernelSet(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` (neox layout); write k, v into the cache slots.
 
-        Caches are ``[num_pages, page_size, Hkv, D]``. Returns the rotated q and k.
-        An fp8 cache (``kv_cache_dtype``) comes with ``kv_scale``, float32 ``[2]`` on
-        the device: store ``k / kv_scale[0]`` and ``v / kv_scale[1]`` saturated to the
-        format's finite range. Wider caches get no ``kv_scale``; a kernel set without
-        the parameter is refused for an fp8 cache.
+        Caches are ``[num_pages, page_size, Hkv, D]``; returns the rotated q and k. An fp8 cache
+        comes with ``kv_scale`` (float32 ``[2]``, on the device; wider caches get none): store
+        ``k / kv_scale[0]``, ``v / kv_scale[1]`` saturated to the format's finite range (a set
+        without the parameter is refused for fp8). A set declaring ``fuses_qk_norm`` also gets
+        ``qk_norm=(q_weight, k_weight), qk_norm_eps=`` (Qwen3): RMS-normalize each head first.
         """
         ...
 
@@ -348,6 +347,7 @@ class KernelSetBase(Capabilities):
 
     # Whether the model concatenates the q/k/v and gate/up weights at load.
     merge_projections: bool = False
+    fuses_qk_norm: bool = False  # rope_and_store takes qk_norm= (see KernelSet.rope_and_store)
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph: not unless the set says so."""

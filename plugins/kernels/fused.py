@@ -3,13 +3,17 @@
 Ops and where they run:
 
 - ``rms_norm``: residual add + RMSNorm in one pass (Triton; flag ``fused_rmsnorm``);
-  also Qwen3's per-head q/k norm, on the strided q/k views without a copy;
+  also Qwen3's per-head q/k norm, on the strided q/k views without a copy, when
+  ``rope_and_store`` runs the reference;
 - ``linear``: always ``torch.nn.functional.linear`` (cuBLAS is the fastest GEMM);
   with ``fused_qkv`` the model concatenates the q/k/v and gate/up weights at
   load (:attr:`FusedKernels.merge_projections`) so each is one GEMM;
 - ``silu_and_mul``: one pass over the merged gate-up output (``fused_silu``);
 - ``rope_and_store``: rotary embedding plus the K/V cache store in one kernel
-  (``fused_attention``), quantizing to an fp8 cache (``kv_cache_dtype``);
+  (``fused_attention``), quantizing to an fp8 cache (``kv_cache_dtype``), and
+  Qwen3's per-head q/k RMSNorm before the rotation
+  (:attr:`FusedKernels.fuses_qk_norm`, set while this op runs Triton: two
+  launches fewer per layer);
 - ``attention``: split-K flash-decoding for decodes, and GQA-packed varlen
   causal flash attention for prefills, chunks over a cached prefix and
   drafts; both read K/V page-wise through the block table, with tile shapes
@@ -23,7 +27,9 @@ or to the reference op with one log line that names the op and the reason
 older than compute capability 8.9, where the reference ops' torch casts
 run). The head size is only known at the first attention call: an
 unsupported one (not a power of two in 16..256) switches ``rope_and_store``
-and ``attention`` to the reference once, again with one log line. :meth:`FusedKernels.describe` says what runs where.
+and ``attention`` to the reference once, again with one log line (the
+reference ``rope_and_store`` takes the q/k norm too, so a model built while
+:attr:`FusedKernels.fuses_qk_norm` was set keeps its results). :meth:`FusedKernels.describe` says what runs where.
 
 Triton is imported lazily, only when the kernel set is built, so that loading
 this plugin costs nothing on a machine that never uses it and so that a test
@@ -203,6 +209,9 @@ class FusedKernels(reference.DispatchKernels):
 
             self._rope = rope_store.rope_and_store
             self._status["rope_and_store"] = "triton"
+        # The model hands Qwen3's q/k norm weights to rope_and_store (one kernel) only while the
+        # Triton kernel runs it; with the reference rotary it calls rms_norm (maybe Triton) first.
+        self.fuses_qk_norm = use["rope_and_store"]
         if use["attention"]:
             from pitstop.plugins.kernels.triton_ops import paged_attention
 

@@ -127,8 +127,17 @@ def rope_and_store(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     kv_scale: torch.Tensor | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qk_norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k at ``meta.positions``, store k and v at ``meta.slot_mapping``."""
+    """Rotate q and k at ``meta.positions``, store k and v at ``meta.slot_mapping``.
+
+    ``qk_norm`` (q's and k's weights): first :func:`rms_norm` every head of q and k
+    with ``qk_norm_eps``, exactly as the unfused ``rms_norm`` calls would.
+    """
+    if qk_norm is not None:
+        q = rms_norm(q, qk_norm[0], qk_norm_eps)[0]
+        k = rms_norm(k, qk_norm[1], qk_norm_eps)[0]
     cos = rotary.cos.index_select(0, meta.positions)
     sin = rotary.sin.index_select(0, meta.positions)
     q = apply_rotary(q, cos, sin)
@@ -275,14 +284,20 @@ class DispatchKernels(KernelSetBase):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         kv_scale: torch.Tensor | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+        qk_norm_eps: float = 1e-6,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k at ``meta.positions`` (neox layout), store k and v at ``meta.slot_mapping``.
 
         An fp8 cache stores ``k / kv_scale[0]`` and ``v / kv_scale[1]``, saturated.
+        ``qk_norm`` (q's and k's RMSNorm weights): RMS-normalize every head first, in
+        ``_rope`` (the reference op and the Triton one both take it).
         """
         if not self._head_size_checked:
             self._check_head_size(q.shape[-1])
-        return self._rope(q, k, v, rotary, k_cache, v_cache, meta, kv_scale)
+        # passed on only when given, so that a ``_rope`` without the parameters keeps working
+        norm = {} if qk_norm is None else {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps}
+        return self._rope(q, k, v, rotary, k_cache, v_cache, meta, kv_scale, **norm)
 
     def attention(
         self,
@@ -308,6 +323,9 @@ class ReferenceKernels(DispatchKernels):
     name = "reference"
     # Keep q/k/v and gate/up as separate weights: the same GEMMs transformers runs.
     merge_projections = False
+    # Qwen3's q/k norm as two rms_norm calls before rotary, the ops transformers runs (its
+    # rope_and_store takes qk_norm all the same, for a set that falls back to it).
+    fuses_qk_norm = False
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device

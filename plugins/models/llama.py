@@ -27,7 +27,13 @@ from pitstop.loading.model_config import ModelConfig
 from pitstop.loading.quantized import QuantizedWeight, RowMerger
 from pitstop.loop.attention import AttentionMetadata
 from pitstop.plugin_system.hookspecs import hookimpl
-from pitstop.plugin_system.protocols import KeepsBlocks, KernelSet, RotaryCache, WeightFormat
+from pitstop.plugin_system.protocols import (
+    KeepsBlocks,
+    KernelSet,
+    KernelSetBase,
+    RotaryCache,
+    WeightFormat,
+)
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
 from pitstop.plugins.models.llama_gguf import gguf_rules
 from pitstop.plugins.models.llama_presets import PRESETS
@@ -136,6 +142,9 @@ class Attention(nn.Module):
         self.o_bias = _param(cfg.hidden_size) if cfg.o_proj_bias else None
         if cfg.qk_norm:
             self.q_norm, self.k_norm = _param(d), _param(d)
+        # Qwen3's q/k norm handed to rope_and_store (normalized and rotated in one pass) when the
+        # kernel set declares it fuses them; else two rms_norm calls first.
+        self.fuse_qk_norm = cfg.qk_norm and bool(KernelSetBase.of(kernels, "fuses_qk_norm"))
         self.scale = d**-0.5
         # The K and V scales of an fp8 KV cache (stored value = value / scale); unused by
         # wider caches. A buffer, so it follows the model's device; 1.0 (see docs/configuration.md).
@@ -178,6 +187,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Everything before attention: q/k/v, q/k norms, rotary and the K/V store; returns q.
 
+        The q/k norms (Qwen3) run inside ``rope_and_store`` when the kernel set
+        declares ``fuses_qk_norm`` (:class:`~pitstop.plugin_system.protocols.KernelSetBase`),
+        else through its ``rms_norm`` first.
+
         Reads only ``meta.positions`` and ``meta.slot_mapping`` (device tensors),
         so it can be captured in a CUDA graph for any batch shape.
         """
@@ -193,10 +206,14 @@ class Attention(nn.Module):
         q = q.reshape(t, cfg.num_heads, cfg.head_size)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_size)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_size)
-        if cfg.qk_norm:
+        norm: dict[str, Any] = {}
+        if self.fuse_qk_norm:
+            norm = {"qk_norm": (self.q_norm, self.k_norm), "qk_norm_eps": cfg.rms_norm_eps}
+        elif cfg.qk_norm:
             q = kn.rms_norm(q, self.q_norm, cfg.rms_norm_eps)[0]
             k = kn.rms_norm(k, self.k_norm, cfg.rms_norm_eps)[0]
-        q, _ = kn.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, **self._scales(k_cache))
+        scales = self._scales(k_cache)
+        q, _ = kn.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, **scales, **norm)
         return q
 
     def linear_weights(self) -> tuple[str, ...]:

@@ -6,7 +6,18 @@ the untouched v into the token's cache slot. A negative slot (a padding row of
 a CUDA-graph batch) writes nothing into the cache.
 
 Rounding follows the reference (cos/sin rounded to the activation dtype, each
-product rounded, then the sum), so bf16 results match it bit for bit.
+product rounded, then the sum), so bf16 results match it bit for bit (through
+Triton's interpreter too: :func:`_rounded` rounds to bf16 itself).
+
+With ``qk_norm`` (Qwen3) every q and k head is first RMS-normalized in the same
+program, from the halves it already holds: the mean of squares over the whole
+head in float32, ``h * rsqrt(mean + eps)`` rounded to the activation dtype, then
+times the weight in that dtype, as :func:`pitstop.plugins.kernels.reference.rms_norm`
+rounds. Only the order of the float32 sum of squares differs from the reference
+(torch's reduction order is its own), so the results are the unfused
+``rms_norm`` then ``rope_and_store``'s bit for bit whenever that sum is exact in
+float32 (checked through the interpreter), and otherwise differ only where its
+last bit moves a value across a rounding boundary of the activation dtype.
 
 An fp8 cache (``float8_e4m3fn`` or ``float8_e5m2``) stores ``k / k_scale`` and
 ``v / v_scale`` (``kv_scale`` ``[2]``, read on the device so a captured CUDA
@@ -29,23 +40,73 @@ FP8_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 
 @triton.jit
+def _rounded(x, DT: tl.constexpr):
+    """Float32 ``x`` rounded to ``DT`` as torch's cast rounds (to nearest, ties to even), in float32.
+
+    bf16 is rounded here, on the float32 bits, so that the cast to bf16 that
+    follows is exact: Triton 3.9's interpreter truncates float32 to bf16 (the GPU
+    rounds to nearest). Done on the GPU too, so that the interpreter tests run the
+    code the GPU runs (a few integer operations per element of a memory-bound kernel).
+    """
+    if DT == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # keep the top 16 bits, rounded
+        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # NaN stays NaN
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rms_normalize(a1, a2, w_ptr, eps, j, HALF: tl.constexpr, DT: tl.constexpr):
+    """RMSNorm of each row (one head) of the float32 halves ``a1``, ``a2``, weight ``w_ptr``.
+
+    Rounds as the reference: the norm in float32 (``rsqrt`` as torch's: ``1 / sqrt``
+    on the CPU), rounded to the activation dtype ``DT``, times the weight rounded to
+    it; returned in float32. The mean multiplies by ``1 / head_size``, exact for the
+    power-of-two head sizes the kernel takes.
+    """
+    mean = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) * (1.0 / (2 * HALF))
+    inv = tl.rsqrt(mean + eps)[:, None]
+    w1 = tl.load(w_ptr + j).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + j).to(tl.float32)[None, :]
+    return _rounded(_rounded(a1 * inv, DT) * w1, DT), _rounded(_rounded(a2 * inv, DT) * w2, DT)
+
+
+@triton.jit
 def _rotate(
-    x_ptr, out_ptr, t, stride_t, stride_h, h, mask, j, c, s, H: tl.constexpr, HALF: tl.constexpr
+    x_ptr,
+    out_ptr,
+    w_ptr,
+    eps,
+    t,
+    stride_t,
+    stride_h,
+    h,
+    mask,
+    j,
+    c,
+    s,
+    H: tl.constexpr,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Rotate the heads ``h`` of token ``t`` (``H`` heads in all); returns the rotated halves.
 
     The input rows sit at ``t * stride_t + h * stride_h``, the output (contiguous
-    ``[T, H, 2 * HALF]``) rows at ``(t * H + h) * 2 * HALF``.
+    ``[T, H, 2 * HALF]``) rows at ``(t * H + h) * 2 * HALF``. With ``NORM`` each head
+    is RMS-normalized first (weight ``w_ptr``, ``eps``).
     """
     row_offs = t * stride_t + h * stride_h
     out_row_offs = (t * H + h) * (2 * HALF)
     x1 = tl.load(x_ptr + row_offs[:, None] + j[None, :], mask=mask, other=0.0)
     x2 = tl.load(x_ptr + row_offs[:, None] + HALF + j[None, :], mask=mask, other=0.0)
-    dt = x1.dtype
+    dt: tl.constexpr = x1.dtype
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
-    o1 = ((a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)).to(dt)
-    o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    if NORM:
+        a1, a2 = _rms_normalize(a1, a2, w_ptr, eps, j, HALF, dt)
+    o1 = _rounded(_rounded(a1 * c, dt) - _rounded(a2 * s, dt), dt).to(dt)
+    o2 = _rounded(_rounded(a2 * c, dt) + _rounded(a1 * s, dt), dt).to(dt)
     tl.store(out_ptr + out_row_offs[:, None] + j[None, :], o1, mask=mask)
     tl.store(out_ptr + out_row_offs[:, None] + HALF + j[None, :], o2, mask=mask)
     return o1, o2
@@ -65,6 +126,9 @@ def _rope_store_kernel(
     k_cache_ptr,
     v_cache_ptr,
     kv_scale_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    norm_eps,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -81,6 +145,7 @@ def _rope_store_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     HALF: tl.constexpr,
+    NORM: tl.constexpr,
     QUANT: tl.constexpr,
     QUANT_MAX: tl.constexpr,
     QUANT_MANTISSA: tl.constexpr,
@@ -92,17 +157,23 @@ def _rope_store_kernel(
     j = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_cos + j).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos + j).to(tl.float32)
-    dt = q_out_ptr.dtype.element_ty
-    c = cos.to(dt).to(tl.float32)[None, :]
-    s = sin.to(dt).to(tl.float32)[None, :]
+    dt: tl.constexpr = q_out_ptr.dtype.element_ty
+    c = _rounded(cos, dt)[None, :]
+    s = _rounded(sin, dt)[None, :]
 
     hq = tl.arange(0, BLOCK_HQ)
     q_mask = (hq < HQ)[:, None] & (j < HALF)[None, :]
-    _rotate(q_ptr, q_out_ptr, t, stride_qt, stride_qh, hq, q_mask, j, c, s, HQ, HALF)
+    _rotate(
+        q_ptr, q_out_ptr, q_norm_ptr, norm_eps, t, stride_qt, stride_qh, hq, q_mask, j, c, s, HQ,
+        HALF, NORM,
+    )  # fmt: skip
 
     hk = tl.arange(0, BLOCK_HKV)
     k_mask = (hk < HKV)[:, None] & (j < HALF)[None, :]
-    k1, k2 = _rotate(k_ptr, k_out_ptr, t, stride_kt, stride_kh, hk, k_mask, j, c, s, HKV, HALF)
+    k1, k2 = _rotate(
+        k_ptr, k_out_ptr, k_norm_ptr, norm_eps, t, stride_kt, stride_kh, hk, k_mask, j, c, s, HKV,
+        HALF, NORM,
+    )  # fmt: skip
     # the cache slot: page slot // page_size, offset slot % page_size; skip padding rows (slot < 0)
     page = slot // page_size
     off = slot % page_size
@@ -160,17 +231,26 @@ def rope_and_store(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     kv_scale: torch.Tensor | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qk_norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` at ``meta.positions``; store k, v at ``meta.slot_mapping``.
 
     q, k, v may be strided views (slices of a merged QKV output) as long as the
     last dimension is contiguous. Caches are ``[num_pages, page_size, Hkv, D]``
     (k and v with the same strides). An fp8 cache needs ``kv_scale``
-    (float32 ``[2]``: K's scale, V's). Returns fresh contiguous rotated q and k.
+    (float32 ``[2]``: K's scale, V's). ``qk_norm`` (q's and k's RMSNorm weights
+    ``[D]``, in q's dtype): RMS-normalize every head with ``qk_norm_eps`` before
+    rotating (the normalized, rotated k is what the cache stores). Returns fresh
+    contiguous rotated q and k.
     """
     t, hq, d = q.shape
     hkv = k.shape[1]
     assert d % 2 == 0 and k.shape == (t, hkv, d) and v.shape == (t, hkv, d)
+    if qk_norm is not None:
+        assert all(w.shape == (d,) and w.dtype == q.dtype and w.stride(-1) == 1 for w in qk_norm), (
+            "qk_norm weights must be contiguous [head_size] tensors in q's dtype"
+        )
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -195,6 +275,9 @@ def rope_and_store(
         k_cache,
         v_cache,
         kv_scale if quant else cos,  # any pointer when unused
+        qk_norm[0] if qk_norm is not None else cos,
+        qk_norm[1] if qk_norm is not None else cos,
+        qk_norm_eps,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -211,6 +294,7 @@ def rope_and_store(
         BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv),
         HALF=d // 2,
+        NORM=qk_norm is not None,
         QUANT=quant,
         QUANT_MAX=finfo.max,
         QUANT_MANTISSA=FP8_MANTISSA_BITS.get(k_cache.dtype, 0),
