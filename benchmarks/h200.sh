@@ -204,6 +204,8 @@ for _ in range(2):
       echo "   exit $?"; sed -n '/^decode sweep/,$p' "$OUT/decode_sweep.log" | head -${SWEEP_LINES:-80} ;;
     # issue 29: decode tiles by batch and cache dtype (fused.decode_tiles) against the fixed ones:
     # their GPU test, then `nano` (median of TILES_REPEATS) with bf16 and fp8 caches
+    # issue 29: Qwen3's q/k norm inside rope_and_store beside two rms_norm launches (fused.qk_norm), nano
+    qk-norm) run qk-norm-nano offline --workload nano --repeats ${QKN_REPEATS:-3} --matrix benchmarks/workloads/qk-norm.toml ;;
     decode-tiles) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_gpu.py \
         -k by_batch 2>&1 | tail -3
       run decode-tiles-nano offline --workload nano --repeats ${TILES_REPEATS:-3} --matrix benchmarks/workloads/decode-tiles.toml ;;

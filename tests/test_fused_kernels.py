@@ -927,6 +927,12 @@ def test_qk_norm_capability_follows_the_rotary_kernel() -> None:
         is False
     )
     assert KernelSetBase.of(object(), "fuses_qk_norm") is False
+    # fused.qk_norm = false keeps the Triton rotary but leaves the norms to rms_norm
+    apart = FusedKernels(
+        EngineConfig(max_model_len=512, options={"fused.qk_norm": False}), DEVICE, torch.float32
+    )
+    assert apart.describe()["rope_and_store"] == "triton"
+    assert KernelSetBase.of(apart, "fuses_qk_norm") is False
 
 
 def test_qk_norm_survives_the_head_size_fallback() -> None:

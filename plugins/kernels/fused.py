@@ -136,6 +136,12 @@ class FusedSettings:
         help="how split-K decode merges its splits: a second kernel, or the last split program "
         "to finish (one launch; an arrival counter per sequence and KV head)",
     )
+    qk_norm: bool = setting(
+        True,
+        type=bool,
+        help="Qwen3's per-head q/k RMSNorm inside rope_and_store (one launch instead of three); "
+        "false: two rms_norm launches first, as before",
+    )
     decode_tiles: str = setting(
         "fixed",
         type=str,
@@ -211,7 +217,7 @@ class FusedKernels(reference.DispatchKernels):
             self._status["rope_and_store"] = "triton"
         # The model hands Qwen3's q/k norm weights to rope_and_store (one kernel) only while the
         # Triton kernel runs it; with the reference rotary it calls rms_norm (maybe Triton) first.
-        self.fuses_qk_norm = use["rope_and_store"]
+        self.fuses_qk_norm = use["rope_and_store"] and settings.qk_norm
         if use["attention"]:
             from pitstop.plugins.kernels.triton_ops import paged_attention
 
