@@ -64,7 +64,7 @@ def test_skinny_linear_is_the_weight_only_product(
         pytest.skip("several rows take a tensor-core tile: BLOCK_N of 16 or more")
     x, weight, bias = _inputs(rows, out_features, in_features, seed=rows + in_features)
     bias = bias if with_bias else None
-    want = fp8_gemm.weight_only_reference(x, weight.qweight, weight.scale, DTYPE)
+    want = f8.weight_only_reference(x, weight.qweight, weight.scale, DTYPE)
     if bias is not None:
         want = want + bias
     got = fp8_gemm.skinny_linear(

@@ -239,10 +239,12 @@ def test_gguf_gemv_through_the_format_on_cuda() -> None:
 
 @pytest.mark.gpu
 def test_smollm2_gguf_on_cuda_graphs_and_eager_agree() -> None:
+    model = str(smollm2_gguf_or_skip())  # the GPU machine has no wheel: $SMOLLM_GGUF there
+
     def run(**settings):
         # a fixed KV budget: the engines of this test are alive at once, and a cache sized
         # from free memory would leave the next one none
-        llm = LLM("smollm2-135m", device="cuda", max_model_len=64, kv_cache_gib=1, **settings)
+        llm = LLM(model, device="cuda", max_model_len=64, kv_cache_gib=1, **settings)
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         return llm, [o.outputs[0].token_ids for o in outs]
 

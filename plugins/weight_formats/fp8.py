@@ -186,6 +186,13 @@ def reference_gemm(
     return (acc * x_scale * w.scale).to(dtype)
 
 
+def weight_only_reference(
+    x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The skinny (weight-only) product in float32: ``(x @ wq.T) * w_scale``, rounded once."""
+    return (F.linear(x.float(), qweight.float()) * w_scale).to(dtype)
+
+
 def scaled_mm_gemm(
     xq: torch.Tensor, x_scale: torch.Tensor, w: Fp8Weight, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -268,9 +275,15 @@ class Fp8Weights:
     def reference_linear(
         self, x: torch.Tensor, resident: Any, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """:meth:`linear` with the reference GEMM whatever ``fp8.gemm`` chose (the tests')."""
+        """What :meth:`linear` computes, in float32 (the tests' reference): the weight-only
+        product for a step the skinny kernel takes, else the per-token fp8 product."""
         if isinstance(resident, torch.Tensor):
             return self.kernels.linear(x, resident, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if resident.fast and rows.shape[0] <= self.skinny_rows:
+            out = weight_only_reference(rows, resident.qweight, resident.scale, x.dtype)
+            out = out if bias is None else out + bias
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return self.linear(x, attrs.evolve(resident, fast=False), bias)
 
     def resident_bytes(self, resident: Any) -> int:

@@ -15,7 +15,7 @@ Two kernels here:
 * ``_skinny_kernel``: the whole linear for up to :data:`SKINNY_MAX_ROWS` rows in
   one launch, **weight-only**: ``x`` stays in its dtype and each e4m3 weight
   tile is widened in registers, ``out = (x @ wq.T) * w_scale``
-  (:func:`weight_only_reference`). At decode's batch sizes the time is the
+  (``fp8.weight_only_reference``). At decode's batch sizes the time is the
   weight bytes; quantizing ``x`` would need every row's amax before the first
   product (a pass over ``x`` in every program, measured 2026-12-03 on the H200
   at 3-10x bf16's time with the tensor-core fp8 product of 4 and 16 rows) and
@@ -160,13 +160,6 @@ def _skinny_kernel(
     tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], out, mask=mask)
 
 
-def weight_only_reference(
-    x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """The skinny kernel's product in float32: ``(x @ wq.T) * w_scale``, rounded once."""
-    return (torch.nn.functional.linear(x.float(), qweight.float()) * w_scale).to(out_dtype)
-
-
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[M, K]`` as e4m3 with one float32 scale per row, in one launch: ``(q, scale [M, 1])``."""
     rows, cols = x.shape
@@ -192,7 +185,7 @@ def skinny_linear(
     """``x`` ``[M, K]`` (``M <= SKINNY_MAX_ROWS``) times the e4m3 ``qweight`` ``[N, K]``, one launch.
 
     ``w_scale`` holds one float32 per output channel. Weight-only: ``x`` is not
-    quantized (:func:`weight_only_reference` is the product it computes).
+    quantized (``fp8.weight_only_reference`` is the product it computes).
     """
     rows, in_features = x.shape
     out_features = qweight.shape[0]
