@@ -313,7 +313,10 @@ def test_disconnect_mid_stream_frees_pages(server: Server) -> None:
                 events += line.startswith("data:")
                 if events >= 3:
                     break
-            assert server.health()["num_running"] == 1
+            # live in the engine: running, or waiting for a step (a loaded CI machine once
+            # read num_running 0 here); the health snapshot in the message says which
+            health = server.health()
+            assert health["num_running"] + health["num_waiting"] == 1, health
     # the stream is closed: the request is aborted and its pages come back
     assert server.wait_all_pages_free(within=1.0) <= 1.0
 

@@ -62,16 +62,18 @@ class SkinnyTiles:
 def skinny_tiles(rows: int, out_features: int, in_features: int) -> SkinnyTiles:
     """The tile for a ``[rows, in_features] x [out_features, in_features]^T`` product.
 
-    Enough programs to cover the H200's 132 SMs a few times over: ``BLOCK_N`` 8
-    for one row of a narrow output (16 otherwise; the tensor-core path needs 16),
-    ``BLOCK_K`` as wide as the row allows.
+    One row: enough programs to cover the H200's 132 SMs a few times over
+    (``BLOCK_N`` 8 for a narrow output, else 16), ``BLOCK_K`` as wide as the row
+    allows. Several rows: the tile the H200 sweep measured best.
     """
     if rows == 1:
         block_n = 8 if out_features <= 8192 else 16
         block_k = 1024 if block_n == 8 and in_features % 1024 == 0 else 512
         return SkinnyTiles(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+    # several rows: the H200 sweep's best summed over llama3-8b's four linears at 16 rows
+    # (2026-12-03, benchmarks/fp8_gemm_bench.py --sweep): 1.5x faster than (16, 256, 4, 3)
     block_k = 256 if in_features % 256 == 0 else 128
-    return SkinnyTiles(block_n=16, block_k=block_k, num_warps=4, num_stages=3)
+    return SkinnyTiles(block_n=32, block_k=block_k, num_warps=4, num_stages=4)
 
 
 @triton.jit
