@@ -1358,3 +1358,18 @@ def test_tiny_qwen3_normalizes_q_and_k_inside_rope_and_store() -> None:
     assert len(calls) == steps * (4 * layers + 1)
     assert_close(fused_logits, expected, torch.float32, "fused q/k norm vs reference")
     assert_close(fused_logits, unfused_logits, torch.float32, "fused q/k norm vs rms_norm")
+
+
+def test_the_conformance_suite_checks_the_fused_set_with_its_qk_norm() -> None:
+    """``pitstop.testing.kernels.check_kernel_set`` on the fused set, which declares
+    ``fuses_qk_norm``: its rope_and_store is also checked with the q/k norms passed in."""
+    from pitstop.testing.kernels import check_kernel_set
+
+    made = []
+
+    def make(device: torch.device, dtype: torch.dtype) -> FusedKernels:
+        made.append(fused(dtype))
+        return made[-1]
+
+    check_kernel_set(make, device=DEVICE, dtypes=(torch.float32,), max_examples=3)
+    assert made and made[0].fuses_qk_norm

@@ -9,7 +9,8 @@ page and head sizes) and compares
 - ``attention`` (and, with ``fp8=True``, the same over an fp8 cache read
   with ``kv_scale``);
 - ``rope_and_store``: the rotated q and k, the cache slots it writes, and
-  that no other slot changes;
+  that no other slot changes; for a set that declares ``fuses_qk_norm``, the
+  same with Qwen3's per-head q/k norms passed in (``qk_norm=``);
 - ``rms_norm`` with and without the residual add, ``silu_and_mul`` and
   ``linear``.
 
@@ -37,7 +38,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.loop.attention import AttentionMetadata
-from pitstop.plugin_system.protocols import KernelSet, RotaryCache
+from pitstop.plugin_system.protocols import KernelSet, KernelSetBase, RotaryCache
 from pitstop.plugins.kernels import reference
 from pitstop.testing._hypothesis import suite_settings
 
@@ -189,7 +190,9 @@ def _check_attention(
     assert_close(got, expected, f"attention q={meta.query_lens_list} ctx={meta.context_lens_list}")
 
 
-def _check_rope_and_store(ks: KernelSet, batch: PagedBatch, gen: torch.Generator) -> None:
+def _check_rope_and_store(
+    ks: KernelSet, batch: PagedBatch, gen: torch.Generator, qk_norm: bool = False
+) -> None:
     meta, q = batch.meta, batch.q
     t, hkv, d = q.shape[0], batch.k_cache.shape[2], q.shape[2]
     k = torch.randn(t, hkv, d, generator=gen).to(q.device, q.dtype)
@@ -198,10 +201,15 @@ def _check_rope_and_store(ks: KernelSet, batch: PagedBatch, gen: torch.Generator
     rotary = RotaryCache(angles.cos().to(q.device), angles.sin().to(q.device))
     caches = [c.clone() for c in (batch.k_cache, batch.v_cache)]
     expected_caches = [c.clone() for c in caches]
-    q_out, k_out = ks.rope_and_store(q, k, v, rotary, caches[0], caches[1], meta)
-    q_exp, k_exp = reference.rope_and_store(q, k, v, rotary, *expected_caches, meta)
-    assert_close(q_out, q_exp, "rope_and_store: q")
-    assert_close(k_out, k_exp, "rope_and_store: k")
+    norms = {}
+    if qk_norm:  # Qwen3's per-head weights, for a set that declares it normalizes inside
+        weights = tuple((torch.rand(d, generator=gen) + 0.5).to(q.device, q.dtype) for _ in "qk")
+        norms = {"qk_norm": weights, "qk_norm_eps": 1e-6}
+    q_out, k_out = ks.rope_and_store(q, k, v, rotary, caches[0], caches[1], meta, **norms)
+    q_exp, k_exp = reference.rope_and_store(q, k, v, rotary, *expected_caches, meta, **norms)
+    what = "rope_and_store" + (" with qk_norm" if qk_norm else "")
+    assert_close(q_out, q_exp, f"{what}: q")
+    assert_close(k_out, k_exp, f"{what}: k")
     flat = (-1, hkv, d)
     written = torch.zeros(caches[0].view(flat).shape[0], dtype=torch.bool, device=q.device)
     written[meta.slot_mapping] = True
@@ -212,7 +220,7 @@ def _check_rope_and_store(ks: KernelSet, batch: PagedBatch, gen: torch.Generator
         assert torch.equal(got[~written], before[~written]), (
             f"{name} cache: an unwritten slot changed"
         )
-        assert_close(got[written], exp[written], f"rope_and_store: {name} cache slots")
+        assert_close(got[written], exp[written], f"{what}: {name} cache slots")
 
 
 def _check_dense_ops(
@@ -285,6 +293,8 @@ def check_kernel_set(
         gen = torch.Generator().manual_seed(seed)
         _check_attention(ks, paged, cache, kv_scale)
         _check_rope_and_store(ks, paged, gen)
+        if KernelSetBase.of(ks, "fuses_qk_norm"):
+            _check_rope_and_store(ks, paged, gen, qk_norm=True)
         _check_dense_ops(ks, dtype, device, gen)
 
     run()

@@ -180,6 +180,8 @@ class SdpaKernels(KernelSetBase):
         self.device = device
         # The base set's weight layout: the model merges projections only if its linear wants it.
         self.merge_projections = base.merge_projections
+        # and whether its rotary normalizes Qwen3's q/k heads itself (rope_and_store passes them on)
+        self.fuses_qk_norm = KernelSetBase.of(base, "fuses_qk_norm")
         self._meta: AttentionMetadata | None = None
         self._groups: list[_Group] = []
 
@@ -213,9 +215,14 @@ class SdpaKernels(KernelSetBase):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         kv_scale: torch.Tensor | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+        qk_norm_eps: float = 1e-6,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The base set's rotary and KV store (``kv_scale`` passed on only for an fp8 cache)."""
-        extra = {} if kv_scale is None else {"kv_scale": kv_scale}
+        """The base set's rotary and KV store (``kv_scale`` passed on only for an fp8 cache,
+        the q/k norms only when the model hands them over: the base declared ``fuses_qk_norm``)."""
+        extra: dict = {} if kv_scale is None else {"kv_scale": kv_scale}
+        if qk_norm is not None:
+            extra |= {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps}
         return self.base.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, **extra)
 
     def attention(
