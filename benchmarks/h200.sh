@@ -223,7 +223,7 @@ for _ in range(2):
     # `nano`) with bf16, fp8 and fp8 without the skinny kernel (benchmarks/workloads/fp8-weights.toml)
     fp8-weights) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_gemm.py \
         tests/test_weight_formats.py 2>&1 | tail -4
-      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gemm_bench.py ${FP8_SWEEP:+--sweep --best-tiles "$OUT/best-tiles.txt"} \
+      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gemm_bench.py ${FP8_SWEEP:+--sweep --best-tiles "$OUT/best-tiles.txt"} --rows ${FP8_ROWS:-1,4,16} \
         --json "$OUT/fp8-gemm.json" 2>"$OUT/fp8-gemm.log"
       # with FP8_SWEEP=1 a fourth configuration: fp8 at the sweep's best tiles (fp8.skinny_tiles)
       m=benchmarks/workloads/fp8-weights.toml
