@@ -74,7 +74,8 @@ class Fp8Settings:
         "per-token",
         type=str,
         choices=("per-token", "per-tensor"),
-        help="how each linear's input is quantized: one scale per token (row) or one per step",
+        help="how each linear's input is quantized: one scale per token (row) or one per step "
+        "(steps the skinny kernel takes, up to fp8.skinny_rows tokens, are weight-only)",
     )
     lm_head: bool = setting(
         False,
