@@ -205,6 +205,19 @@ for _ in range(2):
     # issue 29: decode tiles by batch and cache dtype (fused.decode_tiles) against the fixed ones:
     # their GPU test, then `nano` (median of TILES_REPEATS) with bf16 and fp8 caches
     # issue 29: Qwen3's q/k norm inside rope_and_store beside two rms_norm launches (fused.qk_norm), nano
+    # issue 29: where nano's steps lose time: the start-up heap frozen out of the collector (freeze_gc)
+    # against not, tiles by batch, bf16 and fp8 caches (the bench log kept for its warnings), each
+    # pass's step timeline (benchmarks/step_timeline.py); then one 2k prefill on qwen3-0.6b over bf16
+    # and fp8 pages, kernel by kernel (pitstop alone)
+    nano-steps) echo "== nano-steps: pitstop bench offline --workload nano --matrix benchmarks/workloads/nano-steps.toml"
+      timeout ${BENCH_TIMEOUT:-400} pitstop bench offline --workload nano --repeats ${STEPS_REPEATS:-2} \
+        --matrix benchmarks/workloads/nano-steps.toml --output "$OUT/nano-steps.json" >"$OUT/nano-steps.log" 2>&1
+      echo "   exit $?"; grep -iE "warn|piecewise|fall(s)? ?back|error" "$OUT/nano-steps.log" | sort | uniq -c | head -12
+      tail -${TAIL:-24} "$OUT/nano-steps.log"; python3 benchmarks/step_timeline.py "$OUT/nano-steps.json"
+      for kv in bfloat16 fp8_e4m3; do echo "== profile prefill-2048 on dummy:qwen3-0.6b, KV cache $kv (pitstop alone)"
+        timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/kernel_profile.py --scenario prefill-2048 --model dummy:qwen3-0.6b \
+          --kv-cache-dtype $kv --json /tmp/profile-prefill-$kv.json >"$OUT/profile-prefill-$kv.txt" 2>/tmp/profile-prefill-$kv.log
+        echo "   exit $?"; head -${PROFILE_LINES:-30} "$OUT/profile-prefill-$kv.txt"; done ;;
     qk-norm) run qk-norm-nano offline --workload nano --repeats ${QKN_REPEATS:-3} --matrix benchmarks/workloads/qk-norm.toml ;;
     decode-tiles) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_gpu.py \
         -k by_batch 2>&1 | tail -3

@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_profile.py --scenario nano-decode [--model dummy:qwen3-0.6b]
         [--peer vllm] [--json OUT.json] [--trace-dir DIR] [--kernels fused] [--device cuda]
+        [--kv-cache-dtype fp8_e4m3]
 
 Scenarios (pitstop.bench.kernel_profile.SCENARIOS): nano-decode (256 x 512 tokens, a
 decode step), single-decode (1 x 512, dummy:llama3-8b for the `single` workload),
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="override the scenario's batch")
     parser.add_argument("--prompt-len", type=int, default=None, help="override its prompt length")
     parser.add_argument("--decode-steps", type=int, default=None, help="override its N")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="both engines' KV cache (auto, bfloat16, fp8_e4m3, ...; vLLM gets the fp8 ones)",
+    )
     parser.add_argument("--trace-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -59,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     engine_kwargs = {"kernels": args.kernels}
     if args.device:
         engine_kwargs["device"] = args.device
+    peer_extra = {}
+    if args.kv_cache_dtype:
+        from pitstop.bench.vllm_peer import kv_cache_dtype as vllm_kv_cache_dtype
+
+        engine_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+        if args.kv_cache_dtype.startswith("fp8"):
+            peer_extra["kv_cache_dtype"] = vllm_kv_cache_dtype(args.kv_cache_dtype)
     pitstop_kernels, mc = profile_pitstop(args.model, scenario, trace_dir, **engine_kwargs)
     engines = {"pitstop": pitstop_kernels}
     status, version = 0, None
@@ -66,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         from pitstop.bench.vllm_peer import VllmPeerError
 
         try:
-            engines["vllm"], version = profile_vllm(args.model, mc, scenario, trace_dir)
+            engines["vllm"], version = profile_vllm(
+                args.model, mc, scenario, trace_dir, extra=peer_extra
+            )
         except VllmPeerError as exc:
             print(f"peer vllm failed: {exc}", file=sys.stderr)
             status = 3
@@ -90,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"scenario {scenario.name}: batch {scenario.batch}, prompt {scenario.prompt_len}, "
-        f"model {args.model}" + (f", vLLM {version}" if version else "")
+        f"model {args.model}"
+        + (f", KV cache {args.kv_cache_dtype}" if args.kv_cache_dtype else "")
+        + (f", vLLM {version}" if version else "")
     )
     print(markdown(rows, list(engines), unit))
     for engine, kernels in engines.items():

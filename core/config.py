@@ -311,6 +311,17 @@ class EngineConfig:
         ),
     )
 
+    freeze_gc: bool = attrs.field(
+        default=True,
+        validator=_bool,
+        metadata=_doc(
+            "at the end of start-up, collect garbage once and move every object then alive into "
+            "Python's permanent generation (gc.freeze), so that a full collection while serving "
+            "scans only what was made since instead of stalling a step (~100 ms on the H200); "
+            "close() thaws them"
+        ),
+    )
+
     # --- debugging
     check_weights: bool = attrs.field(
         default=True,

@@ -43,6 +43,7 @@ from pitstop.loading.tokenizer import Tokenizer
 from pitstop.loading.weights import load_model_source
 from pitstop.loop.engine_intake import RequestIntake
 from pitstop.loop.engine_results import InFlightStep, StepResults
+from pitstop.loop.gc_heap import freeze_startup_heap, thaw_heap
 from pitstop.loop.memory import check_fits, check_max_model_len_fits
 from pitstop.loop.metrics import EngineStats
 from pitstop.loop.poison import FreshPageTracker
@@ -194,12 +195,16 @@ class LLMEngine(RequestIntake, StepResults):
         )
         self._step_observers = self.plugins.has_observers("on_step_finished")
         self._request_observers = self.plugins.has_observers("on_request_finished")
+        if config.freeze_gc:  # last: everything start-up made lives as long as the engine
+            freeze_startup_heap()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (nothing to do at tensor_parallel_size=1)."""
+        """Stop the tensor-parallel workers, if any, and thaw the heap frozen at start-up."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self.config.freeze_gc:
+            thaw_heap()
 
     # ------------------------------------------------------------------ requests
     def has_unfinished_requests(self) -> bool:

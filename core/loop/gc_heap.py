@@ -1,0 +1,52 @@
+"""Python's garbage collector and a serving engine: the start-up heap is frozen.
+
+A full (generation-2) collection walks every tracked object. After start-up
+that is the whole heap of torch, the model's modules, the tokenizer and the
+engine (about 177,000 objects for a dummy `qwen3-0.6b` on the CPU, 110 ms a
+collection there; one such collection stalled a `nano` step by 93–124 ms on
+the H200). Objects alive at the end of start-up live as long as the engine,
+so :func:`freeze_startup_heap` moves them into the permanent generation
+(``gc.freeze()``, as vLLM's engine core does): later collections walk only
+what serving made since.
+
+The freeze is process-wide. Frozen objects are never collected, so a cycle
+of an engine dropped without ``close()`` would stay; each start-up therefore
+thaws first, and collects what earlier engines left before freezing again,
+and :func:`thaw_heap` (called by ``LLMEngine.close``, and at exit, so that
+extension objects are finalized as before) gives everything back to the
+collector.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import time
+
+log = logging.getLogger(__name__)
+_thaw_at_exit = False  # thaw_heap registered with atexit
+
+
+def freeze_startup_heap() -> int:
+    """Thaw, collect, then freeze every object alive now; returns how many were frozen."""
+    global _thaw_at_exit
+    if not _thaw_at_exit:  # the interpreter's last collections must see everything
+        atexit.register(thaw_heap)
+        _thaw_at_exit = True
+    start = time.perf_counter()
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.debug(
+        "froze %d objects of the start-up heap (%.0f ms)",
+        frozen,
+        (time.perf_counter() - start) * 1e3,
+    )
+    return frozen
+
+
+def thaw_heap() -> None:
+    """Give the frozen objects back to the collector (they join the oldest generation)."""
+    gc.unfreeze()
