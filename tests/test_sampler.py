@@ -157,6 +157,37 @@ def test_temperature_zero_is_argmax(dtype: torch.dtype) -> None:
     assert torch.equal(out.token_ids, logits.float().argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_batch_takes_the_argmax_without_a_float32_copy(dtype: torch.dtype) -> None:
+    """All rows greedy, no processor, no log-probs: the argmax on the logits' own dtype, which
+    is the float32 argmax (ties included: both take the first), and no [B, V] float32 copy."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 1000, generator=gen).to(dtype)
+    logits[:, 500] = logits.max(dim=-1).values  # a tie with each row's first maximum
+    logits[3] = 0.0  # a row of equal values: the first index
+    b = batch_of([SamplingParams(temperature=0.0)] * 64)
+    seen: list[torch.dtype] = []
+
+    class Watched(StandardSampler):
+        @staticmethod
+        def process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+            seen.append(raw.dtype)
+            return StandardSampler.process(raw, batch)
+
+    out = Watched(CPU).sample(logits, b)
+    assert torch.equal(out.token_ids, logits.float().argmax(-1))
+    assert out.token_ids[3] == 0 and seen == []
+    # a processor (a penalty here) or log-probs take the float32 path again
+    for params in (
+        SamplingParams(temperature=0.0, logit_bias={7: 50.0}),
+        SamplingParams(temperature=0.0, logprobs=1),
+    ):
+        batch = batch_of([params] * 64)
+        out = Watched(CPU).sample(logits, batch)
+        assert seen[-1] == torch.float32
+        assert torch.equal(out.token_ids, sampler().process(logits.float(), batch).argmax(-1))
+
+
 @pytest.mark.parametrize("temperature", [0.01, 0.3, 1.0, 5.0, 100.0])
 def test_top_k_one_is_argmax_at_any_temperature(temperature: float) -> None:
     logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(2))

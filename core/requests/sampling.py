@@ -301,6 +301,18 @@ def make_sampling_batch(
     )
 
 
+def uses_logits_processors(batch: SamplingBatch) -> bool:
+    """Whether :func:`apply_logits_processors` would change any row of ``batch``'s logits."""
+    return (
+        batch.token_bitmask is not None
+        or batch.allowed is not None
+        or batch.logit_bias is not None
+        or batch.blocked is not None
+        or (batch.needs_penalties and batch.history is not None)
+        or bool(batch.user_processors)
+    )
+
+
 def apply_logits_processors(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The logits processors of ``batch`` over float32 logits ``[B, V]``, on their device.
 

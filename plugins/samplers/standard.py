@@ -8,7 +8,8 @@ penalty (a positive logit of a token seen in the prompt or output is divided
 by it, a negative one multiplied), then the frequency and presence penalties
 (minus ``frequency * count + presence * [count > 0]`` over output tokens).
 A greedy row (temperature 0) takes the argmax of its raw
-logits. A sampled row divides its logits by its temperature, then keeps its
+logits (a batch of greedy rows with no processor and no log-probabilities
+takes it on the logits in their own dtype: the same token, no float32 copy). A sampled row divides its logits by its temperature, then keeps its
 top-k tokens (ties with the k-th kept), then the smallest set of most likely
 tokens whose probability reaches top_p (at least one), then drops tokens whose
 probability is below ``min_p`` times the largest, renormalizes and draws.
@@ -33,7 +34,12 @@ import torch
 
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.protocols import SamplerOutput, SamplingBatch
-from pitstop.requests.sampling import apply_logits_processors, exponential_race, make_generator
+from pitstop.requests.sampling import (
+    apply_logits_processors,
+    exponential_race,
+    make_generator,
+    uses_logits_processors,
+)
 
 
 class StandardSampler:
@@ -49,6 +55,11 @@ class StandardSampler:
     # ------------------------------------------------------------------ public
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[B, V]``; log-probs of the chosen tokens when asked."""
+        if batch.all_greedy and not batch.want_logprobs and not uses_logits_processors(batch):
+            # the argmax of the logits as they are: widening to float32 is exact and keeps the
+            # order, so it picks the same token, without a float32 copy of [B, V] to write and
+            # read (at nano's batch 256 the copy and a float32 argmax took 177 µs a step)
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
         raw = self.process(logits.float(), batch)
         greedy_ids = raw.argmax(dim=-1)
         if batch.all_greedy:
