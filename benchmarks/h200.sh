@@ -169,6 +169,10 @@ for _ in range(2):
         export PITSTOP_VLLM_START_TIMEOUT=${PITSTOP_VLLM_START_TIMEOUT:-300} PITSTOP_VLLM_TIMEOUT=${PITSTOP_VLLM_TIMEOUT:-420}
         R=${VLLM_REPEATS:-3}
         for row in ${VLLM_ROWS:-nano single}; do
+          # the online rows drive vllm serve through pitstop's own client (httpx-sse, carried in .whl/):
+          # without it vLLM would start and fail at the first request, minutes of device time for nothing
+          case $row in longtail*|prefix|longctx) python3 -c "import httpx_sse" 2>/dev/null || {
+            echo "== vllm $row: skipped: the online rows need httpx-sse here (carry .whl/ with its wheel)"; continue; } ;; esac
           case $row in
             nano) vrun vllm-nano offline --workload nano --kernels fused --repeats $R ;;
             single) vrun vllm-single offline --workload single --kernels fused --repeats 5 ;;

@@ -1,6 +1,6 @@
 """Where an offline run's time went, step by step, from a `pitstop bench` JSON (issue 29).
 
-    python benchmarks/step_timeline.py RESULTS.json [--config NAME] [--gap-ms 50]
+    python benchmarks/step_timeline.py RESULTS.json[.gz] [--config NAME] [--gap-ms 50]
 
 The bench keeps every request's token times. Tokens that arrive within
 ``--join-us`` of each other came from one engine step, so the distinct arrival
@@ -15,6 +15,7 @@ small batches shows beside the full ones.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-ms", type=float, default=50.0, help="a gap above this is a stall")
     p.add_argument("--join-us", type=float, default=400.0, help="tokens this close: one step")
     args = p.parse_args(argv)
-    data = json.loads(args.results.read_text())
+    raw = args.results.read_bytes()
+    data = json.loads(gzip.decompress(raw) if args.results.suffix == ".gz" else raw)
     found = False
     for config in data.get("configs", []):
         if args.config and config["name"] not in args.config:
