@@ -43,7 +43,7 @@ from pitstop.loading.tokenizer import Tokenizer
 from pitstop.loading.weights import load_model_source
 from pitstop.loop.engine_intake import RequestIntake
 from pitstop.loop.engine_results import InFlightStep, StepResults
-from pitstop.loop.gc_heap import freeze_startup_heap, thaw_heap
+from pitstop.loop.gc_heap import freeze_startup_heap, reclaim_frozen, thaw_heap
 from pitstop.loop.memory import check_fits, check_max_model_len_fits
 from pitstop.loop.metrics import EngineStats
 from pitstop.loop.poison import FreshPageTracker
@@ -71,6 +71,8 @@ class LLMEngine(RequestIntake, StepResults):
     """Owns the chosen strategies, the runner and every live request."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
+        if config.freeze_gc:  # what engines dropped without close() left, before memory is sized
+            reclaim_frozen()
         self.plugins = plugins or get_plugin_manager()
         self.device = resolve_device(config.device)
         if config.kernels == "auto":  # the kernel set declared for this device type

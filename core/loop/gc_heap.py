@@ -11,8 +11,9 @@ what serving made since.
 
 The freeze is process-wide. Frozen objects are never collected, so a cycle
 of an engine dropped without ``close()`` would stay; each start-up therefore
-thaws first, and collects what earlier engines left before freezing again,
-and :func:`thaw_heap` (called by ``LLMEngine.close``, and at exit, so that
+begins with :func:`reclaim_frozen` (thaw, and collect what earlier engines
+left before the new one sizes its cache from the free memory), and
+:func:`thaw_heap` (called by ``LLMEngine.close``, and at exit, so that
 extension objects are finalized as before) gives everything back to the
 collector.
 """
@@ -28,14 +29,23 @@ log = logging.getLogger(__name__)
 _thaw_at_exit = False  # thaw_heap registered with atexit
 
 
+def reclaim_frozen() -> None:
+    """Thaw every frozen object and collect: what engines dropped without ``close()`` left.
+
+    An engine calls this first, before it sizes its KV cache from the free
+    memory, so that a dropped engine's device memory is back by then.
+    """
+    gc.unfreeze()
+    gc.collect()
+
+
 def freeze_startup_heap() -> int:
-    """Thaw, collect, then freeze every object alive now; returns how many were frozen."""
+    """Collect, then freeze every object alive now; returns how many are frozen."""
     global _thaw_at_exit
     if not _thaw_at_exit:  # the interpreter's last collections must see everything
         atexit.register(thaw_heap)
         _thaw_at_exit = True
     start = time.perf_counter()
-    gc.unfreeze()
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
