@@ -36,8 +36,8 @@ times. ``benchmarks/kernels_h200.sh`` runs tests, sweep and suite in one call.
 ``--decode-sweep`` (issue 29) times decode launch configurations from CUDA
 graphs over bf16 and fp8_e4m3 caches (fp8 with scales 0.05 and 0.02) at
 1 x 4,096, 8 x 2,048, 64 x 2,048, 256 x 512 and 1 x 32,768: the engine's
-(the tiles in code, ``num_splits()``, and for fp8 both widenings,
-``fp8_widen="fp16"`` and ``"query"``), every split count 1..128 (powers of
+(the tiles in code, ``num_splits()``, and for fp8 every widening,
+``fp8_widen="fp16"``, ``"query"`` and ``"qk-fp8"``), every split count 1..128 (powers of
 two) with the tiles in code, the one-launch merge
 (``decode_merge="last-program"``: the split arriving last merges, no second
 kernel) at every split count 2..128 with the tiles in code and the default
@@ -700,7 +700,7 @@ def sweep_candidates(
 
     Stages: ``current`` (the tiles in code, ``num_splits()``, the default widening; for fp8
     also ``fp8_widen="query"``, the widening before issue 29), ``splits`` (the tiles in code,
-    every split count of SWEEP_SPLITS, for fp8 with both widenings), ``merge`` (the tiles in
+    every split count of SWEEP_SPLITS, for fp8 with every widening), ``merge`` (the tiles in
     code, ``decode_merge="last-program"`` at every split count of SWEEP_SPLITS but 1, the default
     widening), ``tiles`` (every tile shape of SWEEP_TILES at the engine's split count, the
     default widening). The run adds a ``best`` stage: the best tiles at the best split count

@@ -489,7 +489,8 @@ def test_fp8_widened_to_fp16_full_size(batch: str, heads: tuple[int, int]) -> No
     """Issue 29: bf16 queries over e4m3 pages (scales 0.05, 0.02) with fp16 operands, and with
     queries past fp16's range (x 3e5, the softmax scale divided back): within 1e-2 of a float32
     truth over the same bytes (half a bf16 ulp of the largest output, 2^-8, plus the fp16
-    probabilities' rounding), and no less accurate than ``fp8_widen="query"`` but by 2^-9."""
+    probabilities' rounding), and no less accurate than ``fp8_widen="query"`` but by 2^-9;
+    ``"qk-fp8"`` within 1e-2 of the truth over the query it rounds to e4m3."""
     from pitstop.plugins.kernels.triton_ops.paged_attention import FP8_WIDEN, PagedAttention
 
     hq, hkv = heads
@@ -507,8 +508,15 @@ def test_fp8_widened_to_fp16_full_size(batch: str, heads: tuple[int, int]) -> No
             attn = PagedAttention(torch.device("cuda"), torch.bfloat16, 4096, fp8_widen=widen)
             out = attn(q, k_cache, v_cache, meta, scale, scales)
             assert torch.isfinite(out).all(), f"{widen} x{q_mul}: non-finite output"
+            if widen == "qk-fp8":  # held to attention over the query it rounds to e4m3
+                rounded = reference.round_query_e4m3(q)
+                over = reference.paged_attention(rounded, k_cache, v_cache, meta, scale, scales)
+                errs["qk-fp8 over its query"] = (
+                    (out.float() - over).abs().max() / over.abs().max()
+                ).item()
             errs[widen] = ((out.float() - truth).abs().max() / truth.abs().max()).item()
         assert errs["fp16"] <= 1e-2 and errs["fp16"] <= errs["query"] + 2**-9, (q_mul, errs)
+        assert errs["qk-fp8 over its query"] <= 1e-2, (q_mul, errs)
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)

@@ -588,6 +588,65 @@ def test_fp8_widened_to_fp16_any_query_range(q_scale: torch.Tensor | float) -> N
     assert err <= WIDEN_TOL, f"relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("num_sms", [4, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_qk_fp8_is_attention_over_the_e4m3_rounded_query(group: int, num_sms: int) -> None:
+    """``fp8_widen="qk-fp8"`` over an e4m3 cache: the query rounded to e4m3 per row
+    (reference.round_query_e4m3) is the one loss; over that query the prefill, chunk and decodes
+    (1 split and several) are within WIDEN_TOL of a float64 truth, as the fp16 mode is over
+    the exact query."""
+    args, _ = _fp8_widen_case(group, torch.float8_e4m3fn, (0.05, 0.02), seed=group)
+    q, k_cache, v_cache, meta, scale, scales = args
+    rounded = reference.round_query_e4m3(q).double()
+    truth = reference.paged_attention(rounded, k_cache, v_cache, meta, scale, scales)
+    err = _rel_err(_widened("qk-fp8", args, num_sms), truth)
+    assert err <= WIDEN_TOL, f"qk-fp8: relative error {err:.3g} over the rounded query"
+
+
+@pytest.mark.parametrize(
+    "q_scale",
+    [3e5, 1e-6, torch.tensor([1e4, 1.0, 1e-2, 1.0, 1.0, 3.0, 1.0, 1e-2])],
+    ids=["past-fp16-max", "fp16-subnormal", "heads-apart"],
+)
+def test_qk_fp8_any_query_range(q_scale: torch.Tensor | float) -> None:
+    """Each row's own power of two: queries far outside e4m3's range (448), or heads 1e6 apart
+    in one program, lose nothing beyond their rows' rounding to 3 mantissa bits."""
+    args, _ = _fp8_widen_case(4, torch.float8_e4m3fn, (4.0, 2.0), q_scale, page_size=16)
+    q, k_cache, v_cache, meta, scale, scales = args
+    rounded = reference.round_query_e4m3(q).double()
+    truth = reference.paged_attention(rounded, k_cache, v_cache, meta, scale, scales)
+    err = _rel_err(_widened("qk-fp8", args), truth)
+    assert err <= WIDEN_TOL, f"relative error {err:.3g}"
+
+
+def test_qk_fp8_takes_e4m3_caches_and_bf16_queries_only() -> None:
+    """An e5m2 cache under ``qk-fp8`` widens to fp16 instead (the same bits as ``fp16``); float32
+    queries and bf16 caches are left alone."""
+    from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+
+    args, _ = _fp8_widen_case(4, torch.float8_e5m2, (0.05, 0.02))
+    assert torch.equal(_widened("qk-fp8", args, 64), _widened("fp16", args, 64))
+    q, k_cache, _, _, _, scales = args
+    attn = PagedAttention(DEVICE, torch.bfloat16, 512, fp8_widen="qk-fp8")
+    assert not attn.query_fp8(q, scales, k_cache) and attn.widen_f16(q, scales, k_cache)
+    e4m3 = k_cache.view(torch.uint8).view(torch.float8_e4m3fn)
+    assert attn.query_fp8(q, scales, e4m3) and not attn.widen_f16(q, scales, e4m3)
+    assert not attn.query_fp8(q.float(), scales, e4m3) and not attn.query_fp8(q, None, e4m3)
+
+
+def test_round_query_e4m3_keeps_each_row_in_range() -> None:
+    """Each row's largest magnitude lands in [2^7, 2^8) before the rounding: no row saturates,
+    zero rows stay zero, and a value e4m3 holds exactly (after the row's scaling) is unchanged."""
+    q = torch.tensor([[3e5, -1.0, 0.5], [1e-6, 2e-6, -3e-6], [0.0, 0.0, 0.0], [1.0, 0.5, 0.25]])
+    r = reference.round_query_e4m3(q)
+    assert torch.isfinite(r).all() and torch.equal(r[2], q[2]) and torch.equal(r[3], q[3])
+    # half an e4m3 ulp of each element, or half the subnormal spacing below the row's scale
+    # (2^-10 of 2^e <= row max / 2^7): an element 2^-17 below its row's largest may go to zero
+    row_max = q.abs().amax(dim=-1, keepdim=True)
+    assert ((r - q).abs() <= q.abs() * 2**-4 + row_max * 2**-17).all()
+    assert r[0, 1] == 0 and abs(r[0, 0] - 3e5) <= 3e5 * 2**-4 and r[1].ne(0).all()
+
+
 def test_fp8_widen_leaves_bf16_caches_and_float32_queries_alone() -> None:
     """A bf16 cache, or float32 queries over fp8 pages, give the same bits whatever fp8_widen says
     (the fp16 operands are for bf16 queries over fp8 pages only); a bad value is refused."""
@@ -1311,6 +1370,8 @@ def test_fp8_widen_is_a_fused_setting() -> None:
     config = EngineConfig(max_model_len=512, options={"fused.fp8_widen": "query"})
     chosen = FusedKernels(config, DEVICE, torch.bfloat16)
     assert chosen._attn.fp8_widen == "query"
+    config = EngineConfig(max_model_len=512, options={"fused.fp8_widen": "qk-fp8"})
+    assert FusedKernels(config, DEVICE, torch.bfloat16)._attn.fp8_widen == "qk-fp8"
     merged = FusedKernels(
         EngineConfig(max_model_len=512, options={"fused.decode_merge": "last-program"}),
         DEVICE,

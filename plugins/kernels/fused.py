@@ -125,9 +125,11 @@ class FusedSettings:
     fp8_widen: str = setting(
         "fp16",
         type=str,
-        choices=("fp16", "query"),
-        help="how attention widens an fp8 KV cache for bf16 queries: to fp16 (one hardware "
-        "conversion; the query goes to fp16, pre-scaled by a power of two) or to the query's dtype",
+        choices=("fp16", "query", "qk-fp8"),
+        help="how attention reads an fp8 KV cache for bf16 queries: widened to fp16 (one hardware "
+        "conversion; the query goes to fp16, pre-scaled by a power of two), to the query's dtype, "
+        "or qk-fp8 (e4m3 caches: the query rounded to e4m3 per row, q.k on fp8 tensor cores, V "
+        "widened to fp16)",
     )
     decode_merge: str = setting(
         "separate",

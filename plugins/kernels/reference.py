@@ -71,6 +71,19 @@ def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
     return (x.to(torch.float32) * scale).to(dtype)
 
 
+def round_query_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """``q`` (``[..., D]``) as the fused kernels' ``qk-fp8`` attention multiplies it: each row
+    scaled by ``2^-e`` (its largest magnitude into [2^7, 2^8), ``e`` clamped to [-100, 100]),
+    rounded to e4m3 and scaled back, in float32. Not used by the reference ops themselves: the
+    tests hold that mode to attention over this query."""
+    qf = q.to(torch.float32)
+    amax = qf.abs().amax(dim=-1, keepdim=True)
+    _, exponent = torch.frexp(amax)  # amax = m * 2^exponent, m in [0.5, 1)
+    e = torch.where(amax > 0, exponent - 1 - 7, torch.full_like(exponent, -100)).clamp(-100, 100)
+    up = torch.ldexp(torch.ones_like(qf[..., :1]), e)
+    return (qf / up).to(torch.float8_e4m3fn).to(torch.float32) * up
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     """Whether ``dtype`` is a one-byte float (an fp8 KV cache)."""
     return dtype.is_floating_point and dtype.itemsize == 1

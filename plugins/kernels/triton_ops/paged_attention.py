@@ -110,6 +110,15 @@ choice (``PagedAttention(fp8_widen=...)``):
   spacing (an error below 2^-39 of the largest); ``2^e`` is folded into the
   softmax scale (exact: a power of two), so no score changes.
 - ``"query"``: K and V widened to the query's dtype (bf16), as before.
+- ``"qk-fp8"`` (bf16 queries over an e4m3 cache; an e5m2 cache takes
+  ``"fp16"``): each query row is scaled by a power of two ``2^-e_i`` (its
+  largest magnitude into [2^7, 2^8)) and rounded to e4m3, so ``q . k`` runs on
+  the fp8 tensor cores straight from the stored K tile, with no widening;
+  ``2^e_i`` multiplies row ``i``'s scores back (exact). V is widened to fp16
+  and P rounded to fp16 for ``P . V``, as in ``"fp16"``. The query's rounding
+  to 3 mantissa bits is the one loss (FlashAttention 3's fp8 path rounds the
+  query too); a test holds the kernel to attention over that rounded query,
+  computed in float64.
 
 fp16 and float32 queries always widen to their own dtype (fp16 already is
 the one-instruction path; float32 keeps IEEE products), and a bf16 cache
@@ -130,9 +139,10 @@ import triton
 import triton.language as tl
 
 from pitstop.loop.attention import AttentionMetadata
+from pitstop.plugins.kernels.triton_ops.rope_store import _quantize
 
 LOG2E = 1.4426950408889634
-FP8_WIDEN = ("fp16", "query")  # PagedAttention(fp8_widen=...): see the module docstring
+FP8_WIDEN = ("fp16", "query", "qk-fp8")  # PagedAttention(fp8_widen=...): module docstring
 DECODE_MERGE = ("separate", "last-program")  # PagedAttention(decode_merge=...): module docstring
 
 
@@ -240,6 +250,28 @@ def _fp16_query(q, scale_log2e):
 
 
 @triton.jit
+def _fp8_query(q):
+    """``(q_i * 2^-e_i in e4m3, 2^e_i)`` per row ``i``: the query tile as fp8 operands.
+
+    ``e_i`` comes from the exponent bits of row ``i``'s largest magnitude, minus
+    7, so that the largest lands in [2^7, 2^8) (e4m3's largest finite value is
+    448); clamped to [-100, 100] so that both powers are normal float32 numbers
+    (an all-zero row, e.g. padding, stays zero). Each element is rounded to
+    e4m3 (3 mantissa bits): this mode's one loss against the ``fp16`` one.
+    """
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), axis=1)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 7
+    e = tl.minimum(tl.maximum(e, -100), 100)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)  # 2^e
+    # rounded on the float32 bits first (ties to even), so that the cast is exact: Triton's
+    # interpreter rounds some values to fp8 wrongly (rope_store._quantize says which)
+    rounded = _quantize(qf * down[:, None], 1.0, 448.0, 3, 0.015625)
+    return rounded.to(tl.float8e4nv), up
+
+
+@triton.jit
 def _page_rows(
     table,
     n,
@@ -289,6 +321,8 @@ def _attend(
     MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    q_up,
+    Q_FP8: tl.constexpr,
 ):
     """Online-softmax attention of the rows ``q`` over the keys ``start..end`` in tiles of ``BLOCK_N``.
 
@@ -296,12 +330,15 @@ def _attend(
     ``table`` at the sequence's block-table row. ``MASK``: 0, every key of
     every tile is visible; 1, keys at or past ``key_end`` are not (the last
     tile of a context); 2, also causal: row ``i`` sees the keys ``<= q_pos[i]``
-    (the diagonal). Returns the updated ``(acc, m_i, l_i)`` (log2 domain).
+    (the diagonal). ``Q_FP8``: ``q`` is e4m3, row ``i`` scaled by ``2^-e_i``
+    (:func:`_fp8_query`), ``q_up`` holds the ``2^e_i`` (otherwise unused).
+    Returns the updated ``(acc, m_i, l_i)`` (log2 domain).
     """
     for n0 in range(start, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, n0, key_end, scale_log2e,
             stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, MASK, DOT_PRECISION, UPCAST,
+            q_up, Q_FP8,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -327,6 +364,8 @@ def _attend_tile(
     MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    q_up,
+    Q_FP8: tl.constexpr,
 ):
     """One key tile of :func:`_attend`."""
     n = n0 + tl.arange(0, BLOCK_N)
@@ -337,6 +376,8 @@ def _attend_tile(
     else:
         k = tl.load(k_ptr + offs, mask=(n < key_end)[:, None], other=0.0)
     s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, UPCAST)
+    if Q_FP8:  # e4m3 q . e4m3 k on the fp8 tensor cores; each row's 2^e back (exact)
+        s = s * q_up[:, None]
     if MASK == 0:
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2e)
     else:
@@ -353,7 +394,12 @@ def _attend_tile(
         v = tl.load(v_ptr + offs)
     else:
         v = tl.load(v_ptr + offs, mask=(n < key_end)[:, None], other=0.0)
-    acc = _dot_acc(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], DOT_PRECISION, UPCAST)
+    if Q_FP8:  # P and V in fp16 (V widened as the "fp16" mode does): P keeps 11 bits
+        acc = _dot_acc(
+            p.to(tl.float16), v.to(tl.float16), acc * alpha[:, None], DOT_PRECISION, UPCAST
+        )
+    else:
+        acc = _dot_acc(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], DOT_PRECISION, UPCAST)
     return acc, m_new, l_i
 
 
@@ -443,6 +489,7 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     QUANT: tl.constexpr,
     WIDEN_F16: tl.constexpr,
+    Q_FP8: tl.constexpr,
     MERGE_LAST: tl.constexpr,
     MERGE_G: tl.constexpr,
 ):
@@ -469,15 +516,18 @@ def _decode_kernel(
         scale_log2e, kv_scale_ptr, block_tables_ptr, seq, stride_bt, k_cache_ptr, v_cache_ptr,
         kvh, stride_ch, BLOCK_G, HEAD, QUANT,
     )  # fmt: skip
+    q_up = l_i  # Q_FP8 only: each row's 2^e (a placeholder otherwise, never read)
     if WIDEN_F16:  # fp8 cache, bf16 query: fp16 operands (K/V tiles and P follow q in _attend_tile)
         q, scale_log2e = _fp16_query(q, scale_log2e)
+    if Q_FP8:  # e4m3 cache, bf16 query: q . k on fp8 tensor cores, P . V in fp16
+        q, q_up = _fp8_query(q)
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, g, k_ptr, v_ptr, table, start, full_end, end, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST, q_up, Q_FP8,
     )  # fmt: skip
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, g, k_ptr, v_ptr, table, full_end, end, end, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST, q_up, Q_FP8,
     )  # fmt: skip
     acc = _v_scaled(acc, kv_scale_ptr, QUANT)
 
@@ -634,6 +684,7 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     QUANT: tl.constexpr,
     WIDEN_F16: tl.constexpr,
+    Q_FP8: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest rows first
@@ -661,21 +712,24 @@ def _prefill_kernel(
         scale_log2e, kv_scale_ptr, block_tables_ptr, seq, stride_bt, k_cache_ptr, v_cache_ptr,
         kvh, stride_ch, BLOCK_M, HEAD, QUANT,
     )  # fmt: skip
+    q_up = l_i  # Q_FP8 only: each row's 2^e (a placeholder otherwise, never read)
     if WIDEN_F16:  # fp8 cache, bf16 query: fp16 operands (K/V tiles and P follow q in _attend_tile)
         q, scale_log2e = _fp16_query(q, scale_log2e)
+    if Q_FP8:  # e4m3 cache, bf16 query: q . k on fp8 tensor cores, P . V in fp16
+        q, q_up = _fp8_query(q)
 
     # keys every row of the block sees: up to the block's first query position
     first_pos = prefix + mb * BLOCK_Q
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, 0, full_end, ctx, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST, q_up, Q_FP8,
     )  # fmt: skip
     # the diagonal, up to the block's last query position; tiles above it are skipped
     diag_end = prefix + tl.minimum(q_len, (mb + 1) * BLOCK_Q)
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, full_end, diag_end, diag_end, scale_log2e,
-        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, DOT_PRECISION, UPCAST,
+        stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, DOT_PRECISION, UPCAST, q_up, Q_FP8,
     )  # fmt: skip
     acc = _v_scaled(acc, kv_scale_ptr, QUANT)
 
@@ -802,9 +856,29 @@ class PagedAttention:
             return WIDE_BATCH_TILES
         return FP8_DECODE_TILES if fp8 else tiles
 
-    def widen_f16(self, q: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
-        """Whether this launch widens fp8 K/V to fp16 (an fp8 cache, bf16 queries, ``fp8_widen="fp16"``)."""
-        return kv_scale is not None and q.dtype == torch.bfloat16 and self.fp8_widen == "fp16"
+    def widen_f16(
+        self, q: torch.Tensor, kv_scale: torch.Tensor | None, k_cache: torch.Tensor | None = None
+    ) -> bool:
+        """Whether this launch widens fp8 K/V to fp16 (an fp8 cache, bf16 queries,
+        ``fp8_widen="fp16"``, or ``"qk-fp8"`` over an e5m2 cache, which it does not take)."""
+        if kv_scale is None or q.dtype != torch.bfloat16:
+            return False
+        return self.fp8_widen == "fp16" or (
+            self.fp8_widen == "qk-fp8" and not self.query_fp8(q, kv_scale, k_cache)
+        )
+
+    def query_fp8(
+        self, q: torch.Tensor, kv_scale: torch.Tensor | None, k_cache: torch.Tensor | None
+    ) -> bool:
+        """Whether this launch rounds the query to e4m3 for fp8 ``q . k`` (``fp8_widen="qk-fp8"``,
+        bf16 queries, an e4m3 cache)."""
+        return (
+            self.fp8_widen == "qk-fp8"
+            and kv_scale is not None
+            and q.dtype == torch.bfloat16
+            and k_cache is not None
+            and k_cache.dtype == torch.float8_e4m3fn
+        )
 
     def reset_decode_counters(self) -> None:
         """Zero the arrival counters of ``decode_merge="last-program"`` (not inside a capture).
@@ -918,7 +992,8 @@ class PagedAttention:
             DOT_PRECISION=self.dot_precision,
             UPCAST=self.upcast_dot,
             QUANT=kv_scale is not None,
-            WIDEN_F16=self.widen_f16(q, kv_scale),
+            WIDEN_F16=self.widen_f16(q, kv_scale, k_cache),
+            Q_FP8=self.query_fp8(q, kv_scale, k_cache),
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -978,7 +1053,8 @@ class PagedAttention:
             DOT_PRECISION=self.dot_precision,
             UPCAST=self.upcast_dot,
             QUANT=kv_scale is not None,
-            WIDEN_F16=self.widen_f16(q, kv_scale),
+            WIDEN_F16=self.widen_f16(q, kv_scale, k_cache),
+            Q_FP8=self.query_fp8(q, kv_scale, k_cache),
             MERGE_LAST=merge_last,
             MERGE_G=triton.next_power_of_2(group) if merge_last else 1,
             num_warps=tiles.num_warps,
