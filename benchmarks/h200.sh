@@ -222,6 +222,17 @@ for _ in range(2):
         timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/kernel_profile.py --scenario prefill-2048 --model dummy:qwen3-0.6b \
           --kv-cache-dtype $kv --json /tmp/profile-prefill-$kv.json >"$OUT/profile-prefill-$kv.txt" 2>/tmp/profile-prefill-$kv.log
         echo "   exit $?"; head -${PROFILE_LINES:-30} "$OUT/profile-prefill-$kv.txt"; done ;;
+    # issue 29: fused.fp8_widen = qk-fp8 (q.k on fp8 tensor cores): its GPU test, the decode sweep at
+    # nano's shapes (every widening), nano over bf16 / fp8 widened / qk-fp8, verify with it (GGUF)
+    fp8-qk) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_gpu.py \
+        -k "widened_to_fp16_full_size" 2>&1 | tail -3
+      timeout ${SWEEP_TIMEOUT:-150} python3 benchmarks/kernels_bench.py --decode-sweep --jobs 14 \
+        --sweep-shapes ${SWEEP_SHAPES:-256x512,64x2048,8x2048} --json /tmp/fp8qk-sweep.json >"$OUT/fp8-qk-sweep.log" 2>&1
+      echo "   sweep exit $?"; grep -E "current|best" "$OUT/fp8-qk-sweep.log" | head -${SWEEP_LINES:-30}
+      run fp8-qk-nano offline --workload nano --repeats ${QK_REPEATS:-2} --matrix benchmarks/workloads/kv-fp8-qk.toml
+      gguf_file=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf_file" ] && python3 -c "import gguf" 2>/dev/null \
+        && timeout 300 pitstop verify --model "$gguf_file" --kv-cache-dtype fp8_e4m3 --fused.fp8-widen qk-fp8 \
+          --json "$OUT/fp8-qk-verify.json" 2>&1 | grep -v " INFO " | tail -8 ;;
     qk-norm) run qk-norm-nano offline --workload nano --repeats ${QKN_REPEATS:-3} --matrix benchmarks/workloads/qk-norm.toml ;;
     decode-tiles) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_gpu.py \
         -k by_batch 2>&1 | tail -3
