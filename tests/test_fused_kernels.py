@@ -662,8 +662,8 @@ def test_fp8_widen_leaves_bf16_caches_and_float32_queries_alone() -> None:
         (*bf16_caches, meta, scale),
         (q.float(), k_cache, v_cache, meta, scale, scales),
     ):
-        outs = [_widened(w, case, num_sms=64) for w in ("fp16", "query")]
-        assert torch.equal(outs[0], outs[1])
+        outs = [_widened(w, case, num_sms=64) for w in ("fp16", "query", "qk-fp8")]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     attn = PagedAttention(DEVICE, torch.bfloat16, 512)
     assert attn.fp8_widen == "fp16" and attn.widen_f16(q, scales)
     assert not attn.widen_f16(q, None) and not attn.widen_f16(q.float(), scales)
