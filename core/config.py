@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from pitstop.errors import ConfigError, PluginError
+from pitstop.loop.gc_heap import freeze_gc_from_env
 from pitstop.loop.poison import poison_from_env
 from pitstop.options import (
     add_engine_flags,
@@ -312,13 +313,13 @@ class EngineConfig:
     )
 
     freeze_gc: bool = attrs.field(
-        default=True,
+        factory=freeze_gc_from_env,
         validator=_bool,
         metadata=_doc(
             "at the end of start-up, collect garbage once and move every object then alive into "
             "Python's permanent generation (gc.freeze), so that a full collection while serving "
             "scans only what was made since instead of stalling a step (~100 ms on the H200); "
-            "close() thaws them"
+            "close() thaws them (default: on, unless PITSTOP_FREEZE_GC=0)"
         ),
     )
 

@@ -16,6 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # memory: a read of memory the engine never wrote fails a test instead of passing on a
 # previous engine's values (pitstop.loop.poison). PITSTOP_POISON_MEMORY=0 turns it off.
 os.environ.setdefault("PITSTOP_POISON_MEMORY", "1")
+# The start-up heap is not frozen out of the collector here (freeze_gc, on by default): each
+# engine's start-up would run full collections of the test process's heap, about 0.3 s an
+# engine, minutes over the suite. tests/test_gc_heap.py asks for it by name.
+os.environ.setdefault("PITSTOP_FREEZE_GC", "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

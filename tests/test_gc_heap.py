@@ -26,7 +26,20 @@ def _thawed():
 
 
 def _engine(model: Path, **settings) -> LLM:
+    settings.setdefault("freeze_gc", True)  # the suite's default is off (tests/conftest.py)
     return LLM(model=str(model), device="cpu", kv_cache_gib=0.01, max_model_len=64, **settings)
+
+
+def test_freeze_gc_is_on_unless_the_environment_says_no(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pitstop import EngineConfig
+
+    monkeypatch.delenv("PITSTOP_FREEZE_GC", raising=False)
+    assert EngineConfig().freeze_gc is True
+    for off in ("0", "false", "No", "off"):
+        monkeypatch.setenv("PITSTOP_FREEZE_GC", off)
+        assert EngineConfig().freeze_gc is False
+    monkeypatch.setenv("PITSTOP_FREEZE_GC", "1")
+    assert EngineConfig().freeze_gc is True
 
 
 def test_start_up_freezes_the_heap_and_close_thaws_it(tiny: Path) -> None:
