@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         from pitstop.bench.vllm_peer import kv_cache_dtype as vllm_kv_cache_dtype
 
         engine_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
-        if args.kv_cache_dtype.startswith("fp8"):
-            peer_extra["kv_cache_dtype"] = vllm_kv_cache_dtype(args.kv_cache_dtype)
+        peer_extra["kv_cache_dtype"] = vllm_kv_cache_dtype(args.kv_cache_dtype)  # fp8 or auto
     pitstop_kernels, mc = profile_pitstop(args.model, scenario, trace_dir, **engine_kwargs)
     engines = {"pitstop": pitstop_kernels}
     status, version = 0, None

@@ -34,7 +34,7 @@ from pitstop.config import EngineConfig  # noqa: E402
 from pitstop.loop.attention import AttentionMetadata  # noqa: E402
 from pitstop.plugin_system.protocols import RotaryCache  # noqa: E402
 from pitstop.plugins.kernels import reference  # noqa: E402
-from pitstop.plugins.kernels.fused import FusedKernels  # noqa: E402
+from pitstop.plugins.kernels.fused import FusedKernels, FusedSettings  # noqa: E402
 from pitstop.testing.kernels import paged_metadata  # noqa: E402
 
 pytest.importorskip("triton")
@@ -1357,6 +1357,17 @@ def test_tiny_model_fp8_cache_fused_is_as_accurate_as_reference(kv_cache_dtype: 
         errors[kernels] = (logits - truth).abs().max().item()
     assert errors["reference"] > 1e-4, "the fp8 cache changed nothing"
     assert errors["fused"] <= 2 * errors["reference"], errors
+
+
+def test_fused_settings_offer_exactly_the_kernel_choices() -> None:
+    """``fused.py`` repeats PagedAttention's choices (it imports no Triton until the kernel set is
+    built); the setting accepts every mode the kernels take, and no other."""
+    from pitstop.plugins.kernels.triton_ops import paged_attention as pa
+
+    fields = attrs.fields_dict(FusedSettings)
+    assert fields["fp8_widen"].metadata["choices"] == pa.FP8_WIDEN
+    assert fields["decode_merge"].metadata["choices"] == pa.DECODE_MERGE
+    assert fields["decode_tiles"].metadata["choices"] == pa.DECODE_TILE_RULES
 
 
 def test_fp8_widen_is_a_fused_setting() -> None:

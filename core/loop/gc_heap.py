@@ -27,7 +27,6 @@ import os
 import time
 
 log = logging.getLogger(__name__)
-_thaw_at_exit = False  # thaw_heap registered with atexit
 ENV_VAR = "PITSTOP_FREEZE_GC"
 
 
@@ -53,10 +52,6 @@ def reclaim_frozen() -> None:
 
 def freeze_startup_heap() -> int:
     """Collect, then freeze every object alive now; returns how many are frozen."""
-    global _thaw_at_exit
-    if not _thaw_at_exit:  # the interpreter's last collections must see everything
-        atexit.register(thaw_heap)
-        _thaw_at_exit = True
     start = time.perf_counter()
     gc.collect()
     gc.freeze()
@@ -72,3 +67,7 @@ def freeze_startup_heap() -> int:
 def thaw_heap() -> None:
     """Give the frozen objects back to the collector (they join the oldest generation)."""
     gc.unfreeze()
+
+
+# the interpreter's last collections must see everything (a no-op when nothing is frozen)
+atexit.register(thaw_heap)

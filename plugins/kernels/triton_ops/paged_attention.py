@@ -232,20 +232,28 @@ def _dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _powers_of_two(amax, BELOW: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
+    """``(2^-e, 2^e)`` with ``e`` the exponent of ``amax`` (its bits: exact, no log2) minus
+    ``BELOW``, clamped to ``[LO, HI]`` so that both are normal float32 numbers; so ``amax * 2^-e``
+    lands in ``[2^BELOW, 2^(BELOW+1))`` (lower where the clamp bites, e.g. a zero ``amax``).
+    Works on a scalar or elementwise on a vector of magnitudes."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - BELOW
+    e = tl.minimum(tl.maximum(e, LO), HI)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)  # 2^e
+    return down, up
+
+
+@triton.jit
 def _fp16_query(q, scale_log2e):
     """``(q * 2^-e in fp16, scale_log2e * 2^e)``: the query tile as fp16 operands (module docstring).
 
-    ``e`` comes from the exponent bits of the tile's largest magnitude (exact,
-    no log2), minus 14 so that the largest lands in [2^14, 2^15), clamped so
-    that ``2^e`` and ``2^-e`` are normal float32 numbers (an all-zero tile,
-    e.g. padding rows only, stays zero).
+    ``e`` comes from the tile's largest magnitude, so that it lands in
+    [2^14, 2^15), clamped to [-112, 113] (:func:`_powers_of_two`; an all-zero
+    tile, e.g. padding rows only, stays zero).
     """
     qf = q.to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14
-    e = tl.minimum(tl.maximum(e, -112), 113)
-    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e
-    up = ((127 + e) << 23).to(tl.float32, bitcast=True)  # 2^e
+    down, up = _powers_of_two(tl.max(tl.max(tl.abs(qf), axis=1), axis=0), 14, -112, 113)
     return (qf * down).to(tl.float16), scale_log2e * up
 
 
@@ -253,18 +261,14 @@ def _fp16_query(q, scale_log2e):
 def _fp8_query(q):
     """``(q_i * 2^-e_i in e4m3, 2^e_i)`` per row ``i``: the query tile as fp8 operands.
 
-    ``e_i`` comes from the exponent bits of row ``i``'s largest magnitude, minus
-    7, so that the largest lands in [2^7, 2^8) (e4m3's largest finite value is
-    448); clamped to [-100, 100] so that both powers are normal float32 numbers
-    (an all-zero row, e.g. padding, stays zero). Each element is rounded to
-    e4m3 (3 mantissa bits): this mode's one loss against the ``fp16`` one.
+    ``e_i`` comes from row ``i``'s largest magnitude, so that it lands in
+    [2^7, 2^8) (e4m3's largest finite value is 448), clamped to [-100, 100]
+    (:func:`_powers_of_two`; an all-zero row, e.g. padding, stays zero). Each
+    element is rounded to e4m3 (3 mantissa bits): this mode's one loss against
+    the ``fp16`` one.
     """
     qf = q.to(tl.float32)
-    amax = tl.max(tl.abs(qf), axis=1)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 7
-    e = tl.minimum(tl.maximum(e, -100), 100)
-    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e
-    up = ((127 + e) << 23).to(tl.float32, bitcast=True)  # 2^e
+    down, up = _powers_of_two(tl.max(tl.abs(qf), axis=1), 7, -100, 100)
     # rounded on the float32 bits first (ties to even), so that the cast is exact: Triton's
     # interpreter rounds some values to fp8 wrongly (rope_store._quantize says which)
     rounded = _quantize(qf * down[:, None], 1.0, 448.0, 3, 0.015625)
