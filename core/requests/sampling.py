@@ -9,7 +9,7 @@ order of the logits' rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -301,16 +301,57 @@ def make_sampling_batch(
     )
 
 
+def _mask_bitmask(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    assert batch.token_bitmask is not None
+    return apply_bitmask(raw, batch.token_bitmask)
+
+
+def _mask_allowed(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    assert batch.allowed is not None
+    return raw.masked_fill(~batch.allowed, float("-inf"))
+
+
+def _add_logit_bias(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    assert batch.logit_bias is not None
+    rows, ids, values = batch.logit_bias
+    return raw.index_put((rows, ids), values, accumulate=True)
+
+
+def _mask_blocked(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    assert batch.blocked is not None
+    return raw.index_put(batch.blocked, torch.tensor(float("-inf"), device=raw.device))
+
+
+def _run_user_processors(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    return run_user_processors(raw, batch.user_processors)
+
+
+# The logits processors in the order they run: (whether a batch uses it, what it does).
+# One table, so that :func:`uses_logits_processors` (the greedy sampler's fast path asks it)
+# and :func:`apply_logits_processors` cannot disagree about a processor added here.
+_PROCESSORS: tuple[
+    tuple[
+        Callable[[SamplingBatch], bool],
+        Callable[[torch.Tensor, SamplingBatch], torch.Tensor],
+    ],
+    ...,
+] = (
+    (lambda b: b.token_bitmask is not None, _mask_bitmask),
+    (lambda b: b.allowed is not None, _mask_allowed),
+    (lambda b: b.logit_bias is not None, _add_logit_bias),
+    (lambda b: b.blocked is not None, _mask_blocked),
+    # _apply_penalties is defined below: called through a lambda
+    (
+        lambda b: b.needs_penalties and b.history is not None,
+        lambda raw, b: _apply_penalties(raw, b),
+    ),
+    (lambda b: bool(b.user_processors), _run_user_processors),
+)
+
+
 def uses_logits_processors(batch: SamplingBatch) -> bool:
     """Whether :func:`apply_logits_processors` would change any row of ``batch``'s logits."""
-    return (
-        batch.token_bitmask is not None
-        or batch.allowed is not None
-        or batch.logit_bias is not None
-        or batch.blocked is not None
-        or (batch.needs_penalties and batch.history is not None)
-        or bool(batch.user_processors)
-    )
+    return any(used(batch) for used, _ in _PROCESSORS)
 
 
 def apply_logits_processors(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -324,19 +365,9 @@ def apply_logits_processors(raw: torch.Tensor, batch: SamplingBatch) -> torch.Te
     unchanged. A sampler plugin calls this first and sets
     ``supports_logits_processors = True``.
     """
-    if batch.token_bitmask is not None:
-        raw = apply_bitmask(raw, batch.token_bitmask)
-    if batch.allowed is not None:
-        raw = raw.masked_fill(~batch.allowed, float("-inf"))
-    if batch.logit_bias is not None:
-        rows, ids, values = batch.logit_bias
-        raw = raw.index_put((rows, ids), values, accumulate=True)
-    if batch.blocked is not None:
-        raw = raw.index_put(batch.blocked, torch.tensor(float("-inf"), device=raw.device))
-    if batch.needs_penalties and batch.history is not None:
-        raw = _apply_penalties(raw, batch)
-    if batch.user_processors:
-        raw = run_user_processors(raw, batch.user_processors)
+    for used, apply in _PROCESSORS:
+        if used(batch):
+            raw = apply(raw, batch)
     return raw
 
 
