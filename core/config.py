@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from pitstop.env_flags import env_flag
 from pitstop.errors import ConfigError, PluginError
 from pitstop.loop.gc_heap import freeze_gc_from_env
 from pitstop.loop.poison import poison_from_env
@@ -458,8 +458,7 @@ class EngineConfig:
 def long_max_model_len_allowed(config: EngineConfig) -> bool:
     """Whether ``config`` (``allow_long_max_model_len``) or the environment
     (``PITSTOP_ALLOW_LONG_MAX_MODEL_LEN=1``) lets max_model_len exceed the model's context."""
-    env = os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").strip().lower()
-    return config.allow_long_max_model_len or env in ("1", "true", "yes")
+    return config.allow_long_max_model_len or env_flag(ALLOW_LONG_MAX_MODEL_LEN_ENV, default=False)
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
+from pitstop.env_flags import env_flag
+
 if TYPE_CHECKING:  # torch loads lazily: the config imports this module, and the CLI the config
     import numpy as np
     import torch
@@ -44,8 +46,8 @@ _FP8_NAN_BYTE = 0x7F  # NaN in both float8_e4m3fn (S.1111.111) and float8_e5m2 (
 
 
 def poison_from_env() -> bool:
-    """Whether ``PITSTOP_POISON_MEMORY`` asks for poisoned memory (1, true, yes or on)."""
-    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``PITSTOP_POISON_MEMORY`` asks for poisoned memory (on: :func:`env_flag`)."""
+    return env_flag(ENV_VAR, default=False)
 
 
 def poison_(tensor: torch.Tensor) -> torch.Tensor:
