@@ -326,6 +326,29 @@ def _run_user_processors(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     return run_user_processors(raw, batch.user_processors)
 
 
+def _apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties, from the rows' token history."""
+    assert batch.history is not None and batch.prompt_lens is not None
+    assert batch.presence_penalty is not None and batch.frequency_penalty is not None
+    assert batch.repetition_penalty is not None
+    rows, vocab = raw.shape
+    history = batch.history  # padded with `vocab`: one extra column, dropped below
+    position = torch.arange(history.shape[1], device=raw.device).unsqueeze(0)
+    is_output = position >= batch.prompt_lens.unsqueeze(1)
+    output_ids = torch.where(is_output, history, torch.full_like(history, vocab))
+    counts = torch.zeros(rows, vocab + 1, device=raw.device, dtype=raw.dtype)
+    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=raw.dtype))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(rows, vocab + 1, device=raw.device, dtype=torch.bool)
+    seen.scatter_(1, history, True)
+    seen = seen[:, :vocab]
+    penalty = batch.repetition_penalty.unsqueeze(1)
+    repeated = torch.where(raw > 0, raw / penalty, raw * penalty)
+    raw = torch.where(seen, repeated, raw)
+    raw = raw - batch.frequency_penalty.unsqueeze(1) * counts
+    return raw - batch.presence_penalty.unsqueeze(1) * (counts > 0).to(raw.dtype)
+
+
 # The logits processors in the order they run: (whether a batch uses it, what it does).
 # One table, so that :func:`uses_logits_processors` (the greedy sampler's fast path asks it)
 # and :func:`apply_logits_processors` cannot disagree about a processor added here.
@@ -340,11 +363,7 @@ _PROCESSORS: tuple[
     (lambda b: b.allowed is not None, _mask_allowed),
     (lambda b: b.logit_bias is not None, _add_logit_bias),
     (lambda b: b.blocked is not None, _mask_blocked),
-    # _apply_penalties is defined below: called through a lambda
-    (
-        lambda b: b.needs_penalties and b.history is not None,
-        lambda raw, b: _apply_penalties(raw, b),
-    ),
+    (lambda b: b.needs_penalties and b.history is not None, _apply_penalties),
     (lambda b: bool(b.user_processors), _run_user_processors),
 )
 
@@ -403,26 +422,3 @@ def run_user_processors(
         new_rows.append(row)
     at = torch.tensor(index, device=raw.device)
     return raw.index_copy(0, at, torch.stack(new_rows))
-
-
-def _apply_penalties(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties, from the rows' token history."""
-    assert batch.history is not None and batch.prompt_lens is not None
-    assert batch.presence_penalty is not None and batch.frequency_penalty is not None
-    assert batch.repetition_penalty is not None
-    rows, vocab = raw.shape
-    history = batch.history  # padded with `vocab`: one extra column, dropped below
-    position = torch.arange(history.shape[1], device=raw.device).unsqueeze(0)
-    is_output = position >= batch.prompt_lens.unsqueeze(1)
-    output_ids = torch.where(is_output, history, torch.full_like(history, vocab))
-    counts = torch.zeros(rows, vocab + 1, device=raw.device, dtype=raw.dtype)
-    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=raw.dtype))
-    counts = counts[:, :vocab]
-    seen = torch.zeros(rows, vocab + 1, device=raw.device, dtype=torch.bool)
-    seen.scatter_(1, history, True)
-    seen = seen[:, :vocab]
-    penalty = batch.repetition_penalty.unsqueeze(1)
-    repeated = torch.where(raw > 0, raw / penalty, raw * penalty)
-    raw = torch.where(seen, repeated, raw)
-    raw = raw - batch.frequency_penalty.unsqueeze(1) * counts
-    return raw - batch.presence_penalty.unsqueeze(1) * (counts > 0).to(raw.dtype)
