@@ -39,7 +39,8 @@ VICTIM = {
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     folder: Path = make_tiny_checkpoint(tmp_path_factory.mktemp("interference"), "llama")
     # freeze_gc as a server runs it (the suite turns it off): a full collection of this test
-    # process's large heap inside a step once took 0.5 s and broke the bound (CI, 2026-12-03)
+    # process's large heap inside a step, most likely, once took 0.5 s and broke the bound
+    # (fresh-clone CI of 5917492, 2026-12-03)
     engine = {
         "max_model_len": 128,
         "max_num_batched_tokens": BUDGET,
