@@ -1,0 +1,510 @@
+"""Skinny-M GEMMs with the decoder layer's prologue and epilogue inside: norm, SiLU·mul, residual.
+
+Three ops over ``x [M, K]`` and a weight ``[N, K]`` (a checkpoint's row layout, never
+re-laid out), for decode and mixed steps of 1..256 rows (correct for any M):
+
+- :func:`norm_linear`: ``rstd(x)[:, None] * (x @ W.T) (+ bias)``, the RMSNorm's gain
+  folded into ``W`` at load (``W' = W * g[None, :]``), so only the row scale
+  ``rstd = 1 / sqrt(mean(x.float() ** 2) + eps)`` remains; it commutes with the GEMM
+  (row ``i`` of ``diag(r) x W^T`` is ``r_i`` times row ``i`` of ``x W^T``), so the
+  sum of squares is accumulated in float32 from the very ``x`` tiles the K loop
+  loads for the products, and applied in the epilogue.
+- :func:`norm_gate_up`: the same over a merged ``[gate | up]`` weight ``[2F, K]``,
+  two accumulators per tile (rows ``n`` and ``F + n``), ``silu(g) * u`` in the
+  epilogue; returns ``[M, F]``.
+- :func:`linear_residual`: ``residual + x @ W.T (+ bias)``.
+
+Rounding: products of the input dtype (bf16, fp16, or fp32 in IEEE fp32) accumulated
+in float32; every epilogue step (row scale, bias, SiLU·mul, residual add) in float32;
+one rounding, to ``x``'s dtype, at the store (bf16 rounded to nearest-even on the
+float32 bits, :func:`rope_store._rounded`, so Triton's interpreter, which truncates,
+rounds as the GPU does). This is *more* accurate than the unfused chain (which rounds
+the normed row, the projection and the activation each to bf16), so tests compare
+with float64 arithmetic of the same formula.
+
+Orientation: each program computes the transposed tile ``acc[BLOCK_N, BLOCK_M] =
+W[n, k] @ x[m, k]^T`` ("swap AB"): the wide weight tile is the MMA's M side (64 rows
+a warpgroup on Hopper) and the few token rows its N side (down to 16), so one row of
+tokens wastes no tensor-core rows. Out-of-range weight rows and token rows are
+clamped onto the last valid row instead of masked, so every load streams whole
+vectors; only the store is masked (and K, where ``K`` is not a multiple of the split).
+
+Split-K (:class:`LinearConfig.split_k` > 1): when ``cdiv(N, BLOCK_N) * cdiv(M, BLOCK_M)``
+tiles are too few to fill the GPU, grid axis 2 cuts K into ``split_k`` ranges of
+``cdiv(cdiv(K, split_k), BLOCK_K) * BLOCK_K`` columns (a last range may be short or
+empty). Every program writes its float32 partial accumulator(s) and its rows' partial
+sum of squares to a workspace slot of its own (tile, split), then increments the
+tile's arrival counter; the one that reads ``split_k - 1`` sums every split's partials
+in split order (so the bits do not depend on which program arrived last), runs the
+epilogue, writes the output and stores 0 into the counter. The memory ordering is
+:mod:`.paged_attention`'s one-launch merge, unchanged: plain stores by every thread,
+``tl.debug_barrier()``, one ``atomic_add(sem="acq_rel", scope="gpu")`` whose release
+is cumulative over the program's stores; the increments of one counter are totally
+ordered and each acq_rel RMW synchronizes with the next, so every partial happens
+before the last program's acquire; a second barrier orders its threads after that
+acquire, and its loads of the partials bypass L1 (``.cg``). Nothing waits on
+another program (no spin, so residency does not matter); the counter reset is a
+plain store (no other increment of this launch remains), so every completed launch
+leaves the counters zero, with no memset: CUDA-graph safe. The workspace and
+counters are per device, allocated once (:func:`workspace`, fixed size: the config
+rule shrinks ``split_k`` until a launch fits), shared by every launch on the
+device's one stream: launches on several streams at once must not split.
+
+PDL (:mod:`.pdl`): a program loads its first weight tile(s) (they do not depend on
+the previous kernel), then ``gdc_wait()``, then everything else (x, the
+workspace, the counters, bias, residual); ``gdc_launch_dependents()`` once its K loop
+is done.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pitstop.plugins.kernels.triton_ops import pdl
+from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
+
+
+class LinearConfig(NamedTuple):
+    """Launch shape: tile rows (tokens), tile columns (weight rows), K step, K splits, warps, stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (largest M of the bucket) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for bf16/fp16 on a
+# Hopper GPU; the benchmark (benchmarks/fused_linear_bench.py --sweep) checks the choice.
+GPU_TILES: dict[int, tuple[int, int, int, int, int]] = {
+    16: (16, 64, 128, 4, 4),
+    32: (32, 64, 128, 4, 4),
+    64: (64, 64, 128, 4, 3),
+    128: (64, 128, 64, 4, 4),
+    256: (128, 128, 64, 8, 3),
+}
+FP32_TILES = (16, 64, 32, 4, 3)  # IEEE fp32 products on FMA units: small K steps
+INTERPRETER_TILES = (16, 16, 32, 1, 1)  # small, so test shapes cross tile borders
+MAX_SPLIT = 16
+MIN_K_PER_SPLIT = 256  # at least two K steps of 128 per split on the GPU
+PROGRAMS_PER_SM = 2  # split K until the grid has about this many programs per SM
+# the split-K workspace (float32) and counters of a device: fixed, so nothing grows mid-capture
+WORKSPACE_FLOATS = {"cuda": 1 << 22, "cpu": 1 << 16}
+NUM_COUNTERS = {"cuda": 1 << 13, "cpu": 1 << 10}
+
+
+class SplitWorkspace(NamedTuple):
+    """A device's split-K partials (float32) and per-tile arrival counters (int32, zero between launches)."""
+
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+
+_workspaces: dict[torch.device, SplitWorkspace] = {}
+
+
+def workspace(device: torch.device) -> SplitWorkspace:
+    """The split-K workspace of ``device``, allocated (zeroed) at the first call; call it (or
+    run each shape once) before capturing a CUDA graph: it cannot be allocated inside one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    ws = _workspaces.get(device)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "fused_linear: the split-K workspace must be allocated before a CUDA graph "
+                "capture; call fused_linear.workspace(device) (or run once) first"
+            )
+        kind = "cuda" if device.type == "cuda" else "cpu"
+        ws = SplitWorkspace(
+            torch.zeros(WORKSPACE_FLOATS[kind], dtype=torch.float32, device=device),
+            torch.zeros(NUM_COUNTERS[kind], dtype=torch.int32, device=device),
+        )
+        _workspaces[device] = ws
+    return ws
+
+
+def reset_counters(device: torch.device) -> None:
+    """Zero the arrival counters (after a device fault left a launch unfinished; not in a capture)."""
+    workspace(device).counters.zero_()
+
+
+def _split_fits(tiles: int, split: int, block_m: int, block_n: int, accs: int, kind: str) -> bool:
+    floats = tiles * split * (accs * block_n * block_m + block_m)
+    return floats <= WORKSPACE_FLOATS[kind] and tiles <= NUM_COUNTERS[kind]
+
+
+@functools.lru_cache(maxsize=512)
+def choose_config(
+    m: int, n: int, k: int, dtype: torch.dtype, gate_up: bool, on_gpu: bool, num_sms: int
+) -> LinearConfig:
+    """The launch shape for ``M=m`` rows, ``n`` output columns (``F`` for gate-up), depth ``k``.
+
+    Tiles by M bucket (:data:`GPU_TILES`; fp32 and the interpreter take their own), then the
+    K split: doubled while the grid has fewer than ``PROGRAMS_PER_SM * num_sms`` programs
+    (a gate-up tile counts twice: it streams two weight tiles), each split keeps at least
+    :data:`MIN_K_PER_SPLIT` columns (two K steps in the interpreter), and the workspace fits.
+    """
+    if not on_gpu:
+        bm, bn, bk, warps, stages = INTERPRETER_TILES
+        min_k = 2 * bk
+    elif dtype == torch.float32:
+        bm, bn, bk, warps, stages = FP32_TILES
+        min_k = MIN_K_PER_SPLIT
+    else:
+        bucket = min((b for b in GPU_TILES if b >= m), default=max(GPU_TILES))
+        bm, bn, bk, warps, stages = GPU_TILES[bucket]
+        min_k = MIN_K_PER_SPLIT
+        if gate_up and stages > 3:  # two weight tiles a stage
+            stages = 3
+    tiles = triton.cdiv(n, bn) * triton.cdiv(max(m, 1), bm)
+    weight = 2 if gate_up else 1
+    split = 1
+    while (
+        split < MAX_SPLIT
+        and tiles * split * 2 * weight <= PROGRAMS_PER_SM * num_sms
+        and k // (split * 2) >= min_k
+        and _split_fits(tiles, split * 2, bm, bn, weight, "cuda" if on_gpu else "cpu")
+    ):
+        split *= 2
+    return LinearConfig(bm, bn, bk, split, warps, stages)
+
+
+@triton.jit
+def _dot(w, x, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc + w @ x`` in float32 (``UPCAST``: on float32 copies, for Triton's interpreter,
+    which multiplies bf16 operands wrongly; the same exact products, float32 sums)."""
+    if UPCAST:
+        return tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(w, x, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _load_k(ptrs, k, k_end, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
+    """A tile whose columns (``K_AXIS`` 1) or rows (0) are the K offsets ``k``; masked past ``k_end``."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    elif K_AXIS == 1:
+        return tl.load(ptrs, mask=(k < k_end)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs, mask=(k < k_end)[:, None], other=0.0)
+
+
+@triton.jit
+def _epilogue(
+    acc,
+    acc_u,
+    sq,
+    n,
+    m,
+    M,
+    N,
+    K,
+    eps,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    stride_rm,
+    stride_om,
+    NORM: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+):
+    """Row scale, bias, SiLU·mul, residual on the float32 ``[BLOCK_N, BLOCK_M]`` tile; one rounding."""
+    if NORM:
+        rstd = 1.0 / tl.sqrt(sq / K + eps)
+        acc = acc * rstd[None, :]
+        if GATE_UP:
+            acc_u = acc_u * rstd[None, :]
+    n_mask = n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if GATE_UP:
+            acc_u += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if GATE_UP:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+    mask = n_mask[:, None] & (m < M)[None, :]
+    m64 = m.to(tl.int64)[None, :]
+    if RESIDUAL:
+        r = tl.load(res_ptr + m64 * stride_rm + n[:, None], mask=mask, other=0.0)
+        acc += r.to(tl.float32)
+    dt: tl.constexpr = out_ptr.dtype.element_ty
+    tl.store(out_ptr + m64 * stride_om + n[:, None], _rounded(acc, dt).to(dt), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fused_linear_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    ws_ptr,
+    sq_ptr,
+    counters_ptr,
+    M,
+    N,
+    K,
+    eps,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    NORM: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    if SPLIT_K == 1:
+        k_begin = 0
+        k_end = K
+    else:
+        per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_begin = split * per_split
+        k_end = tl.minimum(k_begin + per_split, K)
+    # rows past N (M) read the last row: unmasked loads, masked store
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+    x_cols = x_ptr + tl.minimum(m, M - 1).to(tl.int64)[None, :] * stride_xm
+    k = k_begin + kk
+    # the first weight tile(s) before the wait: they do not depend on the previous kernel
+    w = _load_k(w_rows + k[None, :], k, k_end, EVEN_K, 1)
+    u = w
+    if GATE_UP:
+        u = _load_k(w_rows + N * stride_wn + k[None, :], k, k_end, EVEN_K, 1)
+    pdl.wait(PDL)
+    xt = _load_k(x_cols + k[:, None], k, k_end, EVEN_K, 0)  # [BLOCK_K, BLOCK_M]
+    zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc = _dot(w, xt, zero, UPCAST, DOT_PRECISION)
+    acc_u = zero
+    if GATE_UP:
+        acc_u = _dot(u, xt, zero, UPCAST, DOT_PRECISION)
+    sq = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        xf = xt.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=0)
+    for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+        k = k0 + kk
+        w = _load_k(w_rows + k[None, :], k, k_end, EVEN_K, 1)
+        xt = _load_k(x_cols + k[:, None], k, k_end, EVEN_K, 0)
+        acc = _dot(w, xt, acc, UPCAST, DOT_PRECISION)
+        if GATE_UP:
+            u = _load_k(w_rows + N * stride_wn + k[None, :], k, k_end, EVEN_K, 1)
+            acc_u = _dot(u, xt, acc_u, UPCAST, DOT_PRECISION)
+        if NORM:
+            xf = xt.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=0)
+    pdl.launch_dependents(PDL)
+
+    if SPLIT_K == 1:
+        _epilogue(
+            acc, acc_u, sq, n, m, M, N, K, eps, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+            NORM, GATE_UP, HAS_BIAS, RESIDUAL,
+        )  # fmt: skip
+    else:
+        # this split's partials into its own slot (tile, split); the last to arrive sums them
+        ACCS: tl.constexpr = 2 if GATE_UP else 1
+        TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        tile = pid_m * tl.num_programs(0) + pid_n
+        offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        rows = tl.arange(0, BLOCK_M)
+        slot = tile * SPLIT_K + split
+        tl.store(ws_ptr + slot * (ACCS * TILE) + offs, acc)
+        if GATE_UP:
+            tl.store(ws_ptr + slot * (ACCS * TILE) + TILE + offs, acc_u)
+        if NORM:
+            tl.store(sq_ptr + slot * BLOCK_M + rows, sq)
+        # every thread's partial stores before the one thread's release (module docstring)
+        tl.debug_barrier()
+        counter = counters_ptr + tile
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last split of this tile: every partial is visible
+            tl.debug_barrier()  # the acquire (one thread) before every thread's loads
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            sq = tl.zeros([BLOCK_M], tl.float32)
+            for s in tl.static_range(SPLIT_K):  # split order: the bits do not depend on arrival
+                base = (tile * SPLIT_K + s) * (ACCS * TILE)
+                acc += tl.load(ws_ptr + base + offs, cache_modifier=".cg")
+                if GATE_UP:
+                    acc_u += tl.load(ws_ptr + base + TILE + offs, cache_modifier=".cg")
+                if NORM:
+                    sq += tl.load(
+                        sq_ptr + (tile * SPLIT_K + s) * BLOCK_M + rows, cache_modifier=".cg"
+                    )
+            _epilogue(
+                acc, acc_u, sq, n, m, M, N, K, eps, bias_ptr, res_ptr, out_ptr, stride_rm,
+                stride_om, NORM, GATE_UP, HAS_BIAS, RESIDUAL,
+            )  # fmt: skip
+            tl.store(counter, 0)  # zero again for the next launch (or graph replay)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    n_out: int,
+    eps: float | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    gate_up: bool,
+    config: LinearConfig | None,
+    pdl_on: bool | None,
+) -> torch.Tensor:
+    """Checks, the config, the workspace and the launch shared by the three ops."""
+    assert x.dim() == 2 and weight.dim() == 2, "x [M, K] and weight [N, K]"
+    m, k = x.shape
+    assert weight.shape[1] == k, f"weight {tuple(weight.shape)} does not take K={k}"
+    assert weight.dtype == x.dtype, f"weight {weight.dtype} and x {x.dtype} differ"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],), "bias has one entry per weight row"
+        bias = bias.contiguous()
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == (m, n_out), "residual must be [M, N]"
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+    if m == 0 or n_out == 0:
+        return out
+    on_gpu = x.device.type == "cuda"
+    if config is None:
+        config = choose_config(m, n_out, k, x.dtype, gate_up, on_gpu, _num_sms(x.device))
+    bm, bn, bk, split, warps, stages = config
+    grid = (triton.cdiv(n_out, bn), triton.cdiv(m, bm), split)
+    ws = workspace(x.device)
+    if split > 1:
+        tiles = grid[0] * grid[1]
+        accs = 2 if gate_up else 1
+        need = tiles * split * (accs * bn * bm + bm)
+        assert need <= ws.partials.numel() and tiles <= ws.counters.numel(), (
+            f"split-K workspace too small for {config} at M={m}, N={n_out}"
+        )
+        parts = ws.partials
+        sq = ws.partials[tiles * split * accs * bn * bm :]
+    else:
+        parts = sq = out  # unused
+    use_pdl = pdl.enabled(x.device, pdl_on)
+    _fused_linear_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else out,  # any pointer when unused
+        residual if residual is not None else out,
+        out,
+        parts,
+        sq,
+        ws.counters,
+        m,
+        n_out,
+        k,
+        eps if eps is not None else 0.0,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        NORM=eps is not None,
+        GATE_UP=gate_up,
+        HAS_BIAS=bias is not None,
+        RESIDUAL=residual is not None,
+        SPLIT_K=split,
+        EVEN_K=k % (split * bk) == 0,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        UPCAST=not on_gpu and x.dtype != torch.float32,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PDL=use_pdl,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl.launch_kwargs(use_pdl),
+    )
+    return out
+
+
+def norm_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float | None,
+    bias: torch.Tensor | None = None,
+    *,
+    config: LinearConfig | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``rstd(x)[:, None] * (x @ weight.T) (+ bias)``, one kernel; returns a fresh ``[M, N]``.
+
+    ``x [M, K]`` is the un-normalized residual stream, ``weight [N, K]`` has the RMSNorm
+    gain folded in; ``rstd = 1 / sqrt(mean(x.float() ** 2) + eps)`` over all of K, from the
+    GEMM's own loads (``eps=None``: no norm, a plain GEMM). ``config``: a launch shape
+    (default :func:`choose_config`); ``pdl``: programmatic dependent launch (default: where
+    the GPU and Triton support it, :mod:`.pdl`).
+    """
+    return _launch(x, weight, weight.shape[0], eps, bias, None, False, config, pdl)
+
+
+def norm_gate_up(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float | None,
+    bias: torch.Tensor | None = None,
+    *,
+    config: LinearConfig | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``silu(g) * u`` of the (normed) merged gate-up projection, one kernel; returns ``[M, F]``.
+
+    ``weight [2F, K]`` holds the gate rows then the up rows (gain folded), ``bias [2F]``
+    likewise; ``g``, ``u`` are :func:`norm_linear`'s outputs for rows ``n`` and ``F + n``,
+    kept in float32 until the one rounding. ``eps=None``: no norm.
+    """
+    assert weight.shape[0] % 2 == 0, "the merged gate-up weight has an even number of rows"
+    return _launch(x, weight, weight.shape[0] // 2, eps, bias, None, True, config, pdl)
+
+
+def linear_residual(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: LinearConfig | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``residual + x @ weight.T (+ bias)`` as a fresh ``[M, N]`` tensor, one rounding (the
+    float32 accumulator plus the residual, then the output dtype)."""
+    return _launch(x, weight, weight.shape[0], None, bias, residual, False, config, pdl)
