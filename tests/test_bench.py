@@ -24,6 +24,7 @@ from pitstop.bench.report import (
     record_from_output,
     table,
 )
+from pitstop.loading.model_config import ModelConfig
 from pitstop.plugins.models.llama_presets import PRESETS
 
 
@@ -41,8 +42,8 @@ def _floor(wl: W.Workload, preset: str) -> floors.Floor:
     [
         ("single", "llama3-8b", None, "output_tok_per_s", 263),
         ("nano", "qwen3-0.6b", 3.7, "output_tok_per_s", 35_800),
-        ("nano", "qwen3-8b", 10.4, "output_tok_per_s", 12_900),
-        ("longtail", "qwen3-8b", 15.5, "req_per_s", 32),
+        ("nano", "qwen3-8b", 10.7, "output_tok_per_s", 12_500),
+        ("longtail", "qwen3-8b", 16.1, "req_per_s", 31),
     ],
 )
 def test_floor_reproduces_workloads_md(workload, preset, seconds, figure, value):
@@ -64,6 +65,91 @@ def test_shared_prefix_lowers_the_prefill_floor():
     shared = floors.floor(mc, lengths, shared_prefix=(1024, 1))
     assert shared.prefill_s < plain.prefill_s / 4
     assert shared.kv_s == plain.kv_s
+
+
+# A model small enough to count by hand: 1 layer, hidden 100, FFN 200, 2 query heads and
+# 1 KV head of 50, vocabulary 1,000, tied embeddings.
+#   num_params = attention 100 x (2 x 100 + 2 x 50) = 30,000 + MLP 3 x 100 x 200 = 60,000
+#                + norms 200 + embedding 100,000 + final norm 100 = 190,300
+#   non-embedding = 90,300; a decoded token multiplies 90,300 + the head 100,000 = 190,300
+#   attention width 1 x 2 x 50 = 100; K and V of a token 2 x 1 x 1 x 50 x 2 bytes = 200 bytes
+#   weights 190,300 x 2 = 380,600 bytes
+_TINY = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=1000,
+    hidden_size=100,
+    intermediate_size=200,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_size=50,
+    tie_word_embeddings=True,
+)
+# 1 MB/s of copy bandwidth, 10 MFLOP/s of matrix rate: seconds are easy to read
+_SLOW = floors.Ceilings(1e6, 1e7)
+
+
+def test_floor_counts_the_bytes_where_they_dominate():
+    # one request, a 10-token prompt, 3 output tokens: prefill, then 2 decode steps at batch 1
+    f = floors.floor(_TINY, [(10, 3)], ceilings=_SLOW)
+    assert (_TINY.num_params, f.matmul_params, f.weight_bytes) == (190_300, 190_300, 380_600)
+    # prefill FLOPs 2 x 90,300 x 10 + 4 x 100 x 55 pairs + head 2 x 100,000 = 2,028,000
+    # -> 0.2028 s; bytes 380,600 + 10 x 200 = 382,600 -> 0.3826 s: bytes
+    assert f.prefill_flops_s == pytest.approx(0.2028)
+    assert f.prefill_s == pytest.approx(0.3826)
+    # decode step 1 reads 11 tokens of context, step 2 12:
+    # bytes 380,600 + 11 x 200 = 382,800, then 383,000 -> 0.3828 s, 0.3830 s
+    # FLOPs 2 x 190,300 + 4 x 100 x 11 = 385,000, then 385,400 -> 0.0385 s, 0.03854 s
+    assert f.step_bytes_s() == pytest.approx([0.3828, 0.3830])
+    assert f.step_flops_s() == pytest.approx([0.0385, 0.03854])
+    assert (f.decode_steps, f.flops_bound_steps) == (2, 0)
+    assert f.seconds == pytest.approx(0.3826 + 0.3828 + 0.3830)
+
+
+def test_floor_counts_the_flops_where_they_dominate():
+    # 64 requests of a 10-token prompt and 2 output tokens: one decode step at batch 64
+    f = floors.floor(_TINY, [(10, 2)] * 64, ceilings=_SLOW)
+    # prefill FLOPs 64 x 2,028,000 = 129,792,000 -> 12.9792 s;
+    # bytes 380,600 + 640 x 200 = 508,600 -> 0.5086 s: FLOPs
+    assert f.prefill_bytes_s == pytest.approx(0.5086)
+    assert f.prefill_s == pytest.approx(12.9792)
+    # the decode step: context 64 x 11 = 704 tokens
+    # bytes 380,600 + 704 x 200 = 521,400 -> 0.5214 s
+    # FLOPs 2 x 190,300 x 64 + 4 x 100 x 704 = 24,640,000 -> 2.464 s: FLOPs
+    assert f.step_batch == (64,) and f.step_context == (704,)
+    assert f.weights_s + f.kv_s == pytest.approx(0.5214)
+    assert f.decode_s == pytest.approx(2.464)
+    assert f.flops_bound_steps == 1
+    assert f.seconds == pytest.approx(12.9792 + 2.464)
+    assert f.as_dict()["decode_flops_s"] == pytest.approx(2.464)
+
+
+def test_an_8b_step_at_256_sequences_is_bound_by_flops_at_short_contexts():
+    # qwen3-8b: 8,190,735,360 parameters; a decoded token multiplies them less the input
+    # embedding (151,936 x 4,096 = 622,329,856): 7,568,405,504. K and V: 147,456 bytes
+    # a token; attention width 36 x 32 x 128 = 147,456.
+    mc = PRESETS["qwen3-8b"]
+    short = floors.floor(mc, [(16, 2)] * 256)  # one step, 256 x 17 = 4,352 tokens of context
+    # bytes 16,381,470,720 + 4,352 x 147,456 = 17,023,199,232 -> 4.0244 ms at 4.23 TB/s
+    # FLOPs 2 x 7,568,405,504 x 256 + 4 x 147,456 x 4,352 = 3.87758e12 -> 4.8959 ms
+    assert 1e3 * short.step_bytes_s()[0] == pytest.approx(4.0244, rel=1e-4)
+    assert 1e3 * short.decode_s == pytest.approx(4.8959, rel=1e-4)
+    # at 600-token contexts the same batch reads 256 x 601 x 147,456 = 22.7 GB more of
+    # K and V: bytes 39.07 GB -> 9.24 ms against FLOPs 3.9e12 -> 4.94 ms
+    long = floors.floor(mc, [(600, 2)] * 256)
+    assert long.flops_bound_steps == 0
+    assert 1e3 * long.decode_s == pytest.approx(9.2352, rel=1e-3)
+
+
+def test_closed_loop_clients_start_requests_as_slots_free():
+    # 2 clients, decode lengths 3, 1, 1, 2: starts 0, 0, 1 (after the 1), 2 (after the next 1)
+    assert floors.decode_schedule([3, 1, 1, 2], 2) == [0, 0, 1, 2]
+    f = floors.floor(_TINY, [(10, 4), (10, 2), (10, 2), (10, 3)], concurrency=2, ceilings=_SLOW)
+    assert f.step_batch == (2, 2, 2, 1)
+    # step 0: 11 + 11; step 1: 12 + 11; step 2: 13 + 11; step 3: 12
+    assert f.step_context == (22, 23, 24, 12)
+    # every request at once: 3 steps, batches 4, 2, 1
+    assert floors.floor(_TINY, [(10, 4), (10, 2), (10, 2), (10, 3)]).step_batch == (4, 2, 1)
 
 
 # ---------------------------------------------------------------------- arithmetic

@@ -390,10 +390,15 @@ def render(doc: dict[str, Any]) -> str:
     ]
     if doc["floor"]:
         f = doc["floor"]
+        bound = (
+            f"; {f['flops_bound_steps']} of {f['decode_steps']} decode steps bound by FLOPs"
+            if "flops_bound_steps" in f
+            else ""
+        )
         head.append(
-            f"floor {f['seconds']:.2f} s ({f['output_tok_per_s']:,.0f} output tok/s, {f['req_per_s']:.1f} req/s) "
-            f"with ceilings {doc['ceilings']['copy_TB_per_s']:.2f} TB/s, "
-            f"{doc['ceilings']['matmul_TFLOP_per_s']:.0f} TFLOP/s ({doc['ceilings']['source']})"
+            f"floor {f['seconds']:.2f} s ({f['output_tok_per_s']:,.0f} output tok/s, {f['req_per_s']:.1f} req/s): "
+            f"each step the larger of its bytes over {doc['ceilings']['copy_TB_per_s']:.2f} TB/s and its FLOPs over "
+            f"{doc['ceilings']['matmul_TFLOP_per_s']:.0f} TFLOP/s ({doc['ceilings']['source']}){bound}"
         )
     else:
         head.append(

@@ -1,21 +1,51 @@
 """Device ceilings and the physical floor of a workload (docs/workloads.md's method).
 
-A lower bound on a workload's wall time: the FLOPs of every prefill
-(2 x non-embedding parameters x prompt tokens, plus causal attention) over the
-matrix rate, plus, for decode, the bytes that must cross HBM (all weights once
-per decode step; every cached K and V read once per generated token) over the
-copy bandwidth. The weights' bytes are those the chosen weight format holds
-(``weights=``: ``fp8`` about half of bf16's), read from the loaded engine
-(:meth:`Floor.with_weight_bytes`); before one is loaded, ``num_params`` x 2.
+A lower bound on a workload's wall time, step by step. Every step, prefill and
+decode alike, takes at least the larger of its bytes over the copy bandwidth
+and its FLOPs over the matrix rate::
 
-How many decode steps there are depends on how many sequences can decode
-together: at least the longest request's decode length, and at least the
-decode tokens divided by the number of sequences in flight (``concurrency``
-clients, or every request when all are submitted at once).
+    step_s = max(bytes / copy_bytes_per_s, flops / matmul_flops_per_s)
+    floor  = prefill_s + sum(step_s for every decode step)
+
+**Decode steps.** A step at batch ``b`` whose sequences hold ``ctx`` cached
+tokens between them (each sequence's prompt, the tokens it generated so far
+and the one it is generating) moves
+
+- bytes: all weights once (``weight_bytes``: those of the chosen weight format,
+  ``num_params x 2`` for bf16) + ``ctx x kv_bytes_per_token`` (every cached K
+  and V read once);
+- FLOPs: ``2 x matmul_params x b`` (every weight multiplied once per sequence;
+  ``matmul_params`` are the non-embedding parameters plus the output head,
+  ``vocab x hidden``) + ``4 x layers x heads x head_size x ctx`` (q·K^T and
+  P·V over the context, 2 FLOPs a multiply-add).
+
+Which sequences decode in which step follows the run's clients: with every
+request in flight at once (offline, or ``concurrency`` >= requests) each
+request decodes from the first step to its last token, so step ``s`` holds
+exactly the requests with more than ``s`` decode tokens; with ``concurrency``
+closed-loop clients the requests start in order, each as soon as one in
+flight has finished (the client sends its next one; prefill taken as
+instant), which is the fewest decode steps that arrival order allows. A
+request's first output token comes from its prefill, so it decodes
+``output_len - 1`` steps.
+
+**Prefill**, as one phase before decode (the fastest engine prefills every
+prompt in one pass and reads the weights once for all of them):
+
+- FLOPs: ``2 x non-embedding params x prompt tokens`` + causal attention
+  (``4 x layers x heads x head_size`` per (query, key) pair at or before the
+  query) + the output head on each prompt's last token (``2 x vocab x hidden``);
+  a shared prefix (``shared_prefix``) is prefilled once per distinct prefix;
+- bytes: all weights once + the K and V of every prefilled token written once.
+
+The matrix rate is the bf16 one for every weight format (an fp8 format's
+FLOPs are not credited a faster rate; at the batch sizes where fp8 weights
+pay, decode is bound by bytes).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -47,28 +77,100 @@ H200 = Ceilings(4.23e12, 792e12, source="H200 (docs/workloads.md, measured 2026-
 
 @attrs.frozen
 class Floor:
-    """A workload's floor and its parts, in seconds."""
+    """A workload's floor and its parts: the quantities each step moves, and their times (s).
 
-    prefill_s: float
-    weights_s: float
-    kv_s: float
-    decode_steps: int
+    ``step_batch[s]`` and ``step_context[s]`` are the sequences decoding in decode
+    step ``s`` and the cached tokens they read between them; the times are
+    derived from them, the model's shape and ``ceilings`` (the module's formula).
+    """
+
+    ceilings: Ceilings
+    prefill_flops: float
+    prefill_kv_bytes: float  # K and V of every prefilled token, written once
+    step_batch: tuple[int, ...] = attrs.field(repr=False)
+    step_context: tuple[int, ...] = attrs.field(repr=False)
+    matmul_params: int  # weights a decoded token multiplies through (output head included)
+    attn_width: int  # layers x query heads x head size
+    kv_token_bytes: int  # bytes of K and V of one token over all layers
     output_tokens: int
     num_requests: int
-    weight_bytes: int = 0  # bytes of weights one decode step reads (weights_s counts them)
+    weight_bytes: int = 0  # bytes of weights one step reads
 
     def with_weight_bytes(self, weight_bytes: int) -> Floor:
-        """The same floor with decode reading ``weight_bytes`` of weights a step (those of
+        """The same floor with every step reading ``weight_bytes`` of weights (those of
         the weight format an engine holds: ``ModelRunner.weight_bytes()``)."""
         if not self.weight_bytes or weight_bytes <= 0:
             return self
-        weights_s = self.weights_s * weight_bytes / self.weight_bytes
-        return attrs.evolve(self, weights_s=weights_s, weight_bytes=weight_bytes)
+        return attrs.evolve(self, weight_bytes=weight_bytes)
+
+    # ------------------------------------------------------------ per step
+    def _bytes_s(self, nbytes: float) -> float:
+        return nbytes / self.ceilings.copy_bytes_per_s
+
+    def _flops_s(self, flops: float) -> float:
+        return flops / self.ceilings.matmul_flops_per_s
+
+    def step_bytes_s(self) -> list[float]:
+        """Each decode step's bytes over the copy bandwidth."""
+        return [
+            self._bytes_s(self.weight_bytes + ctx * self.kv_token_bytes)
+            for ctx in self.step_context
+        ]
+
+    def step_flops_s(self) -> list[float]:
+        """Each decode step's FLOPs over the matrix rate."""
+        return [
+            self._flops_s(2 * self.matmul_params * b + 4 * self.attn_width * ctx)
+            for b, ctx in zip(self.step_batch, self.step_context, strict=True)
+        ]
+
+    # ------------------------------------------------------------ totals
+    @property
+    def decode_steps(self) -> int:
+        return len(self.step_batch)
+
+    @property
+    def prefill_flops_s(self) -> float:
+        return self._flops_s(self.prefill_flops)
+
+    @property
+    def prefill_bytes_s(self) -> float:
+        return self._bytes_s(self.weight_bytes + self.prefill_kv_bytes)
+
+    @property
+    def prefill_s(self) -> float:
+        """The prefill phase: the larger of its FLOPs and its bytes."""
+        return max(self.prefill_flops_s, self.prefill_bytes_s)
+
+    @property
+    def weights_s(self) -> float:
+        """Weight reads of every decode step over the copy bandwidth (part of the bytes)."""
+        return self._bytes_s(self.decode_steps * self.weight_bytes)
+
+    @property
+    def kv_s(self) -> float:
+        """K/V reads of every decode step over the copy bandwidth (part of the bytes)."""
+        return self._bytes_s(sum(self.step_context) * self.kv_token_bytes)
+
+    @property
+    def decode_flops_s(self) -> float:
+        """Every decode step's FLOPs over the matrix rate, summed."""
+        return sum(self.step_flops_s())
+
+    @property
+    def decode_s(self) -> float:
+        """Decode: each step the larger of its bytes and its FLOPs, summed."""
+        return sum(map(max, self.step_bytes_s(), self.step_flops_s()))
+
+    @property
+    def flops_bound_steps(self) -> int:
+        """Decode steps whose FLOPs take longer than their bytes."""
+        return sum(f > b for b, f in zip(self.step_bytes_s(), self.step_flops_s(), strict=True))
 
     @property
     def seconds(self) -> float:
         """The floor on wall time."""
-        return self.prefill_s + self.weights_s + self.kv_s
+        return self.prefill_s + self.decode_s
 
     @property
     def output_tok_per_s(self) -> float:
@@ -85,12 +187,22 @@ class Floor:
         return self.seconds / self.output_tokens
 
     def as_dict(self) -> dict[str, Any]:
+        """The floor and its parts as a run's JSON records them.
+
+        ``seconds = prefill_s + decode_s``; ``weights_s + kv_s`` is decode's bytes
+        alone and ``decode_flops_s`` its FLOPs alone (each step counts the larger).
+        """
         return {
             "seconds": self.seconds,
             "prefill_s": self.prefill_s,
+            "prefill_flops_s": self.prefill_flops_s,
+            "prefill_bytes_s": self.prefill_bytes_s,
+            "decode_s": self.decode_s,
             "weights_s": self.weights_s,
             "kv_s": self.kv_s,
+            "decode_flops_s": self.decode_flops_s,
             "decode_steps": self.decode_steps,
+            "flops_bound_steps": self.flops_bound_steps,
             "weight_bytes": self.weight_bytes,
             "output_tok_per_s": self.output_tok_per_s,
             "req_per_s": self.req_per_s,
@@ -102,6 +214,50 @@ def non_embedding_params(mc: ModelConfig) -> int:
     """Parameters that every prompt token multiplies through (no embedding, no output head)."""
     emb = mc.vocab_size * mc.hidden_size * (1 if mc.tie_word_embeddings else 2)
     return mc.num_params - emb
+
+
+def decode_schedule(decode_lens: Sequence[int], in_flight: int) -> list[int]:
+    """The decode step at which each request starts (0-based), with at most ``in_flight``
+    decoding at once, in order, each as soon as a slot frees (a slot holding a request
+    of ``d`` decode steps from step ``t`` is free again at step ``t + d``)."""
+    if in_flight >= len(decode_lens):
+        return [0] * len(decode_lens)
+    free = [0] * in_flight
+    starts = []
+    for d in decode_lens:
+        t = heapq.heappop(free)
+        starts.append(t)
+        heapq.heappush(free, t + d)
+    return starts
+
+
+def _steps(
+    prompts: Sequence[int], decode_lens: Sequence[int], starts: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per decode step: the sequences decoding, and the tokens of context they read.
+
+    A request of prompt ``p`` starting at step ``t`` reads ``p + (s - t) + 1`` tokens
+    at step ``s`` (its prompt, its earlier tokens and the one it generates), so a
+    step's context is ``sum(p - t + 1) + batch x s`` over the requests in it.
+    """
+    n_steps = max((t + d for t, d in zip(starts, decode_lens, strict=True)), default=0)
+    count = [0] * (n_steps + 1)
+    base = [0] * (n_steps + 1)
+    for p, d, t in zip(prompts, decode_lens, starts, strict=True):
+        if d <= 0:
+            continue
+        count[t] += 1
+        count[t + d] -= 1
+        base[t] += p - t + 1
+        base[t + d] -= p - t + 1
+    batch, context = [], []
+    b = c = 0
+    for s in range(n_steps):
+        b += count[s]
+        c += base[s]
+        batch.append(b)
+        context.append(c + b * s)
+    return tuple(batch), tuple(context)
 
 
 def floor(
@@ -120,12 +276,14 @@ def floor(
     ``concurrency`` is how many sequences decode together (None: all of them).
     ``shared_prefix = (length, count)`` says every prompt begins with one of
     ``count`` prefixes of ``length`` tokens: the fastest engine prefills each once.
-    ``weight_bytes_total`` is what one decode step reads of the weights (default:
-    ``num_params * weight_bytes``, dense weights of ``weight_bytes`` bytes each).
+    ``weight_bytes_total`` is what one step reads of the weights (default:
+    ``num_params * weight_bytes``, dense weights of ``weight_bytes`` bytes each);
+    ``kv_bytes`` the bytes of one cached K or V element.
     """
     if not lengths:
         raise ValueError("a floor needs at least one request")
     dense = non_embedding_params(mc)
+    head = mc.vocab_size * mc.hidden_size
     attn_width = mc.num_layers * mc.num_heads * mc.head_size
     prefix_len, prefix_count = shared_prefix
 
@@ -135,21 +293,25 @@ def floor(
         return 2 * dense * n + 4 * attn_width * pairs
 
     flops = prefix_count * prefill_flops(prefix_len)
-    kv_reads = 0  # cached tokens read, summed over generated tokens
-    decode_tokens = 0
-    for p, o in lengths:
-        flops += prefill_flops(p - prefix_len, prefix_len)
-        d = o - 1  # the first output token comes from the prefill
-        decode_tokens += d
-        kv_reads += d * p + d * (d + 1) // 2
+    prefilled = prefix_count * prefix_len
+    for p, _ in lengths:
+        flops += prefill_flops(p - prefix_len, prefix_len) + 2 * head
+        prefilled += p - prefix_len
+    prompts = [p for p, _ in lengths]
+    decode_lens = [max(o - 1, 0) for _, o in lengths]  # the first token comes from prefill
     in_flight = min(concurrency or len(lengths), len(lengths))
-    steps = max(max(o - 1 for _, o in lengths), math.ceil(decode_tokens / in_flight))
+    batch, context = _steps(prompts, decode_lens, decode_schedule(decode_lens, in_flight))
+    kv_token_bytes = mc.kv_bytes_per_token * kv_bytes
     read = weight_bytes_total if weight_bytes_total is not None else mc.num_params * weight_bytes
     return Floor(
-        prefill_s=flops / ceilings.matmul_flops_per_s,
-        weights_s=steps * read / ceilings.copy_bytes_per_s,
-        kv_s=kv_reads * mc.kv_bytes_per_token * kv_bytes / ceilings.copy_bytes_per_s,
-        decode_steps=steps,
+        ceilings=ceilings,
+        prefill_flops=flops,
+        prefill_kv_bytes=prefilled * kv_token_bytes,
+        step_batch=batch,
+        step_context=context,
+        matmul_params=dense + head,
+        attn_width=attn_width,
+        kv_token_bytes=kv_token_bytes,
         output_tokens=sum(o for _, o in lengths),
         num_requests=len(lengths),
         weight_bytes=read,
