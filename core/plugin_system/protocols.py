@@ -342,12 +342,58 @@ class KernelSet(Protocol):
         ...
 
 
+@runtime_checkable
+class FusedLayerOps(Protocol):
+    """The ops of a fused decoder layer, which a kernel set declaring ``fuses_layer`` provides.
+
+    A layer then runs as ``norm_linear`` (input norm + QKV), ``rope_and_store``,
+    ``attention``, ``linear_residual`` (O projection + residual add), ``norm_gate_up``
+    (post-attention norm + gate-up + SiLU·mul) and ``linear_residual`` (down + residual
+    add): six ops, where the unfused layer takes nine or ten. The model multiplies each
+    RMSNorm's gain into the projection after it once at load (``W' = W * g[None, :]``),
+    so ``norm_linear`` scales each row by ``1 / rms(x)`` alone.
+    """
+
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``rstd(x)[:, None] * (x @ weight.T) (+ bias)``; ``eps=None`` skips the norm."""
+        ...
+
+    def norm_gate_up(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``silu(g) * u`` where ``[g | u]`` is :meth:`norm_linear` over the merged gate-up weight."""
+        ...
+
+    def linear_residual(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``residual + x @ weight.T (+ bias)``, a new tensor."""
+        ...
+
+
 class KernelSetBase(Capabilities):
     """The defaults of a kernel set's optional capabilities."""
 
     # Whether the model concatenates the q/k/v and gate/up weights at load.
     merge_projections: bool = False
     fuses_qk_norm: bool = False  # rope_and_store takes qk_norm= (see KernelSet.rope_and_store)
+    # Whether the model runs each decoder layer through FusedLayerOps: the norms' gains folded
+    # into the projections after them at load, the residual adds in the projections before.
+    fuses_layer: bool = False
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph: not unless the set says so."""

@@ -50,9 +50,11 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 from pitstop.config import EngineConfig
 from pitstop.plugin_system.hookspecs import hookimpl
@@ -144,6 +146,19 @@ class FusedSettings:
         help="Qwen3's per-head q/k RMSNorm inside rope_and_store (one launch instead of three); "
         "false: two rms_norm launches first, as before",
     )
+    layer: bool = setting(
+        False,
+        type=bool,
+        help="a decoder layer in six ops: each RMSNorm folded into the projection after it (its "
+        "gain multiplied into the weight at load), SiLU-and-mul into the gate-up GEMM, the residual "
+        "adds into the O and down GEMMs (needs qkv; dense weights, no tensor parallelism)",
+    )
+    layer_rows: int = setting(
+        256,
+        type=int,
+        help="with layer: steps of at most this many rows run the Triton GEMMs with the norm, "
+        "activation and residual inside; longer ones the row scale (Triton) then cuBLAS",
+    )
     decode_tiles: str = setting(
         "fixed",
         type=str,
@@ -176,6 +191,7 @@ class FusedKernels(reference.DispatchKernels):
         self.decode_merge = settings.decode_merge
         self.decode_tile_rule = settings.decode_tiles
         self._status: dict[str, str] = {}
+        self._ones: dict[int, torch.Tensor] = {}  # the gain-free norm's weight, per width
         triton_reason = triton_unavailable_reason(device)
         if triton_reason is None and dtype not in SUPPORTED_DTYPES:
             triton_reason = f"unsupported dtype {dtype}"
@@ -201,6 +217,7 @@ class FusedKernels(reference.DispatchKernels):
             else "; fused_qkv off: separate GEMMs"
         )
 
+        self._resolve_layer(settings, triton_reason)
         self._head_size_checked = not (use["rope_and_store"] or use["attention"])
         if use["rms_norm"]:
             from pitstop.plugins.kernels.triton_ops import rmsnorm
@@ -234,6 +251,84 @@ class FusedKernels(reference.DispatchKernels):
             )
             self._status["attention"] = "triton"
 
+    # ------------------------------------------------------------------ fused layer
+    def _resolve_layer(self, settings: FusedSettings, triton_reason: str | None) -> None:
+        """The fused decoder layer's ops (``fused.layer``): Triton GEMMs with the norm,
+        activation and residual inside for steps of at most ``layer_rows`` rows; above
+        that (and where Triton cannot run) the reference arithmetic around cuBLAS."""
+        self.fuses_layer = bool(settings.layer) and self.merge_projections
+        self.layer_rows = settings.layer_rows
+        self._gemm: Any = None
+        if not self.fuses_layer:
+            reason = "config flag fused.layer is off" if not settings.layer else "fused_qkv is off"
+            for op in reference.LAYER_OPS:
+                self._status[op] = f"unused ({reason})"
+            return
+        if triton_reason is None:
+            from pitstop.plugins.kernels.triton_ops import fused_linear
+
+            self._gemm = fused_linear
+            where = f"triton up to {self.layer_rows} rows, above: row scale + cuBLAS"
+        else:
+            where = f"reference ({triton_reason})"
+        for op in reference.LAYER_OPS:
+            self._status[op] = where
+
+    def _row_scaled(self, x: torch.Tensor, eps: float | None) -> torch.Tensor:
+        """``x`` times each row's ``1/rms`` (the norm without its gain), one Triton pass."""
+        if eps is None:
+            return x
+        ones = self._ones.get(x.shape[-1])
+        if ones is None or ones.dtype != x.dtype or ones.device != x.device:
+            ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+            self._ones[x.shape[-1]] = ones
+        return self._rms_norm(x, ones, eps)[0]
+
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``rstd(x) * x @ weight.T (+ bias)``: one Triton GEMM for short steps."""
+        if self._gemm is None:
+            return reference.norm_linear(x, weight, eps, bias)
+        if x.shape[0] <= self.layer_rows:
+            return self._gemm.norm_linear(x, weight, eps, bias)
+        return F.linear(self._row_scaled(x, eps), weight, bias)
+
+    def norm_gate_up(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``silu(gate) * up`` of the normed gate-up projection: one Triton GEMM for short steps."""
+        if self._gemm is None:
+            return reference.norm_gate_up(x, weight, eps, bias)
+        if x.shape[0] <= self.layer_rows:
+            return self._gemm.norm_gate_up(x, weight, eps, bias)
+        return self._silu(F.linear(self._row_scaled(x, eps), weight, bias))
+
+    def linear_residual(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``residual + x @ weight.T (+ bias)``: one Triton GEMM for short steps, else cuBLAS's
+        own epilogue (``addmm``)."""
+        if self._gemm is None:
+            return reference.linear_residual(x, weight, residual, bias)
+        if x.shape[0] <= self.layer_rows:
+            return self._gemm.linear_residual(x, weight, residual, bias)
+        if bias is not None:
+            return residual + F.linear(x, weight, bias)
+        return torch.addmm(residual, x, weight.t())
+
     # ------------------------------------------------------------------ resolution
     def _fallback(self, op: str, reason: str) -> None:
         self._status[op] = f"reference ({reason})"
@@ -262,8 +357,9 @@ class FusedKernels(reference.DispatchKernels):
         return all(self._status[op] == "triton" for op in ("rope_and_store", "attention"))
 
     def describe(self) -> dict[str, str]:
-        """Op name -> ``"triton"`` or ``"reference (reason)"`` (``linear`` is always a torch GEMM)."""
-        return {op: self._status[op] for op in OPS}
+        """Op name -> ``"triton"`` or ``"reference (reason)"`` (``linear`` is always a torch GEMM);
+        the fused layer's ops say where they run, or why they are unused."""
+        return {op: self._status[op] for op in (*OPS, *reference.LAYER_OPS)}
 
 
 def make_fused_kernels(

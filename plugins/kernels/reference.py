@@ -246,7 +246,47 @@ def paged_attention(
     return out
 
 
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row's ``1 / sqrt(mean(x**2) + eps)`` in float32, ``[T, 1]`` (RMSNorm without its gain)."""
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
+def norm_linear(
+    x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm folded into the projection after it: ``rstd(x) * x @ weight.T (+ bias)``.
+
+    ``weight`` already holds the norm's gain (``W' = W * g[None, :]``, done once at load), so
+    only the row scale remains; it is applied to ``x`` here (rounded to ``x``'s dtype, as
+    transformers rounds the normalized row) before the GEMM. ``eps=None``: no norm.
+    """
+    if eps is not None:
+        x = (x.float() * rms_scale(x, eps)).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def norm_gate_up(
+    x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The MLP's first half in one op: ``silu(gate) * up`` of :func:`norm_linear` over the merged
+    ``[gate | up]`` weight (rows ``[2F, K]``, gain folded); returns ``[T, F]``."""
+    return silu_and_mul(norm_linear(x, weight, eps, bias))
+
+
+def linear_residual(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``residual + x @ weight.T (+ bias)``: a projection that writes the residual stream."""
+    return residual + F.linear(x, weight, bias)
+
+
 OPS = ("rms_norm", "linear", "silu_and_mul", "rope_and_store", "attention")
+# The ops of a fused decoder layer (KernelSetBase.fuses_layer; the model folds the norms' gains
+# into the projections at load and runs a layer as these three plus rotary and attention).
+LAYER_OPS = ("norm_linear", "norm_gate_up", "linear_residual")
 
 
 class DispatchKernels(KernelSetBase):
@@ -261,6 +301,9 @@ class DispatchKernels(KernelSetBase):
     _silu: Callable[[torch.Tensor], torch.Tensor] = staticmethod(silu_and_mul)
     _rope: Callable[..., Any] = staticmethod(rope_and_store)
     _attn: Callable[..., torch.Tensor] = staticmethod(paged_attention)
+    _norm_linear: Callable[..., torch.Tensor] = staticmethod(norm_linear)
+    _norm_gate_up: Callable[..., torch.Tensor] = staticmethod(norm_gate_up)
+    _linear_residual: Callable[..., torch.Tensor] = staticmethod(linear_residual)
     _head_size_checked = True
 
     def _check_head_size(self, head_size: int) -> None:
@@ -286,6 +329,36 @@ class DispatchKernels(KernelSetBase):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x[..., :d]) * x[..., d:]`` of a merged ``[gate | up]`` output of width ``2d``."""
         return self._silu(x)
+
+    def norm_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``rstd(x) * x @ weight.T (+ bias)``, the norm's gain folded into ``weight`` at load."""
+        return self._norm_linear(x, weight, eps, bias)
+
+    def norm_gate_up(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``silu(gate) * up`` of :meth:`norm_linear` over the merged ``[gate | up]`` weight."""
+        return self._norm_gate_up(x, weight, eps, bias)
+
+    def linear_residual(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``residual + x @ weight.T (+ bias)``: the projection that writes the residual stream."""
+        return self._linear_residual(x, weight, residual, bias)
 
     def rope_and_store(
         self,

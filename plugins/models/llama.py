@@ -38,6 +38,13 @@ from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
 from pitstop.plugins.models.llama_gguf import gguf_rules
 from pitstop.plugins.models.llama_presets import PRESETS
 from pitstop.plugins.models.llama_rope import rope_frequencies
+from pitstop.plugins.models.llama_weights import (
+    _same_tensor,
+    dummy_weights,
+    expected_weight_shapes,
+    ignored_checkpoint_tensor,
+    map_hf_name,
+)
 from pitstop.plugins.weight_formats.dense import DenseWeights
 
 Linear = Callable[..., torch.Tensor]  # a weight format's linear(x, resident, bias=None)
@@ -62,56 +69,6 @@ def rotary_cache(cfg: ModelConfig, max_positions: int, device: torch.device) -> 
     if attention_scaling != 1.0:  # yarn scales q and k through cos and sin, as transformers does
         cos, sin = cos * attention_scaling, sin * attention_scaling
     return RotaryCache(cos=cos.to(device), sin=sin.to(device))
-
-
-def expected_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape, for every tensor a checkpoint of ``cfg`` holds
-    (``lm_head.weight`` only when the head is not tied)."""
-    h, d, f = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        layer = {
-            "self_attn.q_proj.weight": (q, h),
-            "self_attn.k_proj.weight": (kv, h),
-            "self_attn.v_proj.weight": (kv, h),
-            "self_attn.o_proj.weight": (h, q),
-            "mlp.gate_proj.weight": (f, h),
-            "mlp.up_proj.weight": (f, h),
-            "mlp.down_proj.weight": (h, f),
-            "input_layernorm.weight": (h,),
-            "post_attention_layernorm.weight": (h,),
-        }
-        if cfg.attention_bias:
-            layer |= {
-                "self_attn.q_proj.bias": (q,),
-                "self_attn.k_proj.bias": (kv,),
-                "self_attn.v_proj.bias": (kv,),
-            }
-        if cfg.o_proj_bias:
-            layer["self_attn.o_proj.bias"] = (h,)
-        if cfg.mlp_bias:
-            layer |= {
-                "mlp.gate_proj.bias": (f,),
-                "mlp.up_proj.bias": (f,),
-                "mlp.down_proj.bias": (h,),
-            }
-        if cfg.qk_norm:
-            layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
-        shapes |= {p + name: shape for name, shape in layer.items()}
-    return shapes
-
-
-def ignored_checkpoint_tensor(name: str) -> bool:
-    """Tensors a checkpoint may carry that hold nothing the model needs (transformers
-    skips them too): the rotary ``inv_freq`` buffers, recomputed from the config."""
-    return name.endswith("rotary_emb.inv_freq")
 
 
 class Attention(nn.Module):
@@ -184,8 +141,13 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        norm_eps: float | None = None,
     ) -> torch.Tensor:
         """Everything before attention: q/k/v, q/k norms, rotary and the K/V store; returns q.
+
+        ``norm_eps`` (a fused layer, :class:`DecoderLayer`): ``x`` is the un-normalized
+        residual stream and the input norm runs inside the QKV projection
+        (the kernel set's ``norm_linear``; its gain was folded into ``qkv_proj`` at load).
 
         The q/k norms (Qwen3) run inside ``rope_and_store`` when the kernel set
         declares ``fuses_qk_norm`` (:class:`~pitstop.plugin_system.protocols.KernelSetBase`),
@@ -196,7 +158,10 @@ class Attention(nn.Module):
         """
         kn, cfg, linear = self.kernels, self.cfg, self.linear
         t = x.shape[0]
-        if self.merged:
+        if norm_eps is not None:
+            qkv = kn.norm_linear(x, self.qkv_proj, norm_eps, self.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        elif self.merged:
             qkv = linear(x, self.qkv_proj, self.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
@@ -264,11 +229,25 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention then pre-norm MLP, each with a residual connection."""
+    """Pre-norm attention then pre-norm MLP, each with a residual connection.
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, merged: bool, linear: Linear) -> None:
+    Fused (``fused=True``, a kernel set with ``fuses_layer``): the layer reads and writes
+    the residual stream itself and runs as six ops, the norms inside the projections
+    after them (their gains folded into those weights by :meth:`fold_norms`) and the
+    residual adds inside the projections before them (``linear_residual``); its
+    :meth:`before_attention` and :meth:`after_attention` then pass no separate residual.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        kernels: KernelSet,
+        merged: bool,
+        linear: Linear,
+        fused: bool = False,
+    ) -> None:
         super().__init__()
-        self.cfg, self.kernels = cfg, kernels
+        self.cfg, self.kernels, self.fused = cfg, kernels, fused
         self.self_attn = Attention(cfg, kernels, merged, linear)
         self.mlp = MLP(cfg, kernels, merged, linear)
         self.input_layernorm = _param(cfg.hidden_size)
@@ -299,6 +278,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Input norm (with the deferred residual add) and attention's projections: (q, residual)."""
         eps, kn = self.cfg.rms_norm_eps, self.kernels
+        if self.fused:  # x is the residual stream; the norm runs inside the QKV projection
+            stream = x if residual is None else x + residual
+            q = self.self_attn.project(stream, rotary, k_cache, v_cache, meta, norm_eps=eps)
+            return q, stream
         if residual is None:
             h, _ = kn.rms_norm(x, self.input_layernorm, eps)
             residual = x
@@ -309,12 +292,40 @@ class DecoderLayer(nn.Module):
     def after_attention(
         self, o: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Output projection, post-attention norm and the MLP: (output, residual)."""
+        """Output projection, post-attention norm and the MLP: (output, residual).
+
+        Fused: ``residual`` is the stream ``before_attention`` returned; the result is the
+        new stream and no residual (``(stream, None)``).
+        """
+        if self.fused:
+            return self._fused_after_attention(o, residual), None
         h = self.self_attn.output(o)
         h, residual = self.kernels.rms_norm(
             h, self.post_attention_layernorm, self.cfg.rms_norm_eps, residual
         )
         return self.mlp(h), residual
+
+    def _fused_after_attention(self, o: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """O projection + residual add, norm + gate-up + SiLU·mul, down + residual add."""
+        attn, mlp, kn = self.self_attn, self.mlp, self.kernels
+        stream = kn.linear_residual(
+            o.reshape(o.shape[0], attn.q_size), attn.o_proj, stream, attn.o_bias
+        )
+        act = kn.norm_gate_up(stream, mlp.gate_up_proj, self.cfg.rms_norm_eps, mlp.gate_up_bias)
+        return kn.linear_residual(act, mlp.down_proj, stream, mlp.down_bias)
+
+    def fold_norms(self) -> None:
+        """Multiply each RMSNorm's gain into the projection after it (``W' = W * g``), once.
+
+        In float32, rounded once to the weight's dtype. The input norm's gain goes into
+        ``qkv_proj``, the post-attention norm's into ``gate_up_proj``; the norm weights stay
+        as loaded (nothing else reads them in a fused layer).
+        """
+        for weight, gain in (
+            (self.self_attn.qkv_proj, self.input_layernorm),
+            (self.mlp.gate_up_proj, self.post_attention_layernorm),
+        ):
+            weight.data.copy_(weight.data.float() * gain.data.float()[None, :])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -336,17 +347,32 @@ class LlamaForCausalLM(nn.Module):
         merged = bool(kernels.merge_projections)
         self.merged = merged
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, kernels, merged, self.linear) for _ in range(cfg.num_layers)
-        )
-        self.norm = _param(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         # tensor parallelism: the vocabulary-parallel embedding and head (None: the whole vocabulary)
         self.vocab_embed = getattr(kernels, "embed", None)
         self.gather_logits = getattr(kernels, "gather_logits", None)
+        self.fused_layers = self._fuses_layers(kernels)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, kernels, merged, self.linear, self.fused_layers)
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = _param(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         # True once the weight format holds the embedding (a KeepsBlocks format, given the
         # embedding's quantized blocks): it then also is the tied head
         self.embed_held = False
+
+    def _fuses_layers(self, kernels: KernelSet) -> bool:
+        """Whether the layers run fused (:class:`DecoderLayer`): the kernel set declares
+        ``fuses_layer``, the weights are dense and merged (the gains fold into the
+        checkpoint's values), and no tensor-parallel all-reduce sits between a projection
+        and its residual add."""
+        return (
+            bool(KernelSetBase.of(kernels, "fuses_layer"))
+            and self.merged
+            and isinstance(self.weights, DenseWeights)
+            and getattr(kernels, "all_reduce", None) is None
+            and self.vocab_embed is None
+        )
 
     def forward(
         self,
@@ -410,7 +436,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 tied_head = tensor  # checked against the embedding once that is loaded
                 continue
-            target, offset = self._map_name(name)
+            target, offset = map_hf_name(self.cfg, self.merged, name)
             if target is None or target not in params or name not in expected:
                 unknown.append(name)
                 del tensor
@@ -453,13 +479,16 @@ class LlamaForCausalLM(nn.Module):
                     "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight; "
                     "fix tie_word_embeddings in config.json"
                 )
+        if self.fused_layers:
+            for layer in self.layers:
+                layer.fold_norms()
         self.prepare_weights(blocks)
 
     def _parts_per_weight(self, expected: dict[str, tuple[int, ...]]) -> dict[str, int]:
         """Model weight -> how many checkpoint tensors fill it (3 for a merged q/k/v)."""
         parts: dict[str, int] = {}
         for name in expected:
-            target, _ = self._map_name(name)
+            target, _ = map_hf_name(self.cfg, self.merged, name)
             if target is not None and name.endswith(".weight"):
                 parts[target] = parts.get(target, 0) + 1
         return parts
@@ -541,58 +570,6 @@ class LlamaForCausalLM(nn.Module):
         """The Hugging Face tensor names a checkpoint of this shape must contain."""
         return list(expected_weight_shapes(self.cfg))
 
-    def _map_name(self, name: str) -> tuple[str | None, int | None]:
-        """HF name -> (parameter name, row offset into a merged weight or None)."""
-        cfg = self.cfg
-        if name == "model.embed_tokens.weight":
-            return "embed_tokens", None
-        if name == "model.norm.weight":
-            return "norm", None
-        if name == "lm_head.weight":
-            return (None, None) if cfg.tie_word_embeddings else ("lm_head", None)
-        if not name.startswith("model.layers."):
-            return None, None
-        rest = name[len("model.layers.") :]
-        idx, _, local = rest.partition(".")
-        p = f"layers.{idx}."
-        q_size = cfg.num_heads * cfg.head_size
-        kv_size = cfg.num_kv_heads * cfg.head_size
-        f = cfg.intermediate_size
-        table = {
-            "input_layernorm.weight": ("input_layernorm", None),
-            "post_attention_layernorm.weight": ("post_attention_layernorm", None),
-            "self_attn.o_proj.weight": ("self_attn.o_proj", None),
-            "self_attn.o_proj.bias": ("self_attn.o_bias", None),
-            "self_attn.q_norm.weight": ("self_attn.q_norm", None),
-            "self_attn.k_norm.weight": ("self_attn.k_norm", None),
-            "mlp.down_proj.weight": ("mlp.down_proj", None),
-            "mlp.down_proj.bias": ("mlp.down_bias", None),
-        }
-        if self.merged:
-            table |= {
-                "self_attn.q_proj.weight": ("self_attn.qkv_proj", 0),
-                "self_attn.k_proj.weight": ("self_attn.qkv_proj", q_size),
-                "self_attn.v_proj.weight": ("self_attn.qkv_proj", q_size + kv_size),
-                "self_attn.q_proj.bias": ("self_attn.qkv_bias", 0),
-                "self_attn.k_proj.bias": ("self_attn.qkv_bias", q_size),
-                "self_attn.v_proj.bias": ("self_attn.qkv_bias", q_size + kv_size),
-                "mlp.gate_proj.weight": ("mlp.gate_up_proj", 0),
-                "mlp.up_proj.weight": ("mlp.gate_up_proj", f),
-                "mlp.gate_proj.bias": ("mlp.gate_up_bias", 0),
-                "mlp.up_proj.bias": ("mlp.gate_up_bias", f),
-            }
-        else:
-            table |= (
-                {f"self_attn.{x}_proj.weight": (f"self_attn.{x}_proj", None) for x in "qkv"}
-                | {f"self_attn.{x}_proj.bias": (f"self_attn.{x}_bias", None) for x in "qkv"}
-                | {f"mlp.{x}_proj.weight": (f"mlp.{x}_proj", None) for x in ("gate", "up")}
-                | {f"mlp.{x}_proj.bias": (f"mlp.{x}_bias", None) for x in ("gate", "up")}
-            )
-        if local not in table:
-            return None, None
-        target, offset = table[local]
-        return p + target, offset
-
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face tensor name -> shape, for every tensor a checkpoint of this model holds."""
         return expected_weight_shapes(self.cfg)
@@ -612,31 +589,6 @@ class LlamaForCausalLM(nn.Module):
         # a tensor-parallel rank: the whole model's tensors drawn (one at a time), its parts kept
         whole = expected_weight_shapes(shard.model_config)
         self.load_weights(shard.take_all(dummy_weights(whole, seed, param.device, param.dtype)))
-
-
-def dummy_weights(
-    shapes: dict[str, tuple[int, ...]], seed: int, device: torch.device, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random tensors of ``shapes`` (name -> shape), drawn in order from one seeded generator:
-    norm weights are ones, every other tensor N(0, 0.02). The same shapes and seed give the
-    same values, whichever part of each tensor a tensor-parallel rank then keeps."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, shape in shapes.items():
-        if len(shape) == 1 and not name.endswith("bias"):
-            yield name, torch.ones(shape, dtype=dtype, device=device)  # norm weights
-        else:
-            t = torch.empty(shape, dtype=dtype, device=device)
-            yield name, t.normal_(0.0, 0.02, generator=gen)
-
-
-def _same_tensor(resident: Any, weight: torch.Tensor) -> bool:
-    """Whether a weight format handed ``weight`` back as it is (kept dense)."""
-    return (
-        isinstance(resident, torch.Tensor)
-        and resident.data_ptr() == weight.data_ptr()
-        and resident.shape == weight.shape
-        and resident.dtype == weight.dtype
-    )
 
 
 def make_llama(
