@@ -137,6 +137,18 @@ for _ in range(2):
       echo "   matrix exit ${PIPESTATUS[0]}"
       g=0; for files in "${groups[@]}"; do g=$((g + 1)); wait ${pids[$((g - 1))]}
         echo "== GPU tests ($files):"; grep -E "passed|failed|error|FAILED|ERROR|pytest exit|^[0-9.]+s " "$OUT/gpu-tests-$tag-$g.log" | tail -14; done ;;
+    # issue 44: the decoder layer in six ops (fused.layer): the kernels' GPU tests, the skinny-GEMM
+    # benchmark against cuBLAS, launches per decode layer from the profiler (graph kernels counted),
+    # and nano / single with the layer fused beside unfused (benchmarks/workloads/fused-layer.toml)
+    layer) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_linear_gpu.py \
+        tests/test_fused_layer.py tests/test_fused_gpu.py 2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -15
+      echo "== fused_linear_bench"; timeout ${LAYER_BENCH_TIMEOUT:-240} python3 benchmarks/fused_linear_bench.py \
+        --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60}
+      for opt in "" "--option fused.layer=true"; do echo "== profile nano-decode ${opt:-(layer unfused)}"
+        timeout 300 python3 benchmarks/kernel_profile.py --scenario nano-decode $opt --json "$OUT/profile-layer${opt:+-on}.json" \
+          2>"$OUT/profile-layer${opt:+-on}.log" | grep -E "launches|^\|" | head -16; done
+      run layer-nano offline --workload nano --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml
+      run layer-single offline --workload single --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
     # issue 15: the KV cache in fp8 (e4m3) beside bf16; kv_floor.py: fraction of the bf16 and fp8 floors
     fp8-nano) run fp8-nano offline --workload nano --matrix benchmarks/workloads/kv-fp8.toml; python3 benchmarks/kv_floor.py "$OUT/fp8-nano.json" ;;

@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="both engines' KV cache (auto, bfloat16, fp8_e4m3, ...; vLLM gets the fp8 ones)",
     )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a pitstop plugin setting (e.g. fused.layer=true); repeat for more",
+    )
     parser.add_argument("--trace-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -65,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_kwargs = {"kernels": args.kernels}
     if args.device:
         engine_kwargs["device"] = args.device
+    if args.option:
+        engine_kwargs["options"] = dict(_option(text) for text in args.option)
     peer_extra = {}
     if args.kv_cache_dtype:
         from pitstop.bench.vllm_peer import kv_cache_dtype as vllm_kv_cache_dtype
@@ -110,10 +119,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(markdown(rows, list(engines), unit))
     for engine, kernels in engines.items():
+        launches = sum(n for _, n in kernels.values())
+        print(
+            f"{engine}: {launches:.1f} launches {unit.removeprefix('µs ')}, "
+            f"{launches / mc.num_layers:.2f} per layer ({mc.num_layers} layers, head and sampler included)"
+        )
+    for engine, kernels in engines.items():
         print(f"\n{engine}: top kernels ({unit}, launches)")
         for name, us, launches in top_kernels(kernels):
             print(f"  {us:10.1f}  {launches:6.1f}  {name[:110]}")
     return status
+
+
+def _option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--option``: true/false as booleans, integers as integers."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--option {text!r}: write KEY=VALUE, e.g. fused.layer=true")
+    low = value.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    return key, int(value) if value.lstrip("-").isdigit() else value
 
 
 if __name__ == "__main__":

@@ -103,7 +103,27 @@ def configurations() -> list[dict[str, Any]]:
                     "n": 2,
                 }
             )
-    return out + issue_table()
+    return out + fused_layer_rows() + issue_table()
+
+
+def fused_layer_rows() -> list[dict[str, Any]]:
+    """Issue 44's fused decoder layer (``fused.layer``) under every allocator x scheduler, with
+    the scheduler's default budget and a 16-token one (chunks and decodes mixed in a step)."""
+    rows = []
+    for allocator, scheduler, budget in itertools.product(ALLOCATORS, SCHEDULERS, (16, None)):
+        rows.append(
+            {
+                "name": f"{allocator}/{scheduler}/fused+layer/budget={budget or 'default'}",
+                "settings": {
+                    "allocator": allocator,
+                    "scheduler": scheduler,
+                    "kernels": "fused",
+                    "options": {"fused.layer": True},
+                    **budget_settings(scheduler, budget),
+                },
+            }
+        )
+    return rows
 
 
 def issue_table() -> list[dict[str, Any]]:

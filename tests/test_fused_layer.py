@@ -151,3 +151,39 @@ def test_reference_layer_ops_are_the_unfused_arithmetic(rows: int) -> None:
     )
     r = torch.randn(rows, 48, generator=gen)
     torch.testing.assert_close(reference.linear_residual(x, w, r, b), r + x @ w.T + b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+def test_fused_layer_with_cuda_graphs_matches_reference_on_gpu(tmp_path: Path) -> None:
+    """On the GPU in float32: the fused layer's Triton GEMMs (short steps, captured in CUDA
+    graphs, and the cuBLAS path above ``layer_rows``) give the reference kernels' greedy tokens,
+    through chunks mixed with decodes, and every page comes back."""
+    folder = _checkpoint(tmp_path, "qwen3", num_hidden_layers=3, head_dim=64)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 40, 130, 7)
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 5, 24, 12, 40)
+    ]
+
+    def run(**settings) -> list[list[int]]:
+        llm = LLM(
+            str(folder),
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_gib=0.25,
+            **settings,
+        )
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        stats = llm.engine.allocator.stats()
+        assert stats.pages_free == stats.num_pages
+        return [o.token_ids for o in outs]
+
+    expected = run(kernels="reference")
+    layer = dict(kernels="fused", fused_precision="fp32", scheduler="chunked", chunk_size=32)
+    assert run(options={"fused.layer": True}, **layer) == expected
+    # every step through the cuBLAS path (the row scale, then the GEMM with its own epilogue)
+    assert run(options={"fused.layer": True, "fused.layer_rows": 0}, **layer) == expected

@@ -16,6 +16,9 @@ def test_every_combination_is_a_configuration() -> None:
         c for c in configurations() if c["name"].startswith("paged/chunked/fused/budget=16/")
     )
     assert chunked16["settings"]["chunk_size"] == 16
+    layer = [c for c in configurations() if "/fused+layer/" in c["name"]]
+    assert len(layer) == len(ALLOCATORS) * len(SCHEDULERS) * 2
+    assert all(c["settings"]["options"] == {"fused.layer": True} for c in layer)
 
 
 def test_a_divergence_fails_unless_the_reference_had_a_near_tie() -> None:
