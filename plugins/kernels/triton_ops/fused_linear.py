@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pitstop.plugins.kernels.triton_ops import pdl
+from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 
@@ -294,7 +294,7 @@ def _fused_linear_kernel(
     u = w
     if GATE_UP:
         u = _load_k(w_rows + N * stride_wn + k[None, :], k, k_end, EVEN_K, 1)
-    pdl.wait(PDL)
+    _pdl.wait(PDL)
     xt = _load_k(x_cols + k[:, None], k, k_end, EVEN_K, 0)  # [BLOCK_K, BLOCK_M]
     zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc = _dot(w, xt, zero, UPCAST, DOT_PRECISION)
@@ -316,7 +316,7 @@ def _fused_linear_kernel(
         if NORM:
             xf = xt.to(tl.float32)
             sq += tl.sum(xf * xf, axis=0)
-    pdl.launch_dependents(PDL)
+    _pdl.launch_dependents(PDL)
 
     if SPLIT_K == 1:
         _epilogue(
@@ -367,7 +367,7 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -420,7 +420,7 @@ def _launch(
         sq = ws.partials[tiles * split * accs * bn * bm :]
     else:
         parts = sq = out  # unused
-    use_pdl = pdl.enabled(x.device, pdl_on)
+    use_pdl = _pdl.enabled(x.device, pdl_on)
     _fused_linear_kernel[grid](
         x,
         weight,
@@ -452,7 +452,7 @@ def _launch(
         PDL=use_pdl,
         num_warps=warps,
         num_stages=stages,
-        **pdl.launch_kwargs(use_pdl),
+        **_pdl.launch_kwargs(use_pdl),
     )
     return out
 

@@ -124,6 +124,11 @@ fp16 and float32 queries always widen to their own dtype (fp16 already is
 the one-instruction path; float32 keeps IEEE products), and a bf16 cache
 compiles the same kernel whatever ``fp8_widen`` says.
 
+PDL (``PagedAttention(pdl=...)``, :mod:`.pdl`): every kernel waits (``gdc_wait``)
+before its first read, since all it reads (q, the cache, the tables, the
+lengths, the partials) may come from the kernels before it; it lets the next
+kernel launch once its key loop is done.
+
 ``precision="fp32"`` runs float32 inputs' matrix products in IEEE fp32;
 ``"fast"`` lets them use TF32 (for bf16/fp16 inputs the products are on the
 tensor cores either way, the probabilities rounded to the input dtype before
@@ -139,6 +144,7 @@ import triton
 import triton.language as tl
 
 from pitstop.loop.attention import AttentionMetadata
+from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.rope_store import _quantize
 
 LOG2E = 1.4426950408889634
@@ -496,7 +502,9 @@ def _decode_kernel(
     Q_FP8: tl.constexpr,
     MERGE_LAST: tl.constexpr,
     MERGE_G: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.wait(PDL)  # q, the cache, the tables and the partials' slots: the previous kernels'
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -534,6 +542,7 @@ def _decode_kernel(
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST, q_up, Q_FP8,
     )  # fmt: skip
     acc = _v_scaled(acc, kv_scale_ptr, QUANT)
+    _pdl.launch_dependents(PDL)
 
     if NUM_SPLITS == 1:
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -638,7 +647,9 @@ def _decode_reduce_kernel(
     HEAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.wait(PDL)  # the decode kernel's partials
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -654,6 +665,7 @@ def _decode_reduce_kernel(
     o_mask = (s_mask & (l_s > 0))[:, None]  # an empty split wrote no o
     o = tl.load(part_o_ptr + part[:, None] * HEAD + d[None, :], mask=o_mask, other=0.0)
     o = tl.sum(o * w[:, None], axis=0) / denom
+    _pdl.launch_dependents(PDL)
     row = (q_row0 + b).to(tl.int64)
     tl.store(out_ptr + row * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
@@ -689,7 +701,9 @@ def _prefill_kernel(
     QUANT: tl.constexpr,
     WIDEN_F16: tl.constexpr,
     Q_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.wait(PDL)  # before the early return too: every program waits (pdl.py: the chain)
     kvh = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest rows first
     seq = tl.program_id(2).to(tl.int64)
@@ -736,6 +750,7 @@ def _prefill_kernel(
         stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 2, DOT_PRECISION, UPCAST, q_up, Q_FP8,
     )  # fmt: skip
     acc = _v_scaled(acc, kv_scale_ptr, QUANT)
+    _pdl.launch_dependents(PDL)
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(
@@ -775,7 +790,8 @@ class PagedAttention:
     split that finishes last; it owns :attr:`decode_counters`). Both in the
     module docstring. ``decode_tile_rule``: ``"fixed"`` (one tile per head size)
     or ``"by-batch"`` (the decode sweep's best tiles for the launch's batch and
-    cache dtype: :data:`WIDE_BATCH_TILES`, :data:`FP8_DECODE_TILES`).
+    cache dtype: :data:`WIDE_BATCH_TILES`, :data:`FP8_DECODE_TILES`). ``pdl``:
+    programmatic dependent launch of every kernel (``None``: where it works, :mod:`.pdl`).
     """
 
     def __init__(
@@ -792,12 +808,14 @@ class PagedAttention:
         fp8_widen: str = "fp16",
         decode_merge: str = "separate",
         decode_tile_rule: str = "fixed",
+        pdl: bool | None = None,
     ) -> None:
         if decode_tile_rule not in DECODE_TILE_RULES:
             raise ValueError(
                 f"decode_tile_rule must be one of {DECODE_TILE_RULES}, not {decode_tile_rule!r}"
             )
         self.decode_tile_rule = decode_tile_rule
+        self.pdl = pdl
         if fp8_widen not in FP8_WIDEN:
             raise ValueError(f"fp8_widen must be one of {FP8_WIDEN}, not {fp8_widen!r}")
         if decode_merge not in DECODE_MERGE:
@@ -976,6 +994,7 @@ class PagedAttention:
         block_q = tiles.block_m // group
         bt = meta.block_tables
         grid = (hkv, triton.cdiv(meta.max_query_len, block_q), meta.num_prefills)
+        use_pdl = _pdl.enabled(q.device, self.pdl)
         _prefill_kernel[grid](
             q,
             k_cache,
@@ -998,8 +1017,10 @@ class PagedAttention:
             QUANT=kv_scale is not None,
             WIDEN_F16=self.widen_f16(q, kv_scale, k_cache),
             Q_FP8=self.query_fp8(q, kv_scale, k_cache),
+            PDL=use_pdl,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
+            **_pdl.launch_kwargs(use_pdl),
         )
 
     def decode(
@@ -1033,6 +1054,7 @@ class PagedAttention:
             counters = self._counters(nd * hkv)
         else:
             counters = out  # unused
+        use_pdl = _pdl.enabled(q.device, self.pdl)
         _decode_kernel[(nd, hkv, splits)](
             q,
             k_cache,
@@ -1061,8 +1083,10 @@ class PagedAttention:
             Q_FP8=self.query_fp8(q, kv_scale, k_cache),
             MERGE_LAST=merge_last,
             MERGE_G=triton.next_power_of_2(group) if merge_last else 1,
+            PDL=use_pdl,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
+            **_pdl.launch_kwargs(use_pdl),
         )
         if splits > 1 and not merge_last:
             _decode_reduce_kernel[(nd, hq)](
@@ -1075,5 +1099,7 @@ class PagedAttention:
                 HEAD=d,
                 NUM_SPLITS=splits,
                 BLOCK_S=triton.next_power_of_2(splits),
+                PDL=use_pdl,
                 num_warps=4,
+                **_pdl.launch_kwargs(use_pdl),
             )

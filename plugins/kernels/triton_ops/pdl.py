@@ -52,7 +52,7 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_supports(device_index: int) -> bool:
     major, _ = torch.cuda.get_device_capability(device_index)
     return major >= 9

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _rmsnorm_kernel(
@@ -31,11 +33,15 @@ def _rmsnorm_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
     col_mask = cols < N
+    # the weight does not depend on the previous kernel: loaded before the wait
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    _pdl.wait(PDL)
     mask = row_mask[:, None] & col_mask[None, :]
     # row r of the [T, H, N] view is token r // H, head r % H
     t = (rows // heads).to(tl.int64)
@@ -54,19 +60,25 @@ def _rmsnorm_kernel(
     var = tl.sum(h32 * h32, axis=1) / N
     rstd = 1.0 / tl.sqrt(var + eps)
     normed = (h32 * rstd[:, None]).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    _pdl.launch_dependents(PDL)
     y = normed * w[None, :]
     out_offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over the last dimension of ``x`` (2-D ``[T, N]`` or 3-D ``[T, H, N]``, rows may be strided).
 
     With ``residual`` (same shape as ``x``) the sum ``x + residual`` is normalized
     and also returned as the new residual; both outputs are fresh contiguous tensors.
+    ``pdl``: programmatic dependent launch (default: where it works, :mod:`.pdl`).
     """
     n = x.shape[-1]
     assert weight.shape == (n,), "weight must have the size of x's last dimension"
@@ -92,6 +104,7 @@ def rms_norm(
     rows = max(1, min(16, 2048 // block_n))
     num_warps = 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16
     grid = (triton.cdiv(num_rows, rows),)
+    use_pdl = _pdl.enabled(x.device, pdl)
     _rmsnorm_kernel[grid](
         x3,
         r3,
@@ -109,6 +122,8 @@ def rms_norm(
         BLOCK_N=block_n,
         ROWS=rows,
         HAS_RESIDUAL=residual is not None,
+        PDL=use_pdl,
         num_warps=num_warps,
+        **_pdl.launch_kwargs(use_pdl),
     )
     return out, res_out

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from pitstop.loop.attention import AttentionMetadata
 from pitstop.plugin_system.protocols import RotaryCache
+from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 
 # mantissa bits of the fp8 cache formats Triton stores (float8e4nv, float8e5)
 FP8_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -150,7 +151,10 @@ def _rope_store_kernel(
     QUANT_MAX: tl.constexpr,
     QUANT_MANTISSA: tl.constexpr,
     QUANT_MIN_NORMAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # positions, slots, q/k/v: all written by earlier kernels; the cache too (WAR with attention)
+    _pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -183,6 +187,7 @@ def _rope_store_kernel(
     v_offs = (t * stride_vt + hk * stride_vh)[:, None] + j[None, :]
     v1 = tl.load(v_ptr + v_offs, mask=k_mask, other=0.0)
     v2 = tl.load(v_ptr + v_offs + HALF, mask=k_mask, other=0.0)
+    _pdl.launch_dependents(PDL)
     if QUANT:
         k_scale = tl.load(kv_scale_ptr)
         v_scale = tl.load(kv_scale_ptr + 1)
@@ -233,6 +238,8 @@ def rope_and_store(
     kv_scale: torch.Tensor | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
     qk_norm_eps: float = 1e-6,
+    *,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` at ``meta.positions``; store k, v at ``meta.slot_mapping``.
 
@@ -242,7 +249,8 @@ def rope_and_store(
     (float32 ``[2]``: K's scale, V's). ``qk_norm`` (q's and k's RMSNorm weights
     ``[D]``, in q's dtype): RMS-normalize every head with ``qk_norm_eps`` before
     rotating (the normalized, rotated k is what the cache stores). Returns fresh
-    contiguous rotated q and k.
+    contiguous rotated q and k. ``pdl``: programmatic dependent launch (default:
+    where it works, :mod:`.pdl`).
     """
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -262,6 +270,7 @@ def rope_and_store(
     quant = k_cache.element_size() == 1
     assert not quant or (kv_scale is not None and kv_scale.dtype == torch.float32)
     finfo = torch.finfo(k_cache.dtype)
+    use_pdl = _pdl.enabled(q.device, pdl)
     _rope_store_kernel[(t,)](
         q,
         k,
@@ -299,6 +308,8 @@ def rope_and_store(
         QUANT_MAX=finfo.max,
         QUANT_MANTISSA=FP8_MANTISSA_BITS.get(k_cache.dtype, 0),
         QUANT_MIN_NORMAL=finfo.smallest_normal,
+        PDL=use_pdl,
         num_warps=4,
+        **_pdl.launch_kwargs(use_pdl),
     )
     return q_out, k_out
