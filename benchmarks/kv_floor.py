@@ -4,18 +4,20 @@ The bench's floor (WORKLOADS.md) counts 2 bytes per cached K/V element; with
 the KV cache in fp8 the same workload's floor reads 1 byte per element, so
 its KV part halves (prefill FLOPs and weight reads are unchanged)::
 
-    python benchmarks/kv_floor.py results/nano-fp8.json
+    python benchmarks/kv_floor.py results/nano-fp8.json  # or .json.gz
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 
 
 def main(path: str) -> None:
     """Print one line per column: throughput, speed-up over the first column, both floor fractions."""
-    with open(path) as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         doc = json.load(f)
     floor = doc.get("floor")
     if not floor:

@@ -2,6 +2,8 @@
 
     python benchmarks/merge_results.py part1.json part2.json --output all.json --plot all.png
 
+(a part may be gzipped: ``part1.json.gz``)
+
 Every part must have run the same workload (name, request count, seed, clients)
 on the same model; the configurations are joined in the order given, the
 table (with the change against the first column) is printed, and the plot is
@@ -11,6 +13,7 @@ drawn from all of them. Each column keeps the commit and date of its part.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -41,6 +44,12 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _read(path: Path) -> dict[str, Any]:
+    """A results document, ``.json`` or ``.json.gz``."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Merge, write the JSON and the plot, print the table (exit status as ``pitstop bench``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -48,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, help="write the merged JSON here")
     p.add_argument("--plot", type=Path, help="draw the merged PNG here")
     args = p.parse_args(argv)
-    doc = merge([json.loads(path.read_text()) for path in args.parts])
+    doc = merge([_read(path) for path in args.parts])
     return publish(doc, args.output, args.plot)
 
 

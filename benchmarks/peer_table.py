@@ -11,6 +11,7 @@ failed shows its error.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 from pathlib import Path
@@ -42,9 +43,19 @@ def rows(paths: list[Path]) -> list[list[str]]:
     out = []
     for path in paths:
         try:
-            doc = json.loads(path.read_text())
+            raw = path.read_bytes()
+            doc = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
         except (OSError, ValueError) as exc:
-            out.append([path.stem, f"unreadable: {exc}", "", "", "", ""])
+            out.append(
+                [
+                    path.name.removesuffix(".gz").removesuffix(".json"),
+                    f"unreadable: {exc}",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            )
             continue
         wl = doc["workload"]
         name = wl["name"] + (f", {wl['concurrency']} clients" if wl.get("concurrency") else "")
@@ -56,7 +67,7 @@ def rows(paths: list[Path]) -> list[list[str]]:
         online = doc["mode"] == "online"
         out.append(
             [
-                f"{path.stem}: {name}",
+                f"{path.name.removesuffix('.gz').removesuffix('.json')}: {name}",
                 a_text if not mine.get("error") else f"failed: {mine['error'][:80]}",
                 b_text if not peer.get("error") else f"failed: {peer['error'][:120]}",
                 ratio,

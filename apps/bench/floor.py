@@ -350,3 +350,85 @@ def measure_ceilings(
     name = torch.cuda.get_device_name(device)
     torch.cuda.empty_cache()
     return Ceilings(2 * size_mib * 2**20 / copy_s, 2 * n**3 / mm_s, source=f"measured on {name}")
+
+
+def read_result(path: str) -> dict[str, Any]:
+    """A ``pitstop bench`` result file, ``.json`` or ``.json.gz``."""
+    import gzip
+    import json
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def floor_of_result(doc: dict[str, Any], *, ceilings: Ceilings | None = None) -> Floor:
+    """The floor of a stored ``pitstop bench`` result, recomputed with this module's formula
+    from the requests it ran (their prompt and output lengths), its model's shape and its
+    clients; ``ceilings`` default to the ones the run used."""
+    shape = dict(doc["model"]["shape"])
+    mc = ModelConfig(**{k: v for k, v in shape.items() if k in attrs.fields_dict(ModelConfig)})
+    column = next(c for c in doc["configs"] if c.get("requests"))
+    lengths = [(r["input_len"], r["output_len"]) for r in column["requests"]]
+    wl = doc["workload"]
+    prefix_len = wl.get("shared_prefix_len") or 0
+    given = doc.get("ceilings") or {}
+    if ceilings is None and given:
+        ceilings = Ceilings(
+            given["copy_TB_per_s"] * 1e12, given["matmul_TFLOP_per_s"] * 1e12, given["source"]
+        )
+    return floor(
+        mc,
+        lengths,
+        concurrency=wl.get("concurrency"),
+        shared_prefix=(prefix_len, 4 if prefix_len else 0),
+        ceilings=ceilings or H200,
+    )
+
+
+def restate(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each column of a stored result as a fraction of its recorded floor and of the floor
+    this module computes now (the weight bytes each column's engine held, where recorded)."""
+    base = floor_of_result(doc)
+    rows = []
+    columns = [*doc["configs"], *([doc["peer"]] if doc.get("peer") else [])]
+    for col in columns:
+        fig = col.get("figures") or {}
+        wall = fig.get("wall_s")
+        if not wall:
+            continue
+        held = (col.get("floor") or doc.get("floor") or {}).get("weight_bytes") or 0
+        now = base.with_weight_bytes(held)
+        rows.append(
+            {
+                "column": col["name"],
+                "output_tok_per_s": fig.get("output_tok_per_s"),
+                "floor_s_recorded": fig.get("floor_s"),
+                "fraction_recorded": fig.get("floor_fraction"),
+                "floor_s_now": now.seconds,
+                "fraction_now": now.seconds / wall,
+            }
+        )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m pitstop.bench.floor RESULT.json[.gz] ...``: each column's fraction of
+    floor as recorded and as this module's formula restates it."""
+    import sys
+
+    for path in argv if argv is not None else sys.argv[1:]:
+        doc = read_result(path)
+        print(f"{path}: {doc['workload'].get('name')} on {doc['model']['name']}")
+        for r in restate(doc):
+            rec = r["fraction_recorded"]
+            print(
+                f"  {r['column']}: {r['output_tok_per_s']:,.1f} tok/s, "
+                f"{'n/a' if rec is None else f'{rec:.1%}'} of the recorded floor "
+                f"({r['floor_s_recorded'] or float('nan'):.4f} s) -> {r['fraction_now']:.1%} "
+                f"of the floor now ({r['floor_s_now']:.4f} s)"
+            )
+
+
+if __name__ == "__main__":
+    main()
