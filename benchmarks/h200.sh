@@ -163,7 +163,8 @@ for _ in range(2):
     # same run, vLLM in a process of its own). The wheels travel in .vv/ (benchmarks/vllm_download.sh:
     # vp00..vp06 + vp.sum, one part a run, back to back); benchmarks/vllm_setup.sh joins and installs
     # them under /tmp/vsite once all are there (until then this case says which are missing), with the
-    # wheels of .vx/ (added after the parts were made: vllm serve's model-hosting-container-standards).
+    # wheels of .vx/ (added after the parts were made: vllm serve's model-hosting-container-standards,
+    # loguru for vLLM's fp8 quantization; benchmarks/vllm_download.sh lists both now).
     # VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec (docs/benchmarks.md).
     # issue 29: kernel by kernel, one step of each engine on the same requests (benchmarks/kernel_profile.py);
     # PROFILE_ROWS "nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b"

@@ -14,7 +14,8 @@ python3 -m pip download -q $plat vllm==0.24.0 -d .
 failed=""
 # pinned where a newer release does not import with vLLM 0.24 on the device (PEERS.md); the
 # HTTP client stack (httpx ...) too, for an image that lacks it (the online peer needs it); vllm
-# serve imports model-hosting-container-standards (and its jmespath, supervisor), LLM does not
+# serve imports model-hosting-container-standards (and its jmespath, supervisor), LLM does not;
+# its fp8 quantization (--quantization fp8) imports loguru (no dependencies on Linux)
 for p in flashinfer-python==0.6.12 apache-tvm-ffi==0.1.9 openai==2.54.0 fastapi==0.136.3 xgrammar==0.2.1 \
   llguidance==1.7.6 compressed-tensors==0.17.0 depyf==0.20.0 lark==1.2.2 diskcache==5.6.3 \
   outlines_core==0.2.14 lm-format-enforcer==0.11.3 \
@@ -22,7 +23,8 @@ for p in flashinfer-python==0.6.12 apache-tvm-ffi==0.1.9 openai==2.54.0 fastapi=
   prometheus-fastapi-instrumentator pybase64 cbor2 ijson setproctitle openai-harmony watchfiles \
   python-json-logger nvidia-cudnn-frontend starlette annotated-types typing-inspection jiter distro \
   sniffio jsonschema jsonschema-specifications referencing rpds-py interegular pycountry uvicorn \
-  httpx httpcore h11 anyio certifi idna model-hosting-container-standards jmespath supervisor; do
+  httpx httpcore h11 anyio certifi idna model-hosting-container-standards jmespath supervisor \
+  loguru; do
   python3 -m pip download -q $plat "$p" -d small || { echo "FAILED $p"; failed="$failed $p"; }
 done
 ls vllm-0.24.0-*.whl >/dev/null
