@@ -173,6 +173,9 @@ def candidates(case: Case) -> list[fl.LinearConfig]:
         add(base._replace(block_n=base.block_n * 2, split_k=base.split_k * 2))
     add(base._replace(block_k=64 if base.block_k > 64 else 128))
     add(base._replace(num_stages=base.num_stages + 1 if base.num_stages < 5 else 2))
+    if case.m >= 64:  # fewer, shorter tiles; no split
+        add(base._replace(block_m=32, block_n=64, block_k=128, split_k=1, num_stages=4))
+        add(base._replace(block_n=64, split_k=1))
     return out
 
 

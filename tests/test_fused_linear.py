@@ -246,6 +246,7 @@ def test_h200_configs_fill_the_gpu_and_fit_the_workspace(
     if cfg.split_k > 1:
         assert k // cfg.split_k >= fl.MIN_K_PER_SPLIT
         assert tiles * cfg.split_k * (2 if gate_up else 1) <= fl.PROGRAMS_PER_SM * 132
+        assert m <= 16 or tiles * cfg.split_k <= fl.PROGRAMS_PER_SM_WIDE * 132
         accs = 2 if gate_up else 1
         floats = tiles * cfg.split_k * (accs * cfg.block_n * cfg.block_m + cfg.block_m)
         assert floats <= fl.WORKSPACE_FLOATS["cuda"]
@@ -253,7 +254,7 @@ def test_h200_configs_fill_the_gpu_and_fit_the_workspace(
         assert cfg.split_k > 1  # 16..64 tiles of 64 columns: too few for 132 SMs
     if (m, n, k) == (64, 14336, 4096):
         assert cfg.split_k == 1  # 224 tiles (each two weight tiles): the GPU is full
-    assert cfg.num_stages <= 3 or not gate_up
+    assert cfg.num_warps == 4 and (cfg.num_stages <= 4 or not gate_up)
 
 
 def test_pdl_is_off_here_and_in_the_interpreter() -> None:

@@ -81,19 +81,26 @@ class LinearConfig(NamedTuple):
 
 
 # (largest M of the bucket) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for bf16/fp16 on a
-# Hopper GPU; the benchmark (benchmarks/fused_linear_bench.py --sweep) checks the choice.
+# Hopper GPU, from benchmarks/fused_linear_bench.py's sweep on the H200 (2026-12-04, Triton 3.6):
+# up to 16 rows 16x64x128 with 5 stages (4 for gate-up: two weight tiles a stage); above, 32-row
+# tiles, and 64x64x64 from 128 rows (each beat the 64x128 tiles by 1.3-2x there). Tiles of
+# BLOCK_M 128 with 8 warps gave intermittently wrong results (relative error up to 0.4) at
+# M=256 under Triton 3.6: no 8-warp tile is used until that is understood.
 GPU_TILES: dict[int, tuple[int, int, int, int, int]] = {
-    16: (16, 64, 128, 4, 4),
+    16: (16, 64, 128, 4, 5),
     32: (32, 64, 128, 4, 4),
-    64: (64, 64, 128, 4, 3),
-    128: (64, 128, 64, 4, 4),
-    256: (128, 128, 64, 8, 3),
+    64: (32, 64, 128, 4, 4),
+    128: (64, 64, 64, 4, 4),
+    256: (64, 64, 64, 4, 4),
 }
 FP32_TILES = (16, 64, 32, 4, 3)  # IEEE fp32 products on FMA units: small K steps
 INTERPRETER_TILES = (16, 16, 32, 1, 1)  # small, so test shapes cross tile borders
 MAX_SPLIT = 16
 MIN_K_PER_SPLIT = 256  # at least two K steps of 128 per split on the GPU
-PROGRAMS_PER_SM = 2  # split K until the grid has about this many programs per SM
+# split K until the grid has about this many programs per SM: two up to 16 rows (the H200
+# sweep: split 4-8 best at M=1), one above (split programs lost to fewer, longer ones there)
+PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM_WIDE = 1
 # the split-K workspace (float32) and counters of a device: fixed, so nothing grows mid-capture
 WORKSPACE_FLOATS = {"cuda": 1 << 22, "cpu": 1 << 16}
 NUM_COUNTERS = {"cuda": 1 << 13, "cpu": 1 << 10}
@@ -149,6 +156,7 @@ def choose_config(
 
     Tiles by M bucket (:data:`GPU_TILES`; fp32 and the interpreter take their own), then the
     K split: doubled while the grid has fewer than ``PROGRAMS_PER_SM * num_sms`` programs
+    (``PROGRAMS_PER_SM_WIDE`` above 16 rows)
     (a gate-up tile counts twice: it streams two weight tiles), each split keeps at least
     :data:`MIN_K_PER_SPLIT` columns (two K steps in the interpreter), and the workspace fits.
     """
@@ -162,14 +170,15 @@ def choose_config(
         bucket = min((b for b in GPU_TILES if b >= m), default=max(GPU_TILES))
         bm, bn, bk, warps, stages = GPU_TILES[bucket]
         min_k = MIN_K_PER_SPLIT
-        if gate_up and stages > 3:  # two weight tiles a stage
-            stages = 3
+        if gate_up and stages > 4:  # two weight tiles a stage
+            stages = 4
     tiles = triton.cdiv(n, bn) * triton.cdiv(max(m, 1), bm)
     weight = 2 if gate_up else 1
+    per_sm = PROGRAMS_PER_SM if m <= 16 or not on_gpu else PROGRAMS_PER_SM_WIDE
     split = 1
     while (
         split < MAX_SPLIT
-        and tiles * split * 2 * weight <= PROGRAMS_PER_SM * num_sms
+        and tiles * split * 2 * weight <= per_sm * num_sms
         and k // (split * 2) >= min_k
         and _split_fits(tiles, split * 2, bm, bn, weight, "cuda" if on_gpu else "cpu")
     ):
