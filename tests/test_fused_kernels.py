@@ -1445,3 +1445,66 @@ def test_the_conformance_suite_checks_the_fused_set_with_its_qk_norm() -> None:
 
     check_kernel_set(make, device=DEVICE, dtypes=(torch.float32,), max_examples=3)
     assert made and made[0].fuses_qk_norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "page_size", "heads"),
+    [
+        ((1, 7, 30), (1, 7, 30), 16, (4, 2)),  # a one-token prompt first (issue: NaN rows)
+        ((3, 1, 9, 1, 20, 1), (5, 12, 9, 40, 20, 33), 4, (6, 2)),  # decodes between, and last
+    ],
+)
+def test_attention_one_token_sequence_before_a_longer_one(
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],
+    page_size: int,
+    heads: tuple[int, int],
+    dtype: torch.dtype,
+) -> None:
+    """A step built by ``build_metadata`` from sequences not sorted prefills first (a one-token
+    prompt before longer ones, as ``checkpoint_helpers.prefill_logits`` builds them): its
+    ``num_prefills`` counts the sequences of more than one token, not a leading run of them.
+    The kernels once ran the first ``num_prefills`` sequences as prefills and the rest as
+    decodes from row ``num_prefill_tokens``, so the longer sequences after the short one
+    were never written (``torch.empty``: garbage, at times NaN). Outputs are poisoned and so
+    is every cache slot no sequence has written: each row must be the reference's (computed
+    on the same sequences sorted prefills first)."""
+    from pitstop.loop.runner_batch import build_metadata
+    from pitstop.loop.step import SeqInput
+
+    hq, hkv = heads
+    head_size = 64
+    num_pages = sum(-(-c // page_size) for c in context_lens) + 3
+    gen = torch.Generator().manual_seed(7)
+    free = torch.randperm(num_pages, generator=gen).tolist()
+    seqs = []
+    for i, (n, c) in enumerate(zip(query_lens, context_lens, strict=True)):
+        pages, free = free[: -(-c // page_size)], free[-(-c // page_size) :]
+        seqs.append(SeqInput(i, [0] * n, c - n, pages, True))
+    shape = (num_pages, page_size, hkv, head_size)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    for s, c in zip(seqs, context_lens, strict=True):  # the written slots: positions < context
+        pos = torch.arange(c)
+        page, off = torch.tensor(s.block_table)[pos // page_size], pos % page_size
+        k_cache[page, off] = torch.randn(c, hkv, head_size, generator=gen)
+        v_cache[page, off] = torch.randn(c, hkv, head_size, generator=gen)
+    k_cache, v_cache = k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype)
+    q = torch.randn(sum(query_lens), hq, head_size, generator=gen).to(DEVICE, dtype)
+    no_pending = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    _, meta, _ = build_metadata(seqs, page_size, DEVICE, no_pending, lambda seq_id: 0)
+    assert meta.num_prefills == sum(n > 1 for n in query_lens)  # counted, not a leading run
+    scale = head_size**-0.5
+    with poisoned_outputs():
+        out = fused(dtype).attention(q, k_cache, v_cache, meta, scale)
+    # the reference on the same sequences laid out as the runner lays them out
+    order = sorted(range(len(seqs)), key=lambda i: query_lens[i] == 1)
+    cu = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in order]).to(DEVICE)
+    _, sorted_meta, _ = build_metadata(
+        [seqs[i] for i in order], page_size, DEVICE, no_pending, lambda seq_id: 0
+    )
+    expected = torch.empty_like(q)
+    expected[rows] = reference.paged_attention(q[rows], k_cache, v_cache, sorted_meta, scale)
+    assert_close(out, expected, dtype, f"attention q={query_lens} ctx={context_lens}")
