@@ -81,15 +81,17 @@ class LinearConfig(NamedTuple):
 
 
 # (largest M of the bucket) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for bf16/fp16 on a
-# Hopper GPU, from benchmarks/fused_linear_bench.py's sweep on the H200 (2026-12-04, Triton 3.6):
-# up to 16 rows 16x64x128 with 5 stages (4 for gate-up: two weight tiles a stage); above, 32-row
-# tiles, and 64x64x64 from 128 rows (each beat the 64x128 tiles by 1.3-2x there). Tiles of
-# BLOCK_M 128 with 8 warps gave intermittently wrong results (relative error up to 0.4) at
-# M=256 under Triton 3.6: no 8-warp tile is used until that is understood.
+# Hopper GPU, from benchmarks/fused_linear_bench.py's sweeps on the H200 (2026-12-04, Triton
+# 3.6). BLOCK_M covers M up to 64: a second row tile streams the weights again (llama3-8b
+# gate-up at M=64: 118 us with 32-row tiles, 67 with 64); 5 stages lost to 4 where a split
+# has two K steps (qwen3-0.6b QKV at M=1: 8.6 us against 5.8). Above 64 rows the tiles
+# re-read the weights and cuBLAS is faster: use it there. Tiles of BLOCK_M 128 with 8 warps
+# gave intermittently wrong results (relative error up to 0.4) at M=256 under Triton 3.6:
+# no 8-warp tile is used until that is understood.
 GPU_TILES: dict[int, tuple[int, int, int, int, int]] = {
-    16: (16, 64, 128, 4, 5),
+    16: (16, 64, 128, 4, 4),
     32: (32, 64, 128, 4, 4),
-    64: (32, 64, 128, 4, 4),
+    64: (64, 64, 128, 4, 3),
     128: (64, 64, 64, 4, 4),
     256: (64, 64, 64, 4, 4),
 }
