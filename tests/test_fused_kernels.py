@@ -1463,11 +1463,12 @@ def test_attention_one_token_sequence_before_a_longer_one(
     dtype: torch.dtype,
 ) -> None:
     """A step built by ``build_metadata`` from sequences not sorted prefills first (a one-token
-    prompt before longer ones, as ``checkpoint_helpers.prefill_logits`` builds them): its
-    ``num_prefills`` counts the sequences of more than one token, not a leading run of them.
-    The kernels once ran the first ``num_prefills`` sequences as prefills and the rest as
-    decodes from row ``num_prefill_tokens``, so the longer sequences after the short one
-    were never written (``torch.empty``: garbage, at times NaN). Outputs are poisoned and so
+    prompt before longer ones, as ``checkpoint_helpers.prefill_logits`` builds them). The
+    kernels run the first ``num_prefills`` sequences as prefills and the rest as decodes from
+    row ``num_prefill_tokens``; ``num_prefills`` once counted the sequences of more than one
+    token wherever they sat, so the rows of a long sequence after a short one were never
+    written (``torch.empty``: garbage, at times NaN). Now every sequence up to the last long
+    one is a prefill (``runner_batch._flatten``). Outputs are poisoned and so
     is every cache slot no sequence has written: each row must be the reference's (computed
     on the same sequences sorted prefills first)."""
     from pitstop.loop.runner_batch import build_metadata
@@ -1494,7 +1495,10 @@ def test_attention_one_token_sequence_before_a_longer_one(
     q = torch.randn(sum(query_lens), hq, head_size, generator=gen).to(DEVICE, dtype)
     no_pending = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     _, meta, _ = build_metadata(seqs, page_size, DEVICE, no_pending, lambda seq_id: 0)
-    assert meta.num_prefills == sum(n > 1 for n in query_lens)  # counted, not a leading run
+    # every sequence up to the last one of several tokens runs as a prefill; the rest, decodes
+    last_long = max(i for i, n in enumerate(query_lens) if n > 1)
+    assert meta.num_prefills == last_long + 1
+    assert meta.num_prefill_tokens == sum(query_lens[: last_long + 1])
     scale = head_size**-0.5
     with poisoned_outputs():
         out = fused(dtype).attention(q, k_cache, v_cache, meta, scale)

@@ -50,7 +50,6 @@ def _flatten(seqs: Seq[SeqInput], ps: int) -> _HostBatch:
     ctx_lens: list[int] = []
     q_lens: list[int] = []
     sample_rows: list[int] = []
-    num_prefills = num_prefill_tokens = 0
     width = max((len(s.block_table) for s in seqs), default=0)
     tables = np.full((len(seqs), width), -1, dtype=np.int32)
     for i, s in enumerate(seqs):
@@ -64,11 +63,14 @@ def _flatten(seqs: Seq[SeqInput], ps: int) -> _HostBatch:
         cu.append(cu[-1] + n)
         ctx_lens.append(s.start_pos + n)
         q_lens.append(n)
-        if n > 1:
-            num_prefills += 1
-            num_prefill_tokens += n
         if s.sample:
             sample_rows.extend(range(cu[-1] - s.num_logits, cu[-1]))
+    # The attention kernels run the first num_prefills sequences as prefills and the rest as
+    # decodes, one row each: every sequence up to the last one of several tokens is a prefill
+    # (a one-token prompt among them runs there as any other), so that an unsorted batch (the
+    # engine sorts prefills first; a direct caller may not) leaves no row unwritten.
+    num_prefills = max((i + 1 for i, n in enumerate(q_lens) if n > 1), default=0)
+    num_prefill_tokens = cu[num_prefills]
     empty = np.zeros(0, dtype=np.int64)
     return _HostBatch(
         np.asarray(input_ids, dtype=np.int64),

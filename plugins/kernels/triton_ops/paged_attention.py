@@ -139,7 +139,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import attrs
 import torch
 import triton
 import triton.language as tl
@@ -777,36 +776,6 @@ def _row_strides(
     )
 
 
-def kernel_layout(meta: AttentionMetadata) -> AttentionMetadata:
-    """``meta``, or a copy whose split into prefill and decode sequences the kernels can run.
-
-    The prefill kernel runs the batch's first ``num_prefills`` sequences, the
-    decode kernel the rest, one query row each from row ``num_prefill_tokens``
-    on: prefills first, then decodes, as the engine sorts a step. But
-    ``build_metadata`` counts ``num_prefills`` (the sequences of more than one
-    token) wherever they sit, so a batch built from unsorted sequences (a
-    one-token prompt before longer ones, as ``prefill_logits`` in the tests
-    builds it) left the prefill grid short of the last long sequence, and the
-    decode kernel wrote only that sequence's last row: its other rows were
-    never written (``torch.empty``: whatever the allocator held, at times NaN).
-    Here the prefill kernel takes every sequence up to the last one of more
-    than one token (a one-token query runs there as any other) and the decode
-    kernel the trailing one-token ones. The check is exact (the first
-    ``num_prefills`` query lengths sum to ``num_prefill_tokens`` only when none
-    of them is 1) and costs a sum over the prefills' host lengths, nothing on
-    the device; a batch without host lengths (a captured one, which the runner
-    lays out) is taken as it is.
-    """
-    qlens = meta.query_lens_list
-    p = meta.num_prefills
-    if len(qlens) != p + meta.num_decodes or sum(qlens[:p]) == meta.num_prefill_tokens:
-        return meta
-    p = max(i + 1 for i, n in enumerate(qlens) if n > 1)
-    return attrs.evolve(
-        meta, num_prefills=p, num_prefill_tokens=sum(qlens[:p]), num_decodes=len(qlens) - p
-    )
-
-
 class PagedAttention:
     """Launches the prefill and decode kernels for one step's mixed batch.
 
@@ -1001,7 +970,6 @@ class PagedAttention:
             q = q.contiguous()
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
         scale_log2e = scale * LOG2E
-        meta = kernel_layout(meta)  # a one-token sequence before a longer one: see there
         if meta.num_prefills:
             self.prefill(q, k_cache, v_cache, meta, scale_log2e, out, hkv, kv_scale)
         if meta.num_decodes:
