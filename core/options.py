@@ -28,7 +28,13 @@ import attrs
 
 from pitstop.errors import ConfigError, PluginError
 from pitstop.plugin_system.catalogue import Catalogue, Declaration
-from pitstop.plugin_system.settings import TOML_TABLE, allowed_values, flag_name, settings_from_toml
+from pitstop.plugin_system.settings import (
+    TOML_TABLE,
+    allowed_values,
+    default_text,
+    flag_name,
+    settings_from_toml,
+)
 from pitstop.vllm_args import ACCEPTED, REFUSED, RENAMED, did_you_mean, translate, vllm_names
 
 SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags
@@ -254,7 +260,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, catalogue: Catalogue) ->
             type=parse_bool_flag if kind is bool else kind,
             default=None,
             metavar="true|false" if kind is bool else kind.__name__.upper(),
-            help=f"{help_text} ({allowed_values(att)}; default {att.default!r})",
+            help=f"{help_text} ({allowed_values(att)}; default {default_text(att)})",
         )
 
     for alias, declared in sorted(catalogue.aliases.items()):

@@ -48,8 +48,6 @@ class Renamed:
     convert: Callable[[Any], dict[str, Any]]
     flag_type: type = int  # the value type of its CLI flag (bool: --x / --no-x)
     note: str = ""
-    implies: Callable[[Any, Mapping[str, Any]], dict[str, Any]] | None = None
-    """Settings it also sets, from its value and the other settings given, unless given."""
 
 
 def _as(setting: str) -> Callable[[Any], dict[str, Any]]:
@@ -76,31 +74,8 @@ def _memory_bytes(value: Any) -> dict[str, Any]:
     return {"kv_cache_gib": value / 2**30}
 
 
-# The built-in schedulers' default max_prefill_batch; must not exceed max_batch_size.
-_DEFAULT_MAX_PREFILL_BATCH = 64
-
-
-def _prefill_cap(value: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM bounds prefills by max_num_seqs alone: a smaller max_num_seqs also lowers
-    pitstop's max_prefill_batch (default 64) to it, unless that is given some way."""
-    options = settings.get("options") or {}
-    given = "max_prefill_batch" in settings or any(
-        k == "max_prefill_batch" or k.endswith(".max_prefill_batch") for k in options
-    )
-    small = isinstance(value, int) and not isinstance(value, bool)
-    if given or not small or value >= _DEFAULT_MAX_PREFILL_BATCH:
-        return {}
-    return {"max_prefill_batch": max(1, value)}
-
-
 RENAMED: tuple[Renamed, ...] = (
-    Renamed(
-        "max_num_seqs",
-        "max_batch_size",
-        _as("max_batch_size"),
-        note="below 64 also max_prefill_batch, unless given",
-        implies=_prefill_cap,
-    ),
+    Renamed("max_num_seqs", "max_batch_size", _as("max_batch_size")),
     Renamed("block_size", "page_size", _as("page_size")),
     Renamed("num_gpu_blocks_override", "max_num_pages", _as("max_num_pages")),
     Renamed(
@@ -294,9 +269,6 @@ def translate(settings: Mapping[str, Any]) -> dict[str, Any]:
                     f"{settings[setting]!r} is given too; give one of them"
                 )
             out[setting] = new
-        if rule.implies is not None:
-            for setting, new in rule.implies(value, settings).items():
-                out.setdefault(setting, new)
     return out
 
 
