@@ -215,7 +215,9 @@ def aliased_fields(cls: type) -> list[attrs.Attribute]:
 def same_declaration(a: attrs.Attribute, b: attrs.Attribute) -> bool:
     """Whether two fields sharing one alias accept the same values with the same default."""
     keys = ("type", "minimum", "choices", "optional", "required", "at_most")
-    return declared_default(a) == declared_default(b) and all(a.metadata[k] == b.metadata[k] for k in keys)
+    return declared_default(a) == declared_default(b) and all(
+        a.metadata[k] == b.metadata[k] for k in keys
+    )
 
 
 def check_value(att: attrs.Attribute, value: Any, *, key: str, owner: str) -> None:
