@@ -156,6 +156,28 @@ def _burst_events(
             yield sse(make_chunk(k, delta, reason, count, last))
 
 
+def _metered(
+    events: Iterator[str], budget: ResponseBudget | None, over: list[bool]
+) -> Iterator[str]:
+    """``events`` while the answer stays within ``budget``; at the first event that would
+    pass it, stop and append True to ``over``."""
+    for event in events:
+        if budget is not None and not budget.take(len(event.encode("utf-8"))):
+            over.append(True)
+            return
+        yield event
+
+
+def _cut_choices(
+    num_choices: int, finished: set[int], make_chunk: ChunkFn, flight: Flight
+) -> Iterator[str]:
+    """A last chunk with ``finish_reason: "length"`` for every choice not yet finished (a
+    request the server ended: shutdown, or the response budget)."""
+    for k in range(num_choices):
+        if k not in finished:
+            yield sse(make_chunk(k, "", "length", 0, flight.last))
+
+
 async def _events(
     flight: Flight,
     metrics: ServerMetrics,
@@ -167,7 +189,7 @@ async def _events(
 ) -> AsyncIterator[str]:
     finished: set[int] = set()  # choices whose finish_reason was sent
     error: APIError | None = None  # the error event, sent after the usage chunk
-    over_budget = False
+    over_budget: list[bool] = []  # set by _metered when the answer reaches the budget
     try:
         if first is not None:
             yield sse(first)
@@ -175,18 +197,15 @@ async def _events(
             burst = _burst(flight, out)
             last = burst[-1]
             failed = last.finished and last.finish_reason not in OPENAI_FINISH
-            for event in _burst_events(burst, finished, make_chunk, failed=failed):
-                if budget is not None and not budget.take(len(event.encode("utf-8"))):
-                    over_budget = True
-                    break
+            events = _burst_events(burst, finished, make_chunk, failed=failed)
+            for event in _metered(events, budget, over_budget):
                 yield event
             if over_budget:
                 assert budget is not None
                 metrics.observe_request_failure("invalid_request")
-                error = budget.error()
-                for k in range(num_choices):  # the request is aborted by release() below
-                    if k not in finished:
-                        yield sse(make_chunk(k, "", "length", 0, flight.last))
+                error = budget.error()  # the request is aborted by release() below
+                for event in _cut_choices(num_choices, finished, make_chunk, flight):
+                    yield event
                 break
             if failed:
                 metrics.observe_request_failure("request_error")
@@ -197,9 +216,8 @@ async def _events(
                 error = shutdown_error()
     except ServerCut:
         metrics.observe_request_failure("shutdown")
-        for k in range(num_choices):
-            if k not in finished:
-                yield sse(make_chunk(k, "", "length", 0, flight.last))
+        for event in _cut_choices(num_choices, finished, make_chunk, flight):
+            yield event
         error = shutdown_error()
     except EngineStepError as exc:
         metrics.observe_stream_error(exc)
