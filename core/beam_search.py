@@ -24,7 +24,7 @@ may add). A finished beam's EOS text is left out of ``text`` unless
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -34,8 +34,17 @@ from pitstop.requests.outputs import Logprob
 from pitstop.requests.sampling_params import MAX_LOGPROBS, SamplingParams
 from pitstop.requests.validation import as_float, as_int, boolean, int_in, real_in
 
-if TYPE_CHECKING:
-    from pitstop.llm import LLM
+
+class Generator(Protocol):
+    """What beam search needs of an offline engine (:class:`pitstop.llm.LLM` is one): its
+    engine (tokenizer), its config (``max_model_len``) and ``generate``."""
+
+    engine: Any
+    config: Any
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`pitstop.llm.LLM.generate`."""
+        ...
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 """The widest beam: each step asks for ``2 * beam_width`` log-probabilities, at most 20
@@ -106,7 +115,7 @@ def get_beam_search_score(
     return cumulative_logprob / (length**length_penalty)
 
 
-def beam_search(llm: LLM, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(llm: Generator, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
     """Run :class:`BeamSearchParams` over ``prompts`` (one prompt or a list, in any form
     ``generate`` takes) on ``llm``; one :class:`BeamSearchOutput` per prompt, in order."""
     if not isinstance(params, BeamSearchParams):
@@ -210,7 +219,7 @@ def _scorer(eos: set[int], length_penalty: float) -> Callable[[BeamSearchSequenc
 
 
 def _prompt_ids(
-    llm: LLM, prompts: PromptType | Sequence[PromptType], max_model_len: int
+    llm: Generator, prompts: PromptType | Sequence[PromptType], max_model_len: int
 ) -> list[list[int]]:
     """Each prompt's token ids (text is encoded as ``generate`` encodes it); a prompt that
     leaves no room for a token raises before any step runs."""

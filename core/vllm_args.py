@@ -23,7 +23,7 @@ three ways settings enter:
 
 A vLLM name given together with the pitstop setting it stands for is an
 error naming both, unless the two say the same. docs/api.md's table of
-vLLM names is rendered from these tables by :mod:`pitstop.vllm_table`.
+vLLM names is rendered from these tables by :mod:`pitstop.server.vllm_table`.
 """
 
 from __future__ import annotations
@@ -267,7 +267,6 @@ SERVE_REFUSED: Mapping[str, str] = {
         "pitstop serve renders with the model's own chat template (its tokenizer_config.json); "
         "give a checkpoint folder whose template is the one you want"
     ),
-    "trust_request_chat_template": "pitstop serve does not run chat templates sent in requests",
 }
 """vLLM's ``vllm serve`` flags ``pitstop serve`` does not have: what to do instead."""
 

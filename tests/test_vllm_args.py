@@ -13,6 +13,7 @@ from pitstop import EngineConfig
 from pitstop.cli import build_parser
 from pitstop.config import add_cli_flags
 from pitstop.errors import ConfigError, ModelLoadError
+from pitstop.server.vllm_table import VLLM_SERVE_FLAGS, markdown_table
 from pitstop.vllm_args import (
     ACCEPTED,
     MULTI_VALUED,
@@ -23,7 +24,6 @@ from pitstop.vllm_args import (
     SAME_NAME,
     SERVE_REFUSED,
 )
-from pitstop.vllm_table import VLLM_SERVE_FLAGS, markdown_table
 
 API_MD = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
@@ -215,7 +215,7 @@ def test_the_docs_table_is_the_codes() -> None:
     assert found is not None, "docs/api.md lost its vLLM table markers"
     assert found.group(1) == markdown_table(), (
         "docs/api.md's vLLM table differs from the code; paste the output of: "
-        "python -m pitstop.vllm_table"
+        "python -m pitstop.server.vllm_table"
     )
     names = {r.vllm for r in RENAMED} | set(SAME_NAME) | set(ACCEPTED) | set(REFUSED)
     names |= set(REMOVED) | {"sampling_params", "beam_search()", "embed()", "lora_request"}
@@ -225,7 +225,7 @@ def test_the_docs_table_is_the_codes() -> None:
 
 
 def test_the_table_marks_what_the_serve_parser_has() -> None:
-    from pitstop.vllm_table import serve_rows
+    from pitstop.server.vllm_table import serve_rows
 
     have = ["--" + n.replace("_", "-") for n in VLLM_SERVE_FLAGS if n != "chat_template"]
     rows = {flag: text for flag, _, text in serve_rows(have)}
@@ -275,3 +275,15 @@ def test_flags_of_several_values_parse_and_serve_only_flags(capsys) -> None:
 
 def test_every_same_name_is_a_setting() -> None:
     assert set(SAME_NAME) <= set(EngineConfig.field_names())
+
+
+def test_api_key_takes_several_keys_as_vllms() -> None:
+    """``--api-key a b`` (vLLM's form) and the flag repeated both give every key."""
+    import argparse
+
+    from pitstop.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--api-key", "a", "b", "--api-key", "c"]).api_key == ["a", "b", "c"]
+    assert parser.parse_args([]).api_key is None

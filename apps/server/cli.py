@@ -56,9 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     g.add_argument(
         "--api-key",
-        action="append",
+        nargs="+",
+        action="extend",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for several keys "
+        help="require 'Authorization: Bearer KEY' on /v1 routes; several keys after one flag "
+        "(as vLLM's) or the flag repeated "
         "(default: $PITSTOP_API_KEY; unset: no auth)",
     )
     g.add_argument(
