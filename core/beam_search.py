@@ -46,6 +46,7 @@ class Generator(Protocol):
         """:meth:`pitstop.llm.LLM.generate`."""
         ...
 
+
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 """The widest beam: each step asks for ``2 * beam_width`` log-probabilities, at most 20
 (as vLLM's default ``max_logprobs``)."""
