@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pitstop.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError, InvalidRequestError
 from pitstop.loop.engine import LLMEngine
@@ -14,6 +15,12 @@ from pitstop.requests.inputs import PromptType, parse_prompts
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.tool_calls import default_tool_prompt, parse_tools
+from pitstop.vllm_surface import (
+    REFUSED_METHODS,
+    check_call_options,
+    generation_defaults,
+    refused_method,
+)
 
 Message = dict[str, Any]
 
@@ -22,7 +29,9 @@ class LLM:
     """Load a model with the chosen strategies and generate from it.
 
     ``LLM("smollm2-135m", allocator="paged", scheduler="continuous")`` or
-    ``LLM(config=EngineConfig(...))``.
+    ``LLM(config=EngineConfig(...))``. vLLM's methods pitstop does not do
+    (``embed``, ``score``, ... :data:`pitstop.vllm_surface.REFUSED_METHODS`)
+    raise :class:`InvalidRequestError` saying so and what to use instead.
     """
 
     def __init__(
@@ -75,6 +84,37 @@ class LLM:
             )
         return self.engine.tokenizer.hf
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling values of the model's ``generation_config.json`` (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), else
+        ``SamplingParams()``. ``generate`` and ``chat`` use it when given no params."""
+        try:
+            return SamplingParams(**generation_defaults(self.config.model))
+        except InvalidRequestError as exc:
+            raise ConfigError(
+                f"the generation_config.json of {self.config.model} has a value SamplingParams "
+                f"refuses: {exc}"
+            ) from None
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the ``params.beam_width`` most likely continuations of each
+        prompt, one :class:`~pitstop.beam_search.BeamSearchOutput` per prompt, each
+        sequence with ``tokens`` (prompt included), ``text`` and ``cum_logprob``
+        (:mod:`pitstop.beam_search`). ``use_tqdm`` is accepted and shows nothing (each
+        step is one short ``generate``); ``lora_request`` and ``concurrency_limit`` must
+        be None."""
+        check_call_options(
+            "beam_search", {"lora_request": lora_request, "concurrency_limit": concurrency_limit}
+        )
+        return beam_search(self, prompts, params)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType] | None = None,
@@ -82,6 +122,9 @@ class LLM:
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
@@ -89,8 +132,20 @@ class LLM:
         or ``{"prompt_token_ids": [...]}`` (:class:`~pitstop.requests.inputs.TokensPrompt`);
         give one or a list. ``prompt_token_ids=`` (a list of id lists) is the
         older spelling of a list of TokensPrompt. A prompt that is invalid
-        raises before any request runs, so nothing is half-submitted.
+        raises before any request runs, so nothing is half-submitted. Without
+        ``sampling_params``, :meth:`get_default_sampling_params` (as vLLM).
+        vLLM's ``lora_request`` (a :class:`~pitstop.lora.request.LoRARequest`)
+        is refused: LoRA serving is not in this version; ``priority`` is
+        accepted all zero, ``tokenization_kwargs`` None.
         """
+        check_call_options(
+            "generate",
+            {
+                "lora_request": lora_request,
+                "priority": priority,
+                "tokenization_kwargs": tokenization_kwargs,
+            },
+        )
         if prompts is not None and prompt_token_ids is not None:
             raise InvalidRequestError("pass prompts or prompt_token_ids, not both")
         if prompt_token_ids is not None:
@@ -114,7 +169,7 @@ class LLM:
                 )
             params_list = list(sampling_params)
         else:
-            params_list = [sampling_params or SamplingParams()] * len(items)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(items)
         ids: list[str] = []
         try:
             for (text, tokens), params in zip(items, params_list, strict=True):
@@ -136,6 +191,9 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        lora_request: Any = None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several, with a chat template.
 
@@ -149,8 +207,18 @@ class LLM:
         (OpenAI function definitions) are passed to it as ``tools`` (a
         template that does not render them gets them listed in the system
         message, :func:`pitstop.requests.tool_calls.default_tool_prompt`). Each
-        output's ``prompt`` is the rendered text.
+        output's ``prompt`` is the rendered text. vLLM's ``lora_request`` and
+        ``mm_processor_kwargs`` are refused unless None; ``chat_template_content_format``
+        takes ``"auto"`` or ``"string"`` (what pitstop does).
         """
+        check_call_options(
+            "chat",
+            {
+                "lora_request": lora_request,
+                "chat_template_content_format": chat_template_content_format,
+                "mm_processor_kwargs": mm_processor_kwargs,
+            },
+        )
         if not messages:
             raise InvalidRequestError("the conversation is empty; give at least one message")
         first = messages[0]
@@ -217,3 +285,7 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [final[rid] for rid in ids]
+
+
+for _name in REFUSED_METHODS:
+    setattr(LLM, _name, refused_method(_name))

@@ -28,8 +28,24 @@ import attrs
 
 from pitstop.errors import ConfigError, PluginError
 from pitstop.plugin_system.catalogue import Catalogue, Declaration
-from pitstop.plugin_system.settings import TOML_TABLE, allowed_values, flag_name, settings_from_toml
-from pitstop.vllm_args import ACCEPTED, REFUSED, RENAMED, did_you_mean, translate, vllm_names
+from pitstop.plugin_system.settings import (
+    TOML_TABLE,
+    allowed_values,
+    default_text,
+    flag_name,
+    settings_from_toml,
+)
+from pitstop.vllm_args import (
+    ACCEPTED,
+    MULTI_VALUED,
+    REFUSED,
+    REMOVED,
+    RENAMED,
+    SERVE_REFUSED,
+    did_you_mean,
+    translate,
+    vllm_names,
+)
 
 SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags
 VLLM_DEST = "vllm:"  # argparse dest prefix of vLLM's flags (--max-num-seqs)
@@ -124,8 +140,15 @@ def keywords_from_cli(args: argparse.Namespace, fields: list[str]) -> dict[str, 
             given.setdefault("options", {})[dest[len(SETTING_DEST) :]] = value
     for dest, value in vars(args).items():  # --max-num-seqs and vLLM's other flags
         if dest.startswith(VLLM_DEST) and value is not None:
-            given[dest[len(VLLM_DEST) :]] = value
+            given[dest[len(VLLM_DEST) :]] = _flag_value(value)
     return given
+
+
+def _flag_value(value: Any) -> Any:
+    """A vLLM flag's value: a flag of several values alone is true, one value is itself."""
+    if isinstance(value, list):
+        return True if not value else value[0] if len(value) == 1 else value
+    return value
 
 
 def parse_scalar(text: str) -> Any:
@@ -227,17 +250,17 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"vLLM's flag, {meaning} (default: false)",
         )
-    for name in REFUSED:
+    for name in [*REFUSED, *SERVE_REFUSED, *REMOVED]:
         if "--" + name.replace("_", "-") in parser._option_string_actions:
             continue  # a command's own flag (pitstop serve --served-model-name)
+        several = {"nargs": "*"} if name in MULTI_VALUED else {"nargs": "?", "const": True}
         group.add_argument(
             "--" + name.replace("_", "-"),
             dest=VLLM_DEST + name,
-            nargs="?",
-            const=True,
             type=parse_scalar,
             default=None,
             help=argparse.SUPPRESS,
+            **several,
         )
 
 
@@ -254,7 +277,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, catalogue: Catalogue) ->
             type=parse_bool_flag if kind is bool else kind,
             default=None,
             metavar="true|false" if kind is bool else kind.__name__.upper(),
-            help=f"{help_text} ({allowed_values(att)}; default {att.default!r})",
+            help=f"{help_text} ({allowed_values(att)}; default {default_text(att)})",
         )
 
     for alias, declared in sorted(catalogue.aliases.items()):

@@ -13,13 +13,17 @@ three ways settings enter:
 - :data:`SAME_NAME`: vLLM names pitstop uses as they are;
 - :data:`ACCEPTED`: names pitstop takes without a setting of its own
   (``trust_remote_code``: pitstop never runs a checkpoint's code either way);
+- :data:`REMOVED`: arguments vLLM itself removed, refused saying so and what
+  replaced them; :data:`SERVE_REFUSED`: ``vllm serve`` flags ``pitstop serve``
+  lacks (flags that take several values in vLLM parse them all,
+  :data:`MULTI_VALUED`, so the refusal names the flag);
 - :data:`REFUSED`: vLLM arguments pitstop does not have, refused by name with
   what to use instead, unless the value asks for what pitstop does anyway
   (None, ``pipeline_parallel_size=1``, ``tokenizer_mode="auto"``: :data:`NEUTRAL`).
 
 A vLLM name given together with the pitstop setting it stands for is an
 error naming both, unless the two say the same. docs/api.md's table of
-vLLM arguments is checked against these tables by tests/test_vllm_args.py.
+vLLM names is rendered from these tables by :mod:`pitstop.server.vllm_table`.
 """
 
 from __future__ import annotations
@@ -48,8 +52,6 @@ class Renamed:
     convert: Callable[[Any], dict[str, Any]]
     flag_type: type = int  # the value type of its CLI flag (bool: --x / --no-x)
     note: str = ""
-    implies: Callable[[Any, Mapping[str, Any]], dict[str, Any]] | None = None
-    """Settings it also sets, from its value and the other settings given, unless given."""
 
 
 def _as(setting: str) -> Callable[[Any], dict[str, Any]]:
@@ -76,31 +78,8 @@ def _memory_bytes(value: Any) -> dict[str, Any]:
     return {"kv_cache_gib": value / 2**30}
 
 
-# The built-in schedulers' default max_prefill_batch; must not exceed max_batch_size.
-_DEFAULT_MAX_PREFILL_BATCH = 64
-
-
-def _prefill_cap(value: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM bounds prefills by max_num_seqs alone: a smaller max_num_seqs also lowers
-    pitstop's max_prefill_batch (default 64) to it, unless that is given some way."""
-    options = settings.get("options") or {}
-    given = "max_prefill_batch" in settings or any(
-        k == "max_prefill_batch" or k.endswith(".max_prefill_batch") for k in options
-    )
-    small = isinstance(value, int) and not isinstance(value, bool)
-    if given or not small or value >= _DEFAULT_MAX_PREFILL_BATCH:
-        return {}
-    return {"max_prefill_batch": max(1, value)}
-
-
 RENAMED: tuple[Renamed, ...] = (
-    Renamed(
-        "max_num_seqs",
-        "max_batch_size",
-        _as("max_batch_size"),
-        note="below 64 also max_prefill_batch, unless given",
-        implies=_prefill_cap,
-    ),
+    Renamed("max_num_seqs", "max_batch_size", _as("max_batch_size")),
     Renamed("block_size", "page_size", _as("page_size")),
     Renamed("num_gpu_blocks_override", "max_num_pages", _as("max_num_pages")),
     Renamed(
@@ -165,6 +144,10 @@ ACCEPTED: Mapping[str, str] = {
         "accepted (true or false); pitstop logs no periodic statistics (pitstop serve "
         "serves them on /metrics)"
     ),
+    "disable_log_requests": (
+        "accepted (true or false; vLLM deprecated it for enable_log_requests); pitstop serve "
+        "logs no requests"
+    ),
 }
 """vLLM arguments taken without a pitstop setting: what each means here."""
 
@@ -221,17 +204,88 @@ REFUSED: Mapping[str, str] = {
     "disable_sliding_window": "pitstop's models use full attention",
     "worker_cls": "pitstop's strategies are plugins: see docs/plugins.md",
     "scheduler_cls": "pitstop's is scheduler=<a registered scheduler plugin>",
+    "allowed_local_media_path": "pitstop serves text-only models",
+    "override_pooler_config": "pitstop generates text only (no pooling models)",
+    "pooler_config": "pitstop generates text only (no pooling models)",
+    "enable_prompt_embeds": "give prompts as text or token ids",
+    "logits_processors": "give logits_processors per request in SamplingParams",
+    "calculate_kv_scales": "pitstop's fp8 KV cache (kv_cache_dtype='fp8') keeps one K and V scale per layer",
+    "max_cpu_loras": "pitstop serves no LoRA adapters",
+    "fully_sharded_loras": "pitstop serves no LoRA adapters",
 }
 """vLLM arguments pitstop does not have: what to do instead."""
+
+REMOVED: Mapping[str, str] = {
+    "use_v2_block_manager": "vLLM removed it (v0.6.6): its block manager is the only one; leave it out",
+    "worker_use_ray": (
+        "vLLM removed it for distributed_executor_backend='ray'; pitstop splits a model "
+        "by tensor_parallel_size over torch.distributed"
+    ),
+    "engine_use_ray": "vLLM removed it (v0.6); leave it out",
+    "num_scheduler_steps": (
+        "vLLM removed multi-step scheduling (V1); pitstop overlaps steps with overlap='on'"
+    ),
+    "multi_step_stream_outputs": "vLLM removed multi-step scheduling (V1); leave it out",
+    "scheduler_delay_factor": "vLLM removed it (V1); leave it out",
+    "tokenizer_pool_size": "vLLM removed tokenizer pools (V1); leave it out",
+    "tokenizer_pool_type": "vLLM removed tokenizer pools (V1); leave it out",
+    "disable_async_output_proc": "vLLM removed it (V1); leave it out",
+    "enable_prompt_adapter": "vLLM removed prompt adapters (v0.10); leave it out",
+    "max_prompt_adapters": "vLLM removed prompt adapters (v0.10); leave it out",
+    "ngram_prompt_lookup_max": (
+        "vLLM moved it into speculative_config; pitstop's is speculative='ngram' with "
+        "prompt_lookup_max"
+    ),
+    "ngram_prompt_lookup_min": (
+        "vLLM moved it into speculative_config; pitstop's is speculative='ngram' with "
+        "prompt_lookup_min"
+    ),
+}
+"""vLLM arguments vLLM itself removed: what replaced them (here and in vLLM)."""
+
+SERVE_REFUSED: Mapping[str, str] = {
+    "ssl_keyfile": "serve behind a TLS proxy (nginx, caddy) on the loopback",
+    "ssl_certfile": "serve behind a TLS proxy (nginx, caddy) on the loopback",
+    "ssl_ca_certs": "serve behind a TLS proxy (nginx, caddy) on the loopback",
+    "root_path": "mount the server under a path with your proxy's rewrite",
+    "middleware": "put a proxy in front of pitstop serve",
+    "lora_modules": "LoRA serving is not in this version; merge the adapter into the weights",
+    "response_role": "the assistant's role is 'assistant'",
+    "return_tokens_as_token_ids": "ask for logprobs; each entry has the token id",
+    "disable_frontend_multiprocessing": "pitstop serve is one process",
+    "api_server_count": "pitstop serve is one process; start one per replica",
+    "headless": "pitstop serve always serves HTTP",
+    "reasoning_parser": "pitstop has no reasoning parsers",
+    "tool_parser_plugin": "a tool parser is a pitstop plugin (tool_parser kind): docs/plugins.md",
+    "allowed_methods": "pitstop serve allows the methods of its routes",
+    "allowed_headers": "pitstop serve allows the headers of its API",
+    "allow_credentials": "pitstop serve sends no credentialed CORS answers",
+    "enable_log_requests": "pitstop serve logs no requests; its /metrics counts them",
+    "max_log_len": "pitstop serve logs no requests",
+    "log_config_file": "configure Python's logging before pitstop serve starts, or use -v",
+    "chat_template": (
+        "pitstop serve renders with the model's own chat template (its tokenizer_config.json); "
+        "give a checkpoint folder whose template is the one you want"
+    ),
+}
+"""vLLM's ``vllm serve`` flags ``pitstop serve`` does not have: what to do instead."""
+
+MULTI_VALUED: frozenset[str] = frozenset(
+    {"cuda_graph_sizes", "lora_modules", "middleware", "allowed_methods", "allowed_headers"}
+)
+"""Refused flags that take several values in vLLM (``--cuda-graph-sizes 1 2 4``): they parse
+them all, so the refusal names the flag instead of "unrecognized arguments"."""
 
 NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     "pipeline_parallel_size": (1,),
     "data_parallel_size": (1,),
-    "swap_space": (0,),
+    "swap_space": (0, 4),  # vLLM's default 4: its V1 engine never swaps either
     "cpu_offload_gb": (0,),
     "tokenizer_mode": ("auto",),
     "load_format": ("auto",),
     "enable_lora": (False,),
+    "max_loras": (1,),
+    "max_lora_rank": (16,),
     "preemption_mode": ("recompute",),
     "enable_sleep_mode": (False,),
     "skip_tokenizer_init": (False,),
@@ -239,16 +293,53 @@ NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     "task": ("auto", "generate"),
     "runner": ("auto", "generate"),
     "disable_sliding_window": (False,),
+    "disable_custom_all_reduce": (False,),
+    "max_logprobs": (20,),  # pitstop's fixed limit
+    "generation_config": ("auto",),  # LLM.get_default_sampling_params reads the model's
+    "override_generation_config": ({},),
+    "hf_overrides": ({},),
+    "compilation_config": ({},),
+    "guided_decoding_backend": ("auto", "guidance"),  # vLLM's 'guidance' is llguidance
+    "structured_outputs_config": ({}, {"backend": "auto"}, {"backend": "guidance"}),
+    "scheduling_policy": ("fcfs",),
+    "max_num_partial_prefills": (1,),
+    "long_prefill_token_threshold": (0,),
+    "limit_mm_per_prompt": ({},),
+    "mm_processor_kwargs": ({},),
+    "rope_scaling": ({},),
+    "hf_token": (False,),
+    "worker_cls": ("auto",),
+    "allowed_local_media_path": ("",),
+    "enable_prompt_embeds": (False,),
+    "calculate_kv_scales": (False,),
+    "fully_sharded_loras": (False,),
+    "return_tokens_as_token_ids": (False,),
+    "disable_frontend_multiprocessing": (False,),
+    "api_server_count": (1,),
+    "headless": (False,),
+    "response_role": ("assistant",),
+    "allow_credentials": (False,),
+    "enable_log_requests": (False,),
+    "root_path": ("",),
+    "lora_modules": ([],),
+    "middleware": ([],),
 }
 """Values of refused arguments that ask for what pitstop does anyway (besides None, which
 every refused argument takes): accepted, so that code passing vLLM's defaults runs."""
 
 
 def is_neutral(name: str, value: Any) -> bool:
-    """Whether ``value`` of the refused argument ``name`` asks for pitstop's own behaviour."""
-    return value is None or any(
-        type(value) is type(v) and value == v for v in NEUTRAL.get(name, ())
-    )
+    """Whether ``value`` of the refused argument ``name`` asks for pitstop's own behaviour
+    (a number may be given as int or float: ``swap_space=4.0``)."""
+    return value is None or any(_same(value, v) for v in NEUTRAL.get(name, ()))
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, int | float) and isinstance(neutral, int | float):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
 
 
 def renamed_by_name() -> dict[str, Renamed]:
@@ -258,12 +349,18 @@ def renamed_by_name() -> dict[str, Renamed]:
 
 def vllm_names() -> list[str]:
     """Every vLLM name pitstop reads or refuses by name (for did-you-mean)."""
-    return sorted({r.vllm for r in RENAMED} | set(SAME_NAME) | set(ACCEPTED) | set(REFUSED))
+    return sorted({r.vllm for r in RENAMED} | set(SAME_NAME) | set(ACCEPTED) | set(_refused()))
+
+
+def _refused() -> dict[str, str]:
+    return {**REFUSED, **SERVE_REFUSED}
 
 
 def refusal(name: str) -> str:
-    """The error text of a refused vLLM argument."""
-    return f"{name} is vLLM's; pitstop does not have it: {REFUSED[name]}"
+    """The error text of a refused or removed vLLM argument."""
+    if name in REMOVED:
+        return f"{name} was removed from vLLM; pitstop does not have it either: {REMOVED[name]}"
+    return f"{name} is vLLM's; pitstop does not have it: {_refused()[name]}"
 
 
 def translate(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -275,17 +372,21 @@ def translate(settings: Mapping[str, Any]) -> dict[str, Any]:
     also given with another value, the error names both.
     """
     out = {k: v for k, v in settings.items() if k not in _vllm_only()}
+    out = {k: v for k, v in out.items() if not (k in SAME_NAME and v is None)}  # vLLM's unset
     renamed = renamed_by_name()
     for name, value in settings.items():
-        if name in REFUSED:
+        if name in REMOVED:
+            raise ConfigError(refusal(name))
+        if name in REFUSED or name in SERVE_REFUSED:
             if is_neutral(name, value):
                 continue
             raise ConfigError(refusal(name) + f" (got {name}={value!r})")
         if name in ACCEPTED:
-            _bool(name, value)
+            if value is not None:
+                _bool(name, value)
             continue
         rule = renamed.get(name)
-        if rule is None:
+        if rule is None or value is None:  # None: vLLM's "unset", pitstop's default
             continue
         for setting, new in rule.convert(value).items():
             if setting in settings and settings[setting] != new:
@@ -294,9 +395,6 @@ def translate(settings: Mapping[str, Any]) -> dict[str, Any]:
                     f"{settings[setting]!r} is given too; give one of them"
                 )
             out[setting] = new
-        if rule.implies is not None:
-            for setting, new in rule.implies(value, settings).items():
-                out.setdefault(setting, new)
     return out
 
 
@@ -316,28 +414,10 @@ def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, An
 
 
 def _vllm_only() -> set[str]:
-    return {r.vllm for r in RENAMED} | set(ACCEPTED) | set(REFUSED)
+    return {r.vllm for r in RENAMED} | set(ACCEPTED) | set(_refused()) | set(REMOVED)
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the known name nearest ``name``, or ``""``."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def table_rows() -> list[tuple[str, str]]:
-    """The rows of docs/api.md's table: (vLLM argument, pitstop setting or what instead)."""
-    rows = [(r.vllm, f"`{r.pitstop}`" + (f" ({r.note})" if r.note else "")) for r in RENAMED]
-    rows += [(name, "same name") for name in SAME_NAME]
-    rows += [(name, text) for name, text in ACCEPTED.items()]
-    for name, text in REFUSED.items():
-        neutral = ", ".join(repr(v) for v in (None, *NEUTRAL.get(name, ())))
-        rows.append((name, f"refused: {text}; {neutral} accepted (what pitstop does)"))
-    return sorted(rows)
-
-
-def markdown_table() -> str:
-    """docs/api.md's table of vLLM arguments, as Markdown."""
-    lines = ["| vLLM argument | pitstop |", "|---|---|"]
-    lines += [f"| `{name}` | {text} |" for name, text in table_rows()]
-    return "\n".join(lines)

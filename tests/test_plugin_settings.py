@@ -23,6 +23,7 @@ from pitstop.errors import ConfigError, PluginError
 from pitstop.plugin_system.plugin_manager import PluginManager, Strategy
 from pitstop.plugin_system.settings import (
     allowed_values,
+    declared_default,
     describe,
     option_fields,
     read_settings,
@@ -72,7 +73,8 @@ def test_wrong_type_and_out_of_range_name_plugin_setting_and_values(
     for strategy in _with_settings(plugins):
         for att in option_fields(strategy.settings):
             key = f"{strategy.name}.{att.name}"
-            plugins.check_config(EngineConfig(options={key: att.default}))  # the default passes
+            # the default passes
+            plugins.check_config(EngineConfig(options={key: declared_default(att)}))
             for _what, value in _bad_values(att):
                 with pytest.raises(ConfigError) as info:
                     plugins.check_config(EngineConfig(options={key: value}))

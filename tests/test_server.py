@@ -81,6 +81,7 @@ def server() -> Iterator[Server]:
     env = {**os.environ, "PITSTOP_API_KEY": API_KEY, "TOKENIZERS_PARALLELISM": "false"}
     args = ["smollm2-135m", *ENGINE_FLAGS, "--max-body-bytes", str(MAX_BODY)]
     args += ["--drain-timeout", str(DRAIN)]
+    args += ["--trust-request-chat-template"]  # test_chat_options_match_llm_chat sends templates
     with serve_subprocess(args, env, start_timeout=180) as (proc, url):
         srv = Server(proc, url)
         try:

@@ -181,3 +181,74 @@ def test_malformed_http_is_400_in_openai_shape(server: tuple[int, ConnectionLimi
     assert head.startswith(b"HTTP/1.1 400"), head
     err = json.loads(body)["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_http"
+
+
+SMUGGLED = (
+    b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 4\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    b"GET /second HTTP/1.1\r\nHost: localhost\r\n\r\n"
+)
+
+
+def _refusal(port: int, raw: bytes) -> tuple[bytes, dict[str, Any], bytes]:
+    """Send ``raw``; the status line, the error object and the whole answer (the server must
+    close the connection after it: the read ends)."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        try:
+            s.sendall(raw)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server refused and closed before reading everything
+        data = _read_all(s)
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head.split(b"\r\n", 1)[0], json.loads(body)["error"], data
+
+
+def test_content_length_with_transfer_encoding_is_400_and_closed(
+    server: tuple[int, ConnectionLimits],
+) -> None:
+    port, _limits = server
+    status, err, data = _refusal(port, SMUGGLED)
+    assert status.startswith(b"HTTP/1.1 400"), data
+    assert err["code"] == "conflicting_framing" and "Transfer-Encoding" in err["message"]
+    assert data.count(b"HTTP/1.1") == 1  # the bytes after the chunked body were not served
+
+
+def test_headers_over_16_kib_are_431_without_echo(server: tuple[int, ConnectionLimits]) -> None:
+    port, _limits = server
+    marker = b"Z" * 1000
+    # in one piece (h11 bounds only an incomplete head) and in pieces
+    for pieces in (1, 8):
+        raw = b"GET / HTTP/1.1\r\nHost: localhost\r\n" + b"".join(
+            b"X-Pad-%d: %s\r\n" % (i, marker) for i in range(64)
+        )
+        raw += b"\r\n"
+        step = len(raw) // pieces + 1
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            for i in range(0, len(raw), step):
+                try:
+                    s.sendall(raw[i : i + step])
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+            data = _read_all(s)
+        assert data.startswith(b"HTTP/1.1 431"), data[:200]
+        assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "headers_too_large"
+        assert marker not in data
+
+
+def test_headers_just_under_the_limit_pass(server: tuple[int, ConnectionLimits]) -> None:
+    port, _limits = server
+    pad = b"X-Pad: " + b"a" * (15 << 10) + b"\r\n"
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n" + pad + b"\r\n")
+        assert _answer(s).startswith(b"HTTP/1.1 200")
+
+
+def test_a_long_request_line_is_414_without_echo(server: tuple[int, ConnectionLimits]) -> None:
+    port, _limits = server
+    path = b"/" + b"p" * (9 << 10)
+    status, err, data = _refusal(port, b"GET " + path + b" HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 414"), data[:200]
+    assert err["code"] == "uri_too_long" and path not in data and b"p" * 64 not in data
+    with socket.create_connection(("127.0.0.1", port)) as s:  # 8 KiB of path still pass
+        s.sendall(b"GET /" + b"p" * 8000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert _answer(s).startswith(b"HTTP/1.1 200")

@@ -13,7 +13,17 @@ from pitstop import EngineConfig
 from pitstop.cli import build_parser
 from pitstop.config import add_cli_flags
 from pitstop.errors import ConfigError, ModelLoadError
-from pitstop.vllm_args import ACCEPTED, REFUSED, RENAMED, SAME_NAME, markdown_table
+from pitstop.server.vllm_table import VLLM_SERVE_FLAGS, markdown_table
+from pitstop.vllm_args import (
+    ACCEPTED,
+    MULTI_VALUED,
+    NEUTRAL,
+    REFUSED,
+    REMOVED,
+    RENAMED,
+    SAME_NAME,
+    SERVE_REFUSED,
+)
 
 API_MD = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
@@ -141,7 +151,7 @@ def test_toml_takes_vllm_names(tmp_path: Path) -> None:
     path.write_text("max_num_seq = 48\n")
     with pytest.raises(ConfigError, match="did you mean 'max_num_seqs'"):
         EngineConfig.from_toml(path)
-    path.write_text("swap_space = 4\n")
+    path.write_text("swap_space = 8\n")  # 4, vLLM's default, asks for nothing pitstop lacks
     with pytest.raises(ConfigError, match="swap_space is vLLM's"):
         EngineConfig.from_toml(path)
 
@@ -202,14 +212,78 @@ def test_a_checkpoint_that_needs_remote_code_is_refused(tmp_path: Path) -> None:
 def test_the_docs_table_is_the_codes() -> None:
     text = API_MD.read_text()
     found = re.search(r"<!-- vllm-args:begin -->\n(.*?)\n<!-- vllm-args:end -->", text, re.S)
-    assert found is not None, "docs/api.md lost its vLLM-arguments table markers"
+    assert found is not None, "docs/api.md lost its vLLM table markers"
     assert found.group(1) == markdown_table(), (
-        "docs/api.md's vLLM-arguments table differs from pitstop.vllm_args; paste the output "
-        "of: python -c 'from pitstop.vllm_args import markdown_table; print(markdown_table())'"
+        "docs/api.md's vLLM table differs from the code; paste the output of: "
+        "python -m pitstop.server.vllm_table"
     )
     names = {r.vllm for r in RENAMED} | set(SAME_NAME) | set(ACCEPTED) | set(REFUSED)
-    assert all(f"| `{name}` |" in found.group(1) for name in names)
+    names |= set(REMOVED) | {"sampling_params", "beam_search()", "embed()", "lora_request"}
+    assert all(f"| `{name}` |" in found.group(1) for name in names if name != "sampling_params")
+    flags = {"--" + n.replace("_", "-") for n in set(VLLM_SERVE_FLAGS) | set(SERVE_REFUSED)}
+    assert all(f"| `{flag}` | `pitstop serve` |" in found.group(1) for flag in flags)
+
+
+def test_the_table_marks_what_the_serve_parser_has() -> None:
+    from pitstop.server.vllm_table import serve_rows
+
+    have = ["--" + n.replace("_", "-") for n in VLLM_SERVE_FLAGS if n != "chat_template"]
+    rows = {flag: text for flag, _, text in serve_rows(have)}
+    assert rows["--host"] == rows["--port"] == "same flag"
+    assert rows["--chat-template"].startswith("refused: pitstop serve renders with the model's")
+    assert rows["--root-path"].startswith("refused: mount the server")
+    with pytest.raises(KeyError):  # a vLLM serve flag pitstop lacks must say what instead
+        serve_rows(["--host"])  # --port: not in the parser, not in SERVE_REFUSED
+
+
+def test_vllms_defaults_and_unset_values_run() -> None:
+    # vLLM's LLM(...) defaults spelt out, and None ("unset") for what pitstop names otherwise
+    spelt = dict(swap_space=4, max_logprobs=20, generation_config="auto", scheduling_policy="fcfs")
+    spelt |= dict(seed=None, max_num_seqs=None, block_size=None, enable_prefix_caching=None)
+    spelt |= dict(max_num_batched_tokens=None, trust_remote_code=None, dtype=None)
+    spelt |= dict(guided_decoding_backend="guidance", hf_overrides={}, swap_space_=None)
+    del spelt["swap_space_"]
+    assert EngineConfig(**spelt) == EngineConfig()
+    assert EngineConfig(swap_space=4.0) == EngineConfig()  # a number as int or float
+    for name, values in NEUTRAL.items():
+        for value in values:
+            EngineConfig(**{name: value})
+    with pytest.raises(ConfigError, match=r"max_logprobs is vLLM's.*got max_logprobs=5"):
+        EngineConfig(max_logprobs=5)
+
+
+@pytest.mark.parametrize("name", sorted(REMOVED))
+def test_a_flag_vllm_removed_says_so(name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{name} was removed from vLLM; .*: "):
+        _cli("--" + name.replace("_", "-"))
+
+
+def test_flags_of_several_values_parse_and_serve_only_flags(capsys) -> None:
+    for name in sorted(MULTI_VALUED):
+        with pytest.raises(ConfigError, match=rf"^{name} is vLLM's; pitstop does not have it"):
+            _cli("--" + name.replace("_", "-"), "a", "b", "c")
+    assert _cli("--disable-log-requests") == EngineConfig()  # pitstop logs no requests
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--cuda-graph-sizes", "1", "2", "4", "--", "hi"])
+    with pytest.raises(ConfigError, match=r"cuda_graph_sizes is vLLM's.*\[1, 2, 4\]"):
+        EngineConfig.from_cli(args)
+    args = parser.parse_args(["generate", "--ssl-keyfile", "k.pem", "hi"])
+    with pytest.raises(ConfigError, match="ssl_keyfile is vLLM's; .*TLS proxy"):
+        EngineConfig.from_cli(args)
+    assert "ssl" not in capsys.readouterr().out
 
 
 def test_every_same_name_is_a_setting() -> None:
     assert set(SAME_NAME) <= set(EngineConfig.field_names())
+
+
+def test_api_key_takes_several_keys_as_vllms() -> None:
+    """``--api-key a b`` (vLLM's form) and the flag repeated both give every key."""
+    import argparse
+
+    from pitstop.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--api-key", "a", "b", "--api-key", "c"]).api_key == ["a", "b", "c"]
+    assert parser.parse_args([]).api_key is None

@@ -17,7 +17,7 @@ from pitstop import LLM, SamplingParams
 from pitstop.errors import InvalidRequestError
 from pitstop.requests.bad_words import bad_word_token_ids, blocked_now
 from pitstop.requests.outputs import CallableBool
-from pitstop.requests.sampling_params import VLLM_ONLY
+from pitstop.requests.sampling_params import VLLM_NEUTRAL, VLLM_ONLY
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -109,7 +109,9 @@ def test_clone_is_an_equal_copy() -> None:
 @pytest.mark.parametrize("name", sorted(VLLM_ONLY))
 def test_vllm_only_fields_are_refused_by_name(name: str) -> None:
     with pytest.raises(InvalidRequestError, match=rf"^{name} is vLLM's SamplingParams field"):
-        SamplingParams(**{name: None})
+        SamplingParams(**{name: "not a default"})
+    for value in VLLM_NEUTRAL.get(name, ()):  # vLLM's defaults ask for what pitstop does
+        assert SamplingParams(**{name: value}) == SamplingParams()
 
 
 def test_a_misspelt_field_names_the_nearest() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pitstop.errors import InvalidRequestError
 from pitstop.server.errors import validation_message
-from pitstop.server.protocol import APIError
+from pitstop.server.protocol import APIError, clip
 
 # The fields an engine refusal may name as OpenAI's ``param`` (its message's first word).
 _SAMPLING_PARAMS = (
@@ -59,7 +59,7 @@ def body_error(errors: Sequence[dict[str, Any]]) -> APIError:
         loc = [str(p) for p in first.get("loc", ())]
         return APIError(
             400,
-            f"unknown field {'.'.join(loc)!r}: pitstop does not implement it, so it is refused "
+            f"unknown field {clip('.'.join(loc))}: pitstop does not implement it, so it is refused "
             "rather than ignored; remove it (docs/server.md lists every field)",
             param=loc[0] if loc else None,
             code="unsupported_field",

@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from pitstop.async_engine import AsyncLLM
+from pitstop.errors import InvalidRequestError
 from pitstop.server.handlers import install_error_handlers
 from pitstop.server.metrics import failure_reason
 from pitstop.server.routes import ROUTERS, ROUTES
@@ -44,8 +45,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Start the engine with the app; stop its thread when the app stops."""
     state: AppState = app.state.app_state
     llm = state.llm
+    if state.settings.grammar_at_start:
+        await _build_grammar_compiler(state)
     llm.start()
     yield
+    if state.template_sandbox is not None:
+        state.template_sandbox.close()
     # The drain (ServerState) already finished or aborted every request; the
     # engine thread ends after its current step. Do not wait past one step, nor at
     # all when the drain already waited out the step grace for it.
@@ -54,6 +59,15 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     wait_s = 0.0 if state.server.engine_stuck else 1.0
     if not await asyncio.to_thread(llm.join, wait_s):
         log.warning("the engine thread is still in a step; exiting without it")
+
+
+async def _build_grammar_compiler(state: AppState) -> None:
+    """Build llguidance's view of the tokenizer before the port opens (seconds), so that no
+    stream waits on it at the first structured request; skipped without llguidance."""
+    try:
+        await asyncio.to_thread(state.llm.engine.grammar_compiler)
+    except InvalidRequestError as exc:  # no tokenizer, or llguidance is not installed
+        log.info("structured outputs not prepared at start: %s", exc)
 
 
 def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI:

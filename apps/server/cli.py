@@ -56,9 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     g.add_argument(
         "--api-key",
-        action="append",
+        nargs="+",
+        action="extend",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for several keys "
+        help="require 'Authorization: Bearer KEY' on /v1 routes; several keys after one flag "
+        "(as vLLM's) or the flag repeated "
         "(default: $PITSTOP_API_KEY; unset: no auth)",
     )
     g.add_argument(
@@ -68,7 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest request body; larger gets 413 (default 1 MiB)",
     )
     g.add_argument(
-        "--served-model-name", default=None, help="model name clients send (default: MODEL)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model name(s) clients send; the first is the one answers carry, all are listed "
+        "by /v1/models; any other name is a 404 (default: MODEL)",
     )
     g.add_argument(
         "--drain-timeout",
@@ -167,6 +174,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(hermes, llama3_json, or a third party's; pitstop plugins lists them); "
         'default none: tool_choice "auto" is refused',
     )
+    c = p.add_argument_group("chat requests")
+    c.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run a chat_template sent in a request (vLLM's flag); it is rendered in a sandbox "
+        "process bounded in time and memory. Without it such a request is a 400",
+    )
+    c.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=2.0,
+        help="seconds one request chat_template may render before it is stopped (400) (default 2)",
+    )
+    c.add_argument(
+        "--special-tokens-in-content",
+        choices=("text", "tokens"),
+        default="text",
+        help="special-token text written in messages (<|im_start|>...): 'text' keeps it as "
+        "text, so a message cannot forge another role (OpenAI's behaviour); 'tokens' reads it "
+        "as the special tokens (vLLM's); a request may choose with the field of that name "
+        "(default text)",
+    )
+    g.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=32 << 20,
+        help="bytes of one request's answer (every choice; JSON or all its stream chunks); a "
+        "request that reaches it is ended with code response_too_large (default 32 MiB)",
+    )
     g.add_argument(
         "--uvicorn-log-level",
         default="warning",
@@ -198,11 +234,16 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         ("--max-tokens-per-client", args.max_tokens_per_client, 0),
         ("--max-n", args.max_n, 1),
         ("--max-prompts-per-request", args.max_prompts_per_request, 1),
+        ("--max-response-bytes", args.max_response_bytes, 1024),
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
     if not args.drain_timeout >= 0:
         raise ConfigError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not args.chat_template_timeout > 0:
+        raise ConfigError(
+            f"--chat-template-timeout must be > 0 seconds, got {args.chat_template_timeout}"
+        )
     if not args.read_timeout > 0:
         raise ConfigError(f"--read-timeout must be > 0 seconds, got {args.read_timeout}")
     keys = args.api_key if args.api_key is not None else [os.environ.get("PITSTOP_API_KEY", "")]
@@ -222,10 +263,14 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
         get_plugin_manager().get("tool_parser", args.tool_call_parser)  # lists the names there are
     hosts = args.allowed_hosts
+    names = list(dict.fromkeys(args.served_model_name or ()))
+    if any(not n.strip() for n in names):
+        raise ConfigError("--served-model-name takes non-empty names")
     return ServerSettings(
         api_keys=tuple(keys),
         max_body_bytes=args.max_body_bytes,
-        served_model_name=args.served_model_name,
+        served_model_name=names[0] if names else None,
+        served_model_aliases=tuple(names[1:]),
         drain_timeout_s=args.drain_timeout,
         allowed_hosts=tuple(hosts) if hosts else default_allowed_hosts(args.host),
         allowed_origins=tuple(args.allowed_origins or ()),
@@ -240,6 +285,11 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_prompts_per_request=args.max_prompts_per_request,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_timeout_s=args.chat_template_timeout,
+        special_tokens_in_content=args.special_tokens_in_content,
+        max_response_bytes=args.max_response_bytes,
+        grammar_at_start=True,
     )
 
 

@@ -147,9 +147,27 @@ def json_body(model: type[BodyT]) -> Callable[[Request, AppState], Awaitable[Bod
     return dependency
 
 
-def check_request_size(state: AppState, params: SamplingParams, num_prompts: int) -> None:
-    """The server's caps on ``n`` and on prompts per request (400 above them)."""
+def check_logprobs(state: AppState, field: str, k: int | None) -> None:
+    """The server's cap on log-probabilities per token (``max_logprobs``, 20): a ``k`` outside
+    ``[0, max_logprobs]`` is a 400 naming ``field`` (-1, the whole vocabulary, too)."""
+    top = state.settings.max_logprobs
+    if k is not None and not 0 <= k <= top:
+        raise APIError(
+            400,
+            f"{field} must be an integer in [0, {top}] (max_logprobs), got {k}; the server "
+            f"returns at most the {top} most likely tokens per position; ask for at most {top}",
+            param=field,
+        )
+
+
+def check_request_size(
+    state: AppState, params: SamplingParams, num_prompts: int, logprobs_param: str = "logprobs"
+) -> None:
+    """The server's caps on ``n``, on prompts per request and on log-probabilities per token
+    (400 above them; ``logprobs_param`` names the field that asked for them)."""
     settings = state.settings
+    check_logprobs(state, logprobs_param, params.logprobs)
+    check_logprobs(state, "prompt_logprobs", params.prompt_logprobs)
     if params.n > settings.max_n:
         raise APIError(
             400,

@@ -15,6 +15,16 @@ wraps uvicorn's HTTP protocol class:
   the app.
 - **malformed HTTP**: bytes uvicorn's parser refuses get a 400 in OpenAI's
   error shape (uvicorn answers plain text).
+- **framing and head limits** (:class:`HeadCheck`): a request with both
+  ``Content-Length`` and ``Transfer-Encoding`` is answered 400 and the
+  connection closed (RFC 9112 section 6.1: such a message may be an attempt at
+  request smuggling, and whatever follows its body cannot be trusted); a
+  request line longer than :data:`MAX_REQUEST_LINE_BYTES` is answered 414 and
+  headers over :data:`MAX_HEADER_BYTES` in all 431, both closed. The answers
+  never repeat the request's bytes. The checks run in the parser's own
+  callbacks (httptools) or on its request event (h11), so no head is
+  buffered past its limit on httptools, and on h11 no further than h11's own
+  16 KiB bound on an incomplete head.
 
 Why not uvicorn's own settings: ``timeout_keep_alive`` is armed only after
 a response, so it neither covers a connection that never sends a request
@@ -39,6 +49,11 @@ import json
 from typing import Any
 
 _REJECT_LINGER_S = 1.0  # how long a refused connection may finish sending before it is closed
+
+MAX_REQUEST_LINE_BYTES = 8 << 10
+"""The longest request target (path and query) a request may send; longer is 414."""
+MAX_HEADER_BYTES = 16 << 10
+"""The most bytes of header lines (names, values, ``: `` and CRLF) a request may send; more is 431."""
 
 
 def _canned(
@@ -111,6 +126,77 @@ def invalid_http_bytes(detail: str) -> bytes:
     )
 
 
+class HeadCheck:
+    """The framing and size checks of one request head, fed as the parser reads it.
+
+    :meth:`url` and :meth:`header` return the refusal (the canned answer's
+    bytes) as soon as a limit is passed, :meth:`complete` the framing
+    conflict; None while the head is acceptable.
+    """
+
+    def __init__(self) -> None:
+        self.url_bytes = 0
+        self.header_bytes = 0
+        self.content_length = False
+        self.transfer_encoding = False
+
+    def url(self, fragment: bytes) -> bytes | None:
+        """Count a fragment of the request target; past the limit, the 414."""
+        self.url_bytes += len(fragment)
+        if self.url_bytes > MAX_REQUEST_LINE_BYTES:
+            return _canned(
+                414,
+                "URI Too Long",
+                f"the request target is over {MAX_REQUEST_LINE_BYTES} bytes; send long "
+                "input in a JSON body (POST), not in the path or query",
+                "uri_too_long",
+                kind="invalid_request_error",
+            )
+        return None
+
+    def header(self, name: bytes, value: bytes) -> bytes | None:
+        """Count one header line; past the limit, the 431."""
+        self.header_bytes += len(name) + len(value) + 4  # "name: value\r\n"
+        lowered = name.lower()
+        self.content_length |= lowered == b"content-length"
+        self.transfer_encoding |= lowered == b"transfer-encoding"
+        if self.header_bytes > MAX_HEADER_BYTES:
+            return _canned(
+                431,
+                "Request Header Fields Too Large",
+                f"the request's headers are over {MAX_HEADER_BYTES} bytes in all; send fewer "
+                "or shorter headers (long input belongs in the JSON body)",
+                "headers_too_large",
+                kind="invalid_request_error",
+            )
+        return None
+
+    def complete(self) -> bytes | None:
+        """At the end of the head: the 400 of a request framed two ways."""
+        if self.content_length and self.transfer_encoding:
+            return _canned(
+                400,
+                "Bad Request",
+                "the request has both Content-Length and Transfer-Encoding, which frame its "
+                "body two ways (RFC 9112 section 6.1); send one of them. The connection is "
+                "closed",
+                "conflicting_framing",
+                kind="invalid_request_error",
+            )
+        return None
+
+    def of_request(self, target: bytes, headers: Any) -> bytes | None:
+        """Every check of a whole head at once (h11 hands the head over whole)."""
+        refusal = self.url(target)
+        for name, value in headers:
+            refusal = refusal or self.header(name, value)
+        return refusal or self.complete()
+
+
+class _HeadRefused(Exception):
+    """Raised inside the parser to stop it; the refusal is answered by ``send_400_response``."""
+
+
 class _Guard:
     """The limits' methods, put before uvicorn's protocol class by :func:`guarded_protocol`
     (their ``super()`` calls reach that class)."""
@@ -119,6 +205,9 @@ class _Guard:
     _guard_timer: asyncio.TimerHandle | None = None
     _guard_refused = False
     _guard_bytes = 0  # received since the deadline was armed
+    _guard_head: HeadCheck | None = None  # the head being parsed (httptools)
+    _guard_refusal: bytes | None = None  # the answer of a head refused by HeadCheck
+    _guard_closing = False  # answered and closing: what still arrives is read and dropped
     transport: Any
 
     # -------------------------------------------------- refused connections
@@ -138,10 +227,11 @@ class _Guard:
             return
         limits.open.add(self)
         super().connection_made(transport)  # type: ignore[misc]
+        self._guard_wrap_h11()
         self._guard_arm()
 
     def data_received(self, data: bytes) -> None:  # noqa: D102
-        if self._guard_refused:
+        if self._guard_refused or self._guard_closing:
             return  # read and dropped, so that closing later does not reset the connection
         self._guard_bytes += len(data)
         super().data_received(data)  # type: ignore[misc]
@@ -161,12 +251,76 @@ class _Guard:
             self._guard_arm()  # the next request must arrive in time too
 
     def send_400_response(self, msg: str) -> None:  # noqa: D102
-        # uvicorn's answer to bytes its parser refuses, in OpenAI's shape
+        # uvicorn's answer to bytes its parser refuses, in OpenAI's shape; or a head refused
+        # by HeadCheck (its callbacks stopped the parser, which uvicorn reads as malformed)
         limits = self._guard_limits
+        answer = self._guard_refusal or invalid_http_bytes(msg)
         if limits.on_reject is not None:
-            limits.on_reject(400, "invalid_http")
-        self.transport.write(invalid_http_bytes(msg))
-        self.transport.close()
+            limits.on_reject(int(answer[9:12]), "invalid_http")
+        self._guard_close_after(answer)
+
+    def _guard_close_after(self, answer: bytes) -> None:
+        """Send ``answer``, end the sending side, and close once the client had time to read
+        it (closing with its bytes unread would reset the connection and lose the answer)."""
+        self._guard_closing = True
+        self._guard_disarm()
+        transport = self.transport
+        transport.write(answer)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._guard_timer = asyncio.get_running_loop().call_later(_REJECT_LINGER_S, transport.close)
+
+    # -------------------------------------------------- the request head (HeadCheck)
+    def _guard_refuse(self, refusal: bytes | None) -> None:
+        if refusal is not None:
+            self._guard_refusal = refusal
+            raise _HeadRefused
+
+    def on_message_begin(self) -> None:  # noqa: D102  (httptools)
+        self._guard_head = HeadCheck()
+        super().on_message_begin()  # type: ignore[misc]
+
+    def on_url(self, url: bytes) -> None:  # noqa: D102  (httptools)
+        self._guard_refuse(self._guard_head_check().url(url))
+        super().on_url(url)  # type: ignore[misc]
+
+    def on_header(self, name: bytes, value: bytes) -> None:  # noqa: D102  (httptools)
+        self._guard_refuse(self._guard_head_check().header(name, value))
+        super().on_header(name, value)  # type: ignore[misc]
+
+    def on_headers_complete(self) -> None:  # noqa: D102  (httptools)
+        self._guard_refuse(self._guard_head_check().complete())
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def _guard_head_check(self) -> HeadCheck:
+        if self._guard_head is None:
+            self._guard_head = HeadCheck()
+        return self._guard_head
+
+    def _guard_wrap_h11(self) -> None:
+        """On h11, check each request event's head before uvicorn reads it."""
+        conn = getattr(self, "conn", None)
+        if conn is None or not hasattr(conn, "next_event"):
+            return  # httptools: the callbacks above check the head
+        import h11
+
+        next_event = conn.next_event
+
+        def checked_next_event() -> Any:
+            try:
+                event = next_event()
+            except h11.RemoteProtocolError as exc:
+                if exc.error_status_hint == 431:  # h11's own bound on an incomplete head
+                    self._guard_refusal = HeadCheck().header(b"", b"x" * MAX_HEADER_BYTES)
+                raise
+            if isinstance(event, h11.Request):
+                refusal = HeadCheck().of_request(event.target, event.headers)
+                if refusal is not None:
+                    self._guard_refusal = refusal
+                    raise h11.RemoteProtocolError("refused head", error_status_hint=400)
+            return event
+
+        conn.next_event = checked_next_event
 
     # -------------------------------------------------- the read deadline
     def _guard_request_in(self) -> bool:

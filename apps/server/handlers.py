@@ -45,11 +45,17 @@ def http_error(request: Request, exc: StarletteHTTPException) -> APIError:
     served = ", ".join(ROUTES)
     if exc.status_code == 404:
         message = (
-            f"this server has no endpoint {request.method} {request.url.path}; it serves " + served
+            f"this server has no endpoint {request.method} {_path(request)}; it serves " + served
         )
     elif exc.status_code == 405:
-        message = f"{request.method} is not allowed on {request.url.path}; it serves " + served
+        message = f"{request.method} is not allowed on {_path(request)}; it serves " + served
     return APIError(exc.status_code, message, type=kind, headers=exc.headers)
+
+
+def _path(request: Request, limit: int = 80) -> str:
+    """The request's path as an error names it: cut at ``limit`` characters, never echoed whole."""
+    path = request.url.path
+    return path if len(path) <= limit else f"{path[:limit]}... ({len(path):,} characters)"
 
 
 def _state(request: Request) -> AppState:

@@ -26,6 +26,14 @@ from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.structured import structured_outputs_of
 
 
+def clip(text: str, limit: int = 64) -> str:
+    """``repr(text)`` cut to ``limit`` characters with its length: an error names what the
+    request sent without repeating a long input back (a 1 MiB model name, an 8 KiB path)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
 class APIError(Exception):
     """An error answered as OpenAI's JSON error object with an HTTP status."""
 
@@ -412,13 +420,17 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM's)
     add_generation_prompt: bool = True  # extension (vLLM's)
     continue_final_message: bool = False  # extension (vLLM's)
+    special_tokens_in_content: Literal["text", "tokens"] | None = None  # extension (pitstop's)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as sent (content parts and tool calls are read by pitstop.requests.chat)."""
         return [m.as_dict() for m in self.messages]
 
-    def chat_options(self, tools: list[dict[str, Any]] | None) -> ChatOptions:
-        """The template options (:class:`pitstop.requests.chat.ChatOptions`); a bad one is a 400."""
+    def chat_options(
+        self, tools: list[dict[str, Any]] | None, *, default_special_tokens: str = "text"
+    ) -> ChatOptions:
+        """The template options (:class:`pitstop.requests.chat.ChatOptions`); a bad one is a
+        400. ``default_special_tokens``: the server's ``--special-tokens-in-content``."""
         try:
             return ChatOptions(
                 chat_template=self.chat_template,
@@ -426,6 +438,7 @@ class ChatCompletionRequest(_SamplingFields):
                 continue_final_message=self.continue_final_message,
                 chat_template_kwargs=self.chat_template_kwargs,
                 tools=tools,
+                special_tokens_in_content=self.special_tokens_in_content or default_special_tokens,
             )
         except InvalidRequestError as exc:
             message = str(exc)
@@ -457,6 +470,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    special_tokens_in_content: Literal["text", "tokens"] | None = None  # messages only
 
 
 class DetokenizeRequest(BaseModel):

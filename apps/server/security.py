@@ -152,6 +152,11 @@ async def _discard(_message: Message) -> None:
     return None
 
 
+def _clip(text: str, limit: int = 64) -> str:
+    """``repr(text)`` cut to ``limit`` characters: a refusal never echoes a long header."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
 def _normalize_origin(origin: str) -> str:
     return origin.strip().rstrip("/").lower()
 
@@ -195,7 +200,7 @@ class RequestGuard:
             await self._refuse(
                 send,
                 403,
-                f"the Host header {headers.get('host', '')!r} is not a name this server "
+                f"the Host header {_clip(headers.get('host', ''))} is not a name this server "
                 f"answers to ({self._host_names}); connect through one of them, or start the "
                 "server with --allowed-hosts NAME",
                 "host_not_allowed",
@@ -210,8 +215,8 @@ class RequestGuard:
                 await self._refuse(
                     send,
                     403,
-                    f"requests from the web origin {origin!r} are not allowed; start the server "
-                    f"with --allowed-origins {origin} to let pages of that origin call it",
+                    f"requests from the web origin {_clip(origin)} are not allowed; start the "
+                    "server with --allowed-origins ORIGIN to let pages of that origin call it",
                     "origin_not_allowed",
                 )
                 return
@@ -230,7 +235,7 @@ class RequestGuard:
                     send,
                     415,
                     "the request body must be JSON sent with 'Content-Type: application/json' "
-                    + (f"(got {got!r})" if got else "(the request has no Content-Type)"),
+                    + (f"(got {_clip(got)})" if got else "(the request has no Content-Type)"),
                     "unsupported_media_type",
                 )
                 return

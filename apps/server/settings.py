@@ -13,6 +13,7 @@ class ServerSettings:
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # more accepted keys
     max_body_bytes: int = 1 << 20
     served_model_name: str | None = None  # default: the engine's model setting
+    served_model_aliases: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # more names
     drain_timeout_s: float = 10.0  # on shutdown, how long running requests may finish before abort
     allowed_hosts: tuple[str, ...] | None = None  # None: no Host check ("*" too)
     allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # "*": any
@@ -30,6 +31,15 @@ class ServerSettings:
     step_grace_s: float = 2.0  # after the drain, how long the engine may take to abort
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # a tool_parser plugin's name (hermes, llama3_json)
+    # A request's chat_template runs only when trusted, and then in a sandbox process bounded by
+    # these (apps/server/template_sandbox.py)
+    trust_request_chat_template: bool = False
+    chat_template_timeout_s: float = 2.0  # wall time of one render, the worker's start excluded
+    chat_template_memory_bytes: int = 256 << 20  # the sandbox's memory beyond its imports
+    max_logprobs: int = 20  # the most logprobs / top_logprobs / prompt_logprobs a request asks
+    max_response_bytes: int = 32 << 20  # one request's answer (every choice, chunk or JSON)
+    special_tokens_in_content: str = "text"  # "tokens": message text may write special tokens
+    grammar_at_start: bool = False  # build the structured-output tokenizer before serving
 
     @property
     def keys(self) -> tuple[str, ...]:

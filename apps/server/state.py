@@ -8,6 +8,7 @@ variables.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import attrs
@@ -17,8 +18,9 @@ from pitstop.errors import PluginError
 from pitstop.plugin_system.protocols import ToolParser
 from pitstop.server.limits import ServerState
 from pitstop.server.metrics import ServerMetrics
-from pitstop.server.protocol import APIError, now
+from pitstop.server.protocol import APIError, clip, now
 from pitstop.server.settings import ServerSettings
+from pitstop.server.template_sandbox import TemplateSandbox
 
 
 @attrs.define(kw_only=True)
@@ -28,13 +30,17 @@ class AppState:
     llm: AsyncLLM
     settings: ServerSettings
     model_name: str  # the name the server answers to and reports
-    model_aliases: frozenset[str]  # the names a request may give: model_name and the setting
+    model_names: tuple[str, ...]  # the names a request may give: model_name, then its aliases
     metrics: ServerMetrics
     server: ServerState
     keys: tuple[bytes, ...]  # the accepted API keys' bytes (empty: no authentication)
     vocab_size: int
     tool_parser: ToolParser | None
     started: int  # when the server started (a model card's ``created``)
+    # request chat templates (--trust-request-chat-template): the sandbox, and the one slot
+    # that lets one render run at a time (pitstop.server.template_sandbox)
+    template_sandbox: TemplateSandbox | None = None
+    template_slot: asyncio.Semaphore = attrs.field(factory=lambda: asyncio.Semaphore(1))
 
     @classmethod
     def build(cls, llm: AsyncLLM, settings: ServerSettings) -> AppState:
@@ -44,7 +50,7 @@ class AppState:
             llm=llm,
             settings=settings,
             model_name=model_name,
-            model_aliases=frozenset({model_name, llm.config.model}),
+            model_names=tuple(dict.fromkeys((model_name, *settings.served_model_aliases))),
             metrics=ServerMetrics(llm, model_name),
             server=ServerState(
                 llm,
@@ -59,6 +65,12 @@ class AppState:
             vocab_size=llm.engine.model_config.vocab_size,
             tool_parser=_tool_parser(llm, settings),
             started=now(),
+            template_sandbox=TemplateSandbox(
+                timeout_s=settings.chat_template_timeout_s,
+                memory_bytes=settings.chat_template_memory_bytes,
+            )
+            if settings.trust_request_chat_template
+            else None,
         )
 
     @property
@@ -67,8 +79,9 @@ class AppState:
         return self.llm.config.max_model_len
 
     def check_model(self, name: str | None, *, required: bool = True) -> None:
-        """The request's ``model``: exactly the served name (or the model setting), else 404;
-        missing or empty on a generation route, 400 (vLLM answers alike)."""
+        """The request's ``model``: exactly one of the served names (``/v1/models`` lists
+        them), else 404 ``model_not_found``; missing or empty on a generation route, 400
+        (OpenAI and vLLM answer alike)."""
         if not name and required:
             raise APIError(
                 400,
@@ -77,13 +90,31 @@ class AppState:
                 param="model",
                 code="model_required",
             )
-        if name and name not in self.model_aliases:
+        if name and name not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
             raise APIError(
                 404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {clip(name)} does not exist; this server serves {served} "
+                "(GET /v1/models lists them)",
                 param="model",
                 code="model_not_found",
             )
+
+    def check_chat_template(self, template: str | None, kwargs: dict[str, Any] | None) -> None:
+        """Refuse a request's own chat template (400) unless the server trusts them."""
+        given = "chat_template" if template is not None else None
+        if given is None and kwargs and "chat_template" in kwargs:
+            given = "chat_template_kwargs.chat_template"
+        if given is None or self.template_sandbox is not None:
+            return
+        raise APIError(
+            400,
+            f"{given}: this server does not run chat templates sent in requests (a template "
+            "is a program); leave it out to use the model's own template, or start the "
+            "server with --trust-request-chat-template",
+            param=given.split(".", 1)[0],
+            code="chat_template_not_trusted",
+        )
 
     def tokenizer_or_400(self) -> Any:
         """The engine's tokenizer; a 400 when the model has none."""
@@ -94,10 +125,10 @@ class AppState:
             )
         return tok
 
-    def model_card(self) -> dict[str, Any]:
-        """The served model, as ``GET /v1/models`` lists it."""
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        """A served model name's card, as ``GET /v1/models`` lists it (default: the first)."""
         return {
-            "id": self.model_name,
+            "id": name or self.model_name,
             "object": "model",
             "created": self.started,
             "owned_by": "pitstop",

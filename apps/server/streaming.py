@@ -4,7 +4,8 @@ The order is always: the first chunk (chat's role), choice chunks, the usage
 chunk (when asked for), the error event (if any), ``data: [DONE]``. A
 request the engine failed ends with an error event; one cut short by the
 server's shutdown ends each open choice with ``finish_reason`` ``"length"``
-and then an error event with code ``shutting_down``.
+and then an error event with code ``shutting_down``; one whose answer
+reached ``--max-response-bytes`` likewise, with code ``response_too_large``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from pitstop.async_engine import EngineStepError
 from pitstop.requests.outputs import CompletionOutput, RequestOutput
 from pitstop.server.api_errors import engine_error, request_failed, shutdown_error
+from pitstop.server.budget import ResponseBudget
 from pitstop.server.limits import Flight, ServerCut
 from pitstop.server.metrics import ServerMetrics
 from pitstop.server.protocol import APIError
@@ -154,6 +156,28 @@ def _burst_events(
             yield sse(make_chunk(k, delta, reason, count, last))
 
 
+def _metered(
+    events: Iterator[str], budget: ResponseBudget | None, over: list[bool]
+) -> Iterator[str]:
+    """``events`` while the answer stays within ``budget``; at the first event that would
+    pass it, stop and append True to ``over``."""
+    for event in events:
+        if budget is not None and not budget.take(len(event.encode("utf-8"))):
+            over.append(True)
+            return
+        yield event
+
+
+def _cut_choices(
+    num_choices: int, finished: set[int], make_chunk: ChunkFn, flight: Flight
+) -> Iterator[str]:
+    """A last chunk with ``finish_reason: "length"`` for every choice not yet finished (a
+    request the server ended: shutdown, or the response budget)."""
+    for k in range(num_choices):
+        if k not in finished:
+            yield sse(make_chunk(k, "", "length", 0, flight.last))
+
+
 async def _events(
     flight: Flight,
     metrics: ServerMetrics,
@@ -161,9 +185,11 @@ async def _events(
     first: dict[str, Any] | None,
     usage_chunk: UsageFn | None,
     num_choices: int,
+    budget: ResponseBudget | None,
 ) -> AsyncIterator[str]:
     finished: set[int] = set()  # choices whose finish_reason was sent
     error: APIError | None = None  # the error event, sent after the usage chunk
+    over_budget: list[bool] = []  # set by _metered when the answer reaches the budget
     try:
         if first is not None:
             yield sse(first)
@@ -171,8 +197,16 @@ async def _events(
             burst = _burst(flight, out)
             last = burst[-1]
             failed = last.finished and last.finish_reason not in OPENAI_FINISH
-            for event in _burst_events(burst, finished, make_chunk, failed=failed):
+            events = _burst_events(burst, finished, make_chunk, failed=failed)
+            for event in _metered(events, budget, over_budget):
                 yield event
+            if over_budget:
+                assert budget is not None
+                metrics.observe_request_failure("invalid_request")
+                error = budget.error()  # the request is aborted by release() below
+                for event in _cut_choices(num_choices, finished, make_chunk, flight):
+                    yield event
+                break
             if failed:
                 metrics.observe_request_failure("request_error")
                 error = request_failed(last.finish_reason)
@@ -182,9 +216,8 @@ async def _events(
                 error = shutdown_error()
     except ServerCut:
         metrics.observe_request_failure("shutdown")
-        for k in range(num_choices):
-            if k not in finished:
-                yield sse(make_chunk(k, "", "length", 0, flight.last))
+        for event in _cut_choices(num_choices, finished, make_chunk, flight):
+            yield event
         error = shutdown_error()
     except EngineStepError as exc:
         metrics.observe_stream_error(exc)
@@ -207,10 +240,12 @@ def sse_response(
     first: dict[str, Any] | None,
     usage_chunk: UsageFn | None,
     num_choices: int = 1,
+    budget: ResponseBudget | None = None,
 ) -> StreamingResponse:
-    """Stream one request's choices as SSE (the module's docstring gives the order)."""
+    """Stream one request's choices as SSE (the module's docstring gives the order); past
+    ``budget`` the stream ends as :mod:`pitstop.server.budget` says."""
     return FlightResponse(
-        _events(flight, metrics, make_chunk, first, usage_chunk, num_choices),
+        _events(flight, metrics, make_chunk, first, usage_chunk, num_choices, budget),
         flight,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

@@ -28,6 +28,7 @@ from pitstop.server.api_errors import (
     request_failed,
     shutdown_error,
 )
+from pitstop.server.budget import ResponseBudget, output_bytes
 from pitstop.server.limits import Flight, ServerCut, request_cost
 from pitstop.server.protocol import APIError
 from pitstop.server.render import OPENAI_FINISH
@@ -70,9 +71,57 @@ async def rendered(
         if not template_reads_tools(tok, options):  # tool_choice "none": nothing to show
             options = attrs.evolve(options, tools=None)
     try:
-        return await asyncio.to_thread(render_chat, tok, messages, options, tool_prompt=prompt)
+        if options.chat_template is None:  # the model's own template: trusted
+            return await asyncio.to_thread(render_chat, tok, messages, options, tool_prompt=prompt)
+        return await _sandboxed(state, tok, messages, options, prompt)
     except InvalidRequestError as exc:
-        raise invalid_request(exc, "messages") from exc
+        param = "chat_template" if options.chat_template is not None else "messages"
+        raise invalid_request(exc, param) from exc
+
+
+async def _sandboxed(
+    state: AppState, tok: Any, messages: list[dict[str, Any]], options: ChatOptions, prompt: Any
+) -> RenderedChat:
+    """A chat rendered with the request's own template, in the sandbox process, one at a
+    time (pitstop.server.template_sandbox); a request waiting too long for its turn is 429."""
+    sandbox = state.template_sandbox
+    assert sandbox is not None  # the route refused the template otherwise
+    wait_s = 4 * sandbox.timeout_s
+    try:
+        async with asyncio.timeout(wait_s):
+            await state.template_slot.acquire()
+    except TimeoutError:
+        raise APIError(
+            429,
+            f"the server renders one request chat_template at a time and none was free within "
+            f"{wait_s:g} s; retry later, or leave chat_template out to use the model's own",
+            code="chat_template_busy",
+            headers={"Retry-After": str(state.settings.retry_after_s)},
+        ) from None
+    try:
+        render = sandbox.renderer(dict(tok.hf.special_tokens_map))
+        return await asyncio.to_thread(
+            render_chat, tok, messages, options, tool_prompt=prompt, renderer=render
+        )
+    finally:
+        state.template_slot.release()
+
+
+async def check_structured(
+    state: AppState, params: SamplingParams, structured_param: str | None
+) -> None:
+    """Compile the request's structured-output constraint on a worker thread before it is
+    queued (the engine then finds it compiled): one that does not compile, or matches no
+    text at all, is a 400 naming ``structured_param``. The first such request builds the
+    llguidance tokenizer there too, unless the server built it at start-up."""
+    spec = params.structured_outputs
+    if spec is None:
+        return
+    engine = state.llm.engine
+    try:
+        await asyncio.to_thread(lambda: engine.grammar_compiler().check(spec))
+    except InvalidRequestError as exc:
+        raise invalid_request(exc, "prompt", structured_param or "structured_outputs") from exc
 
 
 def admit(
@@ -146,12 +195,23 @@ async def _watch_disconnect(request: Request, flight: Flight) -> None:
         await asyncio.sleep(0.1)
 
 
-async def collect(state: AppState, request: Request, flight: Flight) -> RequestOutput:
-    """Wait for the final output; abort if the client disconnects meanwhile."""
+async def collect(
+    state: AppState,
+    request: Request,
+    flight: Flight,
+    budget: ResponseBudget | None = None,
+    logprobs: int | None = None,
+) -> RequestOutput:
+    """Wait for the final output; abort if the client disconnects meanwhile, or when the
+    answer grows past ``budget`` (a 400; ``logprobs``: the top-k asked per token)."""
     watcher = asyncio.create_task(_watch_disconnect(request, flight))
     try:
         final: RequestOutput | None = None
         async for out in flight:
+            if budget is not None and not budget.take(
+                output_bytes(out, logprobs, first=final is None)
+            ):
+                raise budget.error()  # release() below aborts the request
             final = out
         assert final is not None
     except ServerCut:

@@ -7,7 +7,9 @@ benchmark on dummy weights runs without it.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,13 @@ from pitstop.requests.validation import validate_messages
 # token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): some tokenizers
 # decode a token differently at the start of a text (leading spaces).
 _DETOKENIZE_CONTEXT = 5
+
+# Special-token text found in a chat's messages is wrapped in these two private-use
+# characters before the template runs (Tokenizer.mark_special_text), so that encoding can tell
+# it from the special tokens the template writes itself (Tokenizer.encode_chat_text).
+# transformers 5 does the same (apply_chat_template(sanitize_control_tokens=True)).
+MARK_START = "\U000f0000"
+MARK_END = "\U000f0001"
 
 
 class Tokenizer:
@@ -204,11 +213,82 @@ class Tokenizer:
     def encode_chat_text(self, text: str) -> list[int]:
         """Token ids of a rendered chat: the template writes any BOS itself, so the text is
         encoded without special tokens; a BOS is added only when the model wants one and
-        the template left it out."""
-        ids = self.encode(text, add_special_tokens=False)
+        the template left it out.
+
+        Special-token text that :meth:`mark_special_text` wrapped in markers is encoded as
+        plain text (so a message cannot write ``<|im_start|>system``), the template's own
+        special tokens as those tokens; without markers the text is encoded as it is."""
+        if MARK_START in text or MARK_END in text:
+            ids = self._encode_marked(text)
+        else:
+            ids = self.encode(text, add_special_tokens=False)
         if self._adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         return ids
+
+    @functools.cached_property
+    def _special_patterns(self) -> tuple[re.Pattern[str], re.Pattern[str]]:
+        """A regex of every special token's text (longest first), and one of such a text
+        between markers (its group), or of a lone marker."""
+        decoder = getattr(self.hf, "added_tokens_decoder", {}) or {}
+        texts = {t.content for t in decoder.values() if getattr(t, "special", False) and t.content}
+        texts |= {t for t in getattr(self.hf, "all_special_tokens", ()) if t}
+        longest_first = sorted(texts, key=len, reverse=True)
+        specials = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+        marked = re.compile(f"{MARK_START}({specials.pattern}){MARK_END}|[{MARK_START}{MARK_END}]")
+        return specials, marked
+
+    def mark_special_text(self, value: Any) -> Any:
+        """``value`` (a string, or lists and dicts of them: messages, tools, template
+        arguments) with every special token's text in its strings wrapped in markers, and any
+        marker characters already there removed (so none can be forged); dict keys unchanged."""
+        if isinstance(value, str):
+            value = value.replace(MARK_START, "").replace(MARK_END, "")
+            return self._special_patterns[0].sub(f"{MARK_START}\\g<0>{MARK_END}", value)
+        if isinstance(value, dict):
+            return {k: self.mark_special_text(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.mark_special_text(v) for v in value]
+        return value
+
+    @staticmethod
+    def unmark(text: str) -> str:
+        """A rendered chat's text without the markers (the prompt as the model reads it)."""
+        return text.replace(MARK_START, "").replace(MARK_END, "")
+
+    def _encode_marked(self, text: str) -> list[int]:
+        """Encode a chat whose marked special-token texts are plain text (module constants).
+
+        The pieces between markers are encoded one by one, the marked ones without
+        special tokens. A piece after the first is encoded after a newline that is then
+        dropped, so that SentencePiece does not add the space it puts at a text's start."""
+        pieces = self._special_patterns[1].split(text)
+        newline = self.encode("\n", add_special_tokens=False)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if not piece:
+                continue  # a lone marker (None), or nothing between two markers
+            as_text = i % 2 == 1
+            piece_ids = self._encode_piece(piece, as_text, newline if i else None)
+            special = self.hf.convert_tokens_to_ids(piece) if as_text else None
+            if special is not None and special in piece_ids:
+                raise InvalidRequestError(
+                    f"a message holds {piece!r}, which this tokenizer reads as its special token "
+                    "even as plain text; remove it, or send special_tokens_in_content 'tokens'"
+                )
+            ids += piece_ids
+        return ids
+
+    def _encode_piece(self, piece: str, as_text: bool, newline: list[int] | None) -> list[int]:
+        """One piece of a marked chat (``as_text``: special tokens read as text); with
+        ``newline`` (not the first piece) encoded after a newline, dropped again, unless the
+        newline merged with the piece (then the piece alone)."""
+        kwargs = {"split_special_tokens": True} if as_text else {}
+        if newline is not None:
+            ids = list(self.hf.encode("\n" + piece, add_special_tokens=False, **kwargs))
+            if ids[: len(newline)] == newline:
+                return ids[len(newline) :]
+        return list(self.hf.encode(piece, add_special_tokens=False, **kwargs))
 
 
 def _transformers_reads_gguf(architecture: Any) -> bool:

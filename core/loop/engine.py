@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -183,6 +184,7 @@ class LLMEngine(RequestIntake, StepResults):
         self._requests: dict[str, RequestState] = {}
         self._samples: dict[int, SampleState] = {}  # by sequence id: each one's record
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
+        self._grammars_lock = threading.Lock()  # grammar_compiler() runs on other threads
         self._ids = itertools.count()
         # Sequence ids count from 0 in every engine, so an engine behaves the same whatever ran
         # before it in the process (ids are keys of the runner's per-sequence state).
@@ -209,6 +211,25 @@ class LLMEngine(RequestIntake, StepResults):
             thaw_heap()
 
     # ------------------------------------------------------------------ requests
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler of this engine's tokenizer, built on first use
+        (seconds: llguidance reads the whole vocabulary). Thread-safe, so a server can build
+        it at start-up and check a request's constraint on its own threads before the
+        request is queued; the engine then finds both ready. InvalidRequestError without a
+        tokenizer or without llguidance."""
+        from pitstop.errors import InvalidRequestError
+
+        if self._grammars is not None:
+            return self._grammars
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "structured_outputs needs the model's tokenizer; this model has none"
+            )
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size)
+        return self._grammars
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
         return bool(self._requests)

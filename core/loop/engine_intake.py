@@ -51,7 +51,7 @@ class RequestIntake:
         arrival, for benchmark clients whose request was due before the engine
         loop got to it.
         """
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).clone()  # the caller may assign to its own later
         validate_request(prompt, params, prompt_token_ids, vocab_size=self.model_config.vocab_size)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"

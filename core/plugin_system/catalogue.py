@@ -25,6 +25,7 @@ from pitstop.plugin_system.settings import (
     SettingsSource,
     aliased_fields,
     check_value,
+    default_for,
     option_fields,
     read_settings,
 )
@@ -116,7 +117,8 @@ class Catalogue:
         for declaration, att in declared:
             if declaration.is_selected(config):
                 return getattr(declaration.read(config), att.name)
-        return declared[0][1].default
+        first, att = declared[0]
+        return default_for(first.settings, att, config)
 
     def selected(self, kind: str, config: SettingsSource) -> Declaration | None:
         """The declaration of the ``kind`` strategy ``config`` selects, if it declares settings."""

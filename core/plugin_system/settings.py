@@ -70,6 +70,7 @@ def setting(
     alias: str | None = None,
     required: bool = False,
     legacy: Sequence[str] = (),
+    at_most: str | None = None,
 ) -> Any:
     """One declared setting of a plugin's settings class.
 
@@ -79,7 +80,11 @@ def setting(
     (``chunk_size``: a keyword of :class:`EngineConfig`, a top-level TOML key
     and a ``--chunk-size`` flag); ``required`` (with a ``None`` default) makes
     it compulsory when the plugin is selected; ``legacy`` lists older
-    ``options`` keys still accepted for it.
+    ``options`` keys still accepted for it. ``at_most`` names an
+    :func:`engine_setting` field declared before it whose value caps the
+    default: left unset, the setting is ``min(default, that field)`` (the
+    schedulers' ``max_prefill_batch``, 64, follows a smaller
+    ``max_batch_size``); a value given is the class's own to check.
     """
     if type not in (int, float, bool, str):
         raise TypeError(f"setting type must be int, float, bool or str, got {type!r}")
@@ -99,8 +104,15 @@ def setting(
         "engine": None,
         "alias": alias,
         "legacy": tuple(legacy),
+        "default": default,
+        "at_most": at_most,
     }
-    return attrs.field(default=default, validator=_check_value, metadata=metadata)
+    if at_most is not None:
+        cap = at_most
+        value: Any = attrs.Factory(lambda self: min(default, getattr(self, cap)), takes_self=True)
+    else:
+        value = default
+    return attrs.field(default=value, validator=_check_value, metadata=metadata)
 
 
 def engine_setting(name: str, *, help: str) -> Any:
@@ -118,6 +130,29 @@ def engine_setting(name: str, *, help: str) -> Any:
         "legacy": (),
     }
     return attrs.field(default=None, metadata=metadata)
+
+
+def declared_default(att: attrs.Attribute) -> Any:
+    """The default a :func:`setting` declares (before an ``at_most`` cap)."""
+    return att.metadata.get("default", att.default)
+
+
+def default_text(att: attrs.Attribute) -> str:
+    """A setting's default in words: ``64``, or ``64, or max_batch_size when smaller``."""
+    text = repr(declared_default(att))
+    cap = att.metadata.get("at_most")
+    return f"{text}, or {cap} when smaller" if cap else text
+
+
+def default_for(cls: type, att: attrs.Attribute, config: Any) -> Any:
+    """The default of ``att`` (a field of the settings class ``cls``) for ``config``: the
+    declared one, capped by its ``at_most`` field's engine setting."""
+    default = declared_default(att)
+    cap = att.metadata.get("at_most")
+    if cap is None:
+        return default
+    engine = attrs.fields_dict(cls)[cap].metadata["engine"]
+    return min(default, getattr(config, engine))
 
 
 def allowed_values(att: attrs.Attribute) -> str:
@@ -179,8 +214,10 @@ def aliased_fields(cls: type) -> list[attrs.Attribute]:
 
 def same_declaration(a: attrs.Attribute, b: attrs.Attribute) -> bool:
     """Whether two fields sharing one alias accept the same values with the same default."""
-    keys = ("type", "minimum", "choices", "optional", "required")
-    return a.default == b.default and all(a.metadata[k] == b.metadata[k] for k in keys)
+    keys = ("type", "minimum", "choices", "optional", "required", "at_most")
+    return declared_default(a) == declared_default(b) and all(
+        a.metadata[k] == b.metadata[k] for k in keys
+    )
 
 
 def check_value(att: attrs.Attribute, value: Any, *, key: str, owner: str) -> None:
@@ -211,7 +248,7 @@ def describe(
             default = repr(getattr(engine_defaults, md["engine"], "(engine setting)"))
         else:
             key = f"{namespace}.{att.name}"
-            default = "(required)" if md["required"] else repr(att.default)
+            default = "(required)" if md["required"] else default_text(att)
         rows.append((key, md["alias"] or "", allowed_values(att), default, md["help"]))
     return rows
 

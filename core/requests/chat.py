@@ -120,6 +120,35 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+SPECIAL_TOKENS_IN_CONTENT = ("text", "tokens")
+"""The values of ``ChatOptions.special_tokens_in_content``."""
+
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        # pitstop's own options
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        # transformers' apply_chat_template parameters: a kwarg of these names would change
+        # the template, or what the renderer returns, instead of reaching the template
+        "conversation",
+        "chat_template",
+        "documents",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
+"""``chat_template_kwargs`` names that are options of rendering rather than template values."""
+
+
 def _kwargs(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
@@ -138,6 +167,10 @@ class ChatOptions:
     the model continues it (it excludes ``add_generation_prompt``, as in
     vLLM); ``chat_template_kwargs`` are passed to the template; ``tools``
     (OpenAI function definitions) are passed to it as ``tools``.
+    ``special_tokens_in_content``: ``"text"`` (the default, as OpenAI) encodes
+    special-token text written in messages, tools and template arguments as
+    plain text, so a message cannot forge another role; ``"tokens"`` reads it
+    as the special tokens (vLLM's behaviour).
     """
 
     chat_template: str | None = None
@@ -147,8 +180,15 @@ class ChatOptions:
     tools: tuple[dict[str, Any], ...] | None = attrs.field(
         default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v
     )
+    special_tokens_in_content: str = "text"
 
     def __attrs_post_init__(self) -> None:
+        if self.special_tokens_in_content not in SPECIAL_TOKENS_IN_CONTENT:
+            _fail(
+                "special_tokens_in_content must be 'text' (special-token text in messages "
+                "stays text) or 'tokens' (it is read as special tokens), got "
+                f"{self.special_tokens_in_content!r}"
+            )
         for name in ("add_generation_prompt", "continue_final_message"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name} must be true or false")
@@ -161,10 +201,12 @@ class ChatOptions:
             not isinstance(self.chat_template, str) or not self.chat_template
         ):
             _fail("chat_template must be a non-empty Jinja template string")
-        reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
-        clash = sorted(reserved & set(self.chat_template_kwargs or ()))
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ()))
         if clash:
-            _fail(f"chat_template_kwargs must not set {clash[0]!r}; pass it as its own option")
+            _fail(
+                f"chat_template_kwargs must not set {clash[0]!r}: it is an option of the "
+                "renderer, not a template variable; pass it as its own option or leave it out"
+            )
 
 
 @attrs.frozen
@@ -187,8 +229,12 @@ def render_chat(
     options: ChatOptions | None = None,
     *,
     tool_prompt: Callable[[Sequence[dict[str, Any]]], str] | None = None,
+    renderer: Callable[..., str] | None = None,
 ) -> RenderedChat:
     """Render one conversation with the model's template (or ``options.chat_template``).
+
+    ``renderer`` replaces ``tokenizer.render_chat_template`` (same arguments; the
+    server renders a request's own template in a sandbox process with it).
 
     With ``options.tools`` and a template that does not read ``tools``,
     ``tool_prompt(tools)`` (text that describes the tools and the format to
@@ -199,6 +245,11 @@ def render_chat(
     options = options or ChatOptions()
     rendered = template_messages(messages)
     tools = list(options.tools) if options.tools else None
+    kwargs = options.chat_template_kwargs
+    if options.special_tokens_in_content == "text":  # marked, to be encoded as plain text
+        rendered = tokenizer.mark_special_text(rendered)
+        tools = tokenizer.mark_special_text(tools)
+        kwargs = tokenizer.mark_special_text(kwargs)
     if tools and not template_reads_tools(tokenizer, options):
         if tool_prompt is None:
             _fail(
@@ -211,12 +262,12 @@ def render_chat(
             rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{text}"}
         else:
             rendered.insert(0, {"role": "system", "content": text})
-    text = tokenizer.render_chat_template(
+    text = (renderer or tokenizer.render_chat_template)(
         rendered,
         options.add_generation_prompt,
         chat_template=options.chat_template,
         continue_final_message=options.continue_final_message,
-        template_kwargs=options.chat_template_kwargs,
+        template_kwargs=kwargs,
         tools=tools,
     )
-    return RenderedChat(text, tokenizer.encode_chat_text(text))
+    return RenderedChat(tokenizer.unmark(text), tokenizer.encode_chat_text(text))

@@ -158,8 +158,9 @@ def accept_token(
     """Apply one sampled token: grammar, stop conditions and text; the sequence may finish.
 
     EOS (unless ``ignore_eos``) and ``stop_token_ids`` stop with reason
-    ``"stop"`` (a stop token's text is left out of the text unless
-    ``include_stop_str_in_output``); so does a stop string (cut from the text unless
+    ``"stop"`` (the EOS or stop token's text is left out of the text unless
+    ``include_stop_str_in_output``, as vLLM's detokenizer does, whatever
+    ``skip_special_tokens`` says); so does a stop string (cut from the text unless
     ``include_stop_str_in_output``) and a grammar that is complete. None of
     these stops a sample before ``min_tokens`` tokens (the sampler also masks
     EOS and the stop tokens until then). Reaching ``max_tokens`` or
@@ -172,11 +173,11 @@ def accept_token(
     num_known = seq.num_output_tokens - seq.num_pending_tokens
     may_stop = num_known >= params.min_tokens
     reason = None
-    stop_token = False  # stopped by one of stop_token_ids: its text stays out unless asked
+    stop_token = False  # stopped by EOS or one of stop_token_ids: its text stays out unless asked
     if may_stop and token in params.stop_token_ids:
         reason, sample.stop_reason, stop_token = "stop", token, True
     elif may_stop and not params.ignore_eos and token in eos_token_ids:
-        reason = "stop"
+        reason, stop_token = "stop", True
     elif sample.grammar is not None and sample.grammar.is_finished:
         reason = "stop"
     elif (

@@ -14,7 +14,9 @@ it is known. vLLM's fields that pitstop lacks are refused by name
 
 from __future__ import annotations
 
+import copy
 import difflib
+import enum
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +51,19 @@ MAX_LOGPROBS = 20
 """The most alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (OpenAI's limit)."""
 
 
+class RequestOutputKind(enum.Enum):
+    """vLLM's ``SamplingParams.output_kind``: what each output of a request carries.
+
+    ``LLM.generate`` returns each request's final output whichever is asked, so
+    ``CUMULATIVE`` (vLLM's default) and ``FINAL_ONLY`` are accepted; ``DELTA`` is
+    refused (``LLM.stream`` yields cumulative outputs with ``text_delta`` and
+    ``new_token_ids``)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 VLLM_ONLY: dict[str, str] = {
     "output_kind": (
         "LLM.generate returns each request's final output; LLM.stream yields cumulative ones "
@@ -57,14 +72,57 @@ VLLM_ONLY: dict[str, str] = {
     "guided_decoding": "pitstop's is structured_outputs=StructuredOutputsParams(...)",
     "extra_args": "pitstop has no per-request extension arguments; use logits_processors",
     "flat_logprobs": "pitstop's logprobs are a list of {token_id: Logprob} per token",
-    "skip_clone": "pitstop's SamplingParams is frozen: nothing copies it; leave it out",
+    "skip_clone": "pitstop copies the parameters of each request it accepts; leave it out",
     "skip_reading_prefix_cache": "pitstop's is the engine setting allocator='paged'",
     "bad_words_token_ids": "give bad_words as strings; pitstop tokenizes them",
-    "use_beam_search": "pitstop has no beam search; ask for n samples",
-    "length_penalty": "pitstop has no beam search",
-    "early_stopping": "pitstop has no beam search",
+    "logprob_token_ids": "ask for logprobs=-1 (every token) and read the ids you need",
+    "thinking_token_budget": "pitstop has no reasoning budget; bound the output with max_tokens",
+    "repetition_detection": "pitstop has no repetition detection; use repetition_penalty",
+    "use_beam_search": "use LLM.beam_search(prompts, BeamSearchParams(beam_width, max_tokens))",
+    "length_penalty": "use LLM.beam_search with BeamSearchParams(length_penalty=...)",
+    "early_stopping": "use LLM.beam_search (it stops a beam at EOS, as vLLM's does)",
 }
 """vLLM's SamplingParams fields pitstop does not have: what to use instead."""
+
+VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "output_kind": (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY),
+    "guided_decoding": (None,),
+    "extra_args": (None, {}),
+    "flat_logprobs": (False,),
+    "skip_clone": (False, True),
+    "skip_reading_prefix_cache": (None, False),
+    "bad_words_token_ids": (None, []),
+    "logprob_token_ids": (None,),
+    "thinking_token_budget": (None, -1),
+    "repetition_detection": (None,),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "early_stopping": (False,),
+}
+"""Values of :data:`VLLM_ONLY` fields that ask for what pitstop does (vLLM's defaults, and
+``skip_clone``, ``output_kind=FINAL_ONLY``): accepted and dropped, so code that spells them
+out runs."""
+
+
+def vllm_only_is_neutral(name: str, value: Any) -> bool:
+    """Whether ``value`` of the vLLM-only field ``name`` asks for what pitstop does."""
+    return any(
+        value is v or (type(value) is type(v) and value == v) for v in VLLM_NEUTRAL.get(name, ())
+    )
+
+
+def vllm_only_error(name: str, value: Any) -> InvalidRequestError:
+    """The error of a vLLM-only field given a value pitstop does not do."""
+    accepted = ", ".join(_shown(v) for v in VLLM_NEUTRAL.get(name, ()))
+    also = f" ({accepted} accepted: what pitstop does)" if accepted else ""
+    return InvalidRequestError(
+        f"{name} is vLLM's SamplingParams field; pitstop does not do {name}={_shown(value)}: "
+        f"{VLLM_ONLY[name]}{also}"
+    )
+
+
+def _shown(value: Any) -> str:
+    return f"RequestOutputKind.{value.name}" if isinstance(value, enum.Enum) else repr(value)
 
 
 def _strings(name: str, *, single: bool) -> Callable[[Any], tuple[str, ...]]:
@@ -95,7 +153,7 @@ def _bias(value: Any) -> tuple[tuple[int, float], ...]:
         value = tuple(value.items())
     if not isinstance(value, tuple):
         raise must_be("logit_bias", "a map of token ids to numbers, e.g. {50256: -100}", value)
-    bias: list[tuple[int, float]] = []
+    bias: dict[int, float] = {}  # a dict: the duplicate check stays linear (12,000 keys: ms)
     for pair in value:
         if not (isinstance(pair, tuple) and len(pair) == 2):
             raise must_be("logit_bias", "a map of token ids to numbers, e.g. {50256: -100}", pair)
@@ -104,12 +162,12 @@ def _bias(value: Any) -> tuple[tuple[int, float], ...]:
         amount = check_real("logit_bias", amount, "send a number in [-100, 100]")
         if not -100 <= amount <= 100:
             raise must_be(f"logit_bias for token {token}", "in [-100, 100]", amount)
-        if any(t == token for t, _ in bias):
+        if token in bias:
             raise InvalidRequestError(
                 f"logit_bias names token {token} twice; give each token id once"
             )
-        bias.append((token, amount))
-    return tuple(sorted(bias))
+        bias[token] = amount
+    return tuple(sorted(bias.items()))
 
 
 def _ids(name: str, *, optional: bool = False) -> Callable[[Any], tuple[int, ...] | None]:
@@ -212,6 +270,23 @@ def _stop_needs_text(inst: Any, _att: Any, value: Any) -> None:
         )
 
 
+def _check_name(name: str, value: Any) -> bool:
+    """Whether ``name`` is a vLLM-only field given a value pitstop does anyway (to drop);
+    False for a field of :class:`SamplingParams`; any other name raises naming it."""
+    if name in VLLM_ONLY:
+        if vllm_only_is_neutral(name, value):
+            return True
+        raise vllm_only_error(name, value)
+    known = [a.name for a in attrs.fields(SamplingParams)]
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise InvalidRequestError(
+            f"{name} is not a SamplingParams field{hint}; the fields: {', '.join(known)}"
+        )
+    return False
+
+
 @attrs.frozen(kw_only=True, init=False)
 class SamplingParams:
     """How to turn a request's logits into tokens, and when to stop (vLLM's fields).
@@ -255,7 +330,14 @@ class SamplingParams:
     Types are strict: ``True`` is not a number, ``"0.5"`` is not a float, and
     NaN and infinities are refused. Integers are bounded by int64. A vLLM
     field pitstop lacks (:data:`VLLM_ONLY`) or a misspelt one is an
-    :class:`InvalidRequestError` naming it.
+    :class:`InvalidRequestError` naming it, unless its value asks for what
+    pitstop does (:data:`VLLM_NEUTRAL`: vLLM's defaults).
+
+    A field may be assigned, as vLLM's examples do (``params.max_tokens = 64``):
+    the assignment runs every check construction runs, so an invalid one raises
+    the same error and leaves the object as it was. The engine copies the
+    parameters of each request it accepts, so a later assignment does not
+    change a request already queued.
     """
 
     n: int = attrs.field(
@@ -341,24 +423,15 @@ class SamplingParams:
     def __init__(self, **fields: Any) -> None:
         """Every keyword is a field below; a vLLM field pitstop lacks, or a misspelt one, is an
         :class:`InvalidRequestError` naming it (not a bare ``TypeError``)."""
-        known = [a.name for a in attrs.fields(SamplingParams)]
-        for name in fields:
-            if name in VLLM_ONLY:
-                raise InvalidRequestError(
-                    f"{name} is vLLM's SamplingParams field; pitstop does not have it: "
-                    f"{VLLM_ONLY[name]}"
-                )
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise InvalidRequestError(
-                    f"{name} is not a SamplingParams field{hint}; the fields: {', '.join(known)}"
-                )
+        for name, value in list(fields.items()):
+            if _check_name(name, value):
+                del fields[name]
         self.__attrs_init__(**fields)
 
     def clone(self) -> SamplingParams:
-        """A copy (vLLM's ``clone()``): the same values, logits processors shared, not copied."""
-        return attrs.evolve(self)
+        """A copy (vLLM's ``clone()``): the same values; logits processors and the structured
+        output (both immutable here or the caller's) shared, not copied."""
+        return copy.copy(self)
 
     @property
     def greedy(self) -> bool:
@@ -382,3 +455,19 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
         )
+
+
+def _assign(self: SamplingParams, name: str, value: Any) -> None:
+    """``params.max_tokens = 64``: checked as construction checks it (every field's validator
+    and the checks between fields), then stored converted; an invalid value raises and leaves
+    the object as it was."""
+    if _check_name(name, value):
+        return
+    checked = attrs.evolve(self, **{name: value})
+    object.__setattr__(self, name, getattr(checked, name))
+
+
+# attrs builds the class frozen (its __init__ stores fields without __setattr__); assignment
+# is then opened through the checks above. The values can change, so they are not hashable.
+SamplingParams.__setattr__ = _assign  # type: ignore[method-assign,assignment]
+SamplingParams.__hash__ = None  # type: ignore[assignment]

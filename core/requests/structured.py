@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -435,22 +436,46 @@ class GrammarCompiler:
         self.tokenizer = self.llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size)
         self.cache_size = int(cache_size)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._cache_lock = threading.Lock()  # the server compiles on its threads (check())
         self._executor = self.llguidance.LLExecutor()
         self.compilations = 0  # how many constraints were compiled (cache misses)
 
     def new_state(self, spec: StructuredOutputs) -> GrammarState:
         """A fresh matcher for ``spec``; a bad schema or regex raises InvalidRequestError."""
         key = spec.cache_key()
-        template = self._compiled.get(key)
+        with self._cache_lock:
+            template = self._compiled.get(key)
+            if template is not None:
+                self._compiled.move_to_end(key)
         if template is None:
-            template = self._compile(spec)
-            self._compiled[key] = template
-            self.compilations += 1
-            while len(self._compiled) > self.cache_size:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
+            template = self._compile(spec)  # outside the lock: it may take a while
+            with self._cache_lock:
+                self._compiled[key] = template
+                self.compilations += 1
+                while len(self._compiled) > self.cache_size:
+                    self._compiled.popitem(last=False)
         return GrammarState(template.deep_copy(), key, self)
+
+    def check(self, spec: StructuredOutputs) -> None:
+        """Compile ``spec`` (into the cache, so the engine finds it compiled) and refuse one
+        that matches no text at all: its matcher fails, or allows no first token and is not
+        complete (``root ::= root``, a ``$ref`` cycle). Raises InvalidRequestError naming it.
+
+        A constraint whose every text is infinite (``start: "a" start``) is not detected
+        here: its requests end at ``max_tokens`` (``finish_reason: "length"``)."""
+        state = self.new_state(spec)
+        matcher = state.matcher
+        mask = matcher.compute_bitmask()  # the first position's allowed tokens
+        error = (matcher.get_error() or "").strip() if matcher.is_error() else ""
+        allowed = any(mask) if isinstance(mask, bytes | bytearray) else bool(mask)
+        if error or (not allowed and not matcher.is_accepting()):
+            reason = error.split("\n", 1)[0][:200]  # llguidance appends its whole state
+            raise InvalidRequestError(
+                f"structured_outputs.{spec.kind} matches no text at all"
+                + (f" (llguidance: {reason})" if reason else "")
+                + "; a rule or $ref that only refers to itself, or a cycle of them, can never "
+                "end: give it a case that does not recurse"
+            )
 
     def _compile(self, spec: StructuredOutputs) -> Any:
         lg = self.llguidance

@@ -29,6 +29,7 @@ import attrs
 
 from pitstop.errors import fail_request as _fail
 from pitstop.errors import refuse_unknown_keys
+from pitstop.requests.json_schema import check_schema
 
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
@@ -57,6 +58,7 @@ def parse_tools(tools: Any) -> tuple[FunctionTool, ...]:
     if not isinstance(tools, Sequence) or isinstance(tools, str):
         _fail(f"tools must be a list of function tools, got {type(tools).__name__}")
     out: list[FunctionTool] = []
+    seen: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, Mapping) or tool.get("type") != "function":
@@ -91,8 +93,10 @@ def parse_tools(tools: Any) -> tuple[FunctionTool, ...]:
             _fail(f"{where}.function.parameters must be a JSON schema (an object)")
         if function.get("strict") not in (None, True, False):
             _fail(f"{where}.function.strict must be true or false")
-        if any(t.name == name for t in out):
+        check_schema(parameters, f"{where}.function.parameters")
+        if name in seen:  # a set: linear in the number of tools
             _fail(f"{where}.function.name {name!r} is given twice; tool names must differ")
+        seen.add(name)
         out.append(FunctionTool(name, description, dict(parameters)))
     return tuple(out)
 

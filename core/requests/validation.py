@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -30,20 +29,30 @@ INT64_MAX = 2**63 - 1
 # reduced modulo this (torch itself treats a negative seed that way).
 SEED_MODULUS = 2**64
 
-# A token id key of logit_bias: ASCII decimal digits only (str.isdigit() also takes
+# A token id key of logit_bias: ASCII decimal digits only (str.isdigit() alone also takes
 # "²", "①", "٣" and "𝟓", and int() strips spaces), at most 19 of them (int64).
-_TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
+_TOKEN_ID_KEY_DIGITS = 19
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def is_int(value: Any) -> bool:
     """An integer (Python or numpy), but not a bool."""
+    kind = type(value)
+    if kind is int:  # the common case first: a request's fields are checked one by one
+        return True
+    if kind in (bool, float, str):
+        return False
     return isinstance(value, numbers.Integral) and not isinstance(value, bool | _numpy_bool())
 
 
 def is_real(value: Any) -> bool:
     """A finite int or float (Python or numpy), but not a bool."""
+    kind = type(value)
+    if kind is float:  # the common case first (12,000 logit_bias values check in ms)
+        return math.isfinite(value)
+    if kind in (bool, str):
+        return False
     if isinstance(value, bool | _numpy_bool()) or not isinstance(value, numbers.Real):
         return False
     try:
@@ -128,8 +137,15 @@ def token_id_key(key: Any) -> int:
     ``"①"``, ``"٣"``, ``"𝟓"``, ``" 5"``, ``"+5"``, ``"-1"`` and keys past int64."""
     if is_int(key):
         return check_int("logit_bias", key, lo=0)
-    if isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key) and int(key) <= INT64_MAX:
-        return int(key)
+    if (
+        isinstance(key, str)
+        and len(key) <= _TOKEN_ID_KEY_DIGITS
+        and key.isascii()
+        and key.isdigit()
+    ):
+        value = int(key)  # on ASCII, isdigit() is exactly 0-9
+        if value <= INT64_MAX:
+            return value
     if isinstance(key, str):
         _fail(
             f"logit_bias key {_short(key)} is not a token id; keys must be token ids written "

@@ -83,6 +83,7 @@ class BatchSettings:
         type=int,
         minimum=1,
         alias="max_prefill_batch",
+        at_most="max_batch_size",
         help="most prompts prefilled in one step",
     )
     max_num_batched_tokens: int = engine_setting(
@@ -100,7 +101,8 @@ class BatchSettings:
         if self.max_prefill_batch > self.max_batch_size:
             raise ConfigError(
                 f"max_prefill_batch ({self.max_prefill_batch}) must not exceed "
-                f"max_batch_size ({self.max_batch_size})"
+                f"max_batch_size ({self.max_batch_size}); lower max_prefill_batch, or leave it "
+                "out: unset, it follows a max_batch_size below 64"
             )
 
 

@@ -6,15 +6,22 @@ from typing import Annotated, Any
 
 import attrs
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pitstop.requests.outputs import CompletionOutput, RequestOutput
 from pitstop.requests.tool_calls import ToolCallStream
-from pitstop.server.deps import Authorized, State, check_request_size, json_body
+from pitstop.server.budget import ResponseBudget
+from pitstop.server.deps import (
+    Authorized,
+    State,
+    check_logprobs,
+    check_request_size,
+    json_body,
+)
 from pitstop.server.protocol import ChatCompletionRequest, new_id, now
 from pitstop.server.render import OPENAI_FINISH, chat_logprobs, usage_of
 from pitstop.server.streaming import AnswerHead, chunk_logprobs, sse_response
-from pitstop.server.submit import add, admit, collect, rendered
+from pitstop.server.submit import add, admit, check_structured, collect, rendered
 from pitstop.server.tools import ChatTools, plan_tools
 
 router = APIRouter()
@@ -96,6 +103,7 @@ async def chat_completions(
 ) -> Response:
     """Answer a chat (streamed or not), with tools when the request offers them."""
     state.check_model(body.model)
+    state.check_chat_template(body.chat_template, body.chat_template_kwargs)
     messages = body.template_messages()
     tools = plan_tools(
         body.tools,
@@ -104,15 +112,20 @@ async def chat_completions(
         auto_enabled=state.settings.enable_auto_tool_choice,
         parallel_tool_calls=body.parallel_tool_calls,
     )
-    options = body.chat_options(tools.template_tools)
+    options = body.chat_options(
+        tools.template_tools, default_special_tokens=state.settings.special_tokens_in_content
+    )
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
     k = body.num_logprobs()
+    check_logprobs(state, "top_logprobs", k)  # before SamplingParams, which names logprobs
     tool_constraint = tools.constraint(body.parallel_tool_calls)
     # No limit given (None): the engine stops at max_model_len.
     params = body.sampling_params(max_tokens, logprobs=k, tool_constraint=tool_constraint)
-    check_request_size(state, params, 1)
+    check_request_size(state, params, 1, logprobs_param="top_logprobs")
+    structured_param = "tool_choice" if tool_constraint else body.structured_param()
+    await check_structured(state, params, structured_param)
     rid = new_id("chatcmpl")
     chat = await rendered(state, messages, options, tools)
     chat_ids = None if chat is None else chat.token_ids
@@ -126,11 +139,12 @@ async def chat_completions(
         messages=messages if chat is None else None,
         prompt_token_ids=chat_ids,
         arrival=caller.arrival,
-        structured_param="tool_choice" if tool_constraint else body.structured_param(),
+        structured_param=structured_param,
         prompt_param="messages",
     )
     head = AnswerHead(rid, now(), state.model_name, body.include_usage)
     answer = ChatAnswer(head, k, tools)
+    budget = ResponseBudget(state.settings.max_response_bytes)
     if body.stream:
         first = answer.first_chunk(params.n)
         answer.streams = [tools.stream() for _ in range(params.n)]  # one per choice
@@ -141,5 +155,6 @@ async def chat_completions(
             first=first,
             usage_chunk=answer.usage_chunk if body.include_usage else None,
             num_choices=params.n,
+            budget=budget,
         )
-    return JSONResponse(answer.whole(await collect(state, request, flight)))
+    return budget.json_response(answer.whole(await collect(state, request, flight, budget, k)))

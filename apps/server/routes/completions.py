@@ -7,17 +7,18 @@ from typing import Annotated, Any
 
 import attrs
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.sampling_params import SamplingParams
+from pitstop.server.budget import ResponseBudget
 from pitstop.server.deps import Authorized, Caller, State, check_request_size, json_body
 from pitstop.server.limits import Flight
 from pitstop.server.protocol import APIError, CompletionRequest, Prompt, new_id, now
 from pitstop.server.render import OPENAI_FINISH, completion_logprobs, prompt_logprobs_json, usage_of
 from pitstop.server.state import AppState
 from pitstop.server.streaming import AnswerHead, chunk_logprobs, sse_response
-from pitstop.server.submit import add, admit, collect, encoded
+from pitstop.server.submit import add, admit, check_structured, collect, encoded
 
 router = APIRouter()
 
@@ -126,10 +127,12 @@ async def completions(
     prompts = body.prompts()
     params = _sampling_params(body, len(prompts))
     check_request_size(state, params, len(prompts))
+    await check_structured(state, params, body.structured_param())
     rid = new_id("cmpl")
     flights = await _start(state, caller, body, prompts, params, rid)
     head = AnswerHead(rid, now(), state.model_name, body.include_usage)
     answer = CompletionAnswer(head, body.logprobs)
+    budget = ResponseBudget(state.settings.max_response_bytes)  # the whole answer's, shared
     if body.stream:
         return sse_response(
             flights[0],
@@ -138,6 +141,9 @@ async def completions(
             first=None,
             usage_chunk=answer.usage_chunk if body.include_usage else None,
             num_choices=params.n,
+            budget=budget,
         )
-    finals = await asyncio.gather(*(collect(state, request, f) for f in flights))
-    return JSONResponse(answer.whole(list(finals), params))
+    finals = await asyncio.gather(
+        *(collect(state, request, f, budget, body.logprobs) for f in flights)
+    )
+    return budget.json_response(answer.whole(list(finals), params))

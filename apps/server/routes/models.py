@@ -12,12 +12,14 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(state: State, _caller: Authorized) -> JSONResponse:
-    """The list of served models (one)."""
-    return JSONResponse({"object": "list", "data": [state.model_card()]})
+    """The list of served model names (one model, under each of its names)."""
+    return JSONResponse(
+        {"object": "list", "data": [state.model_card(n) for n in state.model_names]}
+    )
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(state: State, _caller: Authorized, model_id: str) -> JSONResponse:
-    """The served model's card; any other name is a 404."""
+    """The served model's card under one of its names; any other name is a 404."""
     state.check_model(model_id)
-    return JSONResponse(state.model_card())
+    return JSONResponse(state.model_card(model_id))

@@ -31,7 +31,11 @@ async def tokenize(state: State, _caller: Authorized, body: TokenizeBody) -> JSO
             ids = render_chat(
                 tok,
                 [m.as_dict() for m in body.messages],
-                ChatOptions(add_generation_prompt=body.add_generation_prompt),
+                ChatOptions(
+                    add_generation_prompt=body.add_generation_prompt,
+                    special_tokens_in_content=body.special_tokens_in_content
+                    or state.settings.special_tokens_in_content,
+                ),
             ).token_ids
         else:
             assert body.prompt is not None

@@ -60,17 +60,19 @@ class SjfSettings:
         choices=JOB_SIZES,
         help="what makes a job short: prompt + max_tokens, the prompt, or max_tokens",
     )
+    # The engine's own settings (the runner sizes its buffers by them): read, not declared.
+    max_batch_size: int = engine_setting("max_batch_size", help="most sequences in one step")
     # The same short name (alias) and declaration as the built-in schedulers' own setting, so
-    # that --max-prefill-batch sets it for whichever scheduler is selected.
+    # that --max-prefill-batch sets it for whichever scheduler is selected; unset, it follows
+    # a max_batch_size below 64 (at_most names the field declared above).
     max_prefill_batch: int = setting(
         64,
         type=int,
         minimum=1,
         alias="max_prefill_batch",
+        at_most="max_batch_size",
         help="most prompts prefilled in one step",
     )
-    # The engine's own settings (the runner sizes its buffers by them): read, not declared.
-    max_batch_size: int = engine_setting("max_batch_size", help="most sequences in one step")
     max_num_batched_tokens: int = engine_setting(
         "max_num_batched_tokens", help="most tokens computed in one step"
     )

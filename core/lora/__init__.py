@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.lora`` package path; :mod:`pitstop.lora.request` has ``LoRARequest``."""

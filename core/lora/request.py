@@ -1,0 +1,60 @@
+"""vLLM's module path ``vllm.lora.request``: ``LoRARequest``, so that vLLM code imports.
+
+LoRA serving is not in this version of pitstop: passing a :class:`LoRARequest`
+to ``LLM.generate`` (or ``chat``, ``beam_search``) is refused with an
+:class:`~pitstop.errors.InvalidRequestError` that says so and how to merge the
+adapter into the weights instead (:data:`pitstop.vllm_surface.LORA_REFUSAL`).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pitstop.errors import InvalidRequestError
+
+
+def _name(_inst: object, att: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(
+            f"LoRARequest.{att.name} must be a non-empty string, got {value!r}"
+        )
+
+
+def _int_id(_inst: object, att: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequestError(
+            f"LoRARequest.{att.name} must be an integer >= 1 (vLLM's rule), got {value!r}"
+        )
+
+
+@attrs.frozen
+class LoRARequest:
+    """vLLM's ``LoRARequest(lora_name, lora_int_id, lora_path)``: a value naming an adapter.
+
+    Built and compared as vLLM's (``lora_int_id`` >= 1); no engine of this
+    version serves it.
+    """
+
+    lora_name: str = attrs.field(validator=_name)
+    lora_int_id: int = attrs.field(validator=_int_id)
+    lora_path: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    base_model_name: str | None = attrs.field(default=None, kw_only=True)
+    tensorizer_config_dict: dict | None = attrs.field(default=None, kw_only=True, eq=False)
+
+    @property
+    def adapter_id(self) -> int:
+        """vLLM's alias of ``lora_int_id``."""
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        """vLLM's alias of ``lora_name``."""
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        """vLLM's alias of ``lora_path``."""
+        return self.lora_path
+
+
+__all__ = ["LoRARequest"]
