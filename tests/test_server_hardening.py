@@ -384,3 +384,39 @@ def test_a_stream_keeps_flowing_beside_an_adversarial_mix(trusted: Live) -> None
     # template in a worker thread). Now every refusal is cheap on the loop and the template
     # runs in its own process: the victim waits for the CPU, never for one of them.
     assert worst < worst_alone + 1.0, (worst_alone, worst, sorted(mixed["gaps"])[-5:])
+
+
+def test_large_bodies_are_checked_off_the_event_loop() -> None:
+    """A body over OFF_LOOP_BYTES is parsed, checked and turned into sampling parameters on a
+    worker thread (a 1 MiB logit_bias takes ~0.2 s to check); a small one stays on the loop."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from pitstop.server.deps import OFF_LOOP_BYTES, off_loop, read_body
+    from pitstop.server.protocol import CompletionRequest
+
+    loop_thread = threading.get_ident()
+
+    async def where(large: bool) -> int:
+        request = SimpleNamespace(state=SimpleNamespace(large_body=large))
+        return await off_loop(request, threading.get_ident)  # type: ignore[arg-type]
+
+    assert asyncio.run(where(True)) != loop_thread
+    assert asyncio.run(where(False)) == loop_thread
+
+    bias = {str(i): 1.0 for i in range(OFF_LOOP_BYTES // 8)}
+    payload = json.dumps({"model": "m", "prompt": "hi", "logit_bias": bias}).encode()
+    assert len(payload) > OFF_LOOP_BYTES
+
+    class FakeRequest:
+        headers = {"content-length": str(len(payload))}
+        state = SimpleNamespace()
+
+        async def stream(self):
+            yield payload
+
+    settings = SimpleNamespace(max_body_bytes=1 << 20, read_timeout_s=5.0, max_json_depth=64)
+    request = FakeRequest()
+    body = asyncio.run(read_body(request, SimpleNamespace(settings=settings), CompletionRequest))  # type: ignore[arg-type]
+    assert request.state.large_body and len(body.logit_bias) == len(bias)

@@ -17,6 +17,7 @@ from pitstop.server.deps import (
     check_logprobs,
     check_request_size,
     json_body,
+    off_loop,
 )
 from pitstop.server.protocol import ChatCompletionRequest, new_id, now
 from pitstop.server.render import OPENAI_FINISH, chat_logprobs, usage_of
@@ -122,7 +123,10 @@ async def chat_completions(
     check_logprobs(state, "top_logprobs", k)  # before SamplingParams, which names logprobs
     tool_constraint = tools.constraint(body.parallel_tool_calls)
     # No limit given (None): the engine stops at max_model_len.
-    params = body.sampling_params(max_tokens, logprobs=k, tool_constraint=tool_constraint)
+    params = await off_loop(
+        request,
+        lambda: body.sampling_params(max_tokens, logprobs=k, tool_constraint=tool_constraint),
+    )
     check_request_size(state, params, 1, logprobs_param="top_logprobs")
     structured_param = "tool_choice" if tool_constraint else body.structured_param()
     await check_structured(state, params, structured_param)

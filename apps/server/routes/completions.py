@@ -12,7 +12,14 @@ from fastapi.responses import Response
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.server.budget import ResponseBudget
-from pitstop.server.deps import Authorized, Caller, State, check_request_size, json_body
+from pitstop.server.deps import (
+    Authorized,
+    Caller,
+    State,
+    check_request_size,
+    json_body,
+    off_loop,
+)
 from pitstop.server.limits import Flight
 from pitstop.server.protocol import APIError, CompletionRequest, Prompt, new_id, now
 from pitstop.server.render import OPENAI_FINISH, completion_logprobs, prompt_logprobs_json, usage_of
@@ -125,7 +132,7 @@ async def completions(
     """Complete one prompt (streamed or not) or a list of prompts (not streamed)."""
     state.check_model(body.model)
     prompts = body.prompts()
-    params = _sampling_params(body, len(prompts))
+    params = await off_loop(request, lambda: _sampling_params(body, len(prompts)))
     check_request_size(state, params, len(prompts))
     await check_structured(state, params, body.structured_param())
     rid = new_id("cmpl")
