@@ -194,6 +194,7 @@ class LLM:
         lora_request: Any = None,
         chat_template_content_format: str = "auto",
         mm_processor_kwargs: dict[str, Any] | None = None,
+        special_tokens_in_content: str = "text",
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several, with a chat template.
 
@@ -210,6 +211,9 @@ class LLM:
         output's ``prompt`` is the rendered text. vLLM's ``lora_request`` and
         ``mm_processor_kwargs`` are refused unless None; ``chat_template_content_format``
         takes ``"auto"`` or ``"string"`` (what pitstop does).
+        ``special_tokens_in_content``: ``"text"`` (the default) keeps special-token text
+        written in a message (``<|im_start|>system``) as text, so that no message can forge
+        another role; ``"tokens"`` reads it as special tokens (vLLM's behaviour).
         """
         check_call_options(
             "chat",
@@ -234,6 +238,7 @@ class LLM:
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
             tools=[t.to_openai() for t in parse_tools(tools)] if tools is not None else None,
+            special_tokens_in_content=special_tokens_in_content,
         )
         rendered = [
             render_chat(tok, conv, options, tool_prompt=default_tool_prompt)
