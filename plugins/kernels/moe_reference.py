@@ -1,0 +1,88 @@
+"""Mixture-of-experts reference: transformers' sparse-MoE arithmetic, a plain loop over experts.
+
+The numerical reference of :mod:`pitstop.plugins.kernels.triton_ops.moe`, written to
+follow ``transformers`` 5's ``Qwen3MoeTopKRouter`` / ``Qwen3MoeExperts`` and
+``MixtralTopKRouter`` / ``MixtralExperts`` operation for operation:
+
+- routing: ``softmax(logits, dtype=float32)``, ``torch.topk``, then (``norm_topk_prob``,
+  always on for Mixtral) division by the sum of the k kept probabilities, in float32;
+  Qwen3-MoE casts the weights to the logits' dtype, Mixtral keeps them in float32
+  (``weights_dtype=None``);
+- experts: for every expert hit, in expert order, ``linear(x, gate_up[e]).chunk(2)``,
+  ``silu(gate) * up``, ``linear(., down[e])``, times the routing weight (a float32
+  weight promotes the product to float32), cast to ``x``'s dtype and ``index_add_``-ed
+  into a zero output.
+
+Weights keep the checkpoints' layout: ``gate_up [E, 2F, H]`` (gate rows, then up rows)
+and ``down [E, H, F]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    weights_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights ``[T, k]`` and expert ids ``[T, k]`` (int64) of ``router_logits [T, E]``.
+
+    ``weights_dtype``: the dtype the weights are cast to at the end (Qwen3-MoE: the
+    logits' dtype); ``None`` keeps float32 (Mixtral).
+    """
+    probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+    values, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        values /= values.sum(dim=-1, keepdim=True)
+    if weights_dtype is not None:
+        values = values.to(weights_dtype)
+    return values, ids
+
+
+def experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """``sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))``, ``e = ids[t, j]``.
+
+    ``x [T, H]``, ``weights``/``ids [T, k]``, ``gate_up [E, 2F, H]``, ``down [E, H, F]``;
+    returns ``[T, H]`` in ``x``'s dtype, summed in expert order as transformers does.
+    """
+    num_experts = gate_up.shape[0]
+    out = torch.zeros_like(x)
+    mask = F.one_hot(ids.long(), num_classes=num_experts).permute(2, 1, 0)  # [E, k, T]
+    for e in range(num_experts):
+        slot, token = torch.where(mask[e])
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, down[e])
+        h = h * weights[token, slot, None]
+        out.index_add_(0, token, h.to(out.dtype))
+    return out
+
+
+def sparse_moe(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    cast_weights: bool = True,
+) -> torch.Tensor:
+    """A whole sparse-MoE block: router ``linear(x, router_weight)``, :func:`route`, :func:`experts`.
+
+    ``cast_weights``: Qwen3-MoE's cast of the routing weights to ``x``'s dtype (``False``
+    for Mixtral, whose ``norm_topk_prob`` is always on).
+    """
+    logits = F.linear(x, router_weight)
+    weights, ids = route(logits, top_k, norm_topk_prob, logits.dtype if cast_weights else None)
+    return experts(x, weights, ids, gate_up, down)

@@ -1,0 +1,501 @@
+"""Fused mixture-of-experts: routing, grouping, two grouped GEMMs, a k-slot sum; no tuning tables.
+
+:func:`fused_moe` runs a sparse-MoE block's expert half in five launches:
+
+1. :func:`.moe_routing.route`: softmax + top-k + renormalisation, counting each expert's rows;
+2. :func:`.moe_routing.align`: the flat rows ``t * k + j`` grouped by expert, each expert
+   padded to ``BLOCK_M`` rows (fixed worst-case buffers: CUDA-graph capturable);
+3. gate-up grouped GEMM: program ``(b, n)`` takes row block ``b`` (one expert ``e``, or
+   nothing: a block past the used ones returns at once, so an expert with no row costs
+   nothing) and columns ``n`` of both halves of ``gate_up[e] [2F, H]``: two float32
+   accumulators (gate rows ``n``, up rows ``F + n``) over the gathered ``x`` rows, then
+   ``silu(g) * u`` in the epilogue, rounded once to ``x``'s dtype into ``h [T*k, F]``;
+4. down grouped GEMM over ``down[e] [H, F]``: the float32 accumulator times the row's
+   routing weight (in float32) stored, unrounded, to ``y [T*k, H]`` (float32);
+5. the k-slot sum: ``out[t] = sum_j y[t * k + j]`` in slot order, one rounding.
+
+Reduction: the deterministic sum over the k slots (5) rather than float32 atomics
+into ``[T, H]``: atomics add a token's k rows in whatever order the programs run, so
+the bits change from run to run (and with the batch's composition), and they need a
+zeroed buffer (a memset per call). The cost is ``y``'s float32 round trip, ``T*k*H*8``
+bytes (decode: tens of KB; 2048 tokens of Qwen3-30B-A3B: 268 MB, ~60 us at HBM speed,
+beside ~0.4 ms of GEMMs). Rounding: products of the activation dtype accumulated in
+float32; SiLU·mul and the weight product in float32; ``h`` and ``out`` are the only
+roundings (transformers rounds every intermediate to the activation dtype).
+
+Tiles (:func:`choose_config`): a short autotune at the first call of a shape bucket
+(``T`` rounded up to a power of two, with ``E``, ``k``, ``H``, ``F``), timing a handful of
+:class:`MoEConfig` on the call's own inputs; the winner is cached in memory and on disk
+(:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
+the bucket, dtype, device name and Triton version). Where timing is impossible
+(Triton's interpreter, or a CUDA graph being captured) and the bucket is not cached,
+:func:`heuristic_config` decides, and that is logged once per reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pitstop.plugins.kernels.triton_ops.moe_routing import Grouping, align, route
+from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
+
+logger = logging.getLogger(__name__)
+
+
+class MoEConfig(NamedTuple):
+    """Tile rows (the align block), tile columns, K step, warps and stages of both GEMMs."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# The autotune's candidates (16-bit activations on a GPU), by rows an expert gets on
+# average (T * k / E): small tiles for decode (memory-bound: many programs streaming
+# weights), large ones once every expert has a full tile of rows.
+FEW_ROWS = (
+    MoEConfig(16, 64, 128, 4, 4),
+    MoEConfig(16, 128, 128, 4, 3),
+    MoEConfig(16, 32, 256, 4, 3),
+    MoEConfig(32, 64, 128, 4, 4),
+)
+MANY_ROWS = (
+    MoEConfig(64, 64, 64, 4, 3),
+    MoEConfig(64, 128, 64, 4, 3),
+    MoEConfig(128, 128, 64, 8, 3),
+    MoEConfig(128, 64, 64, 4, 3),
+    MoEConfig(64, 128, 128, 8, 3),
+)
+FP32_CONFIGS = (
+    MoEConfig(16, 64, 32, 4, 3),
+    MoEConfig(32, 64, 32, 4, 3),
+    MoEConfig(64, 64, 32, 4, 3),
+)
+INTERPRETER_CONFIG = MoEConfig(16, 16, 16, 1, 1)  # small: test shapes cross tile borders
+
+
+def bucket_rows(num_tokens: int) -> int:
+    """The shape bucket of ``num_tokens``: the next power of two (1 for 0 or 1)."""
+    return triton.next_power_of_2(max(num_tokens, 1))
+
+
+def candidates(
+    num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype
+) -> list[MoEConfig]:
+    """The configs the autotune times for this bucket (:data:`FEW_ROWS` / :data:`MANY_ROWS`)."""
+    if dtype == torch.float32:
+        return list(FP32_CONFIGS)
+    per_expert = bucket_rows(num_tokens) * top_k / num_experts
+    if per_expert <= 8:
+        return list(FEW_ROWS)
+    if per_expert <= 48:
+        return list(FEW_ROWS[2:]) + list(MANY_ROWS[:2])
+    return list(MANY_ROWS)
+
+
+def heuristic_config(
+    num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, on_gpu: bool
+) -> MoEConfig:
+    """The config used where no timing is possible and the bucket is not cached.
+
+    Interpreter: :data:`INTERPRETER_CONFIG`. GPU: float32 takes ``FP32_CONFIGS[0]``;
+    16-bit takes ``BLOCK_M`` 16 while experts average at most 16 rows, 32 up to 32, then
+    64 (``MANY_ROWS[0]``): a tile never much taller than an expert's rows.
+    """
+    if not on_gpu:
+        return INTERPRETER_CONFIG
+    if dtype == torch.float32:
+        return FP32_CONFIGS[0]
+    per_expert = bucket_rows(num_tokens) * top_k / num_experts
+    if per_expert <= 16:
+        return FEW_ROWS[0]
+    if per_expert <= 32:
+        return FEW_ROWS[3]
+    return MANY_ROWS[0]
+
+
+def cache_dir() -> Path:
+    """``$PITSTOP_CACHE_DIR`` (used as is) or ``~/.cache/pitstop/moe``."""
+    env = os.environ.get("PITSTOP_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "pitstop" / "moe"
+
+
+class ConfigCache:
+    """Autotuned configs in memory and in ``<directory>/moe_configs.json`` (one JSON object).
+
+    A write re-reads the file, adds the entry and replaces the file atomically, so
+    processes tuning at once (tensor-parallel ranks) lose nothing but a duplicate timing.
+    An unreadable file counts as empty (it is rewritten at the next write).
+    """
+
+    FILE = "moe_configs.json"
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else cache_dir()
+        self._memory: dict[str, MoEConfig] = {}
+
+    @staticmethod
+    def key(
+        num_tokens: int,
+        num_experts: int,
+        top_k: int,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype,
+        device_name: str,
+        triton_version: str = triton.__version__,
+    ) -> str:
+        """``T<bucket>-E-k-H-F|dtype|device name|triton version``."""
+        shape = f"T{bucket_rows(num_tokens)}-E{num_experts}-k{top_k}-H{hidden}-F{inter}"
+        return f"{shape}|{str(dtype).removeprefix('torch.')}|{device_name}|triton {triton_version}"
+
+    def _read(self) -> dict[str, list[int]]:
+        try:
+            data = json.loads((self.directory / self.FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> MoEConfig | None:
+        """The cached config of ``key`` (memory first, then the file), or None."""
+        if key in self._memory:
+            return self._memory[key]
+        entry = self._read().get(key)
+        if isinstance(entry, list) and len(entry) == len(MoEConfig._fields):
+            self._memory[key] = MoEConfig(*(int(v) for v in entry))
+            return self._memory[key]
+        return None
+
+    def put(self, key: str, config: MoEConfig) -> None:
+        """Remember ``config`` for ``key`` in memory and on disk (a failed write is logged)."""
+        self._memory[key] = config
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            data = self._read()
+            data[key] = list(config)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".moe_configs.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.directory / self.FILE)
+        except OSError as err:
+            logger.warning(
+                "fused MoE: could not write the tile cache in %s: %s", self.directory, err
+            )
+
+
+_default_cache: ConfigCache | None = None
+_logged: set[str] = set()
+
+
+def _log_once(reason: str, message: str, *args: object) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning(message, *args)
+
+
+def autotune(
+    key: str,
+    configs: list[MoEConfig],
+    measure: Callable[[MoEConfig], float],
+    cache: ConfigCache,
+) -> MoEConfig:
+    """The cached config of ``key``, or the fastest of ``configs`` by ``measure`` (seconds or
+    any unit; an exception, e.g. too much shared memory, rules a config out), then cached."""
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    timings: list[tuple[float, int, MoEConfig]] = []
+    for i, cfg in enumerate(configs):
+        try:
+            timings.append((float(measure(cfg)), i, cfg))
+        except Exception as err:  # noqa: BLE001 - a config that cannot run is skipped
+            logger.info("fused MoE: %s failed to run (%s): skipped", cfg, err)
+    if not timings:
+        raise RuntimeError(f"fused MoE: no tile configuration runs for {key}")
+    best = min(timings)[2]
+    logger.info("fused MoE: tuned %s -> %s", key, best)
+    cache.put(key, best)
+    return best
+
+
+def choose_config(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    cache: ConfigCache | None = None,
+) -> MoEConfig:
+    """The tiles for this call: cached, else autotuned (on this call's inputs), else heuristic.
+
+    The heuristic (:func:`heuristic_config`) is used, and logged once per reason, in
+    Triton's interpreter and while a CUDA graph is being captured (a capture cannot time;
+    run each batch size once before capturing so the bucket is tuned and cached).
+    """
+    global _default_cache
+    if cache is None:
+        cache = _default_cache = _default_cache or ConfigCache()
+    t, top_k = ids.shape
+    e, two_f, h = gate_up.shape
+    on_gpu = x.device.type == "cuda"
+    if not on_gpu:
+        _log_once("interpreter", "fused MoE: Triton interpreter, no autotune: heuristic tiles")
+        return heuristic_config(t, e, top_k, x.dtype, False)
+    name = torch.cuda.get_device_name(x.device)
+    key = ConfigCache.key(t, e, top_k, h, two_f // 2, x.dtype, name)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    if torch.cuda.is_current_stream_capturing():
+        _log_once(
+            "capture",
+            "fused MoE: %s first seen inside a CUDA graph capture: heuristic tiles, not tuned "
+            "(run each batch size once before capturing)",
+            key,
+        )
+        return heuristic_config(t, e, top_k, x.dtype, True)
+    from triton.testing import do_bench
+
+    def measure(cfg: MoEConfig) -> float:
+        return do_bench(
+            lambda: experts(x, weights, ids, gate_up, down, config=cfg), warmup=5, rep=25
+        )
+
+    return autotune(key, candidates(t, e, top_k, x.dtype), measure, cache)
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` in float32 (``UPCAST``: on float32 copies, for the interpreter, whose
+    16-bit products are wrong; the same exact products, float32 sums)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _grouped_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    rw_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    N,
+    NOUT,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOPK: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of a row block's expert GEMM.
+
+    ``GATE_UP``: ``a`` is ``x [T, H]`` read at token ``row // TOPK``; ``w [E, 2F, H]``; the
+    output ``silu(a @ w[e, n].T) * (a @ w[e, F + n].T)`` rounded into ``h [T*k, F]``.
+    Else ``a`` is ``h [T*k, F]`` read at ``row``, ``w [E, H, F]``, the output the float32
+    ``rw[row] * (a @ w[e, n].T)`` into ``y [T*k, H]``. ``N = T * k`` (also the sentinel).
+    """
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if b * BLOCK_M >= tl.load(total_ptr):
+        return  # past the used blocks: no expert, no work
+    e = tl.load(expert_ids_ptr + b).to(tl.int64)
+    rows = tl.load(sorted_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < N
+    if GATE_UP:
+        a_rows = tl.where(valid, rows // TOPK, 0)
+    else:
+        a_rows = tl.where(valid, rows, 0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
+    w_base = w_ptr + e * stride_we + tl.minimum(n, NOUT - 1).to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        if EVEN_K:
+            a = tl.load(a_base + k[None, :])
+            w = tl.load(w_base + k[:, None])
+        else:
+            a = tl.load(a_base + k[None, :], mask=(k < K)[None, :], other=0.0)
+            w = tl.load(w_base + k[:, None], mask=(k < K)[:, None], other=0.0)
+        acc = _dot(a, w, acc, UPCAST, DOT_PRECISION)
+        if GATE_UP:
+            if EVEN_K:
+                u = tl.load(w_base + NOUT * stride_wn + k[:, None])
+            else:
+                u = tl.load(
+                    w_base + NOUT * stride_wn + k[:, None], mask=(k < K)[:, None], other=0.0
+                )
+            acc_u = _dot(a, u, acc_u, UPCAST, DOT_PRECISION)
+    mask = valid[:, None] & (n < NOUT)[None, :]
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + n[None, :]
+    if GATE_UP:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+        dt: tl.constexpr = out_ptr.dtype.element_ty
+        tl.store(out, _rounded(acc, dt).to(dt), mask=mask)
+    else:
+        rw = tl.load(rw_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        tl.store(out, acc * rw[:, None], mask=mask)
+
+
+@triton.jit
+def _slot_sum_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[t, h] = sum_j y[t * TOPK + j, h]`` in slot order, one rounding."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = h < H
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (t * TOPK + j) * H + h, mask=mask, other=0.0)
+    dt: tl.constexpr = out_ptr.dtype.element_ty
+    tl.store(out_ptr + t * H + h, _rounded(acc, dt).to(dt), mask=mask)
+
+
+def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    assert x.dim() == 2 and gate_up.dim() == 3 and down.dim() == 3, (
+        "x [T, H], [E, 2F, H], [E, H, F]"
+    )
+    e, two_f, h = gate_up.shape
+    assert h == x.shape[1] and two_f % 2 == 0, f"gate_up {tuple(gate_up.shape)} for H={x.shape[1]}"
+    assert down.shape == (e, h, two_f // 2), (
+        f"down {tuple(down.shape)}: expected {(e, h, two_f // 2)}"
+    )
+    assert x.dtype == gate_up.dtype == down.dtype, "x and the expert weights share a dtype"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    for w in (gate_up, down):
+        assert w.stride(2) == 1, "expert weights must be contiguous along their last dimension"
+
+
+def experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    config: MoEConfig | None = None,
+    grouping: Grouping | None = None,
+    cache: ConfigCache | None = None,
+) -> torch.Tensor:
+    """The experts' weighted sum for given routing: :func:`.moe_reference.experts`, fused.
+
+    ``x [T, H]``; ``weights [T, k]`` (any float dtype, used in float32), ``ids [T, k]``;
+    ``gate_up [E, 2F, H]`` (gate rows then up rows), ``down [E, H, F]``, in ``x``'s dtype.
+    ``config``: the tiles (default :func:`choose_config`); ``grouping``: an :func:`align`
+    of ``ids`` with ``config.block_m`` already made (as :func:`fused_moe` does).
+    Returns a fresh ``[T, H]``.
+    """
+    _check(x, gate_up, down)
+    t, top_k = ids.shape
+    e, two_f, h = gate_up.shape
+    f = two_f // 2
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if config is None:
+        config = choose_config(x, weights, ids, gate_up, down, cache)
+    bm, bn, bk, warps, stages = config
+    if grouping is None:
+        grouping = align(ids, e, bm)
+    assert grouping.block_m == bm, "the grouping's block is the config's BLOCK_M"
+    n = t * top_k
+    rw = weights.reshape(-1).contiguous()
+    inter = torch.empty((n, f), dtype=x.dtype, device=x.device)
+    y = torch.empty((n, h), dtype=torch.float32, device=x.device)
+    blocks = grouping.expert_ids.numel()
+    upcast = x.device.type != "cuda" and x.dtype != torch.float32
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    for a, w, dst, nout, k, gate in (
+        (x, gate_up, inter, f, h, True),
+        (inter, down, y, h, f, False),
+    ):
+        _grouped_gemm_kernel[(blocks, triton.cdiv(nout, bn))](
+            a,
+            w,
+            dst,
+            rw,
+            grouping.sorted_rows,
+            grouping.expert_ids,
+            grouping.num_padded,
+            n,
+            nout,
+            k,
+            a.stride(0),
+            w.stride(0),
+            w.stride(1),
+            dst.stride(0),
+            TOPK=top_k,
+            GATE_UP=gate,
+            EVEN_K=k % bk == 0,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            UPCAST=upcast,
+            DOT_PRECISION=precision,
+            num_warps=warps,
+            num_stages=stages,
+        )
+    block_h = min(1024, triton.next_power_of_2(h))
+    _slot_sum_kernel[(t, triton.cdiv(h, block_h))](
+        y, out, h, TOPK=top_k, BLOCK_H=block_h, num_warps=4
+    )
+    return out
+
+
+def fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    weights_dtype: torch.dtype | None = None,
+    config: MoEConfig | None = None,
+    cache: ConfigCache | None = None,
+) -> torch.Tensor:
+    """A sparse-MoE block's output ``[T, H]`` from ``x [T, H]`` and ``router_logits [T, E]``.
+
+    Routing as transformers' (:func:`.moe_routing.route`; ``renormalize`` is
+    ``norm_topk_prob``, ``weights_dtype`` the routing weights' dtype: ``x.dtype`` for
+    Qwen3-MoE, ``None`` for Mixtral's float32), then :func:`experts`. ``gate_up [E, 2F, H]``,
+    ``down [E, H, F]``; ``config``/``cache`` as :func:`experts`.
+    """
+    _check(x, gate_up, down)
+    e = gate_up.shape[0]
+    assert router_logits.shape == (x.shape[0], e), "router logits [T, E]"
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device)
+    weights, ids = route(router_logits, top_k, renormalize, weights_dtype, counts)
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    if config is None:
+        config = choose_config(x, weights, ids, gate_up, down, cache)
+    grouping = align(ids, e, config.block_m, counts)
+    return experts(x, weights, ids, gate_up, down, config=config, grouping=grouping)

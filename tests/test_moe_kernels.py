@@ -1,0 +1,298 @@
+"""The fused MoE op (:mod:`pitstop.plugins.kernels.triton_ops.moe`) against the loop over experts.
+
+Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` before
+Triton's first import, hence the first lines). Truth is :mod:`moe_reference`'s loop in
+float64 over the routing the kernel chose; the routing itself is checked against
+``torch.softmax`` + ``torch.topk`` (values, and the set of experts wherever no tie
+straddles the k-th place; ties are ordered as a stable sort orders them). Logits are
+multiples of 1/2, so probabilities are either exactly tied or far apart. The autotune
+is tested only through its cache, with a fake timer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pitstop.plugins.kernels import moe_reference as ref  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pitstop.plugins.kernels.triton_ops import moe, moe_routing  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# max |fused - truth| / max |truth| per activation dtype (truth: float64 of the same routing)
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+WEIGHT_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+FEW = settings(
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Every torch.empty inside fills floats with NaN (integers with their maximum)."""
+    import torch.utils.deterministic as det
+
+    was_on, was_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_on)
+        det.fill_uninitialized_memory = was_fill
+
+
+def make_logits(gen: torch.Generator, t: int, e: int, mode: str) -> torch.Tensor:
+    """Logits in steps of 1/2: ``random`` in [-4, 4], ``same`` (every token's top experts are
+    those of token 0, with their order), ``flat`` (all equal: one big tie)."""
+    if mode == "flat":
+        return torch.zeros(t, e)
+    logits = torch.randint(-8, 9, (t, e), generator=gen).float() / 2
+    if mode == "same":
+        logits = logits[:1].expand(t, e) + 0.0
+    return logits
+
+
+def check_routing(
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype | None,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> None:
+    """The kernel's routing is a top-k of torch's softmax, ties in stable-sort order."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    values, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    assert torch.equal(ids.long().cpu(), order[:, :top_k]), "ids: not the stable top-k"
+    tk_values, tk_ids = torch.topk(probs, top_k, dim=-1)
+    torch.testing.assert_close(values[:, :top_k], tk_values)  # the same values as torch.topk
+    e = logits.shape[1]
+    for row in range(logits.shape[0]):
+        straddles = top_k < e and values[row, top_k - 1] == values[row, top_k]
+        if not straddles:
+            assert set(tk_ids[row].tolist()) == set(ids[row].tolist())
+    want, _ = ref.route(logits, top_k, renormalize, weights_dtype)
+    assert weights.dtype == (weights_dtype or torch.float32)
+    tol = WEIGHT_TOL[weights_dtype or torch.float32]
+    torch.testing.assert_close(weights.float().cpu(), want.float(), atol=tol, rtol=tol)
+
+
+@FEW
+@given(
+    t=st.integers(1, 9),
+    e=st.integers(1, 8),
+    k_frac=st.floats(0, 1),
+    h=st.sampled_from([16, 24, 40]),
+    f=st.sampled_from([8, 16, 24]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    renormalize=st.booleans(),
+    mode=st.sampled_from(["random", "random", "same", "flat"]),
+    seed=st.integers(0, 2**16),
+)
+@example(
+    t=1, e=8, k_frac=0.0, h=16, f=8, dtype=torch.bfloat16, renormalize=True, mode="random", seed=1
+)
+@example(
+    t=5, e=4, k_frac=1.0, h=24, f=16, dtype=torch.float32, renormalize=False, mode="random", seed=2
+)
+@example(
+    t=9, e=8, k_frac=0.3, h=40, f=24, dtype=torch.bfloat16, renormalize=True, mode="same", seed=3
+)
+def test_fused_moe_equals_the_loop_over_experts(
+    t: int,
+    e: int,
+    k_frac: float,
+    h: int,
+    f: int,
+    dtype: torch.dtype,
+    renormalize: bool,
+    mode: str,
+    seed: int,
+) -> None:
+    """fused_moe == the float64 loop over experts, for k = 1..E, T from 1, with ties, experts
+    choosing no token, and every token choosing the same experts."""
+    top_k = 1 + round(k_frac * (e - 1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    logits = make_logits(gen, t, e, mode).to(dtype)
+    gate_up = (torch.randn(e, 2 * f, h, generator=gen) / h**0.5).to(dtype)
+    down = (torch.randn(e, h, f, generator=gen) / f**0.5).to(dtype)
+    weights_dtype = dtype if renormalize else None  # Qwen3-MoE's cast, Mixtral's float32
+    args = [a.to(DEVICE) for a in (x, logits, gate_up, down)]
+    with poisoned_outputs():
+        out = moe.fused_moe(*args, top_k, renormalize=renormalize, weights_dtype=weights_dtype)
+        weights, ids = moe_routing.route(args[1], top_k, renormalize, weights_dtype)
+    check_routing(logits, top_k, renormalize, weights_dtype, weights, ids)
+    truth = ref.experts(
+        x.double(), weights.cpu().double(), ids.cpu(), gate_up.double(), down.double()
+    )
+    assert out.dtype == dtype and out.shape == (t, h)
+    assert torch.isfinite(out).all(), "an unwritten or NaN output element"
+    err = ((out.cpu().double() - truth).abs().max() / truth.abs().max().clamp_min(1e-6)).item()
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+    # the reference (transformers' own rounding) agrees within the same bound
+    want = ref.experts(x, weights.cpu(), ids.cpu(), gate_up, down)
+    ref_err = ((want.double() - truth).abs().max() / truth.abs().max().clamp_min(1e-6)).item()
+    assert ref_err <= 2 * TOL[dtype]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    t=st.integers(1, 40),
+    e=st.sampled_from([1, 3, 8, 60, 128, 256]),
+    top_k=st.integers(1, 8),
+    renormalize=st.booleans(),
+    mode=st.sampled_from(["random", "same", "flat"]),
+    seed=st.integers(0, 2**16),
+)
+def test_routing_kernel(
+    t: int, e: int, top_k: int, renormalize: bool, mode: str, seed: int
+) -> None:
+    """Softmax + top-k + renormalisation in one kernel, for E up to 256 and k up to 8, with
+    the per-expert row counts it adds up."""
+    top_k = min(top_k, e)
+    logits = make_logits(torch.Generator().manual_seed(seed), t, e, mode).to(torch.bfloat16)
+    counts = torch.zeros(e, dtype=torch.int32, device=DEVICE)
+    with poisoned_outputs():
+        weights, ids = moe_routing.route(
+            logits.to(DEVICE), top_k, renormalize, torch.bfloat16, counts
+        )
+    check_routing(logits, top_k, renormalize, torch.bfloat16, weights, ids)
+    assert torch.equal(counts.cpu(), torch.bincount(ids.cpu().flatten().long(), minlength=e).int())
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    t=st.integers(1, 30),
+    e=st.integers(1, 20),
+    k_frac=st.floats(0, 1),
+    block_m=st.sampled_from([1, 4, 16]),
+    same=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_align_groups_rows_by_expert(
+    t: int, e: int, k_frac: float, block_m: int, same: bool, seed: int
+) -> None:
+    """Every flat row once, in a block of its expert; padding is the sentinel; the buffers
+    have the worst-case size; blocks past the used ones are -1."""
+    top_k = 1 + round(k_frac * (e - 1))
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)])
+    if same:
+        ids = ids[:1].expand(t, top_k).contiguous()
+    with poisoned_outputs():
+        g = moe_routing.align(ids.to(DEVICE), e, block_m)
+    n = t * top_k
+    counts = torch.bincount(ids.flatten(), minlength=e)
+    padded = (counts + block_m - 1) // block_m * block_m
+    total = int(padded.sum())
+    assert g.sorted_rows.numel() == moe_routing.max_padded_rows(n, e, block_m)
+    assert (
+        g.sorted_rows.numel() >= total and g.sorted_rows.numel() <= n + e * (block_m - 1) + block_m
+    )
+    assert int(g.num_padded) == total
+    rows = g.sorted_rows[:total].cpu().long()
+    real = rows[rows < n]
+    assert sorted(real.tolist()) == list(range(n))
+    assert (rows[rows >= n] == n).all()
+    blocks = g.expert_ids.cpu().long()
+    used = total // block_m
+    assert (blocks[used:] == -1).all()
+    flat = ids.flatten()
+    for b in range(used):
+        mine = rows[b * block_m : (b + 1) * block_m]
+        mine = mine[mine < n]
+        assert mine.numel() > 0, "a block with no row"
+        assert (flat[mine] == blocks[b]).all()
+    assert sorted(set(blocks[:used].tolist())) == sorted(set(flat.tolist()))
+
+
+def test_interpreter_uses_the_heuristic_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    """No autotune in the interpreter: the documented heuristic, logged once."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the GPU autotunes")
+    moe._logged.discard("interpreter")
+    x = torch.randn(3, 16)
+    logits = torch.randn(3, 4)
+    gate_up, down = torch.randn(4, 16, 16), torch.randn(4, 16, 8)
+    with caplog.at_level(logging.WARNING, logger=moe.__name__):
+        for _ in range(2):
+            moe.fused_moe(x, logits, gate_up, down, 2, renormalize=True)
+    lines = [r.getMessage() for r in caplog.records if "heuristic" in r.getMessage()]
+    assert len(lines) == 1 and "interpreter" in lines[0]
+    assert moe.heuristic_config(3, 4, 2, torch.float32, False) == moe.INTERPRETER_CONFIG
+
+
+def test_autotune_cache_reads_writes_and_keys(tmp_path: Path) -> None:
+    """The fastest config by the (fake) timer is cached on disk under its key; a second
+    process reads it without timing; another bucket, dtype, device or Triton times again."""
+    timed: list[moe.MoEConfig] = []
+    fake_us = {cfg: 10.0 + i for i, cfg in enumerate(moe.FEW_ROWS)}
+    fake_us[moe.FEW_ROWS[2]] = 1.0  # the winner
+
+    def measure(cfg: moe.MoEConfig) -> float:
+        timed.append(cfg)
+        if cfg == moe.FEW_ROWS[3]:
+            raise RuntimeError("out of shared memory")  # skipped, not fatal
+        return fake_us[cfg]
+
+    def key(t=1, dtype=torch.bfloat16, device="NVIDIA H200", version="3.6.0") -> str:
+        return moe.ConfigCache.key(t, 128, 8, 2048, 768, dtype, device, version)
+
+    cache = moe.ConfigCache(tmp_path)
+    assert moe.autotune(key(), list(moe.FEW_ROWS), measure, cache) == moe.FEW_ROWS[2]
+    assert timed == list(moe.FEW_ROWS)
+    data = json.loads((tmp_path / moe.ConfigCache.FILE).read_text())
+    assert data == {key(): list(moe.FEW_ROWS[2])}
+    assert "T1-E128-k8-H2048-F768|bfloat16|NVIDIA H200|triton 3.6.0" in data
+
+    timed.clear()
+    fresh = moe.ConfigCache(tmp_path)  # another process: reads the file
+    assert moe.autotune(key(), list(moe.FEW_ROWS), measure, fresh) == moe.FEW_ROWS[2]
+    assert timed == []
+    assert key(t=3) == key(t=4) != key(t=5)  # buckets: powers of two
+    for other in (
+        key(t=16),
+        key(dtype=torch.float16),
+        key(device="NVIDIA A100"),
+        key(version="3.9.0"),
+    ):
+        assert fresh.get(other) is None
+        timed.clear()
+        moe.autotune(other, list(moe.FEW_ROWS), measure, fresh)
+        assert len(timed) == len(moe.FEW_ROWS)
+    assert len(json.loads((tmp_path / moe.ConfigCache.FILE).read_text())) == 5
+
+    (tmp_path / moe.ConfigCache.FILE).write_text("{not json")  # unreadable: empty, rewritten
+    assert moe.ConfigCache(tmp_path).get(key()) is None
+    moe.autotune(key(), list(moe.FEW_ROWS), measure, moe.ConfigCache(tmp_path))
+    assert json.loads((tmp_path / moe.ConfigCache.FILE).read_text()) == {
+        key(): list(moe.FEW_ROWS[2])
+    }
+
+
+def test_cache_dir_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``$PITSTOP_CACHE_DIR`` when set, else ``~/.cache/pitstop/moe``."""
+    monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path))
+    assert moe.cache_dir() == tmp_path
+    monkeypatch.delenv("PITSTOP_CACHE_DIR")
+    assert moe.cache_dir() == Path.home() / ".cache" / "pitstop" / "moe"
