@@ -1,0 +1,114 @@
+"""Multi-LoRA shrink/expand in plain PyTorch: the numerical reference of the Triton kernels.
+
+Same layout and signatures as :mod:`pitstop.plugins.kernels.triton_ops.lora` (its
+module docstring describes the slots, ``slot_of_row`` and the slices); a loop over
+the slots present in the batch, gathering each one's rows with ``index_select`` and
+writing them back with ``index_copy_`` (a slot of rank 0 is empty: its rows are left
+alone, as by the kernels). Arithmetic in float32 (float64 when the
+inputs are float64, which makes it an exact-enough truth for tests); ``y + delta``
+rounded once to y's dtype, as the kernel does. ``meta``, ``out``, ``config`` and
+``pdl`` are accepted and ignored (``out`` is written when given), so either module
+can be called the same way. Easy to read, not fast: it syncs with the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def scaling_of(lora_alpha: float, rank: int, use_rslora: bool = False) -> float:
+    """PEFT's LoRA scaling: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA."""
+    return lora_alpha / (math.sqrt(rank) if use_rslora else rank)
+
+
+def _slices(w: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [w] if isinstance(w, torch.Tensor) else list(w)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _groups(slot_of_row: torch.Tensor, slots: int) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its row indices) for each valid slot present; -1 and out-of-range rows skipped."""
+    present = torch.unique(slot_of_row).tolist()
+    return [(s, torch.nonzero(slot_of_row == s).flatten()) for s in present if 0 <= s < slots]
+
+
+def _rank(ranks: torch.Tensor | None, slot: int, rank_max: int) -> int:
+    return rank_max if ranks is None else max(0, min(int(ranks[slot]), rank_max))
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    A: torch.Tensor | Sequence[torch.Tensor],
+    slot_of_row: torch.Tensor,
+    ranks: torch.Tensor | None = None,
+    *,
+    meta: Any = None,
+    out: torch.Tensor | None = None,
+    config: Any = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``h[:, i*rank_max : (i+1)*rank_max] = x @ A_i[slot].T`` per row; ``[T, slices*rank_max]``.
+
+    Float32 (float64 for float64 x); rows of slot -1 and columns ``>= rank`` are zero.
+    """
+    a_list = _slices(A)
+    slots, rank_max, _ = a_list[0].shape
+    work = _work_dtype(x.dtype)
+    h = torch.zeros(x.shape[0], len(a_list) * rank_max, dtype=work, device=x.device)
+    for slot, idx in _groups(slot_of_row, slots):
+        r = _rank(ranks, slot, rank_max)
+        xs = x.index_select(0, idx).to(work)
+        for i, a in enumerate(a_list):
+            part = torch.zeros(idx.numel(), rank_max, dtype=work, device=x.device)
+            part[:, :r] = xs @ a[slot, :r].to(work).T
+            h[:, i * rank_max : (i + 1) * rank_max].index_copy_(0, idx, part)
+    if out is not None:
+        out.copy_(h)
+        return out
+    return h
+
+
+def lora_expand_add(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    B: torch.Tensor | Sequence[torch.Tensor],
+    slot_of_row: torch.Tensor,
+    scaling: torch.Tensor,
+    ranks: torch.Tensor | None = None,
+    *,
+    offset: int = 0,
+    offsets: Sequence[int] | None = None,
+    meta: Any = None,
+    config: Any = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``y[:, off_i : off_i + N_i] += scaling[slot] * h_i @ B_i[slot].T`` per row, in place.
+
+    Slices packed from ``offset`` unless ``offsets`` are given; returns y. Rows of
+    slot -1 (or of a slot of rank 0) and the columns outside the slices are untouched.
+    """
+    b_list = _slices(B)
+    slots, _, rank_max = b_list[0].shape
+    widths = [b.shape[1] for b in b_list]
+    if offsets is None:
+        offsets = [offset + sum(widths[:i]) for i in range(len(b_list))]
+    work = _work_dtype(y.dtype)
+    for slot, idx in _groups(slot_of_row, slots):
+        r = _rank(ranks, slot, rank_max)
+        if r == 0:  # an empty slot: its rows are left alone, as the kernel's
+            continue
+        hs = h.index_select(0, idx).to(work)
+        for i, (b, off) in enumerate(zip(b_list, offsets, strict=True)):
+            scale = scaling[slot] if scaling.dim() == 1 else scaling[slot, i]
+            hi = hs[:, i * rank_max : i * rank_max + r]
+            delta = (hi @ b[slot, :, :r].to(work).T) * scale.to(work)
+            cols = y.narrow(1, off, b.shape[1])
+            cols.index_copy_(0, idx, (cols.index_select(0, idx).to(work) + delta).to(y.dtype))
+    return y

@@ -1,0 +1,506 @@
+"""Multi-LoRA shrink/expand over a batch that mixes adapters and rows without any (SGMV style).
+
+Layout (one projection of one layer; a merged projection has one *slice* per part)
+---------------------------------------------------------------------------------
+Adapter weights live in ``max_loras`` GPU *slots*, allocated once at start-up, as
+stacked tensors per projection slice (at most :data:`MAX_SLICES` slices: q|k|v, gate|up):
+
+- ``A [slots, rank_max, K]`` (shrink, PEFT's ``lora_A.weight`` ``[r, K]`` in rows ``:r``);
+- ``B [slots, N_i, rank_max]`` (expand, PEFT's ``lora_B.weight`` ``[N_i, r]`` in columns ``:r``);
+- ``ranks [slots]`` int32: the slot's adapter rank ``r <= rank_max``, 0 for an empty slot
+  (its programs exit at once). Rows ``>= r`` of A and columns ``>= r`` of B are padding:
+  the loader zeroes them, and the kernels never read them either (masked by ``ranks``),
+  so a slot reused by a smaller adapter needs no clearing;
+- ``scaling [slots]`` (or ``[slots, slices]``) float32: ``lora_alpha / r``, or
+  ``lora_alpha / sqrt(r)`` for rsLoRA (:func:`pitstop.plugins.kernels.lora_reference.scaling_of`).
+
+Loading an adapter is a copy into its slot's rows of these tensors plus two scalars:
+the tensors' addresses never change, so captured graphs keep reading the right memory.
+A module that an adapter does not train keeps zeros in its slice (a zero delta).
+
+Step metadata: rows grouped by slot, derived on the device
+----------------------------------------------------------
+The runner writes one thing per step: ``slot_of_row [T]`` int32, the slot of each row
+(token) of the batch, ``-1`` for a row without an adapter (also padding rows of a
+captured batch; a value outside ``[0, slots)`` counts as -1). :func:`lora_meta` turns it
+into :class:`LoRAMeta` *on the device*, in one launch of ``slots`` programs (a counting
+sort; no ``torch.sort``, no host sync, nothing allocated that depends on the data):
+
+- ``sorted_rows [T]`` int32: the rows of slot 0, then of slot 1, ... (each in row order;
+  rows of slot -1 appear nowhere; entries past the last segment are never read);
+- ``seg_start [slots]``, ``seg_len [slots]`` int32: slot ``s``'s rows are
+  ``sorted_rows[seg_start[s] : seg_start[s] + seg_len[s]]``.
+
+Why grouped rather than a per-row slot read by each tile: a tile of rows of one adapter
+multiplies one weight tile by many rows (``tl.dot`` on tensor cores), so each adapter's
+weights stream once per row tile, not once per row (a 256-row prefill of 8 adapters
+reads B 8 times, not 256); rows without an adapter never enter a tile; and the grid is
+static: ``(cdiv(T, BLOCK_M), tiles, slots)`` for any mix, each program reading its
+segment's length and exiting at once when its row tile is past it (or its slot's rank
+is 0). So ``lora_meta`` + shrink + expand capture in a CUDA graph at a batch size ``T``,
+and replays serve any adapter mix written into the same ``slot_of_row`` buffer. The
+per-row slot stays the interface (easy for the runner; one H2D copy into a static
+buffer), the grouping is an implementation detail computed once per step and shared by
+every LoRA launch of every layer (pass ``meta=``).
+
+Ops
+---
+- :func:`lora_shrink`: ``h[t, i*rank_max + j] = sum_k x[t, k] * A_i[slot(t), j, k]``
+  for every slice ``i`` in one launch; float32 ``[T, slices * rank_max]``, rows of slot
+  -1 (and columns ``>= rank``) zero. Products of the input dtype, float32 accumulation;
+  optional split-K over grid axis 1 (float32 ``atomic_add``: the last bits may then vary
+  between runs; ``split_k=1`` is bit-deterministic).
+- :func:`lora_expand_add`: ``y[t, off_i + n] += scaling[slot(t)] * sum_j h[t, i*rank_max + j]
+  * B_i[slot(t), n, j]`` for every slice ``i`` (widths may differ) in one launch, in
+  place; the delta in float32 (h is not rounded), one rounding of ``y + delta`` to y's
+  dtype (bf16 to nearest-even, as the GPU does, also in the interpreter). Rows of slot
+  -1 and columns outside the slices are never read nor written.
+
+PDL (:mod:`.pdl`): every program waits before its first load (everything it reads may
+come from the previous kernel) and before an early exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
+
+MAX_SLICES = 3  # q|k|v; gate|up uses 2, every other projection 1
+INTERPRETER_TILES = (16, 16, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K): small, so tests cross tiles
+META_BLOCK = 1024
+
+
+class LoRAMeta(NamedTuple):
+    """Rows grouped by slot (see the module docstring); int32 device tensors of fixed size."""
+
+    sorted_rows: torch.Tensor  # [T]
+    seg_start: torch.Tensor  # [slots]
+    seg_len: torch.Tensor  # [slots]
+
+
+class LoRAConfig(NamedTuple):
+    """Launch shape: rows per tile, output columns per tile (expand), K step and splits (shrink)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> LoRAConfig:
+    """The launch shape for ``rows`` rows and a shrink over ``k`` (untuned on the GPU so far)."""
+    if device.type != "cuda":
+        bm, bn, bk = INTERPRETER_TILES
+        return LoRAConfig(bm, bn, bk, 1, 1, 1)
+    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    bk = 32 if dtype == torch.float32 else 128
+    # few programs have rows (one row tile per adapter in decode): cut K to keep the SMs
+    # busy, at least 512 columns a split
+    split = max(1, min(8, k // 512))
+    return LoRAConfig(bm, 64, bk, split, 4, 3)
+
+
+def new_meta(rows: int, slots: int, device: torch.device | str) -> LoRAMeta:
+    """Static metadata buffers for ``rows`` rows and ``slots`` slots (fill with :func:`lora_meta`)."""
+
+    def make(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.int32, device=device)
+
+    return LoRAMeta(make(rows), make(slots), make(slots))
+
+
+@triton.jit
+def _meta_kernel(slot_ptr, T, rows_ptr, start_ptr, len_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl.wait(PDL)
+    s = tl.program_id(0)
+    before = s * 0  # rows of slots 0..s-1 (int32 scalars from the start: loop-carried)
+    count = s * 0
+    for i in range(0, T, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        sl = tl.load(slot_ptr + offs, mask=offs < T, other=-1)
+        before += tl.sum(((sl >= 0) & (sl < s)).to(tl.int32), axis=0)
+        count += tl.sum((sl == s).to(tl.int32), axis=0)
+    tl.store(start_ptr + s, before)
+    tl.store(len_ptr + s, count)
+    pos = before
+    for i in range(0, T, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        sl = tl.load(slot_ptr + offs, mask=offs < T, other=-1)
+        mine = (sl == s).to(tl.int32)
+        at = pos + tl.cumsum(mine, axis=0) - 1
+        tl.store(rows_ptr + at, offs, mask=mine != 0)
+        pos += tl.sum(mine, axis=0)
+    _pdl.launch_dependents(PDL)
+
+
+def lora_meta(
+    slot_of_row: torch.Tensor,
+    slots: int,
+    *,
+    out: LoRAMeta | None = None,
+    pdl: bool | None = None,
+) -> LoRAMeta:
+    """Group the rows of ``slot_of_row [T]`` (int32, -1: no adapter) by slot, on the device.
+
+    ``out``: static buffers (:func:`new_meta`, ``sorted_rows`` of at least ``T`` entries,
+    ``seg_*`` of ``slots``) to fill in place, as a captured graph needs; a fresh set otherwise.
+    """
+    assert slot_of_row.dim() == 1 and slot_of_row.dtype == torch.int32, "slot_of_row: [T] int32"
+    rows = slot_of_row.shape[0]
+    meta = out if out is not None else new_meta(rows, slots, slot_of_row.device)
+    assert meta.sorted_rows.shape[0] >= rows and meta.seg_len.shape[0] >= slots
+    slot_of_row = slot_of_row.contiguous()
+    use_pdl = _pdl.enabled(slot_of_row.device, pdl)
+    if slots > 0:
+        _meta_kernel[(slots,)](
+            slot_of_row,
+            rows,
+            meta.sorted_rows,
+            meta.seg_start,
+            meta.seg_len,
+            BLOCK=META_BLOCK if slot_of_row.is_cuda else 64,
+            PDL=use_pdl,
+            num_warps=4,
+            **_pdl.launch_kwargs(use_pdl),
+        )
+    return meta
+
+
+@triton.jit
+def _segment(
+    rows_ptr, start_ptr, len_ptr, rank_ptr, slot, pid_m, R, BM: tl.constexpr, HAS_RANK: tl.constexpr
+):
+    """This program's rows (int64), their mask, its slot's rank, and whether it has no work."""
+    seg_len = tl.load(len_ptr + slot)
+    if HAS_RANK:
+        rank = tl.minimum(tl.load(rank_ptr + slot), R)
+    else:
+        rank = R
+    m = pid_m * BM + tl.arange(0, BM)
+    m_ok = m < seg_len
+    rows = tl.load(rows_ptr + tl.load(start_ptr + slot) + m, mask=m_ok, other=0).to(tl.int64)
+    idle = (pid_m * BM >= seg_len) | (rank <= 0)
+    return rows, m_ok, rank, idle
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,
+    stride_xm,
+    a0_ptr,
+    a1_ptr,
+    a2_ptr,
+    stride_as,
+    stride_ar,
+    h_ptr,
+    stride_hm,
+    rows_ptr,
+    start_ptr,
+    len_ptr,
+    rank_ptr,
+    K,
+    R,
+    k_per_split,
+    SPLIT_K: tl.constexpr,
+    BM: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_RANK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _pdl.wait(PDL)  # before the early exit too (pdl.py: the chain)
+    pid_m = tl.program_id(0)
+    sl = tl.program_id(1) // SPLIT_K
+    split = tl.program_id(1) % SPLIT_K
+    slot = tl.program_id(2)
+    rows, m_ok, rank, idle = _segment(
+        rows_ptr, start_ptr, len_ptr, rank_ptr, slot, pid_m, R, BM, HAS_RANK
+    )
+    if idle:
+        return
+    a_ptr = a0_ptr
+    if sl == 1:
+        a_ptr = a1_ptr
+    if sl == 2:
+        a_ptr = a2_ptr
+    a_ptr += slot.to(tl.int64) * stride_as
+    r = tl.arange(0, BR)
+    r_ok = r < rank
+    k_lo = split * k_per_split
+    acc = tl.zeros([BM, BR], dtype=tl.float32)
+    for kk in range(0, k_per_split, BK):
+        k = k_lo + kk + tl.arange(0, BK)
+        k_ok = (k < K) & (kk + tl.arange(0, BK) < k_per_split)
+        xt = tl.load(
+            x_ptr + rows[:, None] * stride_xm + k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        at = tl.load(
+            a_ptr + r[:, None] * stride_ar + k[None, :],
+            mask=r_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:  # the interpreter multiplies bf16 dot operands wrongly: exact float32 copies
+            acc = tl.dot(
+                xt.to(tl.float32), tl.trans(at.to(tl.float32)), acc, input_precision="ieee"
+            )
+        else:
+            acc = tl.dot(xt, tl.trans(at.to(xt.dtype)), acc, input_precision=DOT_PRECISION)
+    _pdl.launch_dependents(PDL)
+    hp = h_ptr + rows[:, None] * stride_hm + sl * R + r[None, :]
+    mask = m_ok[:, None] & (r < R)[None, :]
+    if SPLIT_K == 1:
+        tl.store(hp, acc, mask=mask)
+    else:
+        tl.atomic_add(hp, acc, mask=mask)
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr,
+    stride_ym,
+    h_ptr,
+    stride_hm,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    sb0,
+    sb1,
+    sb2,
+    stride_bn,
+    n0,
+    n1,
+    n2,
+    off0,
+    off1,
+    off2,
+    t0,
+    t1,
+    rows_ptr,
+    start_ptr,
+    len_ptr,
+    rank_ptr,
+    scale_ptr,
+    stride_ss,
+    stride_si,
+    R,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BR: tl.constexpr,
+    HAS_RANK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _pdl.wait(PDL)  # before the early exit too (pdl.py: the chain)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    rows, m_ok, rank, idle = _segment(
+        rows_ptr, start_ptr, len_ptr, rank_ptr, slot, pid_m, R, BM, HAS_RANK
+    )
+    if idle:
+        return
+    # this column tile's slice: tiles [0, t0) of slice 0, [t0, t0 + t1) of slice 1, then 2
+    sl = (pid_n >= t0).to(tl.int32) + (pid_n >= t0 + t1).to(tl.int32)
+    # integers by tl.where: an argument equal to 1 is a compile-time constant (Triton's
+    # specialization), which an if-branch could not reassign to a run-time value
+    sb = tl.where(sl == 0, sb0, tl.where(sl == 1, sb1, sb2)).to(tl.int64)
+    width = tl.where(sl == 0, n0, tl.where(sl == 1, n1, n2))
+    off = tl.where(sl == 0, off0, tl.where(sl == 1, off1, off2))
+    first = tl.where(sl == 0, 0, tl.where(sl == 1, t0, t0 + t1))
+    b_ptr = b0_ptr
+    if sl == 1:
+        b_ptr = b1_ptr
+    if sl == 2:
+        b_ptr = b2_ptr
+    b_ptr += slot.to(tl.int64) * sb
+    n = (pid_n - first) * BN + tl.arange(0, BN)
+    n_ok = n < width
+    r = tl.arange(0, BR)
+    r_ok = r < rank
+    ht = tl.load(
+        h_ptr + rows[:, None] * stride_hm + sl * R + r[None, :],
+        mask=m_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    )
+    bt = tl.load(
+        b_ptr + n[:, None] * stride_bn + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0
+    )
+    delta = tl.dot(ht, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+    scale = tl.load(scale_ptr + slot * stride_ss + sl * stride_si)
+    yp = y_ptr + rows[:, None] * stride_ym + off + n[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    yt = tl.load(yp, mask=mask, other=0.0)
+    _pdl.launch_dependents(PDL)
+    out = yt.to(tl.float32) + scale * delta
+    tl.store(yp, _rounded(out, yt.dtype).to(yt.dtype), mask=mask)
+
+
+def _slices(w: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+    ws = [w] if isinstance(w, torch.Tensor) else list(w)
+    assert 1 <= len(ws) <= MAX_SLICES, f"{what}: 1 to {MAX_SLICES} slices, not {len(ws)}"
+    for t in ws:
+        assert t.dim() == 3 and t.is_contiguous(), f"{what}: contiguous [slots, ., .] tensors"
+    return ws
+
+
+def _check_rows(slot_of_row: torch.Tensor, rows: int, meta: LoRAMeta | None, slots: int):
+    assert slot_of_row.shape == (rows,), f"slot_of_row: [{rows}], not {tuple(slot_of_row.shape)}"
+    return meta if meta is not None else lora_meta(slot_of_row, slots)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    A: torch.Tensor | Sequence[torch.Tensor],
+    slot_of_row: torch.Tensor,
+    ranks: torch.Tensor | None = None,
+    *,
+    meta: LoRAMeta | None = None,
+    out: torch.Tensor | None = None,
+    config: LoRAConfig | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``h = x @ A_i[slot].T`` per row and slice, float32 ``[T, slices * rank_max]``.
+
+    ``x [T, K]`` (bf16, fp16 or fp32, unit column stride); ``A``: one ``[slots, rank_max, K]``
+    tensor per slice (same shape for all), of x's dtype; ``slot_of_row [T]`` int32 (-1: no
+    adapter); ``ranks [slots]`` int32 (None: every slot at ``rank_max``); ``meta``: from
+    :func:`lora_meta` (computed here when None); ``out``: float32 ``[T, slices * rank_max]``
+    to write (zeroed here first: rows of slot -1 come out zero).
+    """
+    a_list = _slices(A, "A")
+    slots, rank_max, k = a_list[0].shape
+    rows = x.shape[0]
+    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [T, K], unit column stride"
+    assert all(a.shape == a_list[0].shape and a.dtype == x.dtype for a in a_list)
+    meta = _check_rows(slot_of_row, rows, meta, slots)
+    width = len(a_list) * rank_max
+    h = out if out is not None else torch.empty(rows, width, dtype=torch.float32, device=x.device)
+    assert h.shape == (rows, width) and h.dtype == torch.float32 and h.stride(1) == 1
+    h.zero_()
+    if rows == 0 or slots == 0 or rank_max == 0:
+        return h
+    cfg = config or default_config(rows, k, x.dtype, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    pad = a_list + [a_list[0]] * (MAX_SLICES - len(a_list))
+    use_pdl = _pdl.enabled(x.device, pdl)
+    grid = (triton.cdiv(rows, cfg.block_m), len(a_list) * split, slots)
+    _shrink_kernel[grid](
+        x,
+        x.stride(0),
+        *pad,
+        a_list[0].stride(0),
+        a_list[0].stride(1),
+        h,
+        h.stride(0),
+        *meta,
+        ranks if ranks is not None else meta.seg_len,
+        k,
+        rank_max,
+        k_per_split,
+        SPLIT_K=split,
+        BM=cfg.block_m,
+        BR=max(16, triton.next_power_of_2(rank_max)),
+        BK=cfg.block_k,
+        HAS_RANK=ranks is not None,
+        UPCAST=x.device.type != "cuda" and x.dtype != torch.float32,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PDL=use_pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **_pdl.launch_kwargs(use_pdl),
+    )
+    return h
+
+
+def lora_expand_add(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    B: torch.Tensor | Sequence[torch.Tensor],
+    slot_of_row: torch.Tensor,
+    scaling: torch.Tensor,
+    ranks: torch.Tensor | None = None,
+    *,
+    offset: int = 0,
+    offsets: Sequence[int] | None = None,
+    meta: LoRAMeta | None = None,
+    config: LoRAConfig | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``y[:, off_i : off_i + N_i] += scaling[slot] * h_i @ B_i[slot].T`` per row, in place; returns y.
+
+    ``y [T, N]`` (the base GEMM's output, unit column stride); ``h``: :func:`lora_shrink`'s
+    float32 ``[T, slices * rank_max]`` (slice ``i`` in columns ``i * rank_max ...``);
+    ``B``: one ``[slots, N_i, rank_max]`` tensor per slice (widths may differ);
+    ``scaling``: float32 ``[slots]`` or ``[slots, slices]``; ``ranks`` as for the shrink.
+    Slice ``i`` lands at column ``offsets[i]``, or by default packed from ``offset``
+    (``offset + N_0 + ... + N_{i-1}``: q|k|v of a merged QKV output). Rows of slot -1
+    and the other columns of y are untouched.
+    """
+    b_list = _slices(B, "B")
+    slots, _, rank_max = b_list[0].shape
+    rows = y.shape[0]
+    widths = [b.shape[1] for b in b_list]
+    if offsets is None:
+        offsets = [offset + sum(widths[:i]) for i in range(len(b_list))]
+    assert len(offsets) == len(b_list), "one offset per slice"
+    assert y.dim() == 2 and y.stride(1) == 1, "y: [T, N], unit column stride"
+    assert all(0 <= o and o + w <= y.shape[1] for o, w in zip(offsets, widths, strict=True))
+    assert all(b.shape[0] == slots and b.shape[2] == rank_max for b in b_list)
+    assert h.shape == (rows, len(b_list) * rank_max) and h.dtype == torch.float32
+    assert h.stride(1) == 1
+    assert scaling.dtype == torch.float32 and scaling.shape[0] == slots
+    meta = _check_rows(slot_of_row, rows, meta, slots)
+    if rows == 0 or slots == 0 or rank_max == 0:
+        return y
+    cfg = config or default_config(rows, 0, y.dtype, y.device)
+    bn = cfg.block_n
+    tiles = [triton.cdiv(w, bn) for w in widths] + [0] * (MAX_SLICES - len(b_list))
+    pad = b_list + [b_list[0]] * (MAX_SLICES - len(b_list))
+    widths = widths + [0] * (MAX_SLICES - len(b_list))
+    offs = list(offsets) + [0] * (MAX_SLICES - len(b_list))
+    stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
+    use_pdl = _pdl.enabled(y.device, pdl)
+    grid = (triton.cdiv(rows, cfg.block_m), sum(tiles), slots)
+    if grid[1] == 0:
+        return y
+    _expand_kernel[grid](
+        y,
+        y.stride(0),
+        h,
+        h.stride(0),
+        *pad,
+        *(b.stride(0) for b in pad),
+        pad[0].stride(1),
+        *widths,
+        *offs,
+        tiles[0],
+        tiles[1],
+        *meta,
+        ranks if ranks is not None else meta.seg_len,
+        scaling,
+        scaling.stride(0),
+        stride_si,
+        rank_max,
+        BM=cfg.block_m,
+        BN=bn,
+        BR=max(16, triton.next_power_of_2(rank_max)),
+        HAS_RANK=ranks is not None,
+        PDL=use_pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **_pdl.launch_kwargs(use_pdl),
+    )
+    return y
