@@ -299,7 +299,9 @@ def bench_chain(rows: list[int]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--out", default="fused_linear_bench.json", help="full results (JSON)")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--rows", default=",".join(map(str, ROWS)))

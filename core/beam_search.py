@@ -99,6 +99,11 @@ class BeamSearchSequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    def finish(self, reason: str, text: str) -> None:
+        """Mark this beam returned: why it ended ("stop" or "length") and its decoded text."""
+        self.finish_reason = reason
+        self.text = text
+
 
 @attrs.define
 class BeamSearchOutput:
@@ -201,13 +206,13 @@ class _Search:
         best = ranked[: params.beam_width]
         for beam in best:
             stopped = not params.ignore_eos and beam.tokens[-1] in eos and bool(beam.logprobs)
-            beam.finish_reason = "stop" if stopped else "length"
             shown = (
                 beam.tokens[:-1]
                 if stopped and not params.include_stop_str_in_output
                 else beam.tokens
             )
-            beam.text = tokenizer.hf.decode(shown, skip_special_tokens=False)
+            text = tokenizer.hf.decode(shown, skip_special_tokens=False)
+            beam.finish("stop" if stopped else "length", text)
         return BeamSearchOutput(sequences=best)
 
 

@@ -140,7 +140,7 @@ def _serve_flags() -> list[str]:
     """The long flags ``pitstop serve`` shows (its parser, built without the web libraries)."""
     from pitstop.server.cli import add_arguments
 
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_arguments(parser)
     return [
         o

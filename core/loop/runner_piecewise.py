@@ -13,7 +13,7 @@ from pitstop.loop.poison import poison_
 from pitstop.loop.runner_graphs import capture_graph
 from pitstop.loop.runner_view import RunnerView
 from pitstop.plugin_system.kinds import lacks
-from pitstop.plugin_system.protocols import SplitAttention, SplitForwardModel, SplitLayer
+from pitstop.plugin_system.split_forward import SplitAttention, SplitForwardModel, SplitLayer
 
 MAX_PIECEWISE_TOKENS = 2048
 
@@ -29,7 +29,7 @@ def mixed_step_tokens(step_token_budget: int) -> int:
 
 def supports_piecewise(model: torch.nn.Module) -> bool:
     """Whether a model has the split forward :class:`PiecewiseGraphs` drives
-    (:class:`~pitstop.plugin_system.protocols.SplitForwardModel`: the Llama family has it)."""
+    (:class:`~pitstop.plugin_system.split_forward.SplitForwardModel`: the Llama family has it)."""
     # kinds.lacks, not isinstance(): see there (an nn.Module's submodules)
     layers = getattr(model, "layers", None) or ()
     return (
