@@ -132,7 +132,15 @@ def wait_idle(url: str, within: float) -> dict[str, Any]:
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     """Run the soak (see the module docstring); the figures, with ``ok`` and ``errors``."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pitstop.cli", "serve", args.model, "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pitstop.entrypoints.cli",
+        "serve",
+        args.model,
+        "--port",
+        str(port),
+    ]
     cmd += ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(args.max_model_len)]
     cmd += ["--kv-cache-gib", str(args.kv_cache_gib), "--max-connections", "4096", *args.serve_arg]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}

@@ -32,7 +32,7 @@ def _installed_plugins() -> catalogue.Catalogue | None:
 catalogue.use_installed(_installed_plugins)
 
 if TYPE_CHECKING:
-    from pitstop.llm import LLM
+    from pitstop.entrypoints.llm import LLM
     from pitstop.loop.engine import LLMEngine
     from pitstop.requests.outputs import RequestOutput
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str):
     # The engine pulls in torch and the model code; import it only when asked.
     if name == "LLM":
-        from pitstop.llm import LLM
+        from pitstop.entrypoints.llm import LLM
 
         return LLM
     if name == "LLMEngine":

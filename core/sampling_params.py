@@ -1,12 +1,12 @@
 """vLLM's module path ``vllm.sampling_params``: ``from pitstop.sampling_params import SamplingParams``.
 
 The classes live in :mod:`pitstop.requests.sampling_params` and
-:mod:`pitstop.beam_search`; this module names them where vLLM code imports them.
+:mod:`pitstop.entrypoints.beam_search`; this module names them where vLLM code imports them.
 """
 
 from __future__ import annotations
 
-from pitstop.beam_search import BeamSearchParams
+from pitstop.entrypoints.beam_search import BeamSearchParams
 from pitstop.requests.sampling_params import (
     SAMPLING_EPS,
     RequestOutputKind,

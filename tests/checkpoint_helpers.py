@@ -53,7 +53,7 @@ def assert_matches_transformers(
 ) -> None:
     """Logits at every prompt position within 1e-4 (relative, fp32) and greedy tokens
     identical, for prompts of several lengths run as one batch."""
-    from pitstop.llm import LLM
+    from pitstop.entrypoints.llm import LLM
     from pitstop.requests.sampling_params import SamplingParams
 
     llm = LLM(str(model), device="cpu", kv_cache_gib=0.01, max_model_len=max_model_len)

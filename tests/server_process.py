@@ -28,7 +28,7 @@ def serve_subprocess(
     stopped within 10 s.
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "pitstop.cli", "serve", *args, "--port", str(port)]
+    cmd = [sys.executable, "-m", "pitstop.entrypoints.cli", "serve", *args, "--port", str(port)]
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

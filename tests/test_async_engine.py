@@ -15,7 +15,7 @@ import pytest
 from conftest_models import make_tiny_checkpoint
 
 from pitstop import LLM, SamplingParams
-from pitstop.async_engine import AsyncLLM, EngineClosedError, EngineStepError
+from pitstop.entrypoints.async_engine import AsyncLLM, EngineClosedError, EngineStepError
 from pitstop.errors import InvalidRequestError
 from pitstop.loop.engine import LLMEngine
 

@@ -301,7 +301,7 @@ def test_misspelled_option_key_is_refused() -> None:
 
 
 def test_bad_boolean_flag_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from pitstop.cli import main
+    from pitstop.entrypoints.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["generate", "hi", "--fused-qkv", "maybe"])

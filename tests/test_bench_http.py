@@ -16,7 +16,7 @@ import pytest
 from conftest_models import smollm2_gguf
 from server_process import free_port, serve_subprocess
 
-from pitstop.cli import main
+from pitstop.entrypoints.cli import main
 
 API_KEY = "sk-bench-http"
 ENGINE = ["--device", "cpu", "--dtype", "float32"]

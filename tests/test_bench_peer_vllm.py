@@ -26,8 +26,8 @@ from pitstop.bench.report import RunResult, repeat_summary
 from pitstop.bench.vllm_model import hf_config_dict, vllm_model, write_dummy_folder
 from pitstop.bench.vllm_server import serve_flags
 from pitstop.bench.workloads import BenchRequest, Workload, build_workload
-from pitstop.cli import main
 from pitstop.config import EngineConfig
+from pitstop.entrypoints.cli import main
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
 FAKE_VLLM = Path(__file__).parent / "fake_vllm"

@@ -1,4 +1,4 @@
-"""pitstop.requests.chat: one rendering of a conversation for LLM.chat and the server.
+"""pitstop.entrypoints.chat: one rendering of a conversation for LLM.chat and the server.
 
 Content parts, ``developer``, tool calls in the history, tools for templates
 that do and do not render them, the options' checks, and ``prompt`` filled
@@ -11,8 +11,8 @@ import pytest
 from conftest_models import smollm2_gguf
 
 from pitstop import LLM, SamplingParams
+from pitstop.entrypoints.chat import ChatOptions, render_chat, template_messages
 from pitstop.errors import InvalidRequestError
-from pitstop.requests.chat import ChatOptions, render_chat, template_messages
 
 TOOLS = [
     {

@@ -129,7 +129,7 @@ def test_rope_frequencies_are_transformers_own(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- refused, at max_model_len
 def _llm_error(folder: Path, max_model_len: int) -> str:
-    from pitstop.llm import LLM
+    from pitstop.entrypoints.llm import LLM
 
     with pytest.raises(ConfigError) as info:
         LLM(str(folder), device="cpu", kv_cache_gib=0.01, max_model_len=max_model_len)
@@ -267,7 +267,7 @@ def test_tensor_shape_against_config_is_checked_before_allocation(tmp_path: Path
 
 
 def test_tied_head_that_differs_from_the_embedding_is_refused(tmp_path: Path) -> None:
-    from pitstop.llm import LLM
+    from pitstop.entrypoints.llm import LLM
 
     folder = _tiny(tmp_path, "llama")
     edit_config(folder, tie_word_embeddings=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.cli import build_parser
+from pitstop.entrypoints.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,11 @@ def _parsers_built_in(path: Path) -> list[int]:
 
 
 def test_scripts_build_their_parsers_without_abbreviations() -> None:
-    files = [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("apps/**/*.py"), ROOT / "core" / "cli.py"]
+    files = [
+        *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("apps/**/*.py"),
+        ROOT / "apps" / "entrypoints" / "cli.py",
+    ]
     files.append(ROOT / "tests" / "gpu_matrix.py")
     bad = {str(f.relative_to(ROOT)): ls for f in files if (ls := _parsers_built_in(f))}
     assert not bad, f"argparse.ArgumentParser(...) without allow_abbrev=False: {bad}"

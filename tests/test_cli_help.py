@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from pitstop.cli import build_parser
+from pitstop.entrypoints.cli import build_parser
 
 MARKUP = re.compile(r"``|:(class|func|mod|meth|data|attr):`")
 

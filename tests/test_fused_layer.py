@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from checkpoint_helpers import TINY_VOCAB, hf_model, prefill_logits, relative_error  # noqa: E402
 
-from pitstop.llm import LLM  # noqa: E402
+from pitstop.entrypoints.llm import LLM  # noqa: E402
 from pitstop.plugins.kernels import reference  # noqa: E402
 from pitstop.requests.sampling_params import SamplingParams  # noqa: E402
 

@@ -184,7 +184,7 @@ def test_cache_is_keyed_by_content_and_reports_its_size(tmp_path, tiny_llama, ca
 
 
 def test_pitstop_cache_list_and_clear(tmp_path, tiny_llama, capsys, _own_cache) -> None:
-    from pitstop.cli import main
+    from pitstop.entrypoints.cli import main
 
     path = write_gguf_from_hf(tiny_llama, tmp_path / "listed.gguf")
     load_model_source(str(path)).weights()

@@ -244,7 +244,7 @@ def test_every_setting_is_in_the_configuration_reference(plugins: PluginManager)
 
 
 def test_pitstop_plugins_lists_the_settings(capsys: pytest.CaptureFixture[str]) -> None:
-    from pitstop.cli import main
+    from pitstop.entrypoints.cli import main
 
     assert main(["plugins", "--settings"]) == 0
     out = capsys.readouterr().out

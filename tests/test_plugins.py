@@ -12,7 +12,7 @@ import pytest
 from plugin_install import pip_install
 
 from pitstop import EngineConfig
-from pitstop.cli import main as cli_main
+from pitstop.entrypoints.cli import main as cli_main
 from pitstop.errors import ModelLoadError, PluginError
 from pitstop.plugin_system import hookspecs
 from pitstop.plugin_system.plugin_manager import KINDS, PluginManager

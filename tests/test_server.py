@@ -162,7 +162,7 @@ TOOLS_TEMPLATE = (
 
 def test_chat_options_match_llm_chat(client: openai.OpenAI, offline: LLM) -> None:
     """The server takes LLM.chat's options, and LLM.chat the server's content parts: one
-    rendering (pitstop.requests.chat) behind both, so the answers are the same."""
+    rendering (pitstop.entrypoints.chat) behind both, so the answers are the same."""
     greedy = SamplingParams(temperature=0, max_tokens=8)
     parts = [
         {
@@ -475,8 +475,8 @@ def test_malformed_and_oversize_bodies(server: Server, client: openai.OpenAI) ->
 
 
 def test_auth_off_in_process(tmp_path: Path) -> None:
-    from pitstop.async_engine import AsyncLLM
     from pitstop.config import EngineConfig
+    from pitstop.entrypoints.async_engine import AsyncLLM
     from pitstop.loop.engine import LLMEngine
     from pitstop.server.app import ServerSettings, create_app
 

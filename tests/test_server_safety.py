@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import free_port
 
-from pitstop.async_engine import AsyncLLM
 from pitstop.config import EngineConfig
+from pitstop.entrypoints.async_engine import AsyncLLM
 from pitstop.loop.engine import LLMEngine
 from pitstop.server.app import ServerSettings, create_app
 from pitstop.server.cli import build_server

@@ -18,8 +18,8 @@ from checkpoint_helpers import relative_error
 from conftest_models import make_tiny_checkpoint, smollm2_gguf
 
 from pitstop.config import EngineConfig
+from pitstop.entrypoints.llm import LLM
 from pitstop.errors import ConfigError, WorkerDiedError
-from pitstop.llm import LLM
 from pitstop.loading.model_config import ModelConfig
 from pitstop.parallel.sharding import WeightShard, check_tensor_parallel_size, shard_model_config
 from pitstop.requests.sampling_params import SamplingParams

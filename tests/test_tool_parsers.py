@@ -11,9 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pitstop.errors import InvalidRequestError
-from pitstop.plugin_system.plugin_manager import PluginManager
-from pitstop.requests.tool_calls import (
+from pitstop.entrypoints.tool_calls import (
     ToolCallStream,
     ToolChoice,
     constrained_view,
@@ -21,6 +19,8 @@ from pitstop.requests.tool_calls import (
     parse_tools,
     tool_choice_constraint,
 )
+from pitstop.errors import InvalidRequestError
+from pitstop.plugin_system.plugin_manager import PluginManager
 
 PM = PluginManager()
 HERMES = PM.create("tool_parser", "hermes", None)

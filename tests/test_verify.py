@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 import pitstop  # noqa: E402
 import pitstop.plugin_system.plugin_manager as pmod  # noqa: E402
 from pitstop import EngineConfig  # noqa: E402
-from pitstop.cli import main as cli_main  # noqa: E402
+from pitstop.entrypoints.cli import main as cli_main  # noqa: E402
 from pitstop.errors import ConfigError, PluginError  # noqa: E402
 from pitstop.plugin_system.plugin_manager import PluginManager  # noqa: E402
 from pitstop.plugins.kernels.reference import ReferenceKernels  # noqa: E402

@@ -14,8 +14,8 @@ from checkpoint_helpers import hf_model
 from conftest_models import make_tiny_checkpoint
 
 from pitstop import LLM, EngineConfig, SamplingParams
+from pitstop.entrypoints.vllm_surface import REFUSED_METHODS
 from pitstop.errors import ConfigError, InvalidRequestError
-from pitstop.vllm_surface import REFUSED_METHODS
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 TINY_EOS = 2  # the tiny checkpoint's eos_token_id (tests/conftest_models.py)
@@ -125,7 +125,7 @@ def test_beam_search_matches_an_independent_search(
 
 
 def test_beam_search_options(llm: LLM, tiny: tuple[Path, int], reference) -> None:
-    from pitstop.beam_search import BeamSearchOutput, BeamSearchParams
+    from pitstop.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 
     model = reference
     params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
@@ -150,7 +150,7 @@ def test_beam_search_options(llm: LLM, tiny: tuple[Path, int], reference) -> Non
 
 # ---------------------------------------------------------------- 2: defaults, refused methods
 def test_default_sampling_params_come_from_generation_config(llm: LLM, tmp_path: Path) -> None:
-    from pitstop.vllm_surface import generation_defaults
+    from pitstop.entrypoints.vllm_surface import generation_defaults
 
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.7, 0.9, 20)
@@ -180,7 +180,7 @@ def test_vllms_other_methods_say_what_to_use(llm: LLM, name: str) -> None:
         ("pitstop.inputs", ["TextPrompt", "TokensPrompt", "PromptType"]),
         ("pitstop.outputs", ["RequestOutput", "CompletionOutput"]),
         ("pitstop.lora.request", ["LoRARequest"]),
-        ("pitstop.beam_search", ["BeamSearchOutput", "BeamSearchSequence"]),
+        ("pitstop.entrypoints.beam_search", ["BeamSearchOutput", "BeamSearchSequence"]),
     ],
 )
 def test_vllms_module_paths(module: str, names: list[str]) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pitstop import EngineConfig
-from pitstop.cli import build_parser
 from pitstop.config import add_cli_flags
+from pitstop.entrypoints.cli import build_parser
 from pitstop.errors import ConfigError, ModelLoadError
 from pitstop.server.vllm_table import VLLM_SERVE_FLAGS, markdown_table
 from pitstop.vllm_args import (

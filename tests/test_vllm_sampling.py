@@ -56,8 +56,8 @@ def test_max_tokens_over_the_context_names_both_numbers(llm: LLM) -> None:
 
 def test_the_server_answers_400_for_max_tokens_over_the_context(tiny: Path) -> None:
     pytest.importorskip("fastapi")
-    from pitstop.async_engine import AsyncLLM
     from pitstop.config import EngineConfig
+    from pitstop.entrypoints.async_engine import AsyncLLM
     from pitstop.loop.engine import LLMEngine
     from pitstop.server.app import ServerSettings, create_app
 

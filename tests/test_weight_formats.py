@@ -64,7 +64,7 @@ def _run(model: str, **settings) -> tuple[LLM, list[list[int]], list[torch.Tenso
 
 
 def test_the_kind_is_in_the_table_and_listed(capsys: pytest.CaptureFixture[str]) -> None:
-    from pitstop.cli import main
+    from pitstop.entrypoints.cli import main
 
     kind = KINDS["weights"]
     assert (kind.hook, kind.selected_by) == ("register_weight_formats", "weights")

@@ -26,7 +26,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from pitstop.async_engine import AsyncLLM
+from pitstop.entrypoints.async_engine import AsyncLLM
 from pitstop.errors import InvalidRequestError
 from pitstop.server.handlers import install_error_handlers
 from pitstop.server.metrics import failure_reason

@@ -314,7 +314,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         raise SystemExit(f"pitstop serve needs {exc.name}: pip install 'pitstop[serve]'") from exc
 
-    from pitstop.async_engine import AsyncLLM
+    from pitstop.entrypoints.async_engine import AsyncLLM
     from pitstop.server.app import create_app
 
     settings = settings_from_args(args)

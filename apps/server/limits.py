@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pitstop.async_engine import AsyncLLM, RequestStream
+from pitstop.entrypoints.async_engine import AsyncLLM, RequestStream
 from pitstop.requests.outputs import RequestOutput
 from pitstop.server.protocol import APIError
 
@@ -58,7 +58,7 @@ class Flight:
     Iterate it (after :meth:`follow`) for the request's outputs; the
     iterator raises :class:`ServerCut` when the server ends the request
     during shutdown, and whatever the engine's stream raises
-    (:class:`~pitstop.async_engine.EngineStepError`). :meth:`release`
+    (:class:`~pitstop.entrypoints.async_engine.EngineStepError`). :meth:`release`
     (idempotent) gives the request's place back and aborts it in the
     engine if it has not finished.
     """

@@ -2,7 +2,7 @@
 
 Two sources feed them:
 
-- the engine snapshot (:class:`pitstop.async_engine.EngineSnapshot`), read at
+- the engine snapshot (:class:`pitstop.entrypoints.async_engine.EngineSnapshot`), read at
   scrape time by a custom collector: request counts, KV-cache usage,
   prefix-cache queries and hits, preemptions;
 - every request output, observed on the engine thread: prompt and
@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pitstop.async_engine import AsyncLLM
+from pitstop.entrypoints.async_engine import AsyncLLM
 from pitstop.requests.outputs import RequestOutput
 
 # Bucket bounds (seconds) after vLLM's, wide enough for a CPU and a GPU.

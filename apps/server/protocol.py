@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pitstop.entrypoints.chat import ChatOptions
 from pitstop.errors import InvalidRequestError
-from pitstop.requests.chat import ChatOptions
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.structured import structured_outputs_of
 
@@ -401,7 +401,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # the call a tool message answers
 
     def as_dict(self) -> dict[str, Any]:
-        """The message as sent, for :func:`pitstop.requests.chat.template_messages`."""
+        """The message as sent, for :func:`pitstop.entrypoints.chat.template_messages`."""
         return self.model_dump(exclude_none=True)
 
 
@@ -423,13 +423,13 @@ class ChatCompletionRequest(_SamplingFields):
     special_tokens_in_content: Literal["text", "tokens"] | None = None  # extension (pitstop's)
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The conversation as sent (content parts and tool calls are read by pitstop.requests.chat)."""
+        """The conversation as sent (content parts and tool calls are read by pitstop.entrypoints.chat)."""
         return [m.as_dict() for m in self.messages]
 
     def chat_options(
         self, tools: list[dict[str, Any]] | None, *, default_special_tokens: str = "text"
     ) -> ChatOptions:
-        """The template options (:class:`pitstop.requests.chat.ChatOptions`); a bad one is a
+        """The template options (:class:`pitstop.entrypoints.chat.ChatOptions`); a bad one is a
         400. ``default_special_tokens``: the server's ``--special-tokens-in-content``."""
         try:
             return ChatOptions(

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.async_engine import AsyncLLM
+from pitstop.entrypoints.async_engine import AsyncLLM
 from pitstop.errors import PluginError
 from pitstop.plugin_system.protocols import ToolParser
 from pitstop.server.limits import ServerState

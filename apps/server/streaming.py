@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 from fastapi.responses import StreamingResponse
 
-from pitstop.async_engine import EngineStepError
+from pitstop.entrypoints.async_engine import EngineStepError
 from pitstop.requests.outputs import CompletionOutput, RequestOutput
 from pitstop.server.api_errors import engine_error, request_failed, shutdown_error
 from pitstop.server.budget import ResponseBudget

@@ -15,9 +15,9 @@ from typing import Any
 import attrs
 from fastapi import Request
 
-from pitstop.async_engine import EngineClosedError, EngineStepError
+from pitstop.entrypoints.async_engine import EngineClosedError, EngineStepError
+from pitstop.entrypoints.chat import ChatOptions, RenderedChat, render_chat, template_reads_tools
 from pitstop.errors import InvalidRequestError
-from pitstop.requests.chat import ChatOptions, RenderedChat, render_chat, template_reads_tools
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.validation import check_encoded_prompt, check_token_ids
@@ -61,7 +61,7 @@ async def rendered(
     options: ChatOptions,
     tools: ChatTools | None = None,
 ) -> RenderedChat | None:
-    """A chat rendered by the model's template (pitstop.requests.chat, as ``LLM.chat`` renders
+    """A chat rendered by the model's template (pitstop.entrypoints.chat, as ``LLM.chat`` renders
     it), or None without a tokenizer (the engine then refuses the request)."""
     tok = state.llm.engine.tokenizer
     if tok is None:

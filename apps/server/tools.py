@@ -3,7 +3,7 @@
 - ``"none"`` (the default without ``--enable-auto-tool-choice``): the
   template still gets the tools, the answer is plain content.
 - ``"required"`` and a named function: the output is constrained to JSON
-  (:func:`pitstop.requests.tool_calls.tool_choice_constraint`) and read back as calls;
+  (:func:`pitstop.entrypoints.tool_calls.tool_choice_constraint`) and read back as calls;
   no parser is needed.
 - ``"auto"`` (the default with ``--enable-auto-tool-choice``): the model
   answers freely, and the tool-call parser chosen with ``--tool-call-parser``
@@ -21,9 +21,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.errors import InvalidRequestError
-from pitstop.plugin_system.protocols import ToolParser
-from pitstop.requests.tool_calls import (
+from pitstop.entrypoints.tool_calls import (
     FunctionTool,
     ToolCallStream,
     ToolCallView,
@@ -35,6 +33,8 @@ from pitstop.requests.tool_calls import (
     parse_tools,
     tool_choice_constraint,
 )
+from pitstop.errors import InvalidRequestError
+from pitstop.plugin_system.protocols import ToolParser
 from pitstop.server.protocol import APIError
 
 

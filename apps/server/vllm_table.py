@@ -11,7 +11,7 @@ the code that applies the rule, so the table cannot drift from it:
   ``vllm serve`` has, and :data:`pitstop.vllm_args.SERVE_REFUSED`;
 - ``SamplingParams`` fields: its attrs fields and
   :data:`pitstop.requests.sampling_params.VLLM_ONLY` / ``VLLM_NEUTRAL``;
-- ``LLM`` methods and call keywords: :mod:`pitstop.vllm_surface`.
+- ``LLM`` methods and call keywords: :mod:`pitstop.entrypoints.vllm_surface`.
 
 ``python -m pitstop.server.vllm_table`` prints it; tests/test_vllm_args.py checks
 that docs/api.md holds the current rendering.
@@ -111,7 +111,7 @@ def sampling_rows() -> list[tuple[str, str, str]]:
 
 def method_rows() -> list[tuple[str, str, str]]:
     """(name, kind, pitstop) of vLLM's ``LLM`` methods and their extra keywords."""
-    from pitstop.vllm_surface import CALL_OPTIONS, REFUSED_METHODS
+    from pitstop.entrypoints.vllm_surface import CALL_OPTIONS, REFUSED_METHODS
 
     rows = [(f"{m}()", "`LLM` method", "same method") for m in IMPLEMENTED_METHODS]
     rows += [(f"{m}()", "`LLM` method", f"refused: {t}") for m, t in REFUSED_METHODS.items()]

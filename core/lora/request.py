@@ -3,7 +3,7 @@
 LoRA serving is not in this version of pitstop: passing a :class:`LoRARequest`
 to ``LLM.generate`` (or ``chat``, ``beam_search``) is refused with an
 :class:`~pitstop.errors.InvalidRequestError` that says so and how to merge the
-adapter into the weights instead (:data:`pitstop.vllm_surface.LORA_REFUSAL`).
+adapter into the weights instead (:data:`pitstop.entrypoints.vllm_surface.LORA_REFUSAL`).
 """
 
 from __future__ import annotations

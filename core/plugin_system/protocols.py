@@ -519,12 +519,12 @@ class ToolParser(Protocol):
     """Reads the tool calls a model wrote in its own format (``tool_choice="auto"``).
 
     One per server, built by ``factory(tokenizer)``; it keeps no state per
-    request (streaming is done by :class:`pitstop.requests.tool_calls.ToolCallStream`
+    request (streaming is done by :class:`pitstop.entrypoints.tool_calls.ToolCallStream`
     from successive views).
     """
 
     def parse(self, text: str, final: bool) -> Any:
-        """The :class:`~pitstop.requests.tool_calls.ToolCallView` of ``text``: its content and calls.
+        """The :class:`~pitstop.entrypoints.tool_calls.ToolCallView` of ``text``: its content and calls.
 
         With ``final=False`` the text may still grow, and the view must be a
         prefix of the view of any longer text (hold back what may change:

@@ -13,8 +13,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from pitstop.entrypoints.tool_calls import CallView, ToolCallView, call_of, scan_objects
 from pitstop.plugin_system.hookspecs import hookimpl
-from pitstop.requests.tool_calls import CallView, ToolCallView, call_of, scan_objects
 
 PYTHON_TAG = "<|python_tag|>"
 

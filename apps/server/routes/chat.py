@@ -8,8 +8,8 @@ import attrs
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from pitstop.entrypoints.tool_calls import ToolCallStream
 from pitstop.requests.outputs import CompletionOutput, RequestOutput
-from pitstop.requests.tool_calls import ToolCallStream
 from pitstop.server.budget import ResponseBudget
 from pitstop.server.deps import (
     Authorized,

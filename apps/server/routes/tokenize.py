@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
+from pitstop.entrypoints.chat import ChatOptions, render_chat
 from pitstop.errors import InvalidRequestError
-from pitstop.requests.chat import ChatOptions, render_chat
 from pitstop.requests.validation import check_token_ids
 from pitstop.server.deps import Authorized, State, json_body
 from pitstop.server.protocol import APIError, DetokenizeRequest, TokenizeRequest

@@ -8,7 +8,7 @@ candidates ending in EOS to the finished ones (unless ``ignore_eos``) and
 keeps the ``beam_width`` best of the rest by
 :func:`get_beam_search_score`. After ``max_tokens`` steps the finished and
 the live beams are ranked together and the best ``beam_width`` returned.
-pitstop does the same with :meth:`pitstop.llm.LLM.generate`, so beam search
+pitstop does the same with :meth:`pitstop.entrypoints.llm.LLM.generate`, so beam search
 runs under any allocator and scheduler (``allocator="prefix"`` reuses each
 beam's cached prompt instead of recomputing it every step).
 
@@ -36,14 +36,14 @@ from pitstop.requests.validation import as_float, as_int, boolean, int_in, real_
 
 
 class Generator(Protocol):
-    """What beam search needs of an offline engine (:class:`pitstop.llm.LLM` is one): its
+    """What beam search needs of an offline engine (:class:`pitstop.entrypoints.llm.LLM` is one): its
     engine (tokenizer), its config (``max_model_len``) and ``generate``."""
 
     engine: Any
     config: Any
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`pitstop.llm.LLM.generate`."""
+        """:meth:`pitstop.entrypoints.llm.LLM.generate`."""
         ...
 
 

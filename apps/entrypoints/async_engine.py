@@ -31,12 +31,12 @@ from typing import Any
 import attrs
 
 from pitstop.config import EngineConfig
+from pitstop.entrypoints.chat import render_chat
 from pitstop.errors import InvalidRequestError, PitstopError
 from pitstop.loop.engine import LLMEngine
 from pitstop.loop.metrics import EngineStats
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import AllocatorStats
-from pitstop.requests.chat import render_chat
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.sampling_params import SamplingParams
 

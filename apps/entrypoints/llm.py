@@ -5,22 +5,22 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pitstop.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pitstop.config import EngineConfig
-from pitstop.errors import ConfigError, InvalidRequestError
-from pitstop.loop.engine import LLMEngine
-from pitstop.plugin_system.plugin_manager import PluginManager
-from pitstop.requests.chat import ChatOptions, render_chat
-from pitstop.requests.inputs import PromptType, parse_prompts
-from pitstop.requests.outputs import RequestOutput
-from pitstop.requests.sampling_params import SamplingParams
-from pitstop.requests.tool_calls import default_tool_prompt, parse_tools
-from pitstop.vllm_surface import (
+from pitstop.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from pitstop.entrypoints.chat import ChatOptions, render_chat
+from pitstop.entrypoints.tool_calls import default_tool_prompt, parse_tools
+from pitstop.entrypoints.vllm_surface import (
     REFUSED_METHODS,
     check_call_options,
     generation_defaults,
     refused_method,
 )
+from pitstop.errors import ConfigError, InvalidRequestError
+from pitstop.loop.engine import LLMEngine
+from pitstop.plugin_system.plugin_manager import PluginManager
+from pitstop.requests.inputs import PromptType, parse_prompts
+from pitstop.requests.outputs import RequestOutput
+from pitstop.requests.sampling_params import SamplingParams
 
 Message = dict[str, Any]
 
@@ -30,7 +30,7 @@ class LLM:
 
     ``LLM("smollm2-135m", allocator="paged", scheduler="continuous")`` or
     ``LLM(config=EngineConfig(...))``. vLLM's methods pitstop does not do
-    (``embed``, ``score``, ... :data:`pitstop.vllm_surface.REFUSED_METHODS`)
+    (``embed``, ``score``, ... :data:`pitstop.entrypoints.vllm_surface.REFUSED_METHODS`)
     raise :class:`InvalidRequestError` saying so and what to use instead.
     """
 
@@ -105,9 +105,9 @@ class LLM:
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search: the ``params.beam_width`` most likely continuations of each
-        prompt, one :class:`~pitstop.beam_search.BeamSearchOutput` per prompt, each
+        prompt, one :class:`~pitstop.entrypoints.beam_search.BeamSearchOutput` per prompt, each
         sequence with ``tokens`` (prompt included), ``text`` and ``cum_logprob``
-        (:mod:`pitstop.beam_search`). ``use_tqdm`` is accepted and shows nothing (each
+        (:mod:`pitstop.entrypoints.beam_search`). ``use_tqdm`` is accepted and shows nothing (each
         step is one short ``generate``); ``lora_request`` and ``concurrency_limit`` must
         be None."""
         check_call_options(
@@ -207,7 +207,7 @@ class LLM:
         vLLM); ``chat_template_kwargs`` are passed to the template; ``tools``
         (OpenAI function definitions) are passed to it as ``tools`` (a
         template that does not render them gets them listed in the system
-        message, :func:`pitstop.requests.tool_calls.default_tool_prompt`). Each
+        message, :func:`pitstop.entrypoints.tool_calls.default_tool_prompt`). Each
         output's ``prompt`` is the rendered text. vLLM's ``lora_request`` and
         ``mm_processor_kwargs`` are refused unless None; ``chat_template_content_format``
         takes ``"auto"`` or ``"string"`` (what pitstop does).

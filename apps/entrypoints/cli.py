@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from pitstop.config import EngineConfig, add_cli_flags
+from pitstop.entrypoints.chat import render_chat
 from pitstop.errors import PitstopError, PluginError
 from pitstop.loading.gguf_loader import add_subcommand as add_cache
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
-from pitstop.requests.chat import render_chat
 from pitstop.vllm_args import did_you_mean
 
 # argparse prints this as it is: plain text, no reST markup
@@ -120,7 +120,7 @@ def _print_settings(strategies) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a completion for each prompt."""
-    from pitstop.llm import LLM
+    from pitstop.entrypoints.llm import LLM
 
     llm = LLM(config=EngineConfig.from_cli(args))
     outs = llm.generate(args.prompts, _params(args))
@@ -133,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Chat with the model, streaming tokens as they come (one message with -m)."""
-    from pitstop.llm import LLM
+    from pitstop.entrypoints.llm import LLM
 
     llm = LLM(config=EngineConfig.from_cli(args))
     params = _params(args)

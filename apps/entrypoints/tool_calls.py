@@ -27,9 +27,9 @@ from typing import Any
 
 import attrs
 
+from pitstop.entrypoints.json_schema import check_schema
 from pitstop.errors import fail_request as _fail
 from pitstop.errors import refuse_unknown_keys
-from pitstop.requests.json_schema import check_schema
 
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 

@@ -2,7 +2,7 @@
 
 - :data:`REFUSED_METHODS`: vLLM's ``LLM`` methods pitstop does not do (pooling,
   LoRA, profiling, sleep mode, ...); each is a method of
-  :class:`pitstop.llm.LLM` that raises :class:`InvalidRequestError` saying so and
+  :class:`pitstop.entrypoints.llm.LLM` that raises :class:`InvalidRequestError` saying so and
   what to use, so that vLLM code fails with a reason, not an ``AttributeError``.
 - :func:`generation_defaults`: the sampling values of a checkpoint's
   ``generation_config.json`` that vLLM's ``LLM.get_default_sampling_params()``
