@@ -66,7 +66,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pitstop.config import EngineConfig
-from pitstop.loop.attention import AttentionMetadata
+from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugins.kernels import reference
 
 COPY_BW = 4.23e12  # bytes/s, device-to-device copy (read + written), H200

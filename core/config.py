@@ -25,10 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from pitstop.env_flags import env_flag
+from pitstop.env_flags import env_flag, freeze_gc_from_env, poison_from_env
 from pitstop.errors import ConfigError, PluginError
-from pitstop.loop.gc_heap import freeze_gc_from_env
-from pitstop.loop.poison import poison_from_env
 from pitstop.options import (
     add_engine_flags,
     add_settings_flags,
@@ -42,7 +40,7 @@ from pitstop.plugin_system import catalogue
 from pitstop.vllm_args import DTYPE_WORDS, KV_CACHE_DTYPE_WORDS, merge
 
 if TYPE_CHECKING:
-    from pitstop.loading.model_config import ModelConfig
+    from pitstop.ground.model_config import ModelConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")

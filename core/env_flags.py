@@ -29,3 +29,23 @@ def env_flag(name: str, default: bool) -> bool:
         f"{name}={os.environ[name]!r} is not an on/off value; set it to one of "
         f"{', '.join(ON)} (on) or {', '.join(OFF)} (off), or unset it"
     )
+
+
+FREEZE_GC_VAR = "PITSTOP_FREEZE_GC"
+POISON_MEMORY_VAR = "PITSTOP_POISON_MEMORY"
+
+
+def freeze_gc_from_env() -> bool:
+    """``EngineConfig.freeze_gc``'s default: on unless ``PITSTOP_FREEZE_GC`` is off (:func:`env_flag`).
+
+    The test suite turns it off (a full collection of a test process's heap
+    costs about 0.3 s an engine there, hundreds of engines a run); its own
+    tests ask for it by name (:mod:`pitstop.loop.gc_heap`).
+    """
+    return env_flag(FREEZE_GC_VAR, default=True)
+
+
+def poison_from_env() -> bool:
+    """Whether ``PITSTOP_POISON_MEMORY`` asks for poisoned memory (on: :func:`env_flag`;
+    :mod:`pitstop.ground.poison`)."""
+    return env_flag(POISON_MEMORY_VAR, default=False)

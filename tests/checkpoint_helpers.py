@@ -17,7 +17,7 @@ TINY_VOCAB = 512  # small: the tests compare logits, not text
 
 def prefill_logits(llm: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
     """pitstop's logits at every prompt position, all prompts prefilled in one step."""
-    from pitstop.loop.step import SeqInput
+    from pitstop.ground.step import SeqInput
 
     runner = llm.engine.runner
     pages = -(-max(map(len, prompts)) // runner.page_size)

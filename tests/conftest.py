@@ -14,7 +14,7 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every engine of the suite (and of the servers and workers it starts) runs with poisoned
 # memory: a read of memory the engine never wrote fails a test instead of passing on a
-# previous engine's values (pitstop.loop.poison). PITSTOP_POISON_MEMORY=0 turns it off.
+# previous engine's values (pitstop.ground.poison). PITSTOP_POISON_MEMORY=0 turns it off.
 os.environ.setdefault("PITSTOP_POISON_MEMORY", "1")
 # The start-up heap is not frozen out of the collector here (freeze_gc, on by default): each
 # engine's start-up would run full collections of the test process's heap, about 0.3 s an

@@ -24,7 +24,7 @@ from pitstop.bench.report import (
     record_from_output,
     table,
 )
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 from pitstop.plugins.models.llama_presets import PRESETS
 
 

@@ -21,7 +21,7 @@ from checkpoint_helpers import (
 from conftest_models import make_tiny_checkpoint
 
 from pitstop.errors import ConfigError, ModelLoadError
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.weights import load_model_source
 from pitstop.plugins.models.llama_config import HF_FIELDS_READ, HF_FIELDS_WITHOUT_EFFECT
 from pitstop.plugins.models.llama_rope import rope_frequencies

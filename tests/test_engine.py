@@ -95,7 +95,7 @@ def test_tiny_checkpoint_logits_and_greedy_match_transformers(
 
     # logits of every prompt position, all prompts prefilled in one step
     runner = llm.engine.runner
-    from pitstop.loop.step import SeqInput
+    from pitstop.ground.step import SeqInput
 
     tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(prompts))]
     ids, meta, _ = runner.build_metadata(

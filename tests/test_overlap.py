@@ -274,7 +274,7 @@ def test_split_forward_of_piecewise_graphs_matches(tiny: Path, scheduler: str) -
     static buffers, for every step (prefill, mixed and decode); the tokens
     must be those of the plain forward.
     """
-    from pitstop.loop.runner_piecewise import PiecewiseGraphs, supports_piecewise
+    from pitstop.runner.piecewise import PiecewiseGraphs, supports_piecewise
 
     plain = _generate(tiny, _greedy(), scheduler=scheduler, overlap="on")
     llm = LLM(str(tiny), **_settings(scheduler=scheduler, overlap="on"))
@@ -295,7 +295,7 @@ def test_split_forward_of_piecewise_graphs_matches(tiny: Path, scheduler: str) -
 
 
 def test_mixed_graph_sizes() -> None:
-    from pitstop.loop.runner_piecewise import mixed_graph_sizes
+    from pitstop.runner.piecewise import mixed_graph_sizes
 
     assert mixed_graph_sizes(512) == [16, 32, 64, 128, 192, 256, 384, 512]
     assert mixed_graph_sizes(2048)[-1] == 2048 and mixed_graph_sizes(100)[-1] == 100

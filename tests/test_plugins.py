@@ -477,7 +477,7 @@ def test_two_architectures_claiming_one_gguf_architecture_are_refused() -> None:
     from types import ModuleType
 
     import pitstop
-    from pitstop.loading.architecture import Architecture, GGUFRules
+    from pitstop.plugin_system.architecture import Architecture, GGUFRules
     from pitstop.plugins.models import llama
 
     module = ModuleType("clash")

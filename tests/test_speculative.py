@@ -346,7 +346,7 @@ def _tiny_greedy(target: str, prompts, **settings) -> tuple[list[list[int]], LLM
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_verify_buffers_pad_each_sequence_and_keep_greedy_exact(tiny_target, proposer):
-    from pitstop.speculation.spec_graphs import VerifyGraphs
+    from pitstop.runner.verify_graphs import VerifyGraphs
 
     prompts = REPETITIVE[:3]  # three sequences: the bucket of 4 pads one
     plain, _ = _tiny_greedy(tiny_target, prompts)
@@ -387,7 +387,7 @@ def test_verify_buffers_through_the_fused_kernels_keep_greedy_exact(tmp_path):
     """The graphs' forward (fused rope/store skipping slot -1, varlen attention over the padded
     rows) run eagerly through Triton's interpreter: what the GPU replays, minus the capture."""
     pytest.importorskip("triton")
-    from pitstop.speculation.spec_graphs import VerifyGraphs
+    from pitstop.runner.verify_graphs import VerifyGraphs
 
     folder = make_tiny_checkpoint(
         tmp_path, "qwen3", with_tokenizer=False, num_hidden_layers=2, head_dim=64
@@ -435,7 +435,7 @@ def test_batch_rule_decodes_plainly_above_speculative_max_batch(tiny_target):
 # ---------------------------------------------------------------- the adaptation rule
 def _policy(**settings):
     from pitstop.config import EngineConfig
-    from pitstop.loop.metrics import EngineStats
+    from pitstop.ground.metrics import EngineStats
     from pitstop.speculation.spec_adaptation import SpeculationPolicy
 
     stats = EngineStats()
@@ -502,7 +502,7 @@ def test_adaptation_settings_are_validated():
 def test_adaptation_counters_are_on_metrics():
     import types
 
-    from pitstop.loop.metrics import EngineStats
+    from pitstop.ground.metrics import EngineStats
     from pitstop.plugin_system.protocols import AllocatorStats
     from pitstop.server.metrics import _SnapshotCollector
 

@@ -23,7 +23,7 @@ from conftest_models import smollm2_gguf
 
 import pitstop
 from pitstop import LLM, SamplingParams
-from pitstop.loop.metrics import StepStats
+from pitstop.ground.metrics import StepStats
 from pitstop.plugin_system.plugin_manager import PluginManager
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from conftest_models import make_tiny_checkpoint, smollm2_gguf
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.llm import LLM
 from pitstop.errors import ConfigError, WorkerDiedError
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 from pitstop.parallel.sharding import WeightShard, check_tensor_parallel_size, shard_model_config
 from pitstop.requests.sampling_params import SamplingParams
 
@@ -194,7 +194,7 @@ def test_the_same_code_runs_under_torchrun(tiny_llama, tmp_path):
 
     script = tmp_path / "tp_script.py"
     script.write_text(_TORCHRUN_SCRIPT % (PROMPTS,))
-    from pitstop.parallel.launch import _free_port
+    from pitstop.executor.launch import _free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
@@ -248,7 +248,7 @@ def one_rank_engine(monkeypatch, folder_or_model: str, **settings) -> LLM:
     """An engine whose runner goes through the tensor-parallel path with a world of one rank
     (this process): the groups, the wrapped kernel set, rank 0's runner, every collective."""
     import pitstop.loop.engine
-    from pitstop.parallel.launch import _spawn
+    from pitstop.executor.launch import _spawn
 
     def runner(config, mc, plugins, device, dtype):
         return _spawn(config, mc, plugins, device.type, dtype)
@@ -304,7 +304,7 @@ def test_the_watch_thread_reports_a_dead_worker_once():
     import multiprocessing
     import threading
 
-    from pitstop.parallel.watch import WorkerWatch
+    from pitstop.executor.watch import WorkerWatch
 
     ctx = multiprocessing.get_context("spawn")
     worker = ctx.Process(target=os._exit, args=(3,))
@@ -373,7 +373,7 @@ def test_config_refuses_bad_tensor_parallel_settings():
 
 
 def test_more_ranks_than_gpus_is_refused_before_anything_starts(monkeypatch):
-    from pitstop.parallel import start_tensor_parallel
+    from pitstop.executor.launch import start_tensor_parallel
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="needs 2 GPUs on this machine, it has 1"):
@@ -438,8 +438,8 @@ class _OneRank:
 
 
 def test_dummy_weights_are_the_same_values_whatever_the_size():
-    from pitstop.loop.runner import ModelRunner
     from pitstop.plugin_system.plugin_manager import get_plugin_manager
+    from pitstop.runner.model_runner import ModelRunner
 
     cfg = _config()
     config = EngineConfig(

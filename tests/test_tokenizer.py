@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pitstop.errors import InvalidRequestError
-from pitstop.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from pitstop.loading.tokenizer import Tokenizer
+from pitstop.requests.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -13,11 +13,11 @@ from conftest_models import make_tiny_checkpoint
 from pitstop import LLM, EngineConfig, SamplingParams
 from pitstop.bench import floor as floors
 from pitstop.errors import ConfigError, PluginError
-from pitstop.loop.runner import weights_keyword
 from pitstop.plugin_system.kinds import KINDS
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.plugins.models.llama_presets import PRESETS
 from pitstop.plugins.weight_formats import fp8
+from pitstop.runner.model_runner import weights_keyword
 from pitstop.testing.kernels import TOLERANCE
 from pitstop.testing.weights import check_weight_format, relative_error
 

@@ -182,7 +182,7 @@ def load_peer_model(model: str, device: str, dtype: str) -> Any:
     import transformers
 
     from pitstop.loading.weights import SMOLLM2_NAME, load_model_source, smollm2_path
-    from pitstop.loop.runner import resolve_dtype
+    from pitstop.runner.model_runner import resolve_dtype
 
     common = {"dtype": resolve_dtype(dtype, torch.device(device)), "attn_implementation": "sdpa"}
     if model.startswith("dummy:"):

@@ -195,7 +195,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything the flags ask for; return the results document (also printed as a table)."""
     from pitstop.bench.peers import SEPARATE_PROCESS_PEERS, run_peer
     from pitstop.loading.weights import load_model_source
-    from pitstop.loop.runner import resolve_device
+    from pitstop.runner.model_runner import resolve_device
 
     if getattr(args, "url", None):
         from pitstop.bench.http import run_http_bench

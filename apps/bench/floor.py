@@ -52,7 +52,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 
 
 @attrs.frozen

@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 
 from pitstop.bench.floor import H200, Ceilings, non_embedding_params
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 
 # What a kernel does, by its name (first match wins; names lower-cased).
 CATEGORIES: tuple[tuple[str, str], ...] = (

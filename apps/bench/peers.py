@@ -55,10 +55,10 @@ class PeerRun:
     @property
     def dtype(self) -> str:
         """The weights' dtype pitstop runs with (``auto`` resolved by the engine's own rule,
-        :func:`pitstop.loop.runner.resolve_dtype`), by name: ``bfloat16``, ``float32``..."""
+        :func:`pitstop.runner.model_runner.resolve_dtype`), by name: ``bfloat16``, ``float32``..."""
         import torch
 
-        from pitstop.loop.runner import resolve_dtype
+        from pitstop.runner.model_runner import resolve_dtype
 
         resolved = resolve_dtype(str(self.config.dtype), torch.device(self.device))
         return str(resolved).removeprefix("torch.")

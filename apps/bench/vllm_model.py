@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 
 # architecture -> the model_type of its config.json
 MODEL_TYPES = {
@@ -103,7 +103,7 @@ def checkpoint_from_gguf(path: Path, folder: Path, *, dtype: str = "bfloat16") -
     import torch
     import transformers
 
-    from pitstop.loop.runner import resolve_dtype
+    from pitstop.runner.model_runner import resolve_dtype
 
     marker = folder / ".converted-from"
     source = f"{path.resolve()} {path.stat().st_size} {path.stat().st_mtime_ns}"

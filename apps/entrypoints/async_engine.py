@@ -33,8 +33,8 @@ import attrs
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.chat import render_chat
 from pitstop.errors import InvalidRequestError, PitstopError
+from pitstop.ground.metrics import EngineStats
 from pitstop.loop.engine import LLMEngine
-from pitstop.loop.metrics import EngineStats
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import AllocatorStats
 from pitstop.requests.outputs import RequestOutput

@@ -88,7 +88,7 @@ def _print_check(pm, config: EngineConfig) -> None:
     import attrs
     import torch
 
-    from pitstop.loop.runner import resolve_device, resolve_dtype
+    from pitstop.runner.model_runner import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)

@@ -37,7 +37,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pitstop.loop.attention import AttentionMetadata
+from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugin_system.protocols import KernelSet, KernelSetBase, RotaryCache
 from pitstop.plugins.kernels import reference
 from pitstop.testing._hypothesis import suite_settings

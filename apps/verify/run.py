@@ -85,7 +85,7 @@ def verify(
     if not prompts:
         raise InvalidRequestError("no prompts to verify; give at least one")
     limits = [max_tokens or p.max_tokens for p in prompts]
-    # Both engines run with poisoned memory (pitstop.loop.poison): the reference, then the
+    # Both engines run with poisoned memory (pitstop.ground.poison): the reference, then the
     # candidate, each built fresh, and neither can pass on values the other left in memory.
     config = attrs.evolve(config, poison_memory=True)
     ref_config = reference_config(config, reference_kv_cache_dtype)

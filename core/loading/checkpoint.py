@@ -18,7 +18,7 @@ import attrs
 import torch
 
 from pitstop.errors import ModelLoadError
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.tokenizer import Tokenizer
 
 # Called with no argument: every tensor whole; with ``shard=`` a tensor-parallel rank's

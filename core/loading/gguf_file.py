@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 
 from pitstop.errors import ModelLoadError
-from pitstop.loading.model_config import positive_int
+from pitstop.ground.model_config import positive_int
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,8 @@ def check_tensor_bytes(reader: Any, tensors: list[Any], path: Any) -> None:
 
 @attrs.frozen
 class GGUFModelFile:
-    """An open GGUF file, as an architecture plugin's :class:`~pitstop.loading.architecture.GGUFRules`
-    read it to build a :class:`~pitstop.loading.model_config.ModelConfig`: its metadata, its
+    """An open GGUF file, as an architecture plugin's :class:`~pitstop.plugin_system.architecture.GGUFRules`
+    read it to build a :class:`~pitstop.ground.model_config.ModelConfig`: its metadata, its
     tensors' names and shapes, and checked readers of both (errors name the file)."""
 
     path: Path

@@ -2,7 +2,7 @@
 
 GGUF is llama.cpp's format: its ``general.architecture`` says which model it
 holds, and the architecture plugin that claims that value
-(:class:`~pitstop.loading.architecture.GGUFRules`, found through the registry) reads
+(:class:`~pitstop.plugin_system.architecture.GGUFRules`, found through the registry) reads
 the rest: the :class:`ModelConfig` from the metadata, each tensor's Hugging
 Face name, and any fix-up of a tensor the converter rearranged. This module
 knows no architecture: it asks, checks every tensor's name and shape against
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from pitstop.errors import ModelLoadError
-from pitstop.loading.architecture import Architecture
+from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.gguf_file import (
     GGUFModelFile,
     check_tensor_bytes,
@@ -50,8 +50,8 @@ from pitstop.loading.gguf_file import (
     require_gguf,
     tensor_shape,
 )
-from pitstop.loading.model_config import ModelConfig
 from pitstop.loading.quantized import QuantizedWeight
+from pitstop.plugin_system.architecture import Architecture
 
 if TYPE_CHECKING:
     from pitstop.loading.checkpoint import ModelSource

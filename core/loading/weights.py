@@ -9,11 +9,11 @@ A model is one of:
 - a Hugging Face model id ``org/name``, resolved from the local Hugging Face cache only
   (pitstop never downloads);
 - ``"dummy:<preset>"``: random weights in the shape of a preset a model plugin registers
-  (:attr:`Architecture.presets <pitstop.loading.architecture.Architecture>`).
+  (:attr:`Architecture.presets <pitstop.plugin_system.architecture.Architecture>`).
 
 A checkpoint loads exactly or not at all: the architecture plugin its
 ``config.json`` names reads the config, deciding every field (implemented or
-refused: :attr:`Architecture.config_from_hf <pitstop.loading.architecture.Architecture>`);
+refused: :attr:`Architecture.config_from_hf <pitstop.plugin_system.architecture.Architecture>`);
 every tensor's name, dtype, shape and byte range is checked against that
 config (the plugin's ``weight_shapes``) before anything is allocated; a tensor
 that maps to nothing is an error, not a skip. Every architecture, built-in or
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from pitstop.errors import ModelLoadError
+from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.checkpoint import (  # noqa: F401  (the names this module has always offered)
     SAFETENSORS_DTYPES,
     ModelSource,
@@ -49,7 +50,6 @@ from pitstop.loading.checkpoint import (  # noqa: F401  (the names this module h
     read_safetensors_header,
     read_safetensors_headers,
 )
-from pitstop.loading.model_config import ModelConfig
 from pitstop.loading.tokenizer import Tokenizer
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
 

@@ -39,6 +39,9 @@ import torch
 
 from pitstop.config import EngineConfig, resolve_max_model_len
 from pitstop.errors import ConfigError, WorkerDiedError
+from pitstop.ground.metrics import EngineStats
+from pitstop.ground.poison import FreshPageTracker
+from pitstop.ground.step import SeqInput, StepInput
 from pitstop.loading.kv_cache_dtype import resolve_kv_cache_dtype
 from pitstop.loading.tokenizer import Tokenizer
 from pitstop.loading.weights import load_model_source
@@ -46,11 +49,6 @@ from pitstop.loop.engine_intake import RequestIntake
 from pitstop.loop.engine_results import InFlightStep, StepResults
 from pitstop.loop.gc_heap import freeze_startup_heap, reclaim_frozen, thaw_heap
 from pitstop.loop.memory import check_fits, check_max_model_len_fits
-from pitstop.loop.metrics import EngineStats
-from pitstop.loop.poison import FreshPageTracker
-from pitstop.loop.runner import ModelRunner
-from pitstop.loop.runner_memory import kv_bytes_per_page, pages_asked, resolve_device, resolve_dtype
-from pitstop.loop.step import SeqInput, StepInput
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.requests.bad_words import blocked_now
 from pitstop.requests.outputs import RequestOutput
@@ -58,8 +56,10 @@ from pitstop.requests.request_state import RequestState, SampleState
 from pitstop.requests.sampling import RowInputs
 from pitstop.requests.sequence import Sequence, SequenceStatus
 from pitstop.requests.structured import GrammarCompiler
+from pitstop.runner.memory_plan import kv_bytes_per_page, pages_asked, resolve_device, resolve_dtype
+from pitstop.runner.model_runner import ModelRunner
+from pitstop.runner.verify_graphs import capture_verify_graphs
 from pitstop.speculation.spec_adaptation import SpeculationPolicy
-from pitstop.speculation.spec_graphs import capture_verify_graphs
 from pitstop.speculation.speculative import ProposerContext, draft_room
 
 # observer(step inputs, the engine's sequence of each or None, logits rows): see observe_logits
@@ -115,7 +115,7 @@ class LLMEngine(RequestIntake, StepResults):
             kv_page_bytes=page_bytes,
         )
         if config.tensor_parallel_size > 1:  # rank 0 of N: workers start here (pitstop.parallel)
-            from pitstop.parallel import start_tensor_parallel
+            from pitstop.executor.launch import start_tensor_parallel
 
             self.runner = start_tensor_parallel(
                 config, mc, self.plugins, self.device, self.dtype, source.weights
@@ -243,7 +243,7 @@ class LLMEngine(RequestIntake, StepResults):
 
         ``observer(inputs, sequences, logits)`` is called after the step's logits
         are computed, before sampling: ``inputs`` are the step's
-        :class:`~pitstop.loop.step.SeqInput` s, ``sequences`` the engine's
+        :class:`~pitstop.ground.step.SeqInput` s, ``sequences`` the engine's
         :class:`Sequence` of each (None for one already finished), and ``logits``
         holds each sampling input's ``num_logits`` rows in input order. Read only:
         the observer must not change the tensors or sequences.

@@ -15,9 +15,10 @@ import attrs
 
 from pitstop.config import EngineConfig
 from pitstop.errors import InvalidRequestError
-from pitstop.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from pitstop.loading.tokenizer import Tokenizer
 from pitstop.plugin_system.protocols import AllocatorBase, SamplerBase
 from pitstop.requests.bad_words import bad_word_token_ids
+from pitstop.requests.detokenizer import IncrementalDetokenizer
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.request_state import RequestState, SampleState
 from pitstop.requests.request_validation import validate_request

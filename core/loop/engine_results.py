@@ -16,14 +16,14 @@ import attrs
 
 from pitstop.config import EngineConfig
 from pitstop.errors import InvalidRequestError
-from pitstop.loop.metrics import StepStats
-from pitstop.loop.poison import PoisonedReadError
-from pitstop.loop.runner_launched import LaunchedStep
-from pitstop.loop.step import SeqInput, SeqResult, StepInput, StepOutput
+from pitstop.ground.metrics import StepStats
+from pitstop.ground.poison import PoisonedReadError
+from pitstop.ground.step import SeqInput, SeqResult, StepInput, StepOutput
 from pitstop.plugin_system.protocols import AllocatorBase, ScheduledSequence, StepPlan
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.request_state import RequestState, SampleState, accept_token, token_logprobs
 from pitstop.requests.sequence import Sequence, SequenceStatus
+from pitstop.runner.launched import LaunchedStep
 
 # the engine's logger: these messages are the engine's
 log = logging.getLogger("pitstop.loop.engine")

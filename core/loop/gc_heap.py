@@ -25,20 +25,7 @@ import gc
 import logging
 import time
 
-from pitstop.env_flags import env_flag
-
 log = logging.getLogger(__name__)
-ENV_VAR = "PITSTOP_FREEZE_GC"
-
-
-def freeze_gc_from_env() -> bool:
-    """``EngineConfig.freeze_gc``'s default: on unless ``PITSTOP_FREEZE_GC`` is off (:func:`env_flag`).
-
-    The test suite turns it off (a full collection of a test process's heap
-    costs about 0.3 s an engine there, hundreds of engines a run); its own
-    tests ask for it by name.
-    """
-    return env_flag(ENV_VAR, default=True)
 
 
 def reclaim_frozen() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pitstop.errors import ConfigError
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 
 HEADROOM = 0.9
 """The fraction of available memory a model may plan to take (the rest: activations, the runtime)."""

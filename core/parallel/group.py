@@ -9,7 +9,7 @@ Two groups span the same ranks:
   lockstep, so its timeout (:data:`COLLECTIVE_TIMEOUT`) is short;
 - the **control** group (always gloo, on the host) carries what rank 0 tells
   the workers: which runner call to make with which plain-data arguments
-  (:class:`~pitstop.loop.step.StepInput`), as one pickled broadcast. Workers
+  (:class:`~pitstop.ground.step.StepInput`), as one pickled broadcast. Workers
   wait there while the engine idles, so its timeout is long; a rank that
   dies closes its sockets and the others' next collective fails at once.
 """
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 from pitstop.parallel.sharding import WeightShard, shard_model_config
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from pitstop.errors import ConfigError
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 
 # The largest size listed as "sizes that work" in an error.
 _MAX_LISTED_SIZE = 64

@@ -123,7 +123,7 @@ def on_step_finished(engine: Any, stats: Any) -> None:
     """Observe one finished engine step.
 
     Called after every step that ran, with the engine and a
-    :class:`pitstop.loop.metrics.StepStats` (tokens, batch composition, timings,
+    :class:`pitstop.ground.metrics.StepStats` (tokens, batch composition, timings,
     allocator statistics). Keep it cheap: it runs on the serving loop.
     """
 

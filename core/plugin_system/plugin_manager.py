@@ -21,9 +21,9 @@ import attrs
 import pluggy
 
 from pitstop.errors import ConfigError, PluginError
-from pitstop.loading.architecture import Architecture
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 from pitstop.plugin_system import hookspecs, protocols
+from pitstop.plugin_system.architecture import Architecture
 from pitstop.plugin_system.catalogue import (
     Catalogue,
     Declaration,
@@ -320,7 +320,7 @@ class PluginManager:
 
     def architecture_for_gguf(self, gguf_architecture: Any) -> tuple[str, Architecture] | None:
         """The registered architecture that claims a GGUF file's ``general.architecture``
-        (through its :class:`~pitstop.loading.architecture.GGUFRules`), or None."""
+        (through its :class:`~pitstop.plugin_system.architecture.GGUFRules`), or None."""
         if not isinstance(gguf_architecture, str):  # absent, or not text: nobody claims it
             return None
         name = self.gguf_claims().get(gguf_architecture)
@@ -366,7 +366,7 @@ class PluginManager:
             if not isinstance(config, ModelConfig) or config.architecture != name:
                 raise PluginError(
                     f"{source.distribution}: the preset {preset!r} of the model {name!r} must be "
-                    f"a pitstop.loading.model_config.ModelConfig with architecture={name!r}, got {config!r}"
+                    f"a pitstop.ground.model_config.ModelConfig with architecture={name!r}, got {config!r}"
                 )
             if preset in given:
                 raise PluginError(

@@ -25,8 +25,10 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
-from pitstop.loop.attention import AttentionMetadata
+from pitstop.ground.attention import AttentionMetadata
+from pitstop.ground.metrics import AllocatorStats  # noqa: F401  (home: ground.metrics)
 from pitstop.plugin_system.weight_format import KeepsBlocks, WeightFormat  # noqa: F401  (home: short)
+from pitstop.requests.sampling_batch import SamplerOutput, SamplingBatch  # noqa: F401  (home)
 from pitstop.requests.sequence import Sequence
 
 # ---------------------------------------------------------------- capabilities
@@ -54,37 +56,6 @@ class Capabilities:
 
 
 # ---------------------------------------------------------------- allocator
-
-
-@attrs.frozen
-class AllocatorStats:
-    """A snapshot of an allocator's state."""
-
-    num_pages: int
-    pages_free: int
-    tokens_held: int  # tokens whose KV slots are in use by live sequences
-    # token slots set aside for live sequences (pages x page_size, or max_model_len each)
-    tokens_reserved: int
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    # slots counted more than once in tokens_held because several sequences share their page
-    tokens_shared: int = 0
-
-    @property
-    def utilization(self) -> float:
-        """Slots in use over slots reserved, each shared slot counted once (1.0 when nothing is reserved)."""
-        if not self.tokens_reserved:
-            return 1.0
-        return (self.tokens_held - self.tokens_shared) / self.tokens_reserved
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Prompt tokens served from the prefix cache over prompt tokens looked up."""
-        return (
-            self.prefix_hit_tokens / self.prefix_queried_tokens
-            if self.prefix_queried_tokens
-            else 0.0
-        )
 
 
 @runtime_checkable
@@ -402,53 +373,6 @@ class KernelSetBase(Capabilities):
 
 
 # ---------------------------------------------------------------- sampler
-
-
-@attrs.frozen
-class SamplingBatch:
-    """Per-row sampling settings of one step's logits, as tensors on the device."""
-
-    temperature: torch.Tensor  # [B] float32; 0 = greedy
-    top_k: torch.Tensor  # [B] int64; -1 = off
-    top_p: torch.Tensor  # [B] float32
-    min_p: torch.Tensor  # [B] float32
-    generators: list[torch.Generator | None]  # per-row seeded generator
-    all_greedy: bool
-    needs_top_k: bool
-    needs_top_p: bool
-    needs_min_p: bool
-    want_logprobs: bool = False
-    # The largest top_k over the rows, known on the host so that a sampler never reads it back
-    # from the device (that read would stall the overlapped loop); -1: some row keeps every token.
-    max_top_k: int = -1
-    # logprobs=k: most alternatives any row asks for (0: the chosen only; -1: the whole vocabulary)
-    max_logprobs: int = 0
-    # Logits processors, applied before greedy/temperature (None: no row uses them).
-    needs_penalties: bool = False
-    presence_penalty: torch.Tensor | None = None  # [B] float32
-    frequency_penalty: torch.Tensor | None = None  # [B] float32
-    repetition_penalty: torch.Tensor | None = None  # [B] float32
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
-    # Per step (pitstop.requests.sampling.make_step_inputs):
-    history: torch.Tensor | None = None  # [B, L] int64 prompt + output ids, padded with V
-    prompt_lens: torch.Tensor | None = None  # [B] int64: history[:, :len] is the prompt
-    blocked: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, ids masked this step
-    token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed tokens (grammar)
-    allowed: torch.Tensor | None = None  # [B, V] bool: allowed_token_ids (True where allowed)
-    # logits_processors: per row (row, callables, prompt ids, output ids), run on the host's
-    # view of the step after every other processor (pitstop.requests.sampling.run_user_processors)
-    user_processors: tuple[tuple[int, tuple[Any, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
-
-
-@attrs.frozen
-class SamplerOutput:
-    """Sampled tokens (and their log-probabilities when asked)."""
-
-    token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None = None  # [B] float32, of the chosen tokens
-    top_ids: torch.Tensor | None = None  # [B, K] int64: the K most likely tokens (logprobs=K)
-    top_logprobs: torch.Tensor | None = None  # [B, K] float32
-    ranks: torch.Tensor | None = None  # [B] int64: the chosen token's rank (1 = most likely)
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from pitstop.errors import PluginError
-from pitstop.loading.architecture import Architecture
+from pitstop.plugin_system.architecture import Architecture
 from pitstop.plugin_system.catalogue import Declaration
 from pitstop.plugin_system.kinds import KINDS as KIND_TABLE
 from pitstop.plugin_system.settings import is_settings_class
@@ -34,7 +34,9 @@ class Strategy:
     description: str = ""
     options: Mapping[str, str] = attrs.field(factory=dict)  # the ``options`` keys it reads -> doc
     settings: type | None = None  # its declared settings class (see pitstop.plugin_system.settings)
-    architecture: Any = None  # a model's pitstop.loading.architecture.Architecture (loading rules)
+    architecture: Any = (
+        None  # a model's pitstop.plugin_system.architecture.Architecture (loading rules)
+    )
     declaration: Declaration | None = attrs.field(default=None, eq=False, repr=False)
     takes_settings: bool = False  # its factory has a ``settings`` keyword: create() fills it
     # a kernel set's device types where ``kernels="auto"`` picks it ("*": any, as a fallback)
@@ -130,7 +132,7 @@ def check_registration(
         raise PluginError(
             f"{source.distribution}: the {kind} {name!r} "
             + (
-                "needs architecture=pitstop.loading.architecture.Architecture(...): how its "
+                "needs architecture=pitstop.plugin_system.architecture.Architecture(...): how its "
                 "config.json is read, which tensors it holds, its rotary tables"
                 if kind == "model"
                 else "is not a model; only models take architecture="

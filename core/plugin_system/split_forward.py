@@ -1,6 +1,6 @@
 """An optional capability of a model: its forward pass cut at each attention.
 
-The runner's piecewise CUDA graphs (:mod:`pitstop.loop.runner_piecewise`) need it; a model
+The runner's piecewise CUDA graphs (:mod:`pitstop.runner.piecewise`) need it; a model
 without it runs prefill and mixed steps eagerly.
 """
 
@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from pitstop.loop.attention import AttentionMetadata
+from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugin_system.protocols import RotaryCache
 
 
@@ -60,7 +60,7 @@ class SplitForwardModel(Protocol):
 
     The runner captures prefill and mixed steps as CUDA graphs of the pieces
     between attentions, and runs attention (whose shapes change with the
-    step) eagerly between them (``pitstop.loop.runner.PiecewiseGraphs``). A model
+    step) eagerly between them (``pitstop.runner.model_runner.PiecewiseGraphs``). A model
     whose ``layers`` are :class:`SplitLayer` s and that has ``embed`` and
     ``final_norm`` gets this; any other runs those steps eagerly.
     """

@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 
 import attrs
 
-from pitstop.loading.tokenizer import IncrementalDetokenizer
+from pitstop.requests.detokenizer import IncrementalDetokenizer
 from pitstop.requests.outputs import (
     CompletionOutput,
     Logprob,

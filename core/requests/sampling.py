@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pitstop.errors import InvalidRequestError
-from pitstop.plugin_system.protocols import SamplingBatch
+from pitstop.requests.sampling_batch import SamplingBatch
 from pitstop.requests.sampling_params import (  # noqa: F401  (SAMPLING_EPS re-exported)
     SAMPLING_EPS,
     SamplingParams,

@@ -19,7 +19,7 @@ read back), so the engine speculates only where that pays:
   twice as long (up to :data:`MAX_PAUSE` steps). A step in which no running sequence
   wants to speculate is a plain step (overlapped where ``overlap`` is on).
 
-Counters (in :class:`~pitstop.loop.metrics.EngineStats`, on ``/metrics``):
+Counters (in :class:`~pitstop.ground.metrics.EngineStats`, on ``/metrics``):
 ``spec_steps`` (steps that ran speculatively), ``spec_skipped_batch_steps``,
 ``spec_paused_seq_steps`` (a sequence held back by its acceptance for a step)
 and ``spec_empty_proposals`` (the proposer found nothing).
@@ -32,7 +32,7 @@ from collections.abc import Iterable
 import attrs
 
 from pitstop.config import EngineConfig
-from pitstop.loop.metrics import EngineStats
+from pitstop.ground.metrics import EngineStats
 from pitstop.requests.sequence import Sequence
 
 EMA_WEIGHT = 0.25  # of the latest step in the moving average of drafts kept per step

@@ -42,7 +42,7 @@ from pitstop.requests.sampling import (
 )
 
 if TYPE_CHECKING:
-    from pitstop.loop.step import SeqInput
+    from pitstop.ground.step import SeqInput
     from pitstop.plugin_system.plugin_manager import PluginManager
     from pitstop.plugin_system.protocols import Sampler
     from pitstop.requests.sequence import Sequence

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pitstop.config import EngineConfig
-from pitstop.loop.attention import AttentionMetadata
+from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.protocols import KernelSetBase, RotaryCache
 

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from pitstop.errors import ModelLoadError
-from pitstop.loading.architecture import Architecture
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.attention import AttentionMetadata
+from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.quantized import QuantizedWeight, RowMerger
-from pitstop.loop.attention import AttentionMetadata
+from pitstop.plugin_system.architecture import Architecture
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.protocols import (
     KeepsBlocks,

@@ -2,7 +2,7 @@
 
 The file is read through ``transformers``' own config classes
 (:func:`config_from_hf`), and every field of them is decided: read into the
-:class:`~pitstop.loading.model_config.ModelConfig` (and implemented), known to have no
+:class:`~pitstop.ground.model_config.ModelConfig` (and implemented), known to have no
 effect at inference, or refused with an error that names the field, its value
 and what is supported. A checkpoint the family accepts therefore computes what
 ``transformers`` computes; one it cannot compute exactly does not load.
@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from pitstop.errors import ModelLoadError
-from pitstop.loading.model_config import (
+from pitstop.ground.model_config import (
     MAX_DIM,
     MAX_LAYERS,
     MAX_POSITIONS,

@@ -17,9 +17,9 @@ import re
 import numpy as np
 
 from pitstop.errors import ModelLoadError
-from pitstop.loading.architecture import GGUFRules
+from pitstop.ground.model_config import MAX_DIM, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
 from pitstop.loading.gguf_file import GGUFModelFile
-from pitstop.loading.model_config import MAX_DIM, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
+from pitstop.plugin_system.architecture import GGUFRules
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, HeadFields
 from pitstop.plugins.models.llama_config import head_size as checked_head_size
 

@@ -9,7 +9,7 @@ loader finds them through the registry.
 
 from __future__ import annotations
 
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 
 # Qwen3 ends a chat turn with <|im_end|> (151645); <|endoftext|> (151643) ends a document.
 _QWEN3_EOS = (151645, 151643)

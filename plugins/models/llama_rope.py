@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pitstop.errors import ModelLoadError
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 
 # rope types implemented ("dynamic" only up to max_position_embeddings: see check_max_model_len)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 
 
 def expected_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,7 +1,7 @@
 """``draft``: a second, smaller model with the same tokenizer proposes k tokens.
 
 The draft model (``speculative_model``: any model pitstop loads) runs in its
-own :class:`~pitstop.loop.runner.ModelRunner` with its own paged KV cache and its
+own :class:`~pitstop.runner.model_runner.ModelRunner` with its own paged KV cache and its
 own ``paged`` allocator, with as many pages as the target's cache (so it can
 follow every sequence the target holds; a sequence it has no room for gets
 no drafts). For each sequence it keeps the token ids whose KV it holds; at
@@ -44,10 +44,9 @@ import torch
 
 import pitstop
 from pitstop.errors import ConfigError
+from pitstop.ground.poison import FreshPageTracker
+from pitstop.ground.step import SeqInput
 from pitstop.loading.weights import load_model_source
-from pitstop.loop.poison import FreshPageTracker
-from pitstop.loop.runner import ModelRunner
-from pitstop.loop.step import SeqInput
 from pitstop.plugin_system.protocols import Proposal
 from pitstop.plugin_system.settings import read_settings, setting
 from pitstop.requests.sampling import (
@@ -58,6 +57,7 @@ from pitstop.requests.sampling import (
 )
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import PENDING_TOKEN
+from pitstop.runner.model_runner import ModelRunner
 from pitstop.speculation.spec_adaptation import speculation_max_batch
 from pitstop.speculation.speculative import draft_room
 

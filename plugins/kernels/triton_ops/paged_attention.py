@@ -143,7 +143,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pitstop.loop.attention import AttentionMetadata
+from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.rope_store import _quantize
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pitstop.loop.attention import AttentionMetadata
+from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugin_system.protocols import RotaryCache
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 

@@ -3,7 +3,7 @@
 Each token's logits depend on that token alone: ``logits = lm_head(embed(token))``.
 It has no attention, so it reads neither the rotary tables nor the KV cache the
 runner hands it; it exists to show what a model plugin provides: a factory,
-and an :class:`~pitstop.loading.architecture.Architecture` that says how its
+and an :class:`~pitstop.plugin_system.architecture.Architecture` that says how its
 ``config.json`` and its GGUF files are read and which tensors its checkpoint holds.
 
 ``config.json``: ``{"model_type": "bigram", "architectures":
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from pitstop.errors import ModelLoadError
-from pitstop.loading.architecture import Architecture, GGUFRules
+from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.gguf_file import GGUFModelFile
-from pitstop.loading.model_config import ModelConfig
+from pitstop.plugin_system.architecture import Architecture, GGUFRules
 from pitstop.plugin_system.protocols import RotaryCache
 
 ARCHITECTURE = "BigramForCausalLM"

@@ -8,7 +8,7 @@ padding at most doubles the batch's work (query-by-key cells), so the
 decodes of a step share one call and a long prompt never pads them to its
 length; ``sdpa.max_batch`` caps the sequences per call. The causal and length masks and
 the padded query rows are built once per step (the runner hands every layer
-the same :class:`~pitstop.loop.attention.AttentionMetadata`) and reused by every
+the same :class:`~pitstop.ground.attention.AttentionMetadata`) and reused by every
 layer. A GQA model's query heads of one KV head are stacked along the query
 axis, so K and V are never repeated.
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import pitstop
 from pitstop.errors import ConfigError
-from pitstop.loop.attention import AttentionMetadata
+from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugin_system.protocols import KernelSet, KernelSetBase, RotaryCache
 from pitstop.plugin_system.settings import read_settings, setting
 

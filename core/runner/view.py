@@ -1,5 +1,5 @@
 """What the runner's parts (capture, graphs, piecewise steps, memory planning) read of
-the runner: :class:`RunnerView`, a protocol :class:`~pitstop.loop.runner.ModelRunner`
+the runner: :class:`RunnerView`, a protocol :class:`~pitstop.runner.model_runner.ModelRunner`
 satisfies, so that the parts depend on the members they use and not on the runner's
 module (which imports them)."""
 

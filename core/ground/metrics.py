@@ -1,10 +1,39 @@
-"""Engine statistics: one record per step, running totals for the engine."""
+"""Engine statistics: the allocator's state, one record per step, running totals for the engine."""
 
 from __future__ import annotations
 
 import attrs
 
-from pitstop.plugin_system.protocols import AllocatorStats
+
+@attrs.frozen
+class AllocatorStats:
+    """A snapshot of an allocator's state."""
+
+    num_pages: int
+    pages_free: int
+    tokens_held: int  # tokens whose KV slots are in use by live sequences
+    # token slots set aside for live sequences (pages x page_size, or max_model_len each)
+    tokens_reserved: int
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    # slots counted more than once in tokens_held because several sequences share their page
+    tokens_shared: int = 0
+
+    @property
+    def utilization(self) -> float:
+        """Slots in use over slots reserved, each shared slot counted once (1.0 when nothing is reserved)."""
+        if not self.tokens_reserved:
+            return 1.0
+        return (self.tokens_held - self.tokens_shared) / self.tokens_reserved
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache over prompt tokens looked up."""
+        return (
+            self.prefix_hit_tokens / self.prefix_queried_tokens
+            if self.prefix_queried_tokens
+            else 0.0
+        )
 
 
 @attrs.frozen

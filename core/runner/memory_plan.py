@@ -12,9 +12,9 @@ import torch
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
+from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.kv_cache_dtype import resolve_kv_cache_dtype
-from pitstop.loading.model_config import ModelConfig
-from pitstop.loop.runner_view import RunnerView
+from pitstop.runner.view import RunnerView
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

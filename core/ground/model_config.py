@@ -1,7 +1,7 @@
 """`ModelConfig`: the shape of a decoder-only model, read from a checkpoint or a preset.
 
 Every architecture plugin builds one from the files it reads (its
-:class:`~pitstop.loading.architecture.Architecture`'s ``config_from_hf`` and
+:class:`~pitstop.plugin_system.architecture.Architecture`'s ``config_from_hf`` and
 ``gguf.config``); the engine sizes the KV cache by it and refuses a
 ``max_model_len`` the model cannot compute exactly
 (:meth:`ModelConfig.check_max_model_len`). The bounds below, and

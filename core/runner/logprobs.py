@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from pitstop.loop.step import PromptLogprobs, SeqInput
+from pitstop.ground.step import PromptLogprobs, SeqInput
 
 
 def prompt_logprobs(

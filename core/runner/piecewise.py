@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from pitstop.loop.attention import AttentionMetadata
-from pitstop.loop.poison import poison_
-from pitstop.loop.runner_graphs import capture_graph
-from pitstop.loop.runner_view import RunnerView
+from pitstop.ground.attention import AttentionMetadata
+from pitstop.ground.poison import poison_
 from pitstop.plugin_system.kinds import lacks
 from pitstop.plugin_system.split_forward import SplitAttention, SplitForwardModel, SplitLayer
+from pitstop.runner.graphs import capture_graph
+from pitstop.runner.view import RunnerView
 
 MAX_PIECEWISE_TOKENS = 2048
 

@@ -11,8 +11,8 @@ import attrs
 import torch.distributed as dist
 
 from pitstop.errors import WorkerDiedError
+from pitstop.executor.watch import WorkerWatch
 from pitstop.parallel.group import TensorParallelGroup
-from pitstop.parallel.watch import WorkerWatch
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class TensorParallelRunner:
     """Rank 0's runner at ``tensor_parallel_size > 1``: each call goes to the workers, then runs here.
 
     Everything else (``model``, ``kernels``, ``bytes_per_page``, …) is rank 0's
-    :class:`~pitstop.loop.runner.ModelRunner`'s. A failed collective or a dead
+    :class:`~pitstop.runner.model_runner.ModelRunner`'s. A failed collective or a dead
     worker raises :class:`~pitstop.errors.WorkerDiedError` naming the rank;
     the engine does not go on after it.
     """
@@ -101,7 +101,7 @@ class TensorParallelRunner:
         """Capture CUDA graphs on every rank (the all-reduces inside them).
 
         ``extra`` (a module-level function, such as
-        :func:`pitstop.speculation.spec_graphs.capture_verify_graphs`) goes to the workers
+        :func:`pitstop.runner.verify_graphs.capture_verify_graphs`) goes to the workers
         by reference and captures the same extra graphs on every rank.
         """
         self._call(
@@ -110,7 +110,7 @@ class TensorParallelRunner:
 
     def launch(self, step: Any) -> Any:
         """Launch a step on every rank; rank 0 samples and returns the handle."""
-        from pitstop.loop.step import StepInput
+        from pitstop.ground.step import StepInput
 
         # workers neither sample nor verify: the step goes without what only sampling reads
         sent = StepInput(

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pitstop.loop.poison import nan_rows_of, poison_
-from pitstop.loop.runner_launched import LaunchedStep, LaunchedVerification, to_host
-from pitstop.loop.step import SeqInput
+from pitstop.ground.poison import nan_rows_of, poison_
+from pitstop.ground.step import SeqInput
 from pitstop.plugin_system.protocols import Sampler, SamplingBatch
 from pitstop.requests.sampling import (
     TokenHistories,
@@ -28,10 +27,11 @@ from pitstop.requests.sampling import (
     make_step_inputs,
 )
 from pitstop.requests.sampling_params import SamplingParams
+from pitstop.runner.launched import LaunchedStep, LaunchedVerification, to_host
 from pitstop.speculation.speculative import DraftVerifier
 
 if TYPE_CHECKING:
-    from pitstop.loop.step import PromptLogprobs
+    from pitstop.ground.step import PromptLogprobs
     from pitstop.plugin_system.protocols import SamplerOutput
 
 GeneratorOf = Callable[[int, SamplingParams], "torch.Generator | None"]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from pitstop.loading.model_config import ModelConfig
+from pitstop.ground.model_config import ModelConfig
 from pitstop.plugin_system.protocols import RotaryCache
 
 if TYPE_CHECKING:

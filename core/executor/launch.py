@@ -28,12 +28,12 @@ import torch.multiprocessing as mp
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
-from pitstop.loading.model_config import ModelConfig
+from pitstop.executor.rank0 import TensorParallelRunner
+from pitstop.executor.watch import WorkerWatch
+from pitstop.executor.worker import backend_for, rank_device, serve_calls, worker_main
+from pitstop.ground.model_config import ModelConfig
 from pitstop.parallel.group import COLLECTIVE_TIMEOUT, TensorParallelGroup
-from pitstop.parallel.rank0 import TensorParallelRunner
 from pitstop.parallel.sharding import check_tensor_parallel_size
-from pitstop.parallel.watch import WorkerWatch
-from pitstop.parallel.worker import backend_for, rank_device, serve_calls, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _join_torchrun(
     dtype: torch.dtype,
     weights: Any,
 ) -> TensorParallelRunner:
-    from pitstop.loop.runner import ModelRunner
+    from pitstop.runner.model_runner import ModelRunner
 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = rank_device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
@@ -125,7 +125,7 @@ def _spawn(
     device_type: str,
     dtype: torch.dtype,
 ) -> TensorParallelRunner:
-    from pitstop.loop.runner import ModelRunner
+    from pitstop.runner.model_runner import ModelRunner
 
     size = config.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{_free_port()}"

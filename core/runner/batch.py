@@ -17,9 +17,9 @@ import attrs
 import numpy as np
 import torch
 
-from pitstop.loop.attention import AttentionMetadata
-from pitstop.loop.poison import poison_array
-from pitstop.loop.step import SeqInput
+from pitstop.ground.attention import AttentionMetadata
+from pitstop.ground.poison import poison_array
+from pitstop.ground.step import SeqInput
 from pitstop.requests.sequence import PENDING_TOKEN
 
 PendingRow = Callable[[int], int]

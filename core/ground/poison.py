@@ -29,25 +29,17 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
-from pitstop.env_flags import env_flag
-
 if TYPE_CHECKING:  # torch loads lazily: the config imports this module, and the CLI the config
     import numpy as np
     import torch
 
-    from pitstop.loop.step import SeqInput
+    from pitstop.ground.step import SeqInput
 
-ENV_VAR = "PITSTOP_POISON_MEMORY"
 
 INT_SENTINEL = 2**30 + 7
 """What poisoned integer buffers hold: no token id, page, slot or position is that large."""
 
 _FP8_NAN_BYTE = 0x7F  # NaN in both float8_e4m3fn (S.1111.111) and float8_e5m2 (S.11111.11)
-
-
-def poison_from_env() -> bool:
-    """Whether ``PITSTOP_POISON_MEMORY`` asks for poisoned memory (on: :func:`env_flag`)."""
-    return env_flag(ENV_VAR, default=False)
 
 
 def poison_(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,22 +1,22 @@
 """The model runner: owns the weights and the KV cache, runs one step, samples.
 
-The engine talks to it through plain data only (:mod:`pitstop.loop.step`:
-:class:`~pitstop.loop.step.StepInput` in; a handle whose result is a
-:class:`~pitstop.loop.step.StepOutput` out), so that under tensor parallelism one
+The engine talks to it through plain data only (:mod:`pitstop.ground.step`:
+:class:`~pitstop.ground.step.StepInput` in; a handle whose result is a
+:class:`~pitstop.ground.step.StepOutput` out), so that under tensor parallelism one
 runner per rank gets the same input (:mod:`pitstop.parallel`); each then
 holds its shard. :class:`ModelRunner` coordinates the parts, each a module
 of its own:
 
-- :mod:`pitstop.loop.runner_batch`: a step as flat tensors and attention metadata;
-- :mod:`pitstop.loop.runner_graphs`, :mod:`pitstop.loop.runner_piecewise`,
-  :mod:`pitstop.loop.runner_capture`: CUDA graphs (decode and verification as one
+- :mod:`pitstop.runner.batch`: a step as flat tensors and attention metadata;
+- :mod:`pitstop.runner.graphs`, :mod:`pitstop.runner.piecewise`,
+  :mod:`pitstop.runner.capture`: CUDA graphs (decode and verification as one
   mechanism; piecewise prefill) and their capture;
-- :mod:`pitstop.loop.runner_logprobs`: prompt log-probabilities;
-- :mod:`pitstop.loop.runner_sampling`: sampling and verification, and what they
-  keep between steps; :mod:`pitstop.loop.runner_launched`: the launched step's handle;
-- :mod:`pitstop.loop.runner_memory`: device, dtype and the KV cache's size;
+- :mod:`pitstop.runner.logprobs`: prompt log-probabilities;
+- :mod:`pitstop.runner.sampling`: sampling and verification, and what they
+  keep between steps; :mod:`pitstop.runner.launched`: the launched step's handle;
+- :mod:`pitstop.runner.memory_plan`: device, dtype and the KV cache's size;
 - the step's peers (:class:`StepPeers`): alone, or the tensor-parallel ranks
-  (:mod:`pitstop.parallel.peers`), behind one call, so ``launch`` reads the
+  (:mod:`pitstop.runner.tp_peers`), behind one call, so ``launch`` reads the
   same at every rank count.
 """
 
@@ -33,30 +33,30 @@ import torch
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
+from pitstop.ground.attention import AttentionMetadata
+from pitstop.ground.model_config import ModelConfig
+from pitstop.ground.poison import nan_rows_of, poison_, poison_pages_, poison_torch_empty
+from pitstop.ground.step import NO_TOKENS, LogitsObserver, SeqInput, StepInput, StepOutput
 from pitstop.loading.finite_weights import finite_weights
 from pitstop.loading.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
-from pitstop.loading.model_config import ModelConfig
 from pitstop.loading.quantized import weight_stream
-from pitstop.loop.attention import AttentionMetadata
-from pitstop.loop.poison import nan_rows_of, poison_, poison_pages_, poison_torch_empty
-from pitstop.loop.runner_batch import build_metadata, select_rows
-from pitstop.loop.runner_capture import capture_graphs
-from pitstop.loop.runner_graphs import DecodeGraphs
-from pitstop.loop.runner_launched import LaunchedStep
-from pitstop.loop.runner_logprobs import prompt_logprobs
-from pitstop.loop.runner_memory import (  # noqa: F401  (resolve_device, resolve_dtype re-exported)
+from pitstop.plugin_system.plugin_manager import PluginManager
+from pitstop.plugin_system.protocols import ModelBase
+from pitstop.plugin_system.registration import takes_keyword
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.runner.batch import build_metadata, select_rows
+from pitstop.runner.capture import capture_graphs
+from pitstop.runner.graphs import DecodeGraphs
+from pitstop.runner.launched import LaunchedStep
+from pitstop.runner.logprobs import prompt_logprobs
+from pitstop.runner.memory_plan import (  # noqa: F401  (resolve_device, resolve_dtype re-exported)
     kv_bytes_per_page,
     plan_num_pages,
     resolve_device,
     resolve_dtype,
 )
-from pitstop.loop.runner_piecewise import PiecewiseGraphs, mixed_step_tokens
-from pitstop.loop.runner_sampling import StepSampling
-from pitstop.loop.step import NO_TOKENS, LogitsObserver, SeqInput, StepInput, StepOutput
-from pitstop.plugin_system.plugin_manager import PluginManager
-from pitstop.plugin_system.protocols import ModelBase
-from pitstop.plugin_system.registration import takes_keyword
-from pitstop.requests.sampling_params import SamplingParams
+from pitstop.runner.piecewise import PiecewiseGraphs, mixed_step_tokens
+from pitstop.runner.sampling import StepSampling
 
 if TYPE_CHECKING:
     from pitstop.parallel.group import TensorParallelGroup
@@ -159,7 +159,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = (
-            None  # pitstop.speculation.spec_graphs, with speculation
+            None  # pitstop.runner.verify_graphs, with speculation
         )
         self.sampling = StepSampling(
             self.sampler,
@@ -170,7 +170,7 @@ class ModelRunner:
         )
         self.peers: StepPeers = Alone()
         if tensor_parallel is not None:
-            from pitstop.parallel.peers import peers_of
+            from pitstop.runner.tp_peers import peers_of
 
             self.peers = peers_of(tensor_parallel, self.sampling)
 
@@ -313,7 +313,7 @@ class ModelRunner:
         """Capture CUDA graphs for decode batches when the device and kernel set allow it.
 
         ``extra(runner)`` captures more graphs in the same session (the engine
-        passes :func:`pitstop.speculation.spec_graphs.capture_verify_graphs` with speculation).
+        passes :func:`pitstop.runner.verify_graphs.capture_verify_graphs` with speculation).
         """
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager:

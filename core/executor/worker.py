@@ -82,8 +82,8 @@ def worker_main(
     can name this rank and its error.
     """
     from pitstop.loading.weights import load_model_source
-    from pitstop.loop.runner import ModelRunner
     from pitstop.plugin_system.plugin_manager import get_plugin_manager
+    from pitstop.runner.model_runner import ModelRunner
 
     group = None
     try:

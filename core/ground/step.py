@@ -2,7 +2,7 @@
 
 The engine builds a :class:`StepInput` (one :class:`SeqInput` per scheduled
 sequence), the runner launches it and hands back a handle
-(:class:`pitstop.loop.runner_launched.LaunchedStep`) whose result is a
+(:class:`pitstop.runner.launched.LaunchedStep`) whose result is a
 :class:`StepOutput` (one :class:`SeqResult` per input sequence). Everything
 here is plain data, so that under tensor parallelism the same input goes to
 one runner per rank (:mod:`pitstop.parallel`), and the engine, the runner's
@@ -63,7 +63,7 @@ class StepInput:
     sequences whose block table was rebuilt or shortened since the last step
     (preempted, or drafts truncated). ``poison_pages``: KV pages handed out
     since the last step, to fill with NaN before this step writes them
-    (``poison_memory`` on; :mod:`pitstop.loop.poison`).
+    (``poison_memory`` on; :mod:`pitstop.ground.poison`).
     """
 
     seqs: list[SeqInput]

@@ -1,10 +1,10 @@
 """The capture session: every CUDA graph of a runner captured at once, after its KV cache.
 
-Decode graphs for every batch size (:class:`~pitstop.loop.runner_graphs.DecodeGraphs`),
+Decode graphs for every batch size (:class:`~pitstop.runner.graphs.DecodeGraphs`),
 piecewise graphs for prefill and mixed steps
-(:class:`~pitstop.loop.runner_piecewise.PiecewiseGraphs`) when the model has the
+(:class:`~pitstop.runner.piecewise.PiecewiseGraphs`) when the model has the
 split forward, and what the caller adds (verification graphs with
-speculation: :func:`pitstop.speculation.spec_graphs.capture_verify_graphs`).
+speculation: :func:`pitstop.runner.verify_graphs.capture_verify_graphs`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from pitstop.loop.runner_graphs import DecodeGraphs
-from pitstop.loop.runner_piecewise import PiecewiseGraphs, mixed_step_tokens, supports_piecewise
-from pitstop.loop.runner_view import RunnerView
+from pitstop.runner.graphs import DecodeGraphs
+from pitstop.runner.piecewise import PiecewiseGraphs, mixed_step_tokens, supports_piecewise
+from pitstop.runner.view import RunnerView
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """A launched step: the handle :meth:`ModelRunner.launch` returns, whose result waits for its tokens.
 
 The handle is the in-flight step as a value: the engine keeps it while the
-device computes and asks for its :class:`~pitstop.loop.step.StepOutput` after
+device computes and asks for its :class:`~pitstop.ground.step.StepOutput` after
 launching the next step. Its sampled ids travel to pinned host memory by one
 non-blocking copy, completed on an event: launching the next step never
 waits for them.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from pitstop.loop.poison import poisoned_seq_ids
-from pitstop.loop.step import NO_TOKENS, PromptLogprobs, SeqInput, SeqResult, StepOutput
+from pitstop.ground.poison import poisoned_seq_ids
+from pitstop.ground.step import NO_TOKENS, PromptLogprobs, SeqInput, SeqResult, StepOutput
 from pitstop.speculation.speculative import DeviceVerified
 
 # host copies of (top ids, top logprobs, ranks) when logprobs were asked

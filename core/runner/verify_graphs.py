@@ -3,13 +3,13 @@
 A step in which every scheduled sequence decodes (one token) or verifies
 drafts (its last token and up to ``k`` drafts) has the shape of a decode step
 with ``k + 1`` query tokens per sequence: :class:`VerifyGraphs` is the
-runner's decode graphs (:class:`pitstop.loop.runner_graphs.DecodeGraphs`) at
+runner's decode graphs (:class:`pitstop.runner.graphs.DecodeGraphs`) at
 ``num_query = k + 1``, with the logits computed inside the graph. The
 padding and layout rules are there.
 
 The engine hands :func:`capture_verify_graphs` to the runner's graph capture
 when speculation is on; the runner replays them and verifies on the device
-(:class:`pitstop.loop.runner_launched.LaunchedVerification` brings the results
+(:class:`pitstop.runner.launched.LaunchedVerification` brings the results
 back in one copy).
 """
 
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pitstop.loop.runner_graphs import DecodeGraphs
+from pitstop.runner.graphs import DecodeGraphs
 from pitstop.speculation.spec_adaptation import speculation_max_batch
 
 if TYPE_CHECKING:
-    from pitstop.loop.runner import ModelRunner
+    from pitstop.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ and replays the graph of the smallest captured batch that fits.
   the graph returns the hidden states and the runner picks the rows to
   sample.
 - ``num_query = k + 1`` with ``logits``: speculative verification steps
-  (:class:`pitstop.speculation.spec_graphs.VerifyGraphs`). Sequence ``i`` owns query
+  (:class:`pitstop.runner.verify_graphs.VerifyGraphs`). Sequence ``i`` owns query
   rows ``i * q .. i * q + q - 1``; a sequence with ``m < q`` real tokens puts
   them in its last ``m`` rows and padding tokens before them, at the
   positions just before its first real token: they store no K/V (slot -1),
@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pitstop.loop.attention import AttentionMetadata
-from pitstop.loop.poison import poison_
-from pitstop.loop.runner_batch import BlockTableRows
-from pitstop.loop.runner_view import RunnerView
-from pitstop.loop.step import SeqInput
+from pitstop.ground.attention import AttentionMetadata
+from pitstop.ground.poison import poison_
+from pitstop.ground.step import SeqInput
 from pitstop.requests.sequence import PENDING_TOKEN
+from pitstop.runner.batch import BlockTableRows
+from pitstop.runner.view import RunnerView
 
 
 def capture_graph(

@@ -1,0 +1,3 @@
+"""The types every layer of the engine shares: a step's attention metadata, its inputs and
+outputs, the model's shape, the engine's measurements. Nothing here imports another
+sub-package at run time."""
