@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pitstop.config import EngineConfig
+from pitstop.entrypoints.engine_args import engine_config
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugins.kernels import reference
 
@@ -1077,7 +1077,7 @@ def main() -> None:
         raise SystemExit("kernels_bench needs a CUDA device")
     import triton
 
-    from pitstop.plugins.kernels.fused import FusedKernels
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
     header = {
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)",
@@ -1131,8 +1131,10 @@ def main() -> None:
         if not (
             args.tune or args.suite or args.use_winners or args.decode_suite or args.decode_sweep
         ):
-            config = EngineConfig(max_model_len=args.max_model_len, fused_precision=args.precision)
-            kernels = FusedKernels(config, torch.device("cuda"), dtype)
+            config = engine_config(max_model_len=args.max_model_len, fused_precision=args.precision)
+            kernels = get_plugin_manager().create(
+                "kernels", "fused", config, torch.device("cuda"), dtype
+            )
             print(f"{torch.cuda.get_device_name()}; {kernels.describe()}")
             only = set(args.only or ["decode", "prefill", "norm"])
             if "decode" in only:

@@ -12,7 +12,6 @@ from pitstop.errors import (
     PitstopError,
     PluginError,
 )
-from pitstop.plugin_system import catalogue
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.requests.inputs import TextPrompt, TokensPrompt
 from pitstop.requests.sampling_params import SamplingParams
@@ -20,16 +19,6 @@ from pitstop.requests.structured import StructuredOutputs
 
 __version__ = "0.1.0"
 
-
-def _installed_plugins() -> catalogue.Catalogue | None:
-    """The process-wide plugin manager's catalogue (loading the plugins on first use), or
-    None while it is loading them: what an EngineConfig parses its keywords against."""
-    from pitstop.plugin_system import plugin_manager
-
-    return None if plugin_manager.is_loading() else plugin_manager.get_plugin_manager().catalogue
-
-
-catalogue.use_installed(_installed_plugins)
 
 if TYPE_CHECKING:
     from pitstop.entrypoints.llm import LLM

@@ -1,43 +1,27 @@
-"""`EngineConfig`: the engine's settings and the plugins', validated before any weight loads.
+"""`EngineConfig`: the engine's settings, a plain value.
 
 The fields are the engine's own settings (the model, the strategies' names,
-memory, batch bounds, the engine loop). Each strategy's knobs are its
-plugin's declared settings (:mod:`pitstop.plugin_system.settings`), held in ``options``;
-the built-ins' keep their documented short names as aliases, so
-``EngineConfig(chunk_size=512)`` and ``config.chunk_size`` read the chunked
-scheduler's setting. The config loads from keyword arguments, from a TOML
-file (:meth:`EngineConfig.from_toml`) and from CLI flags
-(:func:`add_cli_flags` / :meth:`EngineConfig.from_cli`); every spelling is
-parsed in :mod:`pitstop.options`, against the installed plugins' declared
-settings (:mod:`pitstop.plugin_system.catalogue`): the config knows no plugin manager.
-Strategy names are checked, and each strategy's typed settings read once,
-when the engine is built (:meth:`pitstop.plugin_system.plugin_manager.PluginManager.resolve`).
+memory, batch bounds, the engine loop); each strategy's knobs are its plugin's
+declared settings (:mod:`pitstop.plugin_system.settings`), held in ``options`` by
+``<plugin>.<setting>`` key or by a declared alias (``{"chunk_size": 512}``). The
+config knows no plugin: building one checks only its own fields. The entry points
+fold every other spelling into it (vLLM's names, aliases as keywords, TOML files,
+flags: :mod:`pitstop.entrypoints.engine_args`), and the engine resolves it once
+(:meth:`pitstop.plugin_system.plugin_manager.PluginManager.resolve`): every strategy
+name checked and each selected strategy's typed settings read, before any weight loads.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from pitstop.env_flags import env_flag, freeze_gc_from_env, poison_from_env
-from pitstop.errors import ConfigError, PluginError
-from pitstop.options import (
-    add_engine_flags,
-    add_settings_flags,
-    add_vllm_flags,
-    aliases,
-    fold_keywords,
-    keywords_from_cli,
-    keywords_from_toml,
-)
-from pitstop.plugin_system import catalogue
-from pitstop.vllm_args import DTYPE_WORDS, KV_CACHE_DTYPE_WORDS, merge
+from pitstop.errors import ConfigError
 
 if TYPE_CHECKING:
     from pitstop.ground.model_config import ModelConfig
@@ -156,7 +140,7 @@ def _bool(_inst: Any, att: attrs.Attribute, value: Any) -> None:
         raise ConfigError(f"{att.name} must be true or false, got {value!r}")
 
 
-@attrs.frozen(kw_only=True, init=False)
+@attrs.frozen(kw_only=True)
 class EngineConfig:
     """Every setting of one engine. Frozen: build a new one with :func:`attrs.evolve`."""
 
@@ -176,7 +160,6 @@ class EngineConfig:
     )
     dtype: str = attrs.field(
         default="auto",
-        converter=lambda v: DTYPE_WORDS.get(v, v) if isinstance(v, str) else v,
         validator=_one_of(*DTYPES),
         metadata=_doc(
             "weights and activations: auto (float32 on CPU, bfloat16 on CUDA), float32 (or "
@@ -275,7 +258,6 @@ class EngineConfig:
     )
     kv_cache_dtype: str = attrs.field(
         default="auto",
-        converter=lambda v: KV_CACHE_DTYPE_WORDS.get(v, v) if isinstance(v, str) else v,
         validator=_one_of(*KV_CACHE_DTYPES),
         metadata=_doc(
             "element type of the KV cache: auto (the model's dtype), bfloat16, float16, float32, "
@@ -372,26 +354,6 @@ class EngineConfig:
         ),
     )
 
-    def __init__(self, **settings: Any) -> None:
-        """Every keyword is an engine setting (a field below) or a plugin setting's alias
-        (``chunk_size=512``: stored as ``options["chunk_size"]``, replacing the same
-        setting given by its ``<plugin>.<setting>`` key) or one of vLLM's engine-argument
-        names (``max_num_seqs=64``: :mod:`pitstop.vllm_args`); anything else is an error
-        that names the nearest known setting and lists the settings that exist
-        (:func:`pitstop.options.fold_keywords`)."""
-        self.__attrs_init__(**fold_keywords(settings, self.field_names(), catalogue.installed()))
-
-    def __getattr__(self, name: str) -> Any:
-        """A plugin setting read by its alias (``config.chunk_size``): its value as the
-        selected strategy that declares it reads it, else the declared default."""
-        if name.startswith("_") or name == "options":
-            raise AttributeError(name)
-        installed = catalogue.installed()
-        if name not in aliases(installed, self.field_names()):
-            raise AttributeError(f"EngineConfig has no setting {name!r}")
-        assert installed is not None
-        return installed.alias_value(self, name)
-
     def __attrs_post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
@@ -401,56 +363,11 @@ class EngineConfig:
                 f"{self.tensor_parallel_size} puts rank r on cuda:r; use device='cuda' (or 'auto'), "
                 "and CUDA_VISIBLE_DEVICES to choose the GPUs"
             )
-        installed = catalogue.installed()
-        if installed is not None:  # the plugin settings it sets or selects, before any weight loads
-            aliases(installed, self.field_names())
-            installed.check(self)
 
-    @property
-    def step_token_budget(self) -> int:
-        """The most tokens one step of the selected scheduler computes: its own budget when
-        its settings declare one (``chunked``'s ``chunk_size``), else
-        ``max_num_batched_tokens`` (``continuous`` runs a longer prompt alone, over budget);
-        the engine takes it from :meth:`pitstop.plugin_system.plugin_manager.PluginManager.resolve`."""
-        installed = catalogue.installed()
-        if installed is None:
-            return self.max_num_batched_tokens
-        return installed.step_token_budget(self)
-
-    # ------------------------------------------------------------------ loaders
     @classmethod
     def field_names(cls) -> list[str]:
         """The names of every setting, in declaration order."""
         return [a.name for a in attrs.fields(cls)]
-
-    @classmethod
-    def setting_names(cls) -> list[str]:
-        """The engine's settings and the registered plugins' aliases (``chunk_size``)."""
-        return cls.field_names() + sorted(aliases(catalogue.installed(), cls.field_names()))
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:
-        """Build from a mapping; an unknown key is an error that lists the known ones."""
-        try:
-            return cls(**values)
-        except TypeError as exc:  # a wrong type that no validator caught
-            raise ConfigError(str(exc)) from exc
-
-    @classmethod
-    def from_toml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
-        """Load a TOML file (top-level keys, or an ``[engine]`` table); ``overrides`` win."""
-        data = keywords_from_toml(path, catalogue.installed())
-        if "options" in overrides and "options" in data:
-            overrides = {**overrides, "options": {**data["options"], **overrides["options"]}}
-        return cls.from_dict(merge(data, overrides))  # vLLM's names or pitstop's, either side
-
-    @classmethod
-    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
-        """Build from flags added by :func:`add_cli_flags` (flags beat ``--config``)."""
-        given = keywords_from_cli(args, cls.field_names())
-        if getattr(args, "config", None):
-            return cls.from_toml(args.config, **given)
-        return cls.from_dict(given)
 
 
 def long_max_model_len_allowed(config: EngineConfig) -> bool:
@@ -491,19 +408,3 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
         context,
     )
     return asked
-
-
-def add_cli_flags(
-    parser: argparse.ArgumentParser, *, with_model: bool = True, plugins: Any = None
-) -> None:
-    """Add one ``--flag`` per :class:`EngineConfig` setting, plus ``--config FILE``, plus
-    one ``--<plugin>.<setting>`` flag per declared setting of the registered plugins
-    (``plugins``: a :class:`~pitstop.plugin_system.plugin_manager.PluginManager` or its
-    :class:`~pitstop.plugin_system.catalogue.Catalogue`; default: the installed plugins'), plus vLLM's."""
-    add_engine_flags(parser, attrs.fields(EngineConfig), with_model=with_model)
-    found = getattr(plugins, "catalogue", plugins) if plugins is not None else None
-    found = found if found is not None else catalogue.installed()
-    if found is None:
-        raise PluginError("the plugins are still loading; add the flags in a command's setup")
-    add_settings_flags(parser, found)
-    add_vllm_flags(parser)

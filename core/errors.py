@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+import difflib
+from collections.abc import Iterable, Mapping, Set
 from typing import Any, NoReturn
 
 
@@ -47,3 +48,9 @@ def refuse_unknown_keys(obj: Mapping[str, Any], known: Set[str], where: str, hin
     unknown = sorted(set(obj) - known)
     if unknown:
         fail_request(f"{where} has the unknown key {unknown[0]!r}; {hint}")
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the known name nearest ``name``, or ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

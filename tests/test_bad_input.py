@@ -9,6 +9,7 @@ import pytest
 from conftest_models import make_tiny_checkpoint
 
 from pitstop import LLM, SamplingParams
+from pitstop.entrypoints.engine_args import engine_config
 from pitstop.errors import ConfigError, InvalidRequestError, ModelLoadError, PluginError
 
 
@@ -280,10 +281,9 @@ def test_validate_messages() -> None:
     ],
 )
 def test_config_values_refused_before_weights(kwargs: dict, fragment: str) -> None:
-    from pitstop.config import EngineConfig
 
     with pytest.raises(ConfigError, match=fragment):
-        EngineConfig(**kwargs)
+        engine_config(**kwargs)
 
 
 def test_misspelled_option_key_is_refused() -> None:

@@ -28,6 +28,7 @@ from pitstop.bench.vllm_server import serve_flags
 from pitstop.bench.workloads import BenchRequest, Workload, build_workload
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.cli import main
+from pitstop.entrypoints.engine_args import engine_config
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
 FAKE_VLLM = Path(__file__).parent / "fake_vllm"
@@ -136,7 +137,7 @@ def test_a_gguf_with_speculation_becomes_the_same_checkpoint(tmp_path: Path) -> 
 
 # ---------------------------------------------------------------------- the arguments
 def _config(**kw: Any) -> EngineConfig:
-    return EngineConfig(model="dummy:qwen3-8b", **kw)
+    return engine_config(model="dummy:qwen3-8b", **kw)
 
 
 def test_engine_args_share_pitstops_limits_and_prefix_caching_follows_the_workload() -> None:

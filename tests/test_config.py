@@ -9,25 +9,40 @@ import attrs
 import pytest
 
 from pitstop import EngineConfig
-from pitstop.config import add_cli_flags
+from pitstop.entrypoints.engine_args import (
+    add_cli_flags,
+    config_from_cli,
+    config_from_toml,
+    engine_config,
+    setting_value,
+)
 from pitstop.errors import ConfigError
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def budget(config: EngineConfig) -> int:
+    """The step token budget ``config`` resolves to (its scheduler's, or max_num_batched_tokens)."""
+    return get_plugin_manager().resolve(config).step_token_budget
 
 
 def _cli(*argv: str) -> EngineConfig:
     parser = argparse.ArgumentParser()
     add_cli_flags(parser)
-    return EngineConfig.from_cli(parser.parse_args(list(argv)))
+    return config_from_cli(parser.parse_args(list(argv)))
 
 
 def test_defaults_are_valid_and_frozen() -> None:
     config = EngineConfig()
     assert config.allocator == "paged" and config.scheduler == "chunked"
     # issue 22: the default bounds every step by a token budget, as vLLM's does
-    assert config.chunk_size is None and config.step_token_budget == config.max_num_batched_tokens
-    assert EngineConfig(chunk_size=256).step_token_budget == 256
-    assert EngineConfig(scheduler="continuous", chunk_size=256).step_token_budget == 8192
+    assert (
+        setting_value(config, "chunk_size") is None
+        and budget(config) == config.max_num_batched_tokens
+    )
+    assert budget(engine_config(chunk_size=256)) == 256
+    assert budget(engine_config(scheduler="continuous", chunk_size=256)) == 8192
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         config.page_size = 8  # type: ignore[misc]
 
@@ -51,7 +66,7 @@ def test_defaults_are_valid_and_frozen() -> None:
 )
 def test_invalid_values_name_the_setting(settings: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
-        EngineConfig(**settings)
+        engine_config(**settings)
 
 
 def test_toml_file_with_overrides(tmp_path: Path) -> None:
@@ -59,7 +74,7 @@ def test_toml_file_with_overrides(tmp_path: Path) -> None:
     path.write_text(
         'allocator = "prefix"\npage_size = 32\n[options]\n"scheduler.max_wait_steps" = 8\n'
     )
-    config = EngineConfig.from_toml(path, page_size=64)
+    config = config_from_toml(path, page_size=64)
     assert config.allocator == "prefix" and config.page_size == 64
     assert config.options == {"scheduler.max_wait_steps": 8}
 
@@ -67,24 +82,24 @@ def test_toml_file_with_overrides(tmp_path: Path) -> None:
 def test_toml_engine_table(tmp_path: Path) -> None:
     path = tmp_path / "engine.toml"
     path.write_text('[engine]\nscheduler = "chunked"\nchunk_size = 256\n')
-    assert EngineConfig.from_toml(path).chunk_size == 256
+    assert setting_value(config_from_toml(path), "chunk_size") == 256
 
 
 def test_toml_unknown_key_lists_the_known_ones(tmp_path: Path) -> None:
     path = tmp_path / "engine.toml"
     path.write_text("pagesize = 16\n")
     with pytest.raises(ConfigError) as err:
-        EngineConfig.from_toml(path)
+        config_from_toml(path)
     assert "pagesize" in str(err.value) and "page_size" in str(err.value)
 
 
 def test_toml_missing_or_broken_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
-        EngineConfig.from_toml(tmp_path / "nope.toml")
+        config_from_toml(tmp_path / "nope.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("page_size = = 3")
     with pytest.raises(ConfigError, match="not valid TOML"):
-        EngineConfig.from_toml(bad)
+        config_from_toml(bad)
 
 
 def test_cli_flags_and_config_file(tmp_path: Path) -> None:
@@ -99,7 +114,9 @@ def test_cli_flags_and_config_file(tmp_path: Path) -> None:
         "chunked",
     )
     assert (
-        config.page_size == 8 and config.fused_attention is False and config.scheduler == "chunked"
+        config.page_size == 8
+        and setting_value(config, "fused_attention") is False
+        and config.scheduler == "chunked"
     )
     assert config.options == {"x.y": 3, "fused_attention": False}  # an alias is a plugin setting
     path = tmp_path / "engine.toml"

@@ -10,13 +10,14 @@ from conftest_models import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from pitstop.config import EngineConfig
+from pitstop.entrypoints.engine_args import engine_config
 from pitstop.errors import ModelLoadError
 from pitstop.loading.finite_weights import check_finite, finite_weights
 from pitstop.loop.engine import LLMEngine
 
 
 def _config(folder: Path, **kw: object) -> EngineConfig:
-    return EngineConfig(
+    return engine_config(
         model=str(folder), device="cpu", dtype="float32", kv_cache_gib=0.02, max_model_len=64, **kw
     )
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from pitstop.config import EngineConfig
+from pitstop.entrypoints.engine_args import engine_config
 from pitstop.ground.attention import AttentionMetadata
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
 from pitstop.plugin_system.protocols import RotaryCache
 from pitstop.plugins.kernels import reference
 from pitstop.plugins.kernels.fused import FusedKernels
@@ -21,8 +23,13 @@ pytestmark = pytest.mark.gpu
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
+def fused_set(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> FusedKernels:
+    """The ``fused`` kernel set, built as the engine builds it (its settings read from ``config``)."""
+    return get_plugin_manager().create("kernels", "fused", config, device, dtype)
+
+
 def _fused(dtype: torch.dtype, **flags):
-    ks = FusedKernels(EngineConfig(max_model_len=4096, **flags), torch.device("cuda"), dtype)
+    ks = fused_set(engine_config(max_model_len=4096, **flags), torch.device("cuda"), dtype)
     ops = [k for k in reference.OPS if k != "linear"]  # the fused layer's ops: their own tests
     assert all(ks.describe()[k] == "triton" for k in ops), ks.describe()
     return ks
@@ -131,7 +138,7 @@ def test_long_prefill_and_chunk(case: str) -> None:
     q = torch.randn(qlens[0], 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     k_cache = torch.randn(num_pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     v_cache = torch.randn(num_pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    ks = FusedKernels(EngineConfig(max_model_len=16384), torch.device("cuda"), torch.bfloat16)
+    ks = fused_set(EngineConfig(max_model_len=16384), torch.device("cuda"), torch.bfloat16)
     out = ks.attention(q, k_cache, v_cache, meta, 128**-0.5)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
     _assert_close(out, expected, torch.bfloat16, case)

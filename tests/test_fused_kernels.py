@@ -31,7 +31,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pitstop.config import EngineConfig  # noqa: E402
+from pitstop.entrypoints.engine_args import engine_config  # noqa: E402
 from pitstop.ground.attention import AttentionMetadata  # noqa: E402
+from pitstop.plugin_system.plugin_manager import get_plugin_manager  # noqa: E402
 from pitstop.plugin_system.protocols import RotaryCache  # noqa: E402
 from pitstop.plugins.kernels import reference  # noqa: E402
 from pitstop.plugins.kernels.fused import FusedKernels, FusedSettings  # noqa: E402
@@ -67,6 +69,11 @@ def poisoned_outputs():
         det.fill_uninitialized_memory = was_fill
 
 
+def fused_set(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> FusedKernels:
+    """The ``fused`` kernel set, built as the engine builds it (its settings read from ``config``)."""
+    return get_plugin_manager().create("kernels", "fused", config, device, dtype)
+
+
 def assert_close(
     actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = ""
 ) -> None:
@@ -83,7 +90,7 @@ def assert_close(
 
 def fused(dtype: torch.dtype, **flags) -> FusedKernels:
     """A fused kernel set on the test device."""
-    return FusedKernels(EngineConfig(max_model_len=512, **flags), DEVICE, dtype)
+    return fused_set(engine_config(max_model_len=512, **flags), DEVICE, dtype)
 
 
 def test_all_ops_run_triton_here() -> None:
@@ -104,8 +111,8 @@ def test_all_ops_run_triton_here() -> None:
 def test_fallbacks_are_reported_once(caplog: pytest.LogCaptureFixture) -> None:
     """A flag that is off, or a CPU without the interpreter, gives one log line per op that names it."""
     with caplog.at_level(logging.INFO, logger="pitstop.plugins.kernels.fused"):
-        ks = FusedKernels(
-            EngineConfig(fused_silu=False, fused_qkv=False), torch.device("cpu"), torch.float32
+        ks = fused_set(
+            engine_config(fused_silu=False, fused_qkv=False), torch.device("cpu"), torch.float32
         )
     assert ks.describe()["silu_and_mul"] == "reference (config flag fused_silu is off)"
     assert ks.merge_projections is False
@@ -114,7 +121,7 @@ def test_fallbacks_are_reported_once(caplog: pytest.LogCaptureFixture) -> None:
 
     old = os.environ.pop("TRITON_INTERPRET", None)
     try:
-        ks = FusedKernels(EngineConfig(), torch.device("cpu"), torch.float32)
+        ks = fused_set(EngineConfig(), torch.device("cpu"), torch.float32)
     finally:
         if old is not None:
             os.environ["TRITON_INTERPRET"] = old
@@ -994,7 +1001,7 @@ def test_qk_norm_capability_follows_the_rotary_kernel() -> None:
     )
     assert KernelSetBase.of(object(), "fuses_qk_norm") is False
     # fused.qk_norm = false keeps the Triton rotary but leaves the norms to rms_norm
-    apart = FusedKernels(
+    apart = fused_set(
         EngineConfig(max_model_len=512, options={"fused.qk_norm": False}), DEVICE, torch.float32
     )
     assert apart.describe()["rope_and_store"] == "triton"
@@ -1383,14 +1390,14 @@ def test_fp8_widen_is_a_fused_setting() -> None:
     from pitstop.errors import ConfigError
     from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
-    default = FusedKernels(EngineConfig(max_model_len=512), DEVICE, torch.bfloat16)
+    default = fused_set(EngineConfig(max_model_len=512), DEVICE, torch.bfloat16)
     assert default._attn.fp8_widen == "fp16"
     config = EngineConfig(max_model_len=512, options={"fused.fp8_widen": "query"})
-    chosen = FusedKernels(config, DEVICE, torch.bfloat16)
+    chosen = fused_set(config, DEVICE, torch.bfloat16)
     assert chosen._attn.fp8_widen == "query"
     config = EngineConfig(max_model_len=512, options={"fused.fp8_widen": "qk-fp8"})
-    assert FusedKernels(config, DEVICE, torch.bfloat16)._attn.fp8_widen == "qk-fp8"
-    merged = FusedKernels(
+    assert fused_set(config, DEVICE, torch.bfloat16)._attn.fp8_widen == "qk-fp8"
+    merged = fused_set(
         EngineConfig(max_model_len=512, options={"fused.decode_merge": "last-program"}),
         DEVICE,
         torch.bfloat16,

@@ -18,7 +18,13 @@ import pytest
 
 import pitstop
 from pitstop import EngineConfig
-from pitstop.config import add_cli_flags
+from pitstop.entrypoints.engine_args import (
+    add_cli_flags,
+    config_from_cli,
+    config_from_toml,
+    engine_config,
+    setting_value,
+)
 from pitstop.errors import ConfigError, PluginError
 from pitstop.plugin_system.plugin_manager import PluginManager, Strategy
 from pitstop.plugin_system.settings import (
@@ -106,26 +112,29 @@ def test_an_engine_setting_under_a_namespace_points_at_the_engine_flag(
 
 def test_an_alias_and_its_key_are_one_setting(plugins: PluginManager) -> None:
     """``chunk_size`` and ``chunked.chunk_size`` reach the same field; the key wins, and an
-    alias given as a keyword replaces the key (so attrs.evolve(config, chunk_size=...) works)."""
+    alias given as a keyword replaces the key (engine_config(options=..., chunk_size=...))."""
     by_key = EngineConfig(options={"chunked.chunk_size": 64})
-    by_alias = EngineConfig(chunk_size=64)
+    by_alias = engine_config(chunk_size=64)
     for config in (by_key, by_alias):
         assert plugins.create("scheduler", "chunked", config, None).token_budget == 64
-        assert plugins.step_token_budget(config) == 64
+        assert plugins.resolve(config).step_token_budget == 64
     both = EngineConfig(options={"chunk_size": 32, "chunked.chunk_size": 64})
     assert plugins.create("scheduler", "chunked", both, None).token_budget == 64
-    assert attrs.evolve(both, chunk_size=16).step_token_budget == 16
-    assert by_alias.chunk_size == 64 and EngineConfig().chunk_size is None
-    assert EngineConfig(fused_qkv=False).fused_qkv is False
+    assert (
+        plugins.resolve(engine_config(options=both.options, chunk_size=16)).step_token_budget == 16
+    )
+    assert setting_value(by_alias, "chunk_size") == 64
+    assert setting_value(EngineConfig(), "chunk_size") is None
+    assert setting_value(engine_config(fused_qkv=False), "fused_qkv") is False
     fused = plugins.get("kernels", "fused")
-    assert fused.read_settings(EngineConfig(fused_qkv=False)).qkv is False
+    assert fused.read_settings(engine_config(fused_qkv=False)).qkv is False
     assert fused.read_settings(EngineConfig(options={"fused.qkv": False})).qkv is False
     with pytest.raises(ConfigError, match="unknown setting"):
-        EngineConfig(chunk_sise=64)
+        engine_config(chunk_sise=64)
 
 
 def test_a_shared_alias_reaches_every_scheduler_that_reads_it(plugins: PluginManager) -> None:
-    config = EngineConfig(max_prefill_batch=3, admission="shortest-first")
+    config = engine_config(max_prefill_batch=3, admission="shortest-first")
     for name in ("continuous", "chunked", "fcfs"):
         scheduler = plugins.create("scheduler", name, config, None)
         assert scheduler.max_prefill_batch == 3, name
@@ -136,11 +145,11 @@ def test_an_alias_no_selected_plugin_reads_is_logged(
     plugins: PluginManager, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level("WARNING", logger="pitstop.plugin_system.plugin_manager"):
-        plugins.check_config(EngineConfig(scheduler="continuous", chunk_size=64))
+        plugins.check_config(engine_config(scheduler="continuous", chunk_size=64))
     assert "chunk_size = 64 has no effect" in caplog.text and "chunked" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="pitstop.plugin_system.plugin_manager"):
-        plugins.check_config(EngineConfig(scheduler="chunked", chunk_size=64))
+        plugins.check_config(engine_config(scheduler="chunked", chunk_size=64))
     assert "no effect" not in caplog.text
 
 
@@ -149,8 +158,8 @@ def test_a_required_setting_is_refused_only_when_its_plugin_is_selected(
 ) -> None:
     plugins.check_config(EngineConfig())  # draft.model unset, draft not selected
     with pytest.raises(ConfigError, match=r"draft.*speculative_model"):
-        EngineConfig(speculative="draft")
-    config = EngineConfig(speculative="draft", speculative_model="smollm2-135m")
+        engine_config(speculative="draft")
+    config = engine_config(speculative="draft", speculative_model="smollm2-135m")
     assert plugins.get("proposer", "draft").read_settings(config).model == "smollm2-135m"
 
 
@@ -189,9 +198,9 @@ def test_cli_flags_per_setting(plugins: PluginManager) -> None:
     args = parser.parse_args(
         ["--prefix.max-cached-pages", "3", "--lifo.max-pages", "5", "--chunk-size", "64"]
     )
-    config = EngineConfig.from_cli(args)
+    config = config_from_cli(args)
     assert config.options == {"prefix.max_cached_pages": 3, "lifo.max_pages": 5, "chunk_size": 64}
-    assert config.chunk_size == 64
+    assert setting_value(config, "chunk_size") == 64
     with pytest.raises(SystemExit):
         parser.parse_args(["--continuous.max-wait-steps", "soon"])
 
@@ -202,15 +211,15 @@ def test_toml_table_per_plugin(tmp_path: Path, plugins: PluginManager) -> None:
         'allocator = "lifo"\n[plugins.lifo]\nmax_pages = 7\n'
         "[plugins.prefix]\nmax_cached_pages = 2\n"
     )
-    config = EngineConfig.from_toml(path)
+    config = config_from_toml(path)
     assert config.options == {"lifo.max_pages": 7, "prefix.max_cached_pages": 2}
     plugins.check_config(config)
     path.write_text("[plugins.prefix]\nmax_cached_page = 2\n")
     with pytest.raises(ConfigError, match="prefix.max_cached_pages"):
-        plugins.check_config(EngineConfig.from_toml(path))
+        plugins.check_config(config_from_toml(path))
     path.write_text('[plugins]\nprefix = "x"\n')
     with pytest.raises(ConfigError, match=r"\[plugins.prefix\]"):
-        EngineConfig.from_toml(path)
+        config_from_toml(path)
 
 
 def test_an_older_key_is_named_in_its_error(plugins: PluginManager) -> None:
@@ -222,7 +231,7 @@ def test_values_reach_the_strategies(plugins: PluginManager) -> None:
     config = EngineConfig(options={"lifo.max_pages": 3, "prefix.max_cached_pages": 0})
     assert plugins.create("allocator", "lifo", config, 10).num_pages == 3
     assert plugins.create("allocator", "prefix", config, 10).max_cached_pages == 0
-    legacy = EngineConfig(admission="shortest-first", options={"scheduler.max_wait_steps": 3})
+    legacy = engine_config(admission="shortest-first", options={"scheduler.max_wait_steps": 3})
     continuous = plugins.create("scheduler", "continuous", legacy, None)
     assert continuous.max_wait_steps == 3 and continuous.admission == "shortest-first"
     both = EngineConfig(options={"scheduler.max_wait_steps": 3, "chunked.max_wait_steps": 9})

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from pitstop.config import EngineConfig
+from pitstop.entrypoints.engine_args import engine_config
 from pitstop.errors import ConfigError
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugins.schedulers.chunked import ChunkedSettings
@@ -35,7 +36,9 @@ def _imported(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("module", ["config", "options", "catalogue", "settings", "vllm_args"])
 def test_the_config_and_its_parsing_know_no_plugin_manager(module: str) -> None:
-    imported = _imported(next((ROOT / "core").rglob(f"{module}.py")))
+    imported = _imported(
+        next(p for d in ("core", "apps/entrypoints") for p in (ROOT / d).rglob(f"{module}.py"))
+    )
     assert not {m for m in imported if "plugin_manager" in m}, imported
     if module != "config":
         assert not {m for m in imported if m.startswith("pitstop.config")}, imported
@@ -44,7 +47,9 @@ def test_the_config_and_its_parsing_know_no_plugin_manager(module: str) -> None:
 def test_resolve_gives_the_selected_strategies_settings_and_the_budget(
     plugins: PluginManager,
 ) -> None:
-    config = EngineConfig(chunk_size=64, allocator="prefix", options={"prefix.max_cached_pages": 2})
+    config = engine_config(
+        chunk_size=64, allocator="prefix", options={"prefix.max_cached_pages": 2}
+    )
     resolved = plugins.resolve(config)
     assert isinstance(resolved.of("scheduler"), ChunkedSettings)
     assert resolved.of("scheduler").chunk_size == 64 and resolved.step_token_budget == 64
@@ -56,18 +61,38 @@ def test_resolve_gives_the_selected_strategies_settings_and_the_budget(
 
 
 def test_create_hands_the_resolved_settings_over(plugins: PluginManager) -> None:
-    config = EngineConfig(chunk_size=32)
+    config = engine_config(chunk_size=32)
     settings = plugins.resolve(config).of("scheduler")
     scheduler: Any = plugins.create("scheduler", "chunked", config, None, settings=settings)
     assert scheduler.settings is settings and scheduler.token_budget == 32
-    again: Any = plugins.create("scheduler", "chunked", config, None)
-    assert again.settings is settings  # read once: the same inputs give the same object
+    alone: Any = plugins.create("scheduler", "chunked", config, None)  # built alone: read for it
+    assert alone.settings == settings
 
 
-def test_a_declaration_reads_once_per_distinct_input(plugins: PluginManager) -> None:
+def test_resolve_reads_each_strategys_settings_once(
+    plugins: PluginManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No memo: resolve reads every registered strategy's settings exactly once, and the
+    engine hands the selected ones to their factories instead of reading them again."""
+    from pitstop.plugin_system import catalogue
+
+    reads: list[str] = []
+    original = catalogue.read_settings
+
+    def counted(config: Any, name: str, cls: type, **kw: Any) -> Any:
+        reads.append(name)
+        return original(config, name, cls, **kw)
+
+    config = engine_config(chunk_size=48)
+    monkeypatch.setattr(catalogue, "read_settings", counted)
+    plugins.resolve(config)
+    assert sorted(reads) == sorted(set(reads)) and "chunked" in reads
+
+
+def test_a_declaration_reads_what_it_is_given(plugins: PluginManager) -> None:
     declaration = plugins.get("scheduler", "chunked").declaration
     assert declaration is not None
-    first = declaration.read(EngineConfig(chunk_size=48))
-    assert declaration.read(EngineConfig(chunk_size=48, seed=3)) is first  # seed is not read
-    assert declaration.read(EngineConfig(chunk_size=24)).chunk_size == 24
-    assert declaration.read(EngineConfig(chunk_size=48, max_batch_size=128)) is not first
+    first = declaration.read(engine_config(chunk_size=48))
+    assert declaration.read(engine_config(chunk_size=48, seed=3)) == first  # seed is not read
+    assert declaration.read(engine_config(chunk_size=24)).chunk_size == 24
+    assert declaration.read(engine_config(chunk_size=48, max_batch_size=128)) != first

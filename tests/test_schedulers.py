@@ -10,6 +10,8 @@ import pytest
 from hypothesis import Phase
 
 from pitstop import EngineConfig
+from pitstop.entrypoints.engine_args import engine_config
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
 from pitstop.plugin_system.protocols import Scheduler, StepPlan
 from pitstop.plugins.allocators.paged import PagedAllocator, create_paged
 from pitstop.plugins.allocators.preallocated import create_preallocated
@@ -24,6 +26,7 @@ from pitstop.testing.scheduler import (
     ContractViolation,
     SimRequest,
     Workload,
+    build_with_settings,
     check_scheduler_contract,
     simulate,
     toy_allocator,
@@ -34,7 +37,10 @@ SCHEDULERS: dict[str, tuple[type, dict[str, Any]]] = {
     "continuous": (ContinuousScheduler, {}),
     "chunked": (
         ChunkedScheduler,
-        {"token_budget": lambda c: c.step_token_budget, "oversize_prompt_alone": False},
+        {
+            "token_budget": lambda c: get_plugin_manager().resolve(c).step_token_budget,
+            "oversize_prompt_alone": False,
+        },
     ),
 }
 ALLOCATORS: dict[str, Callable[..., Any]] = {
@@ -85,8 +91,8 @@ def test_contract_fixed_settings(scheduler: str, overrides: dict[str, Any]) -> N
 class OverfullBatch(ContinuousScheduler):
     """Runs one sequence more than max_batch_size."""
 
-    def __init__(self, config: EngineConfig, allocator: Any) -> None:
-        super().__init__(config, allocator)
+    def __init__(self, config: EngineConfig, allocator: Any, *, settings: Any) -> None:
+        super().__init__(config, allocator, settings=settings)
         self.max_batch_size += 1
         self.max_running += 1
 
@@ -135,8 +141,8 @@ class NoGrowth(ContinuousScheduler):
 class OverBudget(ChunkedScheduler):
     """Ignores chunk_size for prompt chunks."""
 
-    def __init__(self, config: EngineConfig, allocator: Any) -> None:
-        super().__init__(config, allocator)
+    def __init__(self, config: EngineConfig, allocator: Any, *, settings: Any) -> None:
+        super().__init__(config, allocator, settings=settings)
         self.token_budget = 10**6
 
 
@@ -171,7 +177,7 @@ BUSY = Workload(
     ],
 )
 def test_contract_catches_broken_schedulers(broken: type, budget: int | None, message: str) -> None:
-    config = EngineConfig(
+    config = engine_config(
         max_model_len=64, page_size=4, max_batch_size=3, max_prefill_batch=2, chunk_size=8
     )
     workload = attrs.evolve(BUSY, num_pages=40) if broken is OverfullBatch else BUSY
@@ -219,9 +225,9 @@ def run_step(scheduler: Scheduler, allocator: Any) -> StepPlan:
 def build(
     cls: type, num_pages: int = 64, page_size: int = 4, **settings: Any
 ) -> tuple[Any, PagedAllocator]:
-    config = EngineConfig(page_size=page_size, max_model_len=4096, **settings)
+    config = engine_config(page_size=page_size, max_model_len=4096, **settings)
     allocator = PagedAllocator(page_size, num_pages)
-    return cls(config, allocator), allocator
+    return build_with_settings(cls, config, allocator), allocator
 
 
 def ids(plan: StepPlan) -> list[str]:
@@ -545,7 +551,7 @@ def _lag_workload() -> Workload:
 
 def test_contract_catches_a_scheduler_that_frees_a_step_early() -> None:
     """Fine under the serial loop, caught under the overlapped loop's lag."""
-    config = EngineConfig(max_model_len=64, page_size=4, max_batch_size=4, max_prefill_batch=4)
+    config = engine_config(max_model_len=64, page_size=4, max_batch_size=4, max_prefill_batch=4)
     simulate(_FreesFinishedEarly, config, _lag_workload(), lag=0)
     with pytest.raises(ContractViolation, match="freed the pages of r"):
         simulate(_FreesFinishedEarly, config, _lag_workload(), lag=1)
@@ -553,7 +559,7 @@ def test_contract_catches_a_scheduler_that_frees_a_step_early() -> None:
 
 def test_contract_catches_a_scheduler_that_ignores_the_length_limit() -> None:
     """A sequence whose last (pending) token reaches max_tokens must not be scheduled again."""
-    config = EngineConfig(max_model_len=64, page_size=4, max_batch_size=4, max_prefill_batch=4)
+    config = engine_config(max_model_len=64, page_size=4, max_batch_size=4, max_prefill_batch=4)
     with pytest.raises(ContractViolation, match="with 0 uncomputed"):
         simulate(_SchedulesPastTheEnd, config, _lag_workload(), lag=1)
 
@@ -561,7 +567,7 @@ def test_contract_catches_a_scheduler_that_ignores_the_length_limit() -> None:
 @pytest.mark.parametrize("factory", [ContinuousScheduler, ChunkedScheduler, FCFSScheduler])
 def test_builtin_schedulers_hold_under_both_loops(factory: Callable[..., Scheduler]) -> None:
     """The built-ins meet the contract with and without the lag, on a cache that preempts."""
-    config = EngineConfig(
+    config = engine_config(
         max_model_len=64, page_size=4, max_batch_size=3, max_prefill_batch=3, chunk_size=8
     )
     requests = tuple(
@@ -573,7 +579,9 @@ def test_builtin_schedulers_hold_under_both_loops(factory: Callable[..., Schedul
             factory,
             config,
             Workload(requests, num_pages=20),
-            token_budget=lambda c: max(c.step_token_budget, c.max_num_batched_tokens),
+            token_budget=lambda c: max(
+                get_plugin_manager().resolve(c).step_token_budget, c.max_num_batched_tokens
+            ),
             lag=lag,
         )
         assert all(seq.finish_reason == "length" for seq in result.sequences.values())

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import free_port
 
-from pitstop.config import EngineConfig
 from pitstop.entrypoints.async_engine import AsyncLLM
+from pitstop.entrypoints.engine_args import engine_config
 from pitstop.loop.engine import LLMEngine
 from pitstop.server.app import ServerSettings, create_app
 from pitstop.server.cli import build_server
@@ -46,7 +46,7 @@ class Live:
     def __init__(
         self, folder: Path, *, engine: dict[str, Any] | None = None, **overrides: Any
     ) -> None:
-        config = EngineConfig(
+        config = engine_config(
             **{
                 "model": str(folder),
                 "device": "cpu",

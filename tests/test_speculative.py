@@ -7,6 +7,9 @@ import os
 import pytest
 import torch
 
+from pitstop.entrypoints.engine_args import engine_config
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
+
 if not torch.cuda.is_available():  # the fused kernels run through Triton's interpreter (CPU)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton
 from conftest_models import make_tiny_checkpoint, smollm2_gguf
@@ -191,10 +194,12 @@ def test_ngram_lookup_cases():
 
 
 def test_ngram_proposals_respect_max_tokens_and_max_model_len():
-    from pitstop.config import EngineConfig
     from pitstop.plugins.speculative.ngram import NgramProposer
 
-    prop = NgramProposer(EngineConfig(model="x", max_model_len=20, prompt_lookup_max=2))
+    config = engine_config(model="x", max_model_len=20, prompt_lookup_max=2)
+    prop = NgramProposer(
+        config, settings=get_plugin_manager().get("proposer", "ngram").read_settings(config)
+    )
     tokens = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     seq = Sequence("a", tokens, SamplingParams(max_tokens=100))
     assert prop.propose([seq], 4)[0].token_ids == [3, 4, 5, 6]
@@ -434,12 +439,11 @@ def test_batch_rule_decodes_plainly_above_speculative_max_batch(tiny_target):
 
 # ---------------------------------------------------------------- the adaptation rule
 def _policy(**settings):
-    from pitstop.config import EngineConfig
     from pitstop.ground.metrics import EngineStats
     from pitstop.speculation.spec_adaptation import SpeculationPolicy
 
     stats = EngineStats()
-    return SpeculationPolicy(EngineConfig(model="x", **settings), stats), stats
+    return SpeculationPolicy(engine_config(model="x", **settings), stats), stats
 
 
 def test_policy_pauses_a_sequence_that_keeps_nothing_and_doubles_the_pause():

@@ -22,6 +22,8 @@ import pytest
 import torch
 from conftest_models import smollm2_gguf
 
+from pitstop.entrypoints.engine_args import engine_config, setting_value
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # fused kernels on CPU: before triton loads
 
@@ -212,7 +214,7 @@ def test_first_divergence_and_tolerances() -> None:
 
 
 def test_reference_config_keeps_the_model_and_memory_only() -> None:
-    config = EngineConfig(
+    config = engine_config(
         **SETTINGS, kernels="fused", allocator="prefix", scheduler="chunked", chunk_size=16,
         speculative="ngram", page_size=32, seed=3, fused_attention=False,
     )  # fmt: skip
@@ -223,7 +225,8 @@ def test_reference_config_keeps_the_model_and_memory_only() -> None:
     assert (ref.model, ref.dtype, ref.device, ref.seed, ref.page_size, ref.kv_cache_gib) == (
         "smollm2-135m", "float32", "cpu", 3, 32, 0.25,
     )  # fmt: skip
-    assert ref.chunk_size == EngineConfig().chunk_size and ref.fused_attention is True
+    assert setting_value(ref, "chunk_size") == setting_value(EngineConfig(), "chunk_size")
+    assert setting_value(ref, "fused_attention") is True
 
 
 # ---------------------------------------------------------------- SmolLM2 end to end
@@ -263,7 +266,7 @@ def test_equivalent_configuration_passes(
 
 def test_perturbed_kernels_fail(perturbed_plugins: PluginManager, prompts) -> None:
     smollm2_gguf()
-    config = EngineConfig(**SETTINGS, kernels="wrong-eps")
+    config = engine_config(**SETTINGS, kernels="wrong-eps")
     report = verify(config, prompts, plugins=perturbed_plugins, max_tokens=MAX_TOKENS)
     assert not report.passed and report.num_failed == len(prompts)
     assert report.candidate.config.kernels == "wrong-eps"
@@ -307,7 +310,7 @@ def test_fused_kernels_pass_on_cpu_through_the_triton_interpreter() -> None:
         plugins.get("kernels", "fused")
     except PluginError:
         pytest.skip("the fused kernel set is not registered")
-    config = EngineConfig(**SETTINGS, kernels="fused")
+    config = engine_config(**SETTINGS, kernels="fused")
     prompt = parse_prompt_lines(['{"prompt": "The capital of France is", "max_tokens": 4}'])
     report = verify(config, prompt, plugins=plugins)
     assert report.candidate.kernels["attention"] == "triton", report.candidate.kernels

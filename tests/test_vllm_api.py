@@ -14,6 +14,7 @@ from checkpoint_helpers import hf_model
 from conftest_models import make_tiny_checkpoint
 
 from pitstop import LLM, EngineConfig, SamplingParams
+from pitstop.entrypoints.engine_args import engine_config, setting_value
 from pitstop.entrypoints.vllm_surface import REFUSED_METHODS
 from pitstop.errors import ConfigError, InvalidRequestError
 
@@ -54,13 +55,20 @@ def llm(tiny: tuple[Path, int]) -> LLM:
 
 # ---------------------------------------------------------------- 1: a small max_batch_size
 def test_a_small_max_batch_size_lowers_the_prefill_default(llm: LLM) -> None:
-    assert llm.config.max_batch_size == 3 and llm.config.max_prefill_batch == 3
-    assert EngineConfig(max_batch_size=100).max_prefill_batch == 64
-    assert EngineConfig(max_batch_size=8, max_prefill_batch=2).max_prefill_batch == 2
+    assert llm.config.max_batch_size == 3
+    assert setting_value(llm.config, "max_prefill_batch") == 3
+    assert setting_value(EngineConfig(max_batch_size=100), "max_prefill_batch") == 64
+    assert (
+        setting_value(engine_config(max_batch_size=8, max_prefill_batch=2), "max_prefill_batch")
+        == 2
+    )
     for scheduler in ("continuous", "fcfs", "chunked"):
-        assert EngineConfig(max_batch_size=5, scheduler=scheduler).max_prefill_batch == 5
+        assert (
+            setting_value(EngineConfig(max_batch_size=5, scheduler=scheduler), "max_prefill_batch")
+            == 5
+        )
     with pytest.raises(ConfigError, match=r"max_prefill_batch \(64\) must not exceed max_batch"):
-        EngineConfig(max_batch_size=3, max_prefill_batch=64)  # typed by the user: refused
+        engine_config(max_batch_size=3, max_prefill_batch=64)  # typed by the user: refused
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=[PROMPT] * 7, sampling_params=params, use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [3] * 7

@@ -10,11 +10,15 @@ from pathlib import Path
 import pytest
 
 from pitstop import EngineConfig
-from pitstop.config import add_cli_flags
 from pitstop.entrypoints.cli import build_parser
-from pitstop.errors import ConfigError, ModelLoadError
-from pitstop.server.vllm_table import VLLM_SERVE_FLAGS, markdown_table
-from pitstop.vllm_args import (
+from pitstop.entrypoints.engine_args import (
+    add_cli_flags,
+    config_from_cli,
+    config_from_toml,
+    engine_config,
+    setting_value,
+)
+from pitstop.entrypoints.vllm_args import (
     ACCEPTED,
     MULTI_VALUED,
     NEUTRAL,
@@ -24,6 +28,8 @@ from pitstop.vllm_args import (
     SAME_NAME,
     SERVE_REFUSED,
 )
+from pitstop.errors import ConfigError, ModelLoadError
+from pitstop.server.vllm_table import VLLM_SERVE_FLAGS, markdown_table
 
 API_MD = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
@@ -31,11 +37,11 @@ API_MD = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 def _cli(*argv: str) -> EngineConfig:
     parser = argparse.ArgumentParser()
     add_cli_flags(parser)
-    return EngineConfig.from_cli(parser.parse_args(list(argv)))
+    return config_from_cli(parser.parse_args(list(argv)))
 
 
 def test_renamed_keywords_become_pitstop_settings() -> None:
-    config = EngineConfig(
+    config = engine_config(
         max_num_seqs=32,
         block_size=32,
         num_gpu_blocks_override=100,
@@ -50,20 +56,22 @@ def test_renamed_keywords_become_pitstop_settings() -> None:
     assert config.max_num_pages == 100 and config.allocator == "prefix"
     assert config.scheduler == "continuous" and config.overlap == "on"
     assert config.kv_cache_gib == 0.5
-    assert EngineConfig(enable_prefix_caching=False).allocator == "paged"
-    assert EngineConfig(enable_chunked_prefill=True).scheduler == "chunked"
-    assert EngineConfig(async_scheduling=False).overlap == "off"
+    assert engine_config(enable_prefix_caching=False).allocator == "paged"
+    assert engine_config(enable_chunked_prefill=True).scheduler == "chunked"
+    assert engine_config(async_scheduling=False).overlap == "off"
 
 
 def test_a_small_max_num_seqs_alone_is_valid() -> None:
     # vLLM has no prefill cap of its own: max_prefill_batch (64) follows a smaller max_num_seqs
-    assert EngineConfig(max_num_seqs=8).max_prefill_batch == 8
-    assert EngineConfig(max_num_seqs=128).max_prefill_batch == 64
-    assert EngineConfig(max_num_seqs=8, max_prefill_batch=2).max_prefill_batch == 2
-    both = EngineConfig(max_num_seqs=8, options={"chunked.max_prefill_batch": 4})
-    assert both.max_prefill_batch == 4
+    assert setting_value(engine_config(max_num_seqs=8), "max_prefill_batch") == 8
+    assert setting_value(engine_config(max_num_seqs=128), "max_prefill_batch") == 64
+    assert (
+        setting_value(engine_config(max_num_seqs=8, max_prefill_batch=2), "max_prefill_batch") == 2
+    )
+    both = engine_config(max_num_seqs=8, options={"chunked.max_prefill_batch": 4})
+    assert setting_value(both, "max_prefill_batch") == 4
     with pytest.raises(ConfigError, match="max_prefill_batch"):
-        EngineConfig(max_num_seqs=8, max_prefill_batch=9)
+        engine_config(max_num_seqs=8, max_prefill_batch=9)
 
 
 @pytest.mark.parametrize(
@@ -72,41 +80,41 @@ def test_a_small_max_num_seqs_alone_is_valid() -> None:
     + [("bfloat16", "bfloat16"), ("auto", "auto")],
 )
 def test_dtype_takes_vllms_words(given: str, stored: str) -> None:
-    assert EngineConfig(dtype=given).dtype == stored
+    assert engine_config(dtype=given).dtype == stored
 
 
 def test_kv_cache_dtype_fp8_is_e4m3() -> None:
-    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    assert engine_config(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="fp8_inc")
+        engine_config(kv_cache_dtype="fp8_inc")
 
 
 def test_a_vllm_name_against_the_pitstop_one_names_both() -> None:
     with pytest.raises(ConfigError, match=r"max_num_seqs=8.*max_batch_size=16"):
-        EngineConfig(max_num_seqs=8, max_batch_size=16)
+        engine_config(max_num_seqs=8, max_batch_size=16)
     with pytest.raises(ConfigError, match=r"enable_prefix_caching.*allocator='preallocated'"):
-        EngineConfig(enable_prefix_caching=True, allocator="preallocated")
+        engine_config(enable_prefix_caching=True, allocator="preallocated")
     # the same meaning twice is not a conflict
-    assert EngineConfig(block_size=32, page_size=32).page_size == 32
-    assert EngineConfig(enable_prefix_caching=True, allocator="prefix").allocator == "prefix"
+    assert engine_config(block_size=32, page_size=32).page_size == 32
+    assert engine_config(enable_prefix_caching=True, allocator="prefix").allocator == "prefix"
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_refused_vllm_arguments_are_named_with_the_alternative(name: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{name} is vLLM's; pitstop does not have it: "):
-        EngineConfig(**{name: "x"})
-    EngineConfig(**{name: None})  # None asks for nothing pitstop lacks
+        engine_config(**{name: "x"})
+    engine_config(**{name: None})  # None asks for nothing pitstop lacks
 
 
 def test_values_that_ask_for_what_pitstop_does_are_accepted() -> None:
-    config = EngineConfig(
+    config = engine_config(
         pipeline_parallel_size=1, tokenizer_mode="auto", swap_space=0, quantization=None
     )
     assert config == EngineConfig()
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2"):
-        EngineConfig(pipeline_parallel_size=2)
+        engine_config(pipeline_parallel_size=2)
     with pytest.raises(ConfigError, match="swap_space"):
-        EngineConfig(swap_space=True)  # a bool is not the number 0
+        engine_config(swap_space=True)  # a bool is not the number 0
     assert _cli("--pipeline-parallel-size", "1") == EngineConfig()
     with pytest.raises(ConfigError, match="enable_lora"):
         _cli("--enable-lora")
@@ -114,9 +122,9 @@ def test_values_that_ask_for_what_pitstop_does_are_accepted() -> None:
 
 def test_refusals_point_at_pitstops_equivalent() -> None:
     with pytest.raises(ConfigError, match=r"speculative='ngram'"):
-        EngineConfig(speculative_config={"method": "ngram"})
+        engine_config(speculative_config={"method": "ngram"})
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        EngineConfig(pipeline_parallel_size=2)
+        engine_config(pipeline_parallel_size=2)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +133,7 @@ def test_refusals_point_at_pitstops_equivalent() -> None:
 )
 def test_an_unknown_keyword_names_the_nearest_known_one(name: str, nearest: str | None) -> None:
     with pytest.raises(ConfigError, match="unknown setting") as info:
-        EngineConfig(**{name: 1})
+        engine_config(**{name: 1})
     if nearest is not None:
         assert f"did you mean {nearest!r}?" in str(info.value)
     else:
@@ -134,26 +142,26 @@ def test_an_unknown_keyword_names_the_nearest_known_one(name: str, nearest: str 
 
 def test_accepted_flags_must_be_booleans() -> None:
     with pytest.raises(ConfigError, match="trust_remote_code must be true or false"):
-        EngineConfig(trust_remote_code="yes")
+        engine_config(trust_remote_code="yes")
     with pytest.raises(ConfigError, match="enable_prefix_caching must be true or false"):
-        EngineConfig(enable_prefix_caching=1)
+        engine_config(enable_prefix_caching=1)
 
 
 def test_toml_takes_vllm_names(tmp_path: Path) -> None:
     path = tmp_path / "engine.toml"
     path.write_text("max_num_seqs = 48\nenable_prefix_caching = true\ndtype = 'half'\n")
-    config = EngineConfig.from_toml(path)
+    config = config_from_toml(path)
     assert config.max_batch_size == 48 and config.allocator == "prefix"
     assert config.dtype == "float16"
     # a flag beats the file, whichever name either uses
-    assert EngineConfig.from_toml(path, max_batch_size=96).max_batch_size == 96
-    assert EngineConfig.from_toml(path, max_num_seqs=12).max_prefill_batch == 12
+    assert config_from_toml(path, max_batch_size=96).max_batch_size == 96
+    assert setting_value(config_from_toml(path, max_num_seqs=12), "max_prefill_batch") == 12
     path.write_text("max_num_seq = 48\n")
     with pytest.raises(ConfigError, match="did you mean 'max_num_seqs'"):
-        EngineConfig.from_toml(path)
+        config_from_toml(path)
     path.write_text("swap_space = 8\n")  # 4, vLLM's default, asks for nothing pitstop lacks
     with pytest.raises(ConfigError, match="swap_space is vLLM's"):
-        EngineConfig.from_toml(path)
+        config_from_toml(path)
 
 
 def test_cli_takes_vllm_flags(tmp_path: Path) -> None:
@@ -243,13 +251,13 @@ def test_vllms_defaults_and_unset_values_run() -> None:
     spelt |= dict(max_num_batched_tokens=None, trust_remote_code=None, dtype=None)
     spelt |= dict(guided_decoding_backend="guidance", hf_overrides={}, swap_space_=None)
     del spelt["swap_space_"]
-    assert EngineConfig(**spelt) == EngineConfig()
-    assert EngineConfig(swap_space=4.0) == EngineConfig()  # a number as int or float
+    assert engine_config(**spelt) == EngineConfig()
+    assert engine_config(swap_space=4.0) == EngineConfig()  # a number as int or float
     for name, values in NEUTRAL.items():
         for value in values:
-            EngineConfig(**{name: value})
+            engine_config(**{name: value})
     with pytest.raises(ConfigError, match=r"max_logprobs is vLLM's.*got max_logprobs=5"):
-        EngineConfig(max_logprobs=5)
+        engine_config(max_logprobs=5)
 
 
 @pytest.mark.parametrize("name", sorted(REMOVED))
@@ -266,10 +274,10 @@ def test_flags_of_several_values_parse_and_serve_only_flags(capsys) -> None:
     parser = build_parser()
     args = parser.parse_args(["generate", "--cuda-graph-sizes", "1", "2", "4", "--", "hi"])
     with pytest.raises(ConfigError, match=r"cuda_graph_sizes is vLLM's.*\[1, 2, 4\]"):
-        EngineConfig.from_cli(args)
+        config_from_cli(args)
     args = parser.parse_args(["generate", "--ssl-keyfile", "k.pem", "hi"])
     with pytest.raises(ConfigError, match="ssl_keyfile is vLLM's; .*TLS proxy"):
-        EngineConfig.from_cli(args)
+        config_from_cli(args)
     assert "ssl" not in capsys.readouterr().out
 
 

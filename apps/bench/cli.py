@@ -43,7 +43,8 @@ from pitstop.bench.workloads import (
     fit_to_model,
     parse_range,
 )
-from pitstop.config import EngineConfig, add_cli_flags
+from pitstop.config import EngineConfig
+from pitstop.entrypoints.engine_args import add_cli_flags, config_from_cli, config_from_dict
 from pitstop.errors import PitstopError
 from pitstop.plugin_system.hookspecs import hookimpl
 
@@ -172,7 +173,7 @@ def base_config(args: argparse.Namespace, workload: Workload) -> EngineConfig:
     for key, value in workload.engine_defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    return EngineConfig.from_cli(args)
+    return config_from_cli(args)
 
 
 def _tokenize(workload: Workload, tokenizer: Any) -> Workload:
@@ -344,7 +345,7 @@ def _pitstop_column(
 
     col: dict[str, Any] = {"name": name, "backend": "pitstop", "settings": overrides}
     try:
-        cfg = EngineConfig.from_dict(settings)
+        cfg = config_from_dict(settings)
         col["config"] = _config_dict(cfg)
         print(
             f"[bench] {name}: {matrices.describe(col['config'])} on {cfg.model}",

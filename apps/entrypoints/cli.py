@@ -9,12 +9,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pitstop.config import EngineConfig, add_cli_flags
+from pitstop.config import EngineConfig
 from pitstop.entrypoints.chat import render_chat
-from pitstop.errors import PitstopError, PluginError
+from pitstop.entrypoints.engine_args import add_cli_flags, config_from_cli
+from pitstop.errors import PitstopError, PluginError, did_you_mean
 from pitstop.loading.gguf_loader import add_subcommand as add_cache
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
-from pitstop.vllm_args import did_you_mean
 
 # argparse prints this as it is: plain text, no reST markup
 DESCRIPTION = (
@@ -79,7 +79,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.settings:
         _print_settings(pm.strategies())
     if args.check:
-        _print_check(pm, EngineConfig.from_cli(args))
+        _print_check(pm, config_from_cli(args))
     return 0
 
 
@@ -122,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a completion for each prompt."""
     from pitstop.entrypoints.llm import LLM
 
-    llm = LLM(config=EngineConfig.from_cli(args))
+    llm = LLM(config=config_from_cli(args))
     outs = llm.generate(args.prompts, _params(args))
     for out in outs:
         if len(outs) > 1:
@@ -135,7 +135,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """Chat with the model, streaming tokens as they come (one message with -m)."""
     from pitstop.entrypoints.llm import LLM
 
-    llm = LLM(config=EngineConfig.from_cli(args))
+    llm = LLM(config=config_from_cli(args))
     params = _params(args)
     history: list[dict[str, str]] = []
     if args.system:

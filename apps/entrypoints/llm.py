@@ -8,6 +8,7 @@ from typing import Any
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pitstop.entrypoints.chat import ChatOptions, render_chat
+from pitstop.entrypoints.engine_args import config_from_dict
 from pitstop.entrypoints.tool_calls import default_tool_prompt, parse_tools
 from pitstop.entrypoints.vllm_surface import (
     REFUSED_METHODS,
@@ -50,7 +51,7 @@ class LLM:
             values = dict(settings)
             if model is not None:
                 values["model"] = model
-            config = EngineConfig.from_dict(values)
+            config = config_from_dict(values)
         self.engine = LLMEngine(config, plugins)
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from pitstop.config import EngineConfig, add_cli_flags
+from pitstop.entrypoints.engine_args import add_cli_flags, config_from_cli
 from pitstop.plugin_system.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -318,7 +318,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pitstop.server.app import create_app
 
     settings = settings_from_args(args)
-    config = EngineConfig.from_cli(model_from_args(args))
+    config = config_from_cli(model_from_args(args))
     llm = AsyncLLM.from_config(config)
     app = create_app(llm, settings)
     server = build_server(

@@ -4,11 +4,11 @@ The rule it shows: a value that asks for what pitstop already does runs;
 anything else is refused by name with the alternative. Its rows come from
 the code that applies the rule, so the table cannot drift from it:
 
-- ``LLM`` arguments, TOML keys and engine flags: :mod:`pitstop.vllm_args`
+- ``LLM`` arguments, TOML keys and engine flags: :mod:`pitstop.entrypoints.vllm_args`
   (renamed, same name, accepted, refused with the values accepted, removed
   from vLLM);
 - ``pitstop serve`` flags: the serve parser's own flags that vLLM's
-  ``vllm serve`` has, and :data:`pitstop.vllm_args.SERVE_REFUSED`;
+  ``vllm serve`` has, and :data:`pitstop.entrypoints.vllm_args.SERVE_REFUSED`;
 - ``SamplingParams`` fields: its attrs fields and
   :data:`pitstop.requests.sampling_params.VLLM_ONLY` / ``VLLM_NEUTRAL``;
 - ``LLM`` methods and call keywords: :mod:`pitstop.entrypoints.vllm_surface`.
@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from pitstop.vllm_args import (
+from pitstop.entrypoints.vllm_args import (
     ACCEPTED,
     NEUTRAL,
     REFUSED,
@@ -49,7 +49,7 @@ VLLM_SERVE_FLAGS: tuple[str, ...] = (
     "trust_request_chat_template",
 )
 """Flags of ``vllm serve`` (beyond the engine's) that ``pitstop serve`` may have as they are;
-those it lacks must be in :data:`pitstop.vllm_args.SERVE_REFUSED` (a test checks)."""
+those it lacks must be in :data:`pitstop.entrypoints.vllm_args.SERVE_REFUSED` (a test checks)."""
 
 IMPLEMENTED_METHODS: tuple[str, ...] = (
     "generate",

@@ -71,7 +71,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.config import EngineConfig
+from pitstop.entrypoints.engine_args import engine_config
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
 from pitstop.plugin_system.protocols import Allocator, AllocatorStats, Scheduler, StepPlan
+from pitstop.plugin_system.registration import takes_settings
+from pitstop.plugin_system.settings import read_settings
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence, SequenceStatus
 from pitstop.testing._hypothesis import suite_settings
@@ -233,6 +237,24 @@ class SimResult:
     max_wait_steps: dict[str, int]  # request -> steps from arrival to first being scheduled
 
 
+def build_with_settings(factory: Callable[..., Any], config: EngineConfig, *args: Any) -> Any:
+    """``factory(config, *args)``, handed its typed settings when it takes ``settings=``, read
+    from ``config`` as the plugin manager reads a registered strategy's (a registered factory,
+    or a strategy class with ``name`` and ``settings_class``, such as a subclass under test)."""
+    if not takes_settings(factory):
+        return factory(config, *args)
+    for strategy in get_plugin_manager().strategies():
+        if strategy.factory is factory:
+            return factory(config, *args, settings=strategy.read_settings(config))
+    declared = getattr(factory, "settings_class", None)  # a strategy class (or a subclass of one)
+    if declared is not None and isinstance(getattr(factory, "name", None), str):
+        return factory(config, *args, settings=read_settings(config, factory.name, declared))
+    raise TypeError(
+        f"{factory!r} takes settings= but is no registered strategy's factory; register it "
+        "(its settings class is how its settings are read), or pass a factory without settings="
+    )
+
+
 def _fail(step: int, message: str) -> ContractViolation:
     return ContractViolation(f"step {step}: {message}")
 
@@ -309,11 +331,11 @@ def simulate(
         budget = token_budget(config)
     else:
         budget = token_budget
-    inner = allocator_factory(config, workload.num_pages)
+    inner = build_with_settings(allocator_factory, config, workload.num_pages)
     start_stats = inner.stats()
     watch = _WatchedAllocator(inner)
     allocator: Allocator = watch  # type: ignore[assignment]
-    scheduler = scheduler_factory(config, allocator)
+    scheduler = build_with_settings(scheduler_factory, config, allocator)
     max_steps = default_max_steps(workload) if max_steps is None else max_steps
 
     keys = {r.request_id: i for i, r in enumerate(workload.requests)}
@@ -518,10 +540,9 @@ def _check_plan(
         if not (oversize_prompt_alone and whole_prompt):
             raise _fail(step, f"{total} tokens scheduled, the token budget is {budget}")
     prefills = sum(1 for s in plan.scheduled if s.seq.num_uncomputed_tokens > 1)
-    if prefills > config.max_prefill_batch:
-        raise _fail(
-            step, f"{prefills} prompts prefilling, max_prefill_batch is {config.max_prefill_batch}"
-        )
+    bound = config.options.get("max_prefill_batch", config.max_batch_size)
+    if prefills > bound:
+        raise _fail(step, f"{prefills} prompts prefilling, max_prefill_batch is {bound}")
     ids: set[int] = set()
     for item in plan.scheduled:
         seq, n = item.seq, item.num_new_tokens
@@ -597,7 +618,7 @@ def scheduler_configs(draw: Any, **overrides: Any) -> EngineConfig:
     values.update(overrides)
     if values["max_prefill_batch"] > values["max_batch_size"]:
         values["max_prefill_batch"] = values["max_batch_size"]
-    return EngineConfig(**values)
+    return engine_config(**values)
 
 
 @st.composite

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pitstop.config import KV_CACHE_DTYPES, EngineConfig, add_cli_flags
+from pitstop.config import KV_CACHE_DTYPES
+from pitstop.entrypoints.engine_args import add_cli_flags, config_from_cli
 from pitstop.errors import ConfigError
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.verify.prompts import load_prompts, prompt_from_dict, shipped_prompts
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from pitstop.verify.report import format_report
     from pitstop.verify.run import verify
 
-    config = EngineConfig.from_cli(args)  # bad settings fail before the prompts are read
+    config = config_from_cli(args)  # bad settings fail before the prompts are read
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise ConfigError(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
     prompts = [p for path in args.prompts_files or [] for p in load_prompts(path)]

@@ -14,6 +14,7 @@ import torch
 
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.chat import render_chat
+from pitstop.entrypoints.engine_args import engine_config
 from pitstop.errors import InvalidRequestError
 from pitstop.loading.tokenizer import Tokenizer
 from pitstop.loop.engine import LLMEngine
@@ -62,7 +63,7 @@ def reference_config(config: EngineConfig, kv_cache_dtype: str = "auto") -> Engi
     """
     kept = {name: getattr(config, name) for name in KEPT_SETTINGS}
     kept["kv_cache_dtype"] = config.kv_cache_dtype if kv_cache_dtype == "same" else kv_cache_dtype
-    return EngineConfig(**kept, **REFERENCE_SETTINGS, poison_memory=True)
+    return engine_config(**kept, **REFERENCE_SETTINGS, poison_memory=True)
 
 
 def verify(

@@ -121,7 +121,9 @@ class LLMEngine(RequestIntake, StepResults):
                 config, mc, self.plugins, self.device, self.dtype, source.weights
             )
         else:
-            self.runner = ModelRunner(config, mc, self.plugins, self.device, self.dtype)
+            self.runner = ModelRunner(
+                config, mc, self.plugins, self.device, self.dtype, resolved=resolved
+            )
         self.runner.load_weights(source.weights)
         num_pages = self.runner.plan_num_pages()
         self.runner.init_kv_cache(num_pages)

@@ -16,7 +16,7 @@ validating them again (:meth:`Declaration.read`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -25,12 +25,9 @@ from pitstop.plugin_system.settings import (
     SettingsSource,
     aliased_fields,
     check_value,
-    default_for,
     option_fields,
     read_settings,
 )
-
-_MEMO_SIZE = 16  # distinct configs a declaration remembers its settings for
 
 
 @attrs.frozen(eq=False)
@@ -43,7 +40,6 @@ class Declaration:
     owner: str
     settings: type
     selected_by: str
-    _memo: dict[tuple[Any, ...], Any] = attrs.field(factory=dict, init=False, repr=False)
 
     def is_selected(self, config: Any) -> bool:
         """Whether ``config`` picks this strategy by name (``kernels="auto"`` picks none yet)."""
@@ -51,35 +47,10 @@ class Declaration:
         return field in attrs.fields_dict(type(config)) and getattr(config, field) == self.name
 
     def read(self, config: SettingsSource) -> Any:
-        """The validated settings from ``config`` (:func:`pitstop.plugin_system.settings.read_settings`);
-        read and validated once per distinct input (the options it reads, the engine
-        fields it reads, whether it is selected), then handed out again as they are."""
-        selected = self.is_selected(config)
-        key = self._inputs(config, selected)
-        if key in self._memo:
-            return self._memo[key]
-        value = read_settings(config, self.name, self.settings, owner=self.owner, selected=selected)
-        if len(self._memo) >= _MEMO_SIZE:
-            self._memo.clear()
-        self._memo[key] = value
-        return value
-
-    def _inputs(self, config: SettingsSource, selected: bool) -> tuple[Any, ...]:
-        """Everything :func:`read_settings` looks at, as a key (values by ``repr``, so
-        that ``1`` and ``True`` differ)."""
-        prefix = self.name + "."
-        keys = set()
-        engine = []
-        for att in attrs.fields(self.settings):
-            md = att.metadata
-            if md["engine"] is not None:
-                engine.append(repr(getattr(config, md["engine"])))
-            else:
-                keys.update(((md["alias"],) if md["alias"] else ()) + md["legacy"])
-        options = sorted(
-            (k, repr(v)) for k, v in config.options.items() if k.startswith(prefix) or k in keys
+        """The validated settings from ``config`` (:func:`pitstop.plugin_system.settings.read_settings`)."""
+        return read_settings(
+            config, self.name, self.settings, owner=self.owner, selected=self.is_selected(config)
         )
-        return (tuple(options), tuple(engine), selected)
 
 
 @attrs.frozen(eq=False)
@@ -108,29 +79,11 @@ class Catalogue:
         for declaration in to_read.values():
             declaration.read(config)
 
-    def alias_value(self, config: SettingsSource, alias: str) -> Any:
-        """A setting read by its alias: the value given, else as the selected strategy that
-        declares it reads it, else the declared default. KeyError: no such alias."""
-        declared = self.aliases[alias]
-        if alias in config.options:
-            return config.options[alias]
-        for declaration, att in declared:
-            if declaration.is_selected(config):
-                return getattr(declaration.read(config), att.name)
-        first, att = declared[0]
-        return default_for(first.settings, att, config)
-
     def selected(self, kind: str, config: SettingsSource) -> Declaration | None:
         """The declaration of the ``kind`` strategy ``config`` selects, if it declares settings."""
         return next(
             (d for d in self.declarations if d.kind == kind and d.is_selected(config)), None
         )
-
-    def step_token_budget(self, config: Any) -> int:
-        """The most tokens one step of ``config``'s scheduler computes (:func:`step_token_budget`)."""
-        declaration = self.selected("scheduler", config)
-        settings = declaration.read(config) if declaration is not None else None
-        return step_token_budget(settings, config.max_num_batched_tokens)
 
     def flag_fields(self) -> list[tuple[Declaration, attrs.Attribute]]:
         """Every declared option field, by declaration, for ``--<plugin>.<setting>`` flags."""
@@ -143,22 +96,6 @@ def step_token_budget(scheduler_settings: Any, max_num_batched_tokens: int) -> i
     the ``chunked`` scheduler's ``chunk_size``), else ``max_num_batched_tokens``."""
     budget = getattr(scheduler_settings, "step_token_budget", None)
     return budget() if callable(budget) else max_num_batched_tokens
-
-
-_installed: Callable[[], Catalogue | None] | None = None
-
-
-def use_installed(source: Callable[[], Catalogue | None]) -> None:
-    """Set where :func:`installed` finds the catalogue of the installed plugins (the
-    package sets it to the process-wide plugin manager's)."""
-    global _installed
-    _installed = source
-
-
-def installed() -> Catalogue | None:
-    """The catalogue of the installed plugins, or None while they are loading (a plugin
-    that builds an EngineConfig at import time gets no plugin-setting checks)."""
-    return _installed() if _installed is not None else None
 
 
 @attrs.frozen

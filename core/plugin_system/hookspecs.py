@@ -111,7 +111,7 @@ def register_commands(register: Register) -> None:
 
     Called once when plugins load. Call ``register(name, setup, run, help="",
     description="")`` for each: pitstop adds the subparser ``name``, calls
-    ``setup(parser)`` to add its arguments (``pitstop.config.add_cli_flags``
+    ``setup(parser)`` to add its arguments (``pitstop.entrypoints.engine_args.add_cli_flags``
     adds every engine and plugin setting), and calls ``run(args) -> int`` (the
     exit status) when it is chosen. ``serve``, ``bench`` and ``verify`` are
     registered this way.

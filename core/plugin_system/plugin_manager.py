@@ -13,14 +13,14 @@ from __future__ import annotations
 import importlib.metadata as md
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import attrs
 import pluggy
 
-from pitstop.errors import ConfigError, PluginError
+from pitstop.errors import ConfigError, PluginError, did_you_mean
 from pitstop.ground.model_config import ModelConfig
 from pitstop.plugin_system import hookspecs, protocols
 from pitstop.plugin_system.architecture import Architecture
@@ -46,7 +46,6 @@ from pitstop.plugin_system.settings import (
     option_fields,
     same_declaration,
 )
-from pitstop.vllm_args import did_you_mean
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -231,7 +230,7 @@ class PluginManager:
         return register
 
     def _check_aliases(self, kind: str, name: str, settings: type, source: PluginSource) -> None:
-        """Plugins sharing one alias declare it alike (pitstop.options refuses an alias that
+        """Plugins sharing one alias declare it alike (pitstop.entrypoints.options refuses an alias that
         is an engine setting's name)."""
         shared = self.setting_aliases()
         for att in aliased_fields(settings):
@@ -257,11 +256,6 @@ class PluginManager:
     def setting_aliases(self) -> Mapping[str, tuple[tuple[Declaration, attrs.Attribute], ...]]:
         """Each setting alias (``chunk_size``) -> the declarations of it, with the field."""
         return self.catalogue.aliases
-
-    def step_token_budget(self, config: EngineConfig) -> int:
-        """The most tokens one step computes (:func:`pitstop.plugin_system.catalogue.step_token_budget`
-        of the selected scheduler's settings); :meth:`resolve` gives it too."""
-        return self.catalogue.step_token_budget(config)
 
     def auto_kernels(self, device_type: str) -> str:
         """The kernel set ``kernels="auto"`` picks on a device of ``device_type``: one that
@@ -374,7 +368,9 @@ class PluginManager:
                     f"and {name} of {source.distribution} ({source.module.__name__}); rename one"
                 )
 
-    def resolve(self, config: EngineConfig) -> ResolvedConfig:
+    def resolve(
+        self, config: EngineConfig, *, kinds: Collection[str] | None = None
+    ) -> ResolvedConfig:
         """Turn ``config`` into each selected strategy's typed settings and the step token
         budget, once, before any weight loads (:meth:`create` hands each its settings).
 
@@ -383,7 +379,11 @@ class PluginManager:
         :class:`~pitstop.errors.ConfigError` on a declared setting of any registered
         strategy that is of the wrong type, out of range or unknown (see
         :mod:`pitstop.plugin_system.settings`), or on an ``options`` key that the plugins declare
-        nothing like (see :func:`pitstop.plugin_system.settings.check_option_keys`)."""
+        nothing like (see :func:`pitstop.plugin_system.settings.check_option_keys`).
+
+        ``kinds``: only the strategies of these kinds are looked up (a runner built alone needs
+        its kernels, sampler and weight format); the step budget still follows the selected
+        scheduler when one of that name is registered."""
         selected: dict[str, Strategy] = {}
         for kind, name in (
             ("allocator", config.allocator),
@@ -393,14 +393,15 @@ class PluginManager:
             ("proposer", config.speculative),
             ("weights", config.weights),
         ):
-            if name is not None:
+            if name is not None and (kinds is None or kind in kinds):
                 selected[kind] = self.get(kind, name)
-        for strategy in self.strategies():
-            strategy.read_settings(config)
+        # every registered strategy's declared settings, read (and so checked) once
+        read = {(s.kind, s.name): s.read_settings(config) for s in self.strategies()}
         check_option_keys(config.options, self.declared_options())
         self._warn_unread_aliases(config)
-        settings = {kind: s.read_settings(config) for kind, s in selected.items()}
-        budget = step_token_budget(settings.get("scheduler"), config.max_num_batched_tokens)
+        settings = {kind: read[kind, s.name] for kind, s in selected.items()}
+        scheduler = read.get(("scheduler", config.scheduler))  # its budget (chunked's chunk_size)
+        budget = step_token_budget(scheduler, config.max_num_batched_tokens)
         return ResolvedConfig(config=config, settings=settings, step_token_budget=budget)
 
     def check_config(self, config: EngineConfig) -> None:
@@ -468,8 +469,9 @@ class PluginManager:
         """Build the named strategy with its factory and check it against its kind's protocol.
 
         A factory with a ``settings`` keyword gets the strategy's typed settings: the
-        ``settings`` given (:meth:`ResolvedConfig.of`), else those of the config it is
-        built from (its first argument), read once (:meth:`Strategy.read_settings`). A
+        ``settings`` given (the engine gives :meth:`ResolvedConfig.of`), else, for a strategy
+        built alone (a test, a conformance suite), those read from the config it is built
+        from (its first argument; :meth:`Strategy.read_settings`). A
         :class:`PluginError` names the plugin and every protocol member the object
         lacks (:func:`pitstop.plugin_system.kinds.missing_members`).
         """

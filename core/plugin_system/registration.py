@@ -53,9 +53,9 @@ class Strategy:
         return field in attrs.fields_dict(type(config)) and getattr(config, field) == self.name
 
     def read_settings(self, config: EngineConfig) -> Any:
-        """Its validated settings from ``config`` (None when it declares none), read once
-        per distinct input (:meth:`pitstop.plugin_system.catalogue.Declaration.read`); a ``required``
-        setting must be set only when ``config`` selects it."""
+        """Its validated settings from ``config`` (None when it declares none;
+        :meth:`pitstop.plugin_system.catalogue.Declaration.read`); a ``required`` setting must
+        be set only when ``config`` selects it."""
         return None if self.declaration is None else self.declaration.read(config)
 
 

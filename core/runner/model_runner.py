@@ -40,6 +40,7 @@ from pitstop.ground.step import NO_TOKENS, LogitsObserver, SeqInput, StepInput, 
 from pitstop.loading.finite_weights import finite_weights
 from pitstop.loading.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.loading.quantized import weight_stream
+from pitstop.plugin_system.catalogue import ResolvedConfig
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import ModelBase
 from pitstop.plugin_system.registration import takes_keyword
@@ -120,7 +121,13 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         tensor_parallel: TensorParallelGroup | None = None,
+        *,
+        resolved: ResolvedConfig | None = None,
     ) -> None:
+        """``resolved``: ``config`` as the engine resolved it (every selected strategy's typed
+        settings, :meth:`PluginManager.resolve`); resolved here when the runner is built alone."""
+        if resolved is None:  # built alone (a test, a draft model): its own kinds' settings
+            resolved = plugins.resolve(config, kinds=("kernels", "sampler", "weights"))
         # With tensor parallelism this runner holds one rank's part of the model: its heads,
         # KV heads, MLP rows and vocabulary rows (pitstop.parallel).
         self.tensor_parallel = tensor_parallel
@@ -131,20 +138,30 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
         # the selected scheduler's step budget (chunked's chunk_size) sizes the prefill
         # workspace and the piecewise graphs, before the scheduler itself exists
-        self.step_token_budget = plugins.step_token_budget(config)
+        self.step_token_budget = resolved.step_token_budget
         self.poison = config.poison_memory
         if self.poison:
             poison_torch_empty()
-        self.kernels = plugins.create("kernels", config.kernels, config, device, dtype)
+        self.kernels = plugins.create(
+            "kernels", config.kernels, config, device, dtype, settings=resolved.of("kernels")
+        )
         check_kernels_read_fp8(self.kernels, config.kernels, self.kv_cache_dtype)
         if tensor_parallel is not None:
             from pitstop.parallel.kernels import TensorParallelKernels
 
             self.kernels = TensorParallelKernels(self.kernels, tensor_parallel)
-        self.sampler = plugins.create("sampler", config.sampler, config, device)
+        self.sampler = plugins.create(
+            "sampler", config.sampler, config, device, settings=resolved.of("sampler")
+        )
         # how the model holds and multiplies its linear weights (weights=NAME)
         self.weights = plugins.create(
-            "weights", config.weights, config, self.kernels, device, dtype
+            "weights",
+            config.weights,
+            config,
+            self.kernels,
+            device,
+            dtype,
+            settings=resolved.of("weights"),
         )
         self.model = self._build_model(plugins)
         assert config.max_model_len is not None

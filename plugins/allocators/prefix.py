@@ -46,7 +46,7 @@ import attrs
 
 import pitstop
 from pitstop.plugin_system.protocols import AllocatorStats
-from pitstop.plugin_system.settings import read_settings, setting
+from pitstop.plugin_system.settings import setting
 from pitstop.plugins.allocators._common import (
     AllocatorUsageError,
     Holding,
@@ -352,11 +352,9 @@ class PrefixSettings:
 
 
 def create_prefix(
-    config: EngineConfig, num_pages: int, *, settings: PrefixSettings | None = None
+    config: EngineConfig, num_pages: int, *, settings: PrefixSettings
 ) -> PrefixCachingAllocator:
     """Paged plus reuse of full pages whose token prefix was seen before (chained hash, refcount, LRU)."""
-    if settings is None:  # built directly, not through the plugin manager
-        settings = read_settings(config, "prefix", PrefixSettings)
     return PrefixCachingAllocator(config.page_size, num_pages, settings.max_cached_pages)
 
 

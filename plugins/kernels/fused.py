@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from pitstop.config import EngineConfig
 from pitstop.plugin_system.hookspecs import hookimpl
-from pitstop.plugin_system.settings import read_settings, setting
+from pitstop.plugin_system.settings import setting
 from pitstop.plugins.kernels import reference
 
 log = logging.getLogger(__name__)
@@ -181,11 +181,11 @@ class FusedKernels(reference.DispatchKernels):
         device: torch.device,
         dtype: torch.dtype,
         *,
-        settings: FusedSettings | None = None,
+        settings: FusedSettings,
     ) -> None:
+        """``settings``: this kernel set's, as the plugin manager resolved them (built alone:
+        ``plugins.create("kernels", "fused", config, device, dtype)`` reads them)."""
         self.config, self.device, self.dtype = config, device, dtype
-        if settings is None:  # built directly, not through the plugin manager
-            settings = read_settings(config, self.name, FusedSettings)
         # The model merges q/k/v and gate/up weights at load when this is set.
         self.merge_projections = bool(settings.qkv)
         self.precision = settings.precision
@@ -369,7 +369,7 @@ def make_fused_kernels(
     device: torch.device,
     dtype: torch.dtype,
     *,
-    settings: FusedSettings | None = None,
+    settings: FusedSettings,
 ) -> FusedKernels:
     """Triton kernels where this machine runs them, the reference ops elsewhere."""
     return FusedKernels(config, device, dtype, settings=settings)

@@ -49,7 +49,7 @@ import attrs
 
 from pitstop.errors import ConfigError, PitstopError
 from pitstop.plugin_system.protocols import ScheduledSequence, StepPlan
-from pitstop.plugin_system.settings import engine_setting, read_settings, setting
+from pitstop.plugin_system.settings import engine_setting, setting
 from pitstop.requests.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -167,13 +167,10 @@ class BaseScheduler:
     token_budget: int
     max_running: int
 
-    def __init__(self, config: EngineConfig, allocator: Allocator, *, settings: Any = None) -> None:
-        """``settings``: this scheduler's typed settings, as the plugin manager resolved
-        them (read from ``config`` only when the class is built directly, as in tests)."""
+    def __init__(self, config: EngineConfig, allocator: Allocator, *, settings: Any) -> None:
+        """``settings``: this scheduler's typed settings, as the plugin manager resolved them."""
         self.config = config
         self.allocator = allocator
-        if settings is None:
-            settings = read_settings(config, self.name, self.settings_class)
         self.settings = settings
         self.max_batch_size = self.settings.max_batch_size
         self.max_prefill_batch = self.settings.max_prefill_batch

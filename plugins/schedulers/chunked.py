@@ -61,7 +61,7 @@ class ChunkedScheduler(BaseScheduler):
     settings_class = ChunkedSettings
 
     def __init__(
-        self, config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings | None = None
+        self, config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings
     ) -> None:
         super().__init__(config, allocator, settings=settings)
         self._set_token_budget(self.settings.step_token_budget())
@@ -90,7 +90,7 @@ class ChunkedScheduler(BaseScheduler):
 
 
 def create_chunked(
-    config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings | None = None
+    config: EngineConfig, allocator: Allocator, *, settings: ChunkedSettings
 ) -> ChunkedScheduler:
     """Continuous batching with long prompts split into chunks that share a step with decodes."""
     return ChunkedScheduler(config, allocator, settings=settings)

@@ -64,7 +64,7 @@ class ContinuousScheduler(BaseScheduler):
         config: EngineConfig,
         allocator: Allocator,
         *,
-        settings: ContinuousSettings | None = None,
+        settings: ContinuousSettings,
     ) -> None:
         super().__init__(config, allocator, settings=settings)
         self._set_token_budget(self.settings.max_num_batched_tokens)
@@ -102,7 +102,7 @@ class ContinuousScheduler(BaseScheduler):
 
 
 def create_continuous(
-    config: EngineConfig, allocator: Allocator, *, settings: ContinuousSettings | None = None
+    config: EngineConfig, allocator: Allocator, *, settings: ContinuousSettings
 ) -> ContinuousScheduler:
     """Continuous batching: finished sequences leave and waiting ones join after every step."""
     return ContinuousScheduler(config, allocator, settings=settings)

@@ -39,7 +39,7 @@ class FCFSScheduler(BaseScheduler):
     settings_class = BatchSettings
 
     def __init__(
-        self, config: EngineConfig, allocator: Allocator, *, settings: BatchSettings | None = None
+        self, config: EngineConfig, allocator: Allocator, *, settings: BatchSettings
     ) -> None:
         super().__init__(config, allocator, settings=settings)
         if self.settings.admission != "arrival":
@@ -86,7 +86,7 @@ class FCFSScheduler(BaseScheduler):
 
 
 def create_fcfs(
-    config: EngineConfig, allocator: Allocator, *, settings: BatchSettings | None = None
+    config: EngineConfig, allocator: Allocator, *, settings: BatchSettings
 ) -> FCFSScheduler:
     """Requests in arrival order, in static batches: nothing joins until the batch has finished."""
     return FCFSScheduler(config, allocator, settings=settings)

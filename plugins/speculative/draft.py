@@ -48,7 +48,7 @@ from pitstop.ground.poison import FreshPageTracker
 from pitstop.ground.step import SeqInput
 from pitstop.loading.weights import load_model_source
 from pitstop.plugin_system.protocols import Proposal
-from pitstop.plugin_system.settings import read_settings, setting
+from pitstop.plugin_system.settings import setting
 from pitstop.requests.sampling import (
     exponential_race,
     is_greedy,
@@ -97,11 +97,11 @@ class DraftProposer:
         config: EngineConfig,
         context: ProposerContext,
         *,
-        settings: DraftSettings | None = None,
+        settings: DraftSettings,
     ) -> None:
-        if settings is None or settings.model is None:  # built directly, or not selected
-            settings = read_settings(config, "draft", DraftSettings, selected=True)
         draft_model = settings.model
+        if draft_model is None:  # the plugin manager reads a selected proposer's required model
+            raise ConfigError("speculative='draft' needs draft.model (speculative_model=PATH)")
         assert config.max_model_len is not None
         self.max_model_len = config.max_model_len
         source = load_model_source(draft_model)
@@ -119,7 +119,11 @@ class DraftProposer:
             speculative=None,
             tokenizer=None,
             max_batch_size=max_batch,
-            max_prefill_batch=min(config.max_prefill_batch, max_batch),
+            # the draft runs no scheduler of its own: the target's prefill bound (which may
+            # exceed the draft's smaller batch) is left out, and follows max_batch_size
+            options={
+                k: v for k, v in config.options.items() if not k.endswith("max_prefill_batch")
+            },
         )
         self.device = context.device
         self.runner = ModelRunner(draft_config, mc, context.plugins, context.device, context.dtype)
@@ -325,7 +329,7 @@ class DraftProposer:
 
 
 def create_draft(
-    config: EngineConfig, context: ProposerContext, *, settings: DraftSettings | None = None
+    config: EngineConfig, context: ProposerContext, *, settings: DraftSettings
 ) -> DraftProposer:
     """A smaller model of the same tokenizer proposes k tokens autoregressively."""
     return DraftProposer(config, context, settings=settings)

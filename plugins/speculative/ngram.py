@@ -30,7 +30,7 @@ import numpy as np
 import pitstop
 from pitstop.errors import ConfigError
 from pitstop.plugin_system.protocols import Proposal, ProposerBase
-from pitstop.plugin_system.settings import read_settings, setting
+from pitstop.plugin_system.settings import setting
 from pitstop.speculation.speculative import draft_room
 
 if TYPE_CHECKING:
@@ -94,9 +94,7 @@ class NgramSettings:
 class NgramProposer(ProposerBase):
     """Prompt lookup over each sequence's own tokens."""
 
-    def __init__(self, config: EngineConfig, *, settings: NgramSettings | None = None) -> None:
-        if settings is None:  # built directly, not through the plugin manager
-            settings = read_settings(config, "ngram", NgramSettings)
+    def __init__(self, config: EngineConfig, *, settings: NgramSettings) -> None:
         self.max_n = settings.max_n
         self.min_n = settings.min_n
         assert config.max_model_len is not None
@@ -135,7 +133,7 @@ class NgramProposer(ProposerBase):
 
 
 def create_ngram(
-    config: EngineConfig, context: ProposerContext, *, settings: NgramSettings | None = None
+    config: EngineConfig, context: ProposerContext, *, settings: NgramSettings
 ) -> NgramProposer:
     """Prompt-lookup drafting: propose what followed the last n-gram's previous occurrence."""
     del context

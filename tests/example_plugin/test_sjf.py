@@ -5,6 +5,7 @@ from __future__ import annotations
 from pitstop_example.sjf import make_sjf
 
 from pitstop import EngineConfig
+from pitstop.entrypoints.engine_args import engine_config
 from pitstop.testing.scheduler import SimRequest, Workload, check_scheduler_contract, simulate
 
 
@@ -21,7 +22,7 @@ def test_sjf_meets_the_contract_in_arrival_order_and_by_prompt() -> None:
 
 
 def _config(**options: object) -> EngineConfig:
-    return EngineConfig(
+    return engine_config(
         max_model_len=64, page_size=4, max_batch_size=1, max_prefill_batch=1, options=options
     )
 

@@ -38,9 +38,11 @@ from typing import Any
 import attrs
 
 import pitstop
-import pitstop.config
+import pitstop.entrypoints.engine_args
+from pitstop.entrypoints.engine_args import config_from_cli
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
 from pitstop.plugin_system.protocols import AllocatorStats
-from pitstop.plugin_system.settings import read_settings, setting
+from pitstop.plugin_system.settings import setting
 from pitstop_example import bigram, int8, recall, sdpa, sjf
 
 FINISHED: Counter[str] = Counter()
@@ -144,9 +146,11 @@ class LifoSettings:
     )
 
 
-def make_lifo(config: pitstop.EngineConfig, num_pages: int) -> LifoAllocator:
-    """Paged KV cache that reuses the most recently freed page first."""
-    settings = read_settings(config, "lifo", LifoSettings)
+def make_lifo(
+    config: pitstop.EngineConfig, num_pages: int, *, settings: LifoSettings
+) -> LifoAllocator:
+    """Paged KV cache that reuses the most recently freed page first; ``settings`` are its
+    declared ones, as the plugin manager resolved them from the config."""
     if settings.max_pages is not None:
         num_pages = min(num_pages, settings.max_pages)
     return LifoAllocator(num_pages, config.page_size)
@@ -182,12 +186,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokens", type=int, nargs="+", default=[5, 9, 3], help="token count of each sequence"
     )
-    pitstop.config.add_cli_flags(parser, with_model=False)
+    pitstop.entrypoints.engine_args.add_cli_flags(parser, with_model=False)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """Admit the sequences, free the first, admit it again: the pages it gets back are reused."""
-    allocator = make_lifo(pitstop.EngineConfig.from_cli(args), args.num_pages)
+    allocator = get_plugin_manager().create(
+        "allocator", "lifo", config_from_cli(args), args.num_pages
+    )
     seqs = [
         SimpleNamespace(seq_id=i, request_id=f"s{i}", num_tokens=n)
         for i, n in enumerate(args.tokens)

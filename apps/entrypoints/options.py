@@ -3,7 +3,7 @@
 A setting enters in one of these ways, and this module turns each into the
 keywords ``EngineConfig`` is built from (its fields plus ``options``):
 
-- Python keywords: the engine's fields, vLLM's names (:mod:`pitstop.vllm_args`)
+- Python keywords: the engine's fields, vLLM's names (:mod:`pitstop.entrypoints.vllm_args`)
   and the plugins' aliases (``chunk_size=512`` becomes ``options["chunk_size"]``,
   replacing ``chunked.chunk_size``): :func:`fold_keywords`;
 - a TOML file: top-level keys or an ``[engine]`` table, ``[plugins.<name>]``
@@ -26,7 +26,17 @@ from typing import Any
 
 import attrs
 
-from pitstop.errors import ConfigError, PluginError
+from pitstop.entrypoints.vllm_args import (
+    ACCEPTED,
+    MULTI_VALUED,
+    REFUSED,
+    REMOVED,
+    RENAMED,
+    SERVE_REFUSED,
+    translate,
+    vllm_names,
+)
+from pitstop.errors import ConfigError, PluginError, did_you_mean
 from pitstop.plugin_system.catalogue import Catalogue, Declaration
 from pitstop.plugin_system.settings import (
     TOML_TABLE,
@@ -34,17 +44,6 @@ from pitstop.plugin_system.settings import (
     default_text,
     flag_name,
     settings_from_toml,
-)
-from pitstop.vllm_args import (
-    ACCEPTED,
-    MULTI_VALUED,
-    REFUSED,
-    REMOVED,
-    RENAMED,
-    SERVE_REFUSED,
-    did_you_mean,
-    translate,
-    vllm_names,
 )
 
 SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags
@@ -215,7 +214,7 @@ def add_engine_flags(
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's engine flags: ``--max-num-seqs N``, ``--enable-prefix-caching`` /
-    ``--no-enable-prefix-caching`` and the others of :mod:`pitstop.vllm_args`. A flag
+    ``--no-enable-prefix-caching`` and the others of :mod:`pitstop.entrypoints.vllm_args`. A flag
     of an argument pitstop refuses parses (hidden from ``--help``) so that the
     config can refuse it by name."""
     group = parser.add_argument_group("vLLM's names for the settings above (docs/api.md)")

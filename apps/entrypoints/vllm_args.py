@@ -28,8 +28,7 @@ vLLM names is rendered from these tables by :mod:`pitstop.server.vllm_table`.
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -415,9 +414,3 @@ def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, An
 
 def _vllm_only() -> set[str]:
     return {r.vllm for r in RENAMED} | set(ACCEPTED) | set(_refused()) | set(REMOVED)
-
-
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the known name nearest ``name``, or ``""``."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
