@@ -1,9 +1,9 @@
 """One owner per piece of state: a Sequence changes only through its own methods, and the core
 asks a strategy's capabilities through its kind's protocol, never by the strategy's name.
 
-Read from the source (AST), over every module of the engine, its plugins and its apps. The
-property suites (``apps/testing``) and the tests themselves are left out: they drive sequences
-through made-up states to test one strategy alone.
+Read from the source (AST), over every module of the engine, its plugins and its apps, the
+property suites (``apps/testing``) included. The tests themselves are left out: they drive
+sequences through made-up states to test one strategy alone.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pitstop.plugin_system.protocols import (
     ProposerBase,
     SamplerBase,
 )
-from pitstop.requests.sequence import Sequence, Timestamps
+from pitstop.requests.sampling_params import SamplingParams
+from pitstop.requests.sequence import PENDING_TOKEN, Sequence, Timestamps
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNER = ROOT / "core" / "requests" / "sequence.py"
-EXEMPT = (ROOT / "apps" / "testing",)
 STATE = frozenset(f.name for f in attrs.fields(Sequence))
 TIMES = frozenset(f.name for f in attrs.fields(Timestamps))
 MUTATORS = frozenset({"append", "extend", "clear", "insert", "pop", "remove", "sort", "reverse"})
@@ -36,11 +36,7 @@ def _modules() -> list[Path]:
     paths = []
     for folder in ("core", "plugins", "apps"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if (
-                path == OWNER
-                or any(path.is_relative_to(e) for e in EXEMPT)
-                or "build" in path.parts
-            ):
+            if path == OWNER or "build" in path.parts:
                 continue
             paths.append(path)
     return paths
@@ -119,6 +115,28 @@ def test_the_check_sees_direct_writes() -> None:
         "draft_token_ids.clear()",
         "token_ids",
     ]
+
+
+def test_truncate_drops_a_tail_and_caps_the_computed_count() -> None:
+    """``Sequence.truncate`` (a rollback): pending tokens go first, the prompt is kept as it came."""
+    seq = Sequence("t", [1, 2, 3, 4], SamplingParams(max_tokens=8))
+    seq.launch(4, samples=True)  # prefilled: a pending token follows the prompt
+    seq.truncate(0)
+    assert seq.token_ids == [1, 2, 3, 4, PENDING_TOKEN] and seq.num_pending_tokens == 1
+    seq.truncate(2)  # the pending token and the prompt's last token
+    assert seq.token_ids == [1, 2, 3] and seq.prompt_token_ids == [1, 2, 3, 4]
+    assert seq.num_pending_tokens == 0 and seq.num_computed_tokens == 3
+    seq.append_token(9)
+    seq.launch(1, samples=True)
+    seq.launch(0, samples=True)
+    seq.truncate(1)  # one of the two pending tokens
+    assert seq.token_ids == [1, 2, 3, 9, PENDING_TOKEN] and seq.num_pending_tokens == 1
+    seq.drop_pending()
+    assert seq.token_ids == [1, 2, 3, 9] and seq.num_computed_tokens == 4
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match="cannot drop"):
+            seq.truncate(bad)
+    assert seq.token_ids == [1, 2, 3, 9]
 
 
 KERNELS_AUTO: frozenset[str] = frozenset()  # kernels="auto" asks the registry (auto_devices)

@@ -3,7 +3,8 @@
 The machine plays the engine: it creates sequences (many share a prefix
 drawn from a small pool, so a prefix-caching allocator gets hits), admits
 them, grows them, truncates them, computes their tokens, preempts, aborts
-and frees them, and asks for more than fits so that refusals happen. It
+and frees them (each change to a sequence through its own methods, as the
+engine makes it), and asks for more than fits so that refusals happen. It
 keeps a shadow of the KV cache (for every slot, the token prefix whose KV
 was written there) and checks after every step that
 
@@ -249,8 +250,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         self.running[seq.seq_id] = seq
         self.held[seq.seq_id] = seq.num_tokens
         self._check_kv(seq, cached, "a prefix hit")
-        seq.num_computed_tokens = cached
-        seq.num_cached_prompt_tokens = cached
+        seq.admit(cached)
         if data.draw(st.booleans(), label="prefill now"):
             self._compute(seq, seq.num_tokens - cached)
 
@@ -281,7 +281,8 @@ class AllocatorStateMachine(RuleBasedStateMachine):
             )
             return
         self.allocator.append(seq, n)
-        seq.token_ids.extend(self._tokens(data, n, n))
+        for token in self._tokens(data, n, n):
+            seq.append_token(token)
         self.held[seq.seq_id] += n
 
     @precondition(lambda self: self.running)
@@ -304,8 +305,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         )
         new_held = data.draw(st.sampled_from(targets))
         self.allocator.truncate(seq, held - new_held)
-        del seq.token_ids[new_held:]
-        seq.num_computed_tokens = min(seq.num_computed_tokens, new_held)
+        seq.truncate(seq.num_tokens - new_held)  # the computed count is capped at new_held too
         self.held[seq.seq_id] = new_held
 
     @precondition(
@@ -331,7 +331,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
                 f"{seq.request_id} writes token {t} into page {page}, which {others} also hold"
             )
             self.kv.setdefault(page, {})[t % self.page_size] = tuple(seq.token_ids[: t + 1])
-        seq.num_computed_tokens = start + n
+        seq.launch(n, samples=False)  # the step computes tokens start .. start + n - 1
         self.allocator.on_tokens_computed(seq)
 
     @precondition(lambda self: self.running)
@@ -358,7 +358,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         seq = self._pick(data, self.running)
         self.allocator.free(seq)
         del self.running[seq.seq_id], self.held[seq.seq_id]
-        seq.num_computed_tokens = 0
+        seq.preempt()  # no KV, every token kept
         self.waiting[seq.seq_id] = seq
 
     def _free_all(self) -> None:

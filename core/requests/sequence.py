@@ -11,7 +11,9 @@ was launched: its chunk counts as computed and, when the step samples, a
 *pending* token is appended), :meth:`~Sequence.resolve_token` (the sampled
 value of the oldest pending token arrived), :meth:`~Sequence.append_token`,
 :meth:`~Sequence.verified`, :meth:`~Sequence.finish`,
-:meth:`~Sequence.abort` and :meth:`~Sequence.fail`.
+:meth:`~Sequence.abort` and :meth:`~Sequence.fail`. :meth:`~Sequence.truncate`
+drops a tail of tokens (the engine drops pending ones through
+:meth:`~Sequence.drop_pending`; the allocator suite rolls sequences back).
 
 State that lives as long as the sequence lives on it (the scheduler's
 admission round and requeue mark, this step's drafts); what a strategy keeps
@@ -221,10 +223,22 @@ class Sequence:
 
     def drop_pending(self) -> None:
         """Forget the pending tokens (the sequence stopped before them)."""
-        n = self.num_pending_tokens
-        if n:
-            del self.token_ids[-n:]
-            self.num_pending_tokens = 0
+        self.truncate(self.num_pending_tokens)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` tokens, pending ones among them; their KV is gone too.
+
+        ``num_computed_tokens`` is capped at the tokens left. Any tail may go,
+        prompt tokens included (the allocator suite rewrites a sequence from any
+        point); ``prompt_token_ids`` keeps the prompt as it came.
+        """
+        if not 0 <= num_tokens <= len(self.token_ids):
+            raise ValueError(
+                f"{self.request_id}: cannot drop {num_tokens} of {len(self.token_ids)} tokens"
+            )
+        if num_tokens:
+            del self.token_ids[-num_tokens:]
+            self.num_pending_tokens = max(self.num_pending_tokens - num_tokens, 0)
             self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids))
 
     def verified(self, num_valid: int) -> None:
