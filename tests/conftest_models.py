@@ -28,7 +28,7 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3")
 def smollm2_gguf() -> Path:
     """Path of the shipped SmolLM2 GGUF; skips the calling test when it is not installed."""
     from pitstop.errors import ModelLoadError
-    from pitstop.loading.weights import smollm2_path
+    from pitstop.plugins.model_sources.gguf.source import smollm2_path
 
     try:
         return smollm2_path()
@@ -40,7 +40,8 @@ def smollm2_gguf() -> Path:
 def smollm2_tokenizer_dir() -> Path:
     """A folder holding SmolLM2's tokenizer files (from the pitstop GGUF cache: the first
     call on a machine converts the GGUF, about 15 s; later calls take about a second)."""
-    from pitstop.loading.gguf_loader import cache_dir_for, load_gguf
+    from pitstop.plugins.model_sources.gguf.cache import cache_dir_for
+    from pitstop.plugins.model_sources.gguf.loader import load_gguf
 
     path = smollm2_gguf()
     folder = cache_dir_for(path)

@@ -209,7 +209,8 @@ def transformers_reference(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pitstop.loading.gguf_loader import cache_dir_for, load_gguf
+    from pitstop.plugins.model_sources.gguf.cache import cache_dir_for
+    from pitstop.plugins.model_sources.gguf.loader import load_gguf
 
     folder = cache_dir_for(gguf)
     if not (folder / "tokenizer.json").is_file():
@@ -289,7 +290,7 @@ def model_path() -> Path:
     env = os.environ.get("SMOLLM_GGUF")
     if env:
         return Path(env)
-    from pitstop.loading.weights import smollm2_path
+    from pitstop.plugins.model_sources.gguf.source import smollm2_path
 
     return smollm2_path()
 

@@ -108,7 +108,7 @@ def test_a_gguf_with_speculation_becomes_the_same_checkpoint(tmp_path: Path) -> 
     import torch
     import transformers
 
-    from pitstop.loading.weights import smollm2_path
+    from pitstop.plugins.model_sources.gguf.source import smollm2_path
 
     gguf = smollm2_path()
     mc = PRESETS["qwen3-0.6b"]  # the shape is not used for a file

@@ -139,7 +139,7 @@ def test_overlapping_or_out_of_file_byte_ranges_are_refused() -> None:
     """The byte checks on their own (GGUFWriter cannot write such a file)."""
     import gguf
 
-    from pitstop.loading.gguf_file import check_tensor_bytes as _check_bytes
+    from pitstop.plugins.model_sources.gguf.file import check_tensor_bytes as _check_bytes
 
     class Tensor:
         def __init__(self, name, offset, n, data=None):
@@ -160,19 +160,19 @@ def test_overlapping_or_out_of_file_byte_ranges_are_refused() -> None:
 
 # ---------------------------------------------------------------------- cache
 def test_cache_is_keyed_by_content_and_reports_its_size(tmp_path, tiny_llama, caplog) -> None:
-    from pitstop.loading.gguf_loader import cache_dir_for, cache_entries
+    from pitstop.plugins.model_sources.gguf.cache import cache_dir_for, cache_entries
 
     first = write_gguf_from_hf(tiny_llama, tmp_path / "a.gguf")
     copy = tmp_path / "elsewhere" / "b.gguf"
     copy.parent.mkdir()
     shutil.copy(first, copy)
     assert cache_dir_for(first) == cache_dir_for(copy)  # same bytes, one entry
-    with caplog.at_level(logging.WARNING, logger="pitstop.loading.gguf_loader"):
+    with caplog.at_level(logging.WARNING, logger="pitstop.plugins.model_sources.gguf.cache"):
         load_model_source(str(first)).weights()  # the first dense read writes the cache
     created = [r.getMessage() for r in caplog.records if "cached its dequantized" in r.message]
     assert len(created) == 1 and "kB on disk" in created[0] and "pitstop cache clear" in created[0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="pitstop.loading.gguf_loader"):
+    with caplog.at_level(logging.WARNING, logger="pitstop.plugins.model_sources.gguf.cache"):
         assert "cached at" in load_model_source(str(copy)).description
     assert not caplog.records  # the copy reuses the entry: nothing converted, nothing logged
     assert len(cache_entries()) == 1

@@ -21,9 +21,9 @@ from gguf_block_helpers import one_thread, quantized, random_blocks, smollm2_ggu
 
 from pitstop import LLM, EngineConfig, SamplingParams
 from pitstop.errors import ConfigError, ModelLoadError
-from pitstop.loading.quantized import QuantizedWeight, RowMerger, merge_rows
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
 from pitstop.plugin_system.protocols import KeepsBlocks, WeightFormat
+from pitstop.plugins.model_sources.gguf.quantized import QuantizedWeight, RowMerger, merge_rows
 from pitstop.plugins.weight_formats.gguf_blocks import layout_of
 
 MEMORY_RULE = 1.2  # issue 33: resident weights within 1.2x the file's tensor bytes
@@ -126,8 +126,8 @@ def _smollm2_source():
 
 
 def test_qk_rows_unpermuted_on_blocks_equal_the_dense_fix() -> None:
-    from pitstop.loading.gguf_file import GGUFModelFile, dequantize
-    from pitstop.loading.gguf_loader import gguf_blocks, gguf_model_config
+    from pitstop.plugins.model_sources.gguf.file import GGUFModelFile, dequantize
+    from pitstop.plugins.model_sources.gguf.loader import gguf_blocks, gguf_model_config
 
     file = GGUFModelFile.open(smollm2_gguf_or_skip())
     config, rules = gguf_model_config(file)
@@ -145,7 +145,7 @@ def test_qk_rows_unpermuted_on_blocks_equal_the_dense_fix() -> None:
 
 
 def test_merged_projections_hold_the_dense_models_merged_weights() -> None:
-    from pitstop.loading.quantized import offer_blocks
+    from pitstop.loading.checkpoint import offer_blocks
     from pitstop.plugins.models.llama import LlamaForCausalLM
 
     source = _smollm2_source()

@@ -473,6 +473,84 @@ def test_a_gguf_architecture_nobody_claims_is_refused_naming_the_claimed_ones(
     assert not list((tmp_path / "cache").glob("gguf/*-v*"))  # nothing converted, nothing cached
 
 
+# ---------------------------------------------------------------------- model sources
+def test_a_third_party_model_source_loads_its_files(with_example: Path, tmp_path: Path) -> None:
+    """The example's ``npz`` source claims *.npz files and loads them as its bigram model;
+    without it such a file is refused, naming what the registered sources read."""
+    import numpy as np
+
+    from pitstop import LLM, SamplingParams
+    from pitstop.loading.weights import load_model_source
+
+    vocab, hidden = 40, 8
+    rng = np.random.default_rng(3)
+    embed = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    head = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    path = tmp_path / "bigram.npz"
+    np.savez(path, embed=embed, head=head)
+    pm = PluginManager(allow=None)
+    assert pm.names("source") == ["gguf", "npz"]
+    llm = LLM(str(path), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
+    assert llm.engine.model_config.architecture == "BigramForCausalLM"
+    expected, token = [], 7
+    for _ in range(5):
+        token = int((head @ embed[token]).argmax())
+        expected.append(token)
+    out = llm.generate(
+        prompt_token_ids=[[3, 7]],
+        sampling_params=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert out.token_ids == expected
+
+    np.savez(tmp_path / "half.npz", embed=embed)
+    with pytest.raises(ModelLoadError, match="must hold arrays embed and head"):
+        load_model_source(str(tmp_path / "half.npz"), plugins=pm)
+    with pytest.raises(ModelLoadError) as info:
+        load_model_source(str(path), plugins=PluginManager(allow=["pitstop"]))
+    msg = str(info.value)
+    assert "is a file no registered model source reads; pass 'smollm2-135m', a .gguf file" in msg
+    assert msg.endswith("(PITSTOP_PLUGINS is set)")
+
+
+def test_model_sources_are_asked_in_name_order_and_take_no_settings() -> None:
+    from types import ModuleType
+
+    import pitstop
+    from pitstop.loading.weights import load_model_source
+    from pitstop.plugin_system.protocols import ModelSourceReaderBase
+
+    class Claims(ModelSourceReaderBase):
+        accepts = "'x'"
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def claims(self, model: str) -> bool:
+            return model == "x"
+
+        def load(self, model: str, tokenizer: object) -> None:
+            raise ModelLoadError(f"{self.name} loads {model}")
+
+    def module(settings: object = None) -> ModuleType:
+        made = ModuleType("two_sources")
+
+        @pitstop.hookimpl
+        def register_model_sources(register) -> None:
+            register("b-source", lambda plugins: Claims("b"), settings=settings)
+            register("a-source", lambda plugins: Claims("a"))
+
+        made.register_model_sources = register_model_sources  # type: ignore[attr-defined]
+        return made
+
+    pm = PluginManager(allow=["pitstop"], extra_modules=[module()])
+    with pytest.raises(ModelLoadError, match="a loads x"):
+        load_model_source("x", plugins=pm)
+    assert load_model_source("dummy:qwen3-0.6b", plugins=pm).is_dummy  # claimed by none
+    with pytest.raises(PluginError, match="model source 'b-source' takes no settings"):
+        PluginManager(allow=["pitstop"], extra_modules=[module(settings=object)])
+
+
 def test_two_architectures_claiming_one_gguf_architecture_are_refused() -> None:
     from types import ModuleType
 

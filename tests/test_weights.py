@@ -319,7 +319,7 @@ def test_gguf_loads_without_a_writable_cache(tmp_path, monkeypatch, caplog):
     blocker.write_text("")
     monkeypatch.setenv("PITSTOP_CACHE_DIR", str(blocker))
     source = load_model_source(str(smollm2_gguf()))
-    with caplog.at_level(logging.WARNING, logger="pitstop.loading.gguf_loader"):
+    with caplog.at_level(logging.WARNING, logger="pitstop.plugins.model_sources.gguf.loader"):
         weights = source.weights()  # the first dense read tries to write the cache
     assert any("converting on every load" in r.getMessage() for r in caplog.records)
     name, tensor = next(iter(weights))

@@ -181,7 +181,8 @@ def load_peer_model(model: str, device: str, dtype: str) -> Any:
     import torch
     import transformers
 
-    from pitstop.loading.weights import SMOLLM2_NAME, load_model_source, smollm2_path
+    from pitstop.loading.weights import load_model_source
+    from pitstop.plugins.model_sources.gguf.source import SMOLLM2_NAME, smollm2_path
     from pitstop.runner.model_runner import resolve_dtype
 
     common = {"dtype": resolve_dtype(dtype, torch.device(device)), "attn_implementation": "sdpa"}

@@ -1,5 +1,6 @@
-"""The ``pitstop`` command: ``generate``, ``chat``, ``plugins``, ``cache``, and every subcommand a
-plugin registers (``register_commands``: ``serve``, ``bench``, ``verify`` and third-party ones)."""
+"""The ``pitstop`` command: ``generate``, ``chat``, ``plugins``, and every subcommand a plugin
+registers (``register_commands``: ``serve``, ``bench``, ``verify``, ``cache`` of the ``gguf``
+model source, and third-party ones)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pitstop.config import EngineConfig
 from pitstop.entrypoints.chat import render_chat
 from pitstop.entrypoints.engine_args import add_cli_flags, config_from_cli
 from pitstop.errors import PitstopError, PluginError, did_you_mean
-from pitstop.loading.gguf_loader import add_subcommand as add_cache
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
 # argparse prints this as it is: plain text, no reST markup
@@ -238,8 +238,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_flags(p)
     _sampling_flags(p, max_tokens=256, temperature=0.0)
     p.set_defaults(func=cmd_chat)
-
-    add_cache(sub)
 
     for command in get_plugin_manager().commands.values():  # serve, bench, verify, plugins' own
         if command.name in sub.choices:

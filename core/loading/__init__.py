@@ -1,3 +1,3 @@
-"""Model loading: where a model comes from (a Hugging Face folder, a GGUF file, a
-dummy preset), its shape and tokenizer, what the loaders ask a model plugin, the
-checked-weights mode and the KV cache's element type."""
+"""Model loading: where a model comes from (the registered model sources, then a Hugging
+Face folder, the local Hugging Face cache or a dummy preset), its shape and tokenizer, how
+its weights reach the model, the checked-weights mode and the KV cache's element type."""

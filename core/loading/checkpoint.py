@@ -1,7 +1,8 @@
-"""A model ready to build (:class:`ModelSource`) and the safetensors reader.
+"""A model ready to build (:class:`ModelSource`), how its weights reach the model
+(:func:`weight_stream`), and the safetensors reader.
 
 Every loader (:mod:`pitstop.loading.weights` for Hugging Face folders, the hub cache
-and dummy presets; :mod:`pitstop.loading.gguf_loader` for GGUF files and its cache)
+and dummy presets; a model source plugin, such as ``gguf``, for its own models)
 returns a :class:`ModelSource` and reads safetensors files through here, so
 no loader imports another to get them.
 """
@@ -10,16 +11,18 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from pitstop.errors import ModelLoadError
+from pitstop.errors import ConfigError, ModelLoadError
 from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.tokenizer import Tokenizer
+from pitstop.plugin_system.protocols import KeepsBlocks, KeepsBlocksBase, ModelBase
+from pitstop.plugin_system.registration import takes_keyword
 
 # Called with no argument: every tensor whole; with ``shard=`` a tensor-parallel rank's
 # :class:`~pitstop.parallel.sharding.WeightShard`: only that rank's part of each tensor is read.
@@ -46,8 +49,8 @@ class ModelSource:
 def check_special_token_ids(config: ModelConfig, where: str) -> None:
     """Refuse a model whose BOS or EOS ids lie outside its vocabulary ``[0, vocab_size)``.
 
-    Called by every loader as soon as the config is read (a GGUF's before its
-    tokenizer is converted), so a bad id fails at once, not at the first request.
+    Called by every loader as soon as the config is read (a model source's before it
+    builds a slow tokenizer), so a bad id fails at once, not at the first request.
     """
     ids = {"bos_token_id": [] if config.bos_token_id is None else [config.bos_token_id]}
     ids["eos_token_id"] = list(config.eos_token_ids)
@@ -89,6 +92,47 @@ def check_vocabulary(config: ModelConfig, tokenizer: Tokenizer | None, where: st
             f"{where}: the tokenizer's special token id {bad[0]} (BOS/EOS) is outside the "
             f"model's vocabulary [0, {config.vocab_size}); use the model's own tokenizer"
         )
+
+
+# ---------------------------------------------------------------------- to the model
+# (name, tensor), or (name, a weight in its checkpoint's blocks) for a KeepsBlocks format
+WeightItem = tuple[str, Any]
+
+
+def weight_stream(weights: WeightsFn | None, fmt: Any, model: Any) -> Iterator[WeightItem] | None:
+    """The weights to load: with quantized blocks where the format keeps them, else dense.
+
+    ``weights`` is a :class:`ModelSource`'s ``weights`` (None: dummy weights, returned as
+    None). A format that keeps blocks (:class:`~pitstop.plugin_system.weight_format.KeepsBlocks`)
+    needs a source that has them (its ``weights`` takes ``blocks=True``) and a model that
+    loads them (``loads_quantized_weights``); anything else is a :class:`ConfigError`
+    naming the fix.
+    """
+    if not isinstance(fmt, KeepsBlocks):
+        return None if weights is None else weights()
+    name = getattr(fmt, "name", type(fmt).__name__)
+    if weights is None or not takes_keyword(weights, "blocks"):
+        blocks_of = KeepsBlocksBase.of(fmt, "blocks_of")
+        what = "dummy (random) weights" if weights is None else f"not {blocks_of}"
+        raise ConfigError(
+            f"weights={name!r} keeps {blocks_of}'s quantized blocks, but the model is {what}; "
+            f"pass {KeepsBlocksBase.of(fmt, 'blocks_model')}, or use weights='dense' (or 'fp8')"
+        )
+    if not ModelBase.of(model, "loads_quantized_weights"):
+        raise ConfigError(
+            f"weights={name!r}: the {type(model).__name__} model plugin loads no quantized "
+            "weights (it sets no loads_quantized_weights); use weights='dense'"
+        )
+    return offer_blocks(weights(blocks=True), fmt)
+
+
+def offer_blocks(items: Iterable[WeightItem], fmt: Any) -> Iterator[WeightItem]:
+    """``items`` with each weight in its blocks (anything but a tensor) that the format
+    declines (``takes_blocks``) dequantized (its ``dequantize()``: float32)."""
+    for name, item in items:
+        if not isinstance(item, torch.Tensor) and not fmt.takes_blocks(name, item):
+            item = item.dequantize()
+        yield name, item
 
 
 # ---------------------------------------------------------------------- safetensors

@@ -25,7 +25,7 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
     """Raise :class:`ModelLoadError` when floating-point ``tensor`` holds a NaN or an infinity.
 
     A weight kept in its quantized blocks (not a tensor) passes: the weight format that
-    keeps it checks its scales (``weights=gguf``: ``gguf_blocks.nonfinite_blocks``)."""
+    keeps it checks its scales (``weights=gguf`` does)."""
     if (
         not isinstance(tensor, torch.Tensor)
         or not tensor.is_floating_point()

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from pitstop.errors import InvalidRequestError, ModelLoadError
-from pitstop.loading.gguf_file import gguf_eos_token_ids, read_gguf_metadata
 from pitstop.requests.validation import validate_messages
 
 # Special-token text found in a chat's messages is wrapped in these two private-use
@@ -65,8 +64,6 @@ class Tokenizer:
             raise ModelLoadError(
                 f"tokenizer path {path} does not exist; pass a folder with tokenizer.json"
             )
-        if path.suffix == ".gguf":
-            return cls.from_gguf(path)
         folder = path.parent if path.is_file() else path
         if path.is_file() and path.name != "tokenizer.json":
             raise ModelLoadError(
@@ -86,32 +83,6 @@ class Tokenizer:
         except Exception as exc:  # transformers raises many kinds
             raise ModelLoadError(f"cannot load the tokenizer in {folder}: {exc}") from exc
         return cls(hf, eos_token_ids=_extra_eos_ids(folder), name=str(folder))
-
-    @classmethod
-    def from_gguf(cls, path: str | Path, metadata: dict[str, Any] | None = None) -> Tokenizer:
-        """Build the tokenizer stored in a GGUF file's metadata (slow: seconds; the GGUF
-        loader caches the result as ``tokenizer.json``). ``metadata`` (from
-        :func:`pitstop.loading.gguf_file.read_gguf_metadata`) saves parsing the file again."""
-        path = Path(path)
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file {path} does not exist")
-        if metadata is None:
-            metadata = read_gguf_metadata(path)
-        try:
-            from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-            # AutoTokenizer reads a transformers model config from the file first, so it
-            # takes only the architectures transformers runs; the tokenizer itself is
-            # described by the tokenizer.ggml.* fields alone, which the generic fast
-            # tokenizer reads for any other (a third-party plugin's) architecture.
-            known = _transformers_reads_gguf(metadata.get("general.architecture"))
-            builder = AutoTokenizer if known else PreTrainedTokenizerFast
-            hf = builder.from_pretrained(str(path.parent), gguf_file=path.name)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot build the tokenizer of GGUF file {path}: {exc}") from exc
-        if hf.chat_template is None and metadata.get("tokenizer.chat_template"):
-            hf.chat_template = metadata["tokenizer.chat_template"]
-        return cls(hf, eos_token_ids=gguf_eos_token_ids(metadata), name=str(path))
 
     def save(self, folder: str | Path) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` (chat template included)."""
@@ -284,16 +255,6 @@ class Tokenizer:
             if ids[: len(newline)] == newline:
                 return ids[len(newline) :]
         return list(self.hf.encode(piece, add_special_tokens=False, **kwargs))
-
-
-def _transformers_reads_gguf(architecture: Any) -> bool:
-    """Whether transformers' own GGUF loader knows ``general.architecture`` (a
-    transformers without the list is assumed to: it is then asked as before)."""
-    try:
-        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-    except ImportError:
-        return True
-    return architecture in GGUF_SUPPORTED_ARCHITECTURES
 
 
 def _extra_eos_ids(folder: Path) -> list[int]:

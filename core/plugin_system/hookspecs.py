@@ -86,6 +86,18 @@ def register_models(register: Register) -> None:
 
 
 @hookspec
+def register_model_sources(register: Register) -> None:
+    """Register model sources: where a model string (``config.model``) is read from.
+
+    Called once when plugins load (factory: ``KINDS["source"]``, given the plugin
+    manager, whose registry says which architectures exist). Loading a model asks every
+    registered source, in name order, whether it claims the model string; the first that
+    does loads it. A Hugging Face folder, an ``org/name`` id of the local Hugging Face
+    cache and ``dummy:<preset>`` are read by the engine itself when no source claims it.
+    """
+
+
+@hookspec
 def register_weight_formats(register: Register) -> None:
     """Register weight formats: how a model holds and multiplies its linear layers' weights.
 

@@ -74,6 +74,13 @@ KINDS: dict[str, Kind] = {
             "the checkpoint's architecture name",
         ),
         Kind(
+            "source",
+            "register_model_sources",
+            "factory(plugins: PluginManager) -> ModelSourceReader",
+            protocols.ModelSourceReader,
+            "the model string (config.model): the first source, by name, that claims it",
+        ),
+        Kind(
             "weights",
             "register_weight_formats",
             "factory(config: EngineConfig, kernels: KernelSet, device: torch.device, "

@@ -463,6 +463,10 @@ class PluginManager:
         self, kind: Literal["weights"], name: str, *args: Any, **kwargs: Any
     ) -> protocols.WeightFormat: ...
     @overload
+    def create(
+        self, kind: Literal["source"], name: str, *args: Any, **kwargs: Any
+    ) -> protocols.ModelSourceReader: ...
+    @overload
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any: ...
 
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:

@@ -9,9 +9,10 @@ builds against its protocol.
 
 Optional capabilities are declared, with their defaults, on one class per
 kind (:class:`AllocatorBase`, :class:`KernelSetBase`, :class:`SamplerBase`,
-:class:`ProposerBase`, :class:`ModelBase`): a plugin inherits it, or defines
-the member itself, or leaves it out and gets the default. The core asks one
-way, ``AllocatorBase.of(allocator, "caches_prefixes")``
+:class:`ProposerBase`, :class:`ModelBase`, :class:`ModelSourceReaderBase`;
+:class:`KeepsBlocksBase` for a weight format that keeps blocks): a plugin
+inherits it, or defines the member itself, or leaves it out and gets the
+default. The core asks one way, ``AllocatorBase.of(allocator, "caches_prefixes")``
 (:meth:`Capabilities.of`), and never tests a plugin's name.
 """
 
@@ -500,9 +501,59 @@ class ModelBase(Capabilities):
 
     # it takes init_dummy(shard=) and loads a rank's part of each tensor (else TP > 1 is refused)
     supports_tensor_parallel: bool = False
-    # load_weights takes QuantizedWeight items, a GGUF file's blocks (else weights=gguf is refused)
+    # load_weights takes a checkpoint's quantized blocks (a KeepsBlocks format's; else refused)
     loads_quantized_weights: bool = False
 
     def weight_bytes(self) -> int:
         """Device bytes of its weights as held (the bench's floor): parameters and buffers."""
         return sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])  # type: ignore[attr-defined]
+
+
+class KeepsBlocksBase(Capabilities):
+    """The defaults of a :class:`KeepsBlocks` weight format's optional members: the words
+    with which the engine refuses a model whose source offers no blocks."""
+
+    # whose blocks the format keeps ("a GGUF file")
+    blocks_of: str = "a quantized checkpoint"
+    # what to pass instead ("a .gguf model (e.g. smollm2-135m)")
+    blocks_model: str = "a model whose source offers its blocks"
+
+
+# ---------------------------------------------------------------- model source
+
+
+@runtime_checkable
+class ModelSourceReader(Protocol):
+    """Where models of one kind come from (a file format, a model name, a store).
+
+    Loading a model asks every registered source, in name order, whether it
+    :meth:`claims` the model string; the first that does loads it (:meth:`load`). The engine
+    itself reads a Hugging Face folder, the local Hugging Face cache and ``dummy:``
+    presets, when no source claims the string.
+    """
+
+    # the model strings it reads, as an error lists them ("'smollm2-135m', a .gguf file")
+    accepts: str
+
+    def claims(self, model: str) -> bool:
+        """Whether ``model`` is one of its own: cheap, no loading, no error."""
+        ...
+
+    def load(self, model: str, tokenizer: Any) -> Any:
+        """The :class:`~pitstop.loading.checkpoint.ModelSource` of ``model``: config,
+        tokenizer and weights, checked; ``tokenizer`` (a ``Tokenizer`` or None) replaces
+        the model's own. A model it cannot read is a ``ModelLoadError`` naming the fix."""
+        ...
+
+    def read_tokenizer(self, path: str) -> Any:
+        """The ``Tokenizer`` a ``tokenizer=`` path of its kind holds, or None (not one)."""
+        ...
+
+
+class ModelSourceReaderBase(Capabilities):
+    """The default of a model source's optional capability."""
+
+    def read_tokenizer(self, path: str) -> Any:
+        """None: it reads no tokenizer on its own (``tokenizer=`` takes a folder)."""
+        del path
+        return None

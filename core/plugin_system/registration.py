@@ -138,6 +138,11 @@ def check_registration(
                 else "is not a model; only models take architecture="
             )
         )
+    if settings is not None and kind == "source":
+        raise PluginError(
+            f"{source.distribution}: the model source {name!r} takes no settings: a source "
+            "is built from the plugin manager alone, not from an engine's config"
+        )
     if settings is not None and not is_settings_class(settings):
         raise PluginError(
             f"{source.distribution}: the {kind} {name!r} settings must be an attrs class "

@@ -17,7 +17,7 @@ class WeightFormat(Protocol):
 
     The model hands every linear weight to :meth:`prepare` once, at load, as a dense
     ``[out_features, in_features]`` tensor in the model's dtype on its device (or, for a
-    format that also implements :class:`KeepsBlocks`, as a GGUF file's quantized blocks; after
+    format that also implements :class:`KeepsBlocks`, as a checkpoint's quantized blocks; after
     the merge of q/k/v and gate/up, when the kernel set merges them; one rank's shard
     under tensor parallelism), and keeps what it returns, the *resident* weight, in
     place of the tensor. Every forward pass then calls :meth:`linear` with it. The
@@ -49,18 +49,21 @@ class WeightFormat(Protocol):
 
 @runtime_checkable
 class KeepsBlocks(Protocol):
-    """Optional, beside :class:`WeightFormat`: a format that holds a GGUF file's quantized blocks.
+    """Optional, beside :class:`WeightFormat`: a format that holds a checkpoint's quantized blocks.
 
-    A format with these methods (``weights=gguf``) is offered every 2-D block-quantized
-    tensor of a GGUF model as a :class:`~pitstop.loading.quantized.QuantizedWeight`
-    (its raw bytes row by row, ggml type and logical shape, rows already in the
-    model's order) instead of the dequantized tensor: :meth:`takes_blocks` says, per
-    checkpoint tensor, whether it keeps it; a declined one arrives dense, as from any
-    other source. The model stacks the parts of a merged weight (q/k/v, gate/up) by
-    rows (runs of one type concatenated, different types kept as separate runs) and
-    hands the whole to :meth:`WeightFormat.prepare`, which then receives either a
-    tensor or a ``QuantizedWeight``. Such a format needs a GGUF model: with a
-    Hugging Face checkpoint or dummy weights the engine refuses it (a ConfigError).
+    A format with these methods (``weights=gguf``) is offered every block-quantized
+    tensor a model source keeps in its blocks (the ``gguf`` source: every 2-D one of a
+    GGUF file, as a ``QuantizedWeight`` of
+    :mod:`pitstop.plugins.model_sources.gguf.quantized`: its raw bytes row by row, ggml
+    type and logical shape, rows already in the model's order) instead of the dequantized
+    tensor: :meth:`takes_blocks` says, per checkpoint tensor, whether it keeps it; a
+    declined one arrives dense (its ``dequantize()``), as from any other source
+    (:func:`pitstop.loading.checkpoint.weight_stream`). The model stacks the parts of a
+    merged weight (q/k/v, gate/up) by rows and hands the whole to
+    :meth:`WeightFormat.prepare`, which then receives either a tensor or the blocks. Such
+    a format needs a source that offers blocks: with any other model the engine refuses it
+    (a ConfigError in the words of the format's ``blocks_of`` and ``blocks_model``,
+    :class:`~pitstop.plugin_system.protocols.KeepsBlocksBase`).
 
     It may hold the embedding too: the model hands it ``"embed_tokens"`` (blocks
     only) and looks rows up with :meth:`embedding`; a tied output head then is
@@ -70,7 +73,7 @@ class KeepsBlocks(Protocol):
     def takes_blocks(self, name: str, weight: Any) -> bool:
         """Whether the checkpoint tensor ``name`` (Hugging Face name, e.g.
         ``"model.layers.0.self_attn.q_proj.weight"``) is kept as the blocks ``weight``
-        (a ``QuantizedWeight``) holds; False: it arrives dequantized to float32."""
+        (the source's block type) holds; False: it arrives dequantized to float32."""
         ...
 
     def embedding(self, resident: Any, ids: torch.Tensor) -> torch.Tensor:

@@ -37,9 +37,9 @@ from pitstop.ground.attention import AttentionMetadata
 from pitstop.ground.model_config import ModelConfig
 from pitstop.ground.poison import nan_rows_of, poison_, poison_pages_, poison_torch_empty
 from pitstop.ground.step import NO_TOKENS, LogitsObserver, SeqInput, StepInput, StepOutput
+from pitstop.loading.checkpoint import weight_stream
 from pitstop.loading.finite_weights import finite_weights
 from pitstop.loading.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
-from pitstop.loading.quantized import weight_stream
 from pitstop.plugin_system.catalogue import ResolvedConfig
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import ModelBase
@@ -252,7 +252,7 @@ class ModelRunner:
                 else:
                     self.model.load_weights(checked(weights(shard=shard)))
                 return
-            # a weight format that keeps quantized blocks gets them (pitstop.loading.quantized)
+            # a weight format that keeps quantized blocks gets them (pitstop.loading.checkpoint)
             stream = weight_stream(weights, self.weights, self.model)
             if stream is None:
                 self.model.init_dummy(self.config.seed)

@@ -24,7 +24,6 @@ from torch import nn
 from pitstop.errors import ModelLoadError
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.ground.model_config import ModelConfig
-from pitstop.loading.quantized import QuantizedWeight, RowMerger
 from pitstop.plugin_system.architecture import Architecture
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.protocols import (
@@ -34,6 +33,7 @@ from pitstop.plugin_system.protocols import (
     RotaryCache,
     WeightFormat,
 )
+from pitstop.plugins.model_sources.gguf.quantized import QuantizedWeight, RowMerger
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
 from pitstop.plugins.models.llama_gguf import gguf_rules
 from pitstop.plugins.models.llama_presets import PRESETS
@@ -416,7 +416,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors in, merging q/k/v and gate/up when the model is merged.
 
         Each tensor arrives in the checkpoint's dtype and is cast once, by the copy into
-        its parameter. A :class:`~pitstop.loading.quantized.QuantizedWeight` (a GGUF
+        its parameter. A :class:`~pitstop.plugins.model_sources.gguf.quantized.QuantizedWeight` (a GGUF
         file's blocks, which the weight format takes) is kept as it is, the parts of a
         merged weight stacked by rows, and handed to the format whole. A tensor that
         maps to nothing is an error (listing the first few), as is a missing one, a

@@ -18,8 +18,8 @@ import numpy as np
 
 from pitstop.errors import ModelLoadError
 from pitstop.ground.model_config import MAX_DIM, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
-from pitstop.loading.gguf_file import GGUFModelFile
 from pitstop.plugin_system.architecture import GGUFRules
+from pitstop.plugins.model_sources.gguf.file import GGUFModelFile
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, HeadFields
 from pitstop.plugins.models.llama_config import head_size as checked_head_size
 

@@ -1,7 +1,7 @@
 """`gguf` weights: a GGUF file's linear weights kept in their quantized blocks, as llama.cpp runs them.
 
 ``weights=gguf`` (``--weights gguf``) with a ``.gguf`` model: the loader offers each
-block-quantized matrix as a :class:`~pitstop.loading.quantized.QuantizedWeight`
+block-quantized matrix as a :class:`~pitstop.plugins.model_sources.gguf.quantized.QuantizedWeight`
 (:class:`~pitstop.plugin_system.weight_format.KeepsBlocks`), its rows already
 un-permuted where llama.cpp permuted them (a row gather, exact on blocks), the parts
 of merged q/k/v and gate/up stacked by rows. This format keeps every matrix whose
@@ -38,10 +38,10 @@ import torch
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError, ModelLoadError
-from pitstop.loading.quantized import QuantizedWeight
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.protocols import KernelSet
 from pitstop.plugin_system.settings import setting
+from pitstop.plugins.model_sources.gguf.quantized import QuantizedWeight
 from pitstop.plugins.weight_formats.dense import tensor_bytes
 from pitstop.plugins.weight_formats.gguf_blocks import (
     UnsupportedQuantType,
@@ -89,6 +89,9 @@ class GGUFWeights:
     """Linear weights (and the embedding) held as a GGUF file's blocks, dequantized on the fly."""
 
     name = "gguf"
+    # whose blocks it keeps and what to pass instead (KeepsBlocksBase: the refusal's words)
+    blocks_of = "a GGUF file"
+    blocks_model = "a .gguf model (e.g. smollm2-135m)"
 
     def __init__(
         self,

@@ -20,6 +20,8 @@ observer:
   Llama one;
 * the weight format ``int8`` (:mod:`pitstop_example.int8`): weight-only int8
   with one scale per output channel, in plain torch (``weights="int8"``);
+* the model source ``npz`` (:mod:`pitstop_example.npz`): a bigram model saved
+  with ``numpy.savez`` loads by its path (``LLM("model.npz")``);
 * an ``on_request_finished`` observer that counts finished requests by
   finish reason (read them from ``FINISHED``).
 
@@ -43,7 +45,7 @@ from pitstop.entrypoints.engine_args import config_from_cli
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
 from pitstop.plugin_system.protocols import AllocatorStats
 from pitstop.plugin_system.settings import setting
-from pitstop_example import bigram, int8, recall, sdpa, sjf
+from pitstop_example import bigram, int8, npz, recall, sdpa, sjf
 
 FINISHED: Counter[str] = Counter()
 
@@ -227,6 +229,12 @@ def register_commands(register) -> None:
 def register_models(register) -> None:
     """Register the ``BigramForCausalLM`` architecture."""
     register(bigram.ARCHITECTURE, bigram.make_bigram, architecture=bigram.BIGRAM)
+
+
+@pitstop.hookimpl
+def register_model_sources(register) -> None:
+    """Register the ``npz`` model source."""
+    register("npz", npz.make_npz_source)
 
 
 @pitstop.hookimpl

@@ -26,9 +26,9 @@ from torch import nn
 
 from pitstop.errors import ModelLoadError
 from pitstop.ground.model_config import ModelConfig
-from pitstop.loading.gguf_file import GGUFModelFile
 from pitstop.plugin_system.architecture import Architecture, GGUFRules
 from pitstop.plugin_system.protocols import RotaryCache
+from pitstop.plugins.model_sources.gguf.file import GGUFModelFile
 
 ARCHITECTURE = "BigramForCausalLM"
 

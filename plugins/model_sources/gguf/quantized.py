@@ -1,15 +1,16 @@
 """Weights offered in their file's quantized blocks: what a GGUF file stores, before dequantizing.
 
 The default path dequantizes every GGUF tensor to float32 (and caches the result:
-:mod:`pitstop.loading.gguf_loader`). A weight format that can hold a GGUF file's
-blocks as they are (``weights=gguf``, :class:`~pitstop.plugin_system.weight_format.KeepsBlocks`)
-is offered them instead: the loader yields each 2-D block-quantized tensor as a
-:class:`QuantizedWeight` (its raw bytes, row by row, its ggml type and logical shape,
-its rows already in the order the model wants), every other tensor dense, and
+:mod:`pitstop.plugins.model_sources.gguf.cache`). A weight format that can hold a GGUF
+file's blocks as they are (``weights=gguf``,
+:class:`~pitstop.plugin_system.weight_format.KeepsBlocks`) is offered them instead: the
+loader yields each 2-D block-quantized tensor as a :class:`QuantizedWeight` (its raw bytes,
+row by row, its ggml type and logical shape, its rows already in the order the model
+wants), every other tensor dense, and
 
-- :func:`weight_stream` keeps a :class:`QuantizedWeight` where the format takes it
-  (``takes_blocks``) and dequantizes it where not (so the finite-weights check and the
-  model see a plain float32 tensor, as on the default path);
+- the engine keeps a :class:`QuantizedWeight` where the format takes it (``takes_blocks``)
+  and dequantizes it where not (:func:`pitstop.loading.checkpoint.weight_stream`), so the
+  finite-weights check and the model see a plain float32 tensor, as on the default path;
 - the model merges the parts of a merged projection (q/k/v, gate/up) with
   :class:`RowMerger`: rows of one type are concatenated (exact: a row's blocks are
   its own), parts stored in different types stay separate row groups of one
@@ -23,15 +24,11 @@ lazily); the formats bring their own decoders.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
-
 import attrs
 import numpy as np
 import torch
 
-from pitstop.errors import ConfigError
-from pitstop.plugin_system.weight_format import KeepsBlocks
+from pitstop.plugins.model_sources.gguf.file import require_gguf
 
 
 @attrs.frozen(eq=False)
@@ -48,8 +45,6 @@ class BlockRows:
 
     def dequantize(self, in_features: int) -> torch.Tensor:
         """The run's values ``[rows, in_features]`` as float32 (``gguf.quants``, bit-exact)."""
-        from pitstop.loading.gguf_file import require_gguf
-
         gguf = require_gguf()
         qtype = gguf.GGMLQuantizationType[self.qtype]
         values = gguf.quants.dequantize(self.raw.numpy(), qtype)
@@ -155,46 +150,3 @@ class RowMerger:
         left = [(t, off, w) for t, got in sorted(self.pending.items()) for off, w in got]
         self.pending.clear()
         return left
-
-
-# ---------------------------------------------------------------------- the stream
-WeightItem = tuple[str, "torch.Tensor | QuantizedWeight"]
-
-
-def weight_stream(
-    weights: Callable[..., Iterator[WeightItem]] | None, fmt: Any, model: Any
-) -> Iterator[WeightItem] | None:
-    """The weights to load: with quantized blocks where the format keeps them, else dense.
-
-    ``weights`` is a :class:`~pitstop.loading.checkpoint.ModelSource`'s ``weights``
-    (None: dummy weights, returned as None). A format that keeps blocks needs a source
-    that has them (a GGUF file: its ``weights`` takes ``blocks=True``) and a model that
-    loads them (``loads_quantized_weights``); anything else is a :class:`ConfigError`
-    naming the fix.
-    """
-    from pitstop.plugin_system.protocols import ModelBase
-    from pitstop.plugin_system.registration import takes_keyword
-
-    if not isinstance(fmt, KeepsBlocks):
-        return None if weights is None else weights()
-    name = getattr(fmt, "name", type(fmt).__name__)
-    if weights is None or not takes_keyword(weights, "blocks"):
-        what = "dummy (random) weights" if weights is None else "not a GGUF file"
-        raise ConfigError(
-            f"weights={name!r} keeps a GGUF file's quantized blocks, but the model is {what}; "
-            "pass a .gguf model (e.g. smollm2-135m), or use weights='dense' (or 'fp8')"
-        )
-    if not ModelBase.of(model, "loads_quantized_weights"):
-        raise ConfigError(
-            f"weights={name!r}: the {type(model).__name__} model plugin loads no quantized "
-            "weights (it sets no loads_quantized_weights); use weights='dense'"
-        )
-    return offer_blocks(weights(blocks=True), fmt)
-
-
-def offer_blocks(items: Iterable[WeightItem], fmt: Any) -> Iterator[WeightItem]:
-    """``items`` with each :class:`QuantizedWeight` the format declines dequantized."""
-    for name, item in items:
-        if isinstance(item, QuantizedWeight) and not fmt.takes_blocks(name, item):
-            item = item.dequantize()
-        yield name, item

@@ -1,9 +1,9 @@
 """Open a GGUF file and read its metadata and tensors: the file format only, no model knowledge.
 
-The model loader (:mod:`pitstop.loading.gguf_loader`), the architecture plugins it
-hands the open file to (:class:`GGUFModelFile`) and the tokenizer
-(:meth:`pitstop.loading.tokenizer.Tokenizer.from_gguf`) all read GGUF files through
-here. ``gguf`` is imported inside functions: a benchmark on dummy weights
+The model loader (:mod:`pitstop.plugins.model_sources.gguf.loader`), the architecture
+plugins it hands the open file to (:class:`GGUFModelFile`) and the tokenizer
+(:func:`pitstop.plugins.model_sources.gguf.tokenizer.gguf_tokenizer`) all read GGUF files
+through here. ``gguf`` is imported inside functions: a benchmark on dummy weights
 needs none of it.
 """
 

@@ -1,4 +1,4 @@
-"""Read a GGUF file: its model shape, its tensors (dequantized, Hugging Face names), a cache.
+"""Read a GGUF file: its model shape, its tensors (dequantized, Hugging Face names).
 
 GGUF is llama.cpp's format: its ``general.architecture`` says which model it
 holds, and the architecture plugin that claims that value
@@ -6,33 +6,23 @@ holds, and the architecture plugin that claims that value
 the rest: the :class:`ModelConfig` from the metadata, each tensor's Hugging
 Face name, and any fix-up of a tensor the converter rearranged. This module
 knows no architecture: it asks, checks every tensor's name and shape against
-the plugin's ``weight_shapes`` and its bytes against the file, dequantizes to
-float32 and caches the result.
+the plugin's ``weight_shapes`` and its bytes against the file, and dequantizes to
+float32.
 
 Every metadata field and tensor is checked before anything is allocated
 (:func:`gguf_model_config`): a field the plugin does not implement, a count that
 is zero or absurd, a shape that disagrees with the metadata or a byte range
 outside the file is a :class:`ModelLoadError` naming it.
 
-Dequantizing takes seconds, so :func:`load_gguf` keeps the result (one
-safetensors file, the model config and the tokenizer) under
-``${PITSTOP_CACHE_DIR:-~/.cache/pitstop}/gguf/<content hash>-v<version>/`` and
-reads that next time; its size is logged when it is written, and
-``pitstop cache list|clear`` shows and empties the cache.
+Dequantizing takes seconds, so :func:`load_gguf` keeps the result in a cache
+(:mod:`pitstop.plugins.model_sources.gguf.cache`) and reads that next time.
 
 ``gguf`` is imported inside functions: a benchmark on dummy weights needs none of it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import re
-import shutil
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,32 +33,36 @@ import torch
 
 from pitstop.errors import ModelLoadError
 from pitstop.ground.model_config import ModelConfig
-from pitstop.loading.gguf_file import (
+from pitstop.loading.checkpoint import ModelSource, check_special_token_ids
+from pitstop.loading.tokenizer import Tokenizer
+from pitstop.plugin_system.architecture import Architecture
+from pitstop.plugin_system.plugin_manager import get_plugin_manager
+from pitstop.plugins.model_sources.gguf.cache import (
+    cache_dir_for,
+    is_cached,
+    iter_cached,
+    read_cached_config,
+    write_cache,
+)
+from pitstop.plugins.model_sources.gguf.file import (
     GGUFModelFile,
     check_tensor_bytes,
     dequantize,
     require_gguf,
     tensor_shape,
 )
-from pitstop.loading.quantized import QuantizedWeight
-from pitstop.plugin_system.architecture import Architecture
+from pitstop.plugins.model_sources.gguf.quantized import QuantizedWeight
+from pitstop.plugins.model_sources.gguf.tokenizer import gguf_tokenizer
 
 if TYPE_CHECKING:
-    from pitstop.loading.checkpoint import ModelSource
-    from pitstop.loading.tokenizer import Tokenizer
     from pitstop.plugin_system.plugin_manager import PluginManager
 
 log = logging.getLogger(__name__)
-
-# Bump when the cache layout or the conversion changes: old entries are then ignored.
-CACHE_VERSION = 2
 
 
 def gguf_architecture(file: GGUFModelFile, plugins: PluginManager | None = None) -> Architecture:
     """The registered architecture that claims the file's ``general.architecture``; an
     unclaimed one is a ModelLoadError naming what the registered plugins claim."""
-    from pitstop.plugin_system.plugin_manager import get_plugin_manager
-
     plugins = plugins or get_plugin_manager()
     found = plugins.architecture_for_gguf(file.architecture)
     if found is None:
@@ -197,125 +191,7 @@ def gguf_blocks(
     return weight.take_rows(order)
 
 
-# ---------------------------------------------------------------------- cache
-# Layout: ${PITSTOP_CACHE_DIR:-~/.cache/pitstop}/gguf/<sha256 of the file>-v<version>/ holds
-# model.safetensors (float32), pitstop_config.json, the tokenizer and source.json;
-# gguf/digests/ remembers each file's hash by (path, size, mtime) so it is computed once.
-_WEIGHTS_FILE = "model.safetensors"
-_CONFIG_FILE = "pitstop_config.json"
-_SOURCE_FILE = "source.json"
-_DIGESTS = "digests"
-
-
-def cache_root() -> Path:
-    """The pitstop cache folder: ``$PITSTOP_CACHE_DIR``, else ``~/.cache/pitstop``."""
-    return Path(os.environ.get("PITSTOP_CACHE_DIR") or Path.home() / ".cache" / "pitstop")
-
-
-def file_sha256(path: str | Path) -> str:
-    """The SHA-256 of a file's content, remembered per (path, size, mtime) under the cache."""
-    path = Path(path).resolve()
-    st = path.stat()
-    stamp = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
-    memo = cache_root() / "gguf" / _DIGESTS / hashlib.sha256(stamp.encode()).hexdigest()[:32]
-    try:
-        digest = memo.read_text().strip()
-        if re.fullmatch(r"[0-9a-f]{64}", digest):
-            return digest
-    except OSError:
-        pass
-    with path.open("rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
-        tmp.write_text(digest)
-        os.replace(tmp, memo)
-    except OSError as exc:  # an unwritable cache only costs hashing the file again next time
-        log.info(
-            "could not keep the hash of %s in %s (%s); it will be hashed again", path, memo, exc
-        )
-    return digest
-
-
-def cache_dir_for(path: str | Path) -> Path:
-    """Where the converted form of a GGUF file lives: keyed by its content (SHA-256), so
-    two copies of one file share an entry and a changed file gets a new one."""
-    return cache_root() / "gguf" / f"{file_sha256(path)[:32]}-v{CACHE_VERSION}"
-
-
-def _config_to_json(config: ModelConfig) -> str:
-    data = attrs.asdict(config)
-    data["eos_token_ids"] = list(config.eos_token_ids)
-    if config.rope_freq_factors is not None:
-        data["rope_freq_factors"] = list(config.rope_freq_factors)
-    return json.dumps(data, indent=2)
-
-
-def _config_from_json(text: str) -> ModelConfig:
-    data = json.loads(text)
-    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
-    if data.get("rope_freq_factors") is not None:
-        data["rope_freq_factors"] = tuple(data["rope_freq_factors"])
-    return ModelConfig(**data)
-
-
-def _folder_size(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
-def _write_cache(
-    target: Path,
-    config: ModelConfig,
-    file: GGUFModelFile,
-    rules: Architecture,
-    tokenizer: Tokenizer,
-) -> None:
-    """Convert into a temporary folder next to ``target``, then rename it into place
-    (atomic: a reader never sees half a cache; a concurrent writer's copy wins or loses whole)."""
-    from safetensors.torch import save_file
-
-    source = file.path
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        tensors = dict(iter_gguf_tensors(file, config, rules))
-        save_file(tensors, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
-        del tensors
-        tokenizer.save(tmp)
-        (tmp / _CONFIG_FILE).write_text(_config_to_json(config))
-        record = {
-            "source": str(source.resolve()),
-            "sha256": file_sha256(source),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "cache_version": CACHE_VERSION,
-        }
-        (tmp / _SOURCE_FILE).write_text(json.dumps(record, indent=2))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / _CONFIG_FILE).is_file():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
-            return
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.warning(
-        "converted %s once and cached its dequantized weights at %s: %s on disk "
-        "(`pitstop cache list` shows the cache, `pitstop cache clear` empties it)",
-        source.name,
-        target,
-        format_size(_folder_size(target)),
-    )
-
-
-def _iter_cached(file: Path, shard: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    from pitstop.loading.checkpoint import iter_safetensors, read_safetensors_headers
-
-    return iter_safetensors(read_safetensors_headers([file]), shard)
-
-
+# ---------------------------------------------------------------------- the source
 def load_gguf(
     path: str | Path, *, tokenizer: Tokenizer | None = None, plugins: PluginManager | None = None
 ) -> ModelSource:
@@ -326,23 +202,14 @@ def load_gguf(
     The source's ``weights()`` reads the dequantized cache, writing it on its first call
     (so a model loaded with ``weights=gguf`` never writes one); ``weights(blocks=True)``
     reads the file itself, its block-quantized matrices as
-    :class:`~pitstop.loading.quantized.QuantizedWeight`.
+    :class:`~pitstop.plugins.model_sources.gguf.quantized.QuantizedWeight`.
     """
-    from pitstop.loading.checkpoint import ModelSource, check_special_token_ids
-    from pitstop.loading.tokenizer import Tokenizer
-
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     cache = cache_dir_for(path)
-    if (cache / _CONFIG_FILE).is_file():
-        try:
-            config = _config_from_json((cache / _CONFIG_FILE).read_text())
-        except (OSError, ValueError, TypeError) as exc:
-            raise ModelLoadError(
-                f"the GGUF cache {cache} is damaged ({exc}); run `pitstop cache clear` and load "
-                "again"
-            ) from exc
+    if is_cached(cache):
+        config = read_cached_config(cache)
         reading = GGUFConversion(path, cache, plugins)
         return ModelSource(
             model_config=config,
@@ -353,7 +220,7 @@ def load_gguf(
     file = GGUFModelFile.open(path)
     config, rules = gguf_model_config(file, plugins)
     check_special_token_ids(config, f"GGUF file {path}")  # before the slow tokenizer build
-    own_tokenizer = Tokenizer.from_gguf(path, file.metadata)
+    own_tokenizer = gguf_tokenizer(path, file.metadata)
     conversion = GGUFConversion(path, cache, plugins, (file, config, rules, own_tokenizer))
     return ModelSource(
         model_config=config,
@@ -381,11 +248,6 @@ class GGUFConversion:
         config, rules = gguf_model_config(file, self.plugins)
         return file, config, rules
 
-    def _tokenizer(self, file: GGUFModelFile) -> Tokenizer:
-        from pitstop.loading.tokenizer import Tokenizer
-
-        return Tokenizer.from_gguf(self.path, file.metadata)
-
     def weights(
         self, shard: Any = None, *, blocks: bool = False
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
@@ -397,11 +259,12 @@ class GGUFConversion:
                     "its dense weights (weights='dense')"
                 )
             return iter_gguf_tensors(*self._open(), blocks=True)
-        if not (self.cache / _CONFIG_FILE).is_file():
+        if not is_cached(self.cache):
             file, config, rules = self._open()
-            tokenizer = self.opened[3] if self.opened else self._tokenizer(file)
+            tokenizer = self.opened[3] if self.opened else gguf_tokenizer(self.path, file.metadata)
             try:
-                _write_cache(self.cache, config, file, rules, tokenizer)
+                tensors = iter_gguf_tensors(file, config, rules)
+                write_cache(self.cache, self.path, config, tensors, tokenizer)
             except ModelLoadError:  # the file cannot be converted (an OSError too): no fallback
                 raise
             except OSError as exc:  # the cache cannot be written: convert on every load instead
@@ -413,105 +276,4 @@ class GGUFConversion:
                 )
                 tensors = iter_gguf_tensors(file, config, rules)
                 return tensors if shard is None else shard.take_all(tensors)
-        return _iter_cached(self.cache / _WEIGHTS_FILE, shard)
-
-
-# ---------------------------------------------------------------------- pitstop cache
-@attrs.frozen
-class CacheEntry:
-    """One converted GGUF file in the cache."""
-
-    key: str
-    path: Path
-    size_bytes: int
-    source: str  # the GGUF file it was converted from ("?" when unknown)
-    created: str
-    current: bool  # False: written by another cache version, never read again
-
-
-def cache_entries() -> list[CacheEntry]:
-    """Every entry of the GGUF cache, newest first."""
-    root = cache_root() / "gguf"
-    if not root.is_dir():
-        return []
-    entries = []
-    for folder in root.iterdir():
-        if not folder.is_dir() or folder.name == _DIGESTS or folder.name.startswith("."):
-            continue
-        try:
-            record = json.loads((folder / _SOURCE_FILE).read_text())
-        except (OSError, ValueError):
-            record = {}
-        entries.append(
-            CacheEntry(
-                key=folder.name,
-                path=folder,
-                size_bytes=_folder_size(folder),
-                source=str(record.get("source", "?")),
-                created=str(record.get("created", "?")),
-                current=folder.name.endswith(f"-v{CACHE_VERSION}") and bool(record),
-            )
-        )
-    return sorted(entries, key=lambda e: e.created, reverse=True)
-
-
-def clear_cache(keys: list[str] | None = None) -> tuple[int, int]:
-    """Delete the given entries (every entry, unfinished conversions and the hash memo
-    when ``keys`` is None); returns (entries removed, bytes freed)."""
-    root = cache_root() / "gguf"
-    if not root.is_dir():
-        return 0, 0
-    entries = {e.key: e for e in cache_entries()}
-    if keys is not None:
-        unknown = [k for k in keys if k not in entries]
-        if unknown:
-            raise ModelLoadError(
-                f"no cache entry {unknown[0]!r}; `pitstop cache list` shows the keys"
-            )
-        doomed = [entries[k].path for k in keys]
-    else:
-        doomed = [p for p in root.iterdir() if p.is_dir()]
-    count = sum(1 for p in doomed if p.name in entries)
-    freed = sum(_folder_size(p) for p in doomed)
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-    return count, freed
-
-
-def format_size(n: int) -> str:
-    """``517.3 MB``: bytes in decimal units, as ``du -h --si`` and file managers write them."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def _cmd_cache(args: Any) -> int:
-    if args.cache_command == "list":
-        entries = cache_entries()
-        print(
-            f"GGUF cache at {cache_root() / 'gguf'}: {len(entries)} entries, "
-            f"{format_size(sum(e.size_bytes for e in entries))}"
-        )
-        width = max((len(e.key) for e in entries), default=0)
-        for e in entries:
-            stale = "" if e.current else "  (stale: an older pitstop wrote it; clear it)"
-            print(
-                f"  {e.key:<{width}}  {format_size(e.size_bytes):>9}  {e.created:<24}  "
-                f"{e.source}{stale}"
-            )
-        return 0
-    count, freed = clear_cache(args.keys or None)
-    print(f"removed {count} cache entries, {format_size(freed)}, from {cache_root() / 'gguf'}")
-    return 0
-
-
-def add_subcommand(sub: Any) -> None:
-    """``pitstop cache list`` and ``pitstop cache clear [KEY...]``."""
-    p = sub.add_parser("cache", help="list or clear the cache of converted GGUF files")
-    cache_sub = p.add_subparsers(dest="cache_command", required=True)
-    cache_sub.add_parser("list", help="every cached conversion: key, size, date, source file")
-    clear = cache_sub.add_parser("clear", help="delete cached conversions (all unless keys given)")
-    clear.add_argument("keys", nargs="*", help="keys from `pitstop cache list` (default: all)")
-    p.set_defaults(func=_cmd_cache)
+        return iter_cached(self.cache, shard)
