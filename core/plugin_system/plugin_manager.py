@@ -392,6 +392,7 @@ class PluginManager:
             ("sampler", config.sampler),
             ("proposer", config.speculative),
             ("weights", config.weights),
+            ("grammar", config.grammar),
         ):
             if name is not None:
                 selected[kind] = self.get(kind, name)
@@ -461,6 +462,10 @@ class PluginManager:
     def create(
         self, kind: Literal["weights"], name: str, *args: Any, **kwargs: Any
     ) -> protocols.WeightFormat: ...
+    @overload
+    def create(
+        self, kind: Literal["grammar"], name: str, *args: Any, **kwargs: Any
+    ) -> protocols.GrammarBackend: ...
     @overload
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any: ...
 
