@@ -234,6 +234,14 @@ class EngineConfig:
             "dtype), fp8 (per-channel e4m3 weights, per-token activations)"
         ),
     )
+    grammar: str = attrs.field(
+        default="llguidance",
+        validator=_name,
+        metadata=_doc(
+            "grammar-backend plugin: structured outputs' compiler (JSON schema, regex, choice, "
+            "grammar), built at the first request that asks for them"
+        ),
+    )
 
     # --- KV cache
     page_size: int = attrs.field(

@@ -112,7 +112,7 @@ def test_bad_constraints_are_refused_where_they_enter(llm: LLM) -> None:
 
 
 def test_missing_library_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pitstop.requests.structured import import_llguidance
+    from pitstop.plugins.grammars.llguidance import import_llguidance
 
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(InvalidRequestError, match=r"pitstop\[structured\]"):
@@ -246,3 +246,12 @@ def test_whitespace_and_tag_options_are_checked_by_name() -> None:
         StructuredOutputs(json_object=True, backend="xgrammar")  # not a bare TypeError
     # vLLM's flag for "never fall back to another backend": pitstop has one, so it holds
     assert SamplingParams(structured_outputs={"regex": "a", "disable_fallback": True})
+
+
+def test_the_llguidance_backend_conforms_to_the_grammar_protocols(llm: LLM) -> None:
+    from pitstop.plugin_system.kinds import KINDS, lacks, missing_members
+    from pitstop.plugin_system.protocols import GrammarMatcher
+
+    backend = llm.engine.grammar_compiler()
+    assert missing_members(KINDS["grammar"], backend) == []
+    assert lacks(GrammarMatcher, backend.new_state(StructuredOutputs(regex="a"))) == []

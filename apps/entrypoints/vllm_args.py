@@ -183,8 +183,14 @@ REFUSED: Mapping[str, str] = {
     "compilation_config": "pitstop's is enforce_eager (CUDA graphs for decode on or off)",
     "cuda_graph_sizes": "pitstop's is enforce_eager (CUDA graphs for decode on or off)",
     "max_seq_len_to_capture": "pitstop's is enforce_eager (CUDA graphs for decode on or off)",
-    "structured_outputs_config": "pitstop has one grammar backend; leave it out",
-    "guided_decoding_backend": "pitstop has one grammar backend; leave it out",
+    "structured_outputs_config": (
+        "pitstop's is grammar=NAME (a grammar-backend plugin; the default llguidance is "
+        "vLLM's 'guidance')"
+    ),
+    "guided_decoding_backend": (
+        "pitstop's is grammar=NAME (a grammar-backend plugin; the default llguidance is "
+        "vLLM's 'guidance')"
+    ),
     "kv_transfer_config": "pitstop has no KV transfer between engines",
     "served_model_name": "pitstop's is pitstop serve --served-model-name",
     "enable_sleep_mode": "pitstop has no sleep mode",

@@ -62,8 +62,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 async def _build_grammar_compiler(state: AppState) -> None:
-    """Build llguidance's view of the tokenizer before the port opens (seconds), so that no
-    stream waits on it at the first structured request; skipped without llguidance."""
+    """Build the grammar backend (llguidance's view of the tokenizer: seconds) before the port
+    opens, so that no stream waits on it at the first structured request; skipped without
+    its library."""
     try:
         await asyncio.to_thread(state.llm.engine.grammar_compiler)
     except InvalidRequestError as exc:  # no tokenizer, or llguidance is not installed

@@ -113,7 +113,7 @@ async def check_structured(
     """Compile the request's structured-output constraint on a worker thread before it is
     queued (the engine then finds it compiled): one that does not compile, or matches no
     text at all, is a 400 naming ``structured_param``. The first such request builds the
-    llguidance tokenizer there too, unless the server built it at start-up."""
+    grammar backend there too, unless the server built it at start-up."""
     spec = params.structured_outputs
     if spec is None:
         return

@@ -49,13 +49,13 @@ from pitstop.loop.engine_intake import RequestIntake
 from pitstop.loop.engine_results import InFlightStep, StepResults
 from pitstop.loop.gc_heap import freeze_startup_heap, reclaim_frozen, thaw_heap
 from pitstop.loop.memory import check_fits, check_max_model_len_fits
+from pitstop.plugin_system.grammar import GrammarBackend
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.requests.bad_words import blocked_now
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.request_state import RequestState, SampleState
 from pitstop.requests.sampling import RowInputs
 from pitstop.requests.sequence import Sequence, SequenceStatus
-from pitstop.requests.structured import GrammarCompiler
 from pitstop.runner.memory_plan import kv_bytes_per_page, pages_asked, resolve_device, resolve_dtype
 from pitstop.runner.model_runner import ModelRunner
 from pitstop.runner.verify_graphs import capture_verify_graphs
@@ -185,7 +185,7 @@ class LLMEngine(RequestIntake, StepResults):
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
         self._samples: dict[int, SampleState] = {}  # by sequence id: each one's record
-        self._grammars: GrammarCompiler | None = None  # built at the first structured request
+        self._grammars: GrammarBackend | None = None  # built at the first structured request
         self._grammars_lock = threading.Lock()  # grammar_compiler() runs on other threads
         self._ids = itertools.count()
         # Sequence ids count from 0 in every engine, so an engine behaves the same whatever ran
@@ -213,25 +213,6 @@ class LLMEngine(RequestIntake, StepResults):
             thaw_heap()
 
     # ------------------------------------------------------------------ requests
-    def grammar_compiler(self) -> GrammarCompiler:
-        """The structured-output compiler of this engine's tokenizer, built on first use
-        (seconds: llguidance reads the whole vocabulary). Thread-safe, so a server can build
-        it at start-up and check a request's constraint on its own threads before the
-        request is queued; the engine then finds both ready. InvalidRequestError without a
-        tokenizer or without llguidance."""
-        from pitstop.errors import InvalidRequestError
-
-        if self._grammars is not None:
-            return self._grammars
-        if self.tokenizer is None:
-            raise InvalidRequestError(
-                "structured_outputs needs the model's tokenizer; this model has none"
-            )
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size)
-        return self._grammars
-
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
         return bool(self._requests)

@@ -9,13 +9,17 @@ inherits it): its methods read and write the engine's request tables, built in
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence as Seq
 
 import attrs
 
 from pitstop.config import EngineConfig
 from pitstop.errors import InvalidRequestError
+from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.tokenizer import Tokenizer
+from pitstop.plugin_system.grammar import GrammarBackend
+from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import AllocatorBase, SamplerBase
 from pitstop.requests.bad_words import bad_word_token_ids
 from pitstop.requests.detokenizer import IncrementalDetokenizer
@@ -24,7 +28,6 @@ from pitstop.requests.request_state import RequestState, SampleState
 from pitstop.requests.request_validation import validate_request
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence, Timestamps
-from pitstop.requests.structured import GrammarCompiler
 from pitstop.requests.validation import SEED_MODULUS, check_encoded_prompt
 
 
@@ -33,9 +36,37 @@ class RequestIntake:
 
     # the engine's own, set in LLMEngine.__init__
     config: EngineConfig
+    plugins: PluginManager
+    model_config: ModelConfig
     tokenizer: Tokenizer | None
     _requests: dict[str, RequestState]
     _samples: dict[int, SampleState]
+    _grammars: GrammarBackend | None
+    _grammars_lock: threading.Lock
+
+    def grammar_compiler(self) -> GrammarBackend:
+        """The structured-output compiler of this engine's tokenizer: the grammar backend
+        ``config.grammar`` names, built on first use (llguidance's takes seconds: it reads
+        the whole vocabulary). Thread-safe, so a server can build it at start-up and check a
+        request's constraint on its own threads before the request is queued; the engine
+        then finds both ready. InvalidRequestError without a tokenizer or (llguidance)
+        without its package."""
+        if self._grammars is not None:
+            return self._grammars
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "structured_outputs needs the model's tokenizer; this model has none"
+            )
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = self.plugins.create(
+                    "grammar",
+                    self.config.grammar,
+                    self.config,
+                    self.tokenizer,
+                    self.model_config.vocab_size,
+                )
+        return self._grammars
 
     def add_request(
         self,
@@ -161,15 +192,8 @@ class RequestIntake:
         assert max_len is not None
         grammars = None
         if params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "structured_outputs needs the model's tokenizer; this model has none"
-                )
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size)
-            grammars = [
-                self._grammars.new_state(params.structured_outputs) for _ in range(params.n)
-            ]
+            backend = self.grammar_compiler()
+            grammars = [backend.new_state(params.structured_outputs) for _ in range(params.n)]
         bad_words = ()
         if params.bad_words:
             bad_words = bad_word_token_ids(self.tokenizer, params.bad_words)

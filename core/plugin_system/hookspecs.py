@@ -118,6 +118,16 @@ def register_tool_parsers(register: Register) -> None:
 
 
 @hookspec
+def register_grammars(register: Register) -> None:
+    """Register grammar backends: structured outputs' compilers (JSON schema, regex, ...).
+
+    Called once when plugins load (factory: ``KINDS["grammar"]``). The config's
+    ``grammar`` setting picks one by name (default ``llguidance``); the engine
+    builds it at the first request that asks for structured outputs.
+    """
+
+
+@hookspec
 def register_commands(register: Register) -> None:
     """Register subcommands of the ``pitstop`` command.
 

@@ -95,6 +95,13 @@ KINDS: dict[str, Kind] = {
             protocols.ToolParser,
             "--tool-call-parser (pitstop serve)",
         ),
+        Kind(
+            "grammar",
+            "register_grammars",
+            "factory(config: EngineConfig, tokenizer: Tokenizer, vocab_size: int) -> GrammarBackend",
+            protocols.GrammarBackend,
+            "grammar",
+        ),
     )
 }
 

@@ -392,6 +392,7 @@ class PluginManager:
             ("sampler", config.sampler),
             ("proposer", config.speculative),
             ("weights", config.weights),
+            ("grammar", config.grammar),
         ):
             if name is not None and (kinds is None or kind in kinds):
                 selected[kind] = self.get(kind, name)
@@ -466,6 +467,10 @@ class PluginManager:
     def create(
         self, kind: Literal["source"], name: str, *args: Any, **kwargs: Any
     ) -> protocols.ModelSourceReader: ...
+    @overload
+    def create(
+        self, kind: Literal["grammar"], name: str, *args: Any, **kwargs: Any
+    ) -> protocols.GrammarBackend: ...
     @overload
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any: ...
 

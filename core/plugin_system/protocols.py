@@ -28,6 +28,7 @@ import torch
 
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.ground.metrics import AllocatorStats  # noqa: F401  (home: ground.metrics)
+from pitstop.plugin_system.grammar import GrammarBackend, GrammarMatcher  # noqa: F401  (home)
 from pitstop.plugin_system.weight_format import KeepsBlocks, WeightFormat  # noqa: F401  (home: short)
 from pitstop.requests.sampling_batch import SamplerOutput, SamplingBatch  # noqa: F401  (home)
 from pitstop.requests.sequence import Sequence

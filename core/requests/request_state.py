@@ -12,6 +12,7 @@ with each sample's delta since the last output.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -25,7 +26,9 @@ from pitstop.requests.outputs import (
 )
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence
-from pitstop.requests.structured import GrammarState
+
+if TYPE_CHECKING:
+    from pitstop.plugin_system.grammar import GrammarMatcher
 
 
 @attrs.define(eq=False)
@@ -36,7 +39,7 @@ class SampleState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
     request_id: str = ""
-    grammar: GrammarState | None = None
+    grammar: GrammarMatcher | None = None
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None

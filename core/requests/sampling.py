@@ -23,10 +23,9 @@ from pitstop.requests.sampling_params import (  # noqa: F401  (SAMPLING_EPS re-e
     SamplingParams,
     processor_arity,
 )
-from pitstop.requests.structured import apply_bitmask
 
 if TYPE_CHECKING:
-    from pitstop.requests.structured import GrammarState
+    from pitstop.plugin_system.grammar import GrammarMatcher
 
 
 def is_greedy(params: SamplingParams) -> bool:
@@ -83,7 +82,7 @@ class RowInputs:
     history: list[int] | None = None
     num_prompt_tokens: int = 0
     blocked_token_ids: tuple[int, ...] = ()
-    grammar: GrammarState | None = None
+    grammar: GrammarMatcher | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     logits_processors: tuple[Any, ...] = ()
     prompt_ids: tuple[int, ...] = ()
@@ -198,7 +197,7 @@ def make_step_inputs(
     bitmask = None
     first = next((g for g in states if g is not None), None)
     if first is not None:
-        bitmask = to_device(first.compiler.bitmask(states), torch.int32, device)
+        bitmask = to_device(first.backend.bitmask(states), torch.int32, device)
     allowed = None
     if any(r is not None and r.allowed_token_ids is not None for r in rows):
         mask = torch.ones(len(rows), vocab_size, dtype=torch.bool)
@@ -299,6 +298,20 @@ def make_sampling_batch(
         # -1 when some row keeps every token (its k becomes the vocabulary size)
         max_top_k=-1 if any(k < 1 for k in top_k) else max(top_k, default=-1),
     )
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[B, V]`` with every token whose bit is 0 in ``bitmask`` set to -inf.
+
+    ``bitmask`` is a grammar backend's ``[B, ceil(V / 32)]`` int32 words (bit ``j``
+    of word ``w`` allows token ``32 * w + j``). Runs on the logits' device, for the
+    whole batch at once: the words are expanded into bits with one shift-and-mask.
+    """
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _mask_bitmask(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

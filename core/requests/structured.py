@@ -1,52 +1,30 @@
 """Structured outputs: constrain generated text to a JSON schema, a regex, a choice or a grammar.
 
-pitstop uses `llguidance <https://github.com/guidance-ai/llguidance>`_ (a
-maintained Rust library with CPU wheels on PyPI and no Python dependencies
-beyond numpy/torch, which pitstop has anyway): it computes the mask of
-allowed next tokens from a grammar over the model's tokenizer in tens of
-microseconds, fills it for a whole batch at once on its own threads
-(:func:`llguidance.torch.fill_next_token_bitmask_par`), and can roll its
-state back. It is imported lazily: a request that asks for structured
-outputs without it installed gets an :class:`InvalidRequestError` that says
-``pip install 'pitstop[structured]'``.
+This module is the request side: :class:`StructuredOutputs` (in
+``SamplingParams``) and its checks, made where a request enters: exactly one
+of ``json`` (a schema, as a dict or JSON text), ``json_object`` (any JSON
+object), ``regex``, ``choice`` (one of a list of strings), ``grammar`` (Lark,
+llguidance's dialect, or GBNF, llama.cpp's and vLLM's) or ``structural_tag``
+(vLLM's object: JSON schemas between begin and end tags inside free text).
+JSON takes vLLM's whitespace options (``disable_any_whitespace``,
+``whitespace_pattern``) and ``disable_additional_properties``.
 
-The pieces:
-
-- :class:`StructuredOutputs`, the request side (in ``SamplingParams``):
-  exactly one of ``json`` (a schema, as a dict or JSON text),
-  ``json_object`` (any JSON object), ``regex``, ``choice`` (one of a list of
-  strings), ``grammar`` (Lark, llguidance's dialect, or GBNF, llama.cpp's
-  and vLLM's: converted by llguidance's own converter) or
-  ``structural_tag`` (vLLM's object: JSON schemas between begin and end tags
-  inside free text). JSON takes vLLM's whitespace options
-  (``disable_any_whitespace``, ``whitespace_pattern``) and
-  ``disable_additional_properties``.
-- :class:`GrammarCompiler`, one per engine: turns a spec into a compiled
-  matcher once per distinct spec (an LRU cache; a request gets a deep copy),
-  and fills one step's token bitmask for every constrained row.
-- :class:`GrammarState`, one per constrained sequence: the matcher that
-  follows the sequence's accepted tokens.
+The compiler is a plugin of the ``grammar`` kind
+(:mod:`pitstop.plugin_system.grammar`: a backend makes one matcher per
+constrained sample and fills each step's allowed-token bitmask), picked by
+``EngineConfig.grammar``; ``llguidance`` is shipped
+(``pitstop.plugins.grammars.llguidance``).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
-import warnings
-from collections import OrderedDict
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
-from pitstop.errors import InvalidRequestError
 from pitstop.errors import fail_request as _fail
-
-if TYPE_CHECKING:  # torch is imported where a mask is built: SamplingParams must not need it
-    import torch
-
-INSTALL_HINT = "pip install 'pitstop[structured]' (it installs llguidance)"
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -81,8 +59,8 @@ class StructuredOutputs:
     (a regex) the whitespace it matches, ``disable_any_whitespace`` none at
     all (``","``, ``":"``). ``disable_additional_properties`` adds
     ``"additionalProperties": false`` to every object schema that does not
-    say. ``disable_fallback`` is accepted for vLLM code (pitstop has one
-    backend and never falls back).
+    say. ``disable_fallback`` is accepted for vLLM code (pitstop never falls
+    back to another backend).
     """
 
     json: dict[str, Any] | str | None = None
@@ -204,85 +182,21 @@ class StructuredOutputs:
         ]
         return json.dumps([self.kind, value, options], sort_keys=True, ensure_ascii=False)
 
-    def json_options(self) -> dict[str, Any]:
-        """llguidance's JSON compile options for this constraint's whitespace settings."""
-        if self.disable_any_whitespace:
-            return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-        if self.whitespace_pattern is not None:
-            return {"whitespace_flexible": True, "whitespace_pattern": self.whitespace_pattern}
-        if self.whitespace_flexible:
-            return {"whitespace_flexible": True}
-        # as json.dumps writes it: no run of blanks for a small model to loop in
-        return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    def json_schema(self) -> Any:
+        """The schema a ``json`` or ``json_object`` constraint compiles: ``json`` (parsed from
+        its text) or ``{"type": "object"}``, closed by ``disable_additional_properties``."""
+        schema: Any = {"type": "object"} if self.json_object else self.json
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        return closed_objects(schema) if self.disable_additional_properties else schema
 
-    def grammar_as_lark(self) -> str:
-        """``grammar`` in Lark syntax (a GBNF grammar converted); a parse error names the syntax."""
+    def syntax(self) -> str:
+        """The syntax ``grammar`` is written in: ``grammar_syntax``, or (``"auto"``) the one
+        its rule heads say (:func:`detect_grammar_syntax`)."""
         assert self.grammar is not None
-        syntax = self.grammar_syntax
-        if syntax == "auto":
-            syntax = detect_grammar_syntax(self.grammar)
-        if syntax == "lark":
-            return self.grammar
-        from llguidance.gbnf_to_lark import gbnf_to_lark
-
-        try:
-            return gbnf_to_lark(self.grammar)
-        except Exception as exc:  # GbnfToLarkError, or a converter bug on odd input
-            raise InvalidRequestError(
-                "structured_outputs.grammar is not valid GBNF (read as GBNF because "
-                + (
-                    "grammar_syntax is 'gbnf'"
-                    if self.grammar_syntax == "gbnf"
-                    else "its rules are written 'name ::= ...'"
-                )
-                + f"): {exc}; fix the grammar, or send Lark ('start: ...') with "
-                "grammar_syntax 'lark'"
-            ) from None
-
-    def to_grammar(self, llguidance: Any) -> str:
-        """The llguidance grammar text of this constraint."""
-        matcher = llguidance.LLMatcher
-        if self.kind in ("json", "json_object"):
-            schema: Any = {"type": "object"} if self.json_object else self.json
-            if isinstance(schema, str):
-                schema = json.loads(schema)
-            if self.disable_additional_properties:
-                schema = closed_objects(schema)
-            return matcher.grammar_from_json_schema(
-                json.dumps(schema), defaults=self.json_options()
-            )
-        if self.kind == "regex":
-            return matcher.grammar_from_regex(self.regex)
-        if self.kind == "choice":
-            assert self.choice is not None
-            return matcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
-            )
-        if self.kind == "structural_tag":
-            tags = [
-                llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end)
-                for trigger, begin, schema, end in structural_tag_of(self.structural_tag)
-            ]
-            # Triggers are matched as text: "<tool_call>" is not assumed to be a special token.
-            return matcher.grammar_from_lark(
-                llguidance.StructTag.to_grammar(tags, assume_special=False)
-            )
-        return matcher.grammar_from_lark(self.grammar_as_lark())
-
-    def syntax_hint(self) -> str:
-        """How a compile error names what was expected (``Lark`` or ``GBNF`` for a grammar)."""
-        if self.kind != "grammar":
-            return ""
-        assert self.grammar is not None
-        syntax = self.grammar_syntax
-        if syntax == "auto":
-            syntax = detect_grammar_syntax(self.grammar)
-        if syntax == "gbnf":
-            return " (GBNF, converted to Lark by llguidance)"
-        return (
-            " (read as Lark, llguidance's dialect: rules 'name: ...' starting at 'start'; a GBNF "
-            "grammar writes 'root ::= ...', or say grammar_syntax 'gbnf')"
-        )
+        if self.grammar_syntax != "auto":
+            return self.grammar_syntax
+        return detect_grammar_syntax(self.grammar)
 
 
 def detect_grammar_syntax(grammar: str) -> str:
@@ -378,153 +292,3 @@ def structured_outputs_of(value: Any) -> StructuredOutputs | None:
         f"{type(value).__name__}"
     )
     return None  # unreachable
-
-
-def import_llguidance() -> Any:
-    """The ``llguidance`` module (with its ``hf`` and ``torch`` parts), or a clear error."""
-    try:
-        with warnings.catch_warnings():  # its torch helpers use the deprecated torch.jit.script
-            warnings.simplefilter("ignore", DeprecationWarning)
-            import llguidance
-            import llguidance.hf
-            import llguidance.torch
-    except ImportError as exc:
-        raise InvalidRequestError(
-            f"structured outputs need the llguidance package, which is not installed ({exc}); "
-            f"{INSTALL_HINT}"
-        ) from None
-    return llguidance
-
-
-class GrammarState:
-    """One sequence's matcher: it follows the accepted tokens and says what may come next."""
-
-    def __init__(self, matcher: Any, key: str, compiler: GrammarCompiler) -> None:
-        self.matcher = matcher
-        self.key = key
-        self.compiler = compiler  # fills the bitmask of a step's constrained rows
-
-    def accept(self, token_id: int) -> None:
-        """Advance over an accepted token; raises when the grammar refuses it."""
-        if not self.matcher.consume_token(int(token_id)):
-            raise InvalidRequestError(
-                f"the structured-output grammar refused token {token_id}: "
-                f"{self.matcher.get_error() or 'not allowed here'}"
-            )
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens."""
-        if num_tokens > 0:
-            self.matcher.rollback(int(num_tokens))
-
-    @property
-    def is_finished(self) -> bool:
-        """Whether the grammar is complete and allows nothing more (the request stops)."""
-        return bool(self.matcher.is_stopped())
-
-
-class GrammarCompiler:
-    """Compiles constraints for one tokenizer (once per distinct constraint) and fills bitmasks.
-
-    ``vocab_size`` is the width of the model's logits (it may exceed the
-    tokenizer's vocabulary; the extra ids are never allowed).
-    """
-
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, *, cache_size: int = 256) -> None:
-        self.llguidance = import_llguidance()
-        self.vocab_size = int(vocab_size)
-        self.tokenizer = self.llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size)
-        self.cache_size = int(cache_size)
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
-        self._cache_lock = threading.Lock()  # the server compiles on its threads (check())
-        self._executor = self.llguidance.LLExecutor()
-        self.compilations = 0  # how many constraints were compiled (cache misses)
-
-    def new_state(self, spec: StructuredOutputs) -> GrammarState:
-        """A fresh matcher for ``spec``; a bad schema or regex raises InvalidRequestError."""
-        key = spec.cache_key()
-        with self._cache_lock:
-            template = self._compiled.get(key)
-            if template is not None:
-                self._compiled.move_to_end(key)
-        if template is None:
-            template = self._compile(spec)  # outside the lock: it may take a while
-            with self._cache_lock:
-                self._compiled[key] = template
-                self.compilations += 1
-                while len(self._compiled) > self.cache_size:
-                    self._compiled.popitem(last=False)
-        return GrammarState(template.deep_copy(), key, self)
-
-    def check(self, spec: StructuredOutputs) -> None:
-        """Compile ``spec`` (into the cache, so the engine finds it compiled) and refuse one
-        that matches no text at all: its matcher fails, or allows no first token and is not
-        complete (``root ::= root``, a ``$ref`` cycle). Raises InvalidRequestError naming it.
-
-        A constraint whose every text is infinite (``start: "a" start``) is not detected
-        here: its requests end at ``max_tokens`` (``finish_reason: "length"``)."""
-        state = self.new_state(spec)
-        matcher = state.matcher
-        mask = matcher.compute_bitmask()  # the first position's allowed tokens
-        error = (matcher.get_error() or "").strip() if matcher.is_error() else ""
-        allowed = any(mask) if isinstance(mask, bytes | bytearray) else bool(mask)
-        if error or (not allowed and not matcher.is_accepting()):
-            reason = error.split("\n", 1)[0][:200]  # llguidance appends its whole state
-            raise InvalidRequestError(
-                f"structured_outputs.{spec.kind} matches no text at all"
-                + (f" (llguidance: {reason})" if reason else "")
-                + "; a rule or $ref that only refers to itself, or a cycle of them, can never "
-                "end: give it a case that does not recurse"
-            )
-
-    def _compile(self, spec: StructuredOutputs) -> Any:
-        lg = self.llguidance
-        hint = spec.syntax_hint()
-        try:
-            grammar = spec.to_grammar(lg)
-        except InvalidRequestError:
-            raise
-        except Exception as exc:  # the library's own parse errors
-            raise InvalidRequestError(
-                f"structured_outputs.{spec.kind} could not be compiled{hint}: {exc}"
-            ) from None
-        message = lg.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if message and not message.startswith("WARNING"):
-            raise InvalidRequestError(
-                f"structured_outputs.{spec.kind} is not a valid constraint{hint}: {message}"
-            )
-        matcher = lg.LLMatcher(self.tokenizer, grammar)
-        if matcher.is_error():
-            raise InvalidRequestError(
-                f"structured_outputs.{spec.kind} is not a valid constraint{hint}: "
-                f"{matcher.get_error()}"
-            )
-        return matcher
-
-    def bitmask(self, states: Sequence[GrammarState | None]) -> torch.Tensor:
-        """The ``[rows, ceil(V / 32)]`` int32 allowed-token bitmask of one step (on the host).
-
-        Rows without a constraint allow every token (all bits set); the
-        constrained rows are filled in parallel by llguidance.
-        """
-        mask = self.llguidance.torch.allocate_token_bitmask(len(states), self.vocab_size)
-        mask.fill_(-1)
-        rows = [(s.matcher, i) for i, s in enumerate(states) if s is not None]
-        if rows:
-            self.llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, mask)
-        return mask
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` ``[B, V]`` with every token whose bit is 0 in ``bitmask`` set to -inf.
-
-    Runs on the logits' device, for the whole batch at once: the int32 words
-    are expanded into bits with one shift-and-mask.
-    """
-    import torch
-
-    vocab = logits.shape[-1]
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1
-    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
-    return logits.masked_fill(~allowed, float("-inf"))
