@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hypothesis
-from pitstop_example import LifoAllocator, LifoSettings, make_lifo
+from pitstop_example import LifoAllocator, make_lifo
 
 from pitstop import EngineConfig
 from pitstop.testing.allocator import allocator_state_machine, check_allocator
@@ -21,7 +21,7 @@ TestLifoAllocatorContract.settings = hypothesis.settings(
 # 2. or one call inside a test, with its own settings
 def test_lifo_meets_the_allocator_contract() -> None:
     check_allocator(
-        lambda: make_lifo(EngineConfig(page_size=2), 20, settings=LifoSettings()),
+        lambda: make_lifo(EngineConfig(page_size=2), 20),
         settings=hypothesis.settings(max_examples=20, deadline=None),
     )
 

@@ -44,7 +44,7 @@ import pitstop.entrypoints.engine_args
 from pitstop.entrypoints.engine_args import config_from_cli
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
 from pitstop.plugin_system.protocols import AllocatorStats
-from pitstop.plugin_system.settings import setting
+from pitstop.plugin_system.settings import read_settings, setting
 from pitstop_example import bigram, int8, npz, recall, sdpa, sjf
 
 FINISHED: Counter[str] = Counter()
@@ -148,11 +148,9 @@ class LifoSettings:
     )
 
 
-def make_lifo(
-    config: pitstop.EngineConfig, num_pages: int, *, settings: LifoSettings
-) -> LifoAllocator:
-    """Paged KV cache that reuses the most recently freed page first; ``settings`` are its
-    declared ones, as the plugin manager resolved them from the config."""
+def make_lifo(config: pitstop.EngineConfig, num_pages: int) -> LifoAllocator:
+    """Paged KV cache that reuses the most recently freed page first."""
+    settings = read_settings(config, "lifo", LifoSettings)
     if settings.max_pages is not None:
         num_pages = min(num_pages, settings.max_pages)
     return LifoAllocator(num_pages, config.page_size)
