@@ -20,6 +20,7 @@ from test_engine import (
 )
 
 from pitstop import LLM, EngineConfig
+from pitstop.entrypoints.engine_args import engine_config
 from pitstop.errors import ConfigError
 from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
@@ -52,7 +53,7 @@ def test_a_bad_name_is_refused_before_anything_loads() -> None:
         ConfigError, match="kv_cache_dtype must be one of .*'fp8_e4m3'.*got 'fp8_inc'"
     ):
         EngineConfig(kv_cache_dtype="fp8_inc")
-    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # vLLM's word
+    assert engine_config(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # vLLM's word
 
 
 def test_a_torch_without_fp8_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.chat import render_chat
-from pitstop.entrypoints.engine_args import engine_config
+from pitstop.entrypoints.engine_args import engine_config, setting_value
 from pitstop.errors import InvalidRequestError
 from pitstop.loading.tokenizer import Tokenizer
 from pitstop.loop.engine import LLMEngine
@@ -61,7 +61,10 @@ def reference_config(config: EngineConfig, kv_cache_dtype: str = "auto") -> Engi
     fp8 cache under test is measured against the unquantized one); ``"same"`` keeps
     ``config``'s (to check a kernel set on the same cache format).
     """
-    kept = {name: getattr(config, name) for name in KEPT_SETTINGS}
+    kept = {
+        name: setting_value(config, name) if name == "max_prefill_batch" else getattr(config, name)
+        for name in KEPT_SETTINGS
+    }
     kept["kv_cache_dtype"] = config.kv_cache_dtype if kv_cache_dtype == "same" else kv_cache_dtype
     return engine_config(**kept, **REFERENCE_SETTINGS, poison_memory=True)
 
