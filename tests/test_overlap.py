@@ -305,7 +305,7 @@ def test_split_forward_of_piecewise_graphs_matches(tiny: Path, scheduler: str) -
     llm = LLM(str(tiny), **_settings(scheduler=scheduler, overlap="on"))
     runner = llm.engine.runner
     assert supports_piecewise(runner.model)
-    runner.mixed_graphs = PiecewiseGraphs(runner, max_tokens=128, capture=False)
+    runner.mixed_graphs = PiecewiseGraphs(runner.forward_parts(), max_tokens=128, capture=False)
     calls = {"n": 0}
     run = runner.mixed_graphs.run
 

@@ -473,8 +473,11 @@ class LLMEngine:
         """For ``prompt_logprobs``: the prompt tokens the chunk ``[begin, end)`` of ``seq`` predicts."""
         k = seq.sampling_params.prompt_logprobs
         last = seq.num_prompt_tokens - 1  # position last predicts the first output token
+        if k is None or begin >= last:
+            return {}
         sample = self.requests.sample(seq.seq_id)
-        if k is None or begin >= last or sample is None or sample.index != 0:
+        assert sample is not None
+        if sample.index != 0:
             return {}
         return {
             "prompt_targets": seq.prompt_token_ids[begin + 1 : min(end, last) + 1],
