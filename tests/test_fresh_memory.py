@@ -102,7 +102,7 @@ def test_every_engine_numbers_its_sequences_from_zero(tiny) -> None:
     for _ in range(2):
         llm = _tiny_llm(tiny)
         llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY6)
-        assert next(llm.engine._seq_ids) == 1
+        assert llm.engine.requests.new_seq_id() == 1
 
 
 def test_the_kv_cache_and_runner_buffers_start_poisoned(tiny) -> None:

@@ -115,7 +115,8 @@ def test_a_third_party_grammar_backend_is_picked_by_name(tmp_path: Path) -> None
     llm = LLM(str(folder), device="cpu", grammar="first-choice", max_num_pages=64, plugins=pm)
     free = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate("Hello", free, use_tqdm=False)
-    assert BUILT == [] and llm.engine._grammars is None  # built at the first structured request
+    # built at the first structured request
+    assert BUILT == [] and llm.engine.intake.grammars is None
 
     choice = SamplingParams(
         temperature=1.0, seed=1, max_tokens=20, structured_outputs={"choice": ["blue sky", "x"]}
@@ -123,7 +124,7 @@ def test_a_third_party_grammar_backend_is_picked_by_name(tmp_path: Path) -> None
     outs = llm.generate(["Colour:", "Sky:"], [choice, free], use_tqdm=False)
     assert outs[0].outputs[0].text == "blue sky" and outs[0].outputs[0].finish_reason == "stop"
     assert len(outs[1].outputs[0].token_ids) == 4  # the free row beside it ran unmasked
-    assert len(BUILT) == 1 and llm.engine._grammars is BUILT[0] and BUILT[0].rows_filled > 0
+    assert len(BUILT) == 1 and llm.engine.intake.grammars is BUILT[0] and BUILT[0].rows_filled > 0
 
     with pytest.raises(InvalidRequestError, match="not supported by the first-choice backend"):
         llm.generate("x", SamplingParams(structured_outputs={"regex": "a+"}))

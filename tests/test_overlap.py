@@ -152,17 +152,42 @@ def test_eos_matches(tiny: Path) -> None:
     assert results[0][2][2] == "stop"
 
 
+def _track_in_flight(engine: LLMEngine) -> list[Any]:
+    """Wrap the runner's launch; the list returned holds the steps launched whose results
+    the engine has not asked for yet (those in flight)."""
+    in_flight: list[Any] = []
+    launch = engine.runner.launch
+
+    def tracked(step: Any) -> Any:
+        handle = launch(step)
+        in_flight.append(step)
+        result = handle.result
+
+        def applied() -> Any:
+            if any(s is step for s in in_flight):
+                in_flight.remove(step)
+            return result()
+
+        handle.result = applied
+        return handle
+
+    engine.runner.launch = tracked
+    return in_flight
+
+
 def _stream_all(engine: LLMEngine, abort_at: dict[int, str]) -> dict[str, list[RequestOutput]]:
     """Step until done, aborting ``abort_at[step]`` when that step comes; every output kept."""
     seen: dict[str, list[RequestOutput]] = {}
+    in_flight = _track_in_flight(engine)
     step = 0
     while engine.has_unfinished_requests():
         rid = abort_at.get(step)
-        if rid is not None and rid in engine._requests:
-            in_flight = engine._in_flight
+        req = engine.requests.get(rid) if rid is not None else None
+        if rid is not None and req is not None:
             if rid == "r3":  # really mid-flight: a launched step holds it
-                assert in_flight is not None
-                assert any(s.seq.request_id == rid for s in in_flight.scheduled)
+                seq_ids = {sample.seq.seq_id for sample in req.samples}
+                assert in_flight
+                assert any(inp.seq_id in seq_ids for s in in_flight for inp in s.seqs)
             final = engine.abort(rid)
             assert final is not None and final.finish_reason == "abort"
             seen.setdefault(rid, []).append(final)
@@ -280,7 +305,7 @@ def test_split_forward_of_piecewise_graphs_matches(tiny: Path, scheduler: str) -
     llm = LLM(str(tiny), **_settings(scheduler=scheduler, overlap="on"))
     runner = llm.engine.runner
     assert supports_piecewise(runner.model)
-    runner.mixed_graphs = PiecewiseGraphs(runner, max_tokens=128, capture=False)
+    runner.mixed_graphs = PiecewiseGraphs(runner.forward_parts(), max_tokens=128, capture=False)
     calls = {"n": 0}
     run = runner.mixed_graphs.run
 

@@ -273,7 +273,7 @@ def test_a_constraint_that_cannot_match_is_400_before_queueing(
 
 
 def test_the_grammar_tokenizer_is_built_before_serving(live: Live) -> None:
-    assert live.llm.engine._grammars is not None  # grammar_at_start: built by the lifespan
+    assert live.llm.engine.intake.grammars is not None  # grammar_at_start: built by the lifespan
     r = _post(live, "/v1/completions", _completion(guided_choice=["yes"]))
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "yes"
 

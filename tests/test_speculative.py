@@ -368,7 +368,7 @@ def test_verify_buffers_pad_each_sequence_and_keep_greedy_exact(tiny_target, pro
     )
     runner = llm.engine.runner
     _store_skipping_padding(runner.kernels)
-    graphs = VerifyGraphs(runner, max_batch=4, num_query=k + 1, capture=False)
+    graphs = VerifyGraphs(runner.forward_parts(), max_batch=4, num_query=k + 1, capture=False)
     assert graphs.sizes == [1, 2, 4]
     replays = []
     run = graphs.run
@@ -402,7 +402,9 @@ def test_verify_buffers_through_the_fused_kernels_keep_greedy_exact(tmp_path):
     plain, _ = _tiny_greedy(str(folder), prompts, **settings)
     llm = _tiny_llm(str(folder), speculative="ngram", speculative_min_accepted=0.0, **settings)
     assert llm.engine.runner.kernels.describe()["attention"] == "triton"
-    graphs = VerifyGraphs(llm.engine.runner, max_batch=4, num_query=5, capture=False)
+    graphs = VerifyGraphs(
+        llm.engine.runner.forward_parts(), max_batch=4, num_query=5, capture=False
+    )
     replays = []
     run = graphs.run
     graphs.run = lambda seqs: (replays.append(len(seqs)), run(seqs))[1]

@@ -87,7 +87,7 @@ def test_a_request_failing_mid_decode_keeps_the_others_streaming(tiny: Path) -> 
         )
     runner = engine.runner
     original = runner.launch
-    victim = engine._requests["r1"].samples[0].seq.seq_id
+    victim = engine.requests.get("r1").samples[0].seq.seq_id
     calls = {"n": 0}
 
     def launch(step):

@@ -91,7 +91,7 @@ def test_each_constraint_is_compiled_once(llm: LLM) -> None:
     spec = StructuredOutputs(regex=r"[a-c]{3}")
     params = SamplingParams(temperature=1.0, max_tokens=6, structured_outputs=spec, n=3)
     llm.generate(["one", "two"], params, use_tqdm=False)
-    compiler = llm.engine._grammars
+    compiler = llm.engine.intake.grammars
     assert compiler is not None
     before = compiler.compilations
     outs = llm.generate(["three"], params, use_tqdm=False)
@@ -199,7 +199,7 @@ def test_structural_tag_constrains_what_follows_a_trigger(llm: LLM) -> None:
         ],
         "triggers": ["<fn="],
     }
-    compiler = llm.engine._grammars
+    compiler = llm.engine.intake.grammars
     assert compiler is not None
     tokenizer = llm.engine.tokenizer
 

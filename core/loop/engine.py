@@ -26,9 +26,7 @@ the chosen objects directly; observer hooks fire at most once per step.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -39,7 +37,7 @@ import torch
 
 from pitstop.config import EngineConfig, resolve_max_model_len
 from pitstop.errors import ConfigError, WorkerDiedError
-from pitstop.ground.metrics import EngineStats
+from pitstop.ground.metrics import EngineStats, StepStats
 from pitstop.ground.poison import FreshPageTracker
 from pitstop.ground.step import SeqInput, StepInput
 from pitstop.loading.kv_cache_dtype import resolve_kv_cache_dtype
@@ -49,12 +47,13 @@ from pitstop.loop.engine_intake import RequestIntake
 from pitstop.loop.engine_results import InFlightStep, StepResults
 from pitstop.loop.gc_heap import freeze_startup_heap, reclaim_frozen, thaw_heap
 from pitstop.loop.memory import check_fits, check_max_model_len_fits
+from pitstop.loop.request_table import RequestTable
 from pitstop.plugin_system.grammar import GrammarBackend
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.requests.bad_words import blocked_now
 from pitstop.requests.outputs import RequestOutput
-from pitstop.requests.request_state import RequestState, SampleState
 from pitstop.requests.sampling import RowInputs
+from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence, SequenceStatus
 from pitstop.runner.memory_plan import kv_bytes_per_page, pages_asked, resolve_device, resolve_dtype
 from pitstop.runner.model_runner import ModelRunner
@@ -68,8 +67,10 @@ EngineLogitsObserver = Callable[[Seq[SeqInput], list[Sequence | None], Any], Non
 log = logging.getLogger(__name__)
 
 
-class LLMEngine(RequestIntake, StepResults):
-    """Owns the chosen strategies, the runner and every live request."""
+class LLMEngine:
+    """Owns the chosen strategies and the runner, and composes the loop's parts: the
+    request table (:attr:`requests`), the intake (:attr:`intake`) and the step results
+    (:attr:`results`)."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
         if config.freeze_gc:  # what engines dropped without close() left, before memory is sized
@@ -181,26 +182,48 @@ class LLMEngine(RequestIntake, StepResults):
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
-        self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
-        self._requests: dict[str, RequestState] = {}
-        self._samples: dict[int, SampleState] = {}  # by sequence id: each one's record
-        self._grammars: GrammarBackend | None = None  # built at the first structured request
-        self._grammars_lock = threading.Lock()  # grammar_compiler() runs on other threads
-        self._ids = itertools.count()
-        # Sequence ids count from 0 in every engine, so an engine behaves the same whatever ran
-        # before it in the process (ids are keys of the runner's per-sequence state).
-        self._seq_ids = itertools.count()
-        self._finished_seq_ids: list[int] = []  # gone since the last launch (runner forgets them)
-        self._reset_seq_ids: list[int] = []  # block tables rebuilt since the last launch
-        self._in_flight: InFlightStep | None = None
-        self._failed_outputs: list[RequestOutput] = []  # requests a failed step stopped
         self.overlap = {"on": True, "off": False}.get(config.overlap, self.device.type == "cuda")
         self.spec_policy = (
             SpeculationPolicy(config, self.stats) if self.proposer is not None else None
         )
-        self._step_observers = self.plugins.has_observers("on_step_finished")
-        self._request_observers = self.plugins.has_observers("on_request_finished")
+        request_observed = self.plugins.has_observers("on_request_finished")
+        self.requests = RequestTable(
+            release=self._release_sequence,
+            on_finished=self._request_finished if request_observed else None,
+        )
+        """The live requests and their samples (owned here; the parts below are handed it)."""
+        self.intake = RequestIntake(
+            self.requests,
+            self.allocator,
+            self.scheduler,
+            self.runner.sampler,
+            config=config,
+            model_config=mc,
+            tokenizer=self.tokenizer,
+            plugins=self.plugins,
+            stats=self.stats,
+            speculative=self.proposer is not None,
+        )
+        """Requests checked, tokenized and queued; aborts."""
+        step_observed = self.plugins.has_observers("on_step_finished")
+        self.results = StepResults(
+            self.requests,
+            self.allocator,
+            self.scheduler,
+            config=config,
+            stats=self.stats,
+            tokenizer=self.tokenizer,
+            eos_token_ids=frozenset(eos),
+            proposer=self.proposer,
+            spec_policy=self.spec_policy,
+            on_step=self._step_finished if step_observed else None,
+        )
+        """A launched step's results applied: tokens, stops, failures, outputs."""
+        self._step_in_flight: InFlightStep | None = None
+        """The loop's one state between two calls of :meth:`step`: the step it launched and
+        has not applied yet (under ``overlap``). Only :meth:`step` reads and writes it; the
+        rest of the loop gets the step as an argument."""
         if config.freeze_gc:  # last: everything start-up made lives as long as the engine
             freeze_startup_heap()
 
@@ -213,13 +236,70 @@ class LLMEngine(RequestIntake, StepResults):
             thaw_heap()
 
     # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Seq[int] | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request (text or token ids); returns its id. Bad input raises InvalidRequestError.
+
+        ``arrival_time`` (``time.perf_counter`` seconds) backdates the request's
+        arrival, for benchmark clients whose request was due before the engine
+        loop got to it (see :meth:`RequestIntake.add <pitstop.loop.engine_intake.RequestIntake.add>`).
+        """
+        return self.intake.add(
+            prompt,
+            params,
+            prompt_token_ids=prompt_token_ids,
+            request_id=request_id,
+            arrival_time=arrival_time,
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now, wherever it is, and free what it holds; returns its final output."""
+        return self.intake.abort(request_id)
+
+    def grammar_compiler(self) -> GrammarBackend:
+        """The structured-output compiler of this engine's tokenizer, built on first use
+        (thread-safe: see :meth:`RequestIntake.grammar_compiler
+        <pitstop.loop.engine_intake.RequestIntake.grammar_compiler>`)."""
+        return self.intake.grammar_compiler()
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The token ids that end a sequence (the model's and the tokenizer's)."""
+        return self.results.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.results.eos_token_ids = frozenset(ids)
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
-        return bool(self._requests)
+        return len(self.requests) > 0
 
     def live_sequences(self) -> dict[int, Sequence]:
         """The sequences of the unfinished requests, by the sequence id the runner knows (read only)."""
-        return {seq_id: sample.seq for seq_id, sample in self._samples.items()}
+        return self.requests.live_sequences()
+
+    def _release_sequence(self, seq: Sequence) -> None:
+        """A finished request's sample dropped: the proposer and the adaptation rule forget it."""
+        if self.proposer is not None:
+            self.proposer.release(seq)  # e.g. the draft model's own KV pages
+        if self.spec_policy is not None:
+            self.spec_policy.release(seq)
+
+    def _request_finished(self, output: RequestOutput) -> None:
+        """Tell the ``on_request_finished`` observers."""
+        self.plugins.hook.on_request_finished(engine=self, output=output)
+
+    def _step_finished(self, stats: StepStats) -> None:
+        """Tell the ``on_step_finished`` observers."""
+        self.plugins.hook.on_step_finished(engine=self, stats=stats)
 
     def observe_logits(self, observer: EngineLogitsObserver | None) -> None:
         """Hand the target model's logits of every step to ``observer`` (None: stop).
@@ -244,7 +324,7 @@ class LLMEngine(RequestIntake, StepResults):
     @property
     def num_unfinished_requests(self) -> int:
         """Requests waiting or running."""
-        return len(self._requests)
+        return len(self.requests)
 
     # ------------------------------------------------------------------ the step
     PREEMPTION_WARN_EVERY = 50
@@ -273,10 +353,8 @@ class LLMEngine(RequestIntake, StepResults):
         ``overlap`` the outputs are those of the previous step (see the
         module docstring).
         """
-        outputs, self._in_flight = self._advance(self._in_flight, stream)
-        if self._failed_outputs:
-            outputs.extend(self._failed_outputs)
-            self._failed_outputs = []
+        outputs, self._step_in_flight = self._advance(self._step_in_flight, stream)
+        outputs.extend(self.results.take_failed())
         return outputs
 
     def _advance(
@@ -293,16 +371,16 @@ class LLMEngine(RequestIntake, StepResults):
         if in_flight is not None and (speculating or in_flight.needs_host_tokens):
             # the proposer, a grammar's next mask or a processor reading the output tokens
             # needs the token still on the device
-            outputs = self._apply(in_flight, stream)
+            outputs = self.results.apply(in_flight, stream)
             in_flight = None
         launched = self._plan_and_launch(speculating, busy=in_flight is not None)
         if in_flight is not None:
-            outputs += self._apply(in_flight, stream)
+            outputs += self.results.apply(in_flight, stream)
         if launched is None:
             return outputs, None
         if self.overlap and not launched.verifies:
             return outputs, launched
-        outputs.extend(self._apply(launched, stream))
+        outputs.extend(self.results.apply(launched, stream))
         return outputs, None
 
     def _speculating(self) -> set[int]:
@@ -311,7 +389,7 @@ class LLMEngine(RequestIntake, StepResults):
             return set()
         decoding = (  # prompt work never needs drafts (nor the in-flight step drained for them)
             sample.seq
-            for sample in self._samples.values()
+            for sample in self.requests.samples()
             if sample.seq.status is SequenceStatus.RUNNING and sample.seq.num_uncomputed_tokens == 1
         )
         return self.spec_policy.plan_step(self.scheduler.num_running, decoding)
@@ -329,9 +407,9 @@ class LLMEngine(RequestIntake, StepResults):
         plan = self.scheduler.schedule()
         if plan.preempted:
             self._warn_preemptions(len(plan.preempted))
-            self._reset_seq_ids.extend(seq.seq_id for seq in plan.preempted)
+            self.requests.reset(seq.seq_id for seq in plan.preempted)
         if plan.is_empty:
-            if self._requests and not self.scheduler.has_work() and not busy:
+            if self.requests and not self.scheduler.has_work() and not busy:
                 raise RuntimeError("requests are live but the scheduler holds none of them")
             self._clear_drafts(proposed)
             return None
@@ -364,17 +442,15 @@ class LLMEngine(RequestIntake, StepResults):
                 )
             )
         self._clear_drafts(proposed)  # the inputs hold what verification reads of them
-        step = StepInput(
-            inputs, self._finished_seq_ids, self._reset_seq_ids, poison_pages=self._fresh_pages[:]
-        )
-        self._finished_seq_ids, self._reset_seq_ids = [], []
+        gone, reset = self.requests.take_runner_changes()
+        step = StepInput(inputs, gone, reset, poison_pages=self._fresh_pages[:])
         self._fresh_pages.clear()
         try:
             handle = self.runner.launch(step)
         except WorkerDiedError:
             raise  # a lost tensor-parallel rank fails the engine, not one request
         except Exception as exc:  # one request's bad value must not fail its neighbours
-            handle = self._isolate_failure(scheduled, inputs, exc)
+            handle = self.results.isolate_failure(self.runner, scheduled, inputs, exc)
         for s, inp in zip(scheduled, inputs, strict=True):
             seq = s.seq
             if not seq.is_finished and inp.num_logits == 1:
@@ -384,7 +460,7 @@ class LLMEngine(RequestIntake, StepResults):
 
     def _uses_processors(self, seq: Sequence) -> bool:
         """Whether ``seq``'s request uses penalties, min_tokens, a grammar or host tokens."""
-        sample = self._samples.get(seq.seq_id)
+        sample = self.requests.sample(seq.seq_id)
         return sample is not None and sample.uses_processors
 
     @staticmethod
@@ -397,7 +473,11 @@ class LLMEngine(RequestIntake, StepResults):
         """For ``prompt_logprobs``: the prompt tokens the chunk ``[begin, end)`` of ``seq`` predicts."""
         k = seq.sampling_params.prompt_logprobs
         last = seq.num_prompt_tokens - 1  # position last predicts the first output token
-        if k is None or begin >= last or self._samples[seq.seq_id].index != 0:
+        if k is None or begin >= last:
+            return {}
+        sample = self.requests.sample(seq.seq_id)
+        assert sample is not None
+        if sample.index != 0:
             return {}
         return {
             "prompt_targets": seq.prompt_token_ids[begin + 1 : min(end, last) + 1],
@@ -407,7 +487,8 @@ class LLMEngine(RequestIntake, StepResults):
     def _row_inputs(self, seq: Sequence) -> RowInputs | None:
         """What the sampler's penalties, min_tokens and grammar read for ``seq`` this step."""
         params = seq.sampling_params
-        sample = self._samples[seq.seq_id]
+        sample = self.requests.sample(seq.seq_id)
+        assert sample is not None
         blocked: tuple[int, ...] = ()
         if seq.num_output_tokens < params.min_tokens:
             eos = () if params.ignore_eos else tuple(self.eos_token_ids)
@@ -447,7 +528,7 @@ class LLMEngine(RequestIntake, StepResults):
         k = self.config.num_speculative_tokens
         seqs = [
             sample.seq
-            for sample in self._samples.values()
+            for sample in self.requests.samples()
             if sample.seq.status is SequenceStatus.RUNNING
             and sample.seq.num_uncomputed_tokens == 1
             and draft_room(sample.seq, k, self.config.max_model_len) > 0

@@ -2,9 +2,10 @@
 samples' sequences; a combination the chosen strategies cannot serve refused
 before it is queued; a request aborted.
 
-:class:`RequestIntake` is a part of :class:`~pitstop.loop.engine.LLMEngine` (which
-inherits it): its methods read and write the engine's request tables, built in
-``LLMEngine.__init__``.
+:class:`RequestIntake` is built by :class:`~pitstop.loop.engine.LLMEngine` from its
+request table, allocator, scheduler and sampler; it adds to and stops requests in
+that table (:class:`~pitstop.loop.request_table.RequestTable`), and owns the grammar
+backend, built at the first structured request.
 """
 
 from __future__ import annotations
@@ -16,11 +17,19 @@ import attrs
 
 from pitstop.config import EngineConfig
 from pitstop.errors import InvalidRequestError
+from pitstop.ground.metrics import EngineStats
 from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.tokenizer import Tokenizer
+from pitstop.loop.request_table import RequestTable
 from pitstop.plugin_system.grammar import GrammarBackend
 from pitstop.plugin_system.plugin_manager import PluginManager
-from pitstop.plugin_system.protocols import AllocatorBase, SamplerBase
+from pitstop.plugin_system.protocols import (
+    Allocator,
+    AllocatorBase,
+    Sampler,
+    SamplerBase,
+    Scheduler,
+)
 from pitstop.requests.bad_words import bad_word_token_ids
 from pitstop.requests.detokenizer import IncrementalDetokenizer
 from pitstop.requests.outputs import RequestOutput
@@ -32,17 +41,39 @@ from pitstop.requests.validation import SEED_MODULUS, check_encoded_prompt
 
 
 class RequestIntake:
-    """Adding and aborting requests (a part of :class:`~pitstop.loop.engine.LLMEngine`)."""
+    """Adding requests to ``requests`` (queued on ``scheduler``) and aborting them.
 
-    # the engine's own, set in LLMEngine.__init__
-    config: EngineConfig
-    plugins: PluginManager
-    model_config: ModelConfig
-    tokenizer: Tokenizer | None
-    _requests: dict[str, RequestState]
-    _samples: dict[int, SampleState]
-    _grammars: GrammarBackend | None
-    _grammars_lock: threading.Lock
+    ``sampler`` is the runner's (whether it applies logits processors);
+    ``speculative``: whether the engine speculates (what it then refuses).
+    """
+
+    def __init__(
+        self,
+        requests: RequestTable,
+        allocator: Allocator,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        *,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer | None,
+        plugins: PluginManager,
+        stats: EngineStats,
+        speculative: bool = False,
+    ) -> None:
+        self.requests = requests
+        self.allocator = allocator
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.plugins = plugins
+        self.stats = stats
+        self.speculative = speculative
+        self.grammars: GrammarBackend | None = None
+        """The grammar backend, built at the first structured request (or grammar_compiler())."""
+        self._grammars_lock = threading.Lock()  # grammar_compiler() runs on other threads
 
     def grammar_compiler(self) -> GrammarBackend:
         """The structured-output compiler of this engine's tokenizer: the grammar backend
@@ -51,24 +82,24 @@ class RequestIntake:
         request's constraint on its own threads before the request is queued; the engine
         then finds both ready. InvalidRequestError without a tokenizer or (llguidance)
         without its package."""
-        if self._grammars is not None:
-            return self._grammars
+        if self.grammars is not None:
+            return self.grammars
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "structured_outputs needs the model's tokenizer; this model has none"
             )
         with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = self.plugins.create(
+            if self.grammars is None:
+                self.grammars = self.plugins.create(
                     "grammar",
                     self.config.grammar,
                     self.config,
                     self.tokenizer,
                     self.model_config.vocab_size,
                 )
-        return self._grammars
+        return self.grammars
 
-    def add_request(
+    def add(
         self,
         prompt: str | None = None,
         params: SamplingParams | None = None,
@@ -86,8 +117,8 @@ class RequestIntake:
         params = (params or SamplingParams()).clone()  # the caller may assign to its own later
         validate_request(prompt, params, prompt_token_ids, vocab_size=self.model_config.vocab_size)
         if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        if request_id in self._requests:
+            request_id = self.requests.new_request_id()
+        if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; pick another")
         if prompt_token_ids is None:
             assert prompt is not None
@@ -125,9 +156,7 @@ class RequestIntake:
         req = RequestState(request_id, prompt, ids, params, samples)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
-        for sample in samples:
-            self._samples[sample.seq.seq_id] = sample
-        self._requests[request_id] = req
+        self.requests.add(req)
         seqs = [sample.seq for sample in samples]
         if len(seqs) > 1 and AllocatorBase.of(self.allocator, "shares_prefix_pages"):
             # the other samples wait until the first computed the prompt, then share its pages
@@ -146,7 +175,7 @@ class RequestIntake:
             or params.logprobs
             or params.allowed_token_ids is not None
             or params.needs_host_tokens
-        ) and not SamplerBase.of(self.runner.sampler, "supports_logits_processors"):
+        ) and not SamplerBase.of(self.sampler, "supports_logits_processors"):
             raise InvalidRequestError(
                 f"the {self.config.sampler!r} sampler does not apply penalties, logit_bias, "
                 "min_tokens, structured outputs, allowed_token_ids, bad_words, "
@@ -161,7 +190,7 @@ class RequestIntake:
                 "allocator serves cached ones without computing them; use allocator paged or "
                 "preallocated"
             )
-        if self.proposer is None:
+        if not self.speculative:
             return
         used = [
             name
@@ -213,7 +242,7 @@ class RequestIntake:
                 request_id if params.n == 1 else f"{request_id}#{i}",
                 ids,
                 p,
-                seq_id=next(self._seq_ids),
+                seq_id=self.requests.new_seq_id(),
                 max_num_tokens=max_len
                 if params.max_tokens is None
                 else len(ids) + params.max_tokens,
@@ -241,20 +270,9 @@ class RequestIntake:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now, wherever it is, and free what it holds; returns its final output."""
-        req = self._requests.get(request_id)
+        req = self.requests.get(request_id)
         if req is None:
             return None
-        self._stop_samples(req)
+        self.requests.stop(req, self.scheduler)
         self.stats.requests_aborted += 1
-        return self._finish(req)
-
-    def _stop_samples(self, req: RequestState) -> None:
-        """Abort every unfinished sample of ``req`` and free what it holds."""
-        for sample in req.samples:
-            seq = sample.seq
-            if seq.is_finished:
-                continue
-            if self.scheduler.abort(seq.request_id) is None or not seq.is_finished:
-                seq.abort()
-            self._finished_seq_ids.append(seq.seq_id)
-        req.held_back = []
+        return self.requests.finish(req)

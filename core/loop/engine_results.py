@@ -2,28 +2,41 @@
 tokens, stop conditions, prompt log-probabilities, a failure kept to its own
 request, and the outputs and statistics of the step.
 
-:class:`StepResults` is a part of :class:`~pitstop.loop.engine.LLMEngine` (which
-inherits it); :class:`InFlightStep` is the step the engine's loop carries from
-its launch to the application of its results.
+:class:`StepResults` is built by :class:`~pitstop.loop.engine.LLMEngine` from its
+request table, allocator and scheduler, and called with each step to apply;
+:class:`InFlightStep` is the step the engine's loop carries from its launch to the
+application of its results.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
 from pitstop.config import EngineConfig
 from pitstop.errors import InvalidRequestError
-from pitstop.ground.metrics import StepStats
+from pitstop.ground.metrics import EngineStats, StepStats
 from pitstop.ground.poison import PoisonedReadError
 from pitstop.ground.step import SeqInput, SeqResult, StepInput, StepOutput
-from pitstop.plugin_system.protocols import AllocatorBase, ScheduledSequence, StepPlan
+from pitstop.loading.tokenizer import Tokenizer
+from pitstop.loop.request_table import RequestTable
+from pitstop.plugin_system.protocols import (
+    Allocator,
+    AllocatorBase,
+    Proposer,
+    ScheduledSequence,
+    Scheduler,
+    StepPlan,
+)
 from pitstop.requests.outputs import RequestOutput
-from pitstop.requests.request_state import RequestState, SampleState, accept_token, token_logprobs
+from pitstop.requests.request_state import RequestState, accept_token, token_logprobs
 from pitstop.requests.sequence import Sequence, SequenceStatus
 from pitstop.runner.launched import LaunchedStep
+from pitstop.speculation.spec_adaptation import SpeculationPolicy
 
 # the engine's logger: these messages are the engine's
 log = logging.getLogger("pitstop.loop.engine")
@@ -52,13 +65,44 @@ class InFlightStep:
 
 
 class StepResults:
-    """Turning a step's results into tokens, finishes and outputs (a part of
-    :class:`~pitstop.loop.engine.LLMEngine`)."""
+    """Turning a step's results into tokens, finishes and outputs.
 
-    # the engine's own, set in LLMEngine.__init__
-    config: EngineConfig
-    _requests: dict[str, RequestState]
-    _samples: dict[int, SampleState]
+    Built from the engine's request table, allocator and scheduler (and what
+    the stop checks and statistics read); ``on_step``, when given, is called
+    with each applied step's :class:`StepStats` (the ``on_step_finished``
+    observers). ``eos_token_ids`` is the engine's set of end-of-sequence ids.
+    """
+
+    def __init__(
+        self,
+        requests: RequestTable,
+        allocator: Allocator,
+        scheduler: Scheduler,
+        *,
+        config: EngineConfig,
+        stats: EngineStats,
+        tokenizer: Tokenizer | None,
+        eos_token_ids: frozenset[int],
+        proposer: Proposer | None = None,
+        spec_policy: SpeculationPolicy | None = None,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> None:
+        self.requests = requests
+        self.allocator = allocator
+        self.scheduler = scheduler
+        self.config = config
+        self.stats = stats
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.proposer = proposer
+        self.spec_policy = spec_policy
+        self.on_step = on_step
+        self._failed_outputs: list[RequestOutput] = []  # requests a failed step stopped
+
+    def take_failed(self) -> list[RequestOutput]:
+        """The final outputs of the requests failed since the last call (each once)."""
+        failed, self._failed_outputs = self._failed_outputs, []
+        return failed
 
     def _apply_tokens(self, seq: Sequence, inp: SeqInput, res: SeqResult) -> RequestState:
         """One sequence's tokens from a step: resolve, stop checks, text; returns its request.
@@ -67,8 +111,9 @@ class StepResults:
         samples' tokens are in (building it per sample cost O(n^2) for ``n`` samples).
         """
         num_drafts = inp.num_logits - 1
-        sample = self._samples[seq.seq_id]
-        req = self._request_of(sample)
+        sample = self.requests.sample(seq.seq_id)
+        req = self.requests.request_of(seq.seq_id)
+        assert sample is not None and req is not None
         params = seq.sampling_params
         tokens = res.token_ids
         decode = self._decode_one
@@ -106,7 +151,8 @@ class StepResults:
 
     def _add_prompt_logprobs(self, seq: Sequence, inp: SeqInput, res: SeqResult) -> None:
         """Record a chunk's prompt log-probabilities; a prompt the cache skipped fails the request."""
-        req = self._request_of(self._samples[seq.seq_id])
+        req = self.requests.request_of(seq.seq_id)
+        assert req is not None
         assert req.prompt_logprobs is not None and res.prompt_logprobs is not None
         if inp.start_pos + 1 > len(req.prompt_logprobs):
             self._fail_request(
@@ -120,18 +166,18 @@ class StepResults:
             return
         req.add_prompt_logprobs(inp.start_pos, res.prompt_logprobs, self._decode_one)
 
-    def _request_of(self, sample: SampleState) -> RequestState:
-        """The request a sample belongs to."""
-        return self._requests[sample.request_id]
-
     def _decode_one(self, token: int) -> str | None:
         """One token's text, for log-probabilities (None without a tokenizer)."""
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def _isolate_failure(
-        self, scheduled: list[ScheduledSequence], inputs: list[SeqInput], exc: Exception
+    def isolate_failure(
+        self,
+        runner: Any,
+        scheduled: list[ScheduledSequence],
+        inputs: list[SeqInput],
+        exc: Exception,
     ) -> LaunchedStep:
         """A launch failed: run each sequence of the step alone; fail only those that fail alone.
 
@@ -140,18 +186,19 @@ class StepResults:
         the right values). A sequence that fails alone is finished with reason
         ``"error"`` and its pages freed; the others get their results as if
         the step had run whole. A step of one sequence is not rerun.
+        ``runner`` is the engine's (its ``launch`` failed).
         """
         log.warning("a step of %d sequence(s) failed (%s); isolating the cause", len(inputs), exc)
         self.stats.step_failures += 1
-        saved = self.runner.save_samples()
+        saved = runner.save_samples()
         results: list[SeqResult] = []
         kept: list[tuple[int, int]] = []  # (seq_id, sampled token) of the sequences that ran
         for s, inp in zip(scheduled, inputs, strict=True):
             error: Exception | None = exc if len(inputs) == 1 else None
             if error is None:
-                self.runner.restore_samples(saved)
+                runner.restore_samples(saved)
                 try:
-                    alone_output = self.runner.launch(StepInput([inp])).result()
+                    alone_output = runner.launch(StepInput([inp])).result()
                     result = alone_output.results[0]
                     if inp.seq_id in alone_output.poisoned_seq_ids:
                         raise PoisonedReadError(inp.seq_id)
@@ -164,7 +211,7 @@ class StepResults:
             results.append(result)
             if inp.sample and inp.num_logits == 1:
                 kept.append((inp.seq_id, result.token_ids[0]))
-        self.runner.adopt_samples(kept)
+        runner.adopt_samples(kept)
         return LaunchedStep(inputs, ready=StepOutput(results))
 
     def _fail_request(self, seq: Sequence, error: Exception) -> None:
@@ -173,15 +220,14 @@ class StepResults:
         Every sample of the request stops (the request failed); ``seq`` gets
         reason ``"error"``, its siblings ``"abort"``.
         """
-        sample = self._samples.get(seq.seq_id)
-        req = self._requests.get(sample.request_id) if sample is not None else None
+        req = self.requests.request_of(seq.seq_id)
         if req is None:
             return
         log.error("request %s failed and was stopped: %s", req.request_id, error)
-        self._stop_samples(req)
+        self.requests.stop(req, self.scheduler)
         seq.fail()
         self.stats.requests_failed += 1
-        output = self._finish(req, error=f"{type(error).__name__}: {error}")
+        output = self.requests.finish(req, error=f"{type(error).__name__}: {error}")
         self._failed_outputs.append(output)
 
     def _apply_sequence(
@@ -208,7 +254,7 @@ class StepResults:
             self._fail_request(seq, exc)
             return None
 
-    def _apply(self, launched: InFlightStep, stream: bool) -> list[RequestOutput]:
+    def apply(self, launched: InFlightStep, stream: bool) -> list[RequestOutput]:
         """Apply a launched step's results: tokens, stop conditions, outputs, finishes, stats."""
         result = launched.handle.result()
         outputs: list[RequestOutput] = []
@@ -232,23 +278,22 @@ class StepResults:
                 finished.append(seq)
             touched[req.request_id] = req
         for rid, req in touched.items():  # one output per request and step, in order
-            if rid not in self._requests:
+            if rid not in self.requests:
                 continue  # failed meanwhile: its output is already queued
             if req.finished:
-                outputs.append(self._finish(req))
+                outputs.append(self.requests.finish(req))
             elif stream:
                 outputs.append(req.output())
         self.stats.prompt_tokens += prefill_tokens
         self.stats.requests_finished += sum(1 for out in outputs if out.finished)
-        self._finished_seq_ids.extend(seq.seq_id for seq in finished)
+        self.requests.forget(seq.seq_id for seq in finished)
         self.scheduler.on_step_done(launched.plan, finished)
         alloc = self.allocator.stats()
         self.stats.steps += 1
         self.stats.utilization_sum += alloc.utilization
-        if self._step_observers:
-            self.plugins.hook.on_step_finished(
-                engine=self,
-                stats=StepStats(
+        if self.on_step is not None:
+            self.on_step(
+                StepStats(
                     step=self.stats.steps,
                     num_seqs=len(launched.scheduled),
                     num_prefill_seqs=prefill_seqs,
@@ -280,7 +325,7 @@ class StepResults:
         held = self.allocator.num_held_tokens(seq)
         if held > seq.num_computed_tokens:
             self.allocator.truncate(seq, held - seq.num_computed_tokens)
-            self._reset_seq_ids.append(seq.seq_id)
+            self.requests.reset([seq.seq_id])
         self.allocator.on_tokens_computed(seq)
         self.stats.spec_verifications += 1
         self.stats.spec_proposed_tokens += num_drafts
@@ -288,17 +333,3 @@ class StepResults:
         assert self.proposer is not None and self.spec_policy is not None
         self.proposer.on_accepted(seq, num_accepted)
         self.spec_policy.record(seq, num_drafts, num_accepted)
-
-    def _finish(self, req: RequestState, error: str | None = None) -> RequestOutput:
-        """Forget a finished request (every sample stopped) and return its final output."""
-        self._requests.pop(req.request_id, None)
-        for sample in req.samples:
-            self._samples.pop(sample.seq.seq_id, None)
-            if self.proposer is not None:
-                self.proposer.release(sample.seq)  # e.g. the draft model's own KV pages
-            if self.spec_policy is not None:
-                self.spec_policy.release(sample.seq)
-        output = req.output(error=error)
-        if self._request_observers:
-            self.plugins.hook.on_request_finished(engine=self, output=output)
-        return output

@@ -16,51 +16,58 @@ from collections.abc import Callable
 
 import torch
 
-from pitstop.runner.graphs import DecodeGraphs
+from pitstop.runner.graphs import DecodeGraphs, ForwardParts
 from pitstop.runner.piecewise import PiecewiseGraphs, mixed_step_tokens, supports_piecewise
-from pitstop.runner.view import RunnerView
 
 log = logging.getLogger(__name__)
 
 
-def capture_graphs(runner: RunnerView, extra: Callable[[RunnerView], None] | None) -> None:
-    """Capture ``runner``'s decode graphs, its piecewise graphs and ``extra``'s in one session.
+def capture_graphs(
+    parts: ForwardParts,
+    max_batch_size: int,
+    step_token_budget: int,
+    extra: Callable[[], DecodeGraphs | None] | None = None,
+) -> tuple[DecodeGraphs, PiecewiseGraphs | None]:
+    """Capture the decode graphs and the piecewise graphs of ``parts``' forward, and
+    ``extra``'s, in one session; returns (decode, piecewise or None).
 
-    Python's garbage collection is held off during capture: a collection
-    could free another engine's graphs, events or pinned buffers, which a
-    capturing stream forbids.
+    ``extra()`` captures more graphs (verification) and returns them, or None;
+    with ``parts.poison`` every set captured is poisoned afterwards. Python's
+    garbage collection is held off during capture: a collection could free
+    another engine's graphs, events or pinned buffers, which a capturing
+    stream forbids.
     """
-    cfg = runner.config
     start = time.perf_counter()
+    mixed: PiecewiseGraphs | None = None
+    extra_graphs: DecodeGraphs | None = None
     gc.collect()
     gc.disable()
     try:
-        runner.graphs = DecodeGraphs(runner, max_batch=min(cfg.max_batch_size, 512))
-        if supports_piecewise(runner.model):
+        decode = DecodeGraphs(parts, max_batch=min(max_batch_size, 512))
+        if supports_piecewise(parts.model):
             try:
-                runner.mixed_graphs = PiecewiseGraphs(
-                    runner, max_tokens=mixed_step_tokens(runner.step_token_budget)
-                )
+                mixed = PiecewiseGraphs(parts, max_tokens=mixed_step_tokens(step_token_budget))
             except Exception as exc:  # noqa: BLE001 - eager prefill still works
-                torch.cuda.synchronize(runner.device)
+                torch.cuda.synchronize(parts.device)
                 log.warning(
                     "piecewise CUDA graphs off (capture failed: %s); prefill and mixed "
                     "steps run eagerly",
                     exc,
                 )
         if extra is not None:
-            extra(runner)
+            extra_graphs = extra()
     finally:
         gc.enable()
-    if runner.poison:  # what a replay reads, each replay must have written
-        for graphs in (runner.graphs, runner.mixed_graphs, runner.verify_graphs):
+    if parts.poison:  # what a replay reads, each replay must have written
+        for graphs in (decode, mixed, extra_graphs):
             if graphs is not None:
                 graphs.poison()
     log.info(
         "captured CUDA graphs for decode batch sizes %s and %s in %.1f s",
-        runner.graphs.describe(),
-        f"prefill/mixed steps up to {runner.mixed_graphs.max_tokens} tokens (piecewise)"
-        if runner.mixed_graphs is not None
+        decode.describe(),
+        f"prefill/mixed steps up to {mixed.max_tokens} tokens (piecewise)"
+        if mixed is not None
         else "no prefill steps (the model has no before/after_attention)",
         time.perf_counter() - start,
     )
+    return decode, mixed

@@ -35,15 +35,38 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
 from pitstop.ground.attention import AttentionMetadata
+from pitstop.ground.model_config import ModelConfig
 from pitstop.ground.poison import poison_
 from pitstop.ground.step import SeqInput
 from pitstop.requests.sequence import PENDING_TOKEN
 from pitstop.runner.batch import BlockTableRows
-from pitstop.runner.view import RunnerView
+
+
+@attrs.frozen(eq=False)
+class ForwardParts:
+    """What a graph's forward reads, handed over by its runner (:meth:`ModelRunner.forward_parts
+    <pitstop.runner.model_runner.ModelRunner.forward_parts>`): the model and its shape, its
+    rotary tables, the KV cache (``page_size``-token pages), the device and dtype,
+    ``max_model_len``, whether memory is poisoned, and the previous step's sampled ids on
+    the device (``last_sampled``, a buffer the runner copies into) with ``pending_row``:
+    seq id -> the row of ``last_sampled`` holding its pending token."""
+
+    model: Any  # the model plugin's module
+    model_config: ModelConfig
+    rotary: Any  # RotaryCache
+    kv_cache: torch.Tensor
+    page_size: int
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    poison: bool
+    last_sampled: torch.Tensor
+    pending_row: Callable[[int], int]
 
 
 def capture_graph(
@@ -99,25 +122,23 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        runner: RunnerView,
+        parts: ForwardParts,
         max_batch: int,
         num_query: int = 1,
         *,
         logits: bool = False,
         capture: bool = True,
     ) -> None:
-        cfg = runner.config
-        assert cfg.max_model_len is not None and runner.kv_cache is not None
-        self.runner = runner
+        self.parts = parts
         self.captured, self.logits = capture, logits
-        dev = runner.device
+        dev = parts.device
         self.num_query = q = num_query
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = b = self.sizes[-1]
-        self.max_model_len = cfg.max_model_len
-        self.max_pages = -(-cfg.max_model_len // runner.page_size)
+        self.max_model_len = parts.max_model_len
+        self.max_pages = -(-parts.max_model_len // parts.page_size)
         # varlen: a padding sequence's table and the kernels' tile reads: a few more (zero) columns
-        self.width = self.max_pages if q == 1 else self.max_pages + -(-q // runner.page_size) + 1
+        self.width = self.max_pages if q == 1 else self.max_pages + -(-q // parts.page_size) + 1
         # a padding sequence's context: nothing (decode kernel), or q keys of page 0 (varlen)
         self.pad_context = 0 if q == 1 else q
         t = b * q
@@ -136,7 +157,7 @@ class DecodeGraphs:
             torch.zeros(b * (1 + self.width), dtype=torch.int32, pin_memory=pin) for _ in range(2)
         ]
         self._flip = 0
-        self.tables = BlockTableRows(self.max_pages, capacity=max(64, 2 * b), poison=runner.poison)
+        self.tables = BlockTableRows(self.max_pages, capacity=max(64, 2 * b), poison=parts.poison)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self.graphs = capture_buckets(self.sizes, self._forward, dev)
@@ -151,13 +172,13 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         """Hidden states (or logits) ``[size * num_query, ·]`` of the bucket, from the static buffers."""
-        runner = self.runner
+        parts = self.parts
         t = size * self.num_query
         src = self.src[:t]
-        pending = runner.last_sampled[src.clamp(min=0)]
+        pending = parts.last_sampled[src.clamp(min=0)]
         ids = torch.where(src >= 0, pending, self.input_ids[:t])
-        hidden = runner.model(ids, runner.rotary, runner.kv_cache, self._meta(size))
-        return runner.model.compute_logits(hidden) if self.logits else hidden
+        hidden = parts.model(ids, parts.rotary, parts.kv_cache, self._meta(size))
+        return parts.model.compute_logits(hidden) if self.logits else hidden
 
     def _meta(self, size: int) -> AttentionMetadata:
         q = self.num_query
@@ -179,7 +200,7 @@ class DecodeGraphs:
             num_decodes=0 if varlen else size,
             max_query_len=q,
             max_context_len=self.max_model_len + (q if varlen else 0),
-            page_size=self.runner.page_size,
+            page_size=self.parts.page_size,
             **lists,
         )
 
@@ -255,7 +276,7 @@ class DecodeGraphs:
         pending = ids[:n] == PENDING_TOKEN
         if pending.any():
             seq_of, col = np.nonzero(pending)
-            pending_row = self.runner._pending_row
+            pending_row = self.parts.pending_row
             src[seq_of, col] = [pending_row(seqs[i].seq_id) for i in seq_of]
             ids[:n][pending] = 0
         a64[2, :t].reshape(size, q)[:n] = pos
@@ -282,7 +303,7 @@ class DecodeGraphs:
         ``tables`` holds each sequence's block table. A sequence's padding rows
         sit at the positions just before its first token.
         """
-        q, ps = self.num_query, self.runner.page_size
+        q, ps = self.num_query, self.parts.page_size
         if q == 1:  # decode: one real row each
             pos = start[:, None]
             page = tables[np.arange(len(start)), start // ps][:, None]
@@ -316,7 +337,7 @@ class DecodeGraphs:
     ) -> None:
         """The staged bucket into the static device buffers, without waiting."""
         t = size * self.num_query
-        nb = self.runner.device.type == "cuda"
+        nb = self.parts.device.type == "cuda"
         self.input_ids[:t].copy_(h64[0, :t], non_blocking=nb)
         self.src[:t].copy_(h64[1, :t], non_blocking=nb)
         self.positions[:t].copy_(h64[2, :t], non_blocking=nb)

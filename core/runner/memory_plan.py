@@ -8,13 +8,14 @@ step at the largest step (:func:`plan_num_pages`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
 from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.kv_cache_dtype import resolve_kv_cache_dtype
-from pitstop.runner.view import RunnerView
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -63,15 +64,23 @@ def pages_asked(
     return None
 
 
-def plan_num_pages(runner: RunnerView) -> int:
-    """How many pages ``runner``'s KV cache gets: ``max_num_pages``, a GiB budget, or free GPU memory."""
-    per_page = runner.bytes_per_page()
-    cfg = runner.config
-    asked = pages_asked(cfg, runner.model_config, runner.device, runner.dtype)
-    if asked is not None and (runner.device.type != "cuda" or cfg.max_num_pages is None):
+def plan_num_pages(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    per_page: int,
+    profile: Callable[[], int],
+) -> int:
+    """How many pages of ``per_page`` bytes a runner's KV cache gets: ``max_num_pages``, a GiB
+    budget, or free GPU memory (after ``profile()``: the bytes the largest step takes beyond
+    the weights, :func:`profile_peak_memory`)."""
+    cfg = config
+    asked = pages_asked(cfg, model_config, device, dtype)
+    if asked is not None and (device.type != "cuda" or cfg.max_num_pages is None):
         return asked
-    peak = profile_peak_memory(runner)
-    free, total = torch.cuda.mem_get_info(runner.device)
+    peak = profile()
+    free, total = torch.cuda.mem_get_info(device)
     budget = int(total * cfg.gpu_memory_utilization) - (total - free) - peak
     fit = max(0, budget // per_page)
     if cfg.max_num_pages is not None:
@@ -89,23 +98,30 @@ def plan_num_pages(runner: RunnerView) -> int:
     return fit
 
 
-def profile_peak_memory(runner: RunnerView) -> int:
-    """Extra memory a forward at the largest step takes beyond the weights (bytes)."""
-    cfg = runner.config
+def profile_peak_memory(
+    config: EngineConfig,
+    device: torch.device,
+    page_size: int,
+    step_token_budget: int,
+    run_step: Callable[[int, int, int], None],
+) -> int:
+    """Extra memory a forward at the largest step takes beyond the weights (bytes).
+
+    ``run_step(num_seqs, num_tokens, pages_per_seq)`` allocates a KV cache of
+    ``num_seqs * pages_per_seq`` pages and runs one made-up step of that shape; the
+    caller drops that cache afterwards.
+    """
+    cfg = config
     assert cfg.max_model_len is not None
-    tokens = min(cfg.max_num_batched_tokens, max(cfg.max_model_len, runner.step_token_budget))
+    tokens = min(cfg.max_num_batched_tokens, max(cfg.max_model_len, step_token_budget))
     n_seqs = max(1, min(cfg.max_batch_size, -(-tokens // cfg.max_model_len)))
     # no made-up sequence longer than max_model_len: its positions would run past the
     # rotary table (a device-side assert with the reference kernels' index_select)
     per_seq = min(cfg.max_model_len, tokens // n_seqs)
-    pages = (per_seq + runner.page_size - 1) // runner.page_size
-    torch.cuda.synchronize(runner.device)
-    torch.cuda.reset_peak_memory_stats(runner.device)
-    base = torch.cuda.memory_allocated(runner.device)
-    runner.init_kv_cache(pages * n_seqs)
-    runner.run_synthetic_step(n_seqs, per_seq, pages)
-    torch.cuda.synchronize(runner.device)
-    peak = torch.cuda.max_memory_allocated(runner.device) - base
-    runner.kv_cache = None
-    torch.cuda.empty_cache()
-    return peak
+    pages = (per_seq + page_size - 1) // page_size
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    run_step(n_seqs, per_seq, pages)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base

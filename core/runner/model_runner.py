@@ -47,12 +47,13 @@ from pitstop.plugin_system.registration import takes_keyword
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.runner.batch import build_metadata, select_rows
 from pitstop.runner.capture import capture_graphs
-from pitstop.runner.graphs import DecodeGraphs
+from pitstop.runner.graphs import DecodeGraphs, ForwardParts
 from pitstop.runner.launched import LaunchedStep
 from pitstop.runner.logprobs import prompt_logprobs
 from pitstop.runner.memory_plan import (  # noqa: F401  (resolve_device, resolve_dtype re-exported)
     kv_bytes_per_page,
     plan_num_pages,
+    profile_peak_memory,
     resolve_device,
     resolve_dtype,
 )
@@ -266,7 +267,28 @@ class ModelRunner:
 
     def plan_num_pages(self) -> int:
         """How many pages the KV cache gets: ``max_num_pages``, a GiB budget, or free GPU memory."""
-        return plan_num_pages(self)
+        return plan_num_pages(
+            self.config,
+            self.model_config,
+            self.device,
+            self.dtype,
+            self.bytes_per_page(),
+            self._profile_peak_memory,
+        )
+
+    def _profile_peak_memory(self) -> int:
+        """The memory the largest step takes beyond the weights (a cache made for it, then dropped)."""
+        peak = profile_peak_memory(
+            self.config, self.device, self.page_size, self.step_token_budget, self._profile_step
+        )
+        self.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
+
+    def _profile_step(self, num_seqs: int, num_tokens: int, pages_per_seq: int) -> None:
+        """A KV cache for one made-up step of this shape, and the step (memory profiling)."""
+        self.init_kv_cache(num_seqs * pages_per_seq)
+        self.run_synthetic_step(num_seqs, num_tokens, pages_per_seq)
 
     def run_synthetic_step(self, num_seqs: int, num_tokens: int, pages_per_seq: int) -> None:
         """Run one step of ``num_seqs`` made-up prompts of ``num_tokens`` tokens (memory profiling).
@@ -340,7 +362,35 @@ class ModelRunner:
                 "CUDA graphs off: kernel set %r is not graph-safe; decode runs eagerly", cfg.kernels
             )
             return
-        capture_graphs(self, extra)
+
+        def capture_extra() -> DecodeGraphs | None:  # extra's graphs (set on this runner)
+            assert extra is not None
+            extra(self)
+            return self.verify_graphs
+
+        self.graphs, self.mixed_graphs = capture_graphs(
+            self.forward_parts(),
+            cfg.max_batch_size,
+            self.step_token_budget,
+            capture_extra if extra is not None else None,
+        )
+
+    def forward_parts(self) -> ForwardParts:
+        """What the graphs' forward reads of this runner (after :meth:`init_kv_cache`)."""
+        assert self.kv_cache is not None and self.config.max_model_len is not None
+        return ForwardParts(
+            model=self.model,
+            model_config=self.model_config,
+            rotary=self.rotary,
+            kv_cache=self.kv_cache,
+            page_size=self.page_size,
+            device=self.device,
+            dtype=self.dtype,
+            max_model_len=self.config.max_model_len,
+            poison=self.poison,
+            last_sampled=self.sampling.last_sampled,
+            pending_row=self._pending_row,
+        )
 
     def mixed_step_tokens(self) -> int:
         """The largest prefill/mixed step to capture piecewise: the step budget, at most 2048."""

@@ -12,8 +12,7 @@ from pitstop.ground.attention import AttentionMetadata
 from pitstop.ground.poison import poison_
 from pitstop.plugin_system.kinds import lacks
 from pitstop.plugin_system.split_forward import SplitAttention, SplitForwardModel, SplitLayer
-from pitstop.runner.graphs import capture_graph
-from pitstop.runner.view import RunnerView
+from pitstop.runner.graphs import ForwardParts, capture_graph
 
 MAX_PIECEWISE_TOKENS = 2048
 
@@ -69,12 +68,12 @@ class PiecewiseGraphs:
     plus the attention call, so the host keeps ahead of the GPU.
     """
 
-    def __init__(self, runner: RunnerView, max_tokens: int, *, capture: bool = True) -> None:
-        self.runner = runner
+    def __init__(self, parts: ForwardParts, max_tokens: int, *, capture: bool = True) -> None:
+        self.parts = parts
         self.captured = capture
-        model = runner.model
-        cfg = runner.model_config
-        dev, dtype = runner.device, runner.dtype
+        model = parts.model
+        cfg = parts.model_config
+        dev, dtype = parts.device, parts.dtype
         self.sizes = mixed_graph_sizes(max_tokens)
         t = self.max_tokens = self.sizes[-1]
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
@@ -121,14 +120,13 @@ class PiecewiseGraphs:
             num_decodes=0,
             max_query_len=0,
             max_context_len=0,
-            page_size=self.runner.page_size,
+            page_size=self.parts.page_size,
         )
 
     def _segment(self, segment: int, size: int) -> None:
         """Run segment ``segment`` for ``size`` rows, reading and writing the static buffers."""
-        runner = self.runner
-        model, kv = runner.model, runner.kv_cache
-        assert kv is not None
+        parts = self.parts
+        model, kv = parts.model, parts.kv_cache
         meta = self._static_meta(size)
         if segment == 0:
             ids = self.input_ids[:size]
@@ -142,7 +140,7 @@ class PiecewiseGraphs:
             self.hidden[:size].copy_(model.final_norm(x, residual))
             return
         q, residual = model.layers[segment].before_attention(
-            x, residual, runner.rotary, kv[segment, 0], kv[segment, 1], meta
+            x, residual, parts.rotary, kv[segment, 0], kv[segment, 1], meta
         )
         self.q[:size].copy_(q)
         self.residual[:size].copy_(residual)
@@ -161,8 +159,7 @@ class PiecewiseGraphs:
         self.slots[n:size].fill_(-1)
         self.positions[n:size].zero_()
         self.input_ids[n:size].zero_()
-        model, kv = self.runner.model, self.runner.kv_cache
-        assert kv is not None
+        model, kv = self.parts.model, self.parts.kv_cache
         graphs = self.graphs.get(size)
         for layer in range(self.num_layers + 1):
             if graphs is not None:

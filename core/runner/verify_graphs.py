@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pitstop.runner.graphs import DecodeGraphs
+from pitstop.runner.graphs import DecodeGraphs, ForwardParts
 from pitstop.speculation.spec_adaptation import speculation_max_batch
 
 if TYPE_CHECKING:
@@ -38,9 +38,9 @@ class VerifyGraphs(DecodeGraphs):
     """
 
     def __init__(
-        self, runner: ModelRunner, max_batch: int, num_query: int, *, capture: bool = True
+        self, parts: ForwardParts, max_batch: int, num_query: int, *, capture: bool = True
     ) -> None:
-        super().__init__(runner, max_batch, num_query, logits=True, capture=capture)
+        super().__init__(parts, max_batch, num_query, logits=True, capture=capture)
 
 
 def capture_verify_graphs(runner: ModelRunner) -> None:
@@ -48,7 +48,7 @@ def capture_verify_graphs(runner: ModelRunner) -> None:
     cfg = runner.config
     try:
         runner.verify_graphs = VerifyGraphs(
-            runner, speculation_max_batch(cfg), cfg.num_speculative_tokens + 1
+            runner.forward_parts(), speculation_max_batch(cfg), cfg.num_speculative_tokens + 1
         )
     except Exception as exc:  # noqa: BLE001 - eager verification still works
         torch.cuda.synchronize(runner.device)
