@@ -19,7 +19,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 cd /tmp && python3 -c "import pitstop, torch; print('pitstop', pitstop.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" && cd - >/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-GPU_TESTS=${GPU_TESTS:-"tests/test_overlap.py tests/test_gpu_engine.py tests/test_fused_gpu.py tests/test_sampler.py tests/test_speculative.py"}
+GPU_TESTS=${GPU_TESTS:-"tests/core/loop/test_overlap.py tests/core/runner/test_gpu_engine.py tests/plugins/kernels/test_fused_gpu.py tests/plugins/samplers/test_sampler.py tests/core/speculation/test_speculative.py"}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q ${PYTEST_FLAGS--x} -p no:cacheprovider -m gpu $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
   rc=${PIPESTATUS[0]}; [ "$rc" = 124 ] && echo "== GPU tests: cut at TEST_TIMEOUT=${TEST_TIMEOUT:-240} s (no summary above); raise it"
@@ -50,7 +50,7 @@ for spec in ${BENCHES-nano single}; do
             echo "== GPU busy fraction: $shape ($loop)"; timeout 300 python3 benchmarks/gpu_busy.py --shape $shape --overlap $loop --top ${BUSY_TOP:-0} 2>&1 | grep "^|"; done ;;
     # issue 17: the tensor-parallel path over NCCL with a world of one rank (CUDA graphs with the
     # all-reduce inside, equal to the plain runner); with 2+ GPUs visible also a tp=2 bench (issue 18)
-    tp) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py 2>&1 | tail -5
+    tp) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/parallel/test_tensor_parallel.py 2>&1 | tail -5
         [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && run tp2 offline --workload nano --kernels fused --tensor-parallel-size 2 ;;
     nano-ref) run nano-ref offline --workload nano --kernels reference --num-requests 64 ;;
     single) run single offline --workload single --kernels fused --repeats 3 ;;
@@ -80,7 +80,7 @@ for spec in ${BENCHES-nano single}; do
     # edit-and-chat; recall also on a second pass). Run with SKIP_TESTS=1 BENCHES=examples19 (the case runs its GPU test).
     examples19) python3 -m pip install -q --no-deps --no-build-isolation ./tests/example_plugin >"$OUT/example-install.log" 2>&1 || { tail -5 "$OUT/example-install.log"; continue; }
       pitstop plugins | grep pitstop-example
-      timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_example_strategies.py 2>&1 | tail -5
+      timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/plugin_system/test_example_strategies.py 2>&1 | tail -5
       run nano-fused-64 offline --workload nano --kernels fused --num-requests 64
       run nano-fused-eager-64 offline --workload nano --kernels fused --enforce-eager true --num-requests 64
       run nano-sdpa-64 offline --workload nano --kernels sdpa --sdpa.base fused --num-requests 64
@@ -106,13 +106,13 @@ for _ in range(2):
         run nano-models19 offline --workload nano --kernels fused --model "$M" ); fi ;;
     # issue 27: every allocator x scheduler x kernels x step budget x overlap (+ preemption, n=2, the
     # issue's table) against transformers fp32 greedy on the real SmolLM2, each configuration in a
-    # fresh process with poisoned memory (tests/gpu_matrix.py); MATRIX_ONLY=TEXT narrows it, and
+    # fresh process with poisoned memory (tests/helpers/gpu_matrix.py); MATRIX_ONLY=TEXT narrows it, and
     # MATRIX_SHARD=1/2 then 2/2 splits it over two calls (the whole of it outlasted 545 s with 16
     # processes on 2026-12-01; with 12 it took 440 s while 39 cases failed early)
     matrix) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
       if [ ! -f "$gguf" ]; then echo "== matrix: no GGUF at $gguf (set SMOLLM_GGUF)"
-      else echo "== matrix: tests/gpu_matrix.py (${PITSTOP_MATRIX_WORKERS:-12} processes, shard ${MATRIX_SHARD:-1/1})"
-        SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-560} python3 tests/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
+      else echo "== matrix: tests/helpers/gpu_matrix.py (${PITSTOP_MATRIX_WORKERS:-12} processes, shard ${MATRIX_SHARD:-1/1})"
+        SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-560} python3 tests/helpers/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
           --json "$OUT/matrix.json" --shard ${MATRIX_SHARD:-1/1} ${MATRIX_ONLY:+--only "$MATRIX_ONLY"} 2>"$OUT/matrix.log" | tail -60; fi ;;
     # issue 30: the three rows of the headline table, pitstop alone, as issue 28 measured them
     # (nano median of 3, single median of 5, longtail all 500 requests at 32 clients, median of 3)
@@ -132,7 +132,7 @@ for _ in range(2):
             $files >"$OUT/gpu-tests-$tag-$g.log" 2>&1; echo "pytest exit $?" >>"$OUT/gpu-tests-$tag-$g.log" ) &
         pids+=($!)
       done
-      SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-540} python3 tests/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
+      SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-540} python3 tests/helpers/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
         --json "$OUT/matrix-$tag.json" --shard $shard 2>"$OUT/matrix-$tag.log" | tail -40
       echo "   matrix exit ${PIPESTATUS[0]}"
       g=0; for files in "${groups[@]}"; do g=$((g + 1)); wait ${pids[$((g - 1))]}
@@ -140,8 +140,8 @@ for _ in range(2):
     # issue 44: the decoder layer in six ops (fused.layer): the kernels' GPU tests, the skinny-GEMM
     # benchmark against cuBLAS, launches per decode layer from the profiler (graph kernels counted),
     # and nano / single with the layer fused beside unfused (benchmarks/workloads/fused-layer.toml)
-    layer) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_linear_gpu.py \
-        tests/test_fused_layer.py tests/test_fused_gpu.py 2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -15
+    layer) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_fused_linear_gpu.py \
+        tests/plugins/kernels/test_fused_layer.py tests/plugins/kernels/test_fused_gpu.py 2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -15
       echo "== fused_linear_bench"; timeout ${LAYER_BENCH_TIMEOUT:-240} python3 benchmarks/fused_linear_bench.py \
         --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60}
       for opt in "" "--option fused.layer=true"; do echo "== profile nano-decode ${opt:-(layer unfused)}"
@@ -237,7 +237,7 @@ for _ in range(2):
         echo "   exit $?"; head -${PROFILE_LINES:-30} "$OUT/profile-prefill-$kv.txt"; done ;;
     # issue 29: fused.fp8_widen = qk-fp8 (q.k on fp8 tensor cores): its GPU test, the decode sweep at
     # nano's shapes (every widening), nano over bf16 / fp8 widened / qk-fp8, verify with it (GGUF)
-    fp8-qk) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_gpu.py \
+    fp8-qk) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_fused_gpu.py \
         -k "widened_to_fp16_full_size" 2>&1 | tail -3
       timeout ${SWEEP_TIMEOUT:-150} python3 benchmarks/kernels_bench.py --decode-sweep --jobs 14 \
         --sweep-shapes ${SWEEP_SHAPES:-256x512,64x2048,8x2048} --json /tmp/fp8qk-sweep.json >"$OUT/fp8-qk-sweep.log" 2>&1
@@ -247,7 +247,7 @@ for _ in range(2):
         && timeout 300 pitstop verify --model "$gguf_file" --kv-cache-dtype fp8_e4m3 --fused.fp8-widen qk-fp8 \
           --json "$OUT/fp8-qk-verify.json" 2>&1 | grep -v " INFO " | tail -8 ;;
     qk-norm) run qk-norm-nano offline --workload nano --repeats ${QKN_REPEATS:-3} --matrix benchmarks/workloads/qk-norm.toml ;;
-    decode-tiles) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_gpu.py \
+    decode-tiles) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_fused_gpu.py \
         -k by_batch 2>&1 | tail -3
       run decode-tiles-nano offline --workload nano --repeats ${TILES_REPEATS:-3} --matrix benchmarks/workloads/decode-tiles.toml ;;
     decode-merge) run decode-merge-single offline --workload single --repeats 3 --matrix benchmarks/workloads/decode-merge.toml
@@ -255,15 +255,15 @@ for _ in range(2):
     # issue 33: the SmolLM2 GGUF kept in its quantized blocks (--weights gguf): its GPU tests, then
     # `single`-shaped decoding on that file beside the dequantized (dense) weights, and verify on it
     gguf-weights) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; [ -f "$gguf" ] || { echo "== gguf-weights: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
-      SMOLLM_GGUF=$gguf timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gguf_weights.py tests/test_gguf_gemv.py \
-        tests/test_weight_formats.py 2>&1 | tail -8
+      SMOLLM_GGUF=$gguf timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/weight_formats/test_gguf_weights.py tests/plugins/weight_formats/test_gguf_gemv.py \
+        tests/plugins/weight_formats/test_weight_formats.py 2>&1 | tail -8
       for w in dense gguf; do run gguf-single-$w offline --model "$gguf" --workload single --kernels fused --weights $w --repeats 3; done
       timeout 300 pitstop verify --model "$gguf" --kernels fused --weights gguf --max-tokens 32 --json "$OUT/verify-gguf.json" 2>&1 | grep -v " INFO " | tail -8 ;;
     # issue 33: fp8 weights. Their GPU tests, the GEMMs at llama3-8b's shapes (FP8_SWEEP=1: a
     # grid of skinny tiles too; benchmarks/fp8_gemm_bench.py), then `single` (and FP8W_NANO=1:
     # `nano`) with bf16, fp8 and fp8 without the skinny kernel (benchmarks/workloads/fp8-weights.toml)
-    fp8-weights) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_gemm.py \
-        tests/test_weight_formats.py 2>&1 | tail -4
+    fp8-weights) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/weight_formats/test_fp8_gemm.py \
+        tests/plugins/weight_formats/test_weight_formats.py 2>&1 | tail -4
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/fp8_gemm_bench.py ${FP8_SWEEP:+--sweep --best-tiles "$OUT/best-tiles.txt"} --rows ${FP8_ROWS:-1,4,16} \
         --json "$OUT/fp8-gemm.json" 2>"$OUT/fp8-gemm.log"
       # with FP8_SWEEP=1 a fourth configuration: fp8 at the sweep's best tiles (fp8.skinny_tiles)

@@ -20,7 +20,7 @@ if [ "${DECODE_SWEEP:-0}" = 1 ]; then
     python3 benchmarks/kernels_bench.py --decode-sweep --jobs "${JOBS:-14}" \
         --json "$OUT/decode_sweep.json" --commit "${COMMIT:-unknown}" >"$OUT/decode_sweep.log" 2>&1
     echo "kernels_bench exit status $?" >>"$OUT/decode_sweep.log"
-    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/test_fused_gpu.py \
+    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests/plugins/kernels/test_fused_gpu.py \
         -k "fp8 or decode" $XDIST -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
     echo "pytest exit status $?" >>"$OUT/gpu_tests.log"
     echo "== GPU tests"; tail -n 15 "$OUT/gpu_tests.log"
@@ -29,7 +29,7 @@ if [ "${DECODE_SWEEP:-0}" = 1 ]; then
     exit 0
 fi
 (
-    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/test_fused_gpu.py \
+    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/plugins/kernels/test_fused_gpu.py \
         -k "not dummy" $XDIST -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
     echo "pytest exit status $?" >>"$OUT/gpu_tests.log"
 ) &

@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PITSTOP_POISON_MEMORY", "1")
 # The start-up heap is not frozen out of the collector here (freeze_gc, on by default): each
 # engine's start-up would run full collections of the test process's heap, about 0.3 s an
-# engine, minutes over the suite. tests/test_gc_heap.py asks for it by name.
+# engine, minutes over the suite. tests/core/loop/test_gc_heap.py asks for it by name.
 os.environ.setdefault("PITSTOP_FREEZE_GC", "0")
 
 
@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tests/example_plugin installed with pip into a site folder of its own."""
-    from plugin_install import EXAMPLE, pip_install
+    from helpers.plugin_install import EXAMPLE, pip_install
 
     site = tmp_path_factory.mktemp("example-site")
     pip_install(EXAMPLE, site)

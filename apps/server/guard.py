@@ -38,7 +38,7 @@ time; ``limit_max_requests`` restarts a worker. So the subclass stays.
 It reads uvicorn's protocol internals (``cycle`` and its ``more_body``,
 ``response_started``, ``response_complete``; ``on_response_complete``),
 common to its h11 and httptools implementations. pyproject.toml pins the
-uvicorn versions it was checked on, and tests/test_server_guard.py runs it
+uvicorn versions it was checked on, and tests/apps/server/test_server_guard.py runs it
 over every installed implementation.
 """
 

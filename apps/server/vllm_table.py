@@ -13,7 +13,7 @@ the code that applies the rule, so the table cannot drift from it:
   :data:`pitstop.requests.sampling_params.VLLM_ONLY` / ``VLLM_NEUTRAL``;
 - ``LLM`` methods and call keywords: :mod:`pitstop.entrypoints.vllm_surface`.
 
-``python -m pitstop.server.vllm_table`` prints it; tests/test_vllm_args.py checks
+``python -m pitstop.server.vllm_table`` prints it; tests/apps/entrypoints/test_vllm_args.py checks
 that docs/api.md holds the current rendering.
 """
 

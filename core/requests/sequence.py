@@ -1,7 +1,7 @@
 """A request's sequence: its tokens, how many have KV in the cache, its state and timestamps.
 
 Every change of a sequence's state is a method of :class:`Sequence`; no
-other module assigns its fields (``tests/test_sequence_ownership.py`` checks
+other module assigns its fields (``tests/core/requests/test_sequence_ownership.py`` checks
 it). The scheduler calls :meth:`~Sequence.queue`, :meth:`~Sequence.admit`
 and :meth:`~Sequence.preempt`; the engine calls the rest:
 :meth:`~Sequence.mark_scheduled`, :meth:`~Sequence.set_drafts` and

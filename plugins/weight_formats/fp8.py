@@ -62,7 +62,7 @@ MIN_AMAX = 1e-12  # the scale of an all-zero row or token: any positive value ke
 FAST_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
 ALIGNMENT = 16  # _scaled_mm's requirement on in_features and out_features
 # the skinny Triton GEMM's tile of rows (fp8_gemm.SKINNY_MAX_ROWS, repeated here so that
-# this module imports no Triton; tests/test_fp8_gemm.py keeps the two equal)
+# this module imports no Triton; tests/plugins/weight_formats/test_fp8_gemm.py keeps the two equal)
 SKINNY_MAX_ROWS = 16
 
 

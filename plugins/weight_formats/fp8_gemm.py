@@ -45,7 +45,7 @@ SKINNY_MAX_ROWS = 16
 
 # The kernels write e4m3's constants as literals (a jitted function reads no Python globals):
 # 448 its largest finite value (fp8.FP8_MAX), 3 mantissa bits, 2^-6 = 0.015625 its smallest
-# normal, and 1e-12 the reference's floor on a row's amax (fp8.MIN_AMAX); tests/test_fp8_gemm.py
+# normal, and 1e-12 the reference's floor on a row's amax (fp8.MIN_AMAX); tests/plugins/weight_formats/test_fp8_gemm.py
 # checks them against the reference, an all-zero row included.
 
 

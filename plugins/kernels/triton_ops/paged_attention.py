@@ -71,7 +71,7 @@ as it found them: zero, without a memset per call, which keeps it graph-safe.
     one launch, so launches must not run concurrently on two streams (the
     engine uses one). Triton's interpreter runs programs one after another
     (the last split always merges), so the CPU tests check the arithmetic and
-    the counters' reset, not this argument; tests/test_fused_gpu.py replays a
+    the counters' reset, not this argument; tests/plugins/kernels/test_fused_gpu.py replays a
     captured graph hundreds of times and requires the same bits every time.
 
     An aborted launch: a program that never increments (a device fault

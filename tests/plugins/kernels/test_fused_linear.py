@@ -1,0 +1,266 @@
+"""fused_linear's GEMMs (norm_linear, norm_gate_up, linear_residual) against float64 arithmetic.
+
+On a machine without CUDA the kernels run on CPU tensors through Triton's
+interpreter (``TRITON_INTERPRET=1`` set before Triton's first import, as in
+tests/plugins/kernels/test_fused_kernels.py); with CUDA the same tests run compiled, small
+shapes (tests/plugins/kernels/test_fused_linear_gpu.py has the real ones).
+
+The reference is the same formula in float64 over the very inputs the kernel
+reads (bf16/fp16/fp32), so the only error allowed is the kernel's float32
+accumulation and its one rounding to the output dtype. Outputs are poisoned
+(NaN) so that an unwritten element fails; the split-K arrival counters must be
+back at zero after every call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
+
+import contextlib  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pitstop.plugins.kernels.triton_ops import fused_linear as fl  # noqa: E402
+from pitstop.plugins.kernels.triton_ops import pdl  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# max |kernel - float64| / max |float64|: float32 accumulation, one rounding to the dtype
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+FEW = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# small tiles so that the shapes below cross tile borders in M, N and K
+SPLITS = [None, 1, 2, 3, 4]  # None: the config rule's choice
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Every torch.empty inside fills floats with NaN."""
+    import torch.utils.deterministic as det
+
+    was_on, was_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_on)
+        det.fill_uninitialized_memory = was_fill
+
+
+def config(split: int | None) -> fl.LinearConfig | None:
+    """Small tiles with ``split`` K splits (``None``: the default rule)."""
+    return None if split is None else fl.LinearConfig(16, 16, 32, split, 1, 1)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
+    """Finite, same shape, dtype kept, relative max error under the dtype's bound."""
+    assert actual.shape == expected.shape, f"{what}: {tuple(actual.shape)} != {expected.shape}"
+    assert actual.dtype == dtype, f"{what}: dtype {actual.dtype}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite output (unwritten or NaN)"
+    scale = expected.abs().max().clamp_min(1e-6)
+    err = ((actual.double() - expected).abs().max() / scale).item()
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3g} > {TOL[dtype]}"
+
+
+def counters_are_zero() -> bool:
+    return bool((fl.workspace(DEVICE).counters == 0).all())
+
+
+def rows_scale(x: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """float64 ``rstd(x)[:, None]`` (1 without a norm)."""
+    xd = x.double()
+    if eps is None:
+        return torch.ones(x.shape[0], 1, dtype=torch.float64, device=x.device)
+    return 1.0 / torch.sqrt((xd * xd).mean(dim=1, keepdim=True) + eps)
+
+
+def ref_norm_linear(x, weight, eps, bias):
+    y = rows_scale(x, eps) * (x.double() @ weight.double().T)
+    return y if bias is None else y + bias.double()
+
+
+def ref_norm_gate_up(x, weight, eps, bias):
+    f = weight.shape[0] // 2
+    h = ref_norm_linear(x, weight, eps, bias)
+    g, u = h[:, :f], h[:, f:]
+    return g / (1.0 + torch.exp(-g)) * u
+
+
+def ref_linear_residual(x, weight, residual, bias):
+    y = residual.double() + x.double() @ weight.double().T
+    return y if bias is None else y + bias.double()
+
+
+def inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int, scale: float = 3.0):
+    """x (a row scale far from 1, so the norm matters), weight ~ 1/sqrt(K), bias."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (scale * torch.randn(m, k, generator=gen)).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    b = (0.5 * torch.randn(n, generator=gen)).to(DEVICE, dtype)
+    return x, w, b
+
+
+shapes = dict(
+    m=st.integers(1, 40),
+    n=st.integers(1, 40),
+    k=st.one_of(st.integers(1, 130), st.sampled_from([32, 64, 96, 128])),
+    dtype=st.sampled_from(DTYPES),
+    split=st.sampled_from(SPLITS),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+
+
+@FEW
+@given(eps=st.sampled_from([1e-6, 1e-5, None]), **shapes)
+def test_norm_linear_matches_float64(m, n, k, dtype, split, with_bias, seed, eps) -> None:
+    """``rstd(x) * x @ W.T (+ bias)`` over any M, N, K, split or not; inputs left alone."""
+    x, w, b = inputs(m, n, k, dtype, seed)
+    bias = b if with_bias else None
+    x0 = x.clone()
+    with poisoned_outputs():
+        out = fl.norm_linear(x, w, eps, bias, config=config(split))
+    assert_close(out, ref_norm_linear(x, w, eps, bias), dtype, "norm_linear")
+    assert torch.equal(x, x0)
+    assert counters_are_zero()
+
+
+@FEW
+@given(eps=st.sampled_from([1e-6, None]), **shapes)
+def test_norm_gate_up_matches_float64(m, n, k, dtype, split, with_bias, seed, eps) -> None:
+    """``silu(g) * u`` over the merged ``[gate | up]`` rows, gate row n with up row F + n."""
+    x, w, b = inputs(m, 2 * n, k, dtype, seed)
+    bias = b if with_bias else None
+    with poisoned_outputs():
+        out = fl.norm_gate_up(x, w, eps, bias, config=config(split))
+    assert_close(out, ref_norm_gate_up(x, w, eps, bias), dtype, "norm_gate_up")
+    assert counters_are_zero()
+
+
+@FEW
+@given(**shapes)
+def test_linear_residual_matches_float64(m, n, k, dtype, split, with_bias, seed) -> None:
+    """``residual + x @ W.T (+ bias)``, a new tensor; the residual is left alone."""
+    x, w, b = inputs(m, n, k, dtype, seed, scale=1.0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    residual = (4 * torch.randn(m, n, generator=gen)).to(DEVICE, dtype)
+    r0 = residual.clone()
+    bias = b if with_bias else None
+    with poisoned_outputs():
+        out = fl.linear_residual(x, w, residual, bias, config=config(split))
+    assert out.data_ptr() != residual.data_ptr()
+    assert_close(out, ref_linear_residual(x, w, residual, bias), dtype, "linear_residual")
+    assert torch.equal(residual, r0)
+    assert counters_are_zero()
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_strided_rows_and_many_tiles(split: int) -> None:
+    """x as a column slice of a wider tensor (row stride != K), several M and N tiles."""
+    wide, w, b = inputs(37, 50, 160, torch.bfloat16, 7)
+    x = wide[:, 16:112]
+    w = w[:, :96].contiguous()
+    with poisoned_outputs():
+        out = fl.norm_linear(x, w, 1e-6, b, config=config(split))
+    assert_close(out, ref_norm_linear(x, w, 1e-6, b), torch.bfloat16, "strided")
+    assert counters_are_zero()
+
+
+def test_split_sum_is_deterministic_and_empty_splits_are_harmless() -> None:
+    """Split partials are summed in split order: two calls give the same bits; with more
+    splits than K steps (K=40: 2 steps of 32, 8 splits) the empty splits add zeros."""
+    x, w, b = inputs(5, 2 * 24, 40, torch.float32, 3)
+    cfg = fl.LinearConfig(16, 16, 32, 8, 1, 1)
+    first = fl.norm_gate_up(x, w, 1e-6, b, config=cfg)
+    second = fl.norm_gate_up(x, w, 1e-6, b, config=cfg)
+    assert torch.equal(first, second)
+    assert_close(first, ref_norm_gate_up(x, w, 1e-6, b), torch.float32, "empty splits")
+    assert counters_are_zero()
+
+
+def test_zero_rows_and_bad_shapes() -> None:
+    """M = 0 gives an empty output without a launch; mismatched shapes are refused."""
+    x, w, b = inputs(1, 8, 16, torch.float32, 0)
+    assert fl.norm_linear(x[:0], w, 1e-6).shape == (0, 8)
+    assert fl.norm_gate_up(x[:0], w, None).shape == (0, 4)
+    with pytest.raises(AssertionError):
+        fl.norm_linear(x, w[:, :8], 1e-6)
+    with pytest.raises(AssertionError):
+        fl.norm_linear(x, w.to(torch.bfloat16), 1e-6)
+    with pytest.raises(AssertionError):
+        fl.linear_residual(x, w, torch.zeros(1, 7, device=DEVICE))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_silu_of_large_gates_stays_finite() -> None:
+    """Gates of ±large magnitude: silu(-big) is -0 times u (exp overflows to inf), never NaN."""
+    x = torch.ones(2, 32, device=DEVICE)
+    w = torch.cat([torch.full((4, 32), -50.0), torch.full((4, 32), 50.0)]).to(DEVICE)
+    w[0] = 50.0
+    out = fl.norm_gate_up(x, w, None, config=config(2))
+    expected = ref_norm_gate_up(x, w, None, None)
+    assert torch.isfinite(out).all()
+    assert_close(out, expected, torch.float32, "large gates")
+
+
+# ---------------------------------------------------------------- the config rule
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "gate_up"),
+    [
+        (1, 4096, 1024, False),  # qwen3-0.6b QKV
+        (1, 1024, 2048, False),  # o_proj
+        (1, 3072, 1024, True),  # gate-up
+        (1, 1024, 3072, False),  # down
+        (16, 6144, 4096, False),  # llama3-8b QKV
+        (64, 14336, 4096, True),
+        (256, 4096, 14336, False),
+        (200, 1024, 3072, False),
+    ],
+)
+def test_h200_configs_fill_the_gpu_and_fit_the_workspace(
+    m: int, n: int, k: int, gate_up: bool
+) -> None:
+    """On 132 SMs: splits are powers of two, only where the tiles are too few, each keeps
+    at least MIN_K_PER_SPLIT columns, and the workspace holds the launch."""
+    cfg = fl.choose_config(m, n, k, torch.bfloat16, gate_up, True, 132)
+    tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
+    assert cfg.split_k & (cfg.split_k - 1) == 0 and 1 <= cfg.split_k <= fl.MAX_SPLIT
+    assert cfg.block_m >= min(16, m) and cfg.block_m <= 128
+    if cfg.split_k > 1:
+        assert k // cfg.split_k >= fl.MIN_K_PER_SPLIT
+        assert tiles * cfg.split_k * (2 if gate_up else 1) <= fl.PROGRAMS_PER_SM * 132
+        assert m <= 16 or tiles * cfg.split_k <= fl.PROGRAMS_PER_SM_WIDE * 132
+        accs = 2 if gate_up else 1
+        floats = tiles * cfg.split_k * (accs * cfg.block_n * cfg.block_m + cfg.block_m)
+        assert floats <= fl.WORKSPACE_FLOATS["cuda"]
+    if m == 1 and not gate_up:
+        assert cfg.split_k > 1  # 16..64 tiles of 64 columns: too few for 132 SMs
+    if (m, n, k) == (64, 14336, 4096):
+        assert cfg.split_k == 1  # 224 tiles (each two weight tiles): the GPU is full
+    assert cfg.num_warps == 4 and (cfg.num_stages <= 4 or not gate_up)
+
+
+def test_pdl_is_off_here_and_in_the_interpreter() -> None:
+    """PDL never turns on for a CPU tensor or under the interpreter, even when asked for."""
+    cpu = torch.device("cpu")
+    assert not pdl.enabled(cpu) and not pdl.enabled(cpu, True)
+    assert pdl.launch_kwargs(False) == {} and pdl.launch_kwargs(True) == {"launch_pdl": True}
+    if DEVICE.type == "cpu":
+        assert pdl.interpreted()

@@ -1,0 +1,258 @@
+"""Multi-LoRA kernels (triton_ops.lora) and their PyTorch reference against float64 arithmetic.
+
+On a machine without CUDA the kernels run on CPU tensors through Triton's
+interpreter (``TRITON_INTERPRET=1`` set before Triton's first import, as in
+tests/plugins/kernels/test_fused_kernels.py); with CUDA the same tests run compiled, small shapes
+(tests/plugins/kernels/test_lora_kernels_gpu.py has the real ones).
+
+Hypothesis draws the batch (rows, K, slices of different widths at packed or
+explicit column offsets, rank_max and each slot's rank, including 0 and
+``< rank_max``, split-K) and the mix of slots: all one adapter, none, every row
+different, random with repeats and out-of-range values. The truth is a per-row
+loop in float64 over the very inputs the kernels read. What must not be written
+is poisoned with NaN and checked bit for bit afterwards: y's rows without an
+adapter (or whose slot has rank 0) and y's columns outside the slices; the
+padding of A and B beyond each slot's rank is NaN too, so a read of it fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pitstop.plugins.kernels import lora_reference as ref  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pitstop.plugins.kernels.triton_ops import lora  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+DTYPES = list(TOL)
+FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN poison included)."""
+    return a.shape == b.shape and bool((a.view(torch.uint8) == b.view(torch.uint8)).all())
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: {tuple(actual.shape)} != {expected.shape}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite output"
+    if actual.numel() == 0:
+        return
+    scale = expected.abs().max().clamp_min(1e-6)
+    err = ((actual.double() - expected).abs().max() / scale).item()
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
+
+
+def _slots_mix(draw: st.DrawFn, rows: int, slots: int) -> list[int]:
+    mix = draw(st.sampled_from(["one", "none", "distinct", "interleaved", "random"]))
+    if mix == "one":
+        return [draw(st.integers(0, slots - 1))] * rows
+    if mix == "none":
+        return [-1] * rows
+    if mix == "distinct":  # every row a different slot (or none), as many rows as fit
+        values = draw(st.permutations(list(range(-1, slots))))
+        return [values[i % len(values)] for i in range(rows)]
+    if mix == "interleaved":
+        return [(i % (slots + 1)) - 1 for i in range(rows)]
+    # random, with repeats; `slots` itself is out of range and must count as -1
+    return draw(st.lists(st.integers(-1, slots), min_size=rows, max_size=rows))
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> dict:
+    """One projection's LoRA inputs and a batch; see the module docstring."""
+    dtype = draw(st.sampled_from(DTYPES))
+    rows = draw(st.integers(1, 40))
+    k = draw(st.integers(1, 72))
+    slots = draw(st.integers(1, 4))
+    rank_max = draw(st.sampled_from([1, 4, 8, 16, 20]))
+    widths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=lora.MAX_SLICES))
+    ranks = draw(st.lists(st.integers(0, rank_max), min_size=slots, max_size=slots))
+    lead, gap, tail = draw(st.integers(0, 5)), draw(st.integers(0, 3)), draw(st.integers(0, 5))
+    packed = gap == 0 or draw(st.booleans())
+    offsets, at = [], lead
+    for w in widths:
+        offsets.append(at)
+        at += w + (0 if packed else gap)
+    return {
+        "dtype": dtype,
+        "rows": rows,
+        "k": k,
+        "slots": slots,
+        "rank_max": rank_max,
+        "widths": widths,
+        "ranks": ranks,
+        "offsets": offsets,
+        "packed": packed,
+        "n_total": at + tail,
+        "slot_of_row": _slots_mix(draw, rows, slots),
+        "x_stride_pad": draw(st.sampled_from([0, 3])),
+        "per_slice_scaling": draw(st.booleans()),
+        "split_k": draw(st.sampled_from([1, 2, 3])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def _make(case: dict) -> dict:
+    """Tensors of a drawn case: weights NaN beyond each slot's rank, y NaN where untouched."""
+    g = torch.Generator().manual_seed(case["seed"])
+    dt, slots, r_max = case["dtype"], case["slots"], case["rank_max"]
+    rows, k = case["rows"], case["k"]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.5).to(dt)
+
+    ranks = case["ranks"]
+    a_list = [rand(slots, r_max, k) for _ in case["widths"]]
+    b_list = [rand(slots, w, r_max) for w in case["widths"]]
+    for s, r in enumerate(ranks):
+        for a in a_list:
+            a[s, r:] = float("nan")
+        for b in b_list:
+            b[s, :, r:] = float("nan")
+    x = rand(rows, k + case["x_stride_pad"])[:, :k]  # a row stride wider than K, sometimes
+    n_slices = len(case["widths"])
+    shape = (slots, n_slices) if case["per_slice_scaling"] else (slots,)
+    scaling = torch.rand(*shape, generator=g) * 2
+    slot_of_row = torch.tensor(case["slot_of_row"], dtype=torch.int32)
+    y0 = rand(rows, case["n_total"])
+    active = torch.tensor([0 <= s < slots and ranks[s] > 0 for s in case["slot_of_row"]])
+    covered = torch.zeros(case["n_total"], dtype=torch.bool)
+    for off, w in zip(case["offsets"], case["widths"], strict=True):
+        covered[off : off + w] = True
+    y0[~active] = float("nan")
+    y0[:, ~covered] = float("nan")
+    dev = torch.device(DEVICE)
+    return {
+        "x": x.to(dev),
+        "A": [a.to(dev) for a in a_list],
+        "B": [b.to(dev) for b in b_list],
+        "ranks": torch.tensor(ranks, dtype=torch.int32, device=dev),
+        "scaling": scaling.to(dev),
+        "slot_of_row": slot_of_row.to(dev),
+        "y0": y0.to(dev),
+        "active": active.to(dev),
+        "covered": covered.to(dev),
+    }
+
+
+def _truth(case: dict, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """h and y in float64, one row at a time."""
+    r_max, slots = case["rank_max"], case["slots"]
+    n_slices = len(case["widths"])
+    h = torch.zeros(case["rows"], n_slices * r_max, dtype=torch.float64)
+    y = t["y0"].double().cpu().clone()
+    scaling = t["scaling"].double().cpu()
+    for row, s in enumerate(case["slot_of_row"]):
+        if not 0 <= s < slots:
+            continue
+        r = case["ranks"][s]
+        xr = t["x"][row].double().cpu()
+        for i, (a, b, off) in enumerate(zip(t["A"], t["B"], case["offsets"], strict=True)):
+            hi = a[s, :r].double().cpu() @ xr
+            h[row, i * r_max : i * r_max + r] = hi
+            scale = scaling[s] if scaling.dim() == 1 else scaling[s, i]
+            y[row, off : off + b.shape[1]] += scale * (b[s, :, :r].double().cpu() @ hi)
+    return h, y
+
+
+def _run(mod, case: dict, t: dict, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    slot_kw = {"offsets": case["offsets"]} if not case["packed"] else {"offset": case["offsets"][0]}
+    h = mod.lora_shrink(t["x"], t["A"], t["slot_of_row"], t["ranks"], **kwargs)
+    y = t["y0"].clone()
+    out = mod.lora_expand_add(
+        y, h, t["B"], t["slot_of_row"], t["scaling"], t["ranks"], **slot_kw, **kwargs
+    )
+    assert out is y, "expand works in place and returns y"
+    return h, y
+
+
+def _check(case: dict, t: dict, h: torch.Tensor, y: torch.Tensor, what: str) -> None:
+    h_true, y_true = _truth(case, t)
+    _close(h.cpu(), h_true, 1e-5, f"{what} h")
+    # nothing where it must not be: h zero beyond each rank and for idle rows
+    assert bool((h.cpu()[h_true == 0] == 0).all()), f"{what}: h nonzero where it must be zero"
+    touched = t["active"][:, None] & t["covered"][None, :]
+    assert _same_bits(y[~touched], t["y0"][~touched]), f"{what}: wrote outside its rows/columns"
+    _close(y.cpu()[touched.cpu()], y_true[touched.cpu()], TOL[case["dtype"]], f"{what} y")
+
+
+@FAST
+@given(case=batches())
+def test_kernels_match_float64(case: dict) -> None:
+    t = _make(case)
+    cfg = lora.default_config(case["rows"], case["k"], case["dtype"], torch.device(DEVICE))
+    cfg = cfg._replace(split_k=case["split_k"])
+    h, y = _run(lora, case, t, config=cfg)
+    _check(case, t, h, y, "triton")
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=batches())
+def test_reference_matches_float64(case: dict) -> None:
+    t = _make(case)
+    h, y = _run(ref, case, t)
+    _check(case, t, h, y, "reference")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    slot_of_row=st.lists(st.integers(-3, 6), min_size=0, max_size=90),
+    slots=st.integers(1, 5),
+    spare=st.integers(0, 7),
+)
+def test_meta_groups_rows_by_slot(slot_of_row: list[int], slots: int, spare: int) -> None:
+    """Each slot's segment holds exactly its rows in row order; -1 and out-of-range: nowhere."""
+    s = torch.tensor(slot_of_row, dtype=torch.int32, device=DEVICE)
+    out = lora.new_meta(len(slot_of_row) + spare, slots + 1, DEVICE)  # static, oversized
+    meta = lora.lora_meta(s, slots, out=out)
+    assert meta is out
+    start, length = meta.seg_start.cpu().tolist(), meta.seg_len.cpu().tolist()
+    rows = meta.sorted_rows.cpu().tolist()
+    at = 0
+    for slot in range(slots):
+        mine = [i for i, v in enumerate(slot_of_row) if v == slot]
+        assert (start[slot], length[slot]) == (at, len(mine))
+        assert rows[at : at + len(mine)] == mine
+        at += len(mine)
+
+
+def test_full_rank_shared_meta_and_static_buffers() -> None:
+    """``ranks=None`` (every slot at rank_max), one meta for both launches, ``out=`` prefilled."""
+    g = torch.Generator().manual_seed(3)
+    dt, rows, k, r_max, slots = torch.bfloat16, 19, 33, 8, 3
+    x = torch.randn(rows, k, generator=g).to(dt).to(DEVICE)
+    a = [torch.randn(slots, r_max, k, generator=g).to(dt).to(DEVICE) for _ in range(2)]
+    b = [torch.randn(slots, w, r_max, generator=g).to(dt).to(DEVICE) for w in (24, 8)]
+    slot_of_row = torch.tensor([i % 4 - 1 for i in range(rows)], dtype=torch.int32, device=DEVICE)
+    scaling = torch.tensor([0.5, 2.0, 1.0], device=DEVICE)
+    meta = lora.lora_meta(slot_of_row, slots, out=lora.new_meta(64, slots, DEVICE))
+    h_out = torch.full((rows, 2 * r_max), float("nan"), device=DEVICE)
+    h = lora.lora_shrink(x, a, slot_of_row, meta=meta, out=h_out)
+    assert h is h_out
+    y = torch.randn(rows, 32, generator=g).to(dt).to(DEVICE)
+    y_ref = y.clone()
+    lora.lora_expand_add(y, h, b, slot_of_row, scaling, meta=meta)
+    h_ref = ref.lora_shrink(x, a, slot_of_row)
+    ref.lora_expand_add(y_ref, h_ref, b, slot_of_row, scaling)
+    _close(h.cpu(), h_ref.double().cpu(), 1e-5, "h")
+    _close(y.cpu(), y_ref.double().cpu(), TOL[dt], "y")
+    idle = (slot_of_row == -1).cpu()
+    assert bool((h.cpu()[idle] == 0).all())
+
+
+def test_scaling_of() -> None:
+    assert ref.scaling_of(32, 16) == 2.0
+    assert ref.scaling_of(32, 16, use_rslora=True) == 8.0

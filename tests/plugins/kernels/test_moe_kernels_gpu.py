@@ -1,0 +1,131 @@
+"""The fused MoE op on the GPU at the Qwen3-30B-A3B layer shape, eager and in a CUDA graph.
+
+Marked ``gpu``: skipped where torch sees no CUDA device (tests/conftest.py). Run on the
+H200 with ``pytest -q -m gpu tests/plugins/kernels/test_moe_kernels_gpu.py``.
+
+Shape: H 2048, E 128, k 8, F 768, bf16, ``norm_topk_prob`` on (Qwen3-MoE), T in
+{1, 16, 256, 2048}. Truth is :mod:`moe_reference`'s loop in float64 over the kernel's
+routing, which must pick the same experts as ``torch.topk`` (random logits: no ties).
+The autotune runs for real, into a temporary cache directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pitstop.plugins.kernels import moe_reference as ref
+
+pytestmark = pytest.mark.gpu
+
+H, E, TOP_K, INTER = 2048, 128, 8, 768
+TOL = 2e-2  # max |fused - float64| / max |float64|, bf16 (transformers' own loop: about 1e-2)
+
+
+@pytest.fixture(scope="module")
+def layer() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router weight ``[E, H]``, ``gate_up [E, 2F, H]``, ``down [E, H, F]`` (bf16, on the GPU)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    router = torch.randn(E, H, device="cuda", generator=gen) / H**0.5
+    gate_up = torch.randn(E, 2 * INTER, H, device="cuda", generator=gen) / H**0.5
+    down = torch.randn(E, H, INTER, device="cuda", generator=gen) / INTER**0.5
+    return router.bfloat16(), gate_up.bfloat16(), down.bfloat16()
+
+
+def relative_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
+    """Max absolute error over max magnitude; NaN fails."""
+    assert torch.isfinite(actual).all(), "an unwritten or NaN output element"
+    return ((actual.double() - truth).abs().max() / truth.abs().max()).item()
+
+
+@pytest.mark.parametrize("mode", ["random", "same"])
+@pytest.mark.parametrize("t", [1, 16, 256, 2048])
+def test_qwen3_30b_a3b_layer(layer, t: int, mode: str, tmp_path: Path) -> None:
+    """fused_moe == the float64 loop; ``same``: every token picks the same 8 experts."""
+    from pitstop.plugins.kernels.triton_ops import moe, moe_routing
+
+    router, gate_up, down = layer
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
+    logits = F.linear(x, router)
+    if mode == "same":
+        logits[:, 40:48] += 30.0
+    cache = moe.ConfigCache(tmp_path)
+    out = moe.fused_moe(
+        x, logits, gate_up, down, TOP_K, renormalize=True, weights_dtype=torch.bfloat16, cache=cache
+    )
+    weights, ids = moe_routing.route(logits, TOP_K, True, torch.bfloat16)
+    _, want_ids = ref.route(logits, TOP_K, True, torch.bfloat16)
+    assert torch.equal(ids.sort(dim=-1).values.long(), want_ids.sort(dim=-1).values)
+    truth = ref.experts(x.double(), weights.double(), ids, gate_up.double(), down.double())
+    err = relative_error(out, truth)
+    hf = relative_error(ref.experts(x, weights, ids, gate_up, down), truth)
+    assert err <= TOL, f"T={t} {mode}: fused {err:.3g}, transformers' loop {hf:.3g}"
+    assert torch.equal(out, moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
+                                          weights_dtype=torch.bfloat16, cache=cache))  # fmt: skip
+    entries = json.loads((tmp_path / moe.ConfigCache.FILE).read_text())
+    assert list(entries) == [moe.ConfigCache.key(t, E, TOP_K, H, INTER, torch.bfloat16,
+                                                 torch.cuda.get_device_name())]  # fmt: skip
+
+
+@pytest.mark.parametrize("t", [1, 256])
+def test_captured_in_a_cuda_graph(layer, t: int, tmp_path: Path) -> None:
+    """Tuned eagerly, then captured: replays over new inputs give the eager bits."""
+    from pitstop.plugins.kernels.triton_ops import moe
+
+    router, gate_up, down = layer
+    cache = moe.ConfigCache(tmp_path)
+    x = torch.randn(t, H, device="cuda").bfloat16()
+    logits = F.linear(x, router)
+
+    def run() -> torch.Tensor:
+        return moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
+                             weights_dtype=torch.bfloat16, cache=cache)  # fmt: skip
+
+    run()  # autotune + compile, outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(100 + seed)
+        x.copy_(torch.randn(t, H, device="cuda", generator=gen).bfloat16())
+        logits.copy_(F.linear(x, router))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, run())
+
+
+def test_capture_of_an_untuned_shape_uses_the_heuristic(
+    layer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bucket first seen inside a capture runs the heuristic tiles (logged), and is right."""
+    from pitstop.plugins.kernels.triton_ops import moe
+
+    router, gate_up, down = layer
+    t = 16
+    x = torch.randn(t, H, device="cuda").bfloat16()
+    logits = F.linear(x, router)
+    config = moe.heuristic_config(t, E, TOP_K, torch.bfloat16, True)
+    eager = moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
+                          weights_dtype=torch.bfloat16, config=config)  # fmt: skip
+    moe._logged.discard("capture")
+    cache = moe.ConfigCache(tmp_path)  # empty: nothing tuned
+    graph = torch.cuda.CUDAGraph()
+    with caplog.at_level(logging.WARNING, logger=moe.__name__), torch.cuda.graph(graph):
+        captured = moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
+                                 weights_dtype=torch.bfloat16, cache=cache)  # fmt: skip
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    assert any("CUDA graph capture" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / moe.ConfigCache.FILE).exists()
