@@ -250,7 +250,8 @@ def one_rank_engine(monkeypatch, folder_or_model: str, **settings) -> LLM:
     import pitstop.loop.engine
     from pitstop.executor.launch import _spawn
 
-    def runner(config, mc, plugins, device, dtype):
+    def runner(config, mc, plugins, device, dtype, **_resolved):
+        # rank 0's runner and the workers' resolve the config themselves
         return _spawn(config, mc, plugins, device.type, dtype)
 
     monkeypatch.setattr(pitstop.loop.engine, "ModelRunner", runner)
