@@ -21,12 +21,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
 
-import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import logging  # noqa: E402
 
 import attrs  # noqa: E402
 import pytest  # noqa: E402
+from helpers.poison import poisoned_outputs  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -52,21 +52,6 @@ FEW = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-@contextlib.contextmanager
-def poisoned_outputs():
-    """Every torch.empty inside fills floats with NaN (integers with their maximum)."""
-    import torch.utils.deterministic as det
-
-    was_on, was_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    det.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was_on)
-        det.fill_uninitialized_memory = was_fill
 
 
 def fused_set(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> FusedKernels:

@@ -21,14 +21,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
 
-import contextlib  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
+
+from helpers.poison import poisoned_outputs  # noqa: E402
 
 from pitstop.plugins.kernels.triton_ops import fused_linear as fl  # noqa: E402
 from pitstop.plugins.kernels.triton_ops import pdl  # noqa: E402
@@ -45,21 +45,6 @@ FEW = settings(
 )
 # small tiles so that the shapes below cross tile borders in M, N and K
 SPLITS = [None, 1, 2, 3, 4]  # None: the config rule's choice
-
-
-@contextlib.contextmanager
-def poisoned_outputs() -> Iterator[None]:
-    """Every torch.empty inside fills floats with NaN."""
-    import torch.utils.deterministic as det
-
-    was_on, was_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    det.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was_on)
-        det.fill_uninitialized_memory = was_fill
 
 
 def config(split: int | None) -> fl.LinearConfig | None:

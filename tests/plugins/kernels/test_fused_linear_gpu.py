@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.poison import poisoned_outputs
 
 from pitstop.plugins.kernels.triton_ops import fused_linear as fl
 from pitstop.plugins.kernels.triton_ops import pdl, rmsnorm, silu
@@ -33,14 +34,8 @@ EPS = 1e-6
 @pytest.fixture(autouse=True)
 def _poisoned():
     """Fresh outputs are NaN-filled so that an unwritten element fails."""
-    import torch.utils.deterministic as det
-
-    was, was_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    det.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(was)
-    det.fill_uninitialized_memory = was_fill
+    with poisoned_outputs():
+        yield
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:

@@ -18,7 +18,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
 
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -30,6 +29,8 @@ from hypothesis import strategies as st  # noqa: E402
 from pitstop.plugins.kernels import moe_reference as ref  # noqa: E402
 
 pytest.importorskip("triton")
+
+from helpers.poison import poisoned_outputs  # noqa: E402
 
 from pitstop.plugins.kernels.triton_ops import moe, moe_routing  # noqa: E402
 
@@ -43,21 +44,6 @@ FEW = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-@contextlib.contextmanager
-def poisoned_outputs():
-    """Every torch.empty inside fills floats with NaN (integers with their maximum)."""
-    import torch.utils.deterministic as det
-
-    was_on, was_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    det.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was_on)
-        det.fill_uninitialized_memory = was_fill
 
 
 def make_logits(gen: torch.Generator, t: int, e: int, mode: str) -> torch.Tensor:
