@@ -1,42 +1,308 @@
 """Every spelling of the engine's settings, folded into one plain :class:`EngineConfig`.
 
 The engine takes an ``EngineConfig`` as it is; how a person or a program spells a setting is
-this module's business (vLLM's ``EngineArgs`` plays the same part):
+this module's business (vLLM's ``EngineArgs`` plays the same part). A setting enters in one
+of these ways, each folded into the same keywords (the config's fields plus ``options``):
 
 - keywords: :func:`engine_config` (``engine_config(chunk_size=512, max_num_seqs=64)``): the
-  engine's fields, the plugins' aliases (into ``options``) and vLLM's names;
-- a mapping: :func:`config_from_dict`; a TOML file: :func:`config_from_toml`;
-- flags: :func:`add_cli_flags` then :func:`config_from_cli`.
+  engine's fields, vLLM's names (:mod:`pitstop.entrypoints.vllm_args`) and the plugins'
+  aliases (``chunk_size=512`` becomes ``options["chunk_size"]``, replacing
+  ``chunked.chunk_size``): :func:`fold_keywords`;
+- a mapping: :func:`config_from_dict`; a TOML file (top-level keys or an ``[engine]`` table,
+  ``[plugins.<name>]`` tables, an ``[options]`` table): :func:`config_from_toml`;
+- flags (``--page-size``, ``--<plugin>.<setting>``, ``--<alias>``, ``--option KEY=VALUE``,
+  vLLM's ``--max-num-seqs``): :func:`add_cli_flags` then :func:`config_from_cli`.
 
-Each folds through :mod:`pitstop.entrypoints.options` against the installed plugins'
-declared settings, then checks the plugin settings the config sets or selects, so that a
-bad value fails here, where it was typed, before any weight loads.
+The plugins' aliases come from the installed plugins' :class:`~pitstop.plugin_system.catalogue.Catalogue`;
+the plugin settings the config sets or selects are checked here, so that a bad value fails
+where it was typed, before any weight loads. An unknown name is an error that names the
+nearest known one.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import tomllib
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from pitstop.config import EngineConfig
-from pitstop.entrypoints.options import (
-    add_engine_flags,
-    add_settings_flags,
-    add_vllm_flags,
-    aliases,
-    fold_keywords,
-    keywords_from_cli,
-    keywords_from_toml,
+from pitstop.entrypoints.vllm_args import (
+    ACCEPTED,
+    DTYPE_WORDS,
+    KV_CACHE_DTYPE_WORDS,
+    MULTI_VALUED,
+    REFUSED,
+    REMOVED,
+    RENAMED,
+    SERVE_REFUSED,
+    merge,
+    translate,
+    vllm_names,
 )
-from pitstop.entrypoints.vllm_args import DTYPE_WORDS, KV_CACHE_DTYPE_WORDS, merge
-from pitstop.errors import ConfigError
+from pitstop.errors import ConfigError, PluginError, did_you_mean
 from pitstop.plugin_system.catalogue import Catalogue
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
-from pitstop.plugin_system.settings import default_for
+from pitstop.plugin_system.registration import Strategy
+from pitstop.plugin_system.settings import (
+    TOML_TABLE,
+    allowed_values,
+    default_for,
+    default_text,
+    flag_name,
+    settings_from_toml,
+    strategy_settings,
+)
+
+SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags
+VLLM_DEST = "vllm:"  # argparse dest prefix of vLLM's flags (--max-num-seqs)
+
+Aliases = Mapping[str, tuple[tuple[Strategy, attrs.Attribute], ...]]
+
+
+def aliases(catalogue: Catalogue | None, fields: Collection[str]) -> Aliases:
+    """The catalogue's aliases (``chunk_size`` -> each declaring strategy and field);
+    a :class:`PluginError` while the plugins are still loading (``catalogue`` None), or
+    for an alias that is the name of an engine setting (one of ``fields``)."""
+    if catalogue is None:
+        raise PluginError(
+            "a plugin setting's alias was used while the plugins were still loading; "
+            "build the EngineConfig in the plugin's factory, not when its module is imported"
+        )
+    for alias in set(catalogue.aliases) & set(fields):
+        owners = ", ".join(d.owner for d, _ in catalogue.aliases[alias])
+        raise PluginError(
+            f"{owners}: the setting alias {alias!r} is the name of an engine setting; "
+            "the plugin must choose another alias"
+        )
+    return catalogue.aliases
+
+
+def fold_keywords(
+    settings: Mapping[str, Any], fields: list[str], catalogue: Catalogue | None
+) -> dict[str, Any]:
+    """``EngineConfig``'s keywords from Python ones: vLLM's names translated, each plugin
+    alias moved into ``options`` (replacing the same setting given by its
+    ``<plugin>.<setting>`` key); any other name is an error naming the nearest known
+    setting and listing those that exist (``fields`` first, then the aliases)."""
+    settings = translate(settings)
+    short = {k: v for k, v in settings.items() if k not in fields}
+    if not short:
+        return settings
+    table = aliases(catalogue, fields)
+    unknown = sorted(set(short) - set(table))
+    if unknown:
+        known = fields + sorted(table)
+        named = ", ".join(f"{n}{did_you_mean(n, known + vllm_names())}" for n in unknown)
+        raise ConfigError(
+            f"unknown setting(s) {named}; known settings: {', '.join(known)} "
+            "(and vLLM's names: docs/api.md)"
+        )
+    options = dict(settings.get("options") or {})
+    for alias, value in short.items():
+        for declaration, att in table[alias]:
+            options.pop(f"{declaration.name}.{att.name}", None)
+        options[alias] = value
+    return {k: v for k, v in settings.items() if k in fields} | {"options": options}
+
+
+def keywords_from_toml(path: str | Path, catalogue: Catalogue | None) -> dict[str, Any]:
+    """A TOML file's settings (top-level keys, or an ``[engine]`` table; ``[plugins.<name>]``
+    tables and top-level aliases become ``options``), by the names the file uses."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    if "engine" in data and isinstance(data["engine"], dict):
+        data = {**{k: v for k, v in data.items() if k != "engine"}, **data["engine"]}
+    if TOML_TABLE in data:  # [plugins.<name>] tables: entries of options
+        tables = settings_from_toml(data, path)
+        data = {k: v for k, v in data.items() if k != TOML_TABLE}
+        data["options"] = {**tables, **(data.get("options") or {})}
+    given = set(data) & set(catalogue.aliases if catalogue is not None else ())
+    if given:  # chunk_size = 512 at the top level
+        short = {k: data.pop(k) for k in sorted(given)}
+        data["options"] = {**(data.get("options") or {}), **short}
+    return data
+
+
+def keywords_from_cli(args: argparse.Namespace, fields: list[str]) -> dict[str, Any]:
+    """The settings given by flags (those :func:`add_settings_flags`, :func:`add_vllm_flags`
+    and ``EngineConfig``'s own flags added), by name; ``--config`` is not read here."""
+    given = {
+        name: getattr(args, name)
+        for name in fields
+        if getattr(args, name, None) is not None and name != "options"
+    }
+    for item in getattr(args, "option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--option expects KEY=VALUE, got {item!r}")
+        given.setdefault("options", {})[key] = parse_scalar(value)
+    for dest, value in vars(args).items():  # --<plugin>.<setting> flags
+        if dest.startswith(SETTING_DEST) and value is not None:
+            given.setdefault("options", {})[dest[len(SETTING_DEST) :]] = value
+    for dest, value in vars(args).items():  # --max-num-seqs and vLLM's other flags
+        if dest.startswith(VLLM_DEST) and value is not None:
+            given[dest[len(VLLM_DEST) :]] = _flag_value(value)
+    return given
+
+
+def _flag_value(value: Any) -> Any:
+    """A vLLM flag's value: a flag of several values alone is true, one value is itself."""
+    if isinstance(value, list):
+        return True if not value else value[0] if len(value) == 1 else value
+    return value
+
+
+def parse_scalar(text: str) -> Any:
+    """A flag's value as TOML reads it (``3``, ``true``, ``"x"``), else the text itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_bool_flag(text: str) -> bool:
+    """A boolean flag's value; anything else is an argparse error (usage + message, exit 2)."""
+    try:
+        return _BOOL_WORDS[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"expected true or false (or yes/no, 1/0), got {text!r}"
+        ) from None
+
+
+def _flag_type(att: attrs.Attribute) -> Any:
+    t = str(att.type)
+    if "bool" in t:
+        return parse_bool_flag
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def add_engine_flags(
+    parser: argparse.ArgumentParser, fields: Iterable[attrs.Attribute], *, with_model: bool = True
+) -> None:
+    """``--config FILE``, one ``--flag`` per engine setting (``fields``: EngineConfig's,
+    ``options`` and, without ``with_model``, ``model`` left out) and ``--option KEY=VALUE``.
+    Every default stays None, so that a ``--config`` file's value is not overridden."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--config", metavar="FILE", help="TOML file of engine settings (flags win)")
+    for att in fields:
+        if att.name == "options" or (att.name == "model" and not with_model):
+            continue
+        help_text = att.metadata.get("help", "")
+        if "default:" not in help_text:
+            default = att.default
+            shown = "none" if default is None else str(default)
+            help_text += f" (default: {shown.lower() if isinstance(default, bool) else shown})"
+        kwargs: dict[str, Any] = {"default": None, "help": help_text}
+        if "bool" in str(att.type):  # --enforce-eager alone (vLLM's habit) is true
+            kwargs.update(metavar="true|false", nargs="?", const=True)
+        group.add_argument(
+            "--" + att.name.replace("_", "-"), dest=att.name, type=_flag_type(att), **kwargs
+        )
+    group.add_argument(
+        "--option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a third-party plugin setting (repeatable)",
+    )
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags: ``--max-num-seqs N``, ``--enable-prefix-caching`` /
+    ``--no-enable-prefix-caching`` and the others of :mod:`pitstop.entrypoints.vllm_args`. A flag
+    of an argument pitstop refuses parses (hidden from ``--help``) so that the
+    config can refuse it by name."""
+    group = parser.add_argument_group("vLLM's names for the settings above (docs/api.md)")
+    for rule in RENAMED:
+        flag = "--" + rule.vllm.replace("_", "-")
+        help_text = f"vLLM's name of --{rule.pitstop.replace('_', '-')}" + (
+            f" ({rule.note})" if rule.note else ""
+        )
+        help_text += f" (default: that of --{rule.pitstop.replace('_', '-')})"
+        if rule.flag_type is bool:
+            group.add_argument(
+                flag,
+                dest=VLLM_DEST + rule.vllm,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                flag,
+                dest=VLLM_DEST + rule.vllm,
+                type=rule.flag_type,
+                default=None,
+                metavar="N",
+                help=help_text,
+            )
+    for name, meaning in ACCEPTED.items():
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=VLLM_DEST + name,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"vLLM's flag, {meaning} (default: false)",
+        )
+    for name in [*REFUSED, *SERVE_REFUSED, *REMOVED]:
+        if "--" + name.replace("_", "-") in parser._option_string_actions:
+            continue  # a command's own flag (pitstop serve --served-model-name)
+        several = {"nargs": "*"} if name in MULTI_VALUED else {"nargs": "?", "const": True}
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=VLLM_DEST + name,
+            type=parse_scalar,
+            default=None,
+            help=argparse.SUPPRESS,
+            **several,
+        )
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, catalogue: Catalogue) -> None:
+    """One ``--<plugin>.<setting>`` flag per declared setting of ``catalogue``'s strategies
+    (engine-wide ones have theirs), and one ``--<alias>`` flag per alias (``--chunk-size``)."""
+    group = parser.add_argument_group("plugin settings (pitstop plugins --settings)")
+
+    def add(flag: str, key: str, att: attrs.Attribute, help_text: str) -> None:
+        kind = att.metadata["type"]
+        group.add_argument(
+            flag,
+            dest=SETTING_DEST + key,
+            type=parse_bool_flag if kind is bool else kind,
+            default=None,
+            metavar="true|false" if kind is bool else kind.__name__.upper(),
+            help=f"{help_text} ({allowed_values(att)}; default {default_text(att)})",
+        )
+
+    for alias, declared in sorted(catalogue.aliases.items()):
+        first, att = declared[0]
+        readers = ", ".join(f"{d.kind} {d.name!r}" for d, _ in declared)
+        also = flag_name(first.name, att.name)
+        help_text = f"{att.metadata['help']}; read by {readers}; also {also}"
+        add("--" + alias.replace("_", "-"), alias, att, help_text)
+    for declaration, att in catalogue.flag_fields():
+        add(
+            flag_name(declaration.name, att.name),
+            f"{declaration.name}.{att.name}",
+            att,
+            f"{declaration.kind} {declaration.name!r}: {att.metadata['help']}",
+        )
 
 
 def _catalogue(plugins: PluginManager | Catalogue | None) -> Catalogue:
@@ -124,6 +390,6 @@ def setting_value(
         return config.options[alias]
     for declaration, att in table[alias]:
         if declaration.is_selected(config):
-            return getattr(declaration.read(config), att.name)
+            return getattr(strategy_settings(declaration, config), att.name)
     first, att = table[alias][0]
     return default_for(first.settings, att, config)

@@ -50,6 +50,7 @@ from pitstop.loop.memory import check_fits, check_max_model_len_fits
 from pitstop.loop.request_table import RequestTable
 from pitstop.plugin_system.grammar import GrammarBackend
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
+from pitstop.plugin_system.settings import resolve
 from pitstop.requests.bad_words import blocked_now
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.sampling import RowInputs
@@ -79,7 +80,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if config.kernels == "auto":  # the kernel set declared for this device type
             config = attrs.evolve(config, kernels=self.plugins.auto_kernels(self.device.type))
-        resolved = self.plugins.resolve(config)  # every name and setting, before any weight loads
+        resolved = resolve(config, self.plugins)  # every name and setting, before any weight loads
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.threads is not None:
             torch.set_num_threads(config.threads)

@@ -24,12 +24,7 @@ from pitstop.errors import ConfigError, PluginError, did_you_mean
 from pitstop.ground.model_config import ModelConfig
 from pitstop.plugin_system import hookspecs, protocols
 from pitstop.plugin_system.architecture import Architecture
-from pitstop.plugin_system.catalogue import (
-    Catalogue,
-    Declaration,
-    ResolvedConfig,
-    step_token_budget,
-)
+from pitstop.plugin_system.catalogue import Catalogue
 from pitstop.plugin_system.kinds import KINDS as KIND_TABLE
 from pitstop.plugin_system.kinds import missing_members
 from pitstop.plugin_system.registration import (
@@ -37,14 +32,15 @@ from pitstop.plugin_system.registration import (
     PluginSource,
     Strategy,
     check_registration,
-    owner,
     takes_settings,
 )
 from pitstop.plugin_system.settings import (
+    ResolvedConfig,
     aliased_fields,
-    check_option_keys,
     option_fields,
+    resolve,
     same_declaration,
+    strategy_settings,
 )
 
 if TYPE_CHECKING:
@@ -201,15 +197,6 @@ class PluginManager:
                     f"({existing.module}) and {source.distribution} ({source.module.__name__}); "
                     f"uninstall one, or narrow {ALLOW_LIST_VARIABLE}"
                 )
-            declaration = None
-            if settings is not None:
-                declaration = Declaration(
-                    kind=kind,
-                    name=name,
-                    owner=owner(kind, name, source.distribution, source.version),
-                    settings=settings,
-                    selected_by=KIND_TABLE[kind].selected_by,
-                )
             self.registry[kind][name] = Strategy(
                 kind=kind,
                 name=name,
@@ -221,7 +208,6 @@ class PluginManager:
                 options=dict(options or {}),
                 settings=settings,
                 architecture=architecture,
-                declaration=declaration,
                 takes_settings=settings is not None and takes_settings(factory),
                 auto_devices=auto_devices,
             )
@@ -230,7 +216,7 @@ class PluginManager:
         return register
 
     def _check_aliases(self, kind: str, name: str, settings: type, source: PluginSource) -> None:
-        """Plugins sharing one alias declare it alike (pitstop.entrypoints.options refuses an alias that
+        """Plugins sharing one alias declare it alike (pitstop.entrypoints.engine_args refuses an alias that
         is an engine setting's name)."""
         shared = self.setting_aliases()
         for att in aliased_fields(settings):
@@ -249,11 +235,11 @@ class PluginManager:
         """The declared settings of every registered strategy, with their aliases (built
         once per registration, not on every EngineConfig)."""
         if self._catalogue is None:
-            found = (s.declaration for s in self.strategies() if s.declaration is not None)
+            found = (s for s in self.strategies() if s.settings is not None)
             self._catalogue = Catalogue(tuple(found))
         return self._catalogue
 
-    def setting_aliases(self) -> Mapping[str, tuple[tuple[Declaration, attrs.Attribute], ...]]:
+    def setting_aliases(self) -> Mapping[str, tuple[tuple[Strategy, attrs.Attribute], ...]]:
         """Each setting alias (``chunk_size``) -> the declarations of it, with the field."""
         return self.catalogue.aliases
 
@@ -371,56 +357,12 @@ class PluginManager:
     def resolve(
         self, config: EngineConfig, *, kinds: Collection[str] | None = None
     ) -> ResolvedConfig:
-        """Turn ``config`` into each selected strategy's typed settings and the step token
-        budget, once, before any weight loads (:meth:`create` hands each its settings).
-
-        Raises :class:`PluginError` on the first strategy name of ``config`` that is not
-        registered (``kernels="auto"`` is skipped: it resolves to a name later), and
-        :class:`~pitstop.errors.ConfigError` on a declared setting of any registered
-        strategy that is of the wrong type, out of range or unknown (see
-        :mod:`pitstop.plugin_system.settings`), or on an ``options`` key that the plugins declare
-        nothing like (see :func:`pitstop.plugin_system.settings.check_option_keys`).
-
-        ``kinds``: only the strategies of these kinds are looked up (a runner built alone needs
-        its kernels, sampler and weight format); the step budget still follows the selected
-        scheduler when one of that name is registered."""
-        selected: dict[str, Strategy] = {}
-        for kind, name in (
-            ("allocator", config.allocator),
-            ("scheduler", config.scheduler),
-            ("kernels", None if config.kernels == "auto" else config.kernels),
-            ("sampler", config.sampler),
-            ("proposer", config.speculative),
-            ("weights", config.weights),
-            ("grammar", config.grammar),
-        ):
-            if name is not None and (kinds is None or kind in kinds):
-                selected[kind] = self.get(kind, name)
-        # every registered strategy's declared settings, read (and so checked) once
-        read = {(s.kind, s.name): s.read_settings(config) for s in self.strategies()}
-        check_option_keys(config.options, self.declared_options())
-        self._warn_unread_aliases(config)
-        settings = {kind: read[kind, s.name] for kind, s in selected.items()}
-        scheduler = read.get(("scheduler", config.scheduler))  # its budget (chunked's chunk_size)
-        budget = step_token_budget(scheduler, config.max_num_batched_tokens)
-        return ResolvedConfig(config=config, settings=settings, step_token_budget=budget)
+        """:func:`pitstop.plugin_system.settings.resolve` against these plugins."""
+        return resolve(config, self, kinds=kinds)
 
     def check_config(self, config: EngineConfig) -> None:
         """Check ``config`` against the registered plugins, as :meth:`resolve` does."""
         self.resolve(config)
-
-    def _warn_unread_aliases(self, config: EngineConfig) -> None:
-        """Log each alias ``config`` sets that none of its selected strategies reads
-        (``chunk_size`` with ``scheduler="continuous"``)."""
-        for alias, declared in self.setting_aliases().items():
-            if alias in config.options and not any(s.is_selected(config) for s, _ in declared):
-                readers = ", ".join(s.owner for s, _ in declared)
-                log.warning(
-                    "%s = %r has no effect: only %s read(s) it, and none is selected",
-                    alias,
-                    config.options[alias],
-                    readers,
-                )
 
     def declared_options(self) -> dict[str, str]:
         """Every ``options`` key a registered strategy reads -> the strategy that reads it."""
@@ -480,7 +422,7 @@ class PluginManager:
         A factory with a ``settings`` keyword gets the strategy's typed settings: the
         ``settings`` given (the engine gives :meth:`ResolvedConfig.of`), else, for a strategy
         built alone (a test, a conformance suite), those read from the config it is built
-        from (its first argument; :meth:`Strategy.read_settings`). A
+        from (its first argument; :func:`pitstop.plugin_system.settings.strategy_settings`). A
         :class:`PluginError` names the plugin and every protocol member the object
         lacks (:func:`pitstop.plugin_system.kinds.missing_members`).
         """
@@ -488,7 +430,7 @@ class PluginManager:
         settings = kwargs.pop("settings", None)
         if strategy.takes_settings:
             kwargs["settings"] = (
-                settings if settings is not None else strategy.read_settings(args[0])
+                settings if settings is not None else strategy_settings(strategy, args[0])
             )
         obj = strategy.factory(*args, **kwargs)
         missing = missing_members(KIND_TABLE[kind], obj)

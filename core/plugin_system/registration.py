@@ -13,9 +13,8 @@ import attrs
 
 from pitstop.errors import PluginError
 from pitstop.plugin_system.architecture import Architecture
-from pitstop.plugin_system.catalogue import Declaration
 from pitstop.plugin_system.kinds import KINDS as KIND_TABLE
-from pitstop.plugin_system.settings import is_settings_class
+from pitstop.plugin_system.settings import is_settings_class, strategy_settings
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -37,7 +36,6 @@ class Strategy:
     architecture: Any = (
         None  # a model's pitstop.plugin_system.architecture.Architecture (loading rules)
     )
-    declaration: Declaration | None = attrs.field(default=None, eq=False, repr=False)
     takes_settings: bool = False  # its factory has a ``settings`` keyword: create() fills it
     # a kernel set's device types where ``kernels="auto"`` picks it ("*": any, as a fallback)
     auto_devices: tuple[str, ...] = ()
@@ -53,10 +51,9 @@ class Strategy:
         return field in attrs.fields_dict(type(config)) and getattr(config, field) == self.name
 
     def read_settings(self, config: EngineConfig) -> Any:
-        """Its validated settings from ``config`` (None when it declares none;
-        :meth:`pitstop.plugin_system.catalogue.Declaration.read`); a ``required`` setting must
-        be set only when ``config`` selects it."""
-        return None if self.declaration is None else self.declaration.read(config)
+        """Its validated settings from ``config``, for a strategy built alone (a test, a
+        conformance suite; :func:`pitstop.plugin_system.settings.strategy_settings`)."""
+        return strategy_settings(self, config)
 
 
 def owner(kind: str, name: str, distribution: str, version: str) -> str:

@@ -10,9 +10,10 @@ is the settings' namespace, so ``prefix.max_cached_pages`` is
 - ``--prefix.max-cached-pages 8`` on the command line.
 
 :func:`read_settings` turns an :class:`~pitstop.config.EngineConfig` into the
-validated settings object; the plugin manager calls it for every declared
-namespace before any weight loads, and the plugin's factory calls it again to
-read its values.
+validated settings object, and :func:`resolve` does so once for a whole config when an
+engine is built, before any weight loads: every registered strategy's settings checked,
+each selected strategy's kept for its factory, the step budget derived. No plugin reads
+its own settings.
 
 A setting may also have a short name of its own, ``alias``: the chunked
 scheduler's ``chunk_size`` is ``chunked.chunk_size`` and also plain
@@ -33,8 +34,9 @@ its fields against each other in ``__attrs_post_init__`` by raising
 from __future__ import annotations
 
 import difflib
+import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -51,6 +53,8 @@ class SettingsSource(Protocol):
         """The plugins' settings by ``<plugin>.<setting>`` key or alias."""
         ...
 
+
+log = logging.getLogger(__name__)
 
 TOML_TABLE = "plugins"  # [plugins.<strategy name>] tables of a config file
 
@@ -367,3 +371,134 @@ def check_option_keys(options: Mapping[str, Any], declared: Mapping[str, str]) -
         hint = f"did you mean {close[0]!r}? " if close else ""
         known = ", ".join(f"{k} ({declared[k]})" for k in sorted(declared))
         raise ConfigError(f"unknown option {key!r}: {hint}options the loaded plugins read: {known}")
+
+
+class Declared(Protocol):
+    """A registered strategy as :func:`resolve` reads it
+    (:class:`~pitstop.plugin_system.registration.Strategy`)."""
+
+    kind: str
+    name: str
+    settings: type | None
+
+    @property
+    def owner(self) -> str:
+        """How errors name it."""
+        ...
+
+    def is_selected(self, config: Any) -> bool:
+        """Whether ``config`` picks it by name."""
+        ...
+
+
+class Registry(Protocol):
+    """What :func:`resolve` reads of the plugin manager."""
+
+    def get(self, kind: str, name: str) -> Any:
+        """The strategy of ``kind`` called ``name`` (an unknown one is a PluginError)."""
+        ...
+
+    def strategies(self) -> list[Any]:
+        """Every registered strategy."""
+        ...
+
+    def declared_options(self) -> dict[str, str]:
+        """Every ``options`` key a registered strategy reads -> who reads it."""
+        ...
+
+
+def strategy_settings(strategy: Declared, config: Any) -> Any:
+    """A strategy's validated settings from ``config`` (None when it declares none); a
+    ``required`` setting must be set only when ``config`` selects it."""
+    if strategy.settings is None:
+        return None
+    selected = strategy.is_selected(config)
+    return read_settings(
+        config, strategy.name, strategy.settings, owner=strategy.owner, selected=selected
+    )
+
+
+def step_token_budget(scheduler_settings: Any, max_num_batched_tokens: int) -> int:
+    """The most tokens one step computes: the scheduler's own budget when its settings
+    have a ``step_token_budget()`` method (:class:`~pitstop.plugin_system.protocols.StepBudgetSettings`,
+    the ``chunked`` scheduler's ``chunk_size``), else ``max_num_batched_tokens``."""
+    budget = getattr(scheduler_settings, "step_token_budget", None)
+    return budget() if callable(budget) else max_num_batched_tokens
+
+
+@attrs.frozen
+class ResolvedConfig:
+    """A config turned, once, into what the engine builds from: each selected strategy's
+    typed settings (by kind; None for one that declares none, or none selected) and the
+    figures derived from them."""
+
+    config: Any  # the EngineConfig it was resolved from
+    settings: Mapping[str, Any]
+    step_token_budget: int  # the most tokens one step computes (:func:`step_token_budget`)
+
+    def of(self, kind: str) -> Any:
+        """The typed settings of the selected ``kind`` strategy (None: it declares none)."""
+        return self.settings.get(kind)
+
+
+# each kind an EngineConfig selects by name, and the field that names it
+SELECTING_FIELDS = (
+    ("allocator", "allocator"),
+    ("scheduler", "scheduler"),
+    ("kernels", "kernels"),
+    ("sampler", "sampler"),
+    ("proposer", "speculative"),
+    ("weights", "weights"),
+    ("grammar", "grammar"),
+)
+
+
+def resolve(
+    config: Any, registry: Registry, *, kinds: Collection[str] | None = None
+) -> ResolvedConfig:
+    """Turn ``config`` into each selected strategy's typed settings and the step token
+    budget, once, before any weight loads (the plugin manager's ``create`` hands each
+    factory its settings).
+
+    Raises :class:`~pitstop.errors.PluginError` on the first strategy name of ``config``
+    that is not registered (``kernels="auto"`` is skipped: it resolves to a name later), and
+    :class:`ConfigError` on a declared setting of any registered strategy that is of the
+    wrong type, out of range or unknown (:func:`read_settings`), or on an ``options`` key
+    that the plugins declare nothing like (:func:`check_option_keys`).
+
+    ``kinds``: only the strategies of these kinds are looked up (a runner built alone needs
+    its kernels, sampler and weight format); the step budget still follows the selected
+    scheduler when one of that name is registered.
+    """
+    selected: dict[str, Any] = {}
+    for kind, field in SELECTING_FIELDS:
+        name = getattr(config, field)
+        if kind == "kernels" and name == "auto":  # named later, for the device
+            continue
+        if name is not None and (kinds is None or kind in kinds):
+            selected[kind] = registry.get(kind, name)
+    every = registry.strategies()
+    read = {(s.kind, s.name): strategy_settings(s, config) for s in every}
+    check_option_keys(config.options, registry.declared_options())
+    _warn_unread_aliases(config, every)
+    settings = {kind: read[kind, s.name] for kind, s in selected.items()}
+    scheduler = read.get(("scheduler", config.scheduler))  # its budget (chunked's chunk_size)
+    budget = step_token_budget(scheduler, config.max_num_batched_tokens)
+    return ResolvedConfig(config=config, settings=settings, step_token_budget=budget)
+
+
+def _warn_unread_aliases(config: Any, strategies: Sequence[Declared]) -> None:
+    """Log each alias ``config`` sets that none of its selected strategies reads
+    (``chunk_size`` with ``scheduler="continuous"``)."""
+    readers: dict[str, list[Declared]] = {}
+    for s in strategies:
+        for att in aliased_fields(s.settings) if s.settings is not None else ():
+            readers.setdefault(att.metadata["alias"], []).append(s)
+    for alias, declared in readers.items():
+        if alias in config.options and not any(s.is_selected(config) for s in declared):
+            log.warning(
+                "%s = %r has no effect: only %s read(s) it, and none is selected",
+                alias,
+                config.options[alias],
+                ", ".join(s.owner for s in declared),
+            )

@@ -40,10 +40,10 @@ from pitstop.ground.step import NO_TOKENS, LogitsObserver, SeqInput, StepInput, 
 from pitstop.loading.checkpoint import weight_stream
 from pitstop.loading.finite_weights import finite_weights
 from pitstop.loading.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
-from pitstop.plugin_system.catalogue import ResolvedConfig
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import ModelBase
 from pitstop.plugin_system.registration import takes_keyword
+from pitstop.plugin_system.settings import ResolvedConfig, resolve
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.runner.batch import build_metadata, select_rows
 from pitstop.runner.capture import capture_graphs
@@ -128,7 +128,7 @@ class ModelRunner:
         """``resolved``: ``config`` as the engine resolved it (every selected strategy's typed
         settings, :meth:`PluginManager.resolve`); resolved here when the runner is built alone."""
         if resolved is None:  # built alone (a test, a draft model): its own kinds' settings
-            resolved = plugins.resolve(config, kinds=("kernels", "sampler", "weights"))
+            resolved = resolve(config, plugins, kinds=("kernels", "sampler", "weights"))
         # With tensor parallelism this runner holds one rank's part of the model: its heads,
         # KV heads, MLP rows and vocabulary rows (pitstop.parallel).
         self.tensor_parallel = tensor_parallel

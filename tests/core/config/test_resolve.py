@@ -34,7 +34,7 @@ def _imported(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("module", ["config", "options", "catalogue", "settings", "vllm_args"])
+@pytest.mark.parametrize("module", ["config", "catalogue", "settings", "vllm_args"])
 def test_the_config_and_its_parsing_know_no_plugin_manager(module: str) -> None:
     imported = _imported(
         next(p for d in ("core", "apps/entrypoints") for p in (ROOT / d).rglob(f"{module}.py"))
@@ -74,25 +74,27 @@ def test_resolve_reads_each_strategys_settings_once(
 ) -> None:
     """No memo: resolve reads every registered strategy's settings exactly once, and the
     engine hands the selected ones to their factories instead of reading them again."""
-    from pitstop.plugin_system import catalogue
+    from pitstop.plugin_system import settings
 
     reads: list[str] = []
-    original = catalogue.read_settings
+    original = settings.read_settings
 
     def counted(config: Any, name: str, cls: type, **kw: Any) -> Any:
         reads.append(name)
         return original(config, name, cls, **kw)
 
     config = engine_config(chunk_size=48)
-    monkeypatch.setattr(catalogue, "read_settings", counted)
+    monkeypatch.setattr(settings, "read_settings", counted)
     plugins.resolve(config)
     assert sorted(reads) == sorted(set(reads)) and "chunked" in reads
 
 
 def test_a_declaration_reads_what_it_is_given(plugins: PluginManager) -> None:
-    declaration = plugins.get("scheduler", "chunked").declaration
-    assert declaration is not None
-    first = declaration.read(engine_config(chunk_size=48))
-    assert declaration.read(engine_config(chunk_size=48, seed=3)) == first  # seed is not read
-    assert declaration.read(engine_config(chunk_size=24)).chunk_size == 24
-    assert declaration.read(engine_config(chunk_size=48, max_batch_size=128)) != first
+    from pitstop.plugin_system.settings import strategy_settings
+
+    chunked = plugins.get("scheduler", "chunked")
+    assert chunked.settings is not None
+    first = strategy_settings(chunked, engine_config(chunk_size=48))
+    assert strategy_settings(chunked, engine_config(chunk_size=48, seed=3)) == first  # seed unread
+    assert strategy_settings(chunked, engine_config(chunk_size=24)).chunk_size == 24
+    assert strategy_settings(chunked, engine_config(chunk_size=48, max_batch_size=128)) != first
