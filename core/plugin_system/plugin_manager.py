@@ -30,6 +30,7 @@ from pitstop.plugin_system.catalogue import (
     ResolvedConfig,
     step_token_budget,
 )
+from pitstop.plugin_system.executor import Executor
 from pitstop.plugin_system.kinds import KINDS as KIND_TABLE
 from pitstop.plugin_system.kinds import missing_members
 from pitstop.plugin_system.registration import (
@@ -383,8 +384,10 @@ class PluginManager:
 
         ``kinds``: only the strategies of these kinds are looked up (a runner built alone needs
         its kernels, sampler and weight format); the step budget still follows the selected
-        scheduler when one of that name is registered."""
+        scheduler when one of that name is registered. The executor is looked up only at
+        ``tensor_parallel_size > 1`` (at 1 the engine runs the model in its own process)."""
         selected: dict[str, Strategy] = {}
+        executor = config.distributed_executor_backend if config.tensor_parallel_size > 1 else None
         for kind, name in (
             ("allocator", config.allocator),
             ("scheduler", config.scheduler),
@@ -393,6 +396,7 @@ class PluginManager:
             ("proposer", config.speculative),
             ("weights", config.weights),
             ("grammar", config.grammar),
+            ("executor", executor),
         ):
             if name is not None and (kinds is None or kind in kinds):
                 selected[kind] = self.get(kind, name)
@@ -471,6 +475,10 @@ class PluginManager:
     def create(
         self, kind: Literal["grammar"], name: str, *args: Any, **kwargs: Any
     ) -> protocols.GrammarBackend: ...
+    @overload
+    def create(
+        self, kind: Literal["executor"], name: str, *args: Any, **kwargs: Any
+    ) -> Executor: ...
     @overload
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any: ...
 
