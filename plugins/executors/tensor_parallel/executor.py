@@ -47,5 +47,5 @@ def register_executors(register: Any) -> None:
     register(
         "mp",
         TensorParallelExecutor,
-        description="tensor parallelism over torch.distributed: spawned ranks or torchrun's",
+        description="Tensor parallelism over torch.distributed: spawned ranks, or torchrun's.",
     )
