@@ -4,8 +4,8 @@ The engine talks to it through plain data only (:mod:`pitstop.ground.step`:
 :class:`~pitstop.ground.step.StepInput` in; a handle whose result is a
 :class:`~pitstop.ground.step.StepOutput` out), so that under tensor parallelism one
 runner per rank gets the same input (an executor plugin's ranks,
-:mod:`pitstop.plugin_system.executor`); each then holds its part of the model. :class:`ModelRunner` coordinates the parts, each a module
-of its own:
+:mod:`pitstop.plugin_system.executor`); each then holds its part of the model.
+:class:`ModelRunner` coordinates the parts, each a module of its own:
 
 - :mod:`pitstop.runner.batch`: a step as flat tensors and attention metadata;
 - :mod:`pitstop.runner.graphs`, :mod:`pitstop.runner.piecewise`,
