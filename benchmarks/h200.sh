@@ -50,7 +50,7 @@ for spec in ${BENCHES-nano single}; do
             echo "== GPU busy fraction: $shape ($loop)"; timeout 300 python3 benchmarks/gpu_busy.py --shape $shape --overlap $loop --top ${BUSY_TOP:-0} 2>&1 | grep "^|"; done ;;
     # issue 17: the tensor-parallel path over NCCL with a world of one rank (CUDA graphs with the
     # all-reduce inside, equal to the plain runner); with 2+ GPUs visible also a tp=2 bench (issue 18)
-    tp) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/parallel/test_tensor_parallel.py 2>&1 | tail -5
+    tp) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/executors/test_tensor_parallel.py 2>&1 | tail -5
         [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && run tp2 offline --workload nano --kernels fused --tensor-parallel-size 2 ;;
     nano-ref) run nano-ref offline --workload nano --kernels reference --num-requests 64 ;;
     single) run single offline --workload single --kernels fused --repeats 3 ;;

@@ -174,6 +174,14 @@ class EngineConfig:
             "ranks the model is split over (one per GPU; gloo processes on CPU); 1 starts no worker"
         ),
     )
+    distributed_executor_backend: str = attrs.field(
+        default="mp",
+        validator=_name,
+        metadata=_doc(
+            "executor plugin that runs the ranks at tensor_parallel_size > 1 (mp: spawned "
+            "processes, or torchrun's); at 1 the model runs in the engine's process"
+        ),
+    )
     threads: int | None = attrs.field(
         default=None,
         validator=_positive_int,

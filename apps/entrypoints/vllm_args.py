@@ -120,6 +120,7 @@ SAME_NAME: tuple[str, ...] = (
     "seed",
     "max_model_len",
     "tensor_parallel_size",
+    "distributed_executor_backend",
     "gpu_memory_utilization",
     "max_num_batched_tokens",
     "enforce_eager",
@@ -175,7 +176,6 @@ REFUSED: Mapping[str, str] = {
     "enable_lora": "pitstop serves no LoRA adapters; merge the adapter into the weights",
     "max_loras": "pitstop serves no LoRA adapters",
     "max_lora_rank": "pitstop serves no LoRA adapters",
-    "distributed_executor_backend": "pitstop always uses torch.distributed (tensor_parallel_size)",
     "preemption_mode": "pitstop preempts by recompute only",
     "scheduling_policy": "pitstop's is scheduler=... and its admission setting",
     "max_num_partial_prefills": "pitstop's is the chunked scheduler's chunk_size",
@@ -224,7 +224,7 @@ REMOVED: Mapping[str, str] = {
     "use_v2_block_manager": "vLLM removed it (v0.6.6): its block manager is the only one; leave it out",
     "worker_use_ray": (
         "vLLM removed it for distributed_executor_backend='ray'; pitstop splits a model "
-        "by tensor_parallel_size over torch.distributed"
+        "by tensor_parallel_size, over the executor distributed_executor_backend names"
     ),
     "engine_use_ray": "vLLM removed it (v0.6); leave it out",
     "num_scheduler_steps": (

@@ -5,7 +5,7 @@ sequence), the runner launches it and hands back a handle
 (:class:`pitstop.runner.launched.LaunchedStep`) whose result is a
 :class:`StepOutput` (one :class:`SeqResult` per input sequence). Everything
 here is plain data, so that under tensor parallelism the same input goes to
-one runner per rank (:mod:`pitstop.parallel`), and the engine, the runner's
+one runner per rank (:mod:`pitstop.plugin_system.executor`), and the engine, the runner's
 parts, the proposers and the workers all import it from here.
 """
 

@@ -24,8 +24,9 @@ from pitstop.loading.tokenizer import Tokenizer
 from pitstop.plugin_system.protocols import KeepsBlocks, KeepsBlocksBase, ModelBase
 from pitstop.plugin_system.registration import takes_keyword
 
-# Called with no argument: every tensor whole; with ``shard=`` a tensor-parallel rank's
-# :class:`~pitstop.parallel.sharding.WeightShard`: only that rank's part of each tensor is read.
+# Called with no argument: every tensor whole; with ``shard=`` a tensor-parallel rank's weight
+# cutter (:attr:`pitstop.runner.peers.RankParallel.shard`): only that rank's part of each tensor
+# is read.
 WeightsFn = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 

@@ -48,6 +48,7 @@ from pitstop.loop.engine_results import InFlightStep, StepResults
 from pitstop.loop.gc_heap import freeze_startup_heap, reclaim_frozen, thaw_heap
 from pitstop.loop.memory import check_fits, check_max_model_len_fits
 from pitstop.loop.request_table import RequestTable
+from pitstop.plugin_system.executor import ExecutorContext
 from pitstop.plugin_system.grammar import GrammarBackend
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.plugin_system.settings import resolve
@@ -94,11 +95,17 @@ class LLMEngine:
         self.config = config
         self.model_config = mc
         self.tokenizer: Tokenizer | None = source.tokenizer
+        # over several ranks (tensor_parallel_size > 1) an executor plugin runs them
+        executor = None
         per_rank = mc  # the part of the model one device holds
         if config.tensor_parallel_size > 1:
-            from pitstop.parallel.sharding import shard_model_config
-
-            per_rank = shard_model_config(mc, config.tensor_parallel_size)
+            executor = self.plugins.create(
+                "executor",
+                config.distributed_executor_backend,
+                config,
+                settings=resolved.of("executor"),
+            )
+            per_rank = executor.rank_model_config(mc)
         kv_pages = (
             pages_asked(config, per_rank, self.device, self.dtype) or 0
         )  # 0: sized after the weights
@@ -116,11 +123,11 @@ class LLMEngine:
             page_size=config.page_size,
             kv_page_bytes=page_bytes,
         )
-        if config.tensor_parallel_size > 1:  # rank 0 of N: workers start here (pitstop.parallel)
-            from pitstop.executor.launch import start_tensor_parallel
-
-            self.runner = start_tensor_parallel(
-                config, mc, self.plugins, self.device, self.dtype, source.weights
+        if executor is not None:  # rank 0 of N: the other ranks start here
+            self.runner = executor.start(
+                ExecutorContext(
+                    config, mc, self.plugins, self.device, self.dtype, source.weights, resolved
+                )
             )
         else:
             self.runner = ModelRunner(

@@ -128,6 +128,18 @@ def register_grammars(register: Register) -> None:
 
 
 @hookspec
+def register_executors(register: Register) -> None:
+    """Register executors: how the engine runs a model split over several ranks.
+
+    Called once when plugins load (factory: ``KINDS["executor"]``; the protocol:
+    :mod:`pitstop.plugin_system.executor`). At ``tensor_parallel_size > 1`` the config's
+    ``distributed_executor_backend`` picks one by name (default ``mp``: spawned processes or
+    ``torchrun``'s ranks over ``torch.distributed``); at 1 the engine runs the model in its
+    own process and builds none.
+    """
+
+
+@hookspec
 def register_commands(register: Register) -> None:
     """Register subcommands of the ``pitstop`` command.
 

@@ -14,6 +14,7 @@ import inspect
 import attrs
 
 from pitstop.plugin_system import protocols
+from pitstop.plugin_system.executor import Executor
 
 
 @attrs.frozen
@@ -101,6 +102,13 @@ KINDS: dict[str, Kind] = {
             "factory(config: EngineConfig, tokenizer: Tokenizer, vocab_size: int) -> GrammarBackend",
             protocols.GrammarBackend,
             "grammar",
+        ),
+        Kind(
+            "executor",
+            "register_executors",
+            "factory(config: EngineConfig) -> Executor",
+            Executor,
+            "distributed_executor_backend",
         ),
     )
 }

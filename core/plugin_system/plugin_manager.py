@@ -25,6 +25,7 @@ from pitstop.ground.model_config import ModelConfig
 from pitstop.plugin_system import hookspecs, protocols
 from pitstop.plugin_system.architecture import Architecture
 from pitstop.plugin_system.catalogue import Catalogue
+from pitstop.plugin_system.executor import Executor
 from pitstop.plugin_system.kinds import KINDS as KIND_TABLE
 from pitstop.plugin_system.kinds import missing_members
 from pitstop.plugin_system.registration import (
@@ -413,6 +414,10 @@ class PluginManager:
     def create(
         self, kind: Literal["grammar"], name: str, *args: Any, **kwargs: Any
     ) -> protocols.GrammarBackend: ...
+    @overload
+    def create(
+        self, kind: Literal["executor"], name: str, *args: Any, **kwargs: Any
+    ) -> Executor: ...
     @overload
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any: ...
 

@@ -243,7 +243,8 @@ class KernelSet(Protocol):
     """The ops a model runs through. Resolved once; called directly on the hot path.
 
     Under tensor parallelism a rank's set also has ``all_reduce``, ``embed`` and ``gather_logits``
-    (:mod:`pitstop.parallel.kernels`), which a kernel set plugin does not implement.
+    (added by the executor: :meth:`pitstop.runner.peers.RankParallel.wrap_kernels`), which a
+    kernel set plugin does not implement.
     """
 
     name: str
@@ -482,8 +483,8 @@ class Model(Protocol):
     def init_dummy(self, seed: int) -> None:
         """Fill every parameter with seeded random values (``dummy:`` models).
 
-        A model with ``supports_tensor_parallel`` also takes ``shard=`` (a
-        :class:`~pitstop.parallel.sharding.WeightShard`): draw the whole model's
+        A model with ``supports_tensor_parallel`` also takes ``shard=`` (an executor's
+        :attr:`pitstop.runner.peers.RankParallel.shard`): draw the whole model's
         tensors, keep the rank's part of each.
         """
         ...

@@ -468,7 +468,8 @@ def resolve(
 
     ``kinds``: only the strategies of these kinds are looked up (a runner built alone needs
     its kernels, sampler and weight format); the step budget still follows the selected
-    scheduler when one of that name is registered.
+    scheduler when one of that name is registered. The executor is looked up only at
+    ``tensor_parallel_size > 1`` (at 1 the engine runs the model in its own process).
     """
     selected: dict[str, Any] = {}
     for kind, field in SELECTING_FIELDS:
@@ -477,6 +478,8 @@ def resolve(
             continue
         if name is not None and (kinds is None or kind in kinds):
             selected[kind] = registry.get(kind, name)
+    if config.tensor_parallel_size > 1 and (kinds is None or "executor" in kinds):
+        selected["executor"] = registry.get("executor", config.distributed_executor_backend)
     every = registry.strategies()
     read = {(s.kind, s.name): strategy_settings(s, config) for s in every}
     check_option_keys(config.options, registry.declared_options())

@@ -3,9 +3,9 @@
 The engine talks to it through plain data only (:mod:`pitstop.ground.step`:
 :class:`~pitstop.ground.step.StepInput` in; a handle whose result is a
 :class:`~pitstop.ground.step.StepOutput` out), so that under tensor parallelism one
-runner per rank gets the same input (:mod:`pitstop.parallel`); each then
-holds its shard. :class:`ModelRunner` coordinates the parts, each a module
-of its own:
+runner per rank gets the same input (an executor plugin's ranks,
+:mod:`pitstop.plugin_system.executor`); each then holds its part of the model.
+:class:`ModelRunner` coordinates the parts, each a module of its own:
 
 - :mod:`pitstop.runner.batch`: a step as flat tensors and attention metadata;
 - :mod:`pitstop.runner.graphs`, :mod:`pitstop.runner.piecewise`,
@@ -15,9 +15,9 @@ of its own:
 - :mod:`pitstop.runner.sampling`: sampling and verification, and what they
   keep between steps; :mod:`pitstop.runner.launched`: the launched step's handle;
 - :mod:`pitstop.runner.memory_plan`: device, dtype and the KV cache's size;
-- the step's peers (:class:`StepPeers`): alone, or the tensor-parallel ranks
-  (:mod:`pitstop.runner.tp_peers`), behind one call, so ``launch`` reads the
-  same at every rank count.
+- :mod:`pitstop.runner.peers`: the step's peers (alone, or the other ranks an
+  executor's :class:`~pitstop.runner.peers.RankParallel` gives), behind one call, so
+  ``launch`` reads the same at every rank count.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -57,42 +57,14 @@ from pitstop.runner.memory_plan import (  # noqa: F401  (resolve_device, resolve
     resolve_device,
     resolve_dtype,
 )
+from pitstop.runner.peers import Alone, RankParallel, StepPeers
 from pitstop.runner.piecewise import PiecewiseGraphs, mixed_step_tokens
 from pitstop.runner.sampling import StepSampling
 
 if TYPE_CHECKING:
-    from pitstop.parallel.group import TensorParallelGroup
     from pitstop.plugin_system.protocols import SamplingBatch
 
 log = logging.getLogger(__name__)
-
-
-class StepPeers(Protocol):
-    """Who ends a step with this runner: nobody else, or the other tensor-parallel ranks."""
-
-    def conclude(
-        self, seqs: list[SeqInput], verifies: bool, finish: Callable[[], LaunchedStep]
-    ) -> LaunchedStep:
-        """End a step whose logits are computed: ``finish()`` samples it here, or a worker
-        takes rank 0's samples instead."""
-        ...
-
-    def share_samples(self, tokens: torch.Tensor) -> None:
-        """Share the step's sampled ids with the other ranks (in place)."""
-        ...
-
-
-class Alone:
-    """No other rank (``tensor_parallel_size = 1``): a step ends here and its samples stay here."""
-
-    def conclude(
-        self, seqs: list[SeqInput], verifies: bool, finish: Callable[[], LaunchedStep]
-    ) -> LaunchedStep:
-        """Sample (or verify) the step here."""
-        return finish()
-
-    def share_samples(self, tokens: torch.Tensor) -> None:
-        """Nobody to share them with."""
 
 
 def weights_keyword(runner: ModelRunner, plugins: PluginManager) -> dict[str, object]:
@@ -121,19 +93,21 @@ class ModelRunner:
         plugins: PluginManager,
         device: torch.device,
         dtype: torch.dtype,
-        tensor_parallel: TensorParallelGroup | None = None,
+        parallel: RankParallel | None = None,
         *,
         resolved: ResolvedConfig | None = None,
     ) -> None:
         """``resolved``: ``config`` as the engine resolved it (every selected strategy's typed
-        settings, :meth:`PluginManager.resolve`); resolved here when the runner is built alone."""
+        settings, :func:`pitstop.plugin_system.settings.resolve`); resolved here when the runner is built alone.
+        ``parallel``: this rank's part in a model split over several (an executor plugin's;
+        None: the whole model, in this process)."""
         if resolved is None:  # built alone (a test, a draft model): its own kinds' settings
             resolved = resolve(config, plugins, kinds=("kernels", "sampler", "weights"))
-        # With tensor parallelism this runner holds one rank's part of the model: its heads,
-        # KV heads, MLP rows and vocabulary rows (pitstop.parallel).
-        self.tensor_parallel = tensor_parallel
-        if tensor_parallel is not None:
-            model_config = tensor_parallel.shard_config(model_config)
+        # Split over several ranks, this runner holds one rank's part of the model: its heads,
+        # KV heads, MLP rows and vocabulary rows.
+        self.parallel = parallel
+        if parallel is not None:
+            model_config = parallel.rank_model_config(model_config)
         self.config, self.model_config = config, model_config
         self.device, self.dtype = device, dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
@@ -147,10 +121,8 @@ class ModelRunner:
             "kernels", config.kernels, config, device, dtype, settings=resolved.of("kernels")
         )
         check_kernels_read_fp8(self.kernels, config.kernels, self.kv_cache_dtype)
-        if tensor_parallel is not None:
-            from pitstop.parallel.kernels import TensorParallelKernels
-
-            self.kernels = TensorParallelKernels(self.kernels, tensor_parallel)
+        if parallel is not None:
+            self.kernels = parallel.wrap_kernels(self.kernels)
         self.sampler = plugins.create(
             "sampler", config.sampler, config, device, settings=resolved.of("sampler")
         )
@@ -186,11 +158,7 @@ class ModelRunner:
             seed=config.seed,
             poison=self.poison,
         )
-        self.peers: StepPeers = Alone()
-        if tensor_parallel is not None:
-            from pitstop.runner.tp_peers import peers_of
-
-            self.peers = peers_of(tensor_parallel, self.sampling)
+        self.peers: StepPeers = Alone() if parallel is None else parallel.peers(self.sampling)
 
     def _build_model(self, plugins: PluginManager) -> torch.nn.Module:
         """The architecture plugin's model, built on the device in the model's dtype."""
@@ -204,7 +172,7 @@ class ModelRunner:
                 )
         finally:
             torch.set_default_dtype(previous)
-        if self.tensor_parallel is not None and not ModelBase.of(model, "supports_tensor_parallel"):
+        if self.parallel is not None and not ModelBase.of(model, "supports_tensor_parallel"):
             raise ConfigError(
                 f"the {mc.architecture} model plugin does not support tensor parallelism "
                 "(it sets no supports_tensor_parallel); use tensor_parallel_size=1"
@@ -246,8 +214,8 @@ class ModelRunner:
         """
         checked = finite_weights if self.config.check_weights else iter
         with torch.inference_mode():
-            if self.tensor_parallel is not None:  # this rank's part of each tensor only
-                shard = self.tensor_parallel.shard
+            if self.parallel is not None:  # this rank's part of each tensor only
+                shard = self.parallel.shard
                 if weights is None:
                     self.model.init_dummy(self.config.seed, shard=shard)
                 else:

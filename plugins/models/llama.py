@@ -106,7 +106,8 @@ class Attention(nn.Module):
         # The K and V scales of an fp8 KV cache (stored value = value / scale); unused by
         # wider caches. A buffer, so it follows the model's device; 1.0 (see docs/configuration.md).
         self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
-        # tensor parallelism (pitstop.parallel): sums o_proj's partial outputs over the ranks
+        # tensor parallelism (pitstop.plugins.executors.tensor_parallel): sums o_proj's partial
+        # outputs over the ranks
         self.all_reduce = getattr(kernels, "all_reduce", None)
 
     def forward(
@@ -331,7 +332,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama, Qwen2 and Qwen3: token ids in, hidden states out; logits for chosen rows."""
 
-    # built from one rank's shard_model_config, it runs that rank's part (pitstop.parallel)
+    # built from one rank's shard_model_config, it runs that rank's part
+    # (pitstop.plugins.executors.tensor_parallel)
     supports_tensor_parallel = True
     # load_weights takes QuantizedWeight items (a GGUF file's blocks, for weights=gguf)
     loads_quantized_weights = True
@@ -579,8 +581,9 @@ class LlamaForCausalLM(nn.Module):
 
         Drawing per checkpoint tensor, not per parameter, gives the same model
         whether or not this kernel set merges q/k/v and gate/up; a tensor-parallel
-        ``shard`` (:class:`~pitstop.parallel.sharding.WeightShard`) keeps this rank's
-        part of each, so the values are the same whatever the tensor-parallel size.
+        ``shard`` (:class:`~pitstop.plugins.executors.tensor_parallel.sharding.WeightShard`)
+        keeps this rank's part of each, so the values are the same whatever the
+        tensor-parallel size.
         """
         param = self.embed_tokens
         if shard is None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pitstop.config import EngineConfig
-from pitstop.parallel.group import COLLECTIVE_TIMEOUT, TensorParallelGroup
+from pitstop.plugins.executors.tensor_parallel.group import COLLECTIVE_TIMEOUT, TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,12 @@ def worker_main(
     config: EngineConfig,
     device_type: str,
     dtype: torch.dtype,
+    resolved: Any,
     status: Any,
 ) -> None:
     """Entry point of a spawned worker: join the group, load this rank's shard, serve rank 0.
+
+    ``resolved``: the config as rank 0's engine resolved it (it is not resolved again).
 
     ``status`` (a multiprocessing queue) gets ``("ready", rank, None)`` before
     joining and ``("error", rank, traceback)`` if anything fails, so rank 0
@@ -83,6 +86,7 @@ def worker_main(
     """
     from pitstop.loading.weights import load_model_source
     from pitstop.plugin_system.plugin_manager import get_plugin_manager
+    from pitstop.plugins.executors.tensor_parallel.rank import TensorParallelRank
     from pitstop.runner.model_runner import ModelRunner
 
     group = None
@@ -101,7 +105,13 @@ def worker_main(
         source = load_model_source(config.model, tokenizer=config.tokenizer)
         group = TensorParallelGroup(rank, size, device, source.model_config)
         runner = ModelRunner(
-            config, source.model_config, get_plugin_manager(), device, dtype, tensor_parallel=group
+            config,
+            source.model_config,
+            get_plugin_manager(),
+            device,
+            dtype,
+            TensorParallelRank(group),
+            resolved=resolved,
         )
         serve_calls(runner, group, source.weights)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which raises it

@@ -21,7 +21,12 @@ from pitstop.config import EngineConfig
 from pitstop.entrypoints.llm import LLM
 from pitstop.errors import ConfigError, WorkerDiedError
 from pitstop.ground.model_config import ModelConfig
-from pitstop.parallel.sharding import WeightShard, check_tensor_parallel_size, shard_model_config
+from pitstop.plugin_system.executor import ExecutorContext
+from pitstop.plugins.executors.tensor_parallel.sharding import (
+    WeightShard,
+    check_tensor_parallel_size,
+    shard_model_config,
+)
 from pitstop.requests.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -194,7 +199,7 @@ def test_the_same_code_runs_under_torchrun(tiny_llama, tmp_path):
 
     script = tmp_path / "tp_script.py"
     script.write_text(_TORCHRUN_SCRIPT % (PROMPTS,))
-    from pitstop.executor.launch import _free_port
+    from pitstop.plugins.executors.tensor_parallel.launch import _free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
@@ -248,11 +253,11 @@ def one_rank_engine(monkeypatch, folder_or_model: str, **settings) -> LLM:
     """An engine whose runner goes through the tensor-parallel path with a world of one rank
     (this process): the groups, the wrapped kernel set, rank 0's runner, every collective."""
     import pitstop.loop.engine
-    from pitstop.executor.launch import _spawn
+    from pitstop.plugins.executors.tensor_parallel.launch import _spawn
 
-    def runner(config, mc, plugins, device, dtype, **_resolved):
-        # rank 0's runner and the workers' resolve the config themselves
-        return _spawn(config, mc, plugins, device.type, dtype)
+    def runner(config, mc, plugins, device, dtype, *, resolved):
+        # rank 0's runner and the worker get the config as the engine resolved it
+        return _spawn(ExecutorContext(config, mc, plugins, device, dtype, None, resolved))
 
     monkeypatch.setattr(pitstop.loop.engine, "ModelRunner", runner)
     llm = LLM(folder_or_model, **settings)
@@ -305,7 +310,7 @@ def test_the_watch_thread_reports_a_dead_worker_once():
     import multiprocessing
     import threading
 
-    from pitstop.executor.watch import WorkerWatch
+    from pitstop.plugins.executors.tensor_parallel.watch import WorkerWatch
 
     ctx = multiprocessing.get_context("spawn")
     worker = ctx.Process(target=os._exit, args=(3,))
@@ -374,13 +379,13 @@ def test_config_refuses_bad_tensor_parallel_settings():
 
 
 def test_more_ranks_than_gpus_is_refused_before_anything_starts(monkeypatch):
-    from pitstop.executor.launch import start_tensor_parallel
+    from pitstop.plugins.executors.tensor_parallel.launch import start_tensor_parallel
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = EngineConfig(tensor_parallel_size=2)
+    context = ExecutorContext(config, _config(), None, torch.device("cuda"), None, None, None)
     with pytest.raises(ConfigError, match="needs 2 GPUs on this machine, it has 1"):
-        start_tensor_parallel(
-            EngineConfig(tensor_parallel_size=2), _config(), None, torch.device("cuda"), None, None
-        )
+        start_tensor_parallel(context)
 
 
 def test_reading_a_shard_from_safetensors_equals_cutting_the_whole_tensor(tiny_llama):
@@ -427,19 +432,16 @@ def test_the_ranks_parts_put_together_are_the_whole_model(size, kv_heads):
 
 
 class _OneRank:
-    """What a ModelRunner reads of its TensorParallelGroup before any collective runs."""
+    """What a rank's runner reads of its TensorParallelGroup before any collective runs."""
 
     def __init__(self, cfg: ModelConfig, rank: int, size: int) -> None:
         self.rank, self.size, self.model_config = rank, size, cfg
-        self.shard = WeightShard(cfg, rank, size)
         self.device = torch.device("cpu")
-
-    def shard_config(self, cfg: ModelConfig) -> ModelConfig:
-        return shard_model_config(cfg, self.size)
 
 
 def test_dummy_weights_are_the_same_values_whatever_the_size():
     from pitstop.plugin_system.plugin_manager import get_plugin_manager
+    from pitstop.plugins.executors.tensor_parallel.rank import TensorParallelRank
     from pitstop.runner.model_runner import ModelRunner
 
     cfg = _config()
@@ -449,13 +451,13 @@ def test_dummy_weights_are_the_same_values_whatever_the_size():
     cpu = torch.device("cpu")
 
     def runner(tp=None) -> ModelRunner:
-        r = ModelRunner(config, cfg, get_plugin_manager(), cpu, torch.float32, tensor_parallel=tp)
+        r = ModelRunner(config, cfg, get_plugin_manager(), cpu, torch.float32, parallel=tp)
         r.load_weights(None)
         return r
 
     whole = dict(runner().model.named_parameters())
     for rank in range(2):
-        params = dict(runner(_OneRank(cfg, rank, 2)).model.named_parameters())
+        params = dict(runner(TensorParallelRank(_OneRank(cfg, rank, 2))).model.named_parameters())
         q = params["layers.0.self_attn.q_proj"]
         assert torch.equal(
             q, whole["layers.0.self_attn.q_proj"][rank * q.shape[0] : (rank + 1) * q.shape[0]]

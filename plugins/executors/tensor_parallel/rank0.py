@@ -11,8 +11,8 @@ import attrs
 import torch.distributed as dist
 
 from pitstop.errors import WorkerDiedError
-from pitstop.executor.watch import WorkerWatch
-from pitstop.parallel.group import TensorParallelGroup
+from pitstop.plugins.executors.tensor_parallel.group import TensorParallelGroup
+from pitstop.plugins.executors.tensor_parallel.watch import WorkerWatch
 
 log = logging.getLogger(__name__)
 

@@ -20,20 +20,25 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pitstop.config import EngineConfig
 from pitstop.errors import ConfigError
-from pitstop.executor.rank0 import TensorParallelRunner
-from pitstop.executor.watch import WorkerWatch
-from pitstop.executor.worker import backend_for, rank_device, serve_calls, worker_main
-from pitstop.ground.model_config import ModelConfig
-from pitstop.parallel.group import COLLECTIVE_TIMEOUT, TensorParallelGroup
-from pitstop.parallel.sharding import check_tensor_parallel_size
+from pitstop.plugin_system.executor import ExecutorContext
+from pitstop.plugins.executors.tensor_parallel.group import COLLECTIVE_TIMEOUT, TensorParallelGroup
+from pitstop.plugins.executors.tensor_parallel.rank import TensorParallelRank
+from pitstop.plugins.executors.tensor_parallel.rank0 import TensorParallelRunner
+from pitstop.plugins.executors.tensor_parallel.sharding import check_tensor_parallel_size
+from pitstop.plugins.executors.tensor_parallel.watch import WorkerWatch
+from pitstop.plugins.executors.tensor_parallel.worker import (
+    backend_for,
+    rank_device,
+    serve_calls,
+    worker_main,
+)
+from pitstop.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +51,7 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def start_tensor_parallel(
-    config: EngineConfig,
-    model_config: ModelConfig,
-    plugins: Any,
-    device: torch.device,
-    dtype: torch.dtype,
-    weights: Any,
-) -> TensorParallelRunner:
+def start_tensor_parallel(context: ExecutorContext) -> TensorParallelRunner:
     """Rank 0's runner of a ``config.tensor_parallel_size``-way engine, workers started and joined.
 
     Every refusal comes before a process starts: sizes the model does not
@@ -61,8 +59,8 @@ def start_tensor_parallel(
     ``torchrun`` world of another size. On a ``torchrun`` rank other than 0
     this serves rank 0 and then exits the process (``SystemExit(0)``).
     """
-    size = config.tensor_parallel_size
-    check_tensor_parallel_size(model_config, size)
+    size, device = context.config.tensor_parallel_size, context.device
+    check_tensor_parallel_size(context.model_config, size)
     world = launched_world_size()
     if world > 1 and world != size:
         raise ConfigError(
@@ -84,28 +82,34 @@ def start_tensor_parallel(
             "engine?); close it (LLM.close()) before building another"
         )
     if world > 1:
-        return _join_torchrun(config, model_config, plugins, device.type, dtype, weights)
-    return _spawn(config, model_config, plugins, device.type, dtype)
+        return _join_torchrun(context)
+    return _spawn(context)
 
 
-def _join_torchrun(
-    config: EngineConfig,
-    model_config: ModelConfig,
-    plugins: Any,
-    device_type: str,
-    dtype: torch.dtype,
-    weights: Any,
-) -> TensorParallelRunner:
-    from pitstop.runner.model_runner import ModelRunner
+def rank_runner(context: ExecutorContext, group: TensorParallelGroup) -> ModelRunner:
+    """This process's rank's runner: its part of the model, with the config as the engine
+    resolved it."""
+    return ModelRunner(
+        context.config,
+        context.model_config,
+        context.plugins,
+        group.device,
+        context.dtype,
+        TensorParallelRank(group),
+        resolved=context.resolved,
+    )
 
+
+def _join_torchrun(context: ExecutorContext) -> TensorParallelRunner:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device_type = context.device.type
     device = rank_device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend_for(device_type), timeout=COLLECTIVE_TIMEOUT)
-    group = TensorParallelGroup(rank, size, device, model_config)
-    runner = ModelRunner(config, model_config, plugins, device, dtype, tensor_parallel=group)
+    group = TensorParallelGroup(rank, size, device, context.model_config)
+    runner = rank_runner(context, group)
     if rank > 0:
         try:
-            serve_calls(runner, group, weights)
+            serve_calls(runner, group, context.weights)
         finally:
             group.close()
         raise SystemExit(0)
@@ -118,15 +122,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(
-    config: EngineConfig,
-    model_config: ModelConfig,
-    plugins: Any,
-    device_type: str,
-    dtype: torch.dtype,
-) -> TensorParallelRunner:
-    from pitstop.runner.model_runner import ModelRunner
-
+def _spawn(context: ExecutorContext) -> TensorParallelRunner:
+    config, device_type = context.config, context.device.type
     size = config.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
@@ -134,7 +131,16 @@ def _spawn(
     workers = [
         ctx.Process(
             target=worker_main,
-            args=(rank, size, init_method, config, device_type, dtype, status),
+            args=(
+                rank,
+                size,
+                init_method,
+                config,
+                device_type,
+                context.dtype,
+                context.resolved,
+                status,
+            ),
             name=f"pitstop-tp-rank{rank}",
             daemon=True,
         )
@@ -153,8 +159,8 @@ def _spawn(
             world_size=size,
             timeout=COLLECTIVE_TIMEOUT,
         )
-        group = TensorParallelGroup(0, size, device, model_config)
-        runner = ModelRunner(config, model_config, plugins, device, dtype, tensor_parallel=group)
+        group = TensorParallelGroup(0, size, device, context.model_config)
+        runner = rank_runner(context, group)
     except BaseException:
         if dist.is_initialized():  # first: the joined workers then fail at once and exit
             dist.destroy_process_group()

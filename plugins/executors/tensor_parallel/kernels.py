@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pitstop.parallel.group import TensorParallelGroup
+from pitstop.plugins.executors.tensor_parallel.group import TensorParallelGroup
 
 
 class TensorParallelKernels:

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from pitstop.ground.model_config import ModelConfig
-from pitstop.parallel.sharding import WeightShard, shard_model_config
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,6 @@ class TensorParallelGroup:
     ) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.model_config = model_config  # the whole model's shape
-        self.shard = WeightShard(model_config, rank, size)
         self.control = dist.new_group(list(range(size)), backend="gloo", timeout=IDLE_TIMEOUT)
         # Rank 0, during a launch: True until its runner is past the step's last collective but
         # the samples' broadcast (which it then always makes). A failure while it is True left
@@ -50,10 +48,6 @@ class TensorParallelGroup:
         self.step_open = False
 
     # ------------------------------------------------------------------ the model's collectives
-    def shard_config(self, model_config: ModelConfig) -> ModelConfig:
-        """The shape of this rank's part of ``model_config``."""
-        return shard_model_config(model_config, self.size)
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (row-parallel outputs); returns ``x``."""
         dist.all_reduce(x)

@@ -1,10 +1,10 @@
 """How a runner's step ends among tensor-parallel ranks: rank 0 samples, the workers follow.
 
 The runner ends every step through its peers
-(:class:`pitstop.runner.model_runner.StepPeers`): at ``tensor_parallel_size = 1`` alone,
-here rank 0 (which samples and broadcasts the ids) or a worker (which takes
-rank 0's ids for its next step's pending tokens). So the runner's ``launch``
-reads the same at every rank count.
+(:class:`pitstop.runner.peers.StepPeers`): at ``tensor_parallel_size = 1`` alone
+(:class:`pitstop.runner.peers.Alone`), here rank 0 (which samples and broadcasts the ids)
+or a worker (which takes rank 0's ids for its next step's pending tokens). So the runner's
+``launch`` reads the same at every rank count.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pitstop.ground.step import SeqInput
-from pitstop.parallel.group import TensorParallelGroup
+from pitstop.plugins.executors.tensor_parallel.group import TensorParallelGroup
 from pitstop.runner.launched import LaunchedStep, ready_step
 
 if TYPE_CHECKING:
