@@ -333,7 +333,7 @@ def test_a_third_party_architecture_loads_and_runs(
 def test_an_architecture_nobody_registers_is_refused_naming_the_plugins(tmp_path: Path) -> None:
     import json
 
-    from pitstop.loading.weights import read_hf_config
+    from pitstop.plugins.model_sources.huggingface.checkpoint import read_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ModelLoadError, match="model_type='mamba'.*llama, qwen2, qwen3"):
@@ -489,7 +489,7 @@ def test_a_third_party_model_source_loads_its_files(with_example: Path, tmp_path
     path = tmp_path / "bigram.npz"
     np.savez(path, embed=embed, head=head)
     pm = PluginManager(allow=None)
-    assert pm.names("source") == ["gguf", "npz"]
+    assert pm.names("source") == ["gguf", "huggingface", "npz"]
     llm = LLM(str(path), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
     assert llm.engine.model_config.architecture == "BigramForCausalLM"
     expected, token = [], 7
