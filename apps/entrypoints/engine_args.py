@@ -36,7 +36,7 @@ from pitstop.entrypoints.vllm_args import DTYPE_WORDS, KV_CACHE_DTYPE_WORDS, mer
 from pitstop.errors import ConfigError
 from pitstop.plugin_system.catalogue import Catalogue
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
-from pitstop.plugin_system.settings import default_for
+from pitstop.plugin_system.settings import declared_default
 
 
 def _catalogue(plugins: PluginManager | Catalogue | None) -> Catalogue:
@@ -127,3 +127,14 @@ def setting_value(
             return getattr(declaration.read(config), att.name)
     first, att = table[alias][0]
     return default_for(first.settings, att, config)
+
+
+def default_for(cls: type, att: attrs.Attribute, config: Any) -> Any:
+    """The default of ``att`` (a field of the settings class ``cls``) for ``config``: the
+    declared one, capped by its ``at_most`` field's engine setting."""
+    default = declared_default(att)
+    cap = att.metadata.get("at_most")
+    if cap is None:
+        return default
+    engine = attrs.fields_dict(cls)[cap].metadata["engine"]
+    return min(default, getattr(config, engine))

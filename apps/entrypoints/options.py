@@ -38,16 +38,11 @@ from pitstop.entrypoints.vllm_args import (
 )
 from pitstop.errors import ConfigError, PluginError, did_you_mean
 from pitstop.plugin_system.catalogue import Catalogue, Declaration
-from pitstop.plugin_system.settings import (
-    TOML_TABLE,
-    allowed_values,
-    default_text,
-    flag_name,
-    settings_from_toml,
-)
+from pitstop.plugin_system.settings import allowed_values, default_text
 
 SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags
 VLLM_DEST = "vllm:"  # argparse dest prefix of vLLM's flags (--max-num-seqs)
+TOML_TABLE = "plugins"  # [plugins.<strategy name>] tables of a config file
 
 Aliases = Mapping[str, tuple[tuple[Declaration, attrs.Attribute], ...]]
 
@@ -292,3 +287,28 @@ def add_settings_flags(parser: argparse.ArgumentParser, catalogue: Catalogue) ->
             att,
             f"{declaration.kind} {declaration.name!r}: {att.metadata['help']}",
         )
+
+
+def settings_from_toml(data: Mapping[str, Any], path: Any) -> dict[str, Any]:
+    """The ``options`` entries of a file's ``[plugins.<name>]`` tables."""
+    tables = data.get(TOML_TABLE, {})
+    if not isinstance(tables, Mapping):
+        raise ConfigError(
+            f"config file {path}: '{TOML_TABLE}' must be a table of plugin tables, "
+            f"e.g. [{TOML_TABLE}.prefix] with max_cached_pages = 8"
+        )
+    options: dict[str, Any] = {}
+    for name, table in tables.items():
+        if not isinstance(table, Mapping):
+            raise ConfigError(
+                f"config file {path}: [{TOML_TABLE}.{name}] must be a table of that plugin's "
+                f"settings, got {table!r}"
+            )
+        for key, value in table.items():
+            options[f"{name}.{key}"] = value
+    return options
+
+
+def flag_name(namespace: str, field: str) -> str:
+    """The CLI flag of one setting: ``--<namespace>.<field with dashes>``."""
+    return f"--{namespace}.{field.replace('_', '-')}"
