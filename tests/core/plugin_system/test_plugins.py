@@ -551,6 +551,43 @@ def test_model_sources_are_asked_in_name_order_and_take_no_settings() -> None:
         PluginManager(allow=["pitstop"], extra_modules=[module(settings=object)])
 
 
+def test_a_source_asked_last_lets_every_other_source_claim_first(tmp_path: Path) -> None:
+    """``huggingface`` claims any folder, so it is asked after the others (``asked_last``):
+    a source of a folder format of its own gets its folders whatever its name."""
+    from types import ModuleType
+
+    import pitstop
+    from pitstop.loading.weights import load_model_source, model_sources
+    from pitstop.plugin_system.protocols import ModelSourceReaderBase
+
+    class Folders(ModelSourceReaderBase):
+        accepts = "a folder with model.zzz"
+
+        def claims(self, model: str) -> bool:
+            return (Path(model) / "model.zzz").is_file()
+
+        def load(self, model: str, tokenizer: object) -> None:
+            raise ModelLoadError(f"zzz loads {model}")
+
+    module = ModuleType("folder_source")
+
+    @pitstop.hookimpl
+    def register_model_sources(register) -> None:
+        register("zzz", lambda plugins: Folders())
+
+    module.register_model_sources = register_model_sources  # type: ignore[attr-defined]
+    pm = PluginManager(allow=["pitstop"], extra_modules=[module])
+    names = [type(s).__name__ for s in model_sources(pm)]
+    assert names == ["GGUFSource", "Folders", "HuggingFaceSource"]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "model.zzz").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="zzz loads"):
+        load_model_source(str(tmp_path / "mine"), plugins=pm)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        load_model_source(str(tmp_path / "other"), plugins=pm)
+
+
 def test_two_architectures_claiming_one_gguf_architecture_are_refused() -> None:
     from types import ModuleType
 
