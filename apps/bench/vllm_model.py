@@ -162,8 +162,8 @@ def vllm_model(
     """What vLLM loads for the pitstop model ``name`` (shape ``mc``); a ``dummy:`` preset's
     ``config.json`` is written under ``workdir``, and with ``as_checkpoint`` a GGUF file
     becomes a checkpoint folder there (see the module doc)."""
-    from pitstop.loading.weights import resolve_hub_model
     from pitstop.plugins.model_sources.gguf.source import SMOLLM2_NAME, smollm2_path
+    from pitstop.plugins.model_sources.huggingface.hub import resolve_hub_model
 
     tok = str(Path(tokenizer).expanduser().resolve()) if tokenizer else None
     if name.startswith("dummy:"):

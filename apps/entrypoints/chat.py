@@ -11,12 +11,19 @@ token ids, so that ``RequestOutput.prompt`` can show the text the model saw.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from pitstop.entrypoints.chat_template import (
+    encode_chat_text,
+    mark_special_text,
+    render_chat_template,
+    unmark,
+)
 from pitstop.errors import fail_request as _fail
 from pitstop.errors import refuse_unknown_keys
 
@@ -80,8 +87,8 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
     Text content parts are joined into one string (other part types are
     refused by name), ``developer`` becomes ``system``, ``content: null``
     becomes ``""`` and an assistant's tool-call ``arguments`` (JSON text)
-    become objects. Roles and texts are checked by the tokenizer
-    (:func:`pitstop.requests.validation.validate_messages`).
+    become objects. Roles and texts are checked when the template renders them
+    (:func:`pitstop.entrypoints.chat_template.validate_messages`).
     """
     if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
         _fail(
@@ -233,8 +240,9 @@ def render_chat(
 ) -> RenderedChat:
     """Render one conversation with the model's template (or ``options.chat_template``).
 
-    ``renderer`` replaces ``tokenizer.render_chat_template`` (same arguments; the
-    server renders a request's own template in a sandbox process with it).
+    ``renderer`` replaces :func:`~pitstop.entrypoints.chat_template.render_chat_template`
+    over ``tokenizer`` (same arguments, the tokenizer left out; the server renders a
+    request's own template in a sandbox process with it).
 
     With ``options.tools`` and a template that does not read ``tools``,
     ``tool_prompt(tools)`` (text that describes the tools and the format to
@@ -247,9 +255,9 @@ def render_chat(
     tools = list(options.tools) if options.tools else None
     kwargs = options.chat_template_kwargs
     if options.special_tokens_in_content == "text":  # marked, to be encoded as plain text
-        rendered = tokenizer.mark_special_text(rendered)
-        tools = tokenizer.mark_special_text(tools)
-        kwargs = tokenizer.mark_special_text(kwargs)
+        rendered = mark_special_text(tokenizer, rendered)
+        tools = mark_special_text(tokenizer, tools)
+        kwargs = mark_special_text(tokenizer, kwargs)
     if tools and not template_reads_tools(tokenizer, options):
         if tool_prompt is None:
             _fail(
@@ -262,7 +270,8 @@ def render_chat(
             rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{text}"}
         else:
             rendered.insert(0, {"role": "system", "content": text})
-    text = (renderer or tokenizer.render_chat_template)(
+    render = renderer or functools.partial(render_chat_template, tokenizer)
+    text = render(
         rendered,
         options.add_generation_prompt,
         chat_template=options.chat_template,
@@ -270,4 +279,4 @@ def render_chat(
         template_kwargs=kwargs,
         tools=tools,
     )
-    return RenderedChat(tokenizer.unmark(text), tokenizer.encode_chat_text(text))
+    return RenderedChat(unmark(text), encode_chat_text(tokenizer, text))

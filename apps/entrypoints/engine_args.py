@@ -48,17 +48,15 @@ from pitstop.plugin_system.catalogue import Catalogue
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.plugin_system.registration import Strategy
 from pitstop.plugin_system.settings import (
-    TOML_TABLE,
     allowed_values,
-    default_for,
+    declared_default,
     default_text,
-    flag_name,
-    settings_from_toml,
     strategy_settings,
 )
 
 SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags
 VLLM_DEST = "vllm:"  # argparse dest prefix of vLLM's flags (--max-num-seqs)
+TOML_TABLE = "plugins"  # [plugins.<strategy name>] tables of a config file
 
 Aliases = Mapping[str, tuple[tuple[Strategy, attrs.Attribute], ...]]
 
@@ -393,3 +391,39 @@ def setting_value(
             return getattr(strategy_settings(declaration, config), att.name)
     first, att = table[alias][0]
     return default_for(first.settings, att, config)
+
+
+def default_for(cls: type, att: attrs.Attribute, config: Any) -> Any:
+    """The default of ``att`` (a field of the settings class ``cls``) for ``config``: the
+    declared one, capped by its ``at_most`` field's engine setting."""
+    default = declared_default(att)
+    cap = att.metadata.get("at_most")
+    if cap is None:
+        return default
+    engine = attrs.fields_dict(cls)[cap].metadata["engine"]
+    return min(default, getattr(config, engine))
+
+
+def settings_from_toml(data: Mapping[str, Any], path: Any) -> dict[str, Any]:
+    """The ``options`` entries of a file's ``[plugins.<name>]`` tables."""
+    tables = data.get(TOML_TABLE, {})
+    if not isinstance(tables, Mapping):
+        raise ConfigError(
+            f"config file {path}: '{TOML_TABLE}' must be a table of plugin tables, "
+            f"e.g. [{TOML_TABLE}.prefix] with max_cached_pages = 8"
+        )
+    options: dict[str, Any] = {}
+    for name, table in tables.items():
+        if not isinstance(table, Mapping):
+            raise ConfigError(
+                f"config file {path}: [{TOML_TABLE}.{name}] must be a table of that plugin's "
+                f"settings, got {table!r}"
+            )
+        for key, value in table.items():
+            options[f"{name}.{key}"] = value
+    return options
+
+
+def flag_name(namespace: str, field: str) -> str:
+    """The CLI flag of one setting: ``--<namespace>.<field with dashes>``."""
+    return f"--{namespace}.{field.replace('_', '-')}"

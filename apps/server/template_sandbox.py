@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pitstop.entrypoints.chat_template import validate_messages
 from pitstop.errors import InvalidRequestError
-from pitstop.requests.validation import validate_messages
 
 _WORKER = Path(__file__).with_name("template_worker.py")
 START_TIMEOUT_S = 60.0  # the worker's imports (transformers), on a loaded machine
@@ -55,7 +55,8 @@ class TemplateSandbox:
         self.kills = 0  # renders stopped for running too long
 
     def renderer(self, special_tokens: dict[str, Any]) -> Any:
-        """A function with ``Tokenizer.render_chat_template``'s arguments that renders here;
+        """A function with ``render_chat_template``'s arguments (the tokenizer left out)
+        (:mod:`pitstop.entrypoints.chat_template`) that renders here;
         ``special_tokens`` (``bos_token``, ...) are given to the template, as transformers does."""
 
         def render(

@@ -4,7 +4,8 @@ A model plugin registers its factory with an :class:`Architecture`,
 ``register("MyForCausalLM", make_my_model, architecture=MY_RULES)``. The
 loaders treat every architecture alike, built-in or third-party:
 
-- the Hugging Face loader (:mod:`pitstop.loading.weights`) asks the registry which
+- the ``huggingface`` model source (a plugin:
+  :mod:`pitstop.plugins.model_sources.huggingface`) asks the registry which
   architecture a ``config.json`` names (``architectures``, then ``model_type``);
   its :attr:`~Architecture.config_from_hf` builds the :class:`ModelConfig`;
 - the ``gguf`` model source (a plugin: :mod:`pitstop.plugins.model_sources.gguf`) asks

@@ -91,9 +91,9 @@ def register_model_sources(register: Register) -> None:
 
     Called once when plugins load (factory: ``KINDS["source"]``, given the plugin
     manager, whose registry says which architectures exist). Loading a model asks every
-    registered source, in name order, whether it claims the model string; the first that
-    does loads it. A Hugging Face folder, an ``org/name`` id of the local Hugging Face
-    cache and ``dummy:<preset>`` are read by the engine itself when no source claims it.
+    registered source, in name order (those that set ``asked_last``, such as
+    ``huggingface``, after the others), whether it claims the model string; the first that
+    does loads it. ``dummy:<preset>`` is read by the engine itself when no source claims it.
     """
 
 

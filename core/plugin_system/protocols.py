@@ -529,9 +529,9 @@ class ModelSourceReader(Protocol):
     """Where models of one kind come from (a file format, a model name, a store).
 
     Loading a model asks every registered source, in name order, whether it
-    :meth:`claims` the model string; the first that does loads it (:meth:`load`). The engine
-    itself reads a Hugging Face folder, the local Hugging Face cache and ``dummy:``
-    presets, when no source claims the string.
+    :meth:`claims` the model string; the first that does loads it (:meth:`load`). A source
+    that sets ``asked_last`` (``huggingface``: it claims any folder) is asked after the
+    others; the engine itself reads only ``dummy:`` presets.
     """
 
     # the model strings it reads, as an error lists them ("'smollm2-135m', a .gguf file")
@@ -553,7 +553,10 @@ class ModelSourceReader(Protocol):
 
 
 class ModelSourceReaderBase(Capabilities):
-    """The default of a model source's optional capability."""
+    """The defaults of a model source's optional capabilities."""
+
+    # asked after the sources that are not (a catch-all, such as one that claims any folder)
+    asked_last: bool = False
 
     def read_tokenizer(self, path: str) -> Any:
         """None: it reads no tokenizer on its own (``tokenizer=`` takes a folder)."""

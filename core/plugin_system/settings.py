@@ -56,8 +56,6 @@ class SettingsSource(Protocol):
 
 log = logging.getLogger(__name__)
 
-TOML_TABLE = "plugins"  # [plugins.<strategy name>] tables of a config file
-
 
 class _InvalidSetting(ValueError):
     """Raised by a field validator; :func:`read_settings` turns it into a ConfigError."""
@@ -146,17 +144,6 @@ def default_text(att: attrs.Attribute) -> str:
     text = repr(declared_default(att))
     cap = att.metadata.get("at_most")
     return f"{text}, or {cap} when smaller" if cap else text
-
-
-def default_for(cls: type, att: attrs.Attribute, config: Any) -> Any:
-    """The default of ``att`` (a field of the settings class ``cls``) for ``config``: the
-    declared one, capped by its ``at_most`` field's engine setting."""
-    default = declared_default(att)
-    cap = att.metadata.get("at_most")
-    if cap is None:
-        return default
-    engine = attrs.fields_dict(cls)[cap].metadata["engine"]
-    return min(default, getattr(config, engine))
 
 
 def allowed_values(att: attrs.Attribute) -> str:
@@ -325,31 +312,6 @@ def _unknown(owner: str, key: str, att: Any, cls: type, namespace: str) -> str:
         or "none"
     )
     return f"unknown option {key!r}: {owner} has the settings {known}"
-
-
-def settings_from_toml(data: Mapping[str, Any], path: Any) -> dict[str, Any]:
-    """The ``options`` entries of a file's ``[plugins.<name>]`` tables."""
-    tables = data.get(TOML_TABLE, {})
-    if not isinstance(tables, Mapping):
-        raise ConfigError(
-            f"config file {path}: '{TOML_TABLE}' must be a table of plugin tables, "
-            f"e.g. [{TOML_TABLE}.prefix] with max_cached_pages = 8"
-        )
-    options: dict[str, Any] = {}
-    for name, table in tables.items():
-        if not isinstance(table, Mapping):
-            raise ConfigError(
-                f"config file {path}: [{TOML_TABLE}.{name}] must be a table of that plugin's "
-                f"settings, got {table!r}"
-            )
-        for key, value in table.items():
-            options[f"{name}.{key}"] = value
-    return options
-
-
-def flag_name(namespace: str, field: str) -> str:
-    """The CLI flag of one setting: ``--<namespace>.<field with dashes>``."""
-    return f"--{namespace}.{field.replace('_', '-')}"
 
 
 def check_option_keys(options: Mapping[str, Any], declared: Mapping[str, str]) -> None:

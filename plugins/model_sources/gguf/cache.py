@@ -27,8 +27,12 @@ import torch
 
 from pitstop.errors import ModelLoadError
 from pitstop.ground.model_config import ModelConfig
-from pitstop.loading.checkpoint import iter_safetensors, read_safetensors_headers
 from pitstop.loading.tokenizer import Tokenizer
+from pitstop.plugins.model_sources.huggingface.safetensors import (
+    iter_safetensors,
+    read_safetensors_headers,
+)
+from pitstop.plugins.model_sources.huggingface.tokenizer import save_hf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +137,7 @@ def write_cache(
         weights = dict(tensors)
         save_file(weights, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
         del weights
-        tokenizer.save(tmp)
+        save_hf_tokenizer(tokenizer, tmp)
         (tmp / _CONFIG_FILE).write_text(_config_to_json(config))
         record = {
             "source": str(source.resolve()),

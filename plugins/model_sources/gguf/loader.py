@@ -53,6 +53,7 @@ from pitstop.plugins.model_sources.gguf.file import (
 )
 from pitstop.plugins.model_sources.gguf.quantized import QuantizedWeight
 from pitstop.plugins.model_sources.gguf.tokenizer import gguf_tokenizer
+from pitstop.plugins.model_sources.huggingface.tokenizer import load_hf_tokenizer
 
 if TYPE_CHECKING:
     from pitstop.plugin_system.plugin_manager import PluginManager
@@ -213,7 +214,7 @@ def load_gguf(
         reading = GGUFConversion(path, cache, plugins)
         return ModelSource(
             model_config=config,
-            tokenizer=tokenizer or Tokenizer.from_pretrained(cache),
+            tokenizer=tokenizer or load_hf_tokenizer(cache),
             weights=reading.weights,
             description=f"GGUF {path} (cached at {cache})",
         )

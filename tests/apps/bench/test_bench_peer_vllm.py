@@ -56,7 +56,7 @@ def test_dummy_config_json_is_the_preset_for_transformers_and_pitstop(
 ) -> None:
     from transformers import AutoConfig
 
-    from pitstop.loading.weights import read_hf_config
+    from pitstop.plugins.model_sources.huggingface.checkpoint import read_hf_config
 
     mc = PRESETS[preset]
     folder = write_dummy_folder(mc, tmp_path / preset)

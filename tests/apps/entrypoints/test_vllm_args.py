@@ -207,7 +207,7 @@ def test_serve_takes_the_model_as_a_flag_too() -> None:
 def test_a_checkpoint_that_needs_remote_code_is_refused(tmp_path: Path) -> None:
     from helpers.models import make_tiny_checkpoint
 
-    from pitstop.loading.weights import read_hf_config
+    from pitstop.plugins.model_sources.huggingface.checkpoint import read_hf_config
 
     folder = make_tiny_checkpoint(tmp_path, "llama", with_tokenizer=False)
     config = json.loads((folder / "config.json").read_text())

@@ -1,15 +1,17 @@
 """Tokenizer: SmolLM2's (from the GGUF, through the pitstop cache) against transformers',
-chat templates, and the incremental detokenizer on random token streams."""
+and the incremental detokenizer on random token streams. (Chat templates:
+tests/apps/entrypoints/test_chat_template.py.)"""
 
 from __future__ import annotations
 
 import pytest
-from helpers.models import make_tiny_checkpoint, smollm2_gguf, smollm2_tokenizer_dir
+from helpers.models import smollm2_gguf, smollm2_tokenizer_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pitstop.errors import InvalidRequestError
+from pitstop.entrypoints.chat_template import apply_chat_template
 from pitstop.loading.tokenizer import Tokenizer
+from pitstop.plugins.model_sources.huggingface.tokenizer import load_hf_tokenizer
 from pitstop.requests.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
@@ -20,21 +22,12 @@ TEXTS = [
     "<|im_start|>user\nspecial tokens in text<|im_end|>",
     "",
 ]
-CHATS = [
-    [{"role": "user", "content": "What is 2+2?"}],
-    [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Name a colour."},
-        {"role": "assistant", "content": "Blue."},
-        {"role": "user", "content": "Another, in 日本語?"},
-    ],
-]
 
 
 @pytest.fixture(scope="module")
 def ours() -> Tokenizer:
     """SmolLM2's tokenizer as the engine loads it (converted from the GGUF, then cached)."""
-    return Tokenizer.from_pretrained(smollm2_tokenizer_dir())
+    return load_hf_tokenizer(smollm2_tokenizer_dir())
 
 
 @pytest.fixture(scope="module")
@@ -75,39 +68,6 @@ def test_encode_decode_random_text(ours, ref, text):
     assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("messages", CHATS)
-@pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_equals_transformers(ours, ref, messages, add_generation_prompt):
-    expected = ref.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt
-    )
-    if not isinstance(expected, list):  # transformers 5 returns a BatchEncoding
-        expected = list(expected["input_ids"])
-    ids = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert ids == expected
-    assert ids[:2] != [ours.bos_token_id] * 2  # no double BOS
-    text = ours.decode(ids, skip_special_tokens=False)
-    assert text.endswith("<|im_start|>assistant\n") == add_generation_prompt
-
-
-def test_no_chat_template_is_a_clear_error(tmp_path):
-    folder = make_tiny_checkpoint(tmp_path, "llama", with_tokenizer=False)
-    (folder / "tokenizer.json").write_bytes(
-        (smollm2_tokenizer_dir() / "tokenizer.json").read_bytes()
-    )
-    tok = Tokenizer.from_pretrained(folder)  # tokenizer.json alone: no template
-    assert tok.encode("hi", add_special_tokens=False) == [6004]
-    with pytest.raises(InvalidRequestError, match="no chat template"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
-
-
-def test_extra_eos_from_generation_config(tmp_path):
-    folder = make_tiny_checkpoint(tmp_path, "qwen3")
-    (folder / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
-    tok = Tokenizer.from_pretrained(folder)
-    assert tok.eos_token_ids == (2, 0)
-
-
 # ---------------------------------------------------------------------- detokenizer
 _MULTIBYTE = "é日本語🤖🚀👨‍👩‍👧Ωж"
 
@@ -142,7 +102,7 @@ def _check_stream(tok: Tokenizer, prompt: list[int], ids: list[int], steps, skip
 
 def test_detokenizer_streams_multibyte_characters(ours):
     ids = ours.encode("A robot 🤖 says 日本語, naïvely.", add_special_tokens=False)
-    prompt = ours.apply_chat_template([{"role": "user", "content": "hi"}])
+    prompt = apply_chat_template(ours, [{"role": "user", "content": "hi"}])
     detok = IncrementalDetokenizer(ours, prompt)
     deltas = [detok.step([i]) for i in ids]
     assert all("\ufffd" not in d for d in deltas)

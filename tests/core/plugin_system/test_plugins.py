@@ -333,7 +333,7 @@ def test_a_third_party_architecture_loads_and_runs(
 def test_an_architecture_nobody_registers_is_refused_naming_the_plugins(tmp_path: Path) -> None:
     import json
 
-    from pitstop.loading.weights import read_hf_config
+    from pitstop.plugins.model_sources.huggingface.checkpoint import read_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ModelLoadError, match="model_type='mamba'.*llama, qwen2, qwen3"):
@@ -489,7 +489,7 @@ def test_a_third_party_model_source_loads_its_files(with_example: Path, tmp_path
     path = tmp_path / "bigram.npz"
     np.savez(path, embed=embed, head=head)
     pm = PluginManager(allow=None)
-    assert pm.names("source") == ["gguf", "npz"]
+    assert pm.names("source") == ["gguf", "huggingface", "npz"]
     llm = LLM(str(path), plugins=pm, device="cpu", max_model_len=64, kv_cache_gib=0.01)
     assert llm.engine.model_config.architecture == "BigramForCausalLM"
     expected, token = [], 7
@@ -549,6 +549,43 @@ def test_model_sources_are_asked_in_name_order_and_take_no_settings() -> None:
     assert load_model_source("dummy:qwen3-0.6b", plugins=pm).is_dummy  # claimed by none
     with pytest.raises(PluginError, match="model source 'b-source' takes no settings"):
         PluginManager(allow=["pitstop"], extra_modules=[module(settings=object)])
+
+
+def test_a_source_asked_last_lets_every_other_source_claim_first(tmp_path: Path) -> None:
+    """``huggingface`` claims any folder, so it is asked after the others (``asked_last``):
+    a source of a folder format of its own gets its folders whatever its name."""
+    from types import ModuleType
+
+    import pitstop
+    from pitstop.loading.weights import load_model_source, model_sources
+    from pitstop.plugin_system.protocols import ModelSourceReaderBase
+
+    class Folders(ModelSourceReaderBase):
+        accepts = "a folder with model.zzz"
+
+        def claims(self, model: str) -> bool:
+            return (Path(model) / "model.zzz").is_file()
+
+        def load(self, model: str, tokenizer: object) -> None:
+            raise ModelLoadError(f"zzz loads {model}")
+
+    module = ModuleType("folder_source")
+
+    @pitstop.hookimpl
+    def register_model_sources(register) -> None:
+        register("zzz", lambda plugins: Folders())
+
+    module.register_model_sources = register_model_sources  # type: ignore[attr-defined]
+    pm = PluginManager(allow=["pitstop"], extra_modules=[module])
+    names = [type(s).__name__ for s in model_sources(pm)]
+    assert names == ["GGUFSource", "Folders", "HuggingFaceSource"]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "model.zzz").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="zzz loads"):
+        load_model_source(str(tmp_path / "mine"), plugins=pm)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        load_model_source(str(tmp_path / "other"), plugins=pm)
 
 
 def test_two_architectures_claiming_one_gguf_architecture_are_refused() -> None:

@@ -246,23 +246,6 @@ def test_check_encoded_prompt() -> None:
         check_encoded_prompt("\x04", [])
 
 
-def test_validate_messages() -> None:
-    from pitstop.requests.validation import validate_messages
-
-    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert validate_messages(chat) == chat
-    for messages, fragment in [
-        ([{"role": "wizard", "content": "hi"}], "role"),
-        ([{"role": "user", "content": 5}], "content"),
-        ([{"role": "user", "content": "\ud800"}], "surrogate"),
-        (["hi"], "object"),
-        ("hi", "list"),
-        ([], "empty"),
-    ]:
-        with pytest.raises(InvalidRequestError, match=fragment):
-            validate_messages(messages)
-
-
 # ---------------------------------------------------------------------- issue 22: config (point 10)
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),

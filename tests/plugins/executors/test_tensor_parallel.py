@@ -389,7 +389,11 @@ def test_more_ranks_than_gpus_is_refused_before_anything_starts(monkeypatch):
 
 
 def test_reading_a_shard_from_safetensors_equals_cutting_the_whole_tensor(tiny_llama):
-    from pitstop.loading.weights import iter_safetensors, read_hf_config, read_safetensors_headers
+    from pitstop.plugins.model_sources.huggingface.checkpoint import read_hf_config
+    from pitstop.plugins.model_sources.huggingface.safetensors import (
+        iter_safetensors,
+        read_safetensors_headers,
+    )
 
     entries = read_safetensors_headers(sorted(tiny_llama.glob("*.safetensors")))
     cfg = read_hf_config(tiny_llama)

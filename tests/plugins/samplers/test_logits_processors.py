@@ -17,6 +17,7 @@ import torch
 from helpers.models import smollm2_gguf
 
 from pitstop import LLM, SamplingParams, TextPrompt, TokensPrompt
+from pitstop.entrypoints.chat_template import apply_chat_template
 from pitstop.errors import InvalidRequestError
 from pitstop.plugins.samplers.standard import StandardSampler
 from pitstop.requests.sampling import RowInputs, make_sampling_batch, make_step_inputs
@@ -214,7 +215,7 @@ def llm() -> LLM:
 
 def test_min_tokens_holds_back_eos_and_stop_tokens(llm: LLM) -> None:
     eos = set(llm.engine.eos_token_ids)
-    chat = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    chat = apply_chat_template(llm.engine.tokenizer, [{"role": "user", "content": "Say hi."}])
     prompt = TokensPrompt(prompt_token_ids=chat)
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60))[0]
     assert free.finish_reason == "stop" and len(free.token_ids) < 30  # stops early by itself
@@ -446,7 +447,7 @@ def test_chat_template_options(llm: LLM) -> None:
     tok = llm.engine.tokenizer
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-    ids = tok.apply_chat_template(messages, add_generation_prompt=False, chat_template=template)
+    ids = apply_chat_template(tok, messages, add_generation_prompt=False, chat_template=template)
     assert tok.decode(ids) == "[user] Hi\n[assistant] Hello, I am\n"
     params = SamplingParams(temperature=0, max_tokens=3)
     cont = llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True)

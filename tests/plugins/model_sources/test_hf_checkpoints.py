@@ -1,6 +1,7 @@
 """Hugging Face checkpoints load exactly or refuse (issue 21): every configuration pitstop
 accepts gives transformers' logits and greedy tokens; every one it cannot compute exactly
-is refused with an error that names the field, its value and what is supported."""
+is refused with an error that names the field, its value and what is supported (the
+``huggingface`` model source)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from helpers.models import make_tiny_checkpoint
 from pitstop.errors import ConfigError, ModelLoadError
 from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.weights import load_model_source
+from pitstop.plugins.model_sources.huggingface.tokenizer import load_hf_tokenizer
 from pitstop.plugins.models.llama_config import HF_FIELDS_READ, HF_FIELDS_WITHOUT_EFFECT
 from pitstop.plugins.models.llama_rope import rope_frequencies
 
@@ -310,7 +312,7 @@ def _write_raw_safetensors(path: Path, header: dict, data: bytes) -> None:
 def test_hostile_safetensors_headers_are_refused_before_allocation(
     tmp_path: Path, header: dict, data: bytes, expected: str
 ) -> None:
-    from pitstop.loading.weights import read_safetensors_header
+    from pitstop.plugins.model_sources.huggingface.safetensors import read_safetensors_header
 
     file = tmp_path / "model.safetensors"
     _write_raw_safetensors(file, header, data)
@@ -320,7 +322,7 @@ def test_hostile_safetensors_headers_are_refused_before_allocation(
 
 
 def test_header_length_beyond_the_file_is_refused(tmp_path: Path) -> None:
-    from pitstop.loading.weights import read_safetensors_header
+    from pitstop.plugins.model_sources.huggingface.safetensors import read_safetensors_header
 
     file = tmp_path / "model.safetensors"
     file.write_bytes((2**40).to_bytes(8, "little") + b"{}")
@@ -497,3 +499,10 @@ def test_model_id_not_in_the_cache_names_the_cache(tmp_path: Path, monkeypatch) 
     msg = str(info.value)
     assert "'Qwen/Qwen3-0.6B' is not in the local Hugging Face cache" in msg
     assert str(tmp_path / "empty-hub") in msg and "hf download Qwen/Qwen3-0.6B" in msg
+
+
+def test_extra_eos_from_generation_config(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path, "qwen3")
+    (folder / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
+    tok = load_hf_tokenizer(folder)
+    assert tok.eos_token_ids == (2, 0)
