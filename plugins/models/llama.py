@@ -245,11 +245,14 @@ class DecoderLayer(nn.Module):
         merged: bool,
         linear: Linear,
         fused: bool = False,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """``mlp``: the feed-forward block (default the SwiGLU :class:`MLP`; a sparse
+        mixture of experts in :mod:`.moe`, which never runs fused)."""
         super().__init__()
         self.cfg, self.kernels, self.fused = cfg, kernels, fused
         self.self_attn = Attention(cfg, kernels, merged, linear)
-        self.mlp = MLP(cfg, kernels, merged, linear)
+        self.mlp = mlp if mlp is not None else MLP(cfg, kernels, merged, linear)
         self.input_layernorm = _param(cfg.hidden_size)
         self.post_attention_layernorm = _param(cfg.hidden_size)
 
@@ -351,15 +354,21 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_embed = getattr(kernels, "embed", None)
         self.gather_logits = getattr(kernels, "gather_logits", None)
         self.fused_layers = self._fuses_layers(kernels)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, kernels, merged, self.linear, self.fused_layers)
-            for _ in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         # True once the weight format holds the embedding (a KeepsBlocks format, given the
         # embedding's quantized blocks): it then also is the tied head
         self.embed_held = False
+
+    # a subclass of another decoder (plugins/models/moe.py) names its own tensors
+    shapes_of = staticmethod(expected_weight_shapes)  # config -> {HF name: shape}
+    name_map = staticmethod(map_hf_name)  # (config, merged, HF name) -> (parameter, row offset)
+
+    def make_layer(self, index: int) -> nn.Module:
+        """Decoder layer ``index`` (every one alike here)."""
+        del index
+        return DecoderLayer(self.cfg, self.kernels, self.merged, self.linear, self.fused_layers)
 
     def _fuses_layers(self, kernels: KernelSet) -> bool:
         """Whether the layers run fused (:class:`DecoderLayer`): the kernel set declares
@@ -423,7 +432,7 @@ class LlamaForCausalLM(nn.Module):
         wrong shape, or a tied ``lm_head.weight`` that differs from the embedding.
         """
         params = dict(self.named_parameters())
-        expected = expected_weight_shapes(self.cfg)
+        expected = self.shapes_of(self.cfg)
         loaded: set[str] = set()
         unknown: list[str] = []
         tied_head: torch.Tensor | None = None
@@ -436,7 +445,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 tied_head = tensor  # checked against the embedding once that is loaded
                 continue
-            target, offset = map_hf_name(self.cfg, self.merged, name)
+            target, offset = self.name_map(self.cfg, self.merged, name)
             if target is None or target not in params or name not in expected:
                 unknown.append(name)
                 del tensor
@@ -488,7 +497,7 @@ class LlamaForCausalLM(nn.Module):
         """Model weight -> how many checkpoint tensors fill it (3 for a merged q/k/v)."""
         parts: dict[str, int] = {}
         for name in expected:
-            target, _ = map_hf_name(self.cfg, self.merged, name)
+            target, _ = self.name_map(self.cfg, self.merged, name)
             if target is not None and name.endswith(".weight"):
                 parts[target] = parts.get(target, 0) + 1
         return parts
@@ -568,11 +577,11 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weight_names(self) -> list[str]:
         """The Hugging Face tensor names a checkpoint of this shape must contain."""
-        return list(expected_weight_shapes(self.cfg))
+        return list(self.shapes_of(self.cfg))
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face tensor name -> shape, for every tensor a checkpoint of this model holds."""
-        return expected_weight_shapes(self.cfg)
+        return self.shapes_of(self.cfg)
 
     def init_dummy(self, seed: int = 0, shard: Any = None) -> None:
         """Random weights (speed does not depend on them), drawn per Hugging Face tensor.
@@ -587,7 +596,7 @@ class LlamaForCausalLM(nn.Module):
             self.load_weights(dummy_weights(self.weight_shapes(), seed, param.device, param.dtype))
             return
         # a tensor-parallel rank: the whole model's tensors drawn (one at a time), its parts kept
-        whole = expected_weight_shapes(shard.model_config)
+        whole = self.shapes_of(shard.model_config)
         self.load_weights(shard.take_all(dummy_weights(whole, seed, param.device, param.dtype)))
 
 
