@@ -37,9 +37,10 @@ from pitstop.plugins.model_sources.gguf.quantized import QuantizedWeight, RowMer
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
 from pitstop.plugins.models.llama_gguf import gguf_rules
 from pitstop.plugins.models.llama_presets import PRESETS
-from pitstop.plugins.models.llama_rope import rope_frequencies
+from pitstop.plugins.models.llama_rope import rotary_cache
 from pitstop.plugins.models.llama_weights import (
     _same_tensor,
+    check_tied_head,
     dummy_weights,
     expected_weight_shapes,
     ignored_checkpoint_tensor,
@@ -52,23 +53,6 @@ Linear = Callable[..., torch.Tensor]  # a weight format's linear(x, resident, bi
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
-def rotary_cache(cfg: ModelConfig, max_positions: int, device: torch.device) -> RotaryCache:
-    """cos/sin tables ``[max_positions, head_size/2]`` in float32, with the model's rope scaling.
-
-    ``max_positions`` is the engine's ``max_model_len``: a model that would compute
-    something else than transformers at that length is refused here
-    (:meth:`ModelConfig.check_max_model_len`), before any weight loads.
-    """
-    cfg.check_max_model_len(max_positions)
-    inv_freq, attention_scaling = rope_frequencies(cfg)
-    positions = torch.arange(max_positions, dtype=torch.int64).float()
-    freqs = torch.outer(positions, inv_freq)
-    cos, sin = freqs.cos(), freqs.sin()
-    if attention_scaling != 1.0:  # yarn scales q and k through cos and sin, as transformers does
-        cos, sin = cos * attention_scaling, sin * attention_scaling
-    return RotaryCache(cos=cos.to(device), sin=sin.to(device))
 
 
 class Attention(nn.Module):
@@ -361,8 +345,7 @@ class LlamaForCausalLM(nn.Module):
         # embedding's quantized blocks): it then also is the tied head
         self.embed_held = False
 
-    # a subclass of another decoder (plugins/models/moe.py) names its own tensors
-    shapes_of = staticmethod(expected_weight_shapes)  # config -> {HF name: shape}
+    shapes_of = staticmethod(expected_weight_shapes)  # config -> {HF name: shape} (moe.py: own)
     name_map = staticmethod(map_hf_name)  # (config, merged, HF name) -> (parameter, row offset)
 
     def make_layer(self, index: int) -> nn.Module:
@@ -478,16 +461,7 @@ class LlamaForCausalLM(nn.Module):
         for target, offset, part in merger.take_unfinished():  # some parts came dense
             params[target].data[offset : offset + part.shape[0]].copy_(part.dequantize())
         if tied_head is not None and "embed_tokens" not in blocks:  # GGUF never has both
-            embed = self.embed_tokens
-            same = tuple(tied_head.shape) == tuple(embed.shape) and torch.equal(
-                tied_head.to(device=embed.device, dtype=embed.dtype), embed.data
-            )
-            if not same:
-                raise ModelLoadError(
-                    "the config ties the output head to the embedding (tie_word_embeddings=true), "
-                    "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight; "
-                    "fix tie_word_embeddings in config.json"
-                )
+            check_tied_head(tied_head, self.embed_tokens)
         if self.fused_layers:
             for layer in self.layers:
                 layer.fold_norms()
