@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) on the Llama family's decoder.
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) on the Llama family's decoder.
 
 Attention, norms, rotary, the embedding and the output head are
 :mod:`.llama`'s (Qwen3-MoE's attention is Qwen3's, with the per-head q/k norm;
@@ -7,7 +7,8 @@ Mixtral's is Llama's). What differs is the feed-forward block of the sparse laye
 then its ``moe`` op (:class:`~pitstop.plugin_system.protocols.MoEOps`): softmax,
 top-k, optional renormalisation and the weighted sum of each token's experts, as
 transformers computes them. A kernel set without a ``moe`` op gets the reference loop
-over experts (:func:`pitstop.plugins.kernels.reference.moe`).
+over experts (:func:`pitstop.plugins.kernels.reference.moe`). Qwen2-MoE adds a shared
+expert to every sparse block, a dense SwiGLU gated by a sigmoid.
 
 The config is read by :mod:`.moe_config`, the checkpoint names by :mod:`.moe_weights`,
 the ``dummy:`` shapes live in :mod:`.moe_presets`. Not supported yet, and refused:
@@ -17,6 +18,7 @@ tensor parallelism (a rank would need its share of the experts), any weight form
 
 from __future__ import annotations
 
+import attrs
 import torch
 from torch import nn
 
@@ -25,7 +27,8 @@ from pitstop.plugin_system.architecture import Architecture
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.protocols import KernelSet, KernelSetBase, WeightFormat
 from pitstop.plugins.kernels import reference
-from pitstop.plugins.models.llama import DecoderLayer, LlamaForCausalLM, rotary_cache
+from pitstop.plugins.models.llama import MLP, DecoderLayer, Linear, LlamaForCausalLM
+from pitstop.plugins.models.llama_rope import rotary_cache
 from pitstop.plugins.models.llama_weights import ignored_checkpoint_tensor
 from pitstop.plugins.models.moe_config import MOE_MODEL_TYPES, MoEModelConfig, moe_config_from_hf
 from pitstop.plugins.models.moe_presets import PRESETS
@@ -45,7 +48,11 @@ class SparseMoeBlock(nn.Module):
     ``[E, H, F]`` views. The router and the experts stay dense, whatever the weight format.
     """
 
-    def __init__(self, cfg: MoEModelConfig, kernels: KernelSet) -> None:
+    def __init__(
+        self, cfg: MoEModelConfig, kernels: KernelSet, merged: bool, linear: Linear
+    ) -> None:
+        """``merged``, ``linear``: as the dense :class:`~.llama.MLP` takes them, for
+        Qwen2-MoE's shared expert."""
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -53,13 +60,18 @@ class SparseMoeBlock(nn.Module):
         self.gate_up = _param(e * 2 * f, h)
         self.down = _param(e * h, f)
         self.moe = KernelSetBase.of(kernels, "moe") or reference.moe
+        self.shared_expert: MLP | None = None
+        if cfg.shared_expert_intermediate_size is not None:
+            width = attrs.evolve(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
+            self.shared_expert = MLP(width, kernels, merged, linear)
+            self.shared_gate = _param(1, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` -> ``[T, H]``: router logits, then the routed experts' weighted sum."""
         cfg = self.cfg
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         logits = self.kernels.linear(x, self.router)
-        return self.moe(
+        out = self.moe(
             x,
             logits,
             self.gate_up.view(e, 2 * f, h),
@@ -68,6 +80,11 @@ class SparseMoeBlock(nn.Module):
             renormalize=cfg.norm_topk_prob,
             weights_dtype=None if cfg.routing_weights_float32 else logits.dtype,
         )
+        if self.shared_expert is None:
+            return out
+        # Qwen2-MoE, as transformers: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+        gate = torch.sigmoid(self.kernels.linear(x, self.shared_gate))
+        return out + gate * self.shared_expert(x)
 
     def linear_weights(self) -> tuple[str, ...]:
         """None goes through the weight format: the experts are no linear layers of it."""
@@ -75,7 +92,7 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    """Qwen3-MoE and Mixtral: the Llama decoder with sparse feed-forward blocks."""
+    """Qwen3-MoE, Qwen2-MoE and Mixtral: the Llama decoder with sparse feed-forward blocks."""
 
     supports_tensor_parallel = False  # the experts are not sharded yet
     loads_quantized_weights = False
@@ -97,7 +114,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         """Decoder layer ``index``: sparse when the config lists it, else a dense SwiGLU."""
         cfg = self.cfg
         assert isinstance(cfg, MoEModelConfig)
-        mlp = SparseMoeBlock(cfg, self.kernels) if index in cfg.sparse_layers else None
+        sparse = index in cfg.sparse_layers
+        mlp = SparseMoeBlock(cfg, self.kernels, self.merged, self.linear) if sparse else None
         return DecoderLayer(cfg, self.kernels, self.merged, self.linear, mlp=mlp)
 
     def _fuses_layers(self, kernels: KernelSet) -> bool:
@@ -109,14 +127,15 @@ class MoEForCausalLM(LlamaForCausalLM):
 def make_moe(
     model_config: MoEModelConfig, kernels: KernelSet, *, weights: WeightFormat | None = None
 ) -> MoEForCausalLM:
-    """A Qwen3-MoE or Mixtral model running on ``kernels`` (weights: ``dense`` only)."""
+    """A Qwen3-MoE, Qwen2-MoE or Mixtral model running on ``kernels`` (weights: ``dense`` only)."""
     return MoEForCausalLM(model_config, kernels, weights)
 
 
 @hookimpl
 def register_models(register) -> None:
-    """Register ``Qwen3MoeForCausalLM`` (model_type ``qwen3_moe``) and ``MixtralForCausalLM``
-    (``mixtral``), with their ``dummy:`` presets; no GGUF reader."""
+    """Register ``Qwen3MoeForCausalLM`` (model_type ``qwen3_moe``), ``Qwen2MoeForCausalLM``
+    (``qwen2_moe``) and ``MixtralForCausalLM`` (``mixtral``), with their ``dummy:`` presets;
+    no GGUF reader."""
     for model_type, arch in MOE_MODEL_TYPES.items():
         rules = Architecture(
             config_from_hf=moe_config_from_hf,

@@ -1,4 +1,4 @@
-"""How the mixture-of-experts models (Qwen3-MoE, Mixtral) read a Hugging Face ``config.json``.
+"""How the mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) read a ``config.json``.
 
 Their attention, norms, rope and special tokens are the Llama family's, read by
 :func:`.llama_config.shared_fields` with every field decided; this module reads the
@@ -9,6 +9,10 @@ experts' fields into a :class:`MoEModelConfig` and decides the rest:
   ``norm_topk_prob``, and which layers are sparse: layer ``i`` is unless it is in
   ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (a dense SwiGLU of
   ``intermediate_size`` then); the routing weights are cast to the activations' dtype.
+- Qwen2-MoE (``qwen2_moe``): Qwen3-MoE's fields, Qwen2's attention (no q/k norm) with
+  biases on q, k and v when ``qkv_bias``, and a shared expert in every sparse block (a
+  SwiGLU of ``shared_expert_intermediate_size``, scaled by ``sigmoid(shared_expert_gate(x))``
+  and added to the routed experts' sum).
 - Mixtral (``mixtral``): ``num_local_experts``, ``num_experts_per_tok``, every layer
   sparse with ``intermediate_size`` per expert, the top-k always renormalized and the
   routing weights kept in float32; a ``sliding_window`` shorter than ``max_model_len`` is
@@ -35,7 +39,11 @@ from pitstop.plugins.models.llama_config import (
 )
 
 # model_type of a config.json -> the architecture it describes
-MOE_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+MOE_MODEL_TYPES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 # the most experts a layer may claim, and the most a token may choose
 MAX_EXPERTS = 4096
@@ -49,6 +57,8 @@ MOE_FIELDS_READ = (
     "norm_topk_prob",
     "decoder_sparse_step",
     "mlp_only_layers",
+    "qkv_bias",
+    "shared_expert_intermediate_size",
 )
 # Fields of theirs that do not change what inference computes.
 MOE_FIELDS_WITHOUT_EFFECT = {
@@ -62,6 +72,7 @@ MOE_SHAPE_LIMITS = {
     "num_local_experts": MAX_EXPERTS,
     "num_experts_per_tok": MAX_EXPERTS,
     "moe_intermediate_size": MAX_DIM,
+    "shared_expert_intermediate_size": MAX_DIM,
 }
 
 
@@ -82,6 +93,8 @@ class MoEModelConfig(ModelConfig):
     sparse_layers: tuple[int, ...]
     # Mixtral keeps the routing weights in float32; Qwen3-MoE casts them to the activations'
     routing_weights_float32: bool = False
+    # Qwen2-MoE's shared expert in every sparse block (its width), gated by a sigmoid
+    shared_expert_intermediate_size: int | None = None
 
     @property
     def num_params(self) -> int:
@@ -89,6 +102,8 @@ class MoEModelConfig(ModelConfig):
         h = self.hidden_size
         dense_mlp = 3 * h * self.intermediate_size
         sparse_mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)
+        if self.shared_expert_intermediate_size is not None:
+            sparse_mlp += 3 * h * self.shared_expert_intermediate_size + h
         return super().num_params + len(self.sparse_layers) * (sparse_mlp - dense_mlp)
 
     @property
@@ -101,7 +116,7 @@ class MoEModelConfig(ModelConfig):
 
 
 def moe_config_from_hf(raw: Mapping[str, Any], where: str = "config.json") -> MoEModelConfig:
-    """The :class:`MoEModelConfig` of a Qwen3-MoE or Mixtral ``config.json`` (as a dict),
+    """The :class:`MoEModelConfig` of a Qwen3-MoE, Qwen2-MoE or Mixtral ``config.json`` (a dict),
     read through transformers' config class and decided field by field (module doc)."""
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in MOE_MODEL_TYPES:
@@ -113,13 +128,14 @@ def moe_config_from_hf(raw: Mapping[str, Any], where: str = "config.json") -> Mo
 
 
 def moe_config_from_transformers(hf: Any, where: str = "config.json") -> MoEModelConfig:
-    """The :class:`MoEModelConfig` of a transformers ``Qwen3MoeConfig`` or ``MixtralConfig``."""
+    """The :class:`MoEModelConfig` of a transformers ``Qwen3MoeConfig``, ``Qwen2MoeConfig`` or
+    ``MixtralConfig``."""
     model_type = getattr(hf, "model_type", "")
     decided = (*MOE_FIELDS_READ, *MOE_FIELDS_WITHOUT_EFFECT)
     fields = shared_fields(hf, where, MOE_MODEL_TYPES[model_type], decided)
     experts = positive_int(
         getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None),
-        "num_experts" if model_type == "qwen3_moe" else "num_local_experts",
+        "num_local_experts" if model_type == "mixtral" else "num_experts",
         where,
         MAX_EXPERTS,
     )
@@ -139,14 +155,22 @@ def moe_config_from_transformers(hf: Any, where: str = "config.json") -> MoEMode
             routing_weights_float32=True,
         )
     else:
-        moe = _qwen3_moe_fields(hf, where, fields["num_layers"])
+        moe = _qwen_moe_fields(hf, where, fields["num_layers"])
+    if model_type == "qwen2_moe":  # Qwen2's attention: q/k/v biases when qkv_bias, no o bias
+        fields.update(attention_bias=bool(getattr(hf, "qkv_bias", True)), o_proj_bias=False)
+        moe["shared_expert_intermediate_size"] = positive_int(
+            getattr(hf, "shared_expert_intermediate_size", None),
+            "shared_expert_intermediate_size",
+            where,
+            MAX_DIM,
+        )
     config = MoEModelConfig(**fields, num_experts=experts, num_experts_per_tok=top_k, **moe)
     check_rope(config, where)
     return config
 
 
-def _qwen3_moe_fields(hf: Any, where: str, num_layers: int) -> dict[str, Any]:
-    """Qwen3-MoE's expert width, ``norm_topk_prob`` and sparse layers."""
+def _qwen_moe_fields(hf: Any, where: str, num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's (and Qwen2-MoE's) expert width, ``norm_topk_prob`` and sparse layers."""
     width = positive_int(
         getattr(hf, "moe_intermediate_size", None), "moe_intermediate_size", where, MAX_DIM
     )

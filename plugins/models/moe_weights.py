@@ -1,5 +1,9 @@
 """The mixture-of-experts models' checkpoint names and shapes.
 
+(Qwen2-MoE names its blocks as Qwen3-MoE does and adds a shared expert:
+``mlp.shared_expert.gate_proj / up_proj / down_proj.weight`` and
+``mlp.shared_expert_gate.weight`` ``[1, H]``, loaded into the block's own SwiGLU.)
+
 A sparse layer's tensors in a Hugging Face checkpoint (transformers 5 still saves
 these names):
 
@@ -35,6 +39,7 @@ class ExpertNames:
 
 EXPERT_NAMES = {
     "Qwen3MoeForCausalLM": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    "Qwen2MoeForCausalLM": ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
 }
 _DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -61,6 +66,11 @@ def expected_moe_shapes(cfg: MoEModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[expert + f"{names.gate}.weight"] = (f, h)
             shapes[expert + f"{names.up}.weight"] = (f, h)
             shapes[expert + f"{names.down}.weight"] = (h, f)
+        if cfg.shared_expert_intermediate_size is not None:  # Qwen2-MoE
+            shared, fs = f"{block}shared_expert.", cfg.shared_expert_intermediate_size
+            shapes |= {shared + f"{p}_proj.weight": (fs, h) for p in ("gate", "up")}
+            shapes[shared + "down_proj.weight"] = (h, fs)
+            shapes[block + "shared_expert_gate.weight"] = (1, h)
     return shapes
 
 
@@ -79,6 +89,8 @@ def map_moe_name(cfg: MoEModelConfig, merged: bool, name: str) -> tuple[str | No
     target = f"layers.{layer}.mlp."
     if rest == ["gate", "weight"]:
         return target + "router", None
+    if cfg.shared_expert_intermediate_size is not None and rest[0].startswith("shared_expert"):
+        return _map_shared_expert(cfg, merged, target, rest)
     if len(rest) != 4 or rest[0] != "experts" or rest[3] != "weight" or not rest[1].isdigit():
         return None, None
     e, proj = int(rest[1]), rest[2]
@@ -94,3 +106,23 @@ def map_moe_name(cfg: MoEModelConfig, merged: bool, name: str) -> tuple[str | No
         return None, None
     param, offset = offsets[proj]
     return target + param, offset
+
+
+def _map_shared_expert(
+    cfg: MoEModelConfig, merged: bool, target: str, rest: list[str]
+) -> tuple[str | None, int | None]:
+    """Qwen2-MoE's ``shared_expert_gate.weight`` and ``shared_expert.{gate,up,down}_proj.weight``
+    (``rest``, after the block's name) -> the block's ``shared_gate`` and its shared expert's
+    parameters (a SwiGLU of :mod:`.llama`, merged gate-up or not)."""
+    if rest == ["shared_expert_gate", "weight"]:
+        return target + "shared_gate", None
+    fs = cfg.shared_expert_intermediate_size
+    table = {
+        "down_proj": ("down_proj", None),
+        "gate_proj": ("gate_up_proj", 0) if merged else ("gate_proj", None),
+        "up_proj": ("gate_up_proj", fs) if merged else ("up_proj", None),
+    }
+    if len(rest) != 3 or rest[0] != "shared_expert" or rest[2] != "weight" or rest[1] not in table:
+        return None, None
+    param, offset = table[rest[1]]
+    return f"{target}shared_expert.{param}", offset

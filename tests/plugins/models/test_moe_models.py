@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (issue 48): tiny random Qwen3-MoE and Mixtral checkpoints,
+"""Mixture-of-experts models (issue 48): tiny random Qwen3-MoE, Qwen2-MoE and Mixtral checkpoints,
 built with transformers' own config classes, give transformers' logits and greedy tokens
 (fp32, poisoned memory, prompts chunked over several steps, then decode), with dense layers
 among the sparse ones and ``norm_topk_prob`` either way; every configuration pitstop cannot
@@ -28,7 +28,8 @@ from pitstop.plugins.models.moe_config import (
 )
 from pitstop.plugins.models.moe_presets import PRESETS
 
-# prompts of 1, 9 and 40 tokens, computed 16 tokens a step: the longest spans three steps
+# prompts of 1 and 40 tokens, computed 16 tokens a step: the longer spans three steps, the
+# shorter decodes beside its chunks
 CHUNKED = dict(scheduler="chunked", chunk_size=16)
 
 # (architecture, config overrides, the sparse layers pitstop must read)
@@ -51,6 +52,8 @@ ACCEPTED = {
         ),
         (1, 2),
     ),
+    # a shared expert beside the routed ones, q/k/v biases, top-2 of 8 not renormalized
+    "qwen2-moe-shared-expert": ("qwen2_moe", dict(num_hidden_layers=2), (0, 1)),
     # a window that never cuts (max_model_len 128), and the train-only jitter set
     "mixtral": ("mixtral", dict(sliding_window=128, router_jitter_noise=0.1), (0, 1)),
 }
@@ -78,7 +81,7 @@ def test_tiny_checkpoints_match_transformers_through_chunked_prefill(
     assert isinstance(cfg, MoEModelConfig) and cfg.sparse_layers == sparse
     # every expert is resident: the engine sizes memory by all of them
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
-    assert_matches_transformers(folder, hf, lengths=(1, 9, 40), max_tokens=6, **CHUNKED)
+    assert_matches_transformers(folder, hf, lengths=(1, 40), max_tokens=5, **CHUNKED)
 
 
 def test_config_reads_every_moe_field(tmp_path: Path) -> None:
@@ -92,11 +95,14 @@ def test_config_reads_every_moe_field(tmp_path: Path) -> None:
     assert mixtral.norm_topk_prob and mixtral.routing_weights_float32
     assert (mixtral.num_experts, mixtral.moe_intermediate_size) == (4, 32)
     assert not mixtral.qk_norm and not mixtral.attention_bias
+    qwen2 = load_model_source(str(_tiny(tmp_path, "qwen2_moe", qkv_bias=False))).model_config
+    assert qwen2.shared_expert_intermediate_size == 48 and not qwen2.norm_topk_prob
+    assert not qwen2.attention_bias and not qwen2.o_proj_bias and not qwen2.qk_norm
 
 
 def test_every_field_of_the_moe_config_classes_is_decided() -> None:
     """A field pitstop has not decided is refused when set (the dense family's rule); here
-    none of transformers' Qwen3-MoE and Mixtral fields is left undecided."""
+    none of transformers' Qwen3-MoE, Qwen2-MoE and Mixtral fields is left undecided."""
     import transformers
 
     generic = set(transformers.PreTrainedConfig().to_dict())
@@ -107,7 +113,11 @@ def test_every_field_of_the_moe_config_classes_is_decided() -> None:
         | set(MOE_FIELDS_READ)
         | set(MOE_FIELDS_WITHOUT_EFFECT)
     )
-    for cls in (transformers.Qwen3MoeConfig, transformers.MixtralConfig):
+    for cls in (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen2MoeConfig,
+        transformers.MixtralConfig,
+    ):
         assert set(cls().to_dict()) - decided == set(), cls.__name__
 
 

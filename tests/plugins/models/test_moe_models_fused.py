@@ -1,5 +1,6 @@
 """The ``fused`` kernel set serves mixture-of-experts models: its Triton ``moe`` op (in
-Triton's interpreter on the CPU) inside a whole tiny Qwen3-MoE gives transformers' tokens,
+Triton's interpreter on the CPU) inside a whole tiny Qwen3-MoE, and a Qwen2-MoE with its
+shared expert, gives transformers' tokens,
 and on a GPU the fused set gives the reference set's tokens, CUDA graphs included."""
 
 from __future__ import annotations
@@ -36,11 +37,26 @@ def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def test_fused_kernels_match_transformers(qwen3_moe: Path) -> None:
-    """Every op but ``linear`` in Triton (the interpreter here), prompts chunked over steps."""
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2-MoE: one sparse layer with a shared expert (merged gate-up here)."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("qwen2-moe"),
+        "qwen2_moe",
+        with_tokenizer=False,
+        vocab_size=TINY_VOCAB,
+        num_hidden_layers=1,
+    )
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_fused_kernels_match_transformers(arch: str, request: pytest.FixtureRequest) -> None:
+    """Every op but ``linear`` in Triton (the interpreter here), the projections merged,
+    prompts chunked over steps."""
+    folder = request.getfixturevalue(arch)
     assert_matches_transformers(
-        qwen3_moe,
-        hf_model(qwen3_moe),
+        folder,
+        hf_model(folder),
         lengths=(3, 21),
         max_tokens=4,
         kernels="fused",
