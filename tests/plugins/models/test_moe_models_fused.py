@@ -66,10 +66,10 @@ def test_fused_kernels_match_transformers(arch: str, request: pytest.FixtureRequ
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_set_serves_the_reference_sets_tokens_on_the_gpu(qwen3_moe: Path, dtype: str) -> None:
-    """On the GPU: the fused set (Triton MoE, decode in CUDA graphs) and the reference set (the
-    loop over experts, eager) give the same greedy tokens for a batch of prompts."""
+def test_fused_set_serves_the_reference_sets_tokens_on_the_gpu(qwen3_moe: Path) -> None:
+    """On the GPU, fp32: the fused set (Triton MoE, decode in CUDA graphs) and the reference
+    set (the loop over experts, eager) give the same greedy tokens for a batch of prompts
+    whose prefills are chunked beside decodes."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 40)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -78,19 +78,20 @@ def test_fused_set_serves_the_reference_sets_tokens_on_the_gpu(qwen3_moe: Path, 
         llm = LLM(
             str(qwen3_moe),
             device="cuda",
-            dtype=dtype,
+            dtype="float32",
             kernels=kernels,
             kv_cache_gib=0.05,
             max_model_len=128,
             chunk_size=16,
         )
+        runner = llm.engine.runner
         if kernels == "fused":
-            assert llm.engine.runner.kernels.describe()["moe"] == "triton"
+            assert runner.kernels.describe()["moe"] == "triton"
+            assert runner.graphs is not None  # the fused MoE op is captured with the rest
+        else:
+            assert runner.graphs is None  # the reference loop reads the experts hit on the host
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy)
         tokens[kernels] = [o.token_ids for o in outs]
-        del llm
+        del llm, runner
         torch.cuda.empty_cache()
-    if dtype == "float32":
-        assert tokens["fused"] == tokens["reference"]
-    else:  # bf16 rounds differently in the two sets: the first tokens agree
-        assert [t[:4] for t in tokens["fused"]] == [t[:4] for t in tokens["reference"]]
+    assert tokens["fused"] == tokens["reference"]
