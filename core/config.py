@@ -150,7 +150,8 @@ class EngineConfig:
         validator=_name,
         metadata=_doc(
             "model: 'smollm2-135m' (the shipped GGUF), a .gguf file, a Hugging Face "
-            "checkpoint folder, or 'dummy:<preset>' (qwen3-0.6b, qwen3-8b, qwen3-32b, llama3-8b)"
+            "checkpoint folder, or 'dummy:<preset>' (qwen3-0.6b, qwen3-8b, qwen3-32b, llama3-8b, "
+            "qwen3-30b-a3b, mixtral-8x7b)"
         ),
     )
     tokenizer: str | None = attrs.field(

@@ -29,6 +29,7 @@ import torch
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.ground.metrics import AllocatorStats  # noqa: F401  (home: ground.metrics)
 from pitstop.plugin_system.grammar import GrammarBackend, GrammarMatcher  # noqa: F401  (home)
+from pitstop.plugin_system.moe_ops import MoEOps  # noqa: F401  (home: short)
 from pitstop.plugin_system.weight_format import KeepsBlocks, WeightFormat  # noqa: F401  (home: short)
 from pitstop.requests.sampling_batch import SamplerOutput, SamplingBatch  # noqa: F401  (home)
 from pitstop.requests.sequence import Sequence
@@ -368,6 +369,8 @@ class KernelSetBase(Capabilities):
     # Whether the model runs each decoder layer through FusedLayerOps: the norms' gains folded
     # into the projections after them at load, the residual adds in the projections before.
     fuses_layer: bool = False
+    # The mixture-of-experts op (MoEOps.moe); None: an MoE model runs the reference loop itself.
+    moe: Any = None
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph: not unless the set says so."""

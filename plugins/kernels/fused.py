@@ -18,7 +18,13 @@ Ops and where they run:
   causal flash attention for prefills, chunks over a cached prefix and
   drafts; both read K/V page-wise through the block table, with tile shapes
   kept in code per head size and GQA ratio (``fused_attention``; see
-  :mod:`pitstop.plugins.kernels.triton_ops.paged_attention`).
+  :mod:`pitstop.plugins.kernels.triton_ops.paged_attention`);
+- ``moe``: a sparse mixture-of-experts block's experts (``fused.moe``): top-k routing in one
+  kernel, rows grouped by expert, a grouped gate-up GEMM with SiLU·mul and a grouped down
+  GEMM with the routing weights, tiles autotuned once per shape and cached on disk
+  (:mod:`pitstop.plugins.kernels.triton_ops.moe`); the reference loop over experts for
+  more than 16 experts a token. With ``fused.moe`` off the reference loop runs, which
+  reads the experts hit on the host, so decode then runs without CUDA graphs.
 
 Each op is resolved once, when the kernel set is built: to its Triton kernel,
 or to the reference op with one log line that names the op and the reason
@@ -161,6 +167,13 @@ class FusedSettings:
         "H200 a qwen3-0.6b layer's four GEMMs in Triton beat the unfused ops up to 64 rows, and "
         "lose to cuBLAS above)",
     )
+    moe: bool = setting(
+        True,
+        type=bool,
+        help="the Triton mixture-of-experts op (fused top-k routing, grouped gate-up and down "
+        "GEMMs, autotuned tiles cached on disk); false: the reference loop over experts, and no "
+        "CUDA graphs",
+    )
     decode_tiles: str = setting(
         "fixed",
         type=str,
@@ -203,6 +216,7 @@ class FusedKernels(reference.DispatchKernels):
             "silu_and_mul": ("fused_silu", settings.silu),
             "rope_and_store": ("fused_attention", settings.attention),
             "attention": ("fused_attention", settings.attention),
+            "moe": ("fused.moe", settings.moe),
         }
         use: dict[str, bool] = {}
         for op, (flag, on) in wanted.items():
@@ -252,6 +266,9 @@ class FusedKernels(reference.DispatchKernels):
                 decode_tile_rule=self.decode_tile_rule,
             )
             self._status["attention"] = "triton"
+        if use["moe"]:
+            self._moe = _triton_moe
+            self._status["moe"] = "triton"
 
     # ------------------------------------------------------------------ fused layer
     def _resolve_layer(self, settings: FusedSettings, triton_reason: str | None) -> None:
@@ -352,16 +369,52 @@ class FusedKernels(reference.DispatchKernels):
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph (no op synchronizes with the host).
 
-        The reference rotary and attention read lengths on the host, so both must run in Triton.
+        The reference rotary and attention read lengths on the host, so both must run in Triton;
+        the reference MoE loop reads the experts hit there (``fused.moe`` off: no graphs).
         """
         if not self._head_size_checked:
             self._check_head_size(head_size)
-        return all(self._status[op] == "triton" for op in ("rope_and_store", "attention"))
+        return self._status["moe"] == "triton" and all(
+            self._status[op] == "triton" for op in ("rope_and_store", "attention")
+        )
 
     def describe(self) -> dict[str, str]:
         """Op name -> ``"triton"`` or ``"reference (reason)"`` (``linear`` is always a torch GEMM);
         the fused layer's ops say where they run, or why they are unused."""
         return {op: self._status[op] for op in (*OPS, *reference.LAYER_OPS)}
+
+
+# the most experts a token the Triton routing kernel takes (its top-k runs in registers)
+MAX_TRITON_TOP_K = 16
+
+
+def _triton_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    weights_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The fused MoE op (:func:`.triton_ops.moe.fused_moe`), or the reference loop for more
+    than :data:`MAX_TRITON_TOP_K` experts a token."""
+    if top_k > MAX_TRITON_TOP_K:
+        return reference.moe(
+            x,
+            router_logits,
+            gate_up,
+            down,
+            top_k,
+            renormalize=renormalize,
+            weights_dtype=weights_dtype,
+        )
+    from pitstop.plugins.kernels.triton_ops import moe
+
+    return moe.fused_moe(
+        x, router_logits, gate_up, down, top_k, renormalize=renormalize, weights_dtype=weights_dtype
+    )
 
 
 def make_fused_kernels(

@@ -24,6 +24,7 @@ from pitstop.config import EngineConfig
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.protocols import KernelSetBase, RotaryCache
+from pitstop.plugins.kernels import moe_reference
 
 
 def rms_norm(
@@ -283,7 +284,24 @@ def linear_residual(
     return residual + F.linear(x, weight, bias)
 
 
-OPS = ("rms_norm", "linear", "silu_and_mul", "rope_and_store", "attention")
+def moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    weights_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """A sparse-MoE block's experts as transformers runs them: :func:`.moe_reference.route`
+    then the loop over the experts hit (:func:`.moe_reference.experts`). Reads which experts
+    were hit on the host, so it is never captured in a CUDA graph."""
+    weights, ids = moe_reference.route(router_logits, top_k, renormalize, weights_dtype)
+    return moe_reference.experts(x, weights, ids, gate_up, down)
+
+
+OPS = ("rms_norm", "linear", "silu_and_mul", "rope_and_store", "attention", "moe")
 # The ops of a fused decoder layer (KernelSetBase.fuses_layer; the model folds the norms' gains
 # into the projections at load and runs a layer as these three plus rotary and attention).
 LAYER_OPS = ("norm_linear", "norm_gate_up", "linear_residual")
@@ -292,7 +310,7 @@ LAYER_OPS = ("norm_linear", "norm_gate_up", "linear_residual")
 class DispatchKernels(KernelSetBase):
     """A kernel set whose ops call the functions it holds: the reference ones unless replaced.
 
-    A subclass swaps an op by setting ``_rms_norm``, ``_silu``, ``_rope`` or ``_attn`` on
+    A subclass swaps an op by setting ``_rms_norm``, ``_silu``, ``_rope``, ``_attn`` or ``_moe`` on
     the instance, and may check the head size once, at the first rotary/attention call
     (``_head_size_checked`` False, :meth:`_check_head_size`).
     """
@@ -304,6 +322,7 @@ class DispatchKernels(KernelSetBase):
     _norm_linear: Callable[..., torch.Tensor] = staticmethod(norm_linear)
     _norm_gate_up: Callable[..., torch.Tensor] = staticmethod(norm_gate_up)
     _linear_residual: Callable[..., torch.Tensor] = staticmethod(linear_residual)
+    _moe: Callable[..., torch.Tensor] = staticmethod(moe)
     _head_size_checked = True
 
     def _check_head_size(self, head_size: int) -> None:
@@ -401,6 +420,31 @@ class DispatchKernels(KernelSetBase):
         if not self._head_size_checked:
             self._check_head_size(q.shape[-1])
         return self._attn(q, k_cache, v_cache, meta, scale, kv_scale)
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        weights_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        """A sparse-MoE block's experts, ``[T, H]``: routing of ``router_logits [T, E]``
+        (softmax, top-k, ``renormalize``, ``weights_dtype``) and the weighted sum of each
+        token's experts over ``gate_up [E, 2F, H]`` and ``down [E, H, F]``
+        (:class:`~pitstop.plugin_system.protocols.MoEOps`)."""
+        return self._moe(
+            x,
+            router_logits,
+            gate_up,
+            down,
+            top_k,
+            renormalize=renormalize,
+            weights_dtype=weights_dtype,
+        )
 
 
 class ReferenceKernels(DispatchKernels):

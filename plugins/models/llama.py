@@ -37,9 +37,10 @@ from pitstop.plugins.model_sources.gguf.quantized import QuantizedWeight, RowMer
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
 from pitstop.plugins.models.llama_gguf import gguf_rules
 from pitstop.plugins.models.llama_presets import PRESETS
-from pitstop.plugins.models.llama_rope import rope_frequencies
+from pitstop.plugins.models.llama_rope import rotary_cache
 from pitstop.plugins.models.llama_weights import (
     _same_tensor,
+    check_tied_head,
     dummy_weights,
     expected_weight_shapes,
     ignored_checkpoint_tensor,
@@ -52,23 +53,6 @@ Linear = Callable[..., torch.Tensor]  # a weight format's linear(x, resident, bi
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
-def rotary_cache(cfg: ModelConfig, max_positions: int, device: torch.device) -> RotaryCache:
-    """cos/sin tables ``[max_positions, head_size/2]`` in float32, with the model's rope scaling.
-
-    ``max_positions`` is the engine's ``max_model_len``: a model that would compute
-    something else than transformers at that length is refused here
-    (:meth:`ModelConfig.check_max_model_len`), before any weight loads.
-    """
-    cfg.check_max_model_len(max_positions)
-    inv_freq, attention_scaling = rope_frequencies(cfg)
-    positions = torch.arange(max_positions, dtype=torch.int64).float()
-    freqs = torch.outer(positions, inv_freq)
-    cos, sin = freqs.cos(), freqs.sin()
-    if attention_scaling != 1.0:  # yarn scales q and k through cos and sin, as transformers does
-        cos, sin = cos * attention_scaling, sin * attention_scaling
-    return RotaryCache(cos=cos.to(device), sin=sin.to(device))
 
 
 class Attention(nn.Module):
@@ -246,11 +230,14 @@ class DecoderLayer(nn.Module):
         merged: bool,
         linear: Linear,
         fused: bool = False,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """``mlp``: the feed-forward block (default the SwiGLU :class:`MLP`; a sparse
+        mixture of experts in :mod:`.moe`, which never runs fused)."""
         super().__init__()
         self.cfg, self.kernels, self.fused = cfg, kernels, fused
         self.self_attn = Attention(cfg, kernels, merged, linear)
-        self.mlp = MLP(cfg, kernels, merged, linear)
+        self.mlp = mlp if mlp is not None else MLP(cfg, kernels, merged, linear)
         self.input_layernorm = _param(cfg.hidden_size)
         self.post_attention_layernorm = _param(cfg.hidden_size)
 
@@ -353,15 +340,20 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_embed = getattr(kernels, "embed", None)
         self.gather_logits = getattr(kernels, "gather_logits", None)
         self.fused_layers = self._fuses_layers(kernels)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, kernels, merged, self.linear, self.fused_layers)
-            for _ in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         # True once the weight format holds the embedding (a KeepsBlocks format, given the
         # embedding's quantized blocks): it then also is the tied head
         self.embed_held = False
+
+    shapes_of = staticmethod(expected_weight_shapes)  # config -> {HF name: shape} (moe.py: own)
+    name_map = staticmethod(map_hf_name)  # (config, merged, HF name) -> (parameter, row offset)
+
+    def make_layer(self, index: int) -> nn.Module:
+        """Decoder layer ``index`` (every one alike here)."""
+        del index
+        return DecoderLayer(self.cfg, self.kernels, self.merged, self.linear, self.fused_layers)
 
     def _fuses_layers(self, kernels: KernelSet) -> bool:
         """Whether the layers run fused (:class:`DecoderLayer`): the kernel set declares
@@ -425,7 +417,7 @@ class LlamaForCausalLM(nn.Module):
         wrong shape, or a tied ``lm_head.weight`` that differs from the embedding.
         """
         params = dict(self.named_parameters())
-        expected = expected_weight_shapes(self.cfg)
+        expected = self.shapes_of(self.cfg)
         loaded: set[str] = set()
         unknown: list[str] = []
         tied_head: torch.Tensor | None = None
@@ -438,7 +430,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 tied_head = tensor  # checked against the embedding once that is loaded
                 continue
-            target, offset = map_hf_name(self.cfg, self.merged, name)
+            target, offset = self.name_map(self.cfg, self.merged, name)
             if target is None or target not in params or name not in expected:
                 unknown.append(name)
                 del tensor
@@ -471,16 +463,7 @@ class LlamaForCausalLM(nn.Module):
         for target, offset, part in merger.take_unfinished():  # some parts came dense
             params[target].data[offset : offset + part.shape[0]].copy_(part.dequantize())
         if tied_head is not None and "embed_tokens" not in blocks:  # GGUF never has both
-            embed = self.embed_tokens
-            same = tuple(tied_head.shape) == tuple(embed.shape) and torch.equal(
-                tied_head.to(device=embed.device, dtype=embed.dtype), embed.data
-            )
-            if not same:
-                raise ModelLoadError(
-                    "the config ties the output head to the embedding (tie_word_embeddings=true), "
-                    "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight; "
-                    "fix tie_word_embeddings in config.json"
-                )
+            check_tied_head(tied_head, self.embed_tokens)
         if self.fused_layers:
             for layer in self.layers:
                 layer.fold_norms()
@@ -490,7 +473,7 @@ class LlamaForCausalLM(nn.Module):
         """Model weight -> how many checkpoint tensors fill it (3 for a merged q/k/v)."""
         parts: dict[str, int] = {}
         for name in expected:
-            target, _ = map_hf_name(self.cfg, self.merged, name)
+            target, _ = self.name_map(self.cfg, self.merged, name)
             if target is not None and name.endswith(".weight"):
                 parts[target] = parts.get(target, 0) + 1
         return parts
@@ -570,11 +553,11 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weight_names(self) -> list[str]:
         """The Hugging Face tensor names a checkpoint of this shape must contain."""
-        return list(expected_weight_shapes(self.cfg))
+        return list(self.shapes_of(self.cfg))
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face tensor name -> shape, for every tensor a checkpoint of this model holds."""
-        return expected_weight_shapes(self.cfg)
+        return self.shapes_of(self.cfg)
 
     def init_dummy(self, seed: int = 0, shard: Any = None) -> None:
         """Random weights (speed does not depend on them), drawn per Hugging Face tensor.
@@ -590,7 +573,7 @@ class LlamaForCausalLM(nn.Module):
             self.load_weights(dummy_weights(self.weight_shapes(), seed, param.device, param.dtype))
             return
         # a tensor-parallel rank: the whole model's tensors drawn (one at a time), its parts kept
-        whole = expected_weight_shapes(shard.model_config)
+        whole = self.shapes_of(shard.model_config)
         self.load_weights(shard.take_all(dummy_weights(whole, seed, param.device, param.dtype)))
 
 

@@ -10,7 +10,7 @@ and what is supported. A checkpoint the family accepts therefore computes what
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -87,22 +87,27 @@ def config_from_hf(raw: Mapping[str, Any], where: str = "config.json") -> ModelC
     """The :class:`ModelConfig` of a Llama, Qwen2 or Qwen3 ``config.json`` (as a dict;
     ``where`` names it in errors), read through transformers' config class of its
     ``model_type`` and decided field by field (see the module doc)."""
-    model_type = raw.get("model_type")
-    _check_model_type(model_type, where)
-    for field, limit in HF_SHAPE_LIMITS.items():
+    _check_model_type(raw.get("model_type"), where)
+    return config_from_transformers(transformers_config(raw, where, HF_SHAPE_LIMITS), where)
+
+
+def transformers_config(raw: Mapping[str, Any], where: str, limits: Mapping[str, int]) -> Any:
+    """transformers' config object of a ``config.json`` dict whose ``model_type`` the caller
+    checked, after the shape fields ``limits`` names (field -> bound) are checked on the raw
+    JSON (transformers' own constructors divide by some of them)."""
+    for field, limit in limits.items():
         if raw.get(field) is not None:
             positive_int(raw[field], field, where, limit)
     try:
         from transformers import CONFIG_MAPPING
 
         # what AutoConfig.from_pretrained does with the file's dict, without reading it again
-        hf = CONFIG_MAPPING[model_type].from_dict(dict(raw))
+        return CONFIG_MAPPING[raw["model_type"]].from_dict(dict(raw))
     except Exception as exc:  # transformers raises OSError, ValueError, TypeError, ...
         raise ModelLoadError(
             f"transformers cannot read {where} ({type(exc).__name__}: {exc}); the file is "
             "corrupt or mangles a required field"
         ) from exc
-    return config_from_transformers(hf, where)
 
 
 def _check_model_type(model_type: Any, where: str) -> None:
@@ -117,7 +122,22 @@ def config_from_transformers(hf: Any, where: str = "config.json") -> ModelConfig
     """The :class:`ModelConfig` of a ``transformers`` config object of the family."""
     model_type = getattr(hf, "model_type", "")
     _check_model_type(model_type, where)
-    arch = HF_MODEL_TYPES[model_type]
+    config = ModelConfig(**shared_fields(hf, where, HF_MODEL_TYPES[model_type]))
+    check_rope(config, where)
+    return config
+
+
+# model types whose attention has Qwen3's per-head q/k RMSNorm
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+def shared_fields(hf: Any, where: str, arch: str, decided: Iterable[str] = ()) -> dict[str, Any]:
+    """The :class:`ModelConfig` keywords of a transformers config of the Llama family or a
+    model built on its decoder (``arch``: the architecture its ``model_type`` names): the
+    attention shape, rope, norms, biases, window and special tokens, every field decided.
+    ``decided``: the caller's own fields (read by it, or known to have no effect), which
+    are not refused as undecided."""
+    model_type = getattr(hf, "model_type", "")
     archs = list(getattr(hf, "architectures", None) or [arch])
     if archs != [arch]:
         raise ModelLoadError(
@@ -131,7 +151,7 @@ def config_from_transformers(hf: Any, where: str = "config.json") -> ModelConfig
             f"{where} has quantization_config (quant_method={method!r}); pitstop loads "
             "unquantized float32, float16 and bfloat16 checkpoints only (or a GGUF file)"
         )
-    _refuse_unknown_fields(hf, where)
+    _refuse_unknown_fields(hf, where, decided)
 
     def get(field: str, default: Any = None) -> Any:
         return getattr(hf, field, default)
@@ -141,9 +161,7 @@ def config_from_transformers(hf: Any, where: str = "config.json") -> ModelConfig
         raise ModelLoadError(
             f"{where}: hidden_act={act!r} is not supported; pitstop implements 'silu' (SwiGLU)"
         )
-    vocab = positive_int(get("vocab_size"), "vocab_size", where, MAX_VOCAB)
     hidden = positive_int(get("hidden_size"), "hidden_size", where, MAX_DIM)
-    inter = positive_int(get("intermediate_size"), "intermediate_size", where, MAX_DIM)
     layers = positive_int(get("num_hidden_layers"), "num_hidden_layers", where, MAX_LAYERS)
     heads = positive_int(get("num_attention_heads"), "num_attention_heads", where, MAX_DIM)
     kv_heads = positive_int(
@@ -161,30 +179,19 @@ def config_from_transformers(hf: Any, where: str = "config.json") -> ModelConfig
             derived if given is None else given, "head_dim", where, MAX_DIM
         ),
     )
-    max_pos = positive_int(
-        get("max_position_embeddings", 4096), "max_position_embeddings", where, MAX_POSITIONS
-    )
     eps = get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
         raise ModelLoadError(f"{where}: rms_norm_eps={eps!r} is not a number in (0, 1)")
     theta, scaling = _hf_rope(hf, where)
-
-    if model_type == "qwen2":  # transformers' Qwen2 always has q/k/v biases, never o/mlp ones
-        qkv_bias, o_bias, mlp_bias = True, False, False
-    elif model_type == "qwen3":
-        qkv_bias = o_bias = bool(get("attention_bias", False))
-        mlp_bias = False
-    else:
-        qkv_bias = o_bias = bool(get("attention_bias", False))
-        mlp_bias = bool(get("mlp_bias", False))
-
     eos = get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
-    config = ModelConfig(
+    return dict(
         architecture=arch,
-        vocab_size=vocab,
+        vocab_size=positive_int(get("vocab_size"), "vocab_size", where, MAX_VOCAB),
         hidden_size=hidden,
-        intermediate_size=inter,
+        intermediate_size=positive_int(
+            get("intermediate_size"), "intermediate_size", where, MAX_DIM
+        ),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -192,18 +199,27 @@ def config_from_transformers(hf: Any, where: str = "config.json") -> ModelConfig
         rms_norm_eps=float(eps),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=max_pos,
+        max_position_embeddings=positive_int(
+            get("max_position_embeddings", 4096), "max_position_embeddings", where, MAX_POSITIONS
+        ),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        attention_bias=qkv_bias,
-        o_proj_bias=o_bias,
-        mlp_bias=mlp_bias,
-        qk_norm=model_type == "qwen3",
+        **_biases(hf, model_type),
+        qk_norm=model_type in QK_NORM_MODEL_TYPES,
         sliding_window=_hf_sliding_window(hf, layers, where) if model_type != "llama" else None,
         bos_token_id=get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
-    check_rope(config, where)
-    return config
+
+
+def _biases(hf: Any, model_type: str) -> dict[str, bool]:
+    """Which projections carry a bias: transformers' Qwen2 always has q/k/v biases and never
+    o/MLP ones; Qwen3 (and Qwen3-MoE) may have them on the attention (``attention_bias``);
+    Llama on the attention and the MLP (``mlp_bias``); a config without the fields none."""
+    if model_type == "qwen2":
+        return dict(attention_bias=True, o_proj_bias=False, mlp_bias=False)
+    attention = bool(getattr(hf, "attention_bias", False))
+    mlp = bool(getattr(hf, "mlp_bias", False)) if model_type == "llama" else False
+    return dict(attention_bias=attention, o_proj_bias=attention, mlp_bias=mlp)
 
 
 @attrs.frozen
@@ -267,7 +283,7 @@ def check_rope(config: ModelConfig, where: str) -> None:
         ) from exc
 
 
-def _refuse_unknown_fields(hf: Any, where: str) -> None:
+def _refuse_unknown_fields(hf: Any, where: str, extra: Iterable[str] = ()) -> None:
     """A field the config class knows but pitstop has not decided, set to a non-default
     value, is refused: it may change the output (a newer transformers may add such fields).
     Keys the class does not know are ignored, as transformers' model ignores them."""
@@ -275,7 +291,7 @@ def _refuse_unknown_fields(hf: Any, where: str) -> None:
 
     base = getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
     generic = set(base().to_dict())
-    decided = generic | set(HF_FIELDS_READ) | set(HF_FIELDS_WITHOUT_EFFECT)
+    decided = generic | set(HF_FIELDS_READ) | set(HF_FIELDS_WITHOUT_EFFECT) | set(extra)
     defaults = type(hf)().to_dict()
     values = hf.to_dict()
     for field in sorted(set(defaults) - decided):

@@ -10,6 +10,7 @@ import torch
 
 from pitstop.errors import ModelLoadError
 from pitstop.ground.model_config import ModelConfig
+from pitstop.plugin_system.protocols import RotaryCache
 
 # rope types implemented ("dynamic" only up to max_position_embeddings: see check_max_model_len)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -67,3 +68,20 @@ def _hf_rope_config(cfg: ModelConfig) -> Any:
             **common, rope_parameters={"rope_theta": cfg.rope_theta, **scaling}
         )
     return transformers.LlamaConfig(**common, rope_theta=cfg.rope_theta, rope_scaling=scaling)
+
+
+def rotary_cache(cfg: ModelConfig, max_positions: int, device: torch.device) -> RotaryCache:
+    """cos/sin tables ``[max_positions, head_size/2]`` in float32, with the model's rope scaling.
+
+    ``max_positions`` is the engine's ``max_model_len``: a model that would compute
+    something else than transformers at that length is refused here
+    (:meth:`ModelConfig.check_max_model_len`), before any weight loads.
+    """
+    cfg.check_max_model_len(max_positions)
+    inv_freq, attention_scaling = rope_frequencies(cfg)
+    positions = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = torch.outer(positions, inv_freq)
+    cos, sin = freqs.cos(), freqs.sin()
+    if attention_scaling != 1.0:  # yarn scales q and k through cos and sin, as transformers does
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return RotaryCache(cos=cos.to(device), sin=sin.to(device))

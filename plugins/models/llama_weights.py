@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pitstop.errors import ModelLoadError
 from pitstop.ground.model_config import ModelConfig
 
 
@@ -138,3 +139,16 @@ def _same_tensor(resident: Any, weight: torch.Tensor) -> bool:
         and resident.shape == weight.shape
         and resident.dtype == weight.dtype
     )
+
+
+def check_tied_head(tied_head: torch.Tensor, embed: torch.Tensor) -> None:
+    """A tied checkpoint's ``lm_head.weight`` must equal the embedding it is tied to."""
+    same = tuple(tied_head.shape) == tuple(embed.shape) and torch.equal(
+        tied_head.to(device=embed.device, dtype=embed.dtype), embed.data
+    )
+    if not same:
+        raise ModelLoadError(
+            "the config ties the output head to the embedding (tie_word_embeddings=true), "
+            "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight; "
+            "fix tie_word_embeddings in config.json"
+        )

@@ -50,13 +50,15 @@ def assert_matches_transformers(
     lengths: tuple[int, ...] = (1, 6, 23, 48),
     max_tokens: int = 10,
     vocab: int = TINY_VOCAB,
+    **settings: Any,
 ) -> None:
     """Logits at every prompt position within 1e-4 (relative, fp32) and greedy tokens
-    identical, for prompts of several lengths run as one batch."""
+    identical, for prompts of several lengths run as one batch. ``settings``: more engine
+    settings (``scheduler="chunked", chunk_size=16`` spreads the prompts over steps)."""
     from pitstop.entrypoints.llm import LLM
     from pitstop.requests.sampling_params import SamplingParams
 
-    llm = LLM(str(model), device="cpu", kv_cache_gib=0.01, max_model_len=max_model_len)
+    llm = LLM(str(model), device="cpu", kv_cache_gib=0.01, max_model_len=max_model_len, **settings)
     gen = torch.Generator().manual_seed(len(lengths))
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
     for p, mine in zip(prompts, prefill_logits(llm, prompts), strict=True):

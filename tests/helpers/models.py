@@ -23,6 +23,8 @@ SMOLLM2_VOCAB = 49152
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
+# the mixture-of-experts ones (plugins/models/moe.py), which make_tiny_checkpoint builds too
+TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def smollm2_gguf() -> Path:
@@ -76,8 +78,34 @@ def _hf_config(arch: str, **overrides: Any):
         cls = transformers.Qwen3Config
         # head_dim != hidden_size / heads, as in the real Qwen3 models
         common.update(rope_theta=1_000_000.0, head_dim=32)
+    elif arch == "qwen3_moe":
+        cls = transformers.Qwen3MoeConfig
+        common.update(
+            rope_theta=1_000_000.0,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        )
+    elif arch == "qwen2_moe":
+        cls = transformers.Qwen2MoeConfig
+        common.update(
+            rope_theta=1_000_000.0,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        )
+    elif arch == "mixtral":
+        cls = transformers.MixtralConfig
+        common.update(
+            rope_theta=1_000_000.0, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32
+        )
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
+        raise ValueError(
+            f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS + TINY_MOE_ARCHS}"
+        )
     common.update(overrides)
     return cls(**common)
 
@@ -91,7 +119,7 @@ def make_tiny_checkpoint(
     max_shard_size: str | int | None = None,
     **overrides: Any,
 ) -> Path:
-    """Save a tiny random ``arch`` model (llama, qwen2 or qwen3) under ``tmp_path`` and return
+    """Save a tiny random ``arch`` model (llama, qwen2, qwen3, qwen3_moe, qwen2_moe or mixtral) under ``tmp_path`` and return
     its folder. ``overrides`` go to the transformers config (e.g. ``tie_word_embeddings=True``,
     ``num_hidden_layers=3``). Every parameter is perturbed from its initial value, so that
     norms and biases are not trivially ones and zeros. With ``with_tokenizer`` the folder

@@ -336,7 +336,10 @@ def test_an_architecture_nobody_registers_is_refused_naming_the_plugins(tmp_path
     from pitstop.plugins.model_sources.huggingface.checkpoint import read_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
-    with pytest.raises(ModelLoadError, match="model_type='mamba'.*llama, qwen2, qwen3"):
+    with pytest.raises(
+        ModelLoadError,
+        match="model_type='mamba'.*llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe",
+    ):
         read_hf_config(tmp_path, PluginManager())
 
 

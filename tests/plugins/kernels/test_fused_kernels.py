@@ -88,9 +88,11 @@ def test_all_ops_run_triton_here() -> None:
         "silu_and_mul",
         "rope_and_store",
         "attention",
+        "moe",
     }
     for op in ("rms_norm", "silu_and_mul", "rope_and_store", "attention"):
         assert desc[op] == "triton", desc
+    assert desc["moe"] == "triton", desc
 
 
 def test_fallbacks_are_reported_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -282,3 +282,58 @@ def test_cache_dir_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert moe.cache_dir() == tmp_path
     monkeypatch.delenv("PITSTOP_CACHE_DIR")
     assert moe.cache_dir() == Path.home() / ".cache" / "pitstop" / "moe"
+
+
+# ---------------------------------------------------------------- through the kernel sets
+
+
+def _kernel_set(name: str, dtype: torch.dtype, **options: object):
+    """A kernel set as the engine builds it (``options``: its settings, ``fused.moe``)."""
+    from pitstop.entrypoints.engine_args import engine_config
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
+
+    config = engine_config(max_model_len=64, options=dict(options))
+    return get_plugin_manager().create("kernels", name, config, DEVICE, dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "renormalize", "weights_dtype"),
+    [
+        (torch.float32, True, torch.float32),  # Qwen3-MoE: the weights cast to x's dtype
+        (torch.bfloat16, False, torch.bfloat16),
+        (torch.bfloat16, True, None),  # Mixtral: float32 routing weights
+    ],
+)
+def test_the_kernel_sets_moe_ops_agree(
+    dtype: torch.dtype, renormalize: bool, weights_dtype: torch.dtype | None
+) -> None:
+    """The fused set's ``moe`` (Triton) and the reference set's (the loop) on the same inputs:
+    8 tokens over 6 experts, top-2, some experts chosen by none."""
+    from pitstop.plugin_system.protocols import KernelSetBase, MoEOps
+
+    fused, reference = _kernel_set("fused", dtype), _kernel_set("reference", dtype)
+    assert fused.describe()["moe"] == "triton" and isinstance(fused, MoEOps)
+    assert reference.describe()["moe"] == "reference (PyTorch)"
+    gen = torch.Generator().manual_seed(5)
+    t, e, h, f = 8, 6, 32, 16
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    logits = make_logits(gen, t, e, "random").to(dtype)
+    gate_up = (torch.randn(e, 2 * f, h, generator=gen) / h**0.5).to(dtype)
+    down = (torch.randn(e, h, f, generator=gen) / f**0.5).to(dtype)
+    args = [a.to(DEVICE) for a in (x, logits, gate_up, down)]
+    kw = dict(renormalize=renormalize, weights_dtype=weights_dtype)
+    with poisoned_outputs():
+        got = KernelSetBase.of(fused, "moe")(*args, 2, **kw)
+    want = reference.moe(*args, 2, **kw)
+    assert got.dtype == want.dtype == dtype and torch.isfinite(got).all()
+    err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+    assert err <= 2 * TOL[dtype], f"relative error {err:.3g}"
+
+
+def test_fused_moe_off_runs_the_loop_and_no_cuda_graphs() -> None:
+    """``fused.moe=false``: the reference loop (it reads the experts hit on the host), so
+    the set no longer declares decode graph-safe."""
+    ks = _kernel_set("fused", torch.float32, **{"fused.moe": False})
+    assert ks.describe()["moe"] == "reference (config flag fused.moe is off)"
+    assert ks.cuda_graph_safe(64) is False
+    assert _kernel_set("fused", torch.float32).cuda_graph_safe(64) is True

@@ -1,0 +1,50 @@
+"""The mixture-of-experts op of a kernel set: an optional member, :class:`MoEOps`.
+
+Its own module only to keep :mod:`pitstop.plugin_system.protocols` short; that module
+imports it, so ``pitstop.plugin_system.protocols.MoEOps`` is the name to use.
+
+A kernel set that serves mixture-of-experts models (Qwen3-MoE, Mixtral) has a ``moe``
+method; :class:`~pitstop.plugin_system.protocols.KernelSetBase` declares it ``None``, so
+``KernelSetBase.of(kernels, "moe")`` is ``None`` for a set without one, and an MoE model
+then runs the plain loop over experts itself
+(:mod:`pitstop.plugins.kernels.moe_reference`, the numerical reference). Both shipped
+sets have it: ``reference`` runs that loop, ``fused`` the Triton op of
+:mod:`pitstop.plugins.kernels.triton_ops.moe` (top-k routing in one kernel, tokens grouped
+by expert, two grouped GEMMs, autotuned tiles cached on disk).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class MoEOps(Protocol):
+    """The sparse mixture-of-experts block's expert half, after the router's projection."""
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        top_k: int,
+        *,
+        renormalize: bool,
+        weights_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        """``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))`` over each
+        token's ``top_k`` experts ``e``, a new ``[T, H]`` tensor in ``x``'s dtype.
+
+        ``x [T, H]``; ``router_logits [T, E]`` (the router's ``linear``, in ``x``'s dtype);
+        ``gate_up [E, 2F, H]`` (each expert's gate rows, then its up rows) and
+        ``down [E, H, F]`` in ``x``'s dtype. Routing is transformers': softmax in float32,
+        top-k (lower expert id first among equal probabilities), divided by the sum of
+        the k kept ones when ``renormalize`` (``norm_topk_prob``), then cast to
+        ``weights_dtype`` (Qwen3-MoE: ``x``'s dtype; ``None`` keeps float32, as Mixtral
+        does). Runs inside CUDA graphs when the set declares itself graph-safe: no host
+        synchronisation, no allocation whose size depends on the routing.
+        """
+        ...

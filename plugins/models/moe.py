@@ -1,0 +1,148 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) on the Llama family's decoder.
+
+Attention, norms, rotary, the embedding and the output head are
+:mod:`.llama`'s (Qwen3-MoE's attention is Qwen3's, with the per-head q/k norm;
+Mixtral's is Llama's). What differs is the feed-forward block of the sparse layers,
+:class:`SparseMoeBlock`: the router's projection through the kernel set's ``linear``,
+then its ``moe`` op (:class:`~pitstop.plugin_system.protocols.MoEOps`): softmax,
+top-k, optional renormalisation and the weighted sum of each token's experts, as
+transformers computes them. A kernel set without a ``moe`` op gets the reference loop
+over experts (:func:`pitstop.plugins.kernels.reference.moe`). Qwen2-MoE adds a shared
+expert to every sparse block, a dense SwiGLU gated by a sigmoid.
+
+The config is read by :mod:`.moe_config`, the checkpoint names by :mod:`.moe_weights`,
+the ``dummy:`` shapes live in :mod:`.moe_presets`. Not supported yet, and refused:
+tensor parallelism (a rank would need its share of the experts), any weight format but
+``dense`` (the experts' grouped GEMMs read 16- or 32-bit weights), GGUF files.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import nn
+
+from pitstop.errors import ConfigError
+from pitstop.plugin_system.architecture import Architecture
+from pitstop.plugin_system.hookspecs import hookimpl
+from pitstop.plugin_system.protocols import KernelSet, KernelSetBase, WeightFormat
+from pitstop.plugins.kernels import reference
+from pitstop.plugins.models.llama import MLP, DecoderLayer, Linear, LlamaForCausalLM
+from pitstop.plugins.models.llama_rope import rotary_cache
+from pitstop.plugins.models.llama_weights import ignored_checkpoint_tensor
+from pitstop.plugins.models.moe_config import MOE_MODEL_TYPES, MoEModelConfig, moe_config_from_hf
+from pitstop.plugins.models.moe_presets import PRESETS
+from pitstop.plugins.models.moe_weights import expected_moe_shapes, map_moe_name
+from pitstop.plugins.weight_formats.dense import DenseWeights
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class SparseMoeBlock(nn.Module):
+    """A sparse layer's feed-forward block: the router and the experts, stacked by rows.
+
+    ``router [E, H]``; ``gate_up [E * 2F, H]`` and ``down [E * H, F]`` (the layout of
+    :mod:`.moe_weights`), handed to the kernel set's ``moe`` as ``[E, 2F, H]`` and
+    ``[E, H, F]`` views. The router and the experts stay dense, whatever the weight format.
+    """
+
+    def __init__(
+        self, cfg: MoEModelConfig, kernels: KernelSet, merged: bool, linear: Linear
+    ) -> None:
+        """``merged``, ``linear``: as the dense :class:`~.llama.MLP` takes them, for
+        Qwen2-MoE's shared expert."""
+        super().__init__()
+        self.cfg, self.kernels = cfg, kernels
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.router = _param(e, h)
+        self.gate_up = _param(e * 2 * f, h)
+        self.down = _param(e * h, f)
+        self.moe = KernelSetBase.of(kernels, "moe") or reference.moe
+        self.shared_expert: MLP | None = None
+        if cfg.shared_expert_intermediate_size is not None:
+            width = attrs.evolve(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
+            self.shared_expert = MLP(width, kernels, merged, linear)
+            self.shared_gate = _param(1, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` -> ``[T, H]``: router logits, then the routed experts' weighted sum."""
+        cfg = self.cfg
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        logits = self.kernels.linear(x, self.router)
+        out = self.moe(
+            x,
+            logits,
+            self.gate_up.view(e, 2 * f, h),
+            self.down.view(e, h, f),
+            cfg.num_experts_per_tok,
+            renormalize=cfg.norm_topk_prob,
+            weights_dtype=None if cfg.routing_weights_float32 else logits.dtype,
+        )
+        if self.shared_expert is None:
+            return out
+        # Qwen2-MoE, as transformers: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+        gate = torch.sigmoid(self.kernels.linear(x, self.shared_gate))
+        return out + gate * self.shared_expert(x)
+
+    def linear_weights(self) -> tuple[str, ...]:
+        """None goes through the weight format: the experts are no linear layers of it."""
+        return ()
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE, Qwen2-MoE and Mixtral: the Llama decoder with sparse feed-forward blocks."""
+
+    supports_tensor_parallel = False  # the experts are not sharded yet
+    loads_quantized_weights = False
+    shapes_of = staticmethod(expected_moe_shapes)
+    name_map = staticmethod(map_moe_name)
+
+    def __init__(
+        self, cfg: MoEModelConfig, kernels: KernelSet, weights: WeightFormat | None = None
+    ) -> None:
+        if weights is not None and not isinstance(weights, DenseWeights):
+            raise ConfigError(
+                f"weights={weights.name!r}: the {cfg.architecture} model holds its experts "
+                "dense (the fused MoE op reads float32, float16 or bfloat16 expert weights); "
+                "use weights='dense'"
+            )
+        super().__init__(cfg, kernels, weights)
+
+    def make_layer(self, index: int) -> nn.Module:
+        """Decoder layer ``index``: sparse when the config lists it, else a dense SwiGLU."""
+        cfg = self.cfg
+        assert isinstance(cfg, MoEModelConfig)
+        sparse = index in cfg.sparse_layers
+        mlp = SparseMoeBlock(cfg, self.kernels, self.merged, self.linear) if sparse else None
+        return DecoderLayer(cfg, self.kernels, self.merged, self.linear, mlp=mlp)
+
+    def _fuses_layers(self, kernels: KernelSet) -> bool:
+        """Never: the fused decoder layer folds norms into a dense gate-up projection."""
+        del kernels
+        return False
+
+
+def make_moe(
+    model_config: MoEModelConfig, kernels: KernelSet, *, weights: WeightFormat | None = None
+) -> MoEForCausalLM:
+    """A Qwen3-MoE, Qwen2-MoE or Mixtral model running on ``kernels`` (weights: ``dense`` only)."""
+    return MoEForCausalLM(model_config, kernels, weights)
+
+
+@hookimpl
+def register_models(register) -> None:
+    """Register ``Qwen3MoeForCausalLM`` (model_type ``qwen3_moe``), ``Qwen2MoeForCausalLM``
+    (``qwen2_moe``) and ``MixtralForCausalLM`` (``mixtral``), with their ``dummy:`` presets;
+    no GGUF reader."""
+    for model_type, arch in MOE_MODEL_TYPES.items():
+        rules = Architecture(
+            config_from_hf=moe_config_from_hf,
+            weight_shapes=expected_moe_shapes,
+            rotary=rotary_cache,
+            ignored_tensor=ignored_checkpoint_tensor,
+            model_types=(model_type,),
+            presets={name: c for name, c in PRESETS.items() if c.architecture == arch},
+        )
+        register(arch, make_moe, architecture=rules)
