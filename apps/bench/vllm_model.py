@@ -32,6 +32,9 @@ MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -81,10 +84,36 @@ def hf_config_dict(mc: ModelConfig, *, dtype: str = "bfloat16") -> dict[str, Any
     }
     if model_type == "llama":
         cfg["mlp_bias"] = mc.mlp_bias
-    if model_type in ("qwen2", "qwen3"):
-        cfg["use_sliding_window"] = mc.sliding_window is not None
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"):
         cfg["sliding_window"] = mc.sliding_window
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
+        cfg["use_sliding_window"] = mc.sliding_window is not None
+    cfg.update(moe_fields(mc, model_type))
     return cfg
+
+
+def moe_fields(mc: ModelConfig, model_type: str) -> dict[str, Any]:
+    """The experts' fields of a mixture-of-experts config (none for a dense model): how many,
+    how many a token chooses, their width, and which layers are sparse."""
+    experts = getattr(mc, "num_experts", None)
+    if experts is None:
+        return {}
+    top_k = mc.num_experts_per_tok  # type: ignore[attr-defined]
+    if model_type == "mixtral":  # every layer sparse, experts as wide as intermediate_size
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k}
+    sparse = set(mc.sparse_layers)  # type: ignore[attr-defined]
+    fields: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": mc.moe_intermediate_size,  # type: ignore[attr-defined]
+        "norm_topk_prob": mc.norm_topk_prob,  # type: ignore[attr-defined]
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(mc.num_layers) if i not in sparse],
+    }
+    shared = getattr(mc, "shared_expert_intermediate_size", None)
+    if shared is not None:
+        fields["shared_expert_intermediate_size"] = shared
+    return fields
 
 
 def write_dummy_folder(mc: ModelConfig, folder: str | Path, *, dtype: str = "bfloat16") -> Path:
