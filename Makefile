@@ -26,7 +26,7 @@ run: $(STAMP)
 	$(BIN)/pitstop chat --message "$(PROMPT)" --max-tokens 96
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
