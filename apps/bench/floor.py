@@ -38,6 +38,14 @@ prompt in one pass and reads the weights once for all of them):
   a shared prefix (``shared_prefix``) is prefilled once per distinct prefix;
 - bytes: all weights once + the K and V of every prefilled token written once.
 
+**Mixtures of experts** (a model config with ``num_experts``): a token multiplies
+through the dense parameters and ``num_experts_per_tok`` experts of each sparse layer,
+so the FLOPs count those (the *active* parameters); a decode step of ``b`` tokens reads
+the dense weights and, in each sparse layer, the experts its tokens choose:
+``E x (1 - (1 - k/E)^b)`` of the ``E`` experts, as many as uniform routing touches on
+average (``expert_share`` of the weights are the routed experts'). Prefill reads every
+expert once.
+
 The matrix rate is the bf16 one for every weight format (an fp8 format's
 FLOPs are not credited a faster rate; at the batch sizes where fp8 weights
 pay, decode is bound by bytes).
@@ -94,7 +102,19 @@ class Floor:
     kv_token_bytes: int  # bytes of K and V of one token over all layers
     output_tokens: int
     num_requests: int
-    weight_bytes: int = 0  # bytes of weights one step reads
+    weight_bytes: int = 0  # bytes of weights one step reads (every expert, for an MoE model)
+    expert_share: float = 0.0  # the part of weight_bytes that is routed experts' (MoE)
+    num_experts: int = 0  # routed experts per sparse layer (MoE; 0: a dense model)
+    experts_per_token: int = 0
+
+    def step_weight_bytes(self, batch: int) -> float:
+        """The weights a decode step of ``batch`` tokens reads: all of a dense model's; of an
+        MoE model the dense part and the experts uniform routing touches on average."""
+        if not self.num_experts:
+            return float(self.weight_bytes)
+        e, k = self.num_experts, self.experts_per_token
+        touched = 1.0 - (1.0 - k / e) ** batch  # the fraction of experts at least one chose
+        return self.weight_bytes * (1.0 - self.expert_share * (1.0 - touched))
 
     def with_weight_bytes(self, weight_bytes: int) -> Floor:
         """The same floor with every step reading ``weight_bytes`` of weights (those of
@@ -113,8 +133,8 @@ class Floor:
     def step_bytes_s(self) -> list[float]:
         """Each decode step's bytes over the copy bandwidth."""
         return [
-            self._bytes_s(self.weight_bytes + ctx * self.kv_token_bytes)
-            for ctx in self.step_context
+            self._bytes_s(self.step_weight_bytes(b) + ctx * self.kv_token_bytes)
+            for b, ctx in zip(self.step_batch, self.step_context, strict=True)
         ]
 
     def step_flops_s(self) -> list[float]:
@@ -145,7 +165,7 @@ class Floor:
     @property
     def weights_s(self) -> float:
         """Weight reads of every decode step over the copy bandwidth (part of the bytes)."""
-        return self._bytes_s(self.decode_steps * self.weight_bytes)
+        return self._bytes_s(sum(self.step_weight_bytes(b) for b in self.step_batch))
 
     @property
     def kv_s(self) -> float:
@@ -282,7 +302,10 @@ def floor(
     """
     if not lengths:
         raise ValueError("a floor needs at least one request")
-    dense = non_embedding_params(mc)
+    dense = non_embedding_params(mc)  # what a token multiplies through (MoE: active ones)
+    experts = moe_shape(mc)
+    if experts is not None:
+        dense -= mc.num_params - mc.active_params  # type: ignore[attr-defined]
     head = mc.vocab_size * mc.hidden_size
     attn_width = mc.num_layers * mc.num_heads * mc.head_size
     prefix_len, prefix_count = shared_prefix
@@ -315,7 +338,20 @@ def floor(
         output_tokens=sum(o for _, o in lengths),
         num_requests=len(lengths),
         weight_bytes=read,
+        **(experts or {}),
     )
+
+
+def moe_shape(mc: ModelConfig) -> dict[str, Any] | None:
+    """A mixture-of-experts config's routed experts for :class:`Floor` (None: a dense model):
+    how many a sparse layer has, how many a token chooses, their share of the weights."""
+    e = getattr(mc, "num_experts", None)
+    if not e:
+        return None
+    k = mc.num_experts_per_tok  # type: ignore[attr-defined]
+    per_expert = 3 * mc.hidden_size * mc.moe_intermediate_size  # type: ignore[attr-defined]
+    routed = len(mc.sparse_layers) * e * per_expert  # type: ignore[attr-defined]
+    return {"num_experts": e, "experts_per_token": k, "expert_share": routed / mc.num_params}
 
 
 def measure_ceilings(
@@ -367,7 +403,9 @@ def floor_of_result(doc: dict[str, Any], *, ceilings: Ceilings | None = None) ->
     from the requests it ran (their prompt and output lengths), its model's shape and its
     clients; ``ceilings`` default to the ones the run used."""
     shape = dict(doc["model"]["shape"])
-    mc = ModelConfig(**{k: v for k, v in shape.items() if k in attrs.fields_dict(ModelConfig)})
+    cls = config_class(shape.get("architecture", ""))  # an MoE model's config keeps its experts
+    fields = attrs.fields_dict(cls)
+    mc = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in shape.items() if k in fields})
     column = next(c for c in doc["configs"] if c.get("requests"))
     lengths = [(r["input_len"], r["output_len"]) for r in column["requests"]]
     wl = doc["workload"]
@@ -384,6 +422,15 @@ def floor_of_result(doc: dict[str, Any], *, ceilings: Ceilings | None = None) ->
         shared_prefix=(prefix_len, 4 if prefix_len else 0),
         ceilings=ceilings or H200,
     )
+
+
+def config_class(architecture: str) -> type[ModelConfig]:
+    """The model config class the installed model plugins use for ``architecture`` (their
+    ``dummy:`` presets'; :class:`ModelConfig` when none has a preset of it)."""
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
+
+    presets = get_plugin_manager().presets().values()
+    return next((type(p) for p in presets if p.architecture == architecture), ModelConfig)
 
 
 def restate(doc: dict[str, Any]) -> list[dict[str, Any]]:

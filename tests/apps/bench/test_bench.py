@@ -737,3 +737,26 @@ def test_plot(tmp_path):
     f = figures(RunResult([_record(0, 0.0, [1.0, 2.0]), _record(1, 0.0, [1.5, 2.0])], 0.0, 2.0))
     path = plot([{"name": "a", "figures": f, "ttfts_ms": [1000, 1500]}], tmp_path / "p.png")
     _assert_png(path)
+
+
+def test_an_moe_floor_counts_active_flops_and_the_experts_a_step_touches():
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
+
+    mc = get_plugin_manager().presets()["qwen3-30b-a3b"]
+    routed = 48 * 128 * 3 * 2048 * 768  # 48 sparse layers x 128 experts x SwiGLU 2048 x 768
+    f = floors.floor(mc, [(16, 3)] * 1)  # one sequence: 2 decode steps at batch 1
+    assert (f.num_experts, f.experts_per_token) == (128, 8)
+    assert f.expert_share == pytest.approx(routed / mc.num_params)
+    # a token multiplies through the active parameters (less the input embedding)
+    assert f.matmul_params == mc.active_params - mc.vocab_size * mc.hidden_size
+    # at batch 1 a step reads the dense weights and 8 of 128 experts: ~3.35B of 30.5B params
+    one = f.step_weight_bytes(1)
+    assert one == pytest.approx(f.weight_bytes * (1 - f.expert_share * (1 - 8 / 128)))
+    assert one == pytest.approx(2 * mc.active_params, rel=1e-3)
+    # a batch that touches every expert reads every weight; reads never shrink as b grows
+    assert f.step_weight_bytes(4096) == pytest.approx(f.weight_bytes, rel=1e-6)
+    reads = [f.step_weight_bytes(b) for b in (1, 2, 8, 64, 256)]
+    assert reads == sorted(reads)
+    # a dense model reads all of its weights at every batch
+    dense = floors.floor(_TINY, [(10, 3)], ceilings=_SLOW)
+    assert dense.step_weight_bytes(1) == dense.step_weight_bytes(64) == dense.weight_bytes
