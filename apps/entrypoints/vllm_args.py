@@ -69,6 +69,10 @@ def _async_scheduling(value: Any) -> dict[str, Any]:
     return {"overlap": "on" if _bool("async_scheduling", value) else "off"}
 
 
+def _enable_lora(value: Any) -> dict[str, Any]:
+    return {"adapter": "lora" if _bool("enable_lora", value) else None}
+
+
 def _memory_bytes(value: Any) -> dict[str, Any]:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(
@@ -78,6 +82,13 @@ def _memory_bytes(value: Any) -> dict[str, Any]:
 
 
 RENAMED: tuple[Renamed, ...] = (
+    Renamed(
+        "enable_lora",
+        "adapter",
+        _enable_lora,
+        bool,
+        "true: adapter='lora'; false: no adapter plugin",
+    ),
     Renamed("max_num_seqs", "max_batch_size", _as("max_batch_size")),
     Renamed("block_size", "page_size", _as("page_size")),
     Renamed("num_gpu_blocks_override", "max_num_pages", _as("max_num_pages")),
@@ -173,9 +184,6 @@ REFUSED: Mapping[str, str] = {
     "hf_token": "pitstop reaches no model hub; give a local folder or .gguf file as model",
     "hf_overrides": "edit the checkpoint's config.json instead",
     "max_logprobs": "pitstop's limit is fixed at 20 (logprobs=-1 asks for the whole vocabulary)",
-    "enable_lora": "pitstop serves no LoRA adapters; merge the adapter into the weights",
-    "max_loras": "pitstop serves no LoRA adapters",
-    "max_lora_rank": "pitstop serves no LoRA adapters",
     "preemption_mode": "pitstop preempts by recompute only",
     "scheduling_policy": "pitstop's is scheduler=... and its admission setting",
     "max_num_partial_prefills": "pitstop's is the chunked scheduler's chunk_size",
@@ -215,7 +223,6 @@ REFUSED: Mapping[str, str] = {
     "enable_prompt_embeds": "give prompts as text or token ids",
     "logits_processors": "give logits_processors per request in SamplingParams",
     "calculate_kv_scales": "pitstop's fp8 KV cache (kv_cache_dtype='fp8') keeps one K and V scale per layer",
-    "max_cpu_loras": "pitstop serves no LoRA adapters",
     "fully_sharded_loras": "pitstop serves no LoRA adapters",
 }
 """vLLM arguments pitstop does not have: what to do instead."""
@@ -288,9 +295,6 @@ NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     "cpu_offload_gb": (0,),
     "tokenizer_mode": ("auto",),
     "load_format": ("auto",),
-    "enable_lora": (False,),
-    "max_loras": (1,),
-    "max_lora_rank": (16,),
     "preemption_mode": ("recompute",),
     "enable_sleep_mode": (False,),
     "skip_tokenizer_init": (False,),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import attrs
 
@@ -21,6 +22,7 @@ from pitstop.ground.metrics import EngineStats
 from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.tokenizer import Tokenizer
 from pitstop.loop.request_table import RequestTable
+from pitstop.plugin_system.adapter import Adapters
 from pitstop.plugin_system.grammar import GrammarBackend
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import (
@@ -60,6 +62,7 @@ class RequestIntake:
         plugins: PluginManager,
         stats: EngineStats,
         speculative: bool = False,
+        adapters: Adapters | None = None,
     ) -> None:
         self.requests = requests
         self.allocator = allocator
@@ -71,6 +74,7 @@ class RequestIntake:
         self.plugins = plugins
         self.stats = stats
         self.speculative = speculative
+        self.adapters = adapters  # the adapter plugin (None: adapters are refused)
         self.grammars: GrammarBackend | None = None
         """The grammar backend, built at the first structured request (or grammar_compiler())."""
         self._grammars_lock = threading.Lock()  # grammar_compiler() runs on other threads
@@ -107,6 +111,7 @@ class RequestIntake:
         prompt_token_ids: Seq[int] | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Bad input raises InvalidRequestError.
 
@@ -152,7 +157,10 @@ class RequestIntake:
                 "stop strings need a tokenizer; use stop_token_ids with this model"
             )
         self._check_combination(params)
+        self._check_adapter(lora_request)
         samples = self._new_samples(request_id, ids, params, arrival_time)
+        for sample in samples:
+            sample.seq.lora_request = lora_request
         req = RequestState(request_id, prompt, ids, params, samples)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -164,6 +172,17 @@ class RequestIntake:
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
+
+    def _check_adapter(self, lora_request: Any) -> None:
+        """Refuse an adapter this engine cannot serve; the adapter plugin reads it (or refuses it)."""
+        if lora_request is None:
+            return
+        if self.adapters is None:
+            raise InvalidRequestError(
+                "this request names an adapter (lora_request) but the engine serves none: "
+                "build it with enable_lora=True (adapter='lora')"
+            )
+        self.adapters.check(lora_request)
 
     def _check_combination(self, params: SamplingParams) -> None:
         """Refuse what this engine's configuration cannot honour (instead of ignoring it)."""
