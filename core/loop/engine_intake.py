@@ -183,6 +183,13 @@ class RequestIntake:
                 "build it with enable_lora=True (adapter='lora')"
             )
         self.adapters.check(lora_request)
+        limit = getattr(self.adapters, "max_per_step", None)  # the adapters one step can run
+        live = {seq.adapter_id for seq in self.requests.live_sequences().values()} - {0}
+        if limit is not None and lora_request.lora_int_id not in live and len(live) >= limit:
+            raise InvalidRequestError(
+                f"{len(live)} adapters are in flight and the engine runs at most {limit} "
+                f"(max_loras={limit}); raise max_loras, or wait for their requests to finish"
+            )
 
     def _check_combination(self, params: SamplingParams) -> None:
         """Refuse what this engine's configuration cannot honour (instead of ignoring it)."""

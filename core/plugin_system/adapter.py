@@ -15,6 +15,10 @@ The config's ``adapter`` setting names an adapter plugin (``lora``; vLLM's
    it places each adapter in a device slot and writes each row's slot where the wrapped
    projections read it.
 
+An adapter plugin may set ``max_per_step`` (an int): the most distinct adapters one step
+can run (the ``lora`` plugin's ``max_loras``). The engine then refuses, at ``add_request``,
+a request whose adapter would bring the live requests' adapters over it.
+
 The engine keys the prefix cache by ``Sequence.adapter_id`` (its request's
 ``lora_int_id``; 0 without one), so two adapters never share cached pages.
 """

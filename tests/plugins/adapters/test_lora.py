@@ -169,6 +169,29 @@ def test_one_slot_serves_adapters_in_turn_from_the_host_cache(tiny: dict[str, Pa
         assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
 
 
+def test_more_adapters_in_flight_than_max_loras_are_refused_naming_it(
+    tiny: dict[str, Path],
+) -> None:
+    llm = _llm(tiny, max_loras=2)
+    names = ["qvd", "ko_gu", "all_l1"]
+    with pytest.raises(InvalidRequestError, match="max_loras=2"):
+        llm.generate(
+            prompt_token_ids=[[5, 6]] * 3,
+            sampling_params=GREEDY,
+            lora_request=[_request(tiny, n) for n in names],
+        )
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate(
+        prompt_token_ids=[[5, 6]] * 3,
+        sampling_params=GREEDY,
+        lora_request=[_request(tiny, n) for n in ("qvd", "ko_gu", "qvd")],
+        use_tqdm=False,
+    )
+    assert [o.token_ids for o in outs] == [
+        _expected(tiny["base"], tiny[n], (5, 6)) for n in ("qvd", "ko_gu", "qvd")
+    ]
+
+
 def test_the_prefix_cache_is_keyed_by_adapter(tiny: dict[str, Path]) -> None:
     llm = _llm(tiny, enable_prefix_caching=True, page_size=16)
     prompt = _prompts((40,), seed=4)[0]
