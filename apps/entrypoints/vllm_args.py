@@ -261,7 +261,6 @@ SERVE_REFUSED: Mapping[str, str] = {
     "ssl_ca_certs": "serve behind a TLS proxy (nginx, caddy) on the loopback",
     "root_path": "mount the server under a path with your proxy's rewrite",
     "middleware": "put a proxy in front of pitstop serve",
-    "lora_modules": "LoRA serving is not in this version; merge the adapter into the weights",
     "response_role": "the assistant's role is 'assistant'",
     "return_tokens_as_token_ids": "ask for logprobs; each entry has the token id",
     "disable_frontend_multiprocessing": "pitstop serve is one process",
@@ -283,7 +282,7 @@ SERVE_REFUSED: Mapping[str, str] = {
 """vLLM's ``vllm serve`` flags ``pitstop serve`` does not have: what to do instead."""
 
 MULTI_VALUED: frozenset[str] = frozenset(
-    {"cuda_graph_sizes", "lora_modules", "middleware", "allowed_methods", "allowed_headers"}
+    {"cuda_graph_sizes", "middleware", "allowed_methods", "allowed_headers"}
 )
 """Refused flags that take several values in vLLM (``--cuda-graph-sizes 1 2 4``): they parse
 them all, so the refusal names the flag instead of "unrecognized arguments"."""
@@ -330,7 +329,6 @@ NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     "allow_credentials": (False,),
     "enable_log_requests": (False,),
     "root_path": ("",),
-    "lora_modules": ([],),
     "middleware": ([],),
 }
 """Values of refused arguments that ask for what pitstop does anyway (besides None, which
