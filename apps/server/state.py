@@ -9,6 +9,8 @@ variables.
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -33,6 +35,7 @@ class AppState:
     model_name: str  # the name the server answers to and reports
     model_names: tuple[str, ...]  # the names a request may give: model_name, then its aliases
     adapters: dict[str, Any]  # --lora-modules: adapter name -> its LoRARequest
+    adapter_ids: Iterator[int]  # the next adapters' lora_int_id (never reused)
     metrics: ServerMetrics
     server: ServerState
     keys: tuple[bytes, ...]  # the accepted API keys' bytes (empty: no authentication)
@@ -59,6 +62,7 @@ class AppState:
                 name: LoRARequest(name, i + 1, path)
                 for i, (name, path) in enumerate(settings.lora_modules)
             },
+            adapter_ids=itertools.count(len(settings.lora_modules) + 1),
             metrics=ServerMetrics(llm, model_name),
             server=ServerState(
                 llm,

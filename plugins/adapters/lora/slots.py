@@ -21,6 +21,7 @@ needed again).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -101,6 +102,8 @@ class LoRASlots:
         self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # host cache, LRU first
         self.requests: dict[int, Any] = {}  # lora_int_id -> the LoRARequest that named it
+        # check() may run on a server thread while the engine thread prepares a step
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ attach
     def attach(self, model: torch.nn.Module) -> None:
@@ -160,6 +163,10 @@ class LoRASlots:
     # ------------------------------------------------------------------ requests
     def check(self, request: Any) -> None:
         """Read ``request``'s adapter into the host cache (InvalidRequestError names the problem)."""
+        with self._lock:
+            self._check(request)
+
+    def _check(self, request: Any) -> None:
         known = self.requests.get(request.lora_int_id)
         if known is not None and known.lora_path != request.lora_path:
             raise InvalidRequestError(
@@ -186,6 +193,10 @@ class LoRASlots:
     # ------------------------------------------------------------------ steps
     def prepare(self, seqs: Sequence[SeqInput]) -> None:
         """Slot each sequence's adapter and write every row's slot (-1: the base model)."""
+        with self._lock:
+            self._prepare(seqs)
+
+    def _prepare(self, seqs: Sequence[SeqInput]) -> None:
         wanted = {s.adapter.lora_int_id: s.adapter for s in seqs if s.adapter is not None}
         if len(wanted) > self.max_loras:
             raise RuntimeError(  # add_request refuses requests over it (max_per_step)

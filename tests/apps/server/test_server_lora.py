@@ -72,11 +72,15 @@ def test_an_adapter_is_a_model_name(tmp_path: Path) -> None:
         adapter="lora",
     )
     llm = AsyncLLM(LLMEngine(config))
-    settings = ServerSettings(served_model_name="tiny", lora_modules=[("sql", str(adapter))])
+    settings = ServerSettings(
+        served_model_name="tiny", lora_modules=[("sql", str(adapter))], api_key="k"
+    )
 
     async def main() -> None:
         transport = httpx.ASGITransport(app=create_app(llm, settings))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://test", headers={"Authorization": "Bearer k"}
+        ) as c:
             r = await c.get("/v1/models")
             cards = {card["id"]: card for card in r.json()["data"]}
             assert cards["sql"]["parent"] == "tiny" and cards["sql"]["root"] == str(adapter)
@@ -99,11 +103,35 @@ def test_an_adapter_is_a_model_name(tmp_path: Path) -> None:
                 assert text == llm.engine.tokenizer.decode(expected[name]), name
             r = await c.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
             assert r.status_code == 404 and "'sql'" in r.json()["error"]["message"]
+            await _load_and_unload(c, adapter, expected["sql"], llm.engine.tokenizer)
 
     try:
         asyncio.run(main())
     finally:
         llm.close()
+
+
+async def _load_and_unload(c: httpx.AsyncClient, adapter: Path, tokens: list[int], tok) -> None:
+    """vLLM's load/unload endpoints: the key is needed, a bad adapter is a 400 naming it."""
+    load = {"lora_name": "sql2", "lora_path": str(adapter)}
+    r = await c.post("/v1/load_lora_adapter", json=load, headers={"Authorization": ""})
+    assert r.status_code == 401
+    r = await c.post("/v1/load_lora_adapter", json={**load, "lora_path": "/nowhere"})
+    assert r.status_code == 400 and "is not a folder" in r.json()["error"]["message"]
+    r = await c.post("/v1/load_lora_adapter", json=load)
+    assert r.status_code == 200, r.text
+    r = await c.post("/v1/load_lora_adapter", json=load)
+    assert r.status_code == 400 and "already served" in r.json()["error"]["message"]
+    assert "sql2" in [card["id"] for card in (await c.get("/v1/models")).json()["data"]]
+    body = {"model": "sql2", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = await c.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == tok.decode(tokens)
+    r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "sql2"})
+    assert r.status_code == 200, r.text
+    r = await c.post("/v1/completions", json=body)
+    assert r.status_code == 404
+    r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "sql2"})
+    assert r.status_code == 404
 
 
 def test_lora_modules_spellings_and_refusals() -> None:
