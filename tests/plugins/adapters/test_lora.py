@@ -21,8 +21,6 @@ import pytest
 import torch
 from helpers.checkpoints import hf_model
 from helpers.models import make_tiny_checkpoint
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from pitstop import LLM, InvalidRequestError, LoRARequest, SamplingParams
 
@@ -138,21 +136,18 @@ def test_a_mixed_batch_matches_peft_merged_per_row(tiny: dict[str, Path], llm: L
     assert changed >= 3, "the adapters should change the greedy tokens of most of their rows"
 
 
-@settings(
-    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(mix=st.lists(st.sampled_from([None, *ADAPTERS]), min_size=1, max_size=4))
-def test_any_mix_of_adapters_matches_peft(tiny: dict[str, Path], llm: LLM, mix: list) -> None:
-    prompts = _prompts(tuple(5 + 7 * i for i in range(len(mix))), seed=len(mix))
-    outs = llm.generate(
-        prompt_token_ids=prompts,
-        sampling_params=GREEDY,
-        lora_request=[_request(tiny, n) for n in mix],
-        use_tqdm=False,
-    )
-    for name, prompt, out in zip(mix, prompts, outs, strict=True):
+def test_any_mix_of_adapters_matches_peft(tiny: dict[str, Path], llm: LLM) -> None:
+    """pitstop.testing.adapters on the lora plugin, with the prefix cache on."""
+    from pitstop.testing.adapters import check_adapters
+
+    prefix_llm = _llm(tiny, enable_prefix_caching=True, page_size=16)
+
+    def reference(name: str | None):
         adapter = None if name is None else tiny[name]
-        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+        return lambda prompt: _expected(tiny["base"], adapter, tuple(prompt))
+
+    references = {_request(tiny, n): reference(n) for n in (None, *ADAPTERS)}
+    check_adapters(prefix_llm, references, max_examples=4, max_tokens=MAX_TOKENS)
 
 
 def test_one_slot_serves_adapters_in_turn_from_the_host_cache(tiny: dict[str, Path]) -> None:
