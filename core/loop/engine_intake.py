@@ -158,9 +158,7 @@ class RequestIntake:
             )
         self._check_combination(params)
         self._check_adapter(lora_request)
-        samples = self._new_samples(request_id, ids, params, arrival_time)
-        for sample in samples:
-            sample.seq.lora_request = lora_request
+        samples = self._new_samples(request_id, ids, params, arrival_time, lora_request)
         req = RequestState(request_id, prompt, ids, params, samples)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -240,9 +238,15 @@ class RequestIntake:
             )
 
     def _new_samples(
-        self, request_id: str, ids: list[int], params: SamplingParams, arrival: float | None
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        arrival: float | None,
+        lora_request: Any = None,
     ) -> list[SampleState]:
-        """The ``n`` samples of a request: a sequence each (seed + i for sample i), grammar, text."""
+        """The ``n`` samples of a request: a sequence each (seed + i for sample i), grammar,
+        text; each runs with ``lora_request``'s adapter (None: the base model)."""
         max_len = self.config.max_model_len
         assert max_len is not None
         grammars = None
@@ -273,6 +277,7 @@ class RequestIntake:
                 if params.max_tokens is None
                 else len(ids) + params.max_tokens,
                 timestamps=Timestamps() if arrival is None else Timestamps(arrival=arrival),
+                lora_request=lora_request,
             )
             detok = None
             if self.tokenizer is not None and params.detokenize:

@@ -436,6 +436,8 @@ class ModelRunner:
         if not seqs:
             return LaunchedStep([], ready=StepOutput([]))
         assert self.kv_cache is not None, "init_kv_cache() first"
+        if self.adapters is not None:  # each row's adapter slot, where the projections read it
+            self.adapters.prepare(seqs)
         verifies = any(s.num_logits > 1 for s in seqs)
         wants_prompt = any(s.prompt_targets for s in seqs)
         graphs = self.verify_graphs
@@ -481,8 +483,6 @@ class ModelRunner:
 
         Returns the hidden states, the rows to sample and each sequence's first row.
         """
-        if self.adapters is not None:  # each row's adapter slot, where the projections read it
-            self.adapters.prepare(seqs)
         if self.graphs is not None and self.graphs.can_run(seqs):
             hidden, rows = self.graphs.run(seqs)
             return hidden, rows, list(range(len(seqs)))  # one token each

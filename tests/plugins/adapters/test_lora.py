@@ -317,3 +317,19 @@ def test_merged_qkv_and_gate_up_projections_get_one_slice_per_part(
     for name, prompt, out in zip(names, prompts, outs, strict=True):
         adapter = None if name is None else tiny[name]
         assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+
+
+def test_speculative_decoding_verifies_with_each_rows_adapter(tiny: dict[str, Path]) -> None:
+    """ngram drafts (repetitive prompts, so that it proposes) verified under each row's adapter."""
+    llm = _llm(tiny, speculative="ngram", num_speculative_tokens=3)
+    names = ["qvd", None, "ko_gu"]
+    prompts = [[7, 8, 9, 10] * 6, [11, 12, 13] * 7, [21, 22] * 9]
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=GREEDY,
+        lora_request=[_request(tiny, n) for n in names],
+        use_tqdm=False,
+    )
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        adapter = None if name is None else tiny[name]
+        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
