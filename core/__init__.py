@@ -12,6 +12,7 @@ from pitstop.errors import (
     PitstopError,
     PluginError,
 )
+from pitstop.lora.request import LoRARequest
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.requests.inputs import TextPrompt, TokensPrompt
 from pitstop.requests.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ __all__ = [
     "EngineConfig",
     "InvalidRequestError",
     "LLMEngine",
+    "LoRARequest",
     "ModelLoadError",
     "PitstopError",
     "PluginError",

@@ -243,6 +243,14 @@ class EngineConfig:
             "dtype), fp8 (per-channel e4m3 weights, per-token activations)"
         ),
     )
+    adapter: str | None = attrs.field(
+        default=None,
+        validator=_optional_name,
+        metadata=_doc(
+            "adapter plugin that serves fine-tuned adapters on the base weights per request "
+            "(lora; vLLM's enable_lora=True selects it); default: none"
+        ),
+    )
     grammar: str = attrs.field(
         default="llguidance",
         validator=_name,

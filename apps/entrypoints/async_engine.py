@@ -134,6 +134,7 @@ class _Add:
     messages: list[dict[str, Any]] | None
     arrival_time: float
     future: concurrent.futures.Future[None]
+    lora_request: Any = None
 
 
 @attrs.define
@@ -256,6 +257,7 @@ class AsyncLLM:
         messages: Sequence[dict[str, Any]] | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine accepted it.
 
@@ -264,6 +266,7 @@ class AsyncLLM:
         which owns the tokenizer). Raises :class:`InvalidRequestError` when
         the engine rejects the request, :class:`EngineClosedError` during
         shutdown. ``arrival_time`` (``time.perf_counter``) defaults to now.
+        ``lora_request``: the adapter it runs with (needs ``enable_lora``).
         """
         loop = asyncio.get_running_loop()
         rid = request_id or f"req-{uuid.uuid4().hex}"
@@ -277,6 +280,7 @@ class AsyncLLM:
             messages=None if messages is None else [dict(m) for m in messages],
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
             future=future,
+            lora_request=lora_request,
         )
         with self._cond:
             if not self._accepting:
@@ -369,6 +373,7 @@ class AsyncLLM:
                 prompt_token_ids=ids,
                 request_id=cmd.stream.request_id,
                 arrival_time=cmd.arrival_time,
+                lora_request=cmd.lora_request,
             )
         except PitstopError as exc:
             cmd.future.set_exception(exc)

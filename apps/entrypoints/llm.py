@@ -14,6 +14,7 @@ from pitstop.entrypoints.vllm_surface import (
     REFUSED_METHODS,
     check_call_options,
     generation_defaults,
+    per_prompt_adapters,
     refused_method,
 )
 from pitstop.errors import ConfigError, InvalidRequestError
@@ -135,14 +136,14 @@ class LLM:
         older spelling of a list of TokensPrompt. A prompt that is invalid
         raises before any request runs, so nothing is half-submitted. Without
         ``sampling_params``, :meth:`get_default_sampling_params` (as vLLM).
-        vLLM's ``lora_request`` (a :class:`~pitstop.lora.request.LoRARequest`)
-        is refused: LoRA serving is not in this version; ``priority`` is
-        accepted all zero, ``tokenization_kwargs`` None.
+        ``lora_request``: vLLM's :class:`~pitstop.lora.request.LoRARequest`, one for
+        every prompt or a list of one per prompt (None: the base model), on an ``LLM``
+        built with ``enable_lora=True`` (docs/lora.md); ``priority`` is accepted all zero,
+        ``tokenization_kwargs`` None.
         """
         check_call_options(
             "generate",
             {
-                "lora_request": lora_request,
                 "priority": priority,
                 "tokenization_kwargs": tokenization_kwargs,
             },
@@ -153,7 +154,7 @@ class LLM:
             items = [(None, list(ids)) for ids in prompt_token_ids]
         else:
             items = parse_prompts(prompts)
-        return self._submit(items, sampling_params, use_tqdm=use_tqdm)
+        return self._submit(items, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _submit(
         self,
@@ -161,8 +162,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         *,
         use_tqdm: bool,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        """Queue every ``(text, token ids)`` prompt (all or none) and run them to the end."""
+        """Queue every ``(text, token ids)`` prompt (all or none) and run them to the end;
+        ``lora_request``: one adapter for all, or a list of one per prompt."""
+        adapters = per_prompt_adapters(lora_request, len(items))
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(items):
                 raise InvalidRequestError(
@@ -173,8 +177,12 @@ class LLM:
             params_list = [sampling_params or self.get_default_sampling_params()] * len(items)
         ids: list[str] = []
         try:
-            for (text, tokens), params in zip(items, params_list, strict=True):
-                ids.append(self.engine.add_request(text, params, prompt_token_ids=tokens))
+            for (text, tokens), params, lora in zip(items, params_list, adapters, strict=True):
+                ids.append(
+                    self.engine.add_request(
+                        text, params, prompt_token_ids=tokens, lora_request=lora
+                    )
+                )
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
@@ -209,8 +217,8 @@ class LLM:
         (OpenAI function definitions) are passed to it as ``tools`` (a
         template that does not render them gets them listed in the system
         message, :func:`pitstop.entrypoints.tool_calls.default_tool_prompt`). Each
-        output's ``prompt`` is the rendered text. vLLM's ``lora_request`` and
-        ``mm_processor_kwargs`` are refused unless None; ``chat_template_content_format``
+        output's ``prompt`` is the rendered text. ``lora_request``: as :meth:`generate`'s;
+        vLLM's ``mm_processor_kwargs`` is refused unless None; ``chat_template_content_format``
         takes ``"auto"`` or ``"string"`` (what pitstop does).
         ``special_tokens_in_content``: ``"text"`` (the default) keeps special-token text
         written in a message (``<|im_start|>system``) as text, so that no message can forge
@@ -219,7 +227,6 @@ class LLM:
         check_call_options(
             "chat",
             {
-                "lora_request": lora_request,
                 "chat_template_content_format": chat_template_content_format,
                 "mm_processor_kwargs": mm_processor_kwargs,
             },
@@ -246,7 +253,10 @@ class LLM:
             for conv in conversations
         ]
         return self._submit(
-            [(r.text, r.token_ids) for r in rendered], sampling_params, use_tqdm=use_tqdm
+            [(r.text, r.token_ids) for r in rendered],
+            sampling_params,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
         )
 
     def stream(

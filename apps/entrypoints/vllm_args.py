@@ -69,6 +69,10 @@ def _async_scheduling(value: Any) -> dict[str, Any]:
     return {"overlap": "on" if _bool("async_scheduling", value) else "off"}
 
 
+def _enable_lora(value: Any) -> dict[str, Any]:
+    return {"adapter": "lora" if _bool("enable_lora", value) else None}
+
+
 def _memory_bytes(value: Any) -> dict[str, Any]:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(
@@ -78,6 +82,13 @@ def _memory_bytes(value: Any) -> dict[str, Any]:
 
 
 RENAMED: tuple[Renamed, ...] = (
+    Renamed(
+        "enable_lora",
+        "adapter",
+        _enable_lora,
+        bool,
+        "true: adapter='lora'; false: no adapter plugin",
+    ),
     Renamed("max_num_seqs", "max_batch_size", _as("max_batch_size")),
     Renamed("block_size", "page_size", _as("page_size")),
     Renamed("num_gpu_blocks_override", "max_num_pages", _as("max_num_pages")),
@@ -173,9 +184,6 @@ REFUSED: Mapping[str, str] = {
     "hf_token": "pitstop reaches no model hub; give a local folder or .gguf file as model",
     "hf_overrides": "edit the checkpoint's config.json instead",
     "max_logprobs": "pitstop's limit is fixed at 20 (logprobs=-1 asks for the whole vocabulary)",
-    "enable_lora": "pitstop serves no LoRA adapters; merge the adapter into the weights",
-    "max_loras": "pitstop serves no LoRA adapters",
-    "max_lora_rank": "pitstop serves no LoRA adapters",
     "preemption_mode": "pitstop preempts by recompute only",
     "scheduling_policy": "pitstop's is scheduler=... and its admission setting",
     "max_num_partial_prefills": "pitstop's is the chunked scheduler's chunk_size",
@@ -215,7 +223,6 @@ REFUSED: Mapping[str, str] = {
     "enable_prompt_embeds": "give prompts as text or token ids",
     "logits_processors": "give logits_processors per request in SamplingParams",
     "calculate_kv_scales": "pitstop's fp8 KV cache (kv_cache_dtype='fp8') keeps one K and V scale per layer",
-    "max_cpu_loras": "pitstop serves no LoRA adapters",
     "fully_sharded_loras": "pitstop serves no LoRA adapters",
 }
 """vLLM arguments pitstop does not have: what to do instead."""
@@ -254,7 +261,6 @@ SERVE_REFUSED: Mapping[str, str] = {
     "ssl_ca_certs": "serve behind a TLS proxy (nginx, caddy) on the loopback",
     "root_path": "mount the server under a path with your proxy's rewrite",
     "middleware": "put a proxy in front of pitstop serve",
-    "lora_modules": "LoRA serving is not in this version; merge the adapter into the weights",
     "response_role": "the assistant's role is 'assistant'",
     "return_tokens_as_token_ids": "ask for logprobs; each entry has the token id",
     "disable_frontend_multiprocessing": "pitstop serve is one process",
@@ -276,7 +282,7 @@ SERVE_REFUSED: Mapping[str, str] = {
 """vLLM's ``vllm serve`` flags ``pitstop serve`` does not have: what to do instead."""
 
 MULTI_VALUED: frozenset[str] = frozenset(
-    {"cuda_graph_sizes", "lora_modules", "middleware", "allowed_methods", "allowed_headers"}
+    {"cuda_graph_sizes", "middleware", "allowed_methods", "allowed_headers"}
 )
 """Refused flags that take several values in vLLM (``--cuda-graph-sizes 1 2 4``): they parse
 them all, so the refusal names the flag instead of "unrecognized arguments"."""
@@ -288,9 +294,6 @@ NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     "cpu_offload_gb": (0,),
     "tokenizer_mode": ("auto",),
     "load_format": ("auto",),
-    "enable_lora": (False,),
-    "max_loras": (1,),
-    "max_lora_rank": (16,),
     "preemption_mode": ("recompute",),
     "enable_sleep_mode": (False,),
     "skip_tokenizer_init": (False,),
@@ -326,7 +329,6 @@ NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     "allow_credentials": (False,),
     "enable_log_requests": (False,),
     "root_path": ("",),
-    "lora_modules": ([],),
     "middleware": ([],),
 }
 """Values of refused arguments that ask for what pitstop does anyway (besides None, which

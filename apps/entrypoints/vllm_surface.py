@@ -49,16 +49,16 @@ REFUSED_METHODS: Mapping[str, str] = {
     "reset_prefix_cache": "build a new LLM (the prefix allocator's cache lives with the engine)",
     "reset_mm_cache": "pitstop serves text-only models: there is no multi-modal cache",
     "set_tokenizer": "pass tokenizer=PATH (a folder with tokenizer.json) when building the LLM",
-    "add_lora": "LoRA serving is not in this version; merge the adapter into the weights",
-    "remove_lora": "LoRA serving is not in this version; merge the adapter into the weights",
-    "list_loras": "LoRA serving is not in this version; merge the adapter into the weights",
+    "add_lora": "pass lora_request=LoRARequest(...) to generate or chat (LLM(enable_lora=True))",
+    "remove_lora": "adapters leave their slots least recently used first; nothing to remove",
+    "list_loras": "pitstop does not list adapters offline; keep your LoRARequests",
 }
 """vLLM's ``LLM`` methods pitstop does not have: what to use instead."""
 
 LORA_REFUSAL = (
-    "LoRA serving is not in this version of pitstop: merge the adapter into the base "
-    "weights (peft's merge_and_unload(), then save_pretrained) and load that folder as "
-    "the model; pass lora_request=None"
+    "beam search with an adapter is not in this version of pitstop: use generate(..., "
+    "lora_request=...), or merge the adapter into the base weights (peft's "
+    "merge_and_unload(), then save_pretrained); pass lora_request=None"
 )
 
 CALL_OPTIONS: Mapping[str, str] = {
@@ -134,3 +134,26 @@ def generation_defaults(model: str) -> dict[str, Any]:
         for key, field in GENERATION_FIELDS.items()
         if key in data and data[key] is not None
     }
+
+
+def per_prompt_adapters(lora_request: Any, num_prompts: int) -> list[Any]:
+    """vLLM's ``lora_request`` of ``generate``/``chat`` as one entry per prompt: a single
+    :class:`~pitstop.lora.request.LoRARequest` (or None) for all, or a list of one each."""
+    from pitstop.lora.request import LoRARequest
+
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)):
+        raise InvalidRequestError(
+            f"lora_request must be a LoRARequest, None or a list of them, got {lora_request!r}"
+        )
+    if len(lora_request) != num_prompts:
+        raise InvalidRequestError(
+            f"{len(lora_request)} lora requests for {num_prompts} prompts; give one, or one each"
+        )
+    for item in lora_request:
+        if item is not None and not isinstance(item, LoRARequest):
+            raise InvalidRequestError(
+                f"lora_request items must be LoRARequest or None, got {item!r}"
+            )
+    return list(lora_request)

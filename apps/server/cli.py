@@ -78,6 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "by /v1/models; any other name is a 404 (default: MODEL)",
     )
     g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served as model names (needs --enable-lora): NAME=PATH or vLLM's "
+        'JSON {"name": ..., "path": ...}; /v1/models lists them with the model as parent',
+    )
+    g.add_argument(
         "--drain-timeout",
         type=float,
         default=10.0,
@@ -271,6 +279,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         served_model_name=names[0] if names else None,
         served_model_aliases=tuple(names[1:]),
+        lora_modules=lora_modules(args.lora_modules or ()),
         drain_timeout_s=args.drain_timeout,
         allowed_hosts=tuple(hosts) if hosts else default_allowed_hosts(args.host),
         allowed_origins=tuple(args.allowed_origins or ()),
@@ -426,3 +435,30 @@ def build_server(
             self.begin_drain()
 
     return DrainingServer()
+
+
+def lora_modules(values: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules`` values (``NAME=PATH`` or vLLM's JSON ``{"name", "path"}``) as
+    (name, path) pairs; a malformed one, or a name given twice, is a ConfigError."""
+    import json
+
+    from pitstop.errors import ConfigError
+
+    pairs: list[tuple[str, str]] = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                item = json.loads(value)
+                name, path = str(item["name"]), str(item["path"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"--lora-modules {value!r}: {exc}") from exc
+        else:
+            name, sep, path = value.partition("=")
+            if not sep:
+                raise ConfigError(f"--lora-modules takes NAME=PATH (or JSON), got {value!r}")
+        if not name.strip() or not path.strip():
+            raise ConfigError(f"--lora-modules {value!r}: the name and the path must be non-empty")
+        if name in dict(pairs):
+            raise ConfigError(f"--lora-modules names {name!r} twice")
+        pairs.append((name, path))
+    return tuple(pairs)

@@ -473,6 +473,23 @@ class TokenizeRequest(BaseModel):
     special_tokens_in_content: Literal["text", "tokens"] | None = None  # messages only
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the adapter at ``lora_path`` as ``lora_name``."""
+
+    model_config = _STRICT
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # vLLM's: replace an adapter of that name
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving the adapter ``lora_name``."""
+
+    model_config = _STRICT
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; ignored (the name says which)
+
+
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize``: token ids to turn into text."""
 

@@ -14,6 +14,8 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     served_model_name: str | None = None  # default: the engine's model setting
     served_model_aliases: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # more names
+    # --lora-modules: (name, path) of each adapter served as a model name (needs --enable-lora)
+    lora_modules: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=tuple)
     drain_timeout_s: float = 10.0  # on shutdown, how long running requests may finish before abort
     allowed_hosts: tuple[str, ...] | None = None  # None: no Host check ("*" too)
     allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # "*": any

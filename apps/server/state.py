@@ -9,12 +9,15 @@ variables.
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 
 from pitstop.entrypoints.async_engine import AsyncLLM
-from pitstop.errors import PluginError
+from pitstop.errors import ConfigError, PluginError
+from pitstop.lora.request import LoRARequest
 from pitstop.plugin_system.protocols import ToolParser
 from pitstop.server.limits import ServerState
 from pitstop.server.metrics import ServerMetrics
@@ -31,6 +34,8 @@ class AppState:
     settings: ServerSettings
     model_name: str  # the name the server answers to and reports
     model_names: tuple[str, ...]  # the names a request may give: model_name, then its aliases
+    adapters: dict[str, Any]  # --lora-modules: adapter name -> its LoRARequest
+    adapter_ids: Iterator[int]  # the next adapters' lora_int_id (never reused)
     metrics: ServerMetrics
     server: ServerState
     keys: tuple[bytes, ...]  # the accepted API keys' bytes (empty: no authentication)
@@ -46,11 +51,18 @@ class AppState:
     def build(cls, llm: AsyncLLM, settings: ServerSettings) -> AppState:
         """The state of a server of ``llm``; a tool-call setting that cannot work is a PluginError."""
         model_name = settings.served_model_name or llm.config.model
+        if settings.lora_modules and llm.config.adapter is None:
+            raise ConfigError("--lora-modules needs --enable-lora (an adapter plugin)")
         return cls(
             llm=llm,
             settings=settings,
             model_name=model_name,
             model_names=tuple(dict.fromkeys((model_name, *settings.served_model_aliases))),
+            adapters={
+                name: LoRARequest(name, i + 1, path)
+                for i, (name, path) in enumerate(settings.lora_modules)
+            },
+            adapter_ids=itertools.count(len(settings.lora_modules) + 1),
             metrics=ServerMetrics(llm, model_name),
             server=ServerState(
                 llm,
@@ -90,8 +102,8 @@ class AppState:
                 param="model",
                 code="model_required",
             )
-        if name and name not in self.model_names:
-            served = ", ".join(repr(n) for n in self.model_names)
+        if name and name not in self.model_names and name not in self.adapters:
+            served = ", ".join(repr(n) for n in (*self.model_names, *self.adapters))
             raise APIError(
                 404,
                 f"the model {clip(name)} does not exist; this server serves {served} "
@@ -99,6 +111,10 @@ class AppState:
                 param="model",
                 code="model_not_found",
             )
+
+    def answer_name(self, name: str | None) -> str:
+        """The model name an answer carries: the adapter's when the request named one."""
+        return name if name and name in self.adapters else self.model_name
 
     def check_chat_template(self, template: str | None, kwargs: dict[str, Any] | None) -> None:
         """Refuse a request's own chat template (400) unless the server trusts them."""
@@ -126,7 +142,19 @@ class AppState:
         return tok
 
     def model_card(self, name: str | None = None) -> dict[str, Any]:
-        """A served model name's card, as ``GET /v1/models`` lists it (default: the first)."""
+        """A served model name's card, as ``GET /v1/models`` lists it (default: the first);
+        an adapter's has its path as ``root`` and the model as ``parent`` (as vLLM's)."""
+        adapter = self.adapters.get(name or "")
+        if adapter is not None:
+            return {
+                "id": name,
+                "object": "model",
+                "created": self.started,
+                "owned_by": "pitstop",
+                "root": adapter.lora_path,
+                "parent": self.model_name,
+                "max_model_len": self.max_model_len,
+            }
         return {
             "id": name or self.model_name,
             "object": "model",

@@ -152,10 +152,12 @@ async def add(
     arrival: float,
     structured_param: str | None = None,
     prompt_param: str = "prompt",
+    model: str | None = None,
 ) -> Flight:
     """Hand an admitted request to the engine; its place is given back if that fails.
 
-    ``prompt_param`` names the field an error about the prompt points at.
+    ``prompt_param`` names the field an error about the prompt points at; ``model``: the
+    request's, which selects an adapter when it names one (``--lora-modules``).
     """
     try:
         await flight.add(
@@ -166,6 +168,7 @@ async def add(
                 messages=messages,
                 request_id=request_id,
                 arrival_time=arrival,
+                lora_request=state.adapters.get(model or ""),
             )
         )
     except ServerCut:

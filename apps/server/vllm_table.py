@@ -47,6 +47,7 @@ VLLM_SERVE_FLAGS: tuple[str, ...] = (
     "tool_call_parser",
     "chat_template",
     "trust_request_chat_template",
+    "lora_modules",
 )
 """Flags of ``vllm serve`` (beyond the engine's) that ``pitstop serve`` may have as they are;
 those it lacks must be in :data:`pitstop.entrypoints.vllm_args.SERVE_REFUSED` (a test checks)."""

@@ -5,7 +5,9 @@
 :func:`check_allocator`; ``pitstop.testing.scheduler`` the scheduler
 contract (:func:`~pitstop.testing.scheduler.check_scheduler_contract`);
 ``pitstop.testing.kernels`` the kernel-set check against the reference
-(:func:`~pitstop.testing.kernels.check_kernel_set`). Importing this package needs ``hypothesis`` (a test
+(:func:`~pitstop.testing.kernels.check_kernel_set`); ``pitstop.testing.adapters`` the
+adapter-method check, row by row against each adapter's reference
+(:func:`~pitstop.testing.adapters.check_adapters`). Importing this package needs ``hypothesis`` (a test
 dependency: ``pip install pitstop[test]``).
 """
 

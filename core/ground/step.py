@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -52,6 +52,8 @@ class SeqInput:
     # token_ids predict (their logits' log-probabilities come back in SeqResult.prompt_logprobs)
     prompt_targets: list[int] | None = None
     prompt_logprobs: int = 0
+    # The sequence's adapter (vLLM's LoRARequest; None: the base model), for the adapter plugin.
+    adapter: Any = None
 
 
 @attrs.frozen

@@ -212,6 +212,7 @@ class LLMEngine:
             plugins=self.plugins,
             stats=self.stats,
             speculative=self.proposer is not None,
+            adapters=getattr(self.runner, "adapters", None),
         )
         """Requests checked, tokenized and queued; aborts."""
         step_observed = self.plugins.has_observers("on_step_finished")
@@ -252,8 +253,12 @@ class LLMEngine:
         prompt_token_ids: Seq[int] | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Bad input raises InvalidRequestError.
+
+        ``lora_request``: the adapter it runs with (vLLM's LoRARequest; needs an adapter
+        plugin, ``enable_lora=True``).
 
         ``arrival_time`` (``time.perf_counter`` seconds) backdates the request's
         arrival, for benchmark clients whose request was due before the engine
@@ -265,6 +270,7 @@ class LLMEngine:
             prompt_token_ids=prompt_token_ids,
             request_id=request_id,
             arrival_time=arrival_time,
+            lora_request=lora_request,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -447,6 +453,7 @@ class LLMEngine:
                     if sample and self._uses_processors(seq)
                     else None,
                     **self._prompt_targets(seq, begin, end),
+                    adapter=seq.lora_request,
                 )
             )
         self._clear_drafts(proposed)  # the inputs hold what verification reads of them

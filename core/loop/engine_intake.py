@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import attrs
 
@@ -21,6 +22,7 @@ from pitstop.ground.metrics import EngineStats
 from pitstop.ground.model_config import ModelConfig
 from pitstop.loading.tokenizer import Tokenizer
 from pitstop.loop.request_table import RequestTable
+from pitstop.plugin_system.adapter import Adapters
 from pitstop.plugin_system.grammar import GrammarBackend
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import (
@@ -60,6 +62,7 @@ class RequestIntake:
         plugins: PluginManager,
         stats: EngineStats,
         speculative: bool = False,
+        adapters: Adapters | None = None,
     ) -> None:
         self.requests = requests
         self.allocator = allocator
@@ -71,6 +74,7 @@ class RequestIntake:
         self.plugins = plugins
         self.stats = stats
         self.speculative = speculative
+        self.adapters = adapters  # the adapter plugin (None: adapters are refused)
         self.grammars: GrammarBackend | None = None
         """The grammar backend, built at the first structured request (or grammar_compiler())."""
         self._grammars_lock = threading.Lock()  # grammar_compiler() runs on other threads
@@ -107,6 +111,7 @@ class RequestIntake:
         prompt_token_ids: Seq[int] | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Bad input raises InvalidRequestError.
 
@@ -152,7 +157,8 @@ class RequestIntake:
                 "stop strings need a tokenizer; use stop_token_ids with this model"
             )
         self._check_combination(params)
-        samples = self._new_samples(request_id, ids, params, arrival_time)
+        self._check_adapter(lora_request)
+        samples = self._new_samples(request_id, ids, params, arrival_time, lora_request)
         req = RequestState(request_id, prompt, ids, params, samples)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -164,6 +170,24 @@ class RequestIntake:
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
+
+    def _check_adapter(self, lora_request: Any) -> None:
+        """Refuse an adapter this engine cannot serve; the adapter plugin reads it (or refuses it)."""
+        if lora_request is None:
+            return
+        if self.adapters is None:
+            raise InvalidRequestError(
+                "this request names an adapter (lora_request) but the engine serves none: "
+                "build it with enable_lora=True (adapter='lora')"
+            )
+        self.adapters.check(lora_request)
+        limit = getattr(self.adapters, "max_per_step", None)  # the adapters one step can run
+        live = {seq.adapter_id for seq in self.requests.live_sequences().values()} - {0}
+        if limit is not None and lora_request.lora_int_id not in live and len(live) >= limit:
+            raise InvalidRequestError(
+                f"{len(live)} adapters are in flight and the engine runs at most {limit} "
+                f"(max_loras={limit}); raise max_loras, or wait for their requests to finish"
+            )
 
     def _check_combination(self, params: SamplingParams) -> None:
         """Refuse what this engine's configuration cannot honour (instead of ignoring it)."""
@@ -214,9 +238,15 @@ class RequestIntake:
             )
 
     def _new_samples(
-        self, request_id: str, ids: list[int], params: SamplingParams, arrival: float | None
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        arrival: float | None,
+        lora_request: Any = None,
     ) -> list[SampleState]:
-        """The ``n`` samples of a request: a sequence each (seed + i for sample i), grammar, text."""
+        """The ``n`` samples of a request: a sequence each (seed + i for sample i), grammar,
+        text; each runs with ``lora_request``'s adapter (None: the base model)."""
         max_len = self.config.max_model_len
         assert max_len is not None
         grammars = None
@@ -247,6 +277,7 @@ class RequestIntake:
                 if params.max_tokens is None
                 else len(ids) + params.max_tokens,
                 timestamps=Timestamps() if arrival is None else Timestamps(arrival=arrival),
+                lora_request=lora_request,
             )
             detok = None
             if self.tokenizer is not None and params.detokenize:

@@ -1,9 +1,9 @@
 """vLLM's module path ``vllm.lora.request``: ``LoRARequest``, so that vLLM code imports.
 
-LoRA serving is not in this version of pitstop: passing a :class:`LoRARequest`
-to ``LLM.generate`` (or ``chat``, ``beam_search``) is refused with an
-:class:`~pitstop.errors.InvalidRequestError` that says so and how to merge the
-adapter into the weights instead (:data:`pitstop.entrypoints.vllm_surface.LORA_REFUSAL`).
+``LLM.generate`` and ``LLM.chat`` take one (or one per prompt) as ``lora_request`` on an
+engine built with ``enable_lora=True`` (the adapter plugin ``lora``,
+:mod:`pitstop.plugins.adapters.lora`; docs/lora.md). ``beam_search`` refuses it
+(:data:`pitstop.entrypoints.vllm_surface.LORA_REFUSAL`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def _int_id(_inst: object, att: attrs.Attribute, value: object) -> None:
 class LoRARequest:
     """vLLM's ``LoRARequest(lora_name, lora_int_id, lora_path)``: a value naming an adapter.
 
-    Built and compared as vLLM's (``lora_int_id`` >= 1); no engine of this
-    version serves it.
+    Built and compared as vLLM's (``lora_int_id`` >= 1, the adapter's identity in the
+    engine: one id, one path).
     """
 
     lora_name: str = attrs.field(validator=_name)

@@ -140,6 +140,17 @@ def register_executors(register: Register) -> None:
 
 
 @hookspec
+def register_adapters(register: Register) -> None:
+    """Register adapter methods: fine-tuned adapters served on the base weights per request.
+
+    Called once when plugins load (factory: ``KINDS["adapter"]``; the protocol:
+    :mod:`pitstop.plugin_system.adapter`). The config's ``adapter`` setting picks one by
+    name (``lora``; vLLM's ``enable_lora=True``); default none, and a request that names an
+    adapter is then refused.
+    """
+
+
+@hookspec
 def register_commands(register: Register) -> None:
     """Register subcommands of the ``pitstop`` command.
 

@@ -14,6 +14,7 @@ import inspect
 import attrs
 
 from pitstop.plugin_system import protocols
+from pitstop.plugin_system.adapter import Adapters
 from pitstop.plugin_system.executor import Executor
 
 
@@ -109,6 +110,13 @@ KINDS: dict[str, Kind] = {
             "factory(config: EngineConfig) -> Executor",
             Executor,
             "distributed_executor_backend",
+        ),
+        Kind(
+            "adapter",
+            "register_adapters",
+            "factory(config: EngineConfig, context: AdapterContext) -> Adapters",
+            Adapters,
+            "adapter",
         ),
     )
 }

@@ -412,6 +412,7 @@ SELECTING_FIELDS = (
     ("proposer", "speculative"),
     ("weights", "weights"),
     ("grammar", "grammar"),
+    ("adapter", "adapter"),
 )
 
 

@@ -105,6 +105,13 @@ class Sequence:
     # waits at the front of the queue after a preemption (queue, preempt, admit).
     queued_round: int = 0
     requeued: bool = False
+    # The adapter the request runs with (vLLM's LoRARequest; None: the base model).
+    lora_request: Any = None
+
+    @property
+    def adapter_id(self) -> int:
+        """Its adapter's ``lora_int_id`` (0: none): the prefix cache keys pages by it."""
+        return 0 if self.lora_request is None else int(self.lora_request.lora_int_id)
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -40,6 +40,7 @@ from pitstop.ground.step import NO_TOKENS, LogitsObserver, SeqInput, StepInput, 
 from pitstop.loading.checkpoint import weight_stream
 from pitstop.loading.finite_weights import finite_weights
 from pitstop.loading.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
+from pitstop.plugin_system.adapter import AdapterContext, Adapters
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import ModelBase
 from pitstop.plugin_system.registration import takes_keyword
@@ -137,6 +138,8 @@ class ModelRunner:
             settings=resolved.of("weights"),
         )
         self.model = self._build_model(plugins)
+        # the adapter plugin (adapter=NAME, vLLM's enable_lora): wraps the model's projections
+        self.adapters: Adapters | None = self._build_adapters(plugins, resolved)
         assert config.max_model_len is not None
         rotary = plugins.architecture(model_config.architecture).rotary
         self.rotary = rotary(model_config, config.max_model_len, device)
@@ -179,6 +182,23 @@ class ModelRunner:
             )
         model.eval()
         return model
+
+    def _build_adapters(self, plugins: PluginManager, resolved: ResolvedConfig) -> Adapters | None:
+        """The adapter plugin the config names, attached to the model (None: no adapters)."""
+        config = self.config
+        if config.adapter is None:
+            return None
+        if self.parallel is not None:
+            raise ConfigError(
+                f"adapter={config.adapter!r} (enable_lora) runs on one rank only; "
+                "use tensor_parallel_size=1"
+            )
+        context = AdapterContext(config, self.model_config, self.kernels, self.device, self.dtype)
+        adapters = plugins.create(
+            "adapter", config.adapter, config, context, settings=resolved.of("adapter")
+        )
+        adapters.attach(self.model)
+        return adapters
 
     def weight_bytes(self) -> int:
         """Device bytes of the model's weights as held (the weight format's resident bytes
@@ -416,6 +436,8 @@ class ModelRunner:
         if not seqs:
             return LaunchedStep([], ready=StepOutput([]))
         assert self.kv_cache is not None, "init_kv_cache() first"
+        if self.adapters is not None:  # each row's adapter slot, where the projections read it
+            self.adapters.prepare(seqs)
         verifies = any(s.num_logits > 1 for s in seqs)
         wants_prompt = any(s.prompt_targets for s in seqs)
         graphs = self.verify_graphs

@@ -10,6 +10,11 @@ only if its hash matches, its stored token ids equal the sequence's, and its
 stored parent is exactly the page matched just before. So a hash collision
 can never serve wrong KV: the tokens of the whole prefix are compared.
 
+Adapters. A sequence that runs with an adapter (``seq.adapter_id``, its LoRA's
+``lora_int_id``) chains its first page from a root keyed by that id
+(:func:`chain_root`), so the same prompt under two adapters, or under one and
+the base model, never shares a cached page: their KV differ.
+
 Sharing. A hit is shared read-only (a reference count per page); hits are
 whole pages and the last token of a sequence is always recomputed, so new
 tokens always go to pages of the sequence's own. A sequence whose last
@@ -69,6 +74,15 @@ _ROOT_UID = 0  # the "parent" of a sequence's first page; real uids start at 1
 def page_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     """The chained hash of one full page (deterministic within a process)."""
     return hash((parent_hash, token_ids))
+
+
+def chain_root(seq: Sequence) -> tuple[int, int]:
+    """(hash, uid) a sequence's first page chains from: keyed by its adapter, so that two
+    adapters (or an adapter and the base model) never share cached pages of one prompt."""
+    adapter = getattr(seq, "adapter_id", 0)
+    if not adapter:
+        return _ROOT_HASH, _ROOT_UID
+    return hash(("adapter", adapter)), -adapter  # uids of real pages are >= 1
 
 
 class _CachedPage:
@@ -144,7 +158,7 @@ class PrefixCachingAllocator(OnDemandPages):
         tokens = seq.token_ids
         pages: list[int] = []
         chain: list[tuple[int, int]] = []
-        parent_hash, parent_uid = _ROOT_HASH, _ROOT_UID
+        parent_hash, parent_uid = chain_root(seq)
         for i in range((seq.num_tokens - 1) // ps):
             chunk = tuple(tokens[i * ps : (i + 1) * ps])
             hash_ = page_hash(parent_hash, chunk)
@@ -290,7 +304,7 @@ class PrefixCachingAllocator(OnDemandPages):
         num_full = min(seq.num_computed_tokens, holding.held, seq.num_tokens) // ps
         if num_full <= len(chain):
             return
-        parent_hash, parent_uid = chain[-1] if chain else (_ROOT_HASH, _ROOT_UID)
+        parent_hash, parent_uid = chain[-1] if chain else chain_root(seq)
         tokens = seq.token_ids
         for i in range(len(chain), num_full):
             chunk = tuple(tokens[i * ps : (i + 1) * ps])

@@ -118,6 +118,7 @@ class DraftProposer:
             model=draft_model,
             speculative=None,
             tokenizer=None,
+            adapter=None,  # the draft model runs without adapters; the target verifies with them
             max_batch_size=max_batch,
             # the draft runs no scheduler of its own: the target's prefill bound (which may
             # exceed the draft's smaller batch) is left out, and follows max_batch_size

@@ -143,10 +143,11 @@ async def chat_completions(
         messages=messages if chat is None else None,
         prompt_token_ids=chat_ids,
         arrival=caller.arrival,
+        model=body.model,
         structured_param=structured_param,
         prompt_param="messages",
     )
-    head = AnswerHead(rid, now(), state.model_name, body.include_usage)
+    head = AnswerHead(rid, now(), state.answer_name(body.model), body.include_usage)
     answer = ChatAnswer(head, k, tools)
     budget = ResponseBudget(state.settings.max_response_bytes)
     if body.stream:

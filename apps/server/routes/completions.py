@@ -117,6 +117,7 @@ async def _start(
                 prompt_token_ids=ids,
                 arrival=caller.arrival,
                 structured_param=body.structured_param(),
+                model=body.model,
             )
     except BaseException:
         for flight in flights:
@@ -137,7 +138,7 @@ async def completions(
     await check_structured(state, params, body.structured_param())
     rid = new_id("cmpl")
     flights = await _start(state, caller, body, prompts, params, rid)
-    head = AnswerHead(rid, now(), state.model_name, body.include_usage)
+    head = AnswerHead(rid, now(), state.answer_name(body.model), body.include_usage)
     answer = CompletionAnswer(head, body.logprobs)
     budget = ResponseBudget(state.settings.max_response_bytes)  # the whole answer's, shared
     if body.stream:

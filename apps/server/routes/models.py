@@ -12,9 +12,13 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(state: State, _caller: Authorized) -> JSONResponse:
-    """The list of served model names (one model, under each of its names)."""
+    """The list of served model names (one model, under each of its names), then the
+    adapters (``--lora-modules``), each with the model as ``parent``."""
     return JSONResponse(
-        {"object": "list", "data": [state.model_card(n) for n in state.model_names]}
+        {
+            "object": "list",
+            "data": [state.model_card(n) for n in (*state.model_names, *state.adapters)],
+        }
     )
 
 

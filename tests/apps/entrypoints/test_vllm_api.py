@@ -206,7 +206,7 @@ def test_vllm_prompt_dicts_and_output_types(llm: LLM) -> None:
     assert outs[1].prompt_token_ids == PROMPT
 
 
-def test_a_lora_request_is_refused_with_what_to_do(llm: LLM) -> None:
+def test_a_lora_request_without_enable_lora_is_refused_with_what_to_do(llm: LLM) -> None:
     from pitstop.lora.request import LoRARequest
 
     lora = LoRARequest("sql", 1, "/adapters/sql")
@@ -217,7 +217,7 @@ def test_a_lora_request_is_refused_with_what_to_do(llm: LLM) -> None:
         lambda: llm.generate(["Hi"], SamplingParams(max_tokens=1), lora_request=lora),
         lambda: llm.chat([{"role": "user", "content": "Hi"}], lora_request=lora),
     ):
-        with pytest.raises(InvalidRequestError, match="LoRA serving is not in this version.*merge"):
+        with pytest.raises(InvalidRequestError, match="lora_request.*enable_lora=True"):
             call()
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate(["Hi"], SamplingParams(max_tokens=1), lora_request=None, priority=[0])

@@ -116,8 +116,20 @@ def test_values_that_ask_for_what_pitstop_does_are_accepted() -> None:
     with pytest.raises(ConfigError, match="swap_space"):
         engine_config(swap_space=True)  # a bool is not the number 0
     assert _cli("--pipeline-parallel-size", "1") == EngineConfig()
-    with pytest.raises(ConfigError, match="enable_lora"):
-        _cli("--enable-lora")
+    with pytest.raises(ConfigError, match="fully_sharded_loras"):
+        engine_config(fully_sharded_loras=True)
+
+
+def test_enable_lora_selects_the_lora_adapter_plugin() -> None:
+    assert engine_config(enable_lora=True).adapter == "lora"
+    assert engine_config(enable_lora=False).adapter is None
+    assert _cli("--enable-lora").adapter == "lora"
+    config = engine_config(enable_lora=True, max_loras=4, max_lora_rank=64, max_cpu_loras=8)
+    assert config.options == {"max_loras": 4, "max_lora_rank": 64, "max_cpu_loras": 8}
+    flags = _cli(
+        "--enable-lora", "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "8"
+    )
+    assert flags == config
 
 
 def test_refusals_point_at_pitstops_equivalent() -> None:

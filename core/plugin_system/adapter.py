@@ -1,0 +1,68 @@
+"""The adapter kind: fine-tuned adapters (LoRA) served on the base weights, per request.
+
+The config's ``adapter`` setting names an adapter plugin (``lora``; vLLM's
+``enable_lora=True`` selects it). The runner builds it once, beside the model:
+
+1. ``factory(config, context: AdapterContext, *, settings=...) -> Adapters``, before any weight loads;
+2. :meth:`Adapters.attach` is handed the model, before its weights load: it wraps the
+   projections it adapts (and may turn off what it cannot adapt, such as fused layers);
+3. at ``add_request``, :meth:`Adapters.check` is handed the request's adapter (vLLM's
+   :class:`~pitstop.lora.request.LoRARequest`): it reads it (into a host cache) or raises
+   :class:`~pitstop.errors.InvalidRequestError` naming the problem, which fails that request
+   alone;
+4. before every forward, :meth:`Adapters.prepare` is handed the step's sequences (each
+   :class:`~pitstop.ground.step.SeqInput` carries its ``adapter``, None for the base model):
+   it places each adapter in a device slot and writes each row's slot where the wrapped
+   projections read it.
+
+An adapter plugin may set ``max_per_step`` (an int): the most distinct adapters one step
+can run (the ``lora`` plugin's ``max_loras``). The engine then refuses, at ``add_request``,
+a request whose adapter would bring the live requests' adapters over it.
+
+The engine keys the prefix cache by ``Sequence.adapter_id`` (its request's
+``lora_int_id``; 0 without one), so two adapters never share cached pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from pitstop.ground.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from pitstop.config import EngineConfig
+    from pitstop.ground.step import SeqInput
+
+
+@attrs.frozen
+class AdapterContext:
+    """What the runner has when it builds the adapter plugin."""
+
+    config: EngineConfig
+    model_config: ModelConfig  # the base model's shape (adapters are checked against it)
+    kernels: Any  # the runner's KernelSet
+    device: torch.device
+    dtype: torch.dtype
+
+
+@runtime_checkable
+class Adapters(Protocol):
+    """Serves adapters on one model: loads them, holds them in device slots, applies them."""
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Wrap ``model``'s projections so that they add each row's adapter (before its
+        weights load). Raises :class:`~pitstop.errors.ConfigError` for a model it cannot adapt."""
+        ...
+
+    def check(self, request: Any) -> None:
+        """Read ``request``'s adapter (or find it cached); raise
+        :class:`~pitstop.errors.InvalidRequestError` naming what is wrong with it."""
+        ...
+
+    def prepare(self, seqs: Sequence[SeqInput]) -> None:
+        """Before a forward over ``seqs``: slot each sequence's adapter and write the rows' slots."""
+        ...

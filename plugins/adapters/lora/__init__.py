@@ -1,0 +1,67 @@
+"""``lora``: PEFT LoRA adapters served per request on the base weights, many in one batch.
+
+Selected by ``adapter="lora"`` (vLLM's ``enable_lora=True``). A request names its
+adapter with vLLM's :class:`~pitstop.lora.request.LoRARequest`; the adapter folder is read
+at ``add_request`` (:mod:`.peft_adapter`, which lists what is refused), held in a host
+cache, copied into one of ``max_loras`` device slots when a step needs it, and applied
+to each row of that adapter by the kernel ops (:mod:`.slots`).
+
+Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
+
+``max_loras``
+    device slots: the most adapters one step runs (default 1, as vLLM).
+``max_lora_rank``
+    the largest rank served; each slot is allocated at it (default 16, as vLLM).
+``max_cpu_loras``
+    adapters kept read on the host, LRU (default: ``max_loras``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from pitstop.config import EngineConfig
+from pitstop.plugin_system.adapter import AdapterContext
+from pitstop.plugin_system.hookspecs import hookimpl
+from pitstop.plugin_system.settings import setting
+from pitstop.plugins.adapters.lora.slots import LoRASlots
+
+
+@attrs.frozen
+class LoRASettings:
+    """The settings of the ``lora`` adapter plugin."""
+
+    max_loras: int = setting(
+        1, type=int, minimum=1, alias="max_loras", help="device slots: most adapters per step"
+    )
+    max_lora_rank: int = setting(
+        16,
+        type=int,
+        minimum=1,
+        alias="max_lora_rank",
+        help="largest adapter rank served (each slot's size)",
+    )
+    max_cpu_loras: int | None = setting(
+        None,
+        type=int,
+        minimum=1,
+        optional=True,
+        alias="max_cpu_loras",
+        help="adapters kept read on the host, LRU (unset: max_loras)",
+    )
+
+
+def create_lora(
+    config: EngineConfig, context: AdapterContext, *, settings: LoRASettings
+) -> LoRASlots:
+    """PEFT LoRA adapters in ``max_loras`` device slots, applied per row."""
+    cpu = settings.max_cpu_loras if settings.max_cpu_loras is not None else settings.max_loras
+    return LoRASlots(context, settings.max_loras, settings.max_lora_rank, cpu)
+
+
+@hookimpl
+def register_adapters(register: Any) -> None:
+    """Register the ``lora`` adapter plugin."""
+    register("lora", create_lora, settings=LoRASettings)

@@ -1,0 +1,238 @@
+"""LoRA adapters in ``max_loras`` device slots, applied to the model's projections per row.
+
+Layout (:mod:`pitstop.plugins.kernels.triton_ops.lora` describes it): per layer and per
+projection the model multiplies (``qkv_proj`` or ``q_proj`` ..., ``o_proj``,
+``gate_up_proj`` or ``gate_proj``/``up_proj``, ``down_proj``), one stacked tensor per slice
+(q|k|v, gate|up): ``A [slots, rank_max, in]`` and ``B [slots, out_i, rank_max]`` in the
+model's dtype, plus ``ranks [slots]`` int32 and ``scaling [slots]`` float32. They are
+allocated once, so their addresses never change (captured graphs stay valid); loading an
+adapter copies it into one slot's rows (zeros for a module it does not train).
+
+Per step, :meth:`LoRASlots.prepare` writes ``slot_of_row`` (each row's slot, -1 for a row
+of the base model) into a static buffer; each wrapped projection adds
+``scaling · B(A x)`` to the rows of a slot through the kernel ops (the PyTorch reference
+on CPU, the Triton shrink/expand on CUDA), after its base GEMM. Rows of the base model
+are left untouched.
+
+Slots are given least recently used first among the adapters the step does not use; the
+host cache keeps up to ``max_cpu_loras`` read adapters (LRU, re-read from their path when
+needed again).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from pitstop.errors import ConfigError, InvalidRequestError
+from pitstop.ground.step import SeqInput
+from pitstop.plugin_system.adapter import AdapterContext
+from pitstop.plugins.adapters.lora.peft_adapter import LoRAWeights, expected_shapes, read_adapter
+
+# a projection attribute of the Llama-family layers -> the PEFT modules of its slices
+SLICES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q", "k", "v"),
+    "q_proj": ("q",),
+    "k_proj": ("k",),
+    "v_proj": ("v",),
+    "o_proj": ("o",),
+    "gate_up_proj": ("gate", "up"),
+    "gate_proj": ("gate",),
+    "up_proj": ("up",),
+    "down_proj": ("down",),
+}
+
+
+def kernel_ops(device: torch.device) -> ModuleType:
+    """The shrink/expand ops: Triton's on CUDA, the PyTorch reference elsewhere."""
+    if device.type == "cuda":
+        from pitstop.plugins.kernels.triton_ops import lora
+
+        return lora
+    from pitstop.plugins.kernels import lora_reference
+
+    return lora_reference
+
+
+class _Projection:
+    """One projection's slot tensors (one A and one B per slice)."""
+
+    def __init__(self, modules: tuple[str, ...], shapes: dict, slots: int, rank: int, ctx) -> None:
+        self.modules = modules
+        kw = {"device": ctx.device, "dtype": ctx.dtype}
+        self.A = [torch.zeros(slots, rank, shapes[m][1], **kw) for m in modules]
+        self.B = [torch.zeros(slots, shapes[m][0], rank, **kw) for m in modules]
+
+    def load(self, slot: int, layer: int, adapter: LoRAWeights) -> None:
+        """Copy ``adapter``'s weights of this projection into ``slot`` (zeros where untrained)."""
+        for a_all, b_all, module in zip(self.A, self.B, self.modules, strict=True):
+            a_all[slot].zero_()
+            b_all[slot].zero_()
+            pair = adapter.weights.get((layer, module))
+            if pair is not None:
+                a, b = pair
+                a_all[slot, : adapter.rank].copy_(a, non_blocking=True)
+                b_all[slot, :, : adapter.rank].copy_(b, non_blocking=True)
+
+
+class LoRASlots:
+    """The ``lora`` adapter plugin: PEFT adapters in ``max_loras`` slots (see the module docstring)."""
+
+    def __init__(
+        self, ctx: AdapterContext, max_loras: int, max_lora_rank: int, max_cpu_loras: int
+    ) -> None:
+        self.ctx = ctx
+        self.max_loras, self.max_rank = max_loras, max_lora_rank
+        self.max_per_step = max_loras  # the engine refuses a request over it (never a step)
+        self.max_cpu = max(max_cpu_loras, max_loras)
+        self.ops = kernel_ops(ctx.device)
+        dev = ctx.device
+        self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=dev)
+        self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=dev)
+        rows = max(ctx.config.max_num_batched_tokens or 0, 8192)
+        self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        self.rows = 0  # rows of the current step
+        self.layers: list[dict[str, _Projection]] = []
+        self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id held per slot
+        self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
+        self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # host cache, LRU first
+        self.requests: dict[int, Any] = {}  # lora_int_id -> the LoRARequest that named it
+        # check() may run on a server thread while the engine thread prepares a step
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ attach
+    def attach(self, model: torch.nn.Module) -> None:
+        """Wrap every layer's projections; turn fused layers off (their norms fold into the
+        weights, so the adapter's input would not be the normed activation)."""
+        layers = getattr(model, "layers", None)
+        if layers is None:
+            raise ConfigError(f"the lora adapter cannot adapt {type(model).__name__}: no .layers")
+        if getattr(model, "fused_layers", False):
+            model.fused_layers = False
+        shapes = expected_shapes(self.ctx.model_config)
+        for layer in layers:
+            if getattr(layer, "fused", False):
+                layer.fused = False
+            projections: dict[str, _Projection] = {}
+            for block in (layer.self_attn, layer.mlp):
+                if not hasattr(block, "linear_weights") or not hasattr(block, "linear"):
+                    raise ConfigError(
+                        f"the lora adapter cannot adapt {type(block).__name__} (a mixture of "
+                        "experts?): it adapts dense attention and MLP projections"
+                    )
+                mine = {a: SLICES[a] for a in block.linear_weights() if a in SLICES}
+                for attr, modules in mine.items():
+                    projections[attr] = _Projection(
+                        modules, shapes, self.max_loras, self.max_rank, self.ctx
+                    )
+                block.linear = self._wrap(block, block.linear, projections, tuple(mine))
+            self.layers.append(projections)
+
+    def _wrap(
+        self,
+        block: torch.nn.Module,
+        linear: Callable[..., torch.Tensor],
+        projections: dict[str, _Projection],
+        attrs_: tuple[str, ...],
+    ) -> Callable[..., torch.Tensor]:
+        """``block``'s linear, plus the LoRA delta of the projection whose weight it is given."""
+
+        def adapted(x: torch.Tensor, weight: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            y = linear(x, weight, *args, **kwargs)
+            for attr in attrs_:
+                if getattr(block, attr) is weight:
+                    return self._add_delta(x, y, projections[attr])
+            return y
+
+        return adapted
+
+    def _add_delta(self, x: torch.Tensor, y: torch.Tensor, proj: _Projection) -> torch.Tensor:
+        """``y += scaling · B(A x)`` for the rows of a slot (in place)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        slots = self.slot_of_row[: x2.shape[0]]
+        y2 = y.reshape(-1, y.shape[-1])
+        h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks)
+        self.ops.lora_expand_add(y2, h, proj.B, slots, self.scaling, self.ranks)
+        return y
+
+    # ------------------------------------------------------------------ requests
+    def check(self, request: Any) -> None:
+        """Read ``request``'s adapter into the host cache (InvalidRequestError names the problem)."""
+        with self._lock:
+            self._check(request)
+
+    def _check(self, request: Any) -> None:
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and known.lora_path != request.lora_path:
+            raise InvalidRequestError(
+                f"lora_int_id {request.lora_int_id} is already adapter {known.lora_name!r} at "
+                f"{known.lora_path!r}; give another id to {request.lora_path!r}"
+            )
+        self._host(request)
+        self.requests[request.lora_int_id] = request
+
+    def _host(self, request: Any) -> LoRAWeights:
+        """The adapter's host copy (read now when not cached; LRU over ``max_cpu_loras``)."""
+        key = request.lora_int_id
+        if key in self.host:
+            self.host.move_to_end(key)
+            return self.host[key]
+        weights = read_adapter(
+            request.lora_name, request.lora_path, self.max_rank, self.ctx.model_config
+        )
+        self.host[key] = weights
+        while len(self.host) > self.max_cpu:
+            self.host.popitem(last=False)
+        return weights
+
+    # ------------------------------------------------------------------ steps
+    def prepare(self, seqs: Sequence[SeqInput]) -> None:
+        """Slot each sequence's adapter and write every row's slot (-1: the base model)."""
+        with self._lock:
+            self._prepare(seqs)
+
+    def _prepare(self, seqs: Sequence[SeqInput]) -> None:
+        wanted = {s.adapter.lora_int_id: s.adapter for s in seqs if s.adapter is not None}
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(  # add_request refuses requests over it (max_per_step)
+                f"a step runs {len(wanted)} adapters but max_loras={self.max_loras}"
+            )
+        slot_of = {key: self._slot(req, wanted) for key, req in wanted.items()}
+        host = []
+        for s in seqs:
+            slot = -1 if s.adapter is None else slot_of[s.adapter.lora_int_id]
+            host += [slot] * len(s.token_ids)
+        rows = len(host)
+        if rows > self.slot_of_row.shape[0]:  # eager steps only: graphs never grow past it
+            self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32, device=self.ctx.device)
+        self.slot_of_row[:rows].copy_(torch.tensor(host, dtype=torch.int32), non_blocking=True)
+        if self.rows > rows:
+            self.slot_of_row[rows : self.rows].fill_(-1)
+        self.rows = rows
+
+    def _slot(self, request: Any, wanted: dict[int, Any]) -> int:
+        """The slot holding ``request``'s adapter, loaded into the least recently used free
+        one (or one no adapter of this step holds) when it is in none."""
+        key = request.lora_int_id
+        if key in self.slot_lru:
+            self.slot_lru.move_to_end(key)
+            return self.slot_lru[key]
+        if None in self.slot_ids:
+            slot = self.slot_ids.index(None)
+        else:
+            victim = next(k for k in self.slot_lru if k not in wanted)
+            slot = self.slot_lru.pop(victim)
+        adapter = self._host(request)
+        for layer, projections in enumerate(self.layers):
+            for proj in projections.values():
+                proj.load(slot, layer, adapter)
+        self.ranks[slot] = adapter.rank
+        self.scaling[slot] = adapter.scaling
+        self.slot_ids[slot] = key
+        self.slot_lru[key] = slot
+        return slot

@@ -1,0 +1,335 @@
+"""The ``lora`` adapter plugin (issue 47): PEFT adapters served per request, exact against PEFT.
+
+Adapters are made at test time with ``peft`` on a tiny random Llama checkpoint
+(``init_lora_weights=False``, their B scaled up so that they change the greedy tokens),
+saved with ``save_pretrained``. Each row of a batch that mixes adapters of different ranks
+and targets with rows of the base model must give, token for token (fp32, greedy), what
+PEFT's ``merge_and_unload()`` of its own adapter gives (transformers' base model for the
+rows without one). Engines run with poisoned memory. Refusals name the problem and fail
+that request alone; the prefix cache never shares pages across adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.checkpoints import hf_model
+from helpers.models import make_tiny_checkpoint
+
+from pitstop import LLM, InvalidRequestError, LoRARequest, SamplingParams
+
+peft = pytest.importorskip("peft")
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# name -> (rank, targets, extra LoraConfig arguments)
+ADAPTERS: dict[str, tuple[int, list[str], dict[str, Any]]] = {
+    "qvd": (8, ["q_proj", "v_proj", "down_proj"], {}),
+    "ko_gu": (4, ["k_proj", "o_proj", "gate_proj", "up_proj"], {"use_rslora": True}),
+    "all_l1": (
+        2,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        {"layers_to_transform": [1]},
+    ),
+}
+IDS = {name: i + 1 for i, name in enumerate(ADAPTERS)}
+
+
+def _save_adapter(
+    base_dir: Path, out: Path, rank: int, targets: list[str], seed: int, **kw
+) -> Path:
+    """A PEFT adapter with random A and B (B scaled up so that it changes tokens), saved."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **kw
+    )
+    model = peft.get_peft_model(hf_model(base_dir), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(20)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The base checkpoint ("base") and one adapter folder per entry of ADAPTERS."""
+    root = tmp_path_factory.mktemp("lora")
+    folders = {"base": make_tiny_checkpoint(root, "llama")}
+    for i, (name, (rank, targets, kw)) in enumerate(ADAPTERS.items()):
+        folders[name] = _save_adapter(folders["base"], root / name, rank, targets, i + 1, **kw)
+    return folders
+
+
+@cache
+def _merged(base: Path, adapter: Path | None) -> Any:
+    """transformers' base model, or PEFT's merge_and_unload() of ``adapter`` on it."""
+    model = hf_model(base)
+    if adapter is None:
+        return model
+    return peft.PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+
+
+@cache
+def _expected(base: Path, adapter: Path | None, prompt: tuple[int, ...]) -> list[int]:
+    with torch.no_grad():
+        out = _merged(base, adapter).generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _llm(tiny: dict[str, Path], **settings_: Any) -> LLM:
+    values = dict(
+        device="cpu",
+        kv_cache_gib=0.01,
+        max_model_len=128,
+        poison_memory=True,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+    )
+    values.update(settings_)
+    return LLM(str(tiny["base"]), **values)
+
+
+def _request(tiny: dict[str, Path], name: str | None) -> LoRARequest | None:
+    return None if name is None else LoRARequest(name, IDS[name], str(tiny[name]))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny: dict[str, Path]) -> LLM:
+    return _llm(tiny, scheduler="chunked", chunk_size=24)
+
+
+def test_a_mixed_batch_matches_peft_merged_per_row(tiny: dict[str, Path], llm: LLM) -> None:
+    names = ["qvd", "ko_gu", None, "all_l1", "qvd", None]
+    prompts = _prompts((7, 30, 13, 41, 5, 19))
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=GREEDY,
+        lora_request=[_request(tiny, n) for n in names],
+        use_tqdm=False,
+    )
+    changed = 0
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        adapter = None if name is None else tiny[name]
+        expected = _expected(tiny["base"], adapter, tuple(prompt))
+        assert out.token_ids == expected, f"adapter {name} at prompt length {len(prompt)}"
+        changed += expected != _expected(tiny["base"], None, tuple(prompt))
+    assert changed >= 3, "the adapters should change the greedy tokens of most of their rows"
+
+
+def test_any_mix_of_adapters_matches_peft(tiny: dict[str, Path], llm: LLM) -> None:
+    """pitstop.testing.adapters on the lora plugin, with the prefix cache on."""
+    from pitstop.testing.adapters import check_adapters
+
+    prefix_llm = _llm(tiny, enable_prefix_caching=True, page_size=16)
+
+    def reference(name: str | None):
+        adapter = None if name is None else tiny[name]
+        return lambda prompt: _expected(tiny["base"], adapter, tuple(prompt))
+
+    references = {_request(tiny, n): reference(n) for n in (None, *ADAPTERS)}
+    check_adapters(prefix_llm, references, max_examples=4, max_tokens=MAX_TOKENS)
+
+
+def test_one_slot_serves_adapters_in_turn_from_the_host_cache(tiny: dict[str, Path]) -> None:
+    llm = _llm(tiny, max_loras=1, max_cpu_loras=1)
+    prompt = _prompts((17,), seed=3)[0]
+    for name in ("qvd", "ko_gu", "qvd", None, "all_l1"):
+        out = llm.generate(
+            prompt_token_ids=[prompt],
+            sampling_params=GREEDY,
+            lora_request=_request(tiny, name),
+            use_tqdm=False,
+        )[0]
+        adapter = None if name is None else tiny[name]
+        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+
+
+def test_more_adapters_in_flight_than_max_loras_are_refused_naming_it(
+    tiny: dict[str, Path],
+) -> None:
+    llm = _llm(tiny, max_loras=2)
+    names = ["qvd", "ko_gu", "all_l1"]
+    with pytest.raises(InvalidRequestError, match="max_loras=2"):
+        llm.generate(
+            prompt_token_ids=[[5, 6]] * 3,
+            sampling_params=GREEDY,
+            lora_request=[_request(tiny, n) for n in names],
+        )
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate(
+        prompt_token_ids=[[5, 6]] * 3,
+        sampling_params=GREEDY,
+        lora_request=[_request(tiny, n) for n in ("qvd", "ko_gu", "qvd")],
+        use_tqdm=False,
+    )
+    assert [o.token_ids for o in outs] == [
+        _expected(tiny["base"], tiny[n], (5, 6)) for n in ("qvd", "ko_gu", "qvd")
+    ]
+
+
+def test_the_prefix_cache_is_keyed_by_adapter(tiny: dict[str, Path]) -> None:
+    llm = _llm(tiny, enable_prefix_caching=True, page_size=16)
+    prompt = _prompts((40,), seed=4)[0]
+    allocator = llm.engine.allocator
+
+    def run(name: str | None) -> int:
+        before = allocator.stats().prefix_hit_tokens
+        out = llm.generate(
+            prompt_token_ids=[prompt],
+            sampling_params=GREEDY,
+            lora_request=_request(tiny, name),
+            use_tqdm=False,
+        )[0]
+        adapter = None if name is None else tiny[name]
+        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+        return allocator.stats().prefix_hit_tokens - before
+
+    assert run("qvd") == 0
+    assert run("ko_gu") == 0  # the same prompt under another adapter shares nothing
+    assert run(None) == 0  # nor under the base model
+    assert run("qvd") == 32  # the same adapter again: its two full pages
+
+
+def test_without_enable_lora_a_lora_request_names_the_flag(tiny: dict[str, Path]) -> None:
+    llm = LLM(str(tiny["base"]), device="cpu", kv_cache_gib=0.01, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="enable_lora=True"):
+        llm.generate(
+            prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, lora_request=_request(tiny, "qvd")
+        )
+
+
+def test_lora_request_must_be_one_or_one_per_prompt(tiny: dict[str, Path], llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="2 lora requests for 1 prompts"):
+        llm.generate(prompt_token_ids=[[5, 6]], sampling_params=GREEDY, lora_request=[None, None])
+    with pytest.raises(InvalidRequestError, match="beam search with an adapter"):
+        from pitstop.entrypoints.beam_search import BeamSearchParams
+
+        llm.beam_search(
+            [{"prompt_token_ids": [5, 6]}],
+            BeamSearchParams(beam_width=2, max_tokens=2),
+            lora_request=_request(tiny, "qvd"),
+        )
+
+
+def _edited(tiny: dict[str, Path], tmp_path: Path, **changes: Any) -> Path:
+    """A copy of adapter qvd with ``changes`` made to its adapter_config.json."""
+    folder = tmp_path / "edited"
+    shutil.copytree(tiny["qvd"], folder)
+    cfg_file = folder / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.update(changes)
+    cfg_file.write_text(json.dumps(cfg))
+    return folder
+
+
+REFUSED = {
+    "dora": ({"use_dora": True}, "DoRA"),
+    "modules_to_save": ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    "bias": ({"bias": "all"}, "trained biases"),
+    "embedding": ({"target_modules": ["embed_tokens", "q_proj"]}, "embedding and lm-head"),
+    "rank": ({"r": 16}, "over max_lora_rank=8"),
+    "rank_pattern": ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_adapters_are_refused_by_name(
+    tiny: dict[str, Path], llm: LLM, tmp_path: Path, case: str
+) -> None:
+    changes, expected = REFUSED[case]
+    folder = _edited(tiny, tmp_path, **changes)
+    with pytest.raises(InvalidRequestError, match=expected):
+        llm.generate(
+            prompt_token_ids=[[5, 6, 7]],
+            sampling_params=GREEDY,
+            lora_request=LoRARequest(case, 90, str(folder)),
+        )
+
+
+def test_a_bad_path_or_another_base_fails_that_request_alone(
+    tiny: dict[str, Path], llm: LLM, tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidRequestError, match="is not a folder"):
+        llm.generate(
+            prompt_token_ids=[[5, 6]],
+            sampling_params=GREEDY,
+            lora_request=LoRARequest("gone", 91, str(tmp_path / "x")),
+        )
+    other = make_tiny_checkpoint(tmp_path / "other", "llama", intermediate_size=96)
+    foreign = _save_adapter(other, tmp_path / "foreign", 4, ["down_proj"], 7)
+    with pytest.raises(InvalidRequestError, match="do not match the base model"):
+        llm.generate(
+            prompt_token_ids=[[5, 6]],
+            sampling_params=GREEDY,
+            lora_request=LoRARequest("foreign", 92, str(foreign)),
+        )
+    with pytest.raises(InvalidRequestError, match="already adapter"):
+        llm.generate(
+            prompt_token_ids=[[5, 6]],
+            sampling_params=GREEDY,
+            lora_request=LoRARequest("qvd", IDS["qvd"], str(foreign)),
+        )
+    prompt = _prompts((9,), seed=5)[0]
+    out = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=GREEDY, lora_request=_request(tiny, "qvd")
+    )[0]
+    assert out.token_ids == _expected(tiny["base"], tiny["qvd"], tuple(prompt))
+
+
+def test_merged_qkv_and_gate_up_projections_get_one_slice_per_part(
+    tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused kernel set's layout (q|k|v and gate|up merged), on the reference kernels."""
+    from pitstop.plugins.kernels.reference import ReferenceKernels
+
+    monkeypatch.setattr(ReferenceKernels, "merge_projections", True)
+    llm = _llm(tiny)
+    layer = llm.engine.runner.model.layers[0]
+    assert hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj")
+    names = ["ko_gu", None, "qvd", "all_l1"]
+    prompts = _prompts((11, 6, 25, 18), seed=6)
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=GREEDY,
+        lora_request=[_request(tiny, n) for n in names],
+        use_tqdm=False,
+    )
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        adapter = None if name is None else tiny[name]
+        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+
+
+def test_speculative_decoding_verifies_with_each_rows_adapter(tiny: dict[str, Path]) -> None:
+    """ngram drafts (repetitive prompts, so that it proposes) verified under each row's adapter."""
+    llm = _llm(tiny, speculative="ngram", num_speculative_tokens=3)
+    names = ["qvd", None, "ko_gu"]
+    prompts = [[7, 8, 9, 10] * 6, [11, 12, 13] * 7, [21, 22] * 9]
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=GREEDY,
+        lora_request=[_request(tiny, n) for n in names],
+        use_tqdm=False,
+    )
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        adapter = None if name is None else tiny[name]
+        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
