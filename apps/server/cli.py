@@ -83,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME=PATH",
         help="LoRA adapters served as model names (needs --enable-lora): NAME=PATH or vLLM's "
-        'JSON {"name": ..., "path": ...}; /v1/models lists them with the model as parent',
+        'JSON {"name": ..., "path": ...}; /v1/models lists them with the model as parent '
+        "(default: none; more load later through POST /v1/load_lora_adapter)",
     )
     g.add_argument(
         "--drain-timeout",
