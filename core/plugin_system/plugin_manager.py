@@ -365,6 +365,11 @@ class PluginManager:
         """Check ``config`` against the registered plugins, as :meth:`resolve` does."""
         self.resolve(config)
 
+    def selected_by(self) -> dict[str, str]:
+        """Each kind -> the :class:`EngineConfig` setting that selects its strategy by name
+        (``proposer`` -> ``speculative``; a model's is no setting: the checkpoint picks it)."""
+        return {name: kind.selected_by for name, kind in KIND_TABLE.items()}
+
     def declared_options(self) -> dict[str, str]:
         """Every ``options`` key a registered strategy reads -> the strategy that reads it."""
         declared: dict[str, str] = {}

@@ -368,6 +368,10 @@ class Registry(Protocol):
         """Every ``options`` key a registered strategy reads -> who reads it."""
         ...
 
+    def selected_by(self) -> dict[str, str]:
+        """Each kind -> the setting that selects its strategy by name (the kinds table's)."""
+        ...
+
 
 def strategy_settings(strategy: Declared, config: Any) -> Any:
     """A strategy's validated settings from ``config`` (None when it declares none); a
@@ -403,19 +407,6 @@ class ResolvedConfig:
         return self.settings.get(kind)
 
 
-# each kind an EngineConfig selects by name, and the field that names it
-SELECTING_FIELDS = (
-    ("allocator", "allocator"),
-    ("scheduler", "scheduler"),
-    ("kernels", "kernels"),
-    ("sampler", "sampler"),
-    ("proposer", "speculative"),
-    ("weights", "weights"),
-    ("grammar", "grammar"),
-    ("adapter", "adapter"),
-)
-
-
 def resolve(
     config: Any, registry: Registry, *, kinds: Collection[str] | None = None
 ) -> ResolvedConfig:
@@ -434,15 +425,18 @@ def resolve(
     scheduler when one of that name is registered. The executor is looked up only at
     ``tensor_parallel_size > 1`` (at 1 the engine runs the model in its own process).
     """
+    fields = attrs.fields_dict(type(config))
     selected: dict[str, Any] = {}
-    for kind, field in SELECTING_FIELDS:
+    for kind, field in registry.selected_by().items():
+        if field not in fields or (kinds is not None and kind not in kinds):
+            continue  # a model or a source is picked by the checkpoint, not by a setting
         name = getattr(config, field)
         if kind == "kernels" and name == "auto":  # named later, for the device
             continue
-        if name is not None and (kinds is None or kind in kinds):
+        if kind == "executor" and config.tensor_parallel_size == 1:
+            continue  # one process: the engine runs the model itself
+        if name is not None:
             selected[kind] = registry.get(kind, name)
-    if config.tensor_parallel_size > 1 and (kinds is None or "executor" in kinds):
-        selected["executor"] = registry.get("executor", config.distributed_executor_backend)
     every = registry.strategies()
     read = {(s.kind, s.name): strategy_settings(s, config) for s in every}
     check_option_keys(config.options, registry.declared_options())
