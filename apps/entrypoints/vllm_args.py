@@ -208,7 +208,10 @@ REFUSED: Mapping[str, str] = {
     "rope_theta": "edit the checkpoint's config.json instead",
     "skip_tokenizer_init": "pass prompt_token_ids; a model without a tokenizer takes only those",
     "max_parallel_loading_workers": "pitstop streams weights in one thread; leave it out",
-    "enable_expert_parallel": "pitstop runs dense models only",
+    "enable_expert_parallel": (
+        "pitstop cuts every expert by its intermediate rows (tensor_parallel_size), "
+        "not the experts over ranks"
+    ),
     "task": "pitstop generates text only",
     "runner": "pitstop generates text only",
     "generation_config": "give sampling values in SamplingParams",

@@ -11,9 +11,13 @@ over experts (:func:`pitstop.plugins.kernels.reference.moe`). Qwen2-MoE adds a s
 expert to every sparse block, a dense SwiGLU gated by a sigmoid.
 
 The config is read by :mod:`.moe_config`, the checkpoint names by :mod:`.moe_weights`,
-the ``dummy:`` shapes live in :mod:`.moe_presets`. Not supported yet, and refused:
-tensor parallelism (a rank would need its share of the experts), any weight format but
-``dense`` (the experts' grouped GEMMs read 16- or 32-bit weights), GGUF files.
+the ``dummy:`` shapes live in :mod:`.moe_presets`.
+
+Under tensor parallelism every rank holds every expert, cut by its intermediate rows
+(:mod:`pitstop.plugins.executors.tensor_parallel.sharding`); the router is whole, so every
+rank chooses the same experts, and one all-reduce after the block (routed experts and the
+shared expert together) sums the ranks' parts. Not supported yet, and refused: any weight
+format but ``dense`` (the experts' grouped GEMMs read 16- or 32-bit weights), GGUF files.
 """
 
 from __future__ import annotations
@@ -60,10 +64,13 @@ class SparseMoeBlock(nn.Module):
         self.gate_up = _param(e * 2 * f, h)
         self.down = _param(e * h, f)
         self.moe = KernelSetBase.of(kernels, "moe") or reference.moe
+        # tensor parallelism: this rank's experts' part summed over the ranks, once a block
+        self.all_reduce = getattr(kernels, "all_reduce", None)
         self.shared_expert: MLP | None = None
         if cfg.shared_expert_intermediate_size is not None:
             width = attrs.evolve(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
             self.shared_expert = MLP(width, kernels, merged, linear)
+            self.shared_expert.all_reduce = None  # its part joins the block's one all-reduce
             self.shared_gate = _param(1, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,11 +87,11 @@ class SparseMoeBlock(nn.Module):
             renormalize=cfg.norm_topk_prob,
             weights_dtype=None if cfg.routing_weights_float32 else logits.dtype,
         )
-        if self.shared_expert is None:
-            return out
-        # Qwen2-MoE, as transformers: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
-        gate = torch.sigmoid(self.kernels.linear(x, self.shared_gate))
-        return out + gate * self.shared_expert(x)
+        if self.shared_expert is not None:
+            # Qwen2-MoE, as transformers: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            gate = torch.sigmoid(self.kernels.linear(x, self.shared_gate))
+            out = out + gate * self.shared_expert(x)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
     def linear_weights(self) -> tuple[str, ...]:
         """None goes through the weight format: the experts are no linear layers of it."""
@@ -94,7 +101,7 @@ class SparseMoeBlock(nn.Module):
 class MoEForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE, Qwen2-MoE and Mixtral: the Llama decoder with sparse feed-forward blocks."""
 
-    supports_tensor_parallel = False  # the experts are not sharded yet
+    supports_tensor_parallel = True  # each expert cut by its intermediate rows (module doc)
     loads_quantized_weights = False
     shapes_of = staticmethod(expected_moe_shapes)
     name_map = staticmethod(map_moe_name)

@@ -25,7 +25,7 @@ Mixtral's ``router_jitter_noise``, applied only in training mode).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -95,6 +95,13 @@ class MoEModelConfig(ModelConfig):
     routing_weights_float32: bool = False
     # Qwen2-MoE's shared expert in every sparse block (its width), gated by a sigmoid
     shared_expert_intermediate_size: int | None = None
+
+    # the widths a tensor-parallel rank holds 1/n of besides intermediate_size: every rank
+    # holds every expert, cut by its intermediate rows (pitstop.plugins.executors.tensor_parallel)
+    tensor_parallel_widths: ClassVar[tuple[str, ...]] = (
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+    )
 
     @property
     def num_params(self) -> int:

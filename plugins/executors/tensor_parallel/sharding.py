@@ -8,6 +8,11 @@ For tensor parallelism of size ``n``, rank ``r`` holds:
 - row-parallel weights, split by input columns: ``o_proj`` and ``down_proj``;
   their partial outputs are summed over the ranks (all-reduce), so their bias
   is held by rank 0 only (zeros elsewhere) and added once;
+- a mixture of experts' experts as dense SwiGLUs are: every rank holds every
+  expert, each cut by its intermediate rows (Mixtral's ``w1``/``w3`` as
+  gate/up, ``w2`` as down; a shared expert likewise); the router is whole, so
+  every rank routes each token to the same experts and one all-reduce after
+  the block sums the parts;
 - the embedding and the output head split by vocabulary rows, each rank's
   part padded to ``ceil(vocab / n)`` rows;
 - every norm weight whole.
@@ -20,7 +25,7 @@ tensors :class:`WeightShard` cuts: the model code is the same at every size.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -38,6 +43,14 @@ def sizes_that_work(cfg: ModelConfig, limit: int = _MAX_LISTED_SIZE) -> list[int
     return [n for n in range(1, limit + 1) if _split_problem(cfg, n) is None]
 
 
+def _split_widths(cfg: ModelConfig) -> dict[str, int]:
+    """The feed-forward widths a rank holds ``1/n`` of: ``intermediate_size`` and those a
+    model config names in its ``tensor_parallel_widths`` (e.g. each expert's), when set."""
+    names = ("intermediate_size", *getattr(type(cfg), "tensor_parallel_widths", ()))
+    widths = {name: getattr(cfg, name) for name in names}
+    return {name: w for name, w in widths.items() if w is not None}
+
+
 def _split_problem(cfg: ModelConfig, n: int) -> str | None:
     """Why ``cfg`` cannot be split over ``n`` ranks, or None when it can."""
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
@@ -45,8 +58,9 @@ def _split_problem(cfg: ModelConfig, n: int) -> str | None:
         return f"its {hq} query heads do not divide by {n}"
     if hkv % n and n % hkv:
         return f"its {hkv} KV heads neither divide by {n} nor divide {n} (to be replicated)"
-    if cfg.intermediate_size % n:
-        return f"its intermediate size {cfg.intermediate_size} does not divide by {n}"
+    for name, width in _split_widths(cfg).items():
+        if width % n:
+            return f"its {name.replace('_', ' ')} {width} does not divide by {n}"
     return None
 
 
@@ -65,12 +79,13 @@ def check_tensor_parallel_size(cfg: ModelConfig, n: int) -> None:
 def shard_model_config(cfg: ModelConfig, n: int) -> ModelConfig:
     """The shape of one rank's part of ``cfg`` split over ``n`` ranks (checked first)."""
     check_tensor_parallel_size(cfg, n)
+    widths = {name: width // n for name, width in _split_widths(cfg).items()}
     return attrs.evolve(
         cfg,
         num_heads=cfg.num_heads // n,
         num_kv_heads=max(1, cfg.num_kv_heads // n),
-        intermediate_size=cfg.intermediate_size // n,
         vocab_size=math.ceil(cfg.vocab_size / n),
+        **widths,
     )
 
 
@@ -83,8 +98,9 @@ class Region:
     stop: int
 
 
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW_PARALLEL = ("o_proj", "down_proj")
+# Mixtral's experts name gate, up and down w1, w3 and w2
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+_ROW_PARALLEL = ("o_proj", "down_proj", "w2")
 _VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -101,8 +117,9 @@ class WeightShard:
         """Rows of the embedding and the head on every rank (the last one padded)."""
         return math.ceil(self.model_config.vocab_size / self.size)
 
-    def region(self, name: str) -> Region | None:
-        """The part of tensor ``name`` this rank holds; None: the whole tensor."""
+    def region(self, name: str, shape: Sequence[int]) -> Region | None:
+        """The part of tensor ``name`` (of the whole model's ``shape``) this rank holds; None:
+        the whole tensor."""
         cfg, r, n = self.model_config, self.rank, self.size
         if name in _VOCAB_PARALLEL:
             rows = self.vocab_rows
@@ -115,7 +132,7 @@ class WeightShard:
         if proj in _ROW_PARALLEL:
             if kind != "weight":
                 return None  # the bias is added once, after the sum (see finish)
-            width = (cfg.num_heads * d if proj == "o_proj" else cfg.intermediate_size) // n
+            width = shape[1] // n  # o_proj: query heads x head size; down: this MLP's width
             return Region(1, r * width, (r + 1) * width)
         if proj == "q_proj":
             width = cfg.num_heads // n * d
@@ -125,7 +142,9 @@ class WeightShard:
             head = r * hkv // n if hkv < n else r * (hkv // n)  # replicated when fewer than ranks
             heads = max(1, hkv // n)
             return Region(0, head * d, (head + heads) * d)
-        width = cfg.intermediate_size // n  # gate_proj, up_proj
+        width = (
+            shape[0] // n
+        )  # gate and up (dense, an expert's or a shared expert's), weight or bias
         return Region(0, r * width, (r + 1) * width)
 
     def finish(self, name: str, part: torch.Tensor) -> torch.Tensor:
@@ -141,7 +160,7 @@ class WeightShard:
 
     def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole tensor ``name``."""
-        region = self.region(name)
+        region = self.region(name, tensor.shape)
         if region is not None:
             tensor = tensor.narrow(region.dim, region.start, region.stop - region.start)
         return self.finish(name, tensor.contiguous())
@@ -158,8 +177,8 @@ class WeightShard:
     def read(self, f: Any, entry: Any) -> torch.Tensor:
         """Read only this rank's part of a safetensors ``entry`` (name, shape, dtype, byte start)
         from the open file ``f``: rows in one read, a column slice one row at a time."""
-        region = self.region(entry.name)
         shape = tuple(entry.shape)
+        region = self.region(entry.name, shape)
         itemsize = torch.empty(0, dtype=entry.dtype).element_size()
         if region is None:
             region = Region(0, 0, shape[0] if shape else 1)

@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from helpers.checkpoints import relative_error
@@ -121,6 +122,30 @@ def test_qwen3_tp2_with_replicated_kv_head_equals_tp1(tmp_path):
         tie_word_embeddings=True,
     )
     assert_tp_matches_tp1(folder, 2, kernels="fused")  # merged QKV and gate-up, sharded
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        # layer 0 a dense SwiGLU among sparse ones, top-3 of 6 experts renormalized
+        (
+            "qwen3_moe",
+            dict(
+                num_hidden_layers=3,
+                mlp_only_layers=[0],
+                num_experts=6,
+                num_experts_per_tok=3,
+                norm_topk_prob=True,
+            ),
+        ),
+        # a shared expert beside the routed ones, its part in the block's one all-reduce
+        ("qwen2_moe", dict(num_hidden_layers=2)),
+    ],
+)
+def test_mixture_of_experts_tp2_equals_tp1(tmp_path, arch, overrides):
+    # every rank holds every expert, cut by its intermediate rows; the router is whole
+    folder = make_tiny_checkpoint(tmp_path, arch, with_tokenizer=False, vocab_size=640, **overrides)
+    assert_tp_matches_tp1(folder, 2)
 
 
 def test_smollm2_tp3_greedy_equals_tp1():
@@ -418,7 +443,7 @@ def test_the_ranks_parts_put_together_are_the_whole_model(size, kv_heads):
     for name, tensor in whole.items():
         parts = [s.take(name, tensor) for s in shards]
         assert all(tuple(p.shape) == local_shapes[name] for p in parts), name
-        region = shards[0].region(name)
+        region = shards[0].region(name, tensor.shape)
         if name.endswith(("o_proj.bias", "down_proj.bias")):  # added once: rank 0 holds it
             assert torch.equal(parts[0], tensor) and all(not p.any() for p in parts[1:])
         elif region is None:
@@ -433,6 +458,40 @@ def test_the_ranks_parts_put_together_are_the_whole_model(size, kv_heads):
             joined = torch.cat(parts, dim=region.dim)
             assert torch.equal(joined.narrow(region.dim, 0, tensor.shape[region.dim]), tensor)
             assert not joined[tensor.shape[0] :].any()  # vocabulary padding is zeros
+
+
+def test_each_expert_is_cut_by_its_intermediate_rows():
+    from pitstop.model import dummy_weights
+    from pitstop.plugins.models.moe_config import MoEModelConfig
+    from pitstop.plugins.models.moe_weights import expected_moe_shapes
+
+    base = attrs.asdict(_config(num_heads=4, num_kv_heads=2), recurse=False)
+    for arch, shared in (("MixtralForCausalLM", None), ("Qwen2MoeForCausalLM", 12)):
+        cfg = MoEModelConfig(
+            **(base | dict(architecture=arch)),
+            num_experts=3,
+            num_experts_per_tok=2,
+            moe_intermediate_size=20,
+            norm_topk_prob=True,
+            sparse_layers=(1,),
+            shared_expert_intermediate_size=shared,
+        )
+        local = shard_model_config(cfg, 2)
+        assert (local.moe_intermediate_size, local.intermediate_size) == (10, 24)
+        assert local.shared_expert_intermediate_size == (None if shared is None else 6)
+        whole = dict(dummy_weights(expected_moe_shapes(cfg), 0, torch.device("cpu"), torch.float32))
+        local_shapes = expected_moe_shapes(local)
+        shards = [WeightShard(cfg, rank, 2) for rank in range(2)]
+        for name, tensor in whole.items():
+            parts = [s.take(name, tensor) for s in shards]
+            assert all(tuple(p.shape) == local_shapes[name] for p in parts), name
+            region = shards[0].region(name, tensor.shape)
+            if region is None:  # routers, gates, norms: whole on every rank
+                assert all(torch.equal(p, tensor) for p in parts), name
+            elif "embed" not in name and "lm_head" not in name:
+                assert torch.equal(torch.cat(parts, dim=region.dim), tensor), name
+    with pytest.raises(ConfigError, match="moe intermediate size 18 does not divide by 4"):
+        check_tensor_parallel_size(attrs.evolve(cfg, moe_intermediate_size=18), 4)
 
 
 class _OneRank:

@@ -160,11 +160,12 @@ def test_weight_formats_other_than_dense_are_refused(qwen3_moe: Path) -> None:
         LLM(str(qwen3_moe), device="cpu", kv_cache_gib=0.01, max_model_len=64, weights="fp8")
 
 
-def test_experts_are_not_sharded_for_tensor_parallelism(qwen3_moe: Path) -> None:
+def test_the_moe_models_support_tensor_parallelism(qwen3_moe: Path) -> None:
+    # exactness at tp=2: tests/plugins/executors/test_tensor_parallel.py
     from pitstop.plugin_system.protocols import ModelBase
 
     llm = LLM(str(qwen3_moe), device="cpu", kv_cache_gib=0.01, max_model_len=64)
-    assert ModelBase.of(llm.engine.runner.model, "supports_tensor_parallel") is False
+    assert ModelBase.of(llm.engine.runner.model, "supports_tensor_parallel") is True
 
 
 def test_missing_or_extra_experts_are_refused(qwen3_moe: Path, tmp_path: Path) -> None:
