@@ -367,6 +367,7 @@ class LLMEngine:
         ``overlap`` the outputs are those of the previous step (see the
         module docstring).
         """
+        self.intake.admit_waiting()  # requests whose adapter waited for a place
         outputs, self._step_in_flight = self._advance(self._step_in_flight, stream)
         outputs.extend(self.results.take_failed())
         return outputs

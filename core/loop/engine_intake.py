@@ -6,6 +6,12 @@ before it is queued; a request aborted.
 request table, allocator, scheduler and sampler; it adds to and stops requests in
 that table (:class:`~pitstop.loop.request_table.RequestTable`), and owns the grammar
 backend, built at the first structured request.
+
+A request whose adapter would bring the adapters in flight over what one step can run
+(the adapter plugin's ``max_per_step``, LoRA's ``max_loras``) waits here, in the table but
+not yet queued, until requests finish and free a place (:meth:`RequestIntake.admit_waiting`,
+before each step), as vLLM's scheduler holds such requests back; requests of adapters
+already in flight, and of the base model, do not wait behind it.
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ class RequestIntake:
         self.grammars: GrammarBackend | None = None
         """The grammar backend, built at the first structured request (or grammar_compiler())."""
         self._grammars_lock = threading.Lock()  # grammar_compiler() runs on other threads
+        # request id -> its sequences, waiting (oldest first) for its adapter to get a place
+        self._waiting: dict[str, list[Sequence]] = {}
 
     def grammar_compiler(self) -> GrammarBackend:
         """The structured-output compiler of this engine's tokenizer: the grammar backend
@@ -162,14 +170,55 @@ class RequestIntake:
         req = RequestState(request_id, prompt, ids, params, samples)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
+        waits = lora_request is not None and not self._has_room(lora_request.lora_int_id)
         self.requests.add(req)
         seqs = [sample.seq for sample in samples]
         if len(seqs) > 1 and AllocatorBase.of(self.allocator, "shares_prefix_pages"):
             # the other samples wait until the first computed the prompt, then share its pages
             seqs, req.held_back = seqs[:1], seqs[1:]
-        for seq in seqs:
-            self.scheduler.add(seq)
+        if waits:
+            self._waiting[request_id] = seqs  # queued by admit_waiting once a place frees
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
         return request_id
+
+    def _adapters_in_flight(self) -> set[int]:
+        """The adapter ids of the queued (waiting or running) requests' sequences."""
+        waiting = {seq.seq_id for seqs in self._waiting.values() for seq in seqs}
+        live = self.requests.live_sequences().values()
+        return {seq.adapter_id for seq in live if seq.seq_id not in waiting} - {0}
+
+    def _has_room(self, adapter_id: int) -> bool:
+        """Whether a request of ``adapter_id`` can be queued now: its adapter is in flight,
+        or none waits and fewer than ``max_per_step`` are in flight."""
+        limit = getattr(self.adapters, "max_per_step", None)
+        if limit is None:
+            return True
+        in_flight = self._adapters_in_flight()
+        return adapter_id in in_flight or (not self._waiting and len(in_flight) < limit)
+
+    def admit_waiting(self) -> None:
+        """Queue the requests that wait for a place for their adapter, oldest first, while
+        the adapters in flight leave room (the engine calls it before each step)."""
+        if not self._waiting:
+            return
+        in_flight = self._adapters_in_flight()
+        limit = getattr(self.adapters, "max_per_step", None)
+        assert limit is not None
+        for request_id, seqs in list(self._waiting.items()):
+            adapter_id = seqs[0].adapter_id
+            if adapter_id not in in_flight and len(in_flight) >= limit:
+                continue
+            in_flight.add(adapter_id)
+            del self._waiting[request_id]
+            for seq in seqs:
+                self.scheduler.add(seq)
+
+    @property
+    def num_waiting_for_adapter(self) -> int:
+        """Requests not yet queued because their adapter waits for a place."""
+        return len(self._waiting)
 
     def _check_adapter(self, lora_request: Any) -> None:
         """Refuse an adapter this engine cannot serve; the adapter plugin reads it (or refuses it)."""
@@ -181,13 +230,6 @@ class RequestIntake:
                 "build it with enable_lora=True (adapter='lora')"
             )
         self.adapters.check(lora_request)
-        limit = getattr(self.adapters, "max_per_step", None)  # the adapters one step can run
-        live = {seq.adapter_id for seq in self.requests.live_sequences().values()} - {0}
-        if limit is not None and lora_request.lora_int_id not in live and len(live) >= limit:
-            raise InvalidRequestError(
-                f"{len(live)} adapters are in flight and the engine runs at most {limit} "
-                f"(max_loras={limit}); raise max_loras, or wait for their requests to finish"
-            )
 
     def _check_combination(self, params: SamplingParams) -> None:
         """Refuse what this engine's configuration cannot honour (instead of ignoring it)."""
@@ -304,6 +346,7 @@ class RequestIntake:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self._waiting.pop(request_id, None)
         self.requests.stop(req, self.scheduler)
         self.stats.requests_aborted += 1
         return self.requests.finish(req)

@@ -16,8 +16,9 @@ The config's ``adapter`` setting names an adapter plugin (``lora``; vLLM's
    projections read it.
 
 An adapter plugin may set ``max_per_step`` (an int): the most distinct adapters one step
-can run (the ``lora`` plugin's ``max_loras``). The engine then refuses, at ``add_request``,
-a request whose adapter would bring the live requests' adapters over it.
+can run (the ``lora`` plugin's ``max_loras``). A request whose adapter would bring the
+queued requests' adapters over it then waits, unqueued, until requests finish and free a
+place (as vLLM's scheduler holds it back); the scheduler never sees more adapters.
 
 The engine keys the prefix cache by ``Sequence.adapter_id`` (its request's
 ``lora_int_id``; 0 without one), so two adapters never share cached pages.

@@ -88,7 +88,7 @@ class LoRASlots:
     ) -> None:
         self.ctx = ctx
         self.max_loras, self.max_rank = max_loras, max_lora_rank
-        self.max_per_step = max_loras  # the engine refuses a request over it (never a step)
+        self.max_per_step = max_loras  # the engine holds back requests over it (never a step)
         self.max_cpu = max(max_cpu_loras, max_loras)
         self.ops = kernel_ops(ctx.device)
         dev = ctx.device
@@ -199,7 +199,7 @@ class LoRASlots:
     def _prepare(self, seqs: Sequence[SeqInput]) -> None:
         wanted = {s.adapter.lora_int_id: s.adapter for s in seqs if s.adapter is not None}
         if len(wanted) > self.max_loras:
-            raise RuntimeError(  # add_request refuses requests over it (max_per_step)
+            raise RuntimeError(  # the engine holds back requests over it (max_per_step)
                 f"a step runs {len(wanted)} adapters but max_loras={self.max_loras}"
             )
         slot_of = {key: self._slot(req, wanted) for key, req in wanted.items()}

@@ -164,27 +164,63 @@ def test_one_slot_serves_adapters_in_turn_from_the_host_cache(tiny: dict[str, Pa
         assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
 
 
-def test_more_adapters_in_flight_than_max_loras_are_refused_naming_it(
+def test_requests_of_more_adapters_than_max_loras_wait_for_a_place(
     tiny: dict[str, Path],
 ) -> None:
+    # as vLLM: a request whose adapter finds every slot taken waits (unqueued) until the
+    # requests of another adapter finish; no step runs more than max_loras adapters
     llm = _llm(tiny, max_loras=2)
-    names = ["qvd", "ko_gu", "all_l1"]
-    with pytest.raises(InvalidRequestError, match="max_loras=2"):
-        llm.generate(
-            prompt_token_ids=[[5, 6]] * 3,
-            sampling_params=GREEDY,
-            lora_request=[_request(tiny, n) for n in names],
-        )
-    assert not llm.engine.has_unfinished_requests()
-    outs = llm.generate(
-        prompt_token_ids=[[5, 6]] * 3,
-        sampling_params=GREEDY,
-        lora_request=[_request(tiny, n) for n in ("qvd", "ko_gu", "qvd")],
-        use_tqdm=False,
-    )
-    assert [o.token_ids for o in outs] == [
-        _expected(tiny["base"], tiny[n], (5, 6)) for n in ("qvd", "ko_gu", "qvd")
+    engine = llm.engine
+    seen: list[set[int]] = []
+    prepare = engine.runner.adapters.prepare
+
+    def record(seqs):
+        seen.append({s.adapter for s in seqs if s.adapter is not None})
+        return prepare(seqs)
+
+    engine.runner.adapters.prepare = record  # type: ignore[method-assign]
+    names = ["qvd", "ko_gu", "all_l1", None, "qvd", "all_l1"]
+    prompts = _prompts((9, 14, 5, 11, 7, 20), seed=5)
+    ids = [
+        engine.add_request(prompt_token_ids=p, params=GREEDY, lora_request=_request(tiny, n))
+        for n, p in zip(names, prompts, strict=True)
     ]
+    assert engine.intake.num_waiting_for_adapter == 2  # all_l1's two, behind qvd and ko_gu
+    aborted = engine.add_request(
+        prompt_token_ids=[5, 6], params=GREEDY, lora_request=_request(tiny, "ko_gu")
+    )
+    engine.abort(aborted)  # queued beside its adapter, then aborted: nothing of it is left
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step(stream=False):
+            finished[out.request_id] = out
+    assert engine.intake.num_waiting_for_adapter == 0
+    for request_id, name, prompt in zip(ids, names, prompts, strict=True):
+        adapter = None if name is None else tiny[name]
+        want = _expected(tiny["base"], adapter, tuple(prompt))
+        assert finished[request_id].token_ids == want, name
+    assert seen and max(len(step) for step in seen) <= 2
+    pages = engine.allocator.stats()
+    assert pages.pages_free == pages.num_pages and pages.tokens_held == 0
+
+
+def test_a_waiting_request_can_be_aborted(tiny: dict[str, Path]) -> None:
+    llm = _llm(tiny, max_loras=1)
+    engine = llm.engine
+    first = engine.add_request(
+        prompt_token_ids=[5, 6, 7], params=GREEDY, lora_request=_request(tiny, "qvd")
+    )
+    waiting = engine.add_request(
+        prompt_token_ids=[5, 6, 7], params=GREEDY, lora_request=_request(tiny, "ko_gu")
+    )
+    assert engine.intake.num_waiting_for_adapter == 1
+    output = engine.abort(waiting)
+    assert output is not None and output.finished
+    assert engine.intake.num_waiting_for_adapter == 0
+    done = []
+    while engine.has_unfinished_requests():
+        done += engine.step(stream=False)
+    assert [o.request_id for o in done] == [first]
 
 
 def test_the_prefix_cache_is_keyed_by_adapter(tiny: dict[str, Path]) -> None:
