@@ -34,6 +34,7 @@ class MoEOps(Protocol):
         *,
         renormalize: bool,
         weights_dtype: torch.dtype | None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))`` over each
         token's ``top_k`` experts ``e``, a new ``[T, H]`` tensor in ``x``'s dtype.
@@ -44,7 +45,10 @@ class MoEOps(Protocol):
         top-k (lower expert id first among equal probabilities), divided by the sum of
         the k kept ones when ``renormalize`` (``norm_topk_prob``), then cast to
         ``weights_dtype`` (Qwen3-MoE: ``x``'s dtype; ``None`` keeps float32, as Mixtral
-        does). Runs inside CUDA graphs when the set declares itself graph-safe: no host
-        synchronisation, no allocation whose size depends on the routing.
+        does). ``scales``: fp8 experts (``weights="fp8"``): ``gate_up`` and ``down`` are
+        float8_e4m3fn and each output row has a float32 scale, ``(gate_up_scale [E, 2F],
+        down_scale [E, H])``, the weight being ``q * scale``. Runs inside CUDA graphs when
+        the set declares itself graph-safe: no host synchronisation, no allocation whose
+        size depends on the routing.
         """
         ...

@@ -397,24 +397,16 @@ def _triton_moe(
     *,
     renormalize: bool,
     weights_dtype: torch.dtype | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The fused MoE op (:func:`.triton_ops.moe.fused_moe`), or the reference loop for more
     than :data:`MAX_TRITON_TOP_K` experts a token."""
+    kw = dict(renormalize=renormalize, weights_dtype=weights_dtype, scales=scales)
     if top_k > MAX_TRITON_TOP_K:
-        return reference.moe(
-            x,
-            router_logits,
-            gate_up,
-            down,
-            top_k,
-            renormalize=renormalize,
-            weights_dtype=weights_dtype,
-        )
+        return reference.moe(x, router_logits, gate_up, down, top_k, **kw)
     from pitstop.plugins.kernels.triton_ops import moe
 
-    return moe.fused_moe(
-        x, router_logits, gate_up, down, top_k, renormalize=renormalize, weights_dtype=weights_dtype
-    )
+    return moe.fused_moe(x, router_logits, gate_up, down, top_k, **kw)
 
 
 def make_fused_kernels(

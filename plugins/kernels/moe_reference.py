@@ -14,7 +14,9 @@ follow ``transformers`` 5's ``Qwen3MoeTopKRouter`` / ``Qwen3MoeExperts`` and
   into a zero output.
 
 Weights keep the checkpoints' layout: ``gate_up [E, 2F, H]`` (gate rows, then up rows)
-and ``down [E, H, F]``.
+and ``down [E, H, F]``. fp8 experts (``weights="fp8"``) come as e4m3 tensors of that layout
+with one float32 scale per output row (``scales = (gate_up_scale [E, 2F], down_scale [E, H])``);
+the loop widens each expert it runs to ``q * scale`` in ``x``'s dtype first.
 """
 
 from __future__ import annotations
@@ -43,16 +45,23 @@ def route(
     return values, ids
 
 
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An fp8 expert's weight ``q [N, K]`` (e4m3) times its row scales ``scale [N]``, in ``dtype``."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
 def experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))``, ``e = ids[t, j]``.
 
-    ``x [T, H]``, ``weights``/``ids [T, k]``, ``gate_up [E, 2F, H]``, ``down [E, H, F]``;
+    ``x [T, H]``, ``weights``/``ids [T, k]``, ``gate_up [E, 2F, H]``, ``down [E, H, F]``
+    (in ``x``'s dtype, or e4m3 with ``scales``: ``[E, 2F]`` and ``[E, H]``, see the module);
     returns ``[T, H]`` in ``x``'s dtype, summed in expert order as transformers does.
     """
     num_experts = gate_up.shape[0]
@@ -62,8 +71,11 @@ def experts(
         slot, token = torch.where(mask[e])
         if token.numel() == 0:
             continue
-        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down[e])
+        w13, w2 = gate_up[e], down[e]
+        if scales is not None:
+            w13, w2 = dequantize(w13, scales[0][e], x.dtype), dequantize(w2, scales[1][e], x.dtype)
+        gate, up = F.linear(x[token], w13).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2)
         h = h * weights[token, slot, None]
         out.index_add_(0, token, h.to(out.dtype))
     return out

@@ -293,12 +293,14 @@ def moe(
     *,
     renormalize: bool,
     weights_dtype: torch.dtype | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A sparse-MoE block's experts as transformers runs them: :func:`.moe_reference.route`
-    then the loop over the experts hit (:func:`.moe_reference.experts`). Reads which experts
-    were hit on the host, so it is never captured in a CUDA graph."""
+    then the loop over the experts hit (:func:`.moe_reference.experts`; ``scales``: fp8
+    experts' row scales). Reads which experts were hit on the host, so it is never captured
+    in a CUDA graph."""
     weights, ids = moe_reference.route(router_logits, top_k, renormalize, weights_dtype)
-    return moe_reference.experts(x, weights, ids, gate_up, down)
+    return moe_reference.experts(x, weights, ids, gate_up, down, scales)
 
 
 OPS = ("rms_norm", "linear", "silu_and_mul", "rope_and_store", "attention", "moe")
@@ -431,11 +433,12 @@ class DispatchKernels(KernelSetBase):
         *,
         renormalize: bool,
         weights_dtype: torch.dtype | None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """A sparse-MoE block's experts, ``[T, H]``: routing of ``router_logits [T, E]``
         (softmax, top-k, ``renormalize``, ``weights_dtype``) and the weighted sum of each
-        token's experts over ``gate_up [E, 2F, H]`` and ``down [E, H, F]``
-        (:class:`~pitstop.plugin_system.protocols.MoEOps`)."""
+        token's experts over ``gate_up [E, 2F, H]`` and ``down [E, H, F]`` (fp8 with
+        ``scales``) (:class:`~pitstop.plugin_system.protocols.MoEOps`)."""
         return self._moe(
             x,
             router_logits,
@@ -444,6 +447,7 @@ class DispatchKernels(KernelSetBase):
             top_k,
             renormalize=renormalize,
             weights_dtype=weights_dtype,
+            scales=scales,
         )
 
 

@@ -16,8 +16,13 @@ the ``dummy:`` shapes live in :mod:`.moe_presets`.
 Under tensor parallelism every rank holds every expert, cut by its intermediate rows
 (:mod:`pitstop.plugins.executors.tensor_parallel.sharding`); the router is whole, so every
 rank chooses the same experts, and one all-reduce after the block (routed experts and the
-shared expert together) sums the ranks' parts. Not supported yet, and refused: any weight
-format but ``dense`` (the experts' grouped GEMMs read 16- or 32-bit weights), GGUF files.
+shared expert together) sums the ranks' parts.
+
+Weight formats: ``dense``, and ``fp8``, under which every expert is held in e4m3 with one
+float32 scale per output row (quantized once at load, as the format quantizes linear
+weights) and the kernel set's ``moe`` op runs weight-only GEMMs over them; the router, the
+attention and the shared expert go through the format as any linear layer would (the
+router stays dense, as in vLLM). Refused: ``gguf`` and GGUF files.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pitstop.plugins.models.moe_config import MOE_MODEL_TYPES, MoEModelConfig, m
 from pitstop.plugins.models.moe_presets import PRESETS
 from pitstop.plugins.models.moe_weights import expected_moe_shapes, map_moe_name
 from pitstop.plugins.weight_formats.dense import DenseWeights
+from pitstop.plugins.weight_formats.fp8 import Fp8Weights
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -73,11 +79,25 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert.all_reduce = None  # its part joins the block's one all-reduce
             self.shared_gate = _param(1, h)
 
+    def quantize_experts(self) -> None:
+        """Hold the experts in e4m3 with a float32 scale per output row (``weights="fp8"``):
+        ``gate_up``/``down`` become float8 parameters of the same shape, the scales
+        buffers ``[E, 2F]`` and ``[E, H]``. Called once, after the weights load."""
+        from pitstop.plugins.weight_formats.fp8 import quantize_rows
+
+        e = self.cfg.num_experts
+        for name in ("gate_up", "down"):
+            q, scale = quantize_rows(getattr(self, name).data)
+            delattr(self, name)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            self.register_buffer(f"{name}_scale", scale.reshape(e, -1).contiguous())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` -> ``[T, H]``: router logits, then the routed experts' weighted sum."""
         cfg = self.cfg
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         logits = self.kernels.linear(x, self.router)
+        scales = getattr(self, "gate_up_scale", None)
         out = self.moe(
             x,
             logits,
@@ -86,6 +106,7 @@ class SparseMoeBlock(nn.Module):
             cfg.num_experts_per_tok,
             renormalize=cfg.norm_topk_prob,
             weights_dtype=None if cfg.routing_weights_float32 else logits.dtype,
+            scales=None if scales is None else (scales, self.down_scale),
         )
         if self.shared_expert is not None:
             # Qwen2-MoE, as transformers: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
@@ -109,13 +130,22 @@ class MoEForCausalLM(LlamaForCausalLM):
     def __init__(
         self, cfg: MoEModelConfig, kernels: KernelSet, weights: WeightFormat | None = None
     ) -> None:
-        if weights is not None and not isinstance(weights, DenseWeights):
+        if weights is not None and not isinstance(weights, DenseWeights | Fp8Weights):
             raise ConfigError(
                 f"weights={weights.name!r}: the {cfg.architecture} model holds its experts "
-                "dense (the fused MoE op reads float32, float16 or bfloat16 expert weights); "
-                "use weights='dense'"
+                "dense or in fp8 (the MoE op reads 16/32-bit or e4m3 expert weights); "
+                "use weights='dense' or weights='fp8'"
             )
         super().__init__(cfg, kernels, weights)
+
+    def prepare_weights(self, blocks: dict | None = None) -> None:
+        """The format's linear weights (:meth:`LlamaForCausalLM.prepare_weights`), then,
+        under ``fp8``, every sparse block's experts in e4m3 (module doc)."""
+        super().prepare_weights(blocks)
+        if isinstance(self.weights, Fp8Weights):
+            for layer in self.layers:
+                if isinstance(layer.mlp, SparseMoeBlock):
+                    layer.mlp.quantize_experts()
 
     def make_layer(self, index: int) -> nn.Module:
         """Decoder layer ``index``: sparse when the config lists it, else a dense SwiGLU."""

@@ -14,6 +14,12 @@
    routing weight (in float32) stored, unrounded, to ``y [T*k, H]`` (float32);
 5. the k-slot sum: ``out[t] = sum_j y[t * k + j]`` in slot order, one rounding.
 
+fp8 experts (``scales`` given): ``gate_up`` and ``down`` are e4m3 with one float32 scale
+per output row; the GEMMs are weight-only, as the ``fp8`` format's skinny GEMM: each
+weight tile is widened to the activations' dtype in registers (exact) and the float32
+accumulators are multiplied by their columns' scales before the epilogue, so a step
+reads half the expert bytes of bf16 and the activations are not rounded to fp8.
+
 Reduction: the deterministic sum over the k slots (5) rather than float32 atomics
 into ``[T, H]``: atomics add a token's k rows in whatever order the programs run, so
 the bits change from run to run (and with the batch's composition), and they need a
@@ -156,10 +162,15 @@ class ConfigCache:
         dtype: torch.dtype,
         device_name: str,
         triton_version: str = triton.__version__,
+        weight_dtype: torch.dtype | None = None,
     ) -> str:
-        """``T<bucket>-E-k-H-F|dtype|device name|triton version``."""
+        """``T<bucket>-E-k-H-F|dtype|device name|triton version`` (``dtype`` followed by
+        ``/<weight dtype>`` when the experts are held in another, e.g. fp8)."""
         shape = f"T{bucket_rows(num_tokens)}-E{num_experts}-k{top_k}-H{hidden}-F{inter}"
-        return f"{shape}|{str(dtype).removeprefix('torch.')}|{device_name}|triton {triton_version}"
+        types = str(dtype).removeprefix("torch.")
+        if weight_dtype is not None and weight_dtype != dtype:
+            types += "/" + str(weight_dtype).removeprefix("torch.")
+        return f"{shape}|{types}|{device_name}|triton {triton_version}"
 
     def _read(self) -> dict[str, list[int]]:
         try:
@@ -237,6 +248,7 @@ def choose_config(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     cache: ConfigCache | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> MoEConfig:
     """The tiles for this call: cached, else autotuned (on this call's inputs), else heuristic.
 
@@ -254,7 +266,7 @@ def choose_config(
         _log_once("interpreter", "fused MoE: Triton interpreter, no autotune: heuristic tiles")
         return heuristic_config(t, e, top_k, x.dtype, False)
     name = torch.cuda.get_device_name(x.device)
-    key = ConfigCache.key(t, e, top_k, h, two_f // 2, x.dtype, name)
+    key = ConfigCache.key(t, e, top_k, h, two_f // 2, x.dtype, name, weight_dtype=gate_up.dtype)
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -270,7 +282,9 @@ def choose_config(
 
     def measure(cfg: MoEConfig) -> float:
         return do_bench(
-            lambda: experts(x, weights, ids, gate_up, down, config=cfg), warmup=5, rep=25
+            lambda: experts(x, weights, ids, gate_up, down, config=cfg, scales=scales),
+            warmup=5,
+            rep=25,
         )
 
     return autotune(key, candidates(t, e, top_k, x.dtype), measure, cache)
@@ -292,6 +306,7 @@ def _grouped_gemm_kernel(
     w_ptr,
     out_ptr,
     rw_ptr,
+    ws_ptr,
     sorted_ptr,
     expert_ids_ptr,
     total_ptr,
@@ -302,8 +317,10 @@ def _grouped_gemm_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_se,
     TOPK: tl.constexpr,
     GATE_UP: tl.constexpr,
+    W_SCALED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -317,6 +334,8 @@ def _grouped_gemm_kernel(
     output ``silu(a @ w[e, n].T) * (a @ w[e, F + n].T)`` rounded into ``h [T*k, F]``.
     Else ``a`` is ``h [T*k, F]`` read at ``row``, ``w [E, H, F]``, the output the float32
     ``rw[row] * (a @ w[e, n].T)`` into ``y [T*k, H]``. ``N = T * k`` (also the sentinel).
+    ``W_SCALED``: ``w`` is e4m3, widened to ``a``'s dtype per tile; the accumulators are
+    multiplied by the row scales ``ws [E, NOUT or 2F]`` of their columns.
     """
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -343,6 +362,8 @@ def _grouped_gemm_kernel(
         else:
             a = tl.load(a_base + k[None, :], mask=(k < K)[None, :], other=0.0)
             w = tl.load(w_base + k[:, None], mask=(k < K)[:, None], other=0.0)
+        if W_SCALED:
+            w = w.to(a.dtype)
         acc = _dot(a, w, acc, UPCAST, DOT_PRECISION)
         if GATE_UP:
             if EVEN_K:
@@ -351,7 +372,14 @@ def _grouped_gemm_kernel(
                 u = tl.load(
                     w_base + NOUT * stride_wn + k[:, None], mask=(k < K)[:, None], other=0.0
                 )
+            if W_SCALED:
+                u = u.to(a.dtype)
             acc_u = _dot(a, u, acc_u, UPCAST, DOT_PRECISION)
+    if W_SCALED:
+        s_base = ws_ptr + e * stride_se + tl.minimum(n, NOUT - 1)
+        acc = acc * tl.load(s_base)[None, :]
+        if GATE_UP:
+            acc_u = acc_u * tl.load(s_base + NOUT)[None, :]
     mask = valid[:, None] & (n < NOUT)[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + n[None, :]
     if GATE_UP:
@@ -376,7 +404,12 @@ def _slot_sum_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexp
     tl.store(out_ptr + t * H + h, _rounded(acc, dt).to(dt), mask=mask)
 
 
-def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+def _check(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     assert x.dim() == 2 and gate_up.dim() == 3 and down.dim() == 3, (
         "x [T, H], [E, 2F, H], [E, H, F]"
     )
@@ -385,8 +418,13 @@ def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
     assert down.shape == (e, h, two_f // 2), (
         f"down {tuple(down.shape)}: expected {(e, h, two_f // 2)}"
     )
-    assert x.dtype == gate_up.dtype == down.dtype, "x and the expert weights share a dtype"
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    if scales is None:
+        assert x.dtype == gate_up.dtype == down.dtype, "x and the expert weights share a dtype"
+    else:
+        assert gate_up.dtype == down.dtype == torch.float8_e4m3fn, "fp8 experts are e4m3"
+        assert scales[0].shape == (e, two_f) and scales[1].shape == (e, h), "row scales"
+        assert all(s.dtype == torch.float32 and s.stride(1) == 1 for s in scales)
     for w in (gate_up, down):
         assert w.stride(2) == 1, "expert weights must be contiguous along their last dimension"
 
@@ -401,16 +439,18 @@ def experts(
     config: MoEConfig | None = None,
     grouping: Grouping | None = None,
     cache: ConfigCache | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for given routing: :func:`.moe_reference.experts`, fused.
 
     ``x [T, H]``; ``weights [T, k]`` (any float dtype, used in float32), ``ids [T, k]``;
-    ``gate_up [E, 2F, H]`` (gate rows then up rows), ``down [E, H, F]``, in ``x``'s dtype.
+    ``gate_up [E, 2F, H]`` (gate rows then up rows), ``down [E, H, F]``, in ``x``'s dtype
+    (or e4m3 with ``scales``, their row scales ``[E, 2F]`` and ``[E, H]``: module doc).
     ``config``: the tiles (default :func:`choose_config`); ``grouping``: an :func:`align`
     of ``ids`` with ``config.block_m`` already made (as :func:`fused_moe` does).
     Returns a fresh ``[T, H]``.
     """
-    _check(x, gate_up, down)
+    _check(x, gate_up, down, scales)
     t, top_k = ids.shape
     e, two_f, h = gate_up.shape
     f = two_f // 2
@@ -420,7 +460,7 @@ def experts(
     if x.stride(1) != 1:
         x = x.contiguous()
     if config is None:
-        config = choose_config(x, weights, ids, gate_up, down, cache)
+        config = choose_config(x, weights, ids, gate_up, down, cache, scales)
     bm, bn, bk, warps, stages = config
     if grouping is None:
         grouping = align(ids, e, bm)
@@ -432,15 +472,17 @@ def experts(
     blocks = grouping.expert_ids.numel()
     upcast = x.device.type != "cuda" and x.dtype != torch.float32
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    for a, w, dst, nout, k, gate in (
-        (x, gate_up, inter, f, h, True),
-        (inter, down, y, h, f, False),
+    unscaled = (rw, rw)  # never read: W_SCALED is off
+    for a, w, ws, dst, nout, k, gate in (
+        (x, gate_up, (scales or unscaled)[0], inter, f, h, True),
+        (inter, down, (scales or unscaled)[1], y, h, f, False),
     ):
         _grouped_gemm_kernel[(blocks, triton.cdiv(nout, bn))](
             a,
             w,
             dst,
             rw,
+            ws,
             grouping.sorted_rows,
             grouping.expert_ids,
             grouping.num_padded,
@@ -451,8 +493,10 @@ def experts(
             w.stride(0),
             w.stride(1),
             dst.stride(0),
+            ws.stride(0),
             TOPK=top_k,
             GATE_UP=gate,
+            W_SCALED=scales is not None,
             EVEN_K=k % bk == 0,
             BLOCK_M=bm,
             BLOCK_N=bn,
@@ -480,15 +524,16 @@ def fused_moe(
     weights_dtype: torch.dtype | None = None,
     config: MoEConfig | None = None,
     cache: ConfigCache | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A sparse-MoE block's output ``[T, H]`` from ``x [T, H]`` and ``router_logits [T, E]``.
 
     Routing as transformers' (:func:`.moe_routing.route`; ``renormalize`` is
     ``norm_topk_prob``, ``weights_dtype`` the routing weights' dtype: ``x.dtype`` for
     Qwen3-MoE, ``None`` for Mixtral's float32), then :func:`experts`. ``gate_up [E, 2F, H]``,
-    ``down [E, H, F]``; ``config``/``cache`` as :func:`experts`.
+    ``down [E, H, F]``; ``config``/``cache``/``scales`` (fp8 experts) as :func:`experts`.
     """
-    _check(x, gate_up, down)
+    _check(x, gate_up, down, scales)
     e = gate_up.shape[0]
     assert router_logits.shape == (x.shape[0], e), "router logits [T, E]"
     counts = torch.zeros(e, dtype=torch.int32, device=x.device)
@@ -496,6 +541,6 @@ def fused_moe(
     if x.shape[0] == 0:
         return torch.empty_like(x)
     if config is None:
-        config = choose_config(x, weights, ids, gate_up, down, cache)
+        config = choose_config(x, weights, ids, gate_up, down, cache, scales)
     grouping = align(ids, e, config.block_m, counts)
-    return experts(x, weights, ids, gate_up, down, config=config, grouping=grouping)
+    return experts(x, weights, ids, gate_up, down, config=config, grouping=grouping, scales=scales)

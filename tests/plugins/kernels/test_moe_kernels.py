@@ -141,6 +141,55 @@ def test_fused_moe_equals_the_loop_over_experts(
     assert ref_err <= 2 * TOL[dtype]
 
 
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [E, N, K]`` as e4m3 with a float32 scale per row (the ``fp8`` format's rounding)."""
+    from pitstop.plugins.weight_formats.fp8 import quantize_rows
+
+    q, scale = quantize_rows(w.reshape(-1, w.shape[-1]))
+    return q.reshape(w.shape), scale.reshape(w.shape[:2]).contiguous()
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    t=st.integers(1, 9),
+    e=st.integers(1, 6),
+    k_frac=st.floats(0, 1),
+    h=st.sampled_from([16, 40]),
+    f=st.sampled_from([8, 24]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    mode=st.sampled_from(["random", "same"]),
+    seed=st.integers(0, 2**16),
+)
+@example(t=9, e=6, k_frac=0.5, h=40, f=24, dtype=torch.bfloat16, mode="same", seed=7)
+def test_fp8_experts_equal_the_loop_over_their_dequantized_weights(
+    t: int, e: int, k_frac: float, h: int, f: int, dtype: torch.dtype, mode: str, seed: int
+) -> None:
+    """fp8 experts (e4m3, a scale per output row): the fused weight-only GEMMs equal the
+    float64 loop over ``q * scale``, and the reference loop (which widens each expert to
+    ``x``'s dtype first) agrees within the dtype's bound."""
+    top_k = 1 + round(k_frac * (e - 1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    logits = make_logits(gen, t, e, mode).to(dtype)
+    gate_up, gu_scale = quantize_experts(torch.randn(e, 2 * f, h, generator=gen) / h**0.5)
+    down, d_scale = quantize_experts(torch.randn(e, h, f, generator=gen) / f**0.5)
+    scales = (gu_scale.to(DEVICE), d_scale.to(DEVICE))
+    args = [a.to(DEVICE) for a in (x, logits, gate_up, down)]
+    with poisoned_outputs():
+        out = moe.fused_moe(*args, top_k, renormalize=True, weights_dtype=dtype, scales=scales)
+        weights, ids = moe_routing.route(args[1], top_k, True, dtype)
+    wide_gate_up = gate_up.double() * gu_scale.double()[..., None]
+    wide_down = down.double() * d_scale.double()[..., None]
+    truth = ref.experts(x.double(), weights.cpu().double(), ids.cpu(), wide_gate_up, wide_down)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    err = ((out.cpu().double() - truth).abs().max() / truth.abs().max().clamp_min(1e-6)).item()
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+    cpu_scales = (gu_scale, d_scale)
+    want = ref.experts(x, weights.cpu(), ids.cpu(), gate_up, down, cpu_scales)
+    ref_err = ((want.double() - truth).abs().max() / truth.abs().max().clamp_min(1e-6)).item()
+    assert ref_err <= 2 * TOL[dtype]
+
+
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(
     t=st.integers(1, 40),

@@ -27,6 +27,7 @@ from pitstop.plugins.models.moe_config import (
     moe_config_from_hf,
 )
 from pitstop.plugins.models.moe_presets import PRESETS
+from pitstop.requests.sampling_params import SamplingParams
 
 # prompts of 1 and 40 tokens, computed 16 tokens a step: the longer spans three steps, the
 # shorter decodes beside its chunks
@@ -155,9 +156,35 @@ def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path: Path) ->
         LLM(str(folder), device="cpu", kv_cache_gib=0.01, max_model_len=128)
 
 
-def test_weight_formats_other_than_dense_are_refused(qwen3_moe: Path) -> None:
-    with pytest.raises(ConfigError, match="weights='fp8'.*experts dense.*use weights='dense'"):
-        LLM(str(qwen3_moe), device="cpu", kv_cache_gib=0.01, max_model_len=64, weights="fp8")
+def test_gguf_weights_are_refused(qwen3_moe: Path) -> None:
+    with pytest.raises(ConfigError, match="gguf"):
+        LLM(str(qwen3_moe), device="cpu", kv_cache_gib=0.01, max_model_len=64, weights="gguf")
+
+
+def test_fp8_experts_are_e4m3_and_run_close_to_dense(qwen3_moe: Path) -> None:
+    """``weights="fp8"``: each expert in e4m3 with a scale per output row; the first step's
+    logits within fp8's rounding of dense ones, the first greedy tokens equal, fewer bytes."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [9] * 20, [3]]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(**settings):
+        llm = LLM(str(qwen3_moe), device="cpu", kv_cache_gib=0.01, max_model_len=64, **settings)
+        seen: list[torch.Tensor] = []
+        llm.engine.observe_logits(lambda inputs, seqs, logits: seen.append(logits.clone()))
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+        return llm, [o.token_ids for o in outs], seen
+
+    dense, dense_tokens, dense_logits = run()
+    fp8, tokens, logits = run(weights="fp8")
+    block = fp8.engine.runner.model.layers[0].mlp
+    e, f, h = 8, block.cfg.moe_intermediate_size, block.cfg.hidden_size
+    assert block.gate_up.dtype == block.down.dtype == torch.float8_e4m3fn
+    assert block.gate_up_scale.shape == (e, 2 * f) and block.down_scale.shape == (e, h)
+    assert block.router.dtype == torch.float32  # the router stays dense
+    err = (logits[0] - dense_logits[0]).abs().max() / dense_logits[0].abs().max()
+    assert err.item() <= 0.1  # fp8's rounding of every projection (0.1 for the dense models)
+    assert [t[:1] for t in tokens] == [t[:1] for t in dense_tokens]
+    assert fp8.engine.runner.weight_bytes() < 0.5 * dense.engine.runner.weight_bytes()
 
 
 def test_the_moe_models_support_tensor_parallelism(qwen3_moe: Path) -> None:

@@ -65,6 +65,43 @@ def test_fused_kernels_match_transformers(arch: str, request: pytest.FixtureRequ
     )
 
 
+def _logits_and_tokens(folder: Path, device: str = "cpu", **settings) -> tuple[list, list]:
+    """Every step's logits and the greedy tokens of three prompts (chunked beside decodes)."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 40)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(
+        str(folder),
+        device=device,
+        dtype="float32",
+        kv_cache_gib=0.02,
+        max_model_len=128,
+        scheduler="chunked",
+        chunk_size=16,
+        poison_memory=True,
+        **settings,
+    )
+    seen: list[torch.Tensor] = []
+    llm.engine.observe_logits(lambda inputs, seqs, logits: seen.append(logits.float().cpu()))
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+    return seen, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_experts_in_the_fused_op_equal_the_reference_loop(qwen3_moe: Path, device: str) -> None:
+    """``weights="fp8"``: the Triton op's weight-only GEMMs over e4m3 experts (the interpreter
+    on the CPU) and the reference loop over the same experts widened give the same tokens,
+    their logits within float32 summation order."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    fused = _logits_and_tokens(qwen3_moe, device, kernels="fused", weights="fp8")
+    reference = _logits_and_tokens(qwen3_moe, device, kernels="reference", weights="fp8")
+    assert fused[1] == reference[1]
+    assert len(fused[0]) == len(reference[0])
+    for got, want in zip(fused[0], reference[0], strict=True):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
 @pytest.mark.gpu
 def test_fused_set_serves_the_reference_sets_tokens_on_the_gpu(qwen3_moe: Path) -> None:
     """On the GPU, fp32: the fused set (Triton MoE, decode in CUDA graphs) and the reference
