@@ -44,10 +44,14 @@ class AdapterContext:
     """What the runner has when it builds the adapter plugin."""
 
     config: EngineConfig
-    model_config: ModelConfig  # the base model's shape (adapters are checked against it)
+    model_config: ModelConfig  # the shape of the base model this runner holds (its rank's part)
     kernels: Any  # the runner's KernelSet
     device: torch.device
     dtype: torch.dtype
+    # under tensor parallelism the executor's weight cutter (RankParallel.shard): the whole
+    # model's shape as .model_config (adapters are checked against it) and .region(name,
+    # shape), the part of a whole weight this rank holds; None: the runner holds the whole model
+    shard: Any = None
 
 
 @runtime_checkable

@@ -188,12 +188,10 @@ class ModelRunner:
         config = self.config
         if config.adapter is None:
             return None
-        if self.parallel is not None:
-            raise ConfigError(
-                f"adapter={config.adapter!r} (enable_lora) runs on one rank only; "
-                "use tensor_parallel_size=1"
-            )
-        context = AdapterContext(config, self.model_config, self.kernels, self.device, self.dtype)
+        shard = None if self.parallel is None else self.parallel.shard
+        context = AdapterContext(
+            config, self.model_config, self.kernels, self.device, self.dtype, shard=shard
+        )
         adapters = plugins.create(
             "adapter", config.adapter, config, context, settings=resolved.of("adapter")
         )

@@ -161,3 +161,23 @@ def read_adapter(name: str, path: str, max_rank: int, mc: ModelConfig) -> LoRAWe
     alpha = float(cfg.get("lora_alpha", rank))
     scale = scaling_of(alpha, rank, bool(cfg.get("use_rslora", False)))
     return LoRAWeights(name, rank, scale, weights)
+
+
+def rank_part(adapter: LoRAWeights, shard: Any) -> LoRAWeights:
+    """``adapter`` cut to one tensor-parallel rank's part of the base model (``shard``: the
+    executor's weight cutter). A column-parallel projection (q, k, v, gate, up) keeps A whole
+    and the rows of B its weight's rows are cut to; a row-parallel one (o, down) keeps B
+    whole and the columns of A its weight's columns are cut to, so its partial delta joins
+    the partial output before the all-reduce sums both."""
+    shapes = expected_shapes(shard.model_config)
+    weights = {}
+    for (layer, module), (a, b) in adapter.weights.items():
+        block = "self_attn" if module in ("q", "k", "v", "o") else "mlp"
+        name = f"model.layers.{layer}.{block}.{module}_proj.weight"
+        region = shard.region(name, shapes[module])
+        if region is not None and region.dim == 0:
+            b = b.narrow(0, region.start, region.stop - region.start).contiguous()
+        elif region is not None:
+            a = a.narrow(1, region.start, region.stop - region.start).contiguous()
+        weights[(layer, module)] = (a, b)
+    return attrs.evolve(adapter, weights=weights)

@@ -32,7 +32,12 @@ import torch
 from pitstop.errors import ConfigError, InvalidRequestError
 from pitstop.ground.step import SeqInput
 from pitstop.plugin_system.adapter import AdapterContext
-from pitstop.plugins.adapters.lora.peft_adapter import LoRAWeights, expected_shapes, read_adapter
+from pitstop.plugins.adapters.lora.peft_adapter import (
+    LoRAWeights,
+    expected_shapes,
+    rank_part,
+    read_adapter,
+)
 
 # a projection attribute of the Llama-family layers -> the PEFT modules of its slices
 SLICES: dict[str, tuple[str, ...]] = {
@@ -182,9 +187,11 @@ class LoRASlots:
         if key in self.host:
             self.host.move_to_end(key)
             return self.host[key]
-        weights = read_adapter(
-            request.lora_name, request.lora_path, self.max_rank, self.ctx.model_config
-        )
+        shard = self.ctx.shard  # tensor parallelism: read whole, keep this rank's part
+        whole = self.ctx.model_config if shard is None else shard.model_config
+        weights = read_adapter(request.lora_name, request.lora_path, self.max_rank, whole)
+        if shard is not None:
+            weights = rank_part(weights, shard)
         self.host[key] = weights
         while len(self.host) > self.max_cpu:
             self.host.popitem(last=False)

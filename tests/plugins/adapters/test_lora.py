@@ -223,6 +223,54 @@ def test_a_waiting_request_can_be_aborted(tiny: dict[str, Path]) -> None:
     assert [o.request_id for o in done] == [first]
 
 
+def test_tensor_parallel_ranks_serve_adapters_as_one_rank(tiny: dict[str, Path]) -> None:
+    # tp=2 over gloo: each rank keeps its part of every adapter (B's rows for q/k/v/gate/up,
+    # A's columns for o/down, whose partial deltas join the all-reduce); PEFT's tokens
+    names = ["qvd", None, "ko_gu", "all_l1"]
+    prompts = _prompts((7, 12, 30, 9), seed=6)
+    with _llm(tiny, tensor_parallel_size=2, max_model_len=96) as llm:
+        outs = llm.generate(
+            prompt_token_ids=prompts,
+            sampling_params=GREEDY,
+            lora_request=[_request(tiny, n) for n in names],
+            use_tqdm=False,
+        )
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        adapter = None if name is None else tiny[name]
+        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+
+
+def test_an_adapter_cut_for_each_rank_joins_into_the_whole() -> None:
+    from pitstop.ground.model_config import ModelConfig
+    from pitstop.plugins.adapters.lora.peft_adapter import LoRAWeights, expected_shapes, rank_part
+    from pitstop.plugins.executors.tensor_parallel.sharding import WeightShard
+
+    mc = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48,
+        num_layers=1, num_heads=4, num_kv_heads=2, head_size=8,
+    )  # fmt: skip
+    shapes = expected_shapes(mc)
+    gen = torch.Generator().manual_seed(0)
+    pairs = {
+        (0, m): (torch.randn(3, shapes[m][1], generator=gen), torch.randn(shapes[m][0], 3, generator=gen))
+        for m in shapes
+    }  # fmt: skip
+    whole = LoRAWeights("x", 3, 1.0, pairs)
+    parts = [rank_part(whole, WeightShard(mc, r, 2)) for r in range(2)]
+    for (layer, module), (a, b) in pairs.items():
+        got = [p.weights[(layer, module)] for p in parts]
+        if module in ("o", "down"):  # row-parallel: the sum of the ranks' deltas is the delta
+            x = torch.randn(5, a.shape[1], generator=gen)
+            cols = a.shape[1] // 2
+            delta = sum(
+                (x[:, r * cols : (r + 1) * cols] @ ga.T) @ gb.T for r, (ga, gb) in enumerate(got)
+            )
+            torch.testing.assert_close(delta, (x @ a.T) @ b.T)
+        else:  # column-parallel: the ranks' rows side by side are the delta's rows
+            assert all(torch.equal(ga, a) for ga, _ in got)
+            assert torch.equal(torch.cat([gb for _, gb in got]), b)
+
+
 def test_the_prefix_cache_is_keyed_by_adapter(tiny: dict[str, Path]) -> None:
     llm = _llm(tiny, enable_prefix_caching=True, page_size=16)
     prompt = _prompts((40,), seed=4)[0]
