@@ -8,6 +8,10 @@ weights, with the margin between the two best logits at every step, so that
 a divergence at a near-tie (< :data:`NEAR_TIE` logits) is allowed and
 reported instead of failing.
 
+Besides SmolLM2, two models have rows of their own (:mod:`gpu_matrix_models`): a random
+Qwen3-MoE checkpoint (issue 48) against transformers, and SmolLM2 with a random PEFT
+LoRA adapter on every other prompt (issue 47) against PEFT's merged model.
+
 ``python tests/helpers/gpu_matrix.py [--workers N] [--json FILE]`` runs it outside
 pytest (``benchmarks/h200.sh`` runs the test, ``tests/core/loop/test_gpu_matrix.py``).
 """
@@ -20,11 +24,17 @@ import json
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+
+try:
+    from helpers.gpu_matrix_models import ModelUnderTest, build_model, model_rows
+except ImportError:  # run as a script: tests/helpers itself is on sys.path
+    from gpu_matrix_models import ModelUnderTest, build_model, model_rows
 
 NEW_TOKENS = 48
 NEAR_TIE = 1e-3
@@ -103,7 +113,7 @@ def configurations() -> list[dict[str, Any]]:
                     "n": 2,
                 }
             )
-    return out + fused_layer_rows() + issue_table()
+    return out + fused_layer_rows() + issue_table() + model_rows()
 
 
 def fused_layer_rows() -> list[dict[str, Any]]:
@@ -150,7 +160,11 @@ def issue_table() -> list[dict[str, Any]]:
 
 
 def run_configuration(
-    model: str, case: dict[str, Any], prompt_ids: list[list[int]], device: str = "cuda"
+    model: str,
+    case: dict[str, Any],
+    prompt_ids: list[list[int]],
+    device: str = "cuda",
+    lora_path: str | None = None,
 ) -> dict[str, Any]:
     """In a fresh process: build one engine (poisoned memory), generate the prompts greedily
     twice (the second pass reuses freed pages, and the prefix cache where there is one),
@@ -176,9 +190,20 @@ def run_configuration(
         params = SamplingParams(
             temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=case.get("n", 1)
         )
+        lora = None
+        if lora_path is not None:  # the adapter on the even prompts, the base model elsewhere
+            from pitstop import LoRARequest
+
+            adapter = LoRARequest("matrix", 1, lora_path)
+            lora = [adapter if i % 2 == 0 else None for i in range(len(prompt_ids))]
         passes = []
         for _ in range(2):
-            outs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=params, use_tqdm=False)
+            outs = llm.generate(
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                use_tqdm=False,
+                lora_request=lora,
+            )
             passes.append([[c.token_ids for c in o.outputs] for o in outs])
             errors = [
                 c.finish_reason for o in outs for c in o.outputs if c.finish_reason == "error"
@@ -220,14 +245,29 @@ def transformers_reference(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
     model = model.to(device).eval()
-    prompt_ids, tokens, margins = [], [], []
+    prompt_ids = []
+    for text in PROMPTS:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        prompt_ids.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # v5: a dict
+    tokens, margins = greedy_reference(model, prompt_ids)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return prompt_ids, tokens, margins
+
+
+def greedy_reference(
+    model: Any, prompt_ids: list[list[int]]
+) -> tuple[list[list[int]], list[list[float]]]:
+    """A transformers model's float32 greedy tokens for each prompt, with each step's top-2 margin."""
+    import torch
+
+    device = next(model.parameters()).device
+    tokens, margins = [], []
     with torch.no_grad():
-        for text in PROMPTS:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in v5
-            prompt_ids.append(ids)
+        for ids in prompt_ids:
             out = model(torch.tensor([ids], device=device), use_cache=True)
             got, gaps = [], []
             for _ in range(NEW_TOKENS):
@@ -242,10 +282,7 @@ def transformers_reference(
                 )
             tokens.append(got)
             margins.append(gaps)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return prompt_ids, tokens, margins
+    return tokens, margins
 
 
 def judge(
@@ -309,13 +346,28 @@ def run_matrix(
     gguf = model_path()
     prompt_ids, reference, margins = transformers_reference(gguf, device)
     cases = cases if cases is not None else configurations()
+    # the other models' checkpoints (built here) and references: {model key: ModelUnderTest}
+    models = {"smollm2": ModelUnderTest(str(gguf), reference, margins)}
+    keys = {c.get("model", "smollm2") for c in cases} - set(models)
+    if keys:
+        workdir = Path(tempfile.mkdtemp(prefix="pitstop-matrix-"))
+        for key in sorted(keys):
+            models[key] = build_model(
+                key, gguf, prompt_ids, reference, margins, workdir, device, greedy_reference
+            )
     context = multiprocessing.get_context("spawn")
     rows = []
     with ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = [pool.submit(run_configuration, str(gguf), c, prompt_ids, device) for c in cases]
+        futures = []
+        for c in cases:
+            m = models[c.get("model", "smollm2")]
+            futures.append(
+                pool.submit(run_configuration, m.path, c, prompt_ids, device, m.lora_path)
+            )
         for case, future in zip(cases, futures, strict=True):
             result = future.result()
-            verdict, details = judge(result, reference, margins)
+            m = models[case.get("model", "smollm2")]
+            verdict, details = judge(result, m.reference, m.margins)
             if case.get("expect_preemption") and not result.get("preemptions"):
                 verdict = "FAIL" if "error" not in result else verdict
                 details.append("expected the small cache to preempt, it never did")
@@ -328,7 +380,7 @@ def run_matrix(
                     # the issue's prompt (prompt 0), first pass: its first six tokens
                     "first_tokens": result["passes"][0][0][0][:6] if "passes" in result else None,
                     "seconds": round(result.get("seconds", 0.0), 1),
-                    "reference_first": reference[0][:6],
+                    "reference_first": m.reference[0][:6],
                 }
             )
             print(f"[matrix] {len(rows)}/{len(cases)} {verdict} {case['name']}", file=sys.stderr)
