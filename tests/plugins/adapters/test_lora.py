@@ -417,3 +417,30 @@ def test_speculative_decoding_verifies_with_each_rows_adapter(tiny: dict[str, Pa
     for name, prompt, out in zip(names, prompts, outs, strict=True):
         adapter = None if name is None else tiny[name]
         assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["fused", "reference"])
+def test_on_the_gpu_a_mixed_batch_matches_peft_with_cuda_graphs(
+    tiny: dict[str, Path], kernels: str
+) -> None:
+    """On CUDA (fp32): the Triton shrink/expand inside the whole model, decode steps replayed
+    from CUDA graphs (the rows' slots in a static buffer), chunks beside decodes; PEFT's tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    names = ["qvd", None, "ko_gu", "all_l1", "qvd", None, "ko_gu", "all_l1"]
+    prompts = _prompts((7, 30, 13, 41, 5, 19, 60, 3), seed=8)
+    llm = _llm(
+        tiny, device="cuda", dtype="float32", kernels=kernels, scheduler="chunked", chunk_size=32
+    )
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=GREEDY,
+        lora_request=[_request(tiny, n) for n in names],
+        use_tqdm=False,
+    )
+    if kernels == "fused":
+        assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        adapter = None if name is None else tiny[name]
+        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
