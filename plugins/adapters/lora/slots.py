@@ -101,6 +101,8 @@ class LoRASlots:
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=dev)
         rows = max(ctx.config.max_num_batched_tokens or 0, 8192)
         self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        # the rows grouped by slot (Triton ops only): computed once a step, read by every launch
+        self.meta = self._new_meta(rows)
         self.rows = 0  # rows of the current step
         self.layers: list[dict[str, _Projection]] = []
         self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id held per slot
@@ -161,8 +163,9 @@ class LoRASlots:
         x2 = x.reshape(-1, x.shape[-1])
         slots = self.slot_of_row[: x2.shape[0]]
         y2 = y.reshape(-1, y.shape[-1])
-        h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks)
-        self.ops.lora_expand_add(y2, h, proj.B, slots, self.scaling, self.ranks)
+        meta = {} if self.meta is None else {"meta": self.meta}  # grouped once this step
+        h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks, **meta)
+        self.ops.lora_expand_add(y2, h, proj.B, slots, self.scaling, self.ranks, **meta)
         return y
 
     # ------------------------------------------------------------------ requests
@@ -217,10 +220,18 @@ class LoRASlots:
         rows = len(host)
         if rows > self.slot_of_row.shape[0]:  # eager steps only: graphs never grow past it
             self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32, device=self.ctx.device)
+            self.meta = self._new_meta(rows)
         self.slot_of_row[:rows].copy_(torch.tensor(host, dtype=torch.int32), non_blocking=True)
         if self.rows > rows:
             self.slot_of_row[rows : self.rows].fill_(-1)
         self.rows = rows
+        if self.meta is not None:  # over the whole buffer: right for any captured batch size
+            self.ops.lora_meta(self.slot_of_row, self.max_loras, out=self.meta)
+
+    def _new_meta(self, rows: int) -> Any:
+        """Static buffers for the rows grouped by slot (None: the ops group rows themselves)."""
+        new_meta = getattr(self.ops, "new_meta", None)
+        return None if new_meta is None else new_meta(rows, self.max_loras, self.ctx.device)
 
     def _slot(self, request: Any, wanted: dict[int, Any]) -> int:
         """The slot holding ``request``'s adapter, loaded into the least recently used free

@@ -253,6 +253,32 @@ def test_full_rank_shared_meta_and_static_buffers() -> None:
     assert bool((h.cpu()[idle] == 0).all())
 
 
+def test_meta_over_a_longer_buffer_serves_any_batch_within_it() -> None:
+    """The ``lora`` plugin groups its whole static ``slot_of_row`` buffer once a step (rows
+    past the step's are -1) and hands that meta to every launch, whatever the launch's row
+    count (a captured graph's batch): the same results as grouping the launch's rows."""
+    g = torch.Generator().manual_seed(4)
+    slots, r_max, k, n = 3, 4, 32, 24
+    buffer = torch.full((64,), -1, dtype=torch.int32)
+    buffer[:10] = torch.tensor([0, 2, -1, 1, 0, 0, 2, -1, 1, 0], dtype=torch.int32)
+    buffer = buffer.to(DEVICE)
+    meta = lora.lora_meta(buffer, slots, out=lora.new_meta(64, slots, DEVICE))
+    ranks = torch.tensor([4, 2, 3], dtype=torch.int32, device=DEVICE)
+    scaling = torch.tensor([0.5, 1.0, 2.0], device=DEVICE)
+    a = torch.randn(slots, r_max, k, generator=g).to(DEVICE)
+    b = torch.randn(slots, n, r_max, generator=g).to(DEVICE)
+    for rows in (10, 16):
+        x = torch.randn(rows, k, generator=g).to(DEVICE)
+        shared = lora.lora_shrink(x, a, buffer[:rows], ranks, meta=meta)
+        own = lora.lora_shrink(x, a, buffer[:rows], ranks)
+        assert torch.equal(shared, own)
+        y = torch.randn(rows, n, generator=g).to(DEVICE)
+        y_own = y.clone()
+        lora.lora_expand_add(y, shared, b, buffer[:rows], scaling, ranks, meta=meta)
+        lora.lora_expand_add(y_own, own, b, buffer[:rows], scaling, ranks)
+        assert torch.equal(y, y_own)
+
+
 def test_scaling_of() -> None:
     assert ref.scaling_of(32, 16) == 2.0
     assert ref.scaling_of(32, 16, use_rslora=True) == 8.0
