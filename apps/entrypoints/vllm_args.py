@@ -226,7 +226,10 @@ REFUSED: Mapping[str, str] = {
     "enable_prompt_embeds": "give prompts as text or token ids",
     "logits_processors": "give logits_processors per request in SamplingParams",
     "calculate_kv_scales": "pitstop's fp8 KV cache (kv_cache_dtype='fp8') keeps one K and V scale per layer",
-    "fully_sharded_loras": "pitstop serves no LoRA adapters",
+    "fully_sharded_loras": (
+        "under tensor parallelism pitstop cuts each adapter as its base weight; "
+        "fully sharded LoRA layers are not implemented"
+    ),
 }
 """vLLM arguments pitstop does not have: what to do instead."""
 
