@@ -418,7 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--json", metavar="FILE")
-    parser.add_argument("--only", metavar="TEXT", help="run only cases whose name contains TEXT")
+    parser.add_argument(
+        "--only",
+        metavar="TEXT[,TEXT...]",
+        help="run only cases whose name contains one of the comma-separated TEXTs",
+    )
     parser.add_argument(
         "--device", default="cuda", help="cuda (default), or cpu to try the harness"
     )
@@ -433,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     index, count = (int(x) for x in args.shard.split("/"))
     if not 1 <= index <= count:
         parser.error(f"--shard {args.shard}: want I/N with 1 <= I <= N")
-    cases = [c for c in configurations() if not args.only or args.only in c["name"]]
+    wanted = [t for t in (args.only or "").split(",") if t]
+    cases = [c for c in configurations() if not wanted or any(t in c["name"] for t in wanted)]
     cases = cases[index - 1 :: count]
 
     def save(rows: list[dict[str, Any]]) -> None:
