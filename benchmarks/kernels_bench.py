@@ -406,7 +406,9 @@ def bench_norm_silu(kernels, args: argparse.Namespace, dtype: torch.dtype) -> No
 # ---------------------------------------------------------------- the issue-14 suite
 
 
-SUITE_PREFILL = [(4096, 0), (16384, 0), (2048, 2048), (32000, 0)]  # (tokens, cached prefix)
+# (tokens, cached prefix): fresh prompts, and chunks that continue from cached pages (the last
+# two: the 32,000-token prompt's last 8,192-token chunk, and a 2,048-token chunk late in it)
+SUITE_PREFILL = [(4096, 0), (16384, 0), (2048, 2048), (32000, 0), (8192, 23808), (2048, 29952)]
 SUITE_DECODE = [(256, 512), (64, 2048), (1, 128), (8, 2048), (1, 4096), (1, 32768)]
 
 
@@ -420,8 +422,8 @@ def run_suite(args: argparse.Namespace, tiles: dict[str, Any]) -> None:
         ms, flops, err = time_prefill(attn, n, prefix, hq, hkv, d, page)
         what = f"prefill {n}" + (f" over {prefix} cached" if prefix else "") + " causal"
         report(f"{what} {hq}/{hkv}x{d} fused {tuple(t)}", ms, flops=flops, tiles=list(t), err=err)
-        if args.peer and not prefix and n <= 16384 and DEVICE == "cuda":
-            sdpa_peers(n, hq, hkv, d, flops)
+        if args.peer and n + prefix <= 32768 and DEVICE == "cuda":
+            sdpa_peers(n, hq, hkv, d, flops, prefix)
     run_decode_suite(args, tiles, "bfloat16")
 
 
@@ -445,22 +447,52 @@ def run_decode_suite(args: argparse.Namespace, tiles: dict[str, Any], kv_cache_d
         report(f"{what} eager", eager, nbytes, mode="eager", **extra)
 
 
-def sdpa_peers(n: int, hq: int, hkv: int, d: int, flops: float) -> None:
-    """torch SDPA (FlashAttention-2 and cuDNN backends) on the same shape, contiguous K/V."""
+def sdpa_peers(n: int, hq: int, hkv: int, d: int, flops: float, prefix: int = 0) -> None:
+    """torch's attention on the same shape over contiguous K/V (what a cuDNN or FlashAttention
+    path for prefill would run, issue 44): SDPA's FlashAttention-2 and cuDNN backends (K/V
+    repeated per query head, and cuDNN with ``enable_gqa``), and ``varlen_attn`` where this
+    torch has it. With a cached ``prefix`` the mask is causal aligned to the bottom right
+    (the chunk's queries see every cached key), through ``causal_lower_right``."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, prefix + n, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+    kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    mask: dict[str, Any] = {"is_causal": True}
+    if prefix:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = {"attn_mask": causal_lower_right(n, prefix + n)}
+    what = f"{n}" + (f" over {prefix}" if prefix else "") + " causal (contiguous)"
+    cases = [
+        ("FLASH_ATTENTION", SDPBackend.FLASH_ATTENTION, kr, vr, {}),
+        ("CUDNN_ATTENTION", SDPBackend.CUDNN_ATTENTION, kr, vr, {}),
+        ("CUDNN_ATTENTION gqa", SDPBackend.CUDNN_ATTENTION, k, v, {"enable_gqa": True}),
+    ]
+    for name, backend, kk, vv, extra in cases:
         try:
             with sdpa_kernel(backend):
-                ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-            report(f"  peer: torch SDPA {backend.name} {n} causal (contiguous)", ms, flops=flops)
+                ms = bench(lambda kk=kk, vv=vv, extra=extra: F.scaled_dot_product_attention(
+                    q, kk, vv, **mask, **extra))  # fmt: skip
+            report(f"  peer: torch SDPA {name} {what}", ms, flops=flops)
         except Exception as exc:  # a backend that this build or shape lacks
-            print(f"  peer {backend.name}: {type(exc).__name__}: {str(exc)[:120]}")
+            print(f"  peer {name}: {type(exc).__name__}: {str(exc)[:120]}")
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        print("  peer varlen_attn: not in this torch")
+        return
+    qv, kv, vv = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [T, H, D]
+    cu_q = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, prefix + n], dtype=torch.int32, device="cuda")
+    try:
+        ms = bench(lambda: varlen_attn(
+            qv, kv, vv, cu_q, cu_k, n, prefix + n, window_size=(-1, 0), enable_gqa=True))  # fmt: skip
+        report(f"  peer: torch varlen_attn {what}", ms, flops=flops)
+    except Exception as exc:  # an older signature, or a shape it refuses
+        print(f"  peer varlen_attn: {type(exc).__name__}: {str(exc)[:120]}")
 
 
 # ---------------------------------------------------------------- the tile sweep
