@@ -69,8 +69,10 @@ class WeightTransferGroup:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else (
-            torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else (torch.device("cpu"))
         )
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
