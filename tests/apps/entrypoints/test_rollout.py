@@ -209,3 +209,53 @@ def test_sleep_level_2_gives_the_memory_back(restored: LLM, folders, baseline) -
     back = _rss()
     assert back - asleep > 0.8 * held, (asleep, back, held)
     assert greedy(restored) == baseline
+
+
+TRAINER = """
+import sys, torch
+from safetensors.torch import load_file
+from pitstop.entrypoints.rollout.transfer import trainer_group
+
+port, path = int(sys.argv[1]), sys.argv[2]
+weights = load_file(path)
+group = trainer_group("127.0.0.1", port, world_size=2, group_name="rl-test", backend="gloo")
+for name in sorted(weights):  # batch 1: every tensor, in the order the engine names them
+    group.broadcast(weights[name])
+group.broadcast(torch.ones(3))  # batch 2: a norm of the wrong shape, refused by the engine
+group.destroy()
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_trainer_process_broadcasts_new_weights(restored: LLM, folders, expected) -> None:
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+
+    path = folders["changed"] / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        names = sorted(f.keys())
+        slices = [f.get_slice(n) for n in names]
+        shapes = [s.get_shape() for s in slices]
+    port = _free_port()
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(path)])
+    try:
+        restored.init_weight_update_group("127.0.0.1", port, 1, 2, "rl-test", backend="gloo")
+        n = restored.update_weights_from_distributed(names, ["float32"] * len(names), shapes)
+        assert n == len(names)
+        with pytest.raises(WeightUpdateError, match=r"'model.norm.weight' has shape \(3,\)"):
+            restored.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[3]])
+        assert trainer.wait(timeout=60) == 0
+    finally:
+        restored.destroy_weight_update_group()
+        if trainer.poll() is None:
+            trainer.kill()
+    assert greedy(restored) == expected["changed"]
