@@ -1,0 +1,119 @@
+"""A Hypothesis sequence of sleep, wake, update and generate on a tiny model: the output
+never changes (the weights written are the originals), every KV page comes back, and the
+memory the engine holds is exactly what its state says (none leaked, none lost)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.models import make_tiny_checkpoint
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pitstop.entrypoints.llm import LLM
+from pitstop.entrypoints.rollout.errors import EngineSleepingError
+from pitstop.requests.sampling_params import SamplingParams
+
+PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 41]}, {"prompt_token_ids": [7, 7, 8]}]
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", with_tokenizer=False)
+
+
+def _held_bytes(llm: LLM) -> int:
+    runner = llm.engine.runner
+    tensors = [*runner.model.parameters(), runner.kv_cache]
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def test_sleep_wake_update_generate_sequences(tiny: Path) -> None:
+    from safetensors.torch import load_file
+
+    original = load_file(str(tiny / "model.safetensors"))
+    llm = LLM(
+        str(tiny),
+        device="cpu",
+        dtype="float32",
+        kv_cache_gib=0.01,
+        max_model_len=64,
+        allocator="prefix",
+        threads=1,
+        enable_sleep_mode=True,
+    )
+    baseline = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    full = _held_bytes(llm)
+    runner = llm.engine.runner
+    weight_bytes = sum(p.untyped_storage().nbytes() for p in runner.model.parameters())
+    kv_bytes = runner.kv_cache.untyped_storage().nbytes()
+    names = sorted(original)
+
+    class Rollouts(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            llm.wake_up()
+            llm.update_weights(original.items())
+            self.released: set[str] = set()
+            self.missing = False
+
+        @rule(level=st.sampled_from([1, 2]))
+        def sleep(self, level: int) -> None:
+            llm.sleep(level=level)
+            self.released = {"weights", "kv_cache"}
+            self.missing = self.missing or level == 2
+
+        @rule(tags=st.sampled_from([None, ["weights"], ["kv_cache"]]))
+        def wake(self, tags: list[str] | None) -> None:
+            llm.wake_up(tags)
+            self.released -= set(tags or ["weights", "kv_cache"])
+
+        @precondition(lambda self: "weights" not in self.released)
+        @rule(subset=st.sets(st.sampled_from(names), min_size=1))
+        def update_some(self, subset: set[str]) -> None:
+            llm.update_weights([(n, original[n]) for n in sorted(subset)])
+
+        @precondition(lambda self: "weights" not in self.released)
+        @rule()
+        def update_all(self) -> None:
+            llm.update_weights(original.items())
+            self.missing = False
+
+        @rule()
+        def generate(self) -> None:
+            if self.released or self.missing:
+                with pytest.raises(EngineSleepingError):
+                    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+                return
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == baseline
+
+        @invariant()
+        def pages_all_free(self) -> None:
+            stats = llm.engine.allocator.stats()
+            assert stats.pages_free == stats.num_pages
+
+        @invariant()
+        def memory_is_what_the_state_says(self) -> None:
+            expected = full
+            if "weights" in self.released:
+                expected -= weight_bytes
+            if "kv_cache" in self.released:
+                expected -= kv_bytes
+            assert _held_bytes(llm) == expected
+            assert llm.is_sleeping() == bool(self.released)
+            if "weights" not in self.released:  # a CPU engine keeps no host copy once awake
+                assert llm.rollout.sleep_state._host is None
+
+    Rollouts.TestCase.settings = settings(max_examples=6, stateful_step_count=8, deadline=None)
+    try:
+        Rollouts.TestCase().runTest()
+    finally:
+        llm.wake_up()
+        llm.close()
+    assert _held_bytes(llm) == full
+    assert not torch.isnan(next(llm.engine.runner.model.parameters())).any()
