@@ -166,9 +166,28 @@ def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, tuple(tensor.shape), tensor.dtype)
 
 
+def _finite(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on the tensor's device: no NaN, no infinity. Min and max propagate NaN
+    and show an infinity: two reductions, no mask as large as the tensor."""
+    if tensor.element_size() == 1:  # fp8: no reductions of its own
+        tensor = tensor.float()
+    return torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
+
+
 def check_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Refuse a batch with a NaN or infinite value, naming the tensors (check_weights)."""
-    bad = [n for n, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    named = [(n, t) for n, t in named if t.is_floating_point()]
+    if not named:
+        return
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault(t.device, []).append(i)
+    finite = [True] * len(named)
+    for indices in by_device.values():  # one host sync per device, not one per tensor
+        flags = torch.stack([_finite(named[i][1]) for i in indices]).tolist()
+        for i, ok in zip(indices, flags, strict=True):
+            finite[i] = ok
+    bad = [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
     if bad:
         raise WeightUpdateError(
             f"weight update refused, nothing applied: {len(bad)} tensor(s) hold NaN or "
