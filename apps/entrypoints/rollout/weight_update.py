@@ -48,7 +48,8 @@ class Placement:
         target = self.param.data
         if self.offset is not None:
             target = target[self.offset : self.offset + tensor.shape[0]]
-        target.copy_(tensor, non_blocking=tensor.device.type != target.device.type)
+        # host -> device copies are queued (the caller synchronises once at the end)
+        target.copy_(tensor, non_blocking=target.device.type == "cuda")
 
 
 class WeightMap:
