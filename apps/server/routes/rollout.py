@@ -17,12 +17,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
 
+from pitstop.entrypoints.async_engine import EngineClosedError
 from pitstop.entrypoints.rollout.errors import (
     EngineBusyError,
     EngineSleepingError,
     WeightUpdateError,
 )
 from pitstop.errors import ConfigError
+from pitstop.server.api_errors import engine_closed_error
 from pitstop.server.deps import Authorized, State, json_body
 from pitstop.server.protocol import APIError, UpdateWeightsFromDiskRequest
 from pitstop.server.state import AppState
@@ -42,6 +44,8 @@ async def _run(state: AppState, fn: Callable[[], Any]) -> Any:
         raise APIError(409, str(exc), code="engine_busy") from exc
     except (WeightUpdateError, ConfigError, ValueError) as exc:
         raise APIError(400, str(exc), code="invalid_rollout_request") from exc
+    except EngineClosedError as exc:
+        raise engine_closed_error(exc) from exc
 
 
 @sleep_router.post("/sleep")

@@ -117,3 +117,48 @@ def test_sleep_wake_update_generate_sequences(tiny: Path) -> None:
         llm.close()
     assert _held_bytes(llm) == full
     assert not torch.isnan(next(llm.engine.runner.model.parameters())).any()
+
+
+def test_updates_land_in_merged_projections(tmp_path: Path) -> None:
+    """With merged q/k/v and gate/up (the fused kernel set merges them, on CPU too), a
+    k_proj and an up_proj land in their rows and nothing else moves; a full update gives
+    the tokens of a fresh engine of the new checkpoint."""
+    from safetensors.torch import load_file
+
+    a = make_tiny_checkpoint(tmp_path, "llama", seed=0, with_tokenizer=False)
+    b = make_tiny_checkpoint(tmp_path, "llama", seed=1, with_tokenizer=False)
+    new = load_file(str(b / "model.safetensors"))
+    old = load_file(str(a / "model.safetensors"))
+    settings = dict(
+        device="cpu",
+        dtype="float32",
+        kv_cache_gib=0.01,
+        max_model_len=64,
+        threads=1,
+        kernels="fused",
+    )
+    with LLM(str(b), **settings) as fresh:
+        expected = [o.outputs[0].token_ids for o in fresh.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with LLM(str(a), **settings) as llm:
+        model = llm.engine.runner.model
+        assert model.merged
+        p = "model.layers.0."
+        llm.update_weights(
+            [
+                (p + "self_attn.k_proj.weight", new[p + "self_attn.k_proj.weight"]),
+                (p + "mlp.up_proj.weight", new[p + "mlp.up_proj.weight"]),
+            ]
+        )
+        qkv, gate_up = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj
+        q, kv = old[p + "self_attn.q_proj.weight"], old[p + "self_attn.k_proj.weight"]
+        f = old[p + "mlp.gate_proj.weight"].shape[0]
+        assert torch.equal(qkv[: q.shape[0]], q)
+        assert torch.equal(
+            qkv[q.shape[0] : q.shape[0] + kv.shape[0]], new[p + "self_attn.k_proj.weight"]
+        )
+        assert torch.equal(qkv[q.shape[0] + kv.shape[0] :], old[p + "self_attn.v_proj.weight"])
+        assert torch.equal(gate_up[:f], old[p + "mlp.gate_proj.weight"])
+        assert torch.equal(gate_up[f:], new[p + "mlp.up_proj.weight"])
+        llm.update_weights(new.items())
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == expected
