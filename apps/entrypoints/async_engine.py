@@ -33,7 +33,7 @@ import attrs
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.chat import render_chat
 from pitstop.entrypoints.rollout.control import Rollout
-from pitstop.entrypoints.rollout.device_memory import DeviceMemory, choose_device_memory
+from pitstop.entrypoints.rollout.device_memory import DeviceMemory, sleep_mode_memory
 from pitstop.errors import InvalidRequestError, PitstopError
 from pitstop.ground.metrics import EngineStats
 from pitstop.loop.engine import LLMEngine
@@ -41,7 +41,6 @@ from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import AllocatorStats
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.sampling_params import SamplingParams
-from pitstop.runner.memory_plan import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +193,7 @@ class AsyncLLM:
     ) -> AsyncLLM:
         """Build the engine (loads the model, blocking) and start its thread;
         ``enable_sleep_mode``: allocate it so that ``rollout.sleep`` can free its memory."""
-        memory = choose_device_memory(resolve_device(config.device)) if enable_sleep_mode else None
+        memory = sleep_mode_memory(config, enable_sleep_mode)
         region = memory.region if memory is not None else None
         return cls(LLMEngine(config, plugins, memory_region=region), memory=memory)
 

@@ -13,7 +13,7 @@ from pitstop.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, 
 from pitstop.entrypoints.chat import ChatOptions, render_chat
 from pitstop.entrypoints.engine_args import config_from_dict
 from pitstop.entrypoints.rollout.control import Rollout
-from pitstop.entrypoints.rollout.device_memory import choose_device_memory
+from pitstop.entrypoints.rollout.device_memory import sleep_mode_memory
 from pitstop.entrypoints.tool_calls import default_tool_prompt, parse_tools
 from pitstop.entrypoints.vllm_surface import (
     REFUSED_METHODS,
@@ -28,7 +28,6 @@ from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.requests.inputs import PromptType, parse_prompts
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.sampling_params import SamplingParams
-from pitstop.runner.memory_plan import resolve_device
 
 Message = dict[str, Any]
 
@@ -64,7 +63,7 @@ class LLM:
             if model is not None:
                 values["model"] = model
             config = config_from_dict(values)
-        memory = choose_device_memory(resolve_device(config.device)) if enable_sleep_mode else None
+        memory = sleep_mode_memory(config, enable_sleep_mode)
         self.engine = LLMEngine(
             config, plugins, memory_region=memory.region if memory is not None else None
         )

@@ -24,7 +24,11 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
+import attrs
 import torch
+
+from pitstop.config import EngineConfig
+from pitstop.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +127,25 @@ class MemorySaverMemory:
         """Map new physical memory at ``tag``'s addresses."""
         del tensors
         self.saver.resume(tag)  # type: ignore[attr-defined]
+
+
+def sleep_mode_memory(config: EngineConfig, enabled: bool) -> DeviceMemory | None:
+    """The :class:`DeviceMemory` an engine of ``config`` is built with when sleep mode is
+    ``enabled`` (None when not); refuses, before any weight loads, what sleep cannot free
+    whole: several ranks, or a weight format that replaces the parameters."""
+    if not enabled:
+        return None
+    if config.tensor_parallel_size > 1:
+        raise ConfigError("enable_sleep_mode runs on one rank only; use tensor_parallel_size=1")
+    default = attrs.fields(type(config)).weights.default
+    if config.weights != default:
+        raise ConfigError(
+            f"enable_sleep_mode keeps dense weights only (weights={config.weights!r} replaces "
+            f"the parameters at load); use weights={default!r}"
+        )
+    from pitstop.runner.memory_plan import resolve_device
+
+    return choose_device_memory(resolve_device(config.device))
 
 
 def choose_device_memory(device: torch.device) -> DeviceMemory:
