@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
@@ -156,18 +157,22 @@ def choose_device_memory(device: torch.device) -> DeviceMemory:
             from torch_memory_saver import torch_memory_saver as saver
         except ImportError:
             saver = None
+        if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+            saver = None  # torch_memory_saver refuses expandable segments
         if saver is not None:
-            import os
-
             if "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
-                saver.hook_mode = "torch"  # its pluggable allocator; no LD_PRELOAD needed
+                try:
+                    saver.hook_mode = "torch"  # its pluggable allocator; no LD_PRELOAD needed
+                except (AssertionError, AttributeError):
+                    pass  # set once per process, by the first engine built with sleep mode
             log.info(
                 "sleep mode: torch_memory_saver (weights and KV cache keep their addresses; "
                 "CUDA graphs stay valid across sleep)"
             )
             return MemorySaverMemory(saver)
         log.info(
-            "sleep mode: storages freed and re-allocated (torch_memory_saver not installed); "
+            "sleep mode: storages freed and re-allocated (torch_memory_saver not installed, "
+            "or PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True); "
             "CUDA graphs are captured again after each wake_up"
         )
     return StorageMemory(device)
