@@ -83,3 +83,60 @@ def test_sleep_frees_the_engines_memory(llm: LLM, folders) -> None:
     assert asleep - awake >= 0.95 * held, (awake, asleep, held)
     llm.wake_up()
     llm.update_weights_from_disk(folders["original"])
+
+
+NCCL_TRAINER = """
+import sys, torch
+from safetensors.torch import load_file
+from pitstop.entrypoints.rollout.transfer import trainer_group
+
+port, path = int(sys.argv[1]), sys.argv[2]
+torch.cuda.set_device(1)
+weights = {n: t.cuda() for n, t in load_file(path).items()}
+group = trainer_group("127.0.0.1", port, world_size=2, group_name="rl-nccl", backend="nccl")
+for name in sorted(weights):
+    group.broadcast(weights[name])
+torch.cuda.synchronize()
+group.destroy()
+"""
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+def test_a_trainer_on_another_gpu_broadcasts_over_nccl(llm: LLM, folders) -> None:
+    """The trainer on cuda:1 broadcasts the changed weights to the engine on cuda:0 over
+    NCCL; greedy output then equals a fresh engine of that checkpoint. Prints the rate."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from safetensors import safe_open
+
+    path = folders["changed"] / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        names = sorted(f.keys())
+        shapes = [f.get_slice(n).get_shape() for n in names]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with LLM(str(folders["changed"]), **SETTINGS) as fresh:
+        expected = greedy(fresh)
+    trainer = subprocess.Popen([sys.executable, "-c", NCCL_TRAINER, str(port), str(path)])
+    try:
+        llm.init_weight_update_group("127.0.0.1", port, 1, 2, "rl-nccl", backend="nccl")
+        start = time.perf_counter()
+        llm.update_weights_from_distributed(names, ["float32"] * len(names), shapes)
+        took = time.perf_counter() - start
+        assert trainer.wait(timeout=120) == 0
+    finally:
+        llm.destroy_weight_update_group()
+        if trainer.poll() is None:
+            trainer.kill()
+    size = sum(4 * int(torch.Size(s).numel()) for s in shapes)
+    print(
+        f"nccl broadcast + update: {size / 1e9:.2f} GB in {took:.3f} s, {size / took / 1e9:.1f} GB/s"
+    )
+    assert greedy(llm) == expected
+    llm.update_weights_from_disk(folders["original"])
