@@ -24,7 +24,7 @@ from pitstop.entrypoints.rollout.device_memory import DeviceMemory, StorageMemor
 from pitstop.entrypoints.rollout.errors import EngineBusyError, WeightUpdateError
 from pitstop.entrypoints.rollout.sleep import SleepState
 from pitstop.entrypoints.rollout.transfer import WeightTransferGroup
-from pitstop.entrypoints.rollout.weight_update import WeightMap, update_in_place
+from pitstop.entrypoints.rollout.weight_update import WeightMap, check_finite, update_in_place
 from pitstop.errors import ConfigError
 from pitstop.loop.engine import LLMEngine
 
@@ -137,24 +137,22 @@ class Rollout:
         return len(written)
 
     def update_weights_from_disk(self, path: str | Path) -> int:
-        """Update from a Hugging Face folder (or one safetensors file): every header is
-        checked first, then the tensors are read and copied one at a time (each cast to
-        the model's dtype, as at load)."""
+        """Update from a Hugging Face folder (or one safetensors file), all or nothing:
+        every header is checked first; with ``check_weights`` (the default) a first pass
+        reads every tensor for NaN and infinities; then the tensors are read and copied
+        one at a time (each cast to the model's dtype, as at load)."""
         weights = self._before_update()
         specs = read_specs(safetensors_files(path))
         places = weights.check([spec for _, spec in specs], cast=True)
+        if self.engine.config.check_weights:
+            for name, tensor in iter_tensors(specs):
+                check_finite([(f"{path}: {name}", tensor)])
         written = []
         with torch.no_grad():
-            for (name, tensor), place in zip(iter_tensors(specs), places, strict=True):
-                if place is None:
-                    continue
-                if self.engine.config.check_weights and not bool(torch.isfinite(tensor).all()):
-                    raise WeightUpdateError(
-                        f"{path}: tensor {name!r} holds NaN or infinite values; the tensors "
-                        f"before it were applied ({len(written)}): fix the file and update again"
-                    )
-                place.copy_(tensor)
-                written.append(place.name)
+            for (_, tensor), place in zip(iter_tensors(specs), places, strict=True):
+                if place is not None:
+                    place.copy_(tensor)
+                    written.append(place.name)
         self._after_update(written)
         return len(written)
 

@@ -126,8 +126,9 @@ def test_updates_land_in_merged_projections(
     made to ask, which is faster to build on CPU), a k_proj and an up_proj land in their
     rows and nothing else moves; after a full update every merged weight is the new
     checkpoint's parts, stacked."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
+    from pitstop.entrypoints.rollout.errors import WeightUpdateError
     from pitstop.plugins.kernels.reference import ReferenceKernels
 
     monkeypatch.setattr(ReferenceKernels, "merge_projections", True)
@@ -145,6 +146,15 @@ def test_updates_land_in_merged_projections(
     with LLM(str(a), **settings) as llm:
         model = llm.engine.runner.model
         assert model.merged
+        before = {n: t.clone() for n, t in model.named_parameters()}
+        poisoned = dict(new)
+        last = sorted(poisoned)[-1]
+        poisoned[last] = poisoned[last].clone()
+        poisoned[last].view(-1)[0] = float("nan")
+        save_file(poisoned, str(tmp_path / "nan.safetensors"))
+        with pytest.raises(WeightUpdateError, match=f"NaN.*{last}"):
+            llm.update_weights_from_disk(tmp_path / "nan.safetensors")
+        assert all(torch.equal(t, before[n]) for n, t in model.named_parameters())
         k, up = p + "self_attn.k_proj.weight", p + "mlp.up_proj.weight"
         llm.update_weights([(k, new[k]), (up, new[up])])
         qkv, gate_up = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj
