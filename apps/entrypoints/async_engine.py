@@ -32,6 +32,8 @@ import attrs
 
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.chat import render_chat
+from pitstop.entrypoints.rollout.control import Rollout
+from pitstop.entrypoints.rollout.device_memory import DeviceMemory, sleep_mode_memory
 from pitstop.errors import InvalidRequestError, PitstopError
 from pitstop.ground.metrics import EngineStats
 from pitstop.loop.engine import LLMEngine
@@ -142,6 +144,14 @@ class _Abort:
     request_id: str
 
 
+@attrs.define
+class _Call:
+    """A function run on the engine thread between two steps (sleep, wake, weight updates)."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+
+
 class AsyncLLM:
     """Serve one :class:`LLMEngine` from a background thread to asyncio callers.
 
@@ -151,10 +161,16 @@ class AsyncLLM:
     >>> await llm.shutdown()  # doctest: +SKIP
     """
 
-    def __init__(self, engine: LLMEngine, *, start: bool = True) -> None:
+    def __init__(
+        self, engine: LLMEngine, *, start: bool = True, memory: DeviceMemory | None = None
+    ) -> None:
+        """``memory``: how sleep releases device memory (the engine was built with its
+        ``region``; None: sleep mode off)."""
         self.engine = engine
+        self.rollout = Rollout(engine, memory)
+        """Sleep, wake and weight updates; call them through :meth:`call`."""
         self._cond = threading.Condition(threading.Lock())
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _Call] = []
         self._accepting = True
         self._stopping = False
         self._deadline: float | None = None  # after it, the engine aborts what still runs
@@ -168,9 +184,30 @@ class AsyncLLM:
             self.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> AsyncLLM:
-        """Build the engine (loads the model, blocking) and start its thread."""
-        return cls(LLMEngine(config, plugins))
+    def from_config(
+        cls,
+        config: EngineConfig,
+        plugins: PluginManager | None = None,
+        *,
+        enable_sleep_mode: bool = False,
+    ) -> AsyncLLM:
+        """Build the engine (loads the model, blocking) and start its thread;
+        ``enable_sleep_mode``: allocate it so that ``rollout.sleep`` can free its memory."""
+        memory = sleep_mode_memory(config, enable_sleep_mode)
+        region = memory.region if memory is not None else None
+        return cls(LLMEngine(config, plugins, memory_region=region), memory=memory)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on the engine thread between two steps and return its result (its
+        exception is raised here): what changes the engine's memory or weights runs there,
+        so no step is in flight meanwhile."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise EngineClosedError("the engine is shutting down")
+            self._commands.append(_Call(fn, future))
+            self._cond.notify()
+        return await asyncio.wrap_future(future)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -340,6 +377,8 @@ class AsyncLLM:
             for command in commands:
                 if isinstance(command, _Add):
                     self._apply_add(command)
+                elif isinstance(command, _Call):
+                    self._apply_call(command)
                 else:
                     self._apply_abort(command.request_id)
             if stopping and deadline is not None and time.monotonic() >= deadline:
@@ -355,10 +394,22 @@ class AsyncLLM:
                         break
         log.info("engine thread stopped")
 
+    def _apply_call(self, cmd: _Call) -> None:
+        if not cmd.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = cmd.fn()
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it
+            cmd.future.set_exception(exc)
+        else:
+            cmd.future.set_result(result)
+        self.snapshot = self._take_snapshot()
+
     def _apply_add(self, cmd: _Add) -> None:
         if not cmd.future.set_running_or_notify_cancel():
             return
         try:
+            self.rollout.check_can_generate()  # asleep: refused, never accepted and dropped
             ids = cmd.prompt_token_ids
             if cmd.messages is not None:
                 tokenizer = self.engine.tokenizer

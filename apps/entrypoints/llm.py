@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pitstop.entrypoints.chat import ChatOptions, render_chat
 from pitstop.entrypoints.engine_args import config_from_dict
+from pitstop.entrypoints.rollout.control import Rollout
+from pitstop.entrypoints.rollout.device_memory import sleep_mode_memory
 from pitstop.entrypoints.tool_calls import default_tool_prompt, parse_tools
 from pitstop.entrypoints.vllm_surface import (
     REFUSED_METHODS,
@@ -34,6 +39,10 @@ class LLM:
     ``LLM(config=EngineConfig(...))``. vLLM's methods pitstop does not do
     (``embed``, ``score``, ... :data:`pitstop.entrypoints.vllm_surface.REFUSED_METHODS`)
     raise :class:`InvalidRequestError` saying so and what to use instead.
+
+    For reinforcement learning (docs/rl.md): ``enable_sleep_mode=True`` allocates the
+    weights and the KV cache so that :meth:`sleep` can give their memory back;
+    :meth:`update_weights` and its kin change the weights in place.
     """
 
     def __init__(
@@ -42,6 +51,7 @@ class LLM:
         *,
         config: EngineConfig | None = None,
         plugins: PluginManager | None = None,
+        enable_sleep_mode: bool = False,
         **settings: Any,
     ) -> None:
         if config is not None and (model is not None or settings):
@@ -53,7 +63,12 @@ class LLM:
             if model is not None:
                 values["model"] = model
             config = config_from_dict(values)
-        self.engine = LLMEngine(config, plugins)
+        memory = sleep_mode_memory(config, enable_sleep_mode)
+        self.engine = LLMEngine(
+            config, plugins, memory_region=memory.region if memory is not None else None
+        )
+        self.rollout = Rollout(self.engine, memory)
+        """Sleep, wake and weight updates (:mod:`pitstop.entrypoints.rollout`)."""
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op at tensor_parallel_size=1)."""
@@ -175,6 +190,7 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params or self.get_default_sampling_params()] * len(items)
+        self.rollout.check_can_generate()
         ids: list[str] = []
         try:
             for (text, tokens), params, lora in zip(items, params_list, adapters, strict=True):
@@ -267,6 +283,7 @@ class LLM:
         prompt_token_ids: Sequence[int] | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield one request's outputs as tokens arrive (other queued requests run alongside)."""
+        self.rollout.check_can_generate()
         rid = self.engine.add_request(prompt, sampling_params, prompt_token_ids=prompt_token_ids)
         try:
             while True:
@@ -277,6 +294,70 @@ class LLM:
                             return
         finally:
             self.engine.abort(rid)
+
+    # ------------------------------------------------------------------ rollouts (docs/rl.md)
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back (vLLM's): ``level=1`` copies the weights to host
+        memory (pinned on CUDA) and discards the KV cache; ``level=2`` discards both, and
+        after :meth:`wake_up` new weights must be written (:meth:`update_weights` or
+        :meth:`update_weights_from_disk`) before generating. Needs
+        ``LLM(..., enable_sleep_mode=True)`` and no request unfinished."""
+        self.rollout.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: ``tags`` None (all), ``["weights"]`` or ``["kv_cache"]``
+        (weights first, update them, then the KV cache: the least memory at once). The
+        prefix cache is reset."""
+        self.rollout.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache are released by :meth:`sleep`."""
+        return self.rollout.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's); True. Done after every update and wake."""
+        return self.rollout.reset_prefix_cache()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write new weights in place: ``(name, tensor)`` pairs in Hugging Face checkpoint
+        names (any subset; one call per shard), each tensor of the model's shape and dtype
+        on any device. The batch is checked whole first: a name the model lacks, a wrong
+        shape or dtype raises :class:`~pitstop.entrypoints.rollout.errors.WeightUpdateError`
+        naming the tensor and nothing of the batch is applied. Returns how many tensors
+        were written; the prefix cache is reset."""
+        return self.rollout.update_weights(named_tensors)
+
+    def update_weights_from_disk(self, path: str | Path) -> int:
+        """Write the weights of a Hugging Face folder's safetensors (or one file) in place,
+        cast to the model's dtype as at load; headers are checked before any is read."""
+        return self.rollout.update_weights_from_disk(path)
+
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> None:
+        """Join a trainer's weight-transfer group as rank ``rank_offset`` (the trainer is
+        rank 0 and hosts the TCPStore at ``master_address:master_port``); ``backend``
+        ``"gloo"`` (CPU) or ``"nccl"`` (GPU to GPU)."""
+        self.rollout.init_weight_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+
+    def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[Any], shapes: Sequence[Sequence[int]]
+    ) -> int:
+        """Receive one broadcast from the trainer per name (of that dtype and shape), then
+        write the batch in place as :meth:`update_weights` does."""
+        return self.rollout.update_weights_from_distributed(names, dtypes, shapes)
+
+    def destroy_weight_update_group(self) -> None:
+        """Leave the weight-transfer group."""
+        self.rollout.destroy_weight_update_group()
 
     def _run(self, ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -1,7 +1,7 @@
 """What vLLM's ``LLM`` has beyond ``generate`` and ``chat``, as pitstop answers it.
 
 - :data:`REFUSED_METHODS`: vLLM's ``LLM`` methods pitstop does not do (pooling,
-  LoRA, profiling, sleep mode, ...); each is a method of
+  LoRA, profiling, ...); each is a method of
   :class:`pitstop.entrypoints.llm.LLM` that raises :class:`InvalidRequestError` saying so and
   what to use, so that vLLM code fails with a reason, not an ``AttributeError``.
 - :func:`generation_defaults`: the sampling values of a checkpoint's
@@ -40,13 +40,10 @@ REFUSED_METHODS: Mapping[str, str] = {
     ),
     "start_profile": "wrap generate in torch.profiler.profile()",
     "stop_profile": "wrap generate in torch.profiler.profile()",
-    "sleep": "pitstop has no sleep mode; close() the LLM and build a new one",
-    "wake_up": "pitstop has no sleep mode; close() the LLM and build a new one",
     "get_metrics": (
         "each RequestOutput has .metrics (arrival, first token, TTFT, TPOT); pitstop serve "
         "serves Prometheus metrics on /metrics"
     ),
-    "reset_prefix_cache": "build a new LLM (the prefix allocator's cache lives with the engine)",
     "reset_mm_cache": "pitstop serves text-only models: there is no multi-modal cache",
     "set_tokenizer": "pass tokenizer=PATH (a folder with tokenizer.json) when building the LLM",
     "add_lora": "pass lora_request=LoRARequest(...) to generate or chat (LLM(enable_lora=True))",

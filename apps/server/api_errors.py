@@ -87,6 +87,19 @@ def engine_closed_error(exc: BaseException) -> APIError:
     )
 
 
+def asleep_error(retry_after_s: int, why: str | None = None) -> APIError:
+    """The 503 of a request sent while the engine sleeps (POST /sleep): never accepted."""
+    return APIError(
+        503,
+        why
+        or "the engine is asleep (POST /sleep) and accepts no request until POST /wake_up; "
+        f"retry after {retry_after_s} s",
+        type="server_error",
+        code="engine_asleep",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def engine_error(exc: BaseException) -> APIError:
     """The 503 of a request whose engine step failed."""
     return APIError(503, str(exc), type="server_error", code="engine_error")

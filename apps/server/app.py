@@ -31,6 +31,7 @@ from pitstop.errors import InvalidRequestError
 from pitstop.server.handlers import install_error_handlers
 from pitstop.server.metrics import failure_reason
 from pitstop.server.routes import ROUTERS, ROUTES
+from pitstop.server.routes.rollout import rollout_routers
 from pitstop.server.security import RequestGuard
 from pitstop.server.settings import ServerSettings
 from pitstop.server.state import AppState
@@ -101,5 +102,7 @@ def create_app(llm: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI
     )
     install_error_handlers(app)
     for router in ROUTERS:
+        app.include_router(router)
+    for router in rollout_routers(settings.enable_sleep_mode, settings.enable_weight_updates):
         app.include_router(router)
     return app

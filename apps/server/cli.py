@@ -183,6 +183,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(hermes, llama3_json, or a third party's; pitstop plugins lists them); "
         'default none: tool_choice "auto" is refused',
     )
+    r = p.add_argument_group("reinforcement learning (docs/rl.md)")
+    r.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="allocate the weights and KV cache so that POST /sleep can free them; serve "
+        "POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping, POST /reset_prefix_cache "
+        "(behind the API key; default off: those routes answer 404)",
+    )
+    r.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="serve POST /update_weights_from_disk and POST /reset_prefix_cache (behind the "
+        "API key; default off: 404)",
+    )
     c = p.add_argument_group("chat requests")
     c.add_argument(
         "--trust-request-chat-template",
@@ -300,6 +314,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         special_tokens_in_content=args.special_tokens_in_content,
         max_response_bytes=args.max_response_bytes,
         grammar_at_start=True,
+        enable_sleep_mode=args.enable_sleep_mode,
+        enable_weight_updates=args.enable_weight_updates,
     )
 
 
@@ -329,7 +345,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     config = config_from_cli(model_from_args(args))
-    llm = AsyncLLM.from_config(config)
+    llm = AsyncLLM.from_config(config, enable_sleep_mode=settings.enable_sleep_mode)
     app = create_app(llm, settings)
     server = build_server(
         app, settings, host=args.host, port=args.port, log_level=args.uvicorn_log_level

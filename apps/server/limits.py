@@ -40,6 +40,7 @@ from typing import Any
 
 from pitstop.entrypoints.async_engine import AsyncLLM, RequestStream
 from pitstop.requests.outputs import RequestOutput
+from pitstop.server.api_errors import asleep_error
 from pitstop.server.protocol import APIError
 
 log = logging.getLogger(__name__)
@@ -244,6 +245,8 @@ class ServerState:
                 code="shutting_down",
                 headers={"Connection": "close"},
             )
+        if self.llm.rollout.is_sleeping():
+            raise asleep_error(self.retry_after_s)
         queued, per_client = self.num_queued, self.per_client[client]
         queued_cost, client_cost = self.queued_cost, self.client_cost[client]
         client_cap = self.max_requests_per_client

@@ -516,3 +516,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """``POST /update_weights_from_disk`` (SGLang's): new weights from a Hugging Face folder."""
+
+    model_config = _STRICT
+    model_path: str = Field(min_length=1)
+    load_format: str | None = None  # SGLang's; only None / "auto" (safetensors) is read

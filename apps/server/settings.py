@@ -42,6 +42,9 @@ class ServerSettings:
     max_response_bytes: int = 32 << 20  # one request's answer (every choice, chunk or JSON)
     special_tokens_in_content: str = "text"  # "tokens": message text may write special tokens
     grammar_at_start: bool = False  # build the structured-output tokenizer before serving
+    # the rollout endpoints (docs/rl.md), off unless asked for, as vLLM keeps them behind a flag:
+    enable_sleep_mode: bool = False  # POST /sleep, /wake_up, GET /is_sleeping (+ engine regions)
+    enable_weight_updates: bool = False  # POST /update_weights_from_disk
 
     @property
     def keys(self) -> tuple[str, ...]:

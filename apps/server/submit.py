@@ -17,11 +17,13 @@ from fastapi import Request
 
 from pitstop.entrypoints.async_engine import EngineClosedError, EngineStepError
 from pitstop.entrypoints.chat import ChatOptions, RenderedChat, render_chat, template_reads_tools
+from pitstop.entrypoints.rollout.errors import EngineSleepingError
 from pitstop.errors import InvalidRequestError
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.validation import check_encoded_prompt, check_token_ids
 from pitstop.server.api_errors import (
+    asleep_error,
     engine_closed_error,
     engine_error,
     invalid_request,
@@ -180,6 +182,9 @@ async def add(
     except EngineClosedError as exc:
         flight.release()
         raise engine_closed_error(exc) from exc
+    except EngineSleepingError as exc:  # slept between admission and the engine thread
+        flight.release()
+        raise asleep_error(state.server.retry_after_s, str(exc)) from exc
     except BaseException:
         flight.release()
         raise

@@ -48,6 +48,7 @@ VLLM_SERVE_FLAGS: tuple[str, ...] = (
     "chat_template",
     "trust_request_chat_template",
     "lora_modules",
+    "enable_sleep_mode",
 )
 """Flags of ``vllm serve`` (beyond the engine's) that ``pitstop serve`` may have as they are;
 those it lacks must be in :data:`pitstop.entrypoints.vllm_args.SERVE_REFUSED` (a test checks)."""
@@ -58,6 +59,9 @@ IMPLEMENTED_METHODS: tuple[str, ...] = (
     "beam_search",
     "get_tokenizer",
     "get_default_sampling_params",
+    "sleep",
+    "wake_up",
+    "reset_prefix_cache",
 )
 """vLLM's ``LLM`` methods pitstop has, with vLLM's arguments."""
 

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager
 from typing import Any
 
 import attrs
@@ -74,7 +75,15 @@ class LLMEngine:
     request table (:attr:`requests`), the intake (:attr:`intake`) and the step results
     (:attr:`results`)."""
 
-    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        plugins: PluginManager | None = None,
+        *,
+        memory_region: Callable[[str], AbstractContextManager[object]] | None = None,
+    ) -> None:
+        """``memory_region``: handed to the :class:`ModelRunner` (sleep mode allocates the
+        weights and the KV cache in releasable regions; None: plain allocations)."""
         if config.freeze_gc:  # what engines dropped without close() left, before memory is sized
             reclaim_frozen()
         self.plugins = plugins or get_plugin_manager()
@@ -131,7 +140,13 @@ class LLMEngine:
             )
         else:
             self.runner = ModelRunner(
-                config, mc, self.plugins, self.device, self.dtype, resolved=resolved
+                config,
+                mc,
+                self.plugins,
+                self.device,
+                self.dtype,
+                resolved=resolved,
+                memory_region=memory_region,
             )
         self.runner.load_weights(source.weights)
         num_pages = self.runner.plan_num_pages()
@@ -370,6 +385,15 @@ class LLMEngine:
         self.intake.admit_waiting()  # requests whose adapter waited for a place
         outputs, self._step_in_flight = self._advance(self._step_in_flight, stream)
         outputs.extend(self.results.take_failed())
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Apply the step still in flight, if any, and return its outputs (under ``overlap``
+        a launched step can outlive its requests); after it nothing this engine launched is
+        left to apply. Call it with no request unfinished (it steps until the flight lands)."""
+        outputs: list[RequestOutput] = []
+        while self._step_in_flight is not None:
+            outputs += self.step()
         return outputs
 
     def _advance(

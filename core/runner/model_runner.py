@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import attrs
@@ -97,11 +98,15 @@ class ModelRunner:
         parallel: RankParallel | None = None,
         *,
         resolved: ResolvedConfig | None = None,
+        memory_region: Callable[[str], AbstractContextManager[object]] | None = None,
     ) -> None:
         """``resolved``: ``config`` as the engine resolved it (every selected strategy's typed
         settings, :func:`pitstop.plugin_system.settings.resolve`); resolved here when the runner is built alone.
         ``parallel``: this rank's part in a model split over several (an executor plugin's;
-        None: the whole model, in this process)."""
+        None: the whole model, in this process). ``memory_region(tag)``: a context the weights
+        (``"weights"``) and the KV cache (``"kv_cache"``) are allocated in, so that they can be
+        released and restored later (sleep mode; None: plain allocations)."""
+        self.memory_region = memory_region or (lambda tag: nullcontext())
         if resolved is None:  # built alone (a test, a draft model): its own kinds' settings
             resolved = resolve(config, plugins, kinds=("kernels", "sampler", "weights"))
         # Split over several ranks, this runner holds one rank's part of the model: its heads,
@@ -137,7 +142,8 @@ class ModelRunner:
             dtype,
             settings=resolved.of("weights"),
         )
-        self.model = self._build_model(plugins)
+        with self.memory_region("weights"):
+            self.model = self._build_model(plugins)
         # the adapter plugin (adapter=NAME, vLLM's enable_lora): wraps the model's projections
         self.adapters: Adapters | None = self._build_adapters(plugins, resolved)
         assert config.max_model_len is not None
@@ -231,7 +237,7 @@ class ModelRunner:
         infinities as it streams into its copy (:mod:`pitstop.loading.finite_weights`).
         """
         checked = finite_weights if self.config.check_weights else iter
-        with torch.inference_mode():
+        with torch.inference_mode(), self.memory_region("weights"):
             if self.parallel is not None:  # this rank's part of each tensor only
                 shard = self.parallel.shard
                 if weights is None:
@@ -319,9 +325,10 @@ class ModelRunner:
         shape = (mc.num_layers, 2, num_pages, self.page_size, mc.num_kv_heads, mc.head_size)
         # fp8 is zeroed as uint8 (zero bytes are +0.0): no float8 fill kernel needed on any device
         storage = torch.uint8 if self.kv_cache_dtype.itemsize == 1 else self.kv_cache_dtype
-        self.kv_cache = torch.zeros(shape, dtype=storage, device=self.device).view(
-            self.kv_cache_dtype
-        )
+        with self.memory_region("kv_cache"):
+            self.kv_cache = torch.zeros(shape, dtype=storage, device=self.device).view(
+                self.kv_cache_dtype
+            )
         self.num_pages = num_pages
         if self.poison:
             poison_(self.kv_cache)

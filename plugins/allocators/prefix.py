@@ -320,6 +320,16 @@ class PrefixCachingAllocator(OnDemandPages):
             chain.append((hash_, uid))
             parent_hash, parent_uid = hash_, uid
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name), e.g. after the weights changed: their
+        K and V belong to the old weights. Cached pages nobody holds become free; held ones
+        stop being findable and go to the free stack when released. Returns True."""
+        for page in list(self._cached):
+            self._unregister(page)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        return True
+
     # ------------------------------------------------------------------ queries
     def refcount(self, page: int) -> int:
         """How many live sequences hold ``page``."""

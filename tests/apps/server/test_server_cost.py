@@ -30,9 +30,16 @@ class _Snapshot:
 
 
 @attrs.define
+class _Awake:
+    def is_sleeping(self) -> bool:
+        return False
+
+
+@attrs.define
 class _FakeLLM:
     accepting: bool = True
     snapshot: _Snapshot = attrs.Factory(_Snapshot)
+    rollout: _Awake = attrs.Factory(_Awake)  # AsyncLLM.rollout: admission asks if it sleeps
 
 
 def _state(**kw: Any) -> ServerState:

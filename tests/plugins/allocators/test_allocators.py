@@ -290,6 +290,22 @@ def test_prefix_hit_after_a_first_sequence_computed_the_shared_prefix() -> None:
     assert stats.tokens_held == 23 and stats.pages_free == 16 - 4
 
 
+def test_prefix_reset_forgets_every_cached_page() -> None:
+    allocator = PrefixCachingAllocator(page_size=4, num_pages=16)
+    a, held = seq(range(12), "a"), seq(range(100, 112), "held")
+    for s in (a, held):
+        allocator.allocate(s)
+        compute_all(allocator, s)
+    allocator.free(a)  # its pages stay cached, evictable
+    assert allocator.num_evictable_pages == 3
+    assert allocator.reset_prefix_cache() is True
+    assert allocator.num_evictable_pages == 0
+    assert allocator.allocate(seq(range(12), "again")) == 0  # nothing cached any more
+    assert allocator.allocate(seq(range(100, 112), "held again")) == 0
+    allocator.free(held)
+    assert not any(allocator.is_cached(p) for p in range(16))
+
+
 def test_prefix_always_recomputes_the_last_token() -> None:
     allocator = PrefixCachingAllocator(page_size=4, num_pages=16)
     a = seq(range(12), "a")
