@@ -382,8 +382,10 @@ def test_a_stream_keeps_flowing_beside_an_adversarial_mix(trusted: Live) -> None
     worst_alone, worst = max(alone["gaps"]), max(mixed["gaps"])
     # Before: 9-12 s (a 12,000-entry logit_bias on the event loop), for ever (a looping
     # template in a worker thread). Now every refusal is cheap on the loop and the template
-    # runs in its own process: the victim waits for the CPU, never for one of them.
-    assert worst < worst_alone + 1.0, (worst_alone, worst, sorted(mixed["gaps"])[-5:])
+    # runs in its own process: the victim waits for the CPU, never for one of them. The
+    # margin is 2 s, far below the stalls it guards against: on 2 cores busy with other test
+    # processes the victim's worst gap reached 1.05 s over its gap alone (2026-12-04).
+    assert worst < worst_alone + 2.0, (worst_alone, worst, sorted(mixed["gaps"])[-5:])
 
 
 def test_large_bodies_are_checked_off_the_event_loop() -> None:
