@@ -277,5 +277,19 @@ for _ in range(2):
       elif ! python3 -c "import gguf" 2>/dev/null; then echo "== fp8-verify: the gguf package is missing (its wheel goes in .whl/: benchmarks/README.md)";
       else for ref in auto same; do echo "== fp8-verify: pitstop verify --model $gguf_file --kv-cache-dtype fp8_e4m3 --reference-kv-cache-dtype $ref"
         timeout 300 pitstop verify --model "$gguf_file" --kv-cache-dtype fp8_e4m3 --reference-kv-cache-dtype $ref --json "$OUT/fp8-verify-$ref.json" 2>&1 | grep -v " INFO "; done; fi ;;
+    # 2026-12-04 (issues 47-50): the features built without a device, first on the GPU. Their GPU
+    # tests (LoRA in the whole model with CUDA graphs, fp8 MoE experts, the rollout's sleep/wake/
+    # update, tensor parallelism with one NCCL rank), the matrix's MoE and LoRA rows (needs the
+    # GGUF and peft from .whl/), the rollout bench on qwen3-8b, and the prefill attention peers
+    # (cuDNN, FlashAttention, varlen) over cached pages for issue 44.
+    features) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
+      timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 \
+        tests/plugins/adapters/test_lora.py tests/plugins/kernels/test_lora_kernels_gpu.py \
+        tests/plugins/models/test_moe_models_fused.py tests/plugins/kernels/test_moe_kernels_gpu.py \
+        tests/apps/entrypoints/test_rollout_gpu.py ${FEATURE_TESTS:-} 2>&1 | tee "$OUT/gpu-tests-features.log" | tail -15
+      [ -f "$gguf" ] && SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-300} python3 tests/helpers/gpu_matrix.py --workers 8 \
+        --only "${FEATURE_MATRIX:-qwen3-moe/,smollm2+lora/}" --json "$OUT/matrix-features.json" 2>"$OUT/matrix-features.log" | tail -12
+      echo "== rl_bench (dummy:qwen3-8b)"; timeout ${RL_TIMEOUT:-300} python3 benchmarks/rl_bench.py --out "$OUT/rl-qwen3-8b.json" 2>&1 | tail -20
+      echo "== prefill attention beside torch's (issue 44)"; timeout 300 python3 benchmarks/kernels_bench.py --suite --peer 2>&1 | grep -i "prefill\|peer" | head -40 ;;
   esac
 done
