@@ -297,8 +297,5 @@ class TieredAllocator(PrefixCachingAllocator):
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> AllocatorStats:
-        """The prefix allocator's statistics, with the tier's counters."""
-        counters = self.counters.as_dict()
-        counters["host_pages_used"] = float(len(self.host))
-        counters["host_pages_total"] = float(self.host.num_slots)
-        return attrs.evolve(super().stats(), counters=counters)
+        """The prefix allocator's statistics, with the tier's counters (running totals)."""
+        return attrs.evolve(super().stats(), counters=self.counters.as_dict())

@@ -265,7 +265,8 @@ def test_without_a_kv_cache_it_is_the_prefix_allocator() -> None:
     a = tiered()
     s = seq(range(9))
     a.allocate(s)
-    assert not a.tier_on and a.stats().counters["host_pages_total"] == 0
+    assert not a.tier_on and a.host.num_slots == 0
+    assert a.stats().counters["host_hit_tokens"] == 0
 
 
 def test_the_plugin_sizes_its_pool_from_kv_offloading_size() -> None:
