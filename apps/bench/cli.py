@@ -68,7 +68,11 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     for mode, names, help_text in (
         ("offline", "nano|single|cpu-smoke|FILE", "every request submitted at once"),
-        ("online", "longtail|prefix|multiturn|FILE", "simulated clients: closed loop or Poisson arrivals"),
+        (
+            "online",
+            "longtail|prefix|multiturn|FILE",
+            "simulated clients: closed loop or Poisson arrivals",
+        ),
     ):
         p = modes.add_parser(
             mode,
