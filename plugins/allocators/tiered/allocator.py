@@ -87,6 +87,7 @@ class TieredAllocator(PrefixCachingAllocator):
         self._dev_busy: dict[int, list[PageCopy]] = {}  # device page -> copies touching it
         self._saves: dict[int, tuple[int, int, int, tuple[int, ...]]] = {}  # copy id -> keys
         self._pending_keys: dict[int, list[tuple[int, int, int, tuple[int, ...]]]] = {}
+        self._pending_uids: set[int] = set()  # uids of the pages the saves in flight copy
         self._to_save: list[tuple[int, _CachedPage]] = []  # evicted this call, not on the host
         self._fenced: set[int] = set()  # ids of copies the compute stream already waits on
 
@@ -127,6 +128,7 @@ class TieredAllocator(PrefixCachingAllocator):
         self.host.mark_idle(copy.host_slots)
         for slot, key in zip(copy.host_slots, self._pending_keys.pop(id(copy), ()), strict=False):
             self.host.enter(slot, *key)
+            self._pending_uids.discard(key[2])
         self.counters.book(copy, exposed=copy.exposed)
         self._fenced.discard(id(copy))
 
@@ -170,7 +172,7 @@ class TieredAllocator(PrefixCachingAllocator):
         return page
 
     def _save_pending(self, uid: int) -> bool:
-        return any(key[2] == uid for keys in self._pending_keys.values() for key in keys)
+        return uid in self._pending_uids
 
     def _save(self, pages: list[tuple[int, _CachedPage]]) -> PageCopy | None:
         """Start one copy of ``pages`` into free host slots (as many as are not busy)."""
@@ -204,13 +206,12 @@ class TieredAllocator(PrefixCachingAllocator):
 
     def _save_ahead(self) -> None:
         """Start copying the LRU pool's oldest pages that have no host copy yet."""
-        pending = {key[2] for keys in self._pending_keys.values() for key in keys}
         batch: list[tuple[int, _CachedPage]] = []
         for page in self._evictable:
             if len(batch) >= self.offload_ahead:
                 break
             entry = self._cached[page]
-            if self.host.holds_uid(entry.uid) or entry.uid in pending:
+            if self.host.holds_uid(entry.uid) or entry.uid in self._pending_uids:
                 continue
             batch.append((page, entry))
         if batch:

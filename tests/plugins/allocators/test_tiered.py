@@ -18,7 +18,7 @@ from pitstop.requests.sequence import Sequence
 from pitstop.testing import allocator_state_machine
 from pitstop.testing.allocator import AllocatorStateMachine
 
-CONTRACT = hypothesis.settings(max_examples=120, stateful_step_count=40, deadline=None)
+CONTRACT = hypothesis.settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
 def seq(tokens: list[int] | range, name: str = "r") -> Sequence:
