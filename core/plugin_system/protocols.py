@@ -132,14 +132,10 @@ class AllocatorBase(Capabilities):
         del child, parent
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Told once, when the engine is built, the runner's KV cache (``[layers, 2, pages,
-        page_size, kv_heads, head_size]``), for an allocator that moves pages' contents (a
-        host tier); by default ignored: allocators hand out page numbers only."""
-        del kv_cache
+        """Handed the runner's KV cache once, at build (a host tier copies pages); ignored."""
 
     def before_launch(self) -> None:
-        """Called right before each step is launched on the device (on the launching thread):
-        order the allocator's own copies before the step that reads them; by default nothing."""
+        """Called before each step's launch: order the allocator's copies before it; no-op."""
 
 
 # ---------------------------------------------------------------- scheduler
