@@ -16,7 +16,7 @@ Settings (:class:`TieredSettings`; ``--tiered.*``, ``[plugins.tiered]``):
     at most this many host pages (unset: as many as ``kv_offloading_size`` holds).
 ``tiered.offload_ahead``
     how many of the device LRU pool's oldest pages are copied to the host at
-    each step ahead of their eviction (default 256).
+    each step ahead of their eviction (default 1024).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class TieredSettings:
         help="at most this many host pages (unset: what kv_offloading_size holds)",
     )
     offload_ahead: int = setting(
-        256,
+        1024,
         type=int,
         minimum=0,
         help="oldest cached device pages copied to the host at each step, ahead of eviction",

@@ -58,6 +58,8 @@ from pitstop.plugins.allocators.tiered.host_pool import HostEntry, HostPool
 if TYPE_CHECKING:
     from pitstop.requests.sequence import Sequence
 
+SAVE_AHEAD_CHUNK = 64  # pages per copy when saving ahead of eviction
+
 CopierFactory = Callable[[torch.Tensor, int], Any]
 """``(kv_cache, host slots) -> copier`` (:class:`PageCopier`; tests pass their own)."""
 
@@ -72,7 +74,7 @@ class TieredAllocator(PrefixCachingAllocator):
         *,
         host_bytes: int = 0,
         max_host_pages: int | None = None,
-        offload_ahead: int = 64,
+        offload_ahead: int = 1024,
         copier_factory: CopierFactory = PageCopier,
     ) -> None:
         super().__init__(page_size, num_pages)
@@ -214,8 +216,8 @@ class TieredAllocator(PrefixCachingAllocator):
             if self.host.holds_uid(entry.uid) or entry.uid in self._pending_uids:
                 continue
             batch.append((page, entry))
-        if batch:
-            self._save(batch)
+        for at in range(0, len(batch), SAVE_AHEAD_CHUNK):  # an eviction waits for its chunk only
+            self._save(batch[at : at + SAVE_AHEAD_CHUNK])
 
     # ------------------------------------------------------------------ loading
     def _host_hits(self, seq: Sequence, chain: list[tuple[int, int]]) -> list[HostEntry]:
