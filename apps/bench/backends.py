@@ -126,15 +126,21 @@ class PitstopBackend:
 
     def begin_run(self) -> None:
         self._base = self._snapshot()
+        self._base_counters = dict(self.engine.allocator.stats().counters)
 
     def run_stats(self) -> dict[str, Any]:
         steps, util, pre, queried, hits, verifies, proposed, accepted, spec_steps = (
             b - a for a, b in zip(self._base, self._snapshot(), strict=True)
         )
+        counters = self.engine.allocator.stats().counters
         stats: dict[str, Any] = {
             "kv_utilization": util / steps if steps else None,
             "prefix_hit_rate": hits / queried if queried else None,
             "preemptions": int(pre),
+            "allocator_counters": {
+                name: value - self._base_counters.get(name, 0.0) for name, value in counters.items()
+            }
+            or None,
         }
         if self.engine.config.speculative is not None:
             stats["spec_acceptance_rate"] = accepted / proposed if proposed else None

@@ -7,6 +7,7 @@ Registered through the ``register_commands`` hook (entry point ``commands-bench`
     pitstop bench online --workload longtail --matrix baseline,+paged,+continuous,+fused
     pitstop bench online --workload my-traffic.jsonl --request-rate 4 --model dummy:qwen3-0.6b
     pitstop bench online --url http://127.0.0.1:8000 --workload longtail --concurrency 32
+    pitstop bench online --workload multiturn --matrix +prefix,+tiered --kv-offloading-size 64 --peer vllm
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     modes = bench.add_subparsers(dest="bench_mode", required=True)
     for mode, names, help_text in (
         ("offline", "nano|single|cpu-smoke|FILE", "every request submitted at once"),
-        ("online", "longtail|prefix|FILE", "simulated clients: closed loop or Poisson arrivals"),
+        (
+            "online",
+            "longtail|prefix|multiturn|FILE",
+            "simulated clients: closed loop or Poisson arrivals",
+        ),
     ):
         p = modes.add_parser(
             mode,

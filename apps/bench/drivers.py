@@ -33,7 +33,10 @@ def run_workload(
     No ``concurrency`` and no ``request_rate``: every request is submitted at
     the start (offline). ``concurrency=N``: N clients, each sending its next
     request when its last one finished. ``request_rate=R``: Poisson arrivals,
-    R requests per second on average (seeded by the workload's seed).
+    R requests per second on average (seeded by the workload's seed). A workload
+    with ``streams`` (conversations) sends each stream's requests one after
+    another, the next when the last completed; the modes above then start
+    streams instead of requests.
     """
     if concurrency is not None and concurrency < 1:
         raise WorkloadError(f"--concurrency must be >= 1, got {concurrency}")
@@ -41,23 +44,29 @@ def run_workload(
         raise WorkloadError(f"--request-rate must be > 0, got {request_rate}")
     reqs = list(workload.requests)
     n = len(reqs)
-    queue = deque(range(n))
+    # a stream is sent one request after another (a conversation's turns); by default one each
+    streams = [list(s) for s in workload.streams] if workload.streams else [[i] for i in range(n)]
+    queue = deque(range(len(streams)))  # streams no client has started
+    place: dict[str, tuple[int, int]] = {}  # request id -> (its stream, its place in it)
     records: list[RequestRecord] = []
     backend.begin_run()
     start = time.perf_counter()
 
-    def send(i: int, arrival: float) -> None:
-        backend.submit(f"{id_prefix}{i}", reqs[i], arrival)
+    def send(stream: int, arrival: float, turn: int = 0) -> None:
+        i = streams[stream][turn]
+        request_id = f"{id_prefix}{i}"
+        place[request_id] = (stream, turn)
+        backend.submit(request_id, reqs[i], arrival)
 
     schedule: deque[float] = deque()
     if request_rate is not None:
         rng = random.Random(workload.seed)
         t = 0.0
-        for _ in range(n):
+        for _ in range(len(streams)):
             t += rng.expovariate(request_rate)
             schedule.append(start + t)
     elif concurrency is not None:
-        for _ in range(min(concurrency, n)):
+        for _ in range(min(concurrency, len(streams))):
             send(queue.popleft(), start)
     else:
         while queue:
@@ -74,12 +83,13 @@ def run_workload(
             done = backend.poll(wait)
             for rec in done:
                 records.append(rec)
-                if concurrency is not None and request_rate is None and queue:
-                    # the client sends its next request the moment its last one completed
-                    send(
-                        queue.popleft(),
-                        rec.finish if rec.finish is not None else time.perf_counter(),
-                    )
+                # a client sends its next request the moment its last one completed
+                finished = rec.finish if rec.finish is not None else time.perf_counter()
+                stream, turn = place.get(rec.request_id, (-1, 0))
+                if stream >= 0 and turn + 1 < len(streams[stream]):
+                    send(stream, finished, turn + 1)  # the stream's next request
+                elif concurrency is not None and request_rate is None and queue:
+                    send(queue.popleft(), finished)
             bar.update(len(done))
             if (
                 not done
@@ -118,6 +128,7 @@ def run_repeats(
         count = min(workload.num_requests, max(4, concurrency or 0))
         short = attrs.evolve(
             workload,
+            streams=None,  # its own requests, each alone
             requests=[
                 attrs.evolve(r, output_len=min(r.output_len, 8)) for r in workload.requests[:count]
             ],

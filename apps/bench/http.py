@@ -58,6 +58,7 @@ _PREFIX_HITS = "prefix_cache_hits_total"
 _PREEMPTIONS = "num_preemptions_total"
 _STEPS = "engine_steps_total"
 _UTILIZATION_SUM = "kv_cache_utilization_sum_total"  # sum over steps of tokens held / reserved
+_ALLOCATOR = "pitstop:allocator_"  # the allocator's own counters: pitstop:allocator_<name>_total
 
 
 class ServerBenchError(PitstopError, ValueError):
@@ -189,6 +190,13 @@ def metric_deltas(before: dict[str, float] | None, after: dict[str, float] | Non
     stats: dict[str, Any] = {"kv_utilization": None, "prefix_hit_rate": None, "preemptions": None}
     if before is None or after is None:
         return stats
+    counters = {  # the allocator's own (AllocatorStats.counters), pitstop's servers only
+        name[len(_ALLOCATOR) : -len("_total")]: value - before.get(name, 0.0)
+        for name, value in after.items()
+        if name.startswith(_ALLOCATOR) and name.endswith("_total")
+    }
+    if counters:
+        stats["allocator_counters"] = counters
 
     def delta(key: str) -> float | None:
         for prefix in _PREFIXES:

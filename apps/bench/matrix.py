@@ -38,6 +38,7 @@ STEPS: dict[str, dict[str, Any]] = {
     "+chunked": {"scheduler": "chunked", "chunk_size": 512},
     "+overlap": {"overlap": "on"},
     "+prefix": {"allocator": "prefix"},
+    "+tiered": {"allocator": "tiered"},  # prefix + a host tier (--kv-offloading-size GiB)
     "+ngram": {"speculative": "ngram"},
 }
 ARTICLE = "baseline,+paged,+continuous,+fused"

@@ -116,6 +116,8 @@ class RunResult:
     spec_acceptance_rate: float | None = None
     spec_mean_accepted: float | None = None
     spec_step_share: float | None = None  # steps that speculated (the adaptation rule let them)
+    # the allocator's own counters over the run (AllocatorStats.counters; a host tier's)
+    allocator_counters: dict[str, float] | None = None
     skipped: list[str] = attrs.Factory(list)
     per_request_counters: bool = True  # records carry cached-prompt and preemption counts
     failed: list[str] | None = None  # over HTTP: why each failed request failed (not in records)
@@ -182,10 +184,29 @@ def figures(run: RunResult, *, floor_s: float | None = None) -> dict[str, Any]:
     }
     if run.failed is not None:
         out["failed_requests"] = len(run.failed)
+    if run.allocator_counters:
+        out["tier"] = tier_figures(run.allocator_counters)
     if run.spec_acceptance_rate is not None or run.spec_mean_accepted is not None:
         out["spec_acceptance_rate"] = run.spec_acceptance_rate
         out["spec_mean_accepted"] = run.spec_mean_accepted
         out["spec_step_share"] = run.spec_step_share
+    return out
+
+
+def tier_figures(counters: dict[str, float]) -> dict[str, Any]:
+    """A host tier's figures from its counters over a run: the prompt tokens each tier served
+    (of those looked up), GiB moved each way, copy seconds hidden and exposed."""
+    device = counters.get("device_hit_tokens", 0.0)
+    host = counters.get("host_hit_tokens", 0.0)
+    queried = device + host + counters.get("miss_tokens", 0.0)
+    out: dict[str, Any] = {
+        "device_hit_rate": device / queried if queried else None,
+        "host_hit_rate": host / queried if queried else None,
+        "gib_to_host": counters.get("bytes_to_host", 0.0) / 2**30,
+        "gib_to_device": counters.get("bytes_to_device", 0.0) / 2**30,
+        "copy_hidden_s": counters.get("copy_hidden_s", 0.0),
+        "copy_exposed_s": counters.get("copy_exposed_s", 0.0),
+    }
     return out
 
 
@@ -254,6 +275,12 @@ OPTIONAL_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("spec acceptance rate", ("spec_acceptance_rate",), "{:.1%}"),
     ("spec accepted / verify", ("spec_mean_accepted",), "{:.2f}"),
     ("steps that speculated", ("spec_step_share",), "{:.1%}"),
+    ("device-cache hit rate", ("tier", "device_hit_rate"), "{:.1%}"),
+    ("host-tier hit rate", ("tier", "host_hit_rate"), "{:.1%}"),
+    ("GiB copied to host", ("tier", "gib_to_host"), "{:.2f}"),
+    ("GiB copied to device", ("tier", "gib_to_device"), "{:.2f}"),
+    ("copy time hidden (s)", ("tier", "copy_hidden_s"), "{:.3f}"),
+    ("copy time exposed (s)", ("tier", "copy_exposed_s"), "{:.3f}"),
 ]
 
 

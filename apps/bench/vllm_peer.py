@@ -13,10 +13,13 @@ memory, and vLLM's packages never enter pitstop's process. Where vLLM lives:
 
 :func:`engine_args` gives both sides the same model, shapes and limits: dtype,
 ``max_model_len``, ``max_num_seqs`` (pitstop's ``max_batch_size``), memory fraction,
-KV-cache dtype, weight quantization (``weights=fp8`` is vLLM's ``quantization=fp8``), seed; prefix caching only for a workload with shared prefixes (the
-timed passes and the warm-up repeat the same prompts, which a prefix cache would
-serve from memory); vLLM's own defaults for everything else (CUDA graphs, chunked
-prefill, its attention backend), and ``--peer-arg KEY=VALUE`` on top.
+KV-cache dtype, ``kv_cache_gib`` (vLLM's ``kv_cache_memory_bytes``), weight quantization
+(``weights=fp8`` is vLLM's ``quantization=fp8``), seed; prefix caching only for a workload
+whose prompts reuse earlier ones (shared prefixes, conversations: the timed passes and the
+warm-up repeat the same prompts, which a prefix cache would serve from memory); the
+workload's own vLLM arguments (``multiturn``: ``kv_offloading_size`` and
+``kv_offloading_backend``, vLLM's CPU offloading); vLLM's own defaults for everything else
+(CUDA graphs, chunked prefill, its attention backend), and ``--peer-arg KEY=VALUE`` on top.
 """
 
 from __future__ import annotations
@@ -259,8 +262,13 @@ def engine_args(
         gpu_memory_utilization=config.gpu_memory_utilization,
         kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype),
         seed=config.seed,
-        enable_prefix_caching=workload.shared_prefix_len > 0,
+        enable_prefix_caching=workload.reuses_prompts,
     )
+    if config.kv_cache_gib is not None:  # the same device cache on both sides
+        args["kv_cache_memory_bytes"] = int(config.kv_cache_gib * 2**30)
+    args.update(workload.peer_args)  # the workload's own (multiturn: vLLM's CPU offloading)
+    if "kv_offloading_size" in args and "kv_offloading_size" in config.options:
+        args["kv_offloading_size"] = config.options["kv_offloading_size"]  # the size pitstop's has
     if config.tensor_parallel_size > 1:
         args["tensor_parallel_size"] = config.tensor_parallel_size
     if quantization(getattr(config, "weights", None)):

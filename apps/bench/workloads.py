@@ -65,7 +65,17 @@ class Workload:
     default_model: str | None = None
     engine_defaults: dict[str, Any] = attrs.Factory(dict)
     shared_prefix_len: int = 0  # tokens at the start of each prompt shared with other requests
+    # requests one client sends one after another, each when the one before completed (the
+    # turns of conversations); None: every request on its own
+    streams: tuple[tuple[int, ...], ...] | None = None
+    # vLLM's own arguments for this workload (``--peer vllm``), beside the shared ones
+    peer_args: dict[str, Any] = attrs.Factory(dict)
     description: str = ""
+
+    @property
+    def reuses_prompts(self) -> bool:
+        """Whether prompts repeat earlier prompts' tokens (a shared prefix, a history)."""
+        return self.shared_prefix_len > 0 or self.streams is not None
 
     @property
     def num_requests(self) -> int:
@@ -98,6 +108,7 @@ class Workload:
             "input_len_range": [min(ins, default=0), max(ins, default=0)],
             "output_len_range": [min(outs, default=0), max(outs, default=0)],
             "shared_prefix_len": self.shared_prefix_len,
+            "streams": len(self.streams) if self.streams is not None else None,
         }
 
 
@@ -265,15 +276,85 @@ def prefix(
     )
 
 
+MULTITURN_TURNS = 6
+MULTITURN_OPEN = 4  # conversations one client keeps open, sending their turns in turn
+MULTITURN_KV_GIB = 16.0  # the device cache: about 116k tokens of qwen3-8b, under the histories
+MULTITURN_HOST_GIB = 64.0  # vLLM's kv_offloading_size (and the tiered column's, in its matrix)
+
+
+def multiturn(
+    num_requests: int = 200 * MULTITURN_TURNS,
+    input_len: Range = (1500, 3000),
+    output_len: Range = (100, 300),
+    seed: int = 0,
+    token_high: int = TOKEN_ID_HIGH,
+) -> Workload:
+    """Conversations of 6 turns, each prompt the whole history so far plus a new message.
+
+    ``num_requests`` turns in all (200 conversations by default); ``input_len``
+    is the first prompt's range, each later message a quarter of it, and each
+    reply ``output_len`` (the reply in the next turn's history is drawn, as
+    the model's own tokens would be ignored text to the engine). A client keeps
+    4 conversations open and sends their turns in turn, so a history waits
+    for 3 other requests of its client (and everyone else's traffic) between
+    two turns: what users who read and think do to a cache.
+    """
+    rng = random.Random(seed)
+    message = (max(1, input_len[0] // 4), max(1, input_len[1] // 4))
+    num_conversations = -(-num_requests // MULTITURN_TURNS)
+    turns: list[list[BenchRequest]] = []
+    for c in range(num_conversations):
+        count = min(MULTITURN_TURNS, num_requests - c * MULTITURN_TURNS)
+        history = _ids(rng, rng.randint(*input_len), token_high)
+        conversation = []
+        for _ in range(count):
+            out = rng.randint(*output_len)
+            conversation.append(BenchRequest(out, history))
+            history = history + _ids(rng, out, token_high)  # the reply
+            history = history + _ids(rng, rng.randint(*message), token_high)  # the next message
+        turns.append(conversation)
+    requests: list[BenchRequest] = []
+    index: list[list[int]] = []
+    for conversation in turns:
+        index.append(list(range(len(requests), len(requests) + len(conversation))))
+        requests.extend(conversation)
+    streams = []
+    for first in range(0, len(turns), MULTITURN_OPEN):
+        group = index[first : first + MULTITURN_OPEN]
+        streams.append(
+            tuple(ids[t] for t in range(MULTITURN_TURNS) for ids in group if t < len(ids))
+        )
+    longest = max(r.input_len + r.output_len for r in requests)
+    return Workload(
+        name="multiturn",
+        requests=requests,
+        mode="online",
+        concurrency=16,
+        seed=seed,
+        default_model="dummy:qwen3-8b",
+        streams=tuple(streams),
+        engine_defaults={
+            "max_model_len": max(longest, 8192),
+            "kv_cache_gib": MULTITURN_KV_GIB,
+        },
+        peer_args={
+            "kv_offloading_size": MULTITURN_HOST_GIB,
+            "kv_offloading_backend": "native",
+        },
+        description="conversations whose turns resend their whole history",
+    )
+
+
 GENERATORS: dict[str, Callable[..., Workload]] = {
     "nano": nano,
     "single": single,
     "cpu-smoke": cpu_smoke,
     "longtail": longtail,
     "prefix": prefix,
+    "multiturn": multiturn,
 }
 OFFLINE = ("nano", "single", "cpu-smoke")
-ONLINE = ("longtail", "prefix")
+ONLINE = ("longtail", "prefix", "multiturn")
 
 
 def build_workload(
@@ -380,6 +461,7 @@ def fit_to_model(
     """
     kept: list[BenchRequest] = []
     skipped: list[str] = []
+    new_index: dict[int, int] = {}
     for i, r in enumerate(workload.requests):
         if r.prompt_token_ids is not None:
             if r.input_len + r.output_len > max_model_len:
@@ -393,9 +475,17 @@ def fit_to_model(
                     f"request {i}: token id {max(r.prompt_token_ids)} >= vocabulary {vocab_size}"
                 )
                 continue
+        new_index[i] = len(kept)
         kept.append(r)
     if not kept:
         raise WorkloadError(
             f"no request of workload {workload.name!r} fits this model: " + "; ".join(skipped[:3])
         )
-    return attrs.evolve(workload, requests=kept), skipped
+    streams = workload.streams
+    if streams is not None:  # the turns that remain, in their order
+        streams = tuple(
+            kept_ids
+            for kept_ids in (tuple(new_index[i] for i in s if i in new_index) for s in streams)
+            if kept_ids
+        )
+    return attrs.evolve(workload, requests=kept, streams=streams), skipped

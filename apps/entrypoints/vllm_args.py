@@ -73,6 +73,15 @@ def _enable_lora(value: Any) -> dict[str, Any]:
     return {"adapter": "lora" if _bool("enable_lora", value) else None}
 
 
+def _offloading_backend(value: Any) -> dict[str, Any]:
+    if value != "native":
+        raise ConfigError(
+            f"kv_offloading_backend={value!r}: pitstop's host tier is the 'tiered' allocator "
+            "(vLLM's 'native'); use kv_offloading_backend='native' or allocator='tiered'"
+        )
+    return {"allocator": "tiered"}
+
+
 def _memory_bytes(value: Any) -> dict[str, Any]:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(
@@ -112,6 +121,13 @@ RENAMED: tuple[Renamed, ...] = (
         _async_scheduling,
         bool,
         "true: overlap='on'; false: overlap='off'",
+    ),
+    Renamed(
+        "kv_offloading_backend",
+        "allocator",
+        _offloading_backend,
+        str,
+        "'native': allocator='tiered', whose host pool kv_offloading_size sizes",
     ),
     Renamed(
         "kv_cache_memory_bytes",

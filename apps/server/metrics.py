@@ -4,7 +4,9 @@ Two sources feed them:
 
 - the engine snapshot (:class:`pitstop.entrypoints.async_engine.EngineSnapshot`), read at
   scrape time by a custom collector: request counts, KV-cache usage,
-  prefix-cache queries and hits, preemptions;
+  prefix-cache queries and hits, the allocator's own counters (``pitstop:allocator_*``:
+  the ``tiered`` allocator's hits per tier, bytes copied each way, copy time hidden and
+  exposed), preemptions;
 - every request output, observed on the engine thread: prompt and
   generation token counters, finished requests by reason, and the latency
   histograms (from the engine's own timestamps, so HTTP overhead is not in
@@ -171,6 +173,12 @@ class _SnapshotCollector(Collector):
             "Prompt tokens served from the prefix cache.",
             a.prefix_hit_tokens,
         )
+        for name, total in sorted(a.counters.items()):  # the allocator's own (a host tier's)
+            yield counter(
+                f"pitstop:allocator_{name}",
+                f"The allocator's own counter {name} since start (AllocatorStats.counters).",
+                total,
+            )
         yield counter(
             "pitstop:num_preemptions", "Sequences preempted since start.", snap.stats.preemptions
         )

@@ -66,7 +66,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from pitstop.plugin_system.protocols import Allocator, AllocatorStats
+from pitstop.plugin_system.protocols import Allocator, AllocatorBase, AllocatorStats
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence
 
@@ -77,6 +77,37 @@ _Snapshot = tuple[AllocatorStats, dict[int, tuple[list[int], int]]]
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class ShadowKV:
+    """The machine's KV cache: for every slot, which token prefix's KV it holds.
+
+    A tensor shaped like the runner's cache (``[1 layer, K and V, pages, page_size,
+    1 head, 1]``) holding one integer per slot (the prefix's number, -1 for nothing
+    written), so that an allocator that copies pages' contents (``bind_kv_cache``)
+    copies these too, and a wrong copy shows as a wrong prefix.
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        import torch
+
+        self.tensor = torch.full((1, 2, num_pages, page_size, 1, 1), -1, dtype=torch.int64)
+        self._ids: dict[tuple[int, ...], int] = {}
+        self._prefixes: list[tuple[int, ...]] = []
+
+    def write(self, page: int, offset: int, prefix: tuple[int, ...]) -> None:
+        """The KV of ``prefix``'s last token was computed into ``page`` at ``offset``."""
+        number = self._ids.setdefault(prefix, len(self._prefixes))
+        if number == len(self._prefixes):
+            self._prefixes.append(prefix)
+        self.tensor[:, :, page, offset] = number
+
+    def read(self, page: int, offset: int) -> tuple[int, ...] | None:
+        """The prefix whose KV the slot holds (None: nothing written); K and V must agree."""
+        k, v = (int(x) for x in self.tensor[0, :, page, offset, 0, 0])
+        if k != v:
+            return None
+        return self._prefixes[k] if k >= 0 else None
 
 
 class AllocatorStateMachine(RuleBasedStateMachine):
@@ -124,8 +155,10 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         self.waiting: dict[int, Sequence] = {}
         self.running: dict[int, Sequence] = {}
         self.held: dict[int, int] = {}  # seq_id -> tokens it should hold
-        # The shadow KV cache: page -> offset -> the token prefix whose KV was written in that slot.
-        self.kv: dict[int, dict[int, tuple[int, ...]]] = {}
+        # The shadow KV cache: for every slot, the token prefix whose KV was written there. An
+        # allocator that moves pages' contents (a host tier) is bound to it and moves it.
+        self.kv = ShadowKV(self.num_pages, self.page_size)
+        AllocatorBase.of(self.allocator, "bind_kv_cache")(self.kv.tensor)
         self.prefixes: list[list[int]] = [[]]
         self.names = itertools.count()
         self.last_stats = self.start
@@ -178,7 +211,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         table = self.allocator.block_table(seq)
         for t in range(num_tokens):
             page = table[t // self.page_size]
-            written = self.kv.get(page, {}).get(t % self.page_size)
+            written = self.kv.read(page, t % self.page_size)
             expected = tuple(seq.token_ids[: t + 1])
             assert written == expected, (
                 f"{what}: token {t} of {seq.request_id} is in page {page} slot {t % self.page_size}, "
@@ -321,6 +354,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         )
 
     def _compute(self, seq: Sequence, n: int) -> None:
+        AllocatorBase.of(self.allocator, "before_launch")()  # the step is about to be launched
         start = seq.num_computed_tokens
         holders = self._holders()
         table = self.allocator.block_table(seq)
@@ -330,7 +364,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
             assert not others, (
                 f"{seq.request_id} writes token {t} into page {page}, which {others} also hold"
             )
-            self.kv.setdefault(page, {})[t % self.page_size] = tuple(seq.token_ids[: t + 1])
+            self.kv.write(page, t % self.page_size, tuple(seq.token_ids[: t + 1]))
         seq.launch(n, samples=False)  # the step computes tokens start .. start + n - 1
         self.allocator.on_tokens_computed(seq)
 

@@ -18,6 +18,8 @@ class AllocatorStats:
     prefix_hit_tokens: int = 0
     # slots counted more than once in tokens_held because several sequences share their page
     tokens_shared: int = 0
+    # an allocator's own running totals by name (a host tier's hits, bytes moved), exported as given
+    counters: dict[str, float] = attrs.field(factory=dict, hash=False)
 
     @property
     def utilization(self) -> float:

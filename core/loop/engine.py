@@ -52,6 +52,7 @@ from pitstop.loop.request_table import RequestTable
 from pitstop.plugin_system.executor import ExecutorContext
 from pitstop.plugin_system.grammar import GrammarBackend
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
+from pitstop.plugin_system.protocols import AllocatorBase
 from pitstop.plugin_system.settings import resolve
 from pitstop.requests.bad_words import blocked_now
 from pitstop.requests.outputs import RequestOutput
@@ -163,6 +164,7 @@ class LLMEngine:
         self.allocator = self.plugins.create(
             "allocator", config.allocator, config, num_pages, settings=resolved.of("allocator")
         )
+        AllocatorBase.of(self.allocator, "bind_kv_cache")(self.runner.kv_cache)
         self._fresh_pages: list[int] = []  # handed out since the last launch (poison_memory)
         if config.poison_memory:
             self.allocator = FreshPageTracker(self.allocator, self._fresh_pages.extend)
@@ -485,6 +487,7 @@ class LLMEngine:
         gone, reset = self.requests.take_runner_changes()
         step = StepInput(inputs, gone, reset, poison_pages=self._fresh_pages[:])
         self._fresh_pages.clear()
+        AllocatorBase.of(self.allocator, "before_launch")()
         try:
             handle = self.runner.launch(step)
         except WorkerDiedError:

@@ -131,6 +131,12 @@ class AllocatorBase(Capabilities):
         default nothing is shared and ``child`` computes its own prompt."""
         del child, parent
 
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Handed the runner's KV cache once, at build (a host tier copies pages); ignored."""
+
+    def before_launch(self) -> None:
+        """Called before each step's launch: order the allocator's copies before it; no-op."""
+
 
 # ---------------------------------------------------------------- scheduler
 

@@ -113,7 +113,32 @@ def configurations() -> list[dict[str, Any]]:
                     "n": 2,
                 }
             )
-    return out + fused_layer_rows() + issue_table() + model_rows()
+    return out + fused_layer_rows() + tiered_rows() + issue_table() + model_rows()
+
+
+def tiered_rows() -> list[dict[str, Any]]:
+    """Issue 50's host tier (``tiered``) on a 24-page cache, under continuous and chunked, both
+    kernel sets, overlap on and off: the second pass finds the first pass's prompts on the
+    host (side-stream copies, events, the compute stream waiting on them)."""
+    rows = []
+    for scheduler, kernels, overlap in itertools.product(
+        ("continuous", "chunked"), KERNELS, OVERLAP
+    ):
+        rows.append(
+            {
+                "name": f"tiered/{scheduler}/{kernels}/host-tier(24 pages, overlap={overlap})",
+                "settings": {
+                    "allocator": "tiered",
+                    "scheduler": scheduler,
+                    "kernels": kernels,
+                    "overlap": overlap,
+                    "max_num_pages": 24,
+                    "kv_offloading_size": 0.05,
+                    **budget_settings(scheduler, 64),
+                },
+            }
+        )
+    return rows
 
 
 def fused_layer_rows() -> list[dict[str, Any]]:
@@ -216,6 +241,7 @@ def run_configuration(
             "passes": passes,
             "preemptions": llm.engine.stats.preemptions,
             "pages_leaked": stats.num_pages - stats.pages_free,
+            "allocator_counters": dict(stats.counters),  # tiered: its host hits, bytes moved
             "seconds": time.perf_counter() - start,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         }
