@@ -422,6 +422,25 @@ def translate(settings: Mapping[str, Any]) -> dict[str, Any]:
                     f"{settings[setting]!r} is given too; give one of them"
                 )
             out[setting] = new
+    return _offloading_selects_tier(settings, out)
+
+
+# what choosing an allocator by any name looks like (then kv_offloading_size selects nothing)
+_CHOOSES_ALLOCATOR = ("allocator", "enable_prefix_caching", "kv_offloading_backend")
+
+
+def _offloading_selects_tier(settings: Mapping[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """As in vLLM, ``kv_offloading_size`` alone turns the host tier on: a size above 0 with
+    no allocator chosen by any name selects ``allocator='tiered'`` (vLLM's default backend,
+    'native'), which reads the size as its own setting."""
+    options = settings.get("options")
+    size = settings.get("kv_offloading_size")
+    if size is None and isinstance(options, Mapping):  # flags put the alias among the options
+        size = options.get("kv_offloading_size")
+    if size is None or isinstance(size, bool) or not isinstance(size, int | float):
+        return out
+    if size > 0 and not any(settings.get(name) is not None for name in _CHOOSES_ALLOCATOR):
+        out["allocator"] = "tiered"
     return out
 
 

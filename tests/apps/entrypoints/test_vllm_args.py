@@ -307,3 +307,17 @@ def test_api_key_takes_several_keys_as_vllms() -> None:
     add_arguments(parser)
     assert parser.parse_args(["--api-key", "a", "b", "--api-key", "c"]).api_key == ["a", "b", "c"]
     assert parser.parse_args([]).api_key is None
+
+
+def test_kv_offloading_size_alone_turns_the_host_tier_on_as_in_vllm() -> None:
+    from pitstop.entrypoints.engine_args import add_cli_flags, config_from_cli
+
+    assert engine_config(kv_offloading_size=2).allocator == "tiered"
+    assert engine_config(kv_offloading_size=2, allocator="prefix").allocator == "prefix"
+    assert engine_config(kv_offloading_size=2, enable_prefix_caching=True).allocator == "prefix"
+    assert engine_config(kv_offloading_size=0).allocator == engine_config().allocator
+    parser = argparse.ArgumentParser()
+    add_cli_flags(parser)
+    flags = config_from_cli(parser.parse_args(["--kv-offloading-size", "8"]))
+    assert flags.allocator == "tiered" and flags.options == {"kv_offloading_size": 8.0}
+
