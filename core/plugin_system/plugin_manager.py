@@ -43,6 +43,7 @@ from pitstop.plugin_system.settings import (
     same_declaration,
     strategy_settings,
 )
+from pitstop.plugin_system.verifier import Verifier
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -423,6 +424,10 @@ class PluginManager:
     def create(
         self, kind: Literal["executor"], name: str, *args: Any, **kwargs: Any
     ) -> Executor: ...
+    @overload
+    def create(
+        self, kind: Literal["verifier"], name: str, *args: Any, **kwargs: Any
+    ) -> Verifier: ...
     @overload
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any: ...
 

@@ -435,6 +435,8 @@ def resolve(
             continue
         if kind == "executor" and config.tensor_parallel_size == 1:
             continue  # one process: the engine runs the model itself
+        if kind == "verifier" and config.speculative is None:
+            continue  # built only with a proposer
         if name is not None:
             selected[kind] = registry.get(kind, name)
     every = registry.strategies()

@@ -28,11 +28,11 @@ from pitstop.requests.sampling import (
 )
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.runner.launched import LaunchedStep, LaunchedVerification, to_host
-from pitstop.speculation.speculative import DraftVerifier
 
 if TYPE_CHECKING:
     from pitstop.ground.step import PromptLogprobs
     from pitstop.plugin_system.protocols import SamplerOutput
+    from pitstop.plugin_system.verifier import Verifier
 
 GeneratorOf = Callable[[int, SamplingParams], "torch.Generator | None"]
 
@@ -53,7 +53,8 @@ class StepSampling:
         self.sampler, self.device, self.seed = sampler, device, seed
         self.generators: dict[int, torch.Generator] = {}
         self.histories = TokenHistories()  # penalized sequences' tokens, grown step by step
-        self.verifier: DraftVerifier | None = None
+        # the verifier plugin (speculative_verifier=NAME), set by the engine when it speculates
+        self.verifier: Verifier | None = None
         # The last step's sampling rows (seq ids) and their batch.
         self.batch_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         # The last launched step's sampled ids stay here on the device; the next step gathers
@@ -211,7 +212,9 @@ class StepSampling:
         params = [s.params or SamplingParams() for s in sampling]
         generators = [generator_of(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
         if self.verifier is None:
-            self.verifier = DraftVerifier(self.sampler, self.device, self.seed)
+            raise RuntimeError(
+                "a step verifies drafts, but no verifier was built (speculative=None)"
+            )
         self.last_rows = {}
         nonfinite = to_host(nan_rows_of(logits)) if self.poison else None
         return LaunchedVerification(seqs, self.verifier(logits, sampling, generators), nonfinite)
