@@ -47,10 +47,8 @@ class SampleSharing(Protocol):
 class StepSampling:
     """Samples a runner's steps and keeps the state that lives from one step to the next."""
 
-    def __init__(
-        self, sampler: Sampler, device: torch.device, rows: int, *, seed: int, poison: bool
-    ) -> None:
-        self.sampler, self.device, self.seed = sampler, device, seed
+    def __init__(self, sampler: Sampler, device: torch.device, rows: int, *, poison: bool) -> None:
+        self.sampler, self.device = sampler, device
         self.generators: dict[int, torch.Generator] = {}
         self.histories = TokenHistories()  # penalized sequences' tokens, grown step by step
         # the verifier plugin (speculative_verifier=NAME), set by the engine when it speculates
