@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pitstop.config import EngineConfig
+from pitstop.entrypoints.inputs import TextPrompt, TokensPrompt
 from pitstop.errors import (
     ConfigError,
     InvalidRequestError,
@@ -14,7 +15,6 @@ from pitstop.errors import (
 )
 from pitstop.lora.request import LoRARequest
 from pitstop.plugin_system.hookspecs import hookimpl
-from pitstop.requests.inputs import TextPrompt, TokensPrompt
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.structured import StructuredOutputs
 

@@ -359,6 +359,14 @@ class EngineConfig:
             "compute-bound: they decode plainly, in the overlapped loop)"
         ),
     )
+    speculative_verifier: str = attrs.field(
+        default="rejection",
+        validator=_name,
+        metadata=_doc(
+            "draft-verifier plugin: which drafts a speculative step keeps (rejection: exact "
+            "rejection sampling, the target model's distribution)"
+        ),
+    )
     speculative_min_accepted: float = attrs.field(
         default=0.5,
         validator=_non_negative_real,

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import attrs
 
+from pitstop.entrypoints.inputs import PromptType, parse_prompts
 from pitstop.errors import InvalidRequestError
-from pitstop.requests.inputs import PromptType, parse_prompts
 from pitstop.requests.outputs import Logprob
 from pitstop.requests.sampling_params import MAX_LOGPROBS, SamplingParams
 from pitstop.requests.validation import as_float, as_int, boolean, int_in, real_in

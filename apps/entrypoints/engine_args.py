@@ -13,7 +13,7 @@ of these ways, each folded into the same keywords (the config's fields plus ``op
 - flags (``--page-size``, ``--<plugin>.<setting>``, ``--<alias>``, ``--option KEY=VALUE``,
   vLLM's ``--max-num-seqs``): :func:`add_cli_flags` then :func:`config_from_cli`.
 
-The plugins' aliases come from the installed plugins' :class:`~pitstop.plugin_system.catalogue.Catalogue`;
+The plugins' aliases come from the installed plugins' :class:`~pitstop.entrypoints.catalogue.Catalogue`;
 the plugin settings the config sets or selects are checked here, so that a bad value fails
 where it was typed, before any weight loads. An unknown name is an error that names the
 nearest known one.
@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from pitstop.config import EngineConfig
+from pitstop.entrypoints.catalogue import Catalogue
 from pitstop.entrypoints.vllm_args import (
     ACCEPTED,
     DTYPE_WORDS,
@@ -44,7 +45,6 @@ from pitstop.entrypoints.vllm_args import (
     vllm_names,
 )
 from pitstop.errors import ConfigError, PluginError, did_you_mean
-from pitstop.plugin_system.catalogue import Catalogue
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.plugin_system.registration import Strategy
 from pitstop.plugin_system.settings import (
@@ -306,7 +306,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, catalogue: Catalogue) ->
 def _catalogue(plugins: PluginManager | Catalogue | None) -> Catalogue:
     if isinstance(plugins, Catalogue):
         return plugins
-    return (plugins if plugins is not None else get_plugin_manager()).catalogue
+    return Catalogue.of((plugins if plugins is not None else get_plugin_manager()).strategies())
 
 
 def engine_config(**keywords: Any) -> EngineConfig:

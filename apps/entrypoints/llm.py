@@ -12,6 +12,7 @@ from pitstop.config import EngineConfig
 from pitstop.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pitstop.entrypoints.chat import ChatOptions, render_chat
 from pitstop.entrypoints.engine_args import config_from_dict
+from pitstop.entrypoints.inputs import PromptType, parse_prompts
 from pitstop.entrypoints.rollout.control import Rollout
 from pitstop.entrypoints.rollout.device_memory import sleep_mode_memory
 from pitstop.entrypoints.tool_calls import default_tool_prompt, parse_tools
@@ -25,7 +26,6 @@ from pitstop.entrypoints.vllm_surface import (
 from pitstop.errors import ConfigError, InvalidRequestError
 from pitstop.loop.engine import LLMEngine
 from pitstop.plugin_system.plugin_manager import PluginManager
-from pitstop.requests.inputs import PromptType, parse_prompts
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.sampling_params import SamplingParams
 
@@ -145,8 +145,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        A prompt is a string, ``{"prompt": str}`` (:class:`~pitstop.requests.inputs.TextPrompt`)
-        or ``{"prompt_token_ids": [...]}`` (:class:`~pitstop.requests.inputs.TokensPrompt`);
+        A prompt is a string, ``{"prompt": str}`` (:class:`~pitstop.entrypoints.inputs.TextPrompt`)
+        or ``{"prompt_token_ids": [...]}`` (:class:`~pitstop.entrypoints.inputs.TokensPrompt`);
         give one or a list. ``prompt_token_ids=`` (a list of id lists) is the
         older spelling of a list of TokensPrompt. A prompt that is invalid
         raises before any request runs, so nothing is half-submitted. Without

@@ -7,7 +7,8 @@ contract (:func:`~pitstop.testing.scheduler.check_scheduler_contract`);
 ``pitstop.testing.kernels`` the kernel-set check against the reference
 (:func:`~pitstop.testing.kernels.check_kernel_set`); ``pitstop.testing.adapters`` the
 adapter-method check, row by row against each adapter's reference
-(:func:`~pitstop.testing.adapters.check_adapters`). Importing this package needs ``hypothesis`` (a test
+(:func:`~pitstop.testing.adapters.check_adapters`); ``pitstop.testing.verifiers`` the draft-verifier
+check (:func:`~pitstop.testing.verifiers.check_verifier`). Importing this package needs ``hypothesis`` (a test
 dependency: ``pip install pitstop[test]``).
 """
 

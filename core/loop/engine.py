@@ -185,6 +185,14 @@ class LLMEngine:
             self.proposer = self.plugins.create(
                 "proposer", config.speculative, config, context, settings=resolved.of("proposer")
             )
+            self.runner.sampling.verifier = self.plugins.create(
+                "verifier",
+                config.speculative_verifier,
+                config,
+                self.runner.sampler,
+                self.device,
+                settings=resolved.of("verifier"),
+            )
         per_page = self.runner.bytes_per_page()
         log.info(
             "%s KV cache: %s, %d tokens/page, %s pages, %s tokens, %.2f GiB",

@@ -7,7 +7,7 @@ structured outputs (``factory(config, tokenizer, vocab_size)``, picked by
 :class:`GrammarMatcher` per sample, which follows that sample's accepted
 tokens, and fills one step's allowed-token bitmask for every constrained row
 at once. The sampler applies the bitmask to the logits
-(:func:`pitstop.requests.sampling.apply_bitmask`): bit ``j`` of word ``w`` of
+(``apply_bitmask`` of :mod:`pitstop.plugins.samplers.processors`, the built-in processors): bit ``j`` of word ``w`` of
 a row allows token ``32 * w + j``.
 
 Every error a backend raises for a request's constraint (it does not compile,

@@ -76,6 +76,17 @@ def register_proposers(register: Register) -> None:
 
 
 @hookspec
+def register_verifiers(register: Register) -> None:
+    """Register draft verifiers: which of a step's speculative drafts are kept.
+
+    Called once when plugins load (factory: ``KINDS["verifier"]``; the protocol:
+    :mod:`pitstop.plugin_system.verifier`). The config's ``speculative_verifier``
+    setting picks one by name (default ``rejection``); it is built only when the
+    engine speculates.
+    """
+
+
+@hookspec
 def register_models(register: Register) -> None:
     """Register model architectures.
 

@@ -16,6 +16,7 @@ import attrs
 from pitstop.plugin_system import protocols
 from pitstop.plugin_system.adapter import Adapters
 from pitstop.plugin_system.executor import Executor
+from pitstop.plugin_system.verifier import Verifier
 
 
 @attrs.frozen
@@ -66,6 +67,13 @@ KINDS: dict[str, Kind] = {
             "factory(config: EngineConfig, context: ProposerContext) -> Proposer",
             protocols.Proposer,
             "speculative",
+        ),
+        Kind(
+            "verifier",
+            "register_verifiers",
+            "factory(config: EngineConfig, sampler: Sampler, device: torch.device) -> Verifier",
+            Verifier,
+            "speculative_verifier",
         ),
         Kind(
             "model",

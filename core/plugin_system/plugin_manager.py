@@ -24,7 +24,6 @@ from pitstop.errors import ConfigError, PluginError, did_you_mean
 from pitstop.ground.model_config import ModelConfig
 from pitstop.plugin_system import hookspecs, protocols
 from pitstop.plugin_system.architecture import Architecture
-from pitstop.plugin_system.catalogue import Catalogue
 from pitstop.plugin_system.executor import Executor
 from pitstop.plugin_system.kinds import KINDS as KIND_TABLE
 from pitstop.plugin_system.kinds import missing_members
@@ -41,8 +40,10 @@ from pitstop.plugin_system.settings import (
     option_fields,
     resolve,
     same_declaration,
+    setting_aliases,
     strategy_settings,
 )
+from pitstop.plugin_system.verifier import Verifier
 
 if TYPE_CHECKING:
     from pitstop.config import EngineConfig
@@ -70,7 +71,6 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.sources: list[PluginSource] = []
         self.registry: dict[str, dict[str, Strategy]] = {kind: {} for kind in KINDS}
-        self._catalogue: Catalogue | None = None
         self.commands: dict[str, Command] = {}
         if allow is None:
             env = os.environ.get(ALLOW_LIST_VARIABLE, "").strip()
@@ -212,7 +212,6 @@ class PluginManager:
                 takes_settings=settings is not None and takes_settings(factory),
                 auto_devices=auto_devices,
             )
-            self._catalogue = None  # built again on its next use
 
         return register
 
@@ -231,18 +230,9 @@ class PluginManager:
                     )
 
     # ------------------------------------------------------------------ lookup
-    @property
-    def catalogue(self) -> Catalogue:
-        """The declared settings of every registered strategy, with their aliases (built
-        once per registration, not on every EngineConfig)."""
-        if self._catalogue is None:
-            found = (s for s in self.strategies() if s.settings is not None)
-            self._catalogue = Catalogue(tuple(found))
-        return self._catalogue
-
     def setting_aliases(self) -> Mapping[str, tuple[tuple[Strategy, attrs.Attribute], ...]]:
         """Each setting alias (``chunk_size``) -> the declarations of it, with the field."""
-        return self.catalogue.aliases
+        return setting_aliases(self.strategies())
 
     def auto_kernels(self, device_type: str) -> str:
         """The kernel set ``kernels="auto"`` picks on a device of ``device_type``: one that
@@ -424,6 +414,10 @@ class PluginManager:
         self, kind: Literal["executor"], name: str, *args: Any, **kwargs: Any
     ) -> Executor: ...
     @overload
+    def create(
+        self, kind: Literal["verifier"], name: str, *args: Any, **kwargs: Any
+    ) -> Verifier: ...
+    @overload
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any: ...
 
     def create(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -469,22 +463,11 @@ class PluginManager:
 
 
 _default: PluginManager | None = None
-_loading = False  # the process-wide manager is importing the plugins right now
 
 
 def get_plugin_manager(*, reload: bool = False) -> PluginManager:
     """The process-wide plugin manager, loaded on first use."""
-    global _default, _loading
+    global _default
     if _default is None or reload:
-        _loading = True
-        try:
-            _default = PluginManager()
-        finally:
-            _loading = False
+        _default = PluginManager()
     return _default
-
-
-def is_loading() -> bool:
-    """Whether the process-wide plugin manager is loading the plugins (see
-    :func:`get_plugin_manager`): what a plugin imports then cannot ask it yet."""
-    return _loading

@@ -36,7 +36,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -435,6 +435,8 @@ def resolve(
             continue
         if kind == "executor" and config.tensor_parallel_size == 1:
             continue  # one process: the engine runs the model itself
+        if kind == "verifier" and config.speculative is None:
+            continue  # built only with a proposer
         if name is not None:
             selected[kind] = registry.get(kind, name)
     every = registry.strategies()
@@ -447,14 +449,22 @@ def resolve(
     return ResolvedConfig(config=config, settings=settings, step_token_budget=budget)
 
 
+def setting_aliases(
+    strategies: Iterable[Declared],
+) -> dict[str, tuple[tuple[Any, attrs.Attribute], ...]]:
+    """Each setting alias (``chunk_size``) -> the strategies that declare it, with the field."""
+    found: dict[str, list[tuple[Any, attrs.Attribute]]] = {}
+    for s in strategies:
+        for att in aliased_fields(s.settings) if s.settings is not None else ():
+            found.setdefault(att.metadata["alias"], []).append((s, att))
+    return {alias: tuple(fields) for alias, fields in found.items()}
+
+
 def _warn_unread_aliases(config: Any, strategies: Sequence[Declared]) -> None:
     """Log each alias ``config`` sets that none of its selected strategies reads
     (``chunk_size`` with ``scheduler="continuous"``)."""
-    readers: dict[str, list[Declared]] = {}
-    for s in strategies:
-        for att in aliased_fields(s.settings) if s.settings is not None else ():
-            readers.setdefault(att.metadata["alias"], []).append(s)
-    for alias, declared in readers.items():
+    for alias, fields in setting_aliases(strategies).items():
+        declared = [s for s, _ in fields]
         if alias in config.options and not any(s.is_selected(config) for s in declared):
             log.warning(
                 "%s = %r has no effect: only %s read(s) it, and none is selected",

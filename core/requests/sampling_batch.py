@@ -44,7 +44,7 @@ class SamplingBatch:
     token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed tokens (grammar)
     allowed: torch.Tensor | None = None  # [B, V] bool: allowed_token_ids (True where allowed)
     # logits_processors: per row (row, callables, prompt ids, output ids), run on the host's
-    # view of the step after every other processor (pitstop.requests.sampling.run_user_processors)
+    # view of the step after every other processor (pitstop.plugins.samplers.processors)
     user_processors: tuple[tuple[int, tuple[Any, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
 
 

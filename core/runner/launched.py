@@ -14,7 +14,7 @@ import torch
 
 from pitstop.ground.poison import poisoned_seq_ids
 from pitstop.ground.step import NO_TOKENS, PromptLogprobs, SeqInput, SeqResult, StepOutput
-from pitstop.speculation.speculative import DeviceVerified
+from pitstop.plugin_system.verifier import DeviceVerified
 
 # host copies of (top ids, top logprobs, ranks) when logprobs were asked
 TopLogprobs = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]

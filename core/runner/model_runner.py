@@ -164,7 +164,6 @@ class ModelRunner:
             self.sampler,
             device,
             max(config.max_batch_size, 1),
-            seed=config.seed,
             poison=self.poison,
         )
         self.peers: StepPeers = Alone() if parallel is None else parallel.peers(self.sampling)

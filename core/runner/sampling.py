@@ -28,11 +28,11 @@ from pitstop.requests.sampling import (
 )
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.runner.launched import LaunchedStep, LaunchedVerification, to_host
-from pitstop.speculation.speculative import DraftVerifier
 
 if TYPE_CHECKING:
     from pitstop.ground.step import PromptLogprobs
     from pitstop.plugin_system.protocols import SamplerOutput
+    from pitstop.plugin_system.verifier import Verifier
 
 GeneratorOf = Callable[[int, SamplingParams], "torch.Generator | None"]
 
@@ -47,13 +47,12 @@ class SampleSharing(Protocol):
 class StepSampling:
     """Samples a runner's steps and keeps the state that lives from one step to the next."""
 
-    def __init__(
-        self, sampler: Sampler, device: torch.device, rows: int, *, seed: int, poison: bool
-    ) -> None:
-        self.sampler, self.device, self.seed = sampler, device, seed
+    def __init__(self, sampler: Sampler, device: torch.device, rows: int, *, poison: bool) -> None:
+        self.sampler, self.device = sampler, device
         self.generators: dict[int, torch.Generator] = {}
         self.histories = TokenHistories()  # penalized sequences' tokens, grown step by step
-        self.verifier: DraftVerifier | None = None
+        # the verifier plugin (speculative_verifier=NAME), set by the engine when it speculates
+        self.verifier: Verifier | None = None
         # The last step's sampling rows (seq ids) and their batch.
         self.batch_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         # The last launched step's sampled ids stay here on the device; the next step gathers
@@ -211,7 +210,9 @@ class StepSampling:
         params = [s.params or SamplingParams() for s in sampling]
         generators = [generator_of(s.seq_id, p) for s, p in zip(sampling, params, strict=True)]
         if self.verifier is None:
-            self.verifier = DraftVerifier(self.sampler, self.device, self.seed)
+            raise RuntimeError(
+                "a step verifies drafts, but no verifier was built (speculative=None)"
+            )
         self.last_rows = {}
         nonfinite = to_host(nan_rows_of(logits)) if self.poison else None
         return LaunchedVerification(seqs, self.verifier(logits, sampling, generators), nonfinite)

@@ -34,12 +34,8 @@ import torch
 
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.protocols import SamplerOutput, SamplingBatch
-from pitstop.requests.sampling import (
-    apply_logits_processors,
-    exponential_race,
-    make_generator,
-    uses_logits_processors,
-)
+from pitstop.plugins.samplers.processors import apply_logits_processors, uses_logits_processors
+from pitstop.requests.sampling import exponential_race, make_generator
 
 
 class StandardSampler:
@@ -91,7 +87,7 @@ class StandardSampler:
 
     @staticmethod
     def process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The logits processors over float32 ``[B, V]`` (:func:`pitstop.requests.sampling.apply_logits_processors`)."""
+        """The logits processors over float32 ``[B, V]`` (:func:`pitstop.plugins.samplers.processors.apply_logits_processors`)."""
         return apply_logits_processors(raw, batch)
 
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

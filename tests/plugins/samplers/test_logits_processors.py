@@ -141,7 +141,7 @@ def test_blocked_tokens_and_bitmask_mask_to_minus_inf() -> None:
     got = sampler.process(logits.clone(), batch)
     assert torch.isinf(got[0]).nonzero().flatten().tolist() == [3, 7]
     assert not torch.isinf(got[1]).any()
-    from pitstop.requests.sampling import apply_bitmask
+    from pitstop.plugins.samplers.processors import apply_bitmask
 
     mask = torch.full((2, 2), -1, dtype=torch.int32)
     mask[0, 0] = 0b1010  # row 0 allows tokens 1 and 3 of the first word only, and all of word 2

@@ -3,23 +3,24 @@
 Each registered :class:`~pitstop.plugin_system.registration.Strategy` with a settings class
 (:mod:`pitstop.plugin_system.settings`) is one *declaration*; the :class:`Catalogue` holds
 them with the table of their aliases (``chunk_size`` -> the ``chunked`` scheduler's field).
-The plugin manager builds the catalogue of its registry; the entry points
-(:mod:`pitstop.entrypoints.engine_args`) fold and check a config's spellings against it.
-Reading a config's settings is :func:`pitstop.plugin_system.settings.resolve`.
+The entry points (:mod:`pitstop.entrypoints.engine_args`) build it from the plugin
+manager's registry (:meth:`Catalogue.of`) and fold, check and offer as flags a config's
+spellings against it; the engine never reads it. Reading a config's settings is
+:func:`pitstop.plugin_system.settings.resolve`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import attrs
 
 from pitstop.plugin_system.settings import (
     SettingsSource,
-    aliased_fields,
     check_value,
     option_fields,
+    setting_aliases,
     strategy_settings,
 )
 
@@ -35,11 +36,12 @@ class Catalogue:
     aliases: Mapping[str, tuple[tuple[Strategy, attrs.Attribute], ...]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        found: dict[str, list[tuple[Strategy, attrs.Attribute]]] = {}
-        for d in self.declarations:
-            for att in aliased_fields(d.settings):
-                found.setdefault(att.metadata["alias"], []).append((d, att))
-        object.__setattr__(self, "aliases", {k: tuple(v) for k, v in found.items()})
+        object.__setattr__(self, "aliases", setting_aliases(self.declarations))
+
+    @classmethod
+    def of(cls, strategies: Iterable[Strategy]) -> Catalogue:
+        """The catalogue of ``strategies`` (a registry's ``strategies()``): those with settings."""
+        return cls(tuple(s for s in strategies if s.settings is not None))
 
     def check(self, config: SettingsSource) -> None:
         """Validate the plugin settings ``config`` sets by alias, and the settings of the
