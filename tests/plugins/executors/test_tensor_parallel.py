@@ -280,7 +280,7 @@ def one_rank_engine(monkeypatch, folder_or_model: str, **settings) -> LLM:
     import pitstop.loop.engine
     from pitstop.plugins.executors.tensor_parallel.launch import _spawn
 
-    def runner(config, mc, plugins, device, dtype, *, resolved):
+    def runner(config, mc, plugins, device, dtype, *, resolved, memory_region=None):
         # rank 0's runner and the worker get the config as the engine resolved it
         return _spawn(ExecutorContext(config, mc, plugins, device, dtype, None, resolved))
 
