@@ -81,6 +81,8 @@ class RequestIntake:
         self.stats = stats
         self.speculative = speculative
         self.adapters = adapters  # the adapter plugin (None: adapters are refused)
+        # the most adapters one step runs (LoRA's max_loras); None: no limit
+        self._adapter_limit: int | None = getattr(adapters, "max_per_step", None)
         self.grammars: GrammarBackend | None = None
         """The grammar backend, built at the first structured request (or grammar_compiler())."""
         self._grammars_lock = threading.Lock()  # grammar_compiler() runs on other threads
@@ -189,14 +191,19 @@ class RequestIntake:
         live = self.requests.live_sequences().values()
         return {seq.adapter_id for seq in live if seq.seq_id not in waiting} - {0}
 
+    def _fits(self, adapter_id: int, in_flight: set[int]) -> bool:
+        """Whether a request of ``adapter_id`` may join ``in_flight``: its adapter is there,
+        or fewer than the limit are."""
+        limit = self._adapter_limit
+        return limit is None or adapter_id in in_flight or len(in_flight) < limit
+
     def _has_room(self, adapter_id: int) -> bool:
-        """Whether a request of ``adapter_id`` can be queued now: its adapter is in flight,
-        or none waits and fewer than ``max_per_step`` are in flight."""
-        limit = getattr(self.adapters, "max_per_step", None)
-        if limit is None:
+        """Whether a request of ``adapter_id`` can be queued now: it fits, and a new adapter
+        does not pass requests already waiting."""
+        if self._adapter_limit is None:
             return True
         in_flight = self._adapters_in_flight()
-        return adapter_id in in_flight or (not self._waiting and len(in_flight) < limit)
+        return adapter_id in in_flight or (not self._waiting and self._fits(adapter_id, in_flight))
 
     def admit_waiting(self) -> None:
         """Queue the requests that wait for a place for their adapter, oldest first, while
@@ -204,11 +211,9 @@ class RequestIntake:
         if not self._waiting:
             return
         in_flight = self._adapters_in_flight()
-        limit = getattr(self.adapters, "max_per_step", None)
-        assert limit is not None
         for request_id, seqs in list(self._waiting.items()):
             adapter_id = seqs[0].adapter_id
-            if adapter_id not in in_flight and len(in_flight) >= limit:
+            if not self._fits(adapter_id, in_flight):
                 continue
             in_flight.add(adapter_id)
             del self._waiting[request_id]

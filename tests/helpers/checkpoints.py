@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +72,45 @@ def assert_matches_transformers(
         sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
     )
     for p, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = hf_model.generate(
-                torch.tensor([p]),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            )[0, len(p) :].tolist()
+        ref = greedy_continuation(hf_model, p, max_tokens)
         assert out.token_ids == ref, f"greedy tokens differ at prompt length {len(p)}"
+
+
+def greedy_continuation(model: Any, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """A transformers model's ``max_tokens`` greedy tokens after ``prompt`` (EOS ignored)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([list(prompt)]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def save_random_lora(
+    model: Any, out: Path, *, rank: int, alpha: int, targets: list[str], seed: int, b_scale: float,
+    **config: Any,
+) -> Path:  # fmt: skip
+    """A PEFT LoRA adapter on ``model`` (a transformers model, left unchanged) with random A
+    and B (``init_lora_weights=False``), B multiplied by ``b_scale`` so that it changes the
+    greedy tokens, saved with ``save_pretrained`` under ``out``; ``config``: more LoraConfig."""
+    import copy
+
+    import peft
+
+    torch.manual_seed(seed)
+    lora = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **config
+    )
+    adapted = peft.get_peft_model(copy.deepcopy(model), lora)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.mul_(b_scale)
+    adapted.save_pretrained(out)
+    return out
 
 
 def hf_model(folder: str | Path) -> Any:

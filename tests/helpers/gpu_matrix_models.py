@@ -19,7 +19,15 @@ from typing import Any
 
 import attrs
 
+try:
+    from helpers.checkpoints import save_random_lora
+    from helpers.models import make_tiny_checkpoint
+except ImportError:  # run as a script: tests/helpers itself is on sys.path
+    from checkpoints import save_random_lora
+    from models import make_tiny_checkpoint
+
 MOE_KERNELS = ("reference", "fused")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @attrs.frozen
@@ -68,11 +76,6 @@ def build_model(
     import torch
 
     if key == "qwen3-moe":
-        try:
-            from helpers.models import make_tiny_checkpoint
-        except ImportError:  # run as a script: tests/helpers itself is on sys.path
-            from models import make_tiny_checkpoint
-
         folder = make_tiny_checkpoint(
             workdir,
             "qwen3_moe",
@@ -98,25 +101,12 @@ def build_model(
         base = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
         )
-        torch.manual_seed(47)
-        config = peft.LoraConfig(
-            r=8,
-            lora_alpha=16,
-            target_modules=[
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ],
-            init_lora_weights=False,
-        )
-        adapted = peft.get_peft_model(base, config)
-        folder = workdir / "smollm2-lora"
-        adapted.save_pretrained(str(folder))
-        merged = adapted.merge_and_unload().to(device).eval()
+        folder = save_random_lora(
+            base, workdir / "smollm2-lora", rank=8, alpha=16, targets=LORA_TARGETS, seed=47,
+            b_scale=1,
+        )  # fmt: skip
+        merged = peft.PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+        merged = merged.to(device).eval()
         even = prompt_ids[0::2]
         tokens, margins = greedy_reference(merged, even)
         changed = sum(t != base_reference[2 * i] for i, t in enumerate(tokens))

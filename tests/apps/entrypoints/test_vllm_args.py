@@ -320,4 +320,3 @@ def test_kv_offloading_size_alone_turns_the_host_tier_on_as_in_vllm() -> None:
     add_cli_flags(parser)
     flags = config_from_cli(parser.parse_args(["--kv-offloading-size", "8"]))
     assert flags.allocator == "tiered" and flags.options == {"kv_offloading_size": 8.0}
-

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from helpers.checkpoints import hf_model
+from helpers.checkpoints import greedy_continuation, hf_model, save_random_lora
 from helpers.models import make_tiny_checkpoint
 
 from pitstop.errors import ConfigError
@@ -27,29 +26,13 @@ MAX_TOKENS = 5
 
 
 def _adapter(base: Path, out: Path) -> Path:
-    torch.manual_seed(3)
-    config = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False
+    return save_random_lora(
+        hf_model(base), out, rank=4, alpha=8, targets=["q_proj", "down_proj"], seed=3, b_scale=20
     )
-    model = peft.get_peft_model(hf_model(base), config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(20)
-    model.save_pretrained(out)
-    return out
 
 
 def _greedy(model) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([PROMPT]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-        )
-    return out[0, len(PROMPT) :].tolist()
+    return greedy_continuation(model, PROMPT, MAX_TOKENS)
 
 
 def test_an_adapter_is_a_model_name(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.checkpoints import hf_model
+from helpers.checkpoints import greedy_continuation, hf_model, save_random_lora
 from helpers.models import make_tiny_checkpoint
 
 from pitstop import LLM, InvalidRequestError, LoRARequest, SamplingParams
@@ -45,17 +45,10 @@ def _save_adapter(
     base_dir: Path, out: Path, rank: int, targets: list[str], seed: int, **kw
 ) -> Path:
     """A PEFT adapter with random A and B (B scaled up so that it changes tokens), saved."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **kw
-    )
-    model = peft.get_peft_model(hf_model(base_dir), config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(20)
-    model.save_pretrained(out)
-    return out
+    return save_random_lora(
+        hf_model(base_dir), out, rank=rank, alpha=2 * rank, targets=targets, seed=seed,
+        b_scale=20, **kw,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +72,7 @@ def _merged(base: Path, adapter: Path | None) -> Any:
 
 @cache
 def _expected(base: Path, adapter: Path | None, prompt: tuple[int, ...]) -> list[int]:
-    with torch.no_grad():
-        out = _merged(base, adapter).generate(
-            torch.tensor([prompt]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )
-    return out[0, len(prompt) :].tolist()
+    return greedy_continuation(_merged(base, adapter), prompt, MAX_TOKENS)
 
 
 def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
@@ -113,6 +98,25 @@ def _request(tiny: dict[str, Path], name: str | None) -> LoRARequest | None:
     return None if name is None else LoRARequest(name, IDS[name], str(tiny[name]))
 
 
+def _assert_rows_match_peft(
+    llm: LLM, tiny: dict[str, Path], names: list[str | None], prompts: list[list[int]]
+) -> list[list[int]]:
+    """Generate ``prompts`` in one batch, prompt ``i`` under adapter ``names[i]`` (None: the
+    base model); each row's greedy tokens must be PEFT's merged model's. Returns those."""
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=GREEDY,
+        lora_request=[_request(tiny, n) for n in names],
+        use_tqdm=False,
+    )
+    expected = []
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        adapter = None if name is None else tiny[name]
+        expected.append(_expected(tiny["base"], adapter, tuple(prompt)))
+        assert out.token_ids == expected[-1], f"adapter {name} at prompt length {len(prompt)}"
+    return expected
+
+
 @pytest.fixture(scope="module")
 def llm(tiny: dict[str, Path]) -> LLM:
     return _llm(tiny, scheduler="chunked", chunk_size=24)
@@ -121,18 +125,9 @@ def llm(tiny: dict[str, Path]) -> LLM:
 def test_a_mixed_batch_matches_peft_merged_per_row(tiny: dict[str, Path], llm: LLM) -> None:
     names = ["qvd", "ko_gu", None, "all_l1", "qvd", None]
     prompts = _prompts((7, 30, 13, 41, 5, 19))
-    outs = llm.generate(
-        prompt_token_ids=prompts,
-        sampling_params=GREEDY,
-        lora_request=[_request(tiny, n) for n in names],
-        use_tqdm=False,
-    )
-    changed = 0
-    for name, prompt, out in zip(names, prompts, outs, strict=True):
-        adapter = None if name is None else tiny[name]
-        expected = _expected(tiny["base"], adapter, tuple(prompt))
-        assert out.token_ids == expected, f"adapter {name} at prompt length {len(prompt)}"
-        changed += expected != _expected(tiny["base"], None, tuple(prompt))
+    expected = _assert_rows_match_peft(llm, tiny, names, prompts)
+    base = [_expected(tiny["base"], None, tuple(prompt)) for prompt in prompts]
+    changed = sum(want != plain for want, plain in zip(expected, base, strict=True))
     assert changed >= 3, "the adapters should change the greedy tokens of most of their rows"
 
 
@@ -229,15 +224,7 @@ def test_tensor_parallel_ranks_serve_adapters_as_one_rank(tiny: dict[str, Path])
     names = ["qvd", None, "ko_gu", "all_l1"]
     prompts = _prompts((7, 12, 30, 9), seed=6)
     with _llm(tiny, tensor_parallel_size=2, max_model_len=96) as llm:
-        outs = llm.generate(
-            prompt_token_ids=prompts,
-            sampling_params=GREEDY,
-            lora_request=[_request(tiny, n) for n in names],
-            use_tqdm=False,
-        )
-    for name, prompt, out in zip(names, prompts, outs, strict=True):
-        adapter = None if name is None else tiny[name]
-        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+        _assert_rows_match_peft(llm, tiny, names, prompts)
 
 
 def test_an_adapter_cut_for_each_rank_joins_into_the_whole() -> None:
@@ -392,15 +379,7 @@ def test_merged_qkv_and_gate_up_projections_get_one_slice_per_part(
     assert hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj")
     names = ["ko_gu", None, "qvd", "all_l1"]
     prompts = _prompts((11, 6, 25, 18), seed=6)
-    outs = llm.generate(
-        prompt_token_ids=prompts,
-        sampling_params=GREEDY,
-        lora_request=[_request(tiny, n) for n in names],
-        use_tqdm=False,
-    )
-    for name, prompt, out in zip(names, prompts, outs, strict=True):
-        adapter = None if name is None else tiny[name]
-        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+    _assert_rows_match_peft(llm, tiny, names, prompts)
 
 
 def test_speculative_decoding_verifies_with_each_rows_adapter(tiny: dict[str, Path]) -> None:
@@ -408,15 +387,7 @@ def test_speculative_decoding_verifies_with_each_rows_adapter(tiny: dict[str, Pa
     llm = _llm(tiny, speculative="ngram", num_speculative_tokens=3)
     names = ["qvd", None, "ko_gu"]
     prompts = [[7, 8, 9, 10] * 6, [11, 12, 13] * 7, [21, 22] * 9]
-    outs = llm.generate(
-        prompt_token_ids=prompts,
-        sampling_params=GREEDY,
-        lora_request=[_request(tiny, n) for n in names],
-        use_tqdm=False,
-    )
-    for name, prompt, out in zip(names, prompts, outs, strict=True):
-        adapter = None if name is None else tiny[name]
-        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+    _assert_rows_match_peft(llm, tiny, names, prompts)
 
 
 @pytest.mark.gpu
@@ -433,14 +404,6 @@ def test_on_the_gpu_a_mixed_batch_matches_peft_with_cuda_graphs(
     llm = _llm(
         tiny, device="cuda", dtype="float32", kernels=kernels, scheduler="chunked", chunk_size=32
     )
-    outs = llm.generate(
-        prompt_token_ids=prompts,
-        sampling_params=GREEDY,
-        lora_request=[_request(tiny, n) for n in names],
-        use_tqdm=False,
-    )
+    _assert_rows_match_peft(llm, tiny, names, prompts)
     if kernels == "fused":
         assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
-    for name, prompt, out in zip(names, prompts, outs, strict=True):
-        adapter = None if name is None else tiny[name]
-        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name

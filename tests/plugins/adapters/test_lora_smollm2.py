@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.checkpoints import greedy_continuation, save_random_lora
 from helpers.models import smollm2_gguf
 
 from pitstop import LLM, LoRARequest, SamplingParams
@@ -23,18 +24,6 @@ MAX_TOKENS = 8
 TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time")
 
 
-def _greedy(model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.mark.slow
 def test_smollm2_rows_match_peft_merged(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
@@ -43,20 +32,10 @@ def test_smollm2_rows_match_peft_merged(tmp_path: Path) -> None:
     base = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     ).eval()
-    torch.manual_seed(0)
-    config = peft.LoraConfig(
-        r=8,
-        lora_alpha=16,
-        target_modules=["q_proj", "v_proj", "o_proj", "up_proj"],
-        init_lora_weights=False,
+    targets = ["q_proj", "v_proj", "o_proj", "up_proj"]
+    save_random_lora(
+        base, tmp_path / "adapter", rank=8, alpha=16, targets=targets, seed=0, b_scale=5
     )
-    trained = peft.get_peft_model(copy.deepcopy(base), config)
-    with torch.no_grad():
-        for name, p in trained.named_parameters():
-            if "lora_B" in name:
-                p.mul_(5)
-    trained.save_pretrained(tmp_path / "adapter")
-    del trained
     merged = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "adapter"))
     merged = merged.merge_and_unload().eval()
 
@@ -81,7 +60,7 @@ def test_smollm2_rows_match_peft_merged(tmp_path: Path) -> None:
     )
     changed = 0
     for prompt, request, out in zip(prompts, requests, outs, strict=True):
-        expected = _greedy(base if request is None else merged, prompt)
+        expected = greedy_continuation(base if request is None else merged, prompt, MAX_TOKENS)
         assert out.token_ids == expected, f"{request} on {len(prompt)} tokens"
-        changed += request is not None and expected != _greedy(base, prompt)
+        changed += request is not None and expected != greedy_continuation(base, prompt, MAX_TOKENS)
     assert changed >= 1, "the adapter should change the greedy tokens"
