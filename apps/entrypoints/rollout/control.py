@@ -44,7 +44,11 @@ class Rollout:
         shapes_of = getattr(model, "shapes_of", None)
         names = list(shapes_of(model.cfg)) if shapes_of is not None else []
         self.sleep_state = SleepState(
-            engine.runner, memory or StorageMemory(engine.device), self._recapture, names
+            engine.runner,
+            memory or StorageMemory(engine.device),
+            self._recapture,
+            names,
+            reserve_host=memory is not None and engine.device.type == "cuda",
         )
 
     # ------------------------------------------------------------------ checks

@@ -1,7 +1,8 @@
 """What ``sleep(level)`` releases and ``wake_up(tags)`` restores, on one runner.
 
-- level 1: the weights are copied to host memory (pinned on CUDA, one buffer kept for
-  the next sleep), then their device memory is released; the KV cache is released
+- level 1: the weights are copied to host memory (on CUDA into one pinned buffer,
+  reserved when the engine is built with sleep mode, since pinning is the slow part),
+  then their device memory is released; the KV cache is released
   (its contents are discarded: no request runs while asleep).
 - level 2: the weights and the KV cache are released, nothing is kept. As in vLLM,
   ``wake_up`` then gives the weights their memory back with undefined values: the
@@ -66,6 +67,7 @@ class SleepState:
     ``recapture()``: capture the CUDA graphs again (called after a wake when the memory
     does not keep addresses; the graphs are dropped at sleep, which frees their pools too).
     ``weight_names``: every Hugging Face name of the model (what level 2 leaves unwritten).
+    ``reserve_host``: pin the host buffer of level 1 now (CUDA engines in sleep mode).
     """
 
     def __init__(
@@ -74,6 +76,8 @@ class SleepState:
         memory: DeviceMemory,
         recapture: Callable[[], None],
         weight_names: Sequence[str],
+        *,
+        reserve_host: bool = False,
     ) -> None:
         self.runner = runner
         self.memory = memory
@@ -83,6 +87,10 @@ class SleepState:
         self.missing: set[str] = set()  # HF names discarded by level 2 and not written since
         self.level = 0
         self._host: HostCopy | None = None
+        if reserve_host:
+            # pinning the host copy costs about 0.5 s a GB (8 s for an 8B model on the H200):
+            # paid here, at start, so that sleep(level=1) takes only the copy's time
+            self._host = HostCopy(self._weights(), pin=True)
         self._host_valid = False
         self._graphs_dropped = False
 
@@ -115,14 +123,16 @@ class SleepState:
                 self.missing = set(self.weight_names)
             self.memory.release("weights", weights)
             self.released.add("weights")
-        elif level == 2 and self._host_valid:  # a deeper sleep drops the host copy too
-            self._host, self._host_valid = None, False
+        elif level == 2 and self._host_valid:  # a deeper sleep discards the host copy too
+            self._host_valid = False
             self.missing = set(self.weight_names)
         if "kv_cache" not in self.released:
             self.memory.release("kv_cache", self._kv())
             self.released.add("kv_cache")
         if level == 2:
-            self._host, self._host_valid = None, False
+            self._host_valid = False
+            if self._host is not None and not self._host.pinned:
+                self._host = None  # a CPU engine's copy is its RSS; the pinned one is reserved
         self.level = max(self.level, level)
         log.info("asleep (level %d): weights and KV cache released (%s)", level, self.memory.name)
 
