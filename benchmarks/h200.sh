@@ -291,5 +291,14 @@ for _ in range(2):
         --only "${FEATURE_MATRIX:-qwen3-moe/,smollm2+lora/}" --json "$OUT/matrix-features.json" 2>"$OUT/matrix-features.log" | tail -12
       echo "== rl_bench (dummy:qwen3-8b)"; timeout ${RL_TIMEOUT:-300} python3 benchmarks/rl_bench.py --out "$OUT/rl-qwen3-8b.json" 2>&1 | tail -20
       echo "== prefill attention beside torch's (issue 44)"; timeout 300 python3 benchmarks/kernels_bench.py --suite --peer 2>&1 | grep -i "prefill\|peer" | head -40 ;;
+    # 2026-12-05 (issue 44): long prefills through cuDNN (fused.cudnn_prefill): its GPU test, the
+    # prefill suite (the engine's cuDNN path beside the Triton kernel and torch's peers), then the
+    # 32,000-token prompt on qwen3-8b with cuDNN beside Triton (benchmarks/workloads/cudnn-prefill.toml)
+    prefill44) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_fused_gpu.py \
+        -k "cudnn or long_prefill or prefill" 2>&1 | tee "$OUT/gpu-tests-prefill44.log" | tail -6
+      echo "== prefill suite"; timeout 240 python3 benchmarks/kernels_bench.py --suite --only prefill ${PEER_FLAG---peer} \
+        --json "$OUT/prefill-suite.json" >"$OUT/prefill-suite.log" 2>&1; echo "   exit $?"; grep -E "^prefill|peer: torch SDPA CUDNN_ATTENTION gqa|OFF" "$OUT/prefill-suite.log"
+      run longctx-cudnn offline --workload single --model dummy:qwen3-8b --input-len 32000 --output-len 16 \
+        --max-model-len 32768 --repeats ${LONGCTX_REPEATS:-3} --matrix benchmarks/workloads/cudnn-prefill.toml ;;
   esac
 done

@@ -17,6 +17,7 @@ Usage (on the H200)::
     python benchmarks/kernels_bench.py --only decode --batch 64 --context 2048
     python benchmarks/kernels_bench.py --only prefill --prefill-len 2048 --prefix 2048
     python benchmarks/kernels_bench.py --suite         # the attention shapes of docs/benchmarks.md
+    python benchmarks/kernels_bench.py --suite --only prefill --peer   # prefill, with torch's beside
     python benchmarks/kernels_bench.py --decode-suite bfloat16 --decode-suite fp8_e4m3  # KV bytes
     python benchmarks/kernels_bench.py --tune --json tune.json   # the tile sweep behind PREFILL_TILES
     python benchmarks/kernels_bench.py --decode-sweep --jobs 14 --json sweep.json  # issue 29
@@ -416,15 +417,25 @@ def run_suite(args: argparse.Namespace, tiles: dict[str, Any]) -> None:
     """The attention figures of docs/benchmarks.md, 32/8 heads x 128, page 16, bf16, with the peers."""
     hq, hkv, d, page = args.heads, args.kv_heads, args.head_size, args.page_size
     pre = tiles.get("prefill")
-    for n, prefix in SUITE_PREFILL:
+    only = set(args.only or ["decode", "prefill"])
+    for n, prefix in SUITE_PREFILL if "prefill" in only else []:
         attn = make_attention(torch.bfloat16, max(4096, n + prefix), prefill=pre)
         t = attn.prefill_tiles(d, hq // hkv, n)
         ms, flops, err = time_prefill(attn, n, prefix, hq, hkv, d, page)
         what = f"prefill {n}" + (f" over {prefix} cached" if prefix else "") + " causal"
         report(f"{what} {hq}/{hkv}x{d} fused {tuple(t)}", ms, flops=flops, tiles=list(t), err=err)
+        if DEVICE == "cuda":  # the engine's cuDNN path (fused.cudnn_prefill), pages gathered
+            from pitstop.plugins.kernels.cudnn_prefill import CudnnPrefill
+
+            attn.long_prefill = CudnnPrefill(1)
+            ms, flops, err = time_prefill(attn, n, prefix, hq, hkv, d, page)
+            off = attn.long_prefill.disabled_reason
+            report(f"{what} {hq}/{hkv}x{d} cudnn-prefill" + (f" OFF: {off}" if off else ""),
+                   ms, flops=flops, err=err)  # fmt: skip
         if args.peer and n + prefix <= 32768 and DEVICE == "cuda":
             sdpa_peers(n, hq, hkv, d, flops, prefix)
-    run_decode_suite(args, tiles, "bfloat16")
+    if "decode" in only:
+        run_decode_suite(args, tiles, "bfloat16")
 
 
 def run_decode_suite(args: argparse.Namespace, tiles: dict[str, Any], kv_cache_dtype: str) -> None:

@@ -167,6 +167,14 @@ class FusedSettings:
         "H200 a qwen3-0.6b layer's four GEMMs in Triton beat the unfused ops up to 64 rows, and "
         "lose to cuBLAS above)",
     )
+    cudnn_prefill: int = setting(
+        2048,
+        type=int,
+        help="a step whose prefill sequences all have at least this many tokens attends them "
+        "with cuDNN's attention (torch SDPA; bf16/fp16 caches, outside CUDA graphs) instead of "
+        "the Triton prefill kernel: on the H200 516-606 against 386-437 TFLOP/s for long "
+        "prompts; 0: never",
+    )
     moe: bool = setting(
         True,
         type=bool,
@@ -264,11 +272,42 @@ class FusedKernels(reference.DispatchKernels):
                 fp8_widen=self.fp8_widen,
                 decode_merge=self.decode_merge,
                 decode_tile_rule=self.decode_tile_rule,
+                long_prefill=self._long_prefill(settings.cudnn_prefill),
             )
             self._status["attention"] = "triton"
+        self._status["long_prefill"] = (
+            f"cuDNN (torch SDPA) for steps whose prefills all have >= {settings.cudnn_prefill} "
+            "tokens"
+            if use["attention"] and self._attn.long_prefill is not None
+            else f"unused ({self._long_prefill_off(settings.cudnn_prefill, use['attention'])})"
+        )
         if use["moe"]:
             self._moe = _triton_moe
             self._status["moe"] = "triton"
+
+    def _long_prefill_off(self, min_tokens: int, triton_attention: bool) -> str | None:
+        """Why cuDNN does not take long prefills (``fused.cudnn_prefill``); None where it does:
+        CUDA, a bf16/fp16 model and cache, the Triton attention on (it owns the fallback)."""
+        if min_tokens <= 0:
+            return "fused.cudnn_prefill is 0"
+        if not triton_attention:
+            return "the Triton attention is off"
+        if self.device.type != "cuda":
+            return "no CUDA device"
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return f"dtype {self.dtype} (bf16/fp16 only)"
+        if self.config.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+            return f"KV cache {self.config.kv_cache_dtype} (bf16/fp16 only)"
+        return None
+
+    def _long_prefill(self, min_tokens: int) -> Any:
+        """A :class:`~pitstop.plugins.kernels.cudnn_prefill.CudnnPrefill`, or None where it
+        cannot run (:meth:`_long_prefill_off`)."""
+        if self._long_prefill_off(min_tokens, True) is not None:
+            return None
+        from pitstop.plugins.kernels.cudnn_prefill import CudnnPrefill
+
+        return CudnnPrefill(min_tokens)
 
     # ------------------------------------------------------------------ fused layer
     def _resolve_layer(self, settings: FusedSettings, triton_reason: str | None) -> None:
@@ -380,8 +419,9 @@ class FusedKernels(reference.DispatchKernels):
 
     def describe(self) -> dict[str, str]:
         """Op name -> ``"triton"`` or ``"reference (reason)"`` (``linear`` is always a torch GEMM);
-        the fused layer's ops say where they run, or why they are unused."""
-        return {op: self._status[op] for op in (*OPS, *reference.LAYER_OPS)}
+        the fused layer's ops say where they run, or why they are unused, and ``long_prefill``
+        whether cuDNN takes long prefills."""
+        return {op: self._status[op] for op in (*OPS, *reference.LAYER_OPS, "long_prefill")}
 
 
 # the most experts a token the Triton routing kernel takes (its top-k runs in registers)

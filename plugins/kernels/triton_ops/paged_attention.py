@@ -144,6 +144,7 @@ import triton
 import triton.language as tl
 
 from pitstop.ground.attention import AttentionMetadata
+from pitstop.plugins.kernels.cudnn_prefill import CudnnPrefill
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.rope_store import _quantize
 
@@ -792,6 +793,8 @@ class PagedAttention:
     or ``"by-batch"`` (the decode sweep's best tiles for the launch's batch and
     cache dtype: :data:`WIDE_BATCH_TILES`, :data:`FP8_DECODE_TILES`). ``pdl``:
     programmatic dependent launch of every kernel (``None``: where it works, :mod:`.pdl`).
+    ``long_prefill``: where a step's prefills are all long, cuDNN's attention instead of the
+    prefill kernel (:mod:`pitstop.plugins.kernels.cudnn_prefill`; None: never).
     """
 
     def __init__(
@@ -809,7 +812,9 @@ class PagedAttention:
         decode_merge: str = "separate",
         decode_tile_rule: str = "fixed",
         pdl: bool | None = None,
+        long_prefill: CudnnPrefill | None = None,
     ) -> None:
+        self.long_prefill = long_prefill
         if decode_tile_rule not in DECODE_TILE_RULES:
             raise ValueError(
                 f"decode_tile_rule must be one of {DECODE_TILE_RULES}, not {decode_tile_rule!r}"
@@ -970,7 +975,11 @@ class PagedAttention:
             q = q.contiguous()
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
         scale_log2e = scale * LOG2E
-        if meta.num_prefills:
+        if meta.num_prefills and not (
+            self.long_prefill is not None
+            and kv_scale is None
+            and self.long_prefill.attend(q, k_cache, v_cache, meta, scale, out)
+        ):
             self.prefill(q, k_cache, v_cache, meta, scale_log2e, out, hkv, kv_scale)
         if meta.num_decodes:
             self.decode(q, k_cache, v_cache, meta, scale_log2e, out, hkv, kv_scale)

@@ -144,6 +144,46 @@ def test_long_prefill_and_chunk(case: str) -> None:
     _assert_close(out, expected, torch.bfloat16, case)
 
 
+# cuDNN's long prefills (fused.cudnn_prefill): fresh prompts (one causal call), chunks over a
+# cached prefix ending mid-page (two calls merged by their log-sum-exp), several prompts, and
+# decodes beside them (the Triton decode kernel); the step below the threshold stays Triton.
+CUDNN_BATCHES = {
+    "fresh-4096": ([4096], [4096]),
+    "two-fresh": ([2048, 3001], [2048, 3001]),
+    "chunk-2048-over-2057": ([2048], [4105]),
+    "chunk-and-fresh-and-decodes": ([2500, 2048, 1, 1, 1], [7000, 2048, 17, 4096, 1]),
+    "below-threshold": ([2047, 4096], [2047, 4096]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(32, 8), (16, 16)])
+@pytest.mark.parametrize("batch", sorted(CUDNN_BATCHES))
+def test_cudnn_long_prefill(batch: str, heads: tuple[int, int], dtype: torch.dtype) -> None:
+    """Long prefills through cuDNN match the reference as closely as the Triton kernel does,
+    and cuDNN really ran (it was not switched off by an error) where the step qualifies."""
+    hq, hkv = heads
+    qlens, ctxs = CUDNN_BATCHES[batch]
+    meta, num_pages = _meta(qlens, ctxs, 16, seed=7)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(sum(qlens), hq, 128, device="cuda", dtype=dtype, generator=gen)
+    k_cache = torch.randn(num_pages, 16, hkv, 128, device="cuda", dtype=dtype, generator=gen)
+    v_cache = torch.randn(num_pages, 16, hkv, 128, device="cuda", dtype=dtype, generator=gen)
+    ks = fused_set(
+        EngineConfig(max_model_len=8192, options={"fused.cudnn_prefill": 2048}),
+        torch.device("cuda"),
+        dtype,
+    )
+    assert ks.describe()["long_prefill"].startswith("cuDNN"), ks.describe()
+    cudnn = ks._attn.long_prefill
+    taken = cudnn.applies(q, k_cache, meta)
+    assert taken == (batch != "below-threshold")
+    out = ks.attention(q, k_cache, v_cache, meta, 128**-0.5)
+    assert cudnn.disabled_reason is None, cudnn.disabled_reason
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
+    _assert_close(out, expected, dtype, batch)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 4096), (300, 4096), (64, 1024), (8, 5120)])
 def test_rms_norm_full_size(shape: tuple[int, int], dtype: torch.dtype) -> None:

@@ -81,7 +81,8 @@ def fused(dtype: torch.dtype, **flags) -> FusedKernels:
 def test_all_ops_run_triton_here() -> None:
     """With the interpreter (or CUDA) every op is a Triton kernel; linear stays a torch GEMM."""
     desc = fused(torch.float32).describe()
-    layer_ops = {"norm_linear", "norm_gate_up", "linear_residual"}  # fused.layer, off by default
+    # fused.layer (off by default), and cuDNN's long prefills (CUDA only)
+    layer_ops = {"norm_linear", "norm_gate_up", "linear_residual", "long_prefill"}
     assert set(desc) - layer_ops == {
         "rms_norm",
         "linear",
