@@ -18,6 +18,7 @@ copies them to the host first (:mod:`pitstop.entrypoints.rollout.sleep`).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -113,6 +114,7 @@ class MemorySaverMemory:
 
     def __init__(self, saver: object) -> None:
         self.saver = saver
+        _free_inside_a_region_at_exit(saver)
 
     def region(self, tag: str) -> AbstractContextManager[object]:
         """Allocations inside are ``tag``'s (without the library's own CPU backup)."""
@@ -128,6 +130,33 @@ class MemorySaverMemory:
         """Map new physical memory at ``tag``'s addresses."""
         del tensors
         self.saver.resume(tag)  # type: ignore[attr-defined]
+
+
+_exit_hook_registered = False
+
+
+def _free_inside_a_region_at_exit(saver: object) -> None:
+    """At interpreter exit, enter a region of ``saver`` for good, once per process.
+
+    ``torch_memory_saver``'s allocator accepts a free only inside one of its regions and
+    ends the process with status 1 otherwise; the engine's tensors and the library's memory
+    pools are freed during interpreter teardown, outside any region, so a script that
+    used sleep mode would exit with status 1 after finishing its work (seen on the H200
+    with 0.0.10). Entering a region from an ``atexit`` hook, and never leaving it, makes
+    those last frees legal.
+    """
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+
+    def enter_region() -> None:
+        try:
+            saver.region(tag="teardown").__enter__()  # type: ignore[attr-defined]
+        except Exception as exc:  # teardown: say it, never raise
+            log.debug("torch_memory_saver teardown region not entered: %s", exc)
+
+    atexit.register(enter_region)
 
 
 def sleep_mode_memory(config: EngineConfig, enabled: bool) -> DeviceMemory | None:

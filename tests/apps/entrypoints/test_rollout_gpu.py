@@ -18,7 +18,9 @@ pytestmark = pytest.mark.gpu
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-SETTINGS = dict(device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3)
+# a fixed KV cache each: the test holds two engines at once (a fraction of the GPU would count
+# the first engine's memory against the second's)
+SETTINGS = dict(device="cuda", dtype="float32", max_model_len=1024, kv_cache_gib=1.0)
 
 
 def greedy(llm: LLM) -> list[list[int]]:

@@ -147,12 +147,14 @@ def test_long_prefill_and_chunk(case: str) -> None:
 # cuDNN's long prefills (fused.cudnn_prefill): fresh prompts (one causal call), chunks over a
 # cached prefix ending mid-page (two calls merged by their log-sum-exp), several prompts, and
 # decodes beside them (the Triton decode kernel); the step below the threshold stays Triton.
+# (threshold 1024 here: fresh prompts from 1,024 tokens, chunks over cached ones from 4,096)
 CUDNN_BATCHES = {
     "fresh-4096": ([4096], [4096]),
-    "two-fresh": ([2048, 3001], [2048, 3001]),
-    "chunk-2048-over-2057": ([2048], [4105]),
-    "chunk-and-fresh-and-decodes": ([2500, 2048, 1, 1, 1], [7000, 2048, 17, 4096, 1]),
-    "below-threshold": ([2047, 4096], [2047, 4096]),
+    "two-fresh": ([1024, 3001], [1024, 3001]),
+    "chunk-4096-over-4105": ([4096], [8201]),
+    "chunk-and-fresh-and-decodes": ([4500, 2048, 1, 1, 1], [9000, 2048, 17, 4096, 1]),
+    "below-threshold": ([1023, 4096], [1023, 4096]),
+    "short-chunk": ([4095], [5000]),
 }
 
 
@@ -170,14 +172,14 @@ def test_cudnn_long_prefill(batch: str, heads: tuple[int, int], dtype: torch.dty
     k_cache = torch.randn(num_pages, 16, hkv, 128, device="cuda", dtype=dtype, generator=gen)
     v_cache = torch.randn(num_pages, 16, hkv, 128, device="cuda", dtype=dtype, generator=gen)
     ks = fused_set(
-        EngineConfig(max_model_len=8192, options={"fused.cudnn_prefill": 2048}),
+        EngineConfig(max_model_len=16384, options={"fused.cudnn_prefill": 1024}),
         torch.device("cuda"),
         dtype,
     )
     assert ks.describe()["long_prefill"].startswith("cuDNN"), ks.describe()
     cudnn = ks._attn.long_prefill
     taken = cudnn.applies(q, k_cache, meta)
-    assert taken == (batch != "below-threshold")
+    assert taken == (batch not in ("below-threshold", "short-chunk"))
     out = ks.attention(q, k_cache, v_cache, meta, 128**-0.5)
     assert cudnn.disabled_reason is None, cudnn.disabled_reason
     expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
