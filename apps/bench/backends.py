@@ -65,12 +65,17 @@ def release_memory() -> None:
 class PitstopBackend:
     """pitstop's :class:`~pitstop.loop.engine.LLMEngine`, stepped in this thread."""
 
-    def __init__(self, config: Any, workload: Workload) -> None:
+    def __init__(
+        self, config: Any, workload: Workload, lora_requests: list[Any] | None = None
+    ) -> None:
+        """``lora_requests``: adapters given to the submitted requests in turn (none: base model)."""
         from pitstop.loop.engine import LLMEngine
 
         self.name = "pitstop"
         self.engine: Any = LLMEngine(config)
         self.workload = workload
+        self.lora_requests = list(lora_requests or [])
+        self._submitted = 0
         self._base: tuple[int, float, int, int, int] = (0, 0.0, 0, 0, 0)
 
     def weight_bytes(self) -> int:
@@ -91,12 +96,17 @@ class PitstopBackend:
         )
 
     def submit(self, request_id: str, request: BenchRequest, arrival: float) -> None:
+        lora = None
+        if self.lora_requests:
+            lora = self.lora_requests[self._submitted % len(self.lora_requests)]
+        self._submitted += 1
         self.engine.add_request(
             request.prompt,
             self._params(request),
             prompt_token_ids=request.prompt_token_ids,
             request_id=request_id,
             arrival_time=arrival,
+            lora_request=lora,
         )
 
     def poll(self, timeout: float = 0.0) -> list[RequestRecord]:

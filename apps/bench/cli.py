@@ -102,6 +102,18 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
             "--repeats", type=int, help="timed runs after the warm-up, best kept (single: 5)"
         )
         g.add_argument("--no-warmup", action="store_true", help="skip the warm-up run")
+        g.add_argument(
+            "--lora-adapters",
+            type=int,
+            default=0,
+            metavar="N",
+            help="serve every request with one of N random LoRA adapters of rank --lora-rank on "
+            "every projection, in turn (written for the model's shape; adapter=lora and "
+            "max_loras=N unless set); a matrix configuration may set lora_adapters itself",
+        )
+        g.add_argument(
+            "--lora-rank", type=int, default=16, metavar="R", help="rank of --lora-adapters (16)"
+        )
         if mode == "online":
             g.add_argument(
                 "--concurrency", type=int, help="closed-loop clients (default: the workload's, 32)"
@@ -278,6 +290,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         floor=floor,
         skipped=skipped,
     )
+    if args.peer and getattr(args, "lora_adapters", 0):
+        raise BenchError(
+            f"--lora-adapters with --peer {args.peer} is not wired yet (the peer would run "
+            "without adapters); run the LoRA configurations without --peer"
+        )
     if args.peer and args.peer in SEPARATE_PROCESS_PEERS:
         # first, while this process holds no GPU memory; its process has exited before ours start
         peer, notes = run_peer(args.peer, peer_run)
@@ -350,6 +367,16 @@ def _pitstop_column(
 
     col: dict[str, Any] = {"name": name, "backend": "pitstop", "settings": overrides}
     try:
+        settings = dict(settings)
+        adapters = int(settings.pop("lora_adapters", getattr(run.args, "lora_adapters", 0) or 0))
+        if adapters < 0:
+            raise BenchError(f"lora_adapters must be >= 0, got {adapters}")
+        if adapters:
+            settings["adapter"] = settings.get("adapter") or "lora"
+            options = dict(settings.get("options") or {})
+            if not {"max_loras", "lora.max_loras"} & set(options):
+                options["max_loras"] = adapters
+            settings["options"] = options
         cfg = config_from_dict(settings)
         col["config"] = _config_dict(cfg)
         print(
@@ -358,8 +385,12 @@ def _pitstop_column(
         )
         held: dict[str, int] = {}
 
+        requests = _bench_adapters(run, adapters) if adapters else None
+        if requests:
+            col["lora_adapters"] = len(requests)
+
         def open_backend() -> PitstopBackend:
-            backend = PitstopBackend(cfg, run.workload)
+            backend = PitstopBackend(cfg, run.workload, lora_requests=requests)
             held["weight_bytes"] = backend.weight_bytes()
             return backend
 
@@ -368,6 +399,26 @@ def _pitstop_column(
         col["error"] = f"{type(exc).__name__}: {exc}"
         print(f"[bench] {name} failed: {col['error']}", file=sys.stderr)
     return col
+
+
+def _bench_adapters(run: PeerRun, count: int) -> list[Any]:
+    """``count`` random adapters for the run's model (rank ``--lora-rank``), written once per
+    count into a temporary folder that lives as long as the process."""
+    import tempfile
+
+    from pitstop.bench.lora_adapters import lora_requests, write_random_adapters
+
+    rank = int(getattr(run.args, "lora_rank", 16) or 16)
+    key = (count, rank)
+    if key not in _ADAPTERS:
+        folder = Path(tempfile.mkdtemp(prefix="pitstop-bench-lora-"))
+        print(f"[bench] writing {count} random LoRA adapter(s) of rank {rank} to {folder}",
+              file=sys.stderr)  # fmt: skip
+        _ADAPTERS[key] = lora_requests(write_random_adapters(run.model_config, count, rank, folder))
+    return _ADAPTERS[key]
+
+
+_ADAPTERS: dict[tuple[int, int], list[Any]] = {}
 
 
 def _column_floor(run: PeerRun, held: dict[str, int]) -> floors.Floor | None:

@@ -760,3 +760,31 @@ def test_an_moe_floor_counts_active_flops_and_the_experts_a_step_touches():
     # a dense model reads all of its weights at every batch
     dense = floors.floor(_TINY, [(10, 3)], ceilings=_SLOW)
     assert dense.step_weight_bytes(1) == dense.step_weight_bytes(64) == dense.weight_bytes
+
+
+def test_lora_adapters_matrix_serves_every_request_with_an_adapter(tmp_path, tiny_model):
+    """``lora_adapters`` in a matrix configuration (issue 47's figures): random adapters of the
+    model's shape are written, read by the ``lora`` plugin without refusal, and the columns
+    run with ``adapter=lora`` and ``max_loras`` = the adapter count."""
+    from pitstop.bench.lora_adapters import PROJECTIONS, write_random_adapters
+    from pitstop.loading.weights import load_model_source
+    from pitstop.plugins.adapters.lora.peft_adapter import read_adapter
+
+    mc = load_model_source(tiny_model).model_config
+    (path,) = write_random_adapters(mc, 1, 4, tmp_path / "adapters")
+    weights = read_adapter("a", str(path), 16, mc).weights
+    assert len(weights) == mc.num_layers * len(PROJECTIONS)
+    doc = _bench(
+        tmp_path, "offline", "--workload", "cpu-smoke", "--model", tiny_model,
+        "--matrix", str(Path(__file__).parents[3] / "benchmarks/workloads/lora.toml"),
+        "--num-requests", "4", "--input-len", "8:16", "--output-len", "2:4", "--max-model-len", "64",
+        "--no-warmup",
+    )  # fmt: skip
+    cols = {c["name"]: c for c in doc["configs"]}
+    assert [c.get("error") for c in cols.values()] == [None, None, None]
+    assert cols["base"]["config"].get("adapter") is None and "lora_adapters" not in cols["base"]
+    for name, count in (("lora-1", 1), ("lora-8", 8)):
+        assert cols[name]["lora_adapters"] == count
+        assert cols[name]["config"]["adapter"] == "lora"
+        assert cols[name]["config"]["options"]["max_loras"] == count
+        assert cols[name]["figures"]["output_tok_per_s"] > 0
