@@ -136,27 +136,40 @@ _exit_hook_registered = False
 
 
 def _free_inside_a_region_at_exit(saver: object) -> None:
-    """At interpreter exit, enter a region of ``saver`` for good, once per process.
+    """Release ``saver``'s memory pools inside one of its regions at interpreter exit (once
+    per process).
 
-    ``torch_memory_saver``'s allocator accepts a free only inside one of its regions and
-    ends the process with status 1 otherwise; the engine's tensors and the library's memory
-    pools are freed during interpreter teardown, outside any region, so a script that
-    used sleep mode would exit with status 1 after finishing its work (seen on the H200
-    with 0.0.10). Entering a region from an ``atexit`` hook, and never leaving it, makes
-    those last frees legal.
+    ``torch_memory_saver``'s allocator accepts a free only inside one of its regions (a
+    thread-local flag) and otherwise ends the process with status 1. Its pools outlive
+    the engine (they are the library's) and are destroyed after Python's ``atexit``
+    hooks, when that flag is gone, so a script that used sleep mode exited with status 1
+    after finishing its work (H200, 0.0.10, 2026-12-05: entering a region at exit was
+    not enough). The hook below destroys the pools while a region is open, so that
+    their cached blocks go back to the device then; the engine's tensors are gone by
+    then, or the pool keeps its blocks and the exit is as before.
     """
     global _exit_hook_registered
     if _exit_hook_registered:
         return
     _exit_hook_registered = True
 
-    def enter_region() -> None:
-        try:
-            saver.region(tag="teardown").__enter__()  # type: ignore[attr-defined]
-        except Exception as exc:  # teardown: say it, never raise
-            log.debug("torch_memory_saver teardown region not entered: %s", exc)
+    def release_pools() -> None:
+        import gc
 
-    atexit.register(enter_region)
+        pools = getattr(getattr(saver, "_impl", None), "_mem_pools", None)
+        if pools is None:  # never used, or a release whose internals differ
+            return
+        try:
+            with saver.region(tag="pitstop-teardown"):  # type: ignore[attr-defined]
+                gc.collect()
+                for key in [k for k in pools if k[0] != "pitstop-teardown"]:
+                    del pools[key]
+                gc.collect()
+                torch.cuda.empty_cache()
+        except Exception as exc:  # teardown: say it, never raise
+            log.debug("torch_memory_saver pools not released at exit: %s", exc)
+
+    atexit.register(release_pools)
 
 
 def sleep_mode_memory(config: EngineConfig, enabled: bool) -> DeviceMemory | None:

@@ -74,11 +74,14 @@ def test_merge_by_lse_equals_attention_over_all_keys(
         ([2047], [2047], False),
         ([4096, 3000], [4096, 3000], True),
         ([4096, 100], [4096, 100], False),  # one short prompt keeps the step on Triton
-        ([2048], [4096], False),  # a chunk over cached tokens needs CHUNK_FACTOR times more
-        ([CHUNK_FACTOR * 2048], [CHUNK_FACTOR * 2048 + 1], True),
+        ([2048], [4096], False),  # a chunk over cached tokens: a context of CHUNK_FACTOR x
+        ([2048], [CHUNK_FACTOR * 2048], True),
+        ([1024], [CHUNK_FACTOR * 2048], False),  # ... and the chunk itself at the threshold
+        ([2048, 4096], [30000, 4096], True),
         ([], [], False),
     ],
 )
 def test_which_steps_take_cudnn(query_lens, context_lens, expected) -> None:
-    """Every prefill must be long: fresh prompts from the threshold, chunks from four times it."""
+    """Every prefill must be long: from the threshold, and a chunk over cached tokens in a
+    context of four times it."""
     assert all_long(query_lens, context_lens, 2048) is expected

@@ -147,14 +147,15 @@ def test_long_prefill_and_chunk(case: str) -> None:
 # cuDNN's long prefills (fused.cudnn_prefill): fresh prompts (one causal call), chunks over a
 # cached prefix ending mid-page (two calls merged by their log-sum-exp), several prompts, and
 # decodes beside them (the Triton decode kernel); the step below the threshold stays Triton.
-# (threshold 1024 here: fresh prompts from 1,024 tokens, chunks over cached ones from 4,096)
+# (threshold 1024 here: prompts and chunks from 1,024 tokens, chunks in a context from 4,096)
 CUDNN_BATCHES = {
     "fresh-4096": ([4096], [4096]),
     "two-fresh": ([1024, 3001], [1024, 3001]),
     "chunk-4096-over-4105": ([4096], [8201]),
     "chunk-and-fresh-and-decodes": ([4500, 2048, 1, 1, 1], [9000, 2048, 17, 4096, 1]),
     "below-threshold": ([1023, 4096], [1023, 4096]),
-    "short-chunk": ([4095], [5000]),
+    "short-context-chunk": ([2048], [4000]),
+    "chunk-1024-over-7000": ([1024], [8024]),
 }
 
 
@@ -179,7 +180,7 @@ def test_cudnn_long_prefill(batch: str, heads: tuple[int, int], dtype: torch.dty
     assert ks.describe()["long_prefill"].startswith("cuDNN"), ks.describe()
     cudnn = ks._attn.long_prefill
     taken = cudnn.applies(q, k_cache, meta)
-    assert taken == (batch not in ("below-threshold", "short-chunk"))
+    assert taken == (batch not in ("below-threshold", "short-context-chunk"))
     out = ks.attention(q, k_cache, v_cache, meta, 128**-0.5)
     assert cudnn.disabled_reason is None, cudnn.disabled_reason
     expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
