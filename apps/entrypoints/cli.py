@@ -54,7 +54,7 @@ def _sampling_flags(
 
 
 def _params(args: argparse.Namespace):
-    from pitstop.requests.sampling_params import SamplingParams
+    from pitstop.entrypoints.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,
