@@ -108,7 +108,7 @@ def _print_check(pm, config: EngineConfig) -> None:
 def _print_settings(strategies) -> None:
     """Each strategy's declared settings: key and alias (or engine setting), values,
     default, meaning."""
-    from pitstop.plugin_system.settings import describe
+    from pitstop.entrypoints.catalogue import describe
 
     for s in strategies:
         if s.settings is None:
