@@ -75,8 +75,8 @@ def test_a_small_max_batch_size_lowers_the_prefill_default(llm: LLM) -> None:
 
 
 def test_the_setting_help_says_the_default_follows() -> None:
-    from pitstop.plugin_system.plugin_manager import get_plugin_manager
     from pitstop.entrypoints.catalogue import describe
+    from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
     chunked = next(s for s in get_plugin_manager().strategies() if s.name == "chunked")
     row = next(r for r in describe(chunked.settings, "chunked") if r[1] == "max_prefill_batch")
