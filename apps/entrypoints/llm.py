@@ -151,7 +151,7 @@ class LLM:
         older spelling of a list of TokensPrompt. A prompt that is invalid
         raises before any request runs, so nothing is half-submitted. Without
         ``sampling_params``, :meth:`get_default_sampling_params` (as vLLM).
-        ``lora_request``: vLLM's :class:`~pitstop.lora.request.LoRARequest`, one for
+        ``lora_request``: vLLM's :class:`~pitstop.entrypoints.lora_request.LoRARequest`, one for
         every prompt or a list of one per prompt (None: the base model), on an ``LLM``
         built with ``enable_lora=True`` (docs/lora.md); ``priority`` is accepted all zero,
         ``tokenization_kwargs`` None.
