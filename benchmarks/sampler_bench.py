@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.plugins.samplers.standard import StandardSampler
 from pitstop.requests.sampling import (
     RowInputs,
@@ -23,7 +24,6 @@ from pitstop.requests.sampling import (
     make_sampling_batch,
     make_step_inputs,
 )
-from pitstop.requests.sampling_params import SamplingParams
 
 
 def _time(fn, iters: int) -> float:

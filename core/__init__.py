@@ -6,6 +6,9 @@ from typing import TYPE_CHECKING
 
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.inputs import TextPrompt, TokensPrompt
+from pitstop.entrypoints.lora_request import LoRARequest
+from pitstop.entrypoints.sampling_params import SamplingParams
+from pitstop.entrypoints.structured import StructuredOutputs
 from pitstop.errors import (
     ConfigError,
     InvalidRequestError,
@@ -13,10 +16,7 @@ from pitstop.errors import (
     PitstopError,
     PluginError,
 )
-from pitstop.lora.request import LoRARequest
 from pitstop.plugin_system.hookspecs import hookimpl
-from pitstop.requests.sampling_params import SamplingParams
-from pitstop.requests.structured import StructuredOutputs
 
 __version__ = "0.1.0"
 

@@ -86,7 +86,7 @@ class PitstopBackend:
         return self.engine.runner.weight_bytes()
 
     def _params(self, request: BenchRequest) -> Any:
-        from pitstop.requests.sampling_params import SamplingParams
+        from pitstop.entrypoints.sampling_params import SamplingParams
 
         return SamplingParams(
             max_tokens=request.output_len,

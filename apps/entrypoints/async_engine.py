@@ -34,13 +34,13 @@ from pitstop.config import EngineConfig
 from pitstop.entrypoints.chat import render_chat
 from pitstop.entrypoints.rollout.control import Rollout
 from pitstop.entrypoints.rollout.device_memory import DeviceMemory, sleep_mode_memory
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.errors import InvalidRequestError, PitstopError
 from pitstop.ground.metrics import EngineStats
 from pitstop.loop.engine import LLMEngine
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.plugin_system.protocols import AllocatorStats
 from pitstop.requests.outputs import RequestOutput
-from pitstop.requests.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

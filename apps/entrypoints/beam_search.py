@@ -29,10 +29,10 @@ from typing import Any, Protocol
 import attrs
 
 from pitstop.entrypoints.inputs import PromptType, parse_prompts
+from pitstop.entrypoints.sampling_params import MAX_LOGPROBS, SamplingParams
+from pitstop.entrypoints.validation import as_float, as_int, boolean, int_in, real_in
 from pitstop.errors import InvalidRequestError
 from pitstop.requests.outputs import Logprob
-from pitstop.requests.sampling_params import MAX_LOGPROBS, SamplingParams
-from pitstop.requests.validation import as_float, as_int, boolean, int_in, real_in
 
 
 class Generator(Protocol):

@@ -6,19 +6,22 @@ them with the table of their aliases (``chunk_size`` -> the ``chunked`` schedule
 The entry points (:mod:`pitstop.entrypoints.engine_args`) build it from the plugin
 manager's registry (:meth:`Catalogue.of`) and fold, check and offer as flags a config's
 spellings against it; the engine never reads it. Reading a config's settings is
-:func:`pitstop.plugin_system.settings.resolve`.
+:func:`pitstop.plugin_system.settings.resolve`. :func:`describe` and :func:`default_text`
+put a settings class in words, for ``pitstop plugins --settings`` and the flags' help.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from pitstop.plugin_system.settings import (
     SettingsSource,
+    allowed_values,
     check_value,
+    declared_default,
     option_fields,
     setting_aliases,
     strategy_settings,
@@ -58,3 +61,32 @@ class Catalogue:
     def flag_fields(self) -> list[tuple[Strategy, attrs.Attribute]]:
         """Every declared option field, by declaration, for ``--<plugin>.<setting>`` flags."""
         return [(d, att) for d in self.declarations for att in option_fields(d.settings)]
+
+
+def default_text(att: attrs.Attribute) -> str:
+    """A setting's default in words: ``64``, or ``64, or max_batch_size when smaller``."""
+    text = repr(declared_default(att))
+    cap = att.metadata.get("at_most")
+    return f"{text}, or {cap} when smaller" if cap else text
+
+
+def describe(
+    cls: type, namespace: str, engine_defaults: Any = None
+) -> list[tuple[str, str, str, str, str]]:
+    """One row per setting: (key, alias, allowed values, default, help).
+
+    ``alias`` is ``""`` for a setting without one; an engine-wide setting's
+    key is its :class:`EngineConfig` name, its default read from
+    ``engine_defaults`` (an ``EngineConfig()``) when given.
+    """
+    rows = []
+    for att in attrs.fields(cls):
+        md = att.metadata
+        if md["engine"]:
+            key = md["engine"]
+            default = repr(getattr(engine_defaults, md["engine"], "(engine setting)"))
+        else:
+            key = f"{namespace}.{att.name}"
+            default = "(required)" if md["required"] else default_text(att)
+        rows.append((key, md["alias"] or "", allowed_values(att), default, md["help"]))
+    return rows

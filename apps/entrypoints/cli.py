@@ -12,6 +12,7 @@ from typing import Any
 
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.chat import render_chat
+from pitstop.entrypoints.commands import commands
 from pitstop.entrypoints.engine_args import add_cli_flags, config_from_cli
 from pitstop.errors import PitstopError, PluginError, did_you_mean
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
@@ -54,7 +55,7 @@ def _sampling_flags(
 
 
 def _params(args: argparse.Namespace):
-    from pitstop.requests.sampling_params import SamplingParams
+    from pitstop.entrypoints.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -72,7 +73,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     pm = get_plugin_manager()
     rows = [("KIND", "NAME", "DISTRIBUTION", "VERSION", "DESCRIPTION")]
     rows += [(s.kind, s.name, s.distribution, s.version, s.description) for s in pm.strategies()]
-    rows += [("command", c.name, c.distribution, c.version, c.help) for c in pm.commands.values()]
+    rows += [("command", c.name, c.distribution, c.version, c.help) for c in commands(pm).values()]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
@@ -107,7 +108,7 @@ def _print_check(pm, config: EngineConfig) -> None:
 def _print_settings(strategies) -> None:
     """Each strategy's declared settings: key and alias (or engine setting), values,
     default, meaning."""
-    from pitstop.plugin_system.settings import describe
+    from pitstop.entrypoints.catalogue import describe
 
     for s in strategies:
         if s.settings is None:
@@ -239,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_flags(p, max_tokens=256, temperature=0.0)
     p.set_defaults(func=cmd_chat)
 
-    for command in get_plugin_manager().commands.values():  # serve, bench, verify, plugins' own
+    for command in commands(get_plugin_manager()).values():  # serve, bench, verify, plugins' own
         if command.name in sub.choices:
             raise PluginError(
                 f"{command.distribution} ({command.module}) registers the command "

@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 
 from pitstop.config import EngineConfig
-from pitstop.entrypoints.catalogue import Catalogue
+from pitstop.entrypoints.catalogue import Catalogue, default_text
 from pitstop.entrypoints.vllm_args import (
     ACCEPTED,
     DTYPE_WORDS,
@@ -47,12 +47,7 @@ from pitstop.entrypoints.vllm_args import (
 from pitstop.errors import ConfigError, PluginError, did_you_mean
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.plugin_system.registration import Strategy
-from pitstop.plugin_system.settings import (
-    allowed_values,
-    declared_default,
-    default_text,
-    strategy_settings,
-)
+from pitstop.plugin_system.settings import allowed_values, declared_default, strategy_settings
 
 SETTING_DEST = "setting:"  # argparse dest prefix of the plugin-setting flags
 VLLM_DEST = "vllm:"  # argparse dest prefix of vLLM's flags (--max-num-seqs)

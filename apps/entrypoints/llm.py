@@ -15,6 +15,7 @@ from pitstop.entrypoints.engine_args import config_from_dict
 from pitstop.entrypoints.inputs import PromptType, parse_prompts
 from pitstop.entrypoints.rollout.control import Rollout
 from pitstop.entrypoints.rollout.device_memory import sleep_mode_memory
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.entrypoints.tool_calls import default_tool_prompt, parse_tools
 from pitstop.entrypoints.vllm_surface import (
     REFUSED_METHODS,
@@ -27,7 +28,6 @@ from pitstop.errors import ConfigError, InvalidRequestError
 from pitstop.loop.engine import LLMEngine
 from pitstop.plugin_system.plugin_manager import PluginManager
 from pitstop.requests.outputs import RequestOutput
-from pitstop.requests.sampling_params import SamplingParams
 
 Message = dict[str, Any]
 
@@ -151,7 +151,7 @@ class LLM:
         older spelling of a list of TokensPrompt. A prompt that is invalid
         raises before any request runs, so nothing is half-submitted. Without
         ``sampling_params``, :meth:`get_default_sampling_params` (as vLLM).
-        ``lora_request``: vLLM's :class:`~pitstop.lora.request.LoRARequest`, one for
+        ``lora_request``: vLLM's :class:`~pitstop.entrypoints.lora_request.LoRARequest`, one for
         every prompt or a list of one per prompt (None: the base model), on an ``LLM``
         built with ``enable_lora=True`` (docs/lora.md); ``priority`` is accepted all zero,
         ``tokenization_kwargs`` None.

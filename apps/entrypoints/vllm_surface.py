@@ -135,8 +135,8 @@ def generation_defaults(model: str) -> dict[str, Any]:
 
 def per_prompt_adapters(lora_request: Any, num_prompts: int) -> list[Any]:
     """vLLM's ``lora_request`` of ``generate``/``chat`` as one entry per prompt: a single
-    :class:`~pitstop.lora.request.LoRARequest` (or None) for all, or a list of one each."""
-    from pitstop.lora.request import LoRARequest
+    :class:`~pitstop.entrypoints.lora_request.LoRARequest` (or None) for all, or a list of one each."""
+    from pitstop.entrypoints.lora_request import LoRARequest
 
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * num_prompts

@@ -19,7 +19,7 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from pitstop.requests.sampling_params import SamplingParams
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.server.api_errors import body_error
 from pitstop.server.protocol import APIError, parse_json_body
 from pitstop.server.state import AppState

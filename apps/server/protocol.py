@@ -21,9 +21,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pitstop.entrypoints.chat import ChatOptions
+from pitstop.entrypoints.sampling_params import SamplingParams
+from pitstop.entrypoints.structured import structured_outputs_of
 from pitstop.errors import InvalidRequestError
-from pitstop.requests.sampling_params import SamplingParams
-from pitstop.requests.structured import structured_outputs_of
 
 
 def clip(text: str, limit: int = 64) -> str:

@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 
 from pitstop.entrypoints.async_engine import AsyncLLM
+from pitstop.entrypoints.lora_request import LoRARequest
 from pitstop.errors import ConfigError, PluginError
-from pitstop.lora.request import LoRARequest
 from pitstop.plugin_system.protocols import ToolParser
 from pitstop.server.limits import ServerState
 from pitstop.server.metrics import ServerMetrics

@@ -18,9 +18,9 @@ from fastapi import Request
 from pitstop.entrypoints.async_engine import EngineClosedError, EngineStepError
 from pitstop.entrypoints.chat import ChatOptions, RenderedChat, render_chat, template_reads_tools
 from pitstop.entrypoints.rollout.errors import EngineSleepingError
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.errors import InvalidRequestError
 from pitstop.requests.outputs import RequestOutput
-from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.validation import check_encoded_prompt, check_token_ids
 from pitstop.server.api_errors import (
     asleep_error,

@@ -10,7 +10,7 @@ the code that applies the rule, so the table cannot drift from it:
 - ``pitstop serve`` flags: the serve parser's own flags that vLLM's
   ``vllm serve`` has, and :data:`pitstop.entrypoints.vllm_args.SERVE_REFUSED`;
 - ``SamplingParams`` fields: its attrs fields and
-  :data:`pitstop.requests.sampling_params.VLLM_ONLY` / ``VLLM_NEUTRAL``;
+  :data:`pitstop.entrypoints.sampling_params.VLLM_ONLY` / ``VLLM_NEUTRAL``;
 - ``LLM`` methods and call keywords: :mod:`pitstop.entrypoints.vllm_surface`.
 
 ``python -m pitstop.server.vllm_table`` prints it; tests/apps/entrypoints/test_vllm_args.py checks
@@ -105,7 +105,7 @@ def serve_rows(serve_flags: Iterable[str] | None = None) -> list[tuple[str, str,
 
 def sampling_rows() -> list[tuple[str, str, str]]:
     """(field, kind, pitstop) of vLLM's ``SamplingParams`` fields."""
-    from pitstop.requests.sampling_params import VLLM_NEUTRAL, VLLM_ONLY, SamplingParams
+    from pitstop.entrypoints.sampling_params import VLLM_NEUTRAL, VLLM_ONLY, SamplingParams
 
     kind = "`SamplingParams`"
     rows = [(a.name, kind, "same field") for a in attrs.fields(SamplingParams)]

@@ -51,7 +51,7 @@ def check_adapters(
     least the number of adapters in ``references``); ``vocab`` and ``prompt_lengths``
     bound the drawn prompt ids and lengths (inclusive).
     """
-    from pitstop.requests.sampling_params import SamplingParams
+    from pitstop.entrypoints.sampling_params import SamplingParams
 
     adapters = list(references)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

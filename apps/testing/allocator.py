@@ -66,8 +66,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.plugin_system.protocols import Allocator, AllocatorBase, AllocatorStats
-from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence
 
 __all__ = ["AllocatorStateMachine", "allocator_state_machine", "check_allocator"]

@@ -72,11 +72,11 @@ from hypothesis import strategies as st
 
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.engine_args import engine_config
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
 from pitstop.plugin_system.protocols import Allocator, AllocatorStats, Scheduler, StepPlan
 from pitstop.plugin_system.registration import takes_settings
 from pitstop.plugin_system.settings import read_settings
-from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence, SequenceStatus
 from pitstop.testing._hypothesis import suite_settings
 

@@ -42,8 +42,8 @@ def check_verifier(
     verifier: Any, *, max_examples: int = 30, vocab_size: int = 12, max_drafts: int = 4
 ) -> None:
     """Draw batches of drafted sequences and check what ``verifier`` emits for each (CPU)."""
+    from pitstop.entrypoints.sampling_params import SamplingParams
     from pitstop.ground.step import SeqInput
-    from pitstop.requests.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0, logprobs=0)
     sampled = SamplingParams(temperature=1.0, top_k=2)

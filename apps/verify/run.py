@@ -15,11 +15,11 @@ import torch
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.chat import render_chat
 from pitstop.entrypoints.engine_args import engine_config, setting_value
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.errors import InvalidRequestError
 from pitstop.loading.tokenizer import Tokenizer
 from pitstop.loop.engine import LLMEngine
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
-from pitstop.requests.sampling_params import SamplingParams
 from pitstop.verify.compare import Tolerance, default_tolerance, judge
 from pitstop.verify.prompts import VerifyPrompt, shipped_prompts
 from pitstop.verify.report import RunSummary, VerifyReport, describe_config

@@ -42,10 +42,9 @@ from pitstop.requests.bad_words import bad_word_token_ids
 from pitstop.requests.detokenizer import IncrementalDetokenizer
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.request_state import RequestState, SampleState
-from pitstop.requests.request_validation import validate_request
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence, Timestamps
-from pitstop.requests.validation import SEED_MODULUS, check_encoded_prompt
+from pitstop.requests.validation import SEED_MODULUS, check_encoded_prompt, validate_request
 
 
 class RequestIntake:

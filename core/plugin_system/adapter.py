@@ -7,7 +7,7 @@ The config's ``adapter`` setting names an adapter plugin (``lora``; vLLM's
 2. :meth:`Adapters.attach` is handed the model, before its weights load: it wraps the
    projections it adapts (and may turn off what it cannot adapt, such as fused layers);
 3. at ``add_request``, :meth:`Adapters.check` is handed the request's adapter (vLLM's
-   :class:`~pitstop.lora.request.LoRARequest`): it reads it (into a host cache) or raises
+   :class:`~pitstop.entrypoints.lora_request.LoRARequest`): it reads it (into a host cache) or raises
    :class:`~pitstop.errors.InvalidRequestError` naming the problem, which fails that request
    alone;
 4. before every forward, :meth:`Adapters.prepare` is handed the step's sequences (each

@@ -3,7 +3,8 @@
 A backend is built once per engine, at the first request that asks for
 structured outputs (``factory(config, tokenizer, vocab_size)``, picked by
 ``EngineConfig.grammar``; llguidance is shipped). It turns a request's
-:class:`~pitstop.requests.structured.StructuredOutputs` into one
+:class:`pitstop.StructuredOutputs` (its ``structured_outputs``, built by the entry
+points: :mod:`pitstop.entrypoints.structured`) into one
 :class:`GrammarMatcher` per sample, which follows that sample's accepted
 tokens, and fills one step's allowed-token bitmask for every constrained row
 at once. The sampler applies the bitmask to the logits
@@ -19,12 +20,10 @@ only that request fails.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: the engine reads a backend through these members
     import torch
-
-    from pitstop.requests.structured import StructuredOutputs
 
 
 @runtime_checkable
@@ -51,12 +50,12 @@ class GrammarBackend(Protocol):
     worker threads: ``new_state`` and ``check`` must be thread-safe.
     """
 
-    def new_state(self, spec: StructuredOutputs) -> GrammarMatcher:
+    def new_state(self, spec: Any) -> GrammarMatcher:
         """A fresh matcher for ``spec`` (compiled once per distinct constraint, if the backend
         caches); a constraint it cannot compile raises InvalidRequestError naming its field."""
         ...
 
-    def check(self, spec: StructuredOutputs) -> None:
+    def check(self, spec: Any) -> None:
         """Compile ``spec`` before its request is queued, and raise InvalidRequestError for one
         that does not compile or matches no text at all (the server answers 400)."""
         ...

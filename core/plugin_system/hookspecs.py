@@ -162,19 +162,6 @@ def register_adapters(register: Register) -> None:
 
 
 @hookspec
-def register_commands(register: Register) -> None:
-    """Register subcommands of the ``pitstop`` command.
-
-    Called once when plugins load. Call ``register(name, setup, run, help="",
-    description="")`` for each: pitstop adds the subparser ``name``, calls
-    ``setup(parser)`` to add its arguments (``pitstop.entrypoints.engine_args.add_cli_flags``
-    adds every engine and plugin setting), and calls ``run(args) -> int`` (the
-    exit status) when it is chosen. ``serve``, ``bench`` and ``verify`` are
-    registered this way.
-    """
-
-
-@hookspec
 def on_step_finished(engine: Any, stats: Any) -> None:
     """Observe one finished engine step.
 

@@ -28,7 +28,6 @@ from pitstop.plugin_system.executor import Executor
 from pitstop.plugin_system.kinds import KINDS as KIND_TABLE
 from pitstop.plugin_system.kinds import missing_members
 from pitstop.plugin_system.registration import (
-    Command,
     PluginSource,
     Strategy,
     check_registration,
@@ -71,7 +70,6 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.sources: list[PluginSource] = []
         self.registry: dict[str, dict[str, Strategy]] = {kind: {} for kind in KINDS}
-        self.commands: dict[str, Command] = {}
         if allow is None:
             env = os.environ.get(ALLOW_LIST_VARIABLE, "").strip()
             allow = [a.strip() for a in env.split(",") if a.strip()] if env else None
@@ -126,46 +124,6 @@ class PluginManager:
             if impl is None or not hasattr(impl, "pitstop_impl"):
                 continue
             impl(register=self._registrar(kind, source))
-        impl = getattr(module, "register_commands", None)
-        if impl is not None and hasattr(impl, "pitstop_impl"):
-            impl(register=self._command_registrar(source))
-
-    def _command_registrar(self, source: PluginSource) -> Callable[..., None]:
-        def register(
-            name: str,
-            setup: Callable[[Any], None],
-            run: Callable[[Any], int],
-            help: str = "",
-            description: str = "",
-        ) -> None:
-            if not isinstance(name, str) or not name or name.startswith("-"):
-                raise PluginError(
-                    f"{source.distribution}: a command needs a name such as 'serve', got {name!r}"
-                )
-            if not callable(setup) or not callable(run):
-                raise PluginError(
-                    f"{source.distribution}: the command {name!r} needs callable setup(parser) "
-                    "and run(args) functions"
-                )
-            existing = self.commands.get(name)
-            if existing is not None:
-                raise PluginError(
-                    f"two plugins register the command {name!r}: {existing.distribution} "
-                    f"({existing.module}) and {source.distribution} ({source.module.__name__}); "
-                    f"uninstall one, or narrow {ALLOW_LIST_VARIABLE}"
-                )
-            self.commands[name] = Command(
-                name,
-                setup,
-                run,
-                help or (run.__doc__ or "").strip().split("\n")[0],
-                description,
-                source.distribution,
-                source.version,
-                source.module.__name__,
-            )
-
-        return register
 
     def _registrar(self, kind: str, source: PluginSource) -> Callable[..., None]:
         def register(

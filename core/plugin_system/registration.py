@@ -1,5 +1,5 @@
-"""What one ``register()`` call of a plugin's hook records: a :class:`Strategy` (or a
-:class:`Command`), from a :class:`PluginSource`, its arguments checked by
+"""What one ``register()`` call of a plugin's hook records: a :class:`Strategy`, from a
+:class:`PluginSource`, its arguments checked by
 :func:`check_registration` before anything enters the registry."""
 
 from __future__ import annotations
@@ -73,20 +73,6 @@ def takes_keyword(factory: Callable[..., Any], keyword: str) -> bool:
     except (TypeError, ValueError):  # a builtin or a C callable: no signature to read
         return False
     return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
-
-
-@attrs.frozen
-class Command:
-    """One registered subcommand of ``pitstop``: its arguments and its entry function."""
-
-    name: str
-    setup: Callable[[Any], None]  # setup(argparse.ArgumentParser): add the arguments
-    run: Callable[[Any], int]  # run(argparse.Namespace) -> exit status
-    help: str
-    description: str
-    distribution: str
-    version: str
-    module: str
 
 
 @attrs.frozen

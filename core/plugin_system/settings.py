@@ -139,13 +139,6 @@ def declared_default(att: attrs.Attribute) -> Any:
     return att.metadata.get("default", att.default)
 
 
-def default_text(att: attrs.Attribute) -> str:
-    """A setting's default in words: ``64``, or ``64, or max_batch_size when smaller``."""
-    text = repr(declared_default(att))
-    cap = att.metadata.get("at_most")
-    return f"{text}, or {cap} when smaller" if cap else text
-
-
 def allowed_values(att: attrs.Attribute) -> str:
     """What a setting accepts, in words ("an integer >= 0, or unset")."""
     md = att.metadata
@@ -220,28 +213,6 @@ def check_value(att: attrs.Attribute, value: Any, *, key: str, owner: str) -> No
         raise ConfigError(
             f"{key} must be {allowed_values(att)}, got {value!r} (a setting of {owner})"
         ) from None
-
-
-def describe(
-    cls: type, namespace: str, engine_defaults: Any = None
-) -> list[tuple[str, str, str, str, str]]:
-    """One row per setting: (key, alias, allowed values, default, help).
-
-    ``alias`` is ``""`` for a setting without one; an engine-wide setting's
-    key is its :class:`EngineConfig` name, its default read from
-    ``engine_defaults`` (an ``EngineConfig()``) when given.
-    """
-    rows = []
-    for att in attrs.fields(cls):
-        md = att.metadata
-        if md["engine"]:
-            key = md["engine"]
-            default = repr(getattr(engine_defaults, md["engine"], "(engine setting)"))
-        else:
-            key = f"{namespace}.{att.name}"
-            default = "(required)" if md["required"] else default_text(att)
-        rows.append((key, md["alias"] or "", allowed_values(att), default, md["help"]))
-    return rows
 
 
 def read_settings(

@@ -1,27 +1,25 @@
-"""Checks of per-request values, run where a request enters (never inside a step).
+"""The checks of a request that need the model (its vocabulary), run where it enters the
+engine (never inside a step): :func:`validate_request`, one call in ``add_request``.
 
-A value that passes these checks cannot make the shared engine step fail:
-integers fit an int64 tensor, floats are finite, token ids index the
-vocabulary, text encodes as UTF-8, and ``True`` is not the number 1. Each
-check raises :class:`~pitstop.errors.InvalidRequestError` with a message that
-starts with the name of the field (the HTTP layer reads it as the ``param``)
-and says what to send instead.
-
-:class:`~pitstop.requests.sampling_params.SamplingParams` runs the checks that need no
-model; :func:`validate_request` adds those that need the vocabulary, for the
-engine's ``add_request``. (A chat's messages are checked by the entry points:
-:func:`pitstop.entrypoints.chat_template.validate_messages`.)
+A request that passes them cannot make the shared engine step fail on its prompt or token
+ids: text encodes as UTF-8, token ids are integers (``True`` is not the number 1) that index
+the vocabulary. Each check raises :class:`~pitstop.errors.InvalidRequestError` with a message
+that starts with the name of the field (the HTTP layer reads it as the ``param``) and says
+what to send instead. The checks of each sampling field, which need no model, are
+:class:`pitstop.SamplingParams`'s own (:mod:`pitstop.entrypoints.validation`); a chat's
+messages are checked by the entry points too
+(:func:`pitstop.entrypoints.chat_template.validate_messages`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pitstop.errors import InvalidRequestError
 from pitstop.errors import fail_request as _fail
+from pitstop.requests.sampling_params import SamplingParams
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -29,9 +27,43 @@ INT64_MAX = 2**63 - 1
 # reduced modulo this (torch itself treats a negative seed that way).
 SEED_MODULUS = 2**64
 
-# A token id key of logit_bias: ASCII decimal digits only (str.isdigit() alone also takes
-# "²", "①", "٣" and "𝟓", and int() strips spaces), at most 19 of them (int64).
-_TOKEN_ID_KEY_DIGITS = 19
+
+def validate_request(
+    prompt: Any,
+    params: SamplingParams,
+    prompt_token_ids: Sequence[int] | None,
+    *,
+    vocab_size: int,
+) -> None:
+    """Every check of a request that needs the model: call it first in ``add_request``.
+
+    Raises :class:`InvalidRequestError` when ``params`` is not a
+    :class:`SamplingParams`, the prompt is neither a non-empty UTF-8 string
+    nor a non-empty list of token ids inside the vocabulary, or a
+    ``stop_token_ids`` entry is outside the vocabulary. Length checks against
+    ``max_model_len`` stay with the engine, which knows the tokenized length.
+    """
+    if not isinstance(params, SamplingParams):
+        _fail(
+            f"sampling params must be a SamplingParams, got {type(params).__name__}; "
+            "build one with SamplingParams(max_tokens=..., ...)"
+        )
+    if prompt_token_ids is None:
+        if prompt is None:
+            _fail("prompt: give a prompt (text) or prompt_token_ids")
+        check_text("prompt", prompt)
+        if not prompt:
+            _fail("prompt is empty; give at least one token of text")
+    else:
+        ids = check_token_ids("prompt_token_ids", prompt_token_ids, vocab_size)
+        if not ids:
+            _fail("prompt_token_ids is empty; give at least one token")
+    if params.stop_token_ids:
+        check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    if params.logit_bias:
+        check_token_ids("logit_bias", [t for t, _ in params.logit_bias], vocab_size)
+    if params.allowed_token_ids is not None:
+        check_token_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)
 
 
 def is_int(value: Any) -> bool:
@@ -41,25 +73,11 @@ def is_int(value: Any) -> bool:
         return True
     if kind in (bool, float, str):
         return False
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool | _numpy_bool())
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | numpy_bool())
 
 
-def is_real(value: Any) -> bool:
-    """A finite int or float (Python or numpy), but not a bool."""
-    kind = type(value)
-    if kind is float:  # the common case first (12,000 logit_bias values check in ms)
-        return math.isfinite(value)
-    if kind in (bool, str):
-        return False
-    if isinstance(value, bool | _numpy_bool()) or not isinstance(value, numbers.Real):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float is finite but absurd here
-        return False
-
-
-def _numpy_bool() -> type:
+def numpy_bool() -> type:
+    """numpy's bool type (``bool`` itself without numpy), which is no number either."""
     try:
         import numpy as np
     except ModuleNotFoundError:  # pragma: no cover - numpy is a dependency
@@ -67,32 +85,25 @@ def _numpy_bool() -> type:
     return np.bool_
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
+    """The type of ``value`` as an error message names it (``a bool``, ``float``)."""
     return "a bool" if isinstance(value, bool) else type(value).__name__
 
 
-def check_int(name: str, value: Any, *, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
-    """``value`` as an int in ``[lo, hi]``; anything else raises naming ``name``."""
-    if not is_int(value):
-        _fail(f"{name} must be an integer, got {_type_name(value)} {_short(value)}")
-    value = int(value)
-    if not lo <= value <= hi:
-        _fail(f"{name} must be in [{lo}, {hi}], got {_short(value)}")
-    return value
-
-
-def check_real(name: str, value: Any, hint: str) -> float:
-    """``value`` as a finite float; ``hint`` says what to send instead."""
-    if not is_real(value):
-        kind = "a finite number" if isinstance(value, numbers.Real) else "a number"
-        _fail(f"{name} must be {kind}, got {_type_name(value)} {value!r}; {hint}")
-    return float(value)
+def shown(value: Any, limit: int = 24) -> str:
+    """``repr(value)`` cut to ``limit`` characters, with its full length (a 5,000-digit key)."""
+    if is_int(value) and int(value).bit_length() > 4 * limit:  # str() of it may even raise
+        return f"an integer of about {int(int(value).bit_length() * math.log10(2)) + 1:,} digits"
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value):,} characters)"
+    text = str(value) if is_int(value) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def check_text(name: str, value: Any) -> str:
     """``value`` as a string that encodes as UTF-8 (no lone surrogate halves)."""
     if not isinstance(value, str):
-        _fail(f"{name} must be a string, got {_type_name(value)}")
+        _fail(f"{name} must be a string, got {type_name(value)}")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -104,64 +115,15 @@ def check_text(name: str, value: Any) -> str:
     return value
 
 
-def seed_of(value: Any) -> int | None:
-    """A request seed, an int64 (as vLLM takes it), reduced into ``[0, 2**64)`` for torch;
-    None stays None (the engine's own seed). Outside int64 it raises naming ``seed``."""
-    if value is None:
-        return None
-    if not is_int(value):
-        _fail(f"seed must be an integer or null, got {_type_name(value)} {value!r}")
-    if not INT64_MIN <= int(value) <= INT64_MAX:
-        _fail(
-            f"seed must be in [{INT64_MIN}, {INT64_MAX}] (int64), got {_short(int(value))}; "
-            "send a smaller seed"
-        )
-    return int(value) % SEED_MODULUS
-
-
-def _short(value: Any, limit: int = 24) -> str:
-    """``repr(value)`` cut to ``limit`` characters, with its full length (a 5,000-digit key)."""
-    if is_int(value) and int(value).bit_length() > 4 * limit:  # str() of it may even raise
-        return f"an integer of about {int(int(value).bit_length() * math.log10(2)) + 1:,} digits"
-    if isinstance(value, str) and len(value) > limit:
-        return f"{value[:limit]!r}... ({len(value):,} characters)"
-    text = str(value) if is_int(value) else repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
-
-
-def token_id_key(key: Any) -> int:
-    """A ``logit_bias`` key as a token id: an int, or a string of ASCII decimal digits
-    (JSON object keys are strings). Anything else raises naming the key: ``"²"``,
-    ``"①"``, ``"٣"``, ``"𝟓"``, ``" 5"``, ``"+5"``, ``"-1"`` and keys past int64."""
-    if is_int(key):
-        return check_int("logit_bias", key, lo=0)
-    if (
-        isinstance(key, str)
-        and len(key) <= _TOKEN_ID_KEY_DIGITS
-        and key.isascii()
-        and key.isdigit()
-    ):
-        value = int(key)  # on ASCII, isdigit() is exactly 0-9
-        if value <= INT64_MAX:
-            return value
-    if isinstance(key, str):
-        _fail(
-            f"logit_bias key {_short(key)} is not a token id; keys must be token ids written "
-            'in ASCII digits 0-9 (no spaces, signs or other numerals), e.g. {"50256": -100}'
-        )
-    _fail(f"logit_bias keys must be token ids, got {_type_name(key)} {_short(key)}")
-    raise AssertionError  # unreachable: _fail raises
-
-
 def check_token_ids(name: str, ids: Any, vocab_size: int | None = None) -> list[int]:
     """A list of token ids, each an integer in ``[0, vocab_size)`` (``[0, 2**63)`` if unknown)."""
     if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
-        _fail(f"{name} must be a list of token ids (integers), got {_type_name(ids)}")
+        _fail(f"{name} must be a list of token ids (integers), got {type_name(ids)}")
     out = list(ids)
     not_ints = [t for t in out if not is_int(t)]
     if not_ints:
         _fail(
-            f"{name} must hold integers, got {not_ints[0]!r} ({_type_name(not_ints[0])}); "
+            f"{name} must hold integers, got {not_ints[0]!r} ({type_name(not_ints[0])}); "
             "send token ids as JSON integers"
         )
     hi = INT64_MAX + 1 if vocab_size is None else vocab_size
@@ -194,95 +156,3 @@ def check_encoded_prompt(prompt: str, ids: Sequence[int], vocab_size: int | None
                 f"[0, {vocab_size}); the tokenizer does not match the model: load the model's "
                 "own tokenizer"
             )
-
-
-# ---------------------------------------------------------------- attrs validators and converters
-# One message style for every field: "<field> must be <what it accepts>, got <value>[; <hint>]",
-# the field's name first (the HTTP layer reads it as the OpenAI error's ``param``).
-
-
-def _got(value: Any) -> str:
-    return f"{_short(value)} (a bool)" if isinstance(value, bool | _numpy_bool()) else _short(value)
-
-
-def _bounds(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
-    if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}]"
-    if lo is not None:
-        return f"{'>' if lo_open else '>='} {_num(lo)}"
-    return f"<= {_num(hi)}"
-
-
-def _num(x: float) -> str:
-    if x == INT64_MAX:
-        return "2**63 - 1"
-    return f"{x:g}" if isinstance(x, float) else str(x)
-
-
-def must_be(name: str, what: str, value: Any, hint: str = "") -> InvalidRequestError:
-    """The one error message of a field's value: ``<name> must be <what>, got <value>; <hint>``."""
-    return InvalidRequestError(
-        f"{name} must be {what}, got {_got(value)}" + (f"; {hint}" if hint else "")
-    )
-
-
-def int_in(
-    lo: int | None = None,
-    hi: int | None | Callable[[Any], int | None] = INT64_MAX,
-    *,
-    hint: str = "",
-    off: Sequence[int] = (),
-    optional: bool = False,
-) -> Callable[[Any, Any, Any], None]:
-    """An attrs validator: an integer in ``[lo, hi]`` (``hi`` may read the instance), or one
-    of ``off`` (values that switch the field off), or None when ``optional``."""
-
-    def check(inst: Any, att: Any, value: Any) -> None:
-        if value is None and optional:
-            return
-        top = hi(inst) if callable(hi) else hi
-        if is_int(value) and (
-            value in off or ((lo is None or value >= lo) and (top is None or value <= top))
-        ):
-            return
-        what = f"an integer {_bounds(lo, top)}"
-        if off:
-            what = f"{' or '.join(map(str, off))} (off) or {what}"
-        if optional:
-            what = f"null or {what}"
-        raise must_be(att.name, what, value, hint)
-
-    return check
-
-
-def real_in(
-    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hint: str = ""
-) -> Callable[[Any, Any, Any], None]:
-    """An attrs validator: a finite number in the range (``lo_open``: ``lo`` excluded)."""
-
-    def check(_inst: Any, att: Any, value: Any) -> None:
-        ok = is_real(value)
-        if ok and lo is not None:
-            ok = value > lo if lo_open else value >= lo
-        if ok and hi is not None:
-            ok = value <= hi
-        if not ok:
-            raise must_be(att.name, f"a finite number {_bounds(lo, hi, lo_open)}", value, hint)
-
-    return check
-
-
-def boolean(_inst: Any, att: Any, value: Any) -> None:
-    """An attrs validator: True or False (not 1, not "true")."""
-    if not isinstance(value, bool):
-        raise must_be(att.name, "true or false", value)
-
-
-def as_int(value: Any) -> Any:
-    """A converter: an integer (numpy's too) as a Python int; anything else unchanged."""
-    return int(value) if is_int(value) else value
-
-
-def as_float(value: Any) -> Any:
-    """A converter: a finite real number (numpy's too) as a float; anything else unchanged."""
-    return float(value) if is_real(value) else value

@@ -11,7 +11,7 @@ first structured request: without it installed, that request gets an
 :class:`InvalidRequestError` that says ``pip install 'pitstop[structured]'``.
 
 - :class:`LLGuidanceBackend`, one per engine: turns a
-  :class:`~pitstop.requests.structured.StructuredOutputs` into a compiled
+  :class:`~pitstop.entrypoints.structured.StructuredOutputs` into a compiled
   matcher once per distinct constraint (an LRU cache; a request gets a deep
   copy), and fills one step's token bitmask for every constrained row.
 - :class:`LLGuidanceMatcher`, one per constrained sample: the matcher that
@@ -27,9 +27,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pitstop.entrypoints.structured import StructuredOutputs, structural_tag_of
 from pitstop.errors import InvalidRequestError
 from pitstop.plugin_system.hookspecs import hookimpl
-from pitstop.requests.structured import StructuredOutputs, structural_tag_of
 
 if TYPE_CHECKING:
     import torch

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from pitstop.entrypoints.sampling_params import processor_arity
 from pitstop.errors import InvalidRequestError
 from pitstop.requests.sampling_batch import SamplingBatch
-from pitstop.requests.sampling_params import processor_arity
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

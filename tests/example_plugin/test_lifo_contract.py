@@ -34,7 +34,7 @@ def test_the_built_in_schedulers_run_on_lifo_pages() -> None:
 
 
 def test_most_recently_freed_page_is_reused_first() -> None:
-    from pitstop.requests.sampling_params import SamplingParams
+    from pitstop.entrypoints.sampling_params import SamplingParams
     from pitstop.requests.sequence import Sequence
 
     alloc = LifoAllocator(num_pages=8, page_size=4)

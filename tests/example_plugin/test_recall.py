@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pitstop_example.recall import RecallProposer, RecallSettings
 
-from pitstop.requests.sampling_params import SamplingParams
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence
 
 

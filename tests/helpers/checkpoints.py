@@ -57,7 +57,7 @@ def assert_matches_transformers(
     identical, for prompts of several lengths run as one batch. ``settings``: more engine
     settings (``scheduler="chunked", chunk_size=16`` spreads the prompts over steps)."""
     from pitstop.entrypoints.llm import LLM
-    from pitstop.requests.sampling_params import SamplingParams
+    from pitstop.entrypoints.sampling_params import SamplingParams
 
     llm = LLM(str(model), device="cpu", kv_cache_gib=0.01, max_model_len=max_model_len, **settings)
     gen = torch.Generator().manual_seed(len(lengths))

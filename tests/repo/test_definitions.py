@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pitstop.bench.report import RequestRecord
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.requests.outputs import RequestMetrics, time_per_output_token
 from pitstop.requests.sampling import (
     SAMPLING_EPS,
@@ -14,7 +15,6 @@ from pitstop.requests.sampling import (
     make_generator,
     make_sampling_batch,
 )
-from pitstop.requests.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ PACKAGES = {
     "apps/verify": "pitstop.verify",
 }
 APPS = ("pitstop.bench", "pitstop.server", "pitstop.testing", "pitstop.verify")
-# None left: validate_request (which needs SamplingParams) lives in pitstop.requests.request_validation.
+# None left: validate_request (which needs SamplingParams) lives in pitstop.requests.validation, beside the checks it joins.
 KNOWN_CYCLES: list[list[str]] = []
 
 

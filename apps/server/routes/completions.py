@@ -9,8 +9,8 @@ import attrs
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.requests.outputs import RequestOutput
-from pitstop.requests.sampling_params import SamplingParams
 from pitstop.server.budget import ResponseBudget
 from pitstop.server.deps import (
     Authorized,

@@ -14,8 +14,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
+from pitstop.entrypoints.lora_request import LoRARequest
 from pitstop.errors import InvalidRequestError
-from pitstop.lora.request import LoRARequest
 from pitstop.server.deps import Authorized, State, json_body
 from pitstop.server.protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pitstop.server.state import AppState

@@ -1,7 +1,7 @@
 """``lora``: PEFT LoRA adapters served per request on the base weights, many in one batch.
 
 Selected by ``adapter="lora"`` (vLLM's ``enable_lora=True``). A request names its
-adapter with vLLM's :class:`~pitstop.lora.request.LoRARequest`; the adapter folder is read
+adapter with vLLM's :class:`~pitstop.entrypoints.lora_request.LoRARequest`; the adapter folder is read
 at ``add_request`` (:mod:`.peft_adapter`, which lists what is refused), held in a host
 cache, copied into one of ``max_loras`` device slots when a step needs it, and applied
 to each row of that adapter by the kernel ops (:mod:`.slots`).

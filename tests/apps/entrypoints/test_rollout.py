@@ -18,8 +18,8 @@ from pitstop.entrypoints.rollout.errors import (
     EngineSleepingError,
     WeightUpdateError,
 )
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.errors import ConfigError
-from pitstop.requests.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -12,7 +12,7 @@ import torch
 from helpers.rollout import smollm2_folder, smollm2_weights
 
 from pitstop.entrypoints.llm import LLM
-from pitstop.requests.sampling_params import SamplingParams
+from pitstop.entrypoints.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pitstop.entrypoints.llm import LLM
 from pitstop.entrypoints.rollout.errors import EngineSleepingError
-from pitstop.requests.sampling_params import SamplingParams
+from pitstop.entrypoints.sampling_params import SamplingParams
 
 PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 41]}, {"prompt_token_ids": [7, 7, 8]}]
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -75,8 +75,8 @@ def test_a_small_max_batch_size_lowers_the_prefill_default(llm: LLM) -> None:
 
 
 def test_the_setting_help_says_the_default_follows() -> None:
+    from pitstop.entrypoints.catalogue import describe
     from pitstop.plugin_system.plugin_manager import get_plugin_manager
-    from pitstop.plugin_system.settings import describe
 
     chunked = next(s for s in get_plugin_manager().strategies() if s.name == "chunked")
     row = next(r for r in describe(chunked.settings, "chunked") if r[1] == "max_prefill_batch")
@@ -259,3 +259,18 @@ def test_the_eos_text_is_left_out_unless_asked(llm: LLM, include: bool) -> None:
     eos_text = tokenizer.decode([TINY_EOS], skip_special_tokens=False)
     assert eos_text and c.text.endswith(eos_text) == include
     assert c.text == tokenizer.decode(c.token_ids[: None if include else -1], False)
+
+
+def test_the_public_sampling_params_is_the_engines_value_with_its_fields_and_defaults() -> None:
+    """pitstop.SamplingParams checks what it is given and is the engine's plain value: the
+    same fields, the same defaults, so a request built either way samples alike."""
+    import attrs
+
+    from pitstop.requests.sampling_params import SamplingParams as EngineSamplingParams
+
+    public = {a.name: a.default for a in attrs.fields(SamplingParams)}
+    engine = {a.name: a.default for a in attrs.fields(EngineSamplingParams)}
+    assert public == engine
+    params = SamplingParams(top_k=0, logit_bias={"7": 1})
+    assert isinstance(params, EngineSamplingParams)
+    assert (params.top_k, params.logit_bias) == (-1, ((7, 1.0),))

@@ -27,8 +27,8 @@ from helpers.models import make_tiny_checkpoint
 from test_server_errors import assert_client_error, assert_openai_error
 from test_server_safety import KEY_A, MODEL, Live
 
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.entrypoints.tool_calls import parse_tools
-from pitstop.requests.sampling_params import SamplingParams
 
 BUDGET = 64 << 10  # the response budget of ``live``
 IM_START, IM_END = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>

@@ -142,6 +142,6 @@ def test_sleep_wake_and_update_over_http(checkpoints) -> None:
 
 
 def _long():
-    from pitstop.requests.sampling_params import SamplingParams
+    from pitstop.entrypoints.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)

@@ -22,11 +22,11 @@ from helpers.models import make_tiny_checkpoint
 import pitstop
 from pitstop import EngineConfig
 from pitstop.entrypoints.llm import LLM
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.errors import PluginError
 from pitstop.loop import engine as engine_module
 from pitstop.plugin_system import settings
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
-from pitstop.requests.sampling_params import SamplingParams
 from pitstop.runner import model_runner
 from pitstop.runner.model_runner import ModelRunner
 

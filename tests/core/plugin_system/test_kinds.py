@@ -78,7 +78,7 @@ def test_the_table_names_every_register_hook() -> None:
         for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
         if hasattr(fn, "pitstop_spec") and name.startswith("register_")
     }
-    assert {kind.hook for kind in KINDS.values()} == hooks - {"register_commands"}
+    assert {kind.hook for kind in KINDS.values()} == hooks
     for kind in KINDS.values():
         assert protocol_members(kind.protocol), kind.name
 

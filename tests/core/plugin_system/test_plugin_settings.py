@@ -18,6 +18,7 @@ import pytest
 
 import pitstop
 from pitstop import EngineConfig
+from pitstop.entrypoints.catalogue import describe
 from pitstop.entrypoints.engine_args import (
     add_cli_flags,
     config_from_cli,
@@ -30,7 +31,6 @@ from pitstop.plugin_system.plugin_manager import PluginManager, Strategy
 from pitstop.plugin_system.settings import (
     allowed_values,
     declared_default,
-    describe,
     option_fields,
     read_settings,
     setting,

@@ -13,6 +13,7 @@ from helpers.plugin_install import pip_install
 
 from pitstop import EngineConfig
 from pitstop.entrypoints.cli import main as cli_main
+from pitstop.entrypoints.commands import commands
 from pitstop.errors import ModelLoadError, PluginError
 from pitstop.plugin_system import hookspecs
 from pitstop.plugin_system.plugin_manager import KINDS, PluginManager
@@ -247,9 +248,9 @@ def test_the_example_plugin_adds_a_subcommand(
     import pitstop.plugin_system.plugin_manager as pmod
 
     monkeypatch.setattr(pmod, "_default", None)
-    pm = pmod.get_plugin_manager()
-    assert pm.commands["lifo-demo"].distribution == "pitstop-example"
-    assert {"serve", "bench", "verify"} <= set(pm.commands)  # registered the same way
+    registered = commands(pmod.get_plugin_manager())
+    assert registered["lifo-demo"].distribution == "pitstop-example"
+    assert {"serve", "bench", "verify"} <= set(registered)  # registered the same way
     assert cli_main(["lifo-demo", "--page-size", "4", "--tokens", "5", "9", "3"]) == 0
     out = capsys.readouterr().out
     assert "s0: pages [0, 1]" in out and "s1: pages [2, 3, 4]" in out
@@ -276,7 +277,7 @@ def test_a_command_name_pitstop_has_is_refused() -> None:
 
     module.register_commands = register_commands  # type: ignore[attr-defined]
     with pytest.raises(PluginError, match="two plugins register the command 'serve'"):
-        PluginManager(extra_modules=[module])
+        commands(PluginManager(extra_modules=[module]))
 
 
 def test_a_third_party_architecture_loads_and_runs(

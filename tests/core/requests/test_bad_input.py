@@ -215,7 +215,7 @@ def test_values_that_used_to_fail_the_step_run(llm: LLM) -> None:
 
 
 def test_validate_request_checks_against_the_vocabulary() -> None:
-    from pitstop.requests.request_validation import validate_request
+    from pitstop.requests.validation import validate_request
 
     ok = SamplingParams(stop_token_ids=[3])
     validate_request("hi", ok, None, vocab_size=10)

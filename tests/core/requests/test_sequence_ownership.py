@@ -14,6 +14,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.plugin_system.protocols import (
     AllocatorBase,
     KernelSetBase,
@@ -21,7 +22,6 @@ from pitstop.plugin_system.protocols import (
     ProposerBase,
     SamplerBase,
 )
-from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import PENDING_TOKEN, Sequence, Timestamps
 
 ROOT = Path(__file__).resolve().parents[3]

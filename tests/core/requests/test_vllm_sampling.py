@@ -14,10 +14,10 @@ import torch
 from helpers.models import SMOLLM2_VOCAB, make_tiny_checkpoint
 
 from pitstop import LLM, SamplingParams
+from pitstop.entrypoints.sampling_params import VLLM_NEUTRAL, VLLM_ONLY
 from pitstop.errors import InvalidRequestError
 from pitstop.requests.bad_words import bad_word_token_ids, blocked_now
 from pitstop.requests.outputs import CallableBool
-from pitstop.requests.sampling_params import VLLM_NEUTRAL, VLLM_ONLY
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import Phase
 
 from pitstop import EngineConfig
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.errors import ConfigError
 from pitstop.plugin_system.protocols import Allocator
 from pitstop.plugins import PluginManager
@@ -15,7 +16,6 @@ from pitstop.plugins.allocators._common import AllocatorUsageError, OutOfPagesEr
 from pitstop.plugins.allocators.paged import PagedAllocator
 from pitstop.plugins.allocators.preallocated import PreallocatedAllocator
 from pitstop.plugins.allocators.prefix import PrefixCachingAllocator
-from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence
 from pitstop.testing import allocator_state_machine, check_allocator
 

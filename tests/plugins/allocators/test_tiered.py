@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
 from pitstop import EngineConfig
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.errors import ConfigError
 from pitstop.plugins import PluginManager
 from pitstop.plugins.allocators.tiered import TieredAllocator
 from pitstop.plugins.allocators.tiered.copier import PageCopier, PageCopy
-from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence
 from pitstop.testing import allocator_state_machine
 from pitstop.testing.allocator import AllocatorStateMachine

@@ -20,6 +20,7 @@ from helpers.models import make_tiny_checkpoint, smollm2_gguf
 
 from pitstop.config import EngineConfig
 from pitstop.entrypoints.llm import LLM
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.errors import ConfigError, WorkerDiedError
 from pitstop.ground.model_config import ModelConfig
 from pitstop.plugin_system.executor import ExecutorContext
@@ -28,7 +29,6 @@ from pitstop.plugins.executors.tensor_parallel.sharding import (
     check_tensor_parallel_size,
     shard_model_config,
 )
-from pitstop.requests.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 57))]

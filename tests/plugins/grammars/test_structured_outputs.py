@@ -137,7 +137,7 @@ SQL = r"SELECT col_[12]  from table_[12]  where col_[12] = [12] "
 
 
 def test_gbnf_grammar_of_the_vllm_docs(llm: LLM) -> None:
-    from pitstop.requests.structured import detect_grammar_syntax
+    from pitstop.entrypoints.structured import detect_grammar_syntax
 
     assert detect_grammar_syntax(VLLM_SQL_GBNF) == "gbnf"
     assert detect_grammar_syntax('start: "a" | b\nb: "c"') == "lark"

@@ -419,8 +419,8 @@ def _dummy_runner(kernels: str, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 
 def _greedy(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """Prefill every prompt in one step, then ``steps`` greedy decode steps of the whole batch."""
+    from pitstop.entrypoints.sampling_params import SamplingParams
     from pitstop.ground.step import SeqInput, StepInput
-    from pitstop.requests.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     tables = [list(range(i * 64, (i + 1) * 64)) for i in range(len(prompts))]

@@ -1257,8 +1257,8 @@ def _greedy_schedule(
     runner, prompts: list[list[int]], page_size: int, steps: int
 ) -> list[list[int]]:
     """Prefill (the last prompt in two chunks, its second chunk beside decodes), then greedy decodes."""
+    from pitstop.entrypoints.sampling_params import SamplingParams
     from pitstop.ground.step import SeqInput, StepInput
-    from pitstop.requests.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     pages_each = 128 // page_size

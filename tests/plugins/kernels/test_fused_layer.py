@@ -20,8 +20,8 @@ import pytest  # noqa: E402
 from helpers.checkpoints import TINY_VOCAB, hf_model, prefill_logits, relative_error  # noqa: E402
 
 from pitstop.entrypoints.llm import LLM  # noqa: E402
+from pitstop.entrypoints.sampling_params import SamplingParams  # noqa: E402
 from pitstop.plugins.kernels import reference  # noqa: E402
-from pitstop.requests.sampling_params import SamplingParams  # noqa: E402
 
 LAYER = {"fused.layer": True}
 

@@ -17,6 +17,7 @@ from helpers.checkpoints import TINY_VOCAB, assert_matches_transformers, edit_co
 from helpers.models import make_tiny_checkpoint
 
 from pitstop.entrypoints.llm import LLM
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.errors import ConfigError, ModelLoadError
 from pitstop.loading.weights import load_model_source
 from pitstop.plugins.models.llama_config import HF_FIELDS_READ, HF_FIELDS_WITHOUT_EFFECT
@@ -27,7 +28,6 @@ from pitstop.plugins.models.moe_config import (
     moe_config_from_hf,
 )
 from pitstop.plugins.models.moe_presets import PRESETS
-from pitstop.requests.sampling_params import SamplingParams
 
 # prompts of 1 and 40 tokens, computed 16 tokens a step: the longer spans three steps, the
 # shorter decodes beside its chunks

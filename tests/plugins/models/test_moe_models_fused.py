@@ -19,7 +19,7 @@ from helpers.checkpoints import TINY_VOCAB, assert_matches_transformers, hf_mode
 from helpers.models import make_tiny_checkpoint  # noqa: E402
 
 from pitstop.entrypoints.llm import LLM  # noqa: E402
-from pitstop.requests.sampling_params import SamplingParams  # noqa: E402
+from pitstop.entrypoints.sampling_params import SamplingParams  # noqa: E402
 
 pytest.importorskip("triton")
 

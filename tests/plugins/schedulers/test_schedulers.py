@@ -11,6 +11,7 @@ from hypothesis import Phase
 
 from pitstop import EngineConfig
 from pitstop.entrypoints.engine_args import engine_config
+from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
 from pitstop.plugin_system.protocols import Scheduler, StepPlan
 from pitstop.plugins.allocators.paged import PagedAllocator, create_paged
@@ -20,7 +21,6 @@ from pitstop.plugins.schedulers.base import SchedulerError
 from pitstop.plugins.schedulers.chunked import ChunkedScheduler
 from pitstop.plugins.schedulers.continuous import ContinuousScheduler
 from pitstop.plugins.schedulers.fcfs import FCFSScheduler
-from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence, SequenceStatus
 from pitstop.testing.scheduler import (
     ContractViolation,

@@ -1,6 +1,6 @@
 """Structured outputs: constrain generated text to a JSON schema, a regex, a choice or a grammar.
 
-This module is the request side: :class:`StructuredOutputs` (in
+This module is the request side: :class:`StructuredOutputs` (in vLLM's
 ``SamplingParams``) and its checks, made where a request enters: exactly one
 of ``json`` (a schema, as a dict or JSON text), ``json_object`` (any JSON
 object), ``regex``, ``choice`` (one of a list of strings), ``grammar`` (Lark,
