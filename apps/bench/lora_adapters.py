@@ -65,6 +65,6 @@ def write_random_adapters(
 
 def lora_requests(paths: list[Path]) -> list[Any]:
     """One vLLM-style ``LoRARequest`` per adapter folder (ids from 1)."""
-    from pitstop.lora.request import LoRARequest
+    from pitstop.entrypoints.lora_request import LoRARequest
 
     return [LoRARequest(f"bench-{k}", k + 1, str(p)) for k, p in enumerate(paths)]
