@@ -170,10 +170,10 @@ class FusedSettings:
     cudnn_prefill: int = setting(
         2048,
         type=int,
-        help="a step whose prefill sequences all have at least this many tokens attends them "
-        "with cuDNN's attention (torch SDPA; bf16/fp16 caches, outside CUDA graphs) instead of "
-        "the Triton prefill kernel: on the H200 516-606 against 386-437 TFLOP/s for long "
-        "prompts; 0: never",
+        help="a step whose prefill sequences all have at least this many tokens (a chunk over "
+        "cached tokens in a context of 4x this many) attends them with cuDNN's attention (torch "
+        "SDPA; bf16/fp16 caches, outside CUDA graphs) instead of the Triton prefill kernel: on "
+        "the H200 1.2-1.35x its rate for long prompts and chunks; 0: never",
     )
     moe: bool = setting(
         True,
