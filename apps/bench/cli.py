@@ -367,8 +367,8 @@ def _pitstop_column(
 
     col: dict[str, Any] = {"name": name, "backend": "pitstop", "settings": overrides}
     try:
-        settings = dict(settings)
-        adapters = int(settings.pop("lora_adapters", getattr(run.args, "lora_adapters", 0) or 0))
+        adapters = int(settings.get("lora_adapters", getattr(run.args, "lora_adapters", 0) or 0))
+        settings = matrices.engine_settings(settings)
         if adapters < 0:
             raise BenchError(f"lora_adapters must be >= 0, got {adapters}")
         if adapters:

@@ -104,6 +104,16 @@ def _from_toml(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+# keys of a matrix configuration that the bench reads itself, not engine settings
+# (``lora_adapters``: how many random adapters the requests run with, as --lora-adapters)
+BENCH_KEYS = ("lora_adapters",)
+
+
+def engine_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A configuration's settings without the bench's own keys (:data:`BENCH_KEYS`)."""
+    return {k: v for k, v in settings.items() if k not in BENCH_KEYS}
+
+
 def describe(settings: dict[str, Any]) -> str:
     """A short label of the strategies a configuration picks."""
     keys = ("allocator", "scheduler", "kernels", "speculative")

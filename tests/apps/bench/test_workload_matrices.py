@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pitstop.bench.matrix import parse_matrix
+from pitstop.bench.matrix import engine_settings, parse_matrix
 from pitstop.entrypoints.engine_args import config_from_dict
 from pitstop.plugin_system.plugin_manager import get_plugin_manager
 
@@ -35,6 +35,6 @@ def test_every_configuration_resolves(path: Path) -> None:
         if strategy not in manager.names(kind):
             pytest.skip(f"{path.name} needs pitstop-example's {kind} {strategy!r} (not installed)")
     for name, settings in parse_matrix(str(path)):
-        config = config_from_dict(settings)
+        config = config_from_dict(engine_settings(settings))
         manager.resolve(config)
         assert name
