@@ -300,5 +300,15 @@ for _ in range(2):
         --json "$OUT/prefill-suite.json" >"$OUT/prefill-suite.log" 2>&1; echo "   exit $?"; grep -E "^prefill|peer: torch SDPA CUDNN_ATTENTION gqa|OFF" "$OUT/prefill-suite.log"
       run longctx-cudnn offline --workload single --model dummy:qwen3-8b --input-len 32000 --output-len 16 \
         --max-model-len 32768 --repeats ${LONGCTX_REPEATS:-3} --matrix benchmarks/workloads/cudnn-prefill.toml ;;
+    # 2026-12-05, left for the next call: torch_memory_saver's exit (issue 49: both must print
+    # "exit 0"; carry its wheel in .whl/ and the GGUF), the cuDNN chunk rule end to end on the
+    # 32k prompt (issue 44), and multiturn whole with repeats (issue 50)
+    rollout-exit) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}
+      python3 -c "import torch_memory_saver" 2>/dev/null || echo "== rollout-exit: torch_memory_saver is not installed (carry its wheel in .whl/)"
+      SMOLLM_GGUF=$gguf timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/apps/entrypoints/test_rollout_gpu.py 2>&1 | tail -3
+      echo "   pytest exit ${PIPESTATUS[0]}"
+      timeout 200 python3 benchmarks/rl_bench.py --repeats 3 --out "$OUT/rl-tms.json" >"$OUT/rl-tms.log" 2>&1; echo "   rl_bench exit $?"
+      grep -E "memory_backend|median_s|freed" "$OUT/rl-tms.log" | head -8 ;;
+    multiturn) run multiturn online --workload multiturn --matrix +prefix,+tiered --kv-offloading-size 64 --repeats ${MT_REPEATS:-3} ;;
   esac
 done
