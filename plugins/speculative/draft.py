@@ -49,12 +49,8 @@ from pitstop.ground.step import SeqInput
 from pitstop.loading.weights import load_model_source
 from pitstop.plugin_system.protocols import Proposal
 from pitstop.plugin_system.settings import setting
-from pitstop.requests.sampling import (
-    exponential_race,
-    is_greedy,
-    make_generator,
-    make_sampling_batch,
-)
+from pitstop.plugins.samplers.draws import exponential_race
+from pitstop.requests.sampling import is_greedy, make_generator, make_sampling_batch
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import PENDING_TOKEN
 from pitstop.runner.model_runner import ModelRunner
