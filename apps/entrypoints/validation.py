@@ -6,14 +6,15 @@ A value that passes them cannot make the shared engine step fail: integers fit a
 tensor, floats are finite, and ``True`` is not the number 1. Each check raises
 :class:`~pitstop.errors.InvalidRequestError` with a message that starts with the name of the
 field (the HTTP layer reads it as the ``param``) and says what to send instead. The checks
-that need the vocabulary are the engine's (:mod:`pitstop.requests.validation`).
+that need the vocabulary are the engine's (:mod:`pitstop.requests.validation`);
+:func:`refuse_unknown_keys` is the one the chat messages and tools share.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 from pitstop.errors import InvalidRequestError
@@ -41,6 +42,16 @@ def shown(value: Any, limit: int = 24) -> str:
         return f"{value[:limit]!r}... ({len(value):,} characters)"
     text = str(value) if is_int(value) else repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def refuse_unknown_keys(obj: Mapping[str, Any], known: Set[str], where: str, hint: str) -> None:
+    """Refuse ``obj`` when it has a key outside ``known``, naming the first (sorted) one.
+
+    The message reads ``{where} has the unknown key 'k'; {hint}``.
+    """
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        _fail(f"{where} has the unknown key {unknown[0]!r}; {hint}")
 
 
 def is_real(value: Any) -> bool:
