@@ -305,14 +305,14 @@ class DraftProposer:
         if batch.all_greedy:  # greedy drafts need no distribution (the verifier takes point masses)
             tokens = logits.argmax(dim=-1)
             runner.last_sampled[: len(inputs)].copy_(tokens)
-            runner._last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
+            runner.sampling.last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
             return tokens, [None] * len(inputs)
         q = runner.sampler.probabilities(logits, batch)
         tokens = exponential_race(q, gens, self._shared)
         greedy = batch.temperature == 0.0  # on the device already: no copy, no wait
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         runner.last_sampled[: len(inputs)].copy_(tokens)
-        runner._last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
+        runner.sampling.last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
         return tokens, list(q.unbind(0))
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
