@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping, Set
-from typing import Any, NoReturn
+from collections.abc import Iterable
+from typing import NoReturn
 
 
 class PitstopError(Exception):
@@ -38,16 +38,6 @@ class WorkerDiedError(PitstopError, RuntimeError):
 def fail_request(message: str) -> NoReturn:
     """Raise :class:`InvalidRequestError` with ``message`` (request checks end here)."""
     raise InvalidRequestError(message)
-
-
-def refuse_unknown_keys(obj: Mapping[str, Any], known: Set[str], where: str, hint: str) -> None:
-    """Refuse ``obj`` when it has a key outside ``known``, naming the first (sorted) one.
-
-    The message reads ``{where} has the unknown key 'k'; {hint}``.
-    """
-    unknown = sorted(set(obj) - known)
-    if unknown:
-        fail_request(f"{where} has the unknown key {unknown[0]!r}; {hint}")
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:

@@ -24,8 +24,8 @@ from pitstop.entrypoints.chat_template import (
     render_chat_template,
     unmark,
 )
+from pitstop.entrypoints.validation import refuse_unknown_keys
 from pitstop.errors import fail_request as _fail
-from pitstop.errors import refuse_unknown_keys
 
 if TYPE_CHECKING:
     from pitstop.loading.tokenizer import Tokenizer

@@ -28,8 +28,8 @@ from typing import Any
 import attrs
 
 from pitstop.entrypoints.json_schema import check_schema
+from pitstop.entrypoints.validation import refuse_unknown_keys
 from pitstop.errors import fail_request as _fail
-from pitstop.errors import refuse_unknown_keys
 
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 

@@ -6,31 +6,52 @@ A value that passes them cannot make the shared engine step fail: integers fit a
 tensor, floats are finite, and ``True`` is not the number 1. Each check raises
 :class:`~pitstop.errors.InvalidRequestError` with a message that starts with the name of the
 field (the HTTP layer reads it as the ``param``) and says what to send instead. The checks
-that need the vocabulary are the engine's (:mod:`pitstop.requests.validation`).
+that need the vocabulary are the engine's (:mod:`pitstop.requests.validation`);
+:func:`refuse_unknown_keys` is the one the chat messages and tools share.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 from pitstop.errors import InvalidRequestError
 from pitstop.errors import fail_request as _fail
 from pitstop.requests.validation import (
     INT64_MAX,
-    INT64_MIN,
     SEED_MODULUS,
     is_int,
     numpy_bool,
-    shown,
     type_name,
 )
+
+INT64_MIN = -(2**63)
 
 # A token id key of logit_bias: ASCII decimal digits only (str.isdigit() alone also takes
 # "²", "①", "٣" and "𝟓", and int() strips spaces), at most 19 of them (int64).
 _TOKEN_ID_KEY_DIGITS = 19
+
+
+def shown(value: Any, limit: int = 24) -> str:
+    """``repr(value)`` cut to ``limit`` characters, with its full length (a 5,000-digit key)."""
+    if is_int(value) and int(value).bit_length() > 4 * limit:  # str() of it may even raise
+        return f"an integer of about {int(int(value).bit_length() * math.log10(2)) + 1:,} digits"
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value):,} characters)"
+    text = str(value) if is_int(value) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def refuse_unknown_keys(obj: Mapping[str, Any], known: Set[str], where: str, hint: str) -> None:
+    """Refuse ``obj`` when it has a key outside ``known``, naming the first (sorted) one.
+
+    The message reads ``{where} has the unknown key 'k'; {hint}``.
+    """
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        _fail(f"{where} has the unknown key {unknown[0]!r}; {hint}")
 
 
 def is_real(value: Any) -> bool:

@@ -130,17 +130,3 @@ def offer_blocks(items: Iterable[WeightItem], fmt: Any) -> Iterator[WeightItem]:
         if not isinstance(item, torch.Tensor) and not fmt.takes_blocks(name, item):
             item = item.dequantize()
         yield name, item
-
-
-# ---------------------------------------------------------------------- reading
-def read_exactly(f: Any, view: memoryview, e: Any) -> None:
-    """Fill ``view`` from ``f``'s position on; a file that ends first is a truncated ``e``
-    (a tensor's entry in its file: its ``file`` and ``name``, such as a safetensors one)."""
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise ModelLoadError(
-                f"weights file {e.file} ended inside tensor {e.name!r}; the file is truncated"
-            )
-        done += n

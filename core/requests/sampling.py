@@ -31,29 +31,6 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.greedy
 
 
-def exponential_race(
-    probs: torch.Tensor,
-    generators: Sequence[torch.Generator | None],
-    shared: torch.Generator | None,
-) -> torch.Tensor:
-    """One token per row of ``probs`` ``[B, V]``: ``argmax(probs / q)``, ``q ~ Exp(1)``.
-
-    That is an exact draw from each row's distribution (the exponential race,
-    or Gumbel-max in another form) with no host sync. Row ``i`` draws from
-    ``generators[i]`` when it has one, else from ``shared`` (None: torch's
-    default generator), which is not advanced when every row has its own.
-    """
-    seeded = [i for i, g in enumerate(generators) if g is not None]
-    q = torch.empty_like(probs)
-    if len(seeded) < probs.shape[0]:
-        q.exponential_(generator=shared)
-    for i in seeded:  # each seeded row advances only its own generator
-        q[i].exponential_(generator=generators[i])
-    # Exp(1) can round to 0; keep q positive so excluded tokens stay at 0/q = 0.
-    q.clamp_(min=torch.finfo(torch.float32).tiny)
-    return (probs / q).argmax(dim=-1)
-
-
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A generator on ``device`` seeded with ``seed``: one per seeded request, kept across steps."""
     device = torch.device(device)

@@ -13,7 +13,6 @@ messages are checked by the entry points too
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -21,7 +20,6 @@ from typing import Any
 from pitstop.errors import fail_request as _fail
 from pitstop.requests.sampling_params import SamplingParams
 
-INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 # torch seeds a generator with 64 bits; a seed (an int64, as vLLM takes it) is
 # reduced modulo this (torch itself treats a negative seed that way).
@@ -88,16 +86,6 @@ def numpy_bool() -> type:
 def type_name(value: Any) -> str:
     """The type of ``value`` as an error message names it (``a bool``, ``float``)."""
     return "a bool" if isinstance(value, bool) else type(value).__name__
-
-
-def shown(value: Any, limit: int = 24) -> str:
-    """``repr(value)`` cut to ``limit`` characters, with its full length (a 5,000-digit key)."""
-    if is_int(value) and int(value).bit_length() > 4 * limit:  # str() of it may even raise
-        return f"an integer of about {int(int(value).bit_length() * math.log10(2)) + 1:,} digits"
-    if isinstance(value, str) and len(value) > limit:
-        return f"{value[:limit]!r}... ({len(value):,} characters)"
-    text = str(value) if is_int(value) else repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def check_text(name: str, value: Any) -> str:

@@ -26,7 +26,6 @@ import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -62,9 +61,6 @@ from pitstop.runner.memory_plan import (  # noqa: F401  (resolve_device, resolve
 from pitstop.runner.peers import Alone, RankParallel, StepPeers
 from pitstop.runner.piecewise import PiecewiseGraphs, mixed_step_tokens
 from pitstop.runner.sampling import StepSampling
-
-if TYPE_CHECKING:
-    from pitstop.plugin_system.protocols import SamplingBatch
 
 log = logging.getLogger(__name__)
 
@@ -213,20 +209,6 @@ class ModelRunner:
     def last_sampled(self) -> torch.Tensor:
         """The last launched step's sampled ids, on the device (read by the next step)."""
         return self.sampling.last_sampled
-
-    @property
-    def _last_rows(self) -> dict[int, int]:
-        """Seq id -> its row in :attr:`last_sampled` (a draft proposer's runner sets it too)."""
-        return self.sampling.last_rows
-
-    @_last_rows.setter
-    def _last_rows(self, rows: dict[int, int]) -> None:
-        self.sampling.last_rows = rows
-
-    @property
-    def _batch_cache(self) -> tuple[tuple[int, ...], SamplingBatch] | None:
-        """The last step's sampling rows (seq ids) and their batch."""
-        return self.sampling.batch_cache
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights) -> None:
@@ -455,7 +437,7 @@ class ModelRunner:
         if wants_prompt:
             prompt = prompt_logprobs(seqs, hidden, starts, self.model.compute_logits)
         if not rows:
-            self._last_rows = {}
+            self.sampling.last_rows = {}
             return LaunchedStep(seqs, ready=StepOutput([NO_TOKENS] * len(seqs)), prompt=prompt)
         logits = self.model.compute_logits(self.select_rows(hidden, rows))
         # before sampling: logits processors may write into the rows

@@ -34,8 +34,9 @@ import torch
 
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.protocols import SamplerOutput, SamplingBatch
+from pitstop.plugins.samplers.draws import exponential_race
 from pitstop.plugins.samplers.processors import apply_logits_processors, uses_logits_processors
-from pitstop.requests.sampling import exponential_race, make_generator
+from pitstop.requests.sampling import make_generator
 
 
 class StandardSampler:

@@ -49,12 +49,8 @@ from pitstop.ground.step import SeqInput
 from pitstop.loading.weights import load_model_source
 from pitstop.plugin_system.protocols import Proposal
 from pitstop.plugin_system.settings import setting
-from pitstop.requests.sampling import (
-    exponential_race,
-    is_greedy,
-    make_generator,
-    make_sampling_batch,
-)
+from pitstop.plugins.samplers.draws import exponential_race
+from pitstop.requests.sampling import is_greedy, make_generator, make_sampling_batch
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import PENDING_TOKEN
 from pitstop.runner.model_runner import ModelRunner
@@ -309,14 +305,14 @@ class DraftProposer:
         if batch.all_greedy:  # greedy drafts need no distribution (the verifier takes point masses)
             tokens = logits.argmax(dim=-1)
             runner.last_sampled[: len(inputs)].copy_(tokens)
-            runner._last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
+            runner.sampling.last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
             return tokens, [None] * len(inputs)
         q = runner.sampler.probabilities(logits, batch)
         tokens = exponential_race(q, gens, self._shared)
         greedy = batch.temperature == 0.0  # on the device already: no copy, no wait
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         runner.last_sampled[: len(inputs)].copy_(tokens)
-        runner._last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
+        runner.sampling.last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
         return tokens, list(q.unbind(0))
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

@@ -34,12 +34,8 @@ import torch
 
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.verifier import DeviceVerified, Verified
-from pitstop.requests.sampling import (
-    exponential_race,
-    is_greedy,
-    make_generator,
-    make_sampling_batch,
-)
+from pitstop.plugins.samplers.draws import exponential_race
+from pitstop.requests.sampling import is_greedy, make_generator, make_sampling_batch
 from pitstop.requests.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -7,10 +7,10 @@ import torch
 
 from pitstop.bench.report import RequestRecord
 from pitstop.entrypoints.sampling_params import SamplingParams
+from pitstop.plugins.samplers.draws import exponential_race
 from pitstop.requests.outputs import RequestMetrics, time_per_output_token
 from pitstop.requests.sampling import (
     SAMPLING_EPS,
-    exponential_race,
     is_greedy,
     make_generator,
     make_sampling_batch,

@@ -190,7 +190,7 @@ class WeightShard:
             inner = math.prod(shape[region.dim + 1 :]) * itemsize
             outer = math.prod(shape[: region.dim])
             stride = (shape[region.dim] if shape else 1) * inner
-            from pitstop.loading.checkpoint import read_exactly
+            from pitstop.plugins.model_sources.huggingface.safetensors import read_exactly
 
             view = memoryview(out.view(-1).view(torch.uint8).numpy())
             chunk = count * inner

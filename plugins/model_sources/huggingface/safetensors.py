@@ -18,7 +18,6 @@ import attrs
 import torch
 
 from pitstop.errors import ModelLoadError
-from pitstop.loading.checkpoint import read_exactly
 
 # dtypes pitstop reads; anything else (int8, fp8, ...) belongs to a quantized checkpoint
 SAFETENSORS_DTYPES = {
@@ -147,6 +146,19 @@ def iter_safetensors(
                 _read_into(f, e, tensor)
                 yield e.name, tensor
                 del tensor  # the next tensor is allocated only once the caller dropped this one
+
+
+def read_exactly(f: Any, view: memoryview, e: Any) -> None:
+    """Fill ``view`` from ``f``'s position on; a file that ends first is a truncated ``e``
+    (a tensor's entry in its file: its ``file`` and ``name``, such as a safetensors one)."""
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise ModelLoadError(
+                f"weights file {e.file} ended inside tensor {e.name!r}; the file is truncated"
+            )
+        done += n
 
 
 def _read_into(f: Any, e: SafetensorsEntry, tensor: torch.Tensor) -> None:

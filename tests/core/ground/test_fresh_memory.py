@@ -74,8 +74,10 @@ def test_a_synthetic_step_leaves_no_per_sequence_state(tiny) -> None:
     runner = llm.engine.runner
     before = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=GREEDY6)[0].token_ids
     runner.run_synthetic_step(2, 32, 2)
-    assert runner._batch_cache is None or all(i >= 0 for i in runner._batch_cache[0])
-    assert all(i >= 0 for i in runner._last_rows)
+    assert runner.sampling.batch_cache is None or all(
+        i >= 0 for i in runner.sampling.batch_cache[0]
+    )
+    assert all(i >= 0 for i in runner.sampling.last_rows)
     after = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=GREEDY6)[0].token_ids
     assert after == before
 
