@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pitstop.ground.attention import AttentionMetadata
 
@@ -121,8 +122,6 @@ def _attend_chunk(
 ) -> None:
     """Causal attention of ``q [1, Hq, n, D]`` at positions ``prefix..prefix+n-1`` over
     ``k``/``v`` ``[1, Hkv, prefix+n, D]``, written into ``out [n, Hq, D]``."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     group = q.shape[1] // k.shape[1]
     if prefix == 0:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

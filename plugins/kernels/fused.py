@@ -261,7 +261,9 @@ class FusedKernels(reference.DispatchKernels):
         # The model hands Qwen3's q/k norm weights to rope_and_store (one kernel) only while the
         # Triton kernel runs it; with the reference rotary it calls rms_norm (maybe Triton) first.
         self.fuses_qk_norm = use["rope_and_store"] and settings.qk_norm
+        cudnn_off = self._long_prefill_off(settings.cudnn_prefill, use["attention"])
         if use["attention"]:
+            from pitstop.plugins.kernels.cudnn_prefill import CudnnPrefill
             from pitstop.plugins.kernels.triton_ops import paged_attention
 
             self._attn = paged_attention.PagedAttention(
@@ -272,14 +274,14 @@ class FusedKernels(reference.DispatchKernels):
                 fp8_widen=self.fp8_widen,
                 decode_merge=self.decode_merge,
                 decode_tile_rule=self.decode_tile_rule,
-                long_prefill=self._long_prefill(settings.cudnn_prefill),
+                long_prefill=None if cudnn_off else CudnnPrefill(settings.cudnn_prefill),
             )
             self._status["attention"] = "triton"
         self._status["long_prefill"] = (
-            f"cuDNN (torch SDPA) for steps whose prefills all have >= {settings.cudnn_prefill} "
-            "tokens"
-            if use["attention"] and self._attn.long_prefill is not None
-            else f"unused ({self._long_prefill_off(settings.cudnn_prefill, use['attention'])})"
+            f"unused ({cudnn_off})"
+            if cudnn_off
+            else f"cuDNN (torch SDPA) for steps whose prefills all have >= "
+            f"{settings.cudnn_prefill} tokens"
         )
         if use["moe"]:
             self._moe = _triton_moe
@@ -299,15 +301,6 @@ class FusedKernels(reference.DispatchKernels):
         if self.config.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
             return f"KV cache {self.config.kv_cache_dtype} (bf16/fp16 only)"
         return None
-
-    def _long_prefill(self, min_tokens: int) -> Any:
-        """A :class:`~pitstop.plugins.kernels.cudnn_prefill.CudnnPrefill`, or None where it
-        cannot run (:meth:`_long_prefill_off`)."""
-        if self._long_prefill_off(min_tokens, True) is not None:
-            return None
-        from pitstop.plugins.kernels.cudnn_prefill import CudnnPrefill
-
-        return CudnnPrefill(min_tokens)
 
     # ------------------------------------------------------------------ fused layer
     def _resolve_layer(self, settings: FusedSettings, triton_reason: str | None) -> None:

@@ -74,6 +74,21 @@ def _meta(
     return meta, num_pages
 
 
+def _random_qkv(
+    tokens: int, heads: tuple[int, int], num_pages: int, dtype: torch.dtype, seed: int,
+    page_size: int = 16, head_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """q ``[tokens, Hq, D]`` and paged K/V ``[num_pages, page_size, Hkv, D]``, drawn in that
+    order from one seeded CUDA generator."""
+    hq, hkv = heads
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(tokens, hq, head_size, device="cuda", dtype=dtype, generator=gen)
+    shape = (num_pages, page_size, hkv, head_size)
+    k_cache = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    v_cache = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    return q, k_cache, v_cache
+
+
 BATCHES = {
     "decode-1x4096": ([1], [4096]),
     "decode-64x2048": ([1] * 64, [2048] * 64),
@@ -92,13 +107,9 @@ def test_attention_full_size(batch: str, heads: tuple[int, int], dtype: torch.dt
     """Decode, prefill and mixed batches at full size against the reference."""
     if dtype == torch.float32 and heads != (32, 8):
         pytest.skip("fp32 once is enough")
-    hq, hkv = heads
     qlens, ctxs = BATCHES[batch]
     meta, num_pages = _meta(qlens, ctxs, 16, seed=0)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(sum(qlens), hq, 128, device="cuda", dtype=dtype, generator=gen)
-    k_cache = torch.randn(num_pages, 16, hkv, 128, device="cuda", dtype=dtype, generator=gen)
-    v_cache = torch.randn(num_pages, 16, hkv, 128, device="cuda", dtype=dtype, generator=gen)
+    q, k_cache, v_cache = _random_qkv(sum(qlens), heads, num_pages, dtype, seed=0)
     out = _fused(dtype).attention(q, k_cache, v_cache, meta, 128**-0.5)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
     _assert_close(out, expected, dtype, batch)
@@ -117,11 +128,9 @@ def test_attention_gqa_page_sizes(page_size: int, heads: tuple[int, int], head_s
     hq, hkv = heads
     qlens, ctxs = MIXED
     meta, num_pages = _meta(qlens, ctxs, page_size, seed=page_size + hq)
-    gen = torch.Generator(device="cuda").manual_seed(hkv)
-    shape = (num_pages, page_size, hkv, head_size)
-    q = torch.randn(sum(qlens), hq, head_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k_cache, v_cache = _random_qkv(
+        sum(qlens), heads, num_pages, torch.bfloat16, hkv, page_size, head_size
+    )
     out = _fused(torch.bfloat16).attention(q, k_cache, v_cache, meta, head_size**-0.5)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, head_size**-0.5)
     _assert_close(out, expected, torch.bfloat16, f"page {page_size} heads {heads} d {head_size}")
@@ -134,10 +143,7 @@ def test_long_prefill_and_chunk(case: str) -> None:
         case
     ]
     meta, num_pages = _meta(qlens, ctxs, 16, seed=3)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    q = torch.randn(qlens[0], 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k_cache = torch.randn(num_pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v_cache = torch.randn(num_pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k_cache, v_cache = _random_qkv(qlens[0], (32, 8), num_pages, torch.bfloat16, seed=3)
     ks = fused_set(EngineConfig(max_model_len=16384), torch.device("cuda"), torch.bfloat16)
     out = ks.attention(q, k_cache, v_cache, meta, 128**-0.5)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
@@ -165,13 +171,9 @@ CUDNN_BATCHES = {
 def test_cudnn_long_prefill(batch: str, heads: tuple[int, int], dtype: torch.dtype) -> None:
     """Long prefills through cuDNN match the reference as closely as the Triton kernel does,
     and cuDNN really ran (it was not switched off by an error) where the step qualifies."""
-    hq, hkv = heads
     qlens, ctxs = CUDNN_BATCHES[batch]
     meta, num_pages = _meta(qlens, ctxs, 16, seed=7)
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    q = torch.randn(sum(qlens), hq, 128, device="cuda", dtype=dtype, generator=gen)
-    k_cache = torch.randn(num_pages, 16, hkv, 128, device="cuda", dtype=dtype, generator=gen)
-    v_cache = torch.randn(num_pages, 16, hkv, 128, device="cuda", dtype=dtype, generator=gen)
+    q, k_cache, v_cache = _random_qkv(sum(qlens), heads, num_pages, dtype, seed=7)
     ks = fused_set(
         EngineConfig(max_model_len=16384, options={"fused.cudnn_prefill": 1024}),
         torch.device("cuda"),
