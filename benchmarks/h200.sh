@@ -167,13 +167,14 @@ for _ in range(2):
     # loguru for vLLM's fp8 quantization; benchmarks/vllm_download.sh lists both now).
     # VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec (docs/benchmarks.md).
     # issue 29: kernel by kernel, one step of each engine on the same requests (benchmarks/kernel_profile.py);
+    # PROFILE_ARGS: more flags for every row (e.g. "--lora-adapters 1", with PEER_OFF=1)
     # PROFILE_ROWS "nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b"
-    profile) PEER=""; bash benchmarks/vllm_setup.sh .vv >/dev/null 2>&1 && PEER="--peer vllm" \
+    profile) PEER=""; [ "${PEER_OFF:-0}" = 1 ] || bash benchmarks/vllm_setup.sh .vv >/dev/null 2>&1 && PEER="--peer vllm" \
         && export PITSTOP_VLLM_PYTHONPATH=${PITSTOP_VLLM_PYTHONPATH:-/tmp/vsite} VLLM_USE_FLASHINFER_SAMPLER=0
       [ -d /tmp/vhttp ] && export PYTHONPATH=/tmp/vhttp${PYTHONPATH:+:$PYTHONPATH}
       for row in ${PROFILE_ROWS:-nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b}; do
         sc=${row%%:*}; model=${row#*:}; echo "== profile $sc on $model ${PEER:-(no vLLM: pitstop alone)}"
-        timeout ${PROFILE_TIMEOUT:-300} python3 benchmarks/kernel_profile.py --scenario $sc --model $model $PEER \
+        timeout ${PROFILE_TIMEOUT:-300} python3 benchmarks/kernel_profile.py --scenario $sc --model $model $PEER ${PROFILE_ARGS:-} \
           --trace-dir /tmp/kp-$sc --json "$OUT/profile-$sc.json" >"$OUT/profile-$sc.txt" 2>"$OUT/profile-$sc.log"
         echo "   exit $?"; head -${PROFILE_LINES:-40} "$OUT/profile-$sc.txt"; done ;;
     vllm) if bash benchmarks/vllm_setup.sh .vv; then

@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a pitstop plugin setting (e.g. fused.layer=true); repeat for more",
     )
+    parser.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pitstop's requests take N random rank-16 LoRA adapters in turn (no peer then)",
+    )
     parser.add_argument("--trace-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -80,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
         engine_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
         peer_extra["kv_cache_dtype"] = vllm_kv_cache_dtype(args.kv_cache_dtype)  # fp8 or auto
-    pitstop_kernels, mc = profile_pitstop(args.model, scenario, trace_dir, **engine_kwargs)
+    if args.lora_adapters and args.peer:
+        parser.error("--lora-adapters profiles pitstop alone: drop --peer")
+    pitstop_kernels, mc = profile_pitstop(
+        args.model, scenario, trace_dir, lora_adapters=args.lora_adapters, **engine_kwargs
+    )
     engines = {"pitstop": pitstop_kernels}
     status, version = 0, None
     if args.peer == "vllm":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import tempfile
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -277,32 +278,48 @@ def profiled_runs(
 
 
 def profile_pitstop(
-    model: str, scenario: Scenario, trace_dir: Path, **engine_kwargs: Any
+    model: str, scenario: Scenario, trace_dir: Path, lora_adapters: int = 0, **engine_kwargs: Any
 ) -> tuple[dict[str, tuple[float, float]], ModelConfig]:
     """pitstop's kernels per step of ``scenario`` (a warm-up run first, outside the profile),
-    and the model's shape (which the vLLM side and the ceilings need)."""
+    and the model's shape (which the vLLM side and the ceilings need). ``lora_adapters``: the
+    requests take N random rank-16 adapters on every projection in turn (none: the base model)."""
     engine_kwargs.setdefault("max_model_len", scenario.prompt_len + scenario.decode_steps + 16)
-    runs, mc = _profile_pitstop_runs(model, scenario, trace_dir, engine_kwargs)
+    if lora_adapters:
+        engine_kwargs["adapter"] = "lora"
+        engine_kwargs.setdefault("options", {}).setdefault("max_loras", lora_adapters)
+    runs, mc = _profile_pitstop_runs(model, scenario, trace_dir, engine_kwargs, lora_adapters)
     _free_cuda()  # vLLM runs next, in its own process: the engine's memory is given back first
     return scenario.per_unit(runs), mc
 
 
 def _profile_pitstop_runs(
-    model: str, scenario: Scenario, trace_dir: Path, engine_kwargs: dict[str, Any]
+    model: str,
+    scenario: Scenario,
+    trace_dir: Path,
+    engine_kwargs: dict[str, Any],
+    lora_adapters: int = 0,
 ) -> tuple[list[dict[str, tuple[float, int]]], ModelConfig]:
     from pitstop import LLM, SamplingParams
 
     with LLM(model, **engine_kwargs) as llm:
-        prompts = scenario.prompts(llm.engine.model_config.vocab_size)
+        mc = llm.engine.model_config
+        prompts = scenario.prompts(mc.vocab_size)
+        adapters: list[Any] = []
+        if lora_adapters:
+            from pitstop.bench.lora_adapters import lora_requests, write_random_adapters
+
+            folder = Path(tempfile.mkdtemp(prefix="profile-lora-"))
+            adapters = lora_requests(write_random_adapters(mc, lora_adapters, 16, folder))
 
         def generate(batch: list[list[int]], tokens: int) -> None:
             params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
-            llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
+            lora = [adapters[i % len(adapters)] for i in range(len(batch))] if adapters else None
+            llm.generate(
+                prompt_token_ids=batch, sampling_params=params, use_tqdm=False, lora_request=lora
+            )
 
         generate(prompts[: min(8, len(prompts))], 4)  # warm-up: graphs, autotuning
-        return profiled_runs(
-            generate, scenario, prompts, trace_dir, "pitstop"
-        ), llm.engine.model_config
+        return profiled_runs(generate, scenario, prompts, trace_dir, "pitstop"), mc
 
 
 def _free_cuda() -> None:
