@@ -169,7 +169,7 @@ for _ in range(2):
     # issue 29: kernel by kernel, one step of each engine on the same requests (benchmarks/kernel_profile.py);
     # PROFILE_ARGS: more flags for every row (e.g. "--lora-adapters 1", with PEER_OFF=1)
     # PROFILE_ROWS "nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b"
-    profile) PEER=""; [ "${PEER_OFF:-0}" = 1 ] || bash benchmarks/vllm_setup.sh .vv >/dev/null 2>&1 && PEER="--peer vllm" \
+    profile) PEER=""; [ "${PEER_OFF:-0}" != 1 ] && bash benchmarks/vllm_setup.sh .vv >/dev/null 2>&1 && PEER="--peer vllm" \
         && export PITSTOP_VLLM_PYTHONPATH=${PITSTOP_VLLM_PYTHONPATH:-/tmp/vsite} VLLM_USE_FLASHINFER_SAMPLER=0
       [ -d /tmp/vhttp ] && export PYTHONPATH=/tmp/vhttp${PYTHONPATH:+:$PYTHONPATH}
       for row in ${PROFILE_ROWS:-nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b}; do
