@@ -1,6 +1,6 @@
 #!/bin/bash
 # Download vLLM 0.24.0 and the wheels the H200 image lacks (versions that import together there:
-# ../shared/PEERS.md), tar them and split the tar into 60 MB parts, carried to the device over
+# ../shared/PEERS.md), tar them and split the tar into 50 MB parts (the tracked tree, about 14 MB, travels beside each), carried to the device over
 # back-to-back runs in .vv/ (benchmarks/vllm_setup.sh joins and installs them there).
 # Run where a package registry is reachable: bash benchmarks/vllm_download.sh DIR  -> DIR/vp00..vpNN, DIR/vp.sum
 set -eu
@@ -29,7 +29,7 @@ for p in flashinfer-python==0.6.12 apache-tvm-ffi==0.1.9 openai==2.54.0 fastapi=
 done
 ls vllm-0.24.0-*.whl >/dev/null
 tar cf ../vall.tar vllm-0.24.0-*.whl small
-cd .. && rm -rf w && split -b 60000000 -d vall.tar vp
+cd .. && rm -rf w && split -b 50000000 -d vall.tar vp
 # how many parts make the tar, and its checksum (vllm_setup.sh checks both)
 echo "$(ls vp[0-9]* | wc -l) $(md5sum <vall.tar | cut -d' ' -f1)" >vp.sum && rm vall.tar
 ls -l vp* && cat vp.sum

@@ -2,7 +2,7 @@
 # On the H200: join the carried vLLM parts (benchmarks/vllm_download.sh made them) and install them
 # under /tmp/vsite, without dependencies; pitstop's own process never sees that folder: the bench
 # gives it to vLLM's process only (PITSTOP_VLLM_PYTHONPATH=/tmp/vsite).
-# The parts travel in .vv/ (at most one 60 MB part fits a run's 64 MiB), one run after another:
+# The parts travel in .vv/ (one 50 MB part and the tracked tree fit a run's 64 MiB), one run after another:
 # each run copies what it carries to /tmp/vv, which lasts while the machine stays up.
 # Usage: bash benchmarks/vllm_setup.sh [PARTS_DIR=.vv]
 # Exit status: 0 vLLM imports from /tmp/vsite; 2 parts still missing (carry the next); 1 failed.
