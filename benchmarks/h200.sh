@@ -185,7 +185,7 @@ for _ in range(2):
         for row in ${VLLM_ROWS:-nano single}; do
           # the online rows drive vllm serve through pitstop's own client (httpx-sse, carried in .whl/):
           # without it vLLM would start and fail at the first request, minutes of device time for nothing
-          case $row in longtail*|prefix|longctx) python3 -c "import httpx_sse" 2>/dev/null || {
+          case $row in longtail*|prefix|longctx|multiturn) python3 -c "import httpx_sse" 2>/dev/null || {
             echo "== vllm $row: skipped: the online rows need httpx-sse here (carry .whl/ with its wheel)"; continue; } ;; esac
           case $row in
             nano) vrun vllm-nano offline --workload nano --kernels fused --repeats $R ;;
@@ -199,6 +199,13 @@ for _ in range(2):
                 --max-batch-size $((c > 64 ? c : 64)) --kernels fused --repeats $R ;;
             prefix) vrun vllm-prefix online --workload prefix --num-requests ${LT_N:-500} --max-batch-size 64 \
                 --allocator prefix --kernels fused --repeats $R ;;
+            # issue 50: the host tier against vLLM's CPU offloading (the workload gives vLLM its
+            # kv_offloading_size and backend); MT_N of the workload's 1,200 turns
+            multiturn) vrun vllm-multiturn online --workload multiturn --num-requests ${MT_N:-240} \
+                --matrix +prefix,+tiered --kv-offloading-size 64 --repeats ${MT_REPEATS:-1} ;;
+            # issue 48: the MoE preset on both sides
+            moe-nano) vrun vllm-moe-nano offline --workload nano --model dummy:qwen3-30b-a3b --kernels fused --repeats $R ;;
+            moe-single) vrun vllm-moe-single offline --workload single --model dummy:qwen3-30b-a3b --kernels fused --repeats 3 ;;
             # one 32,000-token prompt at a time: TTFT (online, so that both sides stream their first token)
             longctx) echo '{"input_len": 32000, "output_len": 16}' >"$OUT/longctx-32k.jsonl"
               vrun vllm-longctx online --workload "$OUT/longctx-32k.jsonl" --model dummy:qwen3-8b --concurrency 1 \
@@ -209,7 +216,7 @@ for _ in range(2):
               vrun vllm-spec offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl \
                 --max-batch-size 1 --max-prefill-batch 1 --speculative ngram --num-speculative-tokens 4 --repeats ${SPEC_REPEATS:-3} \
                 --peer-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ;;
-            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec)" ;;
+            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn moe-nano moe-single)" ;;
           esac
         done
         ls "$OUT"/vllm-*.json >/dev/null 2>&1 && python3 benchmarks/peer_table.py "$OUT"/vllm-*.json
