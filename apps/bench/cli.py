@@ -290,10 +290,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         floor=floor,
         skipped=skipped,
     )
-    if args.peer and getattr(args, "lora_adapters", 0):
+    if (
+        args.peer
+        and getattr(args, "lora_adapters", 0)
+        and (args.peer != "vllm" or args.bench_mode != "offline")
+    ):
         raise BenchError(
-            f"--lora-adapters with --peer {args.peer} is not wired yet (the peer would run "
-            "without adapters); run the LoRA configurations without --peer"
+            f"--lora-adapters with --peer {args.peer} ({args.bench_mode}) is not wired (the peer "
+            "would run without adapters); only the offline vLLM peer takes them: use "
+            "`pitstop bench offline ... --peer vllm`, or run without --peer"
         )
     if args.peer and args.peer in SEPARATE_PROCESS_PEERS:
         # first, while this process holds no GPU memory; its process has exited before ours start
@@ -385,7 +390,9 @@ def _pitstop_column(
         )
         held: dict[str, int] = {}
 
-        requests = _bench_adapters(run, adapters) if adapters else None
+        from pitstop.bench.lora_adapters import bench_adapters
+
+        requests = bench_adapters(run, adapters) if adapters else None
         if requests:
             col["lora_adapters"] = len(requests)
 
@@ -399,26 +406,6 @@ def _pitstop_column(
         col["error"] = f"{type(exc).__name__}: {exc}"
         print(f"[bench] {name} failed: {col['error']}", file=sys.stderr)
     return col
-
-
-def _bench_adapters(run: PeerRun, count: int) -> list[Any]:
-    """``count`` random adapters for the run's model (rank ``--lora-rank``), written once per
-    count into a temporary folder that lives as long as the process."""
-    import tempfile
-
-    from pitstop.bench.lora_adapters import lora_requests, write_random_adapters
-
-    rank = int(getattr(run.args, "lora_rank", 16) or 16)
-    key = (count, rank)
-    if key not in _ADAPTERS:
-        folder = Path(tempfile.mkdtemp(prefix="pitstop-bench-lora-"))
-        print(f"[bench] writing {count} random LoRA adapter(s) of rank {rank} to {folder}",
-              file=sys.stderr)  # fmt: skip
-        _ADAPTERS[key] = lora_requests(write_random_adapters(run.model_config, count, rank, folder))
-    return _ADAPTERS[key]
-
-
-_ADAPTERS: dict[tuple[int, int], list[Any]] = {}
 
 
 def _column_floor(run: PeerRun, held: dict[str, int]) -> floors.Floor | None:

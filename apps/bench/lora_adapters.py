@@ -68,3 +68,23 @@ def lora_requests(paths: list[Path]) -> list[Any]:
     from pitstop.entrypoints.lora_request import LoRARequest
 
     return [LoRARequest(f"bench-{k}", k + 1, str(p)) for k, p in enumerate(paths)]
+
+
+_WRITTEN: dict[tuple[int, int], list[Any]] = {}
+
+
+def bench_adapters(run: Any, count: int) -> list[Any]:
+    """``count`` random adapters for a bench run's model (rank ``--lora-rank``) as
+    ``LoRARequest`` values, written once per (count, rank) into a temporary folder that lives as
+    long as the process: pitstop's columns and the vLLM peer read the same files."""
+    import sys
+    import tempfile
+
+    rank = int(getattr(run.args, "lora_rank", 16) or 16)
+    key = (count, rank)
+    if key not in _WRITTEN:
+        folder = Path(tempfile.mkdtemp(prefix="pitstop-bench-lora-"))
+        print(f"[bench] writing {count} random LoRA adapter(s) of rank {rank} to {folder}",
+              file=sys.stderr)  # fmt: skip
+        _WRITTEN[key] = lora_requests(write_random_adapters(run.model_config, count, rank, folder))
+    return _WRITTEN[key]

@@ -160,6 +160,7 @@ def _vllm(run: PeerRun, col: dict[str, Any]) -> list[str]:
         max_model_len=run.max_model_len,
         extra=extra,
     )
+    adapters = _peer_adapters(run, args)
     col.update(version=version, model=vmodel.description, config=args, log=str(log))
     print(
         f"[bench] peer vllm {version} ({run.args.bench_mode}) on {vmodel.description}; log {log}",
@@ -173,7 +174,10 @@ def _vllm(run: PeerRun, col: dict[str, Any]) -> list[str]:
             warmup=run.warmup,
             workdir=workdir,
             log_path=log,
+            lora=adapters,
         )
+        if adapters:
+            col["lora_adapters"] = len(adapters)
         col["version"] = result.get("vllm_version") or version
         col["resolved_config"] = result.get("resolved_config")
         col["load_s"] = result.get("load_s")
@@ -183,6 +187,22 @@ def _vllm(run: PeerRun, col: dict[str, Any]) -> list[str]:
             "ITL and E2E are n/a; output tok/s and requests/s are over each whole pass"
         ]
     return _vllm_online(run, col, args, workdir, log)
+
+
+def _peer_adapters(run: PeerRun, args: dict[str, Any]) -> list[Any]:
+    """``--lora-adapters N``: the same random adapters as pitstop's columns, with vLLM's
+    ``enable_lora``, ``max_loras`` (N, all resident as pitstop's) and ``max_lora_rank``
+    (``--lora-rank``) set in ``args``; none: []."""
+    count = int(getattr(run.args, "lora_adapters", 0) or 0)
+    if not count:
+        return []
+    from pitstop.bench.lora_adapters import bench_adapters
+
+    adapters = bench_adapters(run, count)
+    args.setdefault("enable_lora", True)
+    args.setdefault("max_loras", count)
+    args.setdefault("max_lora_rank", int(getattr(run.args, "lora_rank", 16) or 16))
+    return adapters
 
 
 def _vllm_online(

@@ -342,11 +342,13 @@ def run_offline(
     workdir: Path,
     log_path: Path,
     timeout_s: float | None = None,
+    lora: list[Any] | None = None,
 ) -> tuple[list[RunResult], dict[str, Any]]:
     """Run ``workload`` through ``LLM(**args).generate`` in a vLLM process: a warm-up, then
     ``repeats`` timed passes. Returns one :class:`RunResult` per pass (request counts and
     wall time: ``LLM.generate`` reports no per-token times) and what vLLM said about itself
-    (``vllm_version``, ``resolved_config``, ``load_s``)."""
+    (``vllm_version``, ``resolved_config``, ``load_s``). ``lora``: pitstop ``LoRARequest`` values
+    that the requests take in turn, as vLLM's own (``args`` must enable LoRA)."""
     if any(r.prompt_token_ids is None for r in workload.requests):
         raise VllmPeerError("the vLLM peer takes token ids; tokenize text prompts first")
     job = {
@@ -356,6 +358,7 @@ def run_offline(
         "top_k": workload.top_k,
         "repeats": repeats,
         "warmup": warmup,
+        "lora": [[a.lora_name, a.lora_int_id, a.lora_path] for a in lora or ()],
     }
     result = run_worker(WORKER, job, workdir=workdir, log_path=log_path, timeout_s=timeout_s)
     if not result.get("ok"):

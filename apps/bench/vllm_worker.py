@@ -7,7 +7,7 @@ standard library and vLLM: not pitstop, and ``-P`` keeps its own folder (which
 holds a module named ``http``) off ``sys.path``.
 
 The job holds the ``LLM(...)`` keyword arguments, the requests (token ids and
-output lengths), the sampling, the number of timed passes and whether to warm
+output lengths), the LoRA adapters the requests take in turn (if any), the sampling, the number of timed passes and whether to warm
 up. The warm-up is the one pitstop's driver runs (the first 4 requests, outputs
 cut to 8 tokens); every timed pass is one ``LLM.generate`` over all requests.
 The result holds, per pass, the wall time and each request's prompt, output and
@@ -45,11 +45,25 @@ def _params(vllm: Any, job: dict[str, Any], max_tokens: int) -> Any:
     return vllm.SamplingParams(**kwargs)
 
 
-def _generate(vllm: Any, llm: Any, job: dict[str, Any], requests: list[Any]) -> dict[str, Any]:
+def _adapters(job: dict[str, Any]) -> list[Any]:
+    """The job's LoRA adapters (``[name, id, path]`` each) as vLLM's ``LoRARequest``; none: []."""
+    if not job.get("lora"):
+        return []
+    from vllm.lora.request import LoRARequest
+
+    return [LoRARequest(name, int(lora_id), path) for name, lora_id, path in job["lora"]]
+
+
+def _generate(
+    vllm: Any, llm: Any, job: dict[str, Any], requests: list[Any], adapters: list[Any]
+) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": list(ids)} for ids, _ in requests]
     params = [_params(vllm, job, n) for _, n in requests]
+    kwargs: dict[str, Any] = {}
+    if adapters:  # the requests take the adapters in turn, as pitstop's bench gives them
+        kwargs["lora_request"] = [adapters[i % len(adapters)] for i in range(len(prompts))]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, **kwargs)
     wall = time.perf_counter() - start
     return {
         "wall_s": wall,
@@ -84,15 +98,16 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         _say(f"LLM(...) ready in {load_s:.1f} s")
         stage = "generate"
         requests = [(r[0], r[1]) for r in job["requests"]]
+        adapters = _adapters(job)
         warmup_s = None
         if job.get("warmup", True):
             t = time.perf_counter()
             short = [(ids, min(n, WARMUP_TOKENS)) for ids, n in requests[:WARMUP_REQUESTS]]
-            _generate(vllm, llm, job, short)
+            _generate(vllm, llm, job, short, adapters)
             warmup_s = time.perf_counter() - t
         runs = []
         for k in range(max(1, job.get("repeats", 1))):
-            run_ = _generate(vllm, llm, job, requests)
+            run_ = _generate(vllm, llm, job, requests, adapters)
             tokens = sum(run_["output_lens"])
             _say(
                 f"pass {k + 1}: {tokens} output tokens in {run_['wall_s']:.2f} s = "

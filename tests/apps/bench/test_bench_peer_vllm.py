@@ -323,6 +323,39 @@ def test_offline_peer_runs_the_same_requests_in_its_own_process(
     assert "pitstop[pitstop] / peer:vllm" in out and "vllm 0.24.0+fake" in out
 
 
+@pytest.mark.slow
+def test_offline_peer_takes_the_same_lora_adapters_in_turn(
+    tiny: Path, workload_file: Path, tmp_path: Path, fake_vllm: Path
+) -> None:
+    """``--lora-adapters 2 --peer vllm`` (issue 47): vLLM gets ``enable_lora`` with room for
+    both adapters at their rank, and the requests take the very adapter folders pitstop's
+    column read, in the same turn (request k the k mod 2-th)."""
+    code, doc = _bench(
+        "offline", tiny, workload_file, tmp_path / "r.json", "--no-warmup", "--lora-adapters", "2"
+    )
+    assert code == 0, doc["peer"]
+    peer = doc["peer"]
+    assert peer["lora_adapters"] == 2 and doc["configs"][0]["lora_adapters"] == 2
+    (llm_args,) = _records(fake_vllm, "llm")
+    assert llm_args["enable_lora"] is True
+    assert llm_args["max_loras"] == 2 and llm_args["max_lora_rank"] == 16
+    (given,) = _records(fake_vllm, "lora")
+    assert [lora_id for _, lora_id, _ in given] == [1, 2, 1, 2, 1]
+    for _, _, path in given:
+        assert (Path(path) / "adapter_config.json").is_file()
+        assert (Path(path) / "adapter_model.safetensors").is_file()
+
+
+def test_lora_adapters_with_an_online_peer_are_refused(
+    tiny: Path, workload_file: Path, tmp_path: Path, capsys: Any
+) -> None:
+    """Only the offline vLLM peer takes adapters: online, it would serve the base model."""
+    argv = ["bench", "online", "--workload", str(workload_file), "--model", str(tiny), *ENGINE]
+    code = main([*argv, "--peer", "vllm", "--lora-adapters", "1"])
+    assert code == 2
+    assert "only the offline vLLM peer takes them" in capsys.readouterr().err
+
+
 def _peer_run(workload: Workload, model: str, tmp_path: Path) -> PeerRun:
     import argparse
 

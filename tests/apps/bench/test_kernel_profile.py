@@ -9,6 +9,7 @@ without vLLM, the clear error.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -105,6 +106,19 @@ def test_pitstop_side_profiles_a_tiny_model_on_cpu(tmp_path: Path) -> None:
     assert (tmp_path / "traces" / "pitstop-5.json").exists()
     table = markdown(category_table({"pitstop": kernels}, mc, SMALL), ["pitstop"], "µs per step")
     assert table.splitlines()[-1].startswith("| total |")
+
+
+def test_pitstop_side_with_lora_adapters_profiles_their_work(tmp_path: Path) -> None:
+    """``--lora-adapters N`` (issue 47): the requests take random adapters, so a step runs the
+    adapters' shrink and expand on top of the base model's ops."""
+    folder = make_tiny_checkpoint(tmp_path, "llama")
+    run = functools.partial(profile_pitstop, str(folder), SMALL, device="cpu", kernels="reference")
+    base, _ = run(tmp_path / "base")
+    adapted, _ = run(tmp_path / "lora", lora_adapters=2)
+    launches = {
+        name: sum(n for _, n in k.values()) for name, k in (("base", base), ("lora", adapted))
+    }
+    assert launches["lora"] > launches["base"]
 
 
 def test_vllm_side_reads_vllms_own_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,8 @@
 
 ``LLM(**kwargs)`` records its arguments (``$FAKE_VLLM_RECORD``) and, with
 ``$FAKE_VLLM_FAIL=load``, fails as a vLLM that cannot load the model does;
-``generate`` returns exactly ``max_tokens`` token ids per prompt. The server side
+``generate`` returns exactly ``max_tokens`` token ids per prompt (and records the
+``lora_request`` list it is given, as :mod:`vllm.lora.request`'s values). The server side
 is :mod:`vllm.entrypoints.cli.main`. With ``profiler_config`` (vLLM's torch profiler),
 ``start_profile``/``stop_profile`` write a Chrome trace of made-up kernels per
 generate call: one ``nvjet_gemm`` (100 µs) a step, one ``flash_fwd_prefill`` (50 µs)
@@ -40,6 +41,7 @@ class LLM:
 
     def __init__(self, **kwargs: Any) -> None:
         _record("llm", kwargs)
+        self._kwargs = kwargs
         if os.environ.get("FAKE_VLLM_FAIL") == "load":
             raise RuntimeError("fake vLLM: Engine core initialization failed")
         self.llm_engine = SimpleNamespace(vllm_config=f"FakeVllmConfig({sorted(kwargs)})")
@@ -74,13 +76,18 @@ class LLM:
                 )
                 ts += dur
 
-    def generate(self, prompts: list, params: list, use_tqdm: bool = True) -> list:
+    def generate(
+        self, prompts: list, params: list, use_tqdm: bool = True, lora_request: Any = None
+    ) -> list:
         if os.environ.get("FAKE_VLLM_FAIL") == "crash":
             os._exit(9)  # a process that dies without a word (OOM-killed, segfault)
         _record(
             "generate",
             [[len(p["prompt_token_ids"]), s.kwargs] for p, s in zip(prompts, params, strict=True)],
         )
+        if lora_request is not None:
+            assert self._kwargs.get("enable_lora"), "a LoRA request to an engine without LoRA"
+            _record("lora", [[r.lora_name, r.lora_int_id, r.lora_path] for r in lora_request])
         time.sleep(0.01)
         self._kernels(len(prompts), max(s.max_tokens for s in params))
         return [

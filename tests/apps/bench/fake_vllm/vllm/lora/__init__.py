@@ -1,0 +1,1 @@
+"""The fake vLLM's LoRA package."""
