@@ -203,6 +203,8 @@ for _ in range(2):
             # kv_offloading_size and backend); MT_N of the workload's 1,200 turns
             multiturn) vrun vllm-multiturn online --workload multiturn --num-requests ${MT_N:-240} \
                 --matrix +prefix,+tiered --kv-offloading-size 64 --repeats ${MT_REPEATS:-1} ;;
+            # issue 47: requests over 8 random rank-16 adapters on both sides (vLLM --enable-lora)
+            lora8) vrun vllm-lora8 offline --workload nano --kernels fused --lora-adapters 8 --repeats $R ;;
             # issue 48: the MoE preset on both sides
             moe-nano) vrun vllm-moe-nano offline --workload nano --model dummy:qwen3-30b-a3b --kernels fused --repeats $R ;;
             moe-single) vrun vllm-moe-single offline --workload single --model dummy:qwen3-30b-a3b --kernels fused --repeats 3 ;;
@@ -216,7 +218,7 @@ for _ in range(2):
               vrun vllm-spec offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl \
                 --max-batch-size 1 --max-prefill-batch 1 --speculative ngram --num-speculative-tokens 4 --repeats ${SPEC_REPEATS:-3} \
                 --peer-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ;;
-            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn moe-nano moe-single)" ;;
+            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn lora8 moe-nano moe-single)" ;;
           esac
         done
         ls "$OUT"/vllm-*.json >/dev/null 2>&1 && python3 benchmarks/peer_table.py "$OUT"/vllm-*.json
