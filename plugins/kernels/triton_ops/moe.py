@@ -59,23 +59,39 @@ logger = logging.getLogger(__name__)
 
 
 class MoEConfig(NamedTuple):
-    """Tile rows (the align block), tile columns, K step, warps and stages of both GEMMs."""
+    """Tile rows (the align block), tile columns, K step, warps and stages of both GEMMs,
+    and the split-K count (``split_k``, default 1: no split; module doc).
+
+    ``split_k`` is an upper bound: a GEMM whose ``K`` has fewer ``BLOCK_K`` chunks, or whose
+    chunks do not divide evenly, runs :func:`effective_split` splits, none of them empty.
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
 
 # The autotune's candidates (16-bit activations on a GPU), by rows an expert gets on
 # average (T * k / E): small tiles for decode (memory-bound: many programs streaming
-# weights), large ones once every expert has a full tile of rows.
+# weights), large ones once every expert has a full tile of rows. Decode also tries
+# split-K (issue 48): batch 1 of Qwen3-30B-A3B has 8 row blocks x 12 column tiles = 96
+# gate-up programs on 132 SMs, too few to keep enough loads in flight; splits 2-8
+# multiply the programs (each streams 1/split of the expert's K).
 FEW_ROWS = (
     MoEConfig(16, 64, 128, 4, 4),
     MoEConfig(16, 128, 128, 4, 3),
     MoEConfig(16, 32, 256, 4, 3),
     MoEConfig(32, 64, 128, 4, 4),
+    MoEConfig(16, 64, 128, 4, 4, 2),
+    MoEConfig(16, 128, 128, 4, 3, 2),
+    MoEConfig(16, 64, 128, 4, 4, 4),
+    MoEConfig(16, 32, 128, 4, 4, 4),
+    MoEConfig(16, 128, 128, 4, 3, 4),
+    MoEConfig(16, 64, 128, 4, 3, 8),
+    MoEConfig(16, 32, 128, 4, 3, 8),
 )
 MANY_ROWS = (
     MoEConfig(64, 64, 64, 4, 3),
@@ -107,18 +123,32 @@ def candidates(
     if per_expert <= 8:
         return list(FEW_ROWS)
     if per_expert <= 48:
-        return list(FEW_ROWS[2:]) + list(MANY_ROWS[:2])
+        return [FEW_ROWS[2], FEW_ROWS[3], FEW_ROWS[4], *MANY_ROWS[:2]]
     return list(MANY_ROWS)
 
 
+# heuristic split-K: split until the gate-up grid has this many programs (8 a SM on 132)
+SPLIT_TARGET_PROGRAMS = 1024
+MAX_SPLIT_K = 8
+
+
 def heuristic_config(
-    num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, on_gpu: bool
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    dtype: torch.dtype,
+    on_gpu: bool,
+    inter: int = 768,
 ) -> MoEConfig:
     """The config used where no timing is possible and the bucket is not cached.
 
     Interpreter: :data:`INTERPRETER_CONFIG`. GPU: float32 takes ``FP32_CONFIGS[0]``;
     16-bit takes ``BLOCK_M`` 16 while experts average at most 16 rows, 32 up to 32, then
-    64 (``MANY_ROWS[0]``): a tile never much taller than an expert's rows.
+    64 (``MANY_ROWS[0]``): a tile never much taller than an expert's rows. With
+    ``BLOCK_M`` 16, ``split_k`` doubles (up to :data:`MAX_SPLIT_K`) while the gate-up grid,
+    the experts expected to be hit (``E * (1 - (1 - k/E)^T)``, uniform routing) times
+    ``inter / BLOCK_N`` column tiles times the split, is under
+    :data:`SPLIT_TARGET_PROGRAMS`: Qwen3-30B-A3B splits 8 at batch 1, 2 at 8 and 16, 1 from 32.
     """
     if not on_gpu:
         return INTERPRETER_CONFIG
@@ -126,10 +156,24 @@ def heuristic_config(
         return FP32_CONFIGS[0]
     per_expert = bucket_rows(num_tokens) * top_k / num_experts
     if per_expert <= 16:
-        return FEW_ROWS[0]
+        base = FEW_ROWS[0]
+        hit = num_experts * (1.0 - (1.0 - top_k / num_experts) ** bucket_rows(num_tokens))
+        tiles = hit * triton.cdiv(inter, base.block_n)
+        split = 1
+        while split < MAX_SPLIT_K and tiles * split < SPLIT_TARGET_PROGRAMS:
+            split *= 2
+        return base._replace(split_k=split)
     if per_expert <= 32:
         return FEW_ROWS[3]
     return MANY_ROWS[0]
+
+
+def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """``(splits, k_per_split)`` of a GEMM over ``k``: ``k``'s ``block_k`` chunks in at most
+    ``split_k`` runs of equal length (the last may be shorter), none empty."""
+    chunks = triton.cdiv(k, block_k)
+    per = triton.cdiv(chunks, max(1, min(split_k, chunks)))
+    return triton.cdiv(chunks, per), per * block_k
 
 
 def cache_dir() -> Path:
@@ -184,7 +228,10 @@ class ConfigCache:
         if key in self._memory:
             return self._memory[key]
         entry = self._read().get(key)
-        if isinstance(entry, list) and len(entry) == len(MoEConfig._fields):
+        # an entry from before split-K has 5 fields: split_k defaults to 1
+        if isinstance(entry, list) and len(MoEConfig._fields) - 1 <= len(entry) <= len(
+            MoEConfig._fields
+        ):
             self._memory[key] = MoEConfig(*(int(v) for v in entry))
             return self._memory[key]
         return None
@@ -264,7 +311,7 @@ def choose_config(
     on_gpu = x.device.type == "cuda"
     if not on_gpu:
         _log_once("interpreter", "fused MoE: Triton interpreter, no autotune: heuristic tiles")
-        return heuristic_config(t, e, top_k, x.dtype, False)
+        return heuristic_config(t, e, top_k, x.dtype, False, two_f // 2)
     name = torch.cuda.get_device_name(x.device)
     key = ConfigCache.key(t, e, top_k, h, two_f // 2, x.dtype, name, weight_dtype=gate_up.dtype)
     hit = cache.get(key)
@@ -277,7 +324,7 @@ def choose_config(
             "(run each batch size once before capturing)",
             key,
         )
-        return heuristic_config(t, e, top_k, x.dtype, True)
+        return heuristic_config(t, e, top_k, x.dtype, True, two_f // 2)
     from triton.testing import do_bench
 
     def measure(cfg: MoEConfig) -> float:
@@ -307,19 +354,27 @@ def _grouped_gemm_kernel(
     out_ptr,
     rw_ptr,
     ws_ptr,
+    as_ptr,
+    act_ptr,
     sorted_ptr,
     expert_ids_ptr,
     total_ptr,
     N,
     NOUT,
     K,
+    K_PER_SPLIT,
     stride_am,
+    stride_as,
     stride_we,
     stride_wn,
     stride_om,
+    stride_os,
     stride_se,
+    stride_ase,
     TOPK: tl.constexpr,
     GATE_UP: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    A_SPLITS: tl.constexpr,
     W_SCALED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -328,17 +383,26 @@ def _grouped_gemm_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One ``[BLOCK_M, BLOCK_N]`` tile of a row block's expert GEMM.
+    """One ``[BLOCK_M, BLOCK_N]`` tile of a row block's expert GEMM over one K split.
 
-    ``GATE_UP``: ``a`` is ``x [T, H]`` read at token ``row // TOPK``; ``w [E, 2F, H]``; the
-    output ``silu(a @ w[e, n].T) * (a @ w[e, F + n].T)`` rounded into ``h [T*k, F]``.
-    Else ``a`` is ``h [T*k, F]`` read at ``row``, ``w [E, H, F]``, the output the float32
-    ``rw[row] * (a @ w[e, n].T)`` into ``y [T*k, H]``. ``N = T * k`` (also the sentinel).
-    ``W_SCALED``: ``w`` is e4m3, widened to ``a``'s dtype per tile; the accumulators are
-    multiplied by the row scales ``ws [E, NOUT or 2F]`` of their columns.
+    Program ``(b, n, s)``: row block ``b``, columns ``n``, ``K`` range ``[s * K_PER_SPLIT,
+    (s + 1) * K_PER_SPLIT)`` (``K_PER_SPLIT`` a multiple of ``BLOCK_K``; no split is empty).
+
+    ``GATE_UP``: ``a`` is ``x [T, H]`` read at token ``row // TOPK``; ``w [E, 2F, H]``. With
+    ``SPLIT_K == 1`` the output is ``silu(a @ w[e, n].T) * (a @ w[e, F + n].T)`` rounded into
+    ``h [T*k, F]``; with ``SPLIT_K > 1`` the float32 partial gate and up sums (unscaled, no
+    epilogue) go to ``g [SPLIT_K, T*k, 2F]`` at ``[s, row, n]`` and ``[s, row, F + n]``.
+    Else ``a`` is ``h [T*k, F]`` read at ``row`` (``A_SPLITS == 0``) or the gate-up partials
+    ``g [A_SPLITS, T*k, 2F]`` (``A_SPLITS > 0``: summed over splits in order, scaled by
+    ``as [E, 2F]`` if ``W_SCALED``, SiLU·mul'd and rounded to ``act``'s dtype exactly as the
+    gate-up epilogue does), ``w [E, H, F]``; the output the float32 ``rw[row] * (a @ w[e, n].T)``
+    (this split's part) into ``y [SPLIT_K, T*k, H]``. ``N = T * k`` (also the sentinel).
+    ``W_SCALED``: ``w`` is e4m3, widened to the activations' dtype per tile; the
+    accumulators are multiplied by the row scales ``ws [E, NOUT or 2F]`` of their columns.
     """
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     if b * BLOCK_M >= tl.load(total_ptr):
         return  # past the used blocks: no expert, no work
     e = tl.load(expert_ids_ptr + b).to(tl.int64)
@@ -354,13 +418,30 @@ def _grouped_gemm_kernel(
     w_base = w_ptr + e * stride_we + tl.minimum(n, NOUT - 1).to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
-        if EVEN_K:
+        if A_SPLITS > 0:
+            a = _silu_mul_of_partials(
+                a_base,
+                as_ptr + e * stride_ase,
+                stride_as,
+                k,
+                K,
+                act_ptr,
+                A_SPLITS,
+                W_SCALED,
+                BLOCK_M,
+                BLOCK_K,
+            )
+        elif EVEN_K:
             a = tl.load(a_base + k[None, :])
-            w = tl.load(w_base + k[:, None])
         else:
             a = tl.load(a_base + k[None, :], mask=(k < K)[None, :], other=0.0)
+        if EVEN_K:
+            w = tl.load(w_base + k[:, None])
+        else:
             w = tl.load(w_base + k[:, None], mask=(k < K)[:, None], other=0.0)
         if W_SCALED:
             w = w.to(a.dtype)
@@ -375,31 +456,70 @@ def _grouped_gemm_kernel(
             if W_SCALED:
                 u = u.to(a.dtype)
             acc_u = _dot(a, u, acc_u, UPCAST, DOT_PRECISION)
-    if W_SCALED:
-        s_base = ws_ptr + e * stride_se + tl.minimum(n, NOUT - 1)
-        acc = acc * tl.load(s_base)[None, :]
-        if GATE_UP:
-            acc_u = acc_u * tl.load(s_base + NOUT)[None, :]
     mask = valid[:, None] & (n < NOUT)[None, :]
-    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + n[None, :]
-    if GATE_UP:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_u
-        dt: tl.constexpr = out_ptr.dtype.element_ty
-        tl.store(out, _rounded(acc, dt).to(dt), mask=mask)
+    out = out_ptr + pid_k * stride_os + rows.to(tl.int64)[:, None] * stride_om + n[None, :]
+    if GATE_UP and SPLIT_K > 1:
+        tl.store(out, acc, mask=mask)  # partial sums: scale and SiLU·mul at the down's load
+        tl.store(out + NOUT, acc_u, mask=mask)
     else:
-        rw = tl.load(rw_ptr + rows, mask=valid, other=0.0).to(tl.float32)
-        tl.store(out, acc * rw[:, None], mask=mask)
+        if W_SCALED:
+            s_base = ws_ptr + e * stride_se + tl.minimum(n, NOUT - 1)
+            acc = acc * tl.load(s_base)[None, :]
+            if GATE_UP:
+                acc_u = acc_u * tl.load(s_base + NOUT)[None, :]
+        if GATE_UP:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+            dt: tl.constexpr = out_ptr.dtype.element_ty
+            tl.store(out, _rounded(acc, dt).to(dt), mask=mask)
+        else:
+            rw = tl.load(rw_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+            tl.store(out, acc * rw[:, None], mask=mask)
 
 
 @triton.jit
-def _slot_sum_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``out[t, h] = sum_j y[t * TOPK + j, h]`` in slot order, one rounding."""
+def _silu_mul_of_partials(
+    g_base,
+    s_base,
+    stride_gs,
+    k,
+    F,
+    act_ptr,
+    SPLITS: tl.constexpr,
+    W_SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``h[:, k]`` from the gate-up partials at ``g_base`` (rows ``[BLOCK_M, 1]`` pointers):
+    gate ``sum_s g[s, :, k]`` and up ``sum_s g[s, :, F + k]`` in split order, times their
+    columns' scales (``W_SCALED``), then the gate-up epilogue's ``silu(g) * u`` and rounding
+    to ``act``'s dtype; columns ``k >= F`` are zero."""
+    kmask = (k < F)[None, :]
+    g = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    u = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    for s in tl.static_range(SPLITS):
+        g += tl.load(g_base + s * stride_gs + k[None, :], mask=kmask, other=0.0)
+        u += tl.load(g_base + s * stride_gs + F + k[None, :], mask=kmask, other=0.0)
+    if W_SCALED:
+        g = g * tl.load(s_base + k, mask=k < F, other=0.0)[None, :]
+        u = u * tl.load(s_base + F + k, mask=k < F, other=0.0)[None, :]
+    h = g / (1.0 + tl.exp(-g)) * u
+    dt: tl.constexpr = act_ptr.dtype.element_ty
+    return _rounded(h, dt).to(dt)
+
+
+@triton.jit
+def _slot_sum_kernel(
+    y_ptr, out_ptr, H, stride_ys, TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """``out[t, h] = sum_j sum_s y[s, t * TOPK + j, h]``: slots in order, each slot's splits
+    in order, one rounding."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
     acc = tl.zeros([BLOCK_H], tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (t * TOPK + j) * H + h, mask=mask, other=0.0)
+        for s in tl.static_range(SPLITS):
+            acc += tl.load(y_ptr + s * stride_ys + (t * TOPK + j) * H + h, mask=mask, other=0.0)
     dt: tl.constexpr = out_ptr.dtype.element_ty
     tl.store(out_ptr + t * H + h, _rounded(acc, dt).to(dt), mask=mask)
 
@@ -461,41 +581,55 @@ def experts(
         x = x.contiguous()
     if config is None:
         config = choose_config(x, weights, ids, gate_up, down, cache, scales)
-    bm, bn, bk, warps, stages = config
+    bm, bn, bk, warps, stages, split = config
     if grouping is None:
         grouping = align(ids, e, bm)
     assert grouping.block_m == bm, "the grouping's block is the config's BLOCK_M"
     n = t * top_k
     rw = weights.reshape(-1).contiguous()
-    inter = torch.empty((n, f), dtype=x.dtype, device=x.device)
-    y = torch.empty((n, h), dtype=torch.float32, device=x.device)
+    split_gu, per_gu = effective_split(h, bk, split)
+    split_d, per_d = effective_split(f, bk, split)
+    if split_gu == 1:  # h [T*k, F], rounded by the gate-up epilogue
+        inter = torch.empty((1, n, f), dtype=x.dtype, device=x.device)
+    else:  # the gate-up's float32 partials [split, T*k, 2F], gate then up
+        inter = torch.empty((split_gu, n, two_f), dtype=torch.float32, device=x.device)
+    y = torch.empty((split_d, n, h), dtype=torch.float32, device=x.device)
     blocks = grouping.expert_ids.numel()
     upcast = x.device.type != "cuda" and x.dtype != torch.float32
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     unscaled = (rw, rw)  # never read: W_SCALED is off
-    for a, w, ws, dst, nout, k, gate in (
-        (x, gate_up, (scales or unscaled)[0], inter, f, h, True),
-        (inter, down, (scales or unscaled)[1], y, h, f, False),
+    ws = scales or unscaled
+    for a, w, s, dst, nout, k, gate, splits, per, a_splits in (
+        (x, gate_up, ws[0], inter, f, h, True, split_gu, per_gu, 0),
+        (inter, down, ws[1], y, h, f, False, split_d, per_d, 0 if split_gu == 1 else split_gu),
     ):
-        _grouped_gemm_kernel[(blocks, triton.cdiv(nout, bn))](
+        _grouped_gemm_kernel[(blocks, triton.cdiv(nout, bn), splits)](
             a,
             w,
             dst,
             rw,
-            ws,
+            s,
+            ws[0],
+            x,
             grouping.sorted_rows,
             grouping.expert_ids,
             grouping.num_padded,
             n,
             nout,
             k,
-            a.stride(0),
+            per,
+            a.stride(-2),
+            a.stride(0) if a.dim() == 3 else 0,
             w.stride(0),
             w.stride(1),
+            dst.stride(1),
             dst.stride(0),
-            ws.stride(0),
+            s.stride(0),
+            ws[0].stride(0),
             TOPK=top_k,
             GATE_UP=gate,
+            SPLIT_K=splits,
+            A_SPLITS=a_splits,
             W_SCALED=scales is not None,
             EVEN_K=k % bk == 0,
             BLOCK_M=bm,
@@ -508,7 +642,7 @@ def experts(
         )
     block_h = min(1024, triton.next_power_of_2(h))
     _slot_sum_kernel[(t, triton.cdiv(h, block_h))](
-        y, out, h, TOPK=top_k, BLOCK_H=block_h, num_warps=4
+        y, out, h, y.stride(0), TOPK=top_k, SPLITS=split_d, BLOCK_H=block_h, num_warps=4
     )
     return out
 
