@@ -386,3 +386,175 @@ def test_fused_moe_off_runs_the_loop_and_no_cuda_graphs() -> None:
     assert ks.describe()["moe"] == "reference (config flag fused.moe is off)"
     assert ks.cuda_graph_safe(64) is False
     assert _kernel_set("fused", torch.float32).cuda_graph_safe(64) is True
+
+
+# ---------------------------------------------------------------- split-K (issue 48)
+
+SPLITS = (1, 2, 3, 4)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    t=st.integers(1, 20),
+    e=st.integers(1, 8),
+    k_frac=st.floats(0, 1),
+    h=st.sampled_from([16, 40, 80]),
+    f=st.sampled_from([8, 24, 40]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    fp8=st.booleans(),
+    mode=st.sampled_from(["random", "same", "flat"]),
+    seed=st.integers(0, 2**16),
+)
+@example(t=1, e=8, k_frac=0.0, h=80, f=40, dtype=torch.bfloat16, fp8=False, mode="random", seed=1)
+@example(t=17, e=4, k_frac=0.4, h=40, f=24, dtype=torch.float32, fp8=False, mode="same", seed=2)
+@example(t=18, e=6, k_frac=0.5, h=80, f=40, dtype=torch.bfloat16, fp8=True, mode="random", seed=3)
+@example(t=3, e=8, k_frac=1.0, h=16, f=8, dtype=torch.float16, fp8=False, mode="flat", seed=4)
+def test_every_split_k_equals_the_loop_over_experts(
+    t: int,
+    e: int,
+    k_frac: float,
+    h: int,
+    f: int,
+    dtype: torch.dtype,
+    fp8: bool,
+    mode: str,
+    seed: int,
+) -> None:
+    """fused_moe with split_k 1, 2, 3 (uneven: H 80 is 5 chunks of 16 in 3 splits of 2, 2, 1;
+    H 40 ends in a half chunk) and 4 == the float64 loop over experts, bf16/fp16/fp32 and
+    fp8 experts, T from 1 to past BLOCK_M, experts choosing none, every token choosing the
+    same experts; and the splits agree with split 1 within the same bound."""
+    if fp8 and dtype == torch.float16:
+        dtype = torch.bfloat16
+    top_k = 1 + round(k_frac * (e - 1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    logits = make_logits(gen, t, e, mode).to(dtype)
+    gate_up = torch.randn(e, 2 * f, h, generator=gen) / h**0.5
+    down = torch.randn(e, h, f, generator=gen) / f**0.5
+    if fp8:
+        gate_up, gu_scale = quantize_experts(gate_up)
+        down, d_scale = quantize_experts(down)
+        scales = (gu_scale.to(DEVICE), d_scale.to(DEVICE))
+        wide = (
+            gate_up.double() * gu_scale.double()[..., None],
+            down.double() * d_scale.double()[..., None],
+        )
+    else:
+        gate_up, down, scales = gate_up.to(dtype), down.to(dtype), None
+        wide = gate_up.double(), down.double()
+    args = [a.to(DEVICE) for a in (x, logits, gate_up, down)]
+    weights, ids = moe_routing.route(args[1], top_k, True, dtype)
+    truth = ref.experts(x.double(), weights.cpu().double(), ids.cpu(), *wide)
+    outs = {}
+    for split in SPLITS:
+        config = moe.INTERPRETER_CONFIG._replace(split_k=split)
+        with poisoned_outputs():
+            out = moe.fused_moe(
+                *args, top_k, renormalize=True, weights_dtype=dtype, config=config, scales=scales
+            )
+        assert out.dtype == dtype and out.shape == (t, h)
+        assert torch.isfinite(out).all(), f"split {split}: an unwritten or NaN output element"
+        scale = truth.abs().max().clamp_min(1e-6)
+        err = ((out.cpu().double() - truth).abs().max() / scale).item()
+        assert err <= TOL[dtype], f"split {split}: relative error {err:.3g} > {TOL[dtype]}"
+        outs[split] = out.cpu().double()
+        diff = ((outs[split] - outs[1]).abs().max() / scale).item()
+        assert diff <= TOL[dtype], f"split {split} vs 1: {diff:.3g}"
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    t=st.integers(1, 18),
+    e=st.integers(1, 6),
+    k_frac=st.floats(0, 1),
+    h=st.sampled_from([16, 40]),
+    f=st.sampled_from([8, 24, 40]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    fp8=st.booleans(),
+    same=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(t=17, e=3, k_frac=1.0, h=40, f=40, dtype=torch.bfloat16, fp8=True, same=False, seed=5)
+def test_split_k_is_bit_identical_where_the_float32_sums_are_exact(
+    t: int,
+    e: int,
+    k_frac: float,
+    h: int,
+    f: int,
+    dtype: torch.dtype,
+    fp8: bool,
+    same: bool,
+    seed: int,
+) -> None:
+    """Small integers (and power-of-two scales and routing weights), gates of at least 32
+    (``silu(g) == g`` in float32): every float32 sum is exact in any order, so every split
+    gives the unsplit bits: the split path's scales, SiLU·mul and rounding (at the down
+    GEMM's load) are the unsplit epilogue's, and splits and slots are all summed."""
+    top_k = 1 + round(k_frac * (e - 1))
+    gen = torch.Generator().manual_seed(seed)
+
+    def ints(lo: int, hi: int, *shape: int) -> torch.Tensor:
+        return torch.randint(lo, hi + 1, shape, generator=gen).float()
+
+    x = ints(1, 2, t, h).to(dtype)
+    gate_up = torch.cat([ints(2, 3, e, f, h), ints(-1, 1, e, f, h)], dim=1)
+    down = ints(-1, 1, e, h, f)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)])
+    if same:
+        ids = ids[:1].expand(t, top_k).contiguous()
+    weights = (ints(1, 2, t, top_k) / 2).to(dtype)
+    if fp8:
+        gate_up, down = gate_up.to(torch.float8_e4m3fn), down.to(torch.float8_e4m3fn)
+        scales = (2.0 ** ints(0, 1, e, 2 * f), 2.0 ** ints(-1, 0, e, h))
+        scales = tuple(s.to(DEVICE) for s in scales)
+    else:
+        gate_up, down, scales = gate_up.to(dtype), down.to(dtype), None
+    args = [a.to(DEVICE) for a in (x, weights, ids, gate_up, down)]
+    outs = []
+    for split in SPLITS:
+        config = moe.INTERPRETER_CONFIG._replace(split_k=split)
+        with poisoned_outputs():
+            outs.append(moe.experts(*args, config=config, scales=scales).cpu())
+    assert torch.isfinite(outs[0]).all()
+    for split, out in zip(SPLITS[1:], outs[1:], strict=True):
+        assert torch.equal(out, outs[0]), f"split {split}: not the unsplit bits"
+
+
+def test_effective_split_and_the_heuristic_splits() -> None:
+    """Splits run whole BLOCK_K chunks, none empty; the GPU heuristic splits decode of
+    Qwen3-30B-A3B 8 ways at batch 1, 2 at 8 and 16, not from 32 (docstring)."""
+    assert moe.effective_split(2048, 128, 1) == (1, 2048)
+    assert moe.effective_split(2048, 128, 4) == (4, 512)
+    assert moe.effective_split(768, 128, 4) == (3, 256)  # 6 chunks: 2 a split
+    assert moe.effective_split(80, 16, 3) == (3, 32)  # 5 chunks: 2, 2, 1
+    assert moe.effective_split(40, 16, 8) == (3, 16)  # no more splits than chunks
+    for k in range(1, 100):
+        for bk in (16, 32):
+            for split in range(1, 9):
+                n, per = moe.effective_split(k, bk, split)
+                assert 1 <= n <= split and per % bk == 0 and (n - 1) * per < k <= n * per
+    splits = {
+        t: moe.heuristic_config(t, 128, 8, torch.bfloat16, True, 768).split_k
+        for t in (1, 8, 16, 32, 256)
+    }
+    assert splits == {1: 8, 8: 2, 16: 2, 32: 1, 256: 1}
+    assert moe.heuristic_config(1, 128, 8, torch.float32, True).split_k == 1
+    assert moe.INTERPRETER_CONFIG.split_k == 1
+    assert {c.split_k for c in moe.candidates(1, 128, 8, torch.bfloat16)} == {1, 2, 4, 8}
+
+
+def test_config_cache_reads_an_entry_from_before_split_k(tmp_path: Path) -> None:
+    """A cached entry of 5 fields (no split_k) reads as split_k 1; new entries keep theirs;
+    other lengths are ignored."""
+    key = moe.ConfigCache.key(1, 128, 8, 2048, 768, torch.bfloat16, "NVIDIA H200", "3.6.0")
+    old, split = list(moe.FEW_ROWS[0])[:5], moe.FEW_ROWS[0]._replace(split_k=4)
+    (tmp_path / moe.ConfigCache.FILE).write_text(
+        json.dumps({key: old, "bad": [16, 64], "long": [*split, 1]})
+    )
+    cache = moe.ConfigCache(tmp_path)
+    assert cache.get(key) == moe.MoEConfig(*old) == moe.MoEConfig(*old, split_k=1)
+    assert cache.get("bad") is None and cache.get("long") is None
+    cache.put("new", split)
+    assert moe.ConfigCache(tmp_path).get("new") == split
+    assert json.loads((tmp_path / moe.ConfigCache.FILE).read_text())["new"] == list(split)
