@@ -129,3 +129,62 @@ def test_capture_of_an_untuned_shape_uses_the_heuristic(
     assert torch.equal(captured, eager)
     assert any("CUDA graph capture" in r.getMessage() for r in caplog.records)
     assert not (tmp_path / moe.ConfigCache.FILE).exists()
+
+
+@pytest.mark.parametrize("split", [2, 4, 8])
+@pytest.mark.parametrize("t", [1, 16, 256])
+def test_split_k_at_the_layer_shape(layer, t: int, split: int) -> None:
+    """Split-K (issue 48), bf16 and fp8 experts: the float64 loop's answer within the
+    bound, the unsplit tiles' within the bound, the same bits on a second run (no atomics),
+    and the same bits eagerly and from a CUDA graph."""
+    from pitstop.plugins.kernels.triton_ops import moe, moe_routing
+    from pitstop.plugins.weight_formats.fp8 import quantize_rows
+
+    router, gate_up, down = layer
+    gen = torch.Generator(device="cuda").manual_seed(1000 + t)
+    x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
+    logits = F.linear(x, router)
+    base = moe.FEW_ROWS[0]
+    weights, ids = moe_routing.route(logits, TOP_K, True, torch.bfloat16)
+
+    def quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = quantize_rows(w.reshape(-1, w.shape[-1]))
+        return q.reshape(w.shape), s.reshape(w.shape[:2]).contiguous()
+
+    (gu8, gu_s), (d8, d_s) = quantized(gate_up), quantized(down)
+    for experts, scales, wide in (
+        ((gate_up, down), None, (gate_up.double(), down.double())),
+        ((gu8, d8), (gu_s, d_s), (gu8.double() * gu_s.double()[..., None],
+                                  d8.double() * d_s.double()[..., None])),
+    ):  # fmt: skip
+
+        def run(cfg: moe.MoEConfig, experts=experts, scales=scales) -> torch.Tensor:
+            return moe.fused_moe(x, logits, *experts, TOP_K, renormalize=True,
+                                 weights_dtype=torch.bfloat16, config=cfg, scales=scales)  # fmt: skip
+
+        truth = ref.experts(x.double(), weights.double(), ids, *wide)
+        unsplit, out = run(base), run(base._replace(split_k=split))
+        assert relative_error(out, truth) <= TOL, f"split {split}, fp8 {scales is not None}"
+        assert ((out.double() - unsplit.double()).abs().max() / truth.abs().max()) <= TOL
+        assert torch.equal(out, run(base._replace(split_k=split)))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run(base._replace(split_k=split))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, out)
+
+
+def test_autotune_tries_split_k_at_decode(layer, tmp_path: Path) -> None:
+    """Batch 1: the autotune times the split candidates too and caches its pick (6 fields)."""
+    from pitstop.plugins.kernels.triton_ops import moe
+
+    router, gate_up, down = layer
+    x = torch.randn(1, H, device="cuda").bfloat16()
+    logits = F.linear(x, router)
+    cache = moe.ConfigCache(tmp_path)
+    moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
+                  weights_dtype=torch.bfloat16, cache=cache)  # fmt: skip
+    (entry,) = json.loads((tmp_path / moe.ConfigCache.FILE).read_text()).values()
+    assert len(entry) == 6 and moe.MoEConfig(*entry) in moe.FEW_ROWS
+    assert {c.split_k for c in moe.candidates(1, E, TOP_K, torch.bfloat16)} == {1, 2, 4, 8}

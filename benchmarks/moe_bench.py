@@ -1,0 +1,145 @@
+"""Microbenchmark of the fused MoE op (issue 48): expert-weight bandwidth at decode batches.
+
+For each batch ``T`` at the ``qwen3-30b-a3b`` layer shape (H 2048, E 128, top-8, F 768,
+bf16 activations; ``--fp8``: e4m3 experts with row scales), random router logits route
+the tokens; the op (:func:`pitstop.plugins.kernels.triton_ops.moe.fused_moe`, routing
+included) is captured in a CUDA graph and its replay timed with
+``triton.testing.do_bench`` (median, L2 flushed between runs). Bytes are the expert
+weights the step must read, each distinct expert hit once: ``hit * 3 * H * F`` elements
+(``gate_up`` and ``down``); the rate is given in GB/s and as a fraction of the H200's
+4.23 TB/s copy bandwidth (docs/workloads.md). Rows per batch:
+
+- ``tuned``: the autotune's pick (``choose_config``, into a fresh cache directory);
+- ``split1``: the same tiles with ``split_k`` forced to 1;
+- ``unsplit``: the best of the unsplit candidates (the op before split-K);
+- ``split<N>`` (``--split N``, repeatable): the tuned tiles with ``split_k`` N.
+
+Each row also gives its max difference from the ``unsplit`` row's output over the
+output's max magnitude (split-K re-associates float32 sums: about bf16 rounding).
+
+Usage::
+
+    python benchmarks/moe_bench.py                       # H200: T = 1, 8, 64, 256
+    python benchmarks/moe_bench.py --fp8 --batch 1 --batch 256
+    python benchmarks/moe_bench.py --batch 1 --split 2 --split 4 --split 8 --split 16
+    python benchmarks/moe_bench.py --device cpu          # tiny shapes in Triton's interpreter:
+                                                         # checks the script, measures nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+COPY_BW = 4.23e12  # bytes/s, H200 device-to-device copy
+LAYER = dict(hidden=2048, experts=128, top_k=8, inter=768)  # qwen3-30b-a3b
+TINY = dict(hidden=64, experts=8, top_k=2, inter=32)  # --device cpu
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--batch", type=int, action="append", help="default 1, 8, 64, 256")
+    p.add_argument("--fp8", action="store_true", help="e4m3 experts with row scales")
+    p.add_argument("--split", type=int, action="append", default=[],
+                   help="also the tuned tiles with this split_k (a row 'split<N>')")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, object]]:
+    args = parse(argv)
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton's first import
+    import torch.nn.functional as F
+
+    from pitstop.plugins.kernels.triton_ops import moe, moe_routing
+
+    dev = torch.device(args.device)
+    shape = LAYER if dev.type == "cuda" else TINY
+    h, e, top_k, f = shape["hidden"], shape["experts"], shape["top_k"], shape["inter"]
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    router = (torch.randn(e, h, device=dev, generator=gen) / h**0.5).bfloat16()
+    gate_up = (torch.randn(e, 2 * f, h, device=dev, generator=gen) / h**0.5).bfloat16()
+    down = (torch.randn(e, h, f, device=dev, generator=gen) / f**0.5).bfloat16()
+    scales = None
+    if args.fp8:
+        from pitstop.plugins.weight_formats.fp8 import quantize_rows
+
+        def quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q, s = quantize_rows(w.reshape(-1, w.shape[-1]))
+            return q.reshape(w.shape), s.reshape(w.shape[:2]).contiguous()
+
+        (gate_up, gu_s), (down, d_s) = quantized(gate_up), quantized(down)
+        scales = (gu_s, d_s)
+    elem = gate_up.element_size()
+    cache = moe.ConfigCache(Path(tempfile.mkdtemp(prefix="moe_bench_")))
+    rows: list[dict[str, object]] = []
+    print(
+        f"fused MoE, H {h} E {e} top-{top_k} F {f}, bf16 x, "
+        f"{'fp8' if args.fp8 else 'bf16'} experts, {dev.type}"
+    )
+    print(f"{'T':>4} {'config':>8} {'tiles (m n k warps stages split)':>34} "
+          f"{'us':>9} {'GB/s':>7} {'of copy':>7} {'diff':>8}")  # fmt: skip
+    for t in args.batch or [1, 8, 64, 256]:
+        x = torch.randn(t, h, device=dev, generator=gen).bfloat16()
+        logits = F.linear(x, router)
+        weights, ids = moe_routing.route(logits, top_k, True, torch.bfloat16)
+        hit = int(torch.unique(ids).numel())
+        nbytes = hit * 3 * h * f * elem
+
+        def run(cfg: moe.MoEConfig, x=x, logits=logits) -> torch.Tensor:
+            return moe.fused_moe(x, logits, gate_up, down, top_k, renormalize=True,
+                                 weights_dtype=torch.bfloat16, config=cfg, scales=scales)  # fmt: skip
+
+        tuned = moe.choose_config(x, weights, ids, gate_up, down, cache, scales)
+        configs = {"tuned": tuned, "split1": tuned._replace(split_k=1)}
+        configs |= {f"split{n}": tuned._replace(split_k=n) for n in args.split}
+        if dev.type == "cuda":
+            key = f"unsplit-{t}"
+            unsplit = [c for c in moe.candidates(t, e, top_k, x.dtype) if c.split_k == 1]
+            configs["unsplit"] = moe.autotune(
+                key, unsplit, lambda c, run=run: _time(dev, lambda: run(c)), cache
+            )
+        else:
+            configs["unsplit"] = configs["split1"]
+        base = run(configs["unsplit"])
+        for name, cfg in configs.items():
+            seconds = _time(dev, lambda cfg=cfg: run(cfg), graph=True)
+            out = run(cfg)
+            diff = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
+            rate = nbytes / seconds
+            row = dict(batch=t, config=name, tiles=list(cfg), us=seconds * 1e6,
+                       gbps=rate / 1e9, of_copy=rate / COPY_BW, diff=diff, experts_hit=hit)  # fmt: skip
+            rows.append(row)
+            print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} {seconds * 1e6:9.1f} "
+                  f"{rate / 1e9:7.0f} {rate / COPY_BW:7.1%} {diff:8.2g}")  # fmt: skip
+    return rows
+
+
+def _time(dev: torch.device, fn, graph: bool = False) -> float:
+    """Seconds per call: CUDA (from a CUDA graph when ``graph``): ``do_bench``'s median;
+    CPU: one call by the wall clock."""
+    if dev.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    from triton.testing import do_bench
+
+    if not graph:
+        return do_bench(fn, warmup=5, rep=25) * 1e-3
+    fn()  # compiled before the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return do_bench(g.replay, warmup=10, rep=100) * 1e-3
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
