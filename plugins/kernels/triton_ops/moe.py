@@ -457,7 +457,12 @@ def _grouped_gemm_kernel(
                 u = u.to(a.dtype)
             acc_u = _dot(a, u, acc_u, UPCAST, DOT_PRECISION)
     mask = valid[:, None] & (n < NOUT)[None, :]
-    out = out_ptr + pid_k * stride_os + rows.to(tl.int64)[:, None] * stride_om + n[None, :]
+    out = (
+        out_ptr
+        + pid_k.to(tl.int64) * stride_os
+        + rows.to(tl.int64)[:, None] * stride_om
+        + n[None, :]
+    )
     if GATE_UP and SPLIT_K > 1:
         tl.store(out, acc, mask=mask)  # partial sums: scale and SiLU·mul at the down's load
         tl.store(out + NOUT, acc_u, mask=mask)
@@ -496,9 +501,11 @@ def _silu_mul_of_partials(
     kmask = (k < F)[None, :]
     g = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    for s in tl.static_range(SPLITS):
-        g += tl.load(g_base + s * stride_gs + k[None, :], mask=kmask, other=0.0)
-        u += tl.load(g_base + s * stride_gs + F + k[None, :], mask=kmask, other=0.0)
+    p = g_base + k[None, :]
+    for _ in tl.static_range(SPLITS):  # 64-bit pointer steps: no int32 product to overflow
+        g += tl.load(p, mask=kmask, other=0.0)
+        u += tl.load(p + F, mask=kmask, other=0.0)
+        p += stride_gs
     if W_SCALED:
         g = g * tl.load(s_base + k, mask=k < F, other=0.0)[None, :]
         u = u * tl.load(s_base + F + k, mask=k < F, other=0.0)[None, :]
@@ -518,8 +525,10 @@ def _slot_sum_kernel(
     mask = h < H
     acc = tl.zeros([BLOCK_H], tl.float32)
     for j in tl.static_range(TOPK):
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(y_ptr + s * stride_ys + (t * TOPK + j) * H + h, mask=mask, other=0.0)
+        p = y_ptr + (t * TOPK + j) * H + h
+        for _ in tl.static_range(SPLITS):  # 64-bit pointer steps: no int32 product to overflow
+            acc += tl.load(p, mask=mask, other=0.0)
+            p += stride_ys
     dt: tl.constexpr = out_ptr.dtype.element_ty
     tl.store(out_ptr + t * H + h, _rounded(acc, dt).to(dt), mask=mask)
 
