@@ -89,10 +89,16 @@ FEW_ROWS = (
     MoEConfig(16, 128, 128, 4, 3, 2),
     MoEConfig(16, 64, 128, 4, 4, 4),
     MoEConfig(16, 32, 128, 4, 4, 4),
-    MoEConfig(16, 128, 128, 4, 3, 4),
-    MoEConfig(16, 64, 128, 4, 3, 8),
-    MoEConfig(16, 32, 128, 4, 3, 8),
+    MoEConfig(16, 128, 64, 4, 3, 4),
+    MoEConfig(16, 64, 64, 4, 3, 8),
+    MoEConfig(16, 32, 64, 4, 3, 8),
 )
+# The down GEMM of a split gate-up reads split * 2 float32 [BLOCK_M, BLOCK_K] partials a K
+# step, and Triton's pipeliner stages each in shared memory: (stages - 1) * (split * 2 *
+# BLOCK_M * BLOCK_K * 4 + BLOCK_N * BLOCK_K * 2) bytes (sm_90 compiles: split 8, BLOCK_K 128,
+# 3 stages is 272 KB, past the H200's 227 KB). That GEMM runs :func:`down_stages` stages:
+# at most 2 (its K loop is a few steps a split) and 1 past this budget.
+DOWN_SHARED_BUDGET = 160 * 1024
 MANY_ROWS = (
     MoEConfig(64, 64, 64, 4, 3),
     MoEConfig(64, 128, 64, 4, 3),
@@ -162,10 +168,22 @@ def heuristic_config(
         split = 1
         while split < MAX_SPLIT_K and tiles * split < SPLIT_TARGET_PROGRAMS:
             split *= 2
-        return base._replace(split_k=split)
+        # split 8 reads 16 float32 partials a K step in the down GEMM: BLOCK_K 64 halves them
+        return base._replace(split_k=split, block_k=64 if split >= 8 else base.block_k)
     if per_expert <= 32:
         return FEW_ROWS[3]
     return MANY_ROWS[0]
+
+
+def down_stages(config: MoEConfig, gate_up_splits: int, weight_bytes: int = 2) -> int:
+    """The down GEMM's pipeline stages: ``config.num_stages`` unless it reads the gate-up's
+    float32 partials (``gate_up_splits > 1``), then at most 2, and 1 where one stage's
+    buffers would pass :data:`DOWN_SHARED_BUDGET`."""
+    if gate_up_splits <= 1:
+        return config.num_stages
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    stage = gate_up_splits * 2 * bm * bk * 4 + bn * bk * weight_bytes
+    return min(config.num_stages, 2 if stage <= DOWN_SHARED_BUDGET else 1)
 
 
 def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -425,6 +443,7 @@ def _grouped_gemm_kernel(
         if A_SPLITS > 0:
             a = _silu_mul_of_partials(
                 a_base,
+                valid,
                 as_ptr + e * stride_ase,
                 stride_as,
                 k,
@@ -484,6 +503,7 @@ def _grouped_gemm_kernel(
 @triton.jit
 def _silu_mul_of_partials(
     g_base,
+    valid,
     s_base,
     stride_gs,
     k,
@@ -494,11 +514,11 @@ def _silu_mul_of_partials(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``h[:, k]`` from the gate-up partials at ``g_base`` (rows ``[BLOCK_M, 1]`` pointers):
-    gate ``sum_s g[s, :, k]`` and up ``sum_s g[s, :, F + k]`` in split order, times their
+    """``h[:, k]`` from the gate-up partials at ``g_base`` (rows ``[BLOCK_M, 1]`` pointers;
+    rows not ``valid`` are zero): gate ``sum_s g[s, :, k]`` and up ``sum_s g[s, :, F + k]`` in split order, times their
     columns' scales (``W_SCALED``), then the gate-up epilogue's ``silu(g) * u`` and rounding
     to ``act``'s dtype; columns ``k >= F`` are zero."""
-    kmask = (k < F)[None, :]
+    kmask = valid[:, None] & (k < F)[None, :]  # padding rows read nothing
     g = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     p = g_base + k[None, :]
@@ -598,6 +618,7 @@ def experts(
     rw = weights.reshape(-1).contiguous()
     split_gu, per_gu = effective_split(h, bk, split)
     split_d, per_d = effective_split(f, bk, split)
+    d_stages = down_stages(config, split_gu, down.element_size())
     if split_gu == 1:  # h [T*k, F], rounded by the gate-up epilogue
         inter = torch.empty((1, n, f), dtype=x.dtype, device=x.device)
     else:  # the gate-up's float32 partials [split, T*k, 2F], gate then up
@@ -608,9 +629,10 @@ def experts(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     unscaled = (rw, rw)  # never read: W_SCALED is off
     ws = scales or unscaled
-    for a, w, s, dst, nout, k, gate, splits, per, a_splits in (
-        (x, gate_up, ws[0], inter, f, h, True, split_gu, per_gu, 0),
-        (inter, down, ws[1], y, h, f, False, split_d, per_d, 0 if split_gu == 1 else split_gu),
+    partials = 0 if split_gu == 1 else split_gu
+    for a, w, s, dst, nout, k, gate, splits, per, a_splits, n_stages in (
+        (x, gate_up, ws[0], inter, f, h, True, split_gu, per_gu, 0, stages),
+        (inter, down, ws[1], y, h, f, False, split_d, per_d, partials, d_stages),
     ):
         _grouped_gemm_kernel[(blocks, triton.cdiv(nout, bn), splits)](
             a,
@@ -647,7 +669,7 @@ def experts(
             UPCAST=upcast,
             DOT_PRECISION=precision,
             num_warps=warps,
-            num_stages=stages,
+            num_stages=n_stages,
         )
     block_h = min(1024, triton.next_power_of_2(h))
     _slot_sum_kernel[(t, triton.cdiv(h, block_h))](

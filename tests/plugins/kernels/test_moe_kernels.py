@@ -542,6 +542,14 @@ def test_effective_split_and_the_heuristic_splits() -> None:
     assert moe.heuristic_config(1, 128, 8, torch.float32, True).split_k == 1
     assert moe.INTERPRETER_CONFIG.split_k == 1
     assert {c.split_k for c in moe.candidates(1, 128, 8, torch.bfloat16)} == {1, 2, 4, 8}
+    # the down GEMM over split partials stages them in shared memory: at most 2 stages, and
+    # every split candidate's stage within the budget (sm_90 compiles: 80 KB at most)
+    for cfg in moe.FEW_ROWS:
+        splits, _ = moe.effective_split(2048, cfg.block_k, cfg.split_k)
+        stages = moe.down_stages(cfg, splits)
+        assert stages == (cfg.num_stages if splits == 1 else 2)
+        assert 2 * splits * cfg.block_m * cfg.block_k * 4 <= moe.DOWN_SHARED_BUDGET
+    assert moe.down_stages(moe.MoEConfig(16, 64, 256, 4, 3, 8), 8) == 1
 
 
 def test_config_cache_reads_an_entry_from_before_split_k(tmp_path: Path) -> None:
