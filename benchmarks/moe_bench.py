@@ -105,13 +105,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             key = f"unsplit-{t}"
             unsplit = [c for c in moe.candidates(t, e, top_k, x.dtype) if c.split_k == 1]
             configs["unsplit"] = moe.autotune(
-                key, unsplit, lambda c, run=run: _time(dev, lambda: run(c)), cache
+                key, unsplit, lambda c, run=run: moe.time_replays(lambda: run(c)), cache
             )
         else:
             configs["unsplit"] = configs["split1"]
         base = run(configs["unsplit"])
         for name, cfg in configs.items():
-            seconds = _time(dev, lambda cfg=cfg: run(cfg), graph=True)
+            seconds = _time(dev, lambda cfg=cfg: run(cfg))
             out = run(cfg)
             diff = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
             rate = nbytes / seconds
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     return rows
 
 
-def _time(dev: torch.device, fn, graph: bool = False) -> float:
-    """Seconds per call: CUDA (from a CUDA graph when ``graph``): ``do_bench``'s median;
+def _time(dev: torch.device, fn) -> float:
+    """Seconds per call: CUDA: ``do_bench``'s median over replays of a CUDA graph of it;
     CPU: one call by the wall clock."""
     if dev.type != "cuda":
         start = time.perf_counter()
@@ -132,8 +132,6 @@ def _time(dev: torch.device, fn, graph: bool = False) -> float:
         return time.perf_counter() - start
     from triton.testing import do_bench
 
-    if not graph:
-        return do_bench(fn, warmup=5, rep=25) * 1e-3
     fn()  # compiled before the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -14,28 +14,57 @@
    routing weight (in float32) stored, unrounded, to ``y [T*k, H]`` (float32);
 5. the k-slot sum: ``out[t] = sum_j y[t * k + j]`` in slot order, one rounding.
 
+Split-K (``MoEConfig.split_k``, issue 48; still five launches): at decode the grids are
+too small to stream the experts at HBM rate (batch 1 of Qwen3-30B-A3B: 8 row blocks x 12
+column tiles = 96 gate-up programs on 132 SMs, each walking K = 2048 alone), so each GEMM
+can split its K into runs of whole ``BLOCK_K`` chunks (:func:`effective_split`: at most
+``split_k``, none empty; a grid dimension ``s``), with no float atomics:
+
+- gate-up, ``S`` splits > 1: no epilogue; split ``s`` stores its float32 gate and up sums,
+  unscaled, to ``g [S, T*k, 2F]`` (``[s, row, n]`` and ``[s, row, F + n]``). The down GEMM
+  builds its A operand from them at each K step: gate and up summed over ``s = 0..S-1`` in
+  order, times their columns' fp8 scales, then the epilogue's ``silu(g) * u`` and rounding
+  to ``x``'s dtype, the same float32 expression as the unsplit epilogue's; then its
+  ``tl.dot``. ``S`` = 1 keeps ``h [T*k, F]`` and the epilogue. (Triton stages those float32
+  partials in shared memory, so that GEMM runs at most 2 stages: :func:`down_stages`.)
+- down, ``S'`` splits (of ``F``): split ``s`` stores ``rw * (its partial)`` to
+  ``y [S', T*k, H]``; the k-slot sum adds, per slot in order, its splits in order:
+  ``out[t] = sum_j sum_s y[s, t*k + j]``, one rounding.
+
+Bits: a given config gives the same bits on every run and replay and whatever the batch's
+other rows (fixed-order sums). Split and unsplit differ only by the float32 re-association
+of the K sums (``(d0 + d1) + (d2 + d3)`` for ``((d0 + d1) + d2) + d3``), the routing
+weight applied per partial, and the order of the final sum over splits: where every
+float32 sum is exact (small integers, power-of-two scales and weights: a test) every
+split gives the unsplit bits; in general they agree within rounding, not bit for bit.
+
 fp8 experts (``scales`` given): ``gate_up`` and ``down`` are e4m3 with one float32 scale
 per output row; the GEMMs are weight-only, as the ``fp8`` format's skinny GEMM: each
 weight tile is widened to the activations' dtype in registers (exact) and the float32
-accumulators are multiplied by their columns' scales before the epilogue, so a step
+accumulators are multiplied by their columns' scales before the epilogue (a split
+gate-up's: after the sum over splits, at the down GEMM's load), so a step
 reads half the expert bytes of bf16 and the activations are not rounded to fp8.
 
-Reduction: the deterministic sum over the k slots (5) rather than float32 atomics
-into ``[T, H]``: atomics add a token's k rows in whatever order the programs run, so
-the bits change from run to run (and with the batch's composition), and they need a
+Reduction: the deterministic sum over the k slots (and splits) (5) rather than float32
+atomics into ``[T, H]``: atomics add a token's k rows in whatever order the programs run,
+so the bits change from run to run (and with the batch's composition), and they need a
 zeroed buffer (a memset per call). The cost is ``y``'s float32 round trip, ``T*k*H*8``
 bytes (decode: tens of KB; 2048 tokens of Qwen3-30B-A3B: 268 MB, ~60 us at HBM speed,
-beside ~0.4 ms of GEMMs). Rounding: products of the activation dtype accumulated in
-float32; SiLU·mul and the weight product in float32; ``h`` and ``out`` are the only
-roundings (transformers rounds every intermediate to the activation dtype).
+beside ~0.4 ms of GEMMs), times the down's splits (decode only: hundreds of KB at most),
+plus ``g``'s ``S * T*k * 2F * 8`` with a split gate-up. Rounding: products of the
+activation dtype accumulated in float32; SiLU·mul and the weight product in float32;
+``h`` and ``out`` are the only roundings (transformers rounds every intermediate to the
+activation dtype).
 
 Tiles (:func:`choose_config`): a short autotune at the first call of a shape bucket
 (``T`` rounded up to a power of two, with ``E``, ``k``, ``H``, ``F``), timing a handful of
-:class:`MoEConfig` on the call's own inputs; the winner is cached in memory and on disk
+:class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`time_replays`;
+decode buckets try split-K 2, 4 and 8 too); the winner is cached in memory and on disk
 (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
 the bucket, dtype, device name and Triton version). Where timing is impossible
 (Triton's interpreter, or a CUDA graph being captured) and the bucket is not cached,
-:func:`heuristic_config` decides, and that is logged once per reason.
+:func:`heuristic_config` decides (split-K at decode), and that is logged once per reason.
+Entries cached before split-K (5 fields) read as ``split_k`` 1.
 """
 
 from __future__ import annotations
@@ -343,16 +372,34 @@ def choose_config(
             key,
         )
         return heuristic_config(t, e, top_k, x.dtype, True, two_f // 2)
-    from triton.testing import do_bench
 
     def measure(cfg: MoEConfig) -> float:
-        return do_bench(
-            lambda: experts(x, weights, ids, gate_up, down, config=cfg, scales=scales),
-            warmup=5,
-            rep=25,
+        return time_replays(
+            lambda: experts(x, weights, ids, gate_up, down, config=cfg, scales=scales)
         )
 
     return autotune(key, candidates(t, e, top_k, x.dtype), measure, cache)
+
+
+def time_replays(fn: Callable[[], object]) -> float:
+    """Milliseconds per ``fn()`` on the GPU: ``do_bench``'s median over replays of a CUDA
+    graph of it (as the engine's decode runs it; eager timing of a decode-sized call
+    measures the host's launches, the same for every tile), or eagerly where the capture
+    fails. ``fn`` runs once eagerly first (it compiles; a config that cannot run raises)."""
+    from triton.testing import do_bench
+
+    fn()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as err:  # a capture-unsafe call: time it eagerly
+        logger.info("fused MoE: timing eagerly, the capture failed: %s", err)
+        return do_bench(fn, warmup=5, rep=25)
+    try:
+        return do_bench(graph.replay, warmup=5, rep=25)
+    finally:
+        del graph
 
 
 @triton.jit
@@ -515,9 +562,9 @@ def _silu_mul_of_partials(
     BLOCK_K: tl.constexpr,
 ):
     """``h[:, k]`` from the gate-up partials at ``g_base`` (rows ``[BLOCK_M, 1]`` pointers;
-    rows not ``valid`` are zero): gate ``sum_s g[s, :, k]`` and up ``sum_s g[s, :, F + k]`` in split order, times their
-    columns' scales (``W_SCALED``), then the gate-up epilogue's ``silu(g) * u`` and rounding
-    to ``act``'s dtype; columns ``k >= F`` are zero."""
+    rows not ``valid`` are zero): gate ``sum_s g[s, :, k]`` and up ``sum_s g[s, :, F + k]``
+    in split order, times their columns' scales (``W_SCALED``), then the gate-up epilogue's
+    ``silu(g) * u`` and rounding to ``act``'s dtype; columns ``k >= F`` are zero."""
     kmask = valid[:, None] & (k < F)[None, :]  # padding rows read nothing
     g = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
