@@ -43,7 +43,7 @@ TINY = dict(hidden=64, experts=8, top_k=2, inter=32)  # --device cpu
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--batch", type=int, action="append", help="default 1, 8, 64, 256")
     p.add_argument("--fp8", action="store_true", help="e4m3 experts with row scales")
