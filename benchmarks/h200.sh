@@ -319,6 +319,14 @@ for _ in range(2):
       echo "   pytest exit ${PIPESTATUS[0]}"
       timeout 200 python3 benchmarks/rl_bench.py --repeats 3 --out "$OUT/rl-tms.json" >"$OUT/rl-tms.log" 2>&1; echo "   rl_bench exit $?"
       grep -E "memory_backend|median_s|freed" "$OUT/rl-tms.log" | head -8 ;;
+    # 2026-12-05 (issue 48): split-K in the fused MoE op: its GPU tests, the op's expert-weight
+    # bandwidth at batch 1-256 (bf16, fp8), then single and nano on the MoE preset (fresh tile cache)
+    moe48) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_moe_kernels_gpu.py \
+        tests/plugins/models/test_moe_models_fused.py 2>&1 | tee "$OUT/gpu-tests-moe48.log" | tail -4
+      echo "== moe_bench"; timeout 300 python3 benchmarks/moe_bench.py 2>&1 | tee "$OUT/moe-bench.log" | tail -25
+      [ "${MOE_FP8:-0}" = 1 ] && { timeout 200 python3 benchmarks/moe_bench.py --fp8 2>&1 | tail -12; }
+      for w in ${MOE_WORKLOADS:-single nano}; do run moe-$w offline --workload $w --model dummy:qwen3-30b-a3b --kernels fused --repeats ${MOE_REPEATS:-1}; done ;;
     multiturn) run multiturn online --workload multiturn --matrix +prefix,+tiered --kv-offloading-size 64 --repeats ${MT_REPEATS:-3} ;;
   esac
 done
