@@ -19,8 +19,9 @@ from helpers.models import smollm2_gguf
 from pitstop import LLM, SamplingParams, TextPrompt, TokensPrompt
 from pitstop.entrypoints.chat_template import apply_chat_template
 from pitstop.errors import InvalidRequestError
+from pitstop.plugin_system.sampler import RowInputs
+from pitstop.plugins.samplers.batch import make_sampling_batch, make_step_inputs
 from pitstop.plugins.samplers.standard import StandardSampler
-from pitstop.requests.sampling import RowInputs, make_sampling_batch, make_step_inputs
 from pitstop.requests.sequence import PENDING_TOKEN
 
 CPU = torch.device("cpu")
@@ -97,7 +98,7 @@ def test_a_pending_last_token_is_read_from_the_device() -> None:
 
 
 def test_token_histories_copy_only_new_tokens_and_keep_the_pending_slot() -> None:
-    from pitstop.requests.sampling import TokenHistories
+    from pitstop.plugins.samplers.batch import TokenHistories
 
     histories = TokenHistories()
     tokens = [5, 6, 7]
