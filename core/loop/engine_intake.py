@@ -251,6 +251,13 @@ class RequestIntake:
                 "logits_processors or logprobs other than 0; use sampler 'standard' or "
                 "leave them unset"
             )
+        if params.prompt_logprobs is not None and not SamplerBase.of(
+            self.sampler, "prompt_logprobs"
+        ):
+            raise InvalidRequestError(
+                f"the {self.config.sampler!r} sampler does not compute prompt_logprobs; use "
+                "sampler 'standard' or leave it unset"
+            )
         if params.prompt_logprobs is not None and AllocatorBase.of(
             self.allocator, "caches_prefixes"
         ):

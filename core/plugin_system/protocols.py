@@ -394,6 +394,10 @@ class SamplerBase(Capabilities):
     # Whether it applies penalties, logit_bias, blocked tokens, grammar masks,
     # allowed tokens, user processors and logprobs=k (else the engine refuses requests using them).
     supports_logits_processors: bool = False
+    # (seqs, hidden, starts, compute_logits) -> {input index: PromptLogprobs}: the
+    # log-probabilities of the prompt tokens a step's rows predict (None: the engine refuses
+    # prompt_logprobs; the standard sampler's: pitstop.plugins.samplers.logprobs).
+    prompt_logprobs: Any = None
 
     def prepare_request(self, params: SamplingParams, tokenizer: Any) -> Any:
         """What the sampler keeps of a request for its rows' processors (handed back in each

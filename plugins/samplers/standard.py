@@ -43,6 +43,7 @@ from pitstop.plugins.samplers.batch import (
     make_step_inputs,
 )
 from pitstop.plugins.samplers.draws import exponential_race
+from pitstop.plugins.samplers.logprobs import prompt_logprobs
 from pitstop.plugins.samplers.processors import apply_logits_processors, uses_logits_processors
 from pitstop.requests.sampling_params import SamplingParams
 
@@ -129,6 +130,8 @@ class StandardSampler:
     # The engine sends penalties, logit_bias, min_tokens, grammars and logprobs=k only to a
     # sampler that says it applies them (a third-party sampler that does not is refused them).
     supports_logits_processors = True
+    # prompt log-probabilities, of the model's logits as they are (vLLM's)
+    prompt_logprobs = staticmethod(prompt_logprobs)
 
     @staticmethod
     def process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -469,6 +469,7 @@ def test_a_sampler_without_processors_is_refused_them(tmp_path) -> None:
 
     class PlainSampler(StandardSampler):
         supports_logits_processors = False
+        prompt_logprobs = None  # nor prompt log-probabilities (SamplerBase's default)
 
     module = types.ModuleType("plain_sampler_plugin")
 
@@ -499,3 +500,5 @@ def test_a_sampler_without_processors_is_refused_them(tmp_path) -> None:
         with pytest.raises(InvalidRequestError, match="'plain' sampler does not apply"):
             llm.generate("Hi", SamplingParams(max_tokens=2, **bad))
     assert llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2, logprobs=0))[0].text
+    with pytest.raises(InvalidRequestError, match="'plain' sampler does not compute prompt_logp"):
+        llm.generate("Hi", SamplingParams(max_tokens=2, prompt_logprobs=1))
