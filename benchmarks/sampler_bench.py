@@ -17,13 +17,9 @@ import time
 import torch
 
 from pitstop.entrypoints.sampling_params import SamplingParams
+from pitstop.plugin_system.sampler import RowInputs
+from pitstop.plugins.samplers.batch import TokenHistories, make_sampling_batch, make_step_inputs
 from pitstop.plugins.samplers.standard import StandardSampler
-from pitstop.requests.sampling import (
-    RowInputs,
-    TokenHistories,
-    make_sampling_batch,
-    make_step_inputs,
-)
 
 
 def _time(fn, iters: int) -> float:

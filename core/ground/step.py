@@ -20,7 +20,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-    from pitstop.requests.sampling import RowInputs
+    from pitstop.plugin_system.sampler import RowInputs
     from pitstop.requests.sampling_params import SamplingParams
 
 

@@ -53,10 +53,9 @@ from pitstop.plugin_system.executor import ExecutorContext
 from pitstop.plugin_system.grammar import GrammarBackend
 from pitstop.plugin_system.plugin_manager import PluginManager, get_plugin_manager
 from pitstop.plugin_system.protocols import AllocatorBase
+from pitstop.plugin_system.sampler import RowInputs
 from pitstop.plugin_system.settings import resolve
-from pitstop.requests.bad_words import blocked_now
 from pitstop.requests.outputs import RequestOutput
-from pitstop.requests.sampling import RowInputs
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence, SequenceStatus
 from pitstop.runner.memory_plan import kv_bytes_per_page, pages_asked, resolve_device, resolve_dtype
@@ -550,7 +549,6 @@ class LLMEngine:
             reads_tokens
         ):  # the step before was applied (InFlightStep.needs_host_tokens): none pending
             output_ids = tuple(seq.output_token_ids)
-            blocked += tuple(blocked_now(sample.bad_words, output_ids))
         if not (
             params.needs_penalties
             or blocked
@@ -569,6 +567,7 @@ class LLMEngine:
             prompt_ids=tuple(seq.prompt_token_ids) if params.logits_processors else (),
             output_ids=output_ids,
             reads_tokens=reads_tokens,
+            prepared=sample.prepared,
         )
 
     # ------------------------------------------------------------------ speculation

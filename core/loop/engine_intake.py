@@ -38,7 +38,6 @@ from pitstop.plugin_system.protocols import (
     SamplerBase,
     Scheduler,
 )
-from pitstop.requests.bad_words import bad_word_token_ids
 from pitstop.requests.detokenizer import IncrementalDetokenizer
 from pitstop.requests.outputs import RequestOutput
 from pitstop.requests.request_state import RequestState, SampleState
@@ -252,6 +251,13 @@ class RequestIntake:
                 "logits_processors or logprobs other than 0; use sampler 'standard' or "
                 "leave them unset"
             )
+        if params.prompt_logprobs is not None and not SamplerBase.of(
+            self.sampler, "prompt_logprobs"
+        ):
+            raise InvalidRequestError(
+                f"the {self.config.sampler!r} sampler does not compute prompt_logprobs; use "
+                "sampler 'standard' or leave it unset"
+            )
         if params.prompt_logprobs is not None and AllocatorBase.of(
             self.allocator, "caches_prefixes"
         ):
@@ -299,9 +305,8 @@ class RequestIntake:
         if params.structured_outputs is not None:
             backend = self.grammar_compiler()
             grammars = [backend.new_state(params.structured_outputs) for _ in range(params.n)]
-        bad_words = ()
-        if params.bad_words:
-            bad_words = bad_word_token_ids(self.tokenizer, params.bad_words)
+        # what the sampler keeps of the request for its rows (the standard one: bad_words)
+        prepared = SamplerBase.of(self.sampler, "prepare_request")(params, self.tokenizer)
         uses_processors = (
             params.needs_penalties
             or params.min_tokens > 0
@@ -339,7 +344,7 @@ class RequestIntake:
                     grammar=grammars[i] if grammars else None,
                     logprobs=[] if params.logprobs is not None else None,
                     cumulative_logprob=0.0 if params.logprobs is not None else None,
-                    bad_words=bad_words,
+                    prepared=prepared,
                     uses_processors=uses_processors,
                 )
             )

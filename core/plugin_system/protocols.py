@@ -30,8 +30,9 @@ from pitstop.ground.attention import AttentionMetadata
 from pitstop.ground.metrics import AllocatorStats  # noqa: F401  (home: ground.metrics)
 from pitstop.plugin_system.grammar import GrammarBackend, GrammarMatcher  # noqa: F401  (home)
 from pitstop.plugin_system.moe_ops import MoEOps  # noqa: F401  (home: short)
+from pitstop.plugin_system.sampler import RowInputs, Sampler, SamplerOutput  # noqa: F401  (home)
 from pitstop.plugin_system.weight_format import KeepsBlocks, WeightFormat  # noqa: F401  (home: short)
-from pitstop.requests.sampling_batch import SamplerOutput, SamplingBatch  # noqa: F401  (home)
+from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence
 
 # ---------------------------------------------------------------- capabilities
@@ -387,25 +388,41 @@ class KernelSetBase(Capabilities):
 # ---------------------------------------------------------------- sampler
 
 
-@runtime_checkable
-class Sampler(Protocol):
-    """Turns a batch of logits into tokens."""
-
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample one token per row of ``logits`` ``[B, V]``."""
-        ...
-
-    def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The distribution ``sample`` draws from, after temperature and filters: ``[B, V]``."""
-        ...
-
-
 class SamplerBase(Capabilities):
-    """The default of a sampler's optional capability."""
+    """The defaults of a sampler's optional capabilities."""
 
-    # Whether it applies the SamplingBatch's penalties, logit_bias, blocked tokens, grammar masks,
+    # Whether it applies penalties, logit_bias, blocked tokens, grammar masks,
     # allowed tokens, user processors and logprobs=k (else the engine refuses requests using them).
     supports_logits_processors: bool = False
+    # (seqs, hidden, starts, compute_logits) -> {input index: PromptLogprobs}: the
+    # log-probabilities of the prompt tokens a step's rows predict (None: the engine refuses
+    # prompt_logprobs; the standard sampler's: pitstop.plugins.samplers.logprobs).
+    prompt_logprobs: Any = None
+
+    def prepare_request(self, params: SamplingParams, tokenizer: Any) -> Any:
+        """What the sampler keeps of a request for its rows' processors (handed back in each
+        row's ``RowInputs.prepared``), made when the request enters: nothing by default."""
+        del params, tokenizer
+
+    def add_step_inputs(
+        self,
+        batch: Any,
+        rows: Seq[RowInputs | None],
+        pending_rows: Seq[int],
+        last_sampled: torch.Tensor,
+        vocab_size: int,
+        seq_ids: Seq[int],
+    ) -> Any:
+        """``batch`` plus this step's per-row tensors (token histories, blocked tokens, a
+        grammar's bitmask) from ``rows``; a pending token is ``last_sampled[pending_rows[i]]``,
+        on the device. Only a sampler that supports logits processors is handed rows: the
+        default adds nothing."""
+        del rows, pending_rows, last_sampled, vocab_size, seq_ids
+        return batch
+
+    def forget(self, seq_ids: Seq[int]) -> None:
+        """Drop what it keeps of sequences that are gone (token histories): nothing kept."""
+        del seq_ids
 
 
 # ---------------------------------------------------------------- proposer

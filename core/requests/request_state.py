@@ -12,7 +12,7 @@ with each sample's delta since the last output.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -44,7 +44,7 @@ class SampleState:
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
-    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
+    prepared: Any = None  # what the sampler prepared for the request (Sampler.prepare_request)
     delta: str = ""  # text since the last output
     new_ids: list[int] = attrs.Factory(list)  # tokens since the last output
     # penalties, min_tokens, a grammar, allowed_token_ids or host tokens: the sampler's row inputs

@@ -11,9 +11,8 @@ runner per rank gets the same input (an executor plugin's ranks,
 - :mod:`pitstop.runner.graphs`, :mod:`pitstop.runner.piecewise`,
   :mod:`pitstop.runner.capture`: CUDA graphs (decode and verification as one
   mechanism; piecewise prefill) and their capture;
-- :mod:`pitstop.runner.logprobs`: prompt log-probabilities;
 - :mod:`pitstop.runner.sampling`: sampling and verification, and what they
-  keep between steps; :mod:`pitstop.runner.launched`: the launched step's handle;
+  keep between steps (prompt log-probabilities are the sampler's); :mod:`pitstop.runner.launched`: the launched step's handle;
 - :mod:`pitstop.runner.memory_plan`: device, dtype and the KV cache's size;
 - :mod:`pitstop.runner.peers`: the step's peers (alone, or the other ranks an
   executor's :class:`~pitstop.runner.peers.RankParallel` gives), behind one call, so
@@ -42,7 +41,7 @@ from pitstop.loading.finite_weights import finite_weights
 from pitstop.loading.kv_cache_dtype import check_kernels_read_fp8, resolve_kv_cache_dtype
 from pitstop.plugin_system.adapter import AdapterContext, Adapters
 from pitstop.plugin_system.plugin_manager import PluginManager
-from pitstop.plugin_system.protocols import ModelBase
+from pitstop.plugin_system.protocols import ModelBase, SamplerBase
 from pitstop.plugin_system.registration import takes_keyword
 from pitstop.plugin_system.settings import ResolvedConfig, resolve
 from pitstop.requests.sampling_params import SamplingParams
@@ -50,7 +49,6 @@ from pitstop.runner.batch import build_metadata, select_rows
 from pitstop.runner.capture import capture_graphs
 from pitstop.runner.graphs import DecodeGraphs, ForwardParts
 from pitstop.runner.launched import LaunchedStep
-from pitstop.runner.logprobs import prompt_logprobs
 from pitstop.runner.memory_plan import (  # noqa: F401  (resolve_device, resolve_dtype re-exported)
     kv_bytes_per_page,
     plan_num_pages,
@@ -435,6 +433,7 @@ class ModelRunner:
         hidden, rows, starts = self.forward(seqs)
         prompt = None
         if wants_prompt:
+            prompt_logprobs = SamplerBase.of(self.sampler, "prompt_logprobs")
             prompt = prompt_logprobs(seqs, hidden, starts, self.model.compute_logits)
         if not rows:
             self.sampling.last_rows = {}

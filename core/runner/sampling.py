@@ -3,8 +3,9 @@
 :class:`StepSampling` holds what sampling keeps from step to step: the last
 launched step's sampled ids in a device buffer (the next step gathers its
 pending input tokens from it, by the rows in :attr:`StepSampling.last_rows`),
-the seeded sequences' generators, the penalized sequences' token histories,
-the last step's sampling batch (a sequence's parameters never change, so
+the seeded sequences' generators (the sampler keeps what its batches need
+besides, such as the penalized sequences' token histories), the last step's
+sampling batch (a sequence's parameters never change, so
 the same rows need no new host-to-device copies) and the pinned host
 buffers the tokens come back through.
 """
@@ -13,19 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from pitstop.ground.poison import nan_rows_of, poison_
 from pitstop.ground.step import SeqInput
-from pitstop.plugin_system.protocols import Sampler, SamplingBatch
-from pitstop.requests.sampling import (
-    TokenHistories,
-    make_generator,
-    make_sampling_batch,
-    make_step_inputs,
-)
+from pitstop.plugin_system.protocols import Sampler, SamplerBase
+from pitstop.plugin_system.sampler import make_generator
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.runner.launched import LaunchedStep, LaunchedVerification, to_host
 
@@ -50,11 +46,10 @@ class StepSampling:
     def __init__(self, sampler: Sampler, device: torch.device, rows: int, *, poison: bool) -> None:
         self.sampler, self.device = sampler, device
         self.generators: dict[int, torch.Generator] = {}
-        self.histories = TokenHistories()  # penalized sequences' tokens, grown step by step
         # the verifier plugin (speculative_verifier=NAME), set by the engine when it speculates
         self.verifier: Verifier | None = None
         # The last step's sampling rows (seq ids) and their batch.
-        self.batch_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
+        self.batch_cache: tuple[tuple[int, ...], Any] | None = None
         # The last launched step's sampled ids stay here on the device; the next step gathers
         # its pending input tokens from it (``last_rows``: seq id -> row).
         self.last_sampled = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -82,10 +77,11 @@ class StepSampling:
         return gen
 
     def forget(self, gone: set[int]) -> None:
-        """Drop the generators, histories, cached batch and rows of sequences that are gone."""
+        """Drop the generators, cached batch and rows of sequences that are gone (and tell the
+        sampler, which drops what it keeps of them)."""
         for seq_id in gone:
             self.generators.pop(seq_id, None)
-        self.histories.forget(list(gone))
+        SamplerBase.of(self.sampler, "forget")(list(gone))
         if self.batch_cache is not None and gone.intersection(self.batch_cache[0]):
             self.batch_cache = None
         if gone.intersection(self.last_rows):
@@ -153,19 +149,18 @@ class StepSampling:
         if self.batch_cache is not None and self.batch_cache[0] == key:
             batch = self.batch_cache[1]  # same rows as last step: no host-to-device copies
         else:
-            batch = make_sampling_batch(params, generators, self.device)
+            batch = self.sampler.make_batch(params, generators)
             self.batch_cache = (key, batch)
         row_inputs = [s.row_inputs for s in sampling]
         if any(r is not None for r in row_inputs):
             pending = [self.last_rows.get(s.seq_id, 0) for s in sampling]
-            batch = make_step_inputs(
+            batch = SamplerBase.of(self.sampler, "add_step_inputs")(
                 batch,
                 row_inputs,
                 pending,
                 self.last_sampled,
                 logits.shape[-1],
-                seq_ids=[s.seq_id for s in sampling],
-                histories=self.histories,
+                [s.seq_id for s in sampling],
             )
         return self.sampler.sample(logits, batch)
 

@@ -2,7 +2,7 @@
 
 Shared by the samplers' side of the plugins: the ``standard`` sampler, the ``rejection``
 verifier and the ``draft`` proposer draw with it, each row from its own seeded
-generator when it has one (:func:`pitstop.requests.sampling.make_generator`).
+generator when it has one (:func:`pitstop.plugin_system.sampler.make_generator`).
 """
 
 from __future__ import annotations

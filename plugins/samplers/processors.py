@@ -1,7 +1,7 @@
 """The built-in logits processors: what a sampler applies to a step's logits before it draws.
 
-The runner builds each step's :class:`~pitstop.plugin_system.protocols.SamplingBatch`
-(:func:`pitstop.requests.sampling.make_sampling_batch` and ``make_step_inputs``: the
+The sampler builds each step's :class:`~pitstop.plugins.samplers.batch.SamplingBatch`
+(:func:`pitstop.plugins.samplers.batch.make_sampling_batch` and ``make_step_inputs``: the
 per-row tensors of penalties, ``logit_bias``, blocked tokens, allowed tokens, a grammar's
 bitmask and the requests' own callables); the sampler applies them. In order: the
 structured-output bitmask and ``allowed_token_ids`` (disallowed tokens to -inf),
@@ -23,7 +23,7 @@ import torch
 
 from pitstop.entrypoints.sampling_params import processor_arity
 from pitstop.errors import InvalidRequestError
-from pitstop.requests.sampling_batch import SamplingBatch
+from pitstop.plugins.samplers.batch import SamplingBatch
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -28,15 +28,24 @@ chosen token's, its rank, and the ``k`` most likely tokens'.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from pitstop.plugin_system.hookspecs import hookimpl
-from pitstop.plugin_system.protocols import SamplerOutput, SamplingBatch
+from pitstop.plugin_system.sampler import RowInputs, SamplerOutput, make_generator
+from pitstop.plugins.samplers.bad_words import bad_word_token_ids
+from pitstop.plugins.samplers.batch import (
+    SamplingBatch,
+    TokenHistories,
+    make_sampling_batch,
+    make_step_inputs,
+)
 from pitstop.plugins.samplers.draws import exponential_race
+from pitstop.plugins.samplers.logprobs import prompt_logprobs
 from pitstop.plugins.samplers.processors import apply_logits_processors, uses_logits_processors
-from pitstop.requests.sampling import make_generator
+from pitstop.requests.sampling_params import SamplingParams
 
 
 class StandardSampler:
@@ -48,8 +57,44 @@ class StandardSampler:
         self.device = torch.device(device)
         self.seed = int(seed)
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.histories = TokenHistories()  # penalized sequences' tokens, grown step by step
 
     # ------------------------------------------------------------------ public
+    def prepare_request(self, params: SamplingParams, tokenizer: Any) -> Any:
+        """The request's ``bad_words`` as token sequences (:func:`pitstop.plugins.samplers.bad_words.bad_word_token_ids`), or None."""
+        return bad_word_token_ids(tokenizer, params.bad_words) if params.bad_words else None
+
+    def make_batch(
+        self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    ) -> SamplingBatch:
+        """The rows' settings on this sampler's device (:func:`pitstop.plugins.samplers.batch.make_sampling_batch`)."""
+        return make_sampling_batch(params, generators, self.device)
+
+    def add_step_inputs(
+        self,
+        batch: SamplingBatch,
+        rows: Sequence[RowInputs | None],
+        pending_rows: Sequence[int],
+        last_sampled: torch.Tensor,
+        vocab_size: int,
+        seq_ids: Sequence[int],
+    ) -> SamplingBatch:
+        """This step's per-row tensors (:func:`pitstop.plugins.samplers.batch.make_step_inputs`),
+        each penalized sequence's tokens copied once into :attr:`histories`."""
+        return make_step_inputs(
+            batch,
+            rows,
+            pending_rows,
+            last_sampled,
+            vocab_size,
+            seq_ids=seq_ids,
+            histories=self.histories,
+        )
+
+    def forget(self, seq_ids: Sequence[int]) -> None:
+        """Drop the token histories of sequences that are gone."""
+        self.histories.forget(seq_ids)
+
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[B, V]``; log-probs of the chosen tokens when asked."""
         if batch.all_greedy and not batch.want_logprobs and not uses_logits_processors(batch):
@@ -85,6 +130,8 @@ class StandardSampler:
     # The engine sends penalties, logit_bias, min_tokens, grammars and logprobs=k only to a
     # sampler that says it applies them (a third-party sampler that does not is refused them).
     supports_logits_processors = True
+    # prompt log-probabilities, of the model's logits as they are (vLLM's)
+    prompt_logprobs = staticmethod(prompt_logprobs)
 
     @staticmethod
     def process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

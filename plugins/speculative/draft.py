@@ -48,9 +48,10 @@ from pitstop.ground.poison import FreshPageTracker
 from pitstop.ground.step import SeqInput
 from pitstop.loading.weights import load_model_source
 from pitstop.plugin_system.protocols import Proposal
+from pitstop.plugin_system.sampler import make_generator
 from pitstop.plugin_system.settings import setting
+from pitstop.plugins.samplers.batch import is_greedy
 from pitstop.plugins.samplers.draws import exponential_race
-from pitstop.requests.sampling import is_greedy, make_generator, make_sampling_batch
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import PENDING_TOKEN
 from pitstop.runner.model_runner import ModelRunner
@@ -301,7 +302,7 @@ class DraftProposer:
             logits = torch.cat([logits, pad], dim=1)
         params = [s.sampling_params or SamplingParams() for s in seqs]
         gens = [self._generator(s) for s in seqs]
-        batch = make_sampling_batch(params, gens, self.device)
+        batch = runner.sampler.make_batch(params, gens)
         if batch.all_greedy:  # greedy drafts need no distribution (the verifier takes point masses)
             tokens = logits.argmax(dim=-1)
             runner.last_sampled[: len(inputs)].copy_(tokens)

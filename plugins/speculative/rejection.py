@@ -33,9 +33,10 @@ import numpy as np
 import torch
 
 from pitstop.plugin_system.hookspecs import hookimpl
+from pitstop.plugin_system.sampler import make_generator
 from pitstop.plugin_system.verifier import DeviceVerified, Verified
+from pitstop.plugins.samplers.batch import is_greedy
 from pitstop.plugins.samplers.draws import exponential_race
-from pitstop.requests.sampling import is_greedy, make_generator, make_sampling_batch
 from pitstop.requests.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -249,7 +250,7 @@ class RejectionVerifier:
                 g for s, g in zip(seqs, generators, strict=True) for _ in range(s.num_logits)
             ]
             probs = self.sampler.probabilities(
-                logits, make_sampling_batch(row_params, row_gens, self.device)
+                logits, self.sampler.make_batch(row_params, row_gens)
             )
         return verify_on_device(
             probs,

@@ -7,14 +7,11 @@ import torch
 
 from pitstop.bench.report import RequestRecord
 from pitstop.entrypoints.sampling_params import SamplingParams
+from pitstop.plugin_system.sampler import make_generator
+from pitstop.plugins.samplers.batch import is_greedy, make_sampling_batch
 from pitstop.plugins.samplers.draws import exponential_race
 from pitstop.requests.outputs import RequestMetrics, time_per_output_token
-from pitstop.requests.sampling import (
-    SAMPLING_EPS,
-    is_greedy,
-    make_generator,
-    make_sampling_batch,
-)
+from pitstop.requests.sampling_params import SAMPLING_EPS
 
 
 @pytest.mark.parametrize(

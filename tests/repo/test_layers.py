@@ -3,8 +3,8 @@ entry point, application or plugin.
 
 A *part* is a sub-package of ``core/`` (``pitstop.loop``, ``pitstop.requests``, ...) or a
 module at its top (``pitstop.config``, ``pitstop.errors``, ...). The package's ``__init__``
-and vLLM's module paths (``pitstop.sampling_params``, ``pitstop.inputs``, ``pitstop.outputs``)
-only re-export public names and are left out (``pitstop.lora.request`` lives outside ``core/``,
+only re-exports public names and is left out (vLLM's module paths, ``pitstop.sampling_params``,
+``pitstop.inputs``, ``pitstop.outputs``, ``pitstop.lora.request``, live outside ``core/``,
 in ``compat/``). Every import that runs counts, function-local
 ones included; imports under ``if TYPE_CHECKING:`` (annotations only) do not.
 
@@ -20,8 +20,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "core"
-FACADE = {"__init__", "sampling_params", "inputs", "outputs"}
-OUTSIDE = ("plugins", "entrypoints", "server", "bench", "testing", "verify", "model", "lora")
+FACADE = {"__init__"}
+OUTSIDE = (
+    "plugins",
+    "entrypoints",
+    "server",
+    "bench",
+    "testing",
+    "verify",
+    "model",
+    "lora",
+    "inputs",
+    "outputs",
+    "sampling_params",
+)
 
 
 def _part(path: Path) -> str | None:

@@ -19,8 +19,9 @@ from helpers.models import smollm2_gguf
 from pitstop import LLM, SamplingParams, TextPrompt, TokensPrompt
 from pitstop.entrypoints.chat_template import apply_chat_template
 from pitstop.errors import InvalidRequestError
+from pitstop.plugin_system.sampler import RowInputs
+from pitstop.plugins.samplers.batch import make_sampling_batch, make_step_inputs
 from pitstop.plugins.samplers.standard import StandardSampler
-from pitstop.requests.sampling import RowInputs, make_sampling_batch, make_step_inputs
 from pitstop.requests.sequence import PENDING_TOKEN
 
 CPU = torch.device("cpu")
@@ -97,7 +98,7 @@ def test_a_pending_last_token_is_read_from_the_device() -> None:
 
 
 def test_token_histories_copy_only_new_tokens_and_keep_the_pending_slot() -> None:
-    from pitstop.requests.sampling import TokenHistories
+    from pitstop.plugins.samplers.batch import TokenHistories
 
     histories = TokenHistories()
     tokens = [5, 6, 7]
@@ -468,6 +469,7 @@ def test_a_sampler_without_processors_is_refused_them(tmp_path) -> None:
 
     class PlainSampler(StandardSampler):
         supports_logits_processors = False
+        prompt_logprobs = None  # nor prompt log-probabilities (SamplerBase's default)
 
     module = types.ModuleType("plain_sampler_plugin")
 
@@ -498,3 +500,5 @@ def test_a_sampler_without_processors_is_refused_them(tmp_path) -> None:
         with pytest.raises(InvalidRequestError, match="'plain' sampler does not apply"):
             llm.generate("Hi", SamplingParams(max_tokens=2, **bad))
     assert llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2, logprobs=0))[0].text
+    with pytest.raises(InvalidRequestError, match="'plain' sampler does not compute prompt_logp"):
+        llm.generate("Hi", SamplingParams(max_tokens=2, prompt_logprobs=1))

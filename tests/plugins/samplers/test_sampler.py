@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from pitstop import EngineConfig, SamplingParams
 from pitstop.plugin_system.plugin_manager import PluginManager
-from pitstop.plugin_system.protocols import Sampler, SamplingBatch
+from pitstop.plugin_system.protocols import Sampler
+from pitstop.plugin_system.sampler import make_generator
+from pitstop.plugins.samplers.batch import SamplingBatch, make_sampling_batch
 from pitstop.plugins.samplers.standard import StandardSampler
-from pitstop.requests.sampling import make_generator, make_sampling_batch
 
 CPU = torch.device("cpu")
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pitstop import SamplingParams
+from pitstop.plugins.samplers.batch import make_sampling_batch
 from pitstop.plugins.speculative.rejection import verify, verify_on_device
-from pitstop.requests.sampling import make_sampling_batch
 
 
 # ---------------------------------------------------------------- the distribution is the target's

@@ -1,6 +1,8 @@
 """Prompt log-probabilities: what the model gave each prompt token a step's rows predict.
 
-Only a step in which some sequence asked for ``prompt_logprobs`` comes here;
+The standard sampler's ``prompt_logprobs`` (as vLLM's runner asks its sampler for
+them): the runner calls it in a step in which some sequence asked for
+``prompt_logprobs``, with the step's hidden rows and the model's ``compute_logits``;
 it waits for the device (the values are read back at once).
 """
 

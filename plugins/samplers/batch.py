@@ -1,74 +1,71 @@
-"""Turning per-request sampling parameters into the tensors a sampler reads.
+"""The standard sampler's batches: per-request sampling parameters as the tensors it reads.
 
-The engine keeps one :class:`torch.Generator` per seeded request (made with
-:func:`make_generator` when the request arrives, and kept for its whole life so
-that its draws continue where the previous step stopped), and each step calls
-:func:`make_sampling_batch` with the rows' parameters and generators in the
-order of the logits' rows.
+Its :meth:`~pitstop.plugins.samplers.standard.StandardSampler.make_batch` is
+:func:`make_sampling_batch` (the rows' parameters and generators, in the
+order of the logits' rows: one :class:`torch.Generator` per seeded request,
+made by the runner with :func:`pitstop.plugin_system.sampler.make_generator`
+and kept for the request's whole life, so that its draws continue where the
+previous step stopped), and its
+:meth:`~pitstop.plugins.samplers.standard.StandardSampler.add_step_inputs` is
+:func:`make_step_inputs` (the rows' :class:`~pitstop.plugin_system.sampler.RowInputs`
+as this step's tensors, the penalized sequences' tokens kept in
+:class:`TokenHistories`). A third-party sampler may build its batches with
+these functions too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
 import torch
 
-from pitstop.requests.sampling_batch import SamplingBatch
-from pitstop.requests.sampling_params import (  # noqa: F401  (SAMPLING_EPS re-exported)
-    SAMPLING_EPS,
-    SamplingParams,
-)
+from pitstop.plugin_system.sampler import RowInputs
+from pitstop.plugins.samplers.bad_words import blocked_now
+from pitstop.requests.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pitstop.plugin_system.grammar import GrammarMatcher
+
+@attrs.frozen
+class SamplingBatch:
+    """Per-row sampling settings of one step's logits, as tensors on the device."""
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_k: torch.Tensor  # [B] int64; -1 = off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    generators: list[torch.Generator | None]  # per-row seeded generator
+    all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+    want_logprobs: bool = False
+    # The largest top_k over the rows, known on the host so that a sampler never reads it back
+    # from the device (that read would stall the overlapped loop); -1: some row keeps every token.
+    max_top_k: int = -1
+    # logprobs=k: most alternatives any row asks for (0: the chosen only; -1: the whole vocabulary)
+    max_logprobs: int = 0
+    # Logits processors, applied before greedy/temperature (None: no row uses them).
+    needs_penalties: bool = False
+    presence_penalty: torch.Tensor | None = None  # [B] float32
+    frequency_penalty: torch.Tensor | None = None  # [B] float32
+    repetition_penalty: torch.Tensor | None = None  # [B] float32
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
+    # Per step (make_step_inputs):
+    history: torch.Tensor | None = None  # [B, L] int64 prompt + output ids, padded with V
+    prompt_lens: torch.Tensor | None = None  # [B] int64: history[:, :len] is the prompt
+    blocked: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, ids masked this step
+    token_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed tokens (grammar)
+    allowed: torch.Tensor | None = None  # [B, V] bool: allowed_token_ids (True where allowed)
+    # logits_processors: per row (row, callables, prompt ids, output ids), run on the host's
+    # view of the step after every other processor (pitstop.plugins.samplers.processors)
+    user_processors: tuple[tuple[int, tuple[Any, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
 def is_greedy(params: SamplingParams) -> bool:
     """Whether ``params`` reduce to argmax (:attr:`SamplingParams.greedy`)."""
     return params.greedy
-
-
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A generator on ``device`` seeded with ``seed``: one per seeded request, kept across steps."""
-    device = torch.device(device)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(int(seed))
-    return generator
-
-
-@attrs.frozen
-class RowInputs:
-    """What one row's logits processors read this step, besides its fixed :class:`SamplingParams`.
-
-    ``history`` is the sequence's live token list (prompt, then output; a
-    last token still on the device is :data:`~pitstop.requests.sequence.PENDING_TOKEN`),
-    given only when a penalty is set and read during the launch only.
-    ``blocked_token_ids`` are masked this step (EOS and stop tokens before
-    ``min_tokens``, ``bad_words``); ``grammar`` is the structured-output
-    matcher; ``allowed_token_ids`` the only tokens the row may sample.
-    ``logits_processors`` are the request's own callables, given
-    ``prompt_ids`` and the known ``output_ids`` (the engine applies the step
-    in flight first, so that none is pending).
-    """
-
-    history: list[int] | None = None
-    num_prompt_tokens: int = 0
-    blocked_token_ids: tuple[int, ...] = ()
-    grammar: GrammarMatcher | None = None
-    allowed_token_ids: tuple[int, ...] | None = None
-    logits_processors: tuple[Any, ...] = ()
-    prompt_ids: tuple[int, ...] = ()
-    output_ids: tuple[int, ...] = ()
-    reads_tokens: bool = False  # bad_words or logits_processors read the known output tokens
-
-    @property
-    def needs_host_tokens(self) -> bool:
-        """Whether this row's processors read its last token on the host (grammar, bad words,
-        logits processors): the step before must be applied before this one is planned."""
-        return self.grammar is not None or self.reads_tokens
 
 
 class TokenHistories:
@@ -160,9 +157,12 @@ def make_step_inputs(
     states = []
     for i, r in enumerate(rows):
         states.append(r.grammar if r is not None else None)
-        if r is not None and r.blocked_token_ids:
-            blocked_rows += [i] * len(r.blocked_token_ids)
-            blocked_ids += r.blocked_token_ids
+        ids = () if r is None else r.blocked_token_ids
+        if r is not None and r.prepared:  # bad_words: the tokens that would complete one
+            ids += tuple(blocked_now(r.prepared, r.output_ids))
+        if ids:
+            blocked_rows += [i] * len(ids)
+            blocked_ids += ids
     blocked = None
     if blocked_rows:
         blocked = (

@@ -1,5 +1,9 @@
 """``SamplingParams.bad_words``: words a request never generates, as token sequences.
 
+The standard sampler's: its ``prepare_request`` tokenizes a request's words once, when the
+request enters (:func:`bad_word_token_ids`), and each step's :func:`blocked_now` masks
+the tokens that would complete one (:func:`pitstop.plugins.samplers.batch.make_step_inputs`).
+
 Each word is tokenized as written (leading spaces dropped) and, when that
 gives other tokens of the same length, with one leading space (how the word
 reads after another word). A sequence of one token is blocked at every step;
