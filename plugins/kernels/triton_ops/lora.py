@@ -75,6 +75,7 @@ from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 MAX_SLICES = 3  # q|k|v; gate|up uses 2, every other projection 1
 INTERPRETER_TILES = (16, 16, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K): small, so tests cross tiles
 META_BLOCK = 1024
+FUSED_MAX_ROWS = 512  # lora_add: one fused launch up to this many rows, shrink + expand above
 
 
 class LoRAMeta(NamedTuple):
@@ -347,6 +348,115 @@ def _expand_kernel(
     tl.store(yp, _rounded(out, yt.dtype).to(yt.dtype), mask=mask)
 
 
+@triton.jit
+def _fused_kernel(
+    y_ptr,
+    stride_ym,
+    x_ptr,
+    stride_xm,
+    a0_ptr,
+    a1_ptr,
+    a2_ptr,
+    stride_as,
+    stride_ar,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    sb0,
+    sb1,
+    sb2,
+    stride_bn,
+    n0,
+    n1,
+    n2,
+    off0,
+    off1,
+    off2,
+    t0,
+    t1,
+    rows_ptr,
+    start_ptr,
+    len_ptr,
+    rank_ptr,
+    scale_ptr,
+    stride_ss,
+    stride_si,
+    K,
+    R,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_RANK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Shrink and expand in one program: ``h = x_rows @ A^T`` (float32, in registers, over
+    all of K), then ``y_tile += scaling * h @ B_tile^T``, for one row tile of one slot and
+    one column tile of one slice."""
+    _pdl.wait(PDL)  # before the early exit too (pdl.py: the chain)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    rows, m_ok, rank, idle = _segment(
+        rows_ptr, start_ptr, len_ptr, rank_ptr, slot, pid_m, R, BM, HAS_RANK
+    )
+    if idle:
+        return
+    # this column tile's slice, as in _expand_kernel
+    sl = (pid_n >= t0).to(tl.int32) + (pid_n >= t0 + t1).to(tl.int32)
+    sb = tl.where(sl == 0, sb0, tl.where(sl == 1, sb1, sb2)).to(tl.int64)
+    width = tl.where(sl == 0, n0, tl.where(sl == 1, n1, n2))
+    off = tl.where(sl == 0, off0, tl.where(sl == 1, off1, off2))
+    first = tl.where(sl == 0, 0, tl.where(sl == 1, t0, t0 + t1))
+    a_ptr = a0_ptr
+    b_ptr = b0_ptr
+    if sl == 1:
+        a_ptr = a1_ptr
+        b_ptr = b1_ptr
+    if sl == 2:
+        a_ptr = a2_ptr
+        b_ptr = b2_ptr
+    a_ptr += slot.to(tl.int64) * stride_as
+    b_ptr += slot.to(tl.int64) * sb
+    r = tl.arange(0, BR)
+    r_ok = r < rank
+    # the shrink, as _shrink_kernel's with split_k=1 (the same sums in the same order)
+    h = tl.zeros([BM, BR], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        xt = tl.load(
+            x_ptr + rows[:, None] * stride_xm + k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        at = tl.load(
+            a_ptr + r[:, None] * stride_ar + k[None, :],
+            mask=r_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:  # the interpreter multiplies bf16 dot operands wrongly: exact float32 copies
+            h = tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), h, input_precision="ieee")
+        else:
+            h = tl.dot(xt, tl.trans(at.to(xt.dtype)), h, input_precision=DOT_PRECISION)
+    # the expand, as _expand_kernel's (h not rounded; columns >= rank of h are zero)
+    n = (pid_n - first) * BN + tl.arange(0, BN)
+    n_ok = n < width
+    bt = tl.load(
+        b_ptr + n[:, None] * stride_bn + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0
+    )
+    delta = tl.dot(h, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+    scale = tl.load(scale_ptr + slot * stride_ss + sl * stride_si)
+    yp = y_ptr + rows[:, None] * stride_ym + off + n[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    yt = tl.load(yp, mask=mask, other=0.0)
+    _pdl.launch_dependents(PDL)
+    out = yt.to(tl.float32) + scale * delta
+    tl.store(yp, _rounded(out, yt.dtype).to(yt.dtype), mask=mask)
+
+
 def _slices(w: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
     ws = [w] if isinstance(w, torch.Tensor) else list(w)
     assert 1 <= len(ws) <= MAX_SLICES, f"{what}: 1 to {MAX_SLICES} slices, not {len(ws)}"
@@ -379,18 +489,41 @@ def lora_shrink(
     :func:`lora_meta` (computed here when None); ``out``: float32 ``[T, slices * rank_max]``
     to write (zeroed here first: rows of slot -1 come out zero).
     """
-    a_list = _slices(A, "A")
-    slots, rank_max, k = a_list[0].shape
+    a_list = _check_a(x, A)
+    slots, rank_max, _ = a_list[0].shape
     rows = x.shape[0]
-    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [T, K], unit column stride"
-    assert all(a.shape == a_list[0].shape and a.dtype == x.dtype for a in a_list)
     meta = _check_rows(slot_of_row, rows, meta, slots)
     width = len(a_list) * rank_max
     h = out if out is not None else torch.empty(rows, width, dtype=torch.float32, device=x.device)
     assert h.shape == (rows, width) and h.dtype == torch.float32 and h.stride(1) == 1
     h.zero_()
+    _shrink(x, a_list, h, meta, ranks, config, pdl)
+    return h
+
+
+def _check_a(x: torch.Tensor, A: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    a_list = _slices(A, "A")
+    assert x.dim() == 2 and x.shape[1] == a_list[0].shape[2] and x.stride(1) == 1, (
+        "x: [T, K], unit column stride"
+    )
+    assert all(a.shape == a_list[0].shape and a.dtype == x.dtype for a in a_list)
+    return a_list
+
+
+def _shrink(
+    x: torch.Tensor,
+    a_list: list[torch.Tensor],
+    h: torch.Tensor,
+    meta: LoRAMeta,
+    ranks: torch.Tensor | None,
+    config: LoRAConfig | None,
+    pdl: bool | None,
+) -> None:
+    """Launch the shrink into ``h`` (rows of each segment written; the others untouched)."""
+    slots, rank_max, k = a_list[0].shape
+    rows = x.shape[0]
     if rows == 0 or slots == 0 or rank_max == 0:
-        return h
+        return
     cfg = config or default_config(rows, k, x.dtype, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
@@ -422,7 +555,58 @@ def lora_shrink(
         num_stages=cfg.num_stages,
         **_pdl.launch_kwargs(use_pdl),
     )
-    return h
+
+
+class _SliceArgs(NamedTuple):
+    """The per-slice launch arguments of the expand and the fused kernel (padded to 3 slices)."""
+
+    b: list[torch.Tensor]  # B per slice
+    b_strides: list[int]  # its slot stride per slice
+    widths: list[int]
+    offsets: list[int]
+    t0: int  # column tiles of slice 0
+    t1: int  # of slice 1
+    tiles: int  # of all slices
+
+
+def _check_b(
+    y: torch.Tensor,
+    B: torch.Tensor | Sequence[torch.Tensor],
+    scaling: torch.Tensor,
+    offset: int,
+    offsets: Sequence[int] | None,
+) -> list[torch.Tensor]:
+    b_list = _slices(B, "B")
+    slots, _, rank_max = b_list[0].shape
+    widths = [b.shape[1] for b in b_list]
+    if offsets is None:
+        offsets = [offset + sum(widths[:i]) for i in range(len(b_list))]
+    assert len(offsets) == len(b_list), "one offset per slice"
+    assert y.dim() == 2 and y.stride(1) == 1, "y: [T, N], unit column stride"
+    assert all(0 <= o and o + w <= y.shape[1] for o, w in zip(offsets, widths, strict=True))
+    assert all(b.shape[0] == slots and b.shape[2] == rank_max for b in b_list)
+    assert scaling.dtype == torch.float32 and scaling.shape[0] == slots
+    return b_list
+
+
+def _slice_args(
+    b_list: list[torch.Tensor], offset: int, offsets: Sequence[int] | None, block_n: int
+) -> _SliceArgs:
+    widths = [b.shape[1] for b in b_list]
+    if offsets is None:
+        offsets = [offset + sum(widths[:i]) for i in range(len(b_list))]
+    more = MAX_SLICES - len(b_list)
+    tiles = [triton.cdiv(w, block_n) for w in widths] + [0] * more
+    pad = b_list + [b_list[0]] * more
+    return _SliceArgs(
+        pad,
+        [b.stride(0) for b in pad],
+        widths + [0] * more,
+        list(offsets) + [0] * more,
+        tiles[0],
+        tiles[1],
+        sum(tiles),
+    )
 
 
 def lora_expand_add(
@@ -449,45 +633,33 @@ def lora_expand_add(
     (``offset + N_0 + ... + N_{i-1}``: q|k|v of a merged QKV output). Rows of slot -1
     and the other columns of y are untouched.
     """
-    b_list = _slices(B, "B")
+    b_list = _check_b(y, B, scaling, offset, offsets)
     slots, _, rank_max = b_list[0].shape
     rows = y.shape[0]
-    widths = [b.shape[1] for b in b_list]
-    if offsets is None:
-        offsets = [offset + sum(widths[:i]) for i in range(len(b_list))]
-    assert len(offsets) == len(b_list), "one offset per slice"
-    assert y.dim() == 2 and y.stride(1) == 1, "y: [T, N], unit column stride"
-    assert all(0 <= o and o + w <= y.shape[1] for o, w in zip(offsets, widths, strict=True))
-    assert all(b.shape[0] == slots and b.shape[2] == rank_max for b in b_list)
     assert h.shape == (rows, len(b_list) * rank_max) and h.dtype == torch.float32
     assert h.stride(1) == 1
-    assert scaling.dtype == torch.float32 and scaling.shape[0] == slots
     meta = _check_rows(slot_of_row, rows, meta, slots)
     if rows == 0 or slots == 0 or rank_max == 0:
         return y
     cfg = config or default_config(rows, 0, y.dtype, y.device)
-    bn = cfg.block_n
-    tiles = [triton.cdiv(w, bn) for w in widths] + [0] * (MAX_SLICES - len(b_list))
-    pad = b_list + [b_list[0]] * (MAX_SLICES - len(b_list))
-    widths = widths + [0] * (MAX_SLICES - len(b_list))
-    offs = list(offsets) + [0] * (MAX_SLICES - len(b_list))
+    sa = _slice_args(b_list, offset, offsets, cfg.block_n)
+    if sa.tiles == 0:
+        return y
     stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
     use_pdl = _pdl.enabled(y.device, pdl)
-    grid = (triton.cdiv(rows, cfg.block_m), sum(tiles), slots)
-    if grid[1] == 0:
-        return y
+    grid = (triton.cdiv(rows, cfg.block_m), sa.tiles, slots)
     _expand_kernel[grid](
         y,
         y.stride(0),
         h,
         h.stride(0),
-        *pad,
-        *(b.stride(0) for b in pad),
-        pad[0].stride(1),
-        *widths,
-        *offs,
-        tiles[0],
-        tiles[1],
+        *sa.b,
+        *sa.b_strides,
+        sa.b[0].stride(1),
+        *sa.widths,
+        *sa.offsets,
+        sa.t0,
+        sa.t1,
         *meta,
         ranks if ranks is not None else meta.seg_len,
         scaling,
@@ -495,9 +667,112 @@ def lora_expand_add(
         stride_si,
         rank_max,
         BM=cfg.block_m,
-        BN=bn,
+        BN=cfg.block_n,
         BR=max(16, triton.next_power_of_2(rank_max)),
         HAS_RANK=ranks is not None,
+        PDL=use_pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **_pdl.launch_kwargs(use_pdl),
+    )
+    return y
+
+
+def fused_config(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> LoRAConfig:
+    """The fused kernel's launch shape for ``rows`` rows and ``K = k`` (untuned on the GPU so far).
+
+    No split of K (``split_k`` is 1 and ignored): each program loops over all of K.
+    Small batches get narrow column tiles (more programs: the work per program is the
+    K loop, the same for any tile width); larger ones wider tiles, so that the shrink
+    recomputed per column tile stays a small part (``rank / BLOCK_N`` of the base GEMM's
+    multiply-adds)."""
+    if device.type != "cuda":
+        bm, bn, bk = INTERPRETER_TILES
+        return LoRAConfig(bm, bn, bk, 1, 1, 1)
+    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    bn = 64 if rows <= 64 else 128
+    bk = 32 if dtype == torch.float32 else 256 if rows <= 16 else 128
+    return LoRAConfig(bm, bn, bk, 1, 4, 3)
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor | Sequence[torch.Tensor],
+    B: torch.Tensor | Sequence[torch.Tensor],
+    slot_of_row: torch.Tensor,
+    scaling: torch.Tensor,
+    ranks: torch.Tensor | None = None,
+    *,
+    offset: int = 0,
+    offsets: Sequence[int] | None = None,
+    meta: LoRAMeta | None = None,
+    config: LoRAConfig | None = None,
+    fused: bool | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``y[:, off_i : off_i + N_i] += scaling[slot] * (x @ A_i[slot].T) @ B_i[slot].T`` per row,
+    in place, every slice at once; returns y. What a LoRA'd projection adds to its base output.
+
+    Arguments as for :func:`lora_shrink` and :func:`lora_expand_add`. ``fused`` (None: by
+    rows, ``rows <= FUSED_MAX_ROWS``): one launch of :func:`_fused_kernel` (the shrink
+    recomputed per column tile, in registers); else, for many rows (a prefill, where the
+    recomputation would cost more than a launch), the shrink into a float32 intermediate
+    (``split_k=1``, not zeroed: only the rows the expand reads are written) and the expand,
+    two launches. ``config``: :func:`fused_config`'s or :func:`default_config`'s by default.
+    """
+    a_list = _check_a(x, A)
+    b_list = _check_b(y, B, scaling, offset, offsets)
+    slots, rank_max, k = a_list[0].shape
+    rows = y.shape[0]
+    assert x.shape[0] == rows, "x and y: the same rows"
+    assert len(a_list) == len(b_list), "one A and one B per slice"
+    assert all(b.shape[0] == slots and b.shape[2] == rank_max for b in b_list)
+    meta = _check_rows(slot_of_row, rows, meta, slots)
+    if rows == 0 or slots == 0 or rank_max == 0:
+        return y
+    if fused is None:
+        fused = rows <= FUSED_MAX_ROWS
+    if not fused:
+        cfg = (config or default_config(rows, k, x.dtype, x.device))._replace(split_k=1)
+        h = torch.empty(rows, len(a_list) * rank_max, dtype=torch.float32, device=x.device)
+        _shrink(x, a_list, h, meta, ranks, cfg, pdl)
+        kw = {"offset": offset, "offsets": offsets, "meta": meta, "config": cfg, "pdl": pdl}
+        return lora_expand_add(y, h, b_list, slot_of_row, scaling, ranks, **kw)
+    cfg = config or fused_config(rows, k, x.dtype, x.device)
+    sa = _slice_args(b_list, offset, offsets, cfg.block_n)
+    stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
+    use_pdl = _pdl.enabled(y.device, pdl)
+    grid = (triton.cdiv(rows, cfg.block_m), sa.tiles, slots)
+    _fused_kernel[grid](
+        y,
+        y.stride(0),
+        x,
+        x.stride(0),
+        *(a_list + [a_list[0]] * (MAX_SLICES - len(a_list))),
+        a_list[0].stride(0),
+        a_list[0].stride(1),
+        *sa.b,
+        *sa.b_strides,
+        sa.b[0].stride(1),
+        *sa.widths,
+        *sa.offsets,
+        sa.t0,
+        sa.t1,
+        *meta,
+        ranks if ranks is not None else meta.seg_len,
+        scaling,
+        scaling.stride(0),
+        stride_si,
+        k,
+        rank_max,
+        BM=cfg.block_m,
+        BN=cfg.block_n,
+        BR=max(16, triton.next_power_of_2(rank_max)),
+        BK=cfg.block_k,
+        HAS_RANK=ranks is not None,
+        UPCAST=x.device.type != "cuda" and x.dtype != torch.float32,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
