@@ -1,4 +1,4 @@
-"""Multi-LoRA shrink/expand over a batch that mixes adapters and rows without any (SGMV style).
+"""Multi-LoRA over a batch that mixes adapters and rows without any (SGMV style), one launch a projection.
 
 Layout (one projection of one layer; a merged projection has one *slice* per part)
 ---------------------------------------------------------------------------------
@@ -37,24 +37,53 @@ weights stream once per row tile, not once per row (a 256-row prefill of 8 adapt
 reads B 8 times, not 256); rows without an adapter never enter a tile; and the grid is
 static: ``(cdiv(T, BLOCK_M), tiles, slots)`` for any mix, each program reading its
 segment's length and exiting at once when its row tile is past it (or its slot's rank
-is 0). So ``lora_meta`` + shrink + expand capture in a CUDA graph at a batch size ``T``,
-and replays serve any adapter mix written into the same ``slot_of_row`` buffer. The
+is 0). So ``lora_meta`` and the LoRA launches capture in a CUDA graph at a batch size
+``T``, and replays serve any adapter mix written into the same ``slot_of_row`` buffer. The
 per-row slot stays the interface (easy for the runner; one H2D copy into a static
 buffer), the grouping is an implementation detail computed once per step and shared by
 every LoRA launch of every layer (pass ``meta=``).
 
+Launches: one a LoRA'd projection
+---------------------------------
+At small batches the cost of multi-LoRA is the number of small launches, not bytes
+(issue 47: an adapter on every projection of llama3-8b added 1.2 ms to a 4.9 ms token at
+batch 1). A decoder layer of the merged layout (q|k|v, o, gate|up, down) costs
+:func:`lora_add`'s **4 launches** (one a projection, every slice in it), plus one
+:func:`lora_meta` a step for the whole model. Before: 12 (a memset of the intermediate,
+a shrink and an expand per projection); tests/plugins/adapters/test_lora_launches.py
+counts them on a model.
+
+:func:`lora_add` (``rows <= FUSED_MAX_ROWS``) launches :func:`_fused_kernel` on the grid
+``(cdiv(T, BLOCK_M), column tiles of all slices, slots)``: each program takes one row tile
+of one slot's segment and one column tile of one slice (the tile's slice, hence its A, B,
+width, offset and scale, from the tile index: tiles of slice 0, then 1, then 2), computes
+the rank-r intermediate ``h = x_rows @ A_slot^T`` in registers (float32 accumulation over
+all of K, no split: no atomics, no memset, deterministic), then ``h @ B_tile^T`` and adds
+``scaling *`` it into y in place. The shrink is recomputed per column tile: ``K x r``
+multiply-adds a row and ``K x r`` elements of A (from L2) a program, ``rank / BLOCK_N``
+of the base GEMM's work. Above ``FUSED_MAX_ROWS`` rows (prefill chunks, where that would
+cost more than a launch) it runs the shrink into a float32 intermediate (``split_k=1``,
+not zeroed: the expand reads only the rows the shrink wrote) and the expand, two launches.
+With the same tiles both paths compute the same sums in the same order (bit-equal in the
+interpreter).
+
 Ops
 ---
+- :func:`lora_add`: ``y[t, off_i + n] += scaling[slot(t)] * sum_j (sum_k x[t, k] *
+  A_i[slot(t), j, k]) * B_i[slot(t), n, j]`` for every slice ``i``, in place, one launch
+  (see above); what the ``lora`` adapter plugin calls.
 - :func:`lora_shrink`: ``h[t, i*rank_max + j] = sum_k x[t, k] * A_i[slot(t), j, k]``
   for every slice ``i`` in one launch; float32 ``[T, slices * rank_max]``, rows of slot
-  -1 (and columns ``>= rank``) zero. Products of the input dtype, float32 accumulation;
-  optional split-K over grid axis 1 (float32 ``atomic_add``: the last bits may then vary
-  between runs; ``split_k=1`` is bit-deterministic).
+  -1 (and columns ``>= rank``) zero (a memset first). Products of the input dtype, float32
+  accumulation; optional split-K over grid axis 1 (float32 ``atomic_add``: the last bits
+  may then vary between runs; ``split_k=1`` is bit-deterministic). :func:`lora_add`'s
+  two-launch path uses it with ``split_k=1`` and no memset.
 - :func:`lora_expand_add`: ``y[t, off_i + n] += scaling[slot(t)] * sum_j h[t, i*rank_max + j]
   * B_i[slot(t), n, j]`` for every slice ``i`` (widths may differ) in one launch, in
   place; the delta in float32 (h is not rounded), one rounding of ``y + delta`` to y's
   dtype (bf16 to nearest-even, as the GPU does, also in the interpreter). Rows of slot
-  -1 and columns outside the slices are never read nor written.
+  -1 and columns outside the slices are never read nor written. The same for
+  :func:`lora_add`.
 
 PDL (:mod:`.pdl`): every program waits before its first load (everything it reads may
 come from the previous kernel) and before an early exit.
