@@ -54,14 +54,16 @@ a shrink and an expand per projection); tests/plugins/adapters/test_lora_launche
 counts them on a model.
 
 :func:`lora_add` (``rows <= FUSED_MAX_ROWS``) launches :func:`_fused_kernel` on the grid
-``(cdiv(T, BLOCK_M), column tiles of all slices, slots)``: each program takes one row tile
-of one slot's segment and one column tile of one slice (the tile's slice, hence its A, B,
-width, offset and scale, from the tile index: tiles of slice 0, then 1, then 2), computes
-the rank-r intermediate ``h = x_rows @ A_slot^T`` in registers (float32 accumulation over
-all of K, no split: no atomics, no memset, deterministic), then ``h @ B_tile^T`` and adds
-``scaling *`` it into y in place. The shrink is recomputed per column tile: ``K x r``
-multiply-adds a row and ``K x r`` elements of A (from L2) a program, ``rank / BLOCK_N``
-of the base GEMM's work. Above ``FUSED_MAX_ROWS`` rows (prefill chunks, where that would
+``(cdiv(T, BLOCK_M), column groups of all slices, slots)``: each program takes one row tile
+of one slot's segment and one group of ``n_loop`` column tiles of one slice (the group's
+slice, hence its A, B, width, offset and scale, from the group index: groups of slice 0,
+then 1, then 2), computes the rank-r intermediate ``h = x_rows @ A_slot^T`` in registers
+(float32 accumulation over all of K, no split: no atomics, no memset, deterministic),
+then for each column tile ``h @ B_tile^T``, adding ``scaling *`` it into y in place. The
+shrink is recomputed per column group: ``K x r`` multiply-adds a row, and the program
+reads its rows of x and the slot's A (``K x r``, from L2) whole, ``rank / (BLOCK_N *
+n_loop)`` of the base GEMM's work; :func:`fused_config` raises ``n_loop`` (at most
+:data:`MAX_N_LOOP`) while the grid keeps a program per SM. Above ``FUSED_MAX_ROWS`` rows (prefill chunks, where that would
 cost more than a launch) it runs the shrink into a float32 intermediate (``split_k=1``,
 not zeroed: the expand reads only the rows the shrink wrote) and the expand, two launches.
 With the same tiles both paths compute the same sums in the same order (bit-equal in the
@@ -91,6 +93,7 @@ come from the previous kernel) and before an early exit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -104,6 +107,7 @@ from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 MAX_SLICES = 3  # q|k|v; gate|up uses 2, every other projection 1
 INTERPRETER_TILES = (16, 16, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K): small, so tests cross tiles
 META_BLOCK = 1024
+MAX_N_LOOP = 8  # the fused kernel's most column tiles per program
 FUSED_MAX_ROWS = 512  # lora_add: one fused launch up to this many rows, shrink + expand above
 
 
@@ -116,7 +120,8 @@ class LoRAMeta(NamedTuple):
 
 
 class LoRAConfig(NamedTuple):
-    """Launch shape: rows per tile, output columns per tile (expand), K step and splits (shrink)."""
+    """Launch shape: rows per tile, output columns per tile (expand), K step and splits (shrink);
+    ``n_loop``: column tiles per program (the fused kernel only)."""
 
     block_m: int
     block_n: int
@@ -124,6 +129,7 @@ class LoRAConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    n_loop: int = 1
 
 
 def default_config(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> LoRAConfig:
@@ -414,6 +420,7 @@ def _fused_kernel(
     R,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    N_LOOP: tl.constexpr,
     BR: tl.constexpr,
     BK: tl.constexpr,
     HAS_RANK: tl.constexpr,
@@ -423,7 +430,8 @@ def _fused_kernel(
 ):
     """Shrink and expand in one program: ``h = x_rows @ A^T`` (float32, in registers, over
     all of K), then ``y_tile += scaling * h @ B_tile^T``, for one row tile of one slot and
-    one column tile of one slice."""
+    ``N_LOOP`` column tiles of ``BN`` of one slice (``t0``, ``t1``: the slices' groups of
+    ``N_LOOP * BN`` columns)."""
     _pdl.wait(PDL)  # before the early exit too (pdl.py: the chain)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -470,20 +478,24 @@ def _fused_kernel(
             h = tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), h, input_precision="ieee")
         else:
             h = tl.dot(xt, tl.trans(at.to(xt.dtype)), h, input_precision=DOT_PRECISION)
-    # the expand, as _expand_kernel's (h not rounded; columns >= rank of h are zero)
-    n = (pid_n - first) * BN + tl.arange(0, BN)
-    n_ok = n < width
-    bt = tl.load(
-        b_ptr + n[:, None] * stride_bn + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0
-    )
-    delta = tl.dot(h, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+    # the expand, as _expand_kernel's (h not rounded; columns >= rank of h are zero), over
+    # the N_LOOP column tiles of this program (h computed once for all of them)
     scale = tl.load(scale_ptr + slot * stride_ss + sl * stride_si)
-    yp = y_ptr + rows[:, None] * stride_ym + off + n[None, :]
-    mask = m_ok[:, None] & n_ok[None, :]
-    yt = tl.load(yp, mask=mask, other=0.0)
     _pdl.launch_dependents(PDL)
-    out = yt.to(tl.float32) + scale * delta
-    tl.store(yp, _rounded(out, yt.dtype).to(yt.dtype), mask=mask)
+    for j in tl.static_range(N_LOOP):
+        n = ((pid_n - first) * N_LOOP + j) * BN + tl.arange(0, BN)
+        n_ok = n < width
+        bt = tl.load(
+            b_ptr + n[:, None] * stride_bn + r[None, :],
+            mask=n_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        delta = tl.dot(h, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+        yp = y_ptr + rows[:, None] * stride_ym + off + n[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+        yt = tl.load(yp, mask=mask, other=0.0)
+        out = yt.to(tl.float32) + scale * delta
+        tl.store(yp, _rounded(out, yt.dtype).to(yt.dtype), mask=mask)
 
 
 def _slices(w: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
@@ -707,21 +719,32 @@ def lora_expand_add(
     return y
 
 
-def fused_config(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> LoRAConfig:
-    """The fused kernel's launch shape for ``rows`` rows and ``K = k`` (untuned on the GPU so far).
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
-    No split of K (``split_k`` is 1 and ignored): each program loops over all of K.
-    Small batches get narrow column tiles (more programs: the work per program is the
-    K loop, the same for any tile width); larger ones wider tiles, so that the shrink
-    recomputed per column tile stays a small part (``rank / BLOCK_N`` of the base GEMM's
-    multiply-adds)."""
+
+def fused_config(
+    rows: int, k: int, widths: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> LoRAConfig:
+    """The fused kernel's launch shape for ``rows`` rows, ``K = k`` and slices of ``widths``
+    columns (untuned on the GPU so far).
+
+    No split of K (``split_k`` is 1 and ignored): each program loops over all of K, then
+    over ``n_loop`` column tiles. Each program reads its row tile of x and its slot's A
+    whole (``K x rank``) once, so fewer programs read less: ``n_loop`` grows (up to
+    :data:`MAX_N_LOOP`) while the grid still has a program per SM. Small batches get
+    narrow column tiles, larger ones wider (fewer registers per row: the same)."""
     if device.type != "cuda":
         bm, bn, bk = INTERPRETER_TILES
         return LoRAConfig(bm, bn, bk, 1, 1, 1)
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
     bn = 64 if rows <= 64 else 128
     bk = 32 if dtype == torch.float32 else 256 if rows <= 16 else 128
-    return LoRAConfig(bm, bn, bk, 1, 4, 3)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    tiles = sum(triton.cdiv(w, bn) for w in widths) * triton.cdiv(rows, bm)
+    n_loop = max(1, min(MAX_N_LOOP, tiles // _sm_count(index)))
+    return LoRAConfig(bm, bn, bk, 1, 4, 3, n_loop)
 
 
 def lora_add(
@@ -768,8 +791,8 @@ def lora_add(
         _shrink(x, a_list, h, meta, ranks, cfg, pdl)
         kw = {"offset": offset, "offsets": offsets, "meta": meta, "config": cfg, "pdl": pdl}
         return lora_expand_add(y, h, b_list, slot_of_row, scaling, ranks, **kw)
-    cfg = config or fused_config(rows, k, x.dtype, x.device)
-    sa = _slice_args(b_list, offset, offsets, cfg.block_n)
+    cfg = config or fused_config(rows, k, [b.shape[1] for b in b_list], x.dtype, x.device)
+    sa = _slice_args(b_list, offset, offsets, cfg.block_n * cfg.n_loop)
     stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
     use_pdl = _pdl.enabled(y.device, pdl)
     grid = (triton.cdiv(rows, cfg.block_m), sa.tiles, slots)
@@ -797,6 +820,7 @@ def lora_add(
         rank_max,
         BM=cfg.block_m,
         BN=cfg.block_n,
+        N_LOOP=cfg.n_loop,
         BR=max(16, triton.next_power_of_2(rank_max)),
         BK=cfg.block_k,
         HAS_RANK=ranks is not None,

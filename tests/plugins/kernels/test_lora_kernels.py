@@ -103,6 +103,7 @@ def batches(draw: st.DrawFn) -> dict:
         "x_stride_pad": draw(st.sampled_from([0, 3])),
         "per_slice_scaling": draw(st.booleans()),
         "split_k": draw(st.sampled_from([1, 2, 3])),
+        "n_loop": draw(st.sampled_from([1, 2, 3])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -303,9 +304,13 @@ def test_fused_add_matches_float64_and_the_two_launches(case: dict) -> None:
     """``lora_add``'s one launch (every slice, the intermediate in registers) against the
     float64 truth, and its shrink + expand path (``fused=False``) against the same; through
     the interpreter, with the same tiles, the two are equal bit for bit (the same sums in
-    the same order: the fused kernel's shrink is ``split_k=1``'s)."""
+    the same order: the fused kernel's shrink is ``split_k=1``'s). ``n_loop``: column tiles
+    per program (groups that end inside a slice, or past its last column)."""
     t = _make(case)
-    fused = _run_add(lora, case, t, fused=True)
+    cfg = lora.fused_config(
+        case["rows"], case["k"], case["widths"], case["dtype"], torch.device(DEVICE)
+    )
+    fused = _run_add(lora, case, t, fused=True, config=cfg._replace(n_loop=case["n_loop"]))
     _check_y(case, t, fused, "fused")
     two = _run_add(lora, case, t, fused=False)
     _check_y(case, t, two, "shrink+expand")
@@ -343,6 +348,8 @@ def test_fused_add_mixed_slots_rows_and_ranks(rows: int, dtype: torch.dtype) -> 
     }
     t = _make(case)
     _check_y(case, t, _run_add(lora, case, t), "fused")
+    cfg = lora.fused_config(rows, 70, widths, dtype, torch.device(DEVICE))._replace(n_loop=2)
+    _check_y(case, t, _run_add(lora, case, t, config=cfg), "fused, 2 column tiles a program")
     _check_y(case, t, _run_add(ref, case, t), "reference")
 
 
