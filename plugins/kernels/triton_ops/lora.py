@@ -108,8 +108,8 @@ from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 MAX_SLICES = 3  # q|k|v; gate|up uses 2, every other projection 1
 INTERPRETER_TILES = (16, 16, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K): small, so tests cross tiles
 META_BLOCK = 1024
-MAX_N_LOOP = 8  # the fused kernel's most column tiles per program
-FUSED_MAX_ROWS = 512  # lora_add: one fused launch up to this many rows, shrink + expand above
+MAX_N_LOOP = 64  # the fused kernel's most column tiles per program
+FUSED_MAX_ROWS = 256  # lora_add: one fused launch up to this many rows, shrink + expand above
 
 
 class LoRAMeta(NamedTuple):
@@ -419,9 +419,9 @@ def _fused_kernel(
     stride_si,
     K,
     R,
+    n_loop,
     BM: tl.constexpr,
     BN: tl.constexpr,
-    N_LOOP: tl.constexpr,
     BR: tl.constexpr,
     BK: tl.constexpr,
     HAS_RANK: tl.constexpr,
@@ -431,8 +431,8 @@ def _fused_kernel(
 ):
     """Shrink and expand in one program: ``h = x_rows @ A^T`` (float32, in registers, over
     all of K), then ``y_tile += scaling * h @ B_tile^T``, for one row tile of one slot and
-    ``N_LOOP`` column tiles of ``BN`` of one slice (``t0``, ``t1``: the slices' groups of
-    ``N_LOOP * BN`` columns)."""
+    ``n_loop`` column tiles of ``BN`` of one slice (``t0``, ``t1``: the slices' groups of
+    ``n_loop * BN`` columns)."""
     _pdl.wait(PDL)  # before the early exit too (pdl.py: the chain)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -480,11 +480,11 @@ def _fused_kernel(
         else:
             h = tl.dot(xt, tl.trans(at.to(xt.dtype)), h, input_precision=DOT_PRECISION)
     # the expand, as _expand_kernel's (h not rounded; columns >= rank of h are zero), over
-    # the N_LOOP column tiles of this program (h computed once for all of them)
+    # the n_loop column tiles of this program (h computed once for all of them)
     scale = tl.load(scale_ptr + slot * stride_ss + sl * stride_si)
     _pdl.launch_dependents(PDL)
-    for j in tl.static_range(N_LOOP):
-        n = ((pid_n - first) * N_LOOP + j) * BN + tl.arange(0, BN)
+    for j in range(0, n_loop):
+        n = ((pid_n - first) * n_loop + j) * BN + tl.arange(0, BN)
         n_ok = n < width
         bt = tl.load(
             b_ptr + n[:, None] * stride_bn + r[None, :],
@@ -732,15 +732,18 @@ def fused_config(
     columns (untuned on the GPU so far).
 
     No split of K (``split_k`` is 1 and ignored): each program loops over all of K, then
-    over ``n_loop`` column tiles. Each program reads its row tile of x and its slot's A
-    whole (``K x rank``) once, so fewer programs read less: ``n_loop`` grows (up to
-    :data:`MAX_N_LOOP`) while the grid still has a program per SM. Small batches get
-    narrow column tiles, larger ones wider (fewer registers per row: the same)."""
+    over ``n_loop`` column tiles. A program's fixed cost is reading its rows of x and its
+    slot's A (``K x rank``) whole, and every program of a row tile reads that tile's x, so
+    the fewer programs the less is read: ``n_loop`` grows (up to :data:`MAX_N_LOOP`) while
+    the grid still has about a program per SM. Row tiles of 16 at any batch: B (``N x
+    rank``) is read once per row tile, and x once per column group, and at ``rank`` 16
+    small row tiles with long column loops read the least of both (llama3-8b's gate|up at
+    256 rows: about 30 MB with 16-row tiles, 70 MB with 64)."""
     if device.type != "cuda":
         bm, bn, bk = INTERPRETER_TILES
         return LoRAConfig(bm, bn, bk, 1, 1, 1)
-    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    bn = 64 if rows <= 64 else 128
+    bm = 16
+    bn = 64 if rows <= 16 else 128
     bk = 32 if dtype == torch.float32 else 256 if rows <= 16 else 128
     index = device.index if device.index is not None else torch.cuda.current_device()
     tiles = sum(triton.cdiv(w, bn) for w in widths) * triton.cdiv(rows, bm)
@@ -819,9 +822,9 @@ def lora_add(
         stride_si,
         k,
         rank_max,
+        cfg.n_loop,
         BM=cfg.block_m,
         BN=cfg.block_n,
-        N_LOOP=cfg.n_loop,
         BR=max(16, triton.next_power_of_2(rank_max)),
         BK=cfg.block_k,
         HAS_RANK=ranks is not None,

@@ -103,7 +103,7 @@ def batches(draw: st.DrawFn) -> dict:
         "x_stride_pad": draw(st.sampled_from([0, 3])),
         "per_slice_scaling": draw(st.booleans()),
         "split_k": draw(st.sampled_from([1, 2, 3])),
-        "n_loop": draw(st.sampled_from([1, 2, 3])),
+        "n_loop": draw(st.sampled_from([1, 2, 3, 5])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
