@@ -64,11 +64,10 @@ shrink is recomputed per column group: ``K x r`` multiply-adds a row, and the pr
 reads its rows of x and the slot's A (``K x r``, from L2) whole, ``rank / (BLOCK_N *
 n_loop)`` of the base GEMM's work; :func:`fused_config` raises ``n_loop`` (at most
 :data:`MAX_N_LOOP`) while the grid keeps a program per SM. Above ``FUSED_MAX_ROWS``
-rows (prefill chunks, where that would cost more than a launch) it runs the shrink into
-a float32 intermediate (``split_k=1``, not zeroed: the expand reads only the rows the
-shrink wrote) and the expand, two launches.
-With the same tiles both paths compute the same sums in the same order (bit-equal in the
-interpreter).
+rows (prefill chunks, where re-reading x per column group costs more than a launch) it
+runs the shrink into a float32 intermediate (``split_k=1``, not zeroed: the expand reads
+only the rows the shrink wrote) and the expand, two launches. With the same tiles both
+paths compute the same sums in the same order (bit-equal in the interpreter).
 
 Ops
 ---
