@@ -328,5 +328,13 @@ for _ in range(2):
       [ "${MOE_FP8:-0}" = 1 ] && { timeout 200 python3 benchmarks/moe_bench.py --fp8 2>&1 | tail -12; }
       for w in ${MOE_WORKLOADS:-single nano}; do run moe-$w offline --workload $w --model dummy:qwen3-30b-a3b --kernels fused --repeats ${MOE_REPEATS:-1}; done ;;
     multiturn) run multiturn online --workload multiturn --matrix +prefix,+tiered --kv-offloading-size 64 --repeats ${MT_REPEATS:-3} ;;
+    # issue 47: the fused LoRA launch (lora_add, 4 a layer): the LoRA kernel tests compiled (the
+    # CPU file runs compiled on CUDA too, Hypothesis included), one layer's launches old beside
+    # fused in CUDA graphs (benchmarks/lora_bench.py), then the throughput rows of docs/lora.md
+    lora47) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/plugins/kernels/test_lora_kernels_gpu.py \
+        tests/plugins/kernels/test_lora_kernels.py 2>&1 | tee "$OUT/gpu-tests-lora47.log" | tail -6
+      echo "== lora_bench"; timeout 240 python3 benchmarks/lora_bench.py 2>&1 | tee "$OUT/lora-bench.log"
+      run lora-nano offline --workload nano --matrix benchmarks/workloads/lora.toml
+      run lora-single offline --workload single --repeats 2 --matrix benchmarks/workloads/lora.toml --only base,lora-1 ;;
   esac
 done

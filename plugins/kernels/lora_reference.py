@@ -112,3 +112,25 @@ def lora_expand_add(
             cols = y.narrow(1, off, b.shape[1])
             cols.index_copy_(0, idx, (cols.index_select(0, idx).to(work) + delta).to(y.dtype))
     return y
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor | Sequence[torch.Tensor],
+    B: torch.Tensor | Sequence[torch.Tensor],
+    slot_of_row: torch.Tensor,
+    scaling: torch.Tensor,
+    ranks: torch.Tensor | None = None,
+    *,
+    offset: int = 0,
+    offsets: Sequence[int] | None = None,
+    meta: Any = None,
+    config: Any = None,
+    fused: bool | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``y[:, off_i : off_i + N_i] += scaling[slot] * (x @ A_i[slot].T) @ B_i[slot].T`` per row,
+    in place: :func:`lora_shrink` then :func:`lora_expand_add` (``fused`` is ignored)."""
+    h = lora_shrink(x, A, slot_of_row, ranks)
+    return lora_expand_add(y, h, B, slot_of_row, scaling, ranks, offset=offset, offsets=offsets)

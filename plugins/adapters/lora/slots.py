@@ -11,7 +11,8 @@ adapter copies it into one slot's rows (zeros for a module it does not train).
 Per step, :meth:`LoRASlots.prepare` writes ``slot_of_row`` (each row's slot, -1 for a row
 of the base model) into a static buffer; each wrapped projection adds
 ``scaling · B(A x)`` to the rows of a slot through the kernel ops (the PyTorch reference
-on CPU, the Triton shrink/expand on CUDA), after its base GEMM. Rows of the base model
+on CPU, on CUDA the Triton ``lora_add``: one launch a projection, all its slices, the
+rank-r intermediate kept in registers), after its base GEMM. Rows of the base model
 are left untouched.
 
 Slots are given least recently used first among the adapters the step does not use; the
@@ -54,7 +55,7 @@ SLICES: dict[str, tuple[str, ...]] = {
 
 
 def kernel_ops(device: torch.device) -> ModuleType:
-    """The shrink/expand ops: Triton's on CUDA, the PyTorch reference elsewhere."""
+    """The LoRA ops (``lora_add``, ``lora_meta``): Triton's on CUDA, the PyTorch reference elsewhere."""
     if device.type == "cuda":
         from pitstop.plugins.kernels.triton_ops import lora
 
@@ -164,8 +165,8 @@ class LoRASlots:
         slots = self.slot_of_row[: x2.shape[0]]
         y2 = y.reshape(-1, y.shape[-1])
         meta = {} if self.meta is None else {"meta": self.meta}  # grouped once this step
-        h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks, **meta)
-        self.ops.lora_expand_add(y2, h, proj.B, slots, self.scaling, self.ranks, **meta)
+        # one launch of the fused shrink-expand for every slice (many-row prefills: two)
+        self.ops.lora_add(y2, x2, proj.A, proj.B, slots, self.scaling, self.ranks, **meta)
         return y
 
     # ------------------------------------------------------------------ requests

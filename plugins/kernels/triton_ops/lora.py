@@ -1,4 +1,4 @@
-"""Multi-LoRA shrink/expand over a batch that mixes adapters and rows without any (SGMV style).
+"""Multi-LoRA over a batch that mixes adapters and rows without any (SGMV style), one launch a projection.
 
 Layout (one projection of one layer; a merged projection has one *slice* per part)
 ---------------------------------------------------------------------------------
@@ -37,24 +37,55 @@ weights stream once per row tile, not once per row (a 256-row prefill of 8 adapt
 reads B 8 times, not 256); rows without an adapter never enter a tile; and the grid is
 static: ``(cdiv(T, BLOCK_M), tiles, slots)`` for any mix, each program reading its
 segment's length and exiting at once when its row tile is past it (or its slot's rank
-is 0). So ``lora_meta`` + shrink + expand capture in a CUDA graph at a batch size ``T``,
-and replays serve any adapter mix written into the same ``slot_of_row`` buffer. The
+is 0). So ``lora_meta`` and the LoRA launches capture in a CUDA graph at a batch size
+``T``, and replays serve any adapter mix written into the same ``slot_of_row`` buffer. The
 per-row slot stays the interface (easy for the runner; one H2D copy into a static
 buffer), the grouping is an implementation detail computed once per step and shared by
 every LoRA launch of every layer (pass ``meta=``).
 
+Launches: one a LoRA'd projection
+---------------------------------
+At small batches the cost of multi-LoRA is the number of small launches, not bytes
+(issue 47: an adapter on every projection of llama3-8b added 1.2 ms to a 4.9 ms token at
+batch 1). A decoder layer of the merged layout (q|k|v, o, gate|up, down) costs
+:func:`lora_add`'s **4 launches** (one a projection, every slice in it), plus one
+:func:`lora_meta` a step for the whole model. Before: 12 (a memset of the intermediate,
+a shrink and an expand per projection); tests/plugins/adapters/test_lora_launches.py
+counts them on a model.
+
+:func:`lora_add` (``rows <= FUSED_MAX_ROWS``) launches :func:`_fused_kernel` on the grid
+``(cdiv(T, BLOCK_M), column groups of all slices, slots)``: each program takes one row tile
+of one slot's segment and one group of ``n_loop`` column tiles of one slice (the group's
+slice, hence its A, B, width, offset and scale, from the group index: groups of slice 0,
+then 1, then 2), computes the rank-r intermediate ``h = x_rows @ A_slot^T`` in registers
+(float32 accumulation over all of K, no split: no atomics, no memset, deterministic),
+then for each column tile ``h @ B_tile^T``, adding ``scaling *`` it into y in place. The
+shrink is recomputed per column group: ``K x r`` multiply-adds a row, and the program
+reads its rows of x and the slot's A (``K x r``, from L2) whole, ``rank / (BLOCK_N *
+n_loop)`` of the base GEMM's work; :func:`fused_config` raises ``n_loop`` (at most
+:data:`MAX_N_LOOP`) while the grid keeps a program per SM. Above ``FUSED_MAX_ROWS``
+rows (prefill chunks, where re-reading x per column group costs more than a launch) it
+runs the shrink into a float32 intermediate (``split_k=1``, not zeroed: the expand reads
+only the rows the shrink wrote) and the expand, two launches. With the same tiles both
+paths compute the same sums in the same order (bit-equal in the interpreter).
+
 Ops
 ---
+- :func:`lora_add`: ``y[t, off_i + n] += scaling[slot(t)] * sum_j (sum_k x[t, k] *
+  A_i[slot(t), j, k]) * B_i[slot(t), n, j]`` for every slice ``i``, in place, one launch
+  (see above); what the ``lora`` adapter plugin calls.
 - :func:`lora_shrink`: ``h[t, i*rank_max + j] = sum_k x[t, k] * A_i[slot(t), j, k]``
   for every slice ``i`` in one launch; float32 ``[T, slices * rank_max]``, rows of slot
-  -1 (and columns ``>= rank``) zero. Products of the input dtype, float32 accumulation;
-  optional split-K over grid axis 1 (float32 ``atomic_add``: the last bits may then vary
-  between runs; ``split_k=1`` is bit-deterministic).
+  -1 (and columns ``>= rank``) zero (a memset first). Products of the input dtype, float32
+  accumulation; optional split-K over grid axis 1 (float32 ``atomic_add``: the last bits
+  may then vary between runs; ``split_k=1`` is bit-deterministic). :func:`lora_add`'s
+  two-launch path uses it with ``split_k=1`` and no memset.
 - :func:`lora_expand_add`: ``y[t, off_i + n] += scaling[slot(t)] * sum_j h[t, i*rank_max + j]
   * B_i[slot(t), n, j]`` for every slice ``i`` (widths may differ) in one launch, in
   place; the delta in float32 (h is not rounded), one rounding of ``y + delta`` to y's
   dtype (bf16 to nearest-even, as the GPU does, also in the interpreter). Rows of slot
-  -1 and columns outside the slices are never read nor written.
+  -1 and columns outside the slices are never read nor written. The same for
+  :func:`lora_add`.
 
 PDL (:mod:`.pdl`): every program waits before its first load (everything it reads may
 come from the previous kernel) and before an early exit.
@@ -62,6 +93,7 @@ come from the previous kernel) and before an early exit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -75,6 +107,8 @@ from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 MAX_SLICES = 3  # q|k|v; gate|up uses 2, every other projection 1
 INTERPRETER_TILES = (16, 16, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K): small, so tests cross tiles
 META_BLOCK = 1024
+MAX_N_LOOP = 64  # the fused kernel's most column tiles per program
+FUSED_MAX_ROWS = 256  # lora_add: one fused launch up to this many rows, shrink + expand above
 
 
 class LoRAMeta(NamedTuple):
@@ -86,7 +120,8 @@ class LoRAMeta(NamedTuple):
 
 
 class LoRAConfig(NamedTuple):
-    """Launch shape: rows per tile, output columns per tile (expand), K step and splits (shrink)."""
+    """Launch shape: rows per tile, output columns per tile (expand), K step and splits (shrink);
+    ``n_loop``: column tiles per program (the fused kernel only)."""
 
     block_m: int
     block_n: int
@@ -94,6 +129,7 @@ class LoRAConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    n_loop: int = 1
 
 
 def default_config(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> LoRAConfig:
@@ -347,6 +383,121 @@ def _expand_kernel(
     tl.store(yp, _rounded(out, yt.dtype).to(yt.dtype), mask=mask)
 
 
+@triton.jit
+def _fused_kernel(
+    y_ptr,
+    stride_ym,
+    x_ptr,
+    stride_xm,
+    a0_ptr,
+    a1_ptr,
+    a2_ptr,
+    stride_as,
+    stride_ar,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    sb0,
+    sb1,
+    sb2,
+    stride_bn,
+    n0,
+    n1,
+    n2,
+    off0,
+    off1,
+    off2,
+    t0,
+    t1,
+    rows_ptr,
+    start_ptr,
+    len_ptr,
+    rank_ptr,
+    scale_ptr,
+    stride_ss,
+    stride_si,
+    K,
+    R,
+    n_loop,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_RANK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Shrink and expand in one program: ``h = x_rows @ A^T`` (float32, in registers, over
+    all of K), then ``y_tile += scaling * h @ B_tile^T``, for one row tile of one slot and
+    ``n_loop`` column tiles of ``BN`` of one slice (``t0``, ``t1``: the slices' groups of
+    ``n_loop * BN`` columns)."""
+    _pdl.wait(PDL)  # before the early exit too (pdl.py: the chain)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    rows, m_ok, rank, idle = _segment(
+        rows_ptr, start_ptr, len_ptr, rank_ptr, slot, pid_m, R, BM, HAS_RANK
+    )
+    if idle:
+        return
+    # this column tile's slice, as in _expand_kernel
+    sl = (pid_n >= t0).to(tl.int32) + (pid_n >= t0 + t1).to(tl.int32)
+    sb = tl.where(sl == 0, sb0, tl.where(sl == 1, sb1, sb2)).to(tl.int64)
+    width = tl.where(sl == 0, n0, tl.where(sl == 1, n1, n2))
+    off = tl.where(sl == 0, off0, tl.where(sl == 1, off1, off2))
+    first = tl.where(sl == 0, 0, tl.where(sl == 1, t0, t0 + t1))
+    a_ptr = a0_ptr
+    b_ptr = b0_ptr
+    if sl == 1:
+        a_ptr = a1_ptr
+        b_ptr = b1_ptr
+    if sl == 2:
+        a_ptr = a2_ptr
+        b_ptr = b2_ptr
+    a_ptr += slot.to(tl.int64) * stride_as
+    b_ptr += slot.to(tl.int64) * sb
+    r = tl.arange(0, BR)
+    r_ok = r < rank
+    # the shrink, as _shrink_kernel's with split_k=1 (the same sums in the same order)
+    h = tl.zeros([BM, BR], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        xt = tl.load(
+            x_ptr + rows[:, None] * stride_xm + k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        at = tl.load(
+            a_ptr + r[:, None] * stride_ar + k[None, :],
+            mask=r_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:  # the interpreter multiplies bf16 dot operands wrongly: exact float32 copies
+            h = tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), h, input_precision="ieee")
+        else:
+            h = tl.dot(xt, tl.trans(at.to(xt.dtype)), h, input_precision=DOT_PRECISION)
+    # the expand, as _expand_kernel's (h not rounded; columns >= rank of h are zero), over
+    # the n_loop column tiles of this program (h computed once for all of them)
+    scale = tl.load(scale_ptr + slot * stride_ss + sl * stride_si)
+    _pdl.launch_dependents(PDL)
+    for j in range(0, n_loop):
+        n = ((pid_n - first) * n_loop + j) * BN + tl.arange(0, BN)
+        n_ok = n < width
+        bt = tl.load(
+            b_ptr + n[:, None] * stride_bn + r[None, :],
+            mask=n_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        delta = tl.dot(h, tl.trans(bt.to(tl.float32)), input_precision="ieee")
+        yp = y_ptr + rows[:, None] * stride_ym + off + n[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+        yt = tl.load(yp, mask=mask, other=0.0)
+        out = yt.to(tl.float32) + scale * delta
+        tl.store(yp, _rounded(out, yt.dtype).to(yt.dtype), mask=mask)
+
+
 def _slices(w: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
     ws = [w] if isinstance(w, torch.Tensor) else list(w)
     assert 1 <= len(ws) <= MAX_SLICES, f"{what}: 1 to {MAX_SLICES} slices, not {len(ws)}"
@@ -379,18 +530,41 @@ def lora_shrink(
     :func:`lora_meta` (computed here when None); ``out``: float32 ``[T, slices * rank_max]``
     to write (zeroed here first: rows of slot -1 come out zero).
     """
-    a_list = _slices(A, "A")
-    slots, rank_max, k = a_list[0].shape
+    a_list = _check_a(x, A)
+    slots, rank_max, _ = a_list[0].shape
     rows = x.shape[0]
-    assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, "x: [T, K], unit column stride"
-    assert all(a.shape == a_list[0].shape and a.dtype == x.dtype for a in a_list)
     meta = _check_rows(slot_of_row, rows, meta, slots)
     width = len(a_list) * rank_max
     h = out if out is not None else torch.empty(rows, width, dtype=torch.float32, device=x.device)
     assert h.shape == (rows, width) and h.dtype == torch.float32 and h.stride(1) == 1
     h.zero_()
+    _shrink(x, a_list, h, meta, ranks, config, pdl)
+    return h
+
+
+def _check_a(x: torch.Tensor, A: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    a_list = _slices(A, "A")
+    assert x.dim() == 2 and x.shape[1] == a_list[0].shape[2] and x.stride(1) == 1, (
+        "x: [T, K], unit column stride"
+    )
+    assert all(a.shape == a_list[0].shape and a.dtype == x.dtype for a in a_list)
+    return a_list
+
+
+def _shrink(
+    x: torch.Tensor,
+    a_list: list[torch.Tensor],
+    h: torch.Tensor,
+    meta: LoRAMeta,
+    ranks: torch.Tensor | None,
+    config: LoRAConfig | None,
+    pdl: bool | None,
+) -> None:
+    """Launch the shrink into ``h`` (rows of each segment written; the others untouched)."""
+    slots, rank_max, k = a_list[0].shape
+    rows = x.shape[0]
     if rows == 0 or slots == 0 or rank_max == 0:
-        return h
+        return
     cfg = config or default_config(rows, k, x.dtype, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
@@ -422,7 +596,58 @@ def lora_shrink(
         num_stages=cfg.num_stages,
         **_pdl.launch_kwargs(use_pdl),
     )
-    return h
+
+
+class _SliceArgs(NamedTuple):
+    """The per-slice launch arguments of the expand and the fused kernel (padded to 3 slices)."""
+
+    b: list[torch.Tensor]  # B per slice
+    b_strides: list[int]  # its slot stride per slice
+    widths: list[int]
+    offsets: list[int]
+    t0: int  # column tiles of slice 0
+    t1: int  # of slice 1
+    tiles: int  # of all slices
+
+
+def _check_b(
+    y: torch.Tensor,
+    B: torch.Tensor | Sequence[torch.Tensor],
+    scaling: torch.Tensor,
+    offset: int,
+    offsets: Sequence[int] | None,
+) -> list[torch.Tensor]:
+    b_list = _slices(B, "B")
+    slots, _, rank_max = b_list[0].shape
+    widths = [b.shape[1] for b in b_list]
+    if offsets is None:
+        offsets = [offset + sum(widths[:i]) for i in range(len(b_list))]
+    assert len(offsets) == len(b_list), "one offset per slice"
+    assert y.dim() == 2 and y.stride(1) == 1, "y: [T, N], unit column stride"
+    assert all(0 <= o and o + w <= y.shape[1] for o, w in zip(offsets, widths, strict=True))
+    assert all(b.shape[0] == slots and b.shape[2] == rank_max for b in b_list)
+    assert scaling.dtype == torch.float32 and scaling.shape[0] == slots
+    return b_list
+
+
+def _slice_args(
+    b_list: list[torch.Tensor], offset: int, offsets: Sequence[int] | None, block_n: int
+) -> _SliceArgs:
+    widths = [b.shape[1] for b in b_list]
+    if offsets is None:
+        offsets = [offset + sum(widths[:i]) for i in range(len(b_list))]
+    more = MAX_SLICES - len(b_list)
+    tiles = [triton.cdiv(w, block_n) for w in widths] + [0] * more
+    pad = b_list + [b_list[0]] * more
+    return _SliceArgs(
+        pad,
+        [b.stride(0) for b in pad],
+        widths + [0] * more,
+        list(offsets) + [0] * more,
+        tiles[0],
+        tiles[1],
+        sum(tiles),
+    )
 
 
 def lora_expand_add(
@@ -449,45 +674,33 @@ def lora_expand_add(
     (``offset + N_0 + ... + N_{i-1}``: q|k|v of a merged QKV output). Rows of slot -1
     and the other columns of y are untouched.
     """
-    b_list = _slices(B, "B")
+    b_list = _check_b(y, B, scaling, offset, offsets)
     slots, _, rank_max = b_list[0].shape
     rows = y.shape[0]
-    widths = [b.shape[1] for b in b_list]
-    if offsets is None:
-        offsets = [offset + sum(widths[:i]) for i in range(len(b_list))]
-    assert len(offsets) == len(b_list), "one offset per slice"
-    assert y.dim() == 2 and y.stride(1) == 1, "y: [T, N], unit column stride"
-    assert all(0 <= o and o + w <= y.shape[1] for o, w in zip(offsets, widths, strict=True))
-    assert all(b.shape[0] == slots and b.shape[2] == rank_max for b in b_list)
     assert h.shape == (rows, len(b_list) * rank_max) and h.dtype == torch.float32
     assert h.stride(1) == 1
-    assert scaling.dtype == torch.float32 and scaling.shape[0] == slots
     meta = _check_rows(slot_of_row, rows, meta, slots)
     if rows == 0 or slots == 0 or rank_max == 0:
         return y
     cfg = config or default_config(rows, 0, y.dtype, y.device)
-    bn = cfg.block_n
-    tiles = [triton.cdiv(w, bn) for w in widths] + [0] * (MAX_SLICES - len(b_list))
-    pad = b_list + [b_list[0]] * (MAX_SLICES - len(b_list))
-    widths = widths + [0] * (MAX_SLICES - len(b_list))
-    offs = list(offsets) + [0] * (MAX_SLICES - len(b_list))
+    sa = _slice_args(b_list, offset, offsets, cfg.block_n)
+    if sa.tiles == 0:
+        return y
     stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
     use_pdl = _pdl.enabled(y.device, pdl)
-    grid = (triton.cdiv(rows, cfg.block_m), sum(tiles), slots)
-    if grid[1] == 0:
-        return y
+    grid = (triton.cdiv(rows, cfg.block_m), sa.tiles, slots)
     _expand_kernel[grid](
         y,
         y.stride(0),
         h,
         h.stride(0),
-        *pad,
-        *(b.stride(0) for b in pad),
-        pad[0].stride(1),
-        *widths,
-        *offs,
-        tiles[0],
-        tiles[1],
+        *sa.b,
+        *sa.b_strides,
+        sa.b[0].stride(1),
+        *sa.widths,
+        *sa.offsets,
+        sa.t0,
+        sa.t1,
         *meta,
         ranks if ranks is not None else meta.seg_len,
         scaling,
@@ -495,9 +708,127 @@ def lora_expand_add(
         stride_si,
         rank_max,
         BM=cfg.block_m,
-        BN=bn,
+        BN=cfg.block_n,
         BR=max(16, triton.next_power_of_2(rank_max)),
         HAS_RANK=ranks is not None,
+        PDL=use_pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **_pdl.launch_kwargs(use_pdl),
+    )
+    return y
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fused_config(
+    rows: int, k: int, widths: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> LoRAConfig:
+    """The fused kernel's launch shape for ``rows`` rows, ``K = k`` and slices of ``widths``
+    columns (untuned on the GPU so far).
+
+    No split of K (``split_k`` is 1 and ignored): each program loops over all of K, then
+    over ``n_loop`` column tiles. A program's fixed cost is reading its rows of x and its
+    slot's A (``K x rank``) whole, and every program of a row tile reads that tile's x, so
+    the fewer programs the less is read: ``n_loop`` grows (up to :data:`MAX_N_LOOP`) while
+    the grid still has about a program per SM. Row tiles of 16 at any batch: B (``N x
+    rank``) is read once per row tile, and x once per column group, and at ``rank`` 16
+    small row tiles with long column loops read the least of both (llama3-8b's gate|up at
+    256 rows: about 30 MB with 16-row tiles, 70 MB with 64)."""
+    if device.type != "cuda":
+        bm, bn, bk = INTERPRETER_TILES
+        return LoRAConfig(bm, bn, bk, 1, 1, 1)
+    bm = 16
+    bn = 64 if rows <= 16 else 128
+    bk = 32 if dtype == torch.float32 else 256 if rows <= 16 else 128
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    tiles = sum(triton.cdiv(w, bn) for w in widths) * triton.cdiv(rows, bm)
+    n_loop = max(1, min(MAX_N_LOOP, tiles // _sm_count(index)))
+    return LoRAConfig(bm, bn, bk, 1, 4, 3, n_loop)
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor | Sequence[torch.Tensor],
+    B: torch.Tensor | Sequence[torch.Tensor],
+    slot_of_row: torch.Tensor,
+    scaling: torch.Tensor,
+    ranks: torch.Tensor | None = None,
+    *,
+    offset: int = 0,
+    offsets: Sequence[int] | None = None,
+    meta: LoRAMeta | None = None,
+    config: LoRAConfig | None = None,
+    fused: bool | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``y[:, off_i : off_i + N_i] += scaling[slot] * (x @ A_i[slot].T) @ B_i[slot].T`` per row,
+    in place, every slice at once; returns y. What a LoRA'd projection adds to its base output.
+
+    Arguments as for :func:`lora_shrink` and :func:`lora_expand_add`. ``fused`` (None: by
+    rows, ``rows <= FUSED_MAX_ROWS``): one launch of :func:`_fused_kernel` (the shrink
+    recomputed per column tile, in registers); else, for many rows (a prefill, where the
+    recomputation would cost more than a launch), the shrink into a float32 intermediate
+    (``split_k=1``, not zeroed: only the rows the expand reads are written) and the expand,
+    two launches. ``config``: :func:`fused_config`'s or :func:`default_config`'s by default.
+    """
+    a_list = _check_a(x, A)
+    b_list = _check_b(y, B, scaling, offset, offsets)
+    slots, rank_max, k = a_list[0].shape
+    rows = y.shape[0]
+    assert x.shape[0] == rows, "x and y: the same rows"
+    assert len(a_list) == len(b_list), "one A and one B per slice"
+    assert all(b.shape[0] == slots and b.shape[2] == rank_max for b in b_list)
+    meta = _check_rows(slot_of_row, rows, meta, slots)
+    if rows == 0 or slots == 0 or rank_max == 0:
+        return y
+    if fused is None:
+        fused = rows <= FUSED_MAX_ROWS
+    if not fused:
+        cfg = (config or default_config(rows, k, x.dtype, x.device))._replace(split_k=1)
+        h = torch.empty(rows, len(a_list) * rank_max, dtype=torch.float32, device=x.device)
+        _shrink(x, a_list, h, meta, ranks, cfg, pdl)
+        kw = {"offset": offset, "offsets": offsets, "meta": meta, "config": cfg, "pdl": pdl}
+        return lora_expand_add(y, h, b_list, slot_of_row, scaling, ranks, **kw)
+    cfg = config or fused_config(rows, k, [b.shape[1] for b in b_list], x.dtype, x.device)
+    sa = _slice_args(b_list, offset, offsets, cfg.block_n * cfg.n_loop)
+    stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
+    use_pdl = _pdl.enabled(y.device, pdl)
+    grid = (triton.cdiv(rows, cfg.block_m), sa.tiles, slots)
+    _fused_kernel[grid](
+        y,
+        y.stride(0),
+        x,
+        x.stride(0),
+        *(a_list + [a_list[0]] * (MAX_SLICES - len(a_list))),
+        a_list[0].stride(0),
+        a_list[0].stride(1),
+        *sa.b,
+        *sa.b_strides,
+        sa.b[0].stride(1),
+        *sa.widths,
+        *sa.offsets,
+        sa.t0,
+        sa.t1,
+        *meta,
+        ranks if ranks is not None else meta.seg_len,
+        scaling,
+        scaling.stride(0),
+        stride_si,
+        k,
+        rank_max,
+        cfg.n_loop,
+        BM=cfg.block_m,
+        BN=cfg.block_n,
+        BR=max(16, triton.next_power_of_2(rank_max)),
+        BK=cfg.block_k,
+        HAS_RANK=ranks is not None,
+        UPCAST=x.device.type != "cuda" and x.dtype != torch.float32,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

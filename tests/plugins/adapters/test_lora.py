@@ -395,7 +395,7 @@ def test_speculative_decoding_verifies_with_each_rows_adapter(tiny: dict[str, Pa
 def test_on_the_gpu_a_mixed_batch_matches_peft_with_cuda_graphs(
     tiny: dict[str, Path], kernels: str
 ) -> None:
-    """On CUDA (fp32): the Triton shrink/expand inside the whole model, decode steps replayed
+    """On CUDA (fp32): the Triton lora_add inside the whole model, decode steps replayed
     from CUDA graphs (the rows' slots in a static buffer), chunks beside decodes; PEFT's tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

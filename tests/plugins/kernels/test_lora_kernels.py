@@ -13,6 +13,8 @@ loop in float64 over the very inputs the kernels read. What must not be written
 is poisoned with NaN and checked bit for bit afterwards: y's rows without an
 adapter (or whose slot has rank 0) and y's columns outside the slices; the
 padding of A and B beyond each slot's rank is NaN too, so a read of it fails.
+``lora_add`` (the fused shrink-expand, one launch, and its shrink + expand path for
+many rows) is checked the same way on y, and the two paths against each other.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def batches(draw: st.DrawFn) -> dict:
         "x_stride_pad": draw(st.sampled_from([0, 3])),
         "per_slice_scaling": draw(st.booleans()),
         "split_k": draw(st.sampled_from([1, 2, 3])),
+        "n_loop": draw(st.sampled_from([1, 2, 3, 5])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -277,6 +280,126 @@ def test_meta_over_a_longer_buffer_serves_any_batch_within_it() -> None:
         lora.lora_expand_add(y, shared, b, buffer[:rows], scaling, ranks, meta=meta)
         lora.lora_expand_add(y_own, own, b, buffer[:rows], scaling, ranks)
         assert torch.equal(y, y_own)
+
+
+def _run_add(mod, case: dict, t: dict, **kwargs) -> torch.Tensor:
+    slot_kw = {"offsets": case["offsets"]} if not case["packed"] else {"offset": case["offsets"][0]}
+    y = t["y0"].clone()
+    args = (t["x"], t["A"], t["B"], t["slot_of_row"], t["scaling"], t["ranks"])
+    out = mod.lora_add(y, *args, **slot_kw, **kwargs)
+    assert out is y, "lora_add works in place and returns y"
+    return y
+
+
+def _check_y(case: dict, t: dict, y: torch.Tensor, what: str) -> None:
+    _, y_true = _truth(case, t)
+    touched = t["active"][:, None] & t["covered"][None, :]
+    assert _same_bits(y[~touched], t["y0"][~touched]), f"{what}: wrote outside its rows/columns"
+    _close(y.cpu()[touched.cpu()], y_true[touched.cpu()], TOL[case["dtype"]], f"{what} y")
+
+
+@FAST
+@given(case=batches())
+def test_fused_add_matches_float64_and_the_two_launches(case: dict) -> None:
+    """``lora_add``'s one launch (every slice, the intermediate in registers) against the
+    float64 truth, and its shrink + expand path (``fused=False``) against the same; through
+    the interpreter, with the same tiles, the two are equal bit for bit (the same sums in
+    the same order: the fused kernel's shrink is ``split_k=1``'s). ``n_loop``: column tiles
+    per program (groups that end inside a slice, or past its last column)."""
+    t = _make(case)
+    cfg = lora.fused_config(
+        case["rows"], case["k"], case["widths"], case["dtype"], torch.device(DEVICE)
+    )
+    fused = _run_add(lora, case, t, fused=True, config=cfg._replace(n_loop=case["n_loop"]))
+    _check_y(case, t, fused, "fused")
+    two = _run_add(lora, case, t, fused=False)
+    _check_y(case, t, two, "shrink+expand")
+    if DEVICE == "cpu":
+        assert _same_bits(fused, two), "fused and shrink+expand differ"
+
+
+# slots 0 (rank 16), 3 (9), 2 (5), 1 (0: empty); -1 and 4, 5 (out of range): no adapter
+MIX = [3, -1, 0, 4, 2, 1, 0, 5, 3, -1, 2, 0]
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_mixed_slots_rows_and_ranks(rows: int, dtype: torch.dtype) -> None:
+    """Row counts at and across the row tile, q|k|v slices of different widths (each wider
+    than a column tile), slots of rank 0 (empty), below rank_max and at it, rows of no
+    adapter and of an out-of-range slot, per-slice scaling."""
+    widths = [40, 24, 17]
+    case = {
+        "dtype": dtype,
+        "rows": rows,
+        "k": 70,
+        "slots": 4,
+        "rank_max": 16,
+        "widths": widths,
+        "ranks": [16, 0, 5, 9],
+        "offsets": [0, 40, 64],
+        "packed": True,
+        "n_total": sum(widths),
+        "slot_of_row": [MIX[i % len(MIX)] for i in range(rows)],
+        "x_stride_pad": 3,
+        "per_slice_scaling": True,
+        "split_k": 1,
+        "seed": rows,
+    }
+    t = _make(case)
+    _check_y(case, t, _run_add(lora, case, t), "fused")
+    cfg = lora.fused_config(rows, 70, widths, dtype, torch.device(DEVICE))._replace(n_loop=2)
+    _check_y(case, t, _run_add(lora, case, t, config=cfg), "fused, 2 column tiles a program")
+    _check_y(case, t, _run_add(ref, case, t), "reference")
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=batches())
+def test_reference_add_matches_float64(case: dict) -> None:
+    t = _make(case)
+    _check_y(case, t, _run_add(ref, case, t), "reference")
+
+
+def test_lora_add_picks_the_path_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to ``FUSED_MAX_ROWS`` rows one launch of the fused kernel; above it the shrink and
+    the expand (no memset of the intermediate either way); ``fused=`` overrides the rule."""
+    import triton
+
+    launched: list[str] = []
+    get_item = triton.runtime.jit.KernelInterface.__getitem__
+
+    def counted(kernel, grid):
+        launch = get_item(kernel, grid)
+
+        def run(*args, **kwargs):
+            launched.append(kernel.fn.__name__)
+            return launch(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(triton.runtime.jit.KernelInterface, "__getitem__", counted)
+    monkeypatch.setattr(lora, "FUSED_MAX_ROWS", 8)
+    g = torch.Generator().manual_seed(9)
+    slots, r_max, k = 2, 8, 24
+    a = [torch.randn(slots, r_max, k, generator=g).to(DEVICE) for _ in range(2)]
+    b = [torch.randn(slots, w, r_max, generator=g).to(DEVICE) for w in (20, 12)]
+    scaling = torch.tensor([0.5, 2.0], device=DEVICE)
+    for rows, fused, want in [
+        (8, None, ["_fused_kernel"]),
+        (9, None, ["_shrink_kernel", "_expand_kernel"]),
+        (9, True, ["_fused_kernel"]),
+        (3, False, ["_shrink_kernel", "_expand_kernel"]),
+    ]:
+        x = torch.randn(rows, k, generator=g).to(DEVICE)
+        slot_of_row = torch.tensor([i % 3 - 1 for i in range(rows)], dtype=torch.int32)
+        slot_of_row = slot_of_row.to(DEVICE)
+        meta = lora.lora_meta(slot_of_row, slots)
+        y = torch.randn(rows, 32, generator=g).to(DEVICE)
+        y_ref = ref.lora_add(y.clone(), x, a, b, slot_of_row, scaling)
+        launched.clear()
+        lora.lora_add(y, x, a, b, slot_of_row, scaling, meta=meta, fused=fused)
+        assert launched == want, f"{rows} rows, fused={fused}"
+        _close(y.cpu(), y_ref.double().cpu(), 1e-5, f"{rows} rows, fused={fused}")
 
 
 def test_scaling_of() -> None:

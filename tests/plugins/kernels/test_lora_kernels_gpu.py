@@ -11,7 +11,9 @@ slots and rows without an adapter. The truth is the PyTorch reference
 own inputs. The graph test captures ``lora_meta`` + shrink + expand once per T and
 replays it with new slot assignments written into the same ``slot_of_row`` buffer
 (none, one adapter, every row different, random), each replay checked against the
-truth, and rows without an adapter checked bit for bit unchanged.
+truth, and rows without an adapter checked bit for bit unchanged. ``lora_add`` (the
+fused shrink-expand, one launch a projection, and its two-launch path) is checked
+beside them, eager and captured.
 """
 
 from __future__ import annotations
@@ -101,14 +103,21 @@ def test_eager_matches_reference(hidden: int, proj: str, rows: int, dtype: torch
         meta = lora.lora_meta(slot_of_row, SLOTS)
         h = lora.lora_shrink(x, p.A, slot_of_row, p.ranks, meta=meta)
         y = lora.lora_expand_add(y0.clone(), h, p.B, slot_of_row, p.scaling, p.ranks, meta=meta)
-        _close(y, p.truth(x, y0, slot_of_row), dtype, f"{name}")
+        truth = p.truth(x, y0, slot_of_row)
+        _close(y, truth, dtype, f"{name}")
         idle = slot_of_row < 0
         assert torch.equal(y[idle], y0[idle]), f"{name}: rows without an adapter changed"
+        for fused in (True, False):  # lora_add: one launch, or shrink + expand without memset
+            y = y0.clone()
+            lora.lora_add(y, x, p.A, p.B, slot_of_row, p.scaling, p.ranks, meta=meta, fused=fused)
+            _close(y, truth, dtype, f"lora_add fused={fused} {name}")
+            assert torch.equal(y[idle], y0[idle]), f"{name}: rows without an adapter changed"
 
 
+@pytest.mark.parametrize("path", ["shrink_expand", "fused"])
 @pytest.mark.parametrize("rows", [1, 16, 256])
 @pytest.mark.parametrize("hidden", [1024, 4096])
-def test_graph_replays_new_slot_assignments(hidden: int, rows: int) -> None:
+def test_graph_replays_new_slot_assignments(hidden: int, rows: int, path: str) -> None:
     lora = _lora()
     dtype = torch.bfloat16
     k, widths = SHAPES[hidden]["qkv"]
@@ -123,6 +132,10 @@ def test_graph_replays_new_slot_assignments(hidden: int, rows: int) -> None:
 
     def step() -> None:
         lora.lora_meta(slot_buf, SLOTS, out=meta)
+        if path == "fused":
+            y.copy_(y_base)
+            lora.lora_add(y, x, p.A, p.B, slot_buf, p.scaling, p.ranks, meta=meta, fused=True)
+            return
         lora.lora_shrink(x, p.A, slot_buf, p.ranks, meta=meta, out=h)
         y.copy_(y_base)
         lora.lora_expand_add(y, h, p.B, slot_buf, p.scaling, p.ranks, meta=meta)

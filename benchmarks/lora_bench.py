@@ -1,0 +1,132 @@
+"""Multi-LoRA kernels on the GPU (issue 47): one decoder layer's LoRA launches, old beside fused.
+
+Per projection of a merged layer (qkv, o, gate_up, down) at the real shapes of qwen3-0.6b
+and llama3-8b, rank 16 in every slot: the base GEMM alone (``torch.mm``, bf16), the
+former path (a zeroed float32 intermediate, ``lora_shrink``, ``lora_expand_add``: three
+launches) and ``lora_add`` (fused: one launch; ``--fused 0`` its two-launch path), each
+captured ``--iters`` times in a CUDA graph and timed by replays (median of ``--repeats``).
+Prints µs per call and the layer's totals: the LoRA cost beside the base GEMMs.
+
+    python3 benchmarks/lora_bench.py [--case nano-1 single ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from pitstop.plugins.kernels.triton_ops import lora
+
+# case -> (hidden, q, kv, intermediate, rows, adapters in the batch)
+CASES = {
+    "nano-1": (1024, 2048, 1024, 3072, 256, 1),
+    "nano-8": (1024, 2048, 1024, 3072, 256, 8),
+    "single": (4096, 4096, 1024, 14336, 1, 1),
+    "single-16": (4096, 4096, 1024, 14336, 16, 1),
+}
+RANK = 16
+
+
+def _timed(fn, iters: int, repeats: int) -> float:
+    """µs per call of ``fn`` captured ``iters`` times in one CUDA graph (median of repeats)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / iters)
+    return statistics.median(times)
+
+
+def _time_projection(
+    rows, k, widths, slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused
+) -> dict[str, float]:
+    dev, dt = "cuda", torch.bfloat16
+    n = sum(widths)
+    x = torch.randn(rows, k, device=dev, dtype=dt)
+    w = torch.randn(n, k, device=dev, dtype=dt) / k**0.5
+    y = torch.zeros(rows, n, device=dev, dtype=dt)
+    a = [torch.randn(slots, RANK, k, device=dev, dtype=dt) / k**0.5 for _ in widths]
+    b = [torch.randn(slots, m, RANK, device=dev, dtype=dt) / RANK for m in widths]
+    h = torch.empty(rows, len(widths) * RANK, device=dev, dtype=torch.float32)
+
+    def gemm() -> None:
+        torch.mm(x, w.t(), out=y)
+
+    def old() -> None:
+        lora.lora_shrink(x, a, slot_of_row, ranks, meta=meta, out=h)  # zeroes h first
+        lora.lora_expand_add(y, h, b, slot_of_row, scaling, ranks, meta=meta)
+
+    def new() -> None:
+        lora.lora_add(y, x, a, b, slot_of_row, scaling, ranks, meta=meta, fused=fused)
+
+    return {
+        "gemm": _timed(gemm, iters, repeats),
+        "old": _timed(old, iters, repeats),
+        "new": _timed(new, iters, repeats),
+    }
+
+
+def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
+    hidden, q, kv, inter, rows, adapters = CASES[name]
+    slots = max(adapters, 1)
+    dev = "cuda"
+    projections = {
+        "qkv": (hidden, (q, kv, kv)),
+        "o": (q, (hidden,)),
+        "gate_up": (hidden, (inter, inter)),
+        "down": (inter, (hidden,)),
+    }
+    slot_of_row = (torch.arange(rows, device=dev) % adapters).to(torch.int32)
+    meta = lora.lora_meta(slot_of_row, slots)
+    ranks = torch.full((slots,), RANK, dtype=torch.int32, device=dev)
+    scaling = torch.full((slots,), 2.0, device=dev)
+    totals = {"gemm": 0.0, "old": 0.0, "new": 0.0}
+    print(f"== {name}: T={rows}, {adapters} adapter(s), rank {RANK}, bf16")
+    common = (slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused)
+    for proj, (k, widths) in projections.items():
+        t = _time_projection(rows, k, widths, *common)
+        cfg = lora.fused_config(rows, k, widths, torch.bfloat16, torch.device("cuda"))
+        for key in totals:
+            totals[key] += t[key]
+        print(
+            f"{proj:>8}: K={k:>5} N={sum(widths):>5}  gemm {t['gemm']:7.2f} us  old lora "
+            f"{t['old']:7.2f} us  lora_add {t['new']:7.2f} us  (fused config {tuple(cfg)})"
+        )
+    g = totals["gemm"]
+    print(
+        f"   layer: gemm {g:.1f} us; + old lora {totals['old']:.1f} us "
+        f"({g / (g + totals['old']):.3f}x); + lora_add {totals['new']:.1f} us "
+        f"({g / (g + totals['new']):.3f}x)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fused", type=int, default=1, help="1: one launch; 0: two")
+    args = parser.parse_args()
+    for name in args.case:
+        run_case(name, args.iters, args.repeats, bool(args.fused))
+
+
+if __name__ == "__main__":
+    main()

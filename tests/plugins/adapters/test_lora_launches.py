@@ -1,0 +1,180 @@
+"""Launches the ``lora`` plugin costs per decoder layer on the Triton ops (issue 47), and their tokens.
+
+The cost of multi-LoRA at small batches is the number of small launches per layer,
+not bytes. A tiny Llama in the fused kernel set's layout (q|k|v and gate|up merged)
+serves a batch mixing three adapters (two on all seven projections, one on q, v and
+down; ranks 8 and 4) and rows of the base model, on the Triton ops (through Triton's
+interpreter on a machine without CUDA, compiled with one). Every launch is counted
+over whole steps: each launch of a kernel of ``triton_ops.lora``
+(``JITFunction[grid](...)``, patched at ``KernelInterface.__getitem__``) and each torch
+op that would launch a kernel (a ``TorchDispatchMode``: everything but views and
+allocations) inside the plugin's per-projection hook. The base model runs on the
+reference kernels on CPU, on the fused kernel set on CUDA (eagerly: the count is that
+of the launches a captured graph holds).
+
+Per step: one ``lora_meta`` launch; per layer: one launch per LoRA'd projection (qkv,
+o, gate_up, down: 4), no torch op (no zeroing, no copy, no intermediate). The
+generated tokens must be PEFT's merged model's, row for row.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
+
+import pytest  # noqa: E402
+from helpers.checkpoints import greedy_continuation, hf_model, save_random_lora  # noqa: E402
+from helpers.models import make_tiny_checkpoint  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from pitstop import LLM, LoRARequest, SamplingParams  # noqa: E402
+
+peft = pytest.importorskip("peft")
+triton = pytest.importorskip("triton")
+
+from pitstop.plugins.adapters.lora import slots as lora_slots  # noqa: E402
+from pitstop.plugins.kernels.triton_ops import lora as lora_ops  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LAUNCHES_PER_LAYER = 4  # one per LoRA'd projection: qkv, o, gate_up, down
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# aten ops that launch nothing: allocations and metadata
+FREE = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "sym_size", "sym_stride"}
+
+
+class Launches(TorchDispatchMode):
+    """Counts the LoRA ops' Triton launches and kernel-launching torch ops inside the hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.triton: Counter[str] = Counter()
+        self.torch: Counter[str] = Counter()
+        self.hook_calls = 0
+        self.steps = 0
+        self._in_triton = 0
+        self._in_hook = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if self._in_hook and not self._in_triton and not func.is_view and name not in FREE:
+            self.torch[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch):
+    """A :class:`Launches` over everything run inside the ``with``-less test body."""
+    counter = Launches()
+    get_item = triton.runtime.jit.KernelInterface.__getitem__
+
+    def counted_getitem(kernel: Any, grid: Any) -> Any:
+        launch = get_item(kernel, grid)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if kernel.fn.__module__ == lora_ops.__name__:  # not the base model's (on CUDA)
+                counter.triton[kernel.fn.__name__] += 1
+            counter._in_triton += 1
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                counter._in_triton -= 1
+
+        return run
+
+    monkeypatch.setattr(triton.runtime.jit.KernelInterface, "__getitem__", counted_getitem)
+    hook = lora_slots.LoRASlots._add_delta
+
+    def counted_hook(self: Any, *args: Any) -> Any:
+        counter.hook_calls += 1
+        counter._in_hook += 1
+        try:
+            return hook(self, *args)
+        finally:
+            counter._in_hook -= 1
+
+    monkeypatch.setattr(lora_slots.LoRASlots, "_add_delta", counted_hook)
+    prepare = lora_slots.LoRASlots._prepare
+
+    def counted_prepare(self: Any, seqs: Any) -> Any:
+        counter.steps += 1
+        return prepare(self, seqs)
+
+    monkeypatch.setattr(lora_slots.LoRASlots, "_prepare", counted_prepare)
+    # the Triton ops on CPU too (the plugin picks the reference there)
+    monkeypatch.setattr(lora_slots, "kernel_ops", lambda device: lora_ops)
+    from pitstop.plugins.kernels.reference import ReferenceKernels
+
+    monkeypatch.setattr(ReferenceKernels, "merge_projections", True)
+    return counter
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora_launches")
+    base = make_tiny_checkpoint(root, "llama")
+    folders = {"base": base}
+    for i, (name, rank, targets) in enumerate(
+        [("all8", 8, ALL), ("all4", 4, ALL), ("qvd", 8, ["q_proj", "v_proj", "down_proj"])]
+    ):
+        folders[name] = save_random_lora(
+            hf_model(base), root / name, rank=rank, alpha=2 * rank, targets=targets,
+            seed=i + 1, b_scale=20,
+        )  # fmt: skip
+    return folders
+
+
+def test_one_launch_per_lora_projection_and_layer(tiny: dict[str, Path], launches) -> None:
+    max_tokens = 3
+    llm = LLM(
+        str(tiny["base"]),
+        device=DEVICE,
+        dtype="float32",
+        kv_cache_gib=0.01,
+        max_model_len=128,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+        kernels="fused" if DEVICE == "cuda" else "reference",
+        enforce_eager=True,
+    )
+    model = llm.engine.runner.model
+    assert hasattr(model.layers[0].self_attn, "qkv_proj"), "the merged layout"
+    assert llm.engine.runner.adapters.ops is lora_ops
+    layers = len(model.layers)
+    names = ["all8", None, "qvd", "all4"]
+    ids = {"all8": 1, "all4": 2, "qvd": 3}
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (7, 12, 5, 9)]
+    requests = [None if n is None else LoRARequest(n, ids[n], str(tiny[n])) for n in names]
+    with launches:
+        outs = llm.generate(
+            prompt_token_ids=prompts,
+            sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            lora_request=requests,
+            use_tqdm=False,
+        )
+    steps = launches.steps
+    assert steps >= max_tokens
+    assert launches.hook_calls == steps * layers * LAUNCHES_PER_LAYER
+    per_step = launches.triton["_meta_kernel"]
+    layer_launches = sum(launches.triton.values()) - per_step + sum(launches.torch.values())
+    counts = f"Triton {dict(launches.triton)}, torch {dict(launches.torch)} over {steps} steps"
+    assert per_step == steps, f"lora_meta once a step: {counts}"
+    assert layer_launches == steps * layers * LAUNCHES_PER_LAYER, (
+        f"{layer_launches / (steps * layers):g} launches a layer, not {LAUNCHES_PER_LAYER}: {counts}"
+    )
+    assert launches.torch == Counter(), f"torch ops inside the LoRA hook: {counts}"
+    assert launches.triton["_fused_kernel"] == steps * layers * LAUNCHES_PER_LAYER, counts
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        model_ = hf_model(tiny["base"])
+        if name is not None:
+            model_ = peft.PeftModel.from_pretrained(model_, str(tiny[name])).merge_and_unload()
+        want = greedy_continuation(model_.eval(), tuple(prompt), max_tokens)
+        assert out.token_ids == want, f"adapter {name}"
