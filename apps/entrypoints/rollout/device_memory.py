@@ -136,40 +136,34 @@ _exit_hook_registered = False
 
 
 def _free_inside_a_region_at_exit(saver: object) -> None:
-    """Release ``saver``'s memory pools inside one of its regions at interpreter exit (once
-    per process).
+    """Keep ``saver``'s memory pools alive through interpreter teardown (once per process).
 
     ``torch_memory_saver``'s allocator accepts a free only inside one of its regions (a
-    thread-local flag) and otherwise ends the process with status 1. Its pools outlive
-    the engine (they are the library's) and are destroyed after Python's ``atexit``
-    hooks, when that flag is gone, so a script that used sleep mode exited with status 1
-    after finishing its work (H200, 0.0.10, 2026-12-05: entering a region at exit was
-    not enough). The hook below destroys the pools while a region is open, so that
-    their cached blocks go back to the device then; the engine's tensors are gone by
-    then, or the pool keeps its blocks and the exit is as before.
+    thread-local flag) and otherwise ends the process with status 1. Its pools (torch
+    ``MemPool`` objects, the library's) would be destroyed during teardown, after Python's
+    ``atexit`` hooks, when no region is open: a script that used sleep mode exited with
+    status 1 after finishing its work (H200, 0.0.10, 2026-12-05). Destroying them inside
+    a region from an ``atexit`` hook is no way out either: a region is a ``use_mem_pool``
+    context, and torch refuses (aborts) to destroy a pool while one is in use (H200,
+    2026-12-05). So the hook takes one more reference to every pool, and the pools are
+    never destroyed: the process is ending, and the driver takes the device memory back
+    with the CUDA context, as it does for any process that exits.
     """
     global _exit_hook_registered
     if _exit_hook_registered:
         return
     _exit_hook_registered = True
+    atexit.register(_keep_pools_through_teardown, saver)
 
-    def release_pools() -> None:
-        import gc
 
-        pools = getattr(getattr(saver, "_impl", None), "_mem_pools", None)
-        if pools is None:  # never used, or a release whose internals differ
-            return
-        try:
-            with saver.region(tag="pitstop-teardown"):  # type: ignore[attr-defined]
-                gc.collect()
-                for key in [k for k in pools if k[0] != "pitstop-teardown"]:
-                    del pools[key]
-                gc.collect()
-                torch.cuda.empty_cache()
-        except Exception as exc:  # teardown: say it, never raise
-            log.debug("torch_memory_saver pools not released at exit: %s", exc)
-
-    atexit.register(release_pools)
+def _keep_pools_through_teardown(saver: object) -> None:
+    """The ``atexit`` hook of :func:`_free_inside_a_region_at_exit`: one extra reference
+    (never dropped) to each of ``saver``'s pools; nothing if it has none or differs."""
+    pools = getattr(getattr(saver, "_impl", None), "_mem_pools", None)
+    if not isinstance(pools, dict):  # never used, or a release whose internals differ
+        return
+    for pool in list(pools.values()):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pool))
 
 
 def sleep_mode_memory(config: EngineConfig, enabled: bool) -> DeviceMemory | None:

@@ -60,3 +60,24 @@ def test_a_group_refuses_a_rank_outside_it() -> None:
         WeightTransferGroup("127.0.0.1", 1, 2, 2, "g")
     with pytest.raises(WeightUpdateError, match="backend 'mpi' unknown"):
         WeightTransferGroup("127.0.0.1", 1, 1, 2, "g", backend="mpi")
+
+
+def test_torch_memory_savers_pools_outlive_interpreter_teardown() -> None:
+    """Issue 49: the exit hook keeps every pool of the library alive for good, so that
+    teardown never destroys one outside a region (the library ends the process with
+    status 1) nor inside one (torch aborts: a pool in use): dropping every other
+    reference leaves the pools alive."""
+    import weakref
+    from types import SimpleNamespace
+
+    from pitstop.entrypoints.rollout.device_memory import _keep_pools_through_teardown
+
+    class Pool:
+        pass
+
+    pools = {("weights", False): Pool(), ("kv_cache", False): Pool()}
+    alive = [weakref.ref(p) for p in pools.values()]
+    _keep_pools_through_teardown(SimpleNamespace(_impl=SimpleNamespace(_mem_pools=pools)))
+    pools.clear()
+    assert all(ref() is not None for ref in alive)
+    _keep_pools_through_teardown(SimpleNamespace())  # a saver never used: nothing to keep
