@@ -14,6 +14,12 @@ Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
     the largest rank served; each slot is allocated at it (default 16, as vLLM).
 ``max_cpu_loras``
     adapters kept read on the host, LRU (default: ``max_loras``).
+``lora.kernel``
+    how a projection's delta runs on CUDA: ``shrink_expand`` (default; a shrink, split
+    over K where the tiles are few, then an expand adding into the output: up to three
+    launches a projection) or ``fused`` (one launch, :func:`~pitstop.plugins.kernels.
+    triton_ops.lora.lora_add`). On the H200 (2026-12-05) ``fused`` took longer at every
+    measured shape (docs/lora.md), so it is not the default.
 """
 
 from __future__ import annotations
@@ -51,6 +57,12 @@ class LoRASettings:
         alias="max_cpu_loras",
         help="adapters kept read on the host, LRU (unset: max_loras)",
     )
+    kernel: str = setting(
+        "shrink_expand",
+        type=str,
+        choices=("shrink_expand", "fused"),
+        help="a projection's delta on CUDA: shrink then expand (default), or one fused launch",
+    )
 
 
 def create_lora(
@@ -58,7 +70,9 @@ def create_lora(
 ) -> LoRASlots:
     """PEFT LoRA adapters in ``max_loras`` device slots, applied per row."""
     cpu = settings.max_cpu_loras if settings.max_cpu_loras is not None else settings.max_loras
-    return LoRASlots(context, settings.max_loras, settings.max_lora_rank, cpu)
+    return LoRASlots(
+        context, settings.max_loras, settings.max_lora_rank, cpu, fused=settings.kernel == "fused"
+    )
 
 
 @hookimpl

@@ -11,7 +11,8 @@ adapter copies it into one slot's rows (zeros for a module it does not train).
 Per step, :meth:`LoRASlots.prepare` writes ``slot_of_row`` (each row's slot, -1 for a row
 of the base model) into a static buffer; each wrapped projection adds
 ``scaling · B(A x)`` to the rows of a slot through the kernel ops (the PyTorch reference
-on CPU, on CUDA the Triton ``lora_add``: one launch a projection, all its slices, the
+on CPU, on CUDA the Triton ops: by default ``lora_shrink`` then ``lora_expand_add``, all
+slices of a projection in each; with ``lora.kernel=fused`` one ``lora_add`` launch, the
 rank-r intermediate kept in registers), after its base GEMM. Rows of the base model
 are left untouched.
 
@@ -90,9 +91,16 @@ class LoRASlots:
     """The ``lora`` adapter plugin: PEFT adapters in ``max_loras`` slots (see the module docstring)."""
 
     def __init__(
-        self, ctx: AdapterContext, max_loras: int, max_lora_rank: int, max_cpu_loras: int
+        self,
+        ctx: AdapterContext,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        *,
+        fused: bool = False,
     ) -> None:
         self.ctx = ctx
+        self.fused = fused  # one lora_add launch a projection, else shrink then expand
         self.max_loras, self.max_rank = max_loras, max_lora_rank
         self.max_per_step = max_loras  # the engine holds back requests over it (never a step)
         self.max_cpu = max(max_cpu_loras, max_loras)
@@ -165,8 +173,13 @@ class LoRASlots:
         slots = self.slot_of_row[: x2.shape[0]]
         y2 = y.reshape(-1, y.shape[-1])
         meta = {} if self.meta is None else {"meta": self.meta}  # grouped once this step
-        # one launch of the fused shrink-expand for every slice (many-row prefills: two)
-        self.ops.lora_add(y2, x2, proj.A, proj.B, slots, self.scaling, self.ranks, **meta)
+        if self.fused:  # one launch of the fused shrink-expand for every slice (prefills: two)
+            self.ops.lora_add(y2, x2, proj.A, proj.B, slots, self.scaling, self.ranks, **meta)
+            return y
+        # the default (faster on the H200, docs/lora.md): shrink (split over K where the row
+        # tiles are few, into a zeroed intermediate), then the expand adds into y
+        h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks, **meta)
+        self.ops.lora_expand_add(y2, h, proj.B, slots, self.scaling, self.ranks, **meta)
         return y
 
     # ------------------------------------------------------------------ requests
