@@ -191,6 +191,7 @@ class TieredAllocator(PrefixCachingAllocator):
             return None
         copy = self.copier.to_host([p for p, _ in kept], slots)
         self._pending_keys[id(copy)] = [(e.hash, e.parent_uid, e.uid, e.token_ids) for _, e in kept]
+        self._pending_uids.update(e.uid for _, e in kept)  # not saved again while in flight
         return self._track(copy)
 
     def _flush_saves(self) -> None:
