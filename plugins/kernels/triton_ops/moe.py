@@ -59,11 +59,11 @@ activation dtype).
 Tiles (:func:`choose_config`): a short autotune at the first call of a shape bucket
 (``T`` rounded up to a power of two, with ``E``, ``k``, ``H``, ``F``), timing a handful of
 :class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`time_replays`;
-decode buckets try split-K 2, 4 and 8 too); the winner is cached in memory and on disk
+split-K is not a candidate: it lost at every measured decode batch); the winner is cached in memory and on disk
 (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
 the bucket, dtype, device name and Triton version). Where timing is impossible
 (Triton's interpreter, or a CUDA graph being captured) and the bucket is not cached,
-:func:`heuristic_config` decides (split-K at decode), and that is logged once per reason.
+:func:`heuristic_config` decides, and that is logged once per reason.
 Entries cached before split-K (5 fields) read as ``split_k`` 1.
 """
 
@@ -105,15 +105,21 @@ class MoEConfig(NamedTuple):
 
 # The autotune's candidates (16-bit activations on a GPU), by rows an expert gets on
 # average (T * k / E): small tiles for decode (memory-bound: many programs streaming
-# weights), large ones once every expert has a full tile of rows. Decode also tries
-# split-K (issue 48): batch 1 of Qwen3-30B-A3B has 8 row blocks x 12 column tiles = 96
-# gate-up programs on 132 SMs, too few to keep enough loads in flight; splits 2-8
-# multiply the programs (each streams 1/split of the expert's K).
+# weights), large ones once every expert has a full tile of rows.
 FEW_ROWS = (
     MoEConfig(16, 64, 128, 4, 4),
     MoEConfig(16, 128, 128, 4, 3),
     MoEConfig(16, 32, 256, 4, 3),
     MoEConfig(32, 64, 128, 4, 4),
+)
+# Split-K tiles (issue 48): batch 1 of Qwen3-30B-A3B has 8 row blocks x 12 column tiles = 96
+# gate-up programs on 132 SMs, so splitting K looked like the way to more loads in flight.
+# Measured on the H200 (2026-12-05, benchmarks/moe_bench.py) every split lost: batch 1 took
+# 47 us unsplit against 60, 74 and 121 us at splits 2, 4 and 8 (batch 8: 144 against 162,
+# 194, 339), and fp8 experts (half the bytes) took the same 47 us as bf16 -- the op is bound
+# by its launches' latency at decode, not by bytes. So these are not autotune candidates;
+# ``moe_bench.py --split N`` still times them.
+SPLIT_ROWS = (
     MoEConfig(16, 64, 128, 4, 4, 2),
     MoEConfig(16, 128, 128, 4, 3, 2),
     MoEConfig(16, 64, 128, 4, 4, 4),
@@ -158,13 +164,8 @@ def candidates(
     if per_expert <= 8:
         return list(FEW_ROWS)
     if per_expert <= 48:
-        return [FEW_ROWS[2], FEW_ROWS[3], FEW_ROWS[4], *MANY_ROWS[:2]]
+        return [FEW_ROWS[2], FEW_ROWS[3], *MANY_ROWS[:2]]
     return list(MANY_ROWS)
-
-
-# heuristic split-K: split until the gate-up grid has this many programs (8 a SM on 132)
-SPLIT_TARGET_PROGRAMS = 1024
-MAX_SPLIT_K = 8
 
 
 def heuristic_config(
@@ -179,26 +180,18 @@ def heuristic_config(
 
     Interpreter: :data:`INTERPRETER_CONFIG`. GPU: float32 takes ``FP32_CONFIGS[0]``;
     16-bit takes ``BLOCK_M`` 16 while experts average at most 16 rows, 32 up to 32, then
-    64 (``MANY_ROWS[0]``): a tile never much taller than an expert's rows. With
-    ``BLOCK_M`` 16, ``split_k`` doubles (up to :data:`MAX_SPLIT_K`) while the gate-up grid,
-    the experts expected to be hit (``E * (1 - (1 - k/E)^T)``, uniform routing) times
-    ``inter / BLOCK_N`` column tiles times the split, is under
-    :data:`SPLIT_TARGET_PROGRAMS`: Qwen3-30B-A3B splits 8 at batch 1, 2 at 8 and 16, 1 from 32.
+    64 (``MANY_ROWS[0]``): a tile never much taller than an expert's rows. No split of K
+    (:data:`SPLIT_ROWS` lost at every measured batch). ``inter`` (the expert width) is
+    accepted for callers that describe the shape; the choice does not depend on it.
     """
+    del inter
     if not on_gpu:
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         return FP32_CONFIGS[0]
     per_expert = bucket_rows(num_tokens) * top_k / num_experts
     if per_expert <= 16:
-        base = FEW_ROWS[0]
-        hit = num_experts * (1.0 - (1.0 - top_k / num_experts) ** bucket_rows(num_tokens))
-        tiles = hit * triton.cdiv(inter, base.block_n)
-        split = 1
-        while split < MAX_SPLIT_K and tiles * split < SPLIT_TARGET_PROGRAMS:
-            split *= 2
-        # split 8 reads 16 float32 partials a K step in the down GEMM: BLOCK_K 64 halves them
-        return base._replace(split_k=split, block_k=64 if split >= 8 else base.block_k)
+        return FEW_ROWS[0]
     if per_expert <= 32:
         return FEW_ROWS[3]
     return MANY_ROWS[0]

@@ -538,13 +538,14 @@ def test_effective_split_and_the_heuristic_splits() -> None:
         t: moe.heuristic_config(t, 128, 8, torch.bfloat16, True, 768).split_k
         for t in (1, 8, 16, 32, 256)
     }
-    assert splits == {1: 8, 8: 2, 16: 2, 32: 1, 256: 1}
+    assert splits == {1: 1, 8: 1, 16: 1, 32: 1, 256: 1}  # splits lost on the H200 (module doc)
     assert moe.heuristic_config(1, 128, 8, torch.float32, True).split_k == 1
     assert moe.INTERPRETER_CONFIG.split_k == 1
-    assert {c.split_k for c in moe.candidates(1, 128, 8, torch.bfloat16)} == {1, 2, 4, 8}
+    for t in (1, 64, 4096):
+        assert {c.split_k for c in moe.candidates(t, 128, 8, torch.bfloat16)} == {1}
     # the down GEMM over split partials stages them in shared memory: at most 2 stages, and
     # every split candidate's stage within the budget (sm_90 compiles: 80 KB at most)
-    for cfg in moe.FEW_ROWS:
+    for cfg in moe.FEW_ROWS + moe.SPLIT_ROWS:
         splits, _ = moe.effective_split(2048, cfg.block_k, cfg.split_k)
         stages = moe.down_stages(cfg, splits)
         assert stages == (cfg.num_stages if splits == 1 else 2)
