@@ -1,0 +1,31 @@
+"""``benchmarks/tier_sim.py`` (issue 50): the ``multiturn`` turns replayed through the
+``tiered`` allocator on the CPU, with copies that end at once and copies that stay in
+flight for two steps (a GPU's): the same hits and the same bytes either way, each page
+saved once (duplicates of in-flight saves once cost the H200 run a third of its hits)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "tier_sim.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("tier_sim_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_late_copies_change_neither_hits_nor_bytes(capsys) -> None:
+    sim = _script()
+    prompt_only = sim.replay(240, host_gib=64, late=False)
+    late = sim.replay(240, host_gib=64, late=True)
+    assert late == prompt_only
+    assert 0.5 < late["hit_rate"] < 1.0  # the conversations come back from the host
+    small = sim.replay(240, host_gib=1, late=True)  # a host tier far too small: few hits
+    assert small["hit_rate"] < late["hit_rate"]
+    assert sim.main(["--num-requests", "24", "--late"]) == 0
+    assert "hit rate" in capsys.readouterr().out
