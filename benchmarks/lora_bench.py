@@ -118,7 +118,7 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--case", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)

@@ -601,13 +601,9 @@ def test_only_runs_part_of_a_matrix_and_parts_merge(tmp_path, tiny_model, capsys
     assert [c["name"] for c in second["configs"]] == ["+paged", "+continuous"]
     assert second["configs"][1]["config"]["allocator"] == "paged"  # from the step before it
     assert second["configs"][1]["config"]["scheduler"] == "continuous"
-    import importlib.util
+    from helpers.scripts import benchmark_script
 
-    spec = importlib.util.spec_from_file_location(
-        "merge_results", Path(__file__).parents[3] / "benchmarks" / "merge_results.py"
-    )
-    merge_results = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(merge_results)
+    merge_results = benchmark_script("merge_results")
     out = tmp_path / "all.json"
     parts = [str(tmp_path / "a" / "r.json"), str(tmp_path / "b" / "r.json")]
     capsys.readouterr()

@@ -15,16 +15,13 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
 
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from helpers.scripts import benchmark_script  # noqa: E402
 
 pytest.importorskip("triton")
-
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "kernels_bench.py"
 
 
 def _fp8_widen() -> tuple[str, ...]:
@@ -36,11 +33,7 @@ def _fp8_widen() -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def kb():
-    spec = importlib.util.spec_from_file_location("kernels_bench_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_script("kernels_bench")
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -10,23 +10,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
 
-import importlib.util  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from helpers.scripts import benchmark_script  # noqa: E402
 
 pytest.importorskip("triton")
-
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "moe_bench.py"
 
 
 def test_moe_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("the interpreter run is for CPU-only machines")
-    spec = importlib.util.spec_from_file_location("moe_bench_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmark_script("moe_bench")
     rows = mod.main(["--device", "cpu", "--batch", "1", "--batch", "3", "--split", "3"])
     assert [(r["batch"], r["config"]) for r in rows] == [
         (t, c) for t in (1, 3) for c in ("tuned", "split1", "split3", "unsplit")

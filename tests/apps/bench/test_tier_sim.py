@@ -5,22 +5,11 @@ saved once (duplicates of in-flight saves once cost the H200 run a third of its 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "tier_sim.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("tier_sim_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers.scripts import benchmark_script
 
 
 def test_late_copies_change_neither_hits_nor_bytes(capsys) -> None:
-    sim = _script()
+    sim = benchmark_script("tier_sim")
     prompt_only = sim.replay(240, host_gib=64, late=False)
     late = sim.replay(240, host_gib=64, late=True)
     assert late == prompt_only

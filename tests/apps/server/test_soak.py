@@ -7,23 +7,19 @@ requests on a tiny checkpoint, well under 30 s on 2 cores). The full one
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from helpers.models import make_tiny_checkpoint
+from helpers.scripts import benchmark_script
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def _soak_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("soak")
 
 
 def _run(tmp_path: Path, *flags: str) -> dict:
