@@ -53,10 +53,12 @@ def lora_shrink(
     out: torch.Tensor | None = None,
     config: Any = None,
     pdl: bool | None = None,
+    zeroed: bool = False,
 ) -> torch.Tensor:
     """``h[:, i*rank_max : (i+1)*rank_max] = x @ A_i[slot].T`` per row; ``[T, slices*rank_max]``.
 
     Float32 (float64 for float64 x); rows of slot -1 and columns ``>= rank`` are zero.
+    ``out``, ``config``, ``pdl`` and ``zeroed`` are the Triton op's; a new tensor is returned.
     """
     a_list = _slices(A)
     slots, rank_max, _ = a_list[0].shape

@@ -16,8 +16,8 @@ Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
     adapters kept read on the host, LRU (default: ``max_loras``).
 ``lora.kernel``
     how a projection's delta runs on CUDA: ``shrink_expand`` (default; a shrink, split
-    over K where the tiles are few, then an expand adding into the output: up to three
-    launches a projection) or ``fused`` (one launch, :func:`~pitstop.plugins.kernels.
+    over K where the tiles are few, then an expand adding into the output: two launches a
+    projection, their float32 workspace zeroed once a step for all of them) or ``fused`` (one launch, :func:`~pitstop.plugins.kernels.
     triton_ops.lora.lora_add`). On the H200 (2026-12-05) ``fused`` took longer at every
     measured shape (docs/lora.md), so it is not the default.
 """

@@ -66,11 +66,20 @@ def kernel_ops(device: torch.device) -> ModuleType:
     return lora_reference
 
 
+# Steps of at most this many rows (decode and small mixed steps, what CUDA graphs capture)
+# shrink into one float32 workspace, zeroed once a step for every projection of every layer,
+# instead of zeroing each projection's intermediate: a launch fewer per projection
+WORKSPACE_ROWS = 512
+
+
 class _Projection:
-    """One projection's slot tensors (one A and one B per slice)."""
+    """One projection's slot tensors (one A and one B per slice), and its column block of the
+    shrink workspace (``index``; ``width`` = slices x rank)."""
 
     def __init__(self, modules: tuple[str, ...], shapes: dict, slots: int, rank: int, ctx) -> None:
         self.modules = modules
+        self.index = 0
+        self.width = len(modules) * rank
         kw = {"device": ctx.device, "dtype": ctx.dtype}
         self.A = [torch.zeros(slots, rank, shapes[m][1], **kw) for m in modules]
         self.B = [torch.zeros(slots, shapes[m][0], rank, **kw) for m in modules]
@@ -114,6 +123,8 @@ class LoRASlots:
         self.meta = self._new_meta(rows)
         self.rows = 0  # rows of the current step
         self.layers: list[dict[str, _Projection]] = []
+        # [WORKSPACE_ROWS, projections, widest] float32 (Triton ops only; set by attach)
+        self.workspace: torch.Tensor | None = None
         self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id held per slot
         self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # host cache, LRU first
@@ -148,6 +159,20 @@ class LoRASlots:
                     )
                 block.linear = self._wrap(block, block.linear, projections, tuple(mine))
             self.layers.append(projections)
+        self._allocate_workspace()
+
+    def _allocate_workspace(self) -> None:
+        """The shrinks' float32 workspace of small steps (:data:`WORKSPACE_ROWS`), one column
+        block a projection; only for the Triton ops (the reference allocates its own)."""
+        every = [p for projections in self.layers for p in projections.values()]
+        if self.meta is None or not every:
+            return
+        for index, proj in enumerate(every):
+            proj.index = index
+        widest = max(p.width for p in every)
+        self.workspace = torch.empty(
+            WORKSPACE_ROWS, len(every), widest, dtype=torch.float32, device=self.ctx.device
+        )
 
     def _wrap(
         self,
@@ -177,8 +202,13 @@ class LoRASlots:
             self.ops.lora_add(y2, x2, proj.A, proj.B, slots, self.scaling, self.ranks, **meta)
             return y
         # the default (faster on the H200, docs/lora.md): shrink (split over K where the row
-        # tiles are few, into a zeroed intermediate), then the expand adds into y
-        h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks, **meta)
+        # tiles are few, into a zeroed intermediate), then the expand adds into y; a small
+        # step's intermediate is its block of the workspace, zeroed once this step (_prepare)
+        rows = x2.shape[0]
+        into: dict[str, Any] = {}
+        if self.workspace is not None and rows <= WORKSPACE_ROWS:
+            into = {"out": self.workspace[:rows, proj.index, : proj.width], "zeroed": True}
+        h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks, **meta, **into)
         self.ops.lora_expand_add(y2, h, proj.B, slots, self.scaling, self.ranks, **meta)
         return y
 
@@ -241,6 +271,11 @@ class LoRASlots:
         self.rows = rows
         if self.meta is not None:  # over the whole buffer: right for any captured batch size
             self.ops.lora_meta(self.slot_of_row, self.max_loras, out=self.meta)
+        # the rows this step's shrinks add into (a captured batch pads past them with rows of
+        # slot -1, which no shrink writes and no expand reads): one memset for every projection.
+        # A step of more rows runs eagerly with more rows than the workspace: it zeroes its own.
+        if self.workspace is not None and rows <= WORKSPACE_ROWS:
+            self.workspace[:rows].zero_()
 
     def _new_meta(self, rows: int) -> Any:
         """Static buffers for the rows grouped by slot (None: the ops group rows themselves)."""

@@ -521,6 +521,7 @@ def lora_shrink(
     out: torch.Tensor | None = None,
     config: LoRAConfig | None = None,
     pdl: bool | None = None,
+    zeroed: bool = False,
 ) -> torch.Tensor:
     """``h = x @ A_i[slot].T`` per row and slice, float32 ``[T, slices * rank_max]``.
 
@@ -528,7 +529,9 @@ def lora_shrink(
     tensor per slice (same shape for all), of x's dtype; ``slot_of_row [T]`` int32 (-1: no
     adapter); ``ranks [slots]`` int32 (None: every slot at ``rank_max``); ``meta``: from
     :func:`lora_meta` (computed here when None); ``out``: float32 ``[T, slices * rank_max]``
-    to write (zeroed here first: rows of slot -1 come out zero).
+    to write, any row stride (zeroed here first: rows of slot -1 come out zero), or, with
+    ``zeroed``, already zero: the caller cleared a workspace once for many shrinks (a split
+    of K adds its partial sums into ``out``, so it must start at zero).
     """
     a_list = _check_a(x, A)
     slots, rank_max, _ = a_list[0].shape
@@ -537,7 +540,9 @@ def lora_shrink(
     width = len(a_list) * rank_max
     h = out if out is not None else torch.empty(rows, width, dtype=torch.float32, device=x.device)
     assert h.shape == (rows, width) and h.dtype == torch.float32 and h.stride(1) == 1
-    h.zero_()
+    assert out is not None or not zeroed, "zeroed describes an out given"
+    if not zeroed:
+        h.zero_()
     _shrink(x, a_list, h, meta, ranks, config, pdl)
     return h
 

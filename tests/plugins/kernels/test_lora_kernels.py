@@ -256,6 +256,33 @@ def test_full_rank_shared_meta_and_static_buffers() -> None:
     assert bool((h.cpu()[idle] == 0).all())
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_shrink_into_a_zeroed_workspace_block(split_k: int) -> None:
+    """``zeroed=True`` (the plugin's workspace, zeroed once a step for every projection):
+    the shrink writes its block of a wider, strided buffer without clearing it first, the
+    other blocks untouched, and the expand reads it: as with a fresh intermediate, split K too."""
+    g = torch.Generator().manual_seed(4)
+    dt, rows, k, r_max, slots = torch.float32, 21, 40, 8, 2
+    x = torch.randn(rows, k, generator=g).to(DEVICE)
+    a = [torch.randn(slots, r_max, k, generator=g).to(DEVICE) for _ in range(2)]
+    b = [torch.randn(slots, w, r_max, generator=g).to(DEVICE) for w in (16, 8)]
+    slot_of_row = torch.tensor([i % 3 - 1 for i in range(rows)], dtype=torch.int32, device=DEVICE)
+    scaling = torch.tensor([0.5, 2.0], device=DEVICE)
+    workspace = torch.full((32, 3, 3 * r_max), 7.0, device=DEVICE)  # 3 projections' blocks
+    workspace[:rows].zero_()
+    block = workspace[:rows, 1, : 2 * r_max]
+    config = lora.default_config(rows, k, dt, x.device)._replace(split_k=split_k)
+    h = lora.lora_shrink(x, a, slot_of_row, out=block, zeroed=True, config=config)
+    assert h.data_ptr() == block.data_ptr() and h.stride(0) == 3 * 3 * r_max
+    y = torch.randn(rows, 24, generator=g).to(DEVICE)
+    y_ref = y.clone()
+    lora.lora_expand_add(y, h, b, slot_of_row, scaling)
+    ref.lora_expand_add(y_ref, ref.lora_shrink(x, a, slot_of_row), b, slot_of_row, scaling)
+    _close(y.cpu(), y_ref.double().cpu(), TOL[dt], "y")
+    assert bool((workspace[:rows, 0] == 0).all()) and bool((workspace[:rows, 2] == 0).all())
+    assert bool((workspace[rows:] == 7.0).all())  # past the step's rows: never written
+
+
 def test_meta_over_a_longer_buffer_serves_any_batch_within_it() -> None:
     """The ``lora`` plugin groups its whole static ``slot_of_row`` buffer once a step (rows
     past the step's are -1) and hands that meta to every launch, whatever the launch's row
