@@ -1,8 +1,10 @@
 """Fused mixture-of-experts: routing, grouping, two grouped GEMMs, a k-slot sum; no tuning tables.
 
-:func:`fused_moe` runs a sparse-MoE block's expert half in five launches:
+:func:`fused_moe` runs a sparse-MoE block's expert half in five launches (and, above
+:data:`.moe_routing.ONE_PROGRAM_ROWS` flat rows, two memsets of the routing counters):
 
-1. :func:`.moe_routing.route`: softmax + top-k + renormalisation, counting each expert's rows;
+1. :func:`.moe_routing.route`: softmax + top-k + renormalisation, counting each expert's rows
+   (above ``ONE_PROGRAM_ROWS``; below, step 2 counts them itself);
 2. :func:`.moe_routing.align`: the flat rows ``t * k + j`` grouped by expert, each expert
    padded to ``BLOCK_M`` rows (fixed worst-case buffers: CUDA-graph capturable);
 3. gate-up grouped GEMM: program ``(b, n)`` takes row block ``b`` (one expert ``e``, or
@@ -81,7 +83,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pitstop.plugins.kernels.triton_ops.moe_routing import Grouping, align, route
+from pitstop.plugins.kernels.triton_ops.moe_routing import ONE_PROGRAM_ROWS, Grouping, align, route
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 logger = logging.getLogger(__name__)
@@ -741,7 +743,9 @@ def fused_moe(
     _check(x, gate_up, down, scales)
     e = gate_up.shape[0]
     assert router_logits.shape == (x.shape[0], e), "router logits [T, E]"
-    counts = torch.zeros(e, dtype=torch.int32, device=x.device)
+    counts = None  # few rows: align counts and ranks them in one program (no memsets)
+    if x.shape[0] * top_k > ONE_PROGRAM_ROWS:
+        counts = torch.zeros(e, dtype=torch.int32, device=x.device)
     weights, ids = route(router_logits, top_k, renormalize, weights_dtype, counts)
     if x.shape[0] == 0:
         return torch.empty_like(x)

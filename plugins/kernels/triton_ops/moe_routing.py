@@ -21,7 +21,12 @@ counts (a cumsum over E) and scatters its chunk of rows, each taking a slot with
 expert by an atomic increment; program 0 also writes the padding sentinels, the block
 experts and the total. The order of rows *within* an expert's group therefore depends
 on the atomics' order on a GPU; no result does (each row's GEMM results do not depend
-on its place in a tile, and :mod:`.moe` sums a token's k rows in slot order).
+on its place in a tile, and :mod:`.moe` sums a token's k rows in slot order). Up to
+:data:`ONE_PROGRAM_ROWS` rows (decode) one program does it all without counts: it counts
+each expert's rows and ranks every row among its expert's by comparing it with the
+earlier ones, so :func:`route` counts nothing and no buffer needs zeroing first (the
+routing half takes two launches, not four with the two memsets), and each expert's rows
+keep their order.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 ROUTE_TILE = 4096  # elements of the [BLOCK_T, E] tile a routing program holds
 ALIGN_CHUNK = 8192  # elements of the [rows, E] one-hot tile an align program gathers through
+# At most this many rows (T * k: decode up to 16 tokens at top-8) are grouped by one align
+# program that counts and ranks them itself ([rows, E] and [rows, rows] tiles), so routing
+# needs no counts and neither needs a zeroed buffer: two launches instead of four
+ONE_PROGRAM_ROWS = 128
 
 
 @triton.jit
@@ -162,18 +171,25 @@ def _align_kernel(
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCKS_CHUNK: tl.constexpr,
+    ONE_PROGRAM: tl.constexpr,
 ):
     e = tl.arange(0, E_PAD)
     e_mask = e < E
-    count = tl.load(counts_ptr + e, mask=e_mask, other=0)
+    r = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    r_mask = r < N
+    if ONE_PROGRAM:  # every row here: count them, and rank each among its expert's rows
+        ex = tl.load(ids_ptr + r, mask=r_mask, other=-1)
+        count = tl.sum(((ex[:, None] == e[None, :]) & r_mask[:, None]).to(tl.int32), axis=0)
+        earlier = (ex[:, None] == ex[None, :]) & (r[None, :] < r[:, None]) & r_mask[None, :]
+        slot = tl.sum(earlier.to(tl.int32), axis=1)
+    else:
+        count = tl.load(counts_ptr + e, mask=e_mask, other=0)
+        ex = tl.load(ids_ptr + r, mask=r_mask, other=0)
+        # this program's rows: each takes the next slot of its expert
+        slot = tl.atomic_add(fill_ptr + ex, 1, mask=r_mask)
     padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    # this program's rows: each takes the next slot of its expert
-    r = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    r_mask = r < N
-    ex = tl.load(ids_ptr + r, mask=r_mask, other=0)
-    slot = tl.atomic_add(fill_ptr + ex, 1, mask=r_mask)
     start = tl.sum(tl.where(ex[:, None] == e[None, :], starts[None, :], 0), axis=1)
     tl.store(sorted_ptr + start + slot, r, mask=r_mask)
     if tl.program_id(0) == 0:
@@ -205,16 +221,21 @@ def align(
     n = ids.numel()
     dev = ids.device
     flat = ids.reshape(-1).to(torch.int32)
-    if counts is None:
+    one_program = counts is None and n <= ONE_PROGRAM_ROWS
+    if counts is None and not one_program:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         counts.scatter_add_(0, flat.long(), torch.ones_like(flat))
     rows = max_padded_rows(n, num_experts, block_m)
     sorted_rows = torch.empty(rows, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    fill = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     e_pad = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(triton.next_power_of_2(max(n, 1)), ALIGN_CHUNK // e_pad))
+    if one_program:  # no counts, no slot counters: nothing to zero first
+        chunk = max(16, triton.next_power_of_2(max(n, 1)))
+        counts = fill = flat  # unread
+    else:
+        chunk = max(16, min(triton.next_power_of_2(max(n, 1)), ALIGN_CHUNK // e_pad))
+        fill = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     _align_kernel[(max(1, triton.cdiv(n, chunk)),)](
         flat,
         counts,
@@ -229,6 +250,7 @@ def align(
         E_PAD=e_pad,
         CHUNK=chunk,
         BLOCKS_CHUNK=max(16, min(128, ALIGN_CHUNK // e_pad)),
+        ONE_PROGRAM=one_program,
         num_warps=4,
     )
     return Grouping(sorted_rows, expert_ids, num_padded, block_m)

@@ -223,19 +223,27 @@ def test_routing_kernel(
     block_m=st.sampled_from([1, 4, 16]),
     same=st.booleans(),
     seed=st.integers(0, 2**16),
+    one_program=st.booleans(),
 )
 def test_align_groups_rows_by_expert(
-    t: int, e: int, k_frac: float, block_m: int, same: bool, seed: int
+    t: int, e: int, k_frac: float, block_m: int, same: bool, seed: int, one_program: bool
 ) -> None:
     """Every flat row once, in a block of its expert; padding is the sentinel; the buffers
-    have the worst-case size; blocks past the used ones are -1."""
+    have the worst-case size; blocks past the used ones are -1. Both paths: one program
+    that counts and ranks the rows itself (few rows: in row order within each expert), and
+    the counted, atomic scatter over several programs."""
     top_k = 1 + round(k_frac * (e - 1))
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)])
     if same:
         ids = ids[:1].expand(t, top_k).contiguous()
-    with poisoned_outputs():
-        g = moe_routing.align(ids.to(DEVICE), e, block_m)
+    limit = moe_routing.ONE_PROGRAM_ROWS
+    moe_routing.ONE_PROGRAM_ROWS = 10**6 if one_program else 0
+    try:
+        with poisoned_outputs():
+            g = moe_routing.align(ids.to(DEVICE), e, block_m)
+    finally:
+        moe_routing.ONE_PROGRAM_ROWS = limit
     n = t * top_k
     counts = torch.bincount(ids.flatten(), minlength=e)
     padded = (counts + block_m - 1) // block_m * block_m
@@ -258,6 +266,8 @@ def test_align_groups_rows_by_expert(
         mine = mine[mine < n]
         assert mine.numel() > 0, "a block with no row"
         assert (flat[mine] == blocks[b]).all()
+        if one_program:
+            assert mine.tolist() == sorted(mine.tolist()), "ranked: rows in row order"
     assert sorted(set(blocks[:used].tolist())) == sorted(set(flat.tolist()))
 
 
