@@ -32,12 +32,13 @@ vrun() { name=$1; shift; echo "== $name: pitstop bench $* --peer vllm"
   timeout ${VLLM_BENCH_TIMEOUT:-590} pitstop bench "$@" --peer vllm --output "$OUT/$name.json" >"$OUT/$name.log" 2>&1
   echo "   exit $? ($OUT/$name.log)"; grep -E "peer vllm failed|^pitstop\[|^peer:vllm|failed:" "$OUT/$name.log" | cut -c1-400 | tail -6; }
 # BENCHES=pending: what the 2026-12-05 sessions left unmeasured, in order of what it decides
-# (carry the torch_memory_saver and gguf wheels; about 8 minutes): the rollout's exit status
+# (carry the torch_memory_saver and gguf wheels; about 10 minutes: two calls, e.g.
+# BENCHES="pending" cut by the first call's limit, then the rest by name): the rollout's exit status
 # (issue 49), the host tier after a65a623 on 360 turns (issue 50), the LoRA workspace
-# (issue 47: lora_bench and the throughput rows)
+# (issue 47: lora_bench and the throughput rows), the MoE routing without memsets (issue 48)
 if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/pending/}" ]; then
-  BENCHES=${BENCHES/pending/rollout-exit multiturn lora47}
-  export MT_N=${MT_N:-360} MT_REPEATS=${MT_REPEATS:-1}
+  BENCHES=${BENCHES/pending/rollout-exit multiturn lora47 moe48}
+  export MT_N=${MT_N:-360} MT_REPEATS=${MT_REPEATS:-1} MOE_WORKLOADS=${MOE_WORKLOADS:-single}
 fi
 for spec in ${BENCHES-nano single}; do
   case $spec in
