@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hypothesis
 import pytest
+from helpers.sequences import compute_all, seq
 from hypothesis import Phase
 
 from pitstop import EngineConfig
-from pitstop.entrypoints.sampling_params import SamplingParams
 from pitstop.errors import ConfigError
 from pitstop.plugin_system.protocols import Allocator
 from pitstop.plugins import PluginManager
@@ -20,17 +20,6 @@ from pitstop.requests.sequence import Sequence
 from pitstop.testing import allocator_state_machine, check_allocator
 
 CONTRACT = hypothesis.settings(max_examples=200, stateful_step_count=40, deadline=None)
-
-
-def seq(tokens: list[int] | range, name: str = "r") -> Sequence:
-    return Sequence(
-        request_id=name, prompt_token_ids=list(tokens), sampling_params=SamplingParams()
-    )
-
-
-def compute_all(allocator: Allocator, s: Sequence) -> None:
-    s.num_computed_tokens = s.num_tokens
-    allocator.on_tokens_computed(s)
 
 
 def snapshot(allocator: Allocator, *seqs: Sequence) -> tuple:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hypothesis
 import pytest
 import torch
+from helpers.sequences import compute_all, seq
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
@@ -19,17 +20,6 @@ from pitstop.testing import allocator_state_machine
 from pitstop.testing.allocator import AllocatorStateMachine
 
 CONTRACT = hypothesis.settings(max_examples=60, stateful_step_count=40, deadline=None)
-
-
-def seq(tokens: list[int] | range, name: str = "r") -> Sequence:
-    return Sequence(
-        request_id=name, prompt_token_ids=list(tokens), sampling_params=SamplingParams()
-    )
-
-
-def compute_all(allocator: TieredAllocator, s: Sequence) -> None:
-    s.num_computed_tokens = s.num_tokens
-    allocator.on_tokens_computed(s)
 
 
 def tiered(num_pages: int = 12, host: int = 8, ahead: int = 2, **kw) -> TieredAllocator:
