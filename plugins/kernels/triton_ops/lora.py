@@ -304,6 +304,31 @@ def _shrink_kernel(
 
 
 @triton.jit
+def _slice_of(pid_n, t0, t1, sb0, sb1, sb2, n0, n1, n2, off0, off1, off2):
+    """Column tile ``pid_n``'s slice (tiles ``[0, t0)`` of slice 0, ``[t0, t0 + t1)`` of slice
+    1, then 2): its index, B's slot stride, width, first column in y and first tile."""
+    sl = (pid_n >= t0).to(tl.int32) + (pid_n >= t0 + t1).to(tl.int32)
+    # integers by tl.where: an argument equal to 1 is a compile-time constant (Triton's
+    # specialization), which an if-branch could not reassign to a run-time value
+    sb = tl.where(sl == 0, sb0, tl.where(sl == 1, sb1, sb2)).to(tl.int64)
+    width = tl.where(sl == 0, n0, tl.where(sl == 1, n1, n2))
+    off = tl.where(sl == 0, off0, tl.where(sl == 1, off1, off2))
+    first = tl.where(sl == 0, 0, tl.where(sl == 1, t0, t0 + t1))
+    return sl, sb, width, off, first
+
+
+@triton.jit
+def _pick(p0, p1, p2, sl):
+    """Slice ``sl``'s pointer of three."""
+    p = p0
+    if sl == 1:
+        p = p1
+    if sl == 2:
+        p = p2
+    return p
+
+
+@triton.jit
 def _expand_kernel(
     y_ptr,
     stride_ym,
@@ -347,20 +372,10 @@ def _expand_kernel(
     )
     if idle:
         return
-    # this column tile's slice: tiles [0, t0) of slice 0, [t0, t0 + t1) of slice 1, then 2
-    sl = (pid_n >= t0).to(tl.int32) + (pid_n >= t0 + t1).to(tl.int32)
-    # integers by tl.where: an argument equal to 1 is a compile-time constant (Triton's
-    # specialization), which an if-branch could not reassign to a run-time value
-    sb = tl.where(sl == 0, sb0, tl.where(sl == 1, sb1, sb2)).to(tl.int64)
-    width = tl.where(sl == 0, n0, tl.where(sl == 1, n1, n2))
-    off = tl.where(sl == 0, off0, tl.where(sl == 1, off1, off2))
-    first = tl.where(sl == 0, 0, tl.where(sl == 1, t0, t0 + t1))
-    b_ptr = b0_ptr
-    if sl == 1:
-        b_ptr = b1_ptr
-    if sl == 2:
-        b_ptr = b2_ptr
-    b_ptr += slot.to(tl.int64) * sb
+    sl, sb, width, off, first = _slice_of(
+        pid_n, t0, t1, sb0, sb1, sb2, n0, n1, n2, off0, off1, off2
+    )
+    b_ptr = _pick(b0_ptr, b1_ptr, b2_ptr, sl) + slot.to(tl.int64) * sb
     n = (pid_n - first) * BN + tl.arange(0, BN)
     n_ok = n < width
     r = tl.arange(0, BR)
@@ -441,22 +456,12 @@ def _fused_kernel(
     )
     if idle:
         return
-    # this column tile's slice, as in _expand_kernel
-    sl = (pid_n >= t0).to(tl.int32) + (pid_n >= t0 + t1).to(tl.int32)
-    sb = tl.where(sl == 0, sb0, tl.where(sl == 1, sb1, sb2)).to(tl.int64)
-    width = tl.where(sl == 0, n0, tl.where(sl == 1, n1, n2))
-    off = tl.where(sl == 0, off0, tl.where(sl == 1, off1, off2))
-    first = tl.where(sl == 0, 0, tl.where(sl == 1, t0, t0 + t1))
-    a_ptr = a0_ptr
-    b_ptr = b0_ptr
-    if sl == 1:
-        a_ptr = a1_ptr
-        b_ptr = b1_ptr
-    if sl == 2:
-        a_ptr = a2_ptr
-        b_ptr = b2_ptr
-    a_ptr += slot.to(tl.int64) * stride_as
-    b_ptr += slot.to(tl.int64) * sb
+    # this column group's slice (t0, t1 count groups here)
+    sl, sb, width, off, first = _slice_of(
+        pid_n, t0, t1, sb0, sb1, sb2, n0, n1, n2, off0, off1, off2
+    )
+    a_ptr = _pick(a0_ptr, a1_ptr, a2_ptr, sl) + slot.to(tl.int64) * stride_as
+    b_ptr = _pick(b0_ptr, b1_ptr, b2_ptr, sl) + slot.to(tl.int64) * sb
     r = tl.arange(0, BR)
     r_ok = r < rank
     # the shrink, as _shrink_kernel's with split_k=1 (the same sums in the same order)
