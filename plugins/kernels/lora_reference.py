@@ -58,7 +58,8 @@ def lora_shrink(
     """``h[:, i*rank_max : (i+1)*rank_max] = x @ A_i[slot].T`` per row; ``[T, slices*rank_max]``.
 
     Float32 (float64 for float64 x); rows of slot -1 and columns ``>= rank`` are zero.
-    ``out``, ``config``, ``pdl`` and ``zeroed`` are the Triton op's; a new tensor is returned.
+    ``out`` (the Triton op's argument) receives the result when given and is returned; every
+    element is written, so ``zeroed`` changes nothing here; ``config`` and ``pdl`` are unused.
     """
     a_list = _slices(A)
     slots, rank_max, _ = a_list[0].shape

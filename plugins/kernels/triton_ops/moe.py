@@ -83,7 +83,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pitstop.plugins.kernels.triton_ops.moe_routing import ONE_PROGRAM_ROWS, Grouping, align, route
+from pitstop.plugins.kernels.triton_ops.moe_routing import (
+    Grouping,
+    align,
+    counts_needed,
+    route,
+)
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 logger = logging.getLogger(__name__)
@@ -176,17 +181,14 @@ def heuristic_config(
     top_k: int,
     dtype: torch.dtype,
     on_gpu: bool,
-    inter: int = 768,
 ) -> MoEConfig:
     """The config used where no timing is possible and the bucket is not cached.
 
     Interpreter: :data:`INTERPRETER_CONFIG`. GPU: float32 takes ``FP32_CONFIGS[0]``;
     16-bit takes ``BLOCK_M`` 16 while experts average at most 16 rows, 32 up to 32, then
     64 (``MANY_ROWS[0]``): a tile never much taller than an expert's rows. No split of K
-    (:data:`SPLIT_ROWS` lost at every measured batch). ``inter`` (the expert width) is
-    accepted for callers that describe the shape; the choice does not depend on it.
+    (:data:`SPLIT_ROWS` lost at every measured batch).
     """
-    del inter
     if not on_gpu:
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
@@ -353,7 +355,7 @@ def choose_config(
     on_gpu = x.device.type == "cuda"
     if not on_gpu:
         _log_once("interpreter", "fused MoE: Triton interpreter, no autotune: heuristic tiles")
-        return heuristic_config(t, e, top_k, x.dtype, False, two_f // 2)
+        return heuristic_config(t, e, top_k, x.dtype, False)
     name = torch.cuda.get_device_name(x.device)
     key = ConfigCache.key(t, e, top_k, h, two_f // 2, x.dtype, name, weight_dtype=gate_up.dtype)
     hit = cache.get(key)
@@ -366,7 +368,7 @@ def choose_config(
             "(run each batch size once before capturing)",
             key,
         )
-        return heuristic_config(t, e, top_k, x.dtype, True, two_f // 2)
+        return heuristic_config(t, e, top_k, x.dtype, True)
 
     def measure(cfg: MoEConfig) -> float:
         return time_replays(
@@ -744,7 +746,7 @@ def fused_moe(
     e = gate_up.shape[0]
     assert router_logits.shape == (x.shape[0], e), "router logits [T, E]"
     counts = None  # few rows: align counts and ranks them in one program (no memsets)
-    if x.shape[0] * top_k > ONE_PROGRAM_ROWS:
+    if counts_needed(x.shape[0] * top_k):
         counts = torch.zeros(e, dtype=torch.int32, device=x.device)
     weights, ids = route(router_logits, top_k, renormalize, weights_dtype, counts)
     if x.shape[0] == 0:

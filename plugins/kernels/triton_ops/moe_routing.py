@@ -150,6 +150,12 @@ class Grouping(NamedTuple):
     block_m: int
 
 
+def counts_needed(num_rows: int) -> bool:
+    """Whether :func:`align` of ``num_rows`` flat rows reads each expert's count (counted by
+    :func:`route` into a zeroed buffer); up to :data:`ONE_PROGRAM_ROWS` it counts them itself."""
+    return num_rows > ONE_PROGRAM_ROWS
+
+
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
     """The worst-case padded row count: ``T*k + min(E, T*k) * (block_m - 1)``, rounded to blocks."""
     worst = num_rows + min(num_experts, num_rows) * (block_m - 1)
@@ -221,7 +227,7 @@ def align(
     n = ids.numel()
     dev = ids.device
     flat = ids.reshape(-1).to(torch.int32)
-    one_program = counts is None and n <= ONE_PROGRAM_ROWS
+    one_program = counts is None and not counts_needed(n)
     if counts is None and not one_program:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         counts.scatter_add_(0, flat.long(), torch.ones_like(flat))
