@@ -114,7 +114,7 @@ class MemorySaverMemory:
 
     def __init__(self, saver: object) -> None:
         self.saver = saver
-        _free_inside_a_region_at_exit(saver)
+        _keep_pools_alive_at_exit(saver)
 
     def region(self, tag: str) -> AbstractContextManager[object]:
         """Allocations inside are ``tag``'s (without the library's own CPU backup)."""
@@ -135,7 +135,7 @@ class MemorySaverMemory:
 _exit_hook_registered = False
 
 
-def _free_inside_a_region_at_exit(saver: object) -> None:
+def _keep_pools_alive_at_exit(saver: object) -> None:
     """Keep ``saver``'s memory pools alive through interpreter teardown (once per process).
 
     ``torch_memory_saver``'s allocator accepts a free only inside one of its regions (a
@@ -157,7 +157,7 @@ def _free_inside_a_region_at_exit(saver: object) -> None:
 
 
 def _keep_pools_through_teardown(saver: object) -> None:
-    """The ``atexit`` hook of :func:`_free_inside_a_region_at_exit`: one extra reference
+    """The ``atexit`` hook of :func:`_keep_pools_alive_at_exit`: one extra reference
     (never dropped) to each of ``saver``'s pools; nothing if it has none or differs."""
     pools = getattr(getattr(saver, "_impl", None), "_mem_pools", None)
     if not isinstance(pools, dict):  # never used, or a release whose internals differ
