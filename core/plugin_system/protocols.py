@@ -295,6 +295,7 @@ class KernelSet(Protocol):
         ``k / kv_scale[0]``, ``v / kv_scale[1]`` saturated to the format's finite range (a set
         without the parameter is refused for fp8). A set declaring ``fuses_qk_norm`` also gets
         ``qk_norm=(q_weight, k_weight), qk_norm_eps=`` (Qwen3): RMS-normalize each head first.
+        A set whose ``norm_linear_deferred`` defers also gets ``row_scale=(x, eps)``.
         """
         ...
 
@@ -363,7 +364,8 @@ class FusedLayerOps(Protocol):
         residual: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``residual + x @ weight.T (+ bias)``, a new tensor."""
+        """``residual + x @ weight.T (+ bias)``: a new tensor, or ``residual`` itself updated in
+        place (the model never reads the old stream again), as the set chooses."""
         ...
 
 
@@ -383,6 +385,14 @@ class KernelSetBase(Capabilities):
         """Whether a decode step can be captured in a CUDA graph: not unless the set says so."""
         del head_size
         return False
+
+    def norm_linear_deferred(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: Any = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, float] | None]:
+        """A fused layer's input norm + QKV: ``(norm_linear(...), None)`` (this default), or
+        ``(x @ weight.T, (x, eps))``, the row scale left to ``rope_and_store(row_scale=)``,
+        which then multiplies each token's q, k, v by ``1 / rms(x[t])`` first."""
+        return self.norm_linear(x, weight, eps, bias), None
 
 
 # ---------------------------------------------------------------- sampler

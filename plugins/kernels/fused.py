@@ -319,7 +319,10 @@ class FusedKernels(reference.DispatchKernels):
             from pitstop.plugins.kernels.triton_ops import fused_linear
 
             self._gemm = fused_linear
-            where = f"triton up to {self.layer_rows} rows, above: row scale + cuBLAS"
+            where = (
+                f"triton up to {self.layer_rows} rows; above: cuBLAS, the row scale in "
+                "rope_and_store / silu_and_mul, the residual added in place"
+            )
         else:
             where = f"reference ({triton_reason})"
         for op in reference.LAYER_OPS:
@@ -349,6 +352,30 @@ class FusedKernels(reference.DispatchKernels):
             return self._gemm.norm_linear(x, weight, eps, bias)
         return F.linear(self._row_scaled(x, eps), weight, bias)
 
+    def norm_linear_deferred(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, float] | None]:
+        """The QKV projection: :meth:`norm_linear` for short steps; above ``layer_rows`` (no
+        bias) cuBLAS on the raw rows with the row scale left to ``rope_and_store``, one
+        launch instead of two (:meth:`KernelSetBase.norm_linear_deferred`)."""
+        if self._defers(x, eps, bias):
+            return F.linear(x, weight), (x, eps)
+        return self.norm_linear(x, weight, eps, bias), None
+
+    def _defers(self, x: torch.Tensor, eps: float | None, bias: torch.Tensor | None) -> bool:
+        """Whether a long step's norm waits for the op after cuBLAS: the fused GEMMs are in use
+        but the step is too long for them, there is a norm, and no bias comes after it."""
+        return (
+            self._gemm is not None
+            and x.shape[0] > self.layer_rows
+            and eps is not None
+            and bias is None
+        )
+
     def norm_gate_up(
         self,
         x: torch.Tensor,
@@ -356,11 +383,16 @@ class FusedKernels(reference.DispatchKernels):
         eps: float | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``silu(gate) * up`` of the normed gate-up projection: one Triton GEMM for short steps."""
+        """``silu(gate) * up`` of the normed gate-up projection: one Triton GEMM for short steps;
+        above, cuBLAS then the Triton SiLU·mul with the row scale inside (two launches)."""
         if self._gemm is None:
             return reference.norm_gate_up(x, weight, eps, bias)
         if x.shape[0] <= self.layer_rows:
             return self._gemm.norm_gate_up(x, weight, eps, bias)
+        if self._defers(x, eps, bias) and self._status["silu_and_mul"] == "triton":
+            from pitstop.plugins.kernels.triton_ops import silu
+
+            return silu.silu_and_mul(F.linear(x, weight), (x, eps))
         return self._silu(F.linear(self._row_scaled(x, eps), weight, bias))
 
     def linear_residual(
@@ -370,15 +402,16 @@ class FusedKernels(reference.DispatchKernels):
         residual: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``residual + x @ weight.T (+ bias)``: one Triton GEMM for short steps, else cuBLAS's
-        own epilogue (``addmm``)."""
+        """``residual + x @ weight.T (+ bias)``: one Triton GEMM for short steps; above, cuBLAS
+        adding into ``residual`` in place (``addmm_``, beta 1: one launch, where the
+        out-of-place ``addmm`` copies the residual first)."""
         if self._gemm is None:
             return reference.linear_residual(x, weight, residual, bias)
         if x.shape[0] <= self.layer_rows:
             return self._gemm.linear_residual(x, weight, residual, bias)
         if bias is not None:
             return residual + F.linear(x, weight, bias)
-        return torch.addmm(residual, x, weight.t())
+        return residual.addmm_(x, weight.t())
 
     # ------------------------------------------------------------------ resolution
     def _fallback(self, op: str, reason: str) -> None:

@@ -143,12 +143,20 @@ def rope_and_store(
     kv_scale: torch.Tensor | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
     qk_norm_eps: float = 1e-6,
+    row_scale: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k at ``meta.positions``, store k and v at ``meta.slot_mapping``.
 
     ``qk_norm`` (q's and k's weights): first :func:`rms_norm` every head of q and k
     with ``qk_norm_eps``, exactly as the unfused ``rms_norm`` calls would.
+    ``row_scale`` ``(x, eps)``: q, k and v are projections of the rows of ``x`` before
+    their RMSNorm (its gain folded into the weight: a kernel set's
+    ``norm_linear_deferred``, :class:`~pitstop.plugin_system.protocols.KernelSetBase`); each
+    token's q, k and v are first multiplied by :func:`rms_scale` of its row of ``x``
+    (float32) and rounded to their dtype, as :func:`norm_linear`'s output is rounded.
     """
+    if row_scale is not None:
+        q, k, v = apply_row_scale((q, k, v), *row_scale)
     if qk_norm is not None:
         q = rms_norm(q, qk_norm[0], qk_norm_eps)[0]
         k = rms_norm(k, qk_norm[1], qk_norm_eps)[0]
@@ -266,6 +274,16 @@ def norm_linear(
     return F.linear(x, weight, bias)
 
 
+def apply_row_scale(
+    parts: tuple[torch.Tensor, ...], x: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, ...]:
+    """Each of ``parts`` (``[T, ...]``, projections of the rows of ``x [T, K]``) times its
+    token's :func:`rms_scale` in float32, rounded back to its dtype: the row scale of an
+    RMSNorm applied after the projection (the two commute) instead of before it."""
+    scale = rms_scale(x, eps)
+    return tuple((p.float() * scale.view(-1, *([1] * (p.dim() - 1)))).to(p.dtype) for p in parts)
+
+
 def norm_gate_up(
     x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -280,7 +298,8 @@ def linear_residual(
     residual: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``residual + x @ weight.T (+ bias)``: a projection that writes the residual stream."""
+    """``residual + x @ weight.T (+ bias)``: a projection that writes the residual stream
+    (a new tensor here; a kernel set may add into ``residual`` in place and return it)."""
     return residual + F.linear(x, weight, bias)
 
 
@@ -393,18 +412,25 @@ class DispatchKernels(KernelSetBase):
         kv_scale: torch.Tensor | None = None,
         qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
         qk_norm_eps: float = 1e-6,
+        row_scale: tuple[torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k at ``meta.positions`` (neox layout), store k and v at ``meta.slot_mapping``.
 
         An fp8 cache stores ``k / kv_scale[0]`` and ``v / kv_scale[1]``, saturated.
         ``qk_norm`` (q's and k's RMSNorm weights): RMS-normalize every head first, in
-        ``_rope`` (the reference op and the Triton one both take it).
+        ``_rope`` (the reference op and the Triton one both take it). ``row_scale``
+        ``(x, eps)``: q, k, v still lack their rows' RMSNorm scale (a deferred
+        ``norm_linear_deferred``); applied first (:func:`rope_and_store`).
         """
         if not self._head_size_checked:
             self._check_head_size(q.shape[-1])
         # passed on only when given, so that a ``_rope`` without the parameters keeps working
-        norm = {} if qk_norm is None else {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps}
-        return self._rope(q, k, v, rotary, k_cache, v_cache, meta, kv_scale, **norm)
+        extra: dict[str, Any] = {}
+        if qk_norm is not None:
+            extra.update(qk_norm=qk_norm, qk_norm_eps=qk_norm_eps)
+        if row_scale is not None:
+            extra["row_scale"] = row_scale
+        return self._rope(q, k, v, rotary, k_cache, v_cache, meta, kv_scale, **extra)
 
     def attention(
         self,

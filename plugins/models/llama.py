@@ -86,6 +86,8 @@ class Attention(nn.Module):
         # Qwen3's q/k norm handed to rope_and_store (normalized and rotated in one pass) when the
         # kernel set declares it fuses them; else two rms_norm calls first.
         self.fuse_qk_norm = cfg.qk_norm and bool(KernelSetBase.of(kernels, "fuses_qk_norm"))
+        # a fused layer's input norm + QKV, which may leave the row scale to rope_and_store
+        self.norm_qkv = KernelSetBase.of(kernels, "norm_linear_deferred")
         self.scale = d**-0.5
         # The K and V scales of an fp8 KV cache (stored value = value / scale); unused by
         # wider caches. A buffer, so it follows the model's device; 1.0 (see docs/configuration.md).
@@ -132,7 +134,8 @@ class Attention(nn.Module):
 
         ``norm_eps`` (a fused layer, :class:`DecoderLayer`): ``x`` is the un-normalized
         residual stream and the input norm runs inside the QKV projection
-        (the kernel set's ``norm_linear``; its gain was folded into ``qkv_proj`` at load).
+        (the kernel set's ``norm_linear_deferred``; its gain was folded into ``qkv_proj`` at
+        load), or its row scale inside ``rope_and_store`` where the set defers it.
 
         The q/k norms (Qwen3) run inside ``rope_and_store`` when the kernel set
         declares ``fuses_qk_norm`` (:class:`~pitstop.plugin_system.protocols.KernelSetBase`),
@@ -143,8 +146,9 @@ class Attention(nn.Module):
         """
         kn, cfg, linear = self.kernels, self.cfg, self.linear
         t = x.shape[0]
+        row_scale = None
         if norm_eps is not None:
-            qkv = kn.norm_linear(x, self.qkv_proj, norm_eps, self.qkv_bias)
+            qkv, row_scale = self.norm_qkv(x, self.qkv_proj, norm_eps, self.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         elif self.merged:
             qkv = linear(x, self.qkv_proj, self.qkv_bias)
@@ -162,6 +166,8 @@ class Attention(nn.Module):
         elif cfg.qk_norm:
             q = kn.rms_norm(q, self.q_norm, cfg.rms_norm_eps)[0]
             k = kn.rms_norm(k, self.k_norm, cfg.rms_norm_eps)[0]
+        if row_scale is not None:  # the QKV GEMM left its rows' norm scale to this op
+            norm["row_scale"] = row_scale
         scales = self._scales(k_cache)
         q, _ = kn.rope_and_store(q, k, v, rotary, k_cache, v_cache, meta, **scales, **norm)
         return q

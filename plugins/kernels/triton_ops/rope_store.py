@@ -19,6 +19,13 @@ rounds. Only the order of the float32 sum of squares differs from the reference
 float32 (checked through the interpreter), and otherwise differ only where its
 last bit moves a value across a rounding boundary of the activation dtype.
 
+With ``row_scale`` ``(x, eps)`` (a fused layer's QKV projection of the rows of ``x``
+before their RMSNorm, the norm's gain folded into the weight) the program first
+computes its token's ``1 / sqrt(mean(x[t] ** 2) + eps)`` in float32 from the row of
+``x`` and multiplies q, k and v by it, each rounded to the activation dtype (as
+:func:`pitstop.plugins.kernels.reference.apply_row_scale`; only the order of the float32
+sum of squares differs), so the projection's GEMM needs no row-scale launch before it.
+
 An fp8 cache (``float8_e4m3fn`` or ``float8_e5m2``) stores ``k / k_scale`` and
 ``v / v_scale`` (``kv_scale`` ``[2]``, read on the device so a captured CUDA
 graph sees the values of the replay), saturated to the format's finite range
@@ -87,15 +94,18 @@ def _rotate(
     j,
     c,
     s,
+    rstd,
     H: tl.constexpr,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
     """Rotate the heads ``h`` of token ``t`` (``H`` heads in all); returns the rotated halves.
 
     The input rows sit at ``t * stride_t + h * stride_h``, the output (contiguous
-    ``[T, H, 2 * HALF]``) rows at ``(t * H + h) * 2 * HALF``. With ``NORM`` each head
-    is RMS-normalized first (weight ``w_ptr``, ``eps``).
+    ``[T, H, 2 * HALF]``) rows at ``(t * H + h) * 2 * HALF``. With ``ROW_SCALE`` every
+    value is first multiplied by the token's ``rstd`` and rounded; with ``NORM`` each
+    head is then RMS-normalized (weight ``w_ptr``, ``eps``).
     """
     row_offs = t * stride_t + h * stride_h
     out_row_offs = (t * H + h) * (2 * HALF)
@@ -104,6 +114,9 @@ def _rotate(
     dt: tl.constexpr = x1.dtype
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
+    if ROW_SCALE:
+        a1 = _rounded(a1 * rstd, dt)
+        a2 = _rounded(a2 * rstd, dt)
     if NORM:
         a1, a2 = _rms_normalize(a1, a2, w_ptr, eps, j, HALF, dt)
     o1 = _rounded(_rounded(a1 * c, dt) - _rounded(a2 * s, dt), dt).to(dt)
@@ -130,6 +143,9 @@ def _rope_store_kernel(
     q_norm_ptr,
     k_norm_ptr,
     norm_eps,
+    x_ptr,
+    stride_x,
+    row_eps,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -147,6 +163,9 @@ def _rope_store_kernel(
     BLOCK_HKV: tl.constexpr,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    ROW_K: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
     QUANT: tl.constexpr,
     QUANT_MAX: tl.constexpr,
     QUANT_MANTISSA: tl.constexpr,
@@ -164,19 +183,22 @@ def _rope_store_kernel(
     dt: tl.constexpr = q_out_ptr.dtype.element_ty
     c = _rounded(cos, dt)[None, :]
     s = _rounded(sin, dt)[None, :]
+    rstd = 1.0
+    if ROW_SCALE:
+        rstd = _row_rstd(x_ptr + t * stride_x, row_eps, ROW_K, ROW_BLOCK)
 
     hq = tl.arange(0, BLOCK_HQ)
     q_mask = (hq < HQ)[:, None] & (j < HALF)[None, :]
     _rotate(
-        q_ptr, q_out_ptr, q_norm_ptr, norm_eps, t, stride_qt, stride_qh, hq, q_mask, j, c, s, HQ,
-        HALF, NORM,
+        q_ptr, q_out_ptr, q_norm_ptr, norm_eps, t, stride_qt, stride_qh, hq, q_mask, j, c, s,
+        rstd, HQ, HALF, NORM, ROW_SCALE,
     )  # fmt: skip
 
     hk = tl.arange(0, BLOCK_HKV)
     k_mask = (hk < HKV)[:, None] & (j < HALF)[None, :]
     k1, k2 = _rotate(
-        k_ptr, k_out_ptr, k_norm_ptr, norm_eps, t, stride_kt, stride_kh, hk, k_mask, j, c, s, HKV,
-        HALF, NORM,
+        k_ptr, k_out_ptr, k_norm_ptr, norm_eps, t, stride_kt, stride_kh, hk, k_mask, j, c, s,
+        rstd, HKV, HALF, NORM, ROW_SCALE,
     )  # fmt: skip
     # the cache slot: page slot // page_size, offset slot % page_size; skip padding rows (slot < 0)
     page = slot // page_size
@@ -187,6 +209,9 @@ def _rope_store_kernel(
     v_offs = (t * stride_vt + hk * stride_vh)[:, None] + j[None, :]
     v1 = tl.load(v_ptr + v_offs, mask=k_mask, other=0.0)
     v2 = tl.load(v_ptr + v_offs + HALF, mask=k_mask, other=0.0)
+    if ROW_SCALE:
+        v1 = _rounded(v1.to(tl.float32) * rstd, dt).to(dt)
+        v2 = _rounded(v2.to(tl.float32) * rstd, dt).to(dt)
     _pdl.launch_dependents(PDL)
     if QUANT:
         k_scale = tl.load(kv_scale_ptr)
@@ -199,6 +224,17 @@ def _rope_store_kernel(
     tl.store(k_cache_ptr + cache_offs + HALF, k2.to(ct), mask=store_mask)
     tl.store(v_cache_ptr + cache_offs, v1.to(ct), mask=store_mask)
     tl.store(v_cache_ptr + cache_offs + HALF, v2.to(ct), mask=store_mask)
+
+
+@triton.jit
+def _row_rstd(row_ptr, eps, K: tl.constexpr, BLOCK: tl.constexpr):
+    """``1 / sqrt(mean(row ** 2) + eps)`` of one row of ``K`` values, in float32."""
+    cols = tl.arange(0, BLOCK)
+    sq = tl.zeros([BLOCK], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK):
+        x = tl.load(row_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        sq += x * x
+    return 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
 
 
 @triton.jit
@@ -238,6 +274,7 @@ def rope_and_store(
     kv_scale: torch.Tensor | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
     qk_norm_eps: float = 1e-6,
+    row_scale: tuple[torch.Tensor, float] | None = None,
     *,
     pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +285,9 @@ def rope_and_store(
     (k and v with the same strides). An fp8 cache needs ``kv_scale``
     (float32 ``[2]``: K's scale, V's). ``qk_norm`` (q's and k's RMSNorm weights
     ``[D]``, in q's dtype): RMS-normalize every head with ``qk_norm_eps`` before
-    rotating (the normalized, rotated k is what the cache stores). Returns fresh
+    rotating (the normalized, rotated k is what the cache stores). ``row_scale``
+    ``(x [T, K], eps)``: multiply each token's q, k and v by ``1 / rms(x[t])`` first (the
+    module docstring). Returns fresh
     contiguous rotated q and k. ``pdl``: programmatic dependent launch (default:
     where it works, :mod:`.pdl`).
     """
@@ -270,6 +309,12 @@ def rope_and_store(
     quant = k_cache.element_size() == 1
     assert not quant or (kv_scale is not None and kv_scale.dtype == torch.float32)
     finfo = torch.finfo(k_cache.dtype)
+    x_rows, row_eps = row_scale if row_scale is not None else (cos, 0.0)
+    row_k = x_rows.shape[-1] if row_scale is not None else 1  # 1: no recompile per model
+    if row_scale is not None:
+        assert x_rows.dim() == 2 and x_rows.shape[0] == t, "row_scale's x must be [T, K]"
+        if x_rows.stride(-1) != 1:
+            x_rows = x_rows.contiguous()
     use_pdl = _pdl.enabled(q.device, pdl)
     _rope_store_kernel[(t,)](
         q,
@@ -287,6 +332,9 @@ def rope_and_store(
         qk_norm[0] if qk_norm is not None else cos,
         qk_norm[1] if qk_norm is not None else cos,
         qk_norm_eps,
+        x_rows,  # cos when unused
+        x_rows.stride(0),
+        row_eps,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -304,6 +352,9 @@ def rope_and_store(
         BLOCK_HKV=triton.next_power_of_2(hkv),
         HALF=d // 2,
         NORM=qk_norm is not None,
+        ROW_SCALE=row_scale is not None,
+        ROW_K=row_k,
+        ROW_BLOCK=min(1024, triton.next_power_of_2(row_k)),
         QUANT=quant,
         QUANT_MAX=finfo.max,
         QUANT_MANTISSA=FP8_MANTISSA_BITS.get(k_cache.dtype, 0),

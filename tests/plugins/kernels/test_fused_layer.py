@@ -67,12 +67,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_fused_layer_matches_transformers(tmp_path: Path, case: str) -> None:
+@pytest.mark.parametrize(
+    "case,layer_rows",
+    [(case, 64) for case in CASES] + [("llama-biases", 0), ("qwen3", 0)],
+)
+def test_fused_layer_matches_transformers(tmp_path: Path, case: str, layer_rows: int) -> None:
+    """``layer_rows`` 0: every step takes the long-step path (cuBLAS, the row scale inside
+    rotary and SiLU·mul, the residual added in place; with biases, the scale before)."""
     arch, overrides = CASES[case]
     folder = _checkpoint(tmp_path, arch, **overrides)
     hf = hf_model(folder)
-    llm = _fused_llm(folder)
+    llm = _fused_llm(folder, options={"fused.layer_rows": layer_rows})
     model = llm.engine.runner.model
     assert model.fused_layers and all(layer.fused for layer in model.layers)
     gen = torch.Generator().manual_seed(3)
@@ -128,7 +133,10 @@ def test_describe_names_the_layer_ops(tmp_path: Path) -> None:
     off = LLM(str(folder), device="cpu", kv_cache_gib=0.01, max_model_len=64, kernels="fused")
     off_desc = off.engine.runner.kernels.describe()
     for op in reference.LAYER_OPS:
-        assert on[op] == "triton up to 64 rows, above: row scale + cuBLAS", on[op]
+        assert on[op] == (
+            "triton up to 64 rows; above: cuBLAS, the row scale in rope_and_store / "
+            "silu_and_mul, the residual added in place"
+        ), on[op]
         assert off_desc[op] == "unused (config flag fused.layer is off)"
     assert not off.engine.runner.model.fused_layers
 
@@ -192,5 +200,6 @@ def test_fused_layer_with_cuda_graphs_matches_reference_on_gpu(tmp_path: Path) -
     expected = run(kernels="reference")
     layer = dict(kernels="fused", fused_precision="fp32", scheduler="chunked", chunk_size=32)
     assert run(options={"fused.layer": True}, **layer) == expected
-    # every step through the cuBLAS path (the row scale, then the GEMM with its own epilogue)
+    # every step through the cuBLAS path (the row scale deferred to rotary and SiLU·mul, the
+    # residual added in place)
     assert run(options={"fused.layer": True, "fused.layer_rows": 0}, **layer) == expected

@@ -1,0 +1,188 @@
+"""The fused layer above ``layer_rows`` (issue 44): cuBLAS GEMMs whose input norm's row scale
+is applied by the op after them (``rope_and_store``, the Triton SiLU·mul) and whose residual
+add is cuBLAS's own (``addmm_`` into the stream), so that a long step takes seven launches
+a layer instead of eleven.
+
+The Triton ops run in Triton's interpreter on the CPU. Bit for bit against the reference
+where every float32 sum of squares is exact (values that are multiples of 1/8, widths that
+are powers of two: the kernels sum in another order than torch, their one difference);
+within the dtype's bound otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+
+import pytest  # noqa: E402
+from helpers.poison import poisoned_outputs  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pitstop.config import EngineConfig  # noqa: E402
+from pitstop.plugin_system.plugin_manager import get_plugin_manager  # noqa: E402
+from pitstop.plugin_system.protocols import KernelSetBase, RotaryCache  # noqa: E402
+from pitstop.plugins.kernels import reference  # noqa: E402
+from pitstop.plugins.kernels.fused import FusedKernels  # noqa: E402
+from pitstop.testing.kernels import paged_metadata  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = DEVICE.type == "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+EPS = 1e-6
+FEW = settings(max_examples=10, deadline=None, derandomize=True)
+
+
+def _values(shape: tuple[int, ...], exact: bool, gen: torch.Generator) -> torch.Tensor:
+    """Random values; ``exact``: multiples of 1/8 below 2 in magnitude (exact squares and sums)."""
+    if exact:
+        return torch.randint(-15, 16, shape, generator=gen) / 8
+    return torch.randn(shape, generator=gen) * 3
+
+
+def _check(got: torch.Tensor, expected: torch.Tensor, exact: bool, what: str) -> None:
+    """Bit for bit where the sums are exact in the interpreter, else within the dtype's bound."""
+    if exact and INTERPRETED:
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), f"{what}: bits"
+        return
+    err = (got.float() - expected.float()).abs().max() / expected.float().abs().max()
+    assert err <= TOL[got.dtype], f"{what}: relative error {err:.3g}"
+
+
+def _fused(dtype: torch.dtype, **options: object) -> FusedKernels:
+    config = EngineConfig(max_model_len=512, options={"fused.layer": True, **options})
+    return get_plugin_manager().create("kernels", "fused", config, DEVICE, dtype)
+
+
+@FEW
+@given(
+    tokens=st.integers(1, 9),
+    hidden=st.sampled_from([32, 64, 2048]),
+    qk_norm=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    exact=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rope_and_store_applies_the_row_scale_first(
+    tokens: int, hidden: int, qk_norm: bool, dtype: torch.dtype, exact: bool, seed: int
+) -> None:
+    """``rope_and_store(row_scale=(x, eps))`` of the raw projection equals the reference's
+    rotary over the row-scaled projection: q, k and both caches (the hidden width 2048 takes
+    the kernel's row loop over two blocks of 1024)."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, d, page = 4, 2, 64, 8
+    meta = paged_metadata([1] * tokens, [5 + 3 * i for i in range(tokens)], page, 40, seed, DEVICE)
+    x = _values((tokens, hidden), exact, gen).to(DEVICE, dtype)
+    qkv = _values((tokens, (hq + 2 * hkv) * d), exact, gen).to(DEVICE, dtype)
+    q, k, v = (p.reshape(tokens, -1, d) for p in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    angles = torch.outer(torch.arange(64).float(), torch.rand(d // 2, generator=gen))
+    rotary = RotaryCache(angles.cos().to(DEVICE), angles.sin().to(DEVICE))
+    norm = {}
+    if qk_norm:
+        weights = tuple((1 + 0.2 * torch.randn(d, generator=gen)).to(DEVICE, dtype) for _ in "qk")
+        norm = dict(qk_norm=weights, qk_norm_eps=EPS)
+    caches = [torch.randn(40, page, hkv, d, generator=gen).to(DEVICE, dtype) for _ in "kv"]
+    ref_caches = [c.clone() for c in caches]
+    q_ref, k_ref = reference.rope_and_store(
+        q, k, v, rotary, *ref_caches, meta, row_scale=(x, EPS), **norm
+    )
+    with poisoned_outputs():
+        q_got, k_got = _fused(dtype).rope_and_store(
+            q, k, v, rotary, *caches, meta, row_scale=(x, EPS), **norm
+        )
+    _check(q_got, q_ref, exact, "q")
+    _check(k_got, k_ref, exact, "k")
+    _check(caches[0], ref_caches[0], exact, "k cache")
+    _check(caches[1], ref_caches[1], exact, "v cache")
+
+
+def test_reference_row_scale_is_the_norm_before_the_projection() -> None:
+    """The reference's deferred row scale is the RMSNorm (gain folded into the weight) applied
+    before the projection, up to the rounding of the projection: in float64, equal."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 32, generator=gen, dtype=torch.float64)
+    w = torch.randn(48, 32, generator=gen, dtype=torch.float64)
+    (scaled,) = reference.apply_row_scale((x @ w.T,), x, EPS)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    torch.testing.assert_close(scaled, normed @ w.T, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("hidden", [64, 2048])
+def test_silu_and_mul_applies_the_row_scale_first(
+    dtype: torch.dtype, exact: bool, hidden: int
+) -> None:
+    """The Triton SiLU·mul with ``row_scale`` equals the reference SiLU·mul of the row-scaled
+    gate-up output (and with ``row_scale`` absent, the plain one, unchanged)."""
+    from pitstop.plugins.kernels.triton_ops import silu
+
+    gen = torch.Generator().manual_seed(hidden)
+    x = _values((7, hidden), exact, gen).to(DEVICE, dtype)
+    gate_up = _values((7, 2 * 96), exact, gen).to(DEVICE, dtype)
+    with poisoned_outputs():
+        got = silu.silu_and_mul(gate_up, (x, EPS))
+    (scaled,) = reference.apply_row_scale((gate_up,), x, EPS)
+    expected = reference.silu_and_mul(scaled)
+    # within the bound only: the kernel's exp differs from torch's in the last bit (the row
+    # scale's bits are checked through rope_and_store above)
+    err = (got.float() - expected.float()).abs().max() / expected.float().abs().max()
+    assert err <= TOL[dtype], f"relative error {err:.3g}"
+    plain = silu.silu_and_mul(gate_up)
+    err = (plain.float() - reference.silu_and_mul(gate_up).float()).abs().max()
+    assert err <= TOL[dtype] * reference.silu_and_mul(gate_up).float().abs().max()
+
+
+def test_long_steps_defer_the_row_scale_and_add_in_place() -> None:
+    """Above ``layer_rows`` the QKV projection is cuBLAS on the raw rows with ``(x, eps)``
+    handed on, the gate-up is cuBLAS then the row-scaled SiLU·mul, and the residual add is
+    ``addmm_`` into the residual itself; at or below it nothing is deferred. A bias (applied
+    after the scale) keeps the scale before the GEMM."""
+    ks = _fused(torch.float32, **{"fused.layer_rows": 4})
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 32, generator=gen).to(DEVICE)
+    bias = torch.randn(48, generator=gen).to(DEVICE)
+    for rows in (3, 4, 5, 9):
+        x = torch.randn(rows, 32, generator=gen).to(DEVICE)
+        y, row_scale = ks.norm_linear_deferred(x, w, EPS)
+        if rows <= 4:
+            assert row_scale is None
+            _check(y, reference.norm_linear(x, w, EPS), False, "short step")
+        else:
+            assert row_scale is not None and row_scale[0] is x and row_scale[1] == EPS
+            _check(y, x @ w.T, False, "raw projection")
+            (scaled,) = reference.apply_row_scale((y,), *row_scale)
+            _check(scaled, reference.norm_linear(x, w, EPS), False, "deferred scale")
+        y, row_scale = ks.norm_linear_deferred(x, w, EPS, bias)
+        assert row_scale is None
+        _check(y, reference.norm_linear(x, w, EPS, bias), False, "with a bias")
+        _check(ks.norm_gate_up(x, w, EPS), reference.norm_gate_up(x, w, EPS), False, "gate-up")
+        down = torch.randn(32, 24, generator=gen).to(DEVICE)
+        act = torch.randn(rows, 24, generator=gen).to(DEVICE)
+        residual = torch.randn(rows, 32, generator=gen).to(DEVICE)
+        expected = reference.linear_residual(act, down, residual)
+        out = ks.linear_residual(act, down, residual)
+        _check(out, expected, False, "residual add")
+        assert (out.data_ptr() == residual.data_ptr()) == (rows > 4)
+    assert (
+        "above: cuBLAS, the row scale in rope_and_store / silu_and_mul"
+        in ks.describe()["norm_linear"]
+    )
+
+
+def test_a_set_without_the_capability_never_defers() -> None:
+    """A kernel set that does not define ``norm_linear_deferred`` gets the default: its own
+    ``norm_linear`` and no row scale, so its ``rope_and_store`` never sees ``row_scale``."""
+
+    class Plain:
+        def norm_linear(self, x, weight, eps, bias=None):  # noqa: ANN001, ANN202
+            return reference.norm_linear(x, weight, eps, bias)
+
+    x, w = torch.randn(3, 8), torch.randn(6, 8)
+    y, row_scale = KernelSetBase.of(Plain(), "norm_linear_deferred")(x, w, EPS)
+    assert row_scale is None
+    torch.testing.assert_close(y, reference.norm_linear(x, w, EPS))
