@@ -35,9 +35,12 @@ vrun() { name=$1; shift; echo "== $name: pitstop bench $* --peer vllm"
 # (carry the torch_memory_saver and gguf wheels; about 10 minutes: two calls, e.g.
 # BENCHES="pending" cut by the first call's limit, then the rest by name): the rollout's exit status
 # (issue 49), the host tier after a65a623 on 360 turns (issue 50), the LoRA workspace
-# (issue 47: lora_bench and the throughput rows), the MoE routing without memsets (issue 48)
+# (issue 47: lora_bench and the throughput rows), the MoE routing without memsets (issue 48), and
+# (2026-12-05, third session) the fused layer's seven-launch long steps (issue 44: `layer`) and
+# cuDNN for long prompts and chunks end to end (issue 44: `prefill44`). Run in this order: the
+# rollout's exit may close issue 49, then the principal issue's two rows, then the rest.
 if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/pending/}" ]; then
-  BENCHES=${BENCHES/pending/rollout-exit multiturn lora47 moe48}
+  BENCHES=${BENCHES/pending/rollout-exit layer prefill44 multiturn moe48 lora47}
   export MT_N=${MT_N:-360} MT_REPEATS=${MT_REPEATS:-1} MOE_WORKLOADS=${MOE_WORKLOADS:-single}
 fi
 for spec in ${BENCHES-nano single}; do
