@@ -812,9 +812,17 @@ FIVE = ["_route_kernel", "_align_kernel", *FOUR[1:]]
 
 
 @pytest.mark.parametrize(
-    ("t", "kernels"), [(1, THREE), (2, THREE), (4, THREE), (5, FOUR), (16, FOUR), (17, FIVE)]
+    ("t", "kernels", "fp8"),
+    [
+        (1, THREE, False),
+        (1, THREE, True),
+        (4, THREE, False),
+        (5, FOUR, True),
+        (16, FOUR, False),
+        (17, FIVE, False),
+        (17, FIVE, True),
+    ],
 )
-@pytest.mark.parametrize("fp8", [False, True])
 def test_fused_moe_launches_per_batch_and_equals_the_loop(
     launches: list[str], t: int, kernels: list[str], fp8: bool
 ) -> None:
