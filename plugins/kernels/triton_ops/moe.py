@@ -35,10 +35,10 @@ otherwise they differ only by the order of each dot's float32 sum over ``F`` (pr
 16-bit or e4m3 operands are exact in float32; float32 activations' are rounded), so they
 agree within rounding, not bit for bit. A split gate-up (``split_k`` > 1) keeps steps 4 + 5.
 
-Split-K (``MoEConfig.split_k``, issue 48; grouped down and slot sum at every batch): at decode the grids are
-too small to stream the experts at HBM rate (batch 1 of Qwen3-30B-A3B: 8 row blocks x 12
-column tiles = 96 gate-up programs on 132 SMs, each walking K = 2048 alone), so each GEMM
-can split its K into runs of whole ``BLOCK_K`` chunks (:func:`effective_split`: at most
+Split-K (``MoEConfig.split_k``, issue 48; grouped down and slot sum at every batch): at
+decode the grids are too small to stream the experts at HBM rate (batch 1 of
+Qwen3-30B-A3B: 8 row blocks x 12 column tiles = 96 gate-up programs on 132 SMs, each
+walking K = 2048 alone), so each GEMM can split its K into runs of whole ``BLOCK_K`` chunks (:func:`effective_split`: at most
 ``split_k``, none empty; a grid dimension ``s``), with no float atomics:
 
 - gate-up, ``S`` splits > 1: no epilogue; split ``s`` stores its float32 gate and up sums,
@@ -54,11 +54,12 @@ can split its K into runs of whole ``BLOCK_K`` chunks (:func:`effective_split`: 
 
 Bits: a given config and path gives the same bits on every run and replay and whatever
 the batch's other rows (fixed-order sums; the path, like the autotuned config, follows the
-batch size, so a token's bits may change where ``T`` crosses a threshold). Split and unsplit differ only by the float32 re-association
-of the K sums (``(d0 + d1) + (d2 + d3)`` for ``((d0 + d1) + d2) + d3``), the routing
-weight applied per partial, and the order of the final sum over splits: where every
-float32 sum is exact (small integers, power-of-two scales and weights: a test) every
-split gives the unsplit bits; in general they agree within rounding, not bit for bit.
+batch size, so a token's bits may change where ``T`` crosses a threshold). Split and
+unsplit differ only by the float32 re-association of the K sums (``(d0 + d1) + (d2 + d3)``
+for ``((d0 + d1) + d2) + d3``), the routing weight applied per partial, and the order of
+the final sum over splits: where every float32 sum is exact (small integers, power-of-two
+scales and weights: a test) every split gives the unsplit bits; in general they agree
+within rounding, not bit for bit.
 
 fp8 experts (``scales`` given): ``gate_up`` and ``down`` are e4m3 with one float32 scale
 per output row; the GEMMs are weight-only, as the ``fp8`` format's skinny GEMM: each
@@ -84,9 +85,8 @@ Tiles (:func:`choose_config`): a short autotune at the first call of a shape buc
 :class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`time_replays`;
 split-K is not a candidate: it lost at every measured decode batch; at ``T <= 4`` the timed
 calls run the token-major down, so the config's tiles time the gate-up alone); the winner
-is cached in memory and on disk
-(:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
-the bucket, dtype, device name and Triton version). Where timing is impossible
+is cached in memory and on disk (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or
+``~/.cache/pitstop/moe``, keyed by the bucket, dtype, device name and Triton version). Where timing is impossible
 (Triton's interpreter, or a CUDA graph being captured) and the bucket is not cached,
 :func:`heuristic_config` decides, and that is logged once per reason.
 Entries cached before split-K (5 fields) read as ``split_k`` 1.
