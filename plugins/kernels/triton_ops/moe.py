@@ -38,8 +38,9 @@ agree within rounding, not bit for bit. A split gate-up (``split_k`` > 1) keeps 
 Split-K (``MoEConfig.split_k``, issue 48; grouped down and slot sum at every batch): at
 decode the grids are too small to stream the experts at HBM rate (batch 1 of
 Qwen3-30B-A3B: 8 row blocks x 12 column tiles = 96 gate-up programs on 132 SMs, each
-walking K = 2048 alone), so each GEMM can split its K into runs of whole ``BLOCK_K`` chunks (:func:`effective_split`: at most
-``split_k``, none empty; a grid dimension ``s``), with no float atomics:
+walking K = 2048 alone), so each GEMM can split its K into runs of whole ``BLOCK_K``
+chunks (:func:`effective_split`: at most ``split_k``, none empty; a grid dimension ``s``),
+with no float atomics:
 
 - gate-up, ``S`` splits > 1: no epilogue; split ``s`` stores its float32 gate and up sums,
   unscaled, to ``g [S, T*k, 2F]`` (``[s, row, n]`` and ``[s, row, F + n]``). The down GEMM
@@ -86,10 +87,10 @@ Tiles (:func:`choose_config`): a short autotune at the first call of a shape buc
 split-K is not a candidate: it lost at every measured decode batch; at ``T <= 4`` the timed
 calls run the token-major down, so the config's tiles time the gate-up alone); the winner
 is cached in memory and on disk (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or
-``~/.cache/pitstop/moe``, keyed by the bucket, dtype, device name and Triton version). Where timing is impossible
-(Triton's interpreter, or a CUDA graph being captured) and the bucket is not cached,
-:func:`heuristic_config` decides, and that is logged once per reason.
-Entries cached before split-K (5 fields) read as ``split_k`` 1.
+``~/.cache/pitstop/moe``, keyed by the bucket, dtype, device name and Triton version).
+Where timing is impossible (Triton's interpreter, or a CUDA graph being captured) and the
+bucket is not cached, :func:`heuristic_config` decides, and that is logged once per
+reason. Entries cached before split-K (5 fields) read as ``split_k`` 1.
 """
 
 from __future__ import annotations
