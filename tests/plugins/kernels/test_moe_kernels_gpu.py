@@ -5,8 +5,9 @@ H200 with ``pytest -q -m gpu tests/plugins/kernels/test_moe_kernels_gpu.py``.
 
 Shape: H 2048, E 128, k 8, F 768, bf16, ``norm_topk_prob`` on (Qwen3-MoE), T in
 {1, 16, 256, 2048} (and 1..4 for the three-launch path of issue 48). Truth is
-:mod:`moe_reference`'s loop in float64 over the kernel's routing, which must pick the same experts as ``torch.topk`` (random logits: no ties).
-The autotune runs for real, into a temporary cache directory.
+:mod:`moe_reference`'s loop in float64 over the kernel's routing, which must pick the same
+experts as ``torch.topk`` (random logits: no ties). The autotune runs for real, into a
+temporary cache directory.
 """
 
 from __future__ import annotations
