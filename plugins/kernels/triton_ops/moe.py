@@ -188,8 +188,9 @@ TOKEN_MAJOR_TOKENS = 4
 class LaunchPlan(NamedTuple):
     """Which kernels a :func:`fused_moe` call runs (:func:`launch_plan` decides).
 
-    ``route_with_align``: routing and grouping in one launch (:func:`.moe_routing.route_and_align`),
-    else :func:`.moe_routing.route` and :func:`.moe_routing.align` (and their two memsets);
+    ``route_with_align``: routing and grouping in one launch
+    (:func:`.moe_routing.route_and_align`), else :func:`.moe_routing.route` and
+    :func:`.moe_routing.align` (and, past ``ONE_PROGRAM_ROWS`` rows, two memsets);
     ``down_with_slot_sum``: the token-major down GEMM that sums each token's k slots
     itself (:func:`_down_slot_sum_kernel`), else the grouped down GEMM and the slot sum.
     """
@@ -222,8 +223,8 @@ def launch_plan(num_tokens: int, top_k: int, config: MoEConfig | None = None) ->
       most ``T`` times as many (every token picking the same experts), so at most 4x at
       the threshold; at decode of a many-expert model (Qwen3-30B-A3B: 8 of 128) tokens
       rarely share an expert, so it is about the same bytes, one launch fewer, and no
-      float32 ``y`` round trip. Past a few tokens the sharing grows with ``T`` and the
-      grouped GEMM's reuse wins. Not yet measured on a GPU (``benchmarks/moe_bench.py``
+      float32 ``y`` round trip. Past a few tokens the sharing grows with ``T`` (and with
+      fewer experts: Mixtral's top-2 of 8), and the grouped GEMM reads each expert once. Not yet measured on a GPU (``benchmarks/moe_bench.py``
       times both paths).
 
     Batch 1..4: three launches; up to ``ONE_PROGRAM_ROWS`` rows: four; above: five and two
