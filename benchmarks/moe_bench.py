@@ -9,13 +9,18 @@ weights the step must read, each distinct expert hit once: ``hit * 3 * H * F`` e
 (``gate_up`` and ``down``); the rate is given in GB/s and as a fraction of the H200's
 4.23 TB/s copy bandwidth (docs/workloads.md). Rows per batch:
 
-- ``tuned``: the autotune's pick (``choose_config``, into a fresh cache directory);
-- ``split1``: the same tiles with ``split_k`` forced to 1;
-- ``unsplit``: the best of the unsplit candidates (the op before split-K);
-- ``split<N>`` (``--split N``, repeatable): the tuned tiles with ``split_k`` N.
+- ``tuned``: the autotune's pick (``choose_config``, into a fresh cache directory), run
+  as :func:`~pitstop.plugins.kernels.triton_ops.moe.launch_plan` has it for the batch
+  (issue 48: three launches at T 1..4, four up to 128 flat rows, five above);
+- ``grouped`` (where the plan has fewer than five launches): the same tiles, the five
+  launches of before (``moe.GROUPED``: route, align, gate-up, grouped down, slot sum);
+- ``split<N>`` (``--split N``, repeatable): the tuned tiles with ``split_k`` N (a split
+  gate-up keeps the grouped down and the slot sum).
 
-Each row also gives its max difference from the ``unsplit`` row's output over the
-output's max magnitude (split-K re-associates float32 sums: about bf16 rounding).
+Each row gives its kernel launches (memsets not counted) and its max difference from the
+``tuned`` row's output over the output's max magnitude (split-K and the token-major
+down re-associate float32 sums: about bf16 rounding). (Split-K left the autotune, so the
+old ``split1`` and ``unsplit`` rows were the ``tuned`` tiles again; they are gone.)
 
 Usage::
 
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         f"fused MoE, H {h} E {e} top-{top_k} F {f}, bf16 x, "
         f"{'fp8' if args.fp8 else 'bf16'} experts, {dev.type}"
     )
-    print(f"{'T':>4} {'config':>8} {'tiles (m n k warps stages split)':>34} "
+    print(f"{'T':>4} {'config':>8} {'tiles (m n k warps stages split)':>34} {'launches':>8} "
           f"{'us':>9} {'GB/s':>7} {'of copy':>7} {'diff':>8}")  # fmt: skip
     for t in args.batch or [1, 8, 64, 256]:
         x = torch.randn(t, h, device=dev, generator=gen).bfloat16()
@@ -94,32 +99,30 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         hit = int(torch.unique(ids).numel())
         nbytes = hit * 3 * h * f * elem
 
-        def run(cfg: moe.MoEConfig, x=x, logits=logits) -> torch.Tensor:
+        def run(cfg: moe.MoEConfig, plan=None, x=x, logits=logits) -> torch.Tensor:
             return moe.fused_moe(x, logits, gate_up, down, top_k, renormalize=True,
-                                 weights_dtype=torch.bfloat16, config=cfg, scales=scales)  # fmt: skip
+                                 weights_dtype=torch.bfloat16, config=cfg, scales=scales,
+                                 plan=plan)  # fmt: skip
 
         tuned = moe.choose_config(x, weights, ids, gate_up, down, cache, scales)
-        configs = {"tuned": tuned, "split1": tuned._replace(split_k=1)}
-        configs |= {f"split{n}": tuned._replace(split_k=n) for n in args.split}
-        if dev.type == "cuda":
-            key = f"unsplit-{t}"
-            unsplit = [c for c in moe.candidates(t, e, top_k, x.dtype) if c.split_k == 1]
-            configs["unsplit"] = moe.autotune(
-                key, unsplit, lambda c, run=run: moe.time_replays(lambda: run(c)), cache
-            )
-        else:
-            configs["unsplit"] = configs["split1"]
-        base = run(configs["unsplit"])
-        for name, cfg in configs.items():
-            seconds = _time(dev, lambda cfg=cfg: run(cfg))
-            out = run(cfg)
+        configs = {"tuned": (tuned, moe.launch_plan(t, top_k, tuned))}
+        if configs["tuned"][1] != moe.GROUPED:
+            configs["grouped"] = (tuned, moe.GROUPED)
+        for n in args.split:
+            split = tuned._replace(split_k=n)
+            configs[f"split{n}"] = (split, moe.launch_plan(t, top_k, split))
+        base = run(tuned)
+        for name, (cfg, plan) in configs.items():
+            seconds = _time(dev, lambda cfg=cfg, plan=plan: run(cfg, plan))
+            out = run(cfg, plan)
             diff = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
             rate = nbytes / seconds
-            row = dict(batch=t, config=name, tiles=list(cfg), us=seconds * 1e6,
-                       gbps=rate / 1e9, of_copy=rate / COPY_BW, diff=diff, experts_hit=hit)  # fmt: skip
+            row = dict(batch=t, config=name, tiles=list(cfg), launches=plan.launches,
+                       us=seconds * 1e6, gbps=rate / 1e9, of_copy=rate / COPY_BW, diff=diff,
+                       experts_hit=hit)  # fmt: skip
             rows.append(row)
-            print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} {seconds * 1e6:9.1f} "
-                  f"{rate / 1e9:7.0f} {rate / COPY_BW:7.1%} {diff:8.2g}")  # fmt: skip
+            print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} {plan.launches:>8} "
+                  f"{seconds * 1e6:9.1f} {rate / 1e9:7.0f} {rate / COPY_BW:7.1%} {diff:8.2g}")  # fmt: skip
     return rows
 
 

@@ -10,7 +10,8 @@ then runs the plain loop over experts itself
 (:mod:`pitstop.plugins.kernels.moe_reference`, the numerical reference). Both shipped
 sets have it: ``reference`` runs that loop, ``fused`` the Triton op of
 :mod:`pitstop.plugins.kernels.triton_ops.moe` (top-k routing in one kernel, tokens grouped
-by expert, two grouped GEMMs, autotuned tiles cached on disk).
+by expert, two grouped GEMMs -- at batch 1..4 the down GEMM token-major with the k-slot
+sum inside, three launches in all -- autotuned tiles cached on disk).
 """
 
 from __future__ import annotations

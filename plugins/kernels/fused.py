@@ -20,8 +20,10 @@ Ops and where they run:
   kept in code per head size and GQA ratio (``fused_attention``; see
   :mod:`pitstop.plugins.kernels.triton_ops.paged_attention`);
 - ``moe``: a sparse mixture-of-experts block's experts (``fused.moe``): top-k routing in one
-  kernel, rows grouped by expert, a grouped gate-up GEMM with SiLU·mul and a grouped down
-  GEMM with the routing weights, tiles autotuned once per shape and cached on disk
+  kernel, rows grouped by expert (routing and grouping one launch at decode), a grouped
+  gate-up GEMM with SiLU·mul and a grouped down GEMM with the routing weights (at batch
+  1..4 a token-major down GEMM that also sums the k slots: three launches in all), tiles
+  autotuned once per shape and cached on disk
   (:mod:`pitstop.plugins.kernels.triton_ops.moe`); the reference loop over experts for
   more than 16 experts a token. With ``fused.moe`` off the reference loop runs, which
   reads the experts hit on the host, so decode then runs without CUDA graphs.

@@ -1,10 +1,18 @@
 """Fused mixture-of-experts: routing, grouping, two grouped GEMMs, a k-slot sum; no tuning tables.
 
-:func:`fused_moe` runs a sparse-MoE block's expert half in five launches (and, above
-:data:`.moe_routing.ONE_PROGRAM_ROWS` flat rows, two memsets of the routing counters):
+:func:`fused_moe` runs a sparse-MoE block's expert half in three to five launches, by
+batch (:func:`launch_plan`, the one place that decides; :attr:`LaunchPlan.launches`):
+
+- ``T <= TOKEN_MAJOR_TOKENS`` (4): **three** -- route+align (1+2 below), gate-up (3), down
+  with the slot sum (4+5 below, token-major);
+- ``T * k <= ONE_PROGRAM_ROWS`` (128 flat rows; top-8: ``T <= 16``): **four** -- route+align,
+  gate-up, grouped down (4), slot sum (5);
+- above: **five** -- route (1), align (2), gate-up, grouped down, slot sum -- and two
+  memsets of the routing counters.
 
 1. :func:`.moe_routing.route`: softmax + top-k + renormalisation, counting each expert's rows
-   (above ``ONE_PROGRAM_ROWS``; below, step 2 counts them itself);
+   (above ``ONE_PROGRAM_ROWS``; at most, :func:`.moe_routing.route_and_align` does this
+   step and the next in one program, the same bits, and counts nothing);
 2. :func:`.moe_routing.align`: the flat rows ``t * k + j`` grouped by expert, each expert
    padded to ``BLOCK_M`` rows (fixed worst-case buffers: CUDA-graph capturable);
 3. gate-up grouped GEMM: program ``(b, n)`` takes row block ``b`` (one expert ``e``, or
@@ -16,11 +24,23 @@
    routing weight (in float32) stored, unrounded, to ``y [T*k, H]`` (float32);
 5. the k-slot sum: ``out[t] = sum_j y[t * k + j]`` in slot order, one rounding.
 
-Split-K (``MoEConfig.split_k``, issue 48; still five launches): at decode the grids are
-too small to stream the experts at HBM rate (batch 1 of Qwen3-30B-A3B: 8 row blocks x 12
-column tiles = 96 gate-up programs on 132 SMs, each walking K = 2048 alone), so each GEMM
-can split its K into runs of whole ``BLOCK_K`` chunks (:func:`effective_split`: at most
-``split_k``, none empty; a grid dimension ``s``), with no float atomics:
+Token-major down (``T <= 4``, :func:`_down_slot_sum_kernel`, steps 4 and 5 in one launch):
+program ``(t, c)`` owns token ``t``'s columns ``c`` and all its k slots (slot ``j``: row
+``h[t*k + j]``, expert ``ids[t, j]``, weight ``rw[t, j]``), each slot's float32 dot times its
+row scales (fp8) and then its weight, as step 4's epilogue; the slots added in order from
+zero, as step 5, and rounded once into ``out``: no ``y``. Its tiles are a fixed rule
+(:func:`token_major_tiles`), not the config's. Bits: the same as steps 4 + 5 wherever each
+slot's float32 dot is exact (small integers, power-of-two scales and weights: a test);
+otherwise they differ only by the order of each dot's float32 sum over ``F`` (products of
+16-bit or e4m3 operands are exact in float32; float32 activations' are rounded), so they
+agree within rounding, not bit for bit. A split gate-up (``split_k`` > 1) keeps steps 4 + 5.
+
+Split-K (``MoEConfig.split_k``, issue 48; grouped down and slot sum at every batch): at
+decode the grids are too small to stream the experts at HBM rate (batch 1 of
+Qwen3-30B-A3B: 8 row blocks x 12 column tiles = 96 gate-up programs on 132 SMs, each
+walking K = 2048 alone), so each GEMM can split its K into runs of whole ``BLOCK_K``
+chunks (:func:`effective_split`: at most ``split_k``, none empty; a grid dimension ``s``),
+with no float atomics:
 
 - gate-up, ``S`` splits > 1: no epilogue; split ``s`` stores its float32 gate and up sums,
   unscaled, to ``g [S, T*k, 2F]`` (``[s, row, n]`` and ``[s, row, F + n]``). The down GEMM
@@ -33,12 +53,14 @@ can split its K into runs of whole ``BLOCK_K`` chunks (:func:`effective_split`: 
   ``y [S', T*k, H]``; the k-slot sum adds, per slot in order, its splits in order:
   ``out[t] = sum_j sum_s y[s, t*k + j]``, one rounding.
 
-Bits: a given config gives the same bits on every run and replay and whatever the batch's
-other rows (fixed-order sums). Split and unsplit differ only by the float32 re-association
-of the K sums (``(d0 + d1) + (d2 + d3)`` for ``((d0 + d1) + d2) + d3``), the routing
-weight applied per partial, and the order of the final sum over splits: where every
-float32 sum is exact (small integers, power-of-two scales and weights: a test) every
-split gives the unsplit bits; in general they agree within rounding, not bit for bit.
+Bits: a given config and path gives the same bits on every run and replay and whatever
+the batch's other rows (fixed-order sums; the path, like the autotuned config, follows the
+batch size, so a token's bits may change where ``T`` crosses a threshold). Split and
+unsplit differ only by the float32 re-association of the K sums (``(d0 + d1) + (d2 + d3)``
+for ``((d0 + d1) + d2) + d3``), the routing weight applied per partial, and the order of
+the final sum over splits: where every float32 sum is exact (small integers, power-of-two
+scales and weights: a test) every split gives the unsplit bits; in general they agree
+within rounding, not bit for bit.
 
 fp8 experts (``scales`` given): ``gate_up`` and ``down`` are e4m3 with one float32 scale
 per output row; the GEMMs are weight-only, as the ``fp8`` format's skinny GEMM: each
@@ -50,7 +72,8 @@ reads half the expert bytes of bf16 and the activations are not rounded to fp8.
 Reduction: the deterministic sum over the k slots (and splits) (5) rather than float32
 atomics into ``[T, H]``: atomics add a token's k rows in whatever order the programs run,
 so the bits change from run to run (and with the batch's composition), and they need a
-zeroed buffer (a memset per call). The cost is ``y``'s float32 round trip, ``T*k*H*8``
+zeroed buffer (a memset per call). The cost (not at ``T <= 4``: token-major, no ``y``)
+is ``y``'s float32 round trip, ``T*k*H*8``
 bytes (decode: tens of KB; 2048 tokens of Qwen3-30B-A3B: 268 MB, ~60 us at HBM speed,
 beside ~0.4 ms of GEMMs), times the down's splits (decode only: hundreds of KB at most),
 plus ``g``'s ``S * T*k * 2F * 8`` with a split gate-up. Rounding: products of the
@@ -61,12 +84,13 @@ activation dtype).
 Tiles (:func:`choose_config`): a short autotune at the first call of a shape bucket
 (``T`` rounded up to a power of two, with ``E``, ``k``, ``H``, ``F``), timing a handful of
 :class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`time_replays`;
-split-K is not a candidate: it lost at every measured decode batch); the winner is cached in memory and on disk
-(:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
-the bucket, dtype, device name and Triton version). Where timing is impossible
-(Triton's interpreter, or a CUDA graph being captured) and the bucket is not cached,
-:func:`heuristic_config` decides, and that is logged once per reason.
-Entries cached before split-K (5 fields) read as ``split_k`` 1.
+split-K is not a candidate: it lost at every measured decode batch; at ``T <= 4`` the timed
+calls run the token-major down, so the config's tiles time the gate-up alone); the winner
+is cached in memory and on disk (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or
+``~/.cache/pitstop/moe``, keyed by the bucket, dtype, device name and Triton version).
+Where timing is impossible (Triton's interpreter, or a CUDA graph being captured) and the
+bucket is not cached, :func:`heuristic_config` decides, and that is logged once per
+reason. Entries cached before split-K (5 fields) read as ``split_k`` 1.
 """
 
 from __future__ import annotations
@@ -88,6 +112,7 @@ from pitstop.plugins.kernels.triton_ops.moe_routing import (
     align,
     counts_needed,
     route,
+    route_and_align,
 )
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
@@ -154,6 +179,82 @@ FP32_CONFIGS = (
     MoEConfig(64, 64, 32, 4, 3),
 )
 INTERPRETER_CONFIG = MoEConfig(16, 16, 16, 1, 1)  # small: test shapes cross tile borders
+
+# At most this many tokens, the down GEMM runs token-major and sums the k slots itself
+# (:func:`launch_plan`)
+TOKEN_MAJOR_TOKENS = 4
+
+
+class LaunchPlan(NamedTuple):
+    """Which kernels a :func:`fused_moe` call runs (:func:`launch_plan` decides).
+
+    ``route_with_align``: routing and grouping in one launch
+    (:func:`.moe_routing.route_and_align`), else :func:`.moe_routing.route` and
+    :func:`.moe_routing.align` (and, past ``ONE_PROGRAM_ROWS`` rows, two memsets);
+    ``down_with_slot_sum``: the token-major down GEMM that sums each token's k slots
+    itself (:func:`_down_slot_sum_kernel`), else the grouped down GEMM and the slot sum.
+    """
+
+    route_with_align: bool
+    down_with_slot_sum: bool
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches of the op: 3 to 5 (not counting the two memsets of the routing
+        counters past ``ONE_PROGRAM_ROWS`` rows)."""
+        return (1 if self.route_with_align else 2) + 1 + (1 if self.down_with_slot_sum else 2)
+
+
+# route, align, gate-up, grouped down, slot sum: the five launches of every batch before
+GROUPED = LaunchPlan(route_with_align=False, down_with_slot_sum=False)
+
+
+def launch_plan(num_tokens: int, top_k: int, config: MoEConfig | None = None) -> LaunchPlan:
+    """The kernels for ``num_tokens`` tokens at top-``top_k`` (the one place that decides).
+
+    - Routing and grouping in one launch while one program groups the rows anyway, at
+      most :data:`.moe_routing.ONE_PROGRAM_ROWS` flat rows ``T * k`` (``not
+      counts_needed``): that program then also routes, and no counts are needed.
+    - The down GEMM token-major with the k-slot sum inside, at most
+      :data:`TOKEN_MAJOR_TOKENS` (4) tokens, and only with an unsplit gate-up
+      (``config.split_k`` 1: it reads ``h``, not split partials). It reads each of a
+      token's k experts for that token alone, so it reads ``T * k`` expert matrices where
+      the grouped GEMM reads the distinct experts hit: the same bytes at batch 1, and at
+      most ``T`` times as many (every token picking the same experts), so at most 4x at
+      the threshold; at decode of a many-expert model (Qwen3-30B-A3B: 8 of 128) tokens
+      rarely share an expert, so it is about the same bytes, one launch fewer, and no
+      float32 ``y`` round trip. Past a few tokens the sharing grows with ``T`` (and with
+      fewer experts: Mixtral's top-2 of 8), and the grouped GEMM reads each expert once. Not yet measured on a GPU (``benchmarks/moe_bench.py``
+      times both paths).
+
+    Batch 1..4: three launches; up to ``ONE_PROGRAM_ROWS`` rows: four; above: five and two
+    memsets.
+    """
+    unsplit = config is None or config.split_k == 1
+    return LaunchPlan(
+        route_with_align=not counts_needed(num_tokens * top_k),
+        down_with_slot_sum=unsplit and num_tokens <= TOKEN_MAJOR_TOKENS,
+    )
+
+
+class TokenMajorTiles(NamedTuple):
+    """The token-major down kernel's column tile, K step and warps (:func:`token_major_tiles`)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def token_major_tiles(top_k: int, on_gpu: bool) -> TokenMajorTiles:
+    """A fixed rule, not tuned (the kernel is memory-bound at ``T <= 4``): 16 columns a
+    program (Qwen3-30B-A3B, H 2048: 128 programs a token, about one per SM at batch 1), a
+    K step of up to 128 that keeps the ``[k, 16, BLOCK_K]`` slot tile at 8192 elements
+    (top-8: 64; top-2: 128), 8 warps. The interpreter: 16 x 16, 1 warp (test shapes cross
+    tile borders)."""
+    if not on_gpu:
+        return TokenMajorTiles(16, 16, 1)
+    k_pad = triton.next_power_of_2(top_k)
+    return TokenMajorTiles(16, max(16, min(128, 8192 // (k_pad * 16))), 8)
 
 
 def bucket_rows(num_tokens: int) -> int:
@@ -332,6 +433,48 @@ def autotune(
     return best
 
 
+def _config_key(x: torch.Tensor, num_tokens: int, top_k: int, gate_up: torch.Tensor) -> str:
+    """The cache key of this call's bucket on ``x``'s GPU."""
+    e, two_f, h = gate_up.shape
+    name = torch.cuda.get_device_name(x.device)
+    return ConfigCache.key(
+        num_tokens, e, top_k, h, two_f // 2, x.dtype, name, weight_dtype=gate_up.dtype
+    )
+
+
+def known_config(
+    x: torch.Tensor,
+    num_tokens: int,
+    top_k: int,
+    gate_up: torch.Tensor,
+    cache: ConfigCache | None = None,
+) -> MoEConfig | None:
+    """The tiles for this call where no timing is needed: cached, else the heuristic in
+    Triton's interpreter and while a CUDA graph is being captured (logged once per reason);
+    ``None`` where :func:`choose_config` must autotune (a GPU bucket's first eager call)."""
+    global _default_cache
+    if cache is None:
+        cache = _default_cache = _default_cache or ConfigCache()
+    e = gate_up.shape[0]
+    on_gpu = x.device.type == "cuda"
+    if not on_gpu:
+        _log_once("interpreter", "fused MoE: Triton interpreter, no autotune: heuristic tiles")
+        return heuristic_config(num_tokens, e, top_k, x.dtype, False)
+    key = _config_key(x, num_tokens, top_k, gate_up)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    if torch.cuda.is_current_stream_capturing():
+        _log_once(
+            "capture",
+            "fused MoE: %s first seen inside a CUDA graph capture: heuristic tiles, not tuned "
+            "(run each batch size once before capturing)",
+            key,
+        )
+        return heuristic_config(num_tokens, e, top_k, x.dtype, True)
+    return None
+
+
 def choose_config(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -345,37 +488,25 @@ def choose_config(
 
     The heuristic (:func:`heuristic_config`) is used, and logged once per reason, in
     Triton's interpreter and while a CUDA graph is being captured (a capture cannot time;
-    run each batch size once before capturing so the bucket is tuned and cached).
+    run each batch size once before capturing so the bucket is tuned and cached). The
+    timed calls run :func:`experts` as :func:`launch_plan` has it for the batch: at
+    ``T <= TOKEN_MAJOR_TOKENS`` the down GEMM is token-major with its own fixed tiles, so
+    the config's tiles then time (and matter to) the gate-up GEMM alone.
     """
-    global _default_cache
-    if cache is None:
-        cache = _default_cache = _default_cache or ConfigCache()
     t, top_k = ids.shape
-    e, two_f, h = gate_up.shape
-    on_gpu = x.device.type == "cuda"
-    if not on_gpu:
-        _log_once("interpreter", "fused MoE: Triton interpreter, no autotune: heuristic tiles")
-        return heuristic_config(t, e, top_k, x.dtype, False)
-    name = torch.cuda.get_device_name(x.device)
-    key = ConfigCache.key(t, e, top_k, h, two_f // 2, x.dtype, name, weight_dtype=gate_up.dtype)
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
-    if torch.cuda.is_current_stream_capturing():
-        _log_once(
-            "capture",
-            "fused MoE: %s first seen inside a CUDA graph capture: heuristic tiles, not tuned "
-            "(run each batch size once before capturing)",
-            key,
-        )
-        return heuristic_config(t, e, top_k, x.dtype, True)
+    known = known_config(x, t, top_k, gate_up, cache)
+    if known is not None:
+        return known
+    cache = cache or _default_cache
+    assert cache is not None  # known_config made the default
+    key = _config_key(x, t, top_k, gate_up)
 
     def measure(cfg: MoEConfig) -> float:
         return time_replays(
             lambda: experts(x, weights, ids, gate_up, down, config=cfg, scales=scales)
         )
 
-    return autotune(key, candidates(t, e, top_k, x.dtype), measure, cache)
+    return autotune(key, candidates(t, gate_up.shape[0], top_k, x.dtype), measure, cache)
 
 
 def time_replays(fn: Callable[[], object]) -> float:
@@ -597,6 +728,65 @@ def _slot_sum_kernel(
     tl.store(out_ptr + t * H + h, _rounded(acc, dt).to(dt), mask=mask)
 
 
+@triton.jit
+def _down_slot_sum_kernel(
+    h_ptr,
+    w_ptr,
+    ws_ptr,
+    ids_ptr,
+    rw_ptr,
+    out_ptr,
+    H,
+    F,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    W_SCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out[t, n] = sum_j rw[t, j] * (h[t*k + j] . down[e_j, n])``, ``e_j = ids[t, j]``: the
+    down GEMM token-major with the k-slot sum inside (few tokens: :func:`launch_plan`).
+
+    Program ``(t, c)``: token ``t``, columns ``n`` of tile ``c``. All ``TOPK`` slots in one
+    ``[K_PAD, BLOCK_N, BLOCK_K]`` tile (each slot's row of ``h`` against its expert's
+    weights: every slot's loads in flight at once), products in float32 (exact for 16-bit
+    and e4m3 operands), summed over ``F``; each slot's float32 sum then times its columns'
+    row scales (``W_SCALED``: e4m3 ``w``) and then its routing weight, as the grouped down
+    GEMM's epilogue does; the slots added in order ``j = 0..k-1`` from zero, as the slot sum
+    does, and rounded once into ``out``.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_safe = tl.minimum(n, H - 1).to(tl.int64)  # columns past H: the last, never stored
+    j = tl.arange(0, K_PAD)
+    slot_ok = j < TOPK
+    rows = t * TOPK + tl.minimum(j, TOPK - 1)  # slots past k: the last again, masked
+    e = tl.load(ids_ptr + rows).to(tl.int64)
+    h_base = h_ptr + rows[:, None, None] * stride_hm
+    w_base = w_ptr + e[:, None, None] * stride_we + n_safe[None, :, None] * stride_wn
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([K_PAD, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        k = (k0 + kk)[None, None, :]
+        mask = slot_ok[:, None, None] & (k < F)
+        a = tl.load(h_base + k, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_base + k, mask=mask, other=0.0).to(tl.float32)
+        acc += a * w
+    y = tl.sum(acc, axis=2)  # [K_PAD, BLOCK_N]
+    if W_SCALED:
+        y = y * tl.load(ws_ptr + e[:, None] * stride_se + n_safe[None, :])
+    y = y * tl.load(rw_ptr + rows).to(tl.float32)[:, None]
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for s in tl.static_range(TOPK):  # slot order; adding the zeros of the others is exact
+        total += tl.sum(tl.where(j[:, None] == s, y, 0.0), axis=0)
+    dt: tl.constexpr = out_ptr.dtype.element_ty
+    tl.store(out_ptr + t * H + n, _rounded(total, dt).to(dt), mask=n < H)
+
+
 def _check(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -622,6 +812,114 @@ def _check(
         assert w.stride(2) == 1, "expert weights must be contiguous along their last dimension"
 
 
+class _GemmSetting(NamedTuple):
+    """What the two grouped GEMMs of one :func:`experts` call share (launch arguments)."""
+
+    x: torch.Tensor
+    rw: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor]
+    grouping: Grouping
+    num_rows: int
+    top_k: int
+    config: MoEConfig
+    scaled: bool
+
+
+def _grouped_gemm(
+    setting: _GemmSetting,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    gate_up: bool,
+    splits: int,
+    k_per_split: int,
+    a_splits: int,
+    num_stages: int,
+) -> None:
+    """Launch :func:`_grouped_gemm_kernel` over ``a`` and the experts ``w`` into ``dst``."""
+    bm, bn, bk, warps = setting.config[:4]
+    nout, k = w.shape[1] // (2 if gate_up else 1), w.shape[2]
+    x, ws = setting.x, setting.scales
+    _grouped_gemm_kernel[(setting.grouping.expert_ids.numel(), triton.cdiv(nout, bn), splits)](
+        a,
+        w,
+        dst,
+        setting.rw,
+        scale,
+        ws[0],
+        x,
+        setting.grouping.sorted_rows,
+        setting.grouping.expert_ids,
+        setting.grouping.num_padded,
+        setting.num_rows,
+        nout,
+        k,
+        k_per_split,
+        a.stride(-2),
+        a.stride(0) if a.dim() == 3 else 0,
+        w.stride(0),
+        w.stride(1),
+        dst.stride(1),
+        dst.stride(0),
+        scale.stride(0),
+        ws[0].stride(0),
+        TOPK=setting.top_k,
+        GATE_UP=gate_up,
+        SPLIT_K=splits,
+        A_SPLITS=a_splits,
+        W_SCALED=setting.scaled,
+        EVEN_K=k % bk == 0,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        UPCAST=x.device.type != "cuda" and x.dtype != torch.float32,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=num_stages,
+    )
+
+
+def _down_with_slot_sum(
+    h: torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor | None,
+    ids: torch.Tensor,
+    rw: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Launch :func:`_down_slot_sum_kernel`: ``out [T, H]`` from ``h [T*k, F]`` (tiles:
+    :func:`token_major_tiles`)."""
+    t, top_k = ids.shape
+    _, hidden, inter = down.shape
+    tiles = token_major_tiles(top_k, out.device.type == "cuda")
+    flat_ids = ids.reshape(-1)
+    if flat_ids.dtype != torch.int32:
+        flat_ids = flat_ids.to(torch.int32)
+    scale = down_scale if down_scale is not None else rw  # never read unscaled
+    _down_slot_sum_kernel[(t, triton.cdiv(hidden, tiles.block_n))](
+        h,
+        down,
+        scale,
+        flat_ids,
+        rw,
+        out,
+        hidden,
+        inter,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        scale.stride(0) if down_scale is not None else 0,
+        TOPK=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        W_SCALED=down_scale is not None,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+    )
+
+
 def experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -633,6 +931,7 @@ def experts(
     grouping: Grouping | None = None,
     cache: ConfigCache | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for given routing: :func:`.moe_reference.experts`, fused.
 
@@ -640,8 +939,9 @@ def experts(
     ``gate_up [E, 2F, H]`` (gate rows then up rows), ``down [E, H, F]``, in ``x``'s dtype
     (or e4m3 with ``scales``, their row scales ``[E, 2F]`` and ``[E, H]``: module doc).
     ``config``: the tiles (default :func:`choose_config`); ``grouping``: an :func:`align`
-    of ``ids`` with ``config.block_m`` already made (as :func:`fused_moe` does).
-    Returns a fresh ``[T, H]``.
+    of ``ids`` with ``config.block_m`` already made (as :func:`fused_moe` does); ``plan``:
+    which down GEMM (default :func:`launch_plan`; its ``down_with_slot_sum`` is ignored
+    where the gate-up is split, and ``route_with_align`` here). Returns a fresh ``[T, H]``.
     """
     _check(x, gate_up, down, scales)
     t, top_k = ids.shape
@@ -654,67 +954,49 @@ def experts(
         x = x.contiguous()
     if config is None:
         config = choose_config(x, weights, ids, gate_up, down, cache, scales)
-    bm, bn, bk, warps, stages, split = config
+    plan = plan or launch_plan(t, top_k, config)
+    bm, bk, stages, split = config.block_m, config.block_k, config.num_stages, config.split_k
     if grouping is None:
         grouping = align(ids, e, bm)
     assert grouping.block_m == bm, "the grouping's block is the config's BLOCK_M"
     n = t * top_k
     rw = weights.reshape(-1).contiguous()
     split_gu, per_gu = effective_split(h, bk, split)
-    split_d, per_d = effective_split(f, bk, split)
-    d_stages = down_stages(config, split_gu, down.element_size())
     if split_gu == 1:  # h [T*k, F], rounded by the gate-up epilogue
         inter = torch.empty((1, n, f), dtype=x.dtype, device=x.device)
     else:  # the gate-up's float32 partials [split, T*k, 2F], gate then up
         inter = torch.empty((split_gu, n, two_f), dtype=torch.float32, device=x.device)
+    ws = scales or (rw, rw)  # unscaled: never read (W_SCALED is off)
+    setting = _GemmSetting(x, rw, ws, grouping, n, top_k, config, scales is not None)
+    _grouped_gemm(
+        setting,
+        x,
+        gate_up,
+        ws[0],
+        inter,
+        gate_up=True,
+        splits=split_gu,
+        k_per_split=per_gu,
+        a_splits=0,
+        num_stages=stages,
+    )
+    if plan.down_with_slot_sum and split_gu == 1:
+        _down_with_slot_sum(inter[0], down, scales[1] if scales else None, ids, rw, out)
+        return out
+    split_d, per_d = effective_split(f, bk, split)
     y = torch.empty((split_d, n, h), dtype=torch.float32, device=x.device)
-    blocks = grouping.expert_ids.numel()
-    upcast = x.device.type != "cuda" and x.dtype != torch.float32
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    unscaled = (rw, rw)  # never read: W_SCALED is off
-    ws = scales or unscaled
-    partials = 0 if split_gu == 1 else split_gu
-    for a, w, s, dst, nout, k, gate, splits, per, a_splits, n_stages in (
-        (x, gate_up, ws[0], inter, f, h, True, split_gu, per_gu, 0, stages),
-        (inter, down, ws[1], y, h, f, False, split_d, per_d, partials, d_stages),
-    ):
-        _grouped_gemm_kernel[(blocks, triton.cdiv(nout, bn), splits)](
-            a,
-            w,
-            dst,
-            rw,
-            s,
-            ws[0],
-            x,
-            grouping.sorted_rows,
-            grouping.expert_ids,
-            grouping.num_padded,
-            n,
-            nout,
-            k,
-            per,
-            a.stride(-2),
-            a.stride(0) if a.dim() == 3 else 0,
-            w.stride(0),
-            w.stride(1),
-            dst.stride(1),
-            dst.stride(0),
-            s.stride(0),
-            ws[0].stride(0),
-            TOPK=top_k,
-            GATE_UP=gate,
-            SPLIT_K=splits,
-            A_SPLITS=a_splits,
-            W_SCALED=scales is not None,
-            EVEN_K=k % bk == 0,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            UPCAST=upcast,
-            DOT_PRECISION=precision,
-            num_warps=warps,
-            num_stages=n_stages,
-        )
+    _grouped_gemm(
+        setting,
+        inter,
+        down,
+        ws[1],
+        y,
+        gate_up=False,
+        splits=split_d,
+        k_per_split=per_d,
+        a_splits=0 if split_gu == 1 else split_gu,
+        num_stages=down_stages(config, split_gu, down.element_size()),
+    )
     block_h = min(1024, triton.next_power_of_2(h))
     _slot_sum_kernel[(t, triton.cdiv(h, block_h))](
         y, out, h, y.stride(0), TOPK=top_k, SPLITS=split_d, BLOCK_H=block_h, num_warps=4
@@ -734,24 +1016,46 @@ def fused_moe(
     config: MoEConfig | None = None,
     cache: ConfigCache | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """A sparse-MoE block's output ``[T, H]`` from ``x [T, H]`` and ``router_logits [T, E]``.
 
     Routing as transformers' (:func:`.moe_routing.route`; ``renormalize`` is
     ``norm_topk_prob``, ``weights_dtype`` the routing weights' dtype: ``x.dtype`` for
     Qwen3-MoE, ``None`` for Mixtral's float32), then :func:`experts`. ``gate_up [E, 2F, H]``,
-    ``down [E, H, F]``; ``config``/``cache``/``scales`` (fp8 experts) as :func:`experts`.
+    ``down [E, H, F]``; ``config``/``cache``/``scales`` (fp8 experts) as :func:`experts`;
+    ``plan``: the kernels (default :func:`launch_plan`; a ``route_with_align`` past
+    ``ONE_PROGRAM_ROWS`` rows is refused). No host sync, fixed-size buffers: CUDA-graph
+    capturable once each batch size has run eagerly (the autotune; module doc).
     """
     _check(x, gate_up, down, scales)
-    e = gate_up.shape[0]
-    assert router_logits.shape == (x.shape[0], e), "router logits [T, E]"
-    counts = None  # few rows: align counts and ranks them in one program (no memsets)
-    if counts_needed(x.shape[0] * top_k):
-        counts = torch.zeros(e, dtype=torch.int32, device=x.device)
-    weights, ids = route(router_logits, top_k, renormalize, weights_dtype, counts)
-    if x.shape[0] == 0:
+    t, e = x.shape[0], gate_up.shape[0]
+    assert router_logits.shape == (t, e), "router logits [T, E]"
+    route_args = (router_logits, top_k, renormalize, weights_dtype)
+    if t == 0:
         return torch.empty_like(x)
     if config is None:
+        config = known_config(x, t, top_k, gate_up, cache)
+    if config is None:  # a GPU bucket's first eager call: tune on this call's routing
+        weights, ids = route(*route_args)
         config = choose_config(x, weights, ids, gate_up, down, cache, scales)
-    grouping = align(ids, e, config.block_m, counts)
-    return experts(x, weights, ids, gate_up, down, config=config, grouping=grouping, scales=scales)
+    plan = plan or launch_plan(t, top_k, config)
+    if plan.route_with_align:  # one launch, no counts
+        weights, ids, grouping = route_and_align(*route_args, config.block_m)
+    else:
+        counts = None  # few rows: align counts and ranks them in one program (no memsets)
+        if counts_needed(t * top_k):
+            counts = torch.zeros(e, dtype=torch.int32, device=x.device)
+        weights, ids = route(*route_args, counts)
+        grouping = align(ids, e, config.block_m, counts)
+    return experts(
+        x,
+        weights,
+        ids,
+        gate_up,
+        down,
+        config=config,
+        grouping=grouping,
+        scales=scales,
+        plan=plan,
+    )

@@ -24,9 +24,15 @@ on the atomics' order on a GPU; no result does (each row's GEMM results do not d
 on its place in a tile, and :mod:`.moe` sums a token's k rows in slot order). Up to
 :data:`ONE_PROGRAM_ROWS` rows (decode) one program does it all without counts: it counts
 each expert's rows and ranks every row among its expert's by comparing it with the
-earlier ones, so :func:`route` counts nothing and no buffer needs zeroing first (the
-routing half takes two launches, not four with the two memsets), and each expert's rows
-keep their order.
+earlier ones, so :func:`route` counts nothing and no buffer needs zeroing first, and each
+expert's rows keep their order.
+
+:func:`route_and_align`: there, that one program routes too: one launch for the whole
+routing half, writing what :func:`route` then :func:`align` write, bit for bit (it routes
+with :func:`route`'s tiles and warps, :func:`route_tiles`, then reads the ids back).
+Launches of the routing half: one up to ``ONE_PROGRAM_ROWS`` rows (:mod:`.moe` runs
+:func:`route_and_align` there), two above (:func:`route` counting, :func:`align`) plus two
+memsets (the counts and the align's slot counters).
 """
 
 from __future__ import annotations
@@ -48,22 +54,23 @@ ONE_PROGRAM_ROWS = 128
 
 
 @triton.jit
-def _route_kernel(
+def _route_rows(
     logits_ptr,
     weights_ptr,
     ids_ptr,
-    counts_ptr,
+    t,
     T,
     E,
     stride_t,
     TOPK: tl.constexpr,
     K_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
-    COUNT: tl.constexpr,
     BLOCK_T: tl.constexpr,
     E_PAD: tl.constexpr,
 ):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Route the tokens ``t`` (a ``[BLOCK_T]`` vector; those past ``T`` are not stored):
+    their top-k weights and ids stored at ``[t, j]``; returns the ids ``[BLOCK_T, K_PAD]``
+    and the mask of the stored ones."""
     e = tl.arange(0, E_PAD)
     kk = tl.arange(0, K_PAD)
     t_mask = t < T
@@ -90,8 +97,52 @@ def _route_kernel(
     dt: tl.constexpr = weights_ptr.dtype.element_ty
     tl.store(weights_ptr + out, _rounded(vals, dt).to(dt), mask=mask)
     tl.store(ids_ptr + out, ids, mask=mask)
+    return ids, mask
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    counts_ptr,
+    T,
+    E,
+    stride_t,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    COUNT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ids, mask = _route_rows(
+        logits_ptr,
+        weights_ptr,
+        ids_ptr,
+        t,
+        T,
+        E,
+        stride_t,
+        TOPK,
+        K_PAD,
+        RENORMALIZE,
+        BLOCK_T,
+        E_PAD,
+    )
     if COUNT:
         tl.atomic_add(counts_ptr + ids, 1, mask=mask)
+
+
+def route_tiles(num_tokens: int, num_experts: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, E_PAD, num_warps)`` of a routing program: a ``[BLOCK_T, E_PAD]`` tile of at
+    most :data:`ROUTE_TILE` elements (at least one row), 4 warps from 2048 elements, else 1.
+    :func:`route_and_align` routes with the same tiles and warps, so that its float32
+    softmax and renormalisation sums reduce in :func:`route`'s order on a GPU too."""
+    e_pad = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(triton.next_power_of_2(max(num_tokens, 1)), ROUTE_TILE // e_pad))
+    return block_t, e_pad, 4 if block_t * e_pad >= 2048 else 1
 
 
 def route(
@@ -118,8 +169,7 @@ def route(
     ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     if t == 0:
         return weights, ids
-    e_pad = triton.next_power_of_2(e)
-    block_t = max(1, min(triton.next_power_of_2(t), ROUTE_TILE // e_pad))
+    block_t, e_pad, warps = route_tiles(t, e)
     _route_kernel[(triton.cdiv(t, block_t),)](
         router_logits,
         weights,
@@ -134,7 +184,7 @@ def route(
         COUNT=counts is not None,
         BLOCK_T=block_t,
         E_PAD=e_pad,
-        num_warps=4 if block_t * e_pad >= 2048 else 1,
+        num_warps=warps,
     )
     return weights, ids
 
@@ -163,6 +213,60 @@ def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
+def _rank_rows(ids_ptr, r, r_mask, e):
+    """Few rows, all in this program: each expert's count (``[E_PAD]``) and each row's rank
+    among its expert's rows (``[CHUNK]``, by comparing it with the earlier rows); returns
+    ``(experts of the rows, counts, ranks)``."""
+    ex = tl.load(ids_ptr + r, mask=r_mask, other=-1)
+    count = tl.sum(((ex[:, None] == e[None, :]) & r_mask[:, None]).to(tl.int32), axis=0)
+    earlier = (ex[:, None] == ex[None, :]) & (r[None, :] < r[:, None]) & r_mask[None, :]
+    slot = tl.sum(earlier.to(tl.int32), axis=1)
+    return ex, count, slot
+
+
+@triton.jit
+def _place_rows(ex, count, slot, r, r_mask, e, sorted_ptr, BLOCK_M: tl.constexpr):
+    """Store the rows ``r`` at their expert's padded start plus their rank ``slot``; returns
+    each expert's padded row count and its groups' starts and ends (``[E_PAD]``)."""
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    start = tl.sum(tl.where(ex[:, None] == e[None, :], starts[None, :], 0), axis=1)
+    tl.store(sorted_ptr + start + slot, r, mask=r_mask)
+    return padded, starts, ends
+
+
+@triton.jit
+def _write_padding_and_blocks(
+    count,
+    padded,
+    starts,
+    ends,
+    e_mask,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    N,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCKS_CHUNK: tl.constexpr,
+):
+    """The sentinel ``N`` in every expert's padding, the used row count, and each row
+    block's expert (``-1`` past the used blocks)."""
+    total = tl.sum(padded, axis=0)
+    tl.store(total_ptr, total)
+    j = tl.arange(0, BLOCK_M)
+    pad = starts[:, None] + count[:, None] + j[None, :]
+    pad_mask = e_mask[:, None] & (j[None, :] < (padded - count)[:, None])
+    tl.store(sorted_ptr + pad, N, mask=pad_mask)
+    for b0 in range(0, num_blocks, BLOCKS_CHUNK):
+        b = b0 + tl.arange(0, BLOCKS_CHUNK)
+        owner = tl.sum((ends[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        owner = tl.where(b * BLOCK_M < total, owner, -1)
+        tl.store(expert_ids_ptr + b, owner, mask=b < num_blocks)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr,
     counts_ptr,
@@ -184,32 +288,112 @@ def _align_kernel(
     r = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     r_mask = r < N
     if ONE_PROGRAM:  # every row here: count them, and rank each among its expert's rows
-        ex = tl.load(ids_ptr + r, mask=r_mask, other=-1)
-        count = tl.sum(((ex[:, None] == e[None, :]) & r_mask[:, None]).to(tl.int32), axis=0)
-        earlier = (ex[:, None] == ex[None, :]) & (r[None, :] < r[:, None]) & r_mask[None, :]
-        slot = tl.sum(earlier.to(tl.int32), axis=1)
+        ex, count, slot = _rank_rows(ids_ptr, r, r_mask, e)
     else:
         count = tl.load(counts_ptr + e, mask=e_mask, other=0)
         ex = tl.load(ids_ptr + r, mask=r_mask, other=0)
         # this program's rows: each takes the next slot of its expert
         slot = tl.atomic_add(fill_ptr + ex, 1, mask=r_mask)
-    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    start = tl.sum(tl.where(ex[:, None] == e[None, :], starts[None, :], 0), axis=1)
-    tl.store(sorted_ptr + start + slot, r, mask=r_mask)
+    padded, starts, ends = _place_rows(ex, count, slot, r, r_mask, e, sorted_ptr, BLOCK_M)
     if tl.program_id(0) == 0:
-        total = tl.sum(padded, axis=0)
-        tl.store(total_ptr, total)
-        j = tl.arange(0, BLOCK_M)
-        pad = starts[:, None] + count[:, None] + j[None, :]
-        pad_mask = e_mask[:, None] & (j[None, :] < (padded - count)[:, None])
-        tl.store(sorted_ptr + pad, N, mask=pad_mask)
-        for b0 in range(0, num_blocks, BLOCKS_CHUNK):
-            b = b0 + tl.arange(0, BLOCKS_CHUNK)
-            owner = tl.sum((ends[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
-            owner = tl.where(b * BLOCK_M < total, owner, -1)
-            tl.store(expert_ids_ptr + b, owner, mask=b < num_blocks)
+        _write_padding_and_blocks(
+            count,
+            padded,
+            starts,
+            ends,
+            e_mask,
+            sorted_ptr,
+            expert_ids_ptr,
+            total_ptr,
+            N,
+            num_blocks,
+            BLOCK_M,
+            BLOCKS_CHUNK,
+        )
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    T,
+    E,
+    stride_t,
+    num_blocks,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCKS_CHUNK: tl.constexpr,
+):
+    """:func:`route` then :func:`align`'s one program, in one program: every token routed
+    (``BLOCK_T`` at a time, as ``_route_kernel``'s programs do), then the ``T * TOPK`` ids
+    just stored read back and grouped as ``_align_kernel`` with ``ONE_PROGRAM`` does."""
+    for t0 in range(0, T, BLOCK_T):
+        _route_rows(
+            logits_ptr,
+            weights_ptr,
+            ids_ptr,
+            t0 + tl.arange(0, BLOCK_T),
+            T,
+            E,
+            stride_t,
+            TOPK,
+            K_PAD,
+            RENORMALIZE,
+            BLOCK_T,
+            E_PAD,
+        )
+    tl.debug_barrier()  # the ids stored above by some threads are read below by others
+    e = tl.arange(0, E_PAD)
+    r = tl.arange(0, CHUNK)
+    n = T * TOPK
+    r_mask = r < n
+    ex, count, slot = _rank_rows(ids_ptr, r, r_mask, e)
+    padded, starts, ends = _place_rows(ex, count, slot, r, r_mask, e, sorted_ptr, BLOCK_M)
+    _write_padding_and_blocks(
+        count,
+        padded,
+        starts,
+        ends,
+        e < E,
+        sorted_ptr,
+        expert_ids_ptr,
+        total_ptr,
+        n,
+        num_blocks,
+        BLOCK_M,
+        BLOCKS_CHUNK,
+    )
+
+
+def empty_grouping(num_rows: int, num_experts: int, block_m: int, device: torch.device) -> Grouping:
+    """Unwritten buffers of a :class:`Grouping` of ``num_rows`` flat rows, of the worst-case
+    size (:func:`max_padded_rows`), known on the host: no sync, CUDA-graph capturable."""
+    rows = max_padded_rows(num_rows, num_experts, block_m)
+    return Grouping(
+        torch.empty(rows, dtype=torch.int32, device=device),
+        torch.empty(rows // block_m, dtype=torch.int32, device=device),
+        torch.empty(1, dtype=torch.int32, device=device),
+        block_m,
+    )
+
+
+def _one_program_chunk(num_rows: int) -> int:
+    """The row tile of the one program that groups ``num_rows`` rows itself (at least 16)."""
+    return max(16, triton.next_power_of_2(max(num_rows, 1)))
+
+
+def _blocks_chunk(e_pad: int) -> int:
+    """Row blocks whose expert program 0 finds at once (a ``[blocks, E_PAD]`` tile)."""
+    return max(16, min(128, ALIGN_CHUNK // e_pad))
 
 
 def align(
@@ -231,13 +415,10 @@ def align(
     if counts is None and not one_program:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         counts.scatter_add_(0, flat.long(), torch.ones_like(flat))
-    rows = max_padded_rows(n, num_experts, block_m)
-    sorted_rows = torch.empty(rows, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    grouping = empty_grouping(n, num_experts, block_m, dev)
     e_pad = triton.next_power_of_2(num_experts)
     if one_program:  # no counts, no slot counters: nothing to zero first
-        chunk = max(16, triton.next_power_of_2(max(n, 1)))
+        chunk = _one_program_chunk(n)
         counts = fill = flat  # unread
     else:
         chunk = max(16, min(triton.next_power_of_2(max(n, 1)), ALIGN_CHUNK // e_pad))
@@ -246,17 +427,65 @@ def align(
         flat,
         counts,
         fill,
-        sorted_rows,
-        expert_ids,
-        num_padded,
+        grouping.sorted_rows,
+        grouping.expert_ids,
+        grouping.num_padded,
         n,
         num_experts,
-        rows // block_m,
+        grouping.expert_ids.numel(),
         BLOCK_M=block_m,
         E_PAD=e_pad,
         CHUNK=chunk,
-        BLOCKS_CHUNK=max(16, min(128, ALIGN_CHUNK // e_pad)),
+        BLOCKS_CHUNK=_blocks_chunk(e_pad),
         ONE_PROGRAM=one_program,
         num_warps=4,
     )
-    return Grouping(sorted_rows, expert_ids, num_padded, block_m)
+    return grouping
+
+
+def route_and_align(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype | None,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, Grouping]:
+    """:func:`route` then :func:`align` (``block_m``) in one launch, for at most
+    :data:`ONE_PROGRAM_ROWS` flat rows (``not counts_needed(T * top_k)``): the same weights,
+    ids and grouping, bit for bit (the routing's tiles and warps are :func:`route`'s, the
+    grouping is the one-program align's). One program: it routes every token, then groups
+    the rows. Fixed-size outputs, no host sync: CUDA-graph capturable.
+    """
+    assert router_logits.dim() == 2, "router logits [T, E]"
+    t, e = router_logits.shape
+    assert 1 <= top_k <= min(e, 16), f"top_k={top_k} with {e} experts"
+    assert not counts_needed(t * top_k), f"{t} x {top_k} rows: more than one align program"
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    dev = router_logits.device
+    weights = torch.empty((t, top_k), dtype=weights_dtype or torch.float32, device=dev)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
+    grouping = empty_grouping(t * top_k, e, block_m, dev)
+    block_t, e_pad, warps = route_tiles(t, e)
+    _route_align_kernel[(1,)](
+        router_logits,
+        weights,
+        ids,
+        grouping.sorted_rows,
+        grouping.expert_ids,
+        grouping.num_padded,
+        t,
+        e,
+        router_logits.stride(0),
+        grouping.expert_ids.numel(),
+        TOPK=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        RENORMALIZE=renormalize,
+        BLOCK_T=block_t,
+        E_PAD=e_pad,
+        BLOCK_M=block_m,
+        CHUNK=_one_program_chunk(t * top_k),
+        BLOCKS_CHUNK=_blocks_chunk(e_pad),
+        num_warps=warps,
+    )
+    return weights, ids, grouping

@@ -582,3 +582,281 @@ def test_config_cache_reads_an_entry_from_before_split_k(tmp_path: Path) -> None
     cache.put("new", split)
     assert moe.ConfigCache(tmp_path).get("new") == split
     assert json.loads((tmp_path / moe.ConfigCache.FILE).read_text())["new"] == list(split)
+
+
+# ---------------------------------------------------------------- fewer launches (issue 48)
+
+TOKEN_MAJOR = moe.LaunchPlan(route_with_align=True, down_with_slot_sum=True)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    t=st.integers(1, 64),
+    e=st.sampled_from([1, 2, 3, 8, 60, 128, 256]),
+    top_k=st.integers(1, 16),
+    block_m=st.sampled_from([1, 4, 16]),
+    renormalize=st.booleans(),
+    weights_dtype=st.sampled_from([None, torch.bfloat16, torch.float16]),
+    mode=st.sampled_from(["random", "random", "same", "flat"]),
+    seed=st.integers(0, 2**16),
+)
+@example(t=16, e=128, top_k=8, block_m=16, renormalize=True, weights_dtype=torch.bfloat16,
+         mode="random", seed=1)  # fmt: skip
+@example(t=128, e=1, top_k=1, block_m=16, renormalize=False, weights_dtype=None,
+         mode="random", seed=2)  # fmt: skip
+@example(t=9, e=60, top_k=4, block_m=4, renormalize=True, weights_dtype=torch.bfloat16,
+         mode="same", seed=3)  # fmt: skip
+def test_route_and_align_equals_route_then_align(
+    t: int,
+    e: int,
+    top_k: int,
+    block_m: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype | None,
+    mode: str,
+    seed: int,
+) -> None:
+    """One launch for the routing half (at most ONE_PROGRAM_ROWS flat rows) writes what
+    route then align write, bit for bit, every buffer whole (poisoned: an element one
+    writes and the other does not differs): T up to the threshold (16 x top-8, 128 x
+    top-1), E up to 256, every token choosing the same experts, experts choosing none, ties."""
+    top_k = min(top_k, e)
+    t = max(1, min(t, moe_routing.ONE_PROGRAM_ROWS // top_k))
+    logits = make_logits(torch.Generator().manual_seed(seed), t, e, mode).to(torch.bfloat16)
+    logits = logits.to(DEVICE)
+    with poisoned_outputs():
+        weights, ids, grouping = moe_routing.route_and_align(
+            logits, top_k, renormalize, weights_dtype, block_m
+        )
+        want_weights, want_ids = moe_routing.route(logits, top_k, renormalize, weights_dtype)
+        want = moe_routing.align(want_ids, e, block_m)
+    assert torch.equal(ids, want_ids) and ids.dtype == torch.int32
+    assert weights.dtype == want_weights.dtype
+    assert torch.equal(weights.view(torch.uint8), want_weights.view(torch.uint8))  # bits
+    assert grouping.block_m == want.block_m == block_m
+    for name in ("sorted_rows", "expert_ids", "num_padded"):
+        assert torch.equal(getattr(grouping, name), getattr(want, name)), name
+    check_routing(logits.cpu(), top_k, renormalize, weights_dtype, weights, ids)
+
+
+def test_route_and_align_refuses_more_than_one_program_of_rows() -> None:
+    """Past ONE_PROGRAM_ROWS flat rows the align needs counts (two launches): refused."""
+    logits = torch.zeros(17, 8, device=DEVICE)
+    with pytest.raises(AssertionError, match="more than one align program"):
+        moe_routing.route_and_align(logits, 8, True, None, 16)
+
+
+def random_experts(
+    gen: torch.Generator, e: int, h: int, f: int, dtype: torch.dtype, fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor, tuple | None, tuple[torch.Tensor, torch.Tensor]]:
+    """``gate_up``, ``down``, their fp8 row scales (or None) and their float64 values."""
+    gate_up = torch.randn(e, 2 * f, h, generator=gen) / h**0.5
+    down = torch.randn(e, h, f, generator=gen) / f**0.5
+    if not fp8:
+        gate_up, down = gate_up.to(dtype), down.to(dtype)
+        return gate_up, down, None, (gate_up.double(), down.double())
+    (gate_up, gu_scale), (down, d_scale) = quantize_experts(gate_up), quantize_experts(down)
+    wide = (
+        gate_up.double() * gu_scale.double()[..., None],
+        down.double() * d_scale.double()[..., None],
+    )
+    return gate_up, down, (gu_scale.to(DEVICE), d_scale.to(DEVICE)), wide
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    t=st.integers(1, moe.TOKEN_MAJOR_TOKENS),
+    e=st.integers(1, 8),
+    k_frac=st.floats(0, 1),
+    h=st.sampled_from([16, 40, 80]),
+    f=st.sampled_from([8, 24, 40]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    fp8=st.booleans(),
+    same=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(t=1, e=8, k_frac=1.0, h=80, f=40, dtype=torch.bfloat16, fp8=False, same=False, seed=1)
+@example(t=4, e=6, k_frac=0.5, h=40, f=24, dtype=torch.bfloat16, fp8=True, same=True, seed=2)
+@example(t=3, e=5, k_frac=0.7, h=16, f=8, dtype=torch.float32, fp8=False, same=False, seed=3)
+def test_token_major_down_equals_the_loop_over_experts(
+    t: int,
+    e: int,
+    k_frac: float,
+    h: int,
+    f: int,
+    dtype: torch.dtype,
+    fp8: bool,
+    same: bool,
+    seed: int,
+) -> None:
+    """The down GEMM token-major with the slot sum inside (T <= 4) == the float64 loop over
+    experts, bf16/fp16/fp32 activations and fp8 experts (H 80: five column tiles, F 24 and
+    40: a part K step, k 1 to 8 including non-powers of two), and the grouped down + slot
+    sum agree with it within the same bound."""
+    if fp8 and dtype == torch.float16:
+        dtype = torch.bfloat16
+    top_k = 1 + round(k_frac * (e - 1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)])
+    if same:
+        ids = ids[:1].expand(t, top_k).contiguous()
+    weights = torch.softmax(torch.randn(t, top_k, generator=gen), dim=-1).to(dtype)
+    gate_up, down, scales, wide = random_experts(gen, e, h, f, dtype, fp8)
+    args = [a.to(DEVICE) for a in (x, weights, ids.int(), gate_up, down)]
+    truth = ref.experts(x.double(), weights.double(), ids, *wide)
+    with poisoned_outputs():
+        out = moe.experts(*args, scales=scales, plan=TOKEN_MAJOR)
+        grouped = moe.experts(*args, scales=scales, plan=moe.GROUPED)
+    assert out.dtype == dtype and out.shape == (t, h)
+    assert torch.isfinite(out).all(), "an unwritten or NaN output element"
+    err = relative_error(out, truth)
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+    diff = relative_error(out, grouped.cpu().double())
+    assert diff <= TOL[dtype], f"token-major vs grouped: {diff:.3g}"
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    t=st.integers(1, moe.TOKEN_MAJOR_TOKENS),
+    e=st.integers(1, 6),
+    k_frac=st.floats(0, 1),
+    h=st.sampled_from([16, 40]),
+    f=st.sampled_from([8, 24, 40]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    fp8=st.booleans(),
+    same=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(t=4, e=3, k_frac=1.0, h=40, f=40, dtype=torch.bfloat16, fp8=True, same=False, seed=5)
+@example(t=2, e=6, k_frac=1.0, h=16, f=24, dtype=torch.float32, fp8=False, same=True, seed=6)
+def test_token_major_down_is_bit_identical_where_the_float32_sums_are_exact(
+    t: int,
+    e: int,
+    k_frac: float,
+    h: int,
+    f: int,
+    dtype: torch.dtype,
+    fp8: bool,
+    same: bool,
+    seed: int,
+) -> None:
+    """Small integers, power-of-two scales and routing weights (some negative, and slot
+    sums that cancel to zero), gates of at least 32 (``silu(g) == g``): every float32 dot
+    is exact in any order, so the token-major down + slot sum gives the grouped down's and
+    slot sum's bits (the same scale, weight and slot-order sum; only a dot's order
+    differs, and here that is exact)."""
+    if fp8 and dtype == torch.float16:
+        dtype = torch.bfloat16
+    top_k = 1 + round(k_frac * (e - 1))
+    gen = torch.Generator().manual_seed(seed)
+
+    def ints(lo: int, hi: int, *shape: int) -> torch.Tensor:
+        return torch.randint(lo, hi + 1, shape, generator=gen).float()
+
+    x = ints(1, 2, t, h).to(dtype)
+    gate_up = torch.cat([ints(2, 3, e, f, h), ints(-1, 1, e, f, h)], dim=1)
+    down = ints(-1, 1, e, h, f)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)])
+    if same:
+        ids = ids[:1].expand(t, top_k).contiguous()
+    weights = (ints(-2, 2, t, top_k) / 2).to(dtype)
+    if fp8:
+        gate_up, down = gate_up.to(torch.float8_e4m3fn), down.to(torch.float8_e4m3fn)
+        scales = (2.0 ** ints(0, 1, e, 2 * f), 2.0 ** ints(-1, 0, e, h))
+        scales = tuple(s.to(DEVICE) for s in scales)
+    else:
+        gate_up, down, scales = gate_up.to(dtype), down.to(dtype), None
+    args = [a.to(DEVICE) for a in (x, weights, ids, gate_up, down)]
+    with poisoned_outputs():
+        out = moe.experts(*args, scales=scales, plan=TOKEN_MAJOR)
+        grouped = moe.experts(*args, scales=scales, plan=moe.GROUPED)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out.view(torch.uint8), grouped.view(torch.uint8)), "not the grouped bits"
+
+
+class LaunchCounter:
+    """Stands in for a Triton kernel: counts ``kernel[grid](...)`` launches, then runs it."""
+
+    def __init__(self, kernel, launches: list[str], name: str) -> None:
+        self.kernel, self.launches, self.name = kernel, launches, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(self.name)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the MoE kernels launched, in order, while the test runs."""
+    seen: list[str] = []
+    for module, name in (
+        (moe_routing, "_route_kernel"),
+        (moe_routing, "_align_kernel"),
+        (moe_routing, "_route_align_kernel"),
+        (moe, "_grouped_gemm_kernel"),
+        (moe, "_slot_sum_kernel"),
+        (moe, "_down_slot_sum_kernel"),
+    ):
+        monkeypatch.setattr(module, name, LaunchCounter(getattr(module, name), seen, name))
+    return seen
+
+
+ROUTE_ALIGN = ["_route_align_kernel", "_grouped_gemm_kernel"]
+THREE = [*ROUTE_ALIGN, "_down_slot_sum_kernel"]
+FOUR = [*ROUTE_ALIGN, "_grouped_gemm_kernel", "_slot_sum_kernel"]
+FIVE = ["_route_kernel", "_align_kernel", *FOUR[1:]]
+
+
+@pytest.mark.parametrize(
+    ("t", "kernels", "fp8"),
+    [
+        (1, THREE, False),
+        (1, THREE, True),
+        (4, THREE, False),
+        (5, FOUR, True),
+        (16, FOUR, False),
+        (17, FIVE, False),
+        (17, FIVE, True),
+    ],
+)
+def test_fused_moe_launches_per_batch_and_equals_the_loop(
+    launches: list[str], t: int, kernels: list[str], fp8: bool
+) -> None:
+    """Top-8 of 12 experts: three launches at T 1..4, four up to 16 (128 flat rows), five
+    past it; each path == the float64 loop over experts (bf16, and fp8 experts)."""
+    e, top_k, h, f, dtype = 12, 8, 24, 16, torch.bfloat16
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    logits = make_logits(gen, t, e, "random").to(dtype)
+    gate_up, down, scales, wide = random_experts(gen, e, h, f, dtype, fp8)
+    args = [a.to(DEVICE) for a in (x, logits, gate_up, down)]
+    with poisoned_outputs():
+        out = moe.fused_moe(*args, top_k, renormalize=True, weights_dtype=dtype, scales=scales)
+    assert launches == kernels
+    assert moe.launch_plan(t, top_k).launches == len(kernels)
+    weights, ids = moe_routing.route(args[1], top_k, True, dtype)
+    truth = ref.experts(x.double(), weights.cpu().double(), ids.cpu(), *wide)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    err = relative_error(out, truth)
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+
+
+def test_launch_plan_thresholds() -> None:
+    """The one place that decides: token-major down at T <= 4 (unsplit gate-up only),
+    routing with the align up to ONE_PROGRAM_ROWS flat rows; 3, 4 and 5 launches."""
+    assert moe.TOKEN_MAJOR_TOKENS == 4 and moe_routing.ONE_PROGRAM_ROWS == 128
+    plans = {t: moe.launch_plan(t, 8) for t in (1, 4, 5, 16, 17, 256)}
+    assert {t: p.launches for t, p in plans.items()} == {1: 3, 4: 3, 5: 4, 16: 4, 17: 5, 256: 5}
+    assert plans[1] == TOKEN_MAJOR and plans[17] == moe.GROUPED
+    assert moe.launch_plan(4, 16) == TOKEN_MAJOR  # 64 rows
+    assert moe.launch_plan(128, 1) == moe.LaunchPlan(True, False)
+    assert moe.launch_plan(129, 1) == moe.GROUPED
+    split = moe.INTERPRETER_CONFIG._replace(split_k=2)
+    assert moe.launch_plan(1, 8, split) == moe.LaunchPlan(True, False)  # reads partials
+    assert moe.token_major_tiles(8, True) == moe.TokenMajorTiles(16, 64, 8)
+    assert moe.token_major_tiles(2, True) == moe.TokenMajorTiles(16, 128, 8)
+    assert moe.token_major_tiles(16, True).block_k == 32

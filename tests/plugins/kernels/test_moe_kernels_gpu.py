@@ -4,9 +4,10 @@ Marked ``gpu``: skipped where torch sees no CUDA device (tests/conftest.py). Run
 H200 with ``pytest -q -m gpu tests/plugins/kernels/test_moe_kernels_gpu.py``.
 
 Shape: H 2048, E 128, k 8, F 768, bf16, ``norm_topk_prob`` on (Qwen3-MoE), T in
-{1, 16, 256, 2048}. Truth is :mod:`moe_reference`'s loop in float64 over the kernel's
-routing, which must pick the same experts as ``torch.topk`` (random logits: no ties).
-The autotune runs for real, into a temporary cache directory.
+{1, 16, 256, 2048} (and 1..4 for the three-launch path of issue 48). Truth is
+:mod:`moe_reference`'s loop in float64 over the kernel's routing, which must pick the same
+experts as ``torch.topk`` (random logits: no ties). The autotune runs for real, into a
+temporary cache directory.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ def test_qwen3_30b_a3b_layer(layer, t: int, mode: str, tmp_path: Path) -> None:
                                                  torch.cuda.get_device_name())]  # fmt: skip
 
 
-@pytest.mark.parametrize("t", [1, 256])
+@pytest.mark.parametrize("t", [1, 4, 16, 256])
 def test_captured_in_a_cuda_graph(layer, t: int, tmp_path: Path) -> None:
-    """Tuned eagerly, then captured: replays over new inputs give the eager bits."""
+    """Tuned eagerly, then captured: replays over new inputs give the eager bits (T 1 and 4:
+    three launches, 16: four, 256: five)."""
     from pitstop.plugins.kernels.triton_ops import moe
 
     router, gate_up, down = layer
@@ -189,3 +191,90 @@ def test_autotune_at_decode_caches_an_unsplit_pick(layer, tmp_path: Path) -> Non
     (entry,) = json.loads((tmp_path / moe.ConfigCache.FILE).read_text()).values()
     assert len(entry) == 6 and moe.MoEConfig(*entry) in moe.FEW_ROWS
     assert {c.split_k for c in moe.candidates(1, E, TOP_K, torch.bfloat16)} == {1}
+
+
+def quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [E, N, K]`` as e4m3 with a float32 scale per row."""
+    from pitstop.plugins.weight_formats.fp8 import quantize_rows
+
+    q, s = quantize_rows(w.reshape(-1, w.shape[-1]))
+    return q.reshape(w.shape), s.reshape(w.shape[:2]).contiguous()
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, None])
+@pytest.mark.parametrize("mode", ["random", "same"])
+@pytest.mark.parametrize("t", [1, 2, 4, 8, 16])
+def test_route_and_align_equals_route_then_align(
+    layer, t: int, mode: str, weights_dtype: torch.dtype | None
+) -> None:
+    """Issue 48: the one-launch routing half gives route + align's bits on the GPU too (the
+    same routing tiles and warps: the softmax sums reduce in the same order)."""
+    from pitstop.plugins.kernels.triton_ops import moe_routing
+
+    router, _, _ = layer
+    gen = torch.Generator(device="cuda").manual_seed(2000 + t)
+    logits = F.linear(torch.randn(t, H, device="cuda", generator=gen).bfloat16(), router)
+    if mode == "same":
+        logits[:, 40:48] += 30.0
+    for block_m in (16, 64):
+        weights, ids, grouping = moe_routing.route_and_align(
+            logits, TOP_K, True, weights_dtype, block_m
+        )
+        want_weights, want_ids = moe_routing.route(logits, TOP_K, True, weights_dtype)
+        want = moe_routing.align(want_ids, E, block_m)
+        assert torch.equal(ids, want_ids)
+        assert torch.equal(weights.view(torch.uint8), want_weights.view(torch.uint8))
+        total = int(want.num_padded)
+        assert int(grouping.num_padded) == total
+        assert torch.equal(grouping.sorted_rows[:total], want.sorted_rows[:total])
+        assert torch.equal(grouping.expert_ids, want.expert_ids)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_three_launches_replay_from_a_cuda_graph(layer, t: int, fp8: bool, tmp_path: Path) -> None:
+    """Issue 48, batch 1..4: route+align, gate-up, token-major down+sum. The float64 loop's
+    answer within the bound, the grouped path's (five launches) within the bound, and,
+    captured in a CUDA graph, replays over new inputs give the eager bits."""
+    from pitstop.plugins.kernels.triton_ops import moe, moe_routing
+
+    router, gate_up, down = layer
+    scales, wide = None, (gate_up.double(), down.double())
+    if fp8:
+        (gate_up, gu_s), (down, d_s) = quantized(gate_up), quantized(down)
+        scales = (gu_s, d_s)
+        wide = (gate_up.double() * gu_s.double()[..., None],
+                down.double() * d_s.double()[..., None])  # fmt: skip
+    assert moe.launch_plan(t, TOP_K).launches == 3
+    cache = moe.ConfigCache(tmp_path)
+    gen = torch.Generator(device="cuda").manual_seed(3000 + t)
+    x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
+    logits = F.linear(x, router)
+
+    def run(plan: moe.LaunchPlan | None = None) -> torch.Tensor:
+        return moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
+                             weights_dtype=torch.bfloat16, cache=cache, scales=scales,
+                             plan=plan)  # fmt: skip
+
+    out = run()  # autotune + compile, outside the capture
+    weights, ids = moe_routing.route(logits, TOP_K, True, torch.bfloat16)
+    truth = ref.experts(x.double(), weights.double(), ids, *wide)
+    assert relative_error(out, truth) <= TOL
+    grouped = run(moe.GROUPED)
+    assert ((out.double() - grouped.double()).abs().max() / truth.abs().max()) <= TOL
+    assert torch.equal(out, run())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(4000 + seed)
+        x.copy_(torch.randn(t, H, device="cuda", generator=gen).bfloat16())
+        logits.copy_(F.linear(x, router))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, run())
