@@ -10,10 +10,10 @@ weights the step must read, each distinct expert hit once: ``hit * 3 * H * F`` e
 4.23 TB/s copy bandwidth (docs/workloads.md). Rows per batch:
 
 - ``tuned``: the autotune's pick (``choose_config``, into a fresh cache directory), run
-  as :func:`~pitstop.plugins.kernels.triton_ops.moe.launch_plan` has it for the batch
+  as :func:`~pitstop.plugins.kernels.triton_ops.moe_tiles.launch_plan` has it for the batch
   (issue 48: three launches at T 1..4, four up to 128 flat rows, five above);
 - ``grouped`` (where the plan has fewer than five launches): the same tiles, the five
-  launches of before (``moe.GROUPED``: route, align, gate-up, grouped down, slot sum);
+  launches of before (``moe_tiles.GROUPED``: route, align, gate-up, grouped down, slot sum);
 - ``split<N>`` (``--split N``, repeatable): the tuned tiles with ``split_k`` N (a split
   gate-up keeps the grouped down and the slot sum).
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton's first import
     import torch.nn.functional as F
 
-    from pitstop.plugins.kernels.triton_ops import moe, moe_routing
+    from pitstop.plugins.kernels.triton_ops import moe, moe_routing, moe_tiles
 
     dev = torch.device(args.device)
     shape = LAYER if dev.type == "cuda" else TINY
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         (gate_up, gu_s), (down, d_s) = quantized(gate_up), quantized(down)
         scales = (gu_s, d_s)
     elem = gate_up.element_size()
-    cache = moe.ConfigCache(Path(tempfile.mkdtemp(prefix="moe_bench_")))
+    cache = moe_tiles.ConfigCache(Path(tempfile.mkdtemp(prefix="moe_bench_")))
     rows: list[dict[str, object]] = []
     print(
         f"fused MoE, H {h} E {e} top-{top_k} F {f}, bf16 x, "
@@ -99,18 +99,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         hit = int(torch.unique(ids).numel())
         nbytes = hit * 3 * h * f * elem
 
-        def run(cfg: moe.MoEConfig, plan=None, x=x, logits=logits) -> torch.Tensor:
+        def run(cfg: moe_tiles.MoEConfig, plan=None, x=x, logits=logits) -> torch.Tensor:
             return moe.fused_moe(x, logits, gate_up, down, top_k, renormalize=True,
                                  weights_dtype=torch.bfloat16, config=cfg, scales=scales,
                                  plan=plan)  # fmt: skip
 
         tuned = moe.choose_config(x, weights, ids, gate_up, down, cache, scales)
-        configs = {"tuned": (tuned, moe.launch_plan(t, top_k, tuned))}
-        if configs["tuned"][1] != moe.GROUPED:
-            configs["grouped"] = (tuned, moe.GROUPED)
+        configs = {"tuned": (tuned, moe_tiles.launch_plan(t, top_k, tuned))}
+        if configs["tuned"][1] != moe_tiles.GROUPED:
+            configs["grouped"] = (tuned, moe_tiles.GROUPED)
         for n in args.split:
             split = tuned._replace(split_k=n)
-            configs[f"split{n}"] = (split, moe.launch_plan(t, top_k, split))
+            configs[f"split{n}"] = (split, moe_tiles.launch_plan(t, top_k, split))
         base = run(tuned)
         for name, (cfg, plan) in configs.items():
             seconds = _time(dev, lambda cfg=cfg, plan=plan: run(cfg, plan))

@@ -81,7 +81,8 @@ activation dtype accumulated in float32; SiLU·mul and the weight product in flo
 ``h`` and ``out`` are the only roundings (transformers rounds every intermediate to the
 activation dtype).
 
-Tiles (:func:`choose_config`): a short autotune at the first call of a shape bucket
+Tiles (:func:`choose_config`; the configs, plan and cache live in :mod:`.moe_tiles`): a
+short autotune at the first call of a shape bucket
 (``T`` rounded up to a power of two, with ``E``, ``k``, ``H``, ``F``), timing a handful of
 :class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`time_replays`;
 split-K is not a candidate: it lost at every measured decode batch; at ``T <= 4`` the timed
@@ -95,12 +96,6 @@ reason. Entries cached before split-K (5 fields) read as ``split_k`` 1.
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import tempfile
-from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -114,365 +109,22 @@ from pitstop.plugins.kernels.triton_ops.moe_routing import (
     route,
     route_and_align,
 )
+from pitstop.plugins.kernels.triton_ops.moe_tiles import (
+    ConfigCache,
+    LaunchPlan,
+    MoEConfig,
+    autotune,
+    candidates,
+    config_key,
+    default_cache,
+    down_stages,
+    effective_split,
+    known_config,
+    launch_plan,
+    time_replays,
+    token_major_tiles,
+)
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
-
-logger = logging.getLogger(__name__)
-
-
-class MoEConfig(NamedTuple):
-    """Tile rows (the align block), tile columns, K step, warps and stages of both GEMMs,
-    and the split-K count (``split_k``, default 1: no split; module doc).
-
-    ``split_k`` is an upper bound: a GEMM whose ``K`` has fewer ``BLOCK_K`` chunks, or whose
-    chunks do not divide evenly, runs :func:`effective_split` splits, none of them empty.
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    split_k: int = 1
-
-
-# The autotune's candidates (16-bit activations on a GPU), by rows an expert gets on
-# average (T * k / E): small tiles for decode (memory-bound: many programs streaming
-# weights), large ones once every expert has a full tile of rows.
-FEW_ROWS = (
-    MoEConfig(16, 64, 128, 4, 4),
-    MoEConfig(16, 128, 128, 4, 3),
-    MoEConfig(16, 32, 256, 4, 3),
-    MoEConfig(32, 64, 128, 4, 4),
-)
-# Split-K tiles (issue 48): batch 1 of Qwen3-30B-A3B has 8 row blocks x 12 column tiles = 96
-# gate-up programs on 132 SMs, so splitting K looked like the way to more loads in flight.
-# Measured on the H200 (2026-12-05, benchmarks/moe_bench.py) every split lost: batch 1 took
-# 47 us unsplit against 60, 74 and 121 us at splits 2, 4 and 8 (batch 8: 144 against 162,
-# 194, 339), and fp8 experts (half the bytes) took the same 47 us as bf16 -- the op is bound
-# by its launches' latency at decode, not by bytes. So these are not autotune candidates;
-# ``moe_bench.py --split N`` still times them.
-SPLIT_ROWS = (
-    MoEConfig(16, 64, 128, 4, 4, 2),
-    MoEConfig(16, 128, 128, 4, 3, 2),
-    MoEConfig(16, 64, 128, 4, 4, 4),
-    MoEConfig(16, 32, 128, 4, 4, 4),
-    MoEConfig(16, 128, 64, 4, 3, 4),
-    MoEConfig(16, 64, 64, 4, 3, 8),
-    MoEConfig(16, 32, 64, 4, 3, 8),
-)
-# The down GEMM of a split gate-up reads split * 2 float32 [BLOCK_M, BLOCK_K] partials a K
-# step, and Triton's pipeliner stages each in shared memory: (stages - 1) * (split * 2 *
-# BLOCK_M * BLOCK_K * 4 + BLOCK_N * BLOCK_K * 2) bytes (sm_90 compiles: split 8, BLOCK_K 128,
-# 3 stages is 272 KB, past the H200's 227 KB). That GEMM runs :func:`down_stages` stages:
-# at most 2 (its K loop is a few steps a split) and 1 past this budget.
-DOWN_SHARED_BUDGET = 160 * 1024
-MANY_ROWS = (
-    MoEConfig(64, 64, 64, 4, 3),
-    MoEConfig(64, 128, 64, 4, 3),
-    MoEConfig(128, 128, 64, 8, 3),
-    MoEConfig(128, 64, 64, 4, 3),
-    MoEConfig(64, 128, 128, 8, 3),
-)
-FP32_CONFIGS = (
-    MoEConfig(16, 64, 32, 4, 3),
-    MoEConfig(32, 64, 32, 4, 3),
-    MoEConfig(64, 64, 32, 4, 3),
-)
-INTERPRETER_CONFIG = MoEConfig(16, 16, 16, 1, 1)  # small: test shapes cross tile borders
-
-# At most this many tokens, the down GEMM runs token-major and sums the k slots itself
-# (:func:`launch_plan`)
-TOKEN_MAJOR_TOKENS = 4
-
-
-class LaunchPlan(NamedTuple):
-    """Which kernels a :func:`fused_moe` call runs (:func:`launch_plan` decides).
-
-    ``route_with_align``: routing and grouping in one launch
-    (:func:`.moe_routing.route_and_align`), else :func:`.moe_routing.route` and
-    :func:`.moe_routing.align` (and, past ``ONE_PROGRAM_ROWS`` rows, two memsets);
-    ``down_with_slot_sum``: the token-major down GEMM that sums each token's k slots
-    itself (:func:`_down_slot_sum_kernel`), else the grouped down GEMM and the slot sum.
-    """
-
-    route_with_align: bool
-    down_with_slot_sum: bool
-
-    @property
-    def launches(self) -> int:
-        """Kernel launches of the op: 3 to 5 (not counting the two memsets of the routing
-        counters past ``ONE_PROGRAM_ROWS`` rows)."""
-        return (1 if self.route_with_align else 2) + 1 + (1 if self.down_with_slot_sum else 2)
-
-
-# route, align, gate-up, grouped down, slot sum: the five launches of every batch before
-GROUPED = LaunchPlan(route_with_align=False, down_with_slot_sum=False)
-
-
-def launch_plan(num_tokens: int, top_k: int, config: MoEConfig | None = None) -> LaunchPlan:
-    """The kernels for ``num_tokens`` tokens at top-``top_k`` (the one place that decides).
-
-    - Routing and grouping in one launch while one program groups the rows anyway, at
-      most :data:`.moe_routing.ONE_PROGRAM_ROWS` flat rows ``T * k`` (``not
-      counts_needed``): that program then also routes, and no counts are needed.
-    - The down GEMM token-major with the k-slot sum inside, at most
-      :data:`TOKEN_MAJOR_TOKENS` (4) tokens, and only with an unsplit gate-up
-      (``config.split_k`` 1: it reads ``h``, not split partials). It reads each of a
-      token's k experts for that token alone, so it reads ``T * k`` expert matrices where
-      the grouped GEMM reads the distinct experts hit: the same bytes at batch 1, and at
-      most ``T`` times as many (every token picking the same experts), so at most 4x at
-      the threshold; at decode of a many-expert model (Qwen3-30B-A3B: 8 of 128) tokens
-      rarely share an expert, so it is about the same bytes, one launch fewer, and no
-      float32 ``y`` round trip. Past a few tokens the sharing grows with ``T`` (and with
-      fewer experts: Mixtral's top-2 of 8), and the grouped GEMM reads each expert once. Not yet measured on a GPU (``benchmarks/moe_bench.py``
-      times both paths).
-
-    Batch 1..4: three launches; up to ``ONE_PROGRAM_ROWS`` rows: four; above: five and two
-    memsets.
-    """
-    unsplit = config is None or config.split_k == 1
-    return LaunchPlan(
-        route_with_align=not counts_needed(num_tokens * top_k),
-        down_with_slot_sum=unsplit and num_tokens <= TOKEN_MAJOR_TOKENS,
-    )
-
-
-class TokenMajorTiles(NamedTuple):
-    """The token-major down kernel's column tile, K step and warps (:func:`token_major_tiles`)."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-
-
-def token_major_tiles(top_k: int, on_gpu: bool) -> TokenMajorTiles:
-    """A fixed rule, not tuned (the kernel is memory-bound at ``T <= 4``): 16 columns a
-    program (Qwen3-30B-A3B, H 2048: 128 programs a token, about one per SM at batch 1), a
-    K step of up to 128 that keeps the ``[k, 16, BLOCK_K]`` slot tile at 8192 elements
-    (top-8: 64; top-2: 128), 8 warps. The interpreter: 16 x 16, 1 warp (test shapes cross
-    tile borders)."""
-    if not on_gpu:
-        return TokenMajorTiles(16, 16, 1)
-    k_pad = triton.next_power_of_2(top_k)
-    return TokenMajorTiles(16, max(16, min(128, 8192 // (k_pad * 16))), 8)
-
-
-def bucket_rows(num_tokens: int) -> int:
-    """The shape bucket of ``num_tokens``: the next power of two (1 for 0 or 1)."""
-    return triton.next_power_of_2(max(num_tokens, 1))
-
-
-def candidates(
-    num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype
-) -> list[MoEConfig]:
-    """The configs the autotune times for this bucket (:data:`FEW_ROWS` / :data:`MANY_ROWS`)."""
-    if dtype == torch.float32:
-        return list(FP32_CONFIGS)
-    per_expert = bucket_rows(num_tokens) * top_k / num_experts
-    if per_expert <= 8:
-        return list(FEW_ROWS)
-    if per_expert <= 48:
-        return [FEW_ROWS[2], FEW_ROWS[3], *MANY_ROWS[:2]]
-    return list(MANY_ROWS)
-
-
-def heuristic_config(
-    num_tokens: int,
-    num_experts: int,
-    top_k: int,
-    dtype: torch.dtype,
-    on_gpu: bool,
-) -> MoEConfig:
-    """The config used where no timing is possible and the bucket is not cached.
-
-    Interpreter: :data:`INTERPRETER_CONFIG`. GPU: float32 takes ``FP32_CONFIGS[0]``;
-    16-bit takes ``BLOCK_M`` 16 while experts average at most 16 rows, 32 up to 32, then
-    64 (``MANY_ROWS[0]``): a tile never much taller than an expert's rows. No split of K
-    (:data:`SPLIT_ROWS` lost at every measured batch).
-    """
-    if not on_gpu:
-        return INTERPRETER_CONFIG
-    if dtype == torch.float32:
-        return FP32_CONFIGS[0]
-    per_expert = bucket_rows(num_tokens) * top_k / num_experts
-    if per_expert <= 16:
-        return FEW_ROWS[0]
-    if per_expert <= 32:
-        return FEW_ROWS[3]
-    return MANY_ROWS[0]
-
-
-def down_stages(config: MoEConfig, gate_up_splits: int, weight_bytes: int = 2) -> int:
-    """The down GEMM's pipeline stages: ``config.num_stages`` unless it reads the gate-up's
-    float32 partials (``gate_up_splits > 1``), then at most 2, and 1 where one stage's
-    buffers would pass :data:`DOWN_SHARED_BUDGET`."""
-    if gate_up_splits <= 1:
-        return config.num_stages
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    stage = gate_up_splits * 2 * bm * bk * 4 + bn * bk * weight_bytes
-    return min(config.num_stages, 2 if stage <= DOWN_SHARED_BUDGET else 1)
-
-
-def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
-    """``(splits, k_per_split)`` of a GEMM over ``k``: ``k``'s ``block_k`` chunks in at most
-    ``split_k`` runs of equal length (the last may be shorter), none empty."""
-    chunks = triton.cdiv(k, block_k)
-    per = triton.cdiv(chunks, max(1, min(split_k, chunks)))
-    return triton.cdiv(chunks, per), per * block_k
-
-
-def cache_dir() -> Path:
-    """``$PITSTOP_CACHE_DIR`` (used as is) or ``~/.cache/pitstop/moe``."""
-    env = os.environ.get("PITSTOP_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "pitstop" / "moe"
-
-
-class ConfigCache:
-    """Autotuned configs in memory and in ``<directory>/moe_configs.json`` (one JSON object).
-
-    A write re-reads the file, adds the entry and replaces the file atomically, so
-    processes tuning at once (tensor-parallel ranks) lose nothing but a duplicate timing.
-    An unreadable file counts as empty (it is rewritten at the next write).
-    """
-
-    FILE = "moe_configs.json"
-
-    def __init__(self, directory: Path | None = None) -> None:
-        self.directory = Path(directory) if directory is not None else cache_dir()
-        self._memory: dict[str, MoEConfig] = {}
-
-    @staticmethod
-    def key(
-        num_tokens: int,
-        num_experts: int,
-        top_k: int,
-        hidden: int,
-        inter: int,
-        dtype: torch.dtype,
-        device_name: str,
-        triton_version: str = triton.__version__,
-        weight_dtype: torch.dtype | None = None,
-    ) -> str:
-        """``T<bucket>-E-k-H-F|dtype|device name|triton version`` (``dtype`` followed by
-        ``/<weight dtype>`` when the experts are held in another, e.g. fp8)."""
-        shape = f"T{bucket_rows(num_tokens)}-E{num_experts}-k{top_k}-H{hidden}-F{inter}"
-        types = str(dtype).removeprefix("torch.")
-        if weight_dtype is not None and weight_dtype != dtype:
-            types += "/" + str(weight_dtype).removeprefix("torch.")
-        return f"{shape}|{types}|{device_name}|triton {triton_version}"
-
-    def _read(self) -> dict[str, list[int]]:
-        try:
-            data = json.loads((self.directory / self.FILE).read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    def get(self, key: str) -> MoEConfig | None:
-        """The cached config of ``key`` (memory first, then the file), or None."""
-        if key in self._memory:
-            return self._memory[key]
-        entry = self._read().get(key)
-        # an entry from before split-K has 5 fields: split_k defaults to 1
-        if isinstance(entry, list) and len(MoEConfig._fields) - 1 <= len(entry) <= len(
-            MoEConfig._fields
-        ):
-            self._memory[key] = MoEConfig(*(int(v) for v in entry))
-            return self._memory[key]
-        return None
-
-    def put(self, key: str, config: MoEConfig) -> None:
-        """Remember ``config`` for ``key`` in memory and on disk (a failed write is logged)."""
-        self._memory[key] = config
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            data = self._read()
-            data[key] = list(config)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".moe_configs.")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.directory / self.FILE)
-        except OSError as err:
-            logger.warning(
-                "fused MoE: could not write the tile cache in %s: %s", self.directory, err
-            )
-
-
-_default_cache: ConfigCache | None = None
-_logged: set[str] = set()
-
-
-def _log_once(reason: str, message: str, *args: object) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.warning(message, *args)
-
-
-def autotune(
-    key: str,
-    configs: list[MoEConfig],
-    measure: Callable[[MoEConfig], float],
-    cache: ConfigCache,
-) -> MoEConfig:
-    """The cached config of ``key``, or the fastest of ``configs`` by ``measure`` (seconds or
-    any unit; an exception, e.g. too much shared memory, rules a config out), then cached."""
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
-    timings: list[tuple[float, int, MoEConfig]] = []
-    for i, cfg in enumerate(configs):
-        try:
-            timings.append((float(measure(cfg)), i, cfg))
-        except Exception as err:  # noqa: BLE001 - a config that cannot run is skipped
-            logger.info("fused MoE: %s failed to run (%s): skipped", cfg, err)
-    if not timings:
-        raise RuntimeError(f"fused MoE: no tile configuration runs for {key}")
-    best = min(timings)[2]
-    logger.info("fused MoE: tuned %s -> %s", key, best)
-    cache.put(key, best)
-    return best
-
-
-def _config_key(x: torch.Tensor, num_tokens: int, top_k: int, gate_up: torch.Tensor) -> str:
-    """The cache key of this call's bucket on ``x``'s GPU."""
-    e, two_f, h = gate_up.shape
-    name = torch.cuda.get_device_name(x.device)
-    return ConfigCache.key(
-        num_tokens, e, top_k, h, two_f // 2, x.dtype, name, weight_dtype=gate_up.dtype
-    )
-
-
-def known_config(
-    x: torch.Tensor,
-    num_tokens: int,
-    top_k: int,
-    gate_up: torch.Tensor,
-    cache: ConfigCache | None = None,
-) -> MoEConfig | None:
-    """The tiles for this call where no timing is needed: cached, else the heuristic in
-    Triton's interpreter and while a CUDA graph is being captured (logged once per reason);
-    ``None`` where :func:`choose_config` must autotune (a GPU bucket's first eager call)."""
-    global _default_cache
-    if cache is None:
-        cache = _default_cache = _default_cache or ConfigCache()
-    e = gate_up.shape[0]
-    on_gpu = x.device.type == "cuda"
-    if not on_gpu:
-        _log_once("interpreter", "fused MoE: Triton interpreter, no autotune: heuristic tiles")
-        return heuristic_config(num_tokens, e, top_k, x.dtype, False)
-    key = _config_key(x, num_tokens, top_k, gate_up)
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
-    if torch.cuda.is_current_stream_capturing():
-        _log_once(
-            "capture",
-            "fused MoE: %s first seen inside a CUDA graph capture: heuristic tiles, not tuned "
-            "(run each batch size once before capturing)",
-            key,
-        )
-        return heuristic_config(num_tokens, e, top_k, x.dtype, True)
-    return None
 
 
 def choose_config(
@@ -497,9 +149,8 @@ def choose_config(
     known = known_config(x, t, top_k, gate_up, cache)
     if known is not None:
         return known
-    cache = cache or _default_cache
-    assert cache is not None  # known_config made the default
-    key = _config_key(x, t, top_k, gate_up)
+    cache = cache or default_cache()
+    key = config_key(x, t, top_k, gate_up)
 
     def measure(cfg: MoEConfig) -> float:
         return time_replays(
@@ -507,27 +158,6 @@ def choose_config(
         )
 
     return autotune(key, candidates(t, gate_up.shape[0], top_k, x.dtype), measure, cache)
-
-
-def time_replays(fn: Callable[[], object]) -> float:
-    """Milliseconds per ``fn()`` on the GPU: ``do_bench``'s median over replays of a CUDA
-    graph of it (as the engine's decode runs it; eager timing of a decode-sized call
-    measures the host's launches, the same for every tile), or eagerly where the capture
-    fails. ``fn`` runs once eagerly first (it compiles; a config that cannot run raises)."""
-    from triton.testing import do_bench
-
-    fn()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError as err:  # a capture-unsafe call: time it eagerly
-        logger.info("fused MoE: timing eagerly, the capture failed: %s", err)
-        return do_bench(fn, warmup=5, rep=25)
-    try:
-        return do_bench(graph.replay, warmup=5, rep=25)
-    finally:
-        del graph
 
 
 @triton.jit

@@ -32,7 +32,7 @@ pytest.importorskip("triton")
 
 from helpers.poison import poisoned_outputs  # noqa: E402
 
-from pitstop.plugins.kernels.triton_ops import moe, moe_routing  # noqa: E402
+from pitstop.plugins.kernels.triton_ops import moe, moe_routing, moe_tiles  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # max |fused - truth| / max |truth| per activation dtype (truth: float64 of the same routing)
@@ -280,44 +280,48 @@ def test_interpreter_uses_the_heuristic_and_says_so_once(caplog: pytest.LogCaptu
     """No autotune in the interpreter: the documented heuristic, logged once."""
     if DEVICE.type == "cuda":
         pytest.skip("the GPU autotunes")
-    moe._logged.discard("interpreter")
+    moe_tiles._logged.discard("interpreter")
     x = torch.randn(3, 16)
     logits = torch.randn(3, 4)
     gate_up, down = torch.randn(4, 16, 16), torch.randn(4, 16, 8)
-    with caplog.at_level(logging.WARNING, logger=moe.__name__):
+    with caplog.at_level(logging.WARNING, logger=moe_tiles.__name__):
         for _ in range(2):
             moe.fused_moe(x, logits, gate_up, down, 2, renormalize=True)
     lines = [r.getMessage() for r in caplog.records if "heuristic" in r.getMessage()]
     assert len(lines) == 1 and "interpreter" in lines[0]
-    assert moe.heuristic_config(3, 4, 2, torch.float32, False) == moe.INTERPRETER_CONFIG
+    assert moe_tiles.heuristic_config(3, 4, 2, torch.float32, False) == moe_tiles.INTERPRETER_CONFIG
 
 
 def test_autotune_cache_reads_writes_and_keys(tmp_path: Path) -> None:
     """The fastest config by the (fake) timer is cached on disk under its key; a second
     process reads it without timing; another bucket, dtype, device or Triton times again."""
-    timed: list[moe.MoEConfig] = []
-    fake_us = {cfg: 10.0 + i for i, cfg in enumerate(moe.FEW_ROWS)}
-    fake_us[moe.FEW_ROWS[2]] = 1.0  # the winner
+    timed: list[moe_tiles.MoEConfig] = []
+    fake_us = {cfg: 10.0 + i for i, cfg in enumerate(moe_tiles.FEW_ROWS)}
+    fake_us[moe_tiles.FEW_ROWS[2]] = 1.0  # the winner
 
-    def measure(cfg: moe.MoEConfig) -> float:
+    def measure(cfg: moe_tiles.MoEConfig) -> float:
         timed.append(cfg)
-        if cfg == moe.FEW_ROWS[3]:
+        if cfg == moe_tiles.FEW_ROWS[3]:
             raise RuntimeError("out of shared memory")  # skipped, not fatal
         return fake_us[cfg]
 
     def key(t=1, dtype=torch.bfloat16, device="NVIDIA H200", version="3.6.0") -> str:
-        return moe.ConfigCache.key(t, 128, 8, 2048, 768, dtype, device, version)
+        return moe_tiles.ConfigCache.key(t, 128, 8, 2048, 768, dtype, device, version)
 
-    cache = moe.ConfigCache(tmp_path)
-    assert moe.autotune(key(), list(moe.FEW_ROWS), measure, cache) == moe.FEW_ROWS[2]
-    assert timed == list(moe.FEW_ROWS)
-    data = json.loads((tmp_path / moe.ConfigCache.FILE).read_text())
-    assert data == {key(): list(moe.FEW_ROWS[2])}
+    cache = moe_tiles.ConfigCache(tmp_path)
+    assert (
+        moe_tiles.autotune(key(), list(moe_tiles.FEW_ROWS), measure, cache) == moe_tiles.FEW_ROWS[2]
+    )
+    assert timed == list(moe_tiles.FEW_ROWS)
+    data = json.loads((tmp_path / moe_tiles.ConfigCache.FILE).read_text())
+    assert data == {key(): list(moe_tiles.FEW_ROWS[2])}
     assert "T1-E128-k8-H2048-F768|bfloat16|NVIDIA H200|triton 3.6.0" in data
 
     timed.clear()
-    fresh = moe.ConfigCache(tmp_path)  # another process: reads the file
-    assert moe.autotune(key(), list(moe.FEW_ROWS), measure, fresh) == moe.FEW_ROWS[2]
+    fresh = moe_tiles.ConfigCache(tmp_path)  # another process: reads the file
+    assert (
+        moe_tiles.autotune(key(), list(moe_tiles.FEW_ROWS), measure, fresh) == moe_tiles.FEW_ROWS[2]
+    )
     assert timed == []
     assert key(t=3) == key(t=4) != key(t=5)  # buckets: powers of two
     for other in (
@@ -328,24 +332,24 @@ def test_autotune_cache_reads_writes_and_keys(tmp_path: Path) -> None:
     ):
         assert fresh.get(other) is None
         timed.clear()
-        moe.autotune(other, list(moe.FEW_ROWS), measure, fresh)
-        assert len(timed) == len(moe.FEW_ROWS)
-    assert len(json.loads((tmp_path / moe.ConfigCache.FILE).read_text())) == 5
+        moe_tiles.autotune(other, list(moe_tiles.FEW_ROWS), measure, fresh)
+        assert len(timed) == len(moe_tiles.FEW_ROWS)
+    assert len(json.loads((tmp_path / moe_tiles.ConfigCache.FILE).read_text())) == 5
 
-    (tmp_path / moe.ConfigCache.FILE).write_text("{not json")  # unreadable: empty, rewritten
-    assert moe.ConfigCache(tmp_path).get(key()) is None
-    moe.autotune(key(), list(moe.FEW_ROWS), measure, moe.ConfigCache(tmp_path))
-    assert json.loads((tmp_path / moe.ConfigCache.FILE).read_text()) == {
-        key(): list(moe.FEW_ROWS[2])
+    (tmp_path / moe_tiles.ConfigCache.FILE).write_text("{not json")  # unreadable: empty, rewritten
+    assert moe_tiles.ConfigCache(tmp_path).get(key()) is None
+    moe_tiles.autotune(key(), list(moe_tiles.FEW_ROWS), measure, moe_tiles.ConfigCache(tmp_path))
+    assert json.loads((tmp_path / moe_tiles.ConfigCache.FILE).read_text()) == {
+        key(): list(moe_tiles.FEW_ROWS[2])
     }
 
 
 def test_cache_dir_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``$PITSTOP_CACHE_DIR`` when set, else ``~/.cache/pitstop/moe``."""
     monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path))
-    assert moe.cache_dir() == tmp_path
+    assert moe_tiles.cache_dir() == tmp_path
     monkeypatch.delenv("PITSTOP_CACHE_DIR")
-    assert moe.cache_dir() == Path.home() / ".cache" / "pitstop" / "moe"
+    assert moe_tiles.cache_dir() == Path.home() / ".cache" / "pitstop" / "moe"
 
 
 # ---------------------------------------------------------------- through the kernel sets
@@ -463,7 +467,7 @@ def test_every_split_k_equals_the_loop_over_experts(
     truth = ref.experts(x.double(), weights.cpu().double(), ids.cpu(), *wide)
     outs = {}
     for split in SPLITS:
-        config = moe.INTERPRETER_CONFIG._replace(split_k=split)
+        config = moe_tiles.INTERPRETER_CONFIG._replace(split_k=split)
         with poisoned_outputs():
             out = moe.fused_moe(
                 *args, top_k, renormalize=True, weights_dtype=dtype, config=config, scales=scales
@@ -528,7 +532,7 @@ def test_split_k_is_bit_identical_where_the_float32_sums_are_exact(
     args = [a.to(DEVICE) for a in (x, weights, ids, gate_up, down)]
     outs = []
     for split in SPLITS:
-        config = moe.INTERPRETER_CONFIG._replace(split_k=split)
+        config = moe_tiles.INTERPRETER_CONFIG._replace(split_k=split)
         with poisoned_outputs():
             outs.append(moe.experts(*args, config=config, scales=scales).cpu())
     assert torch.isfinite(outs[0]).all()
@@ -539,54 +543,54 @@ def test_split_k_is_bit_identical_where_the_float32_sums_are_exact(
 def test_effective_split_and_the_heuristic_splits() -> None:
     """Splits run whole BLOCK_K chunks, none empty; the GPU heuristic splits decode of
     Qwen3-30B-A3B 8 ways at batch 1, 2 at 8 and 16, not from 32 (docstring)."""
-    assert moe.effective_split(2048, 128, 1) == (1, 2048)
-    assert moe.effective_split(2048, 128, 4) == (4, 512)
-    assert moe.effective_split(768, 128, 4) == (3, 256)  # 6 chunks: 2 a split
-    assert moe.effective_split(80, 16, 3) == (3, 32)  # 5 chunks: 2, 2, 1
-    assert moe.effective_split(40, 16, 8) == (3, 16)  # no more splits than chunks
+    assert moe_tiles.effective_split(2048, 128, 1) == (1, 2048)
+    assert moe_tiles.effective_split(2048, 128, 4) == (4, 512)
+    assert moe_tiles.effective_split(768, 128, 4) == (3, 256)  # 6 chunks: 2 a split
+    assert moe_tiles.effective_split(80, 16, 3) == (3, 32)  # 5 chunks: 2, 2, 1
+    assert moe_tiles.effective_split(40, 16, 8) == (3, 16)  # no more splits than chunks
     for k in range(1, 100):
         for bk in (16, 32):
             for split in range(1, 9):
-                n, per = moe.effective_split(k, bk, split)
+                n, per = moe_tiles.effective_split(k, bk, split)
                 assert 1 <= n <= split and per % bk == 0 and (n - 1) * per < k <= n * per
     splits = {
-        t: moe.heuristic_config(t, 128, 8, torch.bfloat16, True).split_k
+        t: moe_tiles.heuristic_config(t, 128, 8, torch.bfloat16, True).split_k
         for t in (1, 8, 16, 32, 256)
     }
     assert splits == {1: 1, 8: 1, 16: 1, 32: 1, 256: 1}  # splits lost on the H200 (module doc)
-    assert moe.heuristic_config(1, 128, 8, torch.float32, True).split_k == 1
-    assert moe.INTERPRETER_CONFIG.split_k == 1
+    assert moe_tiles.heuristic_config(1, 128, 8, torch.float32, True).split_k == 1
+    assert moe_tiles.INTERPRETER_CONFIG.split_k == 1
     for t in (1, 64, 4096):
-        assert {c.split_k for c in moe.candidates(t, 128, 8, torch.bfloat16)} == {1}
+        assert {c.split_k for c in moe_tiles.candidates(t, 128, 8, torch.bfloat16)} == {1}
     # the down GEMM over split partials stages them in shared memory: at most 2 stages, and
     # every split candidate's stage within the budget (sm_90 compiles: 80 KB at most)
-    for cfg in moe.FEW_ROWS + moe.SPLIT_ROWS:
-        splits, _ = moe.effective_split(2048, cfg.block_k, cfg.split_k)
-        stages = moe.down_stages(cfg, splits)
+    for cfg in moe_tiles.FEW_ROWS + moe_tiles.SPLIT_ROWS:
+        splits, _ = moe_tiles.effective_split(2048, cfg.block_k, cfg.split_k)
+        stages = moe_tiles.down_stages(cfg, splits)
         assert stages == (cfg.num_stages if splits == 1 else 2)
-        assert 2 * splits * cfg.block_m * cfg.block_k * 4 <= moe.DOWN_SHARED_BUDGET
-    assert moe.down_stages(moe.MoEConfig(16, 64, 256, 4, 3, 8), 8) == 1
+        assert 2 * splits * cfg.block_m * cfg.block_k * 4 <= moe_tiles.DOWN_SHARED_BUDGET
+    assert moe_tiles.down_stages(moe_tiles.MoEConfig(16, 64, 256, 4, 3, 8), 8) == 1
 
 
 def test_config_cache_reads_an_entry_from_before_split_k(tmp_path: Path) -> None:
     """A cached entry of 5 fields (no split_k) reads as split_k 1; new entries keep theirs;
     other lengths are ignored."""
-    key = moe.ConfigCache.key(1, 128, 8, 2048, 768, torch.bfloat16, "NVIDIA H200", "3.6.0")
-    old, split = list(moe.FEW_ROWS[0])[:5], moe.FEW_ROWS[0]._replace(split_k=4)
-    (tmp_path / moe.ConfigCache.FILE).write_text(
+    key = moe_tiles.ConfigCache.key(1, 128, 8, 2048, 768, torch.bfloat16, "NVIDIA H200", "3.6.0")
+    old, split = list(moe_tiles.FEW_ROWS[0])[:5], moe_tiles.FEW_ROWS[0]._replace(split_k=4)
+    (tmp_path / moe_tiles.ConfigCache.FILE).write_text(
         json.dumps({key: old, "bad": [16, 64], "long": [*split, 1]})
     )
-    cache = moe.ConfigCache(tmp_path)
-    assert cache.get(key) == moe.MoEConfig(*old) == moe.MoEConfig(*old, split_k=1)
+    cache = moe_tiles.ConfigCache(tmp_path)
+    assert cache.get(key) == moe_tiles.MoEConfig(*old) == moe_tiles.MoEConfig(*old, split_k=1)
     assert cache.get("bad") is None and cache.get("long") is None
     cache.put("new", split)
-    assert moe.ConfigCache(tmp_path).get("new") == split
-    assert json.loads((tmp_path / moe.ConfigCache.FILE).read_text())["new"] == list(split)
+    assert moe_tiles.ConfigCache(tmp_path).get("new") == split
+    assert json.loads((tmp_path / moe_tiles.ConfigCache.FILE).read_text())["new"] == list(split)
 
 
 # ---------------------------------------------------------------- fewer launches (issue 48)
 
-TOKEN_MAJOR = moe.LaunchPlan(route_with_align=True, down_with_slot_sum=True)
+TOKEN_MAJOR = moe_tiles.LaunchPlan(route_with_align=True, down_with_slot_sum=True)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -665,7 +669,7 @@ def random_experts(
 
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(
-    t=st.integers(1, moe.TOKEN_MAJOR_TOKENS),
+    t=st.integers(1, moe_tiles.TOKEN_MAJOR_TOKENS),
     e=st.integers(1, 8),
     k_frac=st.floats(0, 1),
     h=st.sampled_from([16, 40, 80]),
@@ -707,7 +711,7 @@ def test_token_major_down_equals_the_loop_over_experts(
     truth = ref.experts(x.double(), weights.double(), ids, *wide)
     with poisoned_outputs():
         out = moe.experts(*args, scales=scales, plan=TOKEN_MAJOR)
-        grouped = moe.experts(*args, scales=scales, plan=moe.GROUPED)
+        grouped = moe.experts(*args, scales=scales, plan=moe_tiles.GROUPED)
     assert out.dtype == dtype and out.shape == (t, h)
     assert torch.isfinite(out).all(), "an unwritten or NaN output element"
     err = relative_error(out, truth)
@@ -718,7 +722,7 @@ def test_token_major_down_equals_the_loop_over_experts(
 
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(
-    t=st.integers(1, moe.TOKEN_MAJOR_TOKENS),
+    t=st.integers(1, moe_tiles.TOKEN_MAJOR_TOKENS),
     e=st.integers(1, 6),
     k_frac=st.floats(0, 1),
     h=st.sampled_from([16, 40]),
@@ -770,7 +774,7 @@ def test_token_major_down_is_bit_identical_where_the_float32_sums_are_exact(
     args = [a.to(DEVICE) for a in (x, weights, ids, gate_up, down)]
     with poisoned_outputs():
         out = moe.experts(*args, scales=scales, plan=TOKEN_MAJOR)
-        grouped = moe.experts(*args, scales=scales, plan=moe.GROUPED)
+        grouped = moe.experts(*args, scales=scales, plan=moe_tiles.GROUPED)
     assert torch.isfinite(out).all()
     assert torch.equal(out.view(torch.uint8), grouped.view(torch.uint8)), "not the grouped bits"
 
@@ -837,7 +841,7 @@ def test_fused_moe_launches_per_batch_and_equals_the_loop(
     with poisoned_outputs():
         out = moe.fused_moe(*args, top_k, renormalize=True, weights_dtype=dtype, scales=scales)
     assert launches == kernels
-    assert moe.launch_plan(t, top_k).launches == len(kernels)
+    assert moe_tiles.launch_plan(t, top_k).launches == len(kernels)
     weights, ids = moe_routing.route(args[1], top_k, True, dtype)
     truth = ref.experts(x.double(), weights.cpu().double(), ids.cpu(), *wide)
     assert out.dtype == dtype and torch.isfinite(out).all()
@@ -848,15 +852,15 @@ def test_fused_moe_launches_per_batch_and_equals_the_loop(
 def test_launch_plan_thresholds() -> None:
     """The one place that decides: token-major down at T <= 4 (unsplit gate-up only),
     routing with the align up to ONE_PROGRAM_ROWS flat rows; 3, 4 and 5 launches."""
-    assert moe.TOKEN_MAJOR_TOKENS == 4 and moe_routing.ONE_PROGRAM_ROWS == 128
-    plans = {t: moe.launch_plan(t, 8) for t in (1, 4, 5, 16, 17, 256)}
+    assert moe_tiles.TOKEN_MAJOR_TOKENS == 4 and moe_routing.ONE_PROGRAM_ROWS == 128
+    plans = {t: moe_tiles.launch_plan(t, 8) for t in (1, 4, 5, 16, 17, 256)}
     assert {t: p.launches for t, p in plans.items()} == {1: 3, 4: 3, 5: 4, 16: 4, 17: 5, 256: 5}
-    assert plans[1] == TOKEN_MAJOR and plans[17] == moe.GROUPED
-    assert moe.launch_plan(4, 16) == TOKEN_MAJOR  # 64 rows
-    assert moe.launch_plan(128, 1) == moe.LaunchPlan(True, False)
-    assert moe.launch_plan(129, 1) == moe.GROUPED
-    split = moe.INTERPRETER_CONFIG._replace(split_k=2)
-    assert moe.launch_plan(1, 8, split) == moe.LaunchPlan(True, False)  # reads partials
-    assert moe.token_major_tiles(8, True) == moe.TokenMajorTiles(16, 64, 8)
-    assert moe.token_major_tiles(2, True) == moe.TokenMajorTiles(16, 128, 8)
-    assert moe.token_major_tiles(16, True).block_k == 32
+    assert plans[1] == TOKEN_MAJOR and plans[17] == moe_tiles.GROUPED
+    assert moe_tiles.launch_plan(4, 16) == TOKEN_MAJOR  # 64 rows
+    assert moe_tiles.launch_plan(128, 1) == moe_tiles.LaunchPlan(True, False)
+    assert moe_tiles.launch_plan(129, 1) == moe_tiles.GROUPED
+    split = moe_tiles.INTERPRETER_CONFIG._replace(split_k=2)
+    assert moe_tiles.launch_plan(1, 8, split) == moe_tiles.LaunchPlan(True, False)  # reads partials
+    assert moe_tiles.token_major_tiles(8, True) == moe_tiles.TokenMajorTiles(16, 64, 8)
+    assert moe_tiles.token_major_tiles(2, True) == moe_tiles.TokenMajorTiles(16, 128, 8)
+    assert moe_tiles.token_major_tiles(16, True).block_k == 32

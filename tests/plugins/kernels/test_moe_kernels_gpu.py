@@ -48,7 +48,7 @@ def relative_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
 @pytest.mark.parametrize("t", [1, 16, 256, 2048])
 def test_qwen3_30b_a3b_layer(layer, t: int, mode: str, tmp_path: Path) -> None:
     """fused_moe == the float64 loop; ``same``: every token picks the same 8 experts."""
-    from pitstop.plugins.kernels.triton_ops import moe, moe_routing
+    from pitstop.plugins.kernels.triton_ops import moe, moe_routing, moe_tiles
 
     router, gate_up, down = layer
     gen = torch.Generator(device="cuda").manual_seed(t)
@@ -56,7 +56,7 @@ def test_qwen3_30b_a3b_layer(layer, t: int, mode: str, tmp_path: Path) -> None:
     logits = F.linear(x, router)
     if mode == "same":
         logits[:, 40:48] += 30.0
-    cache = moe.ConfigCache(tmp_path)
+    cache = moe_tiles.ConfigCache(tmp_path)
     out = moe.fused_moe(
         x, logits, gate_up, down, TOP_K, renormalize=True, weights_dtype=torch.bfloat16, cache=cache
     )
@@ -69,8 +69,8 @@ def test_qwen3_30b_a3b_layer(layer, t: int, mode: str, tmp_path: Path) -> None:
     assert err <= TOL, f"T={t} {mode}: fused {err:.3g}, transformers' loop {hf:.3g}"
     assert torch.equal(out, moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
                                           weights_dtype=torch.bfloat16, cache=cache))  # fmt: skip
-    entries = json.loads((tmp_path / moe.ConfigCache.FILE).read_text())
-    assert list(entries) == [moe.ConfigCache.key(t, E, TOP_K, H, INTER, torch.bfloat16,
+    entries = json.loads((tmp_path / moe_tiles.ConfigCache.FILE).read_text())
+    assert list(entries) == [moe_tiles.ConfigCache.key(t, E, TOP_K, H, INTER, torch.bfloat16,
                                                  torch.cuda.get_device_name())]  # fmt: skip
 
 
@@ -78,10 +78,10 @@ def test_qwen3_30b_a3b_layer(layer, t: int, mode: str, tmp_path: Path) -> None:
 def test_captured_in_a_cuda_graph(layer, t: int, tmp_path: Path) -> None:
     """Tuned eagerly, then captured: replays over new inputs give the eager bits (T 1 and 4:
     three launches, 16: four, 256: five)."""
-    from pitstop.plugins.kernels.triton_ops import moe
+    from pitstop.plugins.kernels.triton_ops import moe, moe_tiles
 
     router, gate_up, down = layer
-    cache = moe.ConfigCache(tmp_path)
+    cache = moe_tiles.ConfigCache(tmp_path)
     x = torch.randn(t, H, device="cuda").bfloat16()
     logits = F.linear(x, router)
 
@@ -111,26 +111,26 @@ def test_capture_of_an_untuned_shape_uses_the_heuristic(
     layer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A bucket first seen inside a capture runs the heuristic tiles (logged), and is right."""
-    from pitstop.plugins.kernels.triton_ops import moe
+    from pitstop.plugins.kernels.triton_ops import moe, moe_tiles
 
     router, gate_up, down = layer
     t = 16
     x = torch.randn(t, H, device="cuda").bfloat16()
     logits = F.linear(x, router)
-    config = moe.heuristic_config(t, E, TOP_K, torch.bfloat16, True)
+    config = moe_tiles.heuristic_config(t, E, TOP_K, torch.bfloat16, True)
     eager = moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
                           weights_dtype=torch.bfloat16, config=config)  # fmt: skip
-    moe._logged.discard("capture")
-    cache = moe.ConfigCache(tmp_path)  # empty: nothing tuned
+    moe_tiles._logged.discard("capture")
+    cache = moe_tiles.ConfigCache(tmp_path)  # empty: nothing tuned
     graph = torch.cuda.CUDAGraph()
-    with caplog.at_level(logging.WARNING, logger=moe.__name__), torch.cuda.graph(graph):
+    with caplog.at_level(logging.WARNING, logger=moe_tiles.__name__), torch.cuda.graph(graph):
         captured = moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
                                  weights_dtype=torch.bfloat16, cache=cache)  # fmt: skip
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
     assert any("CUDA graph capture" in r.getMessage() for r in caplog.records)
-    assert not (tmp_path / moe.ConfigCache.FILE).exists()
+    assert not (tmp_path / moe_tiles.ConfigCache.FILE).exists()
 
 
 @pytest.mark.parametrize("split", [2, 4, 8])
@@ -139,14 +139,14 @@ def test_split_k_at_the_layer_shape(layer, t: int, split: int) -> None:
     """Split-K (issue 48), bf16 and fp8 experts: the float64 loop's answer within the
     bound, the unsplit tiles' within the bound, the same bits on a second run (no atomics),
     and the same bits eagerly and from a CUDA graph."""
-    from pitstop.plugins.kernels.triton_ops import moe, moe_routing
+    from pitstop.plugins.kernels.triton_ops import moe, moe_routing, moe_tiles
     from pitstop.plugins.weight_formats.fp8 import quantize_rows
 
     router, gate_up, down = layer
     gen = torch.Generator(device="cuda").manual_seed(1000 + t)
     x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
     logits = F.linear(x, router)
-    base = moe.FEW_ROWS[0]
+    base = moe_tiles.FEW_ROWS[0]
     weights, ids = moe_routing.route(logits, TOP_K, True, torch.bfloat16)
 
     def quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +160,7 @@ def test_split_k_at_the_layer_shape(layer, t: int, split: int) -> None:
                                   d8.double() * d_s.double()[..., None])),
     ):  # fmt: skip
 
-        def run(cfg: moe.MoEConfig, experts=experts, scales=scales) -> torch.Tensor:
+        def run(cfg: moe_tiles.MoEConfig, experts=experts, scales=scales) -> torch.Tensor:
             return moe.fused_moe(x, logits, *experts, TOP_K, renormalize=True,
                                  weights_dtype=torch.bfloat16, config=cfg, scales=scales)  # fmt: skip
 
@@ -180,17 +180,17 @@ def test_split_k_at_the_layer_shape(layer, t: int, split: int) -> None:
 def test_autotune_at_decode_caches_an_unsplit_pick(layer, tmp_path: Path) -> None:
     """Batch 1: the autotune times the unsplit candidates (split-K lost on the H200) and
     caches its pick (6 fields)."""
-    from pitstop.plugins.kernels.triton_ops import moe
+    from pitstop.plugins.kernels.triton_ops import moe, moe_tiles
 
     router, gate_up, down = layer
     x = torch.randn(1, H, device="cuda").bfloat16()
     logits = F.linear(x, router)
-    cache = moe.ConfigCache(tmp_path)
+    cache = moe_tiles.ConfigCache(tmp_path)
     moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
                   weights_dtype=torch.bfloat16, cache=cache)  # fmt: skip
-    (entry,) = json.loads((tmp_path / moe.ConfigCache.FILE).read_text()).values()
-    assert len(entry) == 6 and moe.MoEConfig(*entry) in moe.FEW_ROWS
-    assert {c.split_k for c in moe.candidates(1, E, TOP_K, torch.bfloat16)} == {1}
+    (entry,) = json.loads((tmp_path / moe_tiles.ConfigCache.FILE).read_text()).values()
+    assert len(entry) == 6 and moe_tiles.MoEConfig(*entry) in moe_tiles.FEW_ROWS
+    assert {c.split_k for c in moe_tiles.candidates(1, E, TOP_K, torch.bfloat16)} == {1}
 
 
 def quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,7 +236,7 @@ def test_three_launches_replay_from_a_cuda_graph(layer, t: int, fp8: bool, tmp_p
     """Issue 48, batch 1..4: route+align, gate-up, token-major down+sum. The float64 loop's
     answer within the bound, the grouped path's (five launches) within the bound, and,
     captured in a CUDA graph, replays over new inputs give the eager bits."""
-    from pitstop.plugins.kernels.triton_ops import moe, moe_routing
+    from pitstop.plugins.kernels.triton_ops import moe, moe_routing, moe_tiles
 
     router, gate_up, down = layer
     scales, wide = None, (gate_up.double(), down.double())
@@ -245,13 +245,13 @@ def test_three_launches_replay_from_a_cuda_graph(layer, t: int, fp8: bool, tmp_p
         scales = (gu_s, d_s)
         wide = (gate_up.double() * gu_s.double()[..., None],
                 down.double() * d_s.double()[..., None])  # fmt: skip
-    assert moe.launch_plan(t, TOP_K).launches == 3
-    cache = moe.ConfigCache(tmp_path)
+    assert moe_tiles.launch_plan(t, TOP_K).launches == 3
+    cache = moe_tiles.ConfigCache(tmp_path)
     gen = torch.Generator(device="cuda").manual_seed(3000 + t)
     x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
     logits = F.linear(x, router)
 
-    def run(plan: moe.LaunchPlan | None = None) -> torch.Tensor:
+    def run(plan: moe_tiles.LaunchPlan | None = None) -> torch.Tensor:
         return moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
                              weights_dtype=torch.bfloat16, cache=cache, scales=scales,
                              plan=plan)  # fmt: skip
@@ -260,7 +260,7 @@ def test_three_launches_replay_from_a_cuda_graph(layer, t: int, fp8: bool, tmp_p
     weights, ids = moe_routing.route(logits, TOP_K, True, torch.bfloat16)
     truth = ref.experts(x.double(), weights.double(), ids, *wide)
     assert relative_error(out, truth) <= TOL
-    grouped = run(moe.GROUPED)
+    grouped = run(moe_tiles.GROUPED)
     assert ((out.double() - grouped.double()).abs().max() / truth.abs().max()) <= TOL
     assert torch.equal(out, run())
     stream = torch.cuda.Stream()
