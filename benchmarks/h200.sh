@@ -350,6 +350,6 @@ for _ in range(2):
         tests/plugins/kernels/test_lora_kernels.py 2>&1 | tee "$OUT/gpu-tests-lora47.log" | tail -6
       echo "== lora_bench"; timeout 240 python3 benchmarks/lora_bench.py 2>&1 | tee "$OUT/lora-bench.log"
       run lora-nano offline --workload nano --matrix benchmarks/workloads/lora.toml
-      run lora-single offline --workload single --repeats 2 --matrix benchmarks/workloads/lora.toml --only base,lora-1 ;;
+      run lora-single offline --workload single --repeats 2 --matrix benchmarks/workloads/lora.toml --only base,lora-1,lora-1-overlap ;;
   esac
 done

@@ -20,6 +20,11 @@ Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
     projection, their float32 workspace zeroed once a step for all of them) or ``fused`` (one launch, :func:`~pitstop.plugins.kernels.
     triton_ops.lora.lora_add`). On the H200 (2026-12-05) ``fused`` took longer at every
     measured shape (docs/lora.md), so it is not the default.
+``lora.overlap``
+    with ``shrink_expand`` on CUDA: a small step's shrink (at most 512 rows: decode and
+    what CUDA graphs capture) runs on a second stream beside its projection's base GEMM,
+    forked and joined inside the captured graph, so that only the expand follows the GEMM
+    (default off until measured on the H200).
 """
 
 from __future__ import annotations
@@ -63,6 +68,12 @@ class LoRASettings:
         choices=("shrink_expand", "fused"),
         help="a projection's delta on CUDA: shrink then expand (default), or one fused launch",
     )
+    overlap: bool = setting(
+        False,
+        type=bool,
+        help="shrink_expand on CUDA: a small step's shrinks on a second stream, beside the base "
+        "GEMMs (forked and joined inside the CUDA graph); only the expands follow the GEMMs",
+    )
 
 
 def create_lora(
@@ -71,7 +82,12 @@ def create_lora(
     """PEFT LoRA adapters in ``max_loras`` device slots, applied per row."""
     cpu = settings.max_cpu_loras if settings.max_cpu_loras is not None else settings.max_loras
     return LoRASlots(
-        context, settings.max_loras, settings.max_lora_rank, cpu, fused=settings.kernel == "fused"
+        context,
+        settings.max_loras,
+        settings.max_lora_rank,
+        cpu,
+        fused=settings.kernel == "fused",
+        overlap=settings.overlap,
     )
 
 

@@ -13,7 +13,9 @@ of the base model) into a static buffer; each wrapped projection adds
 ``scaling · B(A x)`` to the rows of a slot through the kernel ops (the PyTorch reference
 on CPU, on CUDA the Triton ops: by default ``lora_shrink`` then ``lora_expand_add``, all
 slices of a projection in each; with ``lora.kernel=fused`` one ``lora_add`` launch, the
-rank-r intermediate kept in registers), after its base GEMM. Rows of the base model
+rank-r intermediate kept in registers), after its base GEMM. With ``lora.overlap`` a
+small step's shrink runs on a second stream beside the base GEMM (a fork and a join
+inside the captured graph), so only the expand follows the GEMM. Rows of the base model
 are left untouched.
 
 Slots are given least recently used first among the adapters the step does not use; the
@@ -107,9 +109,14 @@ class LoRASlots:
         max_cpu_loras: int,
         *,
         fused: bool = False,
+        overlap: bool = False,
     ) -> None:
         self.ctx = ctx
         self.fused = fused  # one lora_add launch a projection, else shrink then expand
+        # the shrinks of small steps on a second stream, beside their base GEMMs (CUDA only)
+        self.side: torch.cuda.Stream | None = None
+        if overlap and not fused and ctx.device.type == "cuda":
+            self.side = torch.cuda.Stream(ctx.device)
         self.max_loras, self.max_rank = max_loras, max_lora_rank
         self.max_per_step = max_loras  # the engine holds back requests over it (never a step)
         self.max_cpu = max(max_cpu_loras, max_loras)
@@ -184,13 +191,49 @@ class LoRASlots:
         """``block``'s linear, plus the LoRA delta of the projection whose weight it is given."""
 
         def adapted(x: torch.Tensor, weight: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            proj = next((projections[a] for a in attrs_ if getattr(block, a) is weight), None)
+            if proj is None:
+                return linear(x, weight, *args, **kwargs)
+            shrunk = self._shrink_beside(x, proj)
             y = linear(x, weight, *args, **kwargs)
-            for attr in attrs_:
-                if getattr(block, attr) is weight:
-                    return self._add_delta(x, y, projections[attr])
+            if shrunk is None:
+                return self._add_delta(x, y, proj)
+            torch.cuda.current_stream(x.device).wait_stream(self.side)  # the join
+            self._expand(y, shrunk, proj)
             return y
 
         return adapted
+
+    def _shrink_beside(self, x: torch.Tensor, proj: _Projection) -> torch.Tensor | None:
+        """``lora.overlap``: the shrink of a small step (its rows within the workspace) started
+        on the side stream, so it runs beside the base GEMM the caller launches next; its
+        intermediate, or None where it does not apply (the caller then runs both after the GEMM).
+
+        Ordering: the side stream waits for everything launched so far (``x``, the step's
+        workspace memset and grouping), and the caller's stream waits for it before the
+        expand; inside a CUDA-graph capture these are the graph's fork and join. ``x`` is
+        freed only after the join (the expand comes after it on the caller's stream), and the
+        intermediate is the static workspace, so no allocation crosses the streams.
+        """
+        rows = x.numel() // x.shape[-1]
+        if self.side is None or self.workspace is None or rows > WORKSPACE_ROWS:
+            return None
+        x2 = x.reshape(rows, x.shape[-1])
+        out = self.workspace[:rows, proj.index, : proj.width]
+        meta = {} if self.meta is None else {"meta": self.meta}
+        self.side.wait_stream(torch.cuda.current_stream(x.device))  # the fork
+        with torch.cuda.stream(self.side):
+            self.ops.lora_shrink(
+                x2, proj.A, self.slot_of_row[:rows], self.ranks, out=out, zeroed=True, **meta
+            )
+        return out
+
+    def _expand(self, y: torch.Tensor, h: torch.Tensor, proj: _Projection) -> None:
+        """``y += scaling · B h`` for the rows of a slot (in place), ``h`` the shrink's result."""
+        y2 = y.reshape(-1, y.shape[-1])
+        meta = {} if self.meta is None else {"meta": self.meta}
+        slots = self.slot_of_row[: y2.shape[0]]
+        self.ops.lora_expand_add(y2, h, proj.B, slots, self.scaling, self.ranks, **meta)
 
     def _add_delta(self, x: torch.Tensor, y: torch.Tensor, proj: _Projection) -> torch.Tensor:
         """``y += scaling · B(A x)`` for the rows of a slot (in place)."""
@@ -209,7 +252,7 @@ class LoRASlots:
         if self.workspace is not None and rows <= WORKSPACE_ROWS:
             into = {"out": self.workspace[:rows, proj.index, : proj.width], "zeroed": True}
         h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks, **meta, **into)
-        self.ops.lora_expand_add(y2, h, proj.B, slots, self.scaling, self.ranks, **meta)
+        self._expand(y, h, proj)
         return y
 
     # ------------------------------------------------------------------ requests

@@ -407,3 +407,34 @@ def test_on_the_gpu_a_mixed_batch_matches_peft_with_cuda_graphs(
     _assert_rows_match_peft(llm, tiny, names, prompts)
     if kernels == "fused":
         assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_overlapped_shrinks_match_peft_with_cuda_graphs(tiny: dict[str, Path]) -> None:
+    """``lora.overlap``: each small step's shrinks on the side stream beside the base GEMMs
+    (a fork and a join inside the captured decode graphs and the eager chunk steps); PEFT's
+    tokens, row for row, as without it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    names = ["qvd", None, "ko_gu", "all_l1", "qvd", None, "ko_gu", "all_l1"]
+    prompts = _prompts((7, 30, 13, 41, 5, 19, 60, 3), seed=9)
+    llm = _llm(
+        tiny,
+        device="cuda",
+        dtype="float32",
+        kernels="fused",
+        scheduler="chunked",
+        chunk_size=32,
+        options={"lora.overlap": True},
+    )
+    assert llm.engine.runner.adapters.side is not None, "the side stream"
+    _assert_rows_match_peft(llm, tiny, names, prompts)
+    assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
+
+
+def test_overlap_is_a_no_op_off_cuda(tiny: dict[str, Path]) -> None:
+    """``lora.overlap`` is accepted on the CPU and changes nothing there (no second stream):
+    the rows still match PEFT."""
+    llm = _llm(tiny, options={"lora.overlap": True})
+    assert llm.engine.runner.adapters.side is None
+    _assert_rows_match_peft(llm, tiny, ["qvd", None], _prompts((6, 11), seed=2))
