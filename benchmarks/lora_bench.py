@@ -4,8 +4,11 @@ Per projection of a merged layer (qkv, o, gate_up, down) at the real shapes of q
 and llama3-8b, rank 16 in every slot: the base GEMM alone (``torch.mm``, bf16), the
 former path (a zeroed float32 intermediate, ``lora_shrink``, ``lora_expand_add``: three
 launches) and ``lora_add`` (fused: one launch; ``--fused 0`` its two-launch path), each
-captured ``--iters`` times in a CUDA graph and timed by replays (median of ``--repeats``).
-Prints µs per call and the layer's totals: the LoRA cost beside the base GEMMs.
+captured ``--iters`` times in a CUDA graph and timed by replays (median of ``--repeats``);
+then the GEMM and the engine's default LoRA path together (GEMM, shrink into a zeroed
+workspace, expand), serial and with the shrink on a second stream beside the GEMM
+(``lora.overlap``). Prints µs per call and the layer's totals: the LoRA cost beside the
+base GEMMs.
 
     python3 benchmarks/lora_bench.py [--case nano-1 single ...]
 """
@@ -76,10 +79,27 @@ def _time_projection(
     def new() -> None:
         lora.lora_add(y, x, a, b, slot_of_row, scaling, ranks, meta=meta, fused=fused)
 
+    side = torch.cuda.Stream()
+
+    def serial() -> None:  # the engine's default: GEMM, shrink into the zeroed workspace, expand
+        gemm()
+        lora.lora_shrink(x, a, slot_of_row, ranks, meta=meta, out=h, zeroed=True)
+        lora.lora_expand_add(y, h, b, slot_of_row, scaling, ranks, meta=meta)
+
+    def overlapped() -> None:  # lora.overlap: the shrink on a second stream beside the GEMM
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            lora.lora_shrink(x, a, slot_of_row, ranks, meta=meta, out=h, zeroed=True)
+        gemm()
+        torch.cuda.current_stream().wait_stream(side)
+        lora.lora_expand_add(y, h, b, slot_of_row, scaling, ranks, meta=meta)
+
     return {
         "gemm": _timed(gemm, iters, repeats),
         "old": _timed(old, iters, repeats),
         "new": _timed(new, iters, repeats),
+        "serial": _timed(serial, iters, repeats),
+        "overlap": _timed(overlapped, iters, repeats),
     }
 
 
@@ -97,7 +117,7 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
     meta = lora.lora_meta(slot_of_row, slots)
     ranks = torch.full((slots,), RANK, dtype=torch.int32, device=dev)
     scaling = torch.full((slots,), 2.0, device=dev)
-    totals = {"gemm": 0.0, "old": 0.0, "new": 0.0}
+    totals = {"gemm": 0.0, "old": 0.0, "new": 0.0, "serial": 0.0, "overlap": 0.0}
     print(f"== {name}: T={rows}, {adapters} adapter(s), rank {RANK}, bf16")
     common = (slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused)
     for proj, (k, widths) in projections.items():
@@ -107,13 +127,16 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
             totals[key] += t[key]
         print(
             f"{proj:>8}: K={k:>5} N={sum(widths):>5}  gemm {t['gemm']:7.2f} us  old lora "
-            f"{t['old']:7.2f} us  lora_add {t['new']:7.2f} us  (fused config {tuple(cfg)})"
+            f"{t['old']:7.2f} us  lora_add {t['new']:7.2f} us  (fused config {tuple(cfg)}); "
+            f"gemm+lora serial {t['serial']:7.2f} us, shrink overlapped {t['overlap']:7.2f} us"
         )
     g = totals["gemm"]
     print(
         f"   layer: gemm {g:.1f} us; + old lora {totals['old']:.1f} us "
         f"({g / (g + totals['old']):.3f}x); + lora_add {totals['new']:.1f} us "
-        f"({g / (g + totals['new']):.3f}x)"
+        f"({g / (g + totals['new']):.3f}x); gemm + lora serial {totals['serial']:.1f} us "
+        f"({g / totals['serial']:.3f}x), shrink overlapped {totals['overlap']:.1f} us "
+        f"({g / totals['overlap']:.3f}x)"
     )
 
 
