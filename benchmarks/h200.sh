@@ -156,9 +156,13 @@ for _ in range(2):
         tests/plugins/kernels/test_fused_layer.py tests/plugins/kernels/test_fused_gpu.py 2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -15
       echo "== fused_linear_bench"; timeout ${LAYER_BENCH_TIMEOUT:-240} python3 benchmarks/fused_linear_bench.py \
         --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60}
-      for opt in "" "--option fused.layer=true"; do echo "== profile nano-decode ${opt:-(layer unfused)}"
-        timeout 300 python3 benchmarks/kernel_profile.py --scenario nano-decode $opt --json "$OUT/profile-layer${opt:+-on}.json" \
-          2>"$OUT/profile-layer${opt:+-on}.log" | grep -E "launches|^\|" | head -16; done
+      # launches per decode layer: 256 rows (cuBLAS, seven ops) and 16 rows (Triton, six), the
+      # decode merge separate or in the last program
+      i=0; for opt in "" "--option fused.layer=true" "--option fused.layer=true --option fused.decode_merge=last-program" \
+          "--batch 16 --option fused.layer=true --option fused.decode_merge=last-program"; do i=$((i + 1))
+        echo "== profile nano-decode ${opt:-(layer unfused)}"
+        timeout 300 python3 benchmarks/kernel_profile.py --scenario nano-decode $opt --json "$OUT/profile-layer-$i.json" \
+          2>"$OUT/profile-layer-$i.log" | grep -E "launches|^\|" | head -16; done
       run layer-nano offline --workload nano --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml
       run layer-single offline --workload single --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
