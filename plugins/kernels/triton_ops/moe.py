@@ -10,6 +10,11 @@ batch (:func:`launch_plan`, the one place that decides; :attr:`LaunchPlan.launch
 - above: **five** -- route (1), align (2), gate-up, grouped down, slot sum -- and two
   memsets of the routing counters.
 
+Every one of these kernels is chained by programmatic dependent launch (:mod:`.pdl`, on
+Hopper): each waits for the kernel before it first thing, and lets the next one's programs
+queue once its own inputs are read (the routing kernels at once, the GEMMs and the slot
+sum after their K loops), so a launch's start overlaps the previous kernel's tail.
+
 1. :func:`.moe_routing.route`: softmax + top-k + renormalisation, counting each expert's rows
    (above ``ONE_PROGRAM_ROWS``; at most, :func:`.moe_routing.route_and_align` does this
    step and the next in one program, the same bits, and counts nothing);
@@ -102,6 +107,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.moe_routing import (
     Grouping,
     align,
@@ -205,6 +211,7 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` tile of a row block's expert GEMM over one K split.
 
@@ -223,6 +230,7 @@ def _grouped_gemm_kernel(
     ``W_SCALED``: ``w`` is e4m3, widened to the activations' dtype per tile; the
     accumulators are multiplied by the row scales ``ws [E, NOUT or 2F]`` of their columns.
     """
+    _pdl.wait(PDL)  # the grouping and the activations come from the kernels before
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -280,6 +288,7 @@ def _grouped_gemm_kernel(
             if W_SCALED:
                 u = u.to(a.dtype)
             acc_u = _dot(a, u, acc_u, UPCAST, DOT_PRECISION)
+    _pdl.launch_dependents(PDL)
     mask = valid[:, None] & (n < NOUT)[None, :]
     out = (
         out_ptr
@@ -341,10 +350,18 @@ def _silu_mul_of_partials(
 
 @triton.jit
 def _slot_sum_kernel(
-    y_ptr, out_ptr, H, stride_ys, TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr
+    y_ptr,
+    out_ptr,
+    H,
+    stride_ys,
+    TOPK: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``out[t, h] = sum_j sum_s y[s, t * TOPK + j, h]``: slots in order, each slot's splits
     in order, one rounding."""
+    _pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
@@ -354,6 +371,7 @@ def _slot_sum_kernel(
         for _ in tl.static_range(SPLITS):  # 64-bit pointer steps: no int32 product to overflow
             acc += tl.load(p, mask=mask, other=0.0)
             p += stride_ys
+    _pdl.launch_dependents(PDL)
     dt: tl.constexpr = out_ptr.dtype.element_ty
     tl.store(out_ptr + t * H + h, _rounded(acc, dt).to(dt), mask=mask)
 
@@ -377,6 +395,7 @@ def _down_slot_sum_kernel(
     W_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``out[t, n] = sum_j rw[t, j] * (h[t*k + j] . down[e_j, n])``, ``e_j = ids[t, j]``: the
     down GEMM token-major with the k-slot sum inside (few tokens: :func:`launch_plan`).
@@ -389,6 +408,7 @@ def _down_slot_sum_kernel(
     GEMM's epilogue does; the slots added in order ``j = 0..k-1`` from zero, as the slot sum
     does, and rounded once into ``out``.
     """
+    _pdl.wait(PDL)  # the ids, weights and gate-up output come from the kernels before
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_safe = tl.minimum(n, H - 1).to(tl.int64)  # columns past H: the last, never stored
@@ -406,6 +426,7 @@ def _down_slot_sum_kernel(
         a = tl.load(h_base + k, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_base + k, mask=mask, other=0.0).to(tl.float32)
         acc += a * w
+    _pdl.launch_dependents(PDL)
     y = tl.sum(acc, axis=2)  # [K_PAD, BLOCK_N]
     if W_SCALED:
         y = y * tl.load(ws_ptr + e[:, None] * stride_se + n_safe[None, :])
@@ -472,6 +493,7 @@ def _grouped_gemm(
     bm, bn, bk, warps = setting.config[:4]
     nout, k = w.shape[1] // (2 if gate_up else 1), w.shape[2]
     x, ws = setting.x, setting.scales
+    use_pdl = _pdl.enabled(x.device)
     _grouped_gemm_kernel[(setting.grouping.expert_ids.numel(), triton.cdiv(nout, bn), splits)](
         a,
         w,
@@ -506,8 +528,10 @@ def _grouped_gemm(
         BLOCK_K=bk,
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PDL=use_pdl,
         num_warps=warps,
         num_stages=num_stages,
+        **_pdl.launch_kwargs(use_pdl),
     )
 
 
@@ -528,6 +552,7 @@ def _down_with_slot_sum(
     if flat_ids.dtype != torch.int32:
         flat_ids = flat_ids.to(torch.int32)
     scale = down_scale if down_scale is not None else rw  # never read unscaled
+    use_pdl = _pdl.enabled(out.device)
     _down_slot_sum_kernel[(t, triton.cdiv(hidden, tiles.block_n))](
         h,
         down,
@@ -546,7 +571,9 @@ def _down_with_slot_sum(
         W_SCALED=down_scale is not None,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
+        PDL=use_pdl,
         num_warps=tiles.num_warps,
+        **_pdl.launch_kwargs(use_pdl),
     )
 
 
@@ -628,8 +655,18 @@ def experts(
         num_stages=down_stages(config, split_gu, down.element_size()),
     )
     block_h = min(1024, triton.next_power_of_2(h))
+    use_pdl = _pdl.enabled(out.device)
     _slot_sum_kernel[(t, triton.cdiv(h, block_h))](
-        y, out, h, y.stride(0), TOPK=top_k, SPLITS=split_d, BLOCK_H=block_h, num_warps=4
+        y,
+        out,
+        h,
+        y.stride(0),
+        TOPK=top_k,
+        SPLITS=split_d,
+        BLOCK_H=block_h,
+        PDL=use_pdl,
+        num_warps=4,
+        **_pdl.launch_kwargs(use_pdl),
     )
     return out
 

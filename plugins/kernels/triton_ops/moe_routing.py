@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 ROUTE_TILE = 4096  # elements of the [BLOCK_T, E] tile a routing program holds
@@ -115,7 +116,10 @@ def _route_kernel(
     COUNT: tl.constexpr,
     BLOCK_T: tl.constexpr,
     E_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.wait(PDL)  # the router's logits
+    _pdl.launch_dependents(PDL)  # the next kernel's programs may queue (they wait first)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ids, mask = _route_rows(
         logits_ptr,
@@ -170,6 +174,7 @@ def route(
     if t == 0:
         return weights, ids
     block_t, e_pad, warps = route_tiles(t, e)
+    use_pdl = _pdl.enabled(router_logits.device)
     _route_kernel[(triton.cdiv(t, block_t),)](
         router_logits,
         weights,
@@ -184,7 +189,9 @@ def route(
         COUNT=counts is not None,
         BLOCK_T=block_t,
         E_PAD=e_pad,
+        PDL=use_pdl,
         num_warps=warps,
+        **_pdl.launch_kwargs(use_pdl),
     )
     return weights, ids
 
@@ -282,7 +289,10 @@ def _align_kernel(
     CHUNK: tl.constexpr,
     BLOCKS_CHUNK: tl.constexpr,
     ONE_PROGRAM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl.wait(PDL)  # the ids (and counts) of the routing
+    _pdl.launch_dependents(PDL)
     e = tl.arange(0, E_PAD)
     e_mask = e < E
     r = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
@@ -332,10 +342,13 @@ def _route_align_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCKS_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """:func:`route` then :func:`align`'s one program, in one program: every token routed
     (``BLOCK_T`` at a time, as ``_route_kernel``'s programs do), then the ``T * TOPK`` ids
     just stored read back and grouped as ``_align_kernel`` with ``ONE_PROGRAM`` does."""
+    _pdl.wait(PDL)  # the router's logits
+    _pdl.launch_dependents(PDL)  # the gate-up GEMM's programs may queue (they wait first)
     for t0 in range(0, T, BLOCK_T):
         _route_rows(
             logits_ptr,
@@ -423,6 +436,7 @@ def align(
     else:
         chunk = max(16, min(triton.next_power_of_2(max(n, 1)), ALIGN_CHUNK // e_pad))
         fill = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    use_pdl = _pdl.enabled(ids.device)
     _align_kernel[(max(1, triton.cdiv(n, chunk)),)](
         flat,
         counts,
@@ -438,7 +452,9 @@ def align(
         CHUNK=chunk,
         BLOCKS_CHUNK=_blocks_chunk(e_pad),
         ONE_PROGRAM=one_program,
+        PDL=use_pdl,
         num_warps=4,
+        **_pdl.launch_kwargs(use_pdl),
     )
     return grouping
 
@@ -454,7 +470,8 @@ def route_and_align(
     :data:`ONE_PROGRAM_ROWS` flat rows (``not counts_needed(T * top_k)``): the same weights,
     ids and grouping, bit for bit (the routing's tiles and warps are :func:`route`'s, the
     grouping is the one-program align's). One program: it routes every token, then groups
-    the rows. Fixed-size outputs, no host sync: CUDA-graph capturable.
+    the rows. Fixed-size outputs, no host sync: CUDA-graph capturable. With programmatic
+    dependent launch the gate-up GEMM's programs queue while it runs (they wait for it).
     """
     assert router_logits.dim() == 2, "router logits [T, E]"
     t, e = router_logits.shape
@@ -467,6 +484,7 @@ def route_and_align(
     ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     grouping = empty_grouping(t * top_k, e, block_m, dev)
     block_t, e_pad, warps = route_tiles(t, e)
+    use_pdl = _pdl.enabled(router_logits.device)
     _route_align_kernel[(1,)](
         router_logits,
         weights,
@@ -486,6 +504,8 @@ def route_and_align(
         BLOCK_M=block_m,
         CHUNK=_one_program_chunk(t * top_k),
         BLOCKS_CHUNK=_blocks_chunk(e_pad),
+        PDL=use_pdl,
         num_warps=warps,
+        **_pdl.launch_kwargs(use_pdl),
     )
     return weights, ids, grouping
