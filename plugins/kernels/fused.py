@@ -58,16 +58,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from pitstop.config import EngineConfig
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.settings import setting
 from pitstop.plugins.kernels import reference
+from pitstop.plugins.kernels.fused_layer import FusedLayer
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +163,17 @@ class FusedSettings:
     layer_rows: int = setting(
         64,
         type=int,
-        help="with layer: steps of at most this many rows run the Triton GEMMs with the norm, "
-        "activation and residual inside; longer ones the row scale (Triton) then cuBLAS (on the "
-        "H200 a qwen3-0.6b layer's four GEMMs in Triton beat the unfused ops up to 64 rows, and "
-        "lose to cuBLAS above)",
+        help="with layer: the most rows the Triton GEMMs (norm, activation and residual inside) "
+        "run; longer steps take cuBLAS, the row scale inside rotary and SiLU-and-mul and the "
+        "residual added in place (on the H200 a qwen3-0.6b layer's four GEMMs in Triton beat "
+        "cuBLAS at 16 rows and lost at 64)",
+    )
+    layer_tune: bool = setting(
+        True,
+        type=bool,
+        help="with layer, on a GPU: time each op's Triton GEMM against its cuBLAS way once per "
+        "shape (rows up to layer_rows, at the first eager call; cached on disk) and run the "
+        "faster; false: Triton up to layer_rows",
     )
     cudnn_prefill: int = setting(
         2048,
@@ -244,6 +250,7 @@ class FusedKernels(reference.DispatchKernels):
         )
 
         self._resolve_layer(settings, triton_reason)
+        self._layer: FusedLayer | None = None
         self._head_size_checked = not (use["rope_and_store"] or use["attention"])
         if use["rms_norm"]:
             from pitstop.plugins.kernels.triton_ops import rmsnorm
@@ -260,6 +267,8 @@ class FusedKernels(reference.DispatchKernels):
 
             self._rope = rope_store.rope_and_store
             self._status["rope_and_store"] = "triton"
+        if self.fuses_layer and triton_reason is None:
+            self._layer = self._fused_layer(settings, use["silu_and_mul"])
         # The model hands Qwen3's q/k norm weights to rope_and_store (one kernel) only while the
         # Triton kernel runs it; with the reference rotary it calls rms_norm (maybe Triton) first.
         self.fuses_qk_norm = use["rope_and_store"] and settings.qk_norm
@@ -306,29 +315,32 @@ class FusedKernels(reference.DispatchKernels):
 
     # ------------------------------------------------------------------ fused layer
     def _resolve_layer(self, settings: FusedSettings, triton_reason: str | None) -> None:
-        """The fused decoder layer's ops (``fused.layer``): Triton GEMMs with the norm,
-        activation and residual inside for steps of at most ``layer_rows`` rows; above
-        that (and where Triton cannot run) the reference arithmetic around cuBLAS."""
+        """Whether the layer is fused (``fused.layer``) and where its ops run (:meth:`describe`)."""
         self.fuses_layer = bool(settings.layer) and self.merge_projections
-        self.layer_rows = settings.layer_rows
-        self._gemm: Any = None
         if not self.fuses_layer:
             reason = "config flag fused.layer is off" if not settings.layer else "fused_qkv is off"
-            for op in reference.LAYER_OPS:
-                self._status[op] = f"unused ({reason})"
-            return
-        if triton_reason is None:
-            from pitstop.plugins.kernels.triton_ops import fused_linear
-
-            self._gemm = fused_linear
+            where = f"unused ({reason})"
+        elif triton_reason is None:
+            timed = settings.layer_tune and self.device.type == "cuda"
+            chosen = "the faster, timed per shape," if timed else "triton"
             where = (
-                f"triton up to {self.layer_rows} rows; above: cuBLAS, the row scale in "
-                "rope_and_store / silu_and_mul, the residual added in place"
+                f"{chosen} up to {settings.layer_rows} rows, else cuBLAS (row scale in "
+                "rope_and_store / silu_and_mul, residual added in place)"
             )
         else:
             where = f"reference ({triton_reason})"
         for op in reference.LAYER_OPS:
             self._status[op] = where
+
+    def _fused_layer(self, settings: FusedSettings, triton_silu: bool) -> FusedLayer:
+        """The layer's ops on Triton and cuBLAS (:mod:`.fused_layer`)."""
+        from pitstop.plugins.kernels.triton_ops import fused_linear, silu
+        from pitstop.plugins.kernels.triton_ops.layer_choice import LayerChoice
+
+        choice = LayerChoice(settings.layer_rows, bool(settings.layer_tune))
+        return FusedLayer(
+            fused_linear, choice, self._row_scaled, silu if triton_silu else None, self._silu
+        )
 
     def _row_scaled(self, x: torch.Tensor, eps: float | None) -> torch.Tensor:
         """``x`` times each row's ``1/rms`` (the norm without its gain), one Triton pass."""
@@ -347,12 +359,10 @@ class FusedKernels(reference.DispatchKernels):
         eps: float | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``rstd(x) * x @ weight.T (+ bias)``: one Triton GEMM for short steps."""
-        if self._gemm is None:
+        """``rstd(x) * x @ weight.T (+ bias)`` (:class:`.fused_layer.FusedLayer`)."""
+        if self._layer is None:
             return reference.norm_linear(x, weight, eps, bias)
-        if x.shape[0] <= self.layer_rows:
-            return self._gemm.norm_linear(x, weight, eps, bias)
-        return F.linear(self._row_scaled(x, eps), weight, bias)
+        return self._layer.norm_linear(x, weight, eps, bias)
 
     def norm_linear_deferred(
         self,
@@ -361,22 +371,11 @@ class FusedKernels(reference.DispatchKernels):
         eps: float | None,
         bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, float] | None]:
-        """The QKV projection: :meth:`norm_linear` for short steps; above ``layer_rows`` (no
-        bias) cuBLAS on the raw rows with the row scale left to ``rope_and_store``, one
-        launch instead of two (:meth:`KernelSetBase.norm_linear_deferred`)."""
-        if self._defers(x, eps, bias):
-            return F.linear(x, weight), (x, eps)
-        return self.norm_linear(x, weight, eps, bias), None
-
-    def _defers(self, x: torch.Tensor, eps: float | None, bias: torch.Tensor | None) -> bool:
-        """Whether a long step's norm waits for the op after cuBLAS: the fused GEMMs are in use
-        but the step is too long for them, there is a norm, and no bias comes after it."""
-        return (
-            self._gemm is not None
-            and x.shape[0] > self.layer_rows
-            and eps is not None
-            and bias is None
-        )
+        """The QKV projection, its row scale perhaps left to ``rope_and_store``
+        (:meth:`KernelSetBase.norm_linear_deferred`, :class:`.fused_layer.FusedLayer`)."""
+        if self._layer is None:
+            return reference.norm_linear(x, weight, eps, bias), None
+        return self._layer.norm_linear_deferred(x, weight, eps, bias)
 
     def norm_gate_up(
         self,
@@ -385,17 +384,10 @@ class FusedKernels(reference.DispatchKernels):
         eps: float | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``silu(gate) * up`` of the normed gate-up projection: one Triton GEMM for short steps;
-        above, cuBLAS then the Triton SiLU·mul with the row scale inside (two launches)."""
-        if self._gemm is None:
+        """``silu(gate) * up`` of the normed gate-up projection (:class:`.fused_layer.FusedLayer`)."""
+        if self._layer is None:
             return reference.norm_gate_up(x, weight, eps, bias)
-        if x.shape[0] <= self.layer_rows:
-            return self._gemm.norm_gate_up(x, weight, eps, bias)
-        if self._defers(x, eps, bias) and self._status["silu_and_mul"] == "triton":
-            from pitstop.plugins.kernels.triton_ops import silu
-
-            return silu.silu_and_mul(F.linear(x, weight), (x, eps))
-        return self._silu(F.linear(self._row_scaled(x, eps), weight, bias))
+        return self._layer.norm_gate_up(x, weight, eps, bias)
 
     def linear_residual(
         self,
@@ -404,16 +396,11 @@ class FusedKernels(reference.DispatchKernels):
         residual: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``residual + x @ weight.T (+ bias)``: one Triton GEMM for short steps; above, cuBLAS
-        adding into ``residual`` in place (``addmm_``, beta 1: one launch, where the
-        out-of-place ``addmm`` copies the residual first)."""
-        if self._gemm is None:
+        """``residual + x @ weight.T (+ bias)``, a new tensor or ``residual`` updated in place
+        (:class:`.fused_layer.FusedLayer`)."""
+        if self._layer is None:
             return reference.linear_residual(x, weight, residual, bias)
-        if x.shape[0] <= self.layer_rows:
-            return self._gemm.linear_residual(x, weight, residual, bias)
-        if bias is not None:
-            return residual + F.linear(x, weight, bias)
-        return residual.addmm_(x, weight.t())
+        return self._layer.linear_residual(x, weight, residual, bias)
 
     # ------------------------------------------------------------------ resolution
     def _fallback(self, op: str, reason: str) -> None:

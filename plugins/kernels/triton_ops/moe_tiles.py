@@ -13,10 +13,7 @@ ties them to the op's own inputs.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -24,6 +21,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from pitstop.plugins.kernels.triton_ops import tuning
 from pitstop.plugins.kernels.triton_ops.moe_routing import counts_needed
 
 logger = logging.getLogger(__name__)
@@ -233,22 +231,18 @@ def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 
 def cache_dir() -> Path:
     """``$PITSTOP_CACHE_DIR`` (used as is) or ``~/.cache/pitstop/moe``."""
-    env = os.environ.get("PITSTOP_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "pitstop" / "moe"
+    return tuning.cache_dir("moe")
 
 
 class ConfigCache:
-    """Autotuned configs in memory and in ``<directory>/moe_configs.json`` (one JSON object).
-
-    A write re-reads the file, adds the entry and replaces the file atomically, so
-    processes tuning at once (tensor-parallel ranks) lose nothing but a duplicate timing.
-    An unreadable file counts as empty (it is rewritten at the next write).
-    """
+    """Autotuned configs in memory and in ``<directory>/moe_configs.json`` (a
+    :class:`.tuning.JsonStore`: atomic rewrites, an unreadable file counts as empty)."""
 
     FILE = "moe_configs.json"
 
     def __init__(self, directory: Path | None = None) -> None:
         self.directory = Path(directory) if directory is not None else cache_dir()
+        self._store = tuning.JsonStore(self.directory, self.FILE)
         self._memory: dict[str, MoEConfig] = {}
 
     @staticmethod
@@ -271,18 +265,11 @@ class ConfigCache:
             types += "/" + str(weight_dtype).removeprefix("torch.")
         return f"{shape}|{types}|{device_name}|triton {triton_version}"
 
-    def _read(self) -> dict[str, list[int]]:
-        try:
-            data = json.loads((self.directory / self.FILE).read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
     def get(self, key: str) -> MoEConfig | None:
         """The cached config of ``key`` (memory first, then the file), or None."""
         if key in self._memory:
             return self._memory[key]
-        entry = self._read().get(key)
+        entry = self._store.read().get(key)
         # an entry from before split-K has 5 fields: split_k defaults to 1
         if isinstance(entry, list) and len(MoEConfig._fields) - 1 <= len(entry) <= len(
             MoEConfig._fields
@@ -294,18 +281,7 @@ class ConfigCache:
     def put(self, key: str, config: MoEConfig) -> None:
         """Remember ``config`` for ``key`` in memory and on disk (a failed write is logged)."""
         self._memory[key] = config
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            data = self._read()
-            data[key] = list(config)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".moe_configs.")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.directory / self.FILE)
-        except OSError as err:
-            logger.warning(
-                "fused MoE: could not write the tile cache in %s: %s", self.directory, err
-            )
+        self._store.write(key, list(config))
 
 
 _default_cache: ConfigCache | None = None
@@ -395,21 +371,5 @@ def known_config(
 
 
 def time_replays(fn: Callable[[], object]) -> float:
-    """Milliseconds per ``fn()`` on the GPU: ``do_bench``'s median over replays of a CUDA
-    graph of it (as the engine's decode runs it; eager timing of a decode-sized call
-    measures the host's launches, the same for every tile), or eagerly where the capture
-    fails. ``fn`` runs once eagerly first (it compiles; a config that cannot run raises)."""
-    from triton.testing import do_bench
-
-    fn()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError as err:  # a capture-unsafe call: time it eagerly
-        logger.info("fused MoE: timing eagerly, the capture failed: %s", err)
-        return do_bench(fn, warmup=5, rep=25)
-    try:
-        return do_bench(graph.replay, warmup=5, rep=25)
-    finally:
-        del graph
+    """:func:`.tuning.time_replays` of one call a graph (the MoE autotune's timing)."""
+    return tuning.time_replays(fn)

@@ -1,7 +1,8 @@
-"""The fused layer above ``layer_rows`` (issue 44): cuBLAS GEMMs whose input norm's row scale
-is applied by the op after them (``rope_and_store``, the Triton SiLU·mul) and whose residual
-add is cuBLAS's own (``addmm_`` into the stream), so that a long step takes seven launches
-a layer instead of eleven.
+"""The fused layer's cuBLAS way (issue 44): GEMMs whose input norm's row scale is applied by
+the op after them (``rope_and_store``, the Triton SiLU·mul) and whose residual add is
+cuBLAS's own (``addmm_`` into the stream), so that a step the Triton GEMMs do not take
+runs seven launches a layer instead of eleven; and the choice between the two ways per op
+and shape (:class:`LayerChoice`: timed once per shape on a GPU, cached on disk).
 
 The Triton ops run in Triton's interpreter on the CPU. Bit for bit against the reference
 where every float32 sum of squares is exact (values that are multiples of 1/8, widths that
@@ -18,6 +19,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
+import json  # noqa: E402
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 from helpers.poison import poisoned_outputs  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
@@ -28,6 +33,10 @@ from pitstop.plugin_system.plugin_manager import get_plugin_manager  # noqa: E40
 from pitstop.plugin_system.protocols import KernelSetBase, RotaryCache  # noqa: E402
 from pitstop.plugins.kernels import reference  # noqa: E402
 from pitstop.plugins.kernels.fused import FusedKernels  # noqa: E402
+from pitstop.plugins.kernels.triton_ops.layer_choice import (  # noqa: E402
+    CALLS_PER_GRAPH,
+    LayerChoice,
+)
 from pitstop.testing.kernels import paged_metadata  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -168,9 +177,9 @@ def test_long_steps_defer_the_row_scale_and_add_in_place() -> None:
         out = ks.linear_residual(act, down, residual)
         _check(out, expected, False, "residual add")
         assert (out.data_ptr() == residual.data_ptr()) == (rows > 4)
-    assert (
-        "above: cuBLAS, the row scale in rope_and_store / silu_and_mul"
-        in ks.describe()["norm_linear"]
+    assert ks.describe()["norm_linear"] == (
+        "triton up to 4 rows, else cuBLAS (row scale in rope_and_store / silu_and_mul, "
+        "residual added in place)"
     )
 
 
@@ -186,3 +195,127 @@ def test_a_set_without_the_capability_never_defers() -> None:
     y, row_scale = KernelSetBase.of(Plain(), "norm_linear_deferred")(x, w, EPS)
     assert row_scale is None
     torch.testing.assert_close(y, reference.norm_linear(x, w, EPS))
+
+
+# ---------------------------------------------------------------- the choice, timed
+
+
+class TimedOnCpu(LayerChoice):
+    """A :class:`LayerChoice` that 'times' on the CPU with a given timer (no GPU here)."""
+
+    capturing_now = False
+
+    def can_time(self, x: torch.Tensor) -> bool:
+        return True
+
+    def device_name(self, x: torch.Tensor) -> str:
+        return "Fake GPU"
+
+    def capturing(self) -> bool:
+        return self.capturing_now
+
+
+def _timer(times: dict[str, float], calls: list[str]):
+    """A timer that runs the function once (it must run) and reports ``times[its name]``."""
+
+    def timer(fn, n: int) -> float:
+        assert n == CALLS_PER_GRAPH
+        fn()
+        calls.append(fn.__name__)
+        return times[fn.__name__]
+
+    return timer
+
+
+def _noop() -> None:
+    pass
+
+
+def test_the_choice_is_timed_once_per_shape_and_kept_on_disk(tmp_path: Path) -> None:
+    """First sight of a shape: both ways timed on the call's inputs, the faster kept (in
+    memory and in the JSON file); the same shape again, or a rows count of the same bucket,
+    or another process reading the file: no timing. Above ``max_rows``: cuBLAS, untimed."""
+    calls: list[str] = []
+    timer = _timer({"run_triton": 1.0, "run_cublas": 2.0}, calls)
+    choice = TimedOnCpu(64, True, tmp_path, timer=timer)
+    w = torch.zeros(48, 32)
+
+    def run_triton() -> None:
+        pass
+
+    def run_cublas() -> None:
+        pass
+
+    assert choice.use_triton("norm_linear", torch.zeros(5, 32), w, run_triton, run_cublas)
+    assert calls == ["run_cublas", "run_triton"]
+    assert choice.use_triton("norm_linear", torch.zeros(7, 32), w, run_triton, run_cublas)
+    assert calls == ["run_cublas", "run_triton"], "rows 5 and 7 share the bucket 8"
+    key = LayerChoice.key("norm_linear", torch.zeros(5, 32), w, "Fake GPU")
+    assert key.startswith("norm_linear|M8-N48-K32|float32|Fake GPU|triton ")
+    assert json.loads((tmp_path / LayerChoice.FILE).read_text()) == {key: True}
+    fresh = TimedOnCpu(64, True, tmp_path, timer=_timer({}, calls))
+    assert fresh.use_triton("norm_linear", torch.zeros(8, 32), w, run_triton, run_cublas)
+    assert not choice.use_triton("norm_linear", torch.zeros(65, 32), w, run_triton, run_cublas)
+    assert calls == ["run_cublas", "run_triton"]
+    slower = TimedOnCpu(
+        64, True, tmp_path, timer=_timer({"run_triton": 3.0, "run_cublas": 2.0}, [])
+    )
+    assert not slower.use_triton("norm_gate_up", torch.zeros(5, 32), w, run_triton, run_cublas)
+
+
+def test_a_failing_triton_way_loses_and_a_capture_is_never_timed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Triton GEMM that raises (too much shared memory, say) counts as slower; inside a
+    CUDA-graph capture an untimed shape takes the row limit's answer (Triton), logged once,
+    and nothing is stored; ``timed`` off never times."""
+    w = torch.zeros(16, 8)
+
+    def run_triton() -> None:
+        raise RuntimeError("out of resources")
+
+    def run_cublas() -> None:
+        pass
+
+    calls: list[str] = []
+    choice = TimedOnCpu(64, True, tmp_path, timer=_timer({"run_cublas": 5.0}, calls))
+    assert not choice.use_triton("linear_residual", torch.zeros(2, 8), w, run_triton, run_cublas)
+    capture = TimedOnCpu(64, True, tmp_path / "other", timer=_timer({}, calls))
+    capture.capturing_now = True
+    with caplog.at_level(logging.WARNING):
+        for rows in (3, 30):
+            assert capture.use_triton("norm_linear", torch.zeros(rows, 8), w, _noop, _noop)
+    assert sum("inside a CUDA graph capture" in r.message for r in caplog.records) == 1
+    assert not (tmp_path / "other" / LayerChoice.FILE).exists()
+    off = TimedOnCpu(64, False, tmp_path / "off", timer=_timer({}, calls))
+    assert off.use_triton("norm_linear", torch.zeros(3, 8), w, run_triton, run_cublas)
+    assert calls == ["run_cublas"]
+
+
+@pytest.mark.parametrize("triton_wins", [True, False])
+def test_the_layer_runs_the_chosen_way_and_times_on_scratch(
+    tmp_path: Path, triton_wins: bool
+) -> None:
+    """The fused layer's ops follow the choice: the Triton GEMM's fresh output, or cuBLAS with
+    the row scale deferred and the residual added in place; timing the cuBLAS way of the
+    residual writers adds into a copy, never into the real residual."""
+    ks = _fused(torch.float32)
+    times = {"run_triton": 1.0 if triton_wins else 3.0, "run_cublas": 2.0}
+    ks._layer.choice = TimedOnCpu(64, True, tmp_path, timer=_timer(times, []))
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(6, 32, generator=gen), torch.randn(48, 32, generator=gen)
+    y, row_scale = ks.norm_linear_deferred(x, w, EPS)
+    assert (row_scale is None) == triton_wins
+    _check(y if triton_wins else reference.apply_row_scale((y,), x, EPS)[0],
+           reference.norm_linear(x, w, EPS), False, "QKV")  # fmt: skip
+    down, act = torch.randn(32, 24, generator=gen), torch.randn(6, 24, generator=gen)
+    residual = torch.randn(6, 32, generator=gen)
+    before = residual.clone()
+    out = ks.linear_residual(act, down, residual)
+    _check(out, reference.linear_residual(act, down, before), False, "residual add")
+    if triton_wins:
+        assert torch.equal(residual, before), "the timing and the Triton way leave it alone"
+    else:
+        assert out.data_ptr() == residual.data_ptr(), "cuBLAS adds in place"
+        _check(residual, reference.linear_residual(act, down, before), False, "added once")
+    _check(ks.norm_gate_up(x, w, EPS), reference.norm_gate_up(x, w, EPS), False, "gate-up")

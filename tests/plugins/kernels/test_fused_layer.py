@@ -134,8 +134,8 @@ def test_describe_names_the_layer_ops(tmp_path: Path) -> None:
     off_desc = off.engine.runner.kernels.describe()
     for op in reference.LAYER_OPS:
         assert on[op] == (
-            "triton up to 64 rows; above: cuBLAS, the row scale in rope_and_store / "
-            "silu_and_mul, the residual added in place"
+            "triton up to 64 rows, else cuBLAS (row scale in rope_and_store / silu_and_mul, "
+            "residual added in place)"
         ), on[op]
         assert off_desc[op] == "unused (config flag fused.layer is off)"
     assert not off.engine.runner.model.fused_layers

@@ -1,0 +1,150 @@
+"""The ``fused`` kernel set's decoder-layer ops (``fused.layer``): Triton GEMMs or cuBLAS per shape.
+
+:class:`FusedLayer` owns the three projections of a fused layer
+(:class:`~pitstop.plugin_system.protocols.FusedLayerOps`; the model folds each RMSNorm's
+gain into the projection after it at load) and runs each either way:
+
+- **Triton** (:mod:`.triton_ops.fused_linear`): one GEMM with the row's ``1/rms``, the
+  SiLU·mul or the residual add inside; six launches a layer in all.
+- **cuBLAS**: the QKV GEMM on the un-normalized rows with the row scale handed on to
+  ``rope_and_store`` (:meth:`FusedLayer.norm_linear_deferred`), the gate-up GEMM followed
+  by the Triton SiLU·mul that applies the row scale itself, the O and down GEMMs adding into
+  the residual stream in place (``addmm_``, cuBLAS's beta = 1); seven launches a layer.
+  With a bias the row scale runs first instead (one Triton pass), as the bias comes after it.
+
+Which one runs is :class:`.triton_ops.layer_choice.LayerChoice`'s answer for the op and
+shape: timed once per shape on a GPU (``fused.layer_tune``), and never Triton above
+``fused.layer_rows`` rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if (
+    TYPE_CHECKING
+):  # Triton is imported only when the kernel set is built (pitstop.plugins.kernels.fused)
+    from pitstop.plugins.kernels.triton_ops.layer_choice import LayerChoice
+
+RowScale = tuple[torch.Tensor, float]
+
+
+class FusedLayer:
+    """The three fused-layer projections, each Triton or cuBLAS (see the module docstring)."""
+
+    def __init__(
+        self,
+        gemm: ModuleType,
+        choice: LayerChoice,
+        row_scaled: Callable[[torch.Tensor, float | None], torch.Tensor],
+        silu: ModuleType | None,
+        plain_silu: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """``gemm``: :mod:`.triton_ops.fused_linear`; ``row_scaled``: ``x`` times each row's
+        ``1/rms`` (one pass); ``silu``: :mod:`.triton_ops.silu` where the Triton SiLU·mul runs
+        (it takes the row scale), else None; ``plain_silu``: the kernel set's SiLU·mul."""
+        self.gemm, self.choice = gemm, choice
+        self.row_scaled, self.silu, self.plain_silu = row_scaled, silu, plain_silu
+
+    # ------------------------------------------------------------------ QKV
+    def norm_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``rstd(x) * x @ weight.T (+ bias)`` as one tensor (the scale applied here)."""
+        if self._triton("norm_linear", x, weight, eps, bias):
+            return self.gemm.norm_linear(x, weight, eps, bias)
+        return F.linear(self.row_scaled(x, eps), weight, bias)
+
+    def norm_linear_deferred(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, RowScale | None]:
+        """The QKV projection: the Triton GEMM with the norm inside, or cuBLAS on the raw rows
+        and ``(x, eps)`` for ``rope_and_store`` to scale with (no bias), or the scale first."""
+        if self._triton("norm_linear", x, weight, eps, bias):
+            return self.gemm.norm_linear(x, weight, eps, bias), None
+        if eps is not None and bias is None:
+            return F.linear(x, weight), (x, eps)
+        return F.linear(self.row_scaled(x, eps), weight, bias), None
+
+    # ------------------------------------------------------------------ MLP
+    def norm_gate_up(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``silu(gate) * up`` of the normed merged gate-up projection."""
+        if self._triton("norm_gate_up", x, weight, eps, bias):
+            return self.gemm.norm_gate_up(x, weight, eps, bias)
+        return self._cublas_gate_up(x, weight, eps, bias)
+
+    def _cublas_gate_up(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.silu is not None and eps is not None and bias is None:
+            return self.silu.silu_and_mul(F.linear(x, weight), (x, eps))
+        return self.plain_silu(F.linear(self.row_scaled(x, eps), weight, bias))
+
+    # ------------------------------------------------------------------ residual writers
+    def linear_residual(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``residual + x @ weight.T (+ bias)``: the Triton GEMM's fresh tensor, or cuBLAS adding
+        into ``residual`` in place (one launch; the model never reads the old stream again)."""
+        if self._triton("linear_residual", x, weight, None, bias, residual):
+            return self.gemm.linear_residual(x, weight, residual, bias)
+        if bias is not None:
+            return residual + F.linear(x, weight, bias)
+        return residual.addmm_(x, weight.t())
+
+    # ------------------------------------------------------------------ the choice
+    def _triton(
+        self,
+        op: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
+    ) -> bool:
+        """Whether ``op`` runs the Triton GEMM for this call (:class:`LayerChoice`); the two
+        ways it would time are this very call, each on scratch outputs."""
+        if x.shape[0] > self.choice.max_rows:
+            return False
+        name = op if bias is None else f"{op}+bias"
+
+        def run_triton() -> object:
+            if op == "linear_residual":
+                return self.gemm.linear_residual(x, weight, residual, bias)
+            return getattr(self.gemm, op)(x, weight, eps, bias)
+
+        scratch: list[torch.Tensor] = []
+
+        def run_cublas() -> object:
+            if op == "norm_linear":
+                return self._cublas_qkv(x, weight, eps, bias)
+            if op == "norm_gate_up":
+                return self._cublas_gate_up(x, weight, eps, bias)
+            if not scratch:  # adds into a copy: the real residual stays as it is
+                assert residual is not None
+                scratch.append(residual.clone())
+            if bias is not None:
+                return scratch[0] + F.linear(x, weight, bias)
+            return scratch[0].addmm_(x, weight.t())
+
+        return self.choice.use_triton(name, x, weight, run_triton, run_cublas)
+
+    def _cublas_qkv(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The cuBLAS way of the QKV projection, as timed: the raw GEMM where the scale is
+        deferred, else the scale pass and the GEMM."""
+        if eps is not None and bias is None:
+            return F.linear(x, weight)
+        return F.linear(self.row_scaled(x, eps), weight, bias)
