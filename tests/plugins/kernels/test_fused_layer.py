@@ -6,6 +6,7 @@ folding would not be exact (weights not dense); the kernel set reports its ops."
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -170,7 +171,9 @@ def test_reference_layer_ops_are_the_unfused_arithmetic(rows: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
-def test_fused_layer_with_cuda_graphs_matches_reference_on_gpu(tmp_path: Path) -> None:
+def test_fused_layer_with_cuda_graphs_matches_reference_on_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On the GPU in float32: the fused layer's Triton GEMMs (short steps, captured in CUDA
     graphs, and the cuBLAS path above ``layer_rows``) give the reference kernels' greedy tokens,
     through chunks mixed with decodes, and every page comes back."""
@@ -199,7 +202,16 @@ def test_fused_layer_with_cuda_graphs_matches_reference_on_gpu(tmp_path: Path) -
 
     expected = run(kernels="reference")
     layer = dict(kernels="fused", fused_precision="fp32", scheduler="chunked", chunk_size=32)
+    monkeypatch.setenv("PITSTOP_CACHE_DIR", str(tmp_path / "cache"))
     assert run(options={"fused.layer": True}, **layer) == expected
+    # each op's Triton-or-cuBLAS choice was timed before the graphs were captured, and kept
+    choices = json.loads((tmp_path / "cache" / "fused_layer.json").read_text())
+    assert {key.split("|")[0] for key in choices} == {
+        "norm_linear",
+        "norm_gate_up",
+        "linear_residual",
+    }, choices
+    assert run(options={"fused.layer": True, "fused.layer_tune": False}, **layer) == expected
     # every step through the cuBLAS path (the row scale deferred to rotary and SiLU·mul, the
     # residual added in place)
     assert run(options={"fused.layer": True, "fused.layer_rows": 0}, **layer) == expected
