@@ -153,7 +153,7 @@ class Case:
 def candidates(case: Case) -> list[fl.LinearConfig]:
     """A few configs around the rule's: split halved/doubled/off, BLOCK_N and BLOCK_K changed."""
     base = fl.choose_config(
-        case.m, case.n_out, case.k, torch.bfloat16, case.op == "gate_up", True, fl._num_sms(
+        case.m, case.n_out, case.k, torch.bfloat16, case.op == "gate_up", True, fl.num_sms(
             torch.device("cuda")
         )
     )  # fmt: skip
@@ -192,7 +192,7 @@ def bench_ops(models: list[str], rows: list[int], sweep_budget: float) -> list[d
                 case = Case(model, op, m)
                 cfg = fl.choose_config(
                     m, case.n_out, case.k, torch.bfloat16, op == "gate_up", True,
-                    fl._num_sms(torch.device("cuda")),
+                    fl.num_sms(torch.device("cuda")),
                 )  # fmt: skip
                 row: dict[str, Any] = {
                     "model": model, "op": op, "m": m, "n": case.n_out, "k": case.k,

@@ -152,7 +152,8 @@ for _ in range(2):
     # issue 44: the decoder layer in six ops (fused.layer): the kernels' GPU tests, the skinny-GEMM
     # benchmark against cuBLAS, launches per decode layer from the profiler (graph kernels counted),
     # and nano / single with the layer fused beside unfused (benchmarks/workloads/fused-layer.toml)
-    layer) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_fused_linear_gpu.py \
+    layer) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/pitstop-cache}  # fused_layer.json: the timed choices
+      timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_fused_linear_gpu.py \
         tests/plugins/kernels/test_fused_layer.py tests/plugins/kernels/test_fused_gpu.py 2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -15
       echo "== fused_linear_bench"; timeout ${LAYER_BENCH_TIMEOUT:-240} python3 benchmarks/fused_linear_bench.py \
         --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60}
@@ -164,7 +165,8 @@ for _ in range(2):
         timeout 300 python3 benchmarks/kernel_profile.py --scenario nano-decode $opt --json "$OUT/profile-layer-$i.json" \
           2>"$OUT/profile-layer-$i.log" | grep -E "launches|^\|" | head -16; done
       run layer-nano offline --workload nano --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml
-      run layer-single offline --workload single --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml ;;
+      run layer-single offline --workload single --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml
+      cp "$PITSTOP_CACHE_DIR/fused_layer.json" "$OUT/" 2>/dev/null && echo "== fused_layer.json: $(grep -c '|' "$OUT/fused_layer.json") choices" ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
     # issue 15: the KV cache in fp8 (e4m3) beside bf16; kv_floor.py: fraction of the bf16 and fp8 floors
     fp8-nano) run fp8-nano offline --workload nano --matrix benchmarks/workloads/kv-fp8.toml; python3 benchmarks/kv_floor.py "$OUT/fp8-nano.json" ;;

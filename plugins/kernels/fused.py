@@ -163,17 +163,23 @@ class FusedSettings:
     layer_rows: int = setting(
         64,
         type=int,
-        help="with layer: the most rows the Triton GEMMs (norm, activation and residual inside) "
-        "run; longer steps take cuBLAS, the row scale inside rotary and SiLU-and-mul and the "
-        "residual added in place (on the H200 a qwen3-0.6b layer's four GEMMs in Triton beat "
+        help="with layer, where nothing is timed (layer_tune off, the CPU): steps of at most this "
+        "many rows run the Triton GEMMs (norm, activation and residual inside), longer ones "
+        "cuBLAS with the row scale inside rotary and SiLU-and-mul and the residual added in "
+        "place (on the H200 a qwen3-0.6b layer's four GEMMs in Triton's 64-row tiles beat "
         "cuBLAS at 16 rows and lost at 64)",
     )
     layer_tune: bool = setting(
         True,
         type=bool,
-        help="with layer, on a GPU: time each op's Triton GEMM against its cuBLAS way once per "
-        "shape (rows up to layer_rows, at the first eager call; cached on disk) and run the "
-        "faster; false: Triton up to layer_rows",
+        help="with layer, on a GPU: time each op's cuBLAS way and Triton launch shapes once per "
+        "shape (at the first eager call, on its own inputs; cached on disk) and run the fastest "
+        "that matches the reference; false: the layer_rows rule",
+    )
+    layer_tune_rows: int = setting(
+        256,
+        type=int,
+        help="with layer_tune: the most rows whose choice is timed; longer steps take cuBLAS",
     )
     cudnn_prefill: int = setting(
         2048,
@@ -321,11 +327,13 @@ class FusedKernels(reference.DispatchKernels):
             reason = "config flag fused.layer is off" if not settings.layer else "fused_qkv is off"
             where = f"unused ({reason})"
         elif triton_reason is None:
-            timed = settings.layer_tune and self.device.type == "cuda"
-            chosen = "the faster, timed per shape," if timed else "triton"
+            if settings.layer_tune and self.device.type == "cuda":
+                chosen = f"the fastest of triton and cuBLAS, timed per shape, up to {settings.layer_tune_rows} rows"
+            else:
+                chosen = f"triton up to {settings.layer_rows} rows"
             where = (
-                f"{chosen} up to {settings.layer_rows} rows, else cuBLAS (row scale in "
-                "rope_and_store / silu_and_mul, residual added in place)"
+                f"{chosen}, else cuBLAS (row scale in rope_and_store / silu_and_mul, "
+                "residual added in place)"
             )
         else:
             where = f"reference ({triton_reason})"
@@ -337,7 +345,9 @@ class FusedKernels(reference.DispatchKernels):
         from pitstop.plugins.kernels.triton_ops import fused_linear, silu
         from pitstop.plugins.kernels.triton_ops.layer_choice import LayerChoice
 
-        choice = LayerChoice(settings.layer_rows, bool(settings.layer_tune))
+        choice = LayerChoice(
+            settings.layer_rows, settings.layer_tune_rows, bool(settings.layer_tune)
+        )
         return FusedLayer(
             fused_linear, choice, self._row_scaled, silu if triton_silu else None, self._silu
         )

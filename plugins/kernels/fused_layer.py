@@ -12,9 +12,10 @@ gain into the projection after it at load) and runs each either way:
   the residual stream in place (``addmm_``, cuBLAS's beta = 1); seven launches a layer.
   With a bias the row scale runs first instead (one Triton pass), as the bias comes after it.
 
-Which one runs is :class:`.triton_ops.layer_choice.LayerChoice`'s answer for the op and
-shape: timed once per shape on a GPU (``fused.layer_tune``), and never Triton above
-``fused.layer_rows`` rows.
+Which one runs, and in which Triton launch shape, is
+:class:`.triton_ops.layer_choice.LayerChoice`'s answer for the op and shape: timed once per
+shape on a GPU (``fused.layer_tune``, up to ``fused.layer_tune_rows`` rows), else Triton
+up to ``fused.layer_rows`` rows.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-if (
-    TYPE_CHECKING
-):  # Triton is imported only when the kernel set is built (pitstop.plugins.kernels.fused)
+from pitstop.plugins.kernels import reference
+
+# Triton is imported only when the kernel set is built (pitstop.plugins.kernels.fused)
+if TYPE_CHECKING:
+    from pitstop.plugins.kernels.triton_ops.fused_linear import LinearConfig
     from pitstop.plugins.kernels.triton_ops.layer_choice import LayerChoice
 
 RowScale = tuple[torch.Tensor, float]
@@ -56,8 +59,9 @@ class FusedLayer:
         self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``rstd(x) * x @ weight.T (+ bias)`` as one tensor (the scale applied here)."""
-        if self._triton("norm_linear", x, weight, eps, bias):
-            return self.gemm.norm_linear(x, weight, eps, bias)
+        config = self._config("norm_linear", x, weight, eps, bias)
+        if config is not None:
+            return self.gemm.norm_linear(x, weight, eps, bias, config=config)
         return F.linear(self.row_scaled(x, eps), weight, bias)
 
     def norm_linear_deferred(
@@ -65,8 +69,9 @@ class FusedLayer:
     ) -> tuple[torch.Tensor, RowScale | None]:
         """The QKV projection: the Triton GEMM with the norm inside, or cuBLAS on the raw rows
         and ``(x, eps)`` for ``rope_and_store`` to scale with (no bias), or the scale first."""
-        if self._triton("norm_linear", x, weight, eps, bias):
-            return self.gemm.norm_linear(x, weight, eps, bias), None
+        config = self._config("norm_linear", x, weight, eps, bias)
+        if config is not None:
+            return self.gemm.norm_linear(x, weight, eps, bias, config=config), None
         if eps is not None and bias is None:
             return F.linear(x, weight), (x, eps)
         return F.linear(self.row_scaled(x, eps), weight, bias), None
@@ -76,8 +81,9 @@ class FusedLayer:
         self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``silu(gate) * up`` of the normed merged gate-up projection."""
-        if self._triton("norm_gate_up", x, weight, eps, bias):
-            return self.gemm.norm_gate_up(x, weight, eps, bias)
+        config = self._config("norm_gate_up", x, weight, eps, bias)
+        if config is not None:
+            return self.gemm.norm_gate_up(x, weight, eps, bias, config=config)
         return self._cublas_gate_up(x, weight, eps, bias)
 
     def _cublas_gate_up(
@@ -97,14 +103,15 @@ class FusedLayer:
     ) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``: the Triton GEMM's fresh tensor, or cuBLAS adding
         into ``residual`` in place (one launch; the model never reads the old stream again)."""
-        if self._triton("linear_residual", x, weight, None, bias, residual):
-            return self.gemm.linear_residual(x, weight, residual, bias)
+        config = self._config("linear_residual", x, weight, None, bias, residual)
+        if config is not None:
+            return self.gemm.linear_residual(x, weight, residual, bias, config=config)
         if bias is not None:
             return residual + F.linear(x, weight, bias)
         return residual.addmm_(x, weight.t())
 
     # ------------------------------------------------------------------ the choice
-    def _triton(
+    def _config(
         self,
         op: str,
         x: torch.Tensor,
@@ -112,24 +119,32 @@ class FusedLayer:
         eps: float | None,
         bias: torch.Tensor | None,
         residual: torch.Tensor | None = None,
-    ) -> bool:
-        """Whether ``op`` runs the Triton GEMM for this call (:class:`LayerChoice`); the two
-        ways it would time are this very call, each on scratch outputs."""
+    ) -> LinearConfig | None:
+        """The Triton launch shape ``op`` runs for this call, or None for cuBLAS
+        (:class:`LayerChoice`); what it would time is this very call, the cuBLAS way of the
+        residual writers adding into a copy of the residual."""
         if x.shape[0] > self.choice.max_rows:
-            return False
-        name = op if bias is None else f"{op}+bias"
+            return None
+        gate_up = op == "norm_gate_up"
+        m, k = x.shape
+        n_out = weight.shape[0] // 2 if gate_up else weight.shape[0]
+        sms = self.gemm.num_sms(x.device)
+        if x.device.type == "cuda":
+            candidates = self.gemm.tile_candidates(m, n_out, k, x.dtype, gate_up, sms)
+        else:  # the interpreter's tiles
+            candidates = [self.gemm.choose_config(m, n_out, k, x.dtype, gate_up, False, sms)]
 
-        def run_triton() -> object:
+        def run_triton(config: LinearConfig) -> torch.Tensor:
             if op == "linear_residual":
-                return self.gemm.linear_residual(x, weight, residual, bias)
-            return getattr(self.gemm, op)(x, weight, eps, bias)
+                return self.gemm.linear_residual(x, weight, residual, bias, config=config)
+            return getattr(self.gemm, op)(x, weight, eps, bias, config=config)
 
         scratch: list[torch.Tensor] = []
 
         def run_cublas() -> object:
             if op == "norm_linear":
                 return self._cublas_qkv(x, weight, eps, bias)
-            if op == "norm_gate_up":
+            if gate_up:
                 return self._cublas_gate_up(x, weight, eps, bias)
             if not scratch:  # adds into a copy: the real residual stays as it is
                 assert residual is not None
@@ -138,7 +153,15 @@ class FusedLayer:
                 return scratch[0] + F.linear(x, weight, bias)
             return scratch[0].addmm_(x, weight.t())
 
-        return self.choice.use_triton(name, x, weight, run_triton, run_cublas)
+        def expected() -> torch.Tensor:
+            if op == "linear_residual":
+                return reference.linear_residual(x, weight, residual, bias)
+            return getattr(reference, op)(x, weight, eps, bias)
+
+        name = op if bias is None else f"{op}+bias"
+        return self.choice.launch_shape(
+            name, x, weight, candidates, run_triton, run_cublas, expected
+        )
 
     def _cublas_qkv(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None

@@ -95,6 +95,14 @@ GPU_TILES: dict[int, tuple[int, int, int, int, int]] = {
     128: (64, 64, 64, 4, 4),
     256: (64, 64, 64, 4, 4),
 }
+# More tiles a shape of 65..256 rows may take where the fused layer times its candidates
+# (layer_choice.py): 128 token rows a tile read the weights half as often as 64 at 256 rows,
+# with one warpgroup (4 warps; no 8-warp tile, see above). Not yet measured on the H200.
+WIDE_TILES: tuple[tuple[int, int, int, int, int], ...] = (
+    (128, 64, 64, 4, 3),
+    (128, 64, 128, 4, 3),
+    (64, 128, 64, 4, 3),
+)
 FP32_TILES = (16, 64, 32, 4, 3)  # IEEE fp32 products on FMA units: small K steps
 INTERPRETER_TILES = (16, 16, 32, 1, 1)  # small, so test shapes cross tile borders
 MAX_SPLIT = 16
@@ -163,17 +171,43 @@ def choose_config(
     :data:`MIN_K_PER_SPLIT` columns (two K steps in the interpreter), and the workspace fits.
     """
     if not on_gpu:
-        bm, bn, bk, warps, stages = INTERPRETER_TILES
-        min_k = 2 * bk
+        tile = INTERPRETER_TILES
     elif dtype == torch.float32:
-        bm, bn, bk, warps, stages = FP32_TILES
-        min_k = MIN_K_PER_SPLIT
+        tile = FP32_TILES
     else:
-        bucket = min((b for b in GPU_TILES if b >= m), default=max(GPU_TILES))
-        bm, bn, bk, warps, stages = GPU_TILES[bucket]
-        min_k = MIN_K_PER_SPLIT
-        if gate_up and stages > 4:  # two weight tiles a stage
-            stages = 4
+        tile = GPU_TILES[min((b for b in GPU_TILES if b >= m), default=max(GPU_TILES))]
+    return with_split(tile, m, n, k, gate_up, on_gpu, num_sms)
+
+
+def tile_candidates(
+    m: int, n: int, k: int, dtype: torch.dtype, gate_up: bool, num_sms: int
+) -> list[LinearConfig]:
+    """The launch shapes a GPU call of ``m`` rows may take, the table's first
+    (:func:`choose_config`), then for 65..256 rows of bf16/fp16 the :data:`WIDE_TILES`, each
+    with its K split by the same rule; the fused layer times them (``layer_choice.py``)."""
+    configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
+    if dtype != torch.float32 and 64 < m <= 256:
+        configs += [with_split(t, m, n, k, gate_up, True, num_sms) for t in WIDE_TILES]
+    return list(dict.fromkeys(configs))  # in order, without repeats
+
+
+def with_split(
+    tile: tuple[int, int, int, int, int],
+    m: int,
+    n: int,
+    k: int,
+    gate_up: bool,
+    on_gpu: bool,
+    num_sms: int,
+) -> LinearConfig:
+    """``tile`` ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)`` with its K split: doubled while
+    the grid has fewer than ``PROGRAMS_PER_SM * num_sms`` programs (``PROGRAMS_PER_SM_WIDE``
+    above 16 rows; a gate-up tile counts twice), each split keeping at least
+    :data:`MIN_K_PER_SPLIT` columns (two K steps in the interpreter), the workspace fitting."""
+    bm, bn, bk, warps, stages = tile
+    min_k = MIN_K_PER_SPLIT if on_gpu else 2 * bk
+    if on_gpu and gate_up and stages > 4:  # two weight tiles a stage
+        stages = 4
     tiles = triton.cdiv(n, bn) * triton.cdiv(max(m, 1), bm)
     weight = 2 if gate_up else 1
     per_sm = PROGRAMS_PER_SM if m <= 16 or not on_gpu else PROGRAMS_PER_SM_WIDE
@@ -372,7 +406,8 @@ def _fused_linear_kernel(
             tl.store(counter, 0)  # zero again for the next launch (or graph replay)
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The SMs of `device` (4 off the GPU, where the interpreter runs)."""
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -416,7 +451,7 @@ def _launch(
         return out
     on_gpu = x.device.type == "cuda"
     if config is None:
-        config = choose_config(m, n_out, k, x.dtype, gate_up, on_gpu, _num_sms(x.device))
+        config = choose_config(m, n_out, k, x.dtype, gate_up, on_gpu, num_sms(x.device))
     bm, bn, bk, split, warps, stages = config
     grid = (triton.cdiv(n_out, bn), triton.cdiv(m, bm), split)
     ws = workspace(x.device)

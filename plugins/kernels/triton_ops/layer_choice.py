@@ -1,21 +1,24 @@
-"""The fused layer's choice per op and shape: its Triton GEMM or cuBLAS, by timing on the device.
+"""The fused layer's choice per op and shape: a Triton launch shape or cuBLAS, by timing on the device.
 
 Each of the fused layer's projections (``norm_linear``, ``norm_gate_up``,
 ``linear_residual``: :mod:`.fused_linear`) can run as one Triton GEMM with the norm,
 activation or residual inside, or as cuBLAS with the row scale left to the op after it
-and the residual added by cuBLAS itself (:class:`pitstop.plugins.kernels.fused.FusedKernels`).
-Which is faster depends on the rows, the shape and the GPU: on the H200 (2026-12-04) the
-Triton GEMMs of a ``qwen3-0.6b`` step beat cuBLAS at 16 rows and lost at 64. So instead of
-one row limit for every shape, :meth:`LayerChoice.use_triton` times both on the call's own
-inputs the first time a shape is seen (outside a CUDA-graph capture: the runner runs each
-batch size once before capturing it), as replays of a CUDA graph of a few calls (so
-programmatic dependent launch overlaps them as in a layer), and keeps the faster in memory
-and in ``fused_layer.json`` under :func:`.tuning.cache_dir` (keyed by op, row bucket,
-shape, dtype, device name and Triton version), as the fused MoE op's tiles are.
+and the residual added by cuBLAS itself (:mod:`pitstop.plugins.kernels.fused_layer`).
+Which is faster depends on the rows, the shape, the tile and the GPU: on the H200
+(2026-12-04) the Triton GEMMs of a ``qwen3-0.6b`` step, in their 64-row tiles, beat cuBLAS
+at 16 rows and lost at 64. So :meth:`LayerChoice.launch_shape` times, the first time a
+shape is seen on a GPU (outside a CUDA-graph capture: the runner runs each batch size once
+before capturing it), the cuBLAS way and every Triton launch shape of
+:func:`.fused_linear.tile_candidates` on the call's own inputs, each as replays of a CUDA
+graph of a few calls (programmatic dependent launch overlaps them as in a layer), after
+checking each Triton shape's output against the reference (one that disagrees is dropped
+and logged). The fastest is kept in memory and in ``fused_layer.json`` under
+:func:`.tuning.cache_dir` (keyed by op, row bucket, shape, dtype, device name and Triton
+version), as the fused MoE op's tiles are. Rows above ``tune_rows`` take cuBLAS, untimed.
 
-Where nothing can be timed (Triton's interpreter, no CUDA, a capture that meets an untimed
-shape, or timing turned off) the rule is the setting's row limit alone: Triton up to
-``max_rows`` rows. Above ``max_rows`` it is always cuBLAS, untimed.
+Where nothing can be timed (Triton's interpreter, no CUDA, timing off, or a capture that
+meets an untimed shape) the rule is ``static_rows``: the table's launch shape
+(:func:`.fused_linear.choose_config`) up to that many rows, cuBLAS above.
 """
 
 from __future__ import annotations
@@ -28,10 +31,17 @@ import torch
 import triton
 
 from pitstop.plugins.kernels.triton_ops import tuning
+from pitstop.plugins.kernels.triton_ops.fused_linear import LinearConfig
 
 logger = logging.getLogger(__name__)
 
 CALLS_PER_GRAPH = 4  # calls of an op in one timed graph (PDL chains them, as in a layer)
+CUBLAS = "cublas"  # the stored choice of cuBLAS
+# the largest relative error (max |out - reference| / max |reference|) a timed Triton launch
+# shape may show on the call's inputs before it is dropped
+CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+TritonRun = Callable[[LinearConfig], torch.Tensor]
 
 
 def bucket_rows(rows: int) -> int:
@@ -40,25 +50,33 @@ def bucket_rows(rows: int) -> int:
 
 
 class LayerChoice:
-    """Triton or cuBLAS for each fused-layer op and shape (see the module docstring)."""
+    """A Triton launch shape, or cuBLAS, for each fused-layer op and shape (module docstring)."""
 
     FILE = "fused_layer.json"
 
     def __init__(
         self,
-        max_rows: int,
+        static_rows: int,
+        tune_rows: int,
         timed: bool,
         directory: Path | None = None,
         timer: Callable[[Callable[[], object], int], float] = tuning.time_replays,
     ) -> None:
-        """``max_rows``: the most rows the Triton GEMMs run (and the rule where nothing is
-        timed); ``timed``: time each shape on a GPU (``fused.layer_tune``); ``timer``: ms per
-        call of a function run that many times a graph (:func:`.tuning.time_replays`)."""
-        self.max_rows, self.timed, self.timer = max_rows, timed, timer
+        """``static_rows``: Triton up to this many rows where nothing is timed
+        (``fused.layer_rows``); ``tune_rows``: the most rows timed (``fused.layer_tune_rows``);
+        ``timed``: time on a GPU (``fused.layer_tune``); ``timer``: ms per call of a function
+        run that many times a graph (:func:`.tuning.time_replays`)."""
+        self.static_rows, self.tune_rows, self.timed = static_rows, tune_rows, timed
+        self.timer = timer
         self.directory = Path(directory) if directory is not None else tuning.cache_dir("fused")
         self._store = tuning.JsonStore(self.directory, self.FILE)
-        self._memory: dict[str, bool] = {}
+        self._memory: dict[str, LinearConfig | None] = {}
         self._logged = False
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows any Triton launch may take (a cheap test before anything else)."""
+        return max(self.static_rows, self.tune_rows) if self.timed else self.static_rows
 
     @staticmethod
     def key(op: str, x: torch.Tensor, weight: torch.Tensor, device_name: str) -> str:
@@ -67,41 +85,52 @@ class LayerChoice:
         dtype = str(x.dtype).removeprefix("torch.")
         return f"{op}|{shape}|{dtype}|{device_name}|triton {triton.__version__}"
 
-    def use_triton(
+    def launch_shape(
         self,
         op: str,
         x: torch.Tensor,
         weight: torch.Tensor,
-        run_triton: Callable[[], object],
+        candidates: list[LinearConfig],
+        run_triton: TritonRun,
         run_cublas: Callable[[], object],
-    ) -> bool:
-        """Whether ``op`` on ``x [M, K]`` and ``weight [N, K]`` runs the Triton GEMM: never
-        above ``max_rows``; else the cached choice of its shape, or (first sight, on a GPU,
-        outside a capture) the faster of ``run_triton`` and ``run_cublas`` (each a call of
-        the op one way, on these inputs), or, where nothing can be timed, yes."""
-        if x.shape[0] > self.max_rows:
-            return False
+        expected: Callable[[], torch.Tensor],
+    ) -> LinearConfig | None:
+        """The Triton launch shape ``op`` runs for ``x [M, K]`` and ``weight [N, K]``, or None for
+        cuBLAS. ``candidates``: the Triton shapes to time (the table's first, the untimed
+        answer); ``run_triton(config)`` / ``run_cublas()``: a call of the op each way on these
+        inputs; ``expected()``: the op's reference result, which a Triton shape must match."""
+        rows = x.shape[0]
         if not self.timed or not self.can_time(x):
-            return True
+            return candidates[0] if rows <= self.static_rows else None
+        if rows > self.tune_rows:
+            return None
         key = self.key(op, x, weight, self.device_name(x))
-        hit = self._memory.get(key)
-        if hit is None:
-            stored = self._store.read().get(key)
-            hit = stored if isinstance(stored, bool) else None
-        if hit is None and self.capturing():
+        if key in self._memory:
+            return self._memory[key]
+        found, choice = self._stored(key)
+        if not found and self.capturing():
             if not self._logged:
                 self._logged = True
                 logger.warning(
                     "fused layer: %s first seen inside a CUDA graph capture: Triton up to %d "
                     "rows, untimed (run each batch size once before capturing)",
                     key,
-                    self.max_rows,
+                    self.static_rows,
                 )
-            return True
-        if hit is None:
-            hit = self._time(key, run_triton, run_cublas)
-        self._memory[key] = hit
-        return hit
+            return candidates[0] if rows <= self.static_rows else None
+        if not found:
+            choice = self._time(key, x.dtype, candidates, run_triton, run_cublas, expected)
+        self._memory[key] = choice
+        return choice
+
+    def _stored(self, key: str) -> tuple[bool, LinearConfig | None]:
+        """(whether the file has ``key``, its choice)."""
+        entry = self._store.read().get(key)
+        if entry == CUBLAS:
+            return True, None
+        if isinstance(entry, list) and len(entry) == len(LinearConfig._fields):
+            return True, LinearConfig(*(int(v) for v in entry))
+        return False, None
 
     def can_time(self, x: torch.Tensor) -> bool:
         """Whether ``x``'s device can time a kernel (a CUDA device)."""
@@ -116,23 +145,38 @@ class LayerChoice:
         return torch.cuda.is_current_stream_capturing()
 
     def _time(
-        self, key: str, run_triton: Callable[[], object], run_cublas: Callable[[], object]
-    ) -> bool:
-        """Time both ways; keep and return whether Triton was faster (a Triton launch that
-        fails, e.g. for want of shared memory, counts as slower)."""
-        cublas = self.timer(run_cublas, CALLS_PER_GRAPH)
-        try:
-            fused = self.timer(run_triton, CALLS_PER_GRAPH)
-        except Exception as err:  # noqa: BLE001 - a launch that cannot run loses
-            logger.info("fused layer: %s: the Triton GEMM failed to run (%s): cuBLAS", key, err)
-            fused = float("inf")
-        faster = fused < cublas
+        self,
+        key: str,
+        dtype: torch.dtype,
+        candidates: list[LinearConfig],
+        run_triton: TritonRun,
+        run_cublas: Callable[[], object],
+        expected: Callable[[], torch.Tensor],
+    ) -> LinearConfig | None:
+        """Time cuBLAS and every candidate that runs and matches ``expected``; keep the fastest."""
+        timings: list[tuple[float, str, LinearConfig | None]] = [
+            (self.timer(run_cublas, CALLS_PER_GRAPH), CUBLAS, None)
+        ]
+        want = expected().float()
+        scale = max(float(want.abs().max()), 1e-30)
+        for config in candidates:
+            try:
+                err = float((run_triton(config).float() - want).abs().max()) / scale
+                if not err <= CHECK_TOLERANCE.get(dtype, 4e-2):  # NaN fails too
+                    logger.warning("fused layer: %s: %s off by %.3g: dropped", key, config, err)
+                    continue
+                ms = self.timer(lambda config=config: run_triton(config), CALLS_PER_GRAPH)
+            except Exception as exc:  # noqa: BLE001 - a launch that cannot run is dropped
+                logger.info("fused layer: %s: %s failed to run (%s): dropped", key, config, exc)
+                continue
+            timings.append((ms, str(tuple(config)), config))
+        ms, name, best = min(timings, key=lambda t: t[0])
         logger.info(
-            "fused layer: %s: Triton %.2f us, cuBLAS %.2f us: %s",
+            "fused layer: %s: %s at %.2f us (cuBLAS %.2f us)",
             key,
-            fused * 1e3,
-            cublas * 1e3,
-            "Triton" if faster else "cuBLAS",
+            name,
+            ms * 1e3,
+            timings[0][0] * 1e3,
         )
-        self._store.write(key, faster)
-        return faster
+        self._store.write(key, CUBLAS if best is None else list(best))
+        return best

@@ -33,8 +33,10 @@ from pitstop.plugin_system.plugin_manager import get_plugin_manager  # noqa: E40
 from pitstop.plugin_system.protocols import KernelSetBase, RotaryCache  # noqa: E402
 from pitstop.plugins.kernels import reference  # noqa: E402
 from pitstop.plugins.kernels.fused import FusedKernels  # noqa: E402
+from pitstop.plugins.kernels.triton_ops.fused_linear import LinearConfig  # noqa: E402
 from pitstop.plugins.kernels.triton_ops.layer_choice import (  # noqa: E402
     CALLS_PER_GRAPH,
+    CUBLAS,
     LayerChoice,
 )
 from pitstop.testing.kernels import paged_metadata  # noqa: E402
@@ -199,6 +201,9 @@ def test_a_set_without_the_capability_never_defers() -> None:
 
 # ---------------------------------------------------------------- the choice, timed
 
+A = LinearConfig(16, 16, 32, 1, 1, 1)
+B = LinearConfig(32, 16, 32, 1, 1, 1)
+
 
 class TimedOnCpu(LayerChoice):
     """A :class:`LayerChoice` that 'times' on the CPU with a given timer (no GPU here)."""
@@ -215,81 +220,87 @@ class TimedOnCpu(LayerChoice):
         return self.capturing_now
 
 
-def _timer(times: dict[str, float], calls: list[str]):
-    """A timer that runs the function once (it must run) and reports ``times[its name]``."""
+class Ways:
+    """The two ways of an op, recording what ran; a timer reporting each way's given time."""
 
-    def timer(fn, n: int) -> float:
+    def __init__(self, times: dict[str, float], outputs: dict[str, torch.Tensor] | None = None):
+        self.times, self.outputs, self.ran = times, outputs or {}, []
+        self.expected = torch.ones(3, 4)
+
+    def triton(self, config: LinearConfig) -> torch.Tensor:
+        name = f"triton{tuple(config)}"
+        self.ran.append(name)
+        out = self.outputs.get(name, self.expected)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def cublas(self) -> None:
+        self.ran.append("cublas")
+
+    def timer(self, fn, n: int) -> float:
         assert n == CALLS_PER_GRAPH
         fn()
-        calls.append(fn.__name__)
-        return times[fn.__name__]
+        return self.times[self.ran[-1]]
 
-    return timer
-
-
-def _noop() -> None:
-    pass
+    def choose(self, choice: LayerChoice, rows: int, op: str = "norm_linear"):
+        x, w = torch.zeros(rows, 32), torch.zeros(48, 32)
+        return choice.launch_shape(
+            op, x, w, [A, B], self.triton, self.cublas, lambda: self.expected
+        )
 
 
 def test_the_choice_is_timed_once_per_shape_and_kept_on_disk(tmp_path: Path) -> None:
-    """First sight of a shape: both ways timed on the call's inputs, the faster kept (in
-    memory and in the JSON file); the same shape again, or a rows count of the same bucket,
-    or another process reading the file: no timing. Above ``max_rows``: cuBLAS, untimed."""
-    calls: list[str] = []
-    timer = _timer({"run_triton": 1.0, "run_cublas": 2.0}, calls)
-    choice = TimedOnCpu(64, True, tmp_path, timer=timer)
-    w = torch.zeros(48, 32)
-
-    def run_triton() -> None:
-        pass
-
-    def run_cublas() -> None:
-        pass
-
-    assert choice.use_triton("norm_linear", torch.zeros(5, 32), w, run_triton, run_cublas)
-    assert calls == ["run_cublas", "run_triton"]
-    assert choice.use_triton("norm_linear", torch.zeros(7, 32), w, run_triton, run_cublas)
-    assert calls == ["run_cublas", "run_triton"], "rows 5 and 7 share the bucket 8"
-    key = LayerChoice.key("norm_linear", torch.zeros(5, 32), w, "Fake GPU")
+    """First sight of a shape: cuBLAS and every Triton launch shape timed on the call's inputs,
+    the fastest kept (in memory and in the JSON file); the same bucket again, or another
+    process reading the file: no timing. Above ``tune_rows``: cuBLAS, untimed; timing off:
+    the table's shape up to ``static_rows``."""
+    ways = Ways({"cublas": 2.0, f"triton{tuple(A)}": 3.0, f"triton{tuple(B)}": 1.0})
+    choice = TimedOnCpu(4, 64, True, tmp_path, timer=ways.timer)
+    assert ways.choose(choice, 5) == B
+    timed = list(ways.ran)
+    assert ways.choose(choice, 7) == B and ways.ran == timed, "rows 5 and 7: the bucket 8"
+    key = LayerChoice.key("norm_linear", torch.zeros(5, 32), torch.zeros(48, 32), "Fake GPU")
     assert key.startswith("norm_linear|M8-N48-K32|float32|Fake GPU|triton ")
-    assert json.loads((tmp_path / LayerChoice.FILE).read_text()) == {key: True}
-    fresh = TimedOnCpu(64, True, tmp_path, timer=_timer({}, calls))
-    assert fresh.use_triton("norm_linear", torch.zeros(8, 32), w, run_triton, run_cublas)
-    assert not choice.use_triton("norm_linear", torch.zeros(65, 32), w, run_triton, run_cublas)
-    assert calls == ["run_cublas", "run_triton"]
-    slower = TimedOnCpu(
-        64, True, tmp_path, timer=_timer({"run_triton": 3.0, "run_cublas": 2.0}, [])
+    assert json.loads((tmp_path / LayerChoice.FILE).read_text()) == {key: list(B)}
+    fresh = TimedOnCpu(4, 64, True, tmp_path, timer=ways.timer)
+    assert ways.choose(fresh, 8) == B and ways.ran == timed, "read from the file"
+    assert ways.choose(choice, 65) is None and ways.ran == timed, "above tune_rows"
+    slow = Ways({"cublas": 1.0, f"triton{tuple(A)}": 3.0, f"triton{tuple(B)}": 2.0})
+    assert slow.choose(TimedOnCpu(4, 64, True, tmp_path, timer=slow.timer), 3, "x") is None
+    assert (
+        json.loads((tmp_path / LayerChoice.FILE).read_text())[
+            LayerChoice.key("x", torch.zeros(3, 32), torch.zeros(48, 32), "Fake GPU")
+        ]
+        == CUBLAS
     )
-    assert not slower.use_triton("norm_gate_up", torch.zeros(5, 32), w, run_triton, run_cublas)
+    off = Ways({})
+    untimed = TimedOnCpu(4, 64, False, tmp_path / "off", timer=off.timer)
+    assert off.choose(untimed, 4) == A and off.choose(untimed, 5) is None and off.ran == []
 
 
-def test_a_failing_triton_way_loses_and_a_capture_is_never_timed(
+def test_a_wrong_or_failing_triton_shape_is_dropped_and_a_capture_is_never_timed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A Triton GEMM that raises (too much shared memory, say) counts as slower; inside a
-    CUDA-graph capture an untimed shape takes the row limit's answer (Triton), logged once,
-    and nothing is stored; ``timed`` off never times."""
-    w = torch.zeros(16, 8)
-
-    def run_triton() -> None:
-        raise RuntimeError("out of resources")
-
-    def run_cublas() -> None:
-        pass
-
-    calls: list[str] = []
-    choice = TimedOnCpu(64, True, tmp_path, timer=_timer({"run_cublas": 5.0}, calls))
-    assert not choice.use_triton("linear_residual", torch.zeros(2, 8), w, run_triton, run_cublas)
-    capture = TimedOnCpu(64, True, tmp_path / "other", timer=_timer({}, calls))
-    capture.capturing_now = True
+    """A Triton launch shape whose output disagrees with the reference, or that raises (too
+    much shared memory, say), is dropped even when it would be fastest; inside a CUDA-graph
+    capture an untimed shape takes the ``static_rows`` rule, logged once, nothing stored."""
+    outputs = {
+        f"triton{tuple(A)}": torch.full((3, 4), 1.5),
+        f"triton{tuple(B)}": RuntimeError("smem"),
+    }
+    ways = Ways({"cublas": 5.0, f"triton{tuple(A)}": 1.0, f"triton{tuple(B)}": 1.0}, outputs)
     with caplog.at_level(logging.WARNING):
-        for rows in (3, 30):
-            assert capture.use_triton("norm_linear", torch.zeros(rows, 8), w, _noop, _noop)
+        assert ways.choose(TimedOnCpu(4, 64, True, tmp_path, timer=ways.timer), 2) is None
+    assert any("off by 0.5: dropped" in r.message for r in caplog.records)
+    capture = TimedOnCpu(4, 64, True, tmp_path / "other", timer=ways.timer)
+    capture.capturing_now = True
+    ran = list(ways.ran)
+    with caplog.at_level(logging.WARNING):
+        assert ways.choose(capture, 3) == A and ways.choose(capture, 30) is None
+    assert ways.ran == ran
     assert sum("inside a CUDA graph capture" in r.message for r in caplog.records) == 1
     assert not (tmp_path / "other" / LayerChoice.FILE).exists()
-    off = TimedOnCpu(64, False, tmp_path / "off", timer=_timer({}, calls))
-    assert off.use_triton("norm_linear", torch.zeros(3, 8), w, run_triton, run_cublas)
-    assert calls == ["run_cublas"]
 
 
 @pytest.mark.parametrize("triton_wins", [True, False])
@@ -300,8 +311,14 @@ def test_the_layer_runs_the_chosen_way_and_times_on_scratch(
     the row scale deferred and the residual added in place; timing the cuBLAS way of the
     residual writers adds into a copy, never into the real residual."""
     ks = _fused(torch.float32)
-    times = {"run_triton": 1.0 if triton_wins else 3.0, "run_cublas": 2.0}
-    ks._layer.choice = TimedOnCpu(64, True, tmp_path, timer=_timer(times, []))
+    seen: list[str] = []
+
+    def timer(fn, n: int) -> float:  # cuBLAS first, then the one (interpreter) launch shape
+        fn()
+        seen.append("triton" if len(seen) % 2 else "cublas")
+        return 2.0 if seen[-1] == "triton" else (3.0 if triton_wins else 1.0)
+
+    ks._layer.choice = TimedOnCpu(64, 64, True, tmp_path, timer=timer)
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(6, 32, generator=gen), torch.randn(48, 32, generator=gen)
     y, row_scale = ks.norm_linear_deferred(x, w, EPS)
@@ -319,3 +336,4 @@ def test_the_layer_runs_the_chosen_way_and_times_on_scratch(
         assert out.data_ptr() == residual.data_ptr(), "cuBLAS adds in place"
         _check(residual, reference.linear_residual(act, down, before), False, "added once")
     _check(ks.norm_gate_up(x, w, EPS), reference.norm_gate_up(x, w, EPS), False, "gate-up")
+    assert seen == ["cublas", "triton"] * 3, "each op timed once, both ways"

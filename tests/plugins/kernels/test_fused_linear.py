@@ -249,3 +249,21 @@ def test_pdl_is_off_here_and_in_the_interpreter() -> None:
     assert pdl.launch_kwargs(False) == {} and pdl.launch_kwargs(True) == {"launch_pdl": True}
     if DEVICE.type == "cpu":
         assert pdl.interpreted()
+
+
+def test_tile_candidates_add_the_wide_tiles_from_65_to_256_rows() -> None:
+    """What the fused layer times on a GPU: the table's launch shape first, then for 65..256
+    rows of bf16/fp16 the three wide tiles, each with its K split by the table's rule; fp32
+    and short steps only the table's."""
+    table = fl.choose_config(128, 4096, 1024, torch.bfloat16, False, True, 132)
+    wide = fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132)
+    assert wide[0] == table and len(wide) == 1 + len(fl.WIDE_TILES)
+    for cfg, tile in zip(wide[1:], fl.WIDE_TILES, strict=True):
+        assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == tile
+        assert cfg == fl.with_split(tile, 128, 4096, 1024, False, True, 132)
+    assert fl.tile_candidates(64, 4096, 1024, torch.bfloat16, False, 132) == [
+        fl.choose_config(64, 4096, 1024, torch.bfloat16, False, True, 132)
+    ]
+    assert len(fl.tile_candidates(256, 4096, 1024, torch.float32, False, 132)) == 1
+    down = fl.tile_candidates(256, 1024, 3072, torch.bfloat16, False, 132)
+    assert all(c.split_k >= 1 and c.num_warps == 4 for c in down)

@@ -146,6 +146,47 @@ def test_forced_splits_match(split: int) -> None:
     _close(out, ref_linear_residual(x, lay.w_o, res), torch.bfloat16, f"split {split}")
 
 
+@pytest.mark.parametrize("tile", fl.WIDE_TILES)
+@pytest.mark.parametrize("m", [128, 200, 256])
+def test_wide_tiles_match_float64_every_time(tile: tuple, m: int) -> None:
+    """The launch shapes the fused layer may time for 65..256 rows (128-token tiles, one
+    warpgroup): the four GEMMs of a qwen3-0.6b layer match float64, twenty times each (an
+    intermittently wrong tile, as 8-warp ones were under Triton 3.6, must fail here)."""
+    dt = torch.bfloat16
+    lay = Layer("qwen3-0.6b", dt)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    h = (3 * torch.randn(m, lay.hidden, generator=gen, device="cuda")).to(dt)
+    attn = torch.randn(m, lay.o_k, generator=gen, device="cuda").to(dt)
+    act = torch.randn(m, lay.f, generator=gen, device="cuda").to(dt)
+    sms = fl.num_sms(h.device)
+    cfg = {
+        op: fl.with_split(tile, m, n, k, op == "gate_up", True, sms)
+        for op, n, k in (
+            ("qkv", lay.qkv_n, lay.hidden),
+            ("o", lay.hidden, lay.o_k),
+            ("gate_up", lay.f, lay.hidden),
+            ("down", lay.hidden, lay.f),
+        )
+    }
+    want = {
+        "qkv": ref_norm_linear(h, lay.w_qkv),
+        "o": ref_linear_residual(attn, lay.w_o, h),
+        "gate_up": ref_norm_gate_up(h, lay.w_gu),
+        "down": ref_linear_residual(act, lay.w_down, h),
+    }
+    for i in range(20):
+        got = {
+            "qkv": fl.norm_linear(h, lay.w_qkv, EPS, config=cfg["qkv"]),
+            "o": fl.linear_residual(attn, lay.w_o, h, config=cfg["o"]),
+            "gate_up": fl.norm_gate_up(h, lay.w_gu, EPS, config=cfg["gate_up"]),
+            "down": fl.linear_residual(act, lay.w_down, h, config=cfg["down"]),
+        }
+        for op, out in got.items():
+            _close(out, want[op], dt, f"{op} {cfg[op]} call {i}")
+    torch.cuda.synchronize()
+    assert (fl.workspace(h.device).counters == 0).all()
+
+
 def _layer_chain(lay: Layer, h: torch.Tensor, attn: torch.Tensor, use_pdl: bool):
     """QKV, o_proj (+ residual), gate-up, down (+ residual): one layer's GEMMs without attention."""
     qkv = fl.norm_linear(h, lay.w_qkv, EPS, pdl=use_pdl)
