@@ -107,7 +107,7 @@ def test_fused_layer_equals_unfused_through_chunks_and_decode(tmp_path: Path) ->
     folder = _checkpoint(tmp_path, "qwen3")
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (3, 17, 26)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     chunked = dict(scheduler="chunked", chunk_size=5)
     fused = _fused_llm(folder, **chunked).generate(prompt_token_ids=prompts, sampling_params=params)
     plain = LLM(

@@ -412,7 +412,8 @@ def test_fused_moe_off_runs_the_loop_and_no_cuda_graphs() -> None:
 SPLITS = (1, 2, 3, 4)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
+# split-K is out of the autotune (kept for moe_bench --split): fewer examples than the rest
+@settings(max_examples=5, deadline=None, derandomize=True)
 @given(
     t=st.integers(1, 20),
     e=st.integers(1, 8),
