@@ -43,7 +43,10 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/pending/}" ]; then
   BENCHES=${BENCHES/pending/rollout-exit layer prefill44 multiturn moe48 lora47}
   export MT_N=${MT_N:-360} MT_REPEATS=${MT_REPEATS:-1} MOE_WORKLOADS=${MOE_WORKLOADS:-single}
 fi
-for spec in ${BENCHES-nano single}; do
+# layer: the fused decoder layer's four parts (issue 44); its timed choices kept in one place
+BENCHES=$(echo " ${BENCHES-nano single} " | sed 's/ layer / layer-tests layer-profile layer-nano layer-single /g')
+export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/pitstop-cache}
+for spec in $BENCHES; do
   case $spec in
     nano) run nano offline --workload nano --kernels fused ;;
     # issue 20: the sampler's logits processors (penalties, bias, min_tokens, logprobs) per call
@@ -152,20 +155,20 @@ for _ in range(2):
     # issue 44: the decoder layer in six ops (fused.layer): the kernels' GPU tests, the skinny-GEMM
     # benchmark against cuBLAS, launches per decode layer from the profiler (graph kernels counted),
     # and nano / single with the layer fused beside unfused (benchmarks/workloads/fused-layer.toml)
-    layer) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/pitstop-cache}  # fused_layer.json: the timed choices
-      timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_fused_linear_gpu.py \
+    # (layer = layer-tests layer-profile layer-nano layer-single: about 4, 4, 4 and 3 minutes)
+    layer-tests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_fused_linear_gpu.py \
         tests/plugins/kernels/test_fused_layer.py tests/plugins/kernels/test_fused_gpu.py 2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -15
       echo "== fused_linear_bench"; timeout ${LAYER_BENCH_TIMEOUT:-240} python3 benchmarks/fused_linear_bench.py \
-        --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60}
-      # launches per decode layer: 256 rows (cuBLAS, seven ops) and 16 rows (Triton, six), the
-      # decode merge separate or in the last program
-      i=0; for opt in "" "--option fused.layer=true" "--option fused.layer=true --option fused.decode_merge=last-program" \
+        --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60} ;;
+    # launches per decode layer: 256 rows (cuBLAS or the timed Triton shape) and 16 rows, the decode
+    # merge separate or in the last program
+    layer-profile) i=0; for opt in "" "--option fused.layer=true" "--option fused.layer=true --option fused.decode_merge=last-program" \
           "--batch 16 --option fused.layer=true --option fused.decode_merge=last-program"; do i=$((i + 1))
         echo "== profile nano-decode ${opt:-(layer unfused)}"
         timeout 300 python3 benchmarks/kernel_profile.py --scenario nano-decode $opt --json "$OUT/profile-layer-$i.json" \
-          2>"$OUT/profile-layer-$i.log" | grep -E "launches|^\|" | head -16; done
-      run layer-nano offline --workload nano --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml
-      run layer-single offline --workload single --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml
+          2>"$OUT/profile-layer-$i.log" | grep -E "launches|^\|" | head -16; done ;;
+    layer-nano|layer-single) w=${spec#layer-}
+      run $spec offline --workload $w --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml
       cp "$PITSTOP_CACHE_DIR/fused_layer.json" "$OUT/" 2>/dev/null && echo "== fused_layer.json: $(grep -c '|' "$OUT/fused_layer.json") choices" ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
     # issue 15: the KV cache in fp8 (e4m3) beside bf16; kv_floor.py: fraction of the bf16 and fp8 floors
