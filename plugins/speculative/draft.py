@@ -64,6 +64,26 @@ if TYPE_CHECKING:
     from pitstop.speculation.speculative import ProposerContext
 
 
+def greedy_rows(
+    batch: Any, params: Seq[SamplingParams], device: torch.device
+) -> torch.Tensor | None:
+    """Which rows draft greedily, ``[B]`` bool on ``device``; None when all of them do.
+
+    Read off the standard sampler's batch (``all_greedy``, ``temperature`` already on the
+    device: no copy, no wait); any other sampler's batch is only what its own
+    ``probabilities`` reads, so the rows' parameters decide there (one small copy).
+    """
+    all_greedy = getattr(batch, "all_greedy", None)
+    if all_greedy is None:
+        all_greedy = all(is_greedy(p) for p in params)
+    if all_greedy:
+        return None
+    temperature = getattr(batch, "temperature", None)
+    if isinstance(temperature, torch.Tensor):
+        return temperature == 0.0
+    return torch.tensor([is_greedy(p) for p in params], dtype=torch.bool, device=device)
+
+
 @attrs.frozen
 class DraftSettings:
     """The settings of the ``draft`` proposer."""
@@ -303,14 +323,14 @@ class DraftProposer:
         params = [s.sampling_params or SamplingParams() for s in seqs]
         gens = [self._generator(s) for s in seqs]
         batch = runner.sampler.make_batch(params, gens)
-        if batch.all_greedy:  # greedy drafts need no distribution (the verifier takes point masses)
+        greedy = greedy_rows(batch, params, logits.device)
+        if greedy is None:  # greedy drafts need no distribution (the verifier takes point masses)
             tokens = logits.argmax(dim=-1)
             runner.last_sampled[: len(inputs)].copy_(tokens)
             runner.sampling.last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
             return tokens, [None] * len(inputs)
         q = runner.sampler.probabilities(logits, batch)
         tokens = exponential_race(q, gens, self._shared)
-        greedy = batch.temperature == 0.0  # on the device already: no copy, no wait
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         runner.last_sampled[: len(inputs)].copy_(tokens)
         runner.sampling.last_rows = {inp.seq_id: i for i, inp in enumerate(inputs)}
