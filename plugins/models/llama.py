@@ -147,7 +147,11 @@ class Attention(nn.Module):
         kn, cfg, linear = self.kernels, self.cfg, self.linear
         t = x.shape[0]
         row_scale = None
-        if norm_eps is not None:
+        if norm_eps is not None and cfg.qk_norm and not self.fuse_qk_norm:
+            # the q/k norms run before rope_and_store: the row scale cannot wait for it
+            qkv = kn.norm_linear(x, self.qkv_proj, norm_eps, self.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        elif norm_eps is not None:
             qkv, row_scale = self.norm_qkv(x, self.qkv_proj, norm_eps, self.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         elif self.merged:

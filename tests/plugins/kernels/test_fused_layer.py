@@ -65,20 +65,26 @@ CASES = {
     "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "qwen3-qk-norm-apart": ("qwen3", {}),
 }
 
 
 @pytest.mark.parametrize(
     "case,layer_rows",
-    [(case, 64) for case in CASES] + [("llama-biases", 0), ("qwen3", 0)],
+    [(case, 64) for case in CASES if case != "qwen3-qk-norm-apart"]
+    + [("llama-biases", 0), ("qwen3", 0), ("qwen3-qk-norm-apart", 0)],
 )
 def test_fused_layer_matches_transformers(tmp_path: Path, case: str, layer_rows: int) -> None:
-    """``layer_rows`` 0: every step takes the long-step path (cuBLAS, the row scale inside
-    rotary and SiLU·mul, the residual added in place; with biases, the scale before)."""
+    """``layer_rows`` 0: every step takes the cuBLAS way (the row scale inside rotary and
+    SiLU·mul, the residual added in place; with biases, or with Qwen3's q/k norms run apart
+    from rotary, ``fused.qk_norm`` off, the scale before the QKV GEMM)."""
     arch, overrides = CASES[case]
     folder = _checkpoint(tmp_path, arch, **overrides)
     hf = hf_model(folder)
-    llm = _fused_llm(folder, options={"fused.layer_rows": layer_rows})
+    options = {"fused.layer_rows": layer_rows}
+    if case == "qwen3-qk-norm-apart":
+        options["fused.qk_norm"] = False
+    llm = _fused_llm(folder, options=options)
     model = llm.engine.runner.model
     assert model.fused_layers and all(layer.fused for layer in model.layers)
     gen = torch.Generator().manual_seed(3)
