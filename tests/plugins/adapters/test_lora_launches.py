@@ -32,8 +32,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from helpers.checkpoints import greedy_continuation, hf_model, save_random_lora  # noqa: E402
+from helpers.launches import KernelLaunches, count_triton_launches  # noqa: E402
 from helpers.models import make_tiny_checkpoint  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from pitstop import LLM, LoRARequest, SamplingParams  # noqa: E402
 
@@ -46,59 +46,34 @@ from pitstop.plugins.kernels.triton_ops import lora as lora_ops  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAUNCHES_PER_LAYER = 4  # LoRA'd projections a layer: qkv, o, gate_up, down
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# aten ops that launch nothing: allocations and metadata
-FREE = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "sym_size", "sym_stride"}
 
 
-class Launches(TorchDispatchMode):
+class Launches(KernelLaunches):
     """Counts the LoRA ops' Triton launches and kernel-launching torch ops inside the hook."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.triton: Counter[str] = Counter()
-        self.torch: Counter[str] = Counter()
         self.hook_calls = 0
         self.steps = 0
-        self._in_triton = 0
-        self._in_hook = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func.overloadpacket.__name__
-        if self._in_hook and not self._in_triton and not func.is_view and name not in FREE:
-            self.torch[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch):
     """A :class:`Launches` over everything run inside the ``with``-less test body."""
     counter = Launches()
-    get_item = triton.runtime.jit.KernelInterface.__getitem__
-
-    def counted_getitem(kernel: Any, grid: Any) -> Any:
-        launch = get_item(kernel, grid)
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if kernel.fn.__module__ == lora_ops.__name__:  # not the base model's (on CUDA)
-                counter.triton[kernel.fn.__name__] += 1
-            counter._in_triton += 1
-            try:
-                return launch(*args, **kwargs)
-            finally:
-                counter._in_triton -= 1
-
-        return run
-
-    monkeypatch.setattr(triton.runtime.jit.KernelInterface, "__getitem__", counted_getitem)
+    # not the base model's (on CUDA): the LoRA ops' kernels only
+    count_triton_launches(
+        monkeypatch, counter, lambda kernel: kernel.fn.__module__ == lora_ops.__name__
+    )
     hook = lora_slots.LoRASlots._add_delta
 
     def counted_hook(self: Any, *args: Any) -> Any:
         counter.hook_calls += 1
-        counter._in_hook += 1
+        counter.scope += 1
         try:
             return hook(self, *args)
         finally:
-            counter._in_hook -= 1
+            counter.scope -= 1
 
     monkeypatch.setattr(lora_slots.LoRASlots, "_add_delta", counted_hook)
     prepare = lora_slots.LoRASlots._prepare

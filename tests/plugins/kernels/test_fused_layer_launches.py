@@ -22,7 +22,6 @@ figure; this test keeps the structure from regressing on any machine.
 from __future__ import annotations
 
 import os
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -32,60 +31,21 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
 
 import pytest  # noqa: E402
+from helpers.launches import KernelLaunches, count_triton_launches  # noqa: E402
 from helpers.models import make_tiny_checkpoint  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from pitstop import LLM, SamplingParams  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# aten ops that launch nothing: allocations and metadata
-FREE = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "sym_size", "sym_stride"}
-FREE |= {"promote_types"}  # a dtype computation, no kernel
-
-
-class LayerLaunches(TorchDispatchMode):
-    """Launches inside decoder layers: Triton kernels by name, kernel-launching torch ops."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.triton: Counter[str] = Counter()
-        self.torch: Counter[str] = Counter()
-        self.in_layer = 0
-        self.in_triton = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func.overloadpacket.__name__
-        if self.in_layer and not self.in_triton and not func.is_view and name not in FREE:
-            self.torch[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.triton.values()) + sum(self.torch.values())
 
 
 @pytest.fixture
-def count(monkeypatch: pytest.MonkeyPatch) -> LayerLaunches:
-    counter = LayerLaunches()
-    get_item = triton.runtime.jit.KernelInterface.__getitem__
-
-    def counted_getitem(kernel: Any, grid: Any) -> Any:
-        launch = get_item(kernel, grid)
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if counter.in_layer:
-                counter.triton[kernel.fn.__name__] += 1
-            counter.in_triton += 1
-            try:
-                return launch(*args, **kwargs)
-            finally:
-                counter.in_triton -= 1
-
-        return run
-
-    monkeypatch.setattr(triton.runtime.jit.KernelInterface, "__getitem__", counted_getitem)
+def count(monkeypatch: pytest.MonkeyPatch) -> KernelLaunches:
+    """Launches inside decoder layers (``scope``, switched by the layers' hooks)."""
+    counter = KernelLaunches()
+    count_triton_launches(monkeypatch, counter, lambda kernel: counter.scope > 0)
     return counter
 
 
@@ -94,7 +54,7 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("launches"), "qwen3")
 
 
-def _per_layer(folder: Path, counter: LayerLaunches, options: dict[str, Any]) -> float:
+def _per_layer(folder: Path, counter: KernelLaunches, options: dict[str, Any]) -> float:
     """Launches per layer and decode step: a batch of 4 prompts prefilled, then only decode
     steps counted (hooks on every layer switch the counting on)."""
     llm = LLM(
@@ -112,12 +72,12 @@ def _per_layer(folder: Path, counter: LayerLaunches, options: dict[str, Any]) ->
 
     def pre(module: Any, args: Any) -> None:
         if decoding["on"]:
-            counter.in_layer += 1
+            counter.scope += 1
             decoding["layer_calls"] += 1
 
     def post(module: Any, args: Any, out: Any) -> None:
         if decoding["on"]:
-            counter.in_layer -= 1
+            counter.scope -= 1
 
     for layer in model.layers:
         layer.register_forward_pre_hook(pre)
@@ -151,7 +111,7 @@ def _per_layer(folder: Path, counter: LayerLaunches, options: dict[str, Any]) ->
     ids=["triton", "cublas", "unfused"],
 )
 def test_launches_per_decode_layer(
-    qwen3: Path, count: LayerLaunches, options: dict[str, Any], launches: int
+    qwen3: Path, count: KernelLaunches, options: dict[str, Any], launches: int
 ) -> None:
     got = _per_layer(qwen3, count, options)
     detail = f"Triton {dict(count.triton)}, torch {dict(count.torch)}"
