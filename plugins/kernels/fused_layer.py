@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 RowScale = tuple[torch.Tensor, float]
 
 
+def _defers(eps: float | None, bias: torch.Tensor | None) -> bool:
+    """Whether the cuBLAS way leaves the row scale to the op after the GEMM: there is a norm
+    and no bias (a bias comes after the scale, so with one the scale runs first)."""
+    return eps is not None and bias is None
+
+
 class FusedLayer:
     """The three fused-layer projections, each Triton or cuBLAS (see the module docstring)."""
 
@@ -72,9 +78,8 @@ class FusedLayer:
         config = self._config("norm_linear", x, weight, eps, bias)
         if config is not None:
             return self.gemm.norm_linear(x, weight, eps, bias, config=config), None
-        if eps is not None and bias is None:
-            return F.linear(x, weight), (x, eps)
-        return F.linear(self.row_scaled(x, eps), weight, bias), None
+        deferred = (x, eps) if _defers(eps, bias) else None
+        return self._cublas_qkv(x, weight, eps, bias), deferred
 
     # ------------------------------------------------------------------ MLP
     def norm_gate_up(
@@ -89,7 +94,7 @@ class FusedLayer:
     def _cublas_gate_up(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if self.silu is not None and eps is not None and bias is None:
+        if self.silu is not None and _defers(eps, bias):
             return self.silu.silu_and_mul(F.linear(x, weight), (x, eps))
         return self.plain_silu(F.linear(self.row_scaled(x, eps), weight, bias))
 
@@ -168,6 +173,6 @@ class FusedLayer:
     ) -> torch.Tensor:
         """The cuBLAS way of the QKV projection, as timed: the raw GEMM where the scale is
         deferred, else the scale pass and the GEMM."""
-        if eps is not None and bias is None:
+        if _defers(eps, bias):
             return F.linear(x, weight)
         return F.linear(self.row_scaled(x, eps), weight, bias)

@@ -89,7 +89,7 @@ activation dtype).
 Tiles (:func:`choose_config`; the configs, plan and cache live in :mod:`.moe_tiles`): a
 short autotune at the first call of a shape bucket
 (``T`` rounded up to a power of two, with ``E``, ``k``, ``H``, ``F``), timing a handful of
-:class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`time_replays`;
+:class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`.tuning.time_replays`;
 split-K is not a candidate: it lost at every measured decode batch; at ``T <= 4`` the timed
 calls run the token-major down, so the config's tiles time the gate-up alone); the winner
 is cached in memory and on disk (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or
@@ -108,6 +108,7 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops import tuning
 from pitstop.plugins.kernels.triton_ops.moe_routing import (
     Grouping,
     align,
@@ -127,7 +128,6 @@ from pitstop.plugins.kernels.triton_ops.moe_tiles import (
     effective_split,
     known_config,
     launch_plan,
-    time_replays,
     token_major_tiles,
 )
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
@@ -159,7 +159,7 @@ def choose_config(
     key = config_key(x, t, top_k, gate_up)
 
     def measure(cfg: MoEConfig) -> float:
-        return time_replays(
+        return tuning.time_replays(
             lambda: experts(x, weights, ids, gate_up, down, config=cfg, scales=scales)
         )
 

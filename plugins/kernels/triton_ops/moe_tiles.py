@@ -5,7 +5,7 @@ autotune with its on-disk cache (no shipped tuning tables).
 which kernels a batch runs (:mod:`.moe` has the kernels); :func:`known_config` gives the
 tiles where nothing need be timed (cached, or :func:`heuristic_config` in Triton's
 interpreter and inside a CUDA-graph capture), and :func:`autotune` times candidates
-(:func:`candidates`, with :func:`time_replays`) and caches the winner in
+(:func:`candidates`, with :func:`.tuning.time_replays`) and caches the winner in
 :class:`ConfigCache` (JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed
 by the shape bucket, dtype, device name and Triton version). :func:`.moe.choose_config`
 ties them to the op's own inputs.
@@ -368,8 +368,3 @@ def known_config(
         )
         return heuristic_config(num_tokens, e, top_k, x.dtype, True)
     return None
-
-
-def time_replays(fn: Callable[[], object]) -> float:
-    """:func:`.tuning.time_replays` of one call a graph (the MoE autotune's timing)."""
-    return tuning.time_replays(fn)
