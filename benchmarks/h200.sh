@@ -168,7 +168,7 @@ for _ in range(2):
         timeout 300 python3 benchmarks/kernel_profile.py --scenario nano-decode $opt --json "$OUT/profile-layer-$i.json" \
           2>"$OUT/profile-layer-$i.log" | grep -E "launches|^\|" | head -16; done ;;
     layer-nano|layer-single) w=${spec#layer-}
-      run $spec offline --workload $w --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml
+      run $spec offline --workload $w --repeats ${LAYER_REPEATS:-2} --matrix benchmarks/workloads/fused-layer.toml ${LAYER_ONLY:+--only $LAYER_ONLY}
       cp "$PITSTOP_CACHE_DIR/fused_layer.json" "$OUT/" 2>/dev/null && echo "== fused_layer.json: $(grep -c '|' "$OUT/fused_layer.json") choices" ;;
     full500) run full500 online --workload longtail --max-batch-size 64 ${FULL_FLAGS:-} --matrix $ABLATION --only +chunked ;;
     # issue 15: the KV cache in fp8 (e4m3) beside bf16; kv_floor.py: fraction of the bf16 and fp8 floors

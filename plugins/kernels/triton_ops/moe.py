@@ -1,7 +1,8 @@
 """Fused mixture-of-experts: routing, grouping, two grouped GEMMs, a k-slot sum; no tuning tables.
 
-:func:`fused_moe` runs a sparse-MoE block's expert half in three to five launches, by
-batch (:func:`launch_plan`, the one place that decides; :attr:`LaunchPlan.launches`):
+:func:`fused_moe` runs a sparse-MoE block's expert half in five launches (:func:`launch_plan`,
+the one place that decides: the grouped path, measured fastest), or in the fewest a batch
+allows with ``plan=`` :func:`.moe_tiles.fewest_launches` (:attr:`LaunchPlan.launches`):
 
 - ``T <= TOKEN_MAJOR_TOKENS`` (4): **three** -- route+align (1+2 below), gate-up (3), down
   with the slot sum (4+5 below, token-major);
@@ -398,7 +399,7 @@ def _down_slot_sum_kernel(
     PDL: tl.constexpr,
 ):
     """``out[t, n] = sum_j rw[t, j] * (h[t*k + j] . down[e_j, n])``, ``e_j = ids[t, j]``: the
-    down GEMM token-major with the k-slot sum inside (few tokens: :func:`launch_plan`).
+    down GEMM token-major with the k-slot sum inside (few tokens: :func:`.moe_tiles.fewest_launches`).
 
     Program ``(t, c)``: token ``t``, columns ``n`` of tile ``c``. All ``TOPK`` slots in one
     ``[K_PAD, BLOCK_N, BLOCK_K]`` tile (each slot's row of ``h`` against its expert's

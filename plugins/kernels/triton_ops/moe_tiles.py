@@ -118,7 +118,25 @@ GROUPED = LaunchPlan(route_with_align=False, down_with_slot_sum=False)
 
 
 def launch_plan(num_tokens: int, top_k: int, config: MoEConfig | None = None) -> LaunchPlan:
-    """The kernels for ``num_tokens`` tokens at top-``top_k`` (the one place that decides).
+    """The kernels a :func:`.moe.fused_moe` call runs when none is named: :data:`GROUPED`
+    (five launches) at every batch.
+
+    Measured on an H100 on 2026-12-05 (``benchmarks/moe_bench.py``, Qwen3-30B-A3B's
+    shape, bf16, each path replayed from a CUDA graph): batch 1, the three launches of
+    :func:`fewest_launches` 53.7 us against the grouped path's 50.8; batch 8, its four
+    launches 207.9 us against 185.9. Launches chained by programmatic dependent launch
+    cost less than the slower kernels that merge them (one program routes and groups
+    all rows; the token-major down GEMM reads a token's k experts for that token
+    alone), so the fewer-launch paths stay selectable (``plan=``, ``moe_bench``) but are
+    not the default. ``num_tokens``, ``top_k`` and ``config`` are kept so that a later
+    measurement can move the choice here, the one place that decides.
+    """
+    del num_tokens, top_k, config
+    return GROUPED
+
+
+def fewest_launches(num_tokens: int, top_k: int, config: MoEConfig | None = None) -> LaunchPlan:
+    """The fewest kernels that can run ``num_tokens`` tokens at top-``top_k``.
 
     - Routing and grouping in one launch while one program groups the rows anyway, at
       most :data:`.moe_routing.ONE_PROGRAM_ROWS` flat rows ``T * k`` (``not
@@ -128,15 +146,10 @@ def launch_plan(num_tokens: int, top_k: int, config: MoEConfig | None = None) ->
       (``config.split_k`` 1: it reads ``h``, not split partials). It reads each of a
       token's k experts for that token alone, so it reads ``T * k`` expert matrices where
       the grouped GEMM reads the distinct experts hit: the same bytes at batch 1, and at
-      most ``T`` times as many (every token picking the same experts), so at most 4x at
-      the threshold; at decode of a many-expert model (Qwen3-30B-A3B: 8 of 128) tokens
-      rarely share an expert, so it is about the same bytes, one launch fewer, and no
-      float32 ``y`` round trip. Past a few tokens the sharing grows with ``T`` (and with
-      fewer experts: Mixtral's top-2 of 8), and the grouped GEMM reads each expert once. Not yet measured on a GPU (``benchmarks/moe_bench.py``
-      times both paths).
+      most ``T`` times as many (every token picking the same experts).
 
     Batch 1..4: three launches; up to ``ONE_PROGRAM_ROWS`` rows: four; above: five and two
-    memsets.
+    memsets. Slower than :data:`GROUPED` where measured (:func:`launch_plan`).
     """
     unsplit = config is None or config.split_k == 1
     return LaunchPlan(

@@ -22,14 +22,15 @@ def test_moe_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
         pytest.skip("the interpreter run is for CPU-only machines")
     mod = benchmark_script("moe_bench")
     rows = mod.main(["--device", "cpu", "--batch", "1", "--batch", "5", "--split", "3"])
-    # top-2: batch 1 runs three launches, 5 (10 flat rows) four; a split gate-up four
+    # top-2: the default (grouped) five launches; the fewest: batch 1 three, 5 (10 flat rows)
+    # four; a split gate-up keeps the default's five
     assert [(r["batch"], r["config"], r["launches"]) for r in rows] == [
-        (1, "tuned", 3),
-        (1, "grouped", 5),
-        (1, "split3", 4),
-        (5, "tuned", 4),
-        (5, "grouped", 5),
-        (5, "split3", 4),
+        (1, "tuned", 5),
+        (1, "fewest", 3),
+        (1, "split3", 5),
+        (5, "tuned", 5),
+        (5, "fewest", 4),
+        (5, "split3", 5),
     ]
     assert all(r["us"] > 0 and r["of_copy"] > 0 for r in rows)
     assert all(r["diff"] == 0 if r["config"] == "tuned" else r["diff"] < 3e-2 for r in rows)
@@ -37,5 +38,5 @@ def test_moe_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "of copy" in out and "GB/s" in out
     fp8 = mod.main(["--device", "cpu", "--batch", "2", "--fp8", "--split", "2"])
-    assert [r["config"] for r in fp8] == ["tuned", "grouped", "split2"]
+    assert [r["config"] for r in fp8] == ["tuned", "fewest", "split2"]
     assert all(r["diff"] < 3e-2 for r in fp8)
