@@ -28,6 +28,7 @@ Usage::
     python benchmarks/moe_bench.py                       # H200: T = 1, 8, 64, 256
     python benchmarks/moe_bench.py --fp8 --batch 1 --batch 256
     python benchmarks/moe_bench.py --batch 1 --split 2 --split 4 --split 8 --split 16
+    python benchmarks/moe_bench.py --batch 1 --batch 8 --kernels   # each row's kernels too
     python benchmarks/moe_bench.py --device cpu          # tiny shapes in Triton's interpreter:
                                                          # checks the script, measures nothing
 """
@@ -55,6 +56,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true", help="e4m3 experts with row scales")
     p.add_argument("--split", type=int, action="append", default=[],
                    help="also the tuned tiles with this split_k (a row 'split<N>')")  # fmt: skip
+    p.add_argument("--kernels", action="store_true",
+                   help="CUDA: also each row's kernels, microseconds a call from the profiler")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -125,6 +128,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             rows.append(row)
             print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} {plan.launches:>8} "
                   f"{seconds * 1e6:9.1f} {rate / 1e9:7.0f} {rate / COPY_BW:7.1%} {diff:8.2g}")  # fmt: skip
+            if args.kernels and dev.type == "cuda":
+                row["kernels"] = _kernel_times(lambda cfg=cfg, plan=plan: run(cfg, plan))
+                for kernel, us in row["kernels"]:
+                    print(f"{'':>14} {us:9.1f} us  {kernel}")
     return rows
 
 
@@ -142,6 +149,30 @@ def _time(dev: torch.device, fn) -> float:
     with torch.cuda.graph(g):
         fn()
     return do_bench(g.replay, warmup=10, rep=100) * 1e-3
+
+
+def _kernel_times(fn, replays: int = 50) -> list[tuple[str, float]]:
+    """Each GPU kernel of ``fn`` (captured in a CUDA graph) with its mean microseconds a
+    replay, from torch's profiler, in launch order; L2 flushed before every replay (a
+    256 MB write), as ``do_bench`` does, so the weights come from HBM."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            flush.zero_()
+            g.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA" and "fill" not in event.name.lower():
+            name = event.name if len(event.name) <= 60 else event.name[:57] + "..."
+            totals[name] = totals.get(name, 0.0) + event.device_time
+    return [(name, us / replays) for name, us in totals.items()]
 
 
 if __name__ == "__main__":
