@@ -196,6 +196,14 @@ class FusedSettings:
         "GEMMs, autotuned tiles cached on disk); false: the reference loop over experts, and no "
         "CUDA graphs",
     )
+    decode_prefix_share: int = setting(
+        0,
+        type=int,
+        help="decodes that share at least this many tokens of cached pages (a system prompt hit "
+        "in the prefix cache, the n samples of one prompt) read those pages once a group a step, "
+        "all the group's query heads in one tile, instead of once a sequence; 0: off (not with "
+        "decode_merge=last-program or fp8_widen=qk-fp8)",
+    )
     decode_tiles: str = setting(
         "fixed",
         type=str,
@@ -292,6 +300,7 @@ class FusedKernels(reference.DispatchKernels):
                 decode_merge=self.decode_merge,
                 decode_tile_rule=self.decode_tile_rule,
                 long_prefill=None if cudnn_off else CudnnPrefill(settings.cudnn_prefill),
+                prefix_share_tokens=settings.decode_prefix_share,
             )
             self._status["attention"] = "triton"
         self._status["long_prefill"] = (

@@ -113,7 +113,14 @@ def configurations() -> list[dict[str, Any]]:
                     "n": 2,
                 }
             )
-    return out + fused_layer_rows() + tiered_rows() + issue_table() + model_rows()
+    return (
+        out
+        + fused_layer_rows()
+        + prefix_share_rows()
+        + tiered_rows()
+        + issue_table()
+        + model_rows()
+    )
 
 
 def tiered_rows() -> list[dict[str, Any]]:
@@ -156,6 +163,39 @@ def fused_layer_rows() -> list[dict[str, Any]]:
                     "options": {"fused.layer": True},
                     **budget_settings(scheduler, budget),
                 },
+            }
+        )
+    return rows
+
+
+def prefix_share_rows() -> list[dict[str, Any]]:
+    """Cascade decode (``fused.decode_prefix_share``): ``n=2`` samples of each prompt share its
+    cached pages (``prefix``, 8-token pages so that the chat prompts fill several), under
+    continuous and chunked with the overlapped loop on and off; and with the one-launch merge
+    asked for too (the shared pass then stays off: the plain decode's tokens)."""
+    rows = []
+    for scheduler, overlap, merge in (
+        ("continuous", "on", "separate"),
+        ("chunked", "on", "separate"),
+        ("chunked", "off", "separate"),
+        ("chunked", "on", "last-program"),
+    ):
+        options: dict[str, Any] = {"fused.decode_prefix_share": 16}
+        if merge != "separate":
+            options["fused.decode_merge"] = merge
+        rows.append(
+            {
+                "name": f"prefix/{scheduler}/fused+prefix-share/n=2/overlap={overlap}/"
+                f"merge={merge}",
+                "settings": {
+                    "allocator": "prefix",
+                    "scheduler": scheduler,
+                    "kernels": "fused",
+                    "overlap": overlap,
+                    "page_size": 8,
+                    "options": options,
+                },
+                "n": 2,
             }
         )
     return rows

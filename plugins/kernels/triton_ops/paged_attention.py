@@ -137,7 +137,7 @@ P·V as every flash kernel does).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -479,6 +479,7 @@ def _decode_kernel(
     part_o_ptr,
     part_ml_ptr,
     counters_ptr,
+    share_start_ptr,
     scale_log2e,
     q_row0,
     seq0,
@@ -504,15 +505,22 @@ def _decode_kernel(
     MERGE_LAST: tl.constexpr,
     MERGE_G: tl.constexpr,
     PDL: tl.constexpr,
+    SHARE_SPLITS: tl.constexpr = 0,
 ):
+    # SHARE_SPLITS > 0 (prefix_share): the context starts at share_start[b] (a group's shared
+    # pass, .prefix_share, covers the tokens before), and the partials have SHARE_SPLITS more
+    # slots after the splits, which a decode outside any group marks empty
     _pdl.wait(PDL)  # q, the cache, the tables and the partials' slots: the previous kernels'
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq = (seq0 + b).to(tl.int64)
     ctx = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    first = 0
+    if SHARE_SPLITS > 0:
+        first = tl.load(share_start_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
     end = tl.minimum(start + per_split, ctx)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
 
@@ -545,7 +553,7 @@ def _decode_kernel(
     acc = _v_scaled(acc, kv_scale_ptr, QUANT)
     _pdl.launch_dependents(PDL)
 
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1 and SHARE_SPLITS == 0:
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(
             _head_rows(out_ptr, row, heads, d, stride_ot, stride_oh),
@@ -555,7 +563,22 @@ def _decode_kernel(
     else:
         # partial state of (decode b, query head, split): o [D] (not for an empty split: the
         # merge skips it), then m and l
-        part = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS + split
+        slots = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * (
+            NUM_SPLITS + SHARE_SPLITS
+        )
+        part = slots + split
+        if SHARE_SPLITS > 0:
+            if (split == 0) & (first == 0):  # in no group: the shared slots hold no keys
+                for i in tl.static_range(SHARE_SPLITS):
+                    empty = slots + NUM_SPLITS + i
+                    tl.store(
+                        part_ml_ptr + empty * 2,
+                        tl.full([BLOCK_G], float("-inf"), tl.float32),
+                        mask=g_mask,
+                    )
+                    tl.store(
+                        part_ml_ptr + empty * 2 + 1, tl.zeros([BLOCK_G], tl.float32), mask=g_mask
+                    )
         if MERGE_LAST:  # an empty split writes its o too (zeros): the merge loads o unmasked
             o_mask = g_mask[:, None]
         else:
@@ -795,6 +818,9 @@ class PagedAttention:
     programmatic dependent launch of every kernel (``None``: where it works, :mod:`.pdl`).
     ``long_prefill``: where a step's prefills are all long, cuDNN's attention instead of the
     prefill kernel (:mod:`pitstop.plugins.kernels.cudnn_prefill`; None: never).
+    ``prefix_share_tokens``: decodes that share at least this many tokens of cached pages read
+    them once a group (:mod:`.prefix_share`; 0: never; not with the one-launch merge or
+    ``qk-fp8``, which keep the plain decode).
     """
 
     def __init__(
@@ -813,8 +839,12 @@ class PagedAttention:
         decode_tile_rule: str = "fixed",
         pdl: bool | None = None,
         long_prefill: CudnnPrefill | None = None,
+        prefix_share_tokens: int = 0,
     ) -> None:
         self.long_prefill = long_prefill
+        self.prefix_share_tokens = prefix_share_tokens
+        # (the step, whether made inside a CUDA-graph capture, its groups)
+        self._share_step: tuple[AttentionMetadata, bool, Any] | None = None
         if decode_tile_rule not in DECODE_TILE_RULES:
             raise ValueError(
                 f"decode_tile_rule must be one of {DECODE_TILE_RULES}, not {decode_tile_rule!r}"
@@ -1050,10 +1080,12 @@ class PagedAttention:
         tiles = self.decode_tiles(d, group, nd, fp8=kv_scale is not None)
         splits = self.num_splits(nd, hkv)
         bt = meta.block_tables
-        merge_last = splits > 1 and self.decode_merge == "last-program"
-        if splits > 1:
-            part_o = torch.empty((nd, hq, splits, d), dtype=torch.float32, device=q.device)
-            part_ml = torch.empty((nd, hq, splits, 2), dtype=torch.float32, device=q.device)
+        share = self._share_layout(q, kv_scale, k_cache, meta, group, tiles)
+        slots = splits + (share.splits if share is not None else 0)
+        merge_last = splits > 1 and self.decode_merge == "last-program" and share is None
+        if slots > 1:
+            part_o = torch.empty((nd, hq, slots, d), dtype=torch.float32, device=q.device)
+            part_ml = torch.empty((nd, hq, slots, 2), dtype=torch.float32, device=q.device)
         else:
             part_o = part_ml = out  # unused
         if merge_last:
@@ -1064,6 +1096,23 @@ class PagedAttention:
         else:
             counters = out  # unused
         use_pdl = _pdl.enabled(q.device, self.pdl)
+        switches = dict(
+            DOT_PRECISION=self.dot_precision,
+            UPCAST=self.upcast_dot,
+            QUANT=kv_scale is not None,
+            WIDEN_F16=self.widen_f16(q, kv_scale, k_cache),
+            PDL=use_pdl,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+            **_pdl.launch_kwargs(use_pdl),
+        )
+        if share is not None:
+            from pitstop.plugins.kernels.triton_ops import prefix_share
+
+            prefix_share.shared_pass(
+                q, k_cache, v_cache, kv_scale, bt, share, part_o, part_ml, scale_log2e,
+                meta.num_prefill_tokens, meta.num_prefills, splits, tiles.block_n, switches,
+            )  # fmt: skip
         _decode_kernel[(nd, hkv, splits)](
             q,
             k_cache,
@@ -1075,6 +1124,7 @@ class PagedAttention:
             part_o,
             part_ml,
             counters,
+            share.start if share is not None else out,  # unused without a shared pass
             scale_log2e,
             meta.num_prefill_tokens,
             meta.num_prefills,
@@ -1085,19 +1135,13 @@ class PagedAttention:
             PAGE_SIZE=meta.page_size,
             BLOCK_N=tiles.block_n,
             NUM_SPLITS=splits,
-            DOT_PRECISION=self.dot_precision,
-            UPCAST=self.upcast_dot,
-            QUANT=kv_scale is not None,
-            WIDEN_F16=self.widen_f16(q, kv_scale, k_cache),
             Q_FP8=self.query_fp8(q, kv_scale, k_cache),
             MERGE_LAST=merge_last,
             MERGE_G=triton.next_power_of_2(group) if merge_last else 1,
-            PDL=use_pdl,
-            num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
-            **_pdl.launch_kwargs(use_pdl),
+            SHARE_SPLITS=slots - splits,
+            **switches,
         )
-        if splits > 1 and not merge_last:
+        if slots > 1 and not merge_last:
             _decode_reduce_kernel[(nd, hq)](
                 out,
                 part_o,
@@ -1106,9 +1150,53 @@ class PagedAttention:
                 out.stride(0),
                 out.stride(1),
                 HEAD=d,
-                NUM_SPLITS=splits,
-                BLOCK_S=triton.next_power_of_2(splits),
+                NUM_SPLITS=slots,
+                BLOCK_S=triton.next_power_of_2(slots),
                 PDL=use_pdl,
                 num_warps=4,
                 **_pdl.launch_kwargs(use_pdl),
             )
+
+    def _share_layout(
+        self,
+        q: torch.Tensor,
+        kv_scale: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        group: int,
+        tiles: DecodeTiles,
+    ) -> Any:
+        """This step's decode groups (:func:`.prefix_share.group_decodes`), made at the step's
+        first call and kept for its other layers (the same ``meta``); None where the shared
+        pass does not apply (off, fewer than two decodes, the one-launch merge, ``qk-fp8``, a
+        group too large for a tile)."""
+        from pitstop.plugins.kernels.triton_ops import prefix_share
+
+        members = prefix_share.max_members(group)
+        if (
+            self.prefix_share_tokens <= 0
+            or meta.num_decodes < 2
+            or members < 2
+            or self.decode_merge == "last-program"
+            or self.query_fp8(q, kv_scale, k_cache)
+        ):
+            return None
+        # made at the step's first layer and kept for the others; a capture makes its own (a
+        # layout made before it would not be in the graph, so replays would not regroup)
+        capturing = self.on_gpu and torch.cuda.is_current_stream_capturing()
+        made = self._share_step
+        if made is not None and made[0] is meta and made[1] == capturing:
+            return made[2]
+        layout = prefix_share.group_decodes(
+            meta.block_tables,
+            meta.context_lens,
+            meta.num_prefills,
+            meta.num_decodes,
+            meta.page_size,
+            self.prefix_share_tokens,
+            members,
+            max(meta.page_size, tiles.block_n),
+            prefix_share.share_splits(self.max_context, self.prefix_share_tokens),
+        )
+        self._share_step = (meta, capturing, layout)
+        return layout
