@@ -41,7 +41,7 @@ from pitstop.plugins.kernels.triton_ops import paged_attention as _pa
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 
 MAX_ROWS = 64  # query rows (members x group heads) of one shared-pass tile
-_BIG = 1 << 30
+_BIG = tl.constexpr(1 << 30)  # larger than any decode index or token count
 
 
 class ShareLayout(NamedTuple):
@@ -305,6 +305,8 @@ def shared_pass(
     ``WIDEN_F16``, ``PDL``) and launch options."""
     nd = layout.start.shape[0]
     hq, d = q.shape[1], q.shape[2]
+    if q.device.type == "cuda":  # up to 64 query rows a tile: more warps than a decode tile's
+        options = {**options, "num_warps": max(4, options.get("num_warps", 4))}
     hkv = k_cache.shape[2]
     group = hq // hkv
     _shared_kernel[(nd, hkv, layout.splits)](
