@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 max_context_len=max(ctxs),
                 page_size=ps,
             )
-            k = torch.randn(next_page, ps, hkv, d, device=dev, dtype=dtype)
-            v = torch.randn_like(k)
+            # each layer its own K/V (as a model's), so that no layer finds another's in L2
+            kvs = [(torch.randn(next_page, ps, hkv, d, device=dev, dtype=dtype),
+                    torch.randn(next_page, ps, hkv, d, device=dev, dtype=dtype))
+                   for _ in range(args.layers)]  # fmt: skip
+            k, v = kvs[0]
             q = torch.randn(n, hq, d, device=dev, dtype=dtype)
             times, outs = {}, {}
             for name, tokens in (("plain", 0), ("share", args.min_tokens)):
@@ -87,8 +90,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 outs[name] = attn(q, k, v, meta, d**-0.5)  # compile outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    for _ in range(args.layers):
-                        attn(q, k, v, meta, d**-0.5)
+                    for k_l, v_l in kvs:
+                        attn(q, k_l, v_l, meta, d**-0.5)
                 step = do_bench(graph.replay, warmup=20, rep=200) * 1e-3
                 times[name] = step / args.layers
             from pitstop.plugins.kernels.triton_ops import prefix_share
