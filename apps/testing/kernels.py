@@ -101,17 +101,36 @@ def paged_metadata(
     ctxs = [context_lens[i] for i in order]
     gen = torch.Generator().manual_seed(seed)
     free = torch.randperm(num_pages, generator=gen).tolist()
-    tables, positions, slots, cu = [], [], [], [0]
-    for q, c in zip(qlens, ctxs, strict=True):
+    tables = []
+    for c in ctxs:
         n = -(-c // page_size)
         table, free = free[:n], free[n:]
         tables.append(table)
+    return metadata_from_tables(qlens, ctxs, tables, page_size, device, padding)
+
+
+def metadata_from_tables(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    page_size: int,
+    device: torch.device | str = "cpu",
+    padding: int = 1,
+) -> AttentionMetadata:
+    """The metadata of a batch whose sequences (prompts and chunks first, then decodes) hold
+    the given pages: sequence ``i`` computes its last ``query_lens[i]`` of
+    ``context_lens[i]`` tokens, over ``tables[i]`` (a page may appear in several tables,
+    as the prefix cache shares them); the block table is padded with ``-1`` to ``padding``
+    columns beyond the longest."""
+    positions, slots, cu = [], [], [0]
+    for q, c, table in zip(query_lens, context_lens, tables, strict=True):
         for p in range(c - q, c):
             positions.append(p)
             slots.append(table[p // page_size] * page_size + p % page_size)
         cu.append(cu[-1] + q)
     width = max(len(t) for t in tables) + padding
-    tables = [t + [-1] * (width - len(t)) for t in tables]
+    padded = [list(t) + [-1] * (width - len(t)) for t in tables]
+    qlens, ctxs = list(query_lens), list(context_lens)
     num_prefills = sum(q > 1 for q in qlens)
 
     def dev(data: list, kind: torch.dtype) -> torch.Tensor:
@@ -120,7 +139,7 @@ def paged_metadata(
     return AttentionMetadata(
         positions=dev(positions, torch.int64),
         slot_mapping=dev(slots, torch.int64),
-        block_tables=dev(tables, torch.int32),
+        block_tables=dev(padded, torch.int32),
         context_lens=dev(ctxs, torch.int32),
         cu_query_lens=dev(cu, torch.int32),
         num_prefills=num_prefills,

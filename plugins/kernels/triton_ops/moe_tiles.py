@@ -51,6 +51,12 @@ FEW_ROWS = (
     MoEConfig(16, 128, 128, 4, 3),
     MoEConfig(16, 32, 256, 4, 3),
     MoEConfig(32, 64, 128, 4, 4),
+    # Batch 1 of Qwen3-30B-A3B on an H100 (2026-12-05, moe_bench --kernels): the gate-up GEMM
+    # took 29.7 of the op's 50.8 us, 1.7 TB/s. At BLOCK_N 64 it is 8 experts x 12 column tiles
+    # = 96 programs of 512 KB on 132 SMs; at 32, 192 programs, still two on some SMs (the same
+    # 512 KB on the busiest SM). At 16: 384 programs, at most three of 128 KB on an SM. Not
+    # yet timed; the autotune keeps it only where it wins.
+    MoEConfig(16, 16, 128, 4, 4),
 )
 # Split-K tiles (issue 48): batch 1 of Qwen3-30B-A3B has 8 row blocks x 12 column tiles = 96
 # gate-up programs on 132 SMs, so splitting K looked like the way to more loads in flight.

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pitstop.ground.attention import AttentionMetadata  # noqa: E402
+from pitstop.testing.kernels import metadata_from_tables  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -66,37 +67,10 @@ def shared_batch(
             seqs.append((1, ctx, common[:mine] + fresh(pages - mine)))
     # scatter the physical pages (a permutation keeps shared pages shared)
     perm = torch.randperm(next_page, generator=gen).tolist()
-    width = max(len(t) for _, _, t in seqs) + 1
-    tables = [[perm[p] for p in t] + [-1] * (width - len(t)) for _, _, t in seqs]
-    positions, slots, cu = [], [], [0]
-    for (q, c, _), table in zip(seqs, tables, strict=True):
-        for p in range(c - q, c):
-            positions.append(p)
-            slots.append(table[p // page_size] * page_size + p % page_size)
-        cu.append(cu[-1] + q)
+    tables = [[perm[p] for p in t] for _, _, t in seqs]
     qlens = [q for q, _, _ in seqs]
     ctxs = [c for _, c, _ in seqs]
-
-    def dev(data: list, kind: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=kind, device=DEVICE)
-
-    num_prefills = len(prompts)
-    meta = AttentionMetadata(
-        positions=dev(positions, torch.int64),
-        slot_mapping=dev(slots, torch.int64),
-        block_tables=dev(tables, torch.int32),
-        context_lens=dev(ctxs, torch.int32),
-        cu_query_lens=dev(cu, torch.int32),
-        num_prefills=num_prefills,
-        num_prefill_tokens=sum(prompts),
-        num_decodes=len(seqs) - num_prefills,
-        max_query_len=max(qlens),
-        max_context_len=max(ctxs),
-        page_size=page_size,
-        context_lens_list=ctxs,
-        query_lens_list=qlens,
-    )
-    return meta, next_page
+    return metadata_from_tables(qlens, ctxs, tables, page_size, DEVICE), next_page
 
 
 def expected_groups(
