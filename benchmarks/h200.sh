@@ -31,6 +31,20 @@ run() { name=$1; shift; echo "== $name: pitstop bench $*"; timeout ${BENCH_TIMEO
 vrun() { name=$1; shift; echo "== $name: pitstop bench $* --peer vllm"
   timeout ${VLLM_BENCH_TIMEOUT:-590} pitstop bench "$@" --peer vllm --output "$OUT/$name.json" >"$OUT/$name.log" 2>&1
   echo "   exit $? ($OUT/$name.log)"; grep -E "peer vllm failed|^pitstop\[|^peer:vllm|failed:" "$OUT/$name.log" | cut -c1-400 | tail -6; }
+# CHECK_TESTS: groups of test files separated by ';', one pytest process each (-m gpu), started in
+# the background by start_groups TAG GGUF and awaited, their summaries printed, by wait_groups TAG
+start_groups() { pids=(); g=0; IFS=';' read -ra groups <<<"${CHECK_TESTS:-}"
+  for files in "${groups[@]}"; do g=$((g + 1))
+    ( SMOLLM_GGUF=$2 timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 \
+        $files >"$OUT/gpu-tests-$1-$g.log" 2>&1; echo "pytest exit $?" >>"$OUT/gpu-tests-$1-$g.log" ) &
+    pids+=($!)
+  done; }
+wait_groups() { g=0; for files in "${groups[@]}"; do g=$((g + 1)); wait ${pids[$((g - 1))]}
+    echo "== GPU tests ($files):"; grep -E "passed|failed|error|FAILED|ERROR|pytest exit|^[0-9.]+s " "$OUT/gpu-tests-$1-$g.log" | tail -14; done; }
+K=tests/plugins/kernels; W=tests/plugins/weight_formats
+VERIFY_KERNELS="$K/test_fused_gpu.py;$K/test_lora_kernels_gpu.py $K/test_moe_kernels_gpu.py tests/plugins/models/test_moe_models_fused.py $K/test_fused_linear_gpu.py $K/test_fused_layer.py $K/test_prefix_share.py $W/test_gguf_blocks.py"
+VERIFY_ENGINE_A="tests/core/runner/test_gpu_engine.py tests/core/loop/test_overlap.py tests/core/speculation/test_speculative.py tests/plugins/adapters/test_lora.py tests/plugins/samplers"
+VERIFY_ENGINE_B="tests/apps/entrypoints/test_rollout_gpu.py tests/plugins/executors/test_tensor_parallel.py $W/test_weight_formats.py $W/test_gguf_weights.py $W/test_gguf_gemv.py tests/core/plugin_system/test_example_strategies.py"
 # BENCHES=pending: what the 2026-12-05 sessions left unmeasured, in order of what it decides
 # (carry the torch_memory_saver and gguf wheels; about 10 minutes: two calls, e.g.
 # BENCHES="pending" cut by the first call's limit, then the rest by name): the rollout's exit status
@@ -144,18 +158,26 @@ for _ in range(2):
     checks) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; shard=${MATRIX_SHARD:-1/1}; tag=${shard/\//-of-}
       [ -f "$gguf" ] || { echo "== checks: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
       echo "== checks: matrix shard $shard (${PITSTOP_MATRIX_WORKERS:-12} processes) beside pytest -m gpu ${CHECK_TESTS:-}"
-      # CHECK_TESTS: groups of test files separated by ';', one pytest process each
-      pids=(); g=0; IFS=';' read -ra groups <<<"${CHECK_TESTS:-}"
-      for files in "${groups[@]}"; do g=$((g + 1))
-        ( SMOLLM_GGUF=$gguf timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 \
-            $files >"$OUT/gpu-tests-$tag-$g.log" 2>&1; echo "pytest exit $?" >>"$OUT/gpu-tests-$tag-$g.log" ) &
-        pids+=($!)
-      done
+      start_groups "$tag" "$gguf"
       SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-540} python3 tests/helpers/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
         --json "$OUT/matrix-$tag.json" --shard $shard 2>"$OUT/matrix-$tag.log" | tail -40
       echo "   matrix exit ${PIPESTATUS[0]}"
-      g=0; for files in "${groups[@]}"; do g=$((g + 1)); wait ${pids[$((g - 1))]}
-        echo "== GPU tests ($files):"; grep -E "passed|failed|error|FAILED|ERROR|pytest exit|^[0-9.]+s " "$OUT/gpu-tests-$tag-$g.log" | tail -14; done ;;
+      wait_groups "$tag" ;;
+    # issue 45's closing checks, three calls back to back at one commit (the GGUF's part00 carried
+    # with verify1, part01 with verify2; the gguf and peft wheels with 2 and 3, torch_memory_saver
+    # with 3): verify1 the kernels' GPU tests (no GGUF) in two processes; verify2 and verify3 the
+    # matrix's two shards, each beside half of the engine's GPU tests. Every -m gpu file once.
+    verify1) CHECK_TESTS=$VERIFY_KERNELS; echo "== verify1: pytest -m gpu $CHECK_TESTS"
+      start_groups verify1 "${SMOLLM_GGUF:-/tmp/smollm2.gguf}"; wait_groups verify1 ;;
+    verify2|verify3) [ $spec = verify2 ] && CHECK_TESTS=$VERIFY_ENGINE_A MATRIX_SHARD=1/2 || CHECK_TESTS=$VERIFY_ENGINE_B MATRIX_SHARD=2/2
+      gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; tag=${MATRIX_SHARD/\//-of-}
+      [ -f "$gguf" ] || { echo "== $spec: no GGUF at $gguf (carry .gguf/part01 with GGUF_PARTS=2 after verify1)"; continue; }
+      echo "== $spec: matrix shard $MATRIX_SHARD beside pytest -m gpu $CHECK_TESTS"
+      start_groups "$tag" "$gguf"
+      SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-540} python3 tests/helpers/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
+        --json "$OUT/matrix-$tag.json" --shard $MATRIX_SHARD 2>"$OUT/matrix-$tag.log" | tail -40
+      echo "   matrix exit ${PIPESTATUS[0]}"
+      wait_groups "$tag" ;;
     # issue 44: the decoder layer in six ops (fused.layer): the kernels' GPU tests, the skinny-GEMM
     # benchmark against cuBLAS, launches per decode layer from the profiler (graph kernels counted),
     # and nano / single with the layer fused beside unfused (benchmarks/workloads/fused-layer.toml)
