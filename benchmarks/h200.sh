@@ -91,7 +91,8 @@ for spec in $BENCHES; do
     # issue 44: cascade decode over shared prefix pages (fused.decode_prefix_share): its kernel
     # tests compiled, then the prefix workload with it beside the plain decode
     prefix-share) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/plugins/kernels/test_prefix_share.py 2>&1 | tail -3
-      run prefix-share online --workload prefix --num-requests ${LT_N:-200} --max-batch-size 64 --repeats ${PS_REPEATS:-2} --matrix benchmarks/workloads/prefix-share.toml ;;
+      run prefix-share online --workload prefix --num-requests ${LT_N:-200} --max-batch-size 64 --repeats ${PS_REPEATS:-2} --matrix benchmarks/workloads/prefix-share.toml
+      run prefix-share-4k online --workload prefix --shared-prefix-len 4096 --num-requests ${LT_N:-200} --max-batch-size 64 --repeats ${PS_REPEATS:-2} --matrix benchmarks/workloads/prefix-share.toml ;;
     sweeps) run sweeps online --workload longtail --num-requests ${LT_N:-200} --max-batch-size 64 --matrix benchmarks/workloads/longtail-sweeps.toml ${SWEEP_ONLY:+--only $SWEEP_ONLY} ;;
     tuned) run tuned online --workload longtail --max-batch-size 64 --matrix benchmarks/workloads/longtail-tuned.toml ;;
     # issue 16: speculation at batch 1 on the real SmolLM2 (plain, ngram k=4, self-draft k=4 in one

@@ -99,6 +99,12 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
             help="output lengths, uniform in [A, B]",
         )
         g.add_argument(
+            "--shared-prefix-len",
+            type=int,
+            metavar="N",
+            help="the prefix workload's 4 system prompts, N tokens each (default 1,024)",
+        )
+        g.add_argument(
             "--repeats", type=int, help="timed runs after the warm-up, best kept (single: 5)"
         )
         g.add_argument("--no-warmup", action="store_true", help="skip the warm-up run")

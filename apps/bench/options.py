@@ -32,6 +32,7 @@ def workload_from_args(args: argparse.Namespace, token_high: int = TOKEN_ID_HIGH
         output_len=args.output_len,
         seed=args.seed or 0,  # the engine's --seed seeds the workload's draws too
         token_high=token_high,
+        shared_prefix_len=getattr(args, "shared_prefix_len", None),
     )
 
 

@@ -259,10 +259,12 @@ def prefix(
     output_len: Range = (32, 256),
     seed: int = 0,
     token_high: int = TOKEN_ID_HIGH,
+    prefix_len: int = PREFIX_LEN,
 ) -> Workload:
-    """``longtail`` with one of 4 fixed 1,024-token system prompts before each prompt."""
+    """``longtail`` with one of 4 fixed system prompts (1,024 tokens; ``prefix_len``, the
+    CLI's ``--shared-prefix-len``) before each prompt."""
     rng = random.Random(seed)
-    prefixes = [_ids(rng, PREFIX_LEN, token_high) for _ in range(PREFIX_COUNT)]
+    prefixes = [_ids(rng, prefix_len, token_high) for _ in range(PREFIX_COUNT)]
     return Workload(
         name="prefix",
         requests=_longtail_requests(rng, num_requests, input_len, output_len, token_high, prefixes),
@@ -270,9 +272,9 @@ def prefix(
         concurrency=32,
         seed=seed,
         default_model="dummy:qwen3-8b",
-        shared_prefix_len=PREFIX_LEN,
-        engine_defaults={"max_model_len": PREFIX_LEN + 4096 + 256},
-        description="longtail behind 4 shared system prompts",
+        shared_prefix_len=prefix_len,
+        engine_defaults={"max_model_len": prefix_len + 4096 + 256},
+        description=f"longtail behind 4 shared system prompts of {prefix_len} tokens",
     )
 
 
@@ -365,10 +367,17 @@ def build_workload(
     output_len: Range | None = None,
     seed: int = 0,
     token_high: int = TOKEN_ID_HIGH,
+    shared_prefix_len: int | None = None,
 ) -> Workload:
-    """A named workload (or a JSONL file), with the overrides the CLI allows."""
+    """A named workload (or a JSONL file), with the overrides the CLI allows
+    (``shared_prefix_len``: the ``prefix`` workload's system prompts, ``--shared-prefix-len``)."""
     if num_requests is not None and num_requests < 1:
         raise WorkloadError(f"--num-requests must be >= 1, got {num_requests}")
+    if shared_prefix_len is not None and (name != "prefix" or shared_prefix_len < 1):
+        raise WorkloadError(
+            f"--shared-prefix-len {shared_prefix_len}: only the prefix workload has shared system "
+            "prompts, and their length is at least 1 token; drop the flag or use --workload prefix"
+        )
     if name not in GENERATORS:
         path = Path(name)
         if path.suffix in (".jsonl", ".json") or path.exists():
@@ -385,6 +394,8 @@ def build_workload(
         kwargs["input_len"] = input_len
     if output_len is not None:
         kwargs["output_len"] = output_len
+    if shared_prefix_len is not None:
+        kwargs["prefix_len"] = shared_prefix_len
     return GENERATORS[name](**kwargs)
 
 

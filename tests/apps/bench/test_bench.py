@@ -323,6 +323,20 @@ def test_prefix_workload_shares_four_system_prompts():
     )
 
 
+def test_prefix_workload_takes_a_longer_system_prompt():
+    """``--shared-prefix-len``: the four system prompts at another length, the context sized
+    for it; any other workload refuses the flag, naming it."""
+    wl = W.build_workload("prefix", num_requests=40, shared_prefix_len=4096)
+    heads = {tuple(r.prompt_token_ids[:4096]) for r in wl.requests}
+    assert wl.shared_prefix_len == 4096 and len(heads) <= 4 and all(len(h) == 4096 for h in heads)
+    assert all(r.input_len > 4096 for r in wl.requests)
+    assert wl.engine_defaults["max_model_len"] == 4096 + 4096 + 256
+    with pytest.raises(W.WorkloadError, match="--shared-prefix-len 512: only the prefix workload"):
+        W.build_workload("longtail", shared_prefix_len=512)
+    with pytest.raises(W.WorkloadError, match="at least 1 token"):
+        W.build_workload("prefix", shared_prefix_len=0)
+
+
 def test_length_overrides_and_ranges():
     wl = W.build_workload("cpu-smoke", num_requests=30, input_len=(5, 9), output_len=(4, 4))
     assert all(5 <= r.input_len <= 9 and r.output_len == 4 for r in wl.requests)
