@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pitstop.plugins.kernels.triton_ops import attend as _pa
+from pitstop.plugins.kernels.triton_ops import attend
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 
 MAX_ROWS = 64  # query rows (members x group heads) of one shared-pass tile
@@ -260,21 +260,21 @@ def _shared_kernel(
             mask=r_ok[:, None],
             other=0.0,
         )
-        scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _pa._attend_begin(
+        scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = attend._attend_begin(
             scale_log2e, kv_scale_ptr, block_tables_ptr, (seq0 + b).to(tl.int64), stride_bt,
             k_cache_ptr, v_cache_ptr, kvh, stride_ch, BLOCK_R, HEAD, QUANT,
         )  # fmt: skip
         if WIDEN_F16:  # fp8 cache, bf16 query: as the decode kernel does
-            q, scale_log2e = _pa._fp16_query(q, scale_log2e)
-        acc, m_i, l_i = _pa._attend(
+            q, scale_log2e = attend._fp16_query(q, scale_log2e)
+        acc, m_i, l_i = attend._attend(
             acc, m_i, l_i, q, r, k_ptr, v_ptr, table, lo, full_end, hi, scale_log2e,
             stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST, l_i, False,
         )  # fmt: skip
-        acc, m_i, l_i = _pa._attend(
+        acc, m_i, l_i = attend._attend(
             acc, m_i, l_i, q, r, k_ptr, v_ptr, table, full_end, hi, hi, scale_log2e,
             stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST, l_i, False,
         )  # fmt: skip
-        acc = _pa._v_scaled(acc, kv_scale_ptr, QUANT)
+        acc = attend._v_scaled(acc, kv_scale_ptr, QUANT)
         nkv = tl.num_programs(1)
         part = (tl.where(r_ok, mem, 0) * (GROUP * nkv) + heads).to(tl.int64) * SLOTS
         part += NUM_SPLITS + s
