@@ -258,3 +258,30 @@ def test_shared_decode_regroups_in_every_cuda_graph_replay() -> None:
         want = plain(q, k, v, meta, 0.088)
         err = (out.float() - want.float()).abs().max() / want.float().abs().max()
         assert err <= TOL[torch.bfloat16], f"replay against the plain decode: {err:.3g}"
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_shared_decode_over_an_fp8_cache(cache_dtype: torch.dtype) -> None:
+    """An fp8 cache with its scales (K's folded into the softmax scale, V's into the output,
+    K/V widened to fp16 for bf16 queries): the shared pass equals the plain decode."""
+    from pitstop.plugins.kernels import reference
+
+    meta, num_pages = shared_batch([(5, [90, 95, 120]), (3, [60, 61])], [7], 16, 3)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(meta.num_tokens, 8, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    scales = torch.tensor([0.05, 0.02], dtype=torch.float32, device=DEVICE)
+    shape = (num_pages, 16, 2, 64)
+    k = reference.quantize_kv(
+        torch.randn(shape, generator=gen).to(DEVICE) * 0.15, scales[0], cache_dtype
+    )
+    v = reference.quantize_kv(
+        torch.randn(shape, generator=gen).to(DEVICE) * 0.02, scales[1], cache_dtype
+    )
+    shared = PagedAttention(DEVICE, torch.bfloat16, 512, prefix_share_tokens=16)
+    with poisoned_outputs():
+        got = shared(q, k, v, meta, 0.125, kv_scale=scales)
+    assert int((shared._share_step[2].start > 0).sum()) == 5  # both groups share
+    want = PagedAttention(DEVICE, torch.bfloat16, 512)(q, k, v, meta, 0.125, kv_scale=scales)
+    rows = slice(meta.num_prefill_tokens, None)
+    err = (got[rows].float() - want[rows].float()).abs().max() / want[rows].float().abs().max()
+    assert err <= TOL[torch.bfloat16], f"fp8 cache, against the plain decode: {err:.3g}"
