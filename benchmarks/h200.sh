@@ -41,6 +41,18 @@ start_groups() { pids=(); g=0; IFS=';' read -ra groups <<<"${CHECK_TESTS:-}"
   done; }
 wait_groups() { g=0; for files in "${groups[@]}"; do g=$((g + 1)); wait ${pids[$((g - 1))]}
     echo "== GPU tests ($files):"; grep -E "passed|failed|error|FAILED|ERROR|pytest exit|^[0-9.]+s " "$OUT/gpu-tests-$1-$g.log" | tail -14; done; }
+# NAME: one shard of the GPU correctness matrix (MATRIX_SHARD, default 1/1) beside the CHECK_TESTS
+# groups (nothing here is timed; a cut run still leaves the matrix rows so far in
+# OUT/matrix-I-of-N.json and the test logs in OUT/gpu-tests-I-of-N-G.log)
+matrix_beside_groups() { local gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf} shard=${MATRIX_SHARD:-1/1}
+  local tag=${shard/\//-of-}
+  [ -f "$gguf" ] || { echo "== $1: no GGUF at $gguf (set SMOLLM_GGUF, or carry both .gguf parts)"; return; }
+  echo "== $1: matrix shard $shard (${PITSTOP_MATRIX_WORKERS:-12} processes) beside pytest -m gpu ${CHECK_TESTS:-}"
+  start_groups "$tag" "$gguf"
+  SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-540} python3 tests/helpers/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
+    --json "$OUT/matrix-$tag.json" --shard $shard 2>"$OUT/matrix-$tag.log" | tail -40
+  echo "   matrix exit ${PIPESTATUS[0]}"
+  wait_groups "$tag"; }
 K=tests/plugins/kernels; W=tests/plugins/weight_formats
 VERIFY_KERNELS="$K/test_fused_gpu.py;$K/test_lora_kernels_gpu.py $K/test_moe_kernels_gpu.py tests/plugins/models/test_moe_models_fused.py $K/test_fused_linear_gpu.py $K/test_fused_layer.py $K/test_prefix_share.py $W/test_gguf_blocks.py"
 VERIFY_ENGINE_A="tests/core/runner/test_gpu_engine.py tests/core/loop/test_overlap.py tests/core/speculation/test_speculative.py tests/plugins/adapters/test_lora.py tests/plugins/samplers"
@@ -156,14 +168,7 @@ for _ in range(2):
     # issue 30: correctness only, so both at once: one shard of the matrix (MATRIX_SHARD) beside the
     # GPU test files CHECK_TESTS in a second process (nothing here is timed; a cut run still leaves
     # the matrix rows so far in OUT/matrix-I-of-N.json and the test log in OUT/gpu-tests-I-of-N.log)
-    checks) gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; shard=${MATRIX_SHARD:-1/1}; tag=${shard/\//-of-}
-      [ -f "$gguf" ] || { echo "== checks: no GGUF at $gguf (set SMOLLM_GGUF)"; continue; }
-      echo "== checks: matrix shard $shard (${PITSTOP_MATRIX_WORKERS:-12} processes) beside pytest -m gpu ${CHECK_TESTS:-}"
-      start_groups "$tag" "$gguf"
-      SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-540} python3 tests/helpers/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
-        --json "$OUT/matrix-$tag.json" --shard $shard 2>"$OUT/matrix-$tag.log" | tail -40
-      echo "   matrix exit ${PIPESTATUS[0]}"
-      wait_groups "$tag" ;;
+    checks) matrix_beside_groups checks ;;
     # issue 45's closing checks, three calls back to back at one commit (the GGUF's part00 carried
     # with verify1, part01 with verify2; the gguf and peft wheels with 2 and 3, torch_memory_saver
     # with 3): verify1 the kernels' GPU tests (no GGUF) in two processes; verify2 and verify3 the
@@ -171,14 +176,7 @@ for _ in range(2):
     verify1) CHECK_TESTS=$VERIFY_KERNELS; echo "== verify1: pytest -m gpu $CHECK_TESTS"
       start_groups verify1 "${SMOLLM_GGUF:-/tmp/smollm2.gguf}"; wait_groups verify1 ;;
     verify2|verify3) [ $spec = verify2 ] && CHECK_TESTS=$VERIFY_ENGINE_A MATRIX_SHARD=1/2 || CHECK_TESTS=$VERIFY_ENGINE_B MATRIX_SHARD=2/2
-      gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf}; tag=${MATRIX_SHARD/\//-of-}
-      [ -f "$gguf" ] || { echo "== $spec: no GGUF at $gguf (carry .gguf/part01 with GGUF_PARTS=2 after verify1)"; continue; }
-      echo "== $spec: matrix shard $MATRIX_SHARD beside pytest -m gpu $CHECK_TESTS"
-      start_groups "$tag" "$gguf"
-      SMOLLM_GGUF=$gguf timeout ${MATRIX_TIMEOUT:-540} python3 tests/helpers/gpu_matrix.py --workers ${PITSTOP_MATRIX_WORKERS:-12} \
-        --json "$OUT/matrix-$tag.json" --shard $MATRIX_SHARD 2>"$OUT/matrix-$tag.log" | tail -40
-      echo "   matrix exit ${PIPESTATUS[0]}"
-      wait_groups "$tag" ;;
+      matrix_beside_groups $spec ;;
     # issue 44: the decoder layer in six ops (fused.layer): the kernels' GPU tests, the skinny-GEMM
     # benchmark against cuBLAS, launches per decode layer from the profiler (graph kernels counted),
     # and nano / single with the layer fused beside unfused (benchmarks/workloads/fused-layer.toml)
