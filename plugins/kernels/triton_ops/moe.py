@@ -30,7 +30,8 @@ sum after their K loops), so a launch's start overlaps the previous kernel's tai
    routing weight (in float32) stored, unrounded, to ``y [T*k, H]`` (float32);
 5. the k-slot sum: ``out[t] = sum_j y[t * k + j]`` in slot order, one rounding.
 
-Token-major down (``T <= 4``, :func:`_down_slot_sum_kernel`, steps 4 and 5 in one launch):
+Token-major down (``T <= 4`` under :func:`.moe_tiles.fewest_launches`, not the default;
+:func:`_down_slot_sum_kernel`, steps 4 and 5 in one launch):
 program ``(t, c)`` owns token ``t``'s columns ``c`` and all its k slots (slot ``j``: row
 ``h[t*k + j]``, expert ``ids[t, j]``, weight ``rw[t, j]``), each slot's float32 dot times its
 row scales (fp8) and then its weight, as step 4's epilogue; the slots added in order from
@@ -78,8 +79,8 @@ reads half the expert bytes of bf16 and the activations are not rounded to fp8.
 Reduction: the deterministic sum over the k slots (and splits) (5) rather than float32
 atomics into ``[T, H]``: atomics add a token's k rows in whatever order the programs run,
 so the bits change from run to run (and with the batch's composition), and they need a
-zeroed buffer (a memset per call). The cost (not at ``T <= 4``: token-major, no ``y``)
-is ``y``'s float32 round trip, ``T*k*H*8``
+zeroed buffer (a memset per call). The cost (none under the token-major down, which has
+no ``y``) is ``y``'s float32 round trip, ``T*k*H*8``
 bytes (decode: tens of KB; 2048 tokens of Qwen3-30B-A3B: 268 MB, ~60 us at HBM speed,
 beside ~0.4 ms of GEMMs), times the down's splits (decode only: hundreds of KB at most),
 plus ``g``'s ``S * T*k * 2F * 8`` with a split gate-up. Rounding: products of the
@@ -91,8 +92,8 @@ Tiles (:func:`choose_config`; the configs, plan and cache live in :mod:`.moe_til
 short autotune at the first call of a shape bucket
 (``T`` rounded up to a power of two, with ``E``, ``k``, ``H``, ``F``), timing a handful of
 :class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`.tuning.time_replays`;
-split-K is not a candidate: it lost at every measured decode batch; at ``T <= 4`` the timed
-calls run the token-major down, so the config's tiles time the gate-up alone); the winner
+split-K is not a candidate: it lost at every measured decode batch; the timed calls run the
+default plan, so the config's tiles time both grouped GEMMs); the winner
 is cached in memory and on disk (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or
 ``~/.cache/pitstop/moe``, keyed by the bucket, dtype, device name and Triton version).
 Where timing is impossible (Triton's interpreter, or a CUDA graph being captured) and the
@@ -148,9 +149,9 @@ def choose_config(
     The heuristic (:func:`heuristic_config`) is used, and logged once per reason, in
     Triton's interpreter and while a CUDA graph is being captured (a capture cannot time;
     run each batch size once before capturing so the bucket is tuned and cached). The
-    timed calls run :func:`experts` as :func:`launch_plan` has it for the batch: at
-    ``T <= TOKEN_MAJOR_TOKENS`` the down GEMM is token-major with its own fixed tiles, so
-    the config's tiles then time (and matter to) the gate-up GEMM alone.
+    timed calls run :func:`experts` as :func:`launch_plan` has it for the batch (the grouped
+    path: the config's tiles time both GEMMs; under a ``plan=`` with the token-major down,
+    which has fixed tiles, they matter to the gate-up alone).
     """
     t, top_k = ids.shape
     known = known_config(x, t, top_k, gate_up, cache)
