@@ -137,7 +137,7 @@ P·V as every flash kernel does).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -608,7 +608,7 @@ class PagedAttention:
         self.long_prefill = long_prefill
         self.prefix_share_tokens = prefix_share_tokens
         # (the step, whether made inside a CUDA-graph capture, its groups)
-        self._share_step: tuple[AttentionMetadata, bool, Any] | None = None
+        self._share_step: tuple[AttentionMetadata, bool, prefix_share.ShareLayout] | None = None
         if decode_tile_rule not in DECODE_TILE_RULES:
             raise ValueError(
                 f"decode_tile_rule must be one of {DECODE_TILE_RULES}, not {decode_tile_rule!r}"
@@ -927,15 +927,16 @@ class PagedAttention:
         meta: AttentionMetadata,
         group: int,
         tiles: DecodeTiles,
-    ) -> Any:
+    ) -> prefix_share.ShareLayout | None:
         """This step's decode groups (:func:`.prefix_share.group_decodes`), made at the step's
         first call and kept for its other layers (the same ``meta``); None where the shared
         pass does not apply (off, fewer than two decodes, the one-launch merge, ``qk-fp8``, a
         group too large for a tile)."""
+        if self.prefix_share_tokens <= 0:  # off (the default): nothing else to ask
+            return None
         members = prefix_share.max_members(group)
         if (
-            self.prefix_share_tokens <= 0
-            or meta.num_decodes < 2
+            meta.num_decodes < 2
             or members < 2
             or self.decode_merge == "last-program"
             or self.query_fp8(q, kv_scale, k_cache)
