@@ -4,8 +4,9 @@ plain split-K decode's (and float64 attention), through Triton's interpreter on 
 
 Batches are drawn so that decodes share leading physical pages as the prefix cache makes
 them share (a system prompt, the n samples of a prompt), with prompts before them in the
-batch (their rows and sequences offset the decodes'), groups larger than a tile holds,
-members whose shared count is short of the minimum, and contexts near page borders.
+batch (their rows and sequences offset the decodes'), members whose shared count is short of
+the minimum, and contexts that end inside or just past the shared pages; a fixed case has a
+group larger than a tile holds.
 """
 
 from __future__ import annotations
@@ -210,6 +211,24 @@ def test_a_system_prompt_read_once_by_eight_decodes() -> None:
     meta2, _ = shared_batch([(6, ctxs)], [5], 16, 1)
     attn(q, k_cache, v_cache, meta2, 0.125)
     assert attn._share_step[2] is not layout
+
+
+def test_a_group_larger_than_a_tile_holds() -> None:
+    """16 query heads a KV head: a tile holds 4 members, so of a group of six the first four
+    share the pass and the last two decode alone, and every output is the plain decode's."""
+    meta, num_pages = shared_batch([(4, [70, 75, 80, 85, 90, 95])], [], 16, 5)
+    q = torch.randn(meta.num_tokens, 16, 64, device=DEVICE)
+    k = torch.randn(num_pages, 16, 1, 64, device=DEVICE)
+    v = torch.randn(num_pages, 16, 1, 64, device=DEVICE)
+    attn = PagedAttention(DEVICE, torch.float32, 512, prefix_share_tokens=16)
+    with poisoned_outputs():
+        out = attn(q, k, v, meta, 0.125)
+    layout = attn._share_step[2]
+    assert prefix_share.max_members(16) == 4
+    assert layout.start.tolist() == [64, 64, 64, 64, 0, 0]
+    assert layout.members[0].tolist() == [0, 1, 2, 3] and (layout.members[1:] == -1).all()
+    want = PagedAttention(DEVICE, torch.float32, 512)(q, k, v, meta, 0.125)
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
 def test_no_shared_pass_where_it_cannot_apply() -> None:
