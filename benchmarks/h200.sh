@@ -54,8 +54,8 @@ matrix_beside_groups() { local gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf} shard=${MA
   echo "   matrix exit ${PIPESTATUS[0]}"
   wait_groups "$tag"; }
 K=tests/plugins/kernels; W=tests/plugins/weight_formats
-VERIFY_KERNELS="$K/test_fused_gpu.py;$K/test_lora_kernels_gpu.py $K/test_moe_kernels_gpu.py tests/plugins/models/test_moe_models_fused.py $K/test_fused_linear_gpu.py $K/test_fused_layer.py $K/test_prefix_share.py $W/test_gguf_blocks.py"
-VERIFY_ENGINE_A="tests/core/runner/test_gpu_engine.py tests/core/loop/test_overlap.py tests/core/speculation/test_speculative.py tests/plugins/adapters/test_lora.py tests/plugins/samplers"
+VERIFY_KERNELS="$K/test_fused_gpu.py;$K/test_lora_kernels_gpu.py $K/test_moe_kernels_gpu.py tests/plugins/models/test_moe_models_fused.py $K/test_fused_linear_gpu.py $K/test_fused_linear_lora.py $K/test_fused_layer.py $K/test_prefix_share.py $W/test_gguf_blocks.py"
+VERIFY_ENGINE_A="tests/core/runner/test_gpu_engine.py tests/core/loop/test_overlap.py tests/core/speculation/test_speculative.py tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_fused_layer.py tests/plugins/samplers"
 VERIFY_ENGINE_B="tests/apps/entrypoints/test_rollout_gpu.py tests/plugins/executors/test_tensor_parallel.py $W/test_weight_formats.py $W/test_gguf_weights.py $W/test_gguf_gemv.py tests/core/plugin_system/test_example_strategies.py"
 # BENCHES=pending: what the 2026-12-05 sessions left unmeasured, in order of what it decides
 # (carry the torch_memory_saver and gguf wheels; about 10 minutes: two calls, e.g.
@@ -385,5 +385,13 @@ for _ in range(2):
       echo "== lora_bench"; timeout 240 python3 benchmarks/lora_bench.py 2>&1 | tee "$OUT/lora-bench.log"
       run lora-nano offline --workload nano --matrix benchmarks/workloads/lora.toml
       run lora-single offline --workload single --repeats 2 --matrix benchmarks/workloads/lora.toml --only base,lora-1,lora-1-overlap ;;
+    # issue 47 (2026-12-05, fifth session): the adapters' deltas inside fused.layer's Triton GEMMs:
+    # their GPU tests, lora_bench's "fused.layer GEMM with the LoRA inside", then single (and nano)
+    # with fused.layer on both sides (LORA_LAYER_NANO=1 adds nano, about 3 minutes)
+    lora-layer) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider -m gpu \
+        tests/plugins/kernels/test_fused_linear_lora.py tests/plugins/adapters/test_lora_fused_layer.py 2>&1 | tee "$OUT/gpu-tests-lora-layer.log" | tail -6
+      echo "== lora_bench"; timeout 240 python3 benchmarks/lora_bench.py --case single single-16 nano-1 2>&1 | tee "$OUT/lora-bench-layer.log"
+      run lora-layer-single offline --workload single --repeats ${LORA_REPEATS:-3} --matrix benchmarks/workloads/lora.toml --only base-layer,lora-1-layer
+      [ -n "${LORA_LAYER_NANO:-}" ] && run lora-layer-nano offline --workload nano --matrix benchmarks/workloads/lora.toml --only base-layer,lora-1-layer,lora-8-layer ;;
   esac
 done

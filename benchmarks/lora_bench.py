@@ -7,8 +7,9 @@ launches) and ``lora_add`` (fused: one launch; ``--fused 0`` its two-launch path
 captured ``--iters`` times in a CUDA graph and timed by replays (median of ``--repeats``);
 then the GEMM and the engine's default LoRA path together (GEMM, shrink into a zeroed
 workspace, expand), serial and with the shrink on a second stream beside the GEMM
-(``lora.overlap``). Prints µs per call and the layer's totals: the LoRA cost beside the
-base GEMMs.
+(``lora.overlap``); then ``fused.layer``'s Triton GEMM (``fused_linear``, with its norm,
+SiLU·mul or residual) alone and with the LoRA delta inside it (``lora=``: no launch of its
+own). Prints µs per call and the layer's totals: the LoRA cost beside the base GEMMs.
 
     python3 benchmarks/lora_bench.py [--case nano-1 single ...]
 """
@@ -20,7 +21,8 @@ import statistics
 
 import torch
 
-from pitstop.plugins.kernels.triton_ops import lora
+from pitstop.plugins.kernels.lora_reference import ProjectionLoRA
+from pitstop.plugins.kernels.triton_ops import fused_linear, lora
 
 # case -> (hidden, q, kv, intermediate, rows, adapters in the batch)
 CASES = {
@@ -58,7 +60,7 @@ def _timed(fn, iters: int, repeats: int) -> float:
 
 
 def _time_projection(
-    rows, k, widths, slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused
+    proj, rows, k, widths, slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused
 ) -> dict[str, float]:
     dev, dt = "cuda", torch.bfloat16
     n = sum(widths)
@@ -94,7 +96,21 @@ def _time_projection(
         torch.cuda.current_stream().wait_stream(side)
         lora.lora_expand_add(y, h, b, slot_of_row, scaling, ranks, meta=meta)
 
+    inside = ProjectionLoRA(tuple(a), tuple(b), slot_of_row, scaling, ranks, None)
+    residual = torch.randn(rows, n, device=dev, dtype=dt)
+
+    def layer_gemm(with_lora: bool) -> None:  # fused.layer's GEMM of this projection
+        kw = {"lora": inside} if with_lora else {}
+        if proj == "qkv":
+            fused_linear.norm_linear(x, w, 1e-6, **kw)
+        elif proj == "gate_up":
+            fused_linear.norm_gate_up(x, w, 1e-6, **kw)
+        else:
+            fused_linear.linear_residual(x, w, residual, **kw)
+
     return {
+        "layer": _timed(lambda: layer_gemm(False), iters, repeats),
+        "layer+lora": _timed(lambda: layer_gemm(True), iters, repeats),
         "gemm": _timed(gemm, iters, repeats),
         "old": _timed(old, iters, repeats),
         "new": _timed(new, iters, repeats),
@@ -117,18 +133,19 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
     meta = lora.lora_meta(slot_of_row, slots)
     ranks = torch.full((slots,), RANK, dtype=torch.int32, device=dev)
     scaling = torch.full((slots,), 2.0, device=dev)
-    totals = {"gemm": 0.0, "old": 0.0, "new": 0.0, "serial": 0.0, "overlap": 0.0}
+    totals = dict.fromkeys(["gemm", "old", "new", "serial", "overlap", "layer", "layer+lora"], 0.0)
     print(f"== {name}: T={rows}, {adapters} adapter(s), rank {RANK}, bf16")
     common = (slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused)
     for proj, (k, widths) in projections.items():
-        t = _time_projection(rows, k, widths, *common)
+        t = _time_projection(proj, rows, k, widths, *common)
         cfg = lora.fused_config(rows, k, widths, torch.bfloat16, torch.device("cuda"))
         for key in totals:
             totals[key] += t[key]
         print(
             f"{proj:>8}: K={k:>5} N={sum(widths):>5}  gemm {t['gemm']:7.2f} us  old lora "
             f"{t['old']:7.2f} us  lora_add {t['new']:7.2f} us  (fused config {tuple(cfg)}); "
-            f"gemm+lora serial {t['serial']:7.2f} us, shrink overlapped {t['overlap']:7.2f} us"
+            f"gemm+lora serial {t['serial']:7.2f} us, shrink overlapped {t['overlap']:7.2f} us; "
+            f"fused.layer GEMM {t['layer']:7.2f} us, with the LoRA inside {t['layer+lora']:7.2f} us"
         )
     g = totals["gemm"]
     print(
@@ -137,6 +154,11 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
         f"({g / (g + totals['new']):.3f}x); gemm + lora serial {totals['serial']:.1f} us "
         f"({g / totals['serial']:.3f}x), shrink overlapped {totals['overlap']:.1f} us "
         f"({g / totals['overlap']:.3f}x)"
+    )
+    fl, fl_lora = totals["layer"], totals["layer+lora"]
+    print(
+        f"   fused.layer GEMMs {fl:.1f} us, with the LoRA inside {fl_lora:.1f} us "
+        f"({fl / fl_lora:.3f}x); against the GEMMs + serial LoRA: {totals['serial'] / fl_lora:.2f}x"
     )
 
 

@@ -309,9 +309,7 @@ class KernelSet(Protocol):
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of q ``[T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
-
-        An fp8 cache's values are multiplied by ``kv_scale`` (K's, then V's) when read.
-        """
+        An fp8 cache's values are multiplied by ``kv_scale`` (K's, then V's) when read."""
         ...
 
     def describe(self) -> dict[str, str]:
@@ -329,13 +327,11 @@ class KernelSet(Protocol):
 class FusedLayerOps(Protocol):
     """The ops of a fused decoder layer, which a kernel set declaring ``fuses_layer`` provides.
 
-    A layer then runs as ``norm_linear`` (input norm + QKV), ``rope_and_store``,
-    ``attention``, ``linear_residual`` (O projection + residual add), ``norm_gate_up``
-    (post-attention norm + gate-up + SiLU·mul) and ``linear_residual`` (down + residual
-    add): six ops, where the unfused layer takes nine or ten. The model multiplies each
-    RMSNorm's gain into the projection after it once at load (``W' = W * g[None, :]``),
-    so ``norm_linear`` scales each row by ``1 / rms(x)`` alone.
-    """
+    A layer runs as ``norm_linear`` (norm + QKV), ``rope_and_store``, ``attention``,
+    ``linear_residual`` (O + residual add), ``norm_gate_up`` (norm + gate-up + SiLU·mul)
+    and ``linear_residual`` (down + residual add). The model multiplies each RMSNorm's gain
+    into the projection after it at load, so ``norm_linear`` scales each row by ``1 /
+    rms(x)`` alone. ``lora``: an adapter plugin's delta of the projection, or None."""
 
     def norm_linear(
         self,
@@ -343,6 +339,7 @@ class FusedLayerOps(Protocol):
         weight: torch.Tensor,
         eps: float | None,
         bias: torch.Tensor | None = None,
+        lora: Any = None,
     ) -> torch.Tensor:
         """``rstd(x)[:, None] * (x @ weight.T) (+ bias)``; ``eps=None`` skips the norm."""
         ...
@@ -353,6 +350,7 @@ class FusedLayerOps(Protocol):
         weight: torch.Tensor,
         eps: float | None,
         bias: torch.Tensor | None = None,
+        lora: Any = None,
     ) -> torch.Tensor:
         """``silu(g) * u`` where ``[g | u]`` is :meth:`norm_linear` over the merged gate-up weight."""
         ...
@@ -363,6 +361,7 @@ class FusedLayerOps(Protocol):
         weight: torch.Tensor,
         residual: torch.Tensor,
         bias: torch.Tensor | None = None,
+        lora: Any = None,
     ) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``: a new tensor, or ``residual`` itself updated in
         place (the model never reads the old stream again), as the set chooses."""
@@ -387,12 +386,13 @@ class KernelSetBase(Capabilities):
         return False
 
     def norm_linear_deferred(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: Any = None
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: Any = None, **kw: Any
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, float] | None]:
         """A fused layer's input norm + QKV: ``(norm_linear(...), None)`` (this default), or
         ``(x @ weight.T, (x, eps))``, the row scale left to ``rope_and_store(row_scale=)``,
-        which then multiplies each token's q, k, v by ``1 / rms(x[t])`` first."""
-        return self.norm_linear(x, weight, eps, bias), None
+        which then multiplies each token's q, k, v by ``1 / rms(x[t])`` first (``kw``: the
+        ``lora=`` of an adapter plugin, passed on)."""
+        return self.norm_linear(x, weight, eps, bias, **kw), None
 
 
 # ---------------------------------------------------------------- sampler

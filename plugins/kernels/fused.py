@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import attrs
 import torch
@@ -378,11 +379,12 @@ class FusedKernels(reference.DispatchKernels):
         weight: torch.Tensor,
         eps: float | None,
         bias: torch.Tensor | None = None,
+        lora: Any = None,
     ) -> torch.Tensor:
         """``rstd(x) * x @ weight.T (+ bias)`` (:class:`.fused_layer.FusedLayer`)."""
         if self._layer is None:
-            return reference.norm_linear(x, weight, eps, bias)
-        return self._layer.norm_linear(x, weight, eps, bias)
+            return reference.norm_linear(x, weight, eps, bias, lora)
+        return self._layer.norm_linear(x, weight, eps, bias, lora)
 
     def norm_linear_deferred(
         self,
@@ -390,12 +392,13 @@ class FusedKernels(reference.DispatchKernels):
         weight: torch.Tensor,
         eps: float | None,
         bias: torch.Tensor | None = None,
+        lora: Any = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, float] | None]:
         """The QKV projection, its row scale perhaps left to ``rope_and_store``
         (:meth:`KernelSetBase.norm_linear_deferred`, :class:`.fused_layer.FusedLayer`)."""
         if self._layer is None:
-            return reference.norm_linear(x, weight, eps, bias), None
-        return self._layer.norm_linear_deferred(x, weight, eps, bias)
+            return reference.norm_linear(x, weight, eps, bias, lora), None
+        return self._layer.norm_linear_deferred(x, weight, eps, bias, lora)
 
     def norm_gate_up(
         self,
@@ -403,11 +406,12 @@ class FusedKernels(reference.DispatchKernels):
         weight: torch.Tensor,
         eps: float | None,
         bias: torch.Tensor | None = None,
+        lora: Any = None,
     ) -> torch.Tensor:
         """``silu(gate) * up`` of the normed gate-up projection (:class:`.fused_layer.FusedLayer`)."""
         if self._layer is None:
-            return reference.norm_gate_up(x, weight, eps, bias)
-        return self._layer.norm_gate_up(x, weight, eps, bias)
+            return reference.norm_gate_up(x, weight, eps, bias, lora)
+        return self._layer.norm_gate_up(x, weight, eps, bias, lora)
 
     def linear_residual(
         self,
@@ -415,12 +419,13 @@ class FusedKernels(reference.DispatchKernels):
         weight: torch.Tensor,
         residual: torch.Tensor,
         bias: torch.Tensor | None = None,
+        lora: Any = None,
     ) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``, a new tensor or ``residual`` updated in place
         (:class:`.fused_layer.FusedLayer`)."""
         if self._layer is None:
-            return reference.linear_residual(x, weight, residual, bias)
-        return self._layer.linear_residual(x, weight, residual, bias)
+            return reference.linear_residual(x, weight, residual, bias, lora)
+        return self._layer.linear_residual(x, weight, residual, bias, lora)
 
     # ------------------------------------------------------------------ resolution
     def _fallback(self, op: str, reason: str) -> None:

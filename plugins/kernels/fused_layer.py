@@ -12,6 +12,11 @@ gain into the projection after it at load) and runs each either way:
   the residual stream in place (``addmm_``, cuBLAS's beta = 1); seven launches a layer.
   With a bias the row scale runs first instead (one Triton pass), as the bias comes after it.
 
+With an adapter (``lora=``, :class:`~pitstop.plugins.kernels.lora_reference.ProjectionLoRA`)
+the Triton GEMMs add each row's LoRA delta inside (no launch of its own); the cuBLAS way
+adds it with the adapter's own kernels after the GEMM, on the rows the GEMM took (raw, or
+row-scaled where the scale runs first), before SiLU·mul.
+
 Which one runs, and in which Triton launch shape, is
 :class:`.triton_ops.layer_choice.LayerChoice`'s answer for the op and shape: timed once per
 shape on a GPU (``fused.layer_tune``, up to ``fused.layer_tune_rows`` rows), else Triton
@@ -28,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pitstop.plugins.kernels import reference
+from pitstop.plugins.kernels.lora_reference import ProjectionLoRA
 
 # Triton is imported only when the kernel set is built (pitstop.plugins.kernels.fused)
 if TYPE_CHECKING:
@@ -62,41 +68,72 @@ class FusedLayer:
 
     # ------------------------------------------------------------------ QKV
     def norm_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None,
+        lora: ProjectionLoRA | None = None,
     ) -> torch.Tensor:
         """``rstd(x) * x @ weight.T (+ bias)`` as one tensor (the scale applied here)."""
-        config = self._config("norm_linear", x, weight, eps, bias)
+        config = self._config("norm_linear", x, weight, eps, bias, lora=lora)
         if config is not None:
-            return self.gemm.norm_linear(x, weight, eps, bias, config=config)
-        return F.linear(self.row_scaled(x, eps), weight, bias)
+            return self.gemm.norm_linear(x, weight, eps, bias, config=config, lora=lora)
+        return self._linear(self.row_scaled(x, eps), weight, bias, lora)
 
     def norm_linear_deferred(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None,
+        lora: ProjectionLoRA | None = None,
     ) -> tuple[torch.Tensor, RowScale | None]:
         """The QKV projection: the Triton GEMM with the norm inside, or cuBLAS on the raw rows
         and ``(x, eps)`` for ``rope_and_store`` to scale with (no bias), or the scale first."""
-        config = self._config("norm_linear", x, weight, eps, bias)
+        config = self._config("norm_linear", x, weight, eps, bias, lora=lora)
         if config is not None:
-            return self.gemm.norm_linear(x, weight, eps, bias, config=config), None
+            return self.gemm.norm_linear(x, weight, eps, bias, config=config, lora=lora), None
         deferred = (x, eps) if _defers(eps, bias) else None
-        return self._cublas_qkv(x, weight, eps, bias), deferred
+        return self._cublas_qkv(x, weight, eps, bias, lora), deferred
 
     # ------------------------------------------------------------------ MLP
     def norm_gate_up(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None,
+        lora: ProjectionLoRA | None = None,
     ) -> torch.Tensor:
         """``silu(gate) * up`` of the normed merged gate-up projection."""
-        config = self._config("norm_gate_up", x, weight, eps, bias)
+        config = self._config("norm_gate_up", x, weight, eps, bias, lora=lora)
         if config is not None:
-            return self.gemm.norm_gate_up(x, weight, eps, bias, config=config)
-        return self._cublas_gate_up(x, weight, eps, bias)
+            return self.gemm.norm_gate_up(x, weight, eps, bias, config=config, lora=lora)
+        return self._cublas_gate_up(x, weight, eps, bias, lora)
 
     def _cublas_gate_up(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None,
+        lora: ProjectionLoRA | None = None,
     ) -> torch.Tensor:
         if self.silu is not None and _defers(eps, bias):
-            return self.silu.silu_and_mul(F.linear(x, weight), (x, eps))
-        return self.plain_silu(F.linear(self.row_scaled(x, eps), weight, bias))
+            return self.silu.silu_and_mul(self._linear(x, weight, None, lora), (x, eps))
+        return self.plain_silu(self._linear(self.row_scaled(x, eps), weight, bias, lora))
+
+    @staticmethod
+    def _linear(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora: ProjectionLoRA | None,
+    ) -> torch.Tensor:
+        """cuBLAS's ``x @ weight.T (+ bias)``, plus the adapter's delta of the same rows."""
+        y = F.linear(x, weight, bias)
+        return y if lora is None else lora.add(x, y)
 
     # ------------------------------------------------------------------ residual writers
     def linear_residual(
@@ -105,15 +142,30 @@ class FusedLayer:
         weight: torch.Tensor,
         residual: torch.Tensor,
         bias: torch.Tensor | None,
+        lora: ProjectionLoRA | None = None,
     ) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``: the Triton GEMM's fresh tensor, or cuBLAS adding
         into ``residual`` in place (one launch; the model never reads the old stream again)."""
-        config = self._config("linear_residual", x, weight, None, bias, residual)
+        config = self._config("linear_residual", x, weight, None, bias, residual, lora)
         if config is not None:
-            return self.gemm.linear_residual(x, weight, residual, bias, config=config)
+            return self.gemm.linear_residual(x, weight, residual, bias, config=config, lora=lora)
+        return self._cublas_residual(x, weight, residual, bias, lora)
+
+    @staticmethod
+    def _cublas_residual(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora: ProjectionLoRA | None,
+    ) -> torch.Tensor:
+        """The cuBLAS way of a residual writer: into ``residual`` in place (``addmm_``), or
+        ``residual + x @ weight.T + bias``; then the adapter's delta, in place."""
         if bias is not None:
-            return residual + F.linear(x, weight, bias)
-        return residual.addmm_(x, weight.t())
+            out = residual + F.linear(x, weight, bias)
+        else:
+            out = residual.addmm_(x, weight.t())
+        return out if lora is None else lora.add(x, out)
 
     # ------------------------------------------------------------------ the choice
     def _config(
@@ -124,10 +176,13 @@ class FusedLayer:
         eps: float | None,
         bias: torch.Tensor | None,
         residual: torch.Tensor | None = None,
+        lora: ProjectionLoRA | None = None,
     ) -> LinearConfig | None:
         """The Triton launch shape ``op`` runs for this call, or None for cuBLAS
         (:class:`LayerChoice`); what it would time is this very call, the cuBLAS way of the
-        residual writers adding into a copy of the residual."""
+        residual writers adding into a copy of the residual. With ``lora`` only the shapes
+        whose tiles keep each slice apart (:func:`fused_linear.lora_fits`) take part, and
+        both ways and the reference include the adapter's delta."""
         if x.shape[0] > self.choice.max_rows:
             return None
         gate_up = op == "norm_gate_up"
@@ -138,41 +193,50 @@ class FusedLayer:
             candidates = self.gemm.tile_candidates(m, n_out, k, x.dtype, gate_up, sms)
         else:  # the interpreter's tiles
             candidates = [self.gemm.choose_config(m, n_out, k, x.dtype, gate_up, False, sms)]
+        if lora is not None:
+            candidates = [c for c in candidates if self.gemm.lora_fits(lora, gate_up, c.block_n)]
+            if not candidates:
+                return None
 
         def run_triton(config: LinearConfig) -> torch.Tensor:
             if op == "linear_residual":
-                return self.gemm.linear_residual(x, weight, residual, bias, config=config)
-            return getattr(self.gemm, op)(x, weight, eps, bias, config=config)
+                return self.gemm.linear_residual(
+                    x, weight, residual, bias, config=config, lora=lora
+                )
+            return getattr(self.gemm, op)(x, weight, eps, bias, config=config, lora=lora)
 
         scratch: list[torch.Tensor] = []
 
         def run_cublas() -> object:
             if op == "norm_linear":
-                return self._cublas_qkv(x, weight, eps, bias)
+                return self._cublas_qkv(x, weight, eps, bias, lora)
             if gate_up:
-                return self._cublas_gate_up(x, weight, eps, bias)
+                return self._cublas_gate_up(x, weight, eps, bias, lora)
             if not scratch:  # adds into a copy: the real residual stays as it is
                 assert residual is not None
                 scratch.append(residual.clone())
-            if bias is not None:
-                return scratch[0] + F.linear(x, weight, bias)
-            return scratch[0].addmm_(x, weight.t())
+            return self._cublas_residual(x, weight, scratch[0], bias, lora)
 
         def expected() -> torch.Tensor:
             if op == "linear_residual":
-                return reference.linear_residual(x, weight, residual, bias)
-            return getattr(reference, op)(x, weight, eps, bias)
+                return reference.linear_residual(x, weight, residual, bias, lora)
+            return getattr(reference, op)(x, weight, eps, bias, lora)
 
-        name = op if bias is None else f"{op}+bias"
+        name = (op if bias is None else f"{op}+bias") + ("" if lora is None else "+lora")
         return self.choice.launch_shape(
             name, x, weight, candidates, run_triton, run_cublas, expected
         )
 
     def _cublas_qkv(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float | None,
+        bias: torch.Tensor | None,
+        lora: ProjectionLoRA | None = None,
     ) -> torch.Tensor:
         """The cuBLAS way of the QKV projection, as timed: the raw GEMM where the scale is
-        deferred, else the scale pass and the GEMM."""
+        deferred, else the scale pass and the GEMM (the adapter's delta after either)."""
         if _defers(eps, bias):
-            return F.linear(x, weight)
-        return F.linear(self.row_scaled(x, eps), weight, bias)
+            return self._linear(x, weight, None, lora)
+        return self._linear(self.row_scaled(x, eps), weight, bias, lora)

@@ -14,10 +14,26 @@ can be called the same way. Easy to read, not fast: it syncs with the host.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
+
+
+class ProjectionLoRA(NamedTuple):
+    """One projection's LoRA as a fused layer takes it (``lora=`` of the ``FusedLayerOps``):
+    the ``lora`` plugin's slot tensors of every slice (q|k|v, gate|up or one), which a fused
+    GEMM adds inside (:mod:`pitstop.plugins.kernels.triton_ops.fused_linear`), and ``add``,
+    the plugin's own ``y += delta(x)`` (in place; returns y) for every other way the
+    projection runs. For a projection after an RMSNorm, A holds the norm's gain
+    (``A * g[None, :]``, as the fused layer's weights do), so both take the raw rows."""
+
+    A: tuple[torch.Tensor, ...]  # per slice [slots, rank_max, K], contiguous
+    B: tuple[torch.Tensor, ...]  # per slice [slots, N_i, rank_max], contiguous
+    slot_of_row: torch.Tensor  # [>= T] int32: each token row's slot, -1 for none
+    scaling: torch.Tensor  # [slots] (or [slots, slices]) float32
+    ranks: torch.Tensor  # [slots] int32: each slot's rank, 0 for an empty slot
+    add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def scaling_of(lora_alpha: float, rank: int, use_rslora: bool = False) -> float:

@@ -261,17 +261,24 @@ def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def norm_linear(
-    x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float | None,
+    bias: torch.Tensor | None = None,
+    lora: Any = None,
 ) -> torch.Tensor:
     """RMSNorm folded into the projection after it: ``rstd(x) * x @ weight.T (+ bias)``.
 
     ``weight`` already holds the norm's gain (``W' = W * g[None, :]``, done once at load), so
     only the row scale remains; it is applied to ``x`` here (rounded to ``x``'s dtype, as
     transformers rounds the normalized row) before the GEMM. ``eps=None``: no norm.
+    ``lora`` (:class:`.lora_reference.ProjectionLoRA`, its A gain-folded too): the adapter's
+    delta of the scaled rows added after the GEMM.
     """
     if eps is not None:
         x = (x.float() * rms_scale(x, eps)).to(x.dtype)
-    return F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
+    return y if lora is None else lora.add(x, y)
 
 
 def apply_row_scale(
@@ -285,11 +292,15 @@ def apply_row_scale(
 
 
 def norm_gate_up(
-    x: torch.Tensor, weight: torch.Tensor, eps: float | None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float | None,
+    bias: torch.Tensor | None = None,
+    lora: Any = None,
 ) -> torch.Tensor:
     """The MLP's first half in one op: ``silu(gate) * up`` of :func:`norm_linear` over the merged
     ``[gate | up]`` weight (rows ``[2F, K]``, gain folded); returns ``[T, F]``."""
-    return silu_and_mul(norm_linear(x, weight, eps, bias))
+    return silu_and_mul(norm_linear(x, weight, eps, bias, lora))
 
 
 def linear_residual(
@@ -297,10 +308,13 @@ def linear_residual(
     weight: torch.Tensor,
     residual: torch.Tensor,
     bias: torch.Tensor | None = None,
+    lora: Any = None,
 ) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)``: a projection that writes the residual stream
-    (a new tensor here; a kernel set may add into ``residual`` in place and return it)."""
-    return residual + F.linear(x, weight, bias)
+    (a new tensor here; a kernel set may add into ``residual`` in place and return it);
+    ``lora``: the adapter's delta of ``x`` added too."""
+    y = residual + F.linear(x, weight, bias)
+    return y if lora is None else lora.add(x, y)
 
 
 def moe(
@@ -376,9 +390,10 @@ class DispatchKernels(KernelSetBase):
         weight: torch.Tensor,
         eps: float | None,
         bias: torch.Tensor | None = None,
+        lora: Any = None,
     ) -> torch.Tensor:
         """``rstd(x) * x @ weight.T (+ bias)``, the norm's gain folded into ``weight`` at load."""
-        return self._norm_linear(x, weight, eps, bias)
+        return self._norm_linear(x, weight, eps, bias, lora)
 
     def norm_gate_up(
         self,
@@ -386,9 +401,10 @@ class DispatchKernels(KernelSetBase):
         weight: torch.Tensor,
         eps: float | None,
         bias: torch.Tensor | None = None,
+        lora: Any = None,
     ) -> torch.Tensor:
         """``silu(gate) * up`` of :meth:`norm_linear` over the merged ``[gate | up]`` weight."""
-        return self._norm_gate_up(x, weight, eps, bias)
+        return self._norm_gate_up(x, weight, eps, bias, lora)
 
     def linear_residual(
         self,
@@ -396,9 +412,10 @@ class DispatchKernels(KernelSetBase):
         weight: torch.Tensor,
         residual: torch.Tensor,
         bias: torch.Tensor | None = None,
+        lora: Any = None,
     ) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``: the projection that writes the residual stream."""
-        return self._linear_residual(x, weight, residual, bias)
+        return self._linear_residual(x, weight, residual, bias, lora)
 
     def rope_and_store(
         self,

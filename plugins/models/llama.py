@@ -129,13 +129,15 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         norm_eps: float | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Everything before attention: q/k/v, q/k norms, rotary and the K/V store; returns q.
 
         ``norm_eps`` (a fused layer, :class:`DecoderLayer`): ``x`` is the un-normalized
         residual stream and the input norm runs inside the QKV projection
         (the kernel set's ``norm_linear_deferred``; its gain was folded into ``qkv_proj`` at
-        load), or its row scale inside ``rope_and_store`` where the set defers it.
+        load), or its row scale inside ``rope_and_store`` where the set defers it; ``lora``
+        (``{"lora": delta}`` or empty): an adapter's delta the QKV projection adds inside.
 
         The q/k norms (Qwen3) run inside ``rope_and_store`` when the kernel set
         declares ``fuses_qk_norm`` (:class:`~pitstop.plugin_system.protocols.KernelSetBase`),
@@ -149,10 +151,12 @@ class Attention(nn.Module):
         row_scale = None
         if norm_eps is not None and cfg.qk_norm and not self.fuse_qk_norm:
             # the q/k norms run before rope_and_store: the row scale cannot wait for it
-            qkv = kn.norm_linear(x, self.qkv_proj, norm_eps, self.qkv_bias)
+            qkv = kn.norm_linear(x, self.qkv_proj, norm_eps, self.qkv_bias, **(lora or {}))
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         elif norm_eps is not None:
-            qkv, row_scale = self.norm_qkv(x, self.qkv_proj, norm_eps, self.qkv_bias)
+            qkv, row_scale = self.norm_qkv(
+                x, self.qkv_proj, norm_eps, self.qkv_bias, **(lora or {})
+            )
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         elif self.merged:
             qkv = linear(x, self.qkv_proj, self.qkv_bias)
@@ -250,6 +254,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, kernels, merged, linear)
         self.input_layernorm = _param(cfg.hidden_size)
         self.post_attention_layernorm = _param(cfg.hidden_size)
+        # fused: an adapter plugin's delta of each projection (by attribute name: qkv_proj,
+        # o_proj, gate_up_proj, down_proj), added inside the fused ops (``lora=``)
+        self.projection_lora: dict[str, Any] = {}
 
     def forward(
         self,
@@ -278,7 +285,8 @@ class DecoderLayer(nn.Module):
         eps, kn = self.cfg.rms_norm_eps, self.kernels
         if self.fused:  # x is the residual stream; the norm runs inside the QKV projection
             stream = x if residual is None else x + residual
-            q = self.self_attn.project(stream, rotary, k_cache, v_cache, meta, norm_eps=eps)
+            lora = self._lora("qkv_proj")
+            q = self.self_attn.project(stream, rotary, k_cache, v_cache, meta, eps, lora)
             return q, stream
         if residual is None:
             h, _ = kn.rms_norm(x, self.input_layernorm, eps)
@@ -306,11 +314,19 @@ class DecoderLayer(nn.Module):
     def _fused_after_attention(self, o: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         """O projection + residual add, norm + gate-up + SiLU·mul, down + residual add."""
         attn, mlp, kn = self.self_attn, self.mlp, self.kernels
-        stream = kn.linear_residual(
-            o.reshape(o.shape[0], attn.q_size), attn.o_proj, stream, attn.o_bias
+        o2 = o.reshape(o.shape[0], attn.q_size)
+        stream = kn.linear_residual(o2, attn.o_proj, stream, attn.o_bias, **self._lora("o_proj"))
+        eps, lora = self.cfg.rms_norm_eps, self._lora("gate_up_proj")
+        act = kn.norm_gate_up(stream, mlp.gate_up_proj, eps, mlp.gate_up_bias, **lora)
+        return kn.linear_residual(
+            act, mlp.down_proj, stream, mlp.down_bias, **self._lora("down_proj")
         )
-        act = kn.norm_gate_up(stream, mlp.gate_up_proj, self.cfg.rms_norm_eps, mlp.gate_up_bias)
-        return kn.linear_residual(act, mlp.down_proj, stream, mlp.down_bias)
+
+    def _lora(self, name: str) -> dict[str, Any]:
+        """``{"lora": delta}`` for a projection an adapter plugin adapts, else empty (so that a
+        kernel set without adapter support is called as before)."""
+        delta = self.projection_lora.get(name)
+        return {} if delta is None else {"lora": delta}
 
     def fold_norms(self) -> None:
         """Multiply each RMSNorm's gain into the projection after it (``W' = W * g``), once.

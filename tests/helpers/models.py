@@ -124,12 +124,15 @@ def make_tiny_checkpoint(
     seed: int = 0,
     with_tokenizer: bool = True,
     max_shard_size: str | int | None = None,
+    norm_gains: tuple[float, float] | None = None,
     **overrides: Any,
 ) -> Path:
     """Save a tiny random ``arch`` model (llama, qwen2, qwen3, qwen3_moe, qwen2_moe or mixtral) under ``tmp_path`` and return
     its folder. ``overrides`` go to the transformers config (e.g. ``tie_word_embeddings=True``,
     ``num_hidden_layers=3``). Every parameter is perturbed from its initial value, so that
-    norms and biases are not trivially ones and zeros. With ``with_tokenizer`` the folder
+    norms and biases are not trivially ones and zeros; ``norm_gains`` ``(low, high)``: the
+    RMSNorm gains drawn from U[low, high] instead (far from one, so that a gain folded into
+    the wrong weight, or twice, changes the logits). With ``with_tokenizer`` the folder
     gets SmolLM2's tokenizer (vocab 49152, chat template); ``max_shard_size`` splits the
     weights into several safetensors files."""
     from transformers import AutoModelForCausalLM
@@ -138,8 +141,11 @@ def make_tiny_checkpoint(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+        for name, p in model.named_parameters():
+            if norm_gains is not None and name.endswith("norm.weight"):
+                p.uniform_(*norm_gains)
+            else:
+                p.add_(torch.randn_like(p) * 0.02)
     folder = Path(tmp_path) / f"tiny-{arch}-{seed}"
     kwargs: dict[str, Any] = {}
     if max_shard_size is not None:

@@ -4,7 +4,8 @@ Selected by ``adapter="lora"`` (vLLM's ``enable_lora=True``). A request names it
 adapter with vLLM's :class:`~pitstop.entrypoints.lora_request.LoRARequest`; the adapter folder is read
 at ``add_request`` (:mod:`.peft_adapter`, which lists what is refused), held in a host
 cache, copied into one of ``max_loras`` device slots when a step needs it, and applied
-to each row of that adapter by the kernel ops (:mod:`.slots`).
+to each row of that adapter by the kernel ops (:mod:`.slots`); a fused decoder layer
+(``fused.layer``) takes each projection's delta inside its own GEMMs instead.
 
 Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
 

@@ -25,6 +25,7 @@ needed again).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ from pitstop.plugins.adapters.lora.peft_adapter import (
     rank_part,
     read_adapter,
 )
+from pitstop.plugins.kernels.lora_reference import ProjectionLoRA
 
 # a projection attribute of the Llama-family layers -> the PEFT modules of its slices
 SLICES: dict[str, tuple[str, ...]] = {
@@ -85,6 +87,9 @@ class _Projection:
         kw = {"device": ctx.device, "dtype": ctx.dtype}
         self.A = [torch.zeros(slots, rank, shapes[m][1], **kw) for m in modules]
         self.B = [torch.zeros(slots, shapes[m][0], rank, **kw) for m in modules]
+        # a fused layer's projection after an RMSNorm: the norm's gain, multiplied into each
+        # A loaded (A * g[None, :]), as the layer folds it into the base weight
+        self.gain: torch.Tensor | None = None
 
     def load(self, slot: int, layer: int, adapter: LoRAWeights) -> None:
         """Copy ``adapter``'s weights of this projection into ``slot`` (zeros where untrained)."""
@@ -95,6 +100,8 @@ class _Projection:
             if pair is not None:
                 a, b = pair
                 a_all[slot, : adapter.rank].copy_(a, non_blocking=True)
+                if self.gain is not None:
+                    a_all[slot, : adapter.rank].mul_(self.gain.detach()[None, :])
                 b_all[slot, :, : adapter.rank].copy_(b, non_blocking=True)
 
 
@@ -130,6 +137,8 @@ class LoRASlots:
         self.meta = self._new_meta(rows)
         self.rows = 0  # rows of the current step
         self.layers: list[dict[str, _Projection]] = []
+        # the fused layers and their projections: their deltas read slot_of_row (rebuilt with it)
+        self.fused_layers: list[tuple[torch.nn.Module, dict[str, _Projection]]] = []
         # [WORKSPACE_ROWS, projections, widest] float32 (Triton ops only; set by attach)
         self.workspace: torch.Tensor | None = None
         self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id held per slot
@@ -141,17 +150,14 @@ class LoRASlots:
 
     # ------------------------------------------------------------------ attach
     def attach(self, model: torch.nn.Module) -> None:
-        """Wrap every layer's projections; turn fused layers off (their norms fold into the
-        weights, so the adapter's input would not be the normed activation)."""
+        """Wrap every layer's projections; hand a fused layer (``fused.layer``) each
+        projection's :class:`ProjectionLoRA` instead, which its ops add inside (the A of QKV
+        and gate-up taking the norm's gain, as their base weights do)."""
         layers = getattr(model, "layers", None)
         if layers is None:
             raise ConfigError(f"the lora adapter cannot adapt {type(model).__name__}: no .layers")
-        if getattr(model, "fused_layers", False):
-            model.fused_layers = False
         shapes = expected_shapes(self.ctx.model_config)
         for layer in layers:
-            if getattr(layer, "fused", False):
-                layer.fused = False
             projections: dict[str, _Projection] = {}
             for block in (layer.self_attn, layer.mlp):
                 if not hasattr(block, "linear_weights") or not hasattr(block, "linear"):
@@ -166,7 +172,40 @@ class LoRASlots:
                     )
                 block.linear = self._wrap(block, block.linear, projections, tuple(mine))
             self.layers.append(projections)
+            if getattr(layer, "fused", False):
+                self._hand_to_fused(layer, projections)
         self._allocate_workspace()
+
+    def _hand_to_fused(self, layer: torch.nn.Module, projections: dict[str, _Projection]) -> None:
+        """A fused layer's projections take their delta from ``layer.projection_lora``; the
+        QKV and gate-up A take the gains of the norms before them."""
+        gains = {"qkv_proj": "input_layernorm", "gate_up_proj": "post_attention_layernorm"}
+        for attr, proj in projections.items():
+            if attr in gains:
+                proj.gain = getattr(layer, gains[attr])
+        self.fused_layers.append((layer, projections))
+        self._refresh_deltas()
+
+    def _refresh_deltas(self) -> None:
+        """(Re)build the fused layers' deltas over the current ``slot_of_row`` buffer."""
+        for layer, projections in self.fused_layers:
+            layer.projection_lora = {
+                attr: ProjectionLoRA(
+                    tuple(proj.A),
+                    tuple(proj.B),
+                    self.slot_of_row,
+                    self.scaling,
+                    self.ranks,
+                    functools.partial(self._add_unsplit, proj=proj),
+                )
+                for attr, proj in projections.items()
+            }
+
+    def _add_unsplit(self, x: torch.Tensor, y: torch.Tensor, proj: _Projection) -> torch.Tensor:
+        """A fused layer's ``y += delta(x)`` outside its GEMM: the shrink unsplit (stored, not
+        added, into the workspace), so that calling it again in one step (the fused layer
+        times its ways on a shape's first call) gives the same result."""
+        return self._add_delta(x, y, proj, split=False)
 
     def _allocate_workspace(self) -> None:
         """The shrinks' float32 workspace of small steps (:data:`WORKSPACE_ROWS`), one column
@@ -235,8 +274,11 @@ class LoRASlots:
         slots = self.slot_of_row[: y2.shape[0]]
         self.ops.lora_expand_add(y2, h, proj.B, slots, self.scaling, self.ranks, **meta)
 
-    def _add_delta(self, x: torch.Tensor, y: torch.Tensor, proj: _Projection) -> torch.Tensor:
-        """``y += scaling · B(A x)`` for the rows of a slot (in place)."""
+    def _add_delta(
+        self, x: torch.Tensor, y: torch.Tensor, proj: _Projection, split: bool = True
+    ) -> torch.Tensor:
+        """``y += scaling · B(A x)`` for the rows of a slot (in place); ``split`` False: the
+        shrink over all of K in each program, writing its rows rather than adding to them."""
         x2 = x.reshape(-1, x.shape[-1])
         slots = self.slot_of_row[: x2.shape[0]]
         y2 = y.reshape(-1, y.shape[-1])
@@ -251,6 +293,9 @@ class LoRASlots:
         into: dict[str, Any] = {}
         if self.workspace is not None and rows <= WORKSPACE_ROWS:
             into = {"out": self.workspace[:rows, proj.index, : proj.width], "zeroed": True}
+        if not split and self.meta is not None:  # the Triton ops: stores, no atomic adds
+            config = self.ops.default_config(rows, x2.shape[1], x2.dtype, x2.device)
+            into["config"] = config._replace(split_k=1)
         h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks, **meta, **into)
         self._expand(y, h, proj)
         return y
@@ -308,6 +353,7 @@ class LoRASlots:
         if rows > self.slot_of_row.shape[0]:  # eager steps only: graphs never grow past it
             self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32, device=self.ctx.device)
             self.meta = self._new_meta(rows)
+            self._refresh_deltas()
         self.slot_of_row[:rows].copy_(torch.tensor(host, dtype=torch.int32), non_blocking=True)
         if self.rows > rows:
             self.slot_of_row[rows : self.rows].fill_(-1)

@@ -50,6 +50,22 @@ counters are per device, allocated once (:func:`workspace`, fixed size: the conf
 rule shrinks ``split_k`` until a launch fits), shared by every launch on the
 device's one stream: launches on several streams at once must not split.
 
+LoRA (``lora=``, :class:`ProjectionLoRA`: the ``lora`` adapter plugin's slots of one
+projection, :mod:`.lora`'s layout): ``scaling[s] * B_s (A_s x)`` added to each token
+row of slot ``s`` inside the GEMM, no launch of its own. The shrink rides in the K loop:
+each program loads, beside its weight tile, the ``[R, BLOCK_K]`` tile of A of its tile's
+*lead slot* (the largest slot among its rows; every load masked off where it has none)
+and accumulates ``h = A x`` (float32) from the very ``x`` tiles of the product, so the
+extra bytes are ``R / BLOCK_N`` of the weight's, read from L2 (A is shared by every
+column tile). Rows of another slot in the same tile (a tile of several adapters) take
+one more pass over the program's K range per slot present, after the loop. The expand
+runs in the epilogue, ``B_s[col, :] @ h`` (float32), scaled per row, added to the
+accumulator before the row scale (so the normed projections' A has the norm's gain
+folded in, as their weights do), the bias and SiLU·mul, or before the residual. With
+split-K each split's ``h`` goes to the workspace beside its partials and the last
+program sums them in split order. A projection's slices (q|k|v; gate|up) must fall on
+tile borders (:func:`lora_fits`); each column tile takes its slice's A and B.
+
 PDL (:mod:`.pdl`): a program loads its first weight tile(s) (they do not depend on
 the previous kernel), then ``gdc_wait()``, then everything else (x, the
 workspace, the counters, bias, residual); ``gdc_launch_dependents()`` once its K loop
@@ -65,7 +81,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pitstop.plugins.kernels.lora_reference import ProjectionLoRA
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.lora import _pick
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 
@@ -107,6 +125,7 @@ WIDE_TILES: tuple[tuple[int, int, int, int, int], ...] = (
 FP32_TILES = (16, 64, 32, 4, 3)  # IEEE fp32 products on FMA units: small K steps
 INTERPRETER_TILES = (16, 16, 32, 1, 1)  # small, so test shapes cross tile borders
 MAX_SPLIT = 16
+MAX_LORA_SLICES = 3  # q|k|v
 MIN_K_PER_SPLIT = 256  # at least two K steps of 128 per split on the GPU
 # split K until the grid has about this many programs per SM: two up to 16 rows (the H200
 # sweep: split 4-8 best at M=1), one above (split programs lost to fewer, longer ones there)
@@ -287,6 +306,56 @@ def _epilogue(
     tl.store(out_ptr + m64 * stride_om + n[:, None], _rounded(acc, dt).to(dt), mask=mask)
 
 
+@triton.jit
+def _lora_rank(rank_ptr, s):
+    """Slot ``s``'s adapter rank; 0 for ``s < 0`` (no adapter: every LoRA load is masked off)."""
+    rank = tl.load(rank_ptr + tl.maximum(s, 0))
+    return tl.where(s >= 0, rank, 0)
+
+
+@triton.jit
+def _lora_shrink_step(
+    a_ptr, s, rank, r, k, k_end, xt, h, stride_as, stride_ar,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``h + A_s[:, k] @ xt`` (``[R, BLOCK_M]``, float32): one K step of the LoRA shrink of
+    slot ``s``; rows past its rank and K past ``k_end`` load as zeros (nothing for ``s < 0``)."""
+    a_rows = a_ptr + tl.maximum(s, 0).to(tl.int64) * stride_as + r[:, None] * stride_ar
+    at = tl.load(a_rows + k[None, :], mask=(r < rank)[:, None] & (k < k_end)[None, :], other=0.0)
+    return _dot(at, xt.to(at.dtype), h, UPCAST, DOT_PRECISION)
+
+
+@triton.jit
+def _lora_b_delta(b_ptr, sb, stride_bn, s, rank, col, n_ok, h, slot_m, r):
+    """``B_s[col, :] @ h`` over the columns (token rows) of slot ``s``: ``[BLOCK_N, BLOCK_M]``
+    float32 (products of float32 copies, IEEE: the delta is not rounded before the epilogue)."""
+    b_rows = b_ptr + tl.maximum(s, 0).to(tl.int64) * sb + col.to(tl.int64)[:, None] * stride_bn
+    bt = tl.load(b_rows + r[None, :], mask=n_ok[:, None] & (r < rank)[None, :], other=0.0)
+    hs = tl.where((slot_m == s)[None, :], h, 0.0)
+    return tl.dot(bt.to(tl.float32), hs, input_precision="ieee")
+
+
+@triton.jit
+def _lora_delta(
+    b_ptr, sb, stride_bn, sl, col, n_ok, h, slot_m, s0, others, slots, rank_ptr,
+    scale_ptr, stride_ss, stride_si, r,
+):  # fmt: skip
+    """The LoRA delta of one slice's column tile, ``scaling[slot] * B_slot[col, :] @ h`` per
+    token row (``[BLOCK_N, BLOCK_M]`` float32; zero for rows without an adapter): the lead
+    slot ``s0``, then, where the tile holds ``others``, every other slot present."""
+    delta = _lora_b_delta(
+        b_ptr, sb, stride_bn, s0, _lora_rank(rank_ptr, s0), col, n_ok, h, slot_m, r
+    )
+    if others > 0:
+        for s in range(0, slots):
+            here = tl.sum((slot_m == s).to(tl.int32), axis=0)
+            if (here > 0) & (s != s0):
+                rank_s = _lora_rank(rank_ptr, s)
+                delta += _lora_b_delta(b_ptr, sb, stride_bn, s, rank_s, col, n_ok, h, slot_m, r)
+    scale = tl.load(scale_ptr + tl.maximum(slot_m, 0) * stride_ss + sl * stride_si)
+    return delta * tl.where(slot_m >= 0, scale, 0.0)[None, :]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fused_linear_kernel(
     x_ptr,
@@ -305,10 +374,33 @@ def _fused_linear_kernel(
     stride_wn,
     stride_rm,
     stride_om,
+    h_ws_ptr,
+    lora_a0,
+    lora_a1,
+    lora_a2,
+    lora_b0,
+    lora_b1,
+    lora_b2,
+    lora_sb0,
+    lora_sb1,
+    lora_sb2,
+    lora_end0,
+    lora_end1,
+    lora_slot_ptr,
+    lora_rank_ptr,
+    lora_scale_ptr,
+    lora_ss,
+    lora_si,
+    lora_slots,
+    stride_as,
+    stride_ar,
+    stride_bn,
     NORM: tl.constexpr,
     GATE_UP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    LORA: tl.constexpr,
+    R: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -351,6 +443,33 @@ def _fused_linear_kernel(
     if NORM:
         xf = xt.to(tl.float32)
         sq += tl.sum(xf * xf, axis=0)
+    # LoRA (module docstring): the shrink of the tile's lead slot s0 rides in the K loop
+    r = tl.arange(0, R)
+    h = tl.zeros([R, BLOCK_M], tl.float32)
+    h_u = h
+    slot_m = tl.full([BLOCK_M], -1, tl.int32)
+    s0 = -1
+    rank0 = 0
+    sl = 0
+    a_g = lora_a0
+    b_g = lora_b0
+    sb_g = lora_sb0
+    col = n
+    if LORA:
+        slot_m = tl.load(lora_slot_ptr + m, mask=m < M, other=-1)
+        slot_m = tl.where((slot_m >= 0) & (slot_m < lora_slots), slot_m, -1)
+        s0 = tl.max(slot_m, axis=0)
+        rank0 = _lora_rank(lora_rank_ptr, s0)
+        if not GATE_UP:  # the slice of this column tile (q, k or v), its A and its columns
+            first = pid_n * BLOCK_N
+            sl = (first >= lora_end0).to(tl.int32) + (first >= lora_end1).to(tl.int32)
+            a_g = _pick(lora_a0, lora_a1, lora_a2, sl)
+            b_g = _pick(lora_b0, lora_b1, lora_b2, sl)
+            sb_g = tl.where(sl == 0, lora_sb0, tl.where(sl == 1, lora_sb1, lora_sb2))
+            col = n - tl.where(sl == 0, 0, tl.where(sl == 1, lora_end0, lora_end1))
+        h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+        if GATE_UP:
+            h_u = _lora_shrink_step(lora_a1, s0, rank0, r, k, k_end, xt, h_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         k = k0 + kk
         w = _load_k(w_rows + k[None, :], k, k_end, EVEN_K, 1)
@@ -362,9 +481,37 @@ def _fused_linear_kernel(
         if NORM:
             xf = xt.to(tl.float32)
             sq += tl.sum(xf * xf, axis=0)
+        if LORA:
+            h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+            if GATE_UP:
+                h_u = _lora_shrink_step(lora_a1, s0, rank0, r, k, k_end, xt, h_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+    others = 0
+    if LORA:
+        h = tl.where((slot_m == s0)[None, :], h, 0.0)
+        h_u = tl.where((slot_m == s0)[None, :], h_u, 0.0)
+        others = tl.sum(((slot_m >= 0) & (slot_m != s0)).to(tl.int32), axis=0)
+        if others > 0:  # a tile of several adapters: one more pass over K for each other slot
+            for s in range(0, lora_slots):
+                here = tl.sum((slot_m == s).to(tl.int32), axis=0)
+                if (here > 0) & (s != s0):
+                    rank_s = _lora_rank(lora_rank_ptr, s)
+                    hs = tl.zeros([R, BLOCK_M], tl.float32)
+                    hs_u = hs
+                    for k1 in range(k_begin, k_end, BLOCK_K):
+                        k = k1 + kk
+                        xt = _load_k(x_cols + k[:, None], k, k_end, EVEN_K, 0)
+                        hs = _lora_shrink_step(a_g, s, rank_s, r, k, k_end, xt, hs, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+                        if GATE_UP:
+                            hs_u = _lora_shrink_step(lora_a1, s, rank_s, r, k, k_end, xt, hs_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+                    h += tl.where((slot_m == s)[None, :], hs, 0.0)
+                    h_u += tl.where((slot_m == s)[None, :], hs_u, 0.0)
     _pdl.launch_dependents(PDL)
 
     if SPLIT_K == 1:
+        if LORA:
+            acc += _lora_delta(b_g, sb_g, stride_bn, sl, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, lora_scale_ptr, lora_ss, lora_si, r)  # fmt: skip
+            if GATE_UP:
+                acc_u += _lora_delta(lora_b1, lora_sb1, stride_bn, 1, n, n < N, h_u, slot_m, s0, others, lora_slots, lora_rank_ptr, lora_scale_ptr, lora_ss, lora_si, r)  # fmt: skip
         _epilogue(
             acc, acc_u, sq, n, m, M, N, K, eps, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
             NORM, GATE_UP, HAS_BIAS, RESIDUAL,
@@ -373,8 +520,10 @@ def _fused_linear_kernel(
         # this split's partials into its own slot (tile, split); the last to arrive sums them
         ACCS: tl.constexpr = 2 if GATE_UP else 1
         TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        HTILE: tl.constexpr = R * BLOCK_M
         tile = pid_m * tl.num_programs(0) + pid_n
         offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        h_offs = r[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         rows = tl.arange(0, BLOCK_M)
         slot = tile * SPLIT_K + split
         tl.store(ws_ptr + slot * (ACCS * TILE) + offs, acc)
@@ -382,6 +531,10 @@ def _fused_linear_kernel(
             tl.store(ws_ptr + slot * (ACCS * TILE) + TILE + offs, acc_u)
         if NORM:
             tl.store(sq_ptr + slot * BLOCK_M + rows, sq)
+        if LORA:
+            tl.store(h_ws_ptr + slot * (ACCS * HTILE) + h_offs, h)
+            if GATE_UP:
+                tl.store(h_ws_ptr + slot * (ACCS * HTILE) + HTILE + h_offs, h_u)
         # every thread's partial stores before the one thread's release (module docstring)
         tl.debug_barrier()
         counter = counters_ptr + tile
@@ -391,6 +544,8 @@ def _fused_linear_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             sq = tl.zeros([BLOCK_M], tl.float32)
+            h = tl.zeros([R, BLOCK_M], tl.float32)
+            h_u = h
             for s in tl.static_range(SPLIT_K):  # split order: the bits do not depend on arrival
                 base = (tile * SPLIT_K + s) * (ACCS * TILE)
                 acc += tl.load(ws_ptr + base + offs, cache_modifier=".cg")
@@ -400,6 +555,15 @@ def _fused_linear_kernel(
                     sq += tl.load(
                         sq_ptr + (tile * SPLIT_K + s) * BLOCK_M + rows, cache_modifier=".cg"
                     )
+                if LORA:
+                    h_base = (tile * SPLIT_K + s) * (ACCS * HTILE)
+                    h += tl.load(h_ws_ptr + h_base + h_offs, cache_modifier=".cg")
+                    if GATE_UP:
+                        h_u += tl.load(h_ws_ptr + h_base + HTILE + h_offs, cache_modifier=".cg")
+            if LORA:
+                acc += _lora_delta(b_g, sb_g, stride_bn, sl, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, lora_scale_ptr, lora_ss, lora_si, r)  # fmt: skip
+                if GATE_UP:
+                    acc_u += _lora_delta(lora_b1, lora_sb1, stride_bn, 1, n, n < N, h_u, slot_m, s0, others, lora_slots, lora_rank_ptr, lora_scale_ptr, lora_ss, lora_si, r)  # fmt: skip
             _epilogue(
                 acc, acc_u, sq, n, m, M, N, K, eps, bias_ptr, res_ptr, out_ptr, stride_rm,
                 stride_om, NORM, GATE_UP, HAS_BIAS, RESIDUAL,
@@ -419,6 +583,55 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def lora_fits(lora: ProjectionLoRA, gate_up: bool, block_n: int) -> bool:
+    """Whether ``lora``'s slices suit a launch with ``block_n``-column tiles: gate-up takes
+    exactly two (gate, up), any other projection one to three whose boundaries fall on
+    tile borders (so that a tile's columns belong to one slice)."""
+    if gate_up:
+        return len(lora.A) == 2
+    ends = [0]
+    for b in lora.B:
+        ends.append(ends[-1] + b.shape[1])
+    return 1 <= len(lora.A) <= MAX_LORA_SLICES and all(e % block_n == 0 for e in ends[1:-1])
+
+
+def _lora_args(
+    lora: ProjectionLoRA | None, x: torch.Tensor, n_out: int, gate_up: bool, block_n: int
+) -> tuple[list, int]:
+    """The kernel's LoRA arguments (placeholders without one) and the padded rank."""
+    if lora is None:
+        none = [x] * 6 + [0] * 5 + [x] * 3 + [0] * 6
+        return none, 16
+    assert len(lora.A) == len(lora.B), "one A and one B per slice"
+    assert lora_fits(lora, gate_up, block_n), (
+        f"LoRA slices {[b.shape[1] for b in lora.B]} do not fit {block_n}-column tiles"
+    )
+    slots, rank_max, k = lora.A[0].shape
+    for a, b in zip(lora.A, lora.B, strict=True):
+        assert a.shape == (slots, rank_max, k) and a.is_contiguous() and a.dtype == x.dtype
+        assert b.dim() == 3 and b.shape[0] == slots and b.shape[2] == rank_max
+        assert b.is_contiguous() and b.dtype == x.dtype
+    assert k == x.shape[1], f"LoRA A takes K={k}, x has {x.shape[1]}"
+    widths = [b.shape[1] for b in lora.B]
+    assert (widths == [n_out, n_out]) if gate_up else sum(widths) == n_out, (
+        f"LoRA B widths {widths} do not cover the {n_out} output columns"
+    )
+    slots_t, scaling, ranks = lora.slot_of_row, lora.scaling, lora.ranks
+    assert slots_t.dtype == torch.int32 and slots_t.shape[0] >= x.shape[0], (
+        "slot_of_row: [>= M] int32"
+    )
+    assert scaling.dtype == torch.float32 and scaling.shape[0] == slots, "scaling: [slots] float32"
+    assert ranks.dtype == torch.int32 and ranks.shape == (slots,), "ranks: [slots] int32"
+    pad = MAX_LORA_SLICES - len(lora.A)
+    a = list(lora.A) + [lora.A[0]] * pad
+    b = list(lora.B) + [lora.B[0]] * pad
+    ends = [widths[0], widths[0] + (widths[1] if len(widths) > 1 else 0)]
+    stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
+    args = [*a, *b, *(t.stride(0) for t in b), *ends, slots_t, ranks, scaling]
+    args += [scaling.stride(0), stride_si, slots, a[0].stride(0), a[0].stride(1), b[0].stride(1)]
+    return args, max(16, triton.next_power_of_2(rank_max))
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -429,6 +642,7 @@ def _launch(
     gate_up: bool,
     config: LinearConfig | None,
     pdl_on: bool | None,
+    lora: ProjectionLoRA | None = None,
 ) -> torch.Tensor:
     """Checks, the config, the workspace and the launch shared by the three ops."""
     assert x.dim() == 2 and weight.dim() == 2, "x [M, K] and weight [N, K]"
@@ -454,19 +668,22 @@ def _launch(
     if config is None:
         config = choose_config(m, n_out, k, x.dtype, gate_up, on_gpu, num_sms(x.device))
     bm, bn, bk, split, warps, stages = config
+    lora_args, rank_pad = _lora_args(lora, x, n_out, gate_up, bn)
     grid = (triton.cdiv(n_out, bn), triton.cdiv(m, bm), split)
     ws = workspace(x.device)
     if split > 1:
         tiles = grid[0] * grid[1]
         accs = 2 if gate_up else 1
-        need = tiles * split * (accs * bn * bm + bm)
+        h_floats = accs * rank_pad * bm if lora is not None else 0
+        need = tiles * split * (accs * bn * bm + bm + h_floats)
         assert need <= ws.partials.numel() and tiles <= ws.counters.numel(), (
             f"split-K workspace too small for {config} at M={m}, N={n_out}"
         )
         parts = ws.partials
         sq = ws.partials[tiles * split * accs * bn * bm :]
+        h_ws = sq[tiles * split * bm :]
     else:
-        parts = sq = out  # unused
+        parts = sq = h_ws = out  # unused
     use_pdl = _pdl.enabled(x.device, pdl_on)
     _fused_linear_kernel[grid](
         x,
@@ -485,10 +702,14 @@ def _launch(
         weight.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
+        h_ws,
+        *lora_args,
         NORM=eps is not None,
         GATE_UP=gate_up,
         HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None,
+        LORA=lora is not None,
+        R=rank_pad,
         SPLIT_K=split,
         EVEN_K=k % (split * bk) == 0,
         BLOCK_M=bm,
@@ -512,6 +733,7 @@ def norm_linear(
     *,
     config: LinearConfig | None = None,
     pdl: bool | None = None,
+    lora: ProjectionLoRA | None = None,
 ) -> torch.Tensor:
     """``rstd(x)[:, None] * (x @ weight.T) (+ bias)``, one kernel; returns a fresh ``[M, N]``.
 
@@ -519,9 +741,10 @@ def norm_linear(
     gain folded in; ``rstd = 1 / sqrt(mean(x.float() ** 2) + eps)`` over all of K, from the
     GEMM's own loads (``eps=None``: no norm, a plain GEMM). ``config``: a launch shape
     (default :func:`choose_config`); ``pdl``: programmatic dependent launch (default: where
-    the GPU and Triton support it, :mod:`.pdl`).
+    the GPU and Triton support it, :mod:`.pdl`); ``lora``: a LoRA delta added inside
+    (:class:`ProjectionLoRA`; before the row scale, so its A carries the norm's gain too).
     """
-    return _launch(x, weight, weight.shape[0], eps, bias, None, False, config, pdl)
+    return _launch(x, weight, weight.shape[0], eps, bias, None, False, config, pdl, lora)
 
 
 def norm_gate_up(
@@ -532,15 +755,17 @@ def norm_gate_up(
     *,
     config: LinearConfig | None = None,
     pdl: bool | None = None,
+    lora: ProjectionLoRA | None = None,
 ) -> torch.Tensor:
     """``silu(g) * u`` of the (normed) merged gate-up projection, one kernel; returns ``[M, F]``.
 
     ``weight [2F, K]`` holds the gate rows then the up rows (gain folded), ``bias [2F]``
     likewise; ``g``, ``u`` are :func:`norm_linear`'s outputs for rows ``n`` and ``F + n``,
-    kept in float32 until the one rounding. ``eps=None``: no norm.
+    kept in float32 until the one rounding. ``eps=None``: no norm. ``lora``: two slices,
+    gate then up, each added to its accumulator before the row scale.
     """
     assert weight.shape[0] % 2 == 0, "the merged gate-up weight has an even number of rows"
-    return _launch(x, weight, weight.shape[0] // 2, eps, bias, None, True, config, pdl)
+    return _launch(x, weight, weight.shape[0] // 2, eps, bias, None, True, config, pdl, lora)
 
 
 def linear_residual(
@@ -551,7 +776,9 @@ def linear_residual(
     *,
     config: LinearConfig | None = None,
     pdl: bool | None = None,
+    lora: ProjectionLoRA | None = None,
 ) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)`` as a fresh ``[M, N]`` tensor, one rounding (the
-    float32 accumulator plus the residual, then the output dtype)."""
-    return _launch(x, weight, weight.shape[0], None, bias, residual, False, config, pdl)
+    float32 accumulator plus the residual, then the output dtype); ``lora``: a delta
+    added before the residual."""
+    return _launch(x, weight, weight.shape[0], None, bias, residual, False, config, pdl, lora)

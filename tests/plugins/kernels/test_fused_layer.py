@@ -30,21 +30,12 @@ LAYER = {"fused.layer": True}
 def _checkpoint(tmp_path: Path, arch: str, **overrides) -> Path:
     """A tiny random ``arch`` checkpoint whose RMSNorm gains are far from one (U[0.5, 1.5]),
     so that a gain folded into the wrong weight, or twice, changes the logits."""
-    from helpers.models import _hf_config
-    from transformers import AutoModelForCausalLM
+    from helpers.models import make_tiny_checkpoint
 
     overrides.setdefault("vocab_size", TINY_VOCAB)
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(_hf_config(arch, **overrides), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.add_(torch.randn_like(p) * 0.02)
-    folder = tmp_path / f"tiny-{arch}"
-    model.save_pretrained(str(folder))
-    return folder
+    return make_tiny_checkpoint(
+        tmp_path, arch, seed=7, with_tokenizer=False, norm_gains=(0.5, 1.5), **overrides
+    )
 
 
 def _fused_llm(folder: Path, **extra) -> LLM:

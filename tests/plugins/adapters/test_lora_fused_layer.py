@@ -1,0 +1,162 @@
+"""LoRA inside the fused decoder layer (``fused.layer``, issues 44 and 47): exact against PEFT.
+
+With ``fused.layer`` the model folds each RMSNorm's gain into the projection after it and
+runs a layer as six ops; the ``lora`` plugin then hands each projection its
+:class:`~pitstop.plugins.kernels.lora_reference.ProjectionLoRA`, the A of QKV and gate-up
+taking the norm's gain too. Steps of at most ``fused.layer_rows`` rows add every row's
+delta inside the Triton GEMMs (no LoRA launch of its own: the plugin's shrink/expand hook
+never runs); longer steps (``layer_rows`` 0: all of them) take cuBLAS and the plugin's own
+kernels after it. Either way each row of a batch that mixes adapters, ranks and rows of
+the base model gives PEFT's ``merge_and_unload()`` tokens (fp32, greedy), through chunked
+prefill and decode. The checkpoint's norm gains are drawn from U[0.5, 1.5], so that an A
+without the gain, or with it twice, changes the tokens. Triton's interpreter runs the
+GEMMs on a machine without CUDA (tests/plugins/adapters/conftest.py sets it).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.checkpoints import greedy_continuation, hf_model, save_random_lora
+
+from pitstop import LLM, LoRARequest, SamplingParams
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("triton")
+
+from pitstop.plugins.adapters.lora import slots as lora_slots  # noqa: E402
+
+MAX_TOKENS = 5
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, targets)
+ADAPTERS: dict[str, tuple[int, list[str]]] = {
+    "all8": (8, ALL),
+    "qvd4": (4, ["q_proj", "v_proj", "down_proj"]),
+    "kgu2": (2, ["k_proj", "o_proj", "gate_proj", "up_proj"]),
+}
+IDS = {name: i + 1 for i, name in enumerate(ADAPTERS)}
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Llama whose norm gains are far from one, and one adapter folder per ADAPTERS."""
+    from helpers.models import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("lora-fused")
+    # heads of 64: q|k|v's borders (128, 192) fall on the GPU's 64-column tiles too
+    folders = {
+        "base": make_tiny_checkpoint(
+            root, "llama", seed=3, with_tokenizer=False, norm_gains=(0.5, 1.5),
+            vocab_size=VOCAB, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=256,
+        )
+    }  # fmt: skip
+    for i, (name, (rank, targets)) in enumerate(ADAPTERS.items()):
+        folders[name] = save_random_lora(
+            hf_model(folders["base"]), root / name, rank=rank, alpha=2 * rank,
+            targets=targets, seed=10 + i, b_scale=20,
+        )  # fmt: skip
+    return folders
+
+
+@cache
+def _expected(base: Path, adapter: Path | None, prompt: tuple[int, ...]) -> list[int]:
+    model = hf_model(base)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+    return greedy_continuation(model, prompt, MAX_TOKENS)
+
+
+def _prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture
+def hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How often the plugin's own delta (shrink + expand after a GEMM) ran."""
+    calls = [0]
+    add = lora_slots.LoRASlots._add_delta
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return add(self, *args, **kwargs)
+
+    monkeypatch.setattr(lora_slots.LoRASlots, "_add_delta", counted)
+    return calls
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's test (GPU: below)")
+@pytest.mark.parametrize("layer_rows", [64, 0])
+def test_fused_layer_rows_match_peft_merged(
+    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int
+) -> None:
+    """``layer_rows`` 64: every step (chunks of 24 beside decodes) in the Triton GEMMs, the
+    deltas inside them; 0: every step in cuBLAS, the plugin's kernels after it."""
+    _check_rows(tiny, hook_calls, layer_rows, "cpu", {"fused.layer_rows": layer_rows})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+@pytest.mark.parametrize("layer_rows", [64, 0])
+def test_on_the_gpu_with_cuda_graphs(
+    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int
+) -> None:
+    """On CUDA (fp32, each op's way chosen by the rule, not timed): decode steps replayed from
+    CUDA graphs, the rows' slots in the static buffer the fused GEMMs read; PEFT's tokens."""
+    options = {"fused.layer_rows": layer_rows, "fused.layer_tune": False}
+    llm = _check_rows(tiny, hook_calls, layer_rows, "cuda", options)
+    assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
+
+
+def _check_rows(
+    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int, device: str, options: dict
+) -> LLM:
+    llm = LLM(
+        str(tiny["base"]),
+        device=device,
+        dtype="float32",
+        kv_cache_gib=0.01,
+        max_model_len=128,
+        poison_memory=True,
+        kernels="fused",
+        options={"fused.layer": True, **options},
+        scheduler="chunked",
+        chunk_size=24,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+    )
+    model = llm.engine.runner.model
+    assert all(layer.fused for layer in model.layers), "the layers must stay fused"
+    assert set(model.layers[0].projection_lora) == {
+        "qkv_proj",
+        "o_proj",
+        "gate_up_proj",
+        "down_proj",
+    }
+    names = ["all8", None, "qvd4", "kgu2", "all8", None, "kgu2"]
+    prompts = _prompts((9, 30, 17, 5, 41, 12, 3), seed=layer_rows)
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=GREEDY,
+        lora_request=[None if n is None else LoRARequest(n, IDS[n], str(tiny[n])) for n in names],
+        use_tqdm=False,
+    )
+    changed = 0
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        want = _expected(tiny["base"], None if name is None else tiny[name], tuple(prompt))
+        assert out.token_ids == want, f"adapter {name} at prompt length {len(prompt)}"
+        changed += name is not None and want != _expected(tiny["base"], None, tuple(prompt))
+    assert changed >= 3, "the adapters should change the greedy tokens of most of their rows"
+    if layer_rows:
+        assert hook_calls[0] == 0, "the deltas should run inside the fused GEMMs"
+    else:
+        assert hook_calls[0] > 0, "cuBLAS steps add the deltas with the plugin's kernels"
+    return llm

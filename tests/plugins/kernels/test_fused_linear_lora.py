@@ -1,0 +1,234 @@
+"""A LoRA delta inside fused_linear's GEMMs (``lora=``): against float64 arithmetic.
+
+Each token row ``t`` of slot ``s`` (``slot_of_row[t]``, -1: none) gets
+``scaling[s] * B_s (A_s x_t)`` added to its accumulator, per slice (q|k|v: a column
+tile's slice; gate|up: both), before the row scale, bias, SiLU·mul or residual. Drawn by
+Hypothesis: the rows' slots (one adapter for the whole tile, several in one tile, rows
+without any, slots of smaller ranks), the shapes, the dtype and the K split (each split's
+shrink summed by the last program). The reference is the formula in float64 over the very
+inputs the kernel reads. Triton's interpreter runs the kernels on a machine without CUDA
+(set before Triton's first import, as in test_fused_linear.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytest.importorskip("triton")
+
+from helpers.poison import poisoned_outputs  # noqa: E402
+
+from pitstop.plugins.kernels.lora_reference import ProjectionLoRA  # noqa: E402
+from pitstop.plugins.kernels.triton_ops import fused_linear as fl  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+FEW = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+SLOTS, RANK_MAX = 3, 8
+TILE_N = 16  # the interpreter's (and the configs below) column tile
+
+
+def _unused(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("the fused GEMM must not call the plugin's own delta")
+
+
+def make_lora(
+    k: int, widths: list[int], slots: list[int], dtype, seed: int, n_slots=SLOTS, rank_max=RANK_MAX
+) -> ProjectionLoRA:
+    """Random slots of ranks ``rank_max``, ``rank_max - 3``, ``rank_max - 6``, ... (padding
+    zero, as the plugin loads them); ``slots``: each row's slot (-1: none), in a static buffer
+    longer than M."""
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.tensor(
+        [max(1, rank_max - 3 * (s % 3)) for s in range(n_slots)], dtype=torch.int32
+    )
+    a_list, b_list = [], []
+    for w in widths:
+        a = torch.randn(n_slots, rank_max, k, generator=gen) / k**0.5
+        b = torch.randn(n_slots, w, rank_max, generator=gen)
+        for s, r in enumerate(ranks.tolist()):
+            a[s, r:] = 0
+            b[s, :, r:] = 0
+        a_list.append(a.to(DEVICE, dtype))
+        b_list.append(b.to(DEVICE, dtype))
+    buf = torch.full((len(slots) + 7,), -1, dtype=torch.int32)
+    buf[: len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    scaling = torch.tensor([(2.0, 0.5, 1.5)[s % 3] for s in range(n_slots)], dtype=torch.float32)
+    return ProjectionLoRA(
+        tuple(a_list), tuple(b_list), buf.to(DEVICE), scaling.to(DEVICE), ranks.to(DEVICE), _unused
+    )
+
+
+def deltas(x: torch.Tensor, lora: ProjectionLoRA) -> list[torch.Tensor]:
+    """float64 ``scaling[s] * x_t A_s^T B_s^T`` per slice, zero for rows without a slot."""
+    out = []
+    for a, b in zip(lora.A, lora.B, strict=True):
+        d = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64, device=x.device)
+        for t in range(x.shape[0]):
+            s = int(lora.slot_of_row[t])
+            if s >= 0:
+                h = a[s].double() @ x[t].double()
+                d[t] = float(lora.scaling[s]) * (b[s].double() @ h)
+        out.append(d)
+    return out
+
+
+def rstd(x: torch.Tensor, eps: float | None) -> torch.Tensor:
+    if eps is None:
+        return torch.ones(x.shape[0], 1, dtype=torch.float64, device=x.device)
+    xd = x.double()
+    return 1.0 / torch.sqrt((xd * xd).mean(dim=1, keepdim=True) + eps)
+
+
+def assert_close(actual, expected, dtype, what: str, plain=None) -> None:
+    assert torch.isfinite(actual).all(), f"{what}: non-finite output"
+    scale = expected.abs().max().clamp_min(1e-6)
+    err = ((actual.double() - expected).abs().max() / scale).item()
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3g}"
+    if plain is not None:  # the delta is large enough to fail a kernel that dropped it
+        miss = ((plain.double() - expected).abs().max() / scale).item()
+        assert miss > 20 * TOL[dtype], f"{what}: the delta ({miss:.3g}) is too small to test"
+
+
+slot_mixes = st.sampled_from(["one", "mixed", "none-and-one", "lead-not-first"])
+
+
+def draw_slots(kind: str, m: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "one":
+        return [1] * m
+    if kind == "none-and-one":
+        return [2 if bool(torch.rand(1, generator=gen) < 0.5) else -1 for _ in range(m)]
+    if kind == "lead-not-first":  # the tile's largest slot is not its first row's
+        return [(0, -1, 2, 1)[i % 4] for i in range(m)]
+    return torch.randint(-1, SLOTS, (m,), generator=gen).tolist()
+
+
+common = dict(
+    m=st.integers(1, 36),
+    k=st.sampled_from([24, 64, 130]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    split=st.sampled_from([1, 2, 3]),
+    mix=slot_mixes,
+    seed=st.integers(0, 2**16),
+)
+
+
+def inputs(m: int, n: int, k: int, dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(m, k, generator=gen)).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
+    b = (0.5 * torch.randn(n, generator=gen)).to(DEVICE, dtype)
+    return x, w, b
+
+
+@FEW
+@given(eps=st.sampled_from([1e-6, None]), with_bias=st.booleans(), **common)
+def test_qkv_slices_match_float64(m, k, dtype, split, mix, seed, eps, with_bias) -> None:
+    """Three slices on tile borders (q 32, k 16, v 16 columns), each tile its slice's A, B."""
+    widths = [2 * TILE_N, TILE_N, TILE_N]
+    x, w, b = inputs(m, sum(widths), k, dtype, seed)
+    bias = b if with_bias else None
+    lora = make_lora(k, widths, draw_slots(mix, m, seed), dtype, seed)
+    cfg = fl.LinearConfig(16, TILE_N, 32, split, 1, 1)
+    with poisoned_outputs():
+        out = fl.norm_linear(x, w, eps, bias, config=cfg, lora=lora)
+    plain = fl.norm_linear(x, w, eps, bias, config=cfg)
+    d = torch.cat(deltas(x, lora), dim=1)
+    want = rstd(x, eps) * (x.double() @ w.double().T + d)
+    want = want if bias is None else want + bias.double()
+    has = any(s >= 0 for s in lora.slot_of_row[:m].tolist())
+    assert_close(out, want, dtype, f"qkv {mix}", plain if has else None)
+
+
+@FEW
+@given(**common)
+def test_gate_up_slices_match_float64(m, k, dtype, split, mix, seed) -> None:
+    """Gate and up each take their own delta, before the row scale and SiLU·mul."""
+    f, eps = 24, 1e-6
+    x, w, _ = inputs(m, 2 * f, k, dtype, seed)
+    lora = make_lora(k, [f, f], draw_slots(mix, m, seed), dtype, seed)
+    cfg = fl.LinearConfig(16, TILE_N, 32, split, 1, 1)
+    with poisoned_outputs():
+        out = fl.norm_gate_up(x, w, eps, config=cfg, lora=lora)
+    dg, du = deltas(x, lora)
+    scale = rstd(x, eps)
+    g = scale * (x.double() @ w[:f].double().T + dg)
+    u = scale * (x.double() @ w[f:].double().T + du)
+    assert_close(out, g / (1.0 + torch.exp(-g)) * u, dtype, f"gate_up {mix}")
+
+
+@FEW
+@given(n=st.integers(1, 40), **common)
+def test_residual_writer_matches_float64(n, m, k, dtype, split, mix, seed) -> None:
+    """One slice of any width (the last tile partial), added before the residual."""
+    x, w, _ = inputs(m, n, k, dtype, seed)
+    residual = (2 * torch.randn(m, n, generator=torch.Generator().manual_seed(seed))).to(
+        DEVICE, dtype
+    )
+    lora = make_lora(k, [n], draw_slots(mix, m, seed), dtype, seed)
+    cfg = fl.LinearConfig(16, TILE_N, 32, split, 1, 1)
+    with poisoned_outputs():
+        out = fl.linear_residual(x, w, residual, config=cfg, lora=lora)
+    want = residual.double() + x.double() @ w.double().T + deltas(x, lora)[0]
+    assert_close(out, want, dtype, f"residual {mix}")
+    assert bool((fl.workspace(DEVICE).counters == 0).all()), "split-K counters back at zero"
+
+
+def test_slices_off_tile_borders_are_refused() -> None:
+    """q 24 columns with 16-column tiles would put q and k in one tile: not taken."""
+    lora = make_lora(32, [24, 8], [0], torch.float32, 0)
+    assert not fl.lora_fits(lora, False, 16)
+    assert fl.lora_fits(lora, False, 8)
+    x, w, _ = inputs(1, 32, 32, torch.float32, 0)
+    with pytest.raises(AssertionError, match="do not fit 16-column tiles"):
+        fl.norm_linear(x, w, None, config=fl.LinearConfig(16, 16, 32, 1, 1, 1), lora=lora)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+@pytest.mark.parametrize("m", [1, 5, 16, 64])
+def test_real_shapes_on_the_gpu(m: int) -> None:
+    """qwen3-0.6b's layer (q|k|v 2048|1024|1024 and gate-up 2 x 3072 over K 1,024, down over
+    K 3,072), rank 16, bf16, the GPU table's launch shapes (split K at few rows): one adapter
+    for every row, then four mixed with rows of the base model."""
+    dtype, eps = torch.bfloat16, 1e-6
+    sms = fl.num_sms(DEVICE)
+    for mix in ("one", "mixed"):
+        slots = [1] * m if mix == "one" else [(s % 5) - 1 for s in range(m)]
+        x, w, _ = inputs(m, 4096, 1024, dtype, m)
+        lora = make_lora(1024, [2048, 1024, 1024], slots, dtype, m, n_slots=4, rank_max=16)
+        cfg = fl.choose_config(m, 4096, 1024, dtype, False, True, sms)
+        out = fl.norm_linear(x, w, eps, config=cfg, lora=lora)
+        want = rstd(x, eps) * (x.double() @ w.double().T + torch.cat(deltas(x, lora), dim=1))
+        assert_close(out, want, dtype, f"qkv {mix} {cfg}")
+        x, w, _ = inputs(m, 6144, 1024, dtype, m + 1)
+        lora = make_lora(1024, [3072, 3072], slots, dtype, m, n_slots=4, rank_max=16)
+        cfg = fl.choose_config(m, 3072, 1024, dtype, True, True, sms)
+        out = fl.norm_gate_up(x, w, eps, config=cfg, lora=lora)
+        dg, du = deltas(x, lora)
+        g = rstd(x, eps) * (x.double() @ w[:3072].double().T + dg)
+        u = rstd(x, eps) * (x.double() @ w[3072:].double().T + du)
+        assert_close(out, g / (1.0 + torch.exp(-g)) * u, dtype, f"gate_up {mix} {cfg}")
+        x, w, _ = inputs(m, 1024, 3072, dtype, m + 2)
+        residual = torch.randn(m, 1024, device=DEVICE).to(dtype)
+        lora = make_lora(3072, [1024], slots, dtype, m, n_slots=4, rank_max=16)
+        cfg = fl.choose_config(m, 1024, 3072, dtype, False, True, sms)
+        out = fl.linear_residual(x, w, residual, config=cfg, lora=lora)
+        want = residual.double() + x.double() @ w.double().T + deltas(x, lora)[0]
+        assert_close(out, want, dtype, f"down {mix} {cfg}")
+        assert bool((fl.workspace(DEVICE).counters == 0).all()), "split-K counters back at zero"
