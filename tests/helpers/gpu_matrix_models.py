@@ -5,7 +5,8 @@
   transformers' float32 greedy decoding of the same ids (issue 48);
 - ``smollm2+lora``: the real SmolLM2 with a random PEFT LoRA adapter (seeded, rank 8, every
   projection) on every other prompt, against PEFT's ``merge_and_unload()`` model on those
-  prompts and transformers' base model on the others (issue 47).
+  prompts and transformers' base model on the others (issue 47); also with ``fused.layer``,
+  the adapter's deltas inside the layer's GEMMs.
 
 Each is built once, in the matrix's own process, before its rows start.
 """
@@ -58,6 +59,19 @@ def model_rows() -> list[dict[str, Any]]:
         rows.append(
             {"name": f"{model}/{allocator}/chunked/{kernels}", "model": model, "settings": settings}
         )
+    # the adapter's deltas inside fused.layer's GEMMs (steps up to 64 rows) and after cuBLAS
+    for allocator in ("paged", "prefix"):
+        settings = {
+            "allocator": allocator,
+            "scheduler": "chunked",
+            "kernels": "fused",
+            "chunk_size": 64,
+            "enable_lora": True,
+            "max_lora_rank": 8,
+            "options": {"fused.layer": True},
+        }
+        name = f"smollm2+lora/{allocator}/chunked/fused+layer"
+        rows.append({"name": name, "model": "smollm2+lora", "settings": settings})
     return rows
 
 

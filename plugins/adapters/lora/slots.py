@@ -21,6 +21,15 @@ are left untouched.
 Slots are given least recently used first among the adapters the step does not use; the
 host cache keeps up to ``max_cpu_loras`` read adapters (LRU, re-read from their path when
 needed again).
+
+Loading never stalls the running batch: when a request's adapter is checked (at
+``add_request``, before it is queued) and is in no slot, it is copied at once into a free
+slot, or (CUDA) the least recently used one whose adapter the last prepared step does not
+run, on a side stream that first waits for everything queued on the step stream (so no step
+launched before still reads that slot); the step that first runs the adapter waits for the
+copy's event on the device, not the host, by which time the copy has mostly run beside the
+steps before it. Where no slot can be taken then, the step that runs the adapter loads it
+on its own stream, as before.
 """
 
 from __future__ import annotations
@@ -142,6 +151,13 @@ class LoRASlots:
         # [WORKSPACE_ROWS, projections, widest] float32 (Triton ops only; set by attach)
         self.workspace: torch.Tensor | None = None
         self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id held per slot
+        # adapters copied on a side stream at check(): the event each slot's copy records
+        self.loader: torch.cuda.Stream | None = None
+        if ctx.device.type == "cuda":
+            self.loader = torch.cuda.Stream(ctx.device)
+        self.copies: dict[int, torch.cuda.Event] = {}
+        self.last_step: set[int] = set()  # the adapters (lora_int_id) the last prepared step runs
+        self.step_stream: torch.cuda.Stream | None = None  # the stream the steps run on
         self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # host cache, LRU first
         self.requests: dict[int, Any] = {}  # lora_int_id -> the LoRARequest that named it
@@ -315,6 +331,31 @@ class LoRASlots:
             )
         self._host(request)
         self.requests[request.lora_int_id] = request
+        self._preload(request)
+
+    def _preload(self, request: Any) -> None:
+        """Copy ``request``'s adapter into a slot now, beside the running steps (module
+        docstring), where one is free or held by an adapter the last prepared step does not
+        run; else leave it to the step that runs it."""
+        if request.lora_int_id in self.slot_lru:
+            return
+        if None in self.slot_ids:
+            slot = self.slot_ids.index(None)
+        elif self.loader is None:  # no stream orders a copy after a step still reading
+            return
+        else:
+            victim = next((k for k in self.slot_lru if k not in self.last_step), None)
+            if victim is None:
+                return
+            slot = self.slot_lru.pop(victim)
+        if self.loader is None:
+            self._load(slot, request)
+            return
+        self.loader.wait_stream(self.step_stream or torch.cuda.current_stream(self.ctx.device))
+        with torch.cuda.stream(self.loader):
+            self._load(slot, request)
+            self.copies[slot] = torch.cuda.Event()
+            self.copies[slot].record(self.loader)
 
     def _host(self, request: Any) -> LoRAWeights:
         """The adapter's host copy (read now when not cached; LRU over ``max_cpu_loras``)."""
@@ -340,6 +381,9 @@ class LoRASlots:
 
     def _prepare(self, seqs: Sequence[SeqInput]) -> None:
         wanted = {s.adapter.lora_int_id: s.adapter for s in seqs if s.adapter is not None}
+        self.last_step = set(wanted)
+        if self.loader is not None:
+            self.step_stream = torch.cuda.current_stream(self.ctx.device)
         if len(wanted) > self.max_loras:
             raise RuntimeError(  # the engine holds back requests over it (max_per_step)
                 f"a step runs {len(wanted)} adapters but max_loras={self.max_loras}"
@@ -377,12 +421,27 @@ class LoRASlots:
         key = request.lora_int_id
         if key in self.slot_lru:
             self.slot_lru.move_to_end(key)
-            return self.slot_lru[key]
+            slot = self.slot_lru[key]
+            copy = self.copies.pop(slot, None)
+            if copy is not None:  # copied on the side stream: this step's stream waits for it
+                torch.cuda.current_stream(self.ctx.device).wait_event(copy)
+            return slot
         if None in self.slot_ids:
             slot = self.slot_ids.index(None)
         else:
             victim = next(k for k in self.slot_lru if k not in wanted)
             slot = self.slot_lru.pop(victim)
+        self._load(slot, request)
+        return slot
+
+    def _load(self, slot: int, request: Any) -> None:
+        """Copy ``request``'s adapter into ``slot`` (on the current stream) and record it there."""
+        key = request.lora_int_id
+        copy = self.copies.pop(slot, None)
+        if copy is not None:  # an earlier side copy into this slot: this one comes after it
+            torch.cuda.current_stream(self.ctx.device).wait_event(copy)
+        if self.slot_ids[slot] is not None:
+            self.slot_lru.pop(self.slot_ids[slot], None)
         adapter = self._host(request)
         for layer, projections in enumerate(self.layers):
             for proj in projections.values():
@@ -391,4 +450,3 @@ class LoRASlots:
         self.scaling[slot] = adapter.scaling
         self.slot_ids[slot] = key
         self.slot_lru[key] = slot
-        return slot

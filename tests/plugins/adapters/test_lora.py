@@ -438,3 +438,44 @@ def test_overlap_is_a_no_op_off_cuda(tiny: dict[str, Path]) -> None:
     llm = _llm(tiny, options={"lora.overlap": True})
     assert llm.engine.runner.adapters.side is None
     _assert_rows_match_peft(llm, tiny, ["qvd", None], _prompts((6, 11), seed=2))
+
+
+def test_an_adapter_is_placed_in_a_free_slot_when_its_request_is_checked(
+    tiny: dict[str, Path],
+) -> None:
+    """Loading never waits for a step: a checked request's adapter goes into a free slot at
+    once (on CUDA on the side stream); with no slot free on the CPU (no stream orders a copy
+    after a step that may still read the slot) the step that runs it loads it. Either way
+    the rows match PEFT."""
+    llm = _llm(tiny, max_loras=2)
+    plugin = llm.engine.runner.adapters
+    plugin.check(_request(tiny, "qvd"))
+    assert IDS["qvd"] in plugin.slot_lru, "placed before any step runs it"
+    plugin.check(_request(tiny, "ko_gu"))
+    plugin.check(_request(tiny, "all_l1"))  # both slots taken: left to its step
+    assert set(plugin.slot_lru) == {IDS["qvd"], IDS["ko_gu"]}
+    names = ["qvd", "all_l1", None, "all_l1"]
+    _assert_rows_match_peft(llm, tiny, names, _prompts((9, 14, 6, 21), seed=12))
+    assert IDS["all_l1"] in plugin.slot_lru
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_adapters_load_on_a_side_stream(tiny: dict[str, Path]) -> None:
+    """On CUDA a checked adapter is copied on the loader stream (an event per slot copy),
+    into a free slot or one the last step does not use, and the step that runs it waits
+    for the copy on the device; rows match PEFT with CUDA graphs, adapters changing slots."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = _llm(tiny, device="cuda", dtype="float32", kernels="fused", max_loras=2)
+    plugin = llm.engine.runner.adapters
+    assert plugin.loader is not None
+    plugin.check(_request(tiny, "qvd"))
+    assert set(plugin.copies) == {plugin.slot_lru[IDS["qvd"]]}, "copied on the side stream"
+    _assert_rows_match_peft(llm, tiny, ["qvd", None], _prompts((9, 14), seed=13))
+    assert not plugin.copies, "the step that ran it waited for its copy"
+    plugin.check(_request(tiny, "ko_gu"))  # the free slot
+    plugin.check(_request(tiny, "all_l1"))  # evicts one the last step did not run
+    assert plugin.copies
+    names = ["ko_gu", "all_l1", None, "all_l1", "ko_gu"]
+    _assert_rows_match_peft(llm, tiny, names, _prompts((9, 14, 6, 21, 3), seed=14))
+    assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
