@@ -177,6 +177,14 @@ for _ in range(2):
       start_groups verify1 "${SMOLLM_GGUF:-/tmp/smollm2.gguf}"; wait_groups verify1 ;;
     verify2|verify3) [ $spec = verify2 ] && CHECK_TESTS=$VERIFY_ENGINE_A MATRIX_SHARD=1/2 || CHECK_TESTS=$VERIFY_ENGINE_B MATRIX_SHARD=2/2
       matrix_beside_groups $spec ;;
+    # the three at once on a machine of three or more GPUs (a kind of several GPUs counts its held
+    # time as one does): verify1 on GPU 0, verify2 on 1, verify3 on 2; each one's printout in OUT/verifyN.out
+    verify-all) gpus=$(nvidia-smi -L | wc -l)
+      if [ "$gpus" -lt 3 ]; then echo "== verify-all: $gpus GPU(s); run verify1, verify2 and verify3 (one a call) instead"; continue; fi
+      ( export CUDA_VISIBLE_DEVICES=0; CHECK_TESTS=$VERIFY_KERNELS; start_groups verify1 "${SMOLLM_GGUF:-/tmp/smollm2.gguf}"; wait_groups verify1 ) >"$OUT/verify1.out" 2>&1 &
+      ( export CUDA_VISIBLE_DEVICES=1; CHECK_TESTS=$VERIFY_ENGINE_A MATRIX_SHARD=1/2 matrix_beside_groups verify2 ) >"$OUT/verify2.out" 2>&1 &
+      ( export CUDA_VISIBLE_DEVICES=2; CHECK_TESTS=$VERIFY_ENGINE_B MATRIX_SHARD=2/2 matrix_beside_groups verify3 ) >"$OUT/verify3.out" 2>&1 &
+      wait; for v in 1 2 3; do echo "== verify$v (GPU $((v - 1)))"; cat "$OUT/verify$v.out"; done ;;
     # issue 44: the decoder layer in six ops (fused.layer): the kernels' GPU tests, the skinny-GEMM
     # benchmark against cuBLAS, launches per decode layer from the profiler (graph kernels counted),
     # and nano / single with the layer fused beside unfused (benchmarks/workloads/fused-layer.toml)
