@@ -228,14 +228,22 @@ def choose_config(
 
 
 def tile_candidates(
-    m: int, n: int, k: int, dtype: torch.dtype, gate_up: bool, num_sms: int
+    m: int, n: int, k: int, dtype: torch.dtype, gate_up: bool, num_sms: int, lora: bool = False
 ) -> list[LinearConfig]:
     """The launch shapes a GPU call of ``m`` rows may take, the table's first
     (:func:`choose_config`), then for 65..256 rows of bf16/fp16 the :data:`WIDE_TILES`, each
-    with its K split by the same rule; the fused layer times them (``layer_choice.py``)."""
+    with its K split by the same rule; the fused layer times them (``layer_choice.py``).
+    ``lora`` (a LoRA delta inside, up to 64 rows of bf16/fp16): also the table's tile 128
+    columns wide, which loads A's rank rows beside twice the weight rows (``R / BLOCK_N``
+    of the weight's bytes: half the 64-column tile's)."""
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if dtype != torch.float32 and 64 < m <= 256:
         configs += [with_split(t, m, n, k, gate_up, True, num_sms) for t in WIDE_TILES]
+    if lora and dtype != torch.float32 and m <= 64:
+        first = configs[0]  # two 128-row weight tiles a stage for gate-up: two stages fit
+        stages = min(first.num_stages, 2 if gate_up else 3)
+        wide = (first.block_m, 128, first.block_k, first.num_warps, stages)
+        configs.append(with_split(wide, m, n, k, gate_up, True, num_sms))
     return list(dict.fromkeys(configs))  # in order, without repeats
 
 

@@ -267,3 +267,18 @@ def test_tile_candidates_add_the_wide_tiles_from_65_to_256_rows() -> None:
     assert len(fl.tile_candidates(256, 4096, 1024, torch.float32, False, 132)) == 1
     down = fl.tile_candidates(256, 1024, 3072, torch.bfloat16, False, 132)
     assert all(c.split_k >= 1 and c.num_warps == 4 for c in down)
+
+
+def test_tile_candidates_add_a_128_column_tile_for_a_lora_inside() -> None:
+    """With a LoRA delta inside (up to 64 rows, 16-bit), the table's tile 128 columns wide
+    joins the timed shapes: A's rank rows then cost half as much beside the weight's."""
+    plain = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132)
+    with_lora = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132, lora=True)
+    assert with_lora[0] == plain[0] and len(with_lora) == 2
+    assert with_lora[1].block_n == 128 and with_lora[1].block_m == plain[0].block_m
+    gate_up = fl.tile_candidates(16, 14336, 4096, torch.bfloat16, True, 132, lora=True)
+    assert gate_up[-1].block_n == 128 and gate_up[-1].num_stages == 2
+    assert fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132, lora=True) == (
+        fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132)
+    )
+    assert len(fl.tile_candidates(1, 6144, 4096, torch.float32, False, 132, lora=True)) == 1
