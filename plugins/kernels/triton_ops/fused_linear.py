@@ -235,12 +235,15 @@ def tile_candidates(
     m: int, n: int, k: int, dtype: torch.dtype, gate_up: bool, num_sms: int, lora: bool = False
 ) -> list[LinearConfig]:
     """The launch shapes a GPU call of ``m`` rows may take, the table's first
-    (:func:`choose_config`), then for 65..256 rows of bf16/fp16 the :data:`WIDE_TILES`, each
-    with its K split by the same rule; the fused layer times them (``layer_choice.py``).
+    (:func:`choose_config`), up to 64 rows the same tile with :func:`balanced_split`'s K
+    split, then for 65..256 rows of bf16/fp16 the :data:`WIDE_TILES`, each with its K split
+    by the table's rule; the fused layer times them (``layer_choice.py``).
     ``lora`` (a LoRA delta inside, up to 64 rows of bf16/fp16): also the table's tile 128
     columns wide, which loads A's rank rows beside twice the weight rows (``R / BLOCK_N``
     of the weight's bytes: half the 64-column tile's)."""
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
+    if m <= 64:  # the table's tile with its work spread evenly over the SMs
+        configs.append(balanced_split(configs[0], m, n, k, gate_up, num_sms))
     if dtype != torch.float32 and 64 < m <= 256:
         configs += [with_split(t, m, n, k, gate_up, True, num_sms) for t in WIDE_TILES]
     if lora and dtype != torch.float32 and m <= 64:
@@ -249,6 +252,30 @@ def tile_candidates(
         wide = (first.block_m, 128, first.block_k, first.num_warps, stages)
         configs.append(with_split(wide, m, n, k, gate_up, True, num_sms))
     return list(dict.fromkeys(configs))  # in order, without repeats
+
+
+def balanced_split(
+    config: LinearConfig, m: int, n: int, k: int, gate_up: bool, num_sms: int
+) -> LinearConfig:
+    """``config`` with the K split that spreads the work most evenly over ``num_sms`` SMs:
+    the least ``ceil(programs / SMs) * columns a split`` (the K columns of the busiest SM,
+    where a GEMM of few rows is bound by each SM's share of the bandwidth), the smaller split
+    on a tie, each split at least :data:`MIN_K_PER_SPLIT` columns, the workspace fitting.
+    llama3-8b's QKV at one row: 96 column tiles, the doubling rule's 2 splits leave the
+    busiest SMs two half-tiles (one tile's columns), 4 splits three quarter-tiles."""
+    tiles = triton.cdiv(n, config.block_n) * triton.cdiv(max(m, 1), config.block_m)
+    weight = 2 if gate_up else 1
+    best, best_load = config.split_k, None
+    for split in range(1, MAX_SPLIT + 1):
+        per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+        if split > 1 and (per_split < MIN_K_PER_SPLIT or triton.cdiv(k, per_split) < split):
+            continue  # too short, or a split left empty
+        if not _split_fits(tiles, split, config.block_m, config.block_n, weight, "cuda"):
+            continue
+        load = triton.cdiv(tiles * split, num_sms) * per_split
+        if best_load is None or load < best_load:
+            best, best_load = split, load
+    return config._replace(split_k=best)
 
 
 def with_split(

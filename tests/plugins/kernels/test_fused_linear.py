@@ -14,6 +14,7 @@ back at zero after every call.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -261,9 +262,10 @@ def test_tile_candidates_add_the_wide_tiles_from_65_to_256_rows() -> None:
     for cfg, tile in zip(wide[1:], fl.WIDE_TILES, strict=True):
         assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == tile
         assert cfg == fl.with_split(tile, 128, 4096, 1024, False, True, 132)
-    assert fl.tile_candidates(64, 4096, 1024, torch.bfloat16, False, 132) == [
-        fl.choose_config(64, 4096, 1024, torch.bfloat16, False, True, 132)
-    ]
+    table64 = fl.choose_config(64, 4096, 1024, torch.bfloat16, False, True, 132)
+    assert fl.tile_candidates(64, 4096, 1024, torch.bfloat16, False, 132) == list(
+        dict.fromkeys([table64, fl.balanced_split(table64, 64, 4096, 1024, False, 132)])
+    )
     assert len(fl.tile_candidates(256, 4096, 1024, torch.float32, False, 132)) == 1
     down = fl.tile_candidates(256, 1024, 3072, torch.bfloat16, False, 132)
     assert all(c.split_k >= 1 and c.num_warps == 4 for c in down)
@@ -274,11 +276,29 @@ def test_tile_candidates_add_a_128_column_tile_for_a_lora_inside() -> None:
     joins the timed shapes: A's rank rows then cost half as much beside the weight's."""
     plain = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132)
     with_lora = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132, lora=True)
-    assert with_lora[0] == plain[0] and len(with_lora) == 2
-    assert with_lora[1].block_n == 128 and with_lora[1].block_m == plain[0].block_m
+    assert with_lora[: len(plain)] == plain and len(with_lora) == len(plain) + 1
+    assert with_lora[-1].block_n == 128 and with_lora[-1].block_m == plain[0].block_m
     gate_up = fl.tile_candidates(16, 14336, 4096, torch.bfloat16, True, 132, lora=True)
     assert gate_up[-1].block_n == 128 and gate_up[-1].num_stages == 2
     assert fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132, lora=True) == (
         fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132)
     )
-    assert len(fl.tile_candidates(1, 6144, 4096, torch.float32, False, 132, lora=True)) == 1
+    fp32 = fl.tile_candidates(1, 6144, 4096, torch.float32, False, 132, lora=True)
+    assert all(c.block_n == 64 for c in fp32), "no 128-column tile for fp32"
+
+
+def test_balanced_split_spreads_few_rows_over_the_sms() -> None:
+    """Up to 64 rows the table's tile also comes with the K split that gives the busiest SM
+    the fewest K columns: llama3-8b's QKV at one row (96 column tiles on 132 SMs) takes 4
+    splits (three quarter-tiles on the busiest SM) where the doubling rule's 2 leave it a
+    whole tile's columns; every split keeps at least MIN_K_PER_SPLIT columns and none is empty."""
+    table = fl.choose_config(1, 6144, 4096, torch.bfloat16, False, True, 132)
+    assert table.split_k == 2
+    balanced = fl.balanced_split(table, 1, 6144, 4096, False, 132)
+    assert balanced.split_k == 4 and balanced._replace(split_k=2) == table
+    assert fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132) == [table, balanced]
+    for n, k in ((4096, 14336), (3072, 1024), (1024, 3072), (28672, 4096)):
+        cfg = fl.balanced_split(table, 1, n, k, False, 132)
+        per_split = math.ceil(math.ceil(k / cfg.split_k) / cfg.block_k) * cfg.block_k
+        assert cfg.split_k == 1 or per_split >= fl.MIN_K_PER_SPLIT
+        assert math.ceil(k / per_split) == cfg.split_k, "no empty split"
