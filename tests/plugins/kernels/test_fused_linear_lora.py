@@ -232,3 +232,72 @@ def test_real_shapes_on_the_gpu(m: int) -> None:
         want = residual.double() + x.double() @ w.double().T + deltas(x, lora)[0]
         assert_close(out, want, dtype, f"down {mix} {cfg}")
         assert bool((fl.workspace(DEVICE).counters == 0).all()), "split-K counters back at zero"
+
+
+class _TimedHere:
+    """A LayerChoice that 'times' on the CPU: cuBLAS (timed first) 2 ms, every Triton shape 1."""
+
+    @staticmethod
+    def make(directory):  # noqa: ANN001, ANN205
+        from pitstop.plugins.kernels.triton_ops.layer_choice import LayerChoice
+
+        class Choice(LayerChoice):
+            def can_time(self, x: torch.Tensor) -> bool:
+                return True
+
+            def device_name(self, x: torch.Tensor) -> str:
+                return "Fake GPU"
+
+            def capturing(self) -> bool:
+                return False
+
+        calls = []
+
+        def timer(fn, n: int) -> float:  # noqa: ANN001
+            fn()
+            calls.append(fn)
+            return 2.0 if len(calls) == 1 else 1.0
+
+        return Choice(4, 64, True, directory, timer=timer)
+
+
+def test_the_fused_layer_times_a_lora_inside_under_its_own_key(tmp_path) -> None:  # noqa: ANN001
+    """``FusedLayer`` with ``lora=``: the timed choice keys the op ``…+lora``, times only the
+    shapes whose tiles keep the slices apart, checks Triton against the reference plus the
+    plugin's delta, and gives the reference's result; slices off every tile border take
+    cuBLAS and the plugin's own delta, untimed."""
+    import json
+
+    from pitstop.plugins.kernels import reference
+    from pitstop.plugins.kernels.fused_layer import FusedLayer
+
+    if DEVICE.type == "cuda":
+        pytest.skip("times on the CPU with a fake timer")
+    eps, m, k = 1e-6, 5, 64
+    x, w, _ = inputs(m, 64, k, torch.float32, 3)
+    added = []
+
+    def with_add(made: ProjectionLoRA) -> ProjectionLoRA:
+        def add(x_rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            added.append(x_rows.shape[0])
+            y += torch.cat(deltas(x_rows, made), dim=1).to(y.dtype)
+            return y
+
+        return made._replace(add=add)
+
+    def row_scaled(rows: torch.Tensor, eps_: float | None) -> torch.Tensor:
+        return rows if eps_ is None else (rows * reference.rms_scale(rows, eps_)).to(rows.dtype)
+
+    layer = FusedLayer(fl, _TimedHere.make(tmp_path), row_scaled, None, reference.silu_and_mul)
+    for widths, timed in (([32, 16, 16], True), ([24, 24, 16], False)):
+        lora = with_add(make_lora(k, widths, [1, -1, 0, 1, 2], torch.float32, 3))
+        added.clear()
+        out = layer.norm_linear(x, w, eps, None, lora=lora)
+        want = rstd(x, eps) * (x.double() @ w.double().T + torch.cat(deltas(x, lora), dim=1))
+        assert_close(out, want, torch.float32, f"norm_linear, LoRA slices {widths}")
+        if timed:  # cuBLAS's way and the reference both add the plugin's delta
+            assert len(added) >= 2
+        else:  # q and k in one 16-column tile: no Triton shape, cuBLAS and the delta once
+            assert added == [m]
+    keys = list(json.loads((tmp_path / "fused_layer.json").read_text()))
+    assert len(keys) == 1 and keys[0].startswith("norm_linear+lora|"), keys
