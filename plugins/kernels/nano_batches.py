@@ -6,9 +6,11 @@ while attention streams the KV cache the tensor cores idle, and while the GEMMs 
 memory system does. NanoFlow (OSDI 2025) splits such a batch into nano-batches whose
 operations overlap on the device. :class:`NanoBatches` does the simple form: a decode step
 of at least ``min_rows`` rows (sequences) runs as two halves, each on its own stream, layer
-by layer in issue order (half A's layer ``i``, then half B's), with no dependency between
-the halves until the final join, so the GPU interleaves one half's attention with the
-other's GEMMs as their kernels become ready.
+by layer in issue order (half A's layer ``i``, then half B's). The halves share no data
+until the final join; one ordering edge a layer keeps them out of phase: half B's QKV
+projection of layer ``i`` waits for half A's (:meth:`NanoBatches.hand_over`), so that B's
+GEMM runs beside A's attention, and A's MLP beside B's attention, rather than both halves
+running the same kind of kernel at once.
 
 Each half gets its own :class:`~pitstop.ground.attention.AttentionMetadata`, the step's
 sliced by sequence (views of the step's tensors, so a captured graph's replays read the
@@ -94,6 +96,14 @@ class NanoBatches:
         main = torch.cuda.current_stream(self.device)
         for stream in self._streams:
             stream.wait_stream(main)
+
+    def hand_over(self, earlier: int, later: int) -> None:
+        """Half ``later``'s stream waits for the work queued on half ``earlier``'s so far (CUDA;
+        nothing elsewhere): the model calls it after half A's QKV projection of each layer, so
+        that half B's QKV GEMM starts once A's is done and runs beside A's attention."""
+        if self._streams is None:
+            return
+        self._streams[later].wait_stream(self._streams[earlier])
 
     def join(self) -> None:
         """The current stream waits for every half's."""

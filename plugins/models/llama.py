@@ -430,7 +430,8 @@ class LlamaForCausalLM(nn.Module):
         halves: list[tuple[slice, AttentionMetadata]],
     ) -> torch.Tensor:
         """:meth:`forward` of each half's rows on its own stream (``nano_batches.on``), issued
-        layer by layer in turn so that one half's attention can overlap the other's GEMMs."""
+        layer by layer in turn, each half's QKV projection after the previous half's
+        (``nano_batches.hand_over``), so that one half's attention overlaps the other's GEMMs."""
         nano = self.nano_batches
         nano.fork()
         states: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -438,10 +439,21 @@ class LlamaForCausalLM(nn.Module):
             with nano.on(index):
                 states.append((self.embed(input_ids[rows]), None))
         for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            queries = []
             for index, (_, meta) in enumerate(halves):
+                if index:  # this half's QKV GEMM after the previous half's: out of phase
+                    nano.hand_over(index - 1, index)
                 with nano.on(index):
                     x, residual = states[index]
-                    states[index] = layer(x, residual, rotary, kv_cache[i, 0], kv_cache[i, 1], meta)
+                    queries.append(
+                        layer.before_attention(x, residual, rotary, k_cache, v_cache, meta)
+                    )
+            for index, (_, meta) in enumerate(halves):
+                with nano.on(index):
+                    q, residual = queries[index]
+                    o = layer.self_attn.attend(q, k_cache, v_cache, meta)
+                    states[index] = layer.after_attention(o, residual)
         outs = []
         for index, (x, residual) in enumerate(states):
             with nano.on(index):
