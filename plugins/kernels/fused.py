@@ -345,8 +345,7 @@ class FusedKernels(reference.DispatchKernels):
 
     def _nano_batches(self, settings: FusedSettings) -> NanoBatches | None:
         """``fused.nano_batch_rows``: large decode steps in two halves on two streams."""
-        rows = settings.nano_batch_rows
-        if rows <= 0:
+        if settings.nano_batch_rows <= 0:
             self._status["nano_batches"] = "off (config flag fused.nano_batch_rows is 0)"
             return None
         if settings.decode_merge == "last-program":
@@ -358,8 +357,9 @@ class FusedKernels(reference.DispatchKernels):
         if triton_unavailable_reason(self.device) is None:
             from pitstop.plugins.kernels.triton_ops.fused_linear import lane
 
-        self._status["nano_batches"] = f"decode steps of {max(rows, 4)}+ rows in two halves"
-        return NanoBatches(max(rows, 4), self.device, lane)
+        rows = max(settings.nano_batch_rows, 4)  # two rows a half at least
+        self._status["nano_batches"] = f"decode steps of {rows}+ rows in two halves"
+        return NanoBatches(rows, self.device, lane)
 
     # ------------------------------------------------------------------ fused layer
     def _resolve_layer(self, settings: FusedSettings, triton_reason: str | None) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -195,6 +195,7 @@ class LoRASlots:
             self.layers.append(projections)
             if getattr(layer, "fused", False):
                 self._hand_to_fused(layer, projections)
+        self._refresh_deltas()
         self._allocate_workspace()
 
     def _hand_to_fused(self, layer: torch.nn.Module, projections: dict[str, _Projection]) -> None:
@@ -205,7 +206,6 @@ class LoRASlots:
             if attr in gains:
                 proj.gain = getattr(layer, gains[attr])
         self.fused_layers.append((layer, projections))
-        self._refresh_deltas()
 
     def _refresh_deltas(self) -> None:
         """(Re)build the fused layers' deltas over the current ``slot_of_row`` buffer."""
@@ -217,16 +217,13 @@ class LoRASlots:
                     self.slot_of_row,
                     self.scaling,
                     self.ranks,
-                    functools.partial(self._add_unsplit, proj=proj),
+                    # unsplit: the shrink stores its rows rather than adding to them, so a
+                    # second call in one step (the fused layer times its ways on a shape's
+                    # first call) gives the same result
+                    functools.partial(self._add_delta, proj=proj, split=False),
                 )
                 for attr, proj in projections.items()
             }
-
-    def _add_unsplit(self, x: torch.Tensor, y: torch.Tensor, proj: _Projection) -> torch.Tensor:
-        """A fused layer's ``y += delta(x)`` outside its GEMM: the shrink unsplit (stored, not
-        added, into the workspace), so that calling it again in one step (the fused layer
-        times its ways on a shape's first call) gives the same result."""
-        return self._add_delta(x, y, proj, split=False)
 
     def _allocate_workspace(self) -> None:
         """The shrinks' float32 workspace of small steps (:data:`WORKSPACE_ROWS`), one column
@@ -344,17 +341,12 @@ class LoRASlots:
         run; else leave it to the step that runs it."""
         if request.lora_int_id in self.slot_lru:
             return
-        if None in self.slot_ids:
-            slot = self.slot_ids.index(None)
-        elif self.loader is None:  # no stream orders a copy after a step still reading
+        if self.loader is None:  # no stream orders a copy after a step still reading a slot
+            if None in self.slot_ids:
+                self._load(self.slot_ids.index(None), request)
             return
-        else:
-            victim = next((k for k in self.slot_lru if k not in self.last_step), None)
-            if victim is None:
-                return
-            slot = self.slot_lru.pop(victim)
-        if self.loader is None:
-            self._load(slot, request)
+        slot = self._free_slot(self.last_step)
+        if slot is None:
             return
         self.loader.wait_stream(self.step_stream or torch.cuda.current_stream(self.ctx.device))
         with torch.cuda.stream(self.loader):
@@ -431,13 +423,18 @@ class LoRASlots:
             if copy is not None:  # copied on the side stream: this step's stream waits for it
                 torch.cuda.current_stream(self.ctx.device).wait_event(copy)
             return slot
-        if None in self.slot_ids:
-            slot = self.slot_ids.index(None)
-        else:
-            victim = next(k for k in self.slot_lru if k not in wanted)
-            slot = self.slot_lru.pop(victim)
+        slot = self._free_slot(wanted)
+        assert slot is not None, "the engine holds back adapters past max_loras"
         self._load(slot, request)
         return slot
+
+    def _free_slot(self, busy: Collection[int]) -> int | None:
+        """An empty slot, else the least recently used one whose adapter is not in ``busy``
+        (None if every slot holds one that is); :meth:`_load` evicts its adapter."""
+        if None in self.slot_ids:
+            return self.slot_ids.index(None)
+        victim = next((k for k in self.slot_lru if k not in busy), None)
+        return None if victim is None else self.slot_lru[victim]
 
     def _load(self, slot: int, request: Any) -> None:
         """Copy ``request``'s adapter into ``slot`` (on the current stream) and record it there."""

@@ -175,9 +175,7 @@ def workspace(device: torch.device) -> SplitWorkspace:
     """The split-K workspace of ``device`` (of the current :func:`lane`), allocated (zeroed)
     at the first call; call it (or run each shape once) before capturing a CUDA graph: it
     cannot be allocated inside one."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(device)
     key = (device, _lane[0])
     ws = _workspaces.get(key)
     if ws is None:
@@ -199,10 +197,18 @@ def reset_counters(device: torch.device) -> None:
     """Zero the arrival counters of every lane (after a device fault left a launch
     unfinished; not in a capture)."""
     workspace(device).counters.zero_()
-    mine = next(key[0] for key, ws in _workspaces.items() if ws is workspace(device))
+    mine = _indexed(device)
     for (dev, _), ws in _workspaces.items():
         if dev == mine:
             ws.counters.zero_()
+
+
+def _indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index (a bare ``cuda`` is the current device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _split_fits(tiles: int, split: int, block_m: int, block_n: int, accs: int, kind: str) -> bool:
