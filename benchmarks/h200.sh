@@ -193,6 +193,14 @@ for _ in range(2):
         tests/plugins/kernels/test_fused_layer.py tests/plugins/kernels/test_fused_gpu.py 2>&1 | tee "$OUT/gpu-tests-layer.log" | tail -15
       echo "== fused_linear_bench"; timeout ${LAYER_BENCH_TIMEOUT:-240} python3 benchmarks/fused_linear_bench.py \
         --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60} ;;
+    # 2026-12-06: the GPU tests of what the 2026-12-05 sessions built without a device (the
+    # LoRA inside the fused GEMMs, nano-batches, the fused layer, the new tiles), one process, no -x
+    new-kernels) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=10 \
+        $K/test_fused_linear_gpu.py $K/test_fused_linear_lora.py $K/test_nano_batches.py $K/test_fused_layer.py \
+        tests/plugins/adapters/test_lora_fused_layer.py 2>&1 | tee "$OUT/gpu-tests-new-kernels.log" | tail -30 ;;
+    # layer-tests' benchmark alone: fused_linear's tiles against cuBLAS, 1-256 rows
+    linear-bench) echo "== fused_linear_bench"; timeout ${LAYER_BENCH_TIMEOUT:-240} python3 benchmarks/fused_linear_bench.py \
+        --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60} ;;
     # launches per decode layer: 256 rows (cuBLAS or the timed Triton shape) and 16 rows, the decode
     # merge separate or in the last program
     layer-profile) i=0; for opt in "" "--option fused.layer=true" "--option fused.layer=true --option fused.decode_merge=last-program" \
