@@ -128,7 +128,9 @@ class RequestIntake:
         loop got to it.
         """
         params = (params or SamplingParams()).clone()  # the caller may assign to its own later
-        validate_request(prompt, params, prompt_token_ids, vocab_size=self.model_config.vocab_size)
+        checked = validate_request(
+            prompt, params, prompt_token_ids, vocab_size=self.model_config.vocab_size
+        )
         if request_id is None:
             request_id = self.requests.new_request_id()
         if request_id in self.requests:
@@ -142,7 +144,8 @@ class RequestIntake:
             ids = self.tokenizer.encode(prompt)
             check_encoded_prompt(prompt, ids, self.model_config.vocab_size)
         else:
-            ids = [int(t) for t in prompt_token_ids]
+            assert checked is not None
+            ids = checked
         max_len = self.config.max_model_len
         assert max_len is not None
         keep = params.truncate_prompt_tokens
