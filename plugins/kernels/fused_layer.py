@@ -207,6 +207,8 @@ class FusedLayer:
             return getattr(self.gemm, op)(x, weight, eps, bias, config=config, lora=lora)
 
         scratch: list[torch.Tensor] = []
+        if lora is not None and lora.add_again is not None:  # called many times: repeatable
+            lora = lora._replace(add=lora.add_again)
 
         def run_cublas() -> object:
             if op == "norm_linear":

@@ -26,7 +26,10 @@ class ProjectionLoRA(NamedTuple):
     GEMM adds inside (:mod:`pitstop.plugins.kernels.triton_ops.fused_linear`), and ``add``,
     the plugin's own ``y += delta(x)`` (in place; returns y) for every other way the
     projection runs. For a projection after an RMSNorm, A holds the norm's gain
-    (``A * g[None, :]``, as the fused layer's weights do), so both take the raw rows."""
+    (``A * g[None, :]``, as the fused layer's weights do), so both take the raw rows.
+    ``add_again``: the same delta where ``add`` may run only once a step (its intermediate a
+    workspace cleared once a step), safe to call any number of times (the fused layer's
+    timing calls the cuBLAS way many times on one step's inputs); None: ``add`` is."""
 
     A: tuple[torch.Tensor, ...]  # per slice [slots, rank_max, K], contiguous
     B: tuple[torch.Tensor, ...]  # per slice [slots, N_i, rank_max], contiguous
@@ -34,6 +37,7 @@ class ProjectionLoRA(NamedTuple):
     scaling: torch.Tensor  # [slots] (or [slots, slices]) float32
     ranks: torch.Tensor  # [slots] int32: each slot's rank, 0 for an empty slot
     add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    add_again: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def scaling_of(lora_alpha: float, rank: int, use_rslora: bool = False) -> float:
