@@ -174,7 +174,9 @@ class _LogitsTap:
             if seq is not None and seq.request_id.startswith(_REQUEST_PREFIX):
                 index = int(seq.request_id.removeprefix(_REQUEST_PREFIX))
                 for j in range(inp.num_logits):
-                    self._rows.append((index, seq, inp, j, logits[row + j].clone()))
+                    self._rows.append(
+                        (index, seq, inp, j, logits[row + j].to(torch.float32, copy=True))
+                    )
             row += inp.num_logits
 
     def flush(self) -> None:

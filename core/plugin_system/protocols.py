@@ -530,7 +530,7 @@ class Model(Protocol):
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab]`` of the selected hidden rows."""
+        """Logits ``[N, vocab]`` of the selected hidden rows (any float dtype; samplers widen)."""
         ...
 
 

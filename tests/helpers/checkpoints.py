@@ -30,7 +30,7 @@ def prefill_logits(llm: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
     with torch.inference_mode():
         logits = runner.model.compute_logits(
             runner.model(ids, runner.rotary, runner.kv_cache, meta)
-        )
+        ).float()
     out, start = [], 0
     for p in prompts:
         out.append(logits[start : start + len(p)])

@@ -471,7 +471,8 @@ def _logits(runner, seqs: list[list[int]]) -> torch.Tensor:
         [SeqInput(i, s, 0, tables[i], False) for i, s in enumerate(seqs)]
     )
     with torch.inference_mode():
-        return runner.model.compute_logits(runner.model(ids, runner.rotary, runner.kv_cache, meta))
+        hidden = runner.model(ids, runner.rotary, runner.kv_cache, meta)
+        return runner.model.compute_logits(hidden).float()
 
 
 # ---------------------------------------------------------------- fp8 KV cache (issue 15)

@@ -1319,7 +1319,7 @@ def _forced_logits(runner, prompts: list[list[int]], forced: list[list[int]]) ->
     def step(seqs: list) -> torch.Tensor:
         ids, meta, _ = runner.build_metadata(seqs)
         hidden = runner.model(ids, runner.rotary, runner.kv_cache, meta)
-        return runner.model.compute_logits(hidden)
+        return runner.model.compute_logits(hidden).float()
 
     with torch.inference_mode():
         out = [step([SeqInput(i, p, 0, tables[i], True) for i, p in enumerate(prompts)])]
