@@ -54,7 +54,7 @@ matrix_beside_groups() { local gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf} shard=${MA
   echo "   matrix exit ${PIPESTATUS[0]}"
   wait_groups "$tag"; }
 K=tests/plugins/kernels; W=tests/plugins/weight_formats
-VERIFY_KERNELS="$K/test_fused_gpu.py;$K/test_lora_kernels_gpu.py $K/test_moe_kernels_gpu.py tests/plugins/models/test_moe_models_fused.py $K/test_fused_linear_gpu.py $K/test_fused_linear_lora.py $K/test_nano_batches.py $K/test_fused_layer.py $K/test_prefix_share.py $W/test_gguf_blocks.py"
+VERIFY_KERNELS="$K/test_fused_gpu.py;$K/test_lora_kernels_gpu.py $K/test_moe_kernels_gpu.py tests/plugins/models/test_moe_models_fused.py $K/test_fused_linear_gpu.py $K/test_fused_linear_lora.py $K/test_fused_layer.py $K/test_prefix_share.py $W/test_gguf_blocks.py"
 VERIFY_ENGINE_A="tests/core/runner/test_gpu_engine.py tests/core/loop/test_overlap.py tests/core/speculation/test_speculative.py tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_fused_layer.py tests/plugins/samplers"
 VERIFY_ENGINE_B="tests/apps/entrypoints/test_rollout_gpu.py tests/plugins/executors/test_tensor_parallel.py $W/test_weight_formats.py $W/test_gguf_weights.py $W/test_gguf_gemv.py tests/core/plugin_system/test_example_strategies.py"
 # BENCHES=pending: what the 2026-12-05 sessions left unmeasured, in order of what it decides
@@ -194,9 +194,9 @@ for _ in range(2):
       echo "== fused_linear_bench"; timeout ${LAYER_BENCH_TIMEOUT:-240} python3 benchmarks/fused_linear_bench.py \
         --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60} ;;
     # 2026-12-06: the GPU tests of what the 2026-12-05 sessions built without a device (the
-    # LoRA inside the fused GEMMs, nano-batches, the fused layer, the new tiles), one process, no -x
+    # LoRA inside the fused GEMMs, the fused layer, the new tiles), one process, no -x
     new-kernels) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=10 \
-        $K/test_fused_linear_gpu.py $K/test_fused_linear_lora.py $K/test_nano_batches.py $K/test_fused_layer.py \
+        $K/test_fused_linear_gpu.py $K/test_fused_linear_lora.py $K/test_fused_layer.py \
         tests/plugins/adapters/test_lora_fused_layer.py 2>&1 | tee "$OUT/gpu-tests-new-kernels.log" | tail -30 ;;
     # layer-tests' benchmark alone: fused_linear's tiles against cuBLAS, 1-256 rows
     linear-bench) echo "== fused_linear_bench"; timeout ${LAYER_BENCH_TIMEOUT:-240} python3 benchmarks/fused_linear_bench.py \
@@ -401,12 +401,6 @@ for _ in range(2):
       echo "== lora_bench"; timeout 240 python3 benchmarks/lora_bench.py 2>&1 | tee "$OUT/lora-bench.log"
       run lora-nano offline --workload nano --matrix benchmarks/workloads/lora.toml
       run lora-single offline --workload single --repeats 2 --matrix benchmarks/workloads/lora.toml --only base,lora-1,lora-1-overlap ;;
-    # issue 44 (2026-12-05, fifth session): nano-batches, their GPU test, then nano on qwen3-8b (where
-    # steps are bound by the GEMMs' FLOPs) and on qwen3-0.6b, whole beside two halves on two streams
-    nano-batches) timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider -m gpu \
-        tests/plugins/kernels/test_nano_batches.py 2>&1 | tee "$OUT/gpu-tests-nano-batches.log" | tail -4
-      run nano-batches-8b offline --workload nano --model dummy:qwen3-8b --repeats ${NB_REPEATS:-2} --matrix benchmarks/workloads/nano-batches.toml
-      run nano-batches-06b offline --workload nano --repeats ${NB_REPEATS:-2} --matrix benchmarks/workloads/nano-batches.toml --only whole,halves-128 ;;
     # issue 47 (2026-12-05, fifth session): the adapters' deltas inside fused.layer's Triton GEMMs:
     # their GPU tests, lora_bench's "fused.layer GEMM with the LoRA inside", then single (and nano)
     # with fused.layer on both sides (LORA_LAYER_NANO=1 adds nano, about 3 minutes)

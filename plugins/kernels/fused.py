@@ -56,7 +56,6 @@ store) and context length 0 (attention writes zeros for them).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from typing import Any
@@ -65,12 +64,10 @@ import attrs
 import torch
 
 from pitstop.config import EngineConfig
-from pitstop.errors import ConfigError
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.settings import setting
 from pitstop.plugins.kernels import reference
 from pitstop.plugins.kernels.fused_layer import FusedLayer
-from pitstop.plugins.kernels.nano_batches import NanoBatches
 
 log = logging.getLogger(__name__)
 
@@ -209,15 +206,6 @@ class FusedSettings:
         "decode_merge=last-program or fp8_widen=qk-fp8); on an H100 1.5-1.9x a layer's attention "
         "at 4-8k shared tokens, 0.74-0.96x at 1k",
     )
-    nano_batch_rows: int = setting(
-        0,
-        type=int,
-        minimum=0,
-        help="decode steps of at least this many sequences run as two nano-batches, each half "
-        "on its own CUDA stream, so that one half's memory-bound attention overlaps the other's "
-        "GEMMs (NanoFlow); 0: off (not with decode_merge=last-program, an adapter plugin or "
-        "tensor parallelism)",
-    )
     decode_tiles: str = setting(
         "fixed",
         type=str,
@@ -279,7 +267,6 @@ class FusedKernels(reference.DispatchKernels):
 
         self._resolve_layer(settings, triton_reason)
         self._layer: FusedLayer | None = None
-        self.nano_batches = self._nano_batches(settings)
         self._head_size_checked = not (use["rope_and_store"] or use["attention"])
         if use["rms_norm"]:
             from pitstop.plugins.kernels.triton_ops import rmsnorm
@@ -342,24 +329,6 @@ class FusedKernels(reference.DispatchKernels):
         if self.config.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
             return f"KV cache {self.config.kv_cache_dtype} (bf16/fp16 only)"
         return None
-
-    def _nano_batches(self, settings: FusedSettings) -> NanoBatches | None:
-        """``fused.nano_batch_rows``: large decode steps in two halves on two streams."""
-        if settings.nano_batch_rows <= 0:
-            self._status["nano_batches"] = "off (config flag fused.nano_batch_rows is 0)"
-            return None
-        if settings.decode_merge == "last-program":
-            raise ConfigError(
-                "fused.nano_batch_rows cannot run with fused.decode_merge=last-program (its "
-                "arrival counters belong to one launch's decode rows); use decode_merge=separate"
-            )
-        lane: Any = lambda index: contextlib.nullcontext()  # noqa: E731  (no Triton GEMMs)
-        if triton_unavailable_reason(self.device) is None:
-            from pitstop.plugins.kernels.triton_ops.fused_linear import lane
-
-        rows = max(settings.nano_batch_rows, 4)  # two rows a half at least
-        self._status["nano_batches"] = f"decode steps of {rows}+ rows in two halves"
-        return NanoBatches(rows, self.device, lane)
 
     # ------------------------------------------------------------------ fused layer
     def _resolve_layer(self, settings: FusedSettings, triton_reason: str | None) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pitstop.errors import ConfigError, ModelLoadError
+from pitstop.errors import ModelLoadError
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.ground.model_config import ModelConfig
 from pitstop.plugin_system.architecture import Architecture
@@ -366,14 +366,6 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_embed = getattr(kernels, "embed", None)
         self.gather_logits = getattr(kernels, "gather_logits", None)
         self.fused_layers = self._fuses_layers(kernels)
-        # a kernel set's split of large decode steps into two halves on two streams
-        # (the fused set's fused.nano_batch_rows; pitstop.plugins.kernels.nano_batches)
-        self.nano_batches = getattr(kernels, "nano_batches", None)
-        if self.nano_batches is not None and getattr(kernels, "all_reduce", None) is not None:
-            raise ConfigError(
-                "fused.nano_batch_rows does not run under tensor parallelism (each half would "
-                "all-reduce on its own stream); set it to 0 or tensor_parallel_size to 1"
-            )
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
@@ -409,57 +401,12 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm. ``kv_cache``: ``[L, 2, pages, page, Hkv, D]``.
-
-        A large decode step runs as the kernel set's nano-batches where it has them: two
-        halves, each on its own stream, layer by layer in turn (:meth:`_forward_halves`)."""
-        halves = None if self.nano_batches is None else self.nano_batches.split(meta)
-        if halves is not None:
-            return self._forward_halves(input_ids, rotary, kv_cache, halves)
+        """Hidden states ``[T, hidden]`` after the final norm. ``kv_cache``: ``[L, 2, pages, page, Hkv, D]``."""
         x = self.embed(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rotary, kv_cache[i, 0], kv_cache[i, 1], meta)
         return self.final_norm(x, residual)
-
-    def _forward_halves(
-        self,
-        input_ids: torch.Tensor,
-        rotary: RotaryCache,
-        kv_cache: torch.Tensor,
-        halves: list[tuple[slice, AttentionMetadata]],
-    ) -> torch.Tensor:
-        """:meth:`forward` of each half's rows on its own stream (``nano_batches.on``), issued
-        layer by layer in turn, each half's QKV projection after the previous half's
-        (``nano_batches.hand_over``), so that one half's attention overlaps the other's GEMMs."""
-        nano = self.nano_batches
-        nano.fork()
-        states: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for index, (rows, _) in enumerate(halves):
-            with nano.on(index):
-                states.append((self.embed(input_ids[rows]), None))
-        for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            queries = []
-            for index, (_, meta) in enumerate(halves):
-                if index:  # this half's QKV GEMM after the previous half's: out of phase
-                    nano.hand_over(index - 1, index)
-                with nano.on(index):
-                    x, residual = states[index]
-                    queries.append(
-                        layer.before_attention(x, residual, rotary, k_cache, v_cache, meta)
-                    )
-            for index, (_, meta) in enumerate(halves):
-                with nano.on(index):
-                    q, residual = queries[index]
-                    o = layer.self_attn.attend(q, k_cache, v_cache, meta)
-                    states[index] = layer.after_attention(o, residual)
-        outs = []
-        for index, (x, residual) in enumerate(states):
-            with nano.on(index):
-                outs.append(self.final_norm(x, residual))
-        nano.join()
-        return torch.cat(outs)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of ``input_ids`` ``[T, hidden]``."""

@@ -137,11 +137,6 @@ class MoEForCausalLM(LlamaForCausalLM):
                 "use weights='dense' or weights='fp8'"
             )
         super().__init__(cfg, kernels, weights)
-        if self.nano_batches is not None:
-            raise ConfigError(
-                f"fused.nano_batch_rows splits dense models' decode steps (the {cfg.architecture} "
-                "model's MoE op has not been checked on two streams at once): set it to 0"
-            )
 
     def prepare_weights(self, blocks: dict | None = None) -> None:
         """The format's linear weights (:meth:`LlamaForCausalLM.prepare_weights`), then,

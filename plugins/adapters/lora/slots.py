@@ -172,11 +172,6 @@ class LoRASlots:
         layers = getattr(model, "layers", None)
         if layers is None:
             raise ConfigError(f"the lora adapter cannot adapt {type(model).__name__}: no .layers")
-        if getattr(model, "nano_batches", None) is not None:
-            raise ConfigError(
-                "fused.nano_batch_rows splits decode steps across two streams, which the lora "
-                "plugin's per-step buffers do not: set it to 0 with enable_lora"
-            )
         shapes = expected_shapes(self.ctx.model_config)
         for layer in layers:
             projections: dict[str, _Projection] = {}

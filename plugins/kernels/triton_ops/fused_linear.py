@@ -80,9 +80,7 @@ is done.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -155,29 +153,16 @@ class SplitWorkspace(NamedTuple):
     counters: torch.Tensor
 
 
-_workspaces: dict[tuple[torch.device, int], SplitWorkspace] = {}
-_lane = [0]  # the workspace lane launches take now (lane())
-
-
-@contextlib.contextmanager
-def lane(index: int) -> Iterator[None]:
-    """Launches issued inside take lane ``index``'s workspace: kernels of two streams that may
-    run at once (nano-batches, :mod:`pitstop.plugins.kernels.nano_batches`) each need their
-    own partials and counters. Lane 0 is the default."""
-    before, _lane[0] = _lane[0], index
-    try:
-        yield
-    finally:
-        _lane[0] = before
+_workspaces: dict[torch.device, SplitWorkspace] = {}
 
 
 def workspace(device: torch.device) -> SplitWorkspace:
-    """The split-K workspace of ``device`` (of the current :func:`lane`), allocated (zeroed)
-    at the first call; call it (or run each shape once) before capturing a CUDA graph: it
-    cannot be allocated inside one."""
-    device = _indexed(device)
-    key = (device, _lane[0])
-    ws = _workspaces.get(key)
+    """The split-K workspace of ``device``, allocated (zeroed) at the first call; call it (or
+    run each shape once) before capturing a CUDA graph: it cannot be allocated inside one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    ws = _workspaces.get(device)
     if ws is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -189,26 +174,13 @@ def workspace(device: torch.device) -> SplitWorkspace:
             torch.zeros(WORKSPACE_FLOATS[kind], dtype=torch.float32, device=device),
             torch.zeros(NUM_COUNTERS[kind], dtype=torch.int32, device=device),
         )
-        _workspaces[key] = ws
+        _workspaces[device] = ws
     return ws
 
 
 def reset_counters(device: torch.device) -> None:
-    """Zero the arrival counters of every lane (after a device fault left a launch
-    unfinished; not in a capture)."""
+    """Zero the arrival counters (after a device fault left a launch unfinished; not in a capture)."""
     workspace(device).counters.zero_()
-    mine = _indexed(device)
-    for (dev, _), ws in _workspaces.items():
-        if dev == mine:
-            ws.counters.zero_()
-
-
-def _indexed(device: torch.device | str) -> torch.device:
-    """``device`` with its index (a bare ``cuda`` is the current device)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _split_fits(tiles: int, split: int, block_m: int, block_n: int, accs: int, kind: str) -> bool:
