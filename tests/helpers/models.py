@@ -5,6 +5,8 @@
   neither is there).
 - :func:`smollm2_tokenizer_dir`: a folder with SmolLM2's ``tokenizer.json`` (+ config
   and chat template), converted once per machine through the pitstop GGUF cache.
+- :func:`transformers_smollm2`, :func:`transformers_smollm2_tokenizer`: transformers' own
+  load of that GGUF (the model dequantized to fp32), made once per session and shared.
 - :func:`make_tiny_checkpoint`: a tiny random Hugging Face checkpoint of a supported
   architecture, saved with ``save_pretrained``, that takes text through SmolLM2's tokenizer.
 """
@@ -57,6 +59,37 @@ def smollm2_tokenizer_dir() -> Path:
     if not (folder / "tokenizer.json").is_file():
         load_gguf(path).weights()  # the first dense read converts it
     return folder
+
+
+def transformers_smollm2(path: Path | None = None) -> Any:
+    """transformers' own load of the SmolLM2 GGUF (``path``, default :func:`smollm2_gguf`),
+    dequantized to fp32, eval mode: the reference of the tests on the real model. Loaded
+    once per session and file (transformers' GGUF reader takes about 14 s on two cores) and
+    shared between test modules, so read it only: a test that changes it (PEFT wraps its
+    modules) takes a ``copy.deepcopy``."""
+    return _transformers_gguf_model(Path(path or smollm2_gguf()).resolve())
+
+
+def transformers_smollm2_tokenizer(path: Path | None = None) -> Any:
+    """transformers' tokenizer built straight from the SmolLM2 GGUF (``path``, default
+    :func:`smollm2_gguf`; about 4 s), once per session and file, shared: read it only."""
+    return _transformers_gguf_tokenizer(Path(path or smollm2_gguf()).resolve())
+
+
+@functools.cache
+def _transformers_gguf_model(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+@functools.cache
+def _transformers_gguf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _hf_config(arch: str, **overrides: Any):

@@ -18,7 +18,11 @@ from typing import Any
 
 import attrs
 import pytest
-from helpers.models import make_tiny_checkpoint
+from helpers.models import (
+    make_tiny_checkpoint,
+    transformers_smollm2,
+    transformers_smollm2_tokenizer,
+)
 
 from pitstop.bench import vllm_peer
 from pitstop.bench.peers import PeerRun, run_peer
@@ -118,14 +122,11 @@ def test_a_gguf_with_speculation_becomes_the_same_checkpoint(tmp_path: Path) -> 
     assert "written by transformers" in vm.description and str(gguf.resolve()) in vm.description
     assert transformers.AutoConfig.from_pretrained(folder).model_type == "llama"
     ids = transformers.AutoTokenizer.from_pretrained(folder)("The capital of France is")
-    want = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    want = transformers_smollm2_tokenizer(gguf)  # transformers' own reads of the GGUF (shared)
     assert ids["input_ids"] == want("The capital of France is")["input_ids"]
     x = torch.tensor([ids["input_ids"]])
-    kw = {"dtype": torch.float32}
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, **kw
-    )
-    got = transformers.AutoModelForCausalLM.from_pretrained(folder, **kw)
+    ref = transformers_smollm2(gguf)
+    got = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(ref(x).logits, got(x).logits)
     stamp = (folder / "config.json").stat().st_mtime_ns

@@ -4,7 +4,11 @@ transformers' rendering of SmolLM2's; the checks of a chat's messages."""
 from __future__ import annotations
 
 import pytest
-from helpers.models import make_tiny_checkpoint, smollm2_gguf, smollm2_tokenizer_dir
+from helpers.models import (
+    make_tiny_checkpoint,
+    smollm2_tokenizer_dir,
+    transformers_smollm2_tokenizer,
+)
 
 from pitstop.entrypoints.chat_template import apply_chat_template, validate_messages
 from pitstop.errors import InvalidRequestError
@@ -30,11 +34,8 @@ def ours() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def ref():
-    """transformers' tokenizer built straight from the GGUF."""
-    from transformers import AutoTokenizer
-
-    path = smollm2_gguf()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    """transformers' tokenizer built straight from the GGUF (shared, read only)."""
+    return transformers_smollm2_tokenizer()
 
 
 @pytest.mark.parametrize("messages", CHATS)

@@ -302,7 +302,8 @@ def test_off_by_one_decode_attention_fails_through_the_cli(
 
 @pytest.mark.slow
 def test_fused_kernels_pass_on_cpu_through_the_triton_interpreter() -> None:
-    """One short prompt (the interpreter runs each Triton program in Python: ~3 s a step)."""
+    """One short prompt, two tokens: a prefill and a decode step (the interpreter runs each
+    Triton program in Python: ~3 s a step)."""
     smollm2_gguf()
     pytest.importorskip("triton")
     try:
@@ -311,7 +312,7 @@ def test_fused_kernels_pass_on_cpu_through_the_triton_interpreter() -> None:
     except PluginError:
         pytest.skip("the fused kernel set is not registered")
     config = engine_config(**SETTINGS, kernels="fused")
-    prompt = parse_prompt_lines(['{"prompt": "The capital of France is", "max_tokens": 4}'])
+    prompt = parse_prompt_lines(['{"prompt": "The capital of France is", "max_tokens": 2}'])
     report = verify(config, prompt, plugins=plugins)
     assert report.candidate.kernels["attention"] == "triton", report.candidate.kernels
     assert report.passed, format_report(report)

@@ -5,7 +5,7 @@ tests/apps/entrypoints/test_chat_template.py.)"""
 from __future__ import annotations
 
 import pytest
-from helpers.models import smollm2_gguf, smollm2_tokenizer_dir
+from helpers.models import smollm2_tokenizer_dir, transformers_smollm2_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,11 +32,8 @@ def ours() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def ref():
-    """transformers' tokenizer built straight from the GGUF."""
-    from transformers import AutoTokenizer
-
-    path = smollm2_gguf()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    """transformers' tokenizer built straight from the GGUF (shared, read only)."""
+    return transformers_smollm2_tokenizer()
 
 
 def test_metadata(ours, ref):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.models import make_tiny_checkpoint, smollm2_gguf
+from helpers.models import make_tiny_checkpoint, smollm2_gguf, transformers_smollm2
 
 from pitstop.errors import ModelLoadError
 from pitstop.loading.weights import load_model_source
@@ -45,14 +45,8 @@ def smol_loads(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_smollm2():
-    """transformers' own load of the same GGUF (dequantized to fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model
+    """transformers' own load of the same GGUF (dequantized to fp32; shared, read only)."""
+    return transformers_smollm2()
 
 
 def test_smollm2_tensors_equal_transformers(smol_loads, hf_smollm2):

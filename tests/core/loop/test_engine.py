@@ -13,7 +13,7 @@ from helpers.mixed_runs import (
     small_cache_llm,
     strategy_combinations,
 )
-from helpers.models import make_tiny_checkpoint, smollm2_gguf
+from helpers.models import make_tiny_checkpoint, smollm2_gguf, transformers_smollm2
 
 from pitstop import LLM, EngineConfig, SamplingParams
 
@@ -36,13 +36,7 @@ def smollm2() -> LLM:
 
 @pytest.fixture(scope="module")
 def hf_smollm2():
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+    return transformers_smollm2()  # shared, read only
 
 
 def _hf_greedy(model, ids: list[int], n: int, eos: set[int]) -> list[int]:

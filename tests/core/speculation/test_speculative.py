@@ -251,9 +251,11 @@ def _tiny_llm(target: str, **settings) -> LLM:
     return LLM(target, **(base | settings))
 
 
-def _tiny_greedy(target: str, prompts, **settings) -> tuple[list[list[int]], LLM]:
+def _tiny_greedy(
+    target: str, prompts, max_tokens: int = 25, **settings
+) -> tuple[list[list[int]], LLM]:
     llm = _tiny_llm(target, **settings)
-    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert llm.engine.allocator.stats().tokens_held == 0
     return [o.token_ids for o in outs], llm
@@ -309,7 +311,10 @@ def test_verify_buffers_through_the_fused_kernels_keep_greedy_exact(tmp_path):
     )
     prompts = REPETITIVE[:3]
     settings = {"dtype": "float32", "kernels": "fused", "page_size": 16}
-    plain, _ = _tiny_greedy(str(folder), prompts, **settings)
+    # every step runs through the interpreter: 12 tokens still verify all three rows at
+    # once (the bucket of 4) six times, drafts accepted and rejected, across 16-token pages
+    max_tokens = 12
+    plain, _ = _tiny_greedy(str(folder), prompts, max_tokens, **settings)
     llm = _tiny_llm(str(folder), speculative="ngram", speculative_min_accepted=0.0, **settings)
     assert llm.engine.runner.kernels.describe()["attention"] == "triton"
     graphs = VerifyGraphs(
@@ -319,7 +324,7 @@ def test_verify_buffers_through_the_fused_kernels_keep_greedy_exact(tmp_path):
     run = graphs.run
     graphs.run = lambda seqs: (replays.append(len(seqs)), run(seqs))[1]
     llm.engine.runner.verify_graphs = graphs
-    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.token_ids for o in outs] == plain
     assert 3 in replays and llm.engine.stats.spec_accepted_tokens > 0

@@ -12,9 +12,8 @@ import copy
 from pathlib import Path
 
 import pytest
-import torch
 from helpers.checkpoints import greedy_continuation, save_random_lora
-from helpers.models import smollm2_gguf
+from helpers.models import smollm2_gguf, transformers_smollm2
 
 from pitstop import LLM, LoRARequest, SamplingParams
 
@@ -26,12 +25,8 @@ TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time")
 
 @pytest.mark.slow
 def test_smollm2_rows_match_peft_merged(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     gguf = smollm2_gguf()
-    base = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    base = transformers_smollm2()  # shared: PEFT wraps a deep copy of it below
     targets = ["q_proj", "v_proj", "o_proj", "up_proj"]
     save_random_lora(
         base, tmp_path / "adapter", rank=8, alpha=16, targets=targets, seed=0, b_scale=5

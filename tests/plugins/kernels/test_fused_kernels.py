@@ -257,7 +257,9 @@ def heads_strategy(ratios: tuple[int, ...] = (1, 2, 4)) -> st.SearchStrategy[tup
 
 @FEW
 @given(
-    batch=batches(),
+    # as its fp8 twin below: one program per token, so longer contexts add interpreted
+    # programs, not cases (the contexts at page borders, up to 128, are still drawn)
+    batch=batches(max_seqs=3, max_context=40),
     heads=heads_strategy(),
     head_size=st.sampled_from([64, 128]),
     dtype=st.sampled_from(DTYPES),

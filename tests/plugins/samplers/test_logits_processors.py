@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from helpers.models import smollm2_gguf
+from helpers.models import smollm2_gguf, transformers_smollm2
 
 from pitstop import LLM, SamplingParams, TextPrompt, TokensPrompt
 from pitstop.entrypoints.chat_template import apply_chat_template
@@ -291,12 +291,7 @@ def test_n_greedy_samples_on_shared_paged_pages_equal_one_sample() -> None:
 
 def test_prompt_logprobs_match_transformers_across_chunks() -> None:
     """Each prompt token's log-probability and top-k, computed over 8-token chunks, equal HF's."""
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf()
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    hf = transformers_smollm2()
     llm = LLM(
         "smollm2-135m",
         device="cpu",
