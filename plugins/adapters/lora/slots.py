@@ -213,8 +213,9 @@ class LoRASlots:
                     self.scaling,
                     self.ranks,
                     # a step's own: the shrink split over K into the workspace cleared once
-                    # a step (unsplit, 1-row shrinks of K 4,096-14,336 in one program each
-                    # took llama3-8b's `single` from 209 to 122 tok/s on the H200, 2026-12-06)
+                    # a step (the unsplit shrink before, one program over K 4,096-14,336 a
+                    # row, is the likely reason llama3-8b's `single` with an adapter fell
+                    # from 209 to 122 tok/s with fused.layer on the H200, 2026-12-06)
                     functools.partial(self._add_delta, proj=proj),
                     # the fused layer's timing, which calls the cuBLAS way many times on a
                     # step's inputs: an intermediate of its own each call
