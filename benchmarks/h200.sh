@@ -53,10 +53,19 @@ matrix_beside_groups() { local gguf=${SMOLLM_GGUF:-/tmp/smollm2.gguf} shard=${MA
     --json "$OUT/matrix-$tag.json" --shard $shard 2>"$OUT/matrix-$tag.log" | tail -40
   echo "   matrix exit ${PIPESTATUS[0]}"
   wait_groups "$tag"; }
-K=tests/plugins/kernels; W=tests/plugins/weight_formats
-VERIFY_KERNELS="$K/test_fused_gpu.py;$K/test_lora_kernels_gpu.py $K/test_moe_kernels_gpu.py tests/plugins/models/test_moe_models_fused.py $K/test_fused_linear_gpu.py $K/test_fused_linear_lora.py $K/test_fused_layer.py $K/test_prefix_share.py $W/test_gguf_blocks.py"
-VERIFY_ENGINE_A="tests/core/runner/test_gpu_engine.py tests/core/loop/test_overlap.py tests/core/speculation/test_speculative.py tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_fused_layer.py tests/plugins/samplers"
-VERIFY_ENGINE_B="tests/apps/entrypoints/test_rollout_gpu.py tests/plugins/executors/test_tensor_parallel.py $W/test_weight_formats.py $W/test_gguf_weights.py $W/test_gguf_gemv.py tests/core/plugin_system/test_example_strategies.py"
+K=tests/plugins/kernels; W=tests/plugins/weight_formats; F=$K/test_fused_gpu.py
+# issue 45's closing checks: every -m gpu file once and the whole correctness matrix, at one commit,
+# in four calls on one GPU (the matrix's 207 cases take about 21 minutes of 12 processes, so three
+# shards of about 7). verify1 needs no GGUF: the kernels' tests and the engine's that build their
+# own models, in four processes (test_fused_gpu.py, about 400 s alone, split in two). verify2..4:
+# a third of the matrix each, beside the tests that read the real SmolLM2.
+VERIFY1="$F::test_attention_full_size $F::test_long_prefill_and_chunk $F::test_by_batch_decode_tiles_match_the_reference"
+VERIFY1="$VERIFY1;$F --deselect $F::test_attention_full_size --deselect $F::test_long_prefill_and_chunk --deselect $F::test_by_batch_decode_tiles_match_the_reference"
+VERIFY1="$VERIFY1;$K/test_lora_kernels_gpu.py $K/test_moe_kernels_gpu.py tests/plugins/models/test_moe_models_fused.py $K/test_fused_linear_gpu.py $K/test_fused_linear_lora.py $K/test_fused_layer.py $K/test_prefix_share.py"
+VERIFY1="$VERIFY1;tests/core/runner/test_gpu_engine.py tests/core/loop/test_overlap.py tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_fused_layer.py tests/plugins/samplers/test_sampler.py $W/test_weight_formats.py"
+VERIFY2="tests/core/speculation/test_speculative.py tests/plugins/samplers/test_logits_processors.py $W/test_gguf_blocks.py $W/test_gguf_gemv.py"
+VERIFY3="$W/test_gguf_weights.py tests/core/plugin_system/test_example_strategies.py tests/plugins/executors/test_tensor_parallel.py"
+VERIFY4="tests/apps/entrypoints/test_rollout_gpu.py"
 # BENCHES=pending: what the 2026-12-05 sessions left unmeasured, in order of what it decides
 # (carry the torch_memory_saver and gguf wheels; about 10 minutes: two calls, e.g.
 # BENCHES="pending" cut by the first call's limit, then the rest by name): the rollout's exit status
@@ -169,22 +178,20 @@ for _ in range(2):
     # GPU test files CHECK_TESTS in a second process (nothing here is timed; a cut run still leaves
     # the matrix rows so far in OUT/matrix-I-of-N.json and the test log in OUT/gpu-tests-I-of-N.log)
     checks) matrix_beside_groups checks ;;
-    # issue 45's closing checks, three calls back to back at one commit (the GGUF's part00 carried
-    # with verify1, part01 with verify2; the gguf and peft wheels with 2 and 3, torch_memory_saver
-    # with 3): verify1 the kernels' GPU tests (no GGUF) in two processes; verify2 and verify3 the
-    # matrix's two shards, each beside half of the engine's GPU tests. Every -m gpu file once.
-    verify1) CHECK_TESTS=$VERIFY_KERNELS; echo "== verify1: pytest -m gpu $CHECK_TESTS"
+    # issue 45's closing checks, four calls back to back at one commit (the GGUF's part00 carried
+    # with verify1, part01 with verify2; the wheels with each): see VERIFY1..4 above
+    verify1) CHECK_TESTS=$VERIFY1; echo "== verify1: pytest -m gpu, four processes: $CHECK_TESTS"
       start_groups verify1 "${SMOLLM_GGUF:-/tmp/smollm2.gguf}"; wait_groups verify1 ;;
-    verify2|verify3) [ $spec = verify2 ] && CHECK_TESTS=$VERIFY_ENGINE_A MATRIX_SHARD=1/2 || CHECK_TESTS=$VERIFY_ENGINE_B MATRIX_SHARD=2/2
+    verify2|verify3|verify4) n=${spec#verify}; eval "CHECK_TESTS=\$VERIFY$n"; MATRIX_SHARD=$((n - 1))/3
       matrix_beside_groups $spec ;;
-    # the three at once on a machine of three or more GPUs (a kind of several GPUs counts its held
-    # time as one does): verify1 on GPU 0, verify2 on 1, verify3 on 2; each one's printout in OUT/verifyN.out
+    # all four at once on a machine of four or more GPUs: verifyN on GPU N-1, each one's printout in OUT/verifyN.out
     verify-all) gpus=$(nvidia-smi -L | wc -l)
-      if [ "$gpus" -lt 3 ]; then echo "== verify-all: $gpus GPU(s); run verify1, verify2 and verify3 (one a call) instead"; continue; fi
-      ( export CUDA_VISIBLE_DEVICES=0; CHECK_TESTS=$VERIFY_KERNELS; start_groups verify1 "${SMOLLM_GGUF:-/tmp/smollm2.gguf}"; wait_groups verify1 ) >"$OUT/verify1.out" 2>&1 &
-      ( export CUDA_VISIBLE_DEVICES=1; CHECK_TESTS=$VERIFY_ENGINE_A MATRIX_SHARD=1/2 matrix_beside_groups verify2 ) >"$OUT/verify2.out" 2>&1 &
-      ( export CUDA_VISIBLE_DEVICES=2; CHECK_TESTS=$VERIFY_ENGINE_B MATRIX_SHARD=2/2 matrix_beside_groups verify3 ) >"$OUT/verify3.out" 2>&1 &
-      wait; for v in 1 2 3; do echo "== verify$v (GPU $((v - 1)))"; cat "$OUT/verify$v.out"; done ;;
+      if [ "$gpus" -lt 4 ]; then echo "== verify-all: $gpus GPU(s); run verify1 .. verify4 (one a call) instead"; continue; fi
+      ( export CUDA_VISIBLE_DEVICES=0; CHECK_TESTS=$VERIFY1; start_groups verify1 "${SMOLLM_GGUF:-/tmp/smollm2.gguf}"; wait_groups verify1 ) >"$OUT/verify1.out" 2>&1 &
+      for n in 2 3 4; do eval "tests=\$VERIFY$n"
+        ( export CUDA_VISIBLE_DEVICES=$((n - 1)); CHECK_TESTS=$tests MATRIX_SHARD=$((n - 1))/3 matrix_beside_groups verify$n ) >"$OUT/verify$n.out" 2>&1 &
+      done
+      wait; for v in 1 2 3 4; do echo "== verify$v (GPU $((v - 1)))"; cat "$OUT/verify$v.out"; done ;;
     # issue 44: the decoder layer in six ops (fused.layer): the kernels' GPU tests, the skinny-GEMM
     # benchmark against cuBLAS, launches per decode layer from the profiler (graph kernels counted),
     # and nano / single with the layer fused beside unfused (benchmarks/workloads/fused-layer.toml)
