@@ -30,6 +30,16 @@ from pitstop.plugins.executors.tensor_parallel.sharding import (
     shard_model_config,
 )
 
+
+@pytest.fixture(autouse=True)
+def _without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks run the kernel sets' PyTorch ops on the CPU, as when this file runs alone:
+    other test modules set ``TRITON_INTERPRET=1`` when imported, which would send the fused
+    set (and every spawned rank, which inherits the environment) through Triton's interpreter."""
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(20, 57))]
 
