@@ -252,6 +252,7 @@ def run_configuration(
             **case["settings"],
         }
         llm = LLM(model, **settings)
+        built = time.perf_counter()  # import, load, KV cache, graph capture: the case's fixed cost
         params = SamplingParams(
             temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=case.get("n", 1)
         )
@@ -262,7 +263,9 @@ def run_configuration(
             adapter = LoRARequest("matrix", 1, lora_path)
             lora = [adapter if i % 2 == 0 else None for i in range(len(prompt_ids))]
         passes = []
+        pass_seconds = []
         for _ in range(2):
+            begun = time.perf_counter()
             outs = llm.generate(
                 prompt_token_ids=prompt_ids,
                 sampling_params=params,
@@ -270,6 +273,7 @@ def run_configuration(
                 lora_request=lora,
             )
             passes.append([[c.token_ids for c in o.outputs] for o in outs])
+            pass_seconds.append(round(time.perf_counter() - begun, 2))
             errors = [
                 c.finish_reason for o in outs for c in o.outputs if c.finish_reason == "error"
             ]
@@ -283,6 +287,8 @@ def run_configuration(
             "pages_leaked": stats.num_pages - stats.pages_free,
             "allocator_counters": dict(stats.counters),  # tiered: its host hits, bytes moved
             "seconds": time.perf_counter() - start,
+            "build_seconds": round(built - start, 2),
+            "pass_seconds": pass_seconds,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         }
     except Exception as exc:  # noqa: BLE001 - reported per configuration
@@ -446,10 +452,17 @@ def run_matrix(
                     # the prompt (prompt 0), first pass: its first six tokens
                     "first_tokens": result["passes"][0][0][0][:6] if "passes" in result else None,
                     "seconds": round(result.get("seconds", 0.0), 1),
+                    "build_seconds": result.get("build_seconds"),
+                    "pass_seconds": result.get("pass_seconds"),
                     "reference_first": m.reference[0][:6],
                 }
             )
-            print(f"[matrix] {len(rows)}/{len(cases)} {verdict} {case['name']}", file=sys.stderr)
+            print(
+                f"[matrix] {len(rows)}/{len(cases)} {verdict} {case['name']} "
+                f"({rows[-1]['seconds']} s; engine built in {result.get('build_seconds')} s, "
+                f"passes {result.get('pass_seconds')} s)",
+                file=sys.stderr,
+            )
             if on_row is not None:
                 on_row(rows)
     return rows
