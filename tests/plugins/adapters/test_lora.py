@@ -55,7 +55,7 @@ def _save_adapter(
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The base checkpoint ("base") and one adapter folder per entry of ADAPTERS."""
     root = tmp_path_factory.mktemp("lora")
-    folders = {"base": make_tiny_checkpoint(root, "llama")}
+    folders = {"base": make_tiny_checkpoint(root, "llama", with_tokenizer=False)}  # token ids only
     for i, (name, (rank, targets, kw)) in enumerate(ADAPTERS.items()):
         folders[name] = _save_adapter(folders["base"], root / name, rank, targets, i + 1, **kw)
     return folders
