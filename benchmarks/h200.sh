@@ -83,7 +83,7 @@ BENCHES=$(echo " ${BENCHES-nano single} " | sed 's/ layer / layer-tests layer-pr
 export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/pitstop-cache}
 for spec in $BENCHES; do
   case $spec in
-    nano) run nano offline --workload nano --kernels fused ;;
+    nano) run nano offline --workload nano --kernels fused --repeats ${NANO_REPEATS:-1} ;;
     # issue 20: the sampler's logits processors (penalties, bias, min_tokens, logprobs) per call
     api) echo "== sampler processors (benchmarks/sampler_bench.py)"; timeout 300 python3 benchmarks/sampler_bench.py 2>&1 | tail -8 ;;
     # issue 13: the serial loop beside the overlapped one, and the GPU busy fraction
