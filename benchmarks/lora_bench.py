@@ -9,7 +9,9 @@ then the GEMM and the engine's default LoRA path together (GEMM, shrink into a z
 workspace, expand), serial and with the shrink on a second stream beside the GEMM
 (``lora.overlap``); then ``fused.layer``'s Triton GEMM (``fused_linear``, with its norm,
 SiLU·mul or residual) alone and with the LoRA delta inside it (``lora=``: no launch of its
-own). Prints µs per call and the layer's totals: the LoRA cost beside the base GEMMs.
+own), each at its default launch shape and at the fastest of the shapes the fused layer
+times (``fused_linear.tile_candidates``). Prints µs per call and the layer's totals: the
+LoRA cost beside the base GEMMs.
 
     python3 benchmarks/lora_bench.py [--case nano-1 single ...]
 """
@@ -99,8 +101,11 @@ def _time_projection(
     inside = ProjectionLoRA(tuple(a), tuple(b), slot_of_row, scaling, ranks, None)
     residual = torch.randn(rows, n, device=dev, dtype=dt)
 
-    def layer_gemm(with_lora: bool) -> None:  # fused.layer's GEMM of this projection
+    def layer_gemm(with_lora: bool, config: fused_linear.LinearConfig | None = None) -> None:
+        """fused.layer's GEMM of this projection (its default launch shape, or ``config``)."""
         kw = {"lora": inside} if with_lora else {}
+        if config is not None:
+            kw["config"] = config
         if proj == "qkv":
             fused_linear.norm_linear(x, w, 1e-6, **kw)
         elif proj == "gate_up":
@@ -108,15 +113,40 @@ def _time_projection(
         else:
             fused_linear.linear_residual(x, w, residual, **kw)
 
+    def best(with_lora: bool) -> tuple[float, fused_linear.LinearConfig]:
+        """The fastest of the launch shapes the fused layer times (with the adapter: those
+        whose tiles keep each slice apart) and its time."""
+        gate_up = proj == "gate_up"
+        shapes = fused_linear.tile_candidates(
+            rows, widths[0] if gate_up else n, k, dt, gate_up, fused_linear.num_sms(x.device),
+            lora=with_lora,
+        )  # fmt: skip
+        if with_lora:
+            shapes = [c for c in shapes if fused_linear.lora_fits(inside, gate_up, c.block_n)]
+        times = {c: _timed(lambda c=c: layer_gemm(with_lora, c), iters, repeats) for c in shapes}
+        if not times:  # no tile keeps these slices apart: the layer takes cuBLAS
+            return float("nan"), None
+        fastest = min(times, key=times.__getitem__)
+        return times[fastest], fastest
+
+    (layer_best, layer_cfg), (lora_best, lora_cfg) = best(False), best(True)  # (µs, shape or None)
     return {
         "layer": _timed(lambda: layer_gemm(False), iters, repeats),
         "layer+lora": _timed(lambda: layer_gemm(True), iters, repeats),
+        "layer best": layer_best,
+        "layer+lora best": lora_best,
+        "configs": (layer_cfg, lora_cfg),
         "gemm": _timed(gemm, iters, repeats),
         "old": _timed(old, iters, repeats),
         "new": _timed(new, iters, repeats),
         "serial": _timed(serial, iters, repeats),
         "overlap": _timed(overlapped, iters, repeats),
     }
+
+
+def _shape(config: fused_linear.LinearConfig | None) -> str:
+    """A launch shape as its six numbers, or why there is none."""
+    return str(tuple(config)) if config is not None else "(no shape fits the slices)"
 
 
 def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
@@ -133,7 +163,8 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
     meta = lora.lora_meta(slot_of_row, slots)
     ranks = torch.full((slots,), RANK, dtype=torch.int32, device=dev)
     scaling = torch.full((slots,), 2.0, device=dev)
-    totals = dict.fromkeys(["gemm", "old", "new", "serial", "overlap", "layer", "layer+lora"], 0.0)
+    keys = ["gemm", "old", "new", "serial", "overlap", "layer", "layer+lora"]
+    totals = dict.fromkeys([*keys, "layer best", "layer+lora best"], 0.0)
     print(f"== {name}: T={rows}, {adapters} adapter(s), rank {RANK}, bf16")
     common = (slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused)
     for proj, (k, widths) in projections.items():
@@ -145,7 +176,9 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
             f"{proj:>8}: K={k:>5} N={sum(widths):>5}  gemm {t['gemm']:7.2f} us  old lora "
             f"{t['old']:7.2f} us  lora_add {t['new']:7.2f} us  (fused config {tuple(cfg)}); "
             f"gemm+lora serial {t['serial']:7.2f} us, shrink overlapped {t['overlap']:7.2f} us; "
-            f"fused.layer GEMM {t['layer']:7.2f} us, with the LoRA inside {t['layer+lora']:7.2f} us"
+            f"fused.layer GEMM {t['layer']:7.2f} us, with the LoRA inside {t['layer+lora']:7.2f} us; "
+            f"the fastest shapes: {t['layer best']:7.2f} us {_shape(t['configs'][0])}, with the "
+            f"LoRA inside {t['layer+lora best']:7.2f} us {_shape(t['configs'][1])}"
         )
     g = totals["gemm"]
     print(
@@ -159,6 +192,12 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
     print(
         f"   fused.layer GEMMs {fl:.1f} us, with the LoRA inside {fl_lora:.1f} us "
         f"({fl / fl_lora:.3f}x); against the GEMMs + serial LoRA: {totals['serial'] / fl_lora:.2f}x"
+    )
+    fb, fb_lora = totals["layer best"], totals["layer+lora best"]
+    print(
+        f"   fused.layer GEMMs, each projection's fastest shape: {fb:.1f} us, with the LoRA "
+        f"inside {fb_lora:.1f} us ({fb / fb_lora:.3f}x); against cuBLAS + serial LoRA: "
+        f"{totals['serial'] / fb_lora:.2f}x"
     )
 
 

@@ -216,9 +216,9 @@ def tile_candidates(
     (:func:`choose_config`), up to 64 rows the same tile with :func:`balanced_split`'s K
     split, then for 65..256 rows of bf16/fp16 the :data:`WIDE_TILES`, each with its K split
     by the table's rule; the fused layer times them (``layer_choice.py``).
-    ``lora`` (a LoRA delta inside, up to 64 rows of bf16/fp16): also the table's tile 128
-    columns wide, which loads A's rank rows beside twice the weight rows (``R / BLOCK_N``
-    of the weight's bytes: half the 64-column tile's)."""
+    ``lora`` (a LoRA delta inside, up to 64 rows of bf16/fp16): also tiles 128 and 256
+    columns wide, which load A's rank rows beside two and four times the weight rows
+    (``R / BLOCK_N`` of the weight's bytes: a half and a quarter of the 64-column tile's)."""
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if m <= 64:  # the table's tile with its work spread evenly over the SMs
         configs.append(balanced_split(configs[0], m, n, k, gate_up, num_sms))
@@ -229,6 +229,20 @@ def tile_candidates(
         stages = min(first.num_stages, 2 if gate_up else 3)
         wide = (first.block_m, 128, first.block_k, first.num_warps, stages)
         configs.append(with_split(wide, m, n, k, gate_up, True, num_sms))
+    if lora and dtype != torch.float32 and m <= 16:
+        # 256 columns: A's rank rows a quarter of the 64-column tile's share (R / BLOCK_N of
+        # the weight's bytes), the split keeping the grid as full; two stages of a 256-row
+        # weight tile (two for gate-up, over a K step of 64) fit in shared memory, and the
+        # [256, 16] accumulators in registers (up to 16 rows)
+        first = configs[0]
+        widest = (
+            first.block_m,
+            256,
+            64 if gate_up else min(first.block_k, 128),
+            first.num_warps,
+            2,
+        )
+        configs.append(with_split(widest, m, n, k, gate_up, True, num_sms))
     return list(dict.fromkeys(configs))  # in order, without repeats
 
 
