@@ -35,12 +35,12 @@ vrun() { name=$1; shift; echo "== $name: pitstop bench $* --peer vllm"
 # the background by start_groups TAG GGUF and awaited, their summaries printed, by wait_groups TAG
 start_groups() { pids=(); g=0; IFS=';' read -ra groups <<<"${CHECK_TESTS:-}"
   for files in "${groups[@]}"; do g=$((g + 1))
-    ( SMOLLM_GGUF=$2 timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 \
+    ( SMOLLM_GGUF=$2 timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -rs -p no:cacheprovider -m gpu --durations=8 \
         $files >"$OUT/gpu-tests-$1-$g.log" 2>&1; echo "pytest exit $?" >>"$OUT/gpu-tests-$1-$g.log" ) &
     pids+=($!)
   done; }
 wait_groups() { g=0; for files in "${groups[@]}"; do g=$((g + 1)); wait ${pids[$((g - 1))]}
-    echo "== GPU tests ($files):"; grep -E "passed|failed|error|FAILED|ERROR|pytest exit|^[0-9.]+s " "$OUT/gpu-tests-$1-$g.log" | tail -14; done; }
+    echo "== GPU tests ($files):"; grep -E "passed|failed|error|FAILED|ERROR|SKIPPED|pytest exit|^[0-9.]+s " "$OUT/gpu-tests-$1-$g.log" | tail -20; done; }
 # NAME: one shard of the GPU correctness matrix (MATRIX_SHARD, default 1/1) beside the CHECK_TESTS
 # groups (nothing here is timed; a cut run still leaves the matrix rows so far in
 # OUT/matrix-I-of-N.json and the test logs in OUT/gpu-tests-I-of-N-G.log)
