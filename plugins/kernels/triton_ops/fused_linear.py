@@ -229,20 +229,12 @@ def tile_candidates(
         stages = min(first.num_stages, 2 if gate_up else 3)
         wide = (first.block_m, 128, first.block_k, first.num_warps, stages)
         configs.append(with_split(wide, m, n, k, gate_up, True, num_sms))
-    if lora and dtype != torch.float32 and m <= 16:
-        # 256 columns: A's rank rows a quarter of the 64-column tile's share (R / BLOCK_N of
-        # the weight's bytes), the split keeping the grid as full; two stages of a 256-row
-        # weight tile (two for gate-up, over a K step of 64) fit in shared memory, and the
-        # [256, 16] accumulators in registers (up to 16 rows)
-        first = configs[0]
-        widest = (
-            first.block_m,
-            256,
-            64 if gate_up else min(first.block_k, 128),
-            first.num_warps,
-            2,
-        )
-        configs.append(with_split(widest, m, n, k, gate_up, True, num_sms))
+        if m <= 16:  # 256 columns: a quarter of the 64-column tile's A bytes; two stages of
+            # a 256-row weight tile (two for gate-up, over a K step of 64) fit in shared
+            # memory, and the [256, 16] accumulators in registers
+            bk = 64 if gate_up else min(first.block_k, 128)
+            widest = (first.block_m, 256, bk, first.num_warps, 2)
+            configs.append(with_split(widest, m, n, k, gate_up, True, num_sms))
     return list(dict.fromkeys(configs))  # in order, without repeats
 
 
