@@ -200,40 +200,54 @@ def test_slices_off_tile_borders_are_refused() -> None:
         fl.norm_linear(x, w, None, config=fl.LinearConfig(16, 16, 32, 1, 1, 1), lora=lora)
 
 
+def every_lora_shape_matches_float64(
+    m: int, slots: list[int], dtype, layer: tuple[list[int], int, int, int], n_slots: int, what: str
+) -> list[fl.LinearConfig]:
+    """Every launch shape the fused layer times with an adapter (:func:`fl.tile_candidates`)
+    for a layer ``(q|k|v widths, hidden K, intermediate F, down's width N)``, rank 16, rows
+    in ``slots``: q|k|v, gate-up and the residual writer (down) each against float64, every
+    shape keeping the slices apart. Returns the q|k|v shapes."""
+    widths, k, f, n = layer
+    eps, sms = 1e-6, fl.num_sms(DEVICE)
+    x, w, _ = inputs(m, sum(widths), k, dtype, m)
+    lora = make_lora(k, widths, slots, dtype, m, n_slots=n_slots, rank_max=16)
+    want = rstd(x, eps) * (x.double() @ w.double().T + torch.cat(deltas(x, lora), dim=1))
+    qkv_shapes = fl.tile_candidates(m, sum(widths), k, torch.bfloat16, False, sms, lora=True)
+    for cfg in qkv_shapes:
+        assert fl.lora_fits(lora, False, cfg.block_n), cfg
+        out = fl.norm_linear(x, w, eps, config=cfg, lora=lora)
+        assert_close(out, want, dtype, f"qkv {what} {cfg}")
+    x, w, _ = inputs(m, 2 * f, k, dtype, m + 1)
+    lora = make_lora(k, [f, f], slots, dtype, m + 1, n_slots=n_slots, rank_max=16)
+    dg, du = deltas(x, lora)
+    g = rstd(x, eps) * (x.double() @ w[:f].double().T + dg)
+    u = rstd(x, eps) * (x.double() @ w[f:].double().T + du)
+    for cfg in fl.tile_candidates(m, f, k, torch.bfloat16, True, sms, lora=True):
+        out = fl.norm_gate_up(x, w, eps, config=cfg, lora=lora)
+        assert_close(out, g / (1.0 + torch.exp(-g)) * u, dtype, f"gate_up {what} {cfg}")
+    x, w, _ = inputs(m, n, f, dtype, m + 2)
+    residual = torch.randn(m, n, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    lora = make_lora(f, [n], slots, dtype, m + 2, n_slots=n_slots, rank_max=16)
+    want = residual.double() + x.double() @ w.double().T + deltas(x, lora)[0]
+    for cfg in fl.tile_candidates(m, n, f, torch.bfloat16, False, sms, lora=True):
+        out = fl.linear_residual(x, w, residual, config=cfg, lora=lora)
+        assert_close(out, want, dtype, f"down {what} {cfg}")
+    assert bool((fl.workspace(DEVICE).counters == 0).all()), "split-K counters back at zero"
+    return qkv_shapes
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
 @pytest.mark.parametrize("m", [1, 5, 16, 64])
 def test_real_shapes_on_the_gpu(m: int) -> None:
     """qwen3-0.6b's layer (q|k|v 2048|1024|1024 and gate-up 2 x 3072 over K 1,024, down over
     K 3,072), rank 16, bf16, every launch shape the fused layer times with an adapter
-    (:func:`fl.tile_candidates`; split K at few rows): one adapter for every row, then four
-    mixed with rows of the base model."""
-    dtype, eps = torch.bfloat16, 1e-6
-    sms = fl.num_sms(DEVICE)
+    (split K at few rows): one adapter for every row, then four mixed with rows of the
+    base model."""
     for mix in ("one", "mixed"):
         slots = [1] * m if mix == "one" else [(s % 5) - 1 for s in range(m)]
-        x, w, _ = inputs(m, 4096, 1024, dtype, m)
-        lora = make_lora(1024, [2048, 1024, 1024], slots, dtype, m, n_slots=4, rank_max=16)
-        want = rstd(x, eps) * (x.double() @ w.double().T + torch.cat(deltas(x, lora), dim=1))
-        for cfg in fl.tile_candidates(m, 4096, 1024, dtype, False, sms, lora=True):
-            out = fl.norm_linear(x, w, eps, config=cfg, lora=lora)
-            assert_close(out, want, dtype, f"qkv {mix} {cfg}")
-        x, w, _ = inputs(m, 6144, 1024, dtype, m + 1)
-        lora = make_lora(1024, [3072, 3072], slots, dtype, m, n_slots=4, rank_max=16)
-        dg, du = deltas(x, lora)
-        g = rstd(x, eps) * (x.double() @ w[:3072].double().T + dg)
-        u = rstd(x, eps) * (x.double() @ w[3072:].double().T + du)
-        for cfg in fl.tile_candidates(m, 3072, 1024, dtype, True, sms, lora=True):
-            out = fl.norm_gate_up(x, w, eps, config=cfg, lora=lora)
-            assert_close(out, g / (1.0 + torch.exp(-g)) * u, dtype, f"gate_up {mix} {cfg}")
-        x, w, _ = inputs(m, 1024, 3072, dtype, m + 2)
-        residual = torch.randn(m, 1024, device=DEVICE).to(dtype)
-        lora = make_lora(3072, [1024], slots, dtype, m, n_slots=4, rank_max=16)
-        want = residual.double() + x.double() @ w.double().T + deltas(x, lora)[0]
-        for cfg in fl.tile_candidates(m, 1024, 3072, dtype, False, sms, lora=True):
-            out = fl.linear_residual(x, w, residual, config=cfg, lora=lora)
-            assert_close(out, want, dtype, f"down {mix} {cfg}")
-        assert bool((fl.workspace(DEVICE).counters == 0).all()), "split-K counters back at zero"
+        layer = ([2048, 1024, 1024], 1024, 3072, 1024)
+        every_lora_shape_matches_float64(m, slots, torch.bfloat16, layer, 4, mix)
 
 
 class _TimedHere:
@@ -316,33 +330,11 @@ def test_the_fused_layer_times_a_lora_inside_under_its_own_key(tmp_path) -> None
 def test_every_gpu_lora_launch_shape_matches_float64(m: int) -> None:
     """The launch shapes the fused layer times with an adapter (:func:`fl.tile_candidates`:
     the table's tile, its balanced split, and the tiles 128 and 256 columns wide), run here
-    as the GPU would run them (in the interpreter off a GPU): q|k|v 512|256|256, gate-up
-    2 x 256 and a ragged residual writer of 300 columns over K 512, rows of two adapters
-    and of none."""
-    dtype, eps, k = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32, 1e-6, 512
+    as the GPU would run them (in the interpreter off a GPU): q|k|v 512|256|256 and gate-up
+    2 x 512 over K 512, a ragged residual writer (down) of 300 columns over K 512, rows of
+    two adapters and of none."""
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     slots = [(1, -1, 2, 1, 0)[i % 5] for i in range(m)]
-    sms = fl.num_sms(DEVICE)
-    x, w, _ = inputs(m, 1024, k, dtype, m)
-    lora = make_lora(k, [512, 256, 256], slots, dtype, m, rank_max=16)
-    want = rstd(x, eps) * (x.double() @ w.double().T + torch.cat(deltas(x, lora), dim=1))
-    shapes = fl.tile_candidates(m, 1024, k, torch.bfloat16, False, sms, lora=True)
+    layer = ([512, 256, 256], 512, 512, 300)
+    shapes = every_lora_shape_matches_float64(m, slots, dtype, layer, SLOTS, "two adapters")
     assert any(c.block_n == 256 for c in shapes), shapes
-    for cfg in shapes:
-        assert fl.lora_fits(lora, False, cfg.block_n)
-        assert_close(fl.norm_linear(x, w, eps, config=cfg, lora=lora), want, dtype, f"qkv {cfg}")
-    x, w, _ = inputs(m, 512, k, dtype, m + 1)
-    lora = make_lora(k, [256, 256], slots, dtype, m + 1, rank_max=16)
-    dg, du = deltas(x, lora)
-    g = rstd(x, eps) * (x.double() @ w[:256].double().T + dg)
-    u = rstd(x, eps) * (x.double() @ w[256:].double().T + du)
-    for cfg in fl.tile_candidates(m, 256, k, torch.bfloat16, True, sms, lora=True):
-        out = fl.norm_gate_up(x, w, eps, config=cfg, lora=lora)
-        assert_close(out, g / (1.0 + torch.exp(-g)) * u, dtype, f"gate_up {cfg}")
-    x, w, _ = inputs(m, 300, k, dtype, m + 2)
-    residual = torch.randn(m, 300, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
-    lora = make_lora(k, [300], slots, dtype, m + 2, rank_max=16)
-    want = residual.double() + x.double() @ w.double().T + deltas(x, lora)[0]
-    for cfg in fl.tile_candidates(m, 300, k, torch.bfloat16, False, sms, lora=True):
-        out = fl.linear_residual(x, w, residual, config=cfg, lora=lora)
-        assert_close(out, want, dtype, f"residual {cfg}")
-    assert bool((fl.workspace(DEVICE).counters == 0).all()), "split-K counters back at zero"
