@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.checkpoints import prefill_logits
 from helpers.mixed_runs import (
     check_mixed_run,
     mixed_params,
@@ -93,23 +94,9 @@ def test_tiny_checkpoint_logits_and_greedy_match_transformers(
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (1, 5, 17, 40)]
 
     # logits of every prompt position, all prompts prefilled in one step
-    runner = llm.engine.runner
-    from pitstop.ground.step import SeqInput
-
-    tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(prompts))]
-    ids, meta, _ = runner.build_metadata(
-        [SeqInput(i, p, 0, tables[i], True) for i, p in enumerate(prompts)]
-    )
-    with torch.inference_mode():
-        logits = runner.model.compute_logits(
-            runner.model(ids, runner.rotary, runner.kv_cache, meta)
-        ).float()
-    start = 0
-    for p in prompts:
+    for p, mine in zip(prompts, prefill_logits(llm, prompts), strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
-        mine = logits[start : start + len(p)]
-        start += len(p)
         rel = ((mine - ref).abs().max() / ref.abs().max()).item()
         assert rel < 1e-4, f"{arch}: relative logit error {rel:.2e}"
 
