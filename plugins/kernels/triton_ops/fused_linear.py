@@ -225,9 +225,12 @@ def tile_candidates(
     if dtype != torch.float32 and 64 < m <= 256:
         configs += [with_split(t, m, n, k, gate_up, True, num_sms) for t in WIDE_TILES]
     if lora and dtype != torch.float32 and m <= 64:
-        first = configs[0]  # two 128-row weight tiles a stage for gate-up: two stages fit
+        first = configs[0]  # two 128-row weight tiles a stage for gate-up: two stages fit,
+        # over a K step of 64 at 64 rows (at 128 the two stages and the epilogue's [64, 2 x 128]
+        # accumulators need 232 KiB of shared memory, over sm_90's 227 KiB)
         stages = min(first.num_stages, 2 if gate_up else 3)
-        wide = (first.block_m, 128, first.block_k, first.num_warps, stages)
+        bk = 64 if gate_up and first.block_m > 32 else first.block_k
+        wide = (first.block_m, 128, bk, first.num_warps, stages)
         configs.append(with_split(wide, m, n, k, gate_up, True, num_sms))
         if m <= 16:  # 256 columns: a quarter of the 64-column tile's A bytes; two stages of
             # a 256-row weight tile (two for gate-up, over a K step of 64) fit in shared

@@ -283,6 +283,8 @@ def test_tile_candidates_add_wider_tiles_for_a_lora_inside() -> None:
     gate_up = fl.tile_candidates(16, 14336, 4096, torch.bfloat16, True, 132, lora=True)
     assert gate_up[-2].block_n == 128 and gate_up[-2].num_stages == 2
     assert gate_up[-1].block_n == 256 and gate_up[-1].block_k == 64, "two 256-row tiles a stage"
+    gate_up_64 = fl.tile_candidates(64, 3072, 1024, torch.bfloat16, True, 132, lora=True)
+    assert gate_up_64[-1].block_n == 128 and gate_up_64[-1].block_k == 64, "K step 128: 232 KiB"
     at_64 = fl.tile_candidates(64, 4096, 1024, torch.bfloat16, False, 132, lora=True)
     assert max(c.block_n for c in at_64) == 128, "no 256-column accumulators of 64 rows"
     assert fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132, lora=True) == (

@@ -12,8 +12,12 @@ inputs the kernel reads. Triton's interpreter runs the kernels on a machine with
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -40,6 +44,7 @@ FEW = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 SLOTS, RANK_MAX = 3, 8
+SM90_SHARED_BYTES = 232_448  # the most shared memory one program may have on sm_90 (227 KiB)
 TILE_N = 16  # the interpreter's (and the configs below) column tile
 
 
@@ -284,7 +289,6 @@ def test_the_fused_layer_times_a_lora_inside_under_its_own_key(tmp_path) -> None
     cuBLAS and the plugin's own delta, untimed. The timing calls the delta's repeatable
     ``add_again``, never the step's ``add`` (its workspace is cleared once a step), which
     runs at most once, for the op itself."""
-    import json
 
     from pitstop.plugins.kernels import reference
     from pitstop.plugins.kernels.fused_layer import FusedLayer
@@ -338,3 +342,23 @@ def test_every_gpu_lora_launch_shape_matches_float64(m: int) -> None:
     layer = ([512, 256, 256], 512, 512, 300)
     shapes = every_lora_shape_matches_float64(m, slots, dtype, layer, SLOTS, "two adapters")
     assert any(c.block_n == 256 for c in shapes), shapes
+
+
+def test_every_wide_lora_tile_fits_sm90_shared_memory() -> None:
+    """Each launch shape wider than 64 columns that the fused layer times with an adapter
+    (qwen3-0.6b and llama3-8b, 1, 17 and 64 rows), compiled ahead of time for sm_90 in a
+    process of its own (no interpreter, no GPU), needs at most the 227 KiB of shared memory
+    a program of an H100 or H200 may have: the gate-up tile of 64 rows x 128 columns over a
+    K step of 128 needed 232 KiB and failed to launch on the H100 (2026-12-06)."""
+    pytest.importorskip("triton.backends.nvidia")
+    script = Path(__file__).parents[2] / "helpers" / "sm90_shared.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert {r["op"] for r in rows} == {"qkv", "gate_up", "down"}, rows
+    assert {r["config"][1] for r in rows} == {128, 256}, rows
+    over = [r for r in rows if r["shared"] > SM90_SHARED_BYTES]
+    assert not over, f"launch shapes over sm_90's {SM90_SHARED_BYTES} bytes: {over}"

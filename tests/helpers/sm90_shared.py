@@ -1,0 +1,93 @@
+"""Shared memory of fused_linear's LoRA launch shapes, compiled ahead of time for sm_90.
+
+Run as a script (``python tests/helpers/sm90_shared.py``) in a process without
+``TRITON_INTERPRET``: compiles ``_fused_linear_kernel`` for an H100/H200 (``GPUTarget("cuda",
+90, 32)``, no GPU needed) with the constants and the 16-byte alignment the real launch
+gives its pointers, strides and sizes (as Triton specializes them at run time), and prints
+one JSON line per distinct launch: the op, the shape and the shared memory it needs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pitstop.plugins.kernels.triton_ops import fused_linear as fl
+
+# the models whose LoRA launch shapes are checked: (hidden, q|k|v width, intermediate)
+MODELS = {"qwen3-0.6b": (1024, 4096, 3072), "llama3-8b": (4096, 6144, 14336)}
+ROWS = (1, 17, 64)  # one row tile of 16, 32 and 64 rows
+FLOAT_BUFFERS = ("ws_ptr", "sq_ptr", "h_ws_ptr", "lora_scale_ptr")
+INT_BUFFERS = ("counters_ptr", "lora_slot_ptr", "lora_rank_ptr")
+ALIGNED = ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_as")
+ALIGNED += ("stride_ar", "stride_bn", "lora_sb0", "lora_sb1", "lora_sb2")
+
+
+def shared_bytes(config: fl.LinearConfig, op: str) -> int:
+    """The shared memory one program of ``config`` needs for ``op`` (``qkv``, ``gate_up`` or
+    ``down``) with a rank-16 LoRA inside, compiled for sm_90."""
+    fn = fl._fused_linear_kernel
+    params = list(inspect.signature(fn.fn).parameters)
+    consts = {
+        "NORM": op != "down",
+        "GATE_UP": op == "gate_up",
+        "HAS_BIAS": False,
+        "RESIDUAL": op == "down",
+        "LORA": True,
+        "R": 16,
+        "SPLIT_K": config.split_k,
+        "EVEN_K": True,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "UPCAST": False,
+        "DOT_PRECISION": "tf32",
+        "PDL": True,
+    }
+    signature = {}
+    for p in params:
+        if p in consts:
+            signature[p] = "constexpr"
+        elif p in FLOAT_BUFFERS:
+            signature[p] = "*fp32"
+        elif p in INT_BUFFERS:
+            signature[p] = "*i32"
+        elif p.endswith("_ptr") or p.startswith(("lora_a", "lora_b")) and p[-1].isdigit():
+            signature[p] = "*bf16"
+        else:
+            signature[p] = "fp32" if p == "eps" else "i32"
+    aligned = [p for p in params if signature[p].startswith("*") or p in ALIGNED]
+    source = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(params.index(p),): v for p, v in consts.items()},
+        attrs={(params.index(p),): [["tt.divisibility", 16]] for p in aligned},
+    )
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+
+def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
+    """Every distinct (op, launch shape) wider than 64 columns that the fused layer times with
+    an adapter for :data:`MODELS` at :data:`ROWS`, one per K split (it needs no shared memory)."""
+    seen: dict[tuple, tuple[str, fl.LinearConfig]] = {}
+    for hidden, qkv, inter in MODELS.values():
+        ops = {"qkv": (qkv, hidden, False), "gate_up": (inter, hidden, True)}
+        ops["down"] = (hidden, inter, False)
+        for m in ROWS:
+            for op, (n, k, gate_up) in ops.items():
+                for c in fl.tile_candidates(m, n, k, torch.bfloat16, gate_up, 132, lora=True):
+                    if c.block_n > 64:
+                        key = (op, c._replace(split_k=1))
+                        seen.setdefault(key, (op, c))
+    return list(seen.values())
+
+
+if __name__ == "__main__":
+    for op, config in wide_lora_launches():
+        print(json.dumps({"op": op, "config": list(config), "shared": shared_bytes(config, op)}))
