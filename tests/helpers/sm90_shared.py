@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import triton
@@ -21,7 +23,7 @@ from pitstop.plugins.kernels.triton_ops import fused_linear as fl
 
 # the models whose LoRA launch shapes are checked: (hidden, q|k|v width, intermediate)
 MODELS = {"qwen3-0.6b": (1024, 4096, 3072), "llama3-8b": (4096, 6144, 14336)}
-ROWS = (1, 17, 64)  # one row tile of 16, 32 and 64 rows
+ROWS = (1, 17, 64, 65)  # row tiles of 16, 32 and 64 rows, then the wide tiles (65..256)
 FLOAT_BUFFERS = ("ws_ptr", "sq_ptr", "h_ws_ptr", "lora_scale_ptr")
 INT_BUFFERS = ("counters_ptr", "lora_slot_ptr", "lora_rank_ptr")
 ALIGNED = ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_as")
@@ -73,7 +75,7 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
 
 
 def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
-    """Every distinct (op, launch shape) wider than 64 columns that the fused layer times with
+    """Every distinct (op, launch shape) wider or taller than 64 that the fused layer times with
     an adapter for :data:`MODELS` at :data:`ROWS`, one per K split (it needs no shared memory)."""
     seen: dict[tuple, tuple[str, fl.LinearConfig]] = {}
     for hidden, qkv, inter in MODELS.values():
@@ -82,12 +84,18 @@ def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
         for m in ROWS:
             for op, (n, k, gate_up) in ops.items():
                 for c in fl.tile_candidates(m, n, k, torch.bfloat16, gate_up, 132, lora=True):
-                    if c.block_n > 64:
-                        key = (op, c._replace(split_k=1))
+                    if c.block_n > 64 or c.block_m > 64:  # down's tiles take q|k|v's memory
+                        key = ("gate_up" if gate_up else "qkv", c._replace(split_k=1))
                         seen.setdefault(key, (op, c))
     return list(seen.values())
 
 
-if __name__ == "__main__":
-    for op, config in wide_lora_launches():
-        print(json.dumps({"op": op, "config": list(config), "shared": shared_bytes(config, op)}))
+def _row(launch: tuple[str, fl.LinearConfig]) -> str:
+    op, config = launch
+    return json.dumps({"op": op, "config": list(config), "shared": shared_bytes(config, op)})
+
+
+if __name__ == "__main__":  # one process a core: most of a compile is ptxas and LLVM
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for row in pool.map(_row, wide_lora_launches()):
+            print(row)

@@ -216,14 +216,18 @@ def tile_candidates(
     (:func:`choose_config`), up to 64 rows the same tile with :func:`balanced_split`'s K
     split, then for 65..256 rows of bf16/fp16 the :data:`WIDE_TILES`, each with its K split
     by the table's rule; the fused layer times them (``layer_choice.py``).
-    ``lora`` (a LoRA delta inside, up to 64 rows of bf16/fp16): also tiles 128 and 256
-    columns wide, which load A's rank rows beside two and four times the weight rows
+    ``lora`` (a LoRA delta inside): gate-up's wide tiles over a K step of 64, and up to 64
+    rows of bf16/fp16 also tiles 128 and 256 columns wide, which load A's rank rows beside two and four times the weight rows
     (``R / BLOCK_N`` of the weight's bytes: a half and a quarter of the 64-column tile's)."""
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if m <= 64:  # the table's tile with its work spread evenly over the SMs
         configs.append(balanced_split(configs[0], m, n, k, gate_up, num_sms))
     if dtype != torch.float32 and 64 < m <= 256:
-        configs += [with_split(t, m, n, k, gate_up, True, num_sms) for t in WIDE_TILES]
+        wide = WIDE_TILES
+        if lora and gate_up:  # two weight tiles and A's rank rows a stage: over a K step of
+            # 128 the 128-row tile needs 240 KiB of shared memory, over sm_90's 227 KiB
+            wide = tuple((bm, bn, 64, warps, stages) for bm, bn, _, warps, stages in wide)
+        configs += [with_split(t, m, n, k, gate_up, True, num_sms) for t in wide]
     if lora and dtype != torch.float32 and m <= 64:
         first = configs[0]  # two 128-row weight tiles a stage for gate-up: two stages fit,
         # over a K step of 64 at 64 rows (at 128 the two stages and the epilogue's [64, 2 x 128]
