@@ -106,10 +106,6 @@ def _time_projection(
         kw = {"lora": inside} if with_lora else {}
         if config is not None:
             kw["config"] = config
-            if with_lora and config.shrink_first:  # the shrink before it, into the workspace
-                # the engine zeroes once a step (so not timed here), as `serial` does
-                given = lora.lora_shrink(x, a, slot_of_row, ranks, meta=meta, out=h, zeroed=True)
-                kw["lora"] = inside._replace(h=given)
         if proj == "qkv":
             fused_linear.norm_linear(x, w, 1e-6, **kw)
         elif proj == "gate_up":
@@ -149,8 +145,7 @@ def _time_projection(
 
 
 def _shape(config: fused_linear.LinearConfig | None) -> str:
-    """A launch shape as its numbers (the last: 1 where the shrink runs first), or why there
-    is none."""
+    """A launch shape as its six numbers, or why there is none."""
     return str(tuple(config)) if config is not None else "(no shape fits the slices)"
 
 

@@ -43,18 +43,6 @@ if TYPE_CHECKING:
 RowScale = tuple[torch.Tensor, float]
 
 
-def _shrunk(
-    lora: ProjectionLoRA | None, config: LinearConfig, x: torch.Tensor, once: bool
-) -> ProjectionLoRA | None:
-    """``lora`` with its shrink given (``h``) where ``config`` runs the shrink before the GEMM
-    (``shrink_first``): the plugin's step shrink (``once``), or its repeatable one (timing);
-    a plugin without one leaves the shrink to the K loop (the same result)."""
-    shrink = None if lora is None else (lora.shrink if once else lora.shrink_again)
-    if lora is None or not config.shrink_first or shrink is None:
-        return lora
-    return lora._replace(h=shrink(x))
-
-
 def _defers(eps: float | None, bias: torch.Tensor | None) -> bool:
     """Whether the cuBLAS way leaves the row scale to the op after the GEMM: there is a norm
     and no bias (a bias comes after the scale, so with one the scale runs first)."""
@@ -90,7 +78,6 @@ class FusedLayer:
         """``rstd(x) * x @ weight.T (+ bias)`` as one tensor (the scale applied here)."""
         config = self._config("norm_linear", x, weight, eps, bias, lora=lora)
         if config is not None:
-            lora = _shrunk(lora, config, x, once=True)
             return self.gemm.norm_linear(x, weight, eps, bias, config=config, lora=lora)
         return self._linear(self.row_scaled(x, eps), weight, bias, lora)
 
@@ -106,7 +93,6 @@ class FusedLayer:
         and ``(x, eps)`` for ``rope_and_store`` to scale with (no bias), or the scale first."""
         config = self._config("norm_linear", x, weight, eps, bias, lora=lora)
         if config is not None:
-            lora = _shrunk(lora, config, x, once=True)
             return self.gemm.norm_linear(x, weight, eps, bias, config=config, lora=lora), None
         deferred = (x, eps) if _defers(eps, bias) else None
         return self._cublas_qkv(x, weight, eps, bias, lora), deferred
@@ -123,7 +109,6 @@ class FusedLayer:
         """``silu(gate) * up`` of the normed merged gate-up projection."""
         config = self._config("norm_gate_up", x, weight, eps, bias, lora=lora)
         if config is not None:
-            lora = _shrunk(lora, config, x, once=True)
             return self.gemm.norm_gate_up(x, weight, eps, bias, config=config, lora=lora)
         return self._cublas_gate_up(x, weight, eps, bias, lora)
 
@@ -163,7 +148,6 @@ class FusedLayer:
         into ``residual`` in place (one launch; the model never reads the old stream again)."""
         config = self._config("linear_residual", x, weight, None, bias, residual, lora)
         if config is not None:
-            lora = _shrunk(lora, config, x, once=True)
             return self.gemm.linear_residual(x, weight, residual, bias, config=config, lora=lora)
         return self._cublas_residual(x, weight, residual, bias, lora)
 
@@ -211,22 +195,16 @@ class FusedLayer:
         else:  # the interpreter's tiles
             candidates = [self.gemm.choose_config(m, n_out, k, x.dtype, gate_up, False, sms)]
         if lora is not None:
-            candidates = [
-                c
-                for c in candidates
-                if self.gemm.lora_fits(lora, gate_up, c.block_n)
-                and (not c.shrink_first or lora.shrink_again is not None)
-            ]
+            candidates = [c for c in candidates if self.gemm.lora_fits(lora, gate_up, c.block_n)]
             if not candidates:
                 return None
 
         def run_triton(config: LinearConfig) -> torch.Tensor:
-            given = _shrunk(lora, config, x, once=False)  # timed with the shrink before it
             if op == "linear_residual":
                 return self.gemm.linear_residual(
-                    x, weight, residual, bias, config=config, lora=given
+                    x, weight, residual, bias, config=config, lora=lora
                 )
-            return getattr(self.gemm, op)(x, weight, eps, bias, config=config, lora=given)
+            return getattr(self.gemm, op)(x, weight, eps, bias, config=config, lora=lora)
 
         scratch: list[torch.Tensor] = []
         if lora is not None and lora.add_again is not None:  # called many times: repeatable

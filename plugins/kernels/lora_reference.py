@@ -29,10 +29,7 @@ class ProjectionLoRA(NamedTuple):
     (``A * g[None, :]``, as the fused layer's weights do), so both take the raw rows.
     ``add_again``: the same delta where ``add`` may run only once a step (its intermediate a
     workspace cleared once a step), safe to call any number of times (the fused layer's
-    timing calls the cuBLAS way many times on one step's inputs); None: ``add`` is.
-    ``shrink`` / ``shrink_again``: the plugin's shrink alone, ``h = A x`` per row and slice
-    (``[T, slices x rank_max]`` float32; once a step, and repeatable), which a fused GEMM
-    may take as ``h`` instead of computing it in its K loop; None: the plugin has none."""
+    timing calls the cuBLAS way many times on one step's inputs); None: ``add`` is."""
 
     A: tuple[torch.Tensor, ...]  # per slice [slots, rank_max, K], contiguous
     B: tuple[torch.Tensor, ...]  # per slice [slots, N_i, rank_max], contiguous
@@ -41,9 +38,6 @@ class ProjectionLoRA(NamedTuple):
     ranks: torch.Tensor  # [slots] int32: each slot's rank, 0 for an empty slot
     add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     add_again: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    shrink: Callable[[torch.Tensor], torch.Tensor] | None = None
-    shrink_again: Callable[[torch.Tensor], torch.Tensor] | None = None
-    h: torch.Tensor | None = None  # this call's shrink, given (from ``shrink``)
 
 
 def scaling_of(lora_alpha: float, rank: int, use_rslora: bool = False) -> float:

@@ -24,10 +24,10 @@ from pitstop.plugins.kernels.triton_ops import fused_linear as fl
 # the models whose LoRA launch shapes are checked: (hidden, q|k|v width, intermediate)
 MODELS = {"qwen3-0.6b": (1024, 4096, 3072), "llama3-8b": (4096, 6144, 14336)}
 ROWS = (1, 17, 64, 65)  # row tiles of 16, 32 and 64 rows, then the wide tiles (65..256)
-FLOAT_BUFFERS = ("ws_ptr", "sq_ptr", "h_ws_ptr", "lora_scale_ptr", "lora_h_ptr")
+FLOAT_BUFFERS = ("ws_ptr", "sq_ptr", "h_ws_ptr", "lora_scale_ptr")
 INT_BUFFERS = ("counters_ptr", "lora_slot_ptr", "lora_rank_ptr")
 ALIGNED = ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_as")
-ALIGNED += ("stride_ar", "stride_bn", "lora_sb0", "lora_sb1", "lora_sb2", "stride_hm")
+ALIGNED += ("stride_ar", "stride_bn", "lora_sb0", "lora_sb1", "lora_sb2")
 
 
 def shared_bytes(config: fl.LinearConfig, op: str) -> int:
@@ -41,7 +41,6 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
         "HAS_BIAS": False,
         "RESIDUAL": op == "down",
         "LORA": True,
-        "H_GIVEN": False,
         "R": 16,
         "SPLIT_K": config.split_k,
         "EVEN_K": True,
@@ -77,8 +76,7 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
 
 def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
     """Every distinct (op, launch shape) wider or taller than 64 that the fused layer times with
-    an adapter for :data:`MODELS` at :data:`ROWS`, one per K split and shrink (the K loop's
-    needs the most shared memory)."""
+    an adapter for :data:`MODELS` at :data:`ROWS`, one per K split (it needs no shared memory)."""
     seen: dict[tuple, tuple[str, fl.LinearConfig]] = {}
     for hidden, qkv, inter in MODELS.values():
         ops = {"qkv": (qkv, hidden, False), "gate_up": (inter, hidden, True)}
@@ -87,10 +85,7 @@ def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
             for op, (n, k, gate_up) in ops.items():
                 for c in fl.tile_candidates(m, n, k, torch.bfloat16, gate_up, 132, lora=True):
                     if c.block_n > 64 or c.block_m > 64:  # down's tiles take q|k|v's memory
-                        key = (
-                            "gate_up" if gate_up else "qkv",
-                            c._replace(split_k=1, shrink_first=0),
-                        )
+                        key = ("gate_up" if gate_up else "qkv", c._replace(split_k=1))
                         seen.setdefault(key, (op, c))
     return list(seen.values())
 

@@ -220,9 +220,6 @@ class LoRASlots:
                     # the fused layer's timing, which calls the cuBLAS way many times on a
                     # step's inputs: an intermediate of its own each call
                     functools.partial(self._add_delta, proj=proj, workspace=False),
-                    # the shrink alone, for a fused GEMM that takes it given (the same two ways)
-                    functools.partial(self._shrink, proj=proj),
-                    functools.partial(self._shrink, proj=proj, workspace=False),
                 )
                 for attr, proj in projections.items()
             }
@@ -294,18 +291,6 @@ class LoRASlots:
         slots = self.slot_of_row[: y2.shape[0]]
         self.ops.lora_expand_add(y2, h, proj.B, slots, self.scaling, self.ranks, **meta)
 
-    def _shrink(self, x: torch.Tensor, proj: _Projection, workspace: bool = True) -> torch.Tensor:
-        """``h = A x`` of ``proj`` for the rows of a slot (float32 ``[T, slices x rank]``, zero
-        for rows without one): a small step's into its block of the workspace, zeroed once
-        this step (``workspace`` False: a zeroed intermediate of its own, repeatable)."""
-        x2 = x.reshape(-1, x.shape[-1])
-        rows = x2.shape[0]
-        meta = {} if self.meta is None else {"meta": self.meta}  # grouped once this step
-        into: dict[str, Any] = {}
-        if workspace and self.workspace is not None and rows <= WORKSPACE_ROWS:
-            into = {"out": self.workspace[:rows, proj.index, : proj.width], "zeroed": True}
-        return self.ops.lora_shrink(x2, proj.A, self.slot_of_row[:rows], self.ranks, **meta, **into)
-
     def _add_delta(
         self, x: torch.Tensor, y: torch.Tensor, proj: _Projection, workspace: bool = True
     ) -> torch.Tensor:
@@ -320,8 +305,14 @@ class LoRASlots:
             self.ops.lora_add(y2, x2, proj.A, proj.B, slots, self.scaling, self.ranks, **meta)
             return y
         # the default (faster on the H200, docs/lora.md): shrink (split over K where the row
-        # tiles are few, into a zeroed intermediate), then the expand adds into y
-        self._expand(y, self._shrink(x2, proj, workspace), proj)
+        # tiles are few, into a zeroed intermediate), then the expand adds into y; a small
+        # step's intermediate is its block of the workspace, zeroed once this step (_prepare)
+        rows = x2.shape[0]
+        into: dict[str, Any] = {}
+        if workspace and self.workspace is not None and rows <= WORKSPACE_ROWS:
+            into = {"out": self.workspace[:rows, proj.index, : proj.width], "zeroed": True}
+        h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks, **meta, **into)
+        self._expand(y, h, proj)
         return y
 
     # ------------------------------------------------------------------ requests

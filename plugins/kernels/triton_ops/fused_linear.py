@@ -72,13 +72,6 @@ split-K each split's ``h`` goes to the workspace beside its partials and the las
 program sums them in split order. A projection's slices (q|k|v; gate|up) must fall on
 tile borders (:func:`lora_fits`); each column tile takes its slice's A and B.
 
-The shrink given (``ProjectionLoRA.h``, ``[>= M, slices x rank_max]`` float32, computed
-before the launch by the adapter plugin's own shrink, split over K across the SMs): the K
-loop loads no A and the epilogue reads each row's ``h`` of its slice (rows without a slot:
-zero). In the loop every column tile loads A again (``R / BLOCK_N`` more bytes for each
-program: about a fifth more time for llama3-8b's 64-column tiles at one row on the H100,
-2026-12-06), so the fused layer times both ways (:attr:`LinearConfig.shrink_first`).
-
 PDL (:mod:`.pdl`): a program loads its first weight tile(s) (they do not depend on
 the previous kernel), then ``gdc_wait()``, then everything else (x, the
 workspace, the counters, bias, residual); ``gdc_launch_dependents()`` once its K loop
@@ -101,9 +94,7 @@ from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 
 class LinearConfig(NamedTuple):
-    """Launch shape: tile rows (tokens), tile columns (weight rows), K step, K splits, warps,
-    stages; ``shrink_first`` (1): with a LoRA, the fused layer runs the adapter's shrink
-    before the launch and hands it in (``ProjectionLoRA.h``) instead of the K loop's."""
+    """Launch shape: tile rows (tokens), tile columns (weight rows), K step, K splits, warps, stages."""
 
     block_m: int
     block_n: int
@@ -111,7 +102,6 @@ class LinearConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
-    shrink_first: int = 0
 
 
 # (largest M of the bucket) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for bf16/fp16 on a
@@ -226,9 +216,8 @@ def tile_candidates(
     (:func:`choose_config`), up to 64 rows the same tile with :func:`balanced_split`'s K
     split, then for 65..256 rows of bf16/fp16 the :data:`WIDE_TILES`, each with its K split
     by the table's rule; the fused layer times them (``layer_choice.py``).
-    ``lora`` (a LoRA delta inside, bf16/fp16): gate-up's wide tiles over a K step of 64,
-    each shape also with the shrink given (``shrink_first``), and up to 64 rows also tiles
-    128 and 256 columns wide, which load A's rank rows beside two and four times the weight rows
+    ``lora`` (a LoRA delta inside): gate-up's wide tiles over a K step of 64, and up to 64
+    rows of bf16/fp16 also tiles 128 and 256 columns wide, which load A's rank rows beside two and four times the weight rows
     (``R / BLOCK_N`` of the weight's bytes: a half and a quarter of the 64-column tile's)."""
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if m <= 64:  # the table's tile with its work spread evenly over the SMs
@@ -239,8 +228,6 @@ def tile_candidates(
             # 128 the 128-row tile needs 240 KiB of shared memory, over sm_90's 227 KiB
             wide = tuple((bm, bn, 64, warps, stages) for bm, bn, _, warps, stages in wide)
         configs += [with_split(t, m, n, k, gate_up, True, num_sms) for t in wide]
-    if lora and dtype != torch.float32:  # each with the shrink before the launch, given
-        configs += [c._replace(shrink_first=1) for c in configs]
     if lora and dtype != torch.float32 and m <= 64:
         first = configs[0]  # two 128-row weight tiles a stage for gate-up: two stages fit,
         # over a K step of 64 at 64 rows (at 128 the two stages and the epilogue's [64, 2 x 128]
@@ -397,15 +384,6 @@ def _lora_shrink_step(
 
 
 @triton.jit
-def _lora_h_given(h_ptr, stride_hm, stride_hs, sl, m, M, slot_m, r):
-    """Slice ``sl`` of the shrink given, ``[R, BLOCK_M]`` float32: ``h[m, sl * stride_hs + r]``
-    for ``r < stride_hs`` (the plugin's rank_max), zero for rows past ``M`` or without a slot."""
-    ok = (r < stride_hs)[:, None] & ((m < M) & (slot_m >= 0))[None, :]
-    at = h_ptr + m.to(tl.int64)[None, :] * stride_hm + sl * stride_hs + r[:, None]
-    return tl.load(at, mask=ok, other=0.0)
-
-
-@triton.jit
 def _lora_b_delta(b_ptr, sb, stride_bn, s, rank, col, n_ok, h, slot_m, r):
     """``B_s[col, :] @ h`` over the columns (token rows) of slot ``s``: ``[BLOCK_N, BLOCK_M]``
     float32 (products of float32 copies, IEEE: the delta is not rounded before the epilogue)."""
@@ -475,15 +453,11 @@ def _fused_linear_kernel(
     stride_as,
     stride_ar,
     stride_bn,
-    lora_h_ptr,
-    stride_hm,
-    stride_hs,
     NORM: tl.constexpr,
     GATE_UP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
     LORA: tl.constexpr,
-    H_GIVEN: tl.constexpr,
     R: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -555,10 +529,9 @@ def _fused_linear_kernel(
             b_g = _pick(lora_b0, lora_b1, lora_b2, sl)
             sb_g = tl.where(sl == 0, lora_sb0, tl.where(sl == 1, lora_sb1, lora_sb2))
             col = n - tl.where(sl == 0, 0, tl.where(sl == 1, lora_end0, lora_end1))
-        if not H_GIVEN:
-            h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
-            if GATE_UP:
-                h_u = _lora_shrink_step(lora_a1, s0, rank0, r, k, k_end, xt, h_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+        h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+        if GATE_UP:
+            h_u = _lora_shrink_step(lora_a1, s0, rank0, r, k, k_end, xt, h_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         k = k0 + kk
         w = _load_k(w_rows + k[None, :], k, k_end, EVEN_K, 1)
@@ -570,7 +543,7 @@ def _fused_linear_kernel(
         if NORM:
             xf = xt.to(tl.float32)
             sq += tl.sum(xf * xf, axis=0)
-        if LORA and not H_GIVEN:
+        if LORA:
             h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
             if GATE_UP:
                 h_u = _lora_shrink_step(lora_a1, s0, rank0, r, k, k_end, xt, h_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
@@ -579,7 +552,7 @@ def _fused_linear_kernel(
         h = tl.where((slot_m == s0)[None, :], h, 0.0)
         h_u = tl.where((slot_m == s0)[None, :], h_u, 0.0)
         others = tl.sum(((slot_m >= 0) & (slot_m != s0)).to(tl.int32), axis=0)
-        if (others > 0) & (not H_GIVEN):  # several adapters: one more pass over K a slot
+        if others > 0:  # a tile of several adapters: one more pass over K for each other slot
             for s in range(0, lora_slots):
                 here = tl.sum((slot_m == s).to(tl.int32), axis=0)
                 if (here > 0) & (s != s0):
@@ -597,9 +570,6 @@ def _fused_linear_kernel(
     _pdl.launch_dependents(PDL)
 
     if SPLIT_K == 1:
-        if H_GIVEN:
-            h = _lora_h_given(lora_h_ptr, stride_hm, stride_hs, sl, m, M, slot_m, r)
-            h_u = _lora_h_given(lora_h_ptr, stride_hm, stride_hs, 1, m, M, slot_m, r)
         if LORA:
             acc += _lora_delta(b_g, sb_g, stride_bn, sl, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, lora_scale_ptr, lora_ss, lora_si, r)  # fmt: skip
             if GATE_UP:
@@ -622,7 +592,7 @@ def _fused_linear_kernel(
             tl.store(ws_ptr + slot * (ACCS * TILE) + TILE + offs, acc_u)
         if NORM:
             tl.store(sq_ptr + slot * BLOCK_M + rows, sq)
-        if LORA and not H_GIVEN:
+        if LORA:
             tl.store(h_ws_ptr + slot * (ACCS * HTILE) + h_offs, h)
             if GATE_UP:
                 tl.store(h_ws_ptr + slot * (ACCS * HTILE) + HTILE + h_offs, h_u)
@@ -646,14 +616,11 @@ def _fused_linear_kernel(
                     sq += tl.load(
                         sq_ptr + (tile * SPLIT_K + s) * BLOCK_M + rows, cache_modifier=".cg"
                     )
-                if LORA and not H_GIVEN:
+                if LORA:
                     h_base = (tile * SPLIT_K + s) * (ACCS * HTILE)
                     h += tl.load(h_ws_ptr + h_base + h_offs, cache_modifier=".cg")
                     if GATE_UP:
                         h_u += tl.load(h_ws_ptr + h_base + HTILE + h_offs, cache_modifier=".cg")
-            if H_GIVEN:
-                h = _lora_h_given(lora_h_ptr, stride_hm, stride_hs, sl, m, M, slot_m, r)
-                h_u = _lora_h_given(lora_h_ptr, stride_hm, stride_hs, 1, m, M, slot_m, r)
             if LORA:
                 acc += _lora_delta(b_g, sb_g, stride_bn, sl, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, lora_scale_ptr, lora_ss, lora_si, r)  # fmt: skip
                 if GATE_UP:
@@ -694,7 +661,7 @@ def _lora_args(
 ) -> tuple[list, int]:
     """The kernel's LoRA arguments (placeholders without one) and the padded rank."""
     if lora is None:
-        none = [x] * 6 + [0] * 5 + [x] * 3 + [0] * 6 + [x, 0, 0]
+        none = [x] * 6 + [0] * 5 + [x] * 3 + [0] * 6
         return none, 16
     assert len(lora.A) == len(lora.B), "one A and one B per slice"
     assert lora_fits(lora, gate_up, block_n), (
@@ -723,15 +690,6 @@ def _lora_args(
     stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
     args = [*a, *b, *(t.stride(0) for t in b), *ends, slots_t, ranks, scaling]
     args += [scaling.stride(0), stride_si, slots, a[0].stride(0), a[0].stride(1), b[0].stride(1)]
-    h = lora.h
-    if h is None:
-        args += [x, 0, 0]
-    else:  # the shrink given: [>= M, slices x rank_max] float32, unit column stride
-        assert h.dtype == torch.float32 and h.dim() == 2 and h.stride(1) == 1, "h: float32 [T, W]"
-        assert h.shape[0] >= x.shape[0] and h.shape[1] == len(lora.A) * rank_max, (
-            f"h {tuple(h.shape)}: [>= {x.shape[0]}, {len(lora.A)} slices x rank {rank_max}]"
-        )
-        args += [h, h.stride(0), rank_max]
     return args, max(16, triton.next_power_of_2(rank_max))
 
 
@@ -770,14 +728,14 @@ def _launch(
     on_gpu = x.device.type == "cuda"
     if config is None:
         config = choose_config(m, n_out, k, x.dtype, gate_up, on_gpu, num_sms(x.device))
-    bm, bn, bk, split, warps, stages, _ = config  # shrink_first: the caller gives lora.h
+    bm, bn, bk, split, warps, stages = config
     lora_args, rank_pad = _lora_args(lora, x, n_out, gate_up, bn)
     grid = (triton.cdiv(n_out, bn) * triton.cdiv(m, bm), split)
     ws = workspace(x.device)
     if split > 1:
         tiles = grid[0]
         accs = 2 if gate_up else 1
-        h_floats = accs * rank_pad * bm if lora is not None and lora.h is None else 0
+        h_floats = accs * rank_pad * bm if lora is not None else 0
         need = tiles * split * (accs * bn * bm + bm + h_floats)
         assert need <= ws.partials.numel() and tiles <= ws.counters.numel(), (
             f"split-K workspace too small for {config} at M={m}, N={n_out}"
@@ -812,7 +770,6 @@ def _launch(
         HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None,
         LORA=lora is not None,
-        H_GIVEN=lora is not None and lora.h is not None,
         R=rank_pad,
         SPLIT_K=split,
         EVEN_K=k % (split * bk) == 0,

@@ -272,18 +272,14 @@ def test_tile_candidates_add_the_wide_tiles_from_65_to_256_rows() -> None:
 
 
 def test_tile_candidates_add_wider_tiles_for_a_lora_inside() -> None:
-    """With a LoRA delta inside (16-bit), each plain shape also with the shrink run first
-    (given to the GEMM), then the table's tile 128 columns wide up to 64 rows, and one 256
-    columns wide up to 16 rows: A's rank rows then cost a half and a quarter as much beside
-    the weight's."""
+    """With a LoRA delta inside (16-bit), the table's tile 128 columns wide joins the timed
+    shapes up to 64 rows, and one 256 columns wide up to 16 rows: A's rank rows then cost
+    a half and a quarter as much beside the weight's."""
     plain = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132)
     with_lora = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132, lora=True)
-    assert with_lora[: len(plain)] == plain and len(with_lora) == 2 * len(plain) + 2
-    first = with_lora[len(plain) : 2 * len(plain)]
-    assert first == [c._replace(shrink_first=1) for c in plain]
-    assert [c.block_n for c in with_lora[2 * len(plain) :]] == [128, 256]
+    assert with_lora[: len(plain)] == plain and len(with_lora) == len(plain) + 2
+    assert [c.block_n for c in with_lora[len(plain) :]] == [128, 256]
     assert all(c.block_m == plain[0].block_m for c in with_lora)
-    assert not any(c.shrink_first for c in plain + with_lora[2 * len(plain) :])
     gate_up = fl.tile_candidates(16, 14336, 4096, torch.bfloat16, True, 132, lora=True)
     assert gate_up[-2].block_n == 128 and gate_up[-2].num_stages == 2
     assert gate_up[-1].block_n == 256 and gate_up[-1].block_k == 64, "two 256-row tiles a stage"
@@ -291,11 +287,11 @@ def test_tile_candidates_add_wider_tiles_for_a_lora_inside() -> None:
     assert gate_up_64[-1].block_n == 128 and gate_up_64[-1].block_k == 64, "K step 128: 232 KiB"
     at_64 = fl.tile_candidates(64, 4096, 1024, torch.bfloat16, False, 132, lora=True)
     assert max(c.block_n for c in at_64) == 128, "no 256-column accumulators of 64 rows"
-    wide = fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132)
-    with_lora = fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132, lora=True)
-    assert with_lora == wide + [c._replace(shrink_first=1) for c in wide], "no wider tile"
+    assert fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132, lora=True) == (
+        fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132)
+    )
     fp32 = fl.tile_candidates(1, 6144, 4096, torch.float32, False, 132, lora=True)
-    assert all(c.block_n == 64 and not c.shrink_first for c in fp32), "fp32: the table's own"
+    assert all(c.block_n == 64 for c in fp32), "no wide tile for fp32"
 
 
 def test_balanced_split_spreads_few_rows_over_the_sms() -> None:

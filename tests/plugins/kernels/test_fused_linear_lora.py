@@ -93,24 +93,6 @@ def deltas(x: torch.Tensor, lora: ProjectionLoRA) -> list[torch.Tensor]:
     return out
 
 
-def with_shrink_given(x: torch.Tensor, lora: ProjectionLoRA) -> ProjectionLoRA:
-    """``lora`` with its shrink given (``h``, as the plugin's ``shrink`` computes it before the
-    launch): float32 ``A_s x_t`` per row and slice, in a buffer longer than M whose rows
-    without a slot (and past M) are NaN, which the kernel must never read."""
-    rank_max = lora.A[0].shape[1]
-    h = torch.full((x.shape[0] + 3, len(lora.A) * rank_max), float("nan"), dtype=torch.float32)
-    for t in range(x.shape[0]):
-        s = int(lora.slot_of_row[t])
-        if s >= 0:
-            for i, a in enumerate(lora.A):
-                h[t, i * rank_max : (i + 1) * rank_max] = (a[s].double() @ x[t].double()).float()
-    return lora._replace(h=h.to(x.device))
-
-
-def given_or_not(x: torch.Tensor, lora: ProjectionLoRA, given: bool) -> ProjectionLoRA:
-    return with_shrink_given(x, lora) if given else lora
-
-
 def rstd(x: torch.Tensor, eps: float | None) -> torch.Tensor:
     if eps is None:
         return torch.ones(x.shape[0], 1, dtype=torch.float64, device=x.device)
@@ -149,7 +131,6 @@ common = dict(
     split=st.sampled_from([1, 2, 3]),
     mix=slot_mixes,
     seed=st.integers(0, 2**16),
-    given=st.booleans(),  # the shrink given (computed before the launch), not in the K loop
 )
 
 
@@ -163,16 +144,15 @@ def inputs(m: int, n: int, k: int, dtype, seed: int):
 
 @FEW
 @given(eps=st.sampled_from([1e-6, None]), with_bias=st.booleans(), **common)
-def test_qkv_slices_match_float64(m, k, dtype, split, mix, seed, given, eps, with_bias) -> None:
-    """Three slices on tile borders (q 32, k 16, v 16 columns), each tile its slice's A, B;
-    ``given``: each tile's B reads its slice of the shrink given."""
+def test_qkv_slices_match_float64(m, k, dtype, split, mix, seed, eps, with_bias) -> None:
+    """Three slices on tile borders (q 32, k 16, v 16 columns), each tile its slice's A, B."""
     widths = [2 * TILE_N, TILE_N, TILE_N]
     x, w, b = inputs(m, sum(widths), k, dtype, seed)
     bias = b if with_bias else None
     lora = make_lora(k, widths, draw_slots(mix, m, seed), dtype, seed)
     cfg = fl.LinearConfig(16, TILE_N, 32, split, 1, 1)
     with poisoned_outputs():
-        out = fl.norm_linear(x, w, eps, bias, config=cfg, lora=given_or_not(x, lora, given))
+        out = fl.norm_linear(x, w, eps, bias, config=cfg, lora=lora)
     plain = fl.norm_linear(x, w, eps, bias, config=cfg)
     d = torch.cat(deltas(x, lora), dim=1)
     want = rstd(x, eps) * (x.double() @ w.double().T + d)
@@ -183,14 +163,14 @@ def test_qkv_slices_match_float64(m, k, dtype, split, mix, seed, given, eps, wit
 
 @FEW
 @given(**common)
-def test_gate_up_slices_match_float64(m, k, dtype, split, mix, seed, given) -> None:
+def test_gate_up_slices_match_float64(m, k, dtype, split, mix, seed) -> None:
     """Gate and up each take their own delta, before the row scale and SiLU·mul."""
     f, eps = 24, 1e-6
     x, w, _ = inputs(m, 2 * f, k, dtype, seed)
     lora = make_lora(k, [f, f], draw_slots(mix, m, seed), dtype, seed)
     cfg = fl.LinearConfig(16, TILE_N, 32, split, 1, 1)
     with poisoned_outputs():
-        out = fl.norm_gate_up(x, w, eps, config=cfg, lora=given_or_not(x, lora, given))
+        out = fl.norm_gate_up(x, w, eps, config=cfg, lora=lora)
     dg, du = deltas(x, lora)
     scale = rstd(x, eps)
     g = scale * (x.double() @ w[:f].double().T + dg)
@@ -200,7 +180,7 @@ def test_gate_up_slices_match_float64(m, k, dtype, split, mix, seed, given) -> N
 
 @FEW
 @given(n=st.integers(1, 40), **common)
-def test_residual_writer_matches_float64(n, m, k, dtype, split, mix, seed, given) -> None:
+def test_residual_writer_matches_float64(n, m, k, dtype, split, mix, seed) -> None:
     """One slice of any width (the last tile partial), added before the residual."""
     x, w, _ = inputs(m, n, k, dtype, seed)
     residual = (2 * torch.randn(m, n, generator=torch.Generator().manual_seed(seed))).to(
@@ -209,7 +189,7 @@ def test_residual_writer_matches_float64(n, m, k, dtype, split, mix, seed, given
     lora = make_lora(k, [n], draw_slots(mix, m, seed), dtype, seed)
     cfg = fl.LinearConfig(16, TILE_N, 32, split, 1, 1)
     with poisoned_outputs():
-        out = fl.linear_residual(x, w, residual, config=cfg, lora=given_or_not(x, lora, given))
+        out = fl.linear_residual(x, w, residual, config=cfg, lora=lora)
     want = residual.double() + x.double() @ w.double().T + deltas(x, lora)[0]
     assert_close(out, want, dtype, f"residual {mix}")
     assert bool((fl.workspace(DEVICE).counters == 0).all()), "split-K counters back at zero"
@@ -240,7 +220,7 @@ def every_lora_shape_matches_float64(
     qkv_shapes = fl.tile_candidates(m, sum(widths), k, torch.bfloat16, False, sms, lora=True)
     for cfg in qkv_shapes:
         assert fl.lora_fits(lora, False, cfg.block_n), cfg
-        out = fl.norm_linear(x, w, eps, config=cfg, lora=given_or_not(x, lora, cfg.shrink_first))
+        out = fl.norm_linear(x, w, eps, config=cfg, lora=lora)
         assert_close(out, want, dtype, f"qkv {what} {cfg}")
     x, w, _ = inputs(m, 2 * f, k, dtype, m + 1)
     lora = make_lora(k, [f, f], slots, dtype, m + 1, n_slots=n_slots, rank_max=16)
@@ -248,15 +228,14 @@ def every_lora_shape_matches_float64(
     g = rstd(x, eps) * (x.double() @ w[:f].double().T + dg)
     u = rstd(x, eps) * (x.double() @ w[f:].double().T + du)
     for cfg in fl.tile_candidates(m, f, k, torch.bfloat16, True, sms, lora=True):
-        out = fl.norm_gate_up(x, w, eps, config=cfg, lora=given_or_not(x, lora, cfg.shrink_first))
+        out = fl.norm_gate_up(x, w, eps, config=cfg, lora=lora)
         assert_close(out, g / (1.0 + torch.exp(-g)) * u, dtype, f"gate_up {what} {cfg}")
     x, w, _ = inputs(m, n, f, dtype, m + 2)
     residual = torch.randn(m, n, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     lora = make_lora(f, [n], slots, dtype, m + 2, n_slots=n_slots, rank_max=16)
     want = residual.double() + x.double() @ w.double().T + deltas(x, lora)[0]
     for cfg in fl.tile_candidates(m, n, f, torch.bfloat16, False, sms, lora=True):
-        given = given_or_not(x, lora, cfg.shrink_first)
-        out = fl.linear_residual(x, w, residual, config=cfg, lora=given)
+        out = fl.linear_residual(x, w, residual, config=cfg, lora=lora)
         assert_close(out, want, dtype, f"down {what} {cfg}")
     assert bool((fl.workspace(DEVICE).counters == 0).all()), "split-K counters back at zero"
     return qkv_shapes
@@ -349,57 +328,6 @@ def test_the_fused_layer_times_a_lora_inside_under_its_own_key(tmp_path) -> None
             assert added == [m] and again == []
     keys = list(json.loads((tmp_path / "fused_layer.json").read_text()))
     assert len(keys) == 1 and keys[0].startswith("norm_linear+lora|"), keys
-
-
-class _ShrinkFirst:
-    """fused_linear whose table shape runs the shrink first (as a timed GPU choice may)."""
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(fl, name)
-
-    @staticmethod
-    def choose_config(*args) -> fl.LinearConfig:  # noqa: ANN002
-        return fl.choose_config(*args)._replace(shrink_first=1)
-
-
-def test_the_fused_layer_hands_a_shrink_first_shape_the_plugins_shrink(tmp_path) -> None:  # noqa: ANN001
-    """A launch shape with ``shrink_first``: the fused layer times it with the plugin's
-    repeatable ``shrink_again`` and runs it with the step's ``shrink`` once, handing the
-    GEMM ``h`` (rows without a slot NaN there: never read); the result is the reference's
-    and the plugin's step ``add`` never runs (``_unused``)."""
-    from pitstop.plugins.kernels import reference
-    from pitstop.plugins.kernels.fused_layer import FusedLayer
-
-    if DEVICE.type == "cuda":
-        pytest.skip("times on the CPU with a fake timer")
-    eps, m, k = 1e-6, 5, 64
-    shrinks: list[str] = []
-
-    def counted(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        def shrink(rows: torch.Tensor) -> torch.Tensor:
-            shrinks.append(name)
-            return with_shrink_given(rows, lora).h
-
-        return shrink
-
-    def row_scaled(rows: torch.Tensor, eps_: float | None) -> torch.Tensor:
-        return rows if eps_ is None else (rows * reference.rms_scale(rows, eps_)).to(rows.dtype)
-
-    x, w, _ = inputs(m, 64, k, torch.float32, 4)
-    lora = make_lora(k, [32, 16, 16], [1, -1, 0, 1, 2], torch.float32, 4)
-
-    def add_again(rows: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # cuBLAS's, timed
-        return y.add_(torch.cat(deltas(rows, lora), dim=1).to(y.dtype))
-
-    lora = lora._replace(shrink=counted("step"), shrink_again=counted("again"), add_again=add_again)
-    choice = _TimedHere.make(tmp_path)
-    layer = FusedLayer(_ShrinkFirst(), choice, row_scaled, None, reference.silu_and_mul)
-    out = layer.norm_linear(x, w, eps, None, lora=lora)
-    want = rstd(x, eps) * (x.double() @ w.double().T + torch.cat(deltas(x, lora), dim=1))
-    assert_close(out, want, torch.float32, "norm_linear, shrink first")
-    assert shrinks.count("step") == 1 and shrinks.count("again") >= 2, shrinks
-    stored = json.loads((tmp_path / "fused_layer.json").read_text())
-    assert [v[-1] for v in stored.values()] == [1], stored
 
 
 @pytest.mark.parametrize("m", [1, 5])
