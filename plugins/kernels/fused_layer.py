@@ -190,8 +190,8 @@ class FusedLayer:
         n_out = weight.shape[0] // 2 if gate_up else weight.shape[0]
         sms = self.gemm.num_sms(x.device)
         if x.device.type == "cuda":
-            lora_in = lora is not None
-            candidates = self.gemm.tile_candidates(m, n_out, k, x.dtype, gate_up, sms, lora_in)
+            rank = lora.A[0].shape[1] if lora is not None else 0  # 0: no LoRA inside
+            candidates = self.gemm.tile_candidates(m, n_out, k, x.dtype, gate_up, sms, rank)
         else:  # the interpreter's tiles
             candidates = [self.gemm.choose_config(m, n_out, k, x.dtype, gate_up, False, sms)]
         if lora is not None:

@@ -183,9 +183,35 @@ def reset_counters(device: torch.device) -> None:
     workspace(device).counters.zero_()
 
 
-def _split_fits(tiles: int, split: int, block_m: int, block_n: int, accs: int, kind: str) -> bool:
-    floats = tiles * split * (accs * block_n * block_m + block_m)
+def _split_fits(
+    tiles: int, split: int, block_m: int, block_n: int, accs: int, kind: str, rank_pad: int = 0
+) -> bool:
+    """Whether a launch's split-K partials fit the workspace: each (tile, split) its
+    accumulators, its rows' squares and, with a LoRA of padded rank ``rank_pad``, its ``h``."""
+    floats = tiles * split * (accs * (block_n + rank_pad) * block_m + block_m)
     return floats <= WORKSPACE_FLOATS[kind] and tiles <= NUM_COUNTERS[kind]
+
+
+def lora_rank_pad(rank_max: int) -> int:
+    """The kernel's rank of a LoRA of ``rank_max`` (a power of two, at least 16; 0: none)."""
+    return max(16, triton.next_power_of_2(rank_max)) if rank_max > 0 else 0
+
+
+def fit_lora_split(
+    config: LinearConfig, m: int, n: int, k: int, gate_up: bool, rank_pad: int, kind: str
+) -> LinearConfig:
+    """``config`` with the largest K split up to its own whose partials fit the workspace beside
+    a LoRA's ``h`` (``rank_pad`` floats a row and accumulator), no split left empty: the
+    table's rules size the split without one (llama3-8b's gate-up at 17-32 rows, split 4 with
+    a rank-16 LoRA, needed 1.1 times the workspace)."""
+    tiles = triton.cdiv(n, config.block_n) * triton.cdiv(max(m, 1), config.block_m)
+    accs = 2 if gate_up else 1
+    for split in range(config.split_k, 1, -1):
+        per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+        fits = _split_fits(tiles, split, config.block_m, config.block_n, accs, kind, rank_pad)
+        if fits and triton.cdiv(k, per_split) == split:
+            return config._replace(split_k=split)
+    return config._replace(split_k=1)
 
 
 @functools.lru_cache(maxsize=512)
@@ -210,7 +236,7 @@ def choose_config(
 
 
 def tile_candidates(
-    m: int, n: int, k: int, dtype: torch.dtype, gate_up: bool, num_sms: int, lora: bool = False
+    m: int, n: int, k: int, dtype: torch.dtype, gate_up: bool, num_sms: int, lora: int = 0
 ) -> list[LinearConfig]:
     """The launch shapes a GPU call of ``m`` rows may take, the table's first
     (:func:`choose_config`), up to 64 rows the same tile with :func:`balanced_split`'s K
@@ -219,7 +245,9 @@ def tile_candidates(
     ``lora`` (a LoRA delta inside): gate-up's wide tiles over a K step of 64, and up to 64
     rows of bf16/fp16 also tiles 128 and 256 columns wide, which load A's rank rows beside
     two and four times the weight rows (``R / BLOCK_N`` of the weight's bytes: a half and a
-    quarter of the 64-column tile's)."""
+    quarter of the 64-column tile's), each with the table's K split and the balanced one;
+    ``lora`` is the LoRA's ``rank_max`` (0: none; True counts as one), and every shape's K
+    split is cut where its partials and the LoRA's ``h`` would not fit the workspace."""
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if m <= 64:  # the table's tile with its work spread evenly over the SMs
         configs.append(balanced_split(configs[0], m, n, k, gate_up, num_sms))
@@ -236,14 +264,29 @@ def tile_candidates(
         stages = min(first.num_stages, 2 if gate_up else 3)
         bk = 64 if gate_up and first.block_m > 32 else first.block_k
         wide = (first.block_m, 128, bk, first.num_warps, stages)
-        configs.append(with_split(wide, m, n, k, gate_up, True, num_sms))
+        configs += _both_splits(wide, m, n, k, gate_up, num_sms)
         if m <= 16:  # 256 columns: a quarter of the 64-column tile's A bytes; two stages of
             # a 256-row weight tile (two for gate-up, over a K step of 64) fit in shared
             # memory, and the [256, 16] accumulators in registers
             bk = 64 if gate_up else min(first.block_k, 128)
             widest = (first.block_m, 256, bk, first.num_warps, 2)
-            configs.append(with_split(widest, m, n, k, gate_up, True, num_sms))
+            configs += _both_splits(widest, m, n, k, gate_up, num_sms)
+    if lora:
+        pad = lora_rank_pad(int(lora))
+        configs = [fit_lora_split(c, m, n, k, gate_up, pad, "cuda") for c in configs]
     return list(dict.fromkeys(configs))  # in order, without repeats
+
+
+def _both_splits(
+    tile: tuple[int, int, int, int, int], m: int, n: int, k: int, gate_up: bool, num_sms: int
+) -> list[LinearConfig]:
+    """A wide LoRA tile with the table's K split and with :func:`balanced_split`'s: a tile of
+    twice the columns has half the column tiles, so the table's rule can leave SMs idle
+    (llama3-8b's gate-up at one row: 112 programs of 128 columns, unsplit, on 132 SMs) or
+    load the busiest one with a whole wave more (q|k|v: 192 programs of split 4 where split
+    8 gives each of 132 SMs three equal ones, as the 64-column tile's split 4 does)."""
+    table = with_split(tile, m, n, k, gate_up, True, num_sms)
+    return [table, balanced_split(table, m, n, k, gate_up, num_sms)]
 
 
 def balanced_split(
@@ -691,7 +734,7 @@ def _lora_args(
     stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
     args = [*a, *b, *(t.stride(0) for t in b), *ends, slots_t, ranks, scaling]
     args += [scaling.stride(0), stride_si, slots, a[0].stride(0), a[0].stride(1), b[0].stride(1)]
-    return args, max(16, triton.next_power_of_2(rank_max))
+    return args, lora_rank_pad(rank_max)
 
 
 def _launch(
@@ -729,8 +772,11 @@ def _launch(
     on_gpu = x.device.type == "cuda"
     if config is None:
         config = choose_config(m, n_out, k, x.dtype, gate_up, on_gpu, num_sms(x.device))
+    lora_args, rank_pad = _lora_args(lora, x, n_out, gate_up, config.block_n)
+    if lora is not None and config.split_k > 1:  # the h partials beside: the split that fits
+        kind = "cuda" if on_gpu else "cpu"
+        config = fit_lora_split(config, m, n_out, k, gate_up, rank_pad, kind)
     bm, bn, bk, split, warps, stages = config
-    lora_args, rank_pad = _lora_args(lora, x, n_out, gate_up, bn)
     grid = (triton.cdiv(n_out, bn) * triton.cdiv(m, bm), split)
     ws = workspace(x.device)
     if split > 1:

@@ -274,14 +274,19 @@ def test_tile_candidates_add_the_wide_tiles_from_65_to_256_rows() -> None:
 def test_tile_candidates_add_wider_tiles_for_a_lora_inside() -> None:
     """With a LoRA delta inside (16-bit), the table's tile 128 columns wide joins the timed
     shapes up to 64 rows, and one 256 columns wide up to 16 rows: A's rank rows then cost
-    a half and a quarter as much beside the weight's."""
+    a half and a quarter as much beside the weight's. Each comes with the table's K split
+    and the balanced one (fewer column tiles: the table's rule can leave SMs idle)."""
     plain = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132)
     with_lora = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132, lora=True)
-    assert with_lora[: len(plain)] == plain and len(with_lora) == len(plain) + 2
-    assert [c.block_n for c in with_lora[len(plain) :]] == [128, 256]
+    assert with_lora[: len(plain)] == plain and len(with_lora) == len(plain) + 4
+    extra = with_lora[len(plain) :]
+    assert [c.block_n for c in extra] == [128, 128, 256, 256]
+    assert [c.split_k for c in extra] == [4, 8, 8, 11], "the table's split, then the balanced"
+    assert extra[1] == fl.balanced_split(extra[0], 1, 6144, 4096, False, 132)
     assert all(c.block_m == plain[0].block_m for c in with_lora)
     gate_up = fl.tile_candidates(16, 14336, 4096, torch.bfloat16, True, 132, lora=True)
-    assert gate_up[-2].block_n == 128 and gate_up[-2].num_stages == 2
+    wide = [c for c in gate_up if c.block_n == 128]
+    assert all(c.num_stages == 2 for c in wide) and [c.split_k for c in wide] == [1, 8]
     assert gate_up[-1].block_n == 256 and gate_up[-1].block_k == 64, "two 256-row tiles a stage"
     gate_up_64 = fl.tile_candidates(64, 3072, 1024, torch.bfloat16, True, 132, lora=True)
     assert gate_up_64[-1].block_n == 128 and gate_up_64[-1].block_k == 64, "K step 128: 232 KiB"

@@ -13,6 +13,7 @@ inputs the kernel reads. Triton's interpreter runs the kernels on a machine with
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -363,3 +364,35 @@ def test_every_wide_lora_tile_fits_sm90_shared_memory() -> None:
     assert {r["config"][0] for r in rows} == {16, 32, 64, 128}, rows
     over = [r for r in rows if r["shared"] > SM90_SHARED_BYTES]
     assert not over, f"launch shapes over sm_90's {SM90_SHARED_BYTES} bytes: {over}"
+
+
+def test_a_split_whose_partials_and_h_overflow_the_workspace_is_cut() -> None:
+    """Split-K partials beside a LoRA's ``h`` that would overflow the workspace run with the
+    largest split that fits (the table sizes a split without the LoRA): 32 tiles x 4 splits
+    of 16 x 16 need 34,816 floats alone and 67,584 with a rank-8 LoRA's ``h``, over the
+    interpreter's 65,536; the result still matches float64. Every shape the fused layer
+    times for a LoRA of rank 8 to 128 fits the GPU's workspace, no split left empty."""
+    m, n, k, eps = 32, 256, 128, 1e-6
+    x, w, _ = inputs(m, n, k, torch.float32, 5)
+    lora = make_lora(k, [n], [(i % 3) - 1 for i in range(m)], torch.float32, 5)
+    cfg = fl.LinearConfig(16, 16, 32, 4, 1, 1)
+    if DEVICE.type == "cpu":
+        kind, pad = "cpu", fl.lora_rank_pad(RANK_MAX)
+        assert fl._split_fits(32, 4, 16, 16, 1, kind) and not fl._split_fits(
+            32, 4, 16, 16, 1, kind, pad
+        )
+        assert fl.fit_lora_split(cfg, m, n, k, False, pad, kind).split_k == 2  # 3: one empty
+    with poisoned_outputs():
+        out = fl.norm_linear(x, w, eps, config=cfg, lora=lora)
+    want = rstd(x, eps) * (x.double() @ w.double().T + deltas(x, lora)[0])
+    assert_close(out, want, torch.float32, "cut split")
+    for n_, k_, gate_up in ((6144, 4096, False), (14336, 4096, True), (28672, 8192, True)):
+        for rows in (1, 17, 32, 64, 200):
+            for rank in (8, 16, 64, 128):
+                for c in fl.tile_candidates(rows, n_, k_, torch.bfloat16, gate_up, 132, rank):
+                    tiles = math.ceil(n_ / c.block_n) * math.ceil(rows / c.block_m)
+                    pad, accs = fl.lora_rank_pad(rank), 2 if gate_up else 1
+                    fits = fl._split_fits(tiles, c.split_k, c.block_m, c.block_n, accs, "cuda", pad)
+                    assert c.split_k == 1 or fits, f"over the workspace: {c}"  # 1: none used
+                    per = math.ceil(math.ceil(k_ / c.split_k) / c.block_k) * c.block_k
+                    assert math.ceil(k_ / per) == c.split_k, f"an empty split: {c}"
