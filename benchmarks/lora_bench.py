@@ -119,7 +119,7 @@ def _time_projection(
         gate_up = proj == "gate_up"
         shapes = fused_linear.tile_candidates(
             rows, widths[0] if gate_up else n, k, dt, gate_up, fused_linear.num_sms(x.device),
-            lora=RANK if with_lora else 0,
+            lora_rank=RANK if with_lora else 0,
         )  # fmt: skip
         if with_lora:
             shapes = [c for c in shapes if fused_linear.lora_fits(inside, gate_up, c.block_n)]

@@ -83,7 +83,7 @@ def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
         ops["down"] = (hidden, inter, False)
         for m in ROWS:
             for op, (n, k, gate_up) in ops.items():
-                for c in fl.tile_candidates(m, n, k, torch.bfloat16, gate_up, 132, lora=True):
+                for c in fl.tile_candidates(m, n, k, torch.bfloat16, gate_up, 132, lora_rank=16):
                     if c.block_n > 64 or c.block_m > 64:  # down's tiles take q|k|v's memory
                         key = ("gate_up" if gate_up else "qkv", c._replace(split_k=1))
                         seen.setdefault(key, (op, c))

@@ -192,6 +192,12 @@ def _split_fits(
     return floats <= WORKSPACE_FLOATS[kind] and tiles <= NUM_COUNTERS[kind]
 
 
+def _k_per_split(k: int, split: int, block_k: int) -> int:
+    """The K columns of each of ``split`` splits, in whole K steps (the kernel's own rule);
+    ``cdiv(k, it) < split`` means a split left empty."""
+    return triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+
+
 def lora_rank_pad(rank_max: int) -> int:
     """The kernel's rank of a LoRA of ``rank_max`` (a power of two, at least 16; 0: none)."""
     return max(16, triton.next_power_of_2(rank_max)) if rank_max > 0 else 0
@@ -207,7 +213,7 @@ def fit_lora_split(
     tiles = triton.cdiv(n, config.block_n) * triton.cdiv(max(m, 1), config.block_m)
     accs = 2 if gate_up else 1
     for split in range(config.split_k, 1, -1):
-        per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+        per_split = _k_per_split(k, split, config.block_k)
         fits = _split_fits(tiles, split, config.block_m, config.block_n, accs, kind, rank_pad)
         if fits and triton.cdiv(k, per_split) == split:
             return config._replace(split_k=split)
@@ -236,28 +242,34 @@ def choose_config(
 
 
 def tile_candidates(
-    m: int, n: int, k: int, dtype: torch.dtype, gate_up: bool, num_sms: int, lora: int = 0
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    gate_up: bool,
+    num_sms: int,
+    lora_rank: int = 0,
 ) -> list[LinearConfig]:
     """The launch shapes a GPU call of ``m`` rows may take, the table's first
     (:func:`choose_config`), up to 64 rows the same tile with :func:`balanced_split`'s K
     split, then for 65..256 rows of bf16/fp16 the :data:`WIDE_TILES`, each with its K split
     by the table's rule; the fused layer times them (``layer_choice.py``).
-    ``lora`` (a LoRA delta inside): gate-up's wide tiles over a K step of 64, and up to 64
+    ``lora_rank`` (a LoRA delta inside, its ``rank_max``; 0: none): gate-up's wide tiles over a K step of 64, and up to 64
     rows of bf16/fp16 also tiles 128 and 256 columns wide, which load A's rank rows beside
     two and four times the weight rows (``R / BLOCK_N`` of the weight's bytes: a half and a
     quarter of the 64-column tile's), each with the table's K split and the balanced one;
-    ``lora`` is the LoRA's ``rank_max`` (0: none; True counts as one), and every shape's K
-    split is cut where its partials and the LoRA's ``h`` would not fit the workspace."""
+    every shape's K split is cut where its partials and the LoRA's ``h`` would not fit the
+    workspace (:func:`fit_lora_split`)."""
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if m <= 64:  # the table's tile with its work spread evenly over the SMs
         configs.append(balanced_split(configs[0], m, n, k, gate_up, num_sms))
     if dtype != torch.float32 and 64 < m <= 256:
         wide = WIDE_TILES
-        if lora and gate_up:  # two weight tiles and A's rank rows a stage: over a K step of
+        if lora_rank and gate_up:  # two weight tiles and A's rank rows a stage: over a K step of
             # 128 the 128-row tile needs 240 KiB of shared memory, over sm_90's 227 KiB
             wide = tuple((bm, bn, 64, warps, stages) for bm, bn, _, warps, stages in wide)
         configs += [with_split(t, m, n, k, gate_up, True, num_sms) for t in wide]
-    if lora and dtype != torch.float32 and m <= 64:
+    if lora_rank and dtype != torch.float32 and m <= 64:
         first = configs[0]  # two 128-row weight tiles a stage for gate-up: two stages fit,
         # over a K step of 64 at 64 rows (at 128 the two stages and the epilogue's [64, 2 x 128]
         # accumulators need 232 KiB of shared memory, over sm_90's 227 KiB)
@@ -271,8 +283,8 @@ def tile_candidates(
             bk = 64 if gate_up else min(first.block_k, 128)
             widest = (first.block_m, 256, bk, first.num_warps, 2)
             configs += _both_splits(widest, m, n, k, gate_up, num_sms)
-    if lora:
-        pad = lora_rank_pad(int(lora))
+    if lora_rank:
+        pad = lora_rank_pad(lora_rank)
         configs = [fit_lora_split(c, m, n, k, gate_up, pad, "cuda") for c in configs]
     return list(dict.fromkeys(configs))  # in order, without repeats
 
@@ -302,7 +314,7 @@ def balanced_split(
     weight = 2 if gate_up else 1
     best, best_load = config.split_k, None
     for split in range(1, MAX_SPLIT + 1):
-        per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+        per_split = _k_per_split(k, split, config.block_k)
         if split > 1 and (per_split < MIN_K_PER_SPLIT or triton.cdiv(k, per_split) < split):
             continue  # too short, or a split left empty
         if not _split_fits(tiles, split, config.block_m, config.block_n, weight, "cuda"):

@@ -218,7 +218,7 @@ def every_lora_shape_matches_float64(
     x, w, _ = inputs(m, sum(widths), k, dtype, m)
     lora = make_lora(k, widths, slots, dtype, m, n_slots=n_slots, rank_max=16)
     want = rstd(x, eps) * (x.double() @ w.double().T + torch.cat(deltas(x, lora), dim=1))
-    qkv_shapes = fl.tile_candidates(m, sum(widths), k, torch.bfloat16, False, sms, lora=True)
+    qkv_shapes = fl.tile_candidates(m, sum(widths), k, torch.bfloat16, False, sms, lora_rank=16)
     for cfg in qkv_shapes:
         assert fl.lora_fits(lora, False, cfg.block_n), cfg
         out = fl.norm_linear(x, w, eps, config=cfg, lora=lora)
@@ -228,14 +228,14 @@ def every_lora_shape_matches_float64(
     dg, du = deltas(x, lora)
     g = rstd(x, eps) * (x.double() @ w[:f].double().T + dg)
     u = rstd(x, eps) * (x.double() @ w[f:].double().T + du)
-    for cfg in fl.tile_candidates(m, f, k, torch.bfloat16, True, sms, lora=True):
+    for cfg in fl.tile_candidates(m, f, k, torch.bfloat16, True, sms, lora_rank=16):
         out = fl.norm_gate_up(x, w, eps, config=cfg, lora=lora)
         assert_close(out, g / (1.0 + torch.exp(-g)) * u, dtype, f"gate_up {what} {cfg}")
     x, w, _ = inputs(m, n, f, dtype, m + 2)
     residual = torch.randn(m, n, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     lora = make_lora(f, [n], slots, dtype, m + 2, n_slots=n_slots, rank_max=16)
     want = residual.double() + x.double() @ w.double().T + deltas(x, lora)[0]
-    for cfg in fl.tile_candidates(m, n, f, torch.bfloat16, False, sms, lora=True):
+    for cfg in fl.tile_candidates(m, n, f, torch.bfloat16, False, sms, lora_rank=16):
         out = fl.linear_residual(x, w, residual, config=cfg, lora=lora)
         assert_close(out, want, dtype, f"down {what} {cfg}")
     assert bool((fl.workspace(DEVICE).counters == 0).all()), "split-K counters back at zero"
