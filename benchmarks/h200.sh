@@ -269,9 +269,10 @@ for _ in range(2):
             prefix) vrun vllm-prefix online --workload prefix --num-requests ${LT_N:-500} --max-batch-size 64 \
                 --allocator prefix --kernels fused --repeats $R ;;
             # issue 50: the host tier against vLLM's CPU offloading (the workload gives vLLM its
-            # kv_offloading_size and backend); MT_N of the workload's 1,200 turns
+            # kv_offloading_size and backend); MT_N of the workload's 1,200 turns; MT_MATRIX=+tiered
+            # leaves the prefix allocator's column out (1,200 turns take about 4 minutes a column)
             multiturn) vrun vllm-multiturn online --workload multiturn --num-requests ${MT_N:-240} \
-                --matrix +prefix,+tiered --kv-offloading-size 64 --repeats ${MT_REPEATS:-1} ;;
+                --matrix ${MT_MATRIX:-+prefix,+tiered} --kv-offloading-size 64 --repeats ${MT_REPEATS:-1} ;;
             # issue 47: requests over 8 random rank-16 adapters on both sides (vLLM --enable-lora)
             lora8) vrun vllm-lora8 offline --workload nano --kernels fused --lora-adapters 8 --repeats $R ;;
             # issue 48: the MoE preset on both sides
