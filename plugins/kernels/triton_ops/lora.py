@@ -35,9 +35,13 @@ Why grouped rather than a per-row slot read by each tile: a tile of rows of one 
 multiplies one weight tile by many rows (``tl.dot`` on tensor cores), so each adapter's
 weights stream once per row tile, not once per row (a 256-row prefill of 8 adapters
 reads B 8 times, not 256); rows without an adapter never enter a tile; and the grid is
-static: ``(cdiv(T, BLOCK_M), tiles, slots)`` for any mix, each program reading its
-segment's length and exiting at once when its row tile is past it (or its slot's rank
-is 0). So ``lora_meta`` and the LoRA launches capture in a CUDA graph at a batch size
+static: ``(row_tiles(T, slots, BLOCK_M), tiles)`` for any mix. Row program ``p`` takes the
+``p``-th row tile of the segments laid end to end (slot 0's tiles, then slot 1's, ...:
+:func:`_tile_of` finds its slot from the segments' lengths), and a program past the last
+tile, or of a slot of rank 0, exits at once. The row axis needs at most
+``cdiv(T, BLOCK_M) + slots - 1`` programs for any mix (:func:`row_tiles`), where a grid of
+row tiles x slots would launch ``cdiv(T, BLOCK_M) * slots``, most of which find no rows
+when 8 adapters share a 2,048-token prefill chunk. So ``lora_meta`` and the LoRA launches capture in a CUDA graph at a batch size
 ``T``, and replays serve any adapter mix written into the same ``slot_of_row`` buffer. The
 per-row slot stays the interface (easy for the runner; one H2D copy into a static
 buffer), the grouping is an implementation detail computed once per step and shared by
@@ -54,8 +58,8 @@ a shrink and an expand per projection); tests/plugins/adapters/test_lora_launche
 counts them on a model.
 
 :func:`lora_add` (``rows <= FUSED_MAX_ROWS``) launches :func:`_fused_kernel` on the grid
-``(cdiv(T, BLOCK_M), column groups of all slices, slots)``: each program takes one row tile
-of one slot's segment and one group of ``n_loop`` column tiles of one slice (the group's
+``(row_tiles(T, slots, BLOCK_M), column groups of all slices)``: each program takes one row
+tile of one slot's segment and one group of ``n_loop`` column tiles of one slice (the group's
 slice, hence its A, B, width, offset and scale, from the group index: groups of slice 0,
 then 1, then 2), computes the rank-r intermediate ``h = x_rows @ A_slot^T`` in registers
 (float32 accumulation over all of K, no split: no atomics, no memset, deterministic),
@@ -211,12 +215,47 @@ def lora_meta(
     return meta
 
 
+def row_tiles(rows: int, slots: int, block_m: int) -> int:
+    """Programs on a LoRA launch's row axis: enough for every slot's row tiles in any mix.
+
+    Slot ``s`` has ``cdiv(len_s, block_m)`` tiles, and ``cdiv(a) + cdiv(b) <= cdiv(a + b) +
+    1``, so the segments of ``slots`` slots over ``rows`` rows never need more than
+    ``cdiv(rows, block_m) + slots - 1``; a grid of row tiles x slots (most of whose
+    programs find no rows once several adapters share a batch) would launch
+    ``cdiv(rows, block_m) * slots``."""
+    return triton.cdiv(rows, block_m) + max(slots, 1) - 1
+
+
+@triton.jit
+def _tile_of(pid, len_ptr, S, BM: tl.constexpr, SP: tl.constexpr):
+    """Row tile ``pid`` of the launch as (slot, tile within the slot's segment): the tiles of
+    slot 0's segment first, then slot 1's, ...; a ``pid`` past the last is slot ``S``."""
+    s = tl.arange(0, SP)
+    tiles = (tl.load(len_ptr + s, mask=s < S, other=0) + BM - 1) // BM
+    slot = tl.sum((tl.cumsum(tiles, axis=0) <= pid).to(tl.int32), axis=0)
+    before = tl.sum(tl.where(s < slot, tiles, 0), axis=0)
+    return slot, pid - before
+
+
 @triton.jit
 def _segment(
-    rows_ptr, start_ptr, len_ptr, rank_ptr, slot, pid_m, R, BM: tl.constexpr, HAS_RANK: tl.constexpr
+    rows_ptr,
+    start_ptr,
+    len_ptr,
+    rank_ptr,
+    pid,
+    S,
+    R,
+    BM: tl.constexpr,
+    SP: tl.constexpr,
+    HAS_RANK: tl.constexpr,
 ):
-    """This program's rows (int64), their mask, its slot's rank, and whether it has no work."""
-    seg_len = tl.load(len_ptr + slot)
+    """Row tile ``pid``'s slot, its rows (int64), their mask, the slot's rank, and whether the
+    program has no work (past the last tile, or a slot of rank 0)."""
+    slot, pid_m = _tile_of(pid, len_ptr, S, BM, SP)
+    past = slot >= S
+    slot = tl.minimum(slot, S - 1)  # a program past the last tile reads slot S-1, then exits
+    seg_len = tl.where(past, 0, tl.load(len_ptr + slot))
     if HAS_RANK:
         rank = tl.minimum(tl.load(rank_ptr + slot), R)
     else:
@@ -225,7 +264,7 @@ def _segment(
     m_ok = m < seg_len
     rows = tl.load(rows_ptr + tl.load(start_ptr + slot) + m, mask=m_ok, other=0).to(tl.int64)
     idle = (pid_m * BM >= seg_len) | (rank <= 0)
-    return rows, m_ok, rank, idle
+    return slot, rows, m_ok, rank, idle
 
 
 @triton.jit
@@ -245,9 +284,11 @@ def _shrink_kernel(
     rank_ptr,
     K,
     R,
+    S,
     k_per_split,
     SPLIT_K: tl.constexpr,
     BM: tl.constexpr,
+    SP: tl.constexpr,
     BR: tl.constexpr,
     BK: tl.constexpr,
     HAS_RANK: tl.constexpr,
@@ -256,12 +297,10 @@ def _shrink_kernel(
     PDL: tl.constexpr,
 ):
     _pdl.wait(PDL)  # before the early exit too (pdl.py: the chain)
-    pid_m = tl.program_id(0)
     sl = tl.program_id(1) // SPLIT_K
     split = tl.program_id(1) % SPLIT_K
-    slot = tl.program_id(2)
-    rows, m_ok, rank, idle = _segment(
-        rows_ptr, start_ptr, len_ptr, rank_ptr, slot, pid_m, R, BM, HAS_RANK
+    slot, rows, m_ok, rank, idle = _segment(
+        rows_ptr, start_ptr, len_ptr, rank_ptr, tl.program_id(0), S, R, BM, SP, HAS_RANK
     )
     if idle:
         return
@@ -357,18 +396,18 @@ def _expand_kernel(
     stride_ss,
     stride_si,
     R,
+    S,
     BM: tl.constexpr,
+    SP: tl.constexpr,
     BN: tl.constexpr,
     BR: tl.constexpr,
     HAS_RANK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _pdl.wait(PDL)  # before the early exit too (pdl.py: the chain)
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.program_id(2)
-    rows, m_ok, rank, idle = _segment(
-        rows_ptr, start_ptr, len_ptr, rank_ptr, slot, pid_m, R, BM, HAS_RANK
+    slot, rows, m_ok, rank, idle = _segment(
+        rows_ptr, start_ptr, len_ptr, rank_ptr, tl.program_id(0), S, R, BM, SP, HAS_RANK
     )
     if idle:
         return
@@ -433,8 +472,10 @@ def _fused_kernel(
     stride_si,
     K,
     R,
+    S,
     n_loop,
     BM: tl.constexpr,
+    SP: tl.constexpr,
     BN: tl.constexpr,
     BR: tl.constexpr,
     BK: tl.constexpr,
@@ -448,11 +489,9 @@ def _fused_kernel(
     ``n_loop`` column tiles of ``BN`` of one slice (``t0``, ``t1``: the slices' groups of
     ``n_loop * BN`` columns)."""
     _pdl.wait(PDL)  # before the early exit too (pdl.py: the chain)
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.program_id(2)
-    rows, m_ok, rank, idle = _segment(
-        rows_ptr, start_ptr, len_ptr, rank_ptr, slot, pid_m, R, BM, HAS_RANK
+    slot, rows, m_ok, rank, idle = _segment(
+        rows_ptr, start_ptr, len_ptr, rank_ptr, tl.program_id(0), S, R, BM, SP, HAS_RANK
     )
     if idle:
         return
@@ -580,7 +619,7 @@ def _shrink(
     split = triton.cdiv(k, k_per_split)
     pad = a_list + [a_list[0]] * (MAX_SLICES - len(a_list))
     use_pdl = _pdl.enabled(x.device, pdl)
-    grid = (triton.cdiv(rows, cfg.block_m), len(a_list) * split, slots)
+    grid = (row_tiles(rows, slots, cfg.block_m), len(a_list) * split)
     _shrink_kernel[grid](
         x,
         x.stride(0),
@@ -593,9 +632,11 @@ def _shrink(
         ranks if ranks is not None else meta.seg_len,
         k,
         rank_max,
+        slots,
         k_per_split,
         SPLIT_K=split,
         BM=cfg.block_m,
+        SP=_slots_pad(slots),
         BR=max(16, triton.next_power_of_2(rank_max)),
         BK=cfg.block_k,
         HAS_RANK=ranks is not None,
@@ -606,6 +647,11 @@ def _shrink(
         num_stages=cfg.num_stages,
         **_pdl.launch_kwargs(use_pdl),
     )
+
+
+def _slots_pad(slots: int) -> int:
+    """The slot count as a power of two (the width of :func:`_tile_of`'s vector; at least 16)."""
+    return max(16, triton.next_power_of_2(slots))
 
 
 class _SliceArgs(NamedTuple):
@@ -698,7 +744,7 @@ def lora_expand_add(
         return y
     stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
     use_pdl = _pdl.enabled(y.device, pdl)
-    grid = (triton.cdiv(rows, cfg.block_m), sa.tiles, slots)
+    grid = (row_tiles(rows, slots, cfg.block_m), sa.tiles)
     _expand_kernel[grid](
         y,
         y.stride(0),
@@ -717,7 +763,9 @@ def lora_expand_add(
         scaling.stride(0),
         stride_si,
         rank_max,
+        slots,
         BM=cfg.block_m,
+        SP=_slots_pad(slots),
         BN=cfg.block_n,
         BR=max(16, triton.next_power_of_2(rank_max)),
         HAS_RANK=ranks is not None,
@@ -808,7 +856,7 @@ def lora_add(
     sa = _slice_args(b_list, offset, offsets, cfg.block_n * cfg.n_loop)
     stride_si = scaling.stride(1) if scaling.dim() == 2 else 0
     use_pdl = _pdl.enabled(y.device, pdl)
-    grid = (triton.cdiv(rows, cfg.block_m), sa.tiles, slots)
+    grid = (row_tiles(rows, slots, cfg.block_m), sa.tiles)
     _fused_kernel[grid](
         y,
         y.stride(0),
@@ -831,8 +879,10 @@ def lora_add(
         stride_si,
         k,
         rank_max,
+        slots,
         cfg.n_loop,
         BM=cfg.block_m,
+        SP=_slots_pad(slots),
         BN=cfg.block_n,
         BR=max(16, triton.next_power_of_2(rank_max)),
         BK=cfg.block_k,

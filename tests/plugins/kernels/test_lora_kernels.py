@@ -380,6 +380,65 @@ def test_fused_add_mixed_slots_rows_and_ranks(rows: int, dtype: torch.dtype) -> 
     _check_y(case, t, _run_add(ref, case, t), "reference")
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_many_slots_whose_segments_span_several_row_tiles(fused: bool) -> None:
+    """Twenty slots (more than the 16 lanes :func:`lora._tile_of` reads at least), segments
+    of 0 to 40 rows (up to three row tiles of 16 each, interleaved in the batch), a slot of
+    rank 0 among them and rows of no adapter: each row tile of the compact row axis finds
+    its slot, and the launch has ``row_tiles`` row programs, not row tiles x slots."""
+    import triton
+
+    slots, rows = 20, 150
+    lengths = [(7 * s) % 41 for s in range(slots)]  # 0, 7, 14, ..., 40, 6, 13, ...
+    slot_of_row = [s for s in range(slots) for _ in range(lengths[s])][:rows]
+    slot_of_row += [-1] * (rows - len(slot_of_row))
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(3)).tolist()
+    widths = [40, 24]
+    case = {
+        "dtype": torch.float32,
+        "rows": rows,
+        "k": 36,
+        "slots": slots,
+        "rank_max": 8,
+        "widths": widths,
+        "ranks": [0 if s == 4 else 1 + s % 8 for s in range(slots)],
+        "offsets": [0, 40],
+        "packed": True,
+        "n_total": sum(widths),
+        "slot_of_row": [slot_of_row[i] for i in order],
+        "x_stride_pad": 0,
+        "per_slice_scaling": False,
+        "split_k": 1,
+        "seed": 11,
+    }
+    t = _make(case)
+    grids: list[tuple[int, ...]] = []
+    get_item = triton.runtime.jit.KernelInterface.__getitem__
+
+    def recorded(kernel, grid):
+        grids.append(tuple(grid))
+        return get_item(kernel, grid)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton.runtime.jit.KernelInterface, "__getitem__", recorded)
+        y = _run_add(lora, case, t, fused=fused)
+    _check_y(case, t, y, f"fused={fused}")
+    block_m = lora.INTERPRETER_TILES[0] if DEVICE == "cpu" else None
+    if block_m is not None:
+        launches = [g for g in grids if len(g) == 2]
+        assert launches and all(g[0] == lora.row_tiles(rows, slots, block_m) for g in launches)
+
+
+@given(
+    lengths=st.lists(st.integers(0, 300), min_size=1, max_size=40),
+    block_m=st.sampled_from([1, 16, 32, 64]),
+)
+def test_row_tiles_cover_every_mix(lengths: list[int], block_m: int) -> None:
+    """However the rows split among the slots, their tiles fit the row axis."""
+    tiles = sum(-(-n // block_m) for n in lengths)
+    assert tiles <= lora.row_tiles(sum(lengths), len(lengths), block_m)
+
+
 @settings(max_examples=10, deadline=None)
 @given(case=batches())
 def test_reference_add_matches_float64(case: dict) -> None:
