@@ -256,10 +256,14 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _profile_step(self, num_seqs: int, num_tokens: int, pages_per_seq: int) -> None:
-        """A KV cache for one made-up step of this shape, and the step (memory profiling)."""
+    def _profile_step(self, num_seqs: int, num_tokens: int, pages_per_seq: int) -> int:
+        """A KV cache for one made-up step of this shape, and the step (memory profiling);
+        returns the bytes that cache took."""
+        before = torch.cuda.memory_allocated(self.device)
         self.init_kv_cache(num_seqs * pages_per_seq)
+        cache_bytes = torch.cuda.memory_allocated(self.device) - before
         self.run_synthetic_step(num_seqs, num_tokens, pages_per_seq)
+        return cache_bytes
 
     def run_synthetic_step(self, num_seqs: int, num_tokens: int, pages_per_seq: int) -> None:
         """Run one step of ``num_seqs`` made-up prompts of ``num_tokens`` tokens (memory profiling).
