@@ -304,12 +304,20 @@ class LoRASlots:
         if self.fused:  # one launch of the fused shrink-expand for every slice (prefills: two)
             self.ops.lora_add(y2, x2, proj.A, proj.B, slots, self.scaling, self.ranks, **meta)
             return y
-        # the default (faster on the H200, docs/lora.md): shrink (split over K where the row
-        # tiles are few, into a zeroed intermediate), then the expand adds into y; a small
-        # step's intermediate is its block of the workspace, zeroed once this step (_prepare)
+        # the default (faster on the H200, docs/lora.md): shrink, then the expand adds into
+        # y. A step over the workspace's rows (a prefill chunk, row tiles enough) shrinks
+        # unsplit into an intermediate of its own, which then needs no memset: the expand
+        # reads only the rows the shrink wrote. A smaller one splits K where its row tiles
+        # are few, into a zeroed intermediate: its block of the workspace, zeroed once this
+        # step (_prepare), or, for a call that must repeat (workspace False), its own
         rows = x2.shape[0]
+        if rows > WORKSPACE_ROWS:
+            self.ops.lora_add(
+                y2, x2, proj.A, proj.B, slots, self.scaling, self.ranks, fused=False, **meta
+            )
+            return y
         into: dict[str, Any] = {}
-        if workspace and self.workspace is not None and rows <= WORKSPACE_ROWS:
+        if workspace and self.workspace is not None:
             into = {"out": self.workspace[:rows, proj.index, : proj.width], "zeroed": True}
         h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks, **meta, **into)
         self._expand(y, h, proj)
@@ -400,7 +408,7 @@ class LoRASlots:
             self.ops.lora_meta(self.slot_of_row, self.max_loras, out=self.meta)
         # the rows this step's shrinks add into (a captured batch pads past them with rows of
         # slot -1, which no shrink writes and no expand reads): one memset for every projection.
-        # A step of more rows runs eagerly with more rows than the workspace: it zeroes its own.
+        # A step of more rows shrinks unsplit into intermediates of its own: no memset at all.
         if self.workspace is not None and rows <= WORKSPACE_ROWS:
             self.workspace[:rows].zero_()
 
