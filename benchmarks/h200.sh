@@ -234,7 +234,8 @@ for _ in range(2):
     # them under /tmp/vsite once all are there (until then this case says which are missing), with the
     # wheels of .vx/ (added after the parts were made: vllm serve's model-hosting-container-standards,
     # loguru for vLLM's fp8 quantization; benchmarks/vllm_download.sh lists both now).
-    # VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec (docs/benchmarks.md).
+    # VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec
+    # multiturn lora1 lora8 moe-nano moe-single (docs/benchmarks.md).
     # issue 29: kernel by kernel, one step of each engine on the same requests (benchmarks/kernel_profile.py);
     # PROFILE_ARGS: more flags for every row (e.g. "--lora-adapters 1", with PEER_OFF=1)
     # PROFILE_ROWS "nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b"
@@ -273,8 +274,11 @@ for _ in range(2):
             # leaves the prefix allocator's column out (1,200 turns take about 4 minutes a column)
             multiturn) vrun vllm-multiturn online --workload multiturn --num-requests ${MT_N:-240} \
                 --matrix ${MT_MATRIX:-+prefix,+tiered} --kv-offloading-size 64 --repeats ${MT_REPEATS:-1} ;;
-            # issue 47: requests over 8 random rank-16 adapters on both sides (vLLM --enable-lora)
+            # issue 47: requests over 8 random rank-16 adapters (lora1: every request the same
+            # one) on both sides (vLLM --enable-lora); with `nano` in the same call, each engine's
+            # LoRA rows against its own base
             lora8) vrun vllm-lora8 offline --workload nano --kernels fused --lora-adapters 8 --repeats $R ;;
+            lora1) vrun vllm-lora1 offline --workload nano --kernels fused --lora-adapters 1 --repeats $R ;;
             # issue 48: the MoE preset on both sides
             moe-nano) vrun vllm-moe-nano offline --workload nano --model dummy:qwen3-30b-a3b --kernels fused --repeats $R ;;
             moe-single) vrun vllm-moe-single offline --workload single --model dummy:qwen3-30b-a3b --kernels fused --repeats 3 ;;
@@ -288,7 +292,7 @@ for _ in range(2):
               vrun vllm-spec offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl \
                 --max-batch-size 1 --max-prefill-batch 1 --speculative ngram --num-speculative-tokens 4 --repeats ${SPEC_REPEATS:-3} \
                 --peer-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ;;
-            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn lora8 moe-nano moe-single)" ;;
+            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn lora1 lora8 moe-nano moe-single)" ;;
           esac
         done
         ls "$OUT"/vllm-*.json >/dev/null 2>&1 && python3 benchmarks/peer_table.py "$OUT"/vllm-*.json
