@@ -106,23 +106,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return folders
 
 
-@pytest.mark.parametrize(
-    ("kernel", "workspace_rows"), [("fused", None), ("shrink_expand", None), ("shrink_expand", 16)]
-)
+@pytest.mark.parametrize("kernel", ["fused", "shrink_expand"])
 def test_launches_per_lora_projection_and_layer(
-    tiny: dict[str, Path],
-    launches,
-    kernel: str,
-    workspace_rows: int | None,
-    monkeypatch: pytest.MonkeyPatch,
+    tiny: dict[str, Path], launches, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``lora.kernel=fused``: one launch a LoRA'd projection, no torch op; the default
     ``shrink_expand``: a shrink and an expand (two; the workspace they share is zeroed once
-    a step, outside the projections), measured faster on the H200. ``workspace_rows`` 16:
-    the first step's 33 prompt rows are over the workspace, as a prefill chunk is: its
-    shrinks go unsplit into intermediates of their own, still no memset in the hook."""
-    if workspace_rows is not None:
-        monkeypatch.setattr(lora_slots, "WORKSPACE_ROWS", workspace_rows)
+    a step, outside the projections), measured faster on the H200. The workspace holds 16
+    rows here: the first step's 33 prompt rows are over it, as a prefill chunk is, and its
+    shrinks go unsplit into intermediates of their own, still with no memset in the hook;
+    the decode steps' 4 rows shrink into the workspace."""
+    monkeypatch.setattr(lora_slots, "WORKSPACE_ROWS", 16)
     max_tokens = 3
     llm = LLM(
         str(tiny["base"]),
