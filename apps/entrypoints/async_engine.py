@@ -479,17 +479,19 @@ class AsyncLLM:
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Each output to the listeners (the server's metrics), then to its request's stream:
+        a client that has read a request's last output finds it counted in ``/metrics``."""
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-            if stream is not None and not stream._push(out) and not out.finished:
-                self._apply_abort(out.request_id)  # its reader is gone
             for listener in self._listeners:
                 try:
                     listener(out)
                 except Exception:  # noqa: BLE001
                     log.exception("output listener %r failed", listener)
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            if stream is not None and not stream._push(out) and not out.finished:
+                self._apply_abort(out.request_id)  # its reader is gone
 
     def _take_snapshot(self) -> EngineSnapshot:
         engine = self.engine

@@ -104,6 +104,28 @@ def test_many_concurrent_requests_all_finish(allm: AsyncLLM) -> None:
     assert _all_pages_free(allm)
 
 
+def test_listeners_count_an_output_before_its_stream_gets_it(allm: AsyncLLM) -> None:
+    """The server's metrics are an output listener: a client that has read a request's last
+    output must find it counted (before, the stream got it first, and a slow listener, or a
+    busy machine, let a client read ``/metrics`` without it)."""
+    counted: list[str] = []
+
+    def slow_listener(out) -> None:
+        if out.finished:
+            time.sleep(0.2)
+            counted.append(out.request_id)
+
+    allm.add_output_listener(slow_listener)
+
+    async def main() -> bool:
+        async for out in allm.generate("Hello there", greedy(3)):
+            if out.finished:
+                return out.request_id in counted
+        return False
+
+    assert asyncio.run(main())
+
+
 def test_invalid_request_fails_alone(allm: AsyncLLM) -> None:
     async def main() -> None:
         good = await allm.add_request("a good prompt", greedy(6, ignore_eos=True))

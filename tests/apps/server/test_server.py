@@ -236,6 +236,7 @@ def test_stop_and_sampling_options(client: openai.OpenAI) -> None:
 
 
 def test_64_concurrent_streams_and_metrics(server: Server) -> None:
+    server.wait_all_pages_free(within=60)  # nothing of an earlier test still running
     before = server.metrics()
     n, max_tokens = 64, 8
 
