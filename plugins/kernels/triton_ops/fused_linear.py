@@ -254,12 +254,12 @@ def tile_candidates(
     (:func:`choose_config`), up to 64 rows the same tile with :func:`balanced_split`'s K
     split, then for 65..256 rows of bf16/fp16 the :data:`WIDE_TILES`, each with its K split
     by the table's rule; the fused layer times them (``layer_choice.py``).
-    ``lora_rank`` (a LoRA delta inside, its ``rank_max``; 0: none): gate-up's wide tiles over a K step of 64, and up to 64
-    rows of bf16/fp16 also tiles 128 and 256 columns wide, which load A's rank rows beside
-    two and four times the weight rows (``R / BLOCK_N`` of the weight's bytes: a half and a
-    quarter of the 64-column tile's), each with the table's K split and the balanced one;
-    every shape's K split is cut where its partials and the LoRA's ``h`` would not fit the
-    workspace (:func:`fit_lora_split`)."""
+    ``lora_rank`` (a LoRA delta inside, its ``rank_max``; 0: none): gate-up's wide tiles over
+    a K step of 64, and up to 64 rows of bf16/fp16 also tiles 128 and 256 columns wide, which
+    load A's rank rows beside two and four times the weight rows (``R / BLOCK_N`` of the
+    weight's bytes: a half and a quarter of the 64-column tile's), each with the table's K
+    split and the balanced one; every shape's K split is cut where its partials and the
+    LoRA's ``h`` would not fit the workspace (:func:`fit_lora_split`)."""
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if m <= 64:  # the table's tile with its work spread evenly over the SMs
         configs.append(balanced_split(configs[0], m, n, k, gate_up, num_sms))

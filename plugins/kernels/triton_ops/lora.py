@@ -41,8 +41,9 @@ static: ``(row_tiles(T, slots, BLOCK_M), tiles)`` for any mix. Row program ``p``
 tile, or of a slot of rank 0, exits at once. The row axis needs at most
 ``cdiv(T, BLOCK_M) + slots - 1`` programs for any mix (:func:`row_tiles`), where a grid of
 row tiles x slots would launch ``cdiv(T, BLOCK_M) * slots``, most of which find no rows
-when 8 adapters share a 2,048-token prefill chunk. So ``lora_meta`` and the LoRA launches capture in a CUDA graph at a batch size
-``T``, and replays serve any adapter mix written into the same ``slot_of_row`` buffer. The
+when 8 adapters share a 2,048-token prefill chunk. So ``lora_meta`` and the LoRA launches
+capture in a CUDA graph at a batch size ``T``, and replays serve any adapter mix written
+into the same ``slot_of_row`` buffer. The
 per-row slot stays the interface (easy for the runner; one H2D copy into a static
 buffer), the grouping is an implementation detail computed once per step and shared by
 every LoRA launch of every layer (pass ``meta=``).
@@ -550,6 +551,12 @@ def _slices(w: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.T
     return ws
 
 
+def _lanes(n: int) -> int:
+    """A block dimension for ``n`` ranks or slots: a power of two, at least 16 (``tl.dot``'s
+    least, and the width of :func:`_tile_of`'s vector of slots)."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def _check_rows(slot_of_row: torch.Tensor, rows: int, meta: LoRAMeta | None, slots: int):
     assert slot_of_row.shape == (rows,), f"slot_of_row: [{rows}], not {tuple(slot_of_row.shape)}"
     return meta if meta is not None else lora_meta(slot_of_row, slots)
@@ -636,8 +643,8 @@ def _shrink(
         k_per_split,
         SPLIT_K=split,
         BM=cfg.block_m,
-        SP=_slots_pad(slots),
-        BR=max(16, triton.next_power_of_2(rank_max)),
+        SP=_lanes(slots),
+        BR=_lanes(rank_max),
         BK=cfg.block_k,
         HAS_RANK=ranks is not None,
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32,
@@ -647,11 +654,6 @@ def _shrink(
         num_stages=cfg.num_stages,
         **_pdl.launch_kwargs(use_pdl),
     )
-
-
-def _slots_pad(slots: int) -> int:
-    """The slot count as a power of two (the width of :func:`_tile_of`'s vector; at least 16)."""
-    return max(16, triton.next_power_of_2(slots))
 
 
 class _SliceArgs(NamedTuple):
@@ -765,9 +767,9 @@ def lora_expand_add(
         rank_max,
         slots,
         BM=cfg.block_m,
-        SP=_slots_pad(slots),
+        SP=_lanes(slots),
         BN=cfg.block_n,
-        BR=max(16, triton.next_power_of_2(rank_max)),
+        BR=_lanes(rank_max),
         HAS_RANK=ranks is not None,
         PDL=use_pdl,
         num_warps=cfg.num_warps,
@@ -882,9 +884,9 @@ def lora_add(
         slots,
         cfg.n_loop,
         BM=cfg.block_m,
-        SP=_slots_pad(slots),
+        SP=_lanes(slots),
         BN=cfg.block_n,
-        BR=max(16, triton.next_power_of_2(rank_max)),
+        BR=_lanes(rank_max),
         BK=cfg.block_k,
         HAS_RANK=ranks is not None,
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32,
