@@ -16,7 +16,10 @@ weights the step must read, each distinct expert hit once: ``hit * 3 * H * F`` e
   :func:`~pitstop.plugins.kernels.triton_ops.moe_tiles.fewest_launches` (three launches at
   T 1..4, four up to 128 flat rows), measured slower on an H100 on 2026-12-05;
 - ``split<N>`` (``--split N``, repeatable): the tuned tiles with ``split_k`` N (a split
-  gate-up keeps the grouped down and the slot sum).
+  gate-up keeps the grouped down and the slot sum);
+- ``cand<i>`` (``--candidates``): every tile config the autotune times for the batch
+  (:func:`~pitstop.plugins.kernels.triton_ops.moe_tiles.candidates`, in its order), each
+  with the default plan: what the autotune chose from, one row each.
 
 Each row gives its kernel launches (memsets not counted) and its max difference from the
 ``tuned`` row's output over the output's max magnitude (split-K and the token-major
@@ -29,6 +32,7 @@ Usage::
     python benchmarks/moe_bench.py --fp8 --batch 1 --batch 256
     python benchmarks/moe_bench.py --batch 1 --split 2 --split 4 --split 8 --split 16
     python benchmarks/moe_bench.py --batch 1 --batch 8 --kernels   # each row's kernels too
+    python benchmarks/moe_bench.py --batch 1 --candidates          # every candidate's time
     python benchmarks/moe_bench.py --device cpu          # tiny shapes in Triton's interpreter:
                                                          # checks the script, measures nothing
 """
@@ -58,6 +62,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also the tuned tiles with this split_k (a row 'split<N>')")  # fmt: skip
     p.add_argument("--kernels", action="store_true",
                    help="CUDA: also each row's kernels, microseconds a call from the profiler")  # fmt: skip
+    p.add_argument("--candidates", action="store_true",
+                   help="also every tile config the autotune times (rows 'cand<i>')")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -113,12 +119,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         fewest = moe_tiles.fewest_launches(t, top_k, tuned)
         if fewest != configs["tuned"][1]:
             configs["fewest"] = (tuned, fewest)
+        if args.candidates and dev.type == "cuda":
+            for i, cfg in enumerate(moe_tiles.candidates(t, e, top_k, x.dtype)):
+                configs[f"cand{i}"] = (cfg, moe_tiles.launch_plan(t, top_k, cfg))
         for n in args.split:
             split = tuned._replace(split_k=n)
             configs[f"split{n}"] = (split, moe_tiles.launch_plan(t, top_k, split))
         base = run(tuned)
         for name, (cfg, plan) in configs.items():
-            seconds = _time(dev, lambda cfg=cfg, plan=plan: run(cfg, plan))
+            try:
+                seconds = _time(dev, lambda cfg=cfg, plan=plan: run(cfg, plan))
+            except Exception as err:  # noqa: BLE001 - a candidate that cannot run (shared memory)
+                print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} did not run: {str(err)[:80]}")
+                continue
             out = run(cfg, plan)
             diff = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
             rate = nbytes / seconds

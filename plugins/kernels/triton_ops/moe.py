@@ -40,22 +40,31 @@ zero, as step 5, and rounded once into ``out``: no ``y``. Its tiles are a fixed 
 slot's float32 dot is exact (small integers, power-of-two scales and weights: a test);
 otherwise they differ only by the order of each dot's float32 sum over ``F`` (products of
 16-bit or e4m3 operands are exact in float32; float32 activations' are rounded), so they
-agree within rounding, not bit for bit. A split gate-up (``split_k`` > 1) keeps steps 4 + 5.
+agree within rounding, not bit for bit.
 
-Split-K (``MoEConfig.split_k``, issue 48; grouped down and slot sum at every batch): at
-decode the grids are too small to stream the experts at HBM rate (batch 1 of
-Qwen3-30B-A3B: 8 row blocks x 12 column tiles = 96 gate-up programs on 132 SMs, each
-walking K = 2048 alone), so each GEMM can split its K into runs of whole ``BLOCK_K``
-chunks (:func:`effective_split`: at most ``split_k``, none empty; a grid dimension ``s``),
-with no float atomics:
+Orientation (:func:`.moe_tiles.swap_ab`): blocks of at most 32 token rows (every decode
+tile) run their K loop "swap AB", ``acc[BLOCK_N, BLOCK_M] = w[n, k] @ a[rows, k].T``, so
+that the weight rows fill the M side of Hopper's warpgroup MMA (64 rows) and the few token
+rows its N side (down to 8), as the fused linear ops do; with 16 token rows on the M side
+Triton compiles ``mma.sync`` instead of ``wgmma`` (sm_90 compiles of both). The tile is
+transposed back before the epilogue, so the two orientations differ in nothing else.
 
-- gate-up, ``S`` splits > 1: no epilogue; split ``s`` stores its float32 gate and up sums,
-  unscaled, to ``g [S, T*k, 2F]`` (``[s, row, n]`` and ``[s, row, F + n]``). The down GEMM
-  builds its A operand from them at each K step: gate and up summed over ``s = 0..S-1`` in
-  order, times their columns' fp8 scales, then the epilogue's ``silu(g) * u`` and rounding
-  to ``x``'s dtype, the same float32 expression as the unsplit epilogue's; then its
-  ``tl.dot``. ``S`` = 1 keeps ``h [T*k, F]`` and the epilogue. (Triton stages those float32
-  partials in shared memory, so that GEMM runs at most 2 stages: :func:`down_stages`.)
+Split-K (``MoEConfig.split_k``, issue 48): at decode the grids are too small to stream the
+experts at HBM rate (batch 1 of Qwen3-30B-A3B: 8 row blocks x 12 column tiles = 96
+gate-up programs on 132 SMs, each walking K = 2048 alone), so each GEMM can split its K
+into runs of whole ``BLOCK_K`` chunks (:func:`effective_split`: at most ``split_k``, none
+empty; a grid dimension ``s``), with no float atomics:
+
+- gate-up, ``S`` splits > 1 (:func:`gate_up_split`): split ``s`` stores its float32 gate and
+  up sums, unscaled, to its own slice of ``g [S, T*k, 2F]`` (``[s, row, n]`` and ``[s,
+  row, F + n]``) and counts itself in its tile's arrival counter; the program that arrives
+  last sums the ``S`` slices in split order (so the bits do not depend on which one that
+  is), runs the unsplit epilogue (scales, ``silu(g) * u``, one rounding into ``h``) and
+  zeroes the counter, so every finished launch leaves the counters zero (no memset: CUDA-
+  graph safe). The counters and the memory ordering are the fused linear ops' split-K
+  (:func:`.fused_linear.workspace`, one atomic ``acq_rel`` add a program; nothing waits on
+  another program). Before 2026-12-06 the down GEMM summed the slices instead, at each of
+  its K steps and in each of its column tiles: every split lost on the H200.
 - down, ``S'`` splits (of ``F``): split ``s`` stores ``rw * (its partial)`` to
   ``y [S', T*k, H]``; the k-slot sum adds, per slot in order, its splits in order:
   ``out[t] = sum_j sum_s y[s, t*k + j]``, one rounding.
@@ -73,7 +82,7 @@ fp8 experts (``scales`` given): ``gate_up`` and ``down`` are e4m3 with one float
 per output row; the GEMMs are weight-only, as the ``fp8`` format's skinny GEMM: each
 weight tile is widened to the activations' dtype in registers (exact) and the float32
 accumulators are multiplied by their columns' scales before the epilogue (a split
-gate-up's: after the sum over splits, at the down GEMM's load), so a step
+gate-up's: after the sum over splits), so a step
 reads half the expert bytes of bf16 and the activations are not rounded to fp8.
 
 Reduction: the deterministic sum over the k slots (and splits) (5) rather than float32
@@ -83,8 +92,8 @@ zeroed buffer (a memset per call). The cost (none under the token-major down, wh
 no ``y``) is ``y``'s float32 round trip, ``T*k*H*8``
 bytes (decode: tens of KB; 2048 tokens of Qwen3-30B-A3B: 268 MB, ~60 us at HBM speed,
 beside ~0.4 ms of GEMMs), times the down's splits (decode only: hundreds of KB at most),
-plus ``g``'s ``S * T*k * 2F * 8`` with a split gate-up. Rounding: products of the
-activation dtype accumulated in float32; SiLU·mul and the weight product in float32;
+plus ``g``'s ``S * T*k * 2F * 8`` with a split gate-up (decode only). Rounding: products of
+the activation dtype accumulated in float32; SiLU·mul and the weight product in float32;
 ``h`` and ``out`` are the only roundings (transformers rounds every intermediate to the
 activation dtype).
 
@@ -92,10 +101,10 @@ Tiles (:func:`choose_config`; the configs, plan and cache live in :mod:`.moe_til
 short autotune at the first call of a shape bucket
 (``T`` rounded up to a power of two, with ``E``, ``k``, ``H``, ``F``), timing a handful of
 :class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`.tuning.time_replays`;
-split-K is not a candidate: it lost at every measured decode batch; the timed calls run the
-default plan, so the config's tiles time both grouped GEMMs); the winner
-is cached in memory and on disk (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or
-``~/.cache/pitstop/moe``, keyed by the bucket, dtype, device name and Triton version).
+decode buckets also time splits of 2 and 4; the timed calls run the default plan, so the
+config's tiles time both grouped GEMMs); the winner is cached in memory and on disk
+(:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
+the bucket, dtype, device name, Triton version and :data:`.moe_tiles.KERNEL_REVISION`).
 Where timing is impossible (Triton's interpreter, or a CUDA graph being captured) and the
 bucket is not cached, :func:`heuristic_config` decides, and that is logged once per
 reason. Entries cached before split-K (5 fields) read as ``split_k`` 1.
@@ -111,6 +120,7 @@ import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops import tuning
+from pitstop.plugins.kernels.triton_ops.fused_linear import NUM_COUNTERS, workspace
 from pitstop.plugins.kernels.triton_ops.moe_routing import (
     Grouping,
     align,
@@ -126,10 +136,10 @@ from pitstop.plugins.kernels.triton_ops.moe_tiles import (
     candidates,
     config_key,
     default_cache,
-    down_stages,
     effective_split,
     known_config,
     launch_plan,
+    swap_ab,
     token_major_tiles,
 )
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
@@ -178,15 +188,124 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
+@triton.jit
+def _k_loop_rows(
+    a_ptr,
+    a_rows,
+    stride_am,
+    w_base,
+    u_offset,
+    k_lo,
+    k_hi,
+    K,
+    GATE_UP: tl.constexpr,
+    W_SCALED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The K loop with the token rows as the MMA's M side: ``acc[BLOCK_M, BLOCK_N] +=
+    a[rows, k] @ w[n, k].T`` (and ``acc_u`` over the up rows ``u_offset`` further on);
+    ``w_base`` the ``[1, BLOCK_N]`` pointers of the tile's weight rows."""
+    kk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + kk
+        if EVEN_K:
+            a = tl.load(a_base + k[None, :])
+            w = tl.load(w_base + k[:, None])
+        else:
+            a = tl.load(a_base + k[None, :], mask=(k < K)[None, :], other=0.0)
+            w = tl.load(w_base + k[:, None], mask=(k < K)[:, None], other=0.0)
+        if W_SCALED:
+            w = w.to(a.dtype)
+        acc = _dot(a, w, acc, UPCAST, DOT_PRECISION)
+        if GATE_UP:
+            if EVEN_K:
+                u = tl.load(w_base + u_offset + k[:, None])
+            else:
+                u = tl.load(w_base + u_offset + k[:, None], mask=(k < K)[:, None], other=0.0)
+            if W_SCALED:
+                u = u.to(a.dtype)
+            acc_u = _dot(a, u, acc_u, UPCAST, DOT_PRECISION)
+    return acc, acc_u
+
+
+@triton.jit
+def _k_loop_swapped(
+    a_ptr,
+    a_rows,
+    stride_am,
+    w_base,
+    u_offset,
+    k_lo,
+    k_hi,
+    K,
+    GATE_UP: tl.constexpr,
+    W_SCALED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The K loop "swap AB": the weight rows as the MMA's M side, ``acc[BLOCK_N, BLOCK_M] +=
+    w[n, k] @ a[rows, k].T`` (a warpgroup's 64 rows of Hopper's MMA are weight rows, the
+    few token rows its N side), returned transposed to ``[BLOCK_M, BLOCK_N]`` as
+    :func:`_k_loop_rows`'s; ``w_base`` the ``[BLOCK_N, 1]`` pointers of the weight rows."""
+    kk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + a_rows.to(tl.int64)[None, :] * stride_am
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + kk
+        if EVEN_K:
+            a = tl.load(a_base + k[:, None])
+            w = tl.load(w_base + k[None, :])
+        else:
+            a = tl.load(a_base + k[:, None], mask=(k < K)[:, None], other=0.0)
+            w = tl.load(w_base + k[None, :], mask=(k < K)[None, :], other=0.0)
+        if W_SCALED:
+            w = w.to(a.dtype)
+        acc = _dot(w, a, acc, UPCAST, DOT_PRECISION)
+        if GATE_UP:
+            if EVEN_K:
+                u = tl.load(w_base + u_offset + k[None, :])
+            else:
+                u = tl.load(w_base + u_offset + k[None, :], mask=(k < K)[None, :], other=0.0)
+            if W_SCALED:
+                u = u.to(a.dtype)
+            acc_u = _dot(u, a, acc_u, UPCAST, DOT_PRECISION)
+    return tl.trans(acc), tl.trans(acc_u)
+
+
+@triton.jit
+def _silu_mul_store(acc, acc_u, s_base, NOUT, out, mask, W_SCALED: tl.constexpr):
+    """The gate-up epilogue: both sums times their columns' scales (``W_SCALED``: ``s_base``
+    the gate columns' scale pointers), ``silu(g) * u`` in float32, one rounding into ``out``."""
+    if W_SCALED:
+        acc = acc * tl.load(s_base)[None, :]
+        acc_u = acc_u * tl.load(s_base + NOUT)[None, :]
+    acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+    dt: tl.constexpr = out.dtype.element_ty
+    tl.store(out, _rounded(acc, dt).to(dt), mask=mask)
+
+
 @triton.jit(do_not_specialize=["N"])
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,
     out_ptr,
+    part_ptr,
+    counters_ptr,
     rw_ptr,
     ws_ptr,
-    as_ptr,
-    act_ptr,
     sorted_ptr,
     expert_ids_ptr,
     total_ptr,
@@ -195,19 +314,18 @@ def _grouped_gemm_kernel(
     K,
     K_PER_SPLIT,
     stride_am,
-    stride_as,
     stride_we,
     stride_wn,
     stride_om,
     stride_os,
+    stride_ps,
     stride_se,
-    stride_ase,
     TOPK: tl.constexpr,
     GATE_UP: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    A_SPLITS: tl.constexpr,
     W_SCALED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -219,18 +337,19 @@ def _grouped_gemm_kernel(
 
     Program ``(b, n, s)``: row block ``b``, columns ``n``, ``K`` range ``[s * K_PER_SPLIT,
     (s + 1) * K_PER_SPLIT)`` (``K_PER_SPLIT`` a multiple of ``BLOCK_K``; no split is empty).
+    ``SWAP_AB``: the K loop with the weight rows as the MMA's M side (few rows a block).
 
-    ``GATE_UP``: ``a`` is ``x [T, H]`` read at token ``row // TOPK``; ``w [E, 2F, H]``. With
-    ``SPLIT_K == 1`` the output is ``silu(a @ w[e, n].T) * (a @ w[e, F + n].T)`` rounded into
-    ``h [T*k, F]``; with ``SPLIT_K > 1`` the float32 partial gate and up sums (unscaled, no
-    epilogue) go to ``g [SPLIT_K, T*k, 2F]`` at ``[s, row, n]`` and ``[s, row, F + n]``.
-    Else ``a`` is ``h [T*k, F]`` read at ``row`` (``A_SPLITS == 0``) or the gate-up partials
-    ``g [A_SPLITS, T*k, 2F]`` (``A_SPLITS > 0``: summed over splits in order, scaled by
-    ``as [E, 2F]`` if ``W_SCALED``, SiLU·mul'd and rounded to ``act``'s dtype exactly as the
-    gate-up epilogue does), ``w [E, H, F]``; the output the float32 ``rw[row] * (a @ w[e, n].T)``
-    (this split's part) into ``y [SPLIT_K, T*k, H]``. ``N = T * k`` (also the sentinel).
-    ``W_SCALED``: ``w`` is e4m3, widened to the activations' dtype per tile; the
-    accumulators are multiplied by the row scales ``ws [E, NOUT or 2F]`` of their columns.
+    ``GATE_UP``: ``a`` is ``x [T, H]`` read at token ``row // TOPK``; ``w [E, 2F, H]``; the
+    output ``silu(a @ w[e, n].T) * (a @ w[e, F + n].T)`` rounded into ``h [T*k, F]``. With
+    ``SPLIT_K > 1`` each split stores its float32 gate and up sums to its own slice of
+    ``part [SPLIT_K, T*k, 2F]`` (``stride_ps`` a split), then counts itself in the tile's
+    arrival counter; the last to arrive sums the slices in split order and runs the epilogue
+    (module doc), then zeroes the counter. Else ``a`` is ``h [T*k, F]`` read at ``row``,
+    ``w [E, H, F]``, and this split's float32 ``rw[row] * (a @ w[e, n].T)`` goes to
+    ``y [SPLIT_K, T*k, H]`` (``stride_os`` a split), which the slot sum adds up.
+    ``N = T * k`` (also the sentinel). ``W_SCALED``: ``w`` is e4m3, widened to the
+    activations' dtype per tile; the accumulators are multiplied by the row scales
+    ``ws [E, NOUT or 2F]`` of their columns.
     """
     _pdl.wait(PDL)  # the grouping and the activations come from the kernels before
     b = tl.program_id(0)
@@ -246,108 +365,52 @@ def _grouped_gemm_kernel(
     else:
         a_rows = tl.where(valid, rows, 0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
-    w_base = w_ptr + e * stride_we + tl.minimum(n, NOUT - 1).to(tl.int64)[None, :] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_rows = w_ptr + e * stride_we + tl.minimum(n, NOUT - 1).to(tl.int64) * stride_wn
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + kk
-        if A_SPLITS > 0:
-            a = _silu_mul_of_partials(
-                a_base,
-                valid,
-                as_ptr + e * stride_ase,
-                stride_as,
-                k,
-                K,
-                act_ptr,
-                A_SPLITS,
-                W_SCALED,
-                BLOCK_M,
-                BLOCK_K,
-            )
-        elif EVEN_K:
-            a = tl.load(a_base + k[None, :])
-        else:
-            a = tl.load(a_base + k[None, :], mask=(k < K)[None, :], other=0.0)
-        if EVEN_K:
-            w = tl.load(w_base + k[:, None])
-        else:
-            w = tl.load(w_base + k[:, None], mask=(k < K)[:, None], other=0.0)
-        if W_SCALED:
-            w = w.to(a.dtype)
-        acc = _dot(a, w, acc, UPCAST, DOT_PRECISION)
-        if GATE_UP:
-            if EVEN_K:
-                u = tl.load(w_base + NOUT * stride_wn + k[:, None])
-            else:
-                u = tl.load(
-                    w_base + NOUT * stride_wn + k[:, None], mask=(k < K)[:, None], other=0.0
-                )
-            if W_SCALED:
-                u = u.to(a.dtype)
-            acc_u = _dot(a, u, acc_u, UPCAST, DOT_PRECISION)
+    if SWAP_AB:
+        acc, acc_u = _k_loop_swapped(
+            a_ptr, a_rows, stride_am, w_rows[:, None], NOUT * stride_wn, k_lo, k_hi, K,
+            GATE_UP, W_SCALED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        acc, acc_u = _k_loop_rows(
+            a_ptr, a_rows, stride_am, w_rows[None, :], NOUT * stride_wn, k_lo, k_hi, K,
+            GATE_UP, W_SCALED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
     _pdl.launch_dependents(PDL)
     mask = valid[:, None] & (n < NOUT)[None, :]
-    out = (
-        out_ptr
-        + pid_k.to(tl.int64) * stride_os
-        + rows.to(tl.int64)[:, None] * stride_om
-        + n[None, :]
-    )
-    if GATE_UP and SPLIT_K > 1:
-        tl.store(out, acc, mask=mask)  # partial sums: scale and SiLU·mul at the down's load
-        tl.store(out + NOUT, acc_u, mask=mask)
+    row_offsets = rows.to(tl.int64)[:, None] * stride_om + n[None, :]
+    s_base = ws_ptr + e * stride_se + tl.minimum(n, NOUT - 1)
+    if GATE_UP:
+        if SPLIT_K == 1:
+            _silu_mul_store(acc, acc_u, s_base, NOUT, out_ptr + row_offsets, mask, W_SCALED)
+        else:
+            # the partials' row layout is h's over 2F columns: gate at n, up at F + n
+            part = part_ptr + rows.to(tl.int64)[:, None] * (2 * NOUT) + n[None, :]
+            tl.store(part + pid_k.to(tl.int64) * stride_ps, acc, mask=mask)
+            tl.store(part + pid_k.to(tl.int64) * stride_ps + NOUT, acc_u, mask=mask)
+            # every thread's stores before the one thread's release (fused_linear's ordering)
+            tl.debug_barrier()
+            counter = counters_ptr + b * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last split of this tile: every partial is visible
+                tl.debug_barrier()  # the acquire (one thread) before every thread's loads
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                p = part
+                for _ in tl.static_range(SPLIT_K):  # split order: bits independent of arrival
+                    acc += tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+                    acc_u += tl.load(p + NOUT, mask=mask, other=0.0, cache_modifier=".cg")
+                    p += stride_ps
+                _silu_mul_store(acc, acc_u, s_base, NOUT, out_ptr + row_offsets, mask, W_SCALED)
+                tl.store(counter, 0)  # zero again for the next launch (or graph replay)
     else:
         if W_SCALED:
-            s_base = ws_ptr + e * stride_se + tl.minimum(n, NOUT - 1)
             acc = acc * tl.load(s_base)[None, :]
-            if GATE_UP:
-                acc_u = acc_u * tl.load(s_base + NOUT)[None, :]
-        if GATE_UP:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_u
-            dt: tl.constexpr = out_ptr.dtype.element_ty
-            tl.store(out, _rounded(acc, dt).to(dt), mask=mask)
-        else:
-            rw = tl.load(rw_ptr + rows, mask=valid, other=0.0).to(tl.float32)
-            tl.store(out, acc * rw[:, None], mask=mask)
-
-
-@triton.jit
-def _silu_mul_of_partials(
-    g_base,
-    valid,
-    s_base,
-    stride_gs,
-    k,
-    F,
-    act_ptr,
-    SPLITS: tl.constexpr,
-    W_SCALED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """``h[:, k]`` from the gate-up partials at ``g_base`` (rows ``[BLOCK_M, 1]`` pointers;
-    rows not ``valid`` are zero): gate ``sum_s g[s, :, k]`` and up ``sum_s g[s, :, F + k]``
-    in split order, times their columns' scales (``W_SCALED``), then the gate-up epilogue's
-    ``silu(g) * u`` and rounding to ``act``'s dtype; columns ``k >= F`` are zero."""
-    kmask = valid[:, None] & (k < F)[None, :]  # padding rows read nothing
-    g = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    u = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    p = g_base + k[None, :]
-    for _ in tl.static_range(SPLITS):  # 64-bit pointer steps: no int32 product to overflow
-        g += tl.load(p, mask=kmask, other=0.0)
-        u += tl.load(p + F, mask=kmask, other=0.0)
-        p += stride_gs
-    if W_SCALED:
-        g = g * tl.load(s_base + k, mask=k < F, other=0.0)[None, :]
-        u = u * tl.load(s_base + F + k, mask=k < F, other=0.0)[None, :]
-    h = g / (1.0 + tl.exp(-g)) * u
-    dt: tl.constexpr = act_ptr.dtype.element_ty
-    return _rounded(h, dt).to(dt)
+        rw = tl.load(rw_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        out = out_ptr + pid_k.to(tl.int64) * stride_os + row_offsets
+        tl.store(out, acc * rw[:, None], mask=mask)
 
 
 @triton.jit
@@ -488,22 +551,25 @@ def _grouped_gemm(
     gate_up: bool,
     splits: int,
     k_per_split: int,
-    a_splits: int,
-    num_stages: int,
+    partials: torch.Tensor | None = None,
 ) -> None:
-    """Launch :func:`_grouped_gemm_kernel` over ``a`` and the experts ``w`` into ``dst``."""
-    bm, bn, bk, warps = setting.config[:4]
+    """Launch :func:`_grouped_gemm_kernel` over ``a`` and the experts ``w`` into ``dst``
+    (a split gate-up: its float32 ``partials [splits, T*k, 2F]`` and the device's arrival
+    counters, :func:`.fused_linear.workspace`)."""
+    bm, bn, bk, warps, stages = setting.config[:5]
     nout, k = w.shape[1] // (2 if gate_up else 1), w.shape[2]
-    x, ws = setting.x, setting.scales
+    x = setting.x
     use_pdl = _pdl.enabled(x.device)
+    counters = workspace(x.device).counters if partials is not None else setting.rw
+    part = partials if partials is not None else dst
     _grouped_gemm_kernel[(setting.grouping.expert_ids.numel(), triton.cdiv(nout, bn), splits)](
         a,
         w,
         dst,
+        part,
+        counters,
         setting.rw,
         scale,
-        ws[0],
-        x,
         setting.grouping.sorted_rows,
         setting.grouping.expert_ids,
         setting.grouping.num_padded,
@@ -511,20 +577,19 @@ def _grouped_gemm(
         nout,
         k,
         k_per_split,
-        a.stride(-2),
-        a.stride(0) if a.dim() == 3 else 0,
+        a.stride(0),
         w.stride(0),
         w.stride(1),
-        dst.stride(1),
-        dst.stride(0),
+        dst.stride(-2),
+        dst.stride(0) if dst.dim() == 3 else 0,
+        part.stride(0) if partials is not None else 0,
         scale.stride(0),
-        ws[0].stride(0),
         TOPK=setting.top_k,
         GATE_UP=gate_up,
         SPLIT_K=splits,
-        A_SPLITS=a_splits,
         W_SCALED=setting.scaled,
         EVEN_K=k % bk == 0,
+        SWAP_AB=swap_ab(bm),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -532,7 +597,7 @@ def _grouped_gemm(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=use_pdl,
         num_warps=warps,
-        num_stages=num_stages,
+        num_stages=stages,
         **_pdl.launch_kwargs(use_pdl),
     )
 
@@ -579,6 +644,20 @@ def _down_with_slot_sum(
     )
 
 
+def gate_up_split(
+    hidden: int, inter: int, config: MoEConfig, blocks: int, device: torch.device
+) -> tuple[int, int]:
+    """``(splits, k_per_split)`` of the gate-up GEMM over ``hidden``: :func:`effective_split`
+    of ``config``'s, unsplit where its ``blocks * cdiv(inter, BLOCK_N)`` tiles would not fit
+    the device's arrival counters (:data:`.fused_linear.NUM_COUNTERS`; the bits of a split
+    agree with the unsplit within rounding, module doc)."""
+    splits, per = effective_split(hidden, config.block_k, config.split_k)
+    tiles = blocks * triton.cdiv(inter, config.block_n)
+    if splits > 1 and tiles > NUM_COUNTERS["cuda" if device.type == "cuda" else "cpu"]:
+        return 1, hidden
+    return splits, per
+
+
 def experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -599,8 +678,8 @@ def experts(
     (or e4m3 with ``scales``, their row scales ``[E, 2F]`` and ``[E, H]``: module doc).
     ``config``: the tiles (default :func:`choose_config`); ``grouping``: an :func:`align`
     of ``ids`` with ``config.block_m`` already made (as :func:`fused_moe` does); ``plan``:
-    which down GEMM (default :func:`launch_plan`; its ``down_with_slot_sum`` is ignored
-    where the gate-up is split, and ``route_with_align`` here). Returns a fresh ``[T, H]``.
+    which down GEMM (default :func:`launch_plan`; its ``route_with_align`` is ignored
+    here). Returns a fresh ``[T, H]``.
     """
     _check(x, gate_up, down, scales)
     t, top_k = ids.shape
@@ -614,17 +693,18 @@ def experts(
     if config is None:
         config = choose_config(x, weights, ids, gate_up, down, cache, scales)
     plan = plan or launch_plan(t, top_k, config)
-    bm, bk, stages, split = config.block_m, config.block_k, config.num_stages, config.split_k
+    bm, bk, split = config.block_m, config.block_k, config.split_k
     if grouping is None:
         grouping = align(ids, e, bm)
     assert grouping.block_m == bm, "the grouping's block is the config's BLOCK_M"
     n = t * top_k
     rw = weights.reshape(-1).contiguous()
-    split_gu, per_gu = effective_split(h, bk, split)
-    if split_gu == 1:  # h [T*k, F], rounded by the gate-up epilogue
-        inter = torch.empty((1, n, f), dtype=x.dtype, device=x.device)
-    else:  # the gate-up's float32 partials [split, T*k, 2F], gate then up
-        inter = torch.empty((split_gu, n, two_f), dtype=torch.float32, device=x.device)
+    blocks = grouping.expert_ids.numel()
+    split_gu, per_gu = gate_up_split(h, f, config, blocks, x.device)
+    inter = torch.empty((n, f), dtype=x.dtype, device=x.device)  # h, rounded once
+    partials = None  # a split gate-up's float32 sums [split, T*k, 2F], gate then up
+    if split_gu > 1:
+        partials = torch.empty((split_gu, n, two_f), dtype=torch.float32, device=x.device)
     ws = scales or (rw, rw)  # unscaled: never read (W_SCALED is off)
     setting = _GemmSetting(x, rw, ws, grouping, n, top_k, config, scales is not None)
     _grouped_gemm(
@@ -636,26 +716,14 @@ def experts(
         gate_up=True,
         splits=split_gu,
         k_per_split=per_gu,
-        a_splits=0,
-        num_stages=stages,
+        partials=partials,
     )
-    if plan.down_with_slot_sum and split_gu == 1:
-        _down_with_slot_sum(inter[0], down, scales[1] if scales else None, ids, rw, out)
+    if plan.down_with_slot_sum:
+        _down_with_slot_sum(inter, down, scales[1] if scales else None, ids, rw, out)
         return out
     split_d, per_d = effective_split(f, bk, split)
     y = torch.empty((split_d, n, h), dtype=torch.float32, device=x.device)
-    _grouped_gemm(
-        setting,
-        inter,
-        down,
-        ws[1],
-        y,
-        gate_up=False,
-        splits=split_d,
-        k_per_split=per_d,
-        a_splits=0 if split_gu == 1 else split_gu,
-        num_stages=down_stages(config, split_gu, down.element_size()),
-    )
+    _grouped_gemm(setting, inter, down, ws[1], y, gate_up=False, splits=split_d, k_per_split=per_d)
     block_h = min(1024, triton.next_power_of_2(h))
     use_pdl = _pdl.enabled(out.device)
     _slot_sum_kernel[(t, triton.cdiv(h, block_h))](

@@ -46,40 +46,36 @@ class MoEConfig(NamedTuple):
 # The autotune's candidates (16-bit activations on a GPU), by rows an expert gets on
 # average (T * k / E): small tiles for decode (memory-bound: many programs streaming
 # weights), large ones once every expert has a full tile of rows.
+#
+# Batch 1 of Qwen3-30B-A3B on an H100 (2026-12-05/06, moe_bench --kernels): the gate-up GEMM
+# took 29.7 of the op's 50.8 us, 50 MB at 1.7 TB/s, with 8 experts x 12 column tiles of 64
+# = 96 programs on 132 SMs, and fp8 experts (half the bytes) took as long as bf16 on the
+# H200: bound by each program's walk over K, not by bytes. Two changes since, not yet timed
+# on a GPU: blocks of at most 32 rows run "swap AB" (:func:`swap_ab`: the weight rows as the
+# MMA's 64-row M side, as the fused linear ops do, so one token row wastes no tensor-core
+# rows), and a split gate-up sums its splits inside the launch (the last program of a tile
+# to arrive, as the fused linear ops' split-K; module doc of :mod:`.moe`) instead of in the
+# down GEMM's loads, which re-read every split's partials in each of its column tiles (why
+# splits 2-8 lost on the H200 on 2026-12-05: 47 us unsplit against 60-121). So splits of
+# 2 and 4 are candidates again; the autotune keeps them only where they win.
+ROWS_16 = MoEConfig(16, 64, 128, 4, 4)  # the heuristic's up to 16 rows an expert
+ROWS_32 = MoEConfig(32, 64, 128, 4, 4)  # and up to 32
+NARROW_DEEP = MoEConfig(16, 32, 256, 4, 3)
 FEW_ROWS = (
-    MoEConfig(16, 64, 128, 4, 4),
+    ROWS_16,
     MoEConfig(16, 128, 128, 4, 3),
-    MoEConfig(16, 32, 256, 4, 3),
-    MoEConfig(32, 64, 128, 4, 4),
-    # Batch 1 of Qwen3-30B-A3B on an H100 (2026-12-05, moe_bench --kernels): the gate-up GEMM
-    # took 29.7 of the op's 50.8 us, 1.7 TB/s. At BLOCK_N 64 it is 8 experts x 12 column tiles
-    # = 96 programs of 512 KB on 132 SMs; at 32, 192 programs, still two on some SMs (the same
-    # 512 KB on the busiest SM). At 16: 384 programs, at most three of 128 KB on an SM. Not
-    # yet timed; the autotune keeps it only where it wins.
-    MoEConfig(16, 16, 128, 4, 4),
-)
-# Split-K tiles (issue 48): batch 1 of Qwen3-30B-A3B has 8 row blocks x 12 column tiles = 96
-# gate-up programs on 132 SMs, so splitting K looked like the way to more loads in flight.
-# Measured on the H200 (2026-12-05, benchmarks/moe_bench.py) every split lost: batch 1 took
-# 47 us unsplit against 60, 74 and 121 us at splits 2, 4 and 8 (batch 8: 144 against 162,
-# 194, 339), and fp8 experts (half the bytes) took the same 47 us as bf16 -- the op is bound
-# by its launches' latency at decode, not by bytes. So these are not autotune candidates;
-# ``moe_bench.py --split N`` still times them.
-SPLIT_ROWS = (
     MoEConfig(16, 64, 128, 4, 4, 2),
-    MoEConfig(16, 128, 128, 4, 3, 2),
     MoEConfig(16, 64, 128, 4, 4, 4),
-    MoEConfig(16, 32, 128, 4, 4, 4),
-    MoEConfig(16, 128, 64, 4, 3, 4),
-    MoEConfig(16, 64, 64, 4, 3, 8),
-    MoEConfig(16, 32, 64, 4, 3, 8),
+    MoEConfig(16, 128, 128, 4, 3, 2),
+    MoEConfig(16, 128, 64, 4, 4, 4),
+    ROWS_32,
+    NARROW_DEEP,
 )
-# The down GEMM of a split gate-up reads split * 2 float32 [BLOCK_M, BLOCK_K] partials a K
-# step, and Triton's pipeliner stages each in shared memory: (stages - 1) * (split * 2 *
-# BLOCK_M * BLOCK_K * 4 + BLOCK_N * BLOCK_K * 2) bytes (sm_90 compiles: split 8, BLOCK_K 128,
-# 3 stages is 272 KB, past the H200's 227 KB). That GEMM runs :func:`down_stages` stages:
-# at most 2 (its K loop is a few steps a split) and 1 past this budget.
-DOWN_SHARED_BUDGET = 160 * 1024
+# Part of every cache key: raised when the kernels or the candidates change, so that a tile
+# cached from timings of older kernels is timed again (2: swap AB and the in-launch split sum)
+KERNEL_REVISION = 2
+# swap AB (weight rows as the MMA's M side) for blocks of at most this many token rows
+SWAP_AB_ROWS = 32
 MANY_ROWS = (
     MoEConfig(64, 64, 64, 4, 3),
     MoEConfig(64, 128, 64, 4, 3),
@@ -148,8 +144,8 @@ def fewest_launches(num_tokens: int, top_k: int, config: MoEConfig | None = None
       most :data:`.moe_routing.ONE_PROGRAM_ROWS` flat rows ``T * k`` (``not
       counts_needed``): that program then also routes, and no counts are needed.
     - The down GEMM token-major with the k-slot sum inside, at most
-      :data:`TOKEN_MAJOR_TOKENS` (4) tokens, and only with an unsplit gate-up
-      (``config.split_k`` 1: it reads ``h``, not split partials). It reads each of a
+      :data:`TOKEN_MAJOR_TOKENS` (4) tokens (after any gate-up, split or not: both write
+      ``h``). It reads each of a
       token's k experts for that token alone, so it reads ``T * k`` expert matrices where
       the grouped GEMM reads the distinct experts hit: the same bytes at batch 1, and at
       most ``T`` times as many (every token picking the same experts).
@@ -157,10 +153,10 @@ def fewest_launches(num_tokens: int, top_k: int, config: MoEConfig | None = None
     Batch 1..4: three launches; up to ``ONE_PROGRAM_ROWS`` rows: four; above: five and two
     memsets. Slower than :data:`GROUPED` where measured (:func:`launch_plan`).
     """
-    unsplit = config is None or config.split_k == 1
+    del config  # kept for the signature :func:`launch_plan` shares
     return LaunchPlan(
         route_with_align=not counts_needed(num_tokens * top_k),
-        down_with_slot_sum=unsplit and num_tokens <= TOKEN_MAJOR_TOKENS,
+        down_with_slot_sum=num_tokens <= TOKEN_MAJOR_TOKENS,
     )
 
 
@@ -199,7 +195,7 @@ def candidates(
     if per_expert <= 8:
         return list(FEW_ROWS)
     if per_expert <= 48:
-        return [FEW_ROWS[2], FEW_ROWS[3], *MANY_ROWS[:2]]
+        return [NARROW_DEEP, ROWS_32, *MANY_ROWS[:2]]
     return list(MANY_ROWS)
 
 
@@ -215,7 +211,7 @@ def heuristic_config(
     Interpreter: :data:`INTERPRETER_CONFIG`. GPU: float32 takes ``FP32_CONFIGS[0]``;
     16-bit takes ``BLOCK_M`` 16 while experts average at most 16 rows, 32 up to 32, then
     64 (``MANY_ROWS[0]``): a tile never much taller than an expert's rows. No split of K
-    (:data:`SPLIT_ROWS` lost at every measured batch).
+    (measured splits have not yet won on a GPU).
     """
     if not on_gpu:
         return INTERPRETER_CONFIG
@@ -223,21 +219,17 @@ def heuristic_config(
         return FP32_CONFIGS[0]
     per_expert = bucket_rows(num_tokens) * top_k / num_experts
     if per_expert <= 16:
-        return FEW_ROWS[0]
+        return ROWS_16
     if per_expert <= 32:
-        return FEW_ROWS[3]
+        return ROWS_32
     return MANY_ROWS[0]
 
 
-def down_stages(config: MoEConfig, gate_up_splits: int, weight_bytes: int = 2) -> int:
-    """The down GEMM's pipeline stages: ``config.num_stages`` unless it reads the gate-up's
-    float32 partials (``gate_up_splits > 1``), then at most 2, and 1 where one stage's
-    buffers would pass :data:`DOWN_SHARED_BUDGET`."""
-    if gate_up_splits <= 1:
-        return config.num_stages
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    stage = gate_up_splits * 2 * bm * bk * 4 + bn * bk * weight_bytes
-    return min(config.num_stages, 2 if stage <= DOWN_SHARED_BUDGET else 1)
+def swap_ab(block_m: int) -> bool:
+    """Whether the grouped GEMMs of ``block_m``-row blocks run "swap AB": the weight rows as
+    the MMA's M side, so that Hopper's 64-row warpgroup MMA takes weight rows, not the few
+    token rows (at most :data:`SWAP_AB_ROWS`); taller blocks keep the token rows there."""
+    return block_m <= SWAP_AB_ROWS
 
 
 def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -276,13 +268,14 @@ class ConfigCache:
         triton_version: str = triton.__version__,
         weight_dtype: torch.dtype | None = None,
     ) -> str:
-        """``T<bucket>-E-k-H-F|dtype|device name|triton version`` (``dtype`` followed by
-        ``/<weight dtype>`` when the experts are held in another, e.g. fp8)."""
+        """``T<bucket>-E-k-H-F|dtype|device name|triton version|kernels <revision>``
+        (``dtype`` followed by ``/<weight dtype>`` when the experts are held in another,
+        e.g. fp8; :data:`KERNEL_REVISION`: a winner timed on older kernels is not reused)."""
         shape = f"T{bucket_rows(num_tokens)}-E{num_experts}-k{top_k}-H{hidden}-F{inter}"
         types = str(dtype).removeprefix("torch.")
         if weight_dtype is not None and weight_dtype != dtype:
             types += "/" + str(weight_dtype).removeprefix("torch.")
-        return f"{shape}|{types}|{device_name}|triton {triton_version}"
+        return f"{shape}|{types}|{device_name}|triton {triton_version}|kernels {KERNEL_REVISION}"
 
     def get(self, key: str) -> MoEConfig | None:
         """The cached config of ``key`` (memory first, then the file), or None."""

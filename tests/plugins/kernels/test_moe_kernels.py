@@ -11,6 +11,7 @@ is tested only through its cache, with a fake timer.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -315,7 +316,8 @@ def test_autotune_cache_reads_writes_and_keys(tmp_path: Path) -> None:
     assert timed == list(moe_tiles.FEW_ROWS)
     data = json.loads((tmp_path / moe_tiles.ConfigCache.FILE).read_text())
     assert data == {key(): list(moe_tiles.FEW_ROWS[2])}
-    assert "T1-E128-k8-H2048-F768|bfloat16|NVIDIA H200|triton 3.6.0" in data
+    revision = moe_tiles.KERNEL_REVISION
+    assert f"T1-E128-k8-H2048-F768|bfloat16|NVIDIA H200|triton 3.6.0|kernels {revision}" in data
 
     timed.clear()
     fresh = moe_tiles.ConfigCache(tmp_path)  # another process: reads the file
@@ -410,6 +412,8 @@ def test_fused_moe_off_runs_the_loop_and_no_cuda_graphs() -> None:
 # ---------------------------------------------------------------- split-K (issue 48)
 
 SPLITS = (1, 2, 3, 4)
+# both orientations of the grouped GEMMs' K loop: "swap AB" (blocks of at most 32 rows) and rows
+ORIENTATIONS = (moe_tiles.INTERPRETER_CONFIG, moe_tiles.INTERPRETER_CONFIG._replace(block_m=64))
 
 
 # split-K is out of the autotune (kept for moe_bench --split): fewer examples than the rest
@@ -467,20 +471,20 @@ def test_every_split_k_equals_the_loop_over_experts(
     weights, ids = moe_routing.route(args[1], top_k, True, dtype)
     truth = ref.experts(x.double(), weights.cpu().double(), ids.cpu(), *wide)
     outs = {}
-    for split in SPLITS:
-        config = moe_tiles.INTERPRETER_CONFIG._replace(split_k=split)
+    for base, split in itertools.product(ORIENTATIONS, SPLITS):
+        config = base._replace(split_k=split)
         with poisoned_outputs():
             out = moe.fused_moe(
                 *args, top_k, renormalize=True, weights_dtype=dtype, config=config, scales=scales
             )
         assert out.dtype == dtype and out.shape == (t, h)
-        assert torch.isfinite(out).all(), f"split {split}: an unwritten or NaN output element"
+        assert torch.isfinite(out).all(), f"{config}: an unwritten or NaN output element"
         err = relative_error(out, truth)
-        assert err <= TOL[dtype], f"split {split}: relative error {err:.3g} > {TOL[dtype]}"
-        outs[split] = out.cpu().double()
+        assert err <= TOL[dtype], f"{config}: relative error {err:.3g} > {TOL[dtype]}"
+        outs[config] = out.cpu().double()
         scale = truth.abs().max().clamp_min(1e-6)
-        diff = ((outs[split] - outs[1]).abs().max() / scale).item()
-        assert diff <= TOL[dtype], f"split {split} vs 1: {diff:.3g}"
+        diff = ((outs[config] - outs[ORIENTATIONS[0]]).abs().max() / scale).item()
+        assert diff <= TOL[dtype], f"{config} vs unsplit: {diff:.3g}"
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
@@ -509,8 +513,8 @@ def test_split_k_is_bit_identical_where_the_float32_sums_are_exact(
 ) -> None:
     """Small integers (and power-of-two scales and routing weights), gates of at least 32
     (``silu(g) == g`` in float32): every float32 sum is exact in any order, so every split
-    gives the unsplit bits: the split path's scales, SiLU·mul and rounding (at the down
-    GEMM's load) are the unsplit epilogue's, and splits and slots are all summed."""
+    gives the unsplit bits, in both orientations of the K loop: the last split's epilogue
+    (scales, SiLU·mul, rounding) is the unsplit one, and splits and slots are all summed."""
     top_k = 1 + round(k_frac * (e - 1))
     gen = torch.Generator().manual_seed(seed)
 
@@ -531,14 +535,15 @@ def test_split_k_is_bit_identical_where_the_float32_sums_are_exact(
     else:
         gate_up, down, scales = gate_up.to(dtype), down.to(dtype), None
     args = [a.to(DEVICE) for a in (x, weights, ids, gate_up, down)]
-    outs = []
-    for split in SPLITS:
-        config = moe_tiles.INTERPRETER_CONFIG._replace(split_k=split)
+    outs = {}
+    for base, split in itertools.product(ORIENTATIONS, SPLITS):
+        config = base._replace(split_k=split)
         with poisoned_outputs():
-            outs.append(moe.experts(*args, config=config, scales=scales).cpu())
-    assert torch.isfinite(outs[0]).all()
-    for split, out in zip(SPLITS[1:], outs[1:], strict=True):
-        assert torch.equal(out, outs[0]), f"split {split}: not the unsplit bits"
+            outs[config] = moe.experts(*args, config=config, scales=scales).cpu()
+    first = outs[ORIENTATIONS[0]]
+    assert torch.isfinite(first).all()
+    for config, out in outs.items():
+        assert torch.equal(out, first), f"{config}: not the unsplit bits"
 
 
 def test_effective_split_and_the_heuristic_splits() -> None:
@@ -558,19 +563,22 @@ def test_effective_split_and_the_heuristic_splits() -> None:
         t: moe_tiles.heuristic_config(t, 128, 8, torch.bfloat16, True).split_k
         for t in (1, 8, 16, 32, 256)
     }
-    assert splits == {1: 1, 8: 1, 16: 1, 32: 1, 256: 1}  # splits lost on the H200 (module doc)
+    assert splits == {1: 1, 8: 1, 16: 1, 32: 1, 256: 1}  # no split is measured to win yet
     assert moe_tiles.heuristic_config(1, 128, 8, torch.float32, True).split_k == 1
     assert moe_tiles.INTERPRETER_CONFIG.split_k == 1
-    for t in (1, 64, 4096):
+    # buckets of at most 8 rows an expert time splits of 2 and 4 beside unsplit tiles; larger
+    # ones never split
+    for t in (1, 64):
+        assert {c.split_k for c in moe_tiles.candidates(t, 128, 8, torch.bfloat16)} == {1, 2, 4}
+    for t in (256, 4096):
         assert {c.split_k for c in moe_tiles.candidates(t, 128, 8, torch.bfloat16)} == {1}
-    # the down GEMM over split partials stages them in shared memory: at most 2 stages, and
-    # every split candidate's stage within the budget (sm_90 compiles: 80 KB at most)
-    for cfg in moe_tiles.FEW_ROWS + moe_tiles.SPLIT_ROWS:
-        splits, _ = moe_tiles.effective_split(2048, cfg.block_k, cfg.split_k)
-        stages = moe_tiles.down_stages(cfg, splits)
-        assert stages == (cfg.num_stages if splits == 1 else 2)
-        assert 2 * splits * cfg.block_m * cfg.block_k * 4 <= moe_tiles.DOWN_SHARED_BUDGET
-    assert moe_tiles.down_stages(moe_tiles.MoEConfig(16, 64, 256, 4, 3, 8), 8) == 1
+
+
+def test_swap_ab_for_blocks_of_few_rows() -> None:
+    """Blocks of at most 32 rows (every decode candidate) run swap AB; 64 and more do not."""
+    assert [moe_tiles.swap_ab(m) for m in (16, 32, 64, 128)] == [True, True, False, False]
+    assert all(moe_tiles.swap_ab(c.block_m) for c in moe_tiles.FEW_ROWS)
+    assert not any(moe_tiles.swap_ab(c.block_m) for c in moe_tiles.MANY_ROWS)
 
 
 def test_config_cache_reads_an_entry_from_before_split_k(tmp_path: Path) -> None:
@@ -696,8 +704,8 @@ def test_token_major_down_equals_the_loop_over_experts(
 ) -> None:
     """The down GEMM token-major with the slot sum inside (T <= 4) == the float64 loop over
     experts, bf16/fp16/fp32 activations and fp8 experts (H 80: five column tiles, F 24 and
-    40: a part K step, k 1 to 8 including non-powers of two), and the grouped down + slot
-    sum agree with it within the same bound."""
+    40: a part K step, k 1 to 8 including non-powers of two), also after a gate-up split in
+    two, and the grouped down + slot sum agree with it within the same bound."""
     if fp8 and dtype == torch.float16:
         dtype = torch.bfloat16
     top_k = 1 + round(k_frac * (e - 1))
@@ -710,9 +718,13 @@ def test_token_major_down_equals_the_loop_over_experts(
     gate_up, down, scales, wide = random_experts(gen, e, h, f, dtype, fp8)
     args = [a.to(DEVICE) for a in (x, weights, ids.int(), gate_up, down)]
     truth = ref.experts(x.double(), weights.double(), ids, *wide)
+    split = moe_tiles.INTERPRETER_CONFIG._replace(split_k=2)
     with poisoned_outputs():
         out = moe.experts(*args, scales=scales, plan=TOKEN_MAJOR)
         grouped = moe.experts(*args, scales=scales, plan=moe_tiles.GROUPED)
+        after_split = moe.experts(*args, config=split, scales=scales, plan=TOKEN_MAJOR)
+    err = relative_error(after_split, truth)
+    assert err <= TOL[dtype], f"after a split gate-up: relative error {err:.3g} > {TOL[dtype]}"
     assert out.dtype == dtype and out.shape == (t, h)
     assert torch.isfinite(out).all(), "an unwritten or NaN output element"
     err = relative_error(out, truth)
@@ -873,7 +885,7 @@ def test_default_plan_is_the_grouped_five_launches(launches: list[str]) -> None:
 
 
 def test_fewest_launches_thresholds() -> None:
-    """Token-major down at T <= 4 (unsplit gate-up only), routing with the align up to
+    """Token-major down at T <= 4 (after a split gate-up too), routing with the align up to
     ONE_PROGRAM_ROWS flat rows; 3, 4 and 5 launches."""
     assert moe_tiles.TOKEN_MAJOR_TOKENS == 4 and moe_routing.ONE_PROGRAM_ROWS == 128
     plans = {t: moe_tiles.fewest_launches(t, 8) for t in (1, 4, 5, 16, 17, 256)}
@@ -883,8 +895,8 @@ def test_fewest_launches_thresholds() -> None:
     assert moe_tiles.fewest_launches(128, 1) == moe_tiles.LaunchPlan(True, False)
     assert moe_tiles.fewest_launches(129, 1) == moe_tiles.GROUPED
     split = moe_tiles.INTERPRETER_CONFIG._replace(split_k=2)
-    # a split gate-up leaves partials, which the token-major down does not read
-    assert moe_tiles.fewest_launches(1, 8, split) == moe_tiles.LaunchPlan(True, False)
+    # a split gate-up sums its splits inside its launch and writes h as the unsplit one does
+    assert moe_tiles.fewest_launches(1, 8, split) == TOKEN_MAJOR
     assert moe_tiles.token_major_tiles(8, True) == moe_tiles.TokenMajorTiles(16, 64, 8)
     assert moe_tiles.token_major_tiles(2, True) == moe_tiles.TokenMajorTiles(16, 128, 8)
     assert moe_tiles.token_major_tiles(16, True).block_k == 32
