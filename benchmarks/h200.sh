@@ -401,6 +401,23 @@ for _ in range(2):
       echo "== moe_bench"; timeout 300 python3 benchmarks/moe_bench.py 2>&1 | tee "$OUT/moe-bench.log" | tail -25
       [ "${MOE_FP8:-0}" = 1 ] && { timeout 200 python3 benchmarks/moe_bench.py --fp8 2>&1 | tail -12; }
       for w in ${MOE_WORKLOADS:-single nano}; do run moe-$w offline --workload $w --model dummy:qwen3-30b-a3b --kernels fused --repeats ${MOE_REPEATS:-1}; done ;;
+    # issue 48 (2026-12-06): the MoE op's swap-AB decode tiles and in-launch split sum: its GPU
+    # tests, every autotune candidate's time at batch 1-256 (moe_bench --candidates), then the
+    # same batches on the commit in .before/src.tgz (`git archive <commit> core plugins apps compat
+    # pyproject.toml README.md benchmarks/moe_bench.py | gzip`), installed aside: the baseline
+    # in the same call
+    moe-kernels) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_moe_kernels_gpu.py \
+        tests/plugins/models/test_moe_models_fused.py 2>&1 | tee "$OUT/gpu-tests-moe-kernels.log" | tail -4
+      echo "== moe_bench, this commit"; timeout 200 python3 benchmarks/moe_bench.py --batch 1 --candidates --kernels 2>&1 | tee "$OUT/moe-bench-new.log" | tail -60
+      timeout 240 python3 benchmarks/moe_bench.py --batch 8 --batch 64 --batch 256 --candidates 2>&1 | tee -a "$OUT/moe-bench-new.log" | grep -v "^fused\|^ *T "
+      [ "${MOE_FP8:-0}" = 1 ] && timeout 120 python3 benchmarks/moe_bench.py --fp8 --batch 1 --batch 8 2>&1 | tee -a "$OUT/moe-bench-new.log" | tail -6
+      if [ -f .before/src.tgz ]; then rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf .before/src.tgz -C /tmp/before
+        python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/before-site /tmp/before >"$OUT/install-before.log" 2>&1
+        echo "== moe_bench, .before"; ( cd /tmp && PITSTOP_CACHE_DIR=/tmp/moe-cache-before PYTHONPATH=/tmp/before-site${PYTHONPATH:+:$PYTHONPATH} \
+          timeout 120 python3 /tmp/before/benchmarks/moe_bench.py --batch 1 --batch 8 --kernels 2>&1
+          timeout 120 python3 /tmp/before/benchmarks/moe_bench.py --batch 64 --batch 256 2>&1 ) | tee "$OUT/moe-bench-before.log" | tail -40
+      fi ;;
     # issue 50: the host tier beside the prefix allocator (MT_N turns of the workload's 1,200;
     # 360 take about 200 s for both columns; after a65a623 the tier should hit about 76%)
     multiturn) run multiturn online --workload multiturn ${MT_N:+--num-requests $MT_N} --matrix +prefix,+tiered \
