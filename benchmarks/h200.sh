@@ -418,6 +418,14 @@ for _ in range(2):
           timeout 120 python3 /tmp/before/benchmarks/moe_bench.py --batch 1 --batch 8 --kernels 2>&1
           timeout 120 python3 /tmp/before/benchmarks/moe_bench.py --batch 64 --batch 256 2>&1 ) | tee "$OUT/moe-bench-before.log" | tail -40
       fi ;;
+    # issue 48: a sweep of the MoE op's tiles (MOE_SWEEP: M,N,K,WARPS,STAGES[,SPLIT] specs) at
+    # MOE_SWEEP_BATCHES, each kernel's time; with and without swap AB; fp8 experts at batch 1
+    moe-sweep) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
+      cfgs=""; for c in ${MOE_SWEEP:-16,64,128,4,4}; do cfgs="$cfgs --config $c"; done
+      bs=""; for b in ${MOE_SWEEP_BATCHES:-1 8}; do bs="$bs --batch $b"; done
+      echo "== moe sweep, swap AB"; timeout 240 python3 benchmarks/moe_bench.py $bs $cfgs --kernels 2>&1 | tee "$OUT/moe-sweep.log" | grep -v "warn\|^fused\|^ *T "
+      echo "== moe sweep, no swap"; timeout 150 python3 benchmarks/moe_bench.py --batch 1 $cfgs --kernels --no-swap 2>&1 | tee "$OUT/moe-sweep-noswap.log" | grep -v "warn\|^fused\|^ *T "
+      echo "== fp8 experts"; timeout 100 python3 benchmarks/moe_bench.py --fp8 --batch 1 --kernels 2>&1 | tee "$OUT/moe-fp8.log" | grep -v "warn\|^fused\|^ *T " ;;
     # issue 50: the host tier beside the prefix allocator (MT_N turns of the workload's 1,200;
     # 360 take about 200 s for both columns; after a65a623 the tier should hit about 76%)
     multiturn) run multiturn online --workload multiturn ${MT_N:+--num-requests $MT_N} --matrix +prefix,+tiered \

@@ -19,7 +19,8 @@ weights the step must read, each distinct expert hit once: ``hit * 3 * H * F`` e
   gate-up keeps the grouped down and the slot sum);
 - ``cand<i>`` (``--candidates``): every tile config the autotune times for the batch
   (:func:`~pitstop.plugins.kernels.triton_ops.moe_tiles.candidates`, in its order), each
-  with the default plan: what the autotune chose from, one row each.
+  with the default plan: what the autotune chose from, one row each;
+- ``cfg<i>`` (``--config M,N,K,WARPS,STAGES[,SPLIT]``, repeatable): any tiles, for sweeps.
 
 Each row gives its kernel launches (memsets not counted) and its max difference from the
 ``tuned`` row's output over the output's max magnitude (split-K and the token-major
@@ -64,6 +65,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CUDA: also each row's kernels, microseconds a call from the profiler")  # fmt: skip
     p.add_argument("--candidates", action="store_true",
                    help="also every tile config the autotune times (rows 'cand<i>')")  # fmt: skip
+    p.add_argument("--config", action="append", default=[], metavar="M,N,K,WARPS,STAGES[,SPLIT]",
+                   help="also these tiles (rows 'cfg<i>'), repeatable")  # fmt: skip
+    p.add_argument("--no-swap", action="store_true",
+                   help="every block with the token rows on the MMA's M side (no swap AB)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -76,6 +81,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
 
     from pitstop.plugins.kernels.triton_ops import moe, moe_routing, moe_tiles
 
+    if args.no_swap:
+        moe_tiles.SWAP_AB_ROWS = 0  # read by swap_ab at each launch
     dev = torch.device(args.device)
     shape = LAYER if dev.type == "cuda" else TINY
     h, e, top_k, f = shape["hidden"], shape["experts"], shape["top_k"], shape["inter"]
@@ -122,6 +129,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         if args.candidates and dev.type == "cuda":
             for i, cfg in enumerate(moe_tiles.candidates(t, e, top_k, x.dtype)):
                 configs[f"cand{i}"] = (cfg, moe_tiles.launch_plan(t, top_k, cfg))
+        for i, spec in enumerate(args.config):
+            cfg = moe_tiles.MoEConfig(*(int(v) for v in spec.split(",")))
+            configs[f"cfg{i}"] = (cfg, moe_tiles.launch_plan(t, top_k, cfg))
         for n in args.split:
             split = tuned._replace(split_k=n)
             configs[f"split{n}"] = (split, moe_tiles.launch_plan(t, top_k, split))
@@ -143,8 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                   f"{seconds * 1e6:9.1f} {rate / 1e9:7.0f} {rate / COPY_BW:7.1%} {diff:8.2g}")  # fmt: skip
             if args.kernels and dev.type == "cuda":
                 row["kernels"] = _kernel_times(lambda cfg=cfg, plan=plan: run(cfg, plan))
-                for kernel, us in row["kernels"]:
-                    print(f"{'':>14} {us:9.1f} us  {kernel}")
+                print(f"{'':>14} " + ", ".join(f"{k} {us:.1f}" for k, us in row["kernels"]))
     return rows
 
 
@@ -180,11 +189,19 @@ def _kernel_times(fn, replays: int = 50) -> list[tuple[str, float]]:
             flush.zero_()
             g.replay()
         torch.cuda.synchronize()
+    kernels = sorted(
+        (event.time_range.start, event.name, event.device_time)
+        for event in prof.events()
+        if event.device_type.name == "CUDA" and "fill" not in event.name.lower()
+    )
+    per_replay = max(1, len(kernels) // replays)
+    names = [name for _, name, _ in kernels[:per_replay]]
     totals: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type.name == "CUDA" and "fill" not in event.name.lower():
-            name = event.name if len(event.name) <= 60 else event.name[:57] + "..."
-            totals[name] = totals.get(name, 0.0) + event.device_time
+    for i, (_, name, us) in enumerate(kernels[: per_replay * replays]):
+        j = i % per_replay  # a kernel launched twice a replay (the two grouped GEMMs): by position
+        label = name if names.count(name) == 1 else f"{name}#{names[: j + 1].count(name)}"
+        label = label if len(label) <= 60 else label[:57] + "..."
+        totals[label] = totals.get(label, 0.0) + us
     return [(name, us / replays) for name, us in totals.items()]
 
 
