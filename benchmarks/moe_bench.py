@@ -4,7 +4,9 @@ For each batch ``T`` at the ``qwen3-30b-a3b`` layer shape (H 2048, E 128, top-8,
 bf16 activations; ``--fp8``: e4m3 experts with row scales), random router logits route
 the tokens; the op (:func:`pitstop.plugins.kernels.triton_ops.moe.fused_moe`, routing
 included) is captured in a CUDA graph and its replay timed with
-``triton.testing.do_bench`` (median, L2 flushed between runs). Bytes are the expert
+:func:`~pitstop.plugins.kernels.triton_ops.tuning.cold_median_ms` (median, a 256 MB read
+before each run: the weights out of L2 and L2 clean; ``do_bench``'s flush by a write left
+L2 dirty, whose write-back slowed every tile alike). Bytes are the expert
 weights the step must read, each distinct expert hit once: ``hit * 3 * H * F`` elements
 (``gate_up`` and ``down``); the rate is given in GB/s and as a fraction of the H200's
 4.23 TB/s copy bandwidth (docs/workloads.md). Rows per batch:
@@ -158,41 +160,41 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
 
 
 def _time(dev: torch.device, fn) -> float:
-    """Seconds per call: CUDA: ``do_bench``'s median over replays of a CUDA graph of it;
-    CPU: one call by the wall clock."""
+    """Seconds per call: CUDA: :func:`.tuning.cold_median_ms` over replays of a CUDA graph
+    of it; CPU: one call by the wall clock."""
     if dev.type != "cuda":
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
-    from triton.testing import do_bench
+    from pitstop.plugins.kernels.triton_ops import tuning
 
     fn()  # compiled before the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return do_bench(g.replay, warmup=10, rep=100) * 1e-3
+    return tuning.cold_median_ms(g.replay, warmup=10, rep=100) * 1e-3
 
 
 def _kernel_times(fn, replays: int = 50) -> list[tuple[str, float]]:
     """Each GPU kernel of ``fn`` (captured in a CUDA graph) with its mean microseconds a
-    replay, from torch's profiler, in launch order; L2 flushed before every replay (a
-    256 MB write), as ``do_bench`` does, so the weights come from HBM."""
+    replay, from torch's profiler, in launch order; a 256 MB read before every replay (its
+    reduction kernel left out), so the weights come from HBM and L2 holds nothing dirty."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    flush = torch.ones(64 * 2**20, dtype=torch.float32, device="cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            flush.zero_()
+            flush.sum()
             g.replay()
         torch.cuda.synchronize()
     kernels = sorted(
         (event.time_range.start, event.name, event.device_time)
         for event in prof.events()
-        if event.device_type.name == "CUDA" and "fill" not in event.name.lower()
+        if event.device_type.name == "CUDA" and "reduce_kernel" not in event.name
     )
     per_replay = max(1, len(kernels) // replays)
     names = [name for _, name, _ in kernels[:per_replay]]
