@@ -28,7 +28,7 @@ class MoEOps(Protocol):
     def moe(
         self,
         x: torch.Tensor,
-        router_logits: torch.Tensor,
+        router_logits: torch.Tensor | None,
         gate_up: torch.Tensor,
         down: torch.Tensor,
         top_k: int,
@@ -36,6 +36,7 @@ class MoEOps(Protocol):
         renormalize: bool,
         weights_dtype: torch.dtype | None,
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        router: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))`` over each
         token's ``top_k`` experts ``e``, a new ``[T, H]`` tensor in ``x``'s dtype.
@@ -48,7 +49,11 @@ class MoEOps(Protocol):
         ``weights_dtype`` (Qwen3-MoE: ``x``'s dtype; ``None`` keeps float32, as Mixtral
         does). ``scales``: fp8 experts (``weights="fp8"``): ``gate_up`` and ``down`` are
         float8_e4m3fn and each output row has a float32 scale, ``(gate_up_scale [E, 2F],
-        down_scale [E, H])``, the weight being ``q * scale``. Runs inside CUDA graphs when
+        down_scale [E, H])``, the weight being ``q * scale``. ``router [E, H]`` (only for a
+        set declaring ``moe_takes_router``, which the model then calls so): the router's
+        weight in ``x``'s dtype, with ``router_logits`` None: the op projects ``x`` itself
+        (``x @ router.T`` rounded to ``x``'s dtype, as the ``linear`` op would), so that it
+        may fuse the projection with the routing. Runs inside CUDA graphs when
         the set declares itself graph-safe: no host synchronisation, no allocation whose
         size depends on the routing.
         """

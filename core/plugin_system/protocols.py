@@ -379,6 +379,8 @@ class KernelSetBase(Capabilities):
     fuses_layer: bool = False
     # The mixture-of-experts op (MoEOps.moe); None: an MoE model runs the reference loop itself.
     moe: Any = None
+    # Whether moe takes the router's weight (router=, router_logits None) and projects itself
+    moe_takes_router: bool = False
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph: not unless the set says so."""

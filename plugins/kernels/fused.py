@@ -313,6 +313,7 @@ class FusedKernels(reference.DispatchKernels):
         )
         if use["moe"]:
             self._moe = _triton_moe
+            self.moe_takes_router = True  # the router's projection fused with the routing
             self._status["moe"] = "triton"
 
     def _long_prefill_off(self, min_tokens: int, triton_attention: bool) -> str | None:
@@ -470,7 +471,7 @@ MAX_TRITON_TOP_K = 16
 
 def _triton_moe(
     x: torch.Tensor,
-    router_logits: torch.Tensor,
+    router_logits: torch.Tensor | None,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     top_k: int,
@@ -478,15 +479,19 @@ def _triton_moe(
     renormalize: bool,
     weights_dtype: torch.dtype | None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    router: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fused MoE op (:func:`.triton_ops.moe.fused_moe`), or the reference loop for more
-    than :data:`MAX_TRITON_TOP_K` experts a token."""
+    """The fused MoE op (:func:`.triton_ops.moe.fused_moe`, which projects ``x`` by ``router``
+    itself where no logits are given), or the reference loop for more than
+    :data:`MAX_TRITON_TOP_K` experts a token."""
     kw = dict(renormalize=renormalize, weights_dtype=weights_dtype, scales=scales)
     if top_k > MAX_TRITON_TOP_K:
+        if router_logits is None:
+            router_logits = torch.nn.functional.linear(x, router)
         return reference.moe(x, router_logits, gate_up, down, top_k, **kw)
     from pitstop.plugins.kernels.triton_ops import moe
 
-    return moe.fused_moe(x, router_logits, gate_up, down, top_k, **kw)
+    return moe.fused_moe(x, router_logits, gate_up, down, top_k, router=router, **kw)
 
 
 def make_fused_kernels(

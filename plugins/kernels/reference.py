@@ -469,7 +469,7 @@ class DispatchKernels(KernelSetBase):
     def moe(
         self,
         x: torch.Tensor,
-        router_logits: torch.Tensor,
+        router_logits: torch.Tensor | None,
         gate_up: torch.Tensor,
         down: torch.Tensor,
         top_k: int,
@@ -477,11 +477,15 @@ class DispatchKernels(KernelSetBase):
         renormalize: bool,
         weights_dtype: torch.dtype | None,
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        router: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A sparse-MoE block's experts, ``[T, H]``: routing of ``router_logits [T, E]``
         (softmax, top-k, ``renormalize``, ``weights_dtype``) and the weighted sum of each
         token's experts over ``gate_up [E, 2F, H]`` and ``down [E, H, F]`` (fp8 with
-        ``scales``) (:class:`~pitstop.plugin_system.protocols.MoEOps`)."""
+        ``scales``) (:class:`~pitstop.plugin_system.protocols.MoEOps`); ``router [E, H]``
+        (passed on to ``_moe``; the model gives it, without logits, only to a set that sets
+        ``moe_takes_router``, whose ``_moe`` then projects ``x`` itself)."""
+        kw: dict[str, Any] = {} if router is None else {"router": router}
         return self._moe(
             x,
             router_logits,
@@ -491,6 +495,7 @@ class DispatchKernels(KernelSetBase):
             renormalize=renormalize,
             weights_dtype=weights_dtype,
             scales=scales,
+            **kw,
         )
 
 

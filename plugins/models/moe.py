@@ -70,6 +70,10 @@ class SparseMoeBlock(nn.Module):
         self.gate_up = _param(e * 2 * f, h)
         self.down = _param(e * h, f)
         self.moe = KernelSetBase.of(kernels, "moe") or reference.moe
+        # the set's moe takes the router's weight and projects x itself (MoEOps.moe)
+        self.moe_takes_router = bool(KernelSetBase.of(kernels, "moe")) and bool(
+            KernelSetBase.of(kernels, "moe_takes_router")
+        )
         # tensor parallelism: this rank's experts' part summed over the ranks, once a block
         self.all_reduce = getattr(kernels, "all_reduce", None)
         self.shared_expert: MLP | None = None
@@ -96,8 +100,11 @@ class SparseMoeBlock(nn.Module):
         """``[T, H]`` -> ``[T, H]``: router logits, then the routed experts' weighted sum."""
         cfg = self.cfg
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        logits = self.kernels.linear(x, self.router)
         scales = getattr(self, "gate_up_scale", None)
+        if self.moe_takes_router:  # the op projects x itself (it may fuse it with the routing)
+            logits, router = None, {"router": self.router}
+        else:
+            logits, router = self.kernels.linear(x, self.router), {}
         out = self.moe(
             x,
             logits,
@@ -105,8 +112,9 @@ class SparseMoeBlock(nn.Module):
             self.down.view(e, h, f),
             cfg.num_experts_per_tok,
             renormalize=cfg.norm_topk_prob,
-            weights_dtype=None if cfg.routing_weights_float32 else logits.dtype,
+            weights_dtype=None if cfg.routing_weights_float32 else x.dtype,
             scales=None if scales is None else (scales, self.down_scale),
+            **router,
         )
         if self.shared_expert is not None:
             # Qwen2-MoE, as transformers: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)

@@ -121,6 +121,7 @@ import triton.language as tl
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops import tuning
 from pitstop.plugins.kernels.triton_ops.fused_linear import NUM_COUNTERS, workspace
+from pitstop.plugins.kernels.triton_ops.moe_router import fuses_router, router_route_align
 from pitstop.plugins.kernels.triton_ops.moe_routing import (
     Grouping,
     align,
@@ -743,7 +744,7 @@ def experts(
 
 def fused_moe(
     x: torch.Tensor,
-    router_logits: torch.Tensor,
+    router_logits: torch.Tensor | None,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     top_k: int,
@@ -754,23 +755,50 @@ def fused_moe(
     cache: ConfigCache | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     plan: LaunchPlan | None = None,
+    router: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A sparse-MoE block's output ``[T, H]`` from ``x [T, H]`` and ``router_logits [T, E]``.
+    """A sparse-MoE block's output ``[T, H]`` from ``x [T, H]`` and ``router_logits [T, E]``,
+    or from the router's weight ``router [E, H]`` (``router_logits`` None).
 
     Routing as transformers' (:func:`.moe_routing.route`; ``renormalize`` is
     ``norm_topk_prob``, ``weights_dtype`` the routing weights' dtype: ``x.dtype`` for
     Qwen3-MoE, ``None`` for Mixtral's float32), then :func:`experts`. ``gate_up [E, 2F, H]``,
     ``down [E, H, F]``; ``config``/``cache``/``scales`` (fp8 experts) as :func:`experts`;
     ``plan``: the kernels (default :func:`launch_plan`; a ``route_with_align`` past
-    ``ONE_PROGRAM_ROWS`` rows is refused). No host sync, fixed-size buffers: CUDA-graph
-    capturable once each batch size has run eagerly (the autotune; module doc).
+    ``ONE_PROGRAM_ROWS`` rows is refused). With ``router``, a step of few tokens
+    (:func:`.moe_router.fuses_router`, once its tiles are known) projects, routes and groups
+    in one launch (:func:`.moe_router.router_route_align`); any other takes the logits
+    ``x @ router.T`` (torch's ``linear``) first. No host sync, fixed-size buffers:
+    CUDA-graph capturable once each batch size has run eagerly (the autotune; module doc).
     """
     _check(x, gate_up, down, scales)
     t, e = x.shape[0], gate_up.shape[0]
-    assert router_logits.shape == (t, e), "router logits [T, E]"
-    route_args = (router_logits, top_k, renormalize, weights_dtype)
     if t == 0:
         return torch.empty_like(x)
+    if router_logits is None:
+        assert router is not None, "fused_moe needs router_logits or the router's weight"
+        if config is None:
+            config = known_config(x, t, top_k, gate_up, cache)
+        if config is not None and fuses_router(t, top_k):
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            weights, ids, grouping, _ = router_route_align(
+                x, router, top_k, renormalize, weights_dtype, config.block_m
+            )
+            return experts(
+                x,
+                weights,
+                ids,
+                gate_up,
+                down,
+                config=config,
+                grouping=grouping,
+                scales=scales,
+                plan=plan or launch_plan(t, top_k, config),
+            )
+        router_logits = torch.nn.functional.linear(x, router)
+    assert router_logits.shape == (t, e), "router logits [T, E]"
+    route_args = (router_logits, top_k, renormalize, weights_dtype)
     if config is None:
         config = known_config(x, t, top_k, gate_up, cache)
     if config is None:  # a GPU bucket's first eager call: tune on this call's routing

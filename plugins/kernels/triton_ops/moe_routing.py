@@ -323,7 +323,7 @@ def _align_kernel(
 
 
 @triton.jit
-def _route_align_kernel(
+def _route_and_group(
     logits_ptr,
     weights_ptr,
     ids_ptr,
@@ -342,13 +342,10 @@ def _route_align_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCKS_CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """:func:`route` then :func:`align`'s one program, in one program: every token routed
     (``BLOCK_T`` at a time, as ``_route_kernel``'s programs do), then the ``T * TOPK`` ids
     just stored read back and grouped as ``_align_kernel`` with ``ONE_PROGRAM`` does."""
-    _pdl.wait(PDL)  # the router's logits
-    _pdl.launch_dependents(PDL)  # the gate-up GEMM's programs may queue (they wait first)
     for t0 in range(0, T, BLOCK_T):
         _route_rows(
             logits_ptr,
@@ -383,6 +380,53 @@ def _route_align_kernel(
         n,
         num_blocks,
         BLOCK_M,
+        BLOCKS_CHUNK,
+    )
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    T,
+    E,
+    stride_t,
+    num_blocks,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCKS_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """:func:`_route_and_group` as a kernel of one program."""
+    _pdl.wait(PDL)  # the router's logits
+    _pdl.launch_dependents(PDL)  # the gate-up GEMM's programs may queue (they wait first)
+    _route_and_group(
+        logits_ptr,
+        weights_ptr,
+        ids_ptr,
+        sorted_ptr,
+        expert_ids_ptr,
+        total_ptr,
+        T,
+        E,
+        stride_t,
+        num_blocks,
+        TOPK,
+        K_PAD,
+        RENORMALIZE,
+        BLOCK_T,
+        E_PAD,
+        BLOCK_M,
+        CHUNK,
         BLOCKS_CHUNK,
     )
 

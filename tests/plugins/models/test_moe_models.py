@@ -284,3 +284,37 @@ def test_dummy_weights_fill_every_expert() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert model.layers[1].mlp.gate_up.shape == (4 * 2 * 8, 32)
     assert model.layers[0].mlp.gate_proj.shape == (cfg.intermediate_size, 32)
+
+
+def test_a_set_that_takes_the_router_gets_its_weight_and_no_logits() -> None:
+    """A kernel set declaring ``moe_takes_router`` gets the router's weight (``router=``) and
+    ``None`` logits, and projects ``x`` itself; one that does not gets the ``linear`` logits.
+    The block's output is the same either way (here both project with torch's ``linear``)."""
+    from pitstop.plugins.kernels import reference
+    from pitstop.plugins.kernels.reference import ReferenceKernels
+    from pitstop.plugins.models.moe import SparseMoeBlock
+
+    calls: list[dict] = []
+
+    def moe_op(x, logits, gate_up, down, top_k, *, router=None, **kw):
+        calls.append({"logits": logits, "router": router})
+        if logits is None:
+            logits = torch.nn.functional.linear(x, router)
+        return reference.moe(x, logits, gate_up, down, top_k, **kw)
+
+    cfg = attrs.evolve(
+        PRESETS["qwen3-30b-a3b"], hidden_size=32, num_experts=4, moe_intermediate_size=8,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    outs = []
+    for takes_router in (False, True):
+        kernels = ReferenceKernels(torch.device("cpu"), torch.float32)
+        kernels._moe = moe_op
+        kernels.moe_takes_router = takes_router
+        block = SparseMoeBlock(cfg, kernels, True, kernels.linear)
+        for p in block.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        outs.append(block(torch.randn(3, 32, generator=torch.Generator().manual_seed(4))))
+    assert calls[0]["router"] is None and calls[0]["logits"].shape == (3, 4)
+    assert calls[1]["logits"] is None and calls[1]["router"].shape == (4, 32)
+    assert torch.equal(outs[0], outs[1])

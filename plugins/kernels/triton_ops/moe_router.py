@@ -1,0 +1,225 @@
+"""The router's projection, routing and grouping in one launch, for a decode step of few tokens.
+
+At batch 1 the front half of a sparse block was three launches before the experts' GEMMs:
+the router's ``linear`` (cuBLAS: 4.9 us a layer on an H100 for Qwen3-30B-A3B's ``[128,
+2048]`` router, two programs streaming its 512 KB), :func:`.moe_routing.route` (2.2 us)
+and :func:`.moe_routing.align` (4.3 us) -- 11.4 of the 88.8 us a layer of a profiled
+decode step (2026-12-06). :func:`router_route_align` does all three in one:
+
+1. **Projection**, split over ``cdiv(E, BLOCK_E) x H_SPLITS`` programs: program ``(p, s)``
+   takes experts ``[p * BLOCK_E, ...)`` and hidden columns ``[s * H_PER_SPLIT, ...)``,
+   multiplies the ``[BLOCK_E, BLOCK_H]`` router tiles by the few token rows (products of
+   the activation dtype are exact in float32; float32 sums) and stores its float32 partial
+   ``[T, BLOCK_E]`` to its own slice of ``partials [H_SPLITS, T, E]``; then it counts itself
+   in an arrival counter (the fused linear ops' counters and memory ordering:
+   :func:`.fused_linear.workspace`, one ``acq_rel`` add a program, nothing waits).
+2. **Routing and grouping**, by the program that arrives last: it sums every split's
+   partials in split order (so the bits do not depend on which program that is), rounds
+   the logits once to the activations' dtype, as the router's ``linear`` returns them,
+   stores them to ``logits [T, E]``, and then runs :func:`.moe_routing.route_and_align`'s
+   program on them, the same code with the same warps, so its weights, ids and grouping
+   are those of ``route_and_align(logits)`` bit for bit; then it zeroes the counter.
+
+The logits differ from cuBLAS's only by the order of each float32 dot's sum (then both
+round to the activation dtype): within one rounding of it, so a token whose k-th and
+k+1-th experts are that close may pick the other one, as two GEMM libraries would.
+
+Used by :func:`.moe.fused_moe` when given the router's weight instead of logits and the
+step has at most :data:`FUSED_ROUTER_TOKENS` tokens (one program routes and groups all of
+them: :func:`.moe_routing.route_and_align` took 4.9 us for one token against 7.0 for
+route and align apart, and 34.6 against 19.2 for eight, on an H100 on 2026-12-06).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.fused_linear import workspace
+from pitstop.plugins.kernels.triton_ops.moe_routing import (
+    Grouping,
+    _blocks_chunk,
+    _one_program_chunk,
+    _route_and_group,
+    counts_needed,
+    empty_grouping,
+    route_tiles,
+)
+from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
+
+# Steps of at most this many tokens take the one-launch router (module doc)
+FUSED_ROUTER_TOKENS = 2
+BLOCK_E = 16  # experts a projection program takes
+BLOCK_H = 128  # hidden columns a K step
+H_PER_SPLIT = 256  # hidden columns a projection program takes (two K steps)
+COUNTER = 0  # the arrival counter (of the device's fused-linear counters) this launch uses
+
+
+@triton.jit
+def _router_route_align_kernel(
+    x_ptr,
+    w_ptr,
+    partials_ptr,
+    logits_ptr,
+    counters_ptr,
+    weights_ptr,
+    ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    T,
+    E,
+    H,
+    stride_x,
+    stride_w,
+    num_blocks,
+    T_PAD: tl.constexpr,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCKS_CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    H_PER_SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program ``(p, s)``: the float32 partial logits of experts ``p`` over hidden split
+    ``s``; the last to arrive sums them, rounds, routes and groups (module doc)."""
+    _pdl.wait(PDL)  # x comes from the kernel before
+    pid_e = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    ee = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    tt = tl.arange(0, T_PAD)
+    hh = tl.arange(0, BLOCK_H)
+    w_rows = w_ptr + tl.minimum(ee, E - 1).to(tl.int64)[:, None] * stride_w  # [BLOCK_E, 1]
+    x_rows = x_ptr + tl.minimum(tt, T - 1).to(tl.int64)[:, None] * stride_x  # [T_PAD, 1]
+    acc = tl.zeros([BLOCK_E, T_PAD], tl.float32)
+    h_lo = pid_h * H_PER_SPLIT
+    for h0 in tl.static_range(0, H_PER_SPLIT, BLOCK_H):
+        h = h_lo + h0 + hh
+        w = tl.load(w_rows + h[None, :], mask=(h < H)[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_rows + h[None, :], mask=(h < H)[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)  # exact products, float32 sums
+    _pdl.launch_dependents(PDL)  # the gate-up GEMM's programs may queue (they wait first)
+    # this split's partial [T, BLOCK_E] into its own slice of partials [H_SPLITS, T, E]
+    part = partials_ptr + (pid_h * T + tt)[None, :].to(tl.int64) * E + ee[:, None]
+    tl.store(part, acc, mask=(ee < E)[:, None] & (tt < T)[None, :])
+    tl.debug_barrier()  # every thread's stores before the one thread's release
+    counter = counters_ptr
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last: all are visible
+        tl.debug_barrier()  # the acquire (one thread) before every thread's loads
+        e = tl.arange(0, E_PAD)
+        t2 = tl.arange(0, BLOCK_T)
+        for t0 in range(0, T, BLOCK_T):
+            rows = t0 + t2
+            mask = (rows < T)[:, None] & (e < E)[None, :]
+            logits = tl.zeros([BLOCK_T, E_PAD], tl.float32)
+            p = partials_ptr + rows.to(tl.int64)[:, None] * E + e[None, :]
+            for _ in range(0, tl.num_programs(1)):  # split order: bits independent of arrival
+                logits += tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+                p += T * E
+            dt: tl.constexpr = logits_ptr.dtype.element_ty
+            out = logits_ptr + rows.to(tl.int64)[:, None] * E + e[None, :]
+            tl.store(out, _rounded(logits, dt).to(dt), mask=mask)
+        tl.debug_barrier()  # the logits stored above by some threads are read by others
+        _route_and_group(
+            logits_ptr,
+            weights_ptr,
+            ids_ptr,
+            sorted_ptr,
+            expert_ids_ptr,
+            total_ptr,
+            T,
+            E,
+            E,
+            num_blocks,
+            TOPK,
+            K_PAD,
+            RENORMALIZE,
+            BLOCK_T,
+            E_PAD,
+            BLOCK_M,
+            CHUNK,
+            BLOCKS_CHUNK,
+        )
+        tl.store(counter, 0)  # zero again for the next launch (or graph replay)
+
+
+def fuses_router(num_tokens: int, top_k: int) -> bool:
+    """Whether a step of ``num_tokens`` tokens takes :func:`router_route_align`: at most
+    :data:`FUSED_ROUTER_TOKENS`, and few enough rows for one grouping program."""
+    return 1 <= num_tokens <= FUSED_ROUTER_TOKENS and not counts_needed(num_tokens * top_k)
+
+
+def router_route_align(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype | None,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, Grouping, torch.Tensor]:
+    """``x @ router.T`` rounded to ``x``'s dtype, then :func:`.moe_routing.route_and_align`
+    of it (``block_m``), in one launch (module doc), for :func:`fuses_router` steps.
+
+    ``x [T, H]``, ``router [E, H]`` in ``x``'s dtype (both contiguous along ``H``). Returns
+    ``(weights [T, k], ids [T, k], grouping, logits [T, E])``. Fixed-size buffers, no host
+    sync: CUDA-graph capturable (after one call outside a capture: the counters).
+    """
+    t, h = x.shape
+    e = router.shape[0]
+    assert router.shape == (e, h) and router.dtype == x.dtype, "router [E, H] in x's dtype"
+    assert x.stride(1) == 1 and router.stride(1) == 1, "x and router contiguous along H"
+    assert 1 <= top_k <= min(e, 16), f"top_k={top_k} with {e} experts"
+    assert fuses_router(t, top_k), f"{t} tokens x {top_k}: not a one-launch router step"
+    dev = x.device
+    splits = triton.cdiv(h, H_PER_SPLIT)
+    partials = torch.empty((splits, t, e), dtype=torch.float32, device=dev)
+    logits = torch.empty((t, e), dtype=x.dtype, device=dev)
+    weights = torch.empty((t, top_k), dtype=weights_dtype or torch.float32, device=dev)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
+    grouping = empty_grouping(t * top_k, e, block_m, dev)
+    block_t, e_pad, warps = route_tiles(t, e)
+    counters = workspace(dev).counters[COUNTER:]
+    use_pdl = _pdl.enabled(dev)
+    _router_route_align_kernel[(triton.cdiv(e, BLOCK_E), splits)](
+        x,
+        router,
+        partials,
+        logits,
+        counters,
+        weights,
+        ids,
+        grouping.sorted_rows,
+        grouping.expert_ids,
+        grouping.num_padded,
+        t,
+        e,
+        h,
+        x.stride(0),
+        router.stride(0),
+        grouping.expert_ids.numel(),
+        T_PAD=triton.next_power_of_2(t),
+        TOPK=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        RENORMALIZE=renormalize,
+        BLOCK_T=block_t,
+        E_PAD=e_pad,
+        BLOCK_M=block_m,
+        CHUNK=_one_program_chunk(t * top_k),
+        BLOCKS_CHUNK=_blocks_chunk(e_pad),
+        BLOCK_E=BLOCK_E,
+        BLOCK_H=BLOCK_H,
+        H_PER_SPLIT=H_PER_SPLIT,
+        PDL=use_pdl,
+        num_warps=warps,
+        **_pdl.launch_kwargs(use_pdl),
+    )
+    return weights, ids, grouping, logits

@@ -1,0 +1,112 @@
+"""The one-launch router (:mod:`pitstop.plugins.kernels.triton_ops.moe_router`): the router's
+projection, routing and grouping of a decode step of few tokens, in Triton's interpreter
+on the CPU (compiled on a GPU).
+
+Truth: its routing is ``route_and_align`` of the logits it computed, bit for bit, and those
+logits are ``x @ router.T`` in float64 within one rounding to the activation dtype; the
+fused op given the router's weight is the op given those logits, bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
+
+import pytest  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytest.importorskip("triton")
+
+from helpers.poison import poisoned_outputs  # noqa: E402
+
+from pitstop.plugins.kernels.triton_ops import (  # noqa: E402
+    fused_linear,
+    moe,
+    moe_router,
+    moe_routing,
+    moe_tiles,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# one rounding of the logits to the activation dtype, relative to the largest logit
+ROUNDING = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _grouping_equal(a: moe_routing.Grouping, b: moe_routing.Grouping) -> bool:
+    """The used rows, every block's expert and the used count (the buffers past the used
+    rows are never written)."""
+    n = int(a.num_padded)
+    return (
+        torch.equal(a.num_padded, b.num_padded)
+        and torch.equal(a.sorted_rows[:n], b.sorted_rows[:n])
+        and torch.equal(a.expert_ids, b.expert_ids)
+    )
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    t=st.integers(1, moe_router.FUSED_ROUTER_TOKENS),
+    e=st.integers(1, 40),
+    k_frac=st.floats(0, 1),
+    h=st.sampled_from([16, 200, 600]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    renormalize=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(t=2, e=40, k_frac=0.2, h=600, dtype=torch.bfloat16, renormalize=True, seed=1)
+@example(t=1, e=1, k_frac=0.0, h=16, dtype=torch.float32, renormalize=False, seed=2)
+def test_router_route_align_is_route_and_align_of_its_logits(
+    t: int, e: int, k_frac: float, h: int, dtype: torch.dtype, renormalize: bool, seed: int
+) -> None:
+    """Bit for bit the weights, ids and grouping of ``route_and_align`` of the logits it
+    returns; the logits within one rounding of float64 ``x @ router.T`` (H 600: three
+    hidden splits, the last a part one; E 40: three expert programs, the last a part one);
+    the arrival counter zero again after the launch."""
+    top_k = 1 + round(k_frac * (min(e, 16) - 1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(dtype).to(DEVICE)
+    router = (torch.randn(e, h, generator=gen) / h**0.5).to(dtype).to(DEVICE)
+    wdt = None if dtype == torch.float32 else dtype
+    with poisoned_outputs():
+        weights, ids, grouping, logits = moe_router.router_route_align(
+            x, router, top_k, renormalize, wdt, 16
+        )
+        want = moe_routing.route_and_align(logits, top_k, renormalize, wdt, 16)
+    assert torch.equal(weights, want[0]) and torch.equal(ids, want[1])
+    assert _grouping_equal(grouping, want[2])
+    truth = x.double() @ router.double().T
+    err = ((logits.double() - truth).abs().max() / truth.abs().max().clamp_min(1e-6)).item()
+    assert err <= ROUNDING[dtype], f"logits off by {err:.3g}"
+    assert not fused_linear.workspace(x.device).counters.any(), "a counter left non-zero"
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_fused_moe_with_the_router_is_fused_moe_of_its_logits(t: int) -> None:
+    """``fused_moe(x, None, router=W)``: up to two tokens the one-launch router, bit for bit
+    the op over the logits it computed; three tokens take ``x @ W.T`` by torch first."""
+    e, h, f, top_k = 12, 80, 24, 3
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=gen).bfloat16().to(DEVICE)
+    router = (torch.randn(e, h, generator=gen) / h**0.5).bfloat16().to(DEVICE)
+    gate_up = (torch.randn(e, 2 * f, h, generator=gen) / h**0.5).bfloat16().to(DEVICE)
+    down = (torch.randn(e, h, f, generator=gen) / f**0.5).bfloat16().to(DEVICE)
+    config = moe_tiles.INTERPRETER_CONFIG if DEVICE.type == "cpu" else None
+    kw = dict(renormalize=True, weights_dtype=torch.bfloat16, config=config)
+    with poisoned_outputs():
+        out = moe.fused_moe(x, None, gate_up, down, top_k, router=router, **kw)
+    if moe_router.fuses_router(t, top_k):
+        logits = moe_router.router_route_align(x, router, top_k, True, torch.bfloat16, 16)[3]
+    else:
+        logits = torch.nn.functional.linear(x, router)
+    assert torch.equal(out, moe.fused_moe(x, logits, gate_up, down, top_k, **kw))
+
+
+def test_fuses_router_thresholds() -> None:
+    """One and two tokens, while one program groups their rows (top-8: 16 rows; 128 at most)."""
+    assert moe_router.FUSED_ROUTER_TOKENS == 2
+    assert [moe_router.fuses_router(t, 8) for t in (0, 1, 2, 3)] == [False, True, True, False]
+    assert not moe_router.fuses_router(1, 129) and moe_router.fuses_router(2, 64)
