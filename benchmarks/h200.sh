@@ -403,9 +403,9 @@ for _ in range(2):
       for w in ${MOE_WORKLOADS:-single nano}; do run moe-$w offline --workload $w --model dummy:qwen3-30b-a3b --kernels fused --repeats ${MOE_REPEATS:-1}; done ;;
     # issue 48 (2026-12-06): the MoE op's swap-AB decode tiles and in-launch split sum: its GPU
     # tests, every autotune candidate's time at batch 1-256 (moe_bench --candidates), then the
-    # same batches on the commit in .before/src.tgz (`git archive <commit> core plugins apps compat
-    # pyproject.toml README.md benchmarks/moe_bench.py | gzip`), installed aside: the baseline
-    # in the same call
+    # same batches on the tree in .before/src.tgz, installed aside: the baseline in the same call
+    # (2026-12-06: `git archive 6b2527a core plugins apps compat pyproject.toml README.md` with
+    # this commit's tuning.py and benchmarks/moe_bench.py, so both time alike)
     moe-kernels) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
       timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_moe_kernels_gpu.py \
         tests/plugins/models/test_moe_models_fused.py 2>&1 | tee "$OUT/gpu-tests-moe-kernels.log" | tail -4
