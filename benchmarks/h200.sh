@@ -401,7 +401,7 @@ for _ in range(2):
       echo "== moe_bench"; timeout 300 python3 benchmarks/moe_bench.py 2>&1 | tee "$OUT/moe-bench.log" | tail -25
       [ "${MOE_FP8:-0}" = 1 ] && { timeout 200 python3 benchmarks/moe_bench.py --fp8 2>&1 | tail -12; }
       for w in ${MOE_WORKLOADS:-single nano}; do run moe-$w offline --workload $w --model dummy:qwen3-30b-a3b --kernels fused --repeats ${MOE_REPEATS:-1}; done ;;
-    # issue 48 (2026-12-06): the MoE op's swap-AB decode tiles and in-launch split sum: its GPU
+    # issue 48 (2026-12-06): the MoE op's in-launch split sum and one-launch router: its GPU
     # tests, every autotune candidate's time at batch 1-256 (moe_bench --candidates), then the
     # same batches on the tree in .before/src.tgz, installed aside: the baseline in the same call
     # (2026-12-06: `git archive 6b2527a core plugins apps compat pyproject.toml README.md` with
@@ -420,12 +420,11 @@ for _ in range(2):
           timeout 120 python3 /tmp/before/benchmarks/moe_bench.py --batch 64 --batch 256 2>&1 ) | tee "$OUT/moe-bench-before.log" | tail -40
       fi ;;
     # issue 48: a sweep of the MoE op's tiles (MOE_SWEEP: M,N,K,WARPS,STAGES[,SPLIT] specs) at
-    # MOE_SWEEP_BATCHES, each kernel's time; with and without swap AB; fp8 experts at batch 1
+    # MOE_SWEEP_BATCHES, each kernel's time; fp8 experts at batch 1
     moe-sweep) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
       cfgs=""; for c in ${MOE_SWEEP:-16,64,128,4,4}; do cfgs="$cfgs --config $c"; done
       bs=""; for b in ${MOE_SWEEP_BATCHES:-1 8}; do bs="$bs --batch $b"; done
-      echo "== moe sweep, swap AB"; timeout 240 python3 benchmarks/moe_bench.py $bs $cfgs --kernels 2>&1 | tee "$OUT/moe-sweep.log" | grep -v "warn\|^fused\|^ *T "
-      echo "== moe sweep, no swap"; timeout 150 python3 benchmarks/moe_bench.py --batch 1 $cfgs --kernels --no-swap 2>&1 | tee "$OUT/moe-sweep-noswap.log" | grep -v "warn\|^fused\|^ *T "
+      echo "== moe sweep"; timeout 240 python3 benchmarks/moe_bench.py $bs $cfgs --kernels 2>&1 | tee "$OUT/moe-sweep.log" | grep -v "warn\|^fused\|^ *T "
       echo "== fp8 experts"; timeout 100 python3 benchmarks/moe_bench.py --fp8 --batch 1 --kernels 2>&1 | tee "$OUT/moe-fp8.log" | grep -v "warn\|^fused\|^ *T " ;;
     # issue 50: the host tier beside the prefix allocator (MT_N turns of the workload's 1,200;
     # 360 take about 200 s for both columns; after a65a623 the tier should hit about 76%)

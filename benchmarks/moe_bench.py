@@ -69,8 +69,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also every tile config the autotune times (rows 'cand<i>')")  # fmt: skip
     p.add_argument("--config", action="append", default=[], metavar="M,N,K,WARPS,STAGES[,SPLIT]",
                    help="also these tiles (rows 'cfg<i>'), repeatable")  # fmt: skip
-    p.add_argument("--no-swap", action="store_true",
-                   help="every block with the token rows on the MMA's M side (no swap AB)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -83,8 +81,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
 
     from pitstop.plugins.kernels.triton_ops import moe, moe_routing, moe_tiles
 
-    if args.no_swap:
-        moe_tiles.SWAP_AB_ROWS = 0  # read by swap_ab at each launch
     dev = torch.device(args.device)
     shape = LAYER if dev.type == "cuda" else TINY
     h, e, top_k, f = shape["hidden"], shape["experts"], shape["top_k"], shape["inter"]

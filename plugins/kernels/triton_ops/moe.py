@@ -42,13 +42,6 @@ otherwise they differ only by the order of each dot's float32 sum over ``F`` (pr
 16-bit or e4m3 operands are exact in float32; float32 activations' are rounded), so they
 agree within rounding, not bit for bit.
 
-Orientation (:func:`.moe_tiles.swap_ab`): blocks of at most 32 token rows (every decode
-tile) run their K loop "swap AB", ``acc[BLOCK_N, BLOCK_M] = w[n, k] @ a[rows, k].T``, so
-that the weight rows fill the M side of Hopper's warpgroup MMA (64 rows) and the few token
-rows its N side (down to 8), as the fused linear ops do; with 16 token rows on the M side
-Triton compiles ``mma.sync`` instead of ``wgmma`` (sm_90 compiles of both). The tile is
-transposed back before the epilogue, so the two orientations differ in nothing else.
-
 Split-K (``MoEConfig.split_k``, issue 48): at decode the grids are too small to stream the
 experts at HBM rate (batch 1 of Qwen3-30B-A3B: 8 row blocks x 12 column tiles = 96
 gate-up programs on 132 SMs, each walking K = 2048 alone), so each GEMM can split its K
@@ -101,8 +94,8 @@ Tiles (:func:`choose_config`; the configs, plan and cache live in :mod:`.moe_til
 short autotune at the first call of a shape bucket
 (``T`` rounded up to a power of two, with ``E``, ``k``, ``H``, ``F``), timing a handful of
 :class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`.tuning.time_replays`;
-decode buckets also time splits of 2 and 4; the timed calls run the default plan, so the
-config's tiles time both grouped GEMMs); the winner is cached in memory and on disk
+no split: splits lost at every measured batch; the timed calls run the default plan, so
+the config's tiles time both grouped GEMMs); the winner is cached in memory and on disk
 (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
 the bucket, dtype, device name, Triton version and :data:`.moe_tiles.KERNEL_REVISION`).
 Where timing is impossible (Triton's interpreter, or a CUDA graph being captured) and the
@@ -140,7 +133,6 @@ from pitstop.plugins.kernels.triton_ops.moe_tiles import (
     effective_split,
     known_config,
     launch_plan,
-    swap_ab,
     token_major_tiles,
 )
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
@@ -190,7 +182,7 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _k_loop_rows(
+def _k_loop(
     a_ptr,
     a_rows,
     stride_am,
@@ -208,9 +200,11 @@ def _k_loop_rows(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The K loop with the token rows as the MMA's M side: ``acc[BLOCK_M, BLOCK_N] +=
-    a[rows, k] @ w[n, k].T`` (and ``acc_u`` over the up rows ``u_offset`` further on);
-    ``w_base`` the ``[1, BLOCK_N]`` pointers of the tile's weight rows."""
+    """The K loop: ``acc[BLOCK_M, BLOCK_N] += a[rows, k] @ w[n, k].T`` (and ``acc_u`` over
+    the up rows ``u_offset`` further on); ``w_base`` the ``[1, BLOCK_N]`` pointers of the
+    tile's weight rows. (Blocks of 16 rows compile to ``mma.sync`` on sm_90; "swap AB",
+    the weight rows on the M side of the warpgroup MMA, compiled to ``wgmma`` and measured
+    no faster on an H100 on 2026-12-06: batch 1 the same, batch 8 6% slower.)"""
     kk = tl.arange(0, BLOCK_K)
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -235,55 +229,6 @@ def _k_loop_rows(
                 u = u.to(a.dtype)
             acc_u = _dot(a, u, acc_u, UPCAST, DOT_PRECISION)
     return acc, acc_u
-
-
-@triton.jit
-def _k_loop_swapped(
-    a_ptr,
-    a_rows,
-    stride_am,
-    w_base,
-    u_offset,
-    k_lo,
-    k_hi,
-    K,
-    GATE_UP: tl.constexpr,
-    W_SCALED: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """The K loop "swap AB": the weight rows as the MMA's M side, ``acc[BLOCK_N, BLOCK_M] +=
-    w[n, k] @ a[rows, k].T`` (a warpgroup's 64 rows of Hopper's MMA are weight rows, the
-    few token rows its N side), returned transposed to ``[BLOCK_M, BLOCK_N]`` as
-    :func:`_k_loop_rows`'s; ``w_base`` the ``[BLOCK_N, 1]`` pointers of the weight rows."""
-    kk = tl.arange(0, BLOCK_K)
-    a_base = a_ptr + a_rows.to(tl.int64)[None, :] * stride_am
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + kk
-        if EVEN_K:
-            a = tl.load(a_base + k[:, None])
-            w = tl.load(w_base + k[None, :])
-        else:
-            a = tl.load(a_base + k[:, None], mask=(k < K)[:, None], other=0.0)
-            w = tl.load(w_base + k[None, :], mask=(k < K)[None, :], other=0.0)
-        if W_SCALED:
-            w = w.to(a.dtype)
-        acc = _dot(w, a, acc, UPCAST, DOT_PRECISION)
-        if GATE_UP:
-            if EVEN_K:
-                u = tl.load(w_base + u_offset + k[None, :])
-            else:
-                u = tl.load(w_base + u_offset + k[None, :], mask=(k < K)[None, :], other=0.0)
-            if W_SCALED:
-                u = u.to(a.dtype)
-            acc_u = _dot(u, a, acc_u, UPCAST, DOT_PRECISION)
-    return tl.trans(acc), tl.trans(acc_u)
 
 
 @triton.jit
@@ -326,7 +271,6 @@ def _grouped_gemm_kernel(
     SPLIT_K: tl.constexpr,
     W_SCALED: tl.constexpr,
     EVEN_K: tl.constexpr,
-    SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -338,7 +282,6 @@ def _grouped_gemm_kernel(
 
     Program ``(b, n, s)``: row block ``b``, columns ``n``, ``K`` range ``[s * K_PER_SPLIT,
     (s + 1) * K_PER_SPLIT)`` (``K_PER_SPLIT`` a multiple of ``BLOCK_K``; no split is empty).
-    ``SWAP_AB``: the K loop with the weight rows as the MMA's M side (few rows a block).
 
     ``GATE_UP``: ``a`` is ``x [T, H]`` read at token ``row // TOPK``; ``w [E, 2F, H]``; the
     output ``silu(a @ w[e, n].T) * (a @ w[e, F + n].T)`` rounded into ``h [T*k, F]``. With
@@ -369,16 +312,10 @@ def _grouped_gemm_kernel(
     w_rows = w_ptr + e * stride_we + tl.minimum(n, NOUT - 1).to(tl.int64) * stride_wn
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    if SWAP_AB:
-        acc, acc_u = _k_loop_swapped(
-            a_ptr, a_rows, stride_am, w_rows[:, None], NOUT * stride_wn, k_lo, k_hi, K,
-            GATE_UP, W_SCALED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
-    else:
-        acc, acc_u = _k_loop_rows(
-            a_ptr, a_rows, stride_am, w_rows[None, :], NOUT * stride_wn, k_lo, k_hi, K,
-            GATE_UP, W_SCALED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
+    acc, acc_u = _k_loop(
+        a_ptr, a_rows, stride_am, w_rows[None, :], NOUT * stride_wn, k_lo, k_hi, K,
+        GATE_UP, W_SCALED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
     _pdl.launch_dependents(PDL)
     mask = valid[:, None] & (n < NOUT)[None, :]
     row_offsets = rows.to(tl.int64)[:, None] * stride_om + n[None, :]
@@ -590,7 +527,6 @@ def _grouped_gemm(
         SPLIT_K=splits,
         W_SCALED=setting.scaled,
         EVEN_K=k % bk == 0,
-        SWAP_AB=swap_ab(bm),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,

@@ -47,35 +47,28 @@ class MoEConfig(NamedTuple):
 # average (T * k / E): small tiles for decode (memory-bound: many programs streaming
 # weights), large ones once every expert has a full tile of rows.
 #
-# Batch 1 of Qwen3-30B-A3B on an H100 (2026-12-05/06, moe_bench --kernels): the gate-up GEMM
-# took 29.7 of the op's 50.8 us, 50 MB at 1.7 TB/s, with 8 experts x 12 column tiles of 64
-# = 96 programs on 132 SMs, and fp8 experts (half the bytes) took as long as bf16 on the
-# H200: bound by each program's walk over K, not by bytes. Two changes since, not yet timed
-# on a GPU: blocks of at most 32 rows run "swap AB" (:func:`swap_ab`: the weight rows as the
-# MMA's 64-row M side, as the fused linear ops do, so one token row wastes no tensor-core
-# rows), and a split gate-up sums its splits inside the launch (the last program of a tile
-# to arrive, as the fused linear ops' split-K; module doc of :mod:`.moe`) instead of in the
-# down GEMM's loads, which re-read every split's partials in each of its column tiles (why
-# splits 2-8 lost on the H200 on 2026-12-05: 47 us unsplit against 60-121). So splits of
-# 2 and 4 are candidates again; the autotune keeps them only where they win.
+# Batch 1 of Qwen3-30B-A3B on an H100 (2026-12-06, moe_bench --candidates, each run after a
+# 256 MB read: :func:`.tuning.cold_median_ms`): the op 41-42 us with any unsplit tile of 16
+# rows and 64 or 128 columns (gate-up 22 us, 50 MB at 2.3 TB/s; down 11.5 us), 45-49 us
+# with K split 2 or 4 (the split summed in the gate-up's own launch since 2026-12-06, by the
+# last program of a tile, instead of in the down GEMM's loads: splits lost by less, 47
+# against 60-121 us on the H200 before) and 45-48 us for 32-row or 32-column tiles; batch 8
+# the same order (183 against 191-212 us). So no split is a candidate; ``split_k`` stays
+# for ``moe_bench --split``.
 ROWS_16 = MoEConfig(16, 64, 128, 4, 4)  # the heuristic's up to 16 rows an expert
 ROWS_32 = MoEConfig(32, 64, 128, 4, 4)  # and up to 32
 NARROW_DEEP = MoEConfig(16, 32, 256, 4, 3)
 FEW_ROWS = (
-    ROWS_16,
     MoEConfig(16, 128, 128, 4, 3),
-    MoEConfig(16, 64, 128, 4, 4, 2),
-    MoEConfig(16, 64, 128, 4, 4, 4),
-    MoEConfig(16, 128, 128, 4, 3, 2),
-    MoEConfig(16, 128, 64, 4, 4, 4),
+    ROWS_16,
     ROWS_32,
     NARROW_DEEP,
+    MoEConfig(16, 16, 128, 4, 4),
 )
-# Part of every cache key: raised when the kernels or the candidates change, so that a tile
-# cached from timings of older kernels is timed again (2: swap AB and the in-launch split sum)
+# Part of every cache key: raised when the kernels, the candidates or their timing change, so
+# that a tile cached from older timings is timed again (2: the in-launch split sum, and the
+# timing after a read that leaves L2 clean)
 KERNEL_REVISION = 2
-# swap AB (weight rows as the MMA's M side) for blocks of at most this many token rows
-SWAP_AB_ROWS = 32
 MANY_ROWS = (
     MoEConfig(64, 64, 64, 4, 3),
     MoEConfig(64, 128, 64, 4, 3),
@@ -223,13 +216,6 @@ def heuristic_config(
     if per_expert <= 32:
         return ROWS_32
     return MANY_ROWS[0]
-
-
-def swap_ab(block_m: int) -> bool:
-    """Whether the grouped GEMMs of ``block_m``-row blocks run "swap AB": the weight rows as
-    the MMA's M side, so that Hopper's 64-row warpgroup MMA takes weight rows, not the few
-    token rows (at most :data:`SWAP_AB_ROWS`); taller blocks keep the token rows there."""
-    return block_m <= SWAP_AB_ROWS
 
 
 def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
