@@ -371,16 +371,14 @@ class FusedLayerOps(Protocol):
 class KernelSetBase(Capabilities):
     """The defaults of a kernel set's optional capabilities."""
 
-    # Whether the model concatenates the q/k/v and gate/up weights at load.
-    merge_projections: bool = False
+    merge_projections: bool = False  # the model concatenates q/k/v and gate/up at load
     fuses_qk_norm: bool = False  # rope_and_store takes qk_norm= (see KernelSet.rope_and_store)
     # Whether the model runs each decoder layer through FusedLayerOps: the norms' gains folded
     # into the projections after them at load, the residual adds in the projections before.
     fuses_layer: bool = False
     # The mixture-of-experts op (MoEOps.moe); None: an MoE model runs the reference loop itself.
     moe: Any = None
-    # Whether moe takes the router's weight (router=, router_logits None) and projects itself
-    moe_takes_router: bool = False
+    moe_takes_router: bool = False  # moe takes router= (the weight; no logits): MoEOps.moe
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph: not unless the set says so."""
