@@ -711,44 +711,34 @@ def fused_moe(
     t, e = x.shape[0], gate_up.shape[0]
     if t == 0:
         return torch.empty_like(x)
-    if router_logits is None:
-        assert router is not None, "fused_moe needs router_logits or the router's weight"
-        if config is None:
-            config = known_config(x, t, top_k, gate_up, cache)
-        if config is not None and fuses_router(t, top_k):
-            if x.stride(1) != 1:
-                x = x.contiguous()
-            weights, ids, grouping, _ = router_route_align(
-                x, router, top_k, renormalize, weights_dtype, config.block_m
-            )
-            return experts(
-                x,
-                weights,
-                ids,
-                gate_up,
-                down,
-                config=config,
-                grouping=grouping,
-                scales=scales,
-                plan=plan or launch_plan(t, top_k, config),
-            )
-        router_logits = torch.nn.functional.linear(x, router)
-    assert router_logits.shape == (t, e), "router logits [T, E]"
-    route_args = (router_logits, top_k, renormalize, weights_dtype)
     if config is None:
         config = known_config(x, t, top_k, gate_up, cache)
-    if config is None:  # a GPU bucket's first eager call: tune on this call's routing
-        weights, ids = route(*route_args)
-        config = choose_config(x, weights, ids, gate_up, down, cache, scales)
-    plan = plan or launch_plan(t, top_k, config)
-    if plan.route_with_align:  # one launch, no counts
-        weights, ids, grouping = route_and_align(*route_args, config.block_m)
+    if router_logits is None:
+        assert router is not None, "fused_moe needs router_logits or the router's weight"
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if config is None or not fuses_router(t, top_k):
+            router_logits = torch.nn.functional.linear(x, router)
+    route_args = (router_logits, top_k, renormalize, weights_dtype)
+    if router_logits is None:  # the router's projection, routing and grouping in one launch
+        weights, ids, grouping, _ = router_route_align(
+            x, router, top_k, renormalize, weights_dtype, config.block_m
+        )
+        plan = plan or launch_plan(t, top_k, config)
     else:
-        counts = None  # few rows: align counts and ranks them in one program (no memsets)
-        if counts_needed(t * top_k):
-            counts = torch.zeros(e, dtype=torch.int32, device=x.device)
-        weights, ids = route(*route_args, counts)
-        grouping = align(ids, e, config.block_m, counts)
+        assert router_logits.shape == (t, e), "router logits [T, E]"
+        if config is None:  # a GPU bucket's first eager call: tune on this call's routing
+            weights, ids = route(*route_args)
+            config = choose_config(x, weights, ids, gate_up, down, cache, scales)
+        plan = plan or launch_plan(t, top_k, config)
+        if plan.route_with_align:  # one launch, no counts
+            weights, ids, grouping = route_and_align(*route_args, config.block_m)
+        else:
+            counts = None  # few rows: align counts and ranks them in one program (no memsets)
+            if counts_needed(t * top_k):
+                counts = torch.zeros(e, dtype=torch.int32, device=x.device)
+            weights, ids = route(*route_args, counts)
+            grouping = align(ids, e, config.block_m, counts)
     return experts(
         x,
         weights,

@@ -40,12 +40,10 @@ from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.fused_linear import workspace
 from pitstop.plugins.kernels.triton_ops.moe_routing import (
     Grouping,
-    _blocks_chunk,
-    _one_program_chunk,
     _route_and_group,
     counts_needed,
-    empty_grouping,
-    route_tiles,
+    route_and_group_constants,
+    routed_buffers,
 )
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
@@ -183,10 +181,8 @@ def router_route_align(
     splits = triton.cdiv(h, H_PER_SPLIT)
     partials = torch.empty((splits, t, e), dtype=torch.float32, device=dev)
     logits = torch.empty((t, e), dtype=x.dtype, device=dev)
-    weights = torch.empty((t, top_k), dtype=weights_dtype or torch.float32, device=dev)
-    ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
-    grouping = empty_grouping(t * top_k, e, block_m, dev)
-    block_t, e_pad, warps = route_tiles(t, e)
+    weights, ids, grouping = routed_buffers(t, e, top_k, weights_dtype, block_m, dev)
+    constants, warps = route_and_group_constants(t, e, top_k, renormalize, block_m)
     counters = workspace(dev).counters[COUNTER:]
     use_pdl = _pdl.enabled(dev)
     _router_route_align_kernel[(triton.cdiv(e, BLOCK_E), splits)](
@@ -207,14 +203,7 @@ def router_route_align(
         router.stride(0),
         grouping.expert_ids.numel(),
         T_PAD=triton.next_power_of_2(t),
-        TOPK=top_k,
-        K_PAD=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize,
-        BLOCK_T=block_t,
-        E_PAD=e_pad,
-        BLOCK_M=block_m,
-        CHUNK=_one_program_chunk(t * top_k),
-        BLOCKS_CHUNK=_blocks_chunk(e_pad),
+        **constants,
         BLOCK_E=BLOCK_E,
         BLOCK_H=BLOCK_H,
         H_PER_SPLIT=H_PER_SPLIT,

@@ -523,11 +523,10 @@ def route_and_align(
     assert not counts_needed(t * top_k), f"{t} x {top_k} rows: more than one align program"
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
-    dev = router_logits.device
-    weights = torch.empty((t, top_k), dtype=weights_dtype or torch.float32, device=dev)
-    ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
-    grouping = empty_grouping(t * top_k, e, block_m, dev)
-    block_t, e_pad, warps = route_tiles(t, e)
+    weights, ids, grouping = routed_buffers(
+        t, e, top_k, weights_dtype, block_m, router_logits.device
+    )
+    constants, warps = route_and_group_constants(t, e, top_k, renormalize, block_m)
     use_pdl = _pdl.enabled(router_logits.device)
     _route_align_kernel[(1,)](
         router_logits,
@@ -540,6 +539,36 @@ def route_and_align(
         e,
         router_logits.stride(0),
         grouping.expert_ids.numel(),
+        **constants,
+        PDL=use_pdl,
+        num_warps=warps,
+        **_pdl.launch_kwargs(use_pdl),
+    )
+    return weights, ids, grouping
+
+
+def routed_buffers(
+    t: int,
+    e: int,
+    top_k: int,
+    weights_dtype: torch.dtype | None,
+    block_m: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, Grouping]:
+    """Unwritten ``weights [T, k]`` (``weights_dtype``, float32 for None), ``ids [T, k]``
+    (int32) and :func:`empty_grouping` of the ``T * k`` rows, for one routing launch."""
+    weights = torch.empty((t, top_k), dtype=weights_dtype or torch.float32, device=device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=device)
+    return weights, ids, empty_grouping(t * top_k, e, block_m, device)
+
+
+def route_and_group_constants(
+    t: int, e: int, top_k: int, renormalize: bool, block_m: int
+) -> tuple[dict[str, object], int]:
+    """The constexprs of :func:`_route_and_group` for ``t`` tokens of ``e`` experts (the
+    routing tiles :func:`route` takes, so the same reduction order), and its warps."""
+    block_t, e_pad, warps = route_tiles(t, e)
+    constants = dict(
         TOPK=top_k,
         K_PAD=triton.next_power_of_2(top_k),
         RENORMALIZE=renormalize,
@@ -548,8 +577,5 @@ def route_and_align(
         BLOCK_M=block_m,
         CHUNK=_one_program_chunk(t * top_k),
         BLOCKS_CHUNK=_blocks_chunk(e_pad),
-        PDL=use_pdl,
-        num_warps=warps,
-        **_pdl.launch_kwargs(use_pdl),
     )
-    return weights, ids, grouping
+    return constants, warps
