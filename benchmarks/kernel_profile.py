@@ -139,7 +139,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{engine}: top kernels ({unit}, launches)")
         for name, us, launches in top_kernels(kernels):
             print(f"  {us:10.1f}  {launches:6.1f}  {name[:110]}")
+    for key, config in moe_tiles_used().items():
+        print(f"pitstop: fused MoE tiles {key}: {tuple(config)}")
     return status
+
+
+def moe_tiles_used() -> dict[str, tuple[int, ...]]:
+    """The fused MoE op's tiles this process chose (cached or autotuned), by shape bucket: the
+    ``(block_m, block_n, block_k, warps, stages, split)`` each MoE step size ran with
+    (empty when no MoE model ran here)."""
+    tiles = sys.modules.get("pitstop.plugins.kernels.triton_ops.moe_tiles")
+    cache = getattr(tiles, "_default_cache", None)
+    return {} if cache is None else {key: tuple(c) for key, c in cache._memory.items()}
 
 
 def _option(text: str) -> tuple[str, object]:
