@@ -247,7 +247,8 @@ class DecoderLayer(nn.Module):
         mlp: nn.Module | None = None,
     ) -> None:
         """``mlp``: the feed-forward block (default the SwiGLU :class:`MLP`; a sparse
-        mixture of experts in :mod:`.moe`, which never runs fused)."""
+        mixture of experts in :mod:`.moe`, whose layer, :class:`.moe.SparseDecoderLayer`,
+        fuses only its attention half)."""
         super().__init__()
         self.cfg, self.kernels, self.fused = cfg, kernels, fused
         self.self_attn = Attention(cfg, kernels, merged, linear)

@@ -127,6 +127,37 @@ class SparseMoeBlock(nn.Module):
         return ()
 
 
+class SparseDecoderLayer(DecoderLayer):
+    """A decoder layer whose feed-forward block is a :class:`SparseMoeBlock`.
+
+    Fused (``fused.layer``): the attention half runs as a dense fused layer's does, the input
+    norm inside the QKV projection (its gain folded into ``qkv_proj``, :meth:`fold_norms`) and
+    the residual add inside the O projection (``linear_residual``); then the post-attention
+    norm (its gain stays: the router and the experts take the normed rows) and the sparse
+    block, whose output is returned with the stream, ``(block output, stream)``: the add is
+    left to the next layer (a fused layer adds its input to the stream first) or to the final
+    norm. Unfused: :class:`~.llama.DecoderLayer`'s path.
+    """
+
+    def after_attention(
+        self, o: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """O projection (+ the residual add, fused), post-attention norm, the sparse block."""
+        if not self.fused:
+            return super().after_attention(o, residual)
+        attn, kn = self.self_attn, self.kernels
+        o2 = o.reshape(o.shape[0], attn.q_size)
+        stream = kn.linear_residual(o2, attn.o_proj, residual, attn.o_bias, **self._lora("o_proj"))
+        h, _ = kn.rms_norm(stream, self.post_attention_layernorm, self.cfg.rms_norm_eps)
+        return self.mlp(h), stream
+
+    def fold_norms(self) -> None:
+        """The input norm's gain into ``qkv_proj`` (float32, one rounding), once; the
+        post-attention norm keeps its own (the sparse block has no projection to take it)."""
+        qkv, gain = self.self_attn.qkv_proj, self.input_layernorm
+        qkv.data.copy_(qkv.data.float() * gain.data.float()[None, :])
+
+
 class MoEForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE, Qwen2-MoE and Mixtral: the Llama decoder with sparse feed-forward blocks."""
 
@@ -156,17 +187,15 @@ class MoEForCausalLM(LlamaForCausalLM):
                     layer.mlp.quantize_experts()
 
     def make_layer(self, index: int) -> nn.Module:
-        """Decoder layer ``index``: sparse when the config lists it, else a dense SwiGLU."""
+        """Decoder layer ``index``: sparse when the config lists it, else a dense SwiGLU; both
+        fused where the model fuses its layers (:meth:`~.llama.LlamaForCausalLM._fuses_layers`:
+        ``fused.layer``, merged dense weights, no tensor parallelism)."""
         cfg = self.cfg
         assert isinstance(cfg, MoEModelConfig)
-        sparse = index in cfg.sparse_layers
-        mlp = SparseMoeBlock(cfg, self.kernels, self.merged, self.linear) if sparse else None
-        return DecoderLayer(cfg, self.kernels, self.merged, self.linear, mlp=mlp)
-
-    def _fuses_layers(self, kernels: KernelSet) -> bool:
-        """Never: the fused decoder layer folds norms into a dense gate-up projection."""
-        del kernels
-        return False
+        args = (cfg, self.kernels, self.merged, self.linear, self.fused_layers)
+        if index not in cfg.sparse_layers:
+            return DecoderLayer(*args)
+        return SparseDecoderLayer(*args, mlp=SparseMoeBlock(*args[:4]))
 
 
 def make_moe(

@@ -216,3 +216,39 @@ def test_fused_layer_with_cuda_graphs_matches_reference_on_gpu(
     # every step through the cuBLAS path (the row scale deferred to rotary and SiLU·mul, the
     # residual added in place)
     assert run(options={"fused.layer": True, "fused.layer_rows": 0}, **layer) == expected
+
+
+def test_moe_models_fuse_their_attention_half(tmp_path: Path) -> None:
+    """A Qwen3-MoE checkpoint with a dense layer between sparse ones (``mlp_only_layers``):
+    with ``fused.layer`` the dense layer runs fused whole, the sparse ones their attention
+    half (the input norm's gain folded into ``qkv_proj`` only), and the model matches
+    transformers (fp32, greedy) through prefill and decode; the MoE op (in the interpreter)
+    takes the router's weight and projects, routes and groups decode steps in one launch."""
+    from pitstop.plugins.models.moe import SparseDecoderLayer
+
+    folder = _checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    hf = hf_model(folder)
+    llm = _fused_llm(folder)
+    model = llm.engine.runner.model
+    assert model.fused_layers and all(layer.fused for layer in model.layers)
+    sparse = [isinstance(layer, SparseDecoderLayer) for layer in model.layers]
+    assert sparse == [True, False, True]
+    assert model.layers[0].mlp.moe_takes_router
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (1, 9)]
+    for p, mine in zip(prompts, prefill_logits(llm, prompts), strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0]
+        assert relative_error(mine, ref) < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            )[0, len(p) :].tolist()
+        assert out.token_ids == ref, f"greedy tokens differ at prompt length {len(p)}"
