@@ -354,6 +354,11 @@ def test_a_bad_path_or_another_base_fails_that_request_alone(
             sampling_params=GREEDY,
             lora_request=LoRARequest("foreign", 92, str(foreign)),
         )
+    # the id of an adapter the engine knows (loaded here, not only by an earlier test) with
+    # another folder
+    llm.generate(
+        prompt_token_ids=[[5, 6]], sampling_params=GREEDY, lora_request=_request(tiny, "qvd")
+    )
     with pytest.raises(InvalidRequestError, match="already adapter"):
         llm.generate(
             prompt_token_ids=[[5, 6]],
