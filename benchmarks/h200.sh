@@ -282,6 +282,9 @@ for _ in range(2):
             # issue 48: the MoE preset on both sides
             moe-nano) vrun vllm-moe-nano offline --workload nano --model dummy:qwen3-30b-a3b --kernels fused --repeats $R ;;
             moe-single) vrun vllm-moe-single offline --workload single --model dummy:qwen3-30b-a3b --kernels fused --repeats 3 ;;
+            # the same with fused.layer (a sparse layer's attention half fused, 2026-12-06)
+            moe-single-layer) vrun vllm-moe-single-layer offline --workload single --model dummy:qwen3-30b-a3b --kernels fused \
+                --option fused.layer=true --repeats 3 ;;
             # one 32,000-token prompt at a time: TTFT (online, so that both sides stream their first token)
             longctx) echo '{"input_len": 32000, "output_len": 16}' >"$OUT/longctx-32k.jsonl"
               vrun vllm-longctx online --workload "$OUT/longctx-32k.jsonl" --model dummy:qwen3-8b --concurrency 1 \
@@ -292,7 +295,7 @@ for _ in range(2):
               vrun vllm-spec offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl \
                 --max-batch-size 1 --max-prefill-batch 1 --speculative ngram --num-speculative-tokens 4 --repeats ${SPEC_REPEATS:-3} \
                 --peer-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ;;
-            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn lora1 lora8 moe-nano moe-single)" ;;
+            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn lora1 lora8 moe-nano moe-single moe-single-layer)" ;;
           esac
         done
         ls "$OUT"/vllm-*.json >/dev/null 2>&1 && python3 benchmarks/peer_table.py "$OUT"/vllm-*.json
