@@ -1,6 +1,6 @@
 """Microbenchmark of the `fused` kernels on a CUDA device (not a test).
 
-Times each kernel with ``triton.testing.do_bench`` (median, L2 flushed before
+Times each kernel with ``tuning.cold_median_ms`` (median, a 256 MB read before
 every run) and states its achieved rate against the H200 ceilings measured in
 docs/workloads.md (4.23 TB/s copy, 792 TFLOP/s bf16):
 
@@ -111,16 +111,19 @@ def paged_meta(
 
 
 def bench(fn: Callable[[], Any], rep: int = 200) -> float:
-    """Median milliseconds of ``fn`` (L2 flushed between runs by do_bench)."""
+    """Median milliseconds of ``fn``, each run after a 256 MB read
+    (:func:`pitstop.plugins.kernels.triton_ops.tuning.cold_median_ms`: out of L2, and L2
+    clean; until 2026-12-06 ``do_bench``'s 256 MB write, which left L2 dirty and added its
+    write-back to every memory-bound kernel's time, so older figures read lower rates)."""
     if DEVICE != "cuda":
         import time
 
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    import triton.testing
+    from pitstop.plugins.kernels.triton_ops.tuning import cold_median_ms
 
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    return cold_median_ms(fn, warmup=25, rep=rep)
 
 
 def report(

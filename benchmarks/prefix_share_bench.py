@@ -3,8 +3,8 @@
 One decode step's attention over a paged bf16 cache at ``qwen3-8b``'s heads (32 query, 8 KV,
 head size 128, page 16), for groups of decodes that share a cached prefix (the ``prefix``
 workload: 4 system prompts of 1,024 tokens, 32 clients), each row timed as the replay of a
-CUDA graph (``triton.testing.do_bench``, median) of ``--layers`` calls (a step's layers; the
-groups are made at the first), per layer; the grouping kernel is also timed alone. Bytes are the K/V the step
+CUDA graph (``tuning.cold_median_ms``, median, a 256 MB read before each run) of
+``--layers`` calls (a step's layers; the groups are made at the first), per layer; the grouping kernel is also timed alone. Bytes are the K/V the step
 must read: the plain decode reads every sequence's whole context, the shared pass each group's
 prefix once; the rate is each row's own bytes over its time.
 
@@ -36,10 +36,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     args = parse(argv)
-    from triton.testing import do_bench
-
     from pitstop.ground.attention import AttentionMetadata
     from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+    from pitstop.plugins.kernels.triton_ops.tuning import cold_median_ms
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     hq, hkv, d, ps = 32, 8, 128, 16
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 with torch.cuda.graph(graph):
                     for k_l, v_l in kvs:
                         attn(q, k_l, v_l, meta, d**-0.5)
-                step = do_bench(graph.replay, warmup=20, rep=200) * 1e-3
+                step = cold_median_ms(graph.replay, warmup=20, rep=200) * 1e-3
                 times[name] = step / args.layers
             from pitstop.plugins.kernels.triton_ops import prefix_share
 
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 prefix_share.group_decodes(*layout_args)
-            grouping = do_bench(graph.replay, warmup=20, rep=200) * 1e-3
+            grouping = cold_median_ms(graph.replay, warmup=20, rep=200) * 1e-3
             diff = (outs["share"].float() - outs["plain"].float()).abs().max().item()
             token_bytes = 2 * hkv * d * 2
             plain_bytes = sum(ctxs) * token_bytes
