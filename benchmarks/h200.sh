@@ -411,7 +411,7 @@ for _ in range(2):
     # this commit's tuning.py and benchmarks/moe_bench.py, so both time alike)
     moe-kernels) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
       timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_moe_kernels_gpu.py \
-        tests/plugins/models/test_moe_models_fused.py 2>&1 | tee "$OUT/gpu-tests-moe-kernels.log" | tail -4
+        tests/plugins/models/test_moe_models_fused.py tests/plugins/kernels/test_tuning.py 2>&1 | tee "$OUT/gpu-tests-moe-kernels.log" | tail -4
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/kernels/test_moe_router.py 2>&1 | tee -a "$OUT/gpu-tests-moe-kernels.log" | tail -2
       echo "== moe_bench, this commit"; timeout 200 python3 benchmarks/moe_bench.py --batch 1 --candidates --kernels 2>&1 | tee "$OUT/moe-bench-new.log" | tail -60
       timeout 240 python3 benchmarks/moe_bench.py --batch 8 --batch 64 --batch 256 --candidates 2>&1 | tee -a "$OUT/moe-bench-new.log" | grep -v "^fused\|^ *T "
