@@ -103,10 +103,14 @@ def test_fp8_experts_in_the_fused_op_equal_the_reference_loop(qwen3_moe: Path, d
 
 
 @pytest.mark.gpu
-def test_fused_set_serves_the_reference_sets_tokens_on_the_gpu(qwen3_moe: Path) -> None:
-    """On the GPU, fp32: the fused set (Triton MoE, decode in CUDA graphs) and the reference
-    set (the loop over experts, eager) give the same greedy tokens for a batch of prompts
-    whose prefills are chunked beside decodes."""
+@pytest.mark.parametrize("layer", [False, True], ids=["", "fused-layer"])
+def test_fused_set_serves_the_reference_sets_tokens_on_the_gpu(
+    qwen3_moe: Path, layer: bool
+) -> None:
+    """On the GPU, fp32: the fused set (Triton MoE, decode in CUDA graphs; with ``fused.layer``
+    the sparse layer's attention half fused too) and the reference set (the loop over
+    experts, eager) give the same greedy tokens for a batch of prompts whose prefills are
+    chunked beside decodes."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 40)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -120,10 +124,12 @@ def test_fused_set_serves_the_reference_sets_tokens_on_the_gpu(qwen3_moe: Path) 
             kv_cache_gib=0.05,
             max_model_len=128,
             chunk_size=16,
+            options={"fused.layer": True} if layer and kernels == "fused" else {},
         )
         runner = llm.engine.runner
         if kernels == "fused":
             assert runner.kernels.describe()["moe"] == "triton"
+            assert runner.model.fused_layers == layer
             assert runner.graphs is not None  # the fused MoE op is captured with the rest
         else:
             assert runner.graphs is None  # the reference loop reads the experts hit on the host
