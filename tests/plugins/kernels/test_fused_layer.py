@@ -82,8 +82,14 @@ def test_fused_layer_matches_transformers(tmp_path: Path, case: str, layer_rows:
     llm = _fused_llm(folder, options=options)
     model = llm.engine.runner.model
     assert model.fused_layers and all(layer.fused for layer in model.layers)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (1, 7, 30)]
+    _assert_matches(llm, hf, lengths=(1, 7, 30), seed=3)
+
+
+def _assert_matches(llm: LLM, hf: object, lengths: tuple[int, ...], seed: int) -> None:
+    """Prefill logits within 1e-4 of transformers' and greedy tokens identical, for random
+    prompts of ``lengths`` run as one batch."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in lengths]
     for p, mine in zip(prompts, prefill_logits(llm, prompts), strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
@@ -99,7 +105,7 @@ def test_fused_layer_matches_transformers(tmp_path: Path, case: str, layer_rows:
                 eos_token_id=None,
                 attention_mask=torch.ones(1, len(p), dtype=torch.long),
             )[0, len(p) :].tolist()
-        assert out.token_ids == ref
+        assert out.token_ids == ref, f"greedy tokens differ at prompt length {len(p)}"
 
 
 def test_fused_layer_equals_unfused_through_chunks_and_decode(tmp_path: Path) -> None:
@@ -234,21 +240,4 @@ def test_moe_models_fuse_their_attention_half(tmp_path: Path) -> None:
     sparse = [isinstance(layer, SparseDecoderLayer) for layer in model.layers]
     assert sparse == [True, False, True]
     assert model.layers[0].mlp.moe_takes_router
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (1, 9)]
-    for p, mine in zip(prompts, prefill_logits(llm, prompts), strict=True):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0]
-        assert relative_error(mine, ref) < 1e-4
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    for p, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            )[0, len(p) :].tolist()
-        assert out.token_ids == ref, f"greedy tokens differ at prompt length {len(p)}"
+    _assert_matches(llm, hf, lengths=(1, 9), seed=5)
