@@ -37,6 +37,7 @@ class MoEOps(Protocol):
         weights_dtype: torch.dtype | None,
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
         router: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))`` over each
         token's ``top_k`` experts ``e``, a new ``[T, H]`` tensor in ``x``'s dtype.
@@ -53,7 +54,10 @@ class MoEOps(Protocol):
         set declaring ``moe_takes_router``, which the model then calls so): the router's
         weight in ``x``'s dtype, with ``router_logits`` None: the op projects ``x`` itself
         (``x @ router.T`` rounded to ``x``'s dtype, as the ``linear`` op would), so that it
-        may fuse the projection with the routing. Runs inside CUDA graphs when
+        may fuse the projection with the routing. ``residual [T, H]`` (only for a set
+        declaring ``moe_adds_residual``): return ``residual + out`` instead, rounded as adding
+        the two tensors in ``x``'s dtype would (so that the add needs no launch of its own).
+        Runs inside CUDA graphs when
         the set declares itself graph-safe: no host synchronisation, no allocation whose
         size depends on the routing.
         """

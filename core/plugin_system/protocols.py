@@ -376,9 +376,9 @@ class KernelSetBase(Capabilities):
     # Whether the model runs each decoder layer through FusedLayerOps: the norms' gains folded
     # into the projections after them at load, the residual adds in the projections before.
     fuses_layer: bool = False
-    # The mixture-of-experts op (MoEOps.moe); None: an MoE model runs the reference loop itself.
-    moe: Any = None
+    moe: Any = None  # MoEOps.moe; None: an MoE model runs the reference loop itself
     moe_takes_router: bool = False  # moe takes router= (the weight; no logits): MoEOps.moe
+    moe_adds_residual: bool = False  # moe takes residual= and returns it added: MoEOps.moe
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph: not unless the set says so."""

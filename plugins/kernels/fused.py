@@ -314,6 +314,7 @@ class FusedKernels(reference.DispatchKernels):
         if use["moe"]:
             self._moe = _triton_moe
             self.moe_takes_router = True  # the router's projection fused with the routing
+            self.moe_adds_residual = True  # the residual add inside the slot sum
             self._status["moe"] = "triton"
 
     def _long_prefill_off(self, min_tokens: int, triton_attention: bool) -> str | None:
@@ -480,18 +481,22 @@ def _triton_moe(
     weights_dtype: torch.dtype | None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     router: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused MoE op (:func:`.triton_ops.moe.fused_moe`, which projects ``x`` by ``router``
-    itself where no logits are given), or the reference loop for more than
-    :data:`MAX_TRITON_TOP_K` experts a token."""
+    itself where no logits are given and adds ``residual`` inside its last kernel), or the
+    reference loop for more than :data:`MAX_TRITON_TOP_K` experts a token."""
     kw = dict(renormalize=renormalize, weights_dtype=weights_dtype, scales=scales)
     if top_k > MAX_TRITON_TOP_K:
         if router_logits is None:
             router_logits = torch.nn.functional.linear(x, router)
-        return reference.moe(x, router_logits, gate_up, down, top_k, **kw)
+        out = reference.moe(x, router_logits, gate_up, down, top_k, **kw)
+        return out if residual is None else residual + out
     from pitstop.plugins.kernels.triton_ops import moe
 
-    return moe.fused_moe(x, router_logits, gate_up, down, top_k, router=router, **kw)
+    return moe.fused_moe(
+        x, router_logits, gate_up, down, top_k, router=router, residual=residual, **kw
+    )
 
 
 def make_fused_kernels(

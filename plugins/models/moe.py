@@ -70,9 +70,15 @@ class SparseMoeBlock(nn.Module):
         self.gate_up = _param(e * 2 * f, h)
         self.down = _param(e * h, f)
         self.moe = KernelSetBase.of(kernels, "moe") or reference.moe
-        # the set's moe takes the router's weight and projects x itself (MoEOps.moe)
-        self.moe_takes_router = bool(KernelSetBase.of(kernels, "moe")) and bool(
-            KernelSetBase.of(kernels, "moe_takes_router")
+        # the set's moe takes the router's weight and projects x itself, and adds a residual
+        # (MoEOps.moe; the latter only where nothing else joins the block's output)
+        own_op = bool(KernelSetBase.of(kernels, "moe"))
+        self.moe_takes_router = own_op and bool(KernelSetBase.of(kernels, "moe_takes_router"))
+        self.adds_residual = (
+            own_op
+            and bool(KernelSetBase.of(kernels, "moe_adds_residual"))
+            and cfg.shared_expert_intermediate_size is None
+            and getattr(kernels, "all_reduce", None) is None
         )
         # tensor parallelism: this rank's experts' part summed over the ranks, once a block
         self.all_reduce = getattr(kernels, "all_reduce", None)
@@ -96,8 +102,9 @@ class SparseMoeBlock(nn.Module):
             setattr(self, name, nn.Parameter(q, requires_grad=False))
             self.register_buffer(f"{name}_scale", scale.reshape(e, -1).contiguous())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, H]`` -> ``[T, H]``: router logits, then the routed experts' weighted sum."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, H]`` -> ``[T, H]``: router logits, then the routed experts' weighted sum;
+        ``residual`` (only where :attr:`adds_residual`): that sum added to it, by the op."""
         cfg = self.cfg
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         scales = getattr(self, "gate_up_scale", None)
@@ -115,6 +122,7 @@ class SparseMoeBlock(nn.Module):
             weights_dtype=None if cfg.routing_weights_float32 else x.dtype,
             scales=None if scales is None else (scales, self.down_scale),
             **router,
+            **({} if residual is None else {"residual": residual}),
         )
         if self.shared_expert is not None:
             # Qwen2-MoE, as transformers: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
@@ -134,9 +142,11 @@ class SparseDecoderLayer(DecoderLayer):
     norm inside the QKV projection (its gain folded into ``qkv_proj``, :meth:`fold_norms`) and
     the residual add inside the O projection (``linear_residual``); then the post-attention
     norm (its gain stays: the router and the experts take the normed rows) and the sparse
-    block, whose output is returned with the stream, ``(block output, stream)``: the add is
-    left to the next layer (a fused layer adds its input to the stream first) or to the final
-    norm. Unfused: :class:`~.llama.DecoderLayer`'s path.
+    block, which adds its output to the stream inside its op where the kernel set's ``moe``
+    can (``moe_adds_residual``; the layer returns ``(new stream, None)``), else returns it
+    beside the stream, ``(block output, stream)``, the add left to the next layer (a fused
+    layer adds its input to the stream first) or to the final norm. Unfused:
+    :class:`~.llama.DecoderLayer`'s path.
     """
 
     def after_attention(
@@ -149,6 +159,8 @@ class SparseDecoderLayer(DecoderLayer):
         o2 = o.reshape(o.shape[0], attn.q_size)
         stream = kn.linear_residual(o2, attn.o_proj, residual, attn.o_bias, **self._lora("o_proj"))
         h, _ = kn.rms_norm(stream, self.post_attention_layernorm, self.cfg.rms_norm_eps)
+        if self.mlp.adds_residual:  # the stream plus the block's output, from the op's last kernel
+            return self.mlp(h, residual=stream), None
         return self.mlp(h), stream
 
     def fold_norms(self) -> None:

@@ -354,16 +354,19 @@ def _grouped_gemm_kernel(
 @triton.jit
 def _slot_sum_kernel(
     y_ptr,
+    res_ptr,
     out_ptr,
     H,
     stride_ys,
     TOPK: tl.constexpr,
     SPLITS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``out[t, h] = sum_j sum_s y[s, t * TOPK + j, h]``: slots in order, each slot's splits
-    in order, one rounding."""
+    in order, one rounding; ``RESIDUAL``: then ``res[t, h] +`` that, rounded again (the bits
+    of adding the two tensors in their dtype)."""
     _pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -376,7 +379,11 @@ def _slot_sum_kernel(
             p += stride_ys
     _pdl.launch_dependents(PDL)
     dt: tl.constexpr = out_ptr.dtype.element_ty
-    tl.store(out_ptr + t * H + h, _rounded(acc, dt).to(dt), mask=mask)
+    o = _rounded(acc, dt).to(dt)
+    if RESIDUAL:
+        r = tl.load(res_ptr + t * H + h, mask=mask, other=0.0).to(tl.float32)
+        o = _rounded(r + o.to(tl.float32), dt).to(dt)
+    tl.store(out_ptr + t * H + h, o, mask=mask)
 
 
 @triton.jit
@@ -607,6 +614,7 @@ def experts(
     cache: ConfigCache | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     plan: LaunchPlan | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for given routing: :func:`.moe_reference.experts`, fused.
 
@@ -616,11 +624,15 @@ def experts(
     ``config``: the tiles (default :func:`choose_config`); ``grouping``: an :func:`align`
     of ``ids`` with ``config.block_m`` already made (as :func:`fused_moe` does); ``plan``:
     which down GEMM (default :func:`launch_plan`; its ``route_with_align`` is ignored
-    here). Returns a fresh ``[T, H]``.
+    here); ``residual [T, H]`` (``x``'s dtype): returned added, ``residual + out`` with the
+    bits of adding the two tensors (inside the slot sum). Returns a fresh ``[T, H]``.
     """
     _check(x, gate_up, down, scales)
     t, top_k = ids.shape
     e, two_f, h = gate_up.shape
+    if residual is not None:
+        assert residual.shape == (t, h) and residual.dtype == x.dtype, "residual [T, H]"
+        residual = residual.contiguous()
     f = two_f // 2
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0:
@@ -657,7 +669,7 @@ def experts(
     )
     if plan.down_with_slot_sum:
         _down_with_slot_sum(inter, down, scales[1] if scales else None, ids, rw, out)
-        return out
+        return out if residual is None else residual + out
     split_d, per_d = effective_split(f, bk, split)
     y = torch.empty((split_d, n, h), dtype=torch.float32, device=x.device)
     _grouped_gemm(setting, inter, down, ws[1], y, gate_up=False, splits=split_d, k_per_split=per_d)
@@ -665,11 +677,13 @@ def experts(
     use_pdl = _pdl.enabled(out.device)
     _slot_sum_kernel[(t, triton.cdiv(h, block_h))](
         y,
+        residual if residual is not None else out,
         out,
         h,
         y.stride(0),
         TOPK=top_k,
         SPLITS=split_d,
+        RESIDUAL=residual is not None,
         BLOCK_H=block_h,
         PDL=use_pdl,
         num_warps=4,
@@ -692,6 +706,7 @@ def fused_moe(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     plan: LaunchPlan | None = None,
     router: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A sparse-MoE block's output ``[T, H]`` from ``x [T, H]`` and ``router_logits [T, E]``,
     or from the router's weight ``router [E, H]`` (``router_logits`` None).
@@ -704,7 +719,7 @@ def fused_moe(
     ``ONE_PROGRAM_ROWS`` rows is refused). With ``router``, a step of few tokens
     (:func:`.moe_router.fuses_router`, once its tiles are known) projects, routes and groups
     in one launch (:func:`.moe_router.router_route_align`); any other takes the logits
-    ``x @ router.T`` (torch's ``linear``) first. No host sync, fixed-size buffers:
+    ``x @ router.T`` (torch's ``linear``) first. ``residual``: as :func:`experts`. No host sync, fixed-size buffers:
     CUDA-graph capturable once each batch size has run eagerly (the autotune; module doc).
     """
     _check(x, gate_up, down, scales)
@@ -749,4 +764,5 @@ def fused_moe(
         grouping=grouping,
         scales=scales,
         plan=plan,
+        residual=residual,
     )

@@ -229,7 +229,8 @@ def test_moe_models_fuse_their_attention_half(tmp_path: Path) -> None:
     with ``fused.layer`` the dense layer runs fused whole, the sparse ones their attention
     half (the input norm's gain folded into ``qkv_proj`` only), and the model matches
     transformers (fp32, greedy) through prefill and decode; the MoE op (in the interpreter)
-    takes the router's weight and projects, routes and groups decode steps in one launch."""
+    takes the router's weight and projects, routes and groups decode steps in one launch,
+    and adds its output to the residual stream in its last kernel."""
     from pitstop.plugins.models.moe import SparseDecoderLayer
 
     folder = _checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
@@ -239,5 +240,5 @@ def test_moe_models_fuse_their_attention_half(tmp_path: Path) -> None:
     assert model.fused_layers and all(layer.fused for layer in model.layers)
     sparse = [isinstance(layer, SparseDecoderLayer) for layer in model.layers]
     assert sparse == [True, False, True]
-    assert model.layers[0].mlp.moe_takes_router
+    assert model.layers[0].mlp.moe_takes_router and model.layers[0].mlp.adds_residual
     _assert_matches(llm, hf, lengths=(1, 9), seed=5)

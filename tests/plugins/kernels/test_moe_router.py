@@ -110,3 +110,35 @@ def test_fuses_router_thresholds() -> None:
     assert moe_router.FUSED_ROUTER_TOKENS == 2
     assert [moe_router.fuses_router(t, 8) for t in (0, 1, 2, 3)] == [False, True, True, False]
     assert not moe_router.fuses_router(1, 129) and moe_router.fuses_router(2, 64)
+
+
+@pytest.mark.parametrize("plan", ["grouped", "token-major"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_residual_add_inside_the_op_is_adding_the_tensors(
+    plan: str, dtype: torch.dtype
+) -> None:
+    """``experts(..., residual=r)`` is ``r + experts(...)`` bit for bit (the slot sum adds it;
+    the token-major down, which has no slot sum, adds it after), and ``fused_moe`` passes it
+    on, the one-launch router's path included."""
+    e, h, f, top_k, t = 6, 40, 24, 2, 3
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(t, h, generator=gen).to(dtype).to(DEVICE)
+    router = (torch.randn(e, h, generator=gen) / h**0.5).to(dtype).to(DEVICE)
+    gate_up = (torch.randn(e, 2 * f, h, generator=gen) / h**0.5).to(dtype).to(DEVICE)
+    down = (torch.randn(e, h, f, generator=gen) / f**0.5).to(dtype).to(DEVICE)
+    residual = (10 * torch.randn(t, h, generator=gen)).to(dtype).to(DEVICE)
+    weights, ids = moe_routing.route(torch.nn.functional.linear(x, router), top_k, True, dtype)
+    config = moe_tiles.INTERPRETER_CONFIG if DEVICE.type == "cpu" else None
+    chosen = moe_tiles.GROUPED if plan == "grouped" else moe_tiles.fewest_launches(t, top_k)
+    args = (x, weights, ids, gate_up, down)
+    before = residual.clone()
+    with poisoned_outputs():
+        plain = moe.experts(*args, config=config, plan=chosen)
+        added = moe.experts(*args, config=config, plan=chosen, residual=residual)
+    assert torch.equal(added, residual + plain)
+    assert torch.equal(residual, before)  # read, not written
+    kw = dict(renormalize=True, weights_dtype=dtype, config=config, router=router)
+    for n in (1, 3):  # the one-launch router's step, and the logits' path
+        out = moe.fused_moe(x[:n], None, gate_up, down, top_k, **kw)
+        got = moe.fused_moe(x[:n], None, gate_up, down, top_k, residual=residual[:n], **kw)
+        assert torch.equal(got, residual[:n] + out)

@@ -296,11 +296,12 @@ def test_a_set_that_takes_the_router_gets_its_weight_and_no_logits() -> None:
 
     calls: list[dict] = []
 
-    def moe_op(x, logits, gate_up, down, top_k, *, router=None, **kw):
-        calls.append({"logits": logits, "router": router})
+    def moe_op(x, logits, gate_up, down, top_k, *, router=None, residual=None, **kw):
+        calls.append({"logits": logits, "router": router, "residual": residual})
         if logits is None:
             logits = torch.nn.functional.linear(x, router)
-        return reference.moe(x, logits, gate_up, down, top_k, **kw)
+        out = reference.moe(x, logits, gate_up, down, top_k, **kw)
+        return out if residual is None else residual + out
 
     cfg = attrs.evolve(
         PRESETS["qwen3-30b-a3b"], hidden_size=32, num_experts=4, moe_intermediate_size=8,
@@ -318,3 +319,14 @@ def test_a_set_that_takes_the_router_gets_its_weight_and_no_logits() -> None:
     assert calls[0]["router"] is None and calls[0]["logits"].shape == (3, 4)
     assert calls[1]["logits"] is None and calls[1]["router"].shape == (4, 32)
     assert torch.equal(outs[0], outs[1])
+    assert not block.adds_residual  # the set does not declare moe_adds_residual
+    kernels.moe_adds_residual = True
+    block = SparseMoeBlock(cfg, kernels, True, kernels.linear)
+    assert block.adds_residual
+    x, stream = torch.randn(3, 32), torch.randn(3, 32)
+    with torch.no_grad():
+        block.load_state_dict({k: torch.randn(v.shape) for k, v in block.state_dict().items()})
+        assert torch.equal(block(x, residual=stream), stream + block(x))
+    assert calls[-2]["residual"] is stream and calls[-1]["residual"] is None
+    qwen2 = attrs.evolve(cfg, shared_expert_intermediate_size=16)
+    assert not SparseMoeBlock(qwen2, kernels, True, kernels.linear).adds_residual
