@@ -422,6 +422,10 @@ for _ in range(2):
           timeout 120 python3 /tmp/before/benchmarks/moe_bench.py --batch 1 --batch 8 --kernels 2>&1
           timeout 120 python3 /tmp/before/benchmarks/moe_bench.py --batch 64 --batch 256 2>&1 ) | tee "$OUT/moe-bench-before.log" | tail -40
       fi ;;
+    # issue 48: the one-launch router off / on / on with the sparse layers' attention half fused
+    # (benchmarks/workloads/moe.toml), single on the MoE preset, pitstop alone
+    moe-ab) run moe-ab offline --workload single --model dummy:qwen3-30b-a3b --repeats ${MOE_REPEATS:-3} \
+        --matrix benchmarks/workloads/moe.toml ;;
     # issue 48: a sweep of the MoE op's tiles (MOE_SWEEP: M,N,K,WARPS,STAGES[,SPLIT] specs) at
     # MOE_SWEEP_BATCHES, each kernel's time; fp8 experts at batch 1
     moe-sweep) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}

@@ -197,6 +197,13 @@ class FusedSettings:
         "GEMMs, autotuned tiles cached on disk); false: the reference loop over experts, and no "
         "CUDA graphs",
     )
+    moe_router: bool = setting(
+        True,
+        type=bool,
+        help="the Triton MoE op takes the router's weight and, for steps of one or two tokens, "
+        "projects, routes and groups in one launch (triton_ops/moe_router.py); false: the "
+        "router's logits from the linear op first (three launches), for comparison",
+    )
     decode_prefix_share: int = setting(
         0,
         type=int,
@@ -313,7 +320,8 @@ class FusedKernels(reference.DispatchKernels):
         )
         if use["moe"]:
             self._moe = _triton_moe
-            self.moe_takes_router = True  # the router's projection fused with the routing
+            # the router's projection fused with the routing (fused.moe_router)
+            self.moe_takes_router = settings.moe_router
             self.moe_adds_residual = True  # the residual add inside the slot sum
             self._status["moe"] = "triton"
 

@@ -138,3 +138,22 @@ def test_fused_set_serves_the_reference_sets_tokens_on_the_gpu(
         del llm, runner
         torch.cuda.empty_cache()
     assert tokens["fused"] == tokens["reference"]
+
+
+def test_the_one_launch_router_can_be_turned_off(qwen3_moe: Path) -> None:
+    """``fused.moe_router`` false: the sparse block takes its logits from ``linear`` (the set
+    no longer declares ``moe_takes_router``), and the tokens are those with it on (both in
+    the interpreter here: decode steps of two tokens take the one-launch router when on)."""
+    on = _logits_and_tokens(qwen3_moe, kernels="fused")
+    off_llm_settings = dict(kernels="fused", options={"fused.moe_router": False})
+    off = _logits_and_tokens(qwen3_moe, **off_llm_settings)
+    assert on[1] == off[1]
+    for got, want in zip(on[0], off[0], strict=True):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    from pitstop.entrypoints.llm import LLM as _LLM
+
+    llm = _LLM(
+        str(qwen3_moe), device="cpu", kv_cache_gib=0.01, max_model_len=64, **off_llm_settings
+    )
+    assert not llm.engine.runner.kernels.moe_takes_router
+    assert not llm.engine.runner.model.layers[1].mlp.moe_takes_router
