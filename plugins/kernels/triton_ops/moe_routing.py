@@ -448,9 +448,12 @@ def _one_program_chunk(num_rows: int) -> int:
     return max(16, triton.next_power_of_2(max(num_rows, 1)))
 
 
-def _blocks_chunk(e_pad: int) -> int:
-    """Row blocks whose expert program 0 finds at once (a ``[blocks, E_PAD]`` tile)."""
-    return max(16, min(128, ALIGN_CHUNK // e_pad))
+def _blocks_chunk(e_pad: int, num_blocks: int) -> int:
+    """Row blocks whose expert program 0 finds at once (a ``[blocks, E_PAD]`` tile): at most
+    :data:`ALIGN_CHUNK` elements, and no more blocks than the grouping has (decode of
+    Qwen3-30B-A3B at batch 1: 8 blocks of 16 rows, a ``[16, 128]`` tile, where the element
+    bound alone gave ``[64, 128]``: four times the compares for one warp)."""
+    return max(16, min(128, ALIGN_CHUNK // e_pad, triton.next_power_of_2(max(num_blocks, 1))))
 
 
 def align(
@@ -494,7 +497,7 @@ def align(
         BLOCK_M=block_m,
         E_PAD=e_pad,
         CHUNK=chunk,
-        BLOCKS_CHUNK=_blocks_chunk(e_pad),
+        BLOCKS_CHUNK=_blocks_chunk(e_pad, grouping.expert_ids.numel()),
         ONE_PROGRAM=one_program,
         PDL=use_pdl,
         num_warps=4,
@@ -576,6 +579,6 @@ def route_and_group_constants(
         E_PAD=e_pad,
         BLOCK_M=block_m,
         CHUNK=_one_program_chunk(t * top_k),
-        BLOCKS_CHUNK=_blocks_chunk(e_pad),
+        BLOCKS_CHUNK=_blocks_chunk(e_pad, max_padded_rows(t * top_k, e, block_m) // block_m),
     )
     return constants, warps

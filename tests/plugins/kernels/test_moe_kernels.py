@@ -890,3 +890,11 @@ def test_fewest_launches_thresholds() -> None:
     assert moe_tiles.token_major_tiles(8, True) == moe_tiles.TokenMajorTiles(16, 64, 8)
     assert moe_tiles.token_major_tiles(2, True) == moe_tiles.TokenMajorTiles(16, 128, 8)
     assert moe_tiles.token_major_tiles(16, True).block_k == 32
+
+
+def test_the_block_owner_tile_is_no_larger_than_the_grouping() -> None:
+    """Program 0 finds the blocks' experts over a ``[blocks, E_PAD]`` tile of at most 8,192
+    elements and of no more blocks than the grouping has (at least 16)."""
+    assert moe_routing._blocks_chunk(128, 8) == 16  # Qwen3-30B-A3B at batch 1
+    assert moe_routing._blocks_chunk(128, 100) == 64  # the element bound
+    assert moe_routing._blocks_chunk(8, 1000) == 128 and moe_routing._blocks_chunk(8, 40) == 64
