@@ -16,9 +16,10 @@ decode step (2026-12-06). :func:`router_route_align` does all three in one:
 2. **Routing and grouping**, by the program that arrives last: it sums every split's
    partials in split order (so the bits do not depend on which program that is), rounds
    the logits once to the activations' dtype, as the router's ``linear`` returns them,
-   stores them to ``logits [T, E]``, and then runs :func:`.moe_routing.route_and_align`'s
-   program on them, the same code with the same warps, so its weights, ids and grouping
-   are those of ``route_and_align(logits)`` bit for bit; then it zeroes the counter.
+   stores them to ``logits [T, E]`` and routes them from its registers, then groups the
+   rows: :func:`.moe_routing.route_and_align`'s code with the same warps, so its weights,
+   ids and grouping are those of ``route_and_align(logits)`` bit for bit; then it zeroes
+   the counter.
 
 The logits differ from cuBLAS's only by the order of each float32 dot's sum (then both
 round to the activation dtype): within one rounding of it, so a token whose k-th and
@@ -40,7 +41,8 @@ from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.fused_linear import workspace
 from pitstop.plugins.kernels.triton_ops.moe_routing import (
     Grouping,
-    _route_and_group,
+    _group_routed,
+    _route_logits,
     counts_needed,
     route_and_group_constants,
     routed_buffers,
@@ -124,24 +126,22 @@ def _router_route_align_kernel(
                 logits += tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
                 p += T * E
             dt: tl.constexpr = logits_ptr.dtype.element_ty
-            out = logits_ptr + rows.to(tl.int64)[:, None] * E + e[None, :]
-            tl.store(out, _rounded(logits, dt).to(dt), mask=mask)
-        tl.debug_barrier()  # the logits stored above by some threads are read by others
-        _route_and_group(
-            logits_ptr,
-            weights_ptr,
+            rounded = _rounded(logits, dt).to(dt)
+            tl.store(logits_ptr + rows.to(tl.int64)[:, None] * E + e[None, :], rounded, mask=mask)
+            # routed from the registers: route_and_align's routing of the stored logits
+            _route_logits(
+                rounded, weights_ptr, ids_ptr, rows, T, E, TOPK, K_PAD, RENORMALIZE, BLOCK_T, E_PAD
+            )
+        tl.debug_barrier()  # the ids stored above by some threads are read below by others
+        _group_routed(
             ids_ptr,
             sorted_ptr,
             expert_ids_ptr,
             total_ptr,
             T,
             E,
-            E,
             num_blocks,
             TOPK,
-            K_PAD,
-            RENORMALIZE,
-            BLOCK_T,
             E_PAD,
             BLOCK_M,
             CHUNK,

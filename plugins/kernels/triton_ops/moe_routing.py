@@ -73,11 +73,33 @@ def _route_rows(
     their top-k weights and ids stored at ``[t, j]``; returns the ids ``[BLOCK_T, K_PAD]``
     and the mask of the stored ones."""
     e = tl.arange(0, E_PAD)
+    rows = tl.minimum(t, T - 1).to(tl.int64)  # past T: the last row again, never stored
+    x = tl.load(
+        logits_ptr + rows[:, None] * stride_t + e[None, :], mask=(e < E)[None, :], other=0.0
+    )
+    return _route_logits(x, weights_ptr, ids_ptr, t, T, E, TOPK, K_PAD, RENORMALIZE, BLOCK_T, E_PAD)
+
+
+@triton.jit
+def _route_logits(
+    x,
+    weights_ptr,
+    ids_ptr,
+    t,
+    T,
+    E,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    """:func:`_route_rows` of the logits tile ``x [BLOCK_T, E_PAD]`` already in registers
+    (their dtype's values; lanes past ``E`` ignored)."""
+    e = tl.arange(0, E_PAD)
     kk = tl.arange(0, K_PAD)
     t_mask = t < T
     e_mask = e < E
-    rows = tl.minimum(t, T - 1).to(tl.int64)  # past T: the last row again, never stored
-    x = tl.load(logits_ptr + rows[:, None] * stride_t + e[None, :], mask=e_mask[None, :], other=0.0)
     x = tl.where(e_mask[None, :], x.to(tl.float32), float("-inf"))
     p = tl.exp(x - tl.max(x, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
@@ -362,6 +384,39 @@ def _route_and_group(
             E_PAD,
         )
     tl.debug_barrier()  # the ids stored above by some threads are read below by others
+    _group_routed(
+        ids_ptr,
+        sorted_ptr,
+        expert_ids_ptr,
+        total_ptr,
+        T,
+        E,
+        num_blocks,
+        TOPK,
+        E_PAD,
+        BLOCK_M,
+        CHUNK,
+        BLOCKS_CHUNK,
+    )
+
+
+@triton.jit
+def _group_routed(
+    ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    T,
+    E,
+    num_blocks,
+    TOPK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCKS_CHUNK: tl.constexpr,
+):
+    """The grouping half of :func:`_route_and_group`: the ``T * TOPK`` ids stored (and a
+    barrier passed) read back and grouped as ``_align_kernel`` with ``ONE_PROGRAM`` does."""
     e = tl.arange(0, E_PAD)
     r = tl.arange(0, CHUNK)
     n = T * TOPK
