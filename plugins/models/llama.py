@@ -314,13 +314,20 @@ class DecoderLayer(nn.Module):
 
     def _fused_after_attention(self, o: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         """O projection + residual add, norm + gate-up + SiLU·mul, down + residual add."""
-        attn, mlp, kn = self.self_attn, self.mlp, self.kernels
-        o2 = o.reshape(o.shape[0], attn.q_size)
-        stream = kn.linear_residual(o2, attn.o_proj, stream, attn.o_bias, **self._lora("o_proj"))
+        mlp, kn = self.mlp, self.kernels
+        stream = self._fused_output(o, stream)
         eps, lora = self.cfg.rms_norm_eps, self._lora("gate_up_proj")
         act = kn.norm_gate_up(stream, mlp.gate_up_proj, eps, mlp.gate_up_bias, **lora)
         return kn.linear_residual(
             act, mlp.down_proj, stream, mlp.down_bias, **self._lora("down_proj")
+        )
+
+    def _fused_output(self, o: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """A fused layer's O projection of attention's ``o``, added into ``stream``."""
+        attn = self.self_attn
+        o2 = o.reshape(o.shape[0], attn.q_size)
+        return self.kernels.linear_residual(
+            o2, attn.o_proj, stream, attn.o_bias, **self._lora("o_proj")
         )
 
     def _lora(self, name: str) -> dict[str, Any]:
@@ -332,15 +339,20 @@ class DecoderLayer(nn.Module):
     def fold_norms(self) -> None:
         """Multiply each RMSNorm's gain into the projection after it (``W' = W * g``), once.
 
-        In float32, rounded once to the weight's dtype. The input norm's gain goes into
-        ``qkv_proj``, the post-attention norm's into ``gate_up_proj``; the norm weights stay
-        as loaded (nothing else reads them in a fused layer).
+        In float32, rounded once to the weight's dtype, for each pair of
+        :meth:`norms_to_fold`; the norm weights stay as loaded (nothing else reads them in a
+        fused layer).
         """
-        for weight, gain in (
+        for weight, gain in self.norms_to_fold():
+            weight.data.copy_(weight.data.float() * gain.data.float()[None, :])
+
+    def norms_to_fold(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """``(projection weight, norm gain)`` pairs of :meth:`fold_norms`: the input norm's
+        gain into ``qkv_proj``, the post-attention norm's into ``gate_up_proj``."""
+        return (
             (self.self_attn.qkv_proj, self.input_layernorm),
             (self.mlp.gate_up_proj, self.post_attention_layernorm),
-        ):
-            weight.data.copy_(weight.data.float() * gain.data.float()[None, :])
+        )
 
 
 class LlamaForCausalLM(nn.Module):

@@ -139,7 +139,7 @@ class SparseDecoderLayer(DecoderLayer):
     """A decoder layer whose feed-forward block is a :class:`SparseMoeBlock`.
 
     Fused (``fused.layer``): the attention half runs as a dense fused layer's does, the input
-    norm inside the QKV projection (its gain folded into ``qkv_proj``, :meth:`fold_norms`) and
+    norm inside the QKV projection (its gain folded into ``qkv_proj``, :meth:`norms_to_fold`) and
     the residual add inside the O projection (``linear_residual``); then the post-attention
     norm (its gain stays: the router and the experts take the normed rows) and the sparse
     block, which adds its output to the stream inside its op where the kernel set's ``moe``
@@ -155,19 +155,16 @@ class SparseDecoderLayer(DecoderLayer):
         """O projection (+ the residual add, fused), post-attention norm, the sparse block."""
         if not self.fused:
             return super().after_attention(o, residual)
-        attn, kn = self.self_attn, self.kernels
-        o2 = o.reshape(o.shape[0], attn.q_size)
-        stream = kn.linear_residual(o2, attn.o_proj, residual, attn.o_bias, **self._lora("o_proj"))
-        h, _ = kn.rms_norm(stream, self.post_attention_layernorm, self.cfg.rms_norm_eps)
+        stream = self._fused_output(o, residual)
+        h, _ = self.kernels.rms_norm(stream, self.post_attention_layernorm, self.cfg.rms_norm_eps)
         if self.mlp.adds_residual:  # the stream plus the block's output, from the op's last kernel
             return self.mlp(h, residual=stream), None
         return self.mlp(h), stream
 
-    def fold_norms(self) -> None:
-        """The input norm's gain into ``qkv_proj`` (float32, one rounding), once; the
-        post-attention norm keeps its own (the sparse block has no projection to take it)."""
-        qkv, gain = self.self_attn.qkv_proj, self.input_layernorm
-        qkv.data.copy_(qkv.data.float() * gain.data.float()[None, :])
+    def norms_to_fold(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """The input norm's gain into ``qkv_proj`` only: the post-attention norm keeps its
+        own (the sparse block has no projection to take it)."""
+        return ((self.self_attn.qkv_proj, self.input_layernorm),)
 
 
 class MoEForCausalLM(LlamaForCausalLM):

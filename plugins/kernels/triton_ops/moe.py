@@ -113,7 +113,7 @@ import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops import tuning
-from pitstop.plugins.kernels.triton_ops.fused_linear import NUM_COUNTERS, workspace
+from pitstop.plugins.kernels.triton_ops.fused_linear import NUM_COUNTERS, _load_k, workspace
 from pitstop.plugins.kernels.triton_ops.moe_router import fuses_router, router_route_align
 from pitstop.plugins.kernels.triton_ops.moe_routing import (
     Grouping,
@@ -211,20 +211,13 @@ def _k_loop(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
-        if EVEN_K:
-            a = tl.load(a_base + k[None, :])
-            w = tl.load(w_base + k[:, None])
-        else:
-            a = tl.load(a_base + k[None, :], mask=(k < K)[None, :], other=0.0)
-            w = tl.load(w_base + k[:, None], mask=(k < K)[:, None], other=0.0)
+        a = _load_k(a_base + k[None, :], k, K, EVEN_K, 1)
+        w = _load_k(w_base + k[:, None], k, K, EVEN_K, 0)
         if W_SCALED:
             w = w.to(a.dtype)
         acc = _dot(a, w, acc, UPCAST, DOT_PRECISION)
         if GATE_UP:
-            if EVEN_K:
-                u = tl.load(w_base + u_offset + k[:, None])
-            else:
-                u = tl.load(w_base + u_offset + k[:, None], mask=(k < K)[:, None], other=0.0)
+            u = _load_k(w_base + u_offset + k[:, None], k, K, EVEN_K, 0)
             if W_SCALED:
                 u = u.to(a.dtype)
             acc_u = _dot(a, u, acc_u, UPCAST, DOT_PRECISION)
@@ -478,7 +471,6 @@ class _GemmSetting(NamedTuple):
 
     x: torch.Tensor
     rw: torch.Tensor
-    scales: tuple[torch.Tensor, torch.Tensor]
     grouping: Grouping
     num_rows: int
     top_k: int
@@ -655,7 +647,7 @@ def experts(
     if split_gu > 1:
         partials = torch.empty((split_gu, n, two_f), dtype=torch.float32, device=x.device)
     ws = scales or (rw, rw)  # unscaled: never read (W_SCALED is off)
-    setting = _GemmSetting(x, rw, ws, grouping, n, top_k, config, scales is not None)
+    setting = _GemmSetting(x, rw, grouping, n, top_k, config, scales is not None)
     _grouped_gemm(
         setting,
         x,
@@ -719,8 +711,9 @@ def fused_moe(
     ``ONE_PROGRAM_ROWS`` rows is refused). With ``router``, a step of few tokens
     (:func:`.moe_router.fuses_router`, once its tiles are known) projects, routes and groups
     in one launch (:func:`.moe_router.router_route_align`); any other takes the logits
-    ``x @ router.T`` (torch's ``linear``) first. ``residual``: as :func:`experts`. No host sync, fixed-size buffers:
-    CUDA-graph capturable once each batch size has run eagerly (the autotune; module doc).
+    ``x @ router.T`` (torch's ``linear``) first. ``residual``: as :func:`experts`. No host
+    sync, fixed-size buffers: CUDA-graph capturable once each batch size has run eagerly
+    (the autotune; module doc).
     """
     _check(x, gate_up, down, scales)
     t, e = x.shape[0], gate_up.shape[0]
@@ -734,7 +727,6 @@ def fused_moe(
             x = x.contiguous()
         if config is None or not fuses_router(t, top_k):
             router_logits = torch.nn.functional.linear(x, router)
-    route_args = (router_logits, top_k, renormalize, weights_dtype)
     if router_logits is None:  # the router's projection, routing and grouping in one launch
         weights, ids, grouping, _ = router_route_align(
             x, router, top_k, renormalize, weights_dtype, config.block_m
@@ -742,6 +734,7 @@ def fused_moe(
         plan = plan or launch_plan(t, top_k, config)
     else:
         assert router_logits.shape == (t, e), "router logits [T, E]"
+        route_args = (router_logits, top_k, renormalize, weights_dtype)
         if config is None:  # a GPU bucket's first eager call: tune on this call's routing
             weights, ids = route(*route_args)
             config = choose_config(x, weights, ids, gate_up, down, cache, scales)

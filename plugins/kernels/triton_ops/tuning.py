@@ -74,6 +74,12 @@ def _flush_buffer(device: torch.device) -> torch.Tensor:
     return buffer
 
 
+def flush_l2(device: torch.device) -> None:
+    """Read :data:`FLUSH_BYTES` on ``device`` (queued on its current stream): afterwards a
+    kernel finds its inputs out of L2, and L2 holds no dirty line (:func:`cold_median_ms`)."""
+    _flush_buffer(device).sum()
+
+
 def cold_median_ms(fn: Callable[[], object], warmup: int = 5, rep: int = 25) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA device, each timed run after a
     *read* of :data:`FLUSH_BYTES`, so that ``fn`` finds its inputs out of L2 and L2 clean.
@@ -86,13 +92,13 @@ def cold_median_ms(fn: Callable[[], object], warmup: int = 5, rep: int = 25) -> 
     hid the differences between tiles that the autotune is there to find. A read leaves
     L2 holding clean lines of the buffer, as a decode step's earlier kernels leave it.
     """
-    flush = _flush_buffer(torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
     for _ in range(warmup):
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     for start, end in zip(starts, ends, strict=True):
-        flush.sum()
+        flush_l2(device)
         start.record()
         fn()
         end.record()
