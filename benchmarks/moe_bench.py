@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
 
         tuned = moe.choose_config(x, weights, ids, gate_up, down, cache, scales)
         configs = {"tuned": (tuned, moe_tiles.launch_plan(t, top_k, tuned))}
-        fewest = moe_tiles.fewest_launches(t, top_k, tuned)
+        fewest = moe_tiles.fewest_launches(t, top_k)
         if fewest != configs["tuned"][1]:
             configs["fewest"] = (tuned, fewest)
         if args.candidates and dev.type == "cuda":

@@ -130,7 +130,7 @@ def launch_plan(num_tokens: int, top_k: int, config: MoEConfig | None = None) ->
     return GROUPED
 
 
-def fewest_launches(num_tokens: int, top_k: int, config: MoEConfig | None = None) -> LaunchPlan:
+def fewest_launches(num_tokens: int, top_k: int) -> LaunchPlan:
     """The fewest kernels that can run ``num_tokens`` tokens at top-``top_k``.
 
     - Routing and grouping in one launch while one program groups the rows anyway, at
@@ -146,7 +146,6 @@ def fewest_launches(num_tokens: int, top_k: int, config: MoEConfig | None = None
     Batch 1..4: three launches; up to ``ONE_PROGRAM_ROWS`` rows: four; above: five and two
     memsets. Slower than :data:`GROUPED` where measured (:func:`launch_plan`).
     """
-    del config  # kept for the signature :func:`launch_plan` shares
     return LaunchPlan(
         route_with_align=not counts_needed(num_tokens * top_k),
         down_with_slot_sum=num_tokens <= TOKEN_MAJOR_TOKENS,

@@ -875,7 +875,8 @@ def test_default_plan_is_the_grouped_five_launches(launches: list[str]) -> None:
 
 
 def test_fewest_launches_thresholds() -> None:
-    """Token-major down at T <= 4 (after a split gate-up too), routing with the align up to
+    """Token-major down at T <= 4 (after any gate-up: a split one writes h too, which
+    test_token_major_down_equals_the_loop_over_experts runs), routing with the align up to
     ONE_PROGRAM_ROWS flat rows; 3, 4 and 5 launches."""
     assert moe_tiles.TOKEN_MAJOR_TOKENS == 4 and moe_routing.ONE_PROGRAM_ROWS == 128
     plans = {t: moe_tiles.fewest_launches(t, 8) for t in (1, 4, 5, 16, 17, 256)}
@@ -884,9 +885,6 @@ def test_fewest_launches_thresholds() -> None:
     assert moe_tiles.fewest_launches(4, 16) == TOKEN_MAJOR  # 64 rows
     assert moe_tiles.fewest_launches(128, 1) == moe_tiles.LaunchPlan(True, False)
     assert moe_tiles.fewest_launches(129, 1) == moe_tiles.GROUPED
-    split = moe_tiles.INTERPRETER_CONFIG._replace(split_k=2)
-    # a split gate-up sums its splits inside its launch and writes h as the unsplit one does
-    assert moe_tiles.fewest_launches(1, 8, split) == TOKEN_MAJOR
     assert moe_tiles.token_major_tiles(8, True) == moe_tiles.TokenMajorTiles(16, 64, 8)
     assert moe_tiles.token_major_tiles(2, True) == moe_tiles.TokenMajorTiles(16, 128, 8)
     assert moe_tiles.token_major_tiles(16, True).block_k == 32
