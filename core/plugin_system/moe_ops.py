@@ -38,6 +38,7 @@ class MoEOps(Protocol):
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
         router: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        norm_eps: float | None = None,
     ) -> torch.Tensor:
         """``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))`` over each
         token's ``top_k`` experts ``e``, a new ``[T, H]`` tensor in ``x``'s dtype.
@@ -57,6 +58,11 @@ class MoEOps(Protocol):
         may fuse the projection with the routing. ``residual [T, H]`` (only for a set
         declaring ``moe_adds_residual``): return ``residual + out`` instead, rounded as adding
         the two tensors in ``x``'s dtype would (so that the add needs no launch of its own).
+        ``norm_eps`` (only with ``router``, for a set declaring ``moe_takes_norm``): the
+        block's RMSNorm folded into the op -- ``x`` is the norm's input, un-normalized, and
+        the norm's gain is already multiplied into ``router`` and ``gate_up`` (``W * g``);
+        the op applies each token's ``1/sqrt(mean(x**2) + norm_eps)`` itself (to the rows,
+        or to the logits and the gate and up sums), so that the norm needs no launch.
         Runs inside CUDA graphs when
         the set declares itself graph-safe: no host synchronisation, no allocation whose
         size depends on the routing.

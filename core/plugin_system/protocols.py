@@ -377,8 +377,8 @@ class KernelSetBase(Capabilities):
     # into the projections after them at load, the residual adds in the projections before.
     fuses_layer: bool = False
     moe: Any = None  # MoEOps.moe; None: an MoE model runs the reference loop itself
-    moe_takes_router: bool = False  # moe takes router= (the weight; no logits): MoEOps.moe
-    moe_adds_residual: bool = False  # moe takes residual= and returns it added: MoEOps.moe
+    # which of MoEOps.moe's optional arguments the set's moe takes: router=, residual=, norm_eps=
+    moe_takes_router = moe_adds_residual = moe_takes_norm = False
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step can be captured in a CUDA graph: not unless the set says so."""

@@ -323,6 +323,8 @@ class FusedKernels(reference.DispatchKernels):
             # the router's projection fused with the routing (fused.moe_router)
             self.moe_takes_router = settings.moe_router
             self.moe_adds_residual = True  # the residual add inside the slot sum
+            # a fused layer's post-attention norm inside the op (with the one-launch router)
+            self.moe_takes_norm = settings.moe_router
             self._status["moe"] = "triton"
 
     def _long_prefill_off(self, min_tokens: int, triton_attention: bool) -> str | None:
@@ -490,12 +492,16 @@ def _triton_moe(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     router: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> torch.Tensor:
     """The fused MoE op (:func:`.triton_ops.moe.fused_moe`, which projects ``x`` by ``router``
-    itself where no logits are given and adds ``residual`` inside its last kernel), or the
-    reference loop for more than :data:`MAX_TRITON_TOP_K` experts a token."""
+    itself where no logits are given, adds ``residual`` inside its last kernel and applies
+    a folded norm's row scale, ``norm_eps``, inside the router and the gate-up GEMM), or
+    the reference loop for more than :data:`MAX_TRITON_TOP_K` experts a token."""
     kw = dict(renormalize=renormalize, weights_dtype=weights_dtype, scales=scales)
     if top_k > MAX_TRITON_TOP_K:
+        if norm_eps is not None:
+            x = (x.float() * reference.rms_scale(x, norm_eps)).to(x.dtype)
         if router_logits is None:
             router_logits = torch.nn.functional.linear(x, router)
         out = reference.moe(x, router_logits, gate_up, down, top_k, **kw)
@@ -503,8 +509,9 @@ def _triton_moe(
     from pitstop.plugins.kernels.triton_ops import moe
 
     return moe.fused_moe(
-        x, router_logits, gate_up, down, top_k, router=router, residual=residual, **kw
-    )
+        x, router_logits, gate_up, down, top_k, router=router, residual=residual,
+        norm_eps=norm_eps, **kw,
+    )  # fmt: skip
 
 
 def make_fused_kernels(

@@ -479,16 +479,20 @@ class DispatchKernels(KernelSetBase):
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
         router: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        norm_eps: float | None = None,
     ) -> torch.Tensor:
         """A sparse-MoE block's experts, ``[T, H]``: routing of ``router_logits [T, E]``
         (softmax, top-k, ``renormalize``, ``weights_dtype``) and the weighted sum of each
         token's experts over ``gate_up [E, 2F, H]`` and ``down [E, H, F]`` (fp8 with
         ``scales``) (:class:`~pitstop.plugin_system.protocols.MoEOps`); ``router [E, H]``
-        and ``residual [T, H]`` are passed on to ``_moe`` (the model gives them only to a set
-        that sets ``moe_takes_router`` / ``moe_adds_residual``, whose ``_moe`` takes them)."""
+        ``residual [T, H]`` and ``norm_eps`` are passed on to ``_moe`` (the model gives them
+        only to a set that sets ``moe_takes_router`` / ``moe_adds_residual`` /
+        ``moe_takes_norm``, whose ``_moe`` takes them)."""
         kw: dict[str, Any] = {} if router is None else {"router": router}
         if residual is not None:
             kw["residual"] = residual
+        if norm_eps is not None:
+            kw["norm_eps"] = norm_eps
         return self._moe(
             x,
             router_logits,

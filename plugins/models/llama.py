@@ -227,6 +227,9 @@ class MLP(nn.Module):
         )
 
 
+FOLD_ROWS = 1 << 14  # DecoderLayer.fold_norms widens this many weight rows at a time
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm MLP, each with a residual connection.
 
@@ -340,11 +343,13 @@ class DecoderLayer(nn.Module):
         """Multiply each RMSNorm's gain into the projection after it (``W' = W * g``), once.
 
         In float32, rounded once to the weight's dtype, for each pair of
-        :meth:`norms_to_fold`; the norm weights stay as loaded (nothing else reads them in a
-        fused layer).
+        :meth:`norms_to_fold` (a block of rows at a time: an MoE layer's experts are large);
+        the norm weights stay as loaded (nothing else reads them in a fused layer).
         """
         for weight, gain in self.norms_to_fold():
-            weight.data.copy_(weight.data.float() * gain.data.float()[None, :])
+            g = gain.data.float()[None, :]
+            for rows in weight.data.split(FOLD_ROWS):
+                rows.copy_(rows.float() * g)
 
     def norms_to_fold(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """``(projection weight, norm gain)`` pairs of :meth:`fold_norms`: the input norm's

@@ -80,6 +80,13 @@ class SparseMoeBlock(nn.Module):
             and cfg.shared_expert_intermediate_size is None
             and getattr(kernels, "all_reduce", None) is None
         )
+        # ... and applies the RMSNorm before it, its gain folded into router and gate_up (a
+        # fused layer's post-attention norm: SparseDecoderLayer); the op projects x itself
+        self.takes_norm = (
+            self.adds_residual
+            and self.moe_takes_router
+            and bool(KernelSetBase.of(kernels, "moe_takes_norm"))
+        )
         # tensor parallelism: this rank's experts' part summed over the ranks, once a block
         self.all_reduce = getattr(kernels, "all_reduce", None)
         self.shared_expert: MLP | None = None
@@ -102,9 +109,16 @@ class SparseMoeBlock(nn.Module):
             setattr(self, name, nn.Parameter(q, requires_grad=False))
             self.register_buffer(f"{name}_scale", scale.reshape(e, -1).contiguous())
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        norm_eps: float | None = None,
+    ) -> torch.Tensor:
         """``[T, H]`` -> ``[T, H]``: router logits, then the routed experts' weighted sum;
-        ``residual`` (only where :attr:`adds_residual`): that sum added to it, by the op."""
+        ``residual`` (only where :attr:`adds_residual`): that sum added to it, by the op;
+        ``norm_eps`` (only where :attr:`takes_norm`, the gain folded into ``router`` and
+        ``gate_up``): ``x`` is the norm's input, normalized by the op."""
         cfg = self.cfg
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         scales = getattr(self, "gate_up_scale", None)
@@ -123,6 +137,7 @@ class SparseMoeBlock(nn.Module):
             scales=None if scales is None else (scales, self.down_scale),
             **router,
             **({} if residual is None else {"residual": residual}),
+            **({} if norm_eps is None else {"norm_eps": norm_eps}),
         )
         if self.shared_expert is not None:
             # Qwen2-MoE, as transformers: experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)
@@ -140,10 +155,13 @@ class SparseDecoderLayer(DecoderLayer):
 
     Fused (``fused.layer``): the attention half runs as a dense fused layer's does, the input
     norm inside the QKV projection (its gain folded into ``qkv_proj``, :meth:`norms_to_fold`) and
-    the residual add inside the O projection (``linear_residual``); then the post-attention
-    norm (its gain stays: the router and the experts take the normed rows) and the sparse
-    block, which adds its output to the stream inside its op where the kernel set's ``moe``
-    can (``moe_adds_residual``; the layer returns ``(new stream, None)``), else returns it
+    the residual add inside the O projection (``linear_residual``); then the sparse block
+    on the stream with the post-attention norm inside its op where the kernel set's ``moe``
+    takes it (``moe_takes_norm``, :attr:`SparseMoeBlock.takes_norm`: the norm's gain
+    folded into the router's and the experts' gate-up weights at load, each token's
+    ``1/rms`` applied in the router and the gate-up GEMM), else after a norm launch of its
+    own. The block adds its output to the stream inside its op where the set's ``moe`` can
+    (``moe_adds_residual``; the layer returns ``(new stream, None)``), else returns it
     beside the stream, ``(block output, stream)``, the add left to the next layer (a fused
     layer adds its input to the stream first) or to the final norm. Unfused:
     :class:`~.llama.DecoderLayer`'s path.
@@ -156,15 +174,22 @@ class SparseDecoderLayer(DecoderLayer):
         if not self.fused:
             return super().after_attention(o, residual)
         stream = self._fused_output(o, residual)
+        if self.mlp.takes_norm:  # norm, experts and the residual add inside the op
+            return self.mlp(stream, residual=stream, norm_eps=self.cfg.rms_norm_eps), None
         h, _ = self.kernels.rms_norm(stream, self.post_attention_layernorm, self.cfg.rms_norm_eps)
         if self.mlp.adds_residual:  # the stream plus the block's output, from the op's last kernel
             return self.mlp(h, residual=stream), None
         return self.mlp(h), stream
 
     def norms_to_fold(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """The input norm's gain into ``qkv_proj`` only: the post-attention norm keeps its
-        own (the sparse block has no projection to take it)."""
-        return ((self.self_attn.qkv_proj, self.input_layernorm),)
+        """The input norm's gain into ``qkv_proj``; the post-attention norm's into the
+        router and the experts' gate-up rows where the op takes the norm
+        (:attr:`SparseMoeBlock.takes_norm`), else it keeps its own."""
+        attention = ((self.self_attn.qkv_proj, self.input_layernorm),)
+        if not self.mlp.takes_norm:
+            return attention
+        post = self.post_attention_layernorm
+        return (*attention, (self.mlp.router, post), (self.mlp.gate_up, post))
 
 
 class MoEForCausalLM(LlamaForCausalLM):

@@ -135,7 +135,20 @@ from pitstop.plugins.kernels.triton_ops.moe_tiles import (
     launch_plan,
     token_major_tiles,
 )
+from pitstop.plugins.kernels.triton_ops.rmsnorm import rms_norm
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
+
+_UNIT_GAINS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _unit_gain(x: torch.Tensor) -> torch.Tensor:
+    """Ones ``[H]`` in ``x``'s dtype and device (an RMSNorm whose gain is folded elsewhere),
+    made once per shape."""
+    key = (x.shape[1], x.dtype, x.device)
+    ones = _UNIT_GAINS.get(key)
+    if ones is None:
+        ones = _UNIT_GAINS[key] = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+    return ones
 
 
 def choose_config(
@@ -225,12 +238,19 @@ def _k_loop(
 
 
 @triton.jit
-def _silu_mul_store(acc, acc_u, s_base, NOUT, out, mask, W_SCALED: tl.constexpr):
+def _silu_mul_store(
+    acc, acc_u, s_base, NOUT, out, mask, rs, W_SCALED: tl.constexpr, ROW_SCALED: tl.constexpr
+):
     """The gate-up epilogue: both sums times their columns' scales (``W_SCALED``: ``s_base``
-    the gate columns' scale pointers), ``silu(g) * u`` in float32, one rounding into ``out``."""
+    the gate columns' scale pointers) and, ``ROW_SCALED``, their rows' factors ``rs
+    [BLOCK_M]`` (a folded RMSNorm's ``1/rms``), ``silu(g) * u`` in float32, one rounding
+    into ``out``."""
     if W_SCALED:
         acc = acc * tl.load(s_base)[None, :]
         acc_u = acc_u * tl.load(s_base + NOUT)[None, :]
+    if ROW_SCALED:
+        acc = acc * rs[:, None]
+        acc_u = acc_u * rs[:, None]
     acc = acc / (1.0 + tl.exp(-acc)) * acc_u
     dt: tl.constexpr = out.dtype.element_ty
     tl.store(out, _rounded(acc, dt).to(dt), mask=mask)
@@ -245,6 +265,7 @@ def _grouped_gemm_kernel(
     counters_ptr,
     rw_ptr,
     ws_ptr,
+    rs_ptr,
     sorted_ptr,
     expert_ids_ptr,
     total_ptr,
@@ -263,6 +284,7 @@ def _grouped_gemm_kernel(
     GATE_UP: tl.constexpr,
     SPLIT_K: tl.constexpr,
     W_SCALED: tl.constexpr,
+    ROW_SCALED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -286,7 +308,9 @@ def _grouped_gemm_kernel(
     ``y [SPLIT_K, T*k, H]`` (``stride_os`` a split), which the slot sum adds up.
     ``N = T * k`` (also the sentinel). ``W_SCALED``: ``w`` is e4m3, widened to the
     activations' dtype per tile; the accumulators are multiplied by the row scales
-    ``ws [E, NOUT or 2F]`` of their columns.
+    ``ws [E, NOUT or 2F]`` of their columns. ``ROW_SCALED`` (gate-up only): both sums
+    times ``rs[token]`` (float32 ``[T]``) before SiLU·mul: an RMSNorm folded into the op,
+    ``x`` un-normalized and its gain in ``w``.
     """
     _pdl.wait(PDL)  # the grouping and the activations come from the kernels before
     b = tl.program_id(0)
@@ -314,8 +338,13 @@ def _grouped_gemm_kernel(
     row_offsets = rows.to(tl.int64)[:, None] * stride_om + n[None, :]
     s_base = ws_ptr + e * stride_se + tl.minimum(n, NOUT - 1)
     if GATE_UP:
+        rs = tl.zeros([BLOCK_M], tl.float32)
+        if ROW_SCALED:
+            rs = tl.load(rs_ptr + a_rows, mask=valid, other=0.0)
         if SPLIT_K == 1:
-            _silu_mul_store(acc, acc_u, s_base, NOUT, out_ptr + row_offsets, mask, W_SCALED)
+            _silu_mul_store(
+                acc, acc_u, s_base, NOUT, out_ptr + row_offsets, mask, rs, W_SCALED, ROW_SCALED
+            )
         else:
             # the partials' row layout is h's over 2F columns: gate at n, up at F + n
             part = part_ptr + rows.to(tl.int64)[:, None] * (2 * NOUT) + n[None, :]
@@ -334,7 +363,9 @@ def _grouped_gemm_kernel(
                     acc += tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
                     acc_u += tl.load(p + NOUT, mask=mask, other=0.0, cache_modifier=".cg")
                     p += stride_ps
-                _silu_mul_store(acc, acc_u, s_base, NOUT, out_ptr + row_offsets, mask, W_SCALED)
+                _silu_mul_store(
+                    acc, acc_u, s_base, NOUT, out_ptr + row_offsets, mask, rs, W_SCALED, ROW_SCALED
+                )
                 tl.store(counter, 0)  # zero again for the next launch (or graph replay)
     else:
         if W_SCALED:
@@ -476,6 +507,7 @@ class _GemmSetting(NamedTuple):
     top_k: int
     config: MoEConfig
     scaled: bool
+    row_scale: torch.Tensor | None  # float32 [T]: the gate-up sums' row factors (or None)
 
 
 def _grouped_gemm(
@@ -499,6 +531,7 @@ def _grouped_gemm(
     use_pdl = _pdl.enabled(x.device)
     counters = workspace(x.device).counters if partials is not None else setting.rw
     part = partials if partials is not None else dst
+    row_scale = setting.row_scale if gate_up else None
     _grouped_gemm_kernel[(setting.grouping.expert_ids.numel(), triton.cdiv(nout, bn), splits)](
         a,
         w,
@@ -507,6 +540,7 @@ def _grouped_gemm(
         counters,
         setting.rw,
         scale,
+        row_scale if row_scale is not None else setting.rw,  # never read unscaled
         setting.grouping.sorted_rows,
         setting.grouping.expert_ids,
         setting.grouping.num_padded,
@@ -525,6 +559,7 @@ def _grouped_gemm(
         GATE_UP=gate_up,
         SPLIT_K=splits,
         W_SCALED=setting.scaled,
+        ROW_SCALED=row_scale is not None,
         EVEN_K=k % bk == 0,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -607,6 +642,7 @@ def experts(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     plan: LaunchPlan | None = None,
     residual: torch.Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for given routing: :func:`.moe_reference.experts`, fused.
 
@@ -617,7 +653,10 @@ def experts(
     of ``ids`` with ``config.block_m`` already made (as :func:`fused_moe` does); ``plan``:
     which down GEMM (default :func:`launch_plan`; its ``route_with_align`` is ignored
     here); ``residual [T, H]`` (``x``'s dtype): returned added, ``residual + out`` with the
-    bits of adding the two tensors (inside the slot sum). Returns a fresh ``[T, H]``.
+    bits of adding the two tensors (inside the slot sum); ``row_scale`` (float32 ``[T]``):
+    each token's gate and up sums multiplied by it before SiLU·mul (an RMSNorm folded into
+    the op: ``x`` un-normalized, the norm's gain already in ``gate_up``, ``row_scale`` its
+    ``1/rms``). Returns a fresh ``[T, H]``.
     """
     _check(x, gate_up, down, scales)
     t, top_k = ids.shape
@@ -625,6 +664,8 @@ def experts(
     if residual is not None:
         assert residual.shape == (t, h) and residual.dtype == x.dtype, "residual [T, H]"
         residual = residual.contiguous()
+    if row_scale is not None:
+        assert row_scale.shape == (t,) and row_scale.dtype == torch.float32, "row_scale [T] f32"
     f = two_f // 2
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0:
@@ -647,7 +688,7 @@ def experts(
     if split_gu > 1:
         partials = torch.empty((split_gu, n, two_f), dtype=torch.float32, device=x.device)
     ws = scales or (rw, rw)  # unscaled: never read (W_SCALED is off)
-    setting = _GemmSetting(x, rw, grouping, n, top_k, config, scales is not None)
+    setting = _GemmSetting(x, rw, grouping, n, top_k, config, scales is not None, row_scale)
     _grouped_gemm(
         setting,
         x,
@@ -699,6 +740,7 @@ def fused_moe(
     plan: LaunchPlan | None = None,
     router: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> torch.Tensor:
     """A sparse-MoE block's output ``[T, H]`` from ``x [T, H]`` and ``router_logits [T, E]``,
     or from the router's weight ``router [E, H]`` (``router_logits`` None).
@@ -711,9 +753,14 @@ def fused_moe(
     ``ONE_PROGRAM_ROWS`` rows is refused). With ``router``, a step of few tokens
     (:func:`.moe_router.fuses_router`, once its tiles are known) projects, routes and groups
     in one launch (:func:`.moe_router.router_route_align`); any other takes the logits
-    ``x @ router.T`` (torch's ``linear``) first. ``residual``: as :func:`experts`. No host
-    sync, fixed-size buffers: CUDA-graph capturable once each batch size has run eagerly
-    (the autotune; module doc).
+    ``x @ router.T`` (torch's ``linear``) first. ``residual``: as :func:`experts`.
+    ``norm_eps`` (with ``router``): the block's RMSNorm folded into the op -- ``x`` is the
+    norm's input and its gain is already in ``router`` and ``gate_up``; the one-launch
+    router takes each token's ``1/rms`` beside the logits and the gate-up GEMM applies it
+    in its epilogue (no launch for the norm), any other step normalizes ``x`` first
+    (:func:`.rmsnorm.rms_norm` with a unit gain, as the unfused block's norm rounds it). No
+    host sync, fixed-size buffers: CUDA-graph capturable once each batch size has run
+    eagerly (the autotune; module doc).
     """
     _check(x, gate_up, down, scales)
     t, e = x.shape[0], gate_up.shape[0]
@@ -721,15 +768,21 @@ def fused_moe(
         return torch.empty_like(x)
     if config is None:
         config = known_config(x, t, top_k, gate_up, cache)
+    row_scale = None
     if router_logits is None:
         assert router is not None, "fused_moe needs router_logits or the router's weight"
         if x.stride(1) != 1:
             x = x.contiguous()
         if config is None or not fuses_router(t, top_k):
+            if norm_eps is not None:  # normalized first, as the unfused block's norm does
+                x = rms_norm(x, _unit_gain(x), norm_eps)[0]
+                norm_eps = None
             router_logits = torch.nn.functional.linear(x, router)
+    else:
+        assert norm_eps is None, "norm_eps comes with the router's weight, not with logits"
     if router_logits is None:  # the router's projection, routing and grouping in one launch
-        weights, ids, grouping, _ = router_route_align(
-            x, router, top_k, renormalize, weights_dtype, config.block_m
+        weights, ids, grouping, _, row_scale = router_route_align(
+            x, router, top_k, renormalize, weights_dtype, config.block_m, norm_eps
         )
         plan = plan or launch_plan(t, top_k, config)
     else:
@@ -758,4 +811,5 @@ def fused_moe(
         scales=scales,
         plan=plan,
         residual=residual,
+        row_scale=row_scale,
     )

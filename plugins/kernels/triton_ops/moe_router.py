@@ -25,6 +25,13 @@ The logits differ from cuBLAS's only by the order of each float32 dot's sum (the
 round to the activation dtype): within one rounding of it, so a token whose k-th and
 k+1-th experts are that close may pick the other one, as two GEMM libraries would.
 
+With ``norm_eps`` (a fused layer's post-attention RMSNorm inside the MoE op, its gain
+folded into the router's and the experts' gate-up weights at load): ``x`` is the norm's
+input; the programs of the first expert block also store their split's float32 sums of
+squares, and the last program takes each token's ``1/rms`` from them (in split order),
+multiplies the logits by it before their one rounding and stores it for the gate-up GEMM,
+which applies it in its epilogue -- the norm costs no launch.
+
 Used by :func:`.moe.fused_moe` when given the router's weight instead of logits and the
 step has at most :data:`FUSED_ROUTER_TOKENS` tokens (one program routes and groups all of
 them: :func:`.moe_routing.route_and_align` took 4.9 us for one token against 7.0 for
@@ -62,6 +69,8 @@ def _router_route_align_kernel(
     x_ptr,
     w_ptr,
     partials_ptr,
+    squares_ptr,
+    row_scale_ptr,
     logits_ptr,
     counters_ptr,
     weights_ptr,
@@ -75,6 +84,7 @@ def _router_route_align_kernel(
     stride_x,
     stride_w,
     num_blocks,
+    eps,
     T_PAD: tl.constexpr,
     TOPK: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -87,10 +97,15 @@ def _router_route_align_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
     H_PER_SPLIT: tl.constexpr,
+    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program ``(p, s)``: the float32 partial logits of experts ``p`` over hidden split
-    ``s``; the last to arrive sums them, rounds, routes and groups (module doc)."""
+    ``s``; the last to arrive sums them, rounds, routes and groups (module doc). ``NORM``:
+    ``x`` is un-normalized (its RMSNorm's gain folded into ``w``): the programs ``(0, s)``
+    also store their split's float32 sums of squares, from which the last one takes each
+    token's ``1/rms``, multiplies the logits by it before rounding and stores it to
+    ``row_scale [T]`` for the gate-up GEMM."""
     _pdl.wait(PDL)  # x comes from the kernel before
     pid_e = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -100,16 +115,22 @@ def _router_route_align_kernel(
     w_rows = w_ptr + tl.minimum(ee, E - 1).to(tl.int64)[:, None] * stride_w  # [BLOCK_E, 1]
     x_rows = x_ptr + tl.minimum(tt, T - 1).to(tl.int64)[:, None] * stride_x  # [T_PAD, 1]
     acc = tl.zeros([BLOCK_E, T_PAD], tl.float32)
+    squares = tl.zeros([T_PAD], tl.float32)
     h_lo = pid_h * H_PER_SPLIT
     for h0 in tl.static_range(0, H_PER_SPLIT, BLOCK_H):
         h = h_lo + h0 + hh
         w = tl.load(w_rows + h[None, :], mask=(h < H)[None, :], other=0.0).to(tl.float32)
         x = tl.load(x_rows + h[None, :], mask=(h < H)[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)  # exact products, float32 sums
+        if NORM:
+            squares += tl.sum(x * x, axis=1)
     _pdl.launch_dependents(PDL)  # the gate-up GEMM's programs may queue (they wait first)
     # this split's partial [T, BLOCK_E] into its own slice of partials [H_SPLITS, T, E]
     part = partials_ptr + (pid_h * T + tt)[None, :].to(tl.int64) * E + ee[:, None]
     tl.store(part, acc, mask=(ee < E)[:, None] & (tt < T)[None, :])
+    if NORM:  # one program a split stores its sums of squares [T] to squares [H_SPLITS, T]
+        if pid_e == 0:
+            tl.store(squares_ptr + pid_h * T + tt, squares, mask=tt < T)
     tl.debug_barrier()  # every thread's stores before the one thread's release
     counter = counters_ptr
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -125,6 +146,15 @@ def _router_route_align_kernel(
             for _ in range(0, tl.num_programs(1)):  # split order: bits independent of arrival
                 logits += tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
                 p += T * E
+            if NORM:  # 1/rms of each token from the splits' sums of squares, in split order
+                ss = tl.zeros([BLOCK_T], tl.float32)
+                q = squares_ptr + rows
+                for _ in range(0, tl.num_programs(1)):
+                    ss += tl.load(q, mask=rows < T, other=0.0, cache_modifier=".cg")
+                    q += T
+                rstd = 1.0 / tl.sqrt(ss / H + eps)
+                tl.store(row_scale_ptr + rows, rstd, mask=rows < T)
+                logits = logits * rstd[:, None]
             dt: tl.constexpr = logits_ptr.dtype.element_ty
             rounded = _rounded(logits, dt).to(dt)
             tl.store(logits_ptr + rows.to(tl.int64)[:, None] * E + e[None, :], rounded, mask=mask)
@@ -163,13 +193,18 @@ def router_route_align(
     renormalize: bool,
     weights_dtype: torch.dtype | None,
     block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor, Grouping, torch.Tensor]:
+    norm_eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Grouping, torch.Tensor, torch.Tensor | None]:
     """``x @ router.T`` rounded to ``x``'s dtype, then :func:`.moe_routing.route_and_align`
     of it (``block_m``), in one launch (module doc), for :func:`fuses_router` steps.
 
-    ``x [T, H]``, ``router [E, H]`` in ``x``'s dtype (both contiguous along ``H``). Returns
-    ``(weights [T, k], ids [T, k], grouping, logits [T, E])``. Fixed-size buffers, no host
-    sync: CUDA-graph capturable (after one call outside a capture: the counters).
+    ``x [T, H]``, ``router [E, H]`` in ``x``'s dtype (both contiguous along ``H``).
+    ``norm_eps``: ``x`` is an RMSNorm's input and the norm's gain is folded into
+    ``router``: the logits are ``(x @ router.T) / rms(x)`` (``rms = sqrt(mean(x**2) +
+    eps)``, float32) before their rounding. Returns ``(weights [T, k], ids [T, k],
+    grouping, logits [T, E], row_scale)``, ``row_scale`` each token's float32 ``1/rms``
+    ``[T]`` with ``norm_eps``, else None. Fixed-size buffers, no host sync: CUDA-graph
+    capturable (after one call outside a capture: the counters).
     """
     t, h = x.shape
     e = router.shape[0]
@@ -180,6 +215,9 @@ def router_route_align(
     dev = x.device
     splits = triton.cdiv(h, H_PER_SPLIT)
     partials = torch.empty((splits, t, e), dtype=torch.float32, device=dev)
+    norm = norm_eps is not None
+    squares = torch.empty((splits, t) if norm else (1,), dtype=torch.float32, device=dev)
+    row_scale = torch.empty(t, dtype=torch.float32, device=dev) if norm else None
     logits = torch.empty((t, e), dtype=x.dtype, device=dev)
     weights, ids, grouping = routed_buffers(t, e, top_k, weights_dtype, block_m, dev)
     constants, warps = route_and_group_constants(t, e, top_k, renormalize, block_m)
@@ -189,6 +227,8 @@ def router_route_align(
         x,
         router,
         partials,
+        squares,
+        row_scale if row_scale is not None else squares,  # never written without the norm
         logits,
         counters,
         weights,
@@ -202,13 +242,15 @@ def router_route_align(
         x.stride(0),
         router.stride(0),
         grouping.expert_ids.numel(),
+        float(norm_eps or 0.0),
         T_PAD=triton.next_power_of_2(t),
         **constants,
         BLOCK_E=BLOCK_E,
         BLOCK_H=BLOCK_H,
         H_PER_SPLIT=H_PER_SPLIT,
+        NORM=norm,
         PDL=use_pdl,
         num_warps=warps,
         **_pdl.launch_kwargs(use_pdl),
     )
-    return weights, ids, grouping, logits
+    return weights, ids, grouping, logits, row_scale

@@ -227,10 +227,13 @@ def test_fused_layer_with_cuda_graphs_matches_reference_on_gpu(
 def test_moe_models_fuse_their_attention_half(tmp_path: Path) -> None:
     """A Qwen3-MoE checkpoint with a dense layer between sparse ones (``mlp_only_layers``):
     with ``fused.layer`` the dense layer runs fused whole, the sparse ones their attention
-    half (the input norm's gain folded into ``qkv_proj`` only), and the model matches
-    transformers (fp32, greedy) through prefill and decode; the MoE op (in the interpreter)
-    takes the router's weight and projects, routes and groups decode steps in one launch,
-    and adds its output to the residual stream in its last kernel."""
+    half (the input norm's gain folded into ``qkv_proj``) and their post-attention norm
+    inside the MoE op (its gain folded into the router and the experts' gate-up rows, once),
+    and the model matches transformers (fp32, greedy) through prefill and decode; the MoE
+    op (in the interpreter) takes the router's weight and projects, routes and groups
+    decode steps in one launch (with each token's 1/rms), and adds its output to the
+    residual stream in its last kernel. With ``fused.moe_router`` off the op takes no norm:
+    the sparse layers keep their norm launch and their weights unfolded, same tokens."""
     from pitstop.plugins.models.moe import SparseDecoderLayer
 
     folder = _checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
@@ -240,5 +243,17 @@ def test_moe_models_fuse_their_attention_half(tmp_path: Path) -> None:
     assert model.fused_layers and all(layer.fused for layer in model.layers)
     sparse = [isinstance(layer, SparseDecoderLayer) for layer in model.layers]
     assert sparse == [True, False, True]
-    assert model.layers[0].mlp.moe_takes_router and model.layers[0].mlp.adds_residual
+    block = model.layers[0].mlp
+    assert block.moe_takes_router and block.adds_residual and block.takes_norm
+    plain = LLM(str(folder), device="cpu", kv_cache_gib=0.01, max_model_len=64, kernels="fused")
+    a, b = plain.engine.runner.model.layers[0], model.layers[0]
+    gain = a.post_attention_layernorm[None, :]
+    torch.testing.assert_close(b.mlp.router, a.mlp.router * gain, rtol=1e-6, atol=0)
+    torch.testing.assert_close(b.mlp.gate_up, a.mlp.gate_up * gain, rtol=1e-6, atol=0)
+    torch.testing.assert_close(b.mlp.down, a.mlp.down, rtol=0, atol=0)
     _assert_matches(llm, hf, lengths=(1, 9), seed=5)
+    off = _fused_llm(folder, options={"fused.moe_router": False})
+    block = off.engine.runner.model.layers[0].mlp
+    assert not block.takes_norm
+    torch.testing.assert_close(block.router, a.mlp.router, rtol=0, atol=0)
+    _assert_matches(off, hf, lengths=(1, 9), seed=5)

@@ -55,30 +55,47 @@ def _grouping_equal(a: moe_routing.Grouping, b: moe_routing.Grouping) -> bool:
     h=st.sampled_from([16, 200, 600]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     renormalize=st.booleans(),
+    norm=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-@example(t=2, e=40, k_frac=0.2, h=600, dtype=torch.bfloat16, renormalize=True, seed=1)
-@example(t=1, e=1, k_frac=0.0, h=16, dtype=torch.float32, renormalize=False, seed=2)
+@example(t=2, e=40, k_frac=0.2, h=600, dtype=torch.bfloat16, renormalize=True, norm=True, seed=1)
+@example(t=1, e=1, k_frac=0.0, h=16, dtype=torch.float32, renormalize=False, norm=False, seed=2)
 def test_router_route_align_is_route_and_align_of_its_logits(
-    t: int, e: int, k_frac: float, h: int, dtype: torch.dtype, renormalize: bool, seed: int
+    t: int,
+    e: int,
+    k_frac: float,
+    h: int,
+    dtype: torch.dtype,
+    renormalize: bool,
+    norm: bool,
+    seed: int,
 ) -> None:
     """Bit for bit the weights, ids and grouping of ``route_and_align`` of the logits it
     returns; the logits within one rounding of float64 ``x @ router.T`` (H 600: three
-    hidden splits, the last a part one; E 40: three expert programs, the last a part one);
-    the arrival counter zero again after the launch."""
+    hidden splits, the last a part one; E 40: three expert programs, the last a part one),
+    with ``norm_eps`` of ``(x / rms(x)) @ router.T``, and the row scale it returns within
+    float32 rounding of ``1 / rms(x)``; the arrival counter zero again after the launch."""
     top_k = 1 + round(k_frac * (min(e, 16) - 1))
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=gen).to(dtype).to(DEVICE)
+    x = (3 * torch.randn(t, h, generator=gen)).to(dtype).to(DEVICE)
     router = (torch.randn(e, h, generator=gen) / h**0.5).to(dtype).to(DEVICE)
     wdt = None if dtype == torch.float32 else dtype
+    eps = 1e-6 if norm else None
     with poisoned_outputs():
-        weights, ids, grouping, logits = moe_router.router_route_align(
-            x, router, top_k, renormalize, wdt, 16
+        weights, ids, grouping, logits, row_scale = moe_router.router_route_align(
+            x, router, top_k, renormalize, wdt, 16, eps
         )
         want = moe_routing.route_and_align(logits, top_k, renormalize, wdt, 16)
     assert torch.equal(weights, want[0]) and torch.equal(ids, want[1])
     assert _grouping_equal(grouping, want[2])
     truth = x.double() @ router.double().T
+    if norm:
+        rstd = (x.double().pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+        truth = truth * rstd
+        assert row_scale is not None and row_scale.dtype == torch.float32
+        assert torch.allclose(row_scale.double(), rstd[:, 0], rtol=1e-5, atol=0)
+    else:
+        assert row_scale is None
     err = ((logits.double() - truth).abs().max() / truth.abs().max().clamp_min(1e-6)).item()
     assert err <= ROUNDING[dtype], f"logits off by {err:.3g}"
     assert not fused_linear.workspace(x.device).counters.any(), "a counter left non-zero"
@@ -139,6 +156,43 @@ def test_the_residual_add_inside_the_op_is_adding_the_tensors(
     assert torch.equal(residual, before)  # read, not written
     kw = dict(renormalize=True, weights_dtype=dtype, config=config, router=router)
     for n in (1, 3):  # the one-launch router's step, and the logits' path
+        # on a GPU the first call of a batch size tunes on torch's logits and later ones route
+        # in the one-launch router (float32 logits of its own sums): compare two tuned calls
+        moe.fused_moe(x[:n], None, gate_up, down, top_k, **kw)
         out = moe.fused_moe(x[:n], None, gate_up, down, top_k, **kw)
         got = moe.fused_moe(x[:n], None, gate_up, down, top_k, residual=residual[:n], **kw)
         assert torch.equal(got, residual[:n] + out)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_the_norm_folded_into_the_op_is_the_norm_before_it(t: int) -> None:
+    """``fused_moe(x, None, router=W * g, gate_up=G * g, norm_eps=eps)`` (the un-normalized
+    stream, the norm's gain folded into the weights) within float32 summation order of the
+    reference loop over ``rms_norm(x) * g`` with the unfolded weights (fp32): up to two
+    tokens the one-launch router takes each token's 1/rms and the gate-up GEMM applies it,
+    three tokens normalize first; the residual add inside the op as well."""
+    from pitstop.plugins.kernels import reference
+
+    e, h, f, top_k, eps = 6, 40, 24, 2, 1e-6
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(5)
+    x = (4 * torch.randn(t, h, generator=gen)).to(DEVICE)
+    gain = (0.5 + torch.rand(h, generator=gen)).to(DEVICE)
+    router = (torch.randn(e, h, generator=gen) / h**0.5).to(DEVICE)
+    gate_up = (torch.randn(e, 2 * f, h, generator=gen) / h**0.5).to(DEVICE)
+    down = (torch.randn(e, h, f, generator=gen) / f**0.5).to(DEVICE)
+    residual = torch.randn(t, h, generator=gen).to(DEVICE)
+    normed = x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * gain
+    logits = torch.nn.functional.linear(normed, router)
+    want = reference.moe(
+        normed, logits, gate_up, down, top_k, renormalize=True, weights_dtype=dtype
+    )
+    config = moe_tiles.INTERPRETER_CONFIG if DEVICE.type == "cpu" else None
+    kw = dict(renormalize=True, weights_dtype=dtype, config=config, router=router * gain)
+    folded = (x, None, gate_up * gain[None, None, :], down, top_k)
+    moe.fused_moe(*folded, norm_eps=eps, **kw)  # a GPU's first call of a batch size tunes
+    with poisoned_outputs():
+        got = moe.fused_moe(*folded, norm_eps=eps, **kw)
+        added = moe.fused_moe(*folded, norm_eps=eps, residual=residual, **kw)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert torch.equal(added, residual + got)
