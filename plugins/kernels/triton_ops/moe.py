@@ -773,6 +773,8 @@ def fused_moe(
         assert router is not None, "fused_moe needs router_logits or the router's weight"
         if x.stride(1) != 1:
             x = x.contiguous()
+        if fuses_router(t, top_k):  # its counters, made outside any capture (a first call
+            workspace(x.device)  # tunes on torch's logits; the captured ones take the kernel)
         if config is None or not fuses_router(t, top_k):
             if norm_eps is not None:  # normalized first, as the unfused block's norm does
                 x = rms_norm(x, _unit_gain(x), norm_eps)[0]

@@ -17,9 +17,11 @@ decode step (2026-12-06). :func:`router_route_align` does all three in one:
    partials in split order (so the bits do not depend on which program that is), rounds
    the logits once to the activations' dtype, as the router's ``linear`` returns them,
    stores them to ``logits [T, E]`` and routes them from its registers, then groups the
-   rows: :func:`.moe_routing.route_and_align`'s code with the same warps, so its weights,
-   ids and grouping are those of ``route_and_align(logits)`` bit for bit; then it zeroes
-   the counter.
+   rows: :func:`.moe_routing.route_and_align`'s code with the same warps, so its ids and
+   grouping are those of ``route_and_align(logits)`` bit for bit, and so are its weights
+   in a 16-bit dtype (float32 weights, Mixtral's, may differ in their last bits: on an
+   H100 the two kernels' softmax sums reduced in different orders); then it zeroes the
+   counter.
 
 The logits differ from cuBLAS's only by the order of each float32 dot's sum (then both
 round to the activation dtype): within one rounding of it, so a token whose k-th and

@@ -2,7 +2,8 @@
 projection, routing and grouping of a decode step of few tokens, in Triton's interpreter
 on the CPU (compiled on a GPU).
 
-Truth: its routing is ``route_and_align`` of the logits it computed, bit for bit, and those
+Truth: its routing is ``route_and_align`` of the logits it computed, bit for bit (float32
+weights within a few ulp), and those
 logits are ``x @ router.T`` in float64 within one rounding to the activation dtype; the
 fused op given the router's weight is the op given those logits, bit for bit."""
 
@@ -70,8 +71,9 @@ def test_router_route_align_is_route_and_align_of_its_logits(
     norm: bool,
     seed: int,
 ) -> None:
-    """Bit for bit the weights, ids and grouping of ``route_and_align`` of the logits it
-    returns; the logits within one rounding of float64 ``x @ router.T`` (H 600: three
+    """Bit for bit the ids and grouping of ``route_and_align`` of the logits it returns, and
+    its 16-bit weights (float32 weights within a few ulp: on a GPU the two kernels' softmax
+    sums may reduce in different orders); the logits within one rounding of float64 ``x @ router.T`` (H 600: three
     hidden splits, the last a part one; E 40: three expert programs, the last a part one),
     with ``norm_eps`` of ``(x / rms(x)) @ router.T``, and the row scale it returns within
     float32 rounding of ``1 / rms(x)``; the arrival counter zero again after the launch."""
@@ -86,8 +88,11 @@ def test_router_route_align_is_route_and_align_of_its_logits(
             x, router, top_k, renormalize, wdt, 16, eps
         )
         want = moe_routing.route_and_align(logits, top_k, renormalize, wdt, 16)
-    assert torch.equal(weights, want[0]) and torch.equal(ids, want[1])
-    assert _grouping_equal(grouping, want[2])
+    assert torch.equal(ids, want[1]) and _grouping_equal(grouping, want[2])
+    if wdt is None:  # float32 weights: the softmax's sum may reduce in another order (GPU)
+        torch.testing.assert_close(weights, want[0], rtol=4e-7, atol=0)
+    else:
+        assert torch.equal(weights, want[0])
     truth = x.double() @ router.double().T
     if norm:
         rstd = (x.double().pow(2).mean(-1, keepdim=True) + eps).rsqrt()
