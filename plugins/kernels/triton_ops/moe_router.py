@@ -17,11 +17,14 @@ decode step (2026-12-06). :func:`router_route_align` does all three in one:
    partials in split order (so the bits do not depend on which program that is), rounds
    the logits once to the activations' dtype, as the router's ``linear`` returns them,
    stores them to ``logits [T, E]`` and routes them from its registers, then groups the
-   rows: :func:`.moe_routing.route_and_align`'s code with the same warps, so its ids and
-   grouping are those of ``route_and_align(logits)`` bit for bit, and so are its weights
-   in a 16-bit dtype (float32 weights, Mixtral's, may differ in their last bits: on an
-   H100 the two kernels' softmax sums reduced in different orders); then it zeroes the
-   counter.
+   rows. One token's ``k`` experts are distinct, so its grouping needs no sort: block ``j``
+   holds flat row ``j`` alone, in slot order rather than by expert id (the expert GEMMs
+   give every row the same bits in either order; no barrier, no reload of the ids). Two
+   tokens: :func:`.moe_routing.route_and_align`'s grouping, the same blocks bit for bit.
+   The routing is ``route_and_align``'s code with the same warps, so its ids are those of
+   ``route_and_align(logits)`` bit for bit, and so are its weights in a 16-bit dtype
+   (float32 weights, Mixtral's, may differ in their last bits: on an H100 the two
+   kernels' softmax sums reduced in different orders). Then it zeroes the counter.
 
 The logits differ from cuBLAS's only by the order of each float32 dot's sum (then both
 round to the activation dtype): within one rounding of it, so a token whose k-th and
@@ -100,6 +103,7 @@ def _router_route_align_kernel(
     BLOCK_H: tl.constexpr,
     H_PER_SPLIT: tl.constexpr,
     NORM: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program ``(p, s)``: the float32 partial logits of experts ``p`` over hidden split
@@ -161,25 +165,54 @@ def _router_route_align_kernel(
             rounded = _rounded(logits, dt).to(dt)
             tl.store(logits_ptr + rows.to(tl.int64)[:, None] * E + e[None, :], rounded, mask=mask)
             # routed from the registers: route_and_align's routing of the stored logits
-            _route_logits(
+            ids, routed = _route_logits(
                 rounded, weights_ptr, ids_ptr, rows, T, E, TOPK, K_PAD, RENORMALIZE, BLOCK_T, E_PAD
             )
-        tl.debug_barrier()  # the ids stored above by some threads are read below by others
-        _group_routed(
-            ids_ptr,
-            sorted_ptr,
-            expert_ids_ptr,
-            total_ptr,
-            T,
-            E,
-            num_blocks,
-            TOPK,
-            E_PAD,
-            BLOCK_M,
-            CHUNK,
-            BLOCKS_CHUNK,
-        )
+            if ONE_TOKEN:  # its k experts are distinct: one row a block, in slot order
+                _one_row_blocks(
+                    ids, routed, sorted_ptr, expert_ids_ptr, total_ptr, TOPK, K_PAD, BLOCK_M
+                )
+        if not ONE_TOKEN:
+            tl.debug_barrier()  # the ids stored above by some threads are read below by others
+            _group_routed(
+                ids_ptr,
+                sorted_ptr,
+                expert_ids_ptr,
+                total_ptr,
+                T,
+                E,
+                num_blocks,
+                TOPK,
+                E_PAD,
+                BLOCK_M,
+                CHUNK,
+                BLOCKS_CHUNK,
+            )
         tl.store(counter, 0)  # zero again for the next launch (or graph replay)
+
+
+@triton.jit
+def _one_row_blocks(
+    ids,
+    routed,
+    sorted_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """One token's grouping from its ids in registers (``[BLOCK_T, K_PAD]``, row 0 the
+    token's; ``routed`` their mask): block ``j`` holds flat row ``j`` alone (expert
+    ``ids[0, j]``), the sentinel ``TOPK`` in its other rows; ``TOPK`` blocks in all."""
+    slot = tl.arange(0, K_PAD)
+    expert = tl.sum(tl.where(routed, ids, 0), axis=0)  # [K_PAD]: the one token's experts
+    j = tl.arange(0, BLOCK_M)
+    rows = tl.where(j[None, :] == 0, slot[:, None], TOPK)
+    used = slot < TOPK
+    tl.store(sorted_ptr + slot[:, None] * BLOCK_M + j[None, :], rows, mask=used[:, None])
+    tl.store(expert_ids_ptr + slot, expert, mask=used)
+    tl.store(total_ptr, TOPK * BLOCK_M)
 
 
 def fuses_router(num_tokens: int, top_k: int) -> bool:
@@ -204,7 +237,8 @@ def router_route_align(
     ``norm_eps``: ``x`` is an RMSNorm's input and the norm's gain is folded into
     ``router``: the logits are ``(x @ router.T) / rms(x)`` (``rms = sqrt(mean(x**2) +
     eps)``, float32) before their rounding. Returns ``(weights [T, k], ids [T, k],
-    grouping, logits [T, E], row_scale)``, ``row_scale`` each token's float32 ``1/rms``
+    grouping, logits [T, E], row_scale)`` (one token's grouping one row a block in slot
+    order, module doc), ``row_scale`` each token's float32 ``1/rms``
     ``[T]`` with ``norm_eps``, else None. Fixed-size buffers, no host sync: CUDA-graph
     capturable (after one call outside a capture: the counters).
     """
@@ -251,6 +285,7 @@ def router_route_align(
         BLOCK_H=BLOCK_H,
         H_PER_SPLIT=H_PER_SPLIT,
         NORM=norm,
+        ONE_TOKEN=t == 1,
         PDL=use_pdl,
         num_warps=warps,
         **_pdl.launch_kwargs(use_pdl),

@@ -231,7 +231,7 @@ def test_moe_models_fuse_their_attention_half(tmp_path: Path) -> None:
     inside the MoE op (its gain folded into the router and the experts' gate-up rows, once),
     and the model matches transformers (fp32, greedy) through prefill and decode; the MoE
     op (in the interpreter) takes the router's weight and projects, routes and groups
-    decode steps in one launch (with each token's 1/rms), and adds its output to the
+    decode steps of one and two tokens in one launch (with each token's 1/rms), and adds its output to the
     residual stream in its last kernel. With ``fused.moe_router`` off the op takes no norm:
     the sparse layers keep their norm launch and their weights unfolded, same tokens."""
     from pitstop.plugins.models.moe import SparseDecoderLayer
@@ -252,6 +252,7 @@ def test_moe_models_fuse_their_attention_half(tmp_path: Path) -> None:
     torch.testing.assert_close(b.mlp.gate_up, a.mlp.gate_up * gain, rtol=1e-6, atol=0)
     torch.testing.assert_close(b.mlp.down, a.mlp.down, rtol=0, atol=0)
     _assert_matches(llm, hf, lengths=(1, 9), seed=5)
+    _assert_matches(llm, hf, lengths=(6,), seed=6)  # decode steps of one token: one row a block
     off = _fused_llm(folder, options={"fused.moe_router": False})
     block = off.engine.runner.model.layers[0].mlp
     assert not block.takes_norm

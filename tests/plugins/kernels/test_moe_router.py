@@ -48,6 +48,23 @@ def _grouping_equal(a: moe_routing.Grouping, b: moe_routing.Grouping) -> bool:
     )
 
 
+def _assert_one_row_blocks(
+    grouping: moe_routing.Grouping, ids: torch.Tensor, sorted_by_expert: moe_routing.Grouping
+) -> None:
+    """One token's grouping: block ``j`` holds flat row ``j`` (expert ``ids[0, j]``) and the
+    sentinel ``k`` in its other rows; the (row, expert) pairs of the grouping sorted by
+    expert, in another block order."""
+    k, bm = ids.shape[1], grouping.block_m
+    assert int(grouping.num_padded) == k * bm == int(sorted_by_expert.num_padded)
+    blocks = grouping.sorted_rows[: k * bm].view(k, bm).cpu()
+    assert torch.equal(blocks[:, 0], torch.arange(k, dtype=blocks.dtype))
+    assert (blocks[:, 1:] == k).all()
+    assert torch.equal(grouping.expert_ids.cpu(), ids[0].cpu())
+    want = sorted_by_expert.sorted_rows[: k * bm].view(k, bm).cpu()
+    pairs = {(int(want[b, 0]), int(sorted_by_expert.expert_ids[b])) for b in range(k)}
+    assert pairs == {(j, int(ids[0, j])) for j in range(k)}
+
+
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(
     t=st.integers(1, moe_router.FUSED_ROUTER_TOKENS),
@@ -88,7 +105,11 @@ def test_router_route_align_is_route_and_align_of_its_logits(
             x, router, top_k, renormalize, wdt, 16, eps
         )
         want = moe_routing.route_and_align(logits, top_k, renormalize, wdt, 16)
-    assert torch.equal(ids, want[1]) and _grouping_equal(grouping, want[2])
+    assert torch.equal(ids, want[1])
+    if t == 1:  # one row a block, in slot order; the same rows and experts as want's
+        _assert_one_row_blocks(grouping, ids, want[2])
+    else:
+        assert _grouping_equal(grouping, want[2])
     if wdt is None:  # float32 weights: the softmax's sum may reduce in another order (GPU)
         torch.testing.assert_close(weights, want[0], rtol=4e-7, atol=0)
     else:
