@@ -11,6 +11,13 @@ allows with ``plan=`` :func:`.moe_tiles.fewest_launches` (:attr:`LaunchPlan.laun
 - above: **five** -- route (1), align (2), gate-up, grouped down, slot sum -- and two
   memsets of the routing counters.
 
+One token (any plan with the grouped down, unsplit): the down GEMM's programs count
+themselves in their column tile's arrival counter (the fused linear ops' counters, as a
+split gate-up does) and the last of the token's ``k`` row blocks adds the ``k`` slots (and
+the residual) as the slot-sum kernel would, with its bits: one launch fewer. With the
+one-launch router (:mod:`.moe_router`) a decode step of one token is then three launches:
+router, gate-up, down.
+
 Every one of these kernels is chained by programmatic dependent launch (:mod:`.pdl`, on
 Hopper): each waits for the kernel before it first thing, and lets the next one's programs
 queue once its own inputs are read (the routing kernels at once, the GEMMs and the slot
@@ -269,6 +276,8 @@ def _grouped_gemm_kernel(
     sorted_ptr,
     expert_ids_ptr,
     total_ptr,
+    res_ptr,
+    final_ptr,
     N,
     NOUT,
     K,
@@ -285,6 +294,8 @@ def _grouped_gemm_kernel(
     SPLIT_K: tl.constexpr,
     W_SCALED: tl.constexpr,
     ROW_SCALED: tl.constexpr,
+    SLOT_SUM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -310,7 +321,11 @@ def _grouped_gemm_kernel(
     activations' dtype per tile; the accumulators are multiplied by the row scales
     ``ws [E, NOUT or 2F]`` of their columns. ``ROW_SCALED`` (gate-up only): both sums
     times ``rs[token]`` (float32 ``[T]``) before SiLU·mul: an RMSNorm folded into the op,
-    ``x`` un-normalized and its gain in ``w``.
+    ``x`` un-normalized and its gain in ``w``. ``SLOT_SUM`` (down, one token, unsplit):
+    each program then counts itself in its column tile's arrival counter, and the last of
+    the ``TOPK`` row blocks sums the ``TOPK`` rows of ``y`` in slot order into ``final [1,
+    H]`` as :func:`_slot_sum_kernel` does (``RESIDUAL``: ``res +`` that), so no slot-sum
+    launch follows.
     """
     _pdl.wait(PDL)  # the grouping and the activations come from the kernels before
     b = tl.program_id(0)
@@ -373,6 +388,16 @@ def _grouped_gemm_kernel(
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0).to(tl.float32)
         out = out_ptr + pid_k.to(tl.int64) * stride_os + row_offsets
         tl.store(out, acc * rw[:, None], mask=mask)
+        if SLOT_SUM:  # one token: the last of its TOPK row blocks sums the slots (module doc)
+            tl.debug_barrier()  # every thread's stores before the one thread's release
+            counter = counters_ptr + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == TOPK - 1:  # every slot's row of these columns is visible
+                tl.debug_barrier()  # the acquire (one thread) before every thread's loads
+                cols = n < NOUT
+                acc_t = _slot_sums(out_ptr, 0, stride_om, n, cols, TOPK, 1)
+                _store_slot_sum(acc_t, res_ptr, final_ptr, n, cols, RESIDUAL)
+                tl.store(counter, 0)  # zero again for the next launch (or graph replay)
 
 
 @triton.jit
@@ -395,19 +420,35 @@ def _slot_sum_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for j in tl.static_range(TOPK):
-        p = y_ptr + (t * TOPK + j) * H + h
-        for _ in tl.static_range(SPLITS):  # 64-bit pointer steps: no int32 product to overflow
-            acc += tl.load(p, mask=mask, other=0.0)
-            p += stride_ys
+    acc = _slot_sums(y_ptr + t * TOPK * H, stride_ys, H, h, mask, TOPK, SPLITS)
     _pdl.launch_dependents(PDL)
+    _store_slot_sum(acc, res_ptr + t * H, out_ptr + t * H, h, mask, RESIDUAL)
+
+
+@triton.jit
+def _slot_sums(y_ptr, stride_ys, row_stride, h, mask, TOPK: tl.constexpr, SPLITS: tl.constexpr):
+    """``sum_j sum_s y[s, j, h]`` over one token's ``TOPK`` rows (``y_ptr`` its first),
+    slots in order, each slot's splits in order, in float32 (loads past L1: in the down
+    GEMM's last program other programs wrote them)."""
+    acc = tl.zeros(h.shape, tl.float32)
+    for j in tl.static_range(TOPK):
+        p = y_ptr + j * row_stride + h
+        for _ in tl.static_range(SPLITS):  # 64-bit pointer steps: no int32 product to overflow
+            acc += tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+            p += stride_ys
+    return acc
+
+
+@triton.jit
+def _store_slot_sum(acc, res_ptr, out_ptr, h, mask, RESIDUAL: tl.constexpr):
+    """A token's slot sum rounded once into ``out_ptr[h]``; ``RESIDUAL``: then ``res[h] +``
+    that, rounded again (the bits of adding the two tensors in their dtype)."""
     dt: tl.constexpr = out_ptr.dtype.element_ty
     o = _rounded(acc, dt).to(dt)
     if RESIDUAL:
-        r = tl.load(res_ptr + t * H + h, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + h, mask=mask, other=0.0).to(tl.float32)
         o = _rounded(r + o.to(tl.float32), dt).to(dt)
-    tl.store(out_ptr + t * H + h, o, mask=mask)
+    tl.store(out_ptr + h, o, mask=mask)
 
 
 @triton.jit
@@ -521,15 +562,19 @@ def _grouped_gemm(
     splits: int,
     k_per_split: int,
     partials: torch.Tensor | None = None,
+    slot_sum: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> None:
     """Launch :func:`_grouped_gemm_kernel` over ``a`` and the experts ``w`` into ``dst``
     (a split gate-up: its float32 ``partials [splits, T*k, 2F]`` and the device's arrival
-    counters, :func:`.fused_linear.workspace`)."""
+    counters, :func:`.fused_linear.workspace`; ``slot_sum``: the down GEMM of one token
+    sums its slots into ``(out [1, H], residual or None)`` itself, with those counters)."""
     bm, bn, bk, warps, stages = setting.config[:5]
     nout, k = w.shape[1] // (2 if gate_up else 1), w.shape[2]
     x = setting.x
     use_pdl = _pdl.enabled(x.device)
-    counters = workspace(x.device).counters if partials is not None else setting.rw
+    uses_counters = partials is not None or slot_sum is not None
+    counters = workspace(x.device).counters if uses_counters else setting.rw
+    final, res = slot_sum if slot_sum is not None else (dst, None)
     part = partials if partials is not None else dst
     row_scale = setting.row_scale if gate_up else None
     _grouped_gemm_kernel[(setting.grouping.expert_ids.numel(), triton.cdiv(nout, bn), splits)](
@@ -544,6 +589,8 @@ def _grouped_gemm(
         setting.grouping.sorted_rows,
         setting.grouping.expert_ids,
         setting.grouping.num_padded,
+        res if res is not None else final,  # never read without a residual
+        final,
         setting.num_rows,
         nout,
         k,
@@ -560,6 +607,8 @@ def _grouped_gemm(
         SPLIT_K=splits,
         W_SCALED=setting.scaled,
         ROW_SCALED=row_scale is not None,
+        SLOT_SUM=slot_sum is not None,
+        RESIDUAL=res is not None,
         EVEN_K=k % bk == 0,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -705,7 +754,13 @@ def experts(
         return out if residual is None else residual + out
     split_d, per_d = effective_split(f, bk, split)
     y = torch.empty((split_d, n, h), dtype=torch.float32, device=x.device)
-    _grouped_gemm(setting, inter, down, ws[1], y, gate_up=False, splits=split_d, k_per_split=per_d)
+    down_args = (setting, inter, down, ws[1], y)
+    if t == 1 and split_d == 1:  # the slots summed by the down GEMM's last program
+        _grouped_gemm(
+            *down_args, gate_up=False, splits=1, k_per_split=per_d, slot_sum=(out, residual)
+        )
+        return out
+    _grouped_gemm(*down_args, gate_up=False, splits=split_d, k_per_split=per_d)
     block_h = min(1024, triton.next_power_of_2(h))
     use_pdl = _pdl.enabled(out.device)
     _slot_sum_kernel[(t, triton.cdiv(h, block_h))](

@@ -103,9 +103,15 @@ class LaunchPlan(NamedTuple):
 
     @property
     def launches(self) -> int:
-        """Kernel launches of the op: 3 to 5 (not counting the two memsets of the routing
-        counters past ``ONE_PROGRAM_ROWS`` rows)."""
+        """Kernel launches of the op for more than one token: 3 to 5 (not counting the two
+        memsets of the routing counters past ``ONE_PROGRAM_ROWS`` rows)."""
         return (1 if self.route_with_align else 2) + 1 + (1 if self.down_with_slot_sum else 2)
+
+    def launches_for(self, num_tokens: int) -> int:
+        """:attr:`launches` for a call of ``num_tokens`` tokens: one fewer for a single
+        token's grouped down, which sums the slots in its own last program (``.moe``)."""
+        one_token = num_tokens == 1 and not self.down_with_slot_sum
+        return self.launches - (1 if one_token else 0)
 
 
 # route, align, gate-up, grouped down, slot sum: the five launches of every batch before

@@ -857,7 +857,8 @@ def test_fused_moe_launches_per_batch_and_equals_the_loop(
 
 def test_default_plan_is_the_grouped_five_launches(launches: list[str]) -> None:
     """Measured faster on an H100 at batch 1 and 8 (``launch_plan``'s doc): no plan named,
-    every batch runs route, align, gate-up, grouped down, slot sum."""
+    every batch runs route, align, gate-up, grouped down, slot sum -- but one token's down
+    sums its slots in its own last program (four launches)."""
     e, top_k, h, f, dtype = 12, 8, 24, 16, torch.bfloat16
     for t in (1, 5, 17):
         assert moe_tiles.launch_plan(t, top_k) == moe_tiles.GROUPED
@@ -868,7 +869,8 @@ def test_default_plan_is_the_grouped_five_launches(launches: list[str]) -> None:
         args = [a.to(DEVICE) for a in (x, logits, gate_up, down)]
         launches.clear()
         out = moe.fused_moe(*args, top_k, renormalize=True, weights_dtype=dtype)
-        assert launches == FIVE
+        assert launches == (FIVE[:-1] if t == 1 else FIVE)
+        assert moe_tiles.GROUPED.launches_for(t) == len(launches)
         weights, ids = moe_routing.route(args[1], top_k, True, dtype)
         truth = ref.experts(x.double(), weights.cpu().double(), ids.cpu(), *wide)
         assert relative_error(out, truth) <= TOL[dtype]
@@ -896,3 +898,29 @@ def test_the_block_owner_tile_is_no_larger_than_the_grouping() -> None:
     assert moe_routing._blocks_chunk(128, 8) == 16  # Qwen3-30B-A3B at batch 1
     assert moe_routing._blocks_chunk(128, 100) == 64  # the element bound
     assert moe_routing._blocks_chunk(8, 1000) == 128 and moe_routing._blocks_chunk(8, 40) == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_tokens_slot_sum_in_the_down_gemm_is_the_slot_sum_kernels(dtype: torch.dtype) -> None:
+    """One token: the grouped down's last program sums the k slots (and adds the residual)
+    with the bits of ``_slot_sum_kernel``, which a batch of that token twice runs (each row
+    of the GEMMs has the same bits whatever else is in its tile)."""
+    e, top_k, h, f = 12, 8, 24, 16
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, h, generator=gen).to(dtype)
+    logits = make_logits(gen, 1, e, "random").to(dtype)
+    gate_up, down, _, _ = random_experts(gen, e, h, f, dtype, False)
+    residual = torch.randn(1, h, generator=gen).to(dtype)
+    args = [a.to(DEVICE) for a in (gate_up, down)]
+    config = moe_tiles.INTERPRETER_CONFIG  # one tile for both calls (the CPU's; on a GPU:)
+    if DEVICE.type == "cuda":
+        config = moe_tiles.ROWS_16 if dtype != torch.float32 else moe_tiles.FP32_CONFIGS[0]
+    kw = dict(renormalize=True, weights_dtype=dtype, config=config, plan=moe_tiles.GROUPED)
+    for res in (None, residual):
+        extra = {} if res is None else {"residual": res.to(DEVICE)}
+        extra2 = {} if res is None else {"residual": res.repeat(2, 1).to(DEVICE)}
+        one = moe.fused_moe(x.to(DEVICE), logits.to(DEVICE), *args, top_k, **kw, **extra)
+        two = moe.fused_moe(
+            x.repeat(2, 1).to(DEVICE), logits.repeat(2, 1).to(DEVICE), *args, top_k, **kw, **extra2
+        )
+        assert torch.equal(one[0], two[0]) and torch.equal(two[0], two[1])

@@ -155,15 +155,17 @@ def test_fuses_router_thresholds() -> None:
     assert not moe_router.fuses_router(1, 129) and moe_router.fuses_router(2, 64)
 
 
+@pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("plan", ["grouped", "token-major"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_residual_add_inside_the_op_is_adding_the_tensors(
-    plan: str, dtype: torch.dtype
+    plan: str, dtype: torch.dtype, t: int
 ) -> None:
-    """``experts(..., residual=r)`` is ``r + experts(...)`` bit for bit (the slot sum adds it;
-    the token-major down, which has no slot sum, adds it after), and ``fused_moe`` passes it
-    on, the one-launch router's path included."""
-    e, h, f, top_k, t = 6, 40, 24, 2, 3
+    """``experts(..., residual=r)`` is ``r + experts(...)`` bit for bit (the slot sum adds it,
+    for one token inside the grouped down's last program; the token-major down, which has
+    no slot sum, adds it after), and ``fused_moe`` passes it on, the one-launch router's
+    path included."""
+    e, h, f, top_k = 6, 40, 24, 2
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(t, h, generator=gen).to(dtype).to(DEVICE)
     router = (torch.randn(e, h, generator=gen) / h**0.5).to(dtype).to(DEVICE)
@@ -181,7 +183,7 @@ def test_the_residual_add_inside_the_op_is_adding_the_tensors(
     assert torch.equal(added, residual + plain)
     assert torch.equal(residual, before)  # read, not written
     kw = dict(renormalize=True, weights_dtype=dtype, config=config, router=router)
-    for n in (1, 3):  # the one-launch router's step, and the logits' path
+    for n in sorted({1, t}):  # the one-launch router's step, and the logits' path
         # on a GPU the first call of a batch size tunes on torch's logits and later ones route
         # in the one-launch router (float32 logits of its own sums): compare two tuned calls
         moe.fused_moe(x[:n], None, gate_up, down, top_k, **kw)
