@@ -175,19 +175,9 @@ def _router_route_align_kernel(
         if not ONE_TOKEN:
             tl.debug_barrier()  # the ids stored above by some threads are read below by others
             _group_routed(
-                ids_ptr,
-                sorted_ptr,
-                expert_ids_ptr,
-                total_ptr,
-                T,
-                E,
-                num_blocks,
-                TOPK,
-                E_PAD,
-                BLOCK_M,
-                CHUNK,
-                BLOCKS_CHUNK,
-            )
+                ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, T, E, num_blocks,
+                TOPK, E_PAD, BLOCK_M, CHUNK, BLOCKS_CHUNK,
+            )  # fmt: skip
         tl.store(counter, 0)  # zero again for the next launch (or graph replay)
 
 
