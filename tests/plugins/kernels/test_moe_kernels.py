@@ -900,22 +900,27 @@ def test_the_block_owner_tile_is_no_larger_than_the_grouping() -> None:
     assert moe_routing._blocks_chunk(8, 1000) == 128 and moe_routing._blocks_chunk(8, 40) == 64
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_one_tokens_slot_sum_in_the_down_gemm_is_the_slot_sum_kernels(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "fp8"), [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)]
+)
+def test_one_tokens_slot_sum_in_the_down_gemm_is_the_slot_sum_kernels(
+    dtype: torch.dtype, fp8: bool
+) -> None:
     """One token: the grouped down's last program sums the k slots (and adds the residual)
     with the bits of ``_slot_sum_kernel``, which a batch of that token twice runs (each row
-    of the GEMMs has the same bits whatever else is in its tile)."""
+    of the GEMMs has the same bits whatever else is in its tile); fp8 experts too."""
     e, top_k, h, f = 12, 8, 24, 16
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(1, h, generator=gen).to(dtype)
     logits = make_logits(gen, 1, e, "random").to(dtype)
-    gate_up, down, _, _ = random_experts(gen, e, h, f, dtype, False)
+    gate_up, down, scales, _ = random_experts(gen, e, h, f, dtype, fp8)
     residual = torch.randn(1, h, generator=gen).to(dtype)
     args = [a.to(DEVICE) for a in (gate_up, down)]
     config = moe_tiles.INTERPRETER_CONFIG  # one tile for both calls (the CPU's; on a GPU:)
     if DEVICE.type == "cuda":
         config = moe_tiles.ROWS_16 if dtype != torch.float32 else moe_tiles.FP32_CONFIGS[0]
     kw = dict(renormalize=True, weights_dtype=dtype, config=config, plan=moe_tiles.GROUPED)
+    kw["scales"] = scales
     for res in (None, residual):
         extra = {} if res is None else {"residual": res.to(DEVICE)}
         extra2 = {} if res is None else {"residual": res.repeat(2, 1).to(DEVICE)}
