@@ -422,6 +422,14 @@ for _ in range(2):
           timeout 120 python3 /tmp/before/benchmarks/moe_bench.py --batch 1 --batch 8 --kernels 2>&1
           timeout 120 python3 /tmp/before/benchmarks/moe_bench.py --batch 64 --batch 256 2>&1 ) | tee "$OUT/moe-bench-before.log" | tail -40
       fi ;;
+    # issue 48 (2026-12-06, sixth session): every MoE test on the GPU in a fresh tile cache (a cold
+    # cache found the router's counters made inside a capture): the GPU files, then the CPU files
+    # compiled (the one-token grouping, the down GEMM's own slot sum, the norm inside the op)
+    moe-tests) export PITSTOP_CACHE_DIR=/tmp/moe-tests-cache-$$
+      timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_moe_kernels_gpu.py \
+        tests/plugins/models/test_moe_models_fused.py tests/plugins/kernels/test_tuning.py 2>&1 | tee "$OUT/gpu-tests-moe.log" | tail -4
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/plugins/kernels/test_moe_router.py \
+        tests/plugins/kernels/test_moe_kernels.py 2>&1 | tee -a "$OUT/gpu-tests-moe.log" | tail -4 ;;
     # issue 48: the one-launch router off / on / on with the sparse layers' attention half fused
     # (benchmarks/workloads/moe.toml), single on the MoE preset, pitstop alone
     moe-ab) run moe-ab offline --workload single --model dummy:qwen3-30b-a3b --repeats ${MOE_REPEATS:-3} \
