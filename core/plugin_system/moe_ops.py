@@ -9,9 +9,10 @@ method; :class:`~pitstop.plugin_system.protocols.KernelSetBase` declares it ``No
 then runs the plain loop over experts itself
 (:mod:`pitstop.plugins.kernels.moe_reference`, the numerical reference). Both shipped
 sets have it: ``reference`` runs that loop, ``fused`` the Triton op of
-:mod:`pitstop.plugins.kernels.triton_ops.moe` (top-k routing in one kernel, tokens grouped
-by expert, two grouped GEMMs -- at batch 1..4 the down GEMM token-major with the k-slot
-sum inside, three launches in all -- autotuned tiles cached on disk).
+:mod:`pitstop.plugins.kernels.triton_ops.moe` (top-k routing in one kernel -- at one or two
+tokens with the router's projection and the grouping, in one launch -- tokens grouped by
+expert, two grouped GEMMs and the k-slot sum, for one token inside the down GEMM: a
+decode step of one token is three launches; autotuned tiles cached on disk).
 """
 
 from __future__ import annotations
