@@ -143,11 +143,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             out = run(cfg, plan)
             diff = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
             rate = nbytes / seconds
-            row = dict(batch=t, config=name, tiles=list(cfg), launches=plan.launches_for(t),
+            launches = plan.launches_for(
+                t, moe_tiles.effective_split(f, cfg.block_k, cfg.split_k)[0]
+            )
+            row = dict(batch=t, config=name, tiles=list(cfg), launches=launches,
                        us=seconds * 1e6, gbps=rate / 1e9, of_copy=rate / COPY_BW, diff=diff,
                        experts_hit=hit)  # fmt: skip
             rows.append(row)
-            print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} {plan.launches_for(t):>8} "
+            print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} {launches:>8} "
                   f"{seconds * 1e6:9.1f} {rate / 1e9:7.0f} {rate / COPY_BW:7.1%} {diff:8.2g}")  # fmt: skip
             if args.kernels and dev.type == "cuda":
                 row["kernels"] = _kernel_times(lambda cfg=cfg, plan=plan: run(cfg, plan))

@@ -107,10 +107,12 @@ class LaunchPlan(NamedTuple):
         memsets of the routing counters past ``ONE_PROGRAM_ROWS`` rows)."""
         return (1 if self.route_with_align else 2) + 1 + (1 if self.down_with_slot_sum else 2)
 
-    def launches_for(self, num_tokens: int) -> int:
-        """:attr:`launches` for a call of ``num_tokens`` tokens: one fewer for a single
-        token's grouped down, which sums the slots in its own last program (``.moe``)."""
-        one_token = num_tokens == 1 and not self.down_with_slot_sum
+    def launches_for(self, num_tokens: int, down_splits: int = 1) -> int:
+        """:attr:`launches` for a call of ``num_tokens`` tokens whose grouped down GEMM
+        splits its K ``down_splits`` ways (:func:`effective_split` of the config's): one
+        fewer for a single token's unsplit grouped down, which sums the slots in its own
+        last program (``.moe``)."""
+        one_token = num_tokens == 1 and down_splits == 1 and not self.down_with_slot_sum
         return self.launches - (1 if one_token else 0)
 
 
