@@ -100,7 +100,9 @@ activation dtype).
 Tiles (:func:`choose_config`; the configs, plan and cache live in :mod:`.moe_tiles`): a
 short autotune at the first call of a shape bucket
 (``T`` rounded up to a power of two, with ``E``, ``k``, ``H``, ``F``), timing a handful of
-:class:`MoEConfig` on the call's own inputs (replays of a CUDA graph: :func:`.tuning.time_replays`;
+:class:`MoEConfig` on the call's activations and experts with spread routing
+(:func:`.moe_tiles.spread_routing`: the runner's warm-up rows are all one token) (replays
+of a CUDA graph: :func:`.tuning.time_replays`;
 no split: splits lost at every measured batch; the timed calls run the default plan, so
 the config's tiles time both grouped GEMMs); the winner is cached in memory and on disk
 (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
@@ -140,6 +142,7 @@ from pitstop.plugins.kernels.triton_ops.moe_tiles import (
     effective_split,
     known_config,
     launch_plan,
+    spread_routing,
     token_major_tiles,
 )
 from pitstop.plugins.kernels.triton_ops.rmsnorm import rms_norm
@@ -167,14 +170,16 @@ def choose_config(
     cache: ConfigCache | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> MoEConfig:
-    """The tiles for this call: cached, else autotuned (on this call's inputs), else heuristic.
+    """The tiles for this call: cached, else autotuned, else heuristic.
 
     The heuristic (:func:`heuristic_config`) is used, and logged once per reason, in
     Triton's interpreter and while a CUDA graph is being captured (a capture cannot time;
     run each batch size once before capturing so the bucket is tuned and cached). The
-    timed calls run :func:`experts` as :func:`launch_plan` has it for the batch (the grouped
-    path: the config's tiles time both GEMMs; under a ``plan=`` with the token-major down,
-    which has fixed tiles, they matter to the gate-up alone).
+    timed calls run :func:`experts` on this call's ``x`` and experts but on
+    :func:`.moe_tiles.spread_routing` of its shape, not its own ``weights``/``ids`` (the
+    runner's warm-up routes every row to the same experts), as :func:`launch_plan` has it
+    for the batch (the grouped path: the config's tiles time both GEMMs; under a ``plan=``
+    with the token-major down, which has fixed tiles, they matter to the gate-up alone).
     """
     t, top_k = ids.shape
     known = known_config(x, t, top_k, gate_up, cache)
@@ -182,6 +187,7 @@ def choose_config(
         return known
     cache = cache or default_cache()
     key = config_key(x, t, top_k, gate_up)
+    weights, ids = spread_routing(t, gate_up.shape[0], top_k, weights.dtype, x.device)
 
     def measure(cfg: MoEConfig) -> float:
         return tuning.time_replays(

@@ -929,3 +929,32 @@ def test_one_tokens_slot_sum_in_the_down_gemm_is_the_slot_sum_kernels(
             x.repeat(2, 1).to(DEVICE), logits.repeat(2, 1).to(DEVICE), *args, top_k, **kw, **extra2
         )
         assert torch.equal(one[0], two[0]) and torch.equal(two[0], two[1])
+
+
+def test_the_autotune_times_spread_routing_not_the_calls(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The runner's warm-up rows are all one token, so they all pick the same experts:
+    ``choose_config`` times its candidates on ``spread_routing`` of the call's shape instead
+    (each token's experts distinct, every expert used, the same draw in every process)."""
+    t, e, k, h, f = 64, 16, 4, 8, 4
+    cpu = torch.device("cpu")
+    weights, ids = moe_tiles.spread_routing(t, e, k, torch.bfloat16, cpu)
+    assert ids.shape == weights.shape == (t, k) and ids.dtype == torch.int32
+    assert weights.dtype == torch.bfloat16 and (weights.float() == 1 / k).all()
+    assert all(len(set(row)) == k for row in ids.tolist())
+    counts = torch.bincount(ids.flatten().long(), minlength=e)
+    assert counts.min() > 0 and counts.max() <= 2 * t * k / e
+    assert torch.equal(ids, moe_tiles.spread_routing(t, e, k, torch.bfloat16, cpu)[1])
+
+    timed_ids: list[torch.Tensor] = []
+    monkeypatch.setattr(moe, "known_config", lambda *args, **kw: None)
+    monkeypatch.setattr(moe, "config_key", lambda *args, **kw: "a bucket")
+    monkeypatch.setattr(moe.tuning, "time_replays", lambda fn: fn() or 1.0)
+    monkeypatch.setattr(moe, "experts", lambda x, w, i, *args, **kw: timed_ids.append(i))
+    same = torch.arange(k, dtype=torch.int32).repeat(t, 1)  # every row on experts 0..k-1
+    x = torch.zeros(t, h, dtype=torch.bfloat16)
+    gate_up, down = torch.zeros(e, 2 * f, h), torch.zeros(e, h, f)
+    cache = moe_tiles.ConfigCache(tmp_path)
+    moe.choose_config(x, torch.full((t, k), 1 / k), same, gate_up, down, cache)
+    assert timed_ids and all(torch.equal(i, ids) for i in timed_ids)
