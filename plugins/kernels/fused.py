@@ -245,7 +245,6 @@ class FusedKernels(reference.DispatchKernels):
         self.decode_merge = settings.decode_merge
         self.decode_tile_rule = settings.decode_tiles
         self._status: dict[str, str] = {}
-        self._ones: dict[int, torch.Tensor] = {}  # the gain-free norm's weight, per width
         triton_reason = triton_unavailable_reason(device)
         if triton_reason is None and dtype not in SUPPORTED_DTYPES:
             triton_reason = f"unsupported dtype {dtype}"
@@ -379,11 +378,9 @@ class FusedKernels(reference.DispatchKernels):
         """``x`` times each row's ``1/rms`` (the norm without its gain), one Triton pass."""
         if eps is None:
             return x
-        ones = self._ones.get(x.shape[-1])
-        if ones is None or ones.dtype != x.dtype or ones.device != x.device:
-            ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-            self._ones[x.shape[-1]] = ones
-        return self._rms_norm(x, ones, eps)[0]
+        from pitstop.plugins.kernels.triton_ops.rmsnorm import unit_gain  # the layer runs Triton
+
+        return self._rms_norm(x, unit_gain(x.shape[-1], x.dtype, x.device), eps)[0]
 
     def norm_linear(
         self,

@@ -145,20 +145,8 @@ from pitstop.plugins.kernels.triton_ops.moe_tiles import (
     spread_routing,
     token_major_tiles,
 )
-from pitstop.plugins.kernels.triton_ops.rmsnorm import rms_norm
+from pitstop.plugins.kernels.triton_ops.rmsnorm import rms_norm, unit_gain
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
-
-_UNIT_GAINS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _unit_gain(x: torch.Tensor) -> torch.Tensor:
-    """Ones ``[H]`` in ``x``'s dtype and device (an RMSNorm whose gain is folded elsewhere),
-    made once per shape."""
-    key = (x.shape[1], x.dtype, x.device)
-    ones = _UNIT_GAINS.get(key)
-    if ones is None:
-        ones = _UNIT_GAINS[key] = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
-    return ones
 
 
 def choose_config(
@@ -838,7 +826,7 @@ def fused_moe(
             workspace(x.device)  # tunes on torch's logits; the captured ones take the kernel)
         if config is None or not fuses_router(t, top_k):
             if norm_eps is not None:  # normalized first, as the unfused block's norm does
-                x = rms_norm(x, _unit_gain(x), norm_eps)[0]
+                x = rms_norm(x, unit_gain(x.shape[1], x.dtype, x.device), norm_eps)[0]
                 norm_eps = None
             router_logits = torch.nn.functional.linear(x, router)
     else:

@@ -345,62 +345,6 @@ def _align_kernel(
 
 
 @triton.jit
-def _route_and_group(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    sorted_ptr,
-    expert_ids_ptr,
-    total_ptr,
-    T,
-    E,
-    stride_t,
-    num_blocks,
-    TOPK: tl.constexpr,
-    K_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCKS_CHUNK: tl.constexpr,
-):
-    """:func:`route` then :func:`align`'s one program, in one program: every token routed
-    (``BLOCK_T`` at a time, as ``_route_kernel``'s programs do), then the ``T * TOPK`` ids
-    just stored read back and grouped as ``_align_kernel`` with ``ONE_PROGRAM`` does."""
-    for t0 in range(0, T, BLOCK_T):
-        _route_rows(
-            logits_ptr,
-            weights_ptr,
-            ids_ptr,
-            t0 + tl.arange(0, BLOCK_T),
-            T,
-            E,
-            stride_t,
-            TOPK,
-            K_PAD,
-            RENORMALIZE,
-            BLOCK_T,
-            E_PAD,
-        )
-    tl.debug_barrier()  # the ids stored above by some threads are read below by others
-    _group_routed(
-        ids_ptr,
-        sorted_ptr,
-        expert_ids_ptr,
-        total_ptr,
-        T,
-        E,
-        num_blocks,
-        TOPK,
-        E_PAD,
-        BLOCK_M,
-        CHUNK,
-        BLOCKS_CHUNK,
-    )
-
-
-@triton.jit
 def _group_routed(
     ids_ptr,
     sorted_ptr,
@@ -415,7 +359,7 @@ def _group_routed(
     CHUNK: tl.constexpr,
     BLOCKS_CHUNK: tl.constexpr,
 ):
-    """The grouping half of :func:`_route_and_group`: the ``T * TOPK`` ids stored (and a
+    """The grouping half of :func:`_route_align_kernel`: the ``T * TOPK`` ids stored (and a
     barrier passed) read back and grouped as ``_align_kernel`` with ``ONE_PROGRAM`` does."""
     e = tl.arange(0, E_PAD)
     r = tl.arange(0, CHUNK)
@@ -461,29 +405,21 @@ def _route_align_kernel(
     BLOCKS_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """:func:`_route_and_group` as a kernel of one program."""
+    """:func:`route` then :func:`align`'s one program, in one program: every token routed
+    (``BLOCK_T`` at a time, as ``_route_kernel``'s programs do), then the ``T * TOPK`` ids
+    just stored read back and grouped as ``_align_kernel`` with ``ONE_PROGRAM`` does."""
     _pdl.wait(PDL)  # the router's logits
     _pdl.launch_dependents(PDL)  # the gate-up GEMM's programs may queue (they wait first)
-    _route_and_group(
-        logits_ptr,
-        weights_ptr,
-        ids_ptr,
-        sorted_ptr,
-        expert_ids_ptr,
-        total_ptr,
-        T,
-        E,
-        stride_t,
-        num_blocks,
-        TOPK,
-        K_PAD,
-        RENORMALIZE,
-        BLOCK_T,
-        E_PAD,
-        BLOCK_M,
-        CHUNK,
-        BLOCKS_CHUNK,
-    )
+    for t0 in range(0, T, BLOCK_T):
+        _route_rows(
+            logits_ptr, weights_ptr, ids_ptr, t0 + tl.arange(0, BLOCK_T), T, E, stride_t,
+            TOPK, K_PAD, RENORMALIZE, BLOCK_T, E_PAD,
+        )  # fmt: skip
+    tl.debug_barrier()  # the ids stored above by some threads are read below by others
+    _group_routed(
+        ids_ptr, sorted_ptr, expert_ids_ptr, total_ptr, T, E, num_blocks,
+        TOPK, E_PAD, BLOCK_M, CHUNK, BLOCKS_CHUNK,
+    )  # fmt: skip
 
 
 def empty_grouping(num_rows: int, num_experts: int, block_m: int, device: torch.device) -> Grouping:
@@ -623,8 +559,9 @@ def routed_buffers(
 def route_and_group_constants(
     t: int, e: int, top_k: int, renormalize: bool, block_m: int
 ) -> tuple[dict[str, object], int]:
-    """The constexprs of :func:`_route_and_group` for ``t`` tokens of ``e`` experts (the
-    routing tiles :func:`route` takes, so the same reduction order), and its warps."""
+    """The constexprs of :func:`_route_align_kernel` (but ``PDL``) for ``t`` tokens of ``e``
+    experts (the routing tiles :func:`route` takes, so the same reduction order), and its
+    warps."""
     block_t, e_pad, warps = route_tiles(t, e)
     constants = dict(
         TOPK=top_k,

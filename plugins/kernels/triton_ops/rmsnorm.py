@@ -127,3 +127,16 @@ def rms_norm(
         **_pdl.launch_kwargs(use_pdl),
     )
     return out, res_out
+
+
+_UNIT_GAINS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def unit_gain(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Ones ``[width]``: the weight of an RMSNorm whose gain is folded elsewhere (into the
+    projection after it), made once per width, dtype and device."""
+    key = (width, dtype, torch.device(device))
+    ones = _UNIT_GAINS.get(key)
+    if ones is None:
+        ones = _UNIT_GAINS[key] = torch.ones(width, dtype=dtype, device=device)
+    return ones
