@@ -19,11 +19,12 @@ from pitstop.plugins.models.llama_presets import PRESETS
 from pitstop.plugins.weight_formats import fp8
 from pitstop.runner.model_runner import weights_keyword
 from pitstop.testing.kernels import TOLERANCE
-from pitstop.testing.weights import check_weight_format, relative_error
+from pitstop.testing.weights import _check_one, check_weight_format, relative_error
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [9] * 20, [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-# fp8 against the float32 product: two e4m3 roundings (2**-4 each at most) and the dtype's
+# fp8 against the float32 product, over its terms' magnitude (check_weight_format): two e4m3
+# roundings of each term (2**-4 each at most) and the dtype's
 FP8_TOLERANCE = 0.15
 # fp8's first-step logits against dense ones on the tiny random models below, relative to the
 # largest |logit|: measured 0.055 (llama) and 0.067 (qwen3) on CPU, float32
@@ -167,6 +168,24 @@ def test_fp8_linear_equals_its_reference_and_the_dense_product() -> None:
         reference_tolerance=TOLERANCE,
         max_examples=25,
     )
+
+
+def test_fp8_error_is_measured_against_the_terms_of_a_cancelling_product() -> None:
+    # the case check_weight_format drew in CI (qkv_proj (2, 10) x (2, 10), float32, magnitude
+    # 0.02, seed 11, no bias): the one nonzero output is 1/57 of the sum of its terms' sizes, so
+    # fp8's rounding (a few % of the terms) was 1.13 of the product itself
+    fmt = _format("fp8", **{"fp8.gemm": "scaled-mm"})
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(2, 10, generator=gen) * 0.02
+    w[0] = 0
+    x = torch.randn(2, 10, generator=gen)
+    x[0] = 0
+    out = fmt.linear(x, fmt.prepare("layers.0.self_attn.qkv_proj", w))
+    assert relative_error(out, x @ w.T) > 1  # measured against the product, fp8 cannot pass
+    assert relative_error(out, x @ w.T, x.abs() @ w.abs().T) < 0.03
+    # and the harness's whole check of one drawn case passes it
+    name, reference = "layers.0.self_attn.qkv_proj", fmt.reference_linear
+    _check_one(fmt, w, x, None, name, FP8_TOLERANCE, reference, TOLERANCE[torch.float32])
 
 
 def test_fp8_resident_bytes_are_about_half_of_bf16() -> None:
