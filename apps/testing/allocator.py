@@ -318,25 +318,31 @@ class AllocatorStateMachine(RuleBasedStateMachine):
             seq.append_token(token)
         self.held[seq.seq_id] += n
 
+    def _truncation_targets(self, seq: Sequence) -> list[int]:
+        """The token counts ``seq`` may be truncated to: at least one (the engine never
+        truncates a sequence to nothing), and never inside a page another sequence holds too
+        (``Allocator.truncate``'s contract); a shared page may go whole.
+
+        Any page may be shared, not only a leading run: when a sequence's first page
+        repeats one cached before it (its twin, which ``prefix`` keeps instead), its second
+        page is cached chained to the twin, and a sequence that hits both shares the
+        second page but not the first."""
+        holders = self._holders()
+        table = self.allocator.block_table(seq)
+        ps = self.page_size
+        return [
+            n
+            for n in range(1, self.held[seq.seq_id] + 1)
+            if n % ps == 0 or len(holders[table[n // ps]]) < 2
+        ]
+
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def truncate(self, data: st.DataObject) -> None:
         """Give back a sequence's tail: anywhere in its own pages, or whole shared pages."""
         seq = self._pick(data, self.running)
         held = self.held[seq.seq_id]
-        holders = self._holders()
-        shared = 0  # leading pages another sequence holds too: cut only at their edges
-        for page in self.allocator.block_table(seq):
-            if len(holders[page]) < 2:
-                break
-            shared += 1
-        ps = self.page_size
-        # Keep at least one token: the engine never truncates a sequence to nothing.
-        targets = sorted(
-            {j * ps for j in range(1, shared) if j * ps <= held}
-            | set(range(max(min(shared * ps, held), 1), held + 1))
-        )
-        new_held = data.draw(st.sampled_from(targets))
+        new_held = data.draw(st.sampled_from(self._truncation_targets(seq)))
         self.allocator.truncate(seq, held - new_held)
         seq.truncate(seq.num_tokens - new_held)  # the computed count is capped at new_held too
         self.held[seq.seq_id] = new_held

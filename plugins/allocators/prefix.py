@@ -37,9 +37,12 @@ within one freed sequence its last page enters the LRU pool first, so a
 shared prefix outlives the tails that hang off it.
 
 ``truncate`` may drop shared pages whole (other holders keep them), but
-refuses to cut into the middle of a page another sequence shares, because
-the next token would overwrite it; the engine only truncates speculative
-tokens past the computed prefix, which never lie in a shared page.
+refuses (``AllocatorUsageError``) to cut into the middle of a page another
+sequence shares, because the next token would overwrite it, as
+``Allocator.truncate`` allows. A shared page need not be in a leading run:
+a page whose content was cached first in another page (its twin) is not
+entered, and the page after it is entered chained to the twin, so a later
+hit shares that page but not the one before it.
 """
 
 from __future__ import annotations

@@ -53,6 +53,47 @@ TestPreallocatedContract = allocator_state_machine(
 TestPreallocatedContract.settings = CONTRACT
 
 
+class _Draws:
+    """Stands in for Hypothesis' ``data`` in a rule called by hand: its draws, in order."""
+
+    def __init__(self, *values: object) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: object, label: str | None = None) -> object:
+        return self.values.pop(0)
+
+
+def test_contract_never_truncates_into_a_shared_page_behind_an_unshared_one() -> None:
+    # CI drew this: "a" (8 zeros) and "b" admitted before either computed, "b" computes its
+    # first page first, so "a"'s first page is b's twin (not cached) and its second page is
+    # cached chained to b's; "c" (9 zeros) hits b's first page and a's second. The machine
+    # took only a leading run of pages as shared and truncated "a" to 5 tokens, into page 1
+    machine = allocator_state_machine(lambda: PrefixCachingAllocator(4, 12))()
+    a, b, c = seq([0] * 8, "a"), seq([0] * 4 + [1], "b"), seq([0] * 9, "c")
+    for s in (a, b):
+        machine.waiting[s.seq_id] = s
+        machine._admit(s, _Draws(False))  # admitted, not prefilled
+    machine._compute(b, 5)
+    machine._compute(a, 8)
+    machine.waiting[c.seq_id] = c
+    machine._admit(c, _Draws(False))
+    allocator = machine.allocator
+    own, shared = allocator.block_table(a)
+    assert (allocator.refcount(own), allocator.refcount(shared)) == (1, 2)
+    assert allocator.block_table(c)[:2] == [allocator.block_table(b)[0], shared]
+    machine.pages_are_owned_once_or_shared_soundly()  # sound sharing, just not a leading run
+    assert machine._truncation_targets(a) == [1, 2, 3, 4, 8]
+    before = snapshot(allocator, a, c)
+    with pytest.raises(AllocatorUsageError, match="share"):
+        allocator.truncate(a, 3)  # 5 tokens: inside the shared page, refused
+    assert snapshot(allocator, a, c) == before
+    machine.truncate(_Draws(a.seq_id, 4))  # the rule drops the shared page whole
+    assert allocator.block_table(a) == [own] and allocator.refcount(shared) == 1
+    machine.tables_cover_what_is_held()
+    machine.pages_are_owned_once_or_shared_soundly()
+    machine.statistics_add_up()
+
+
 # ---------------------------------------------------------------- the contract has teeth
 
 CATCH = hypothesis.settings(
