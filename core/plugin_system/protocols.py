@@ -93,14 +93,9 @@ class Allocator(Protocol):
         ...
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Give back the slots of ``seq``'s last ``num_tokens`` held tokens.
-
-        The engine gives back only slots whose KV is not valid (rejected drafts, past
-        ``seq.num_computed_tokens``), so a cut never falls inside a page other sequences
-        share (each holder has computed a shared page whole): an allocator that shares
-        pages may refuse such a cut (raising, changing nothing). Whole pages, shared or
-        not, may always go. ``pitstop.testing.allocator`` truncates within these bounds.
-        """
+        """Give back the slots of ``seq``'s last ``num_tokens`` held tokens: the engine's are
+        never computed (rejected drafts), so never inside a page others share; an allocator
+        may refuse such a cut (raise, change nothing). Whole pages may always go."""
         ...
 
     def free(self, seq: Sequence) -> None:
