@@ -8,12 +8,18 @@ included) is captured in a CUDA graph and its replay timed with
 before each run: the weights out of L2 and L2 clean; ``do_bench``'s flush by a write left
 L2 dirty, whose write-back slowed every tile alike). Bytes are the expert
 weights the step must read, each distinct expert hit once: ``hit * 3 * H * F`` elements
-(``gate_up`` and ``down``); the rate is given in GB/s and as a fraction of the H200's
-4.23 TB/s copy bandwidth (docs/workloads.md). Rows per batch:
+(``gate_up`` and ``down``; the ``engine`` row also the router's ``E * H``); the rate is
+given in GB/s and as a fraction of the device's copy bandwidth, measured first (a 1 GiB
+device-to-device copy, bytes read + written, as docs/workloads.md counts the H200's
+4.23 TB/s; on the CPU that figure, nothing measured). Rows per batch:
 
 - ``tuned``: the autotune's pick (``choose_config``, into a fresh cache directory), run
   as :func:`~pitstop.plugins.kernels.triton_ops.moe_tiles.launch_plan` has it for the batch
   (the five grouped launches: route, align, gate-up, grouped down, slot sum);
+- ``engine``: the call a sparse layer makes under ``fused.layer``: the router's weight
+  instead of its logits (one launch projects, routes and groups at 1 or 2 tokens:
+  :func:`~pitstop.plugins.kernels.triton_ops.moe_router.fuses_router`), the post-attention
+  RMSNorm inside (``norm_eps``) and the residual added by the op, tuned tiles;
 - ``fewest`` (where fewer launches can run the batch): the same tiles,
   :func:`~pitstop.plugins.kernels.triton_ops.moe_tiles.fewest_launches` (three launches at
   T 1..4, four up to 128 flat rows), measured slower on an H100 on 2026-12-05;
@@ -26,7 +32,8 @@ weights the step must read, each distinct expert hit once: ``hit * 3 * H * F`` e
 
 Each row gives its kernel launches (memsets not counted) and its max difference from the
 ``tuned`` row's output over the output's max magnitude (split-K and the token-major
-down re-associate float32 sums: about bf16 rounding). (Split-K left the autotune, so the
+down re-associate float32 sums: about bf16 rounding; the ``engine`` row's from ``x`` plus
+the op on ``x`` normalized, with its own logits: the norm's rounding too). (Split-K left the autotune, so the
 old ``split1`` and ``unsplit`` rows were the ``tuned`` tiles again; they are gone.)
 
 Usage::
@@ -51,7 +58,8 @@ from pathlib import Path
 
 import torch
 
-COPY_BW = 4.23e12  # bytes/s, H200 device-to-device copy
+COPY_BW = 4.23e12  # bytes/s, H200 device-to-device copy (docs/workloads.md); CPU rows use it
+NORM_EPS = 1e-6  # qwen3-30b-a3b's rms_norm_eps
 LAYER = dict(hidden=2048, experts=128, top_k=8, inter=768)  # qwen3-30b-a3b
 TINY = dict(hidden=64, experts=8, top_k=2, inter=32)  # --device cpu
 
@@ -99,6 +107,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         (gate_up, gu_s), (down, d_s) = quantized(gate_up), quantized(down)
         scales = (gu_s, d_s)
     elem = gate_up.element_size()
+    copy_bw = _copy_rate(dev)
+    print(
+        f"device copy bandwidth {copy_bw / 1e9:.0f} GB/s ({'measured' if dev.type == 'cuda' else 'the H200 figure'})"
+    )
     cache = moe_tiles.ConfigCache(Path(tempfile.mkdtemp(prefix="moe_bench_")))
     rows: list[dict[str, object]] = []
     print(
@@ -119,8 +131,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                                  weights_dtype=torch.bfloat16, config=cfg, scales=scales,
                                  plan=plan)  # fmt: skip
 
+        def run_engine(cfg: moe_tiles.MoEConfig, plan=None, x=x) -> torch.Tensor:
+            return moe.fused_moe(x, None, gate_up, down, top_k, renormalize=True,
+                                 weights_dtype=torch.bfloat16, config=cfg, scales=scales,
+                                 router=router, residual=x, norm_eps=NORM_EPS)  # fmt: skip
+
         tuned = moe.choose_config(x, weights, ids, gate_up, down, cache, scales)
         configs = {"tuned": (tuned, moe_tiles.launch_plan(t, top_k, tuned))}
+        configs["engine"] = configs["tuned"]
         fewest = moe_tiles.fewest_launches(t, top_k)
         if fewest != configs["tuned"][1]:
             configs["fewest"] = (tuned, fewest)
@@ -135,27 +153,60 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             configs[f"split{n}"] = (split, moe_tiles.launch_plan(t, top_k, split))
         base = run(tuned)
         for name, (cfg, plan) in configs.items():
+            call = run_engine if name == "engine" else run
             try:
-                seconds = _time(dev, lambda cfg=cfg, plan=plan: run(cfg, plan))
+                seconds = _time(dev, lambda cfg=cfg, plan=plan, call=call: call(cfg, plan))
             except Exception as err:  # noqa: BLE001 - a candidate that cannot run (shared memory)
                 print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} did not run: {str(err)[:80]}")
                 continue
-            out = run(cfg, plan)
-            diff = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
-            rate = nbytes / seconds
-            launches = plan.launches_for(
-                t, moe_tiles.effective_split(f, cfg.block_k, cfg.split_k)[0]
+            out = call(cfg, plan)
+            want = base
+            if name == "engine":  # x + the op on x normalized (unit gain) and its own logits
+                xn = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + NORM_EPS)
+                xn = xn.to(x.dtype)
+                want = x + run(tuned, x=xn, logits=F.linear(xn, router))
+            diff = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            rate = (nbytes + (e * h * elem if name == "engine" else 0)) / seconds
+            down_splits = moe_tiles.effective_split(f, cfg.block_k, cfg.split_k)[0]
+            launches = (
+                _engine_launches(t, top_k, plan, down_splits)
+                if name == "engine"
+                else plan.launches_for(t, down_splits)
             )
             row = dict(batch=t, config=name, tiles=list(cfg), launches=launches,
-                       us=seconds * 1e6, gbps=rate / 1e9, of_copy=rate / COPY_BW, diff=diff,
+                       us=seconds * 1e6, gbps=rate / 1e9, of_copy=rate / copy_bw, diff=diff,
                        experts_hit=hit)  # fmt: skip
             rows.append(row)
             print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} {launches:>8} "
-                  f"{seconds * 1e6:9.1f} {rate / 1e9:7.0f} {rate / COPY_BW:7.1%} {diff:8.2g}")  # fmt: skip
+                  f"{seconds * 1e6:9.1f} {rate / 1e9:7.0f} {rate / copy_bw:7.1%} {diff:8.2g}")  # fmt: skip
             if args.kernels and dev.type == "cuda":
                 row["kernels"] = _kernel_times(lambda cfg=cfg, plan=plan: run(cfg, plan))
                 print(f"{'':>14} " + ", ".join(f"{k} {us:.1f}" for k, us in row["kernels"]))
     return rows
+
+
+def _copy_rate(dev: torch.device) -> float:
+    """Bytes a second of a 1 GiB device-to-device copy, read plus written (CUDA: the
+    median of :func:`.tuning.cold_median_ms`); :data:`COPY_BW` on the CPU."""
+    if dev.type != "cuda":
+        return COPY_BW
+    from pitstop.plugins.kernels.triton_ops import tuning
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    seconds = tuning.cold_median_ms(lambda: dst.copy_(src), warmup=3, rep=20) * 1e-3
+    return 2 * src.numel() / seconds
+
+
+def _engine_launches(t: int, top_k: int, plan, down_splits: int) -> int:
+    """Kernel launches of the ``engine`` row: at 1 or 2 tokens the one-launch router, the
+    gate-up and the grouped down (and the slot sum past one token or a split down); else
+    the unit-gain norm, torch's router projection and the plan's kernels."""
+    from pitstop.plugins.kernels.triton_ops.moe_router import fuses_router
+
+    if fuses_router(t, top_k):
+        return 2 + (1 if t == 1 and down_splits == 1 else 2)
+    return 2 + plan.launches_for(t, down_splits)
 
 
 def _time(dev: torch.device, fn) -> float:

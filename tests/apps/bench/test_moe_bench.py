@@ -23,12 +23,16 @@ def test_moe_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     mod = benchmark_script("moe_bench")
     rows = mod.main(["--device", "cpu", "--batch", "1", "--batch", "5", "--split", "3"])
     # top-2: the default (grouped) five launches, four for one token (its down sums the
-    # slots); the fewest: batch 1 three, 5 (10 flat rows) four; a split keeps all five
+    # slots); the engine's call: one token three (the one-launch router), five tokens the
+    # norm and torch's router projection before the five; the fewest: batch 1 three, 5 (10
+    # flat rows) four; a split keeps all five
     assert [(r["batch"], r["config"], r["launches"]) for r in rows] == [
         (1, "tuned", 4),
+        (1, "engine", 3),
         (1, "fewest", 3),
         (1, "split3", 5),
         (5, "tuned", 5),
+        (5, "engine", 7),
         (5, "fewest", 4),
         (5, "split3", 5),
     ]
@@ -38,5 +42,5 @@ def test_moe_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "of copy" in out and "GB/s" in out
     fp8 = mod.main(["--device", "cpu", "--batch", "2", "--fp8", "--split", "2"])
-    assert [r["config"] for r in fp8] == ["tuned", "fewest", "split2"]
+    assert [r["config"] for r in fp8] == ["tuned", "engine", "fewest", "split2"]
     assert all(r["diff"] < 3e-2 for r in fp8)
