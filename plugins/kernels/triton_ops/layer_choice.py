@@ -12,9 +12,11 @@ before capturing it), the cuBLAS way and every Triton launch shape of
 :func:`.fused_linear.tile_candidates` on the call's own inputs, each as replays of a CUDA
 graph of a few calls (programmatic dependent launch overlaps them as in a layer), after
 checking each Triton shape's output against the reference (one that disagrees is dropped
-and logged). The fastest is kept in memory and in ``fused_layer.json`` under
-:func:`.tuning.cache_dir` (keyed by op, row bucket, shape, dtype, device name and Triton
-version), as the fused MoE op's tiles are. Rows above ``tune_rows`` take cuBLAS, untimed.
+and logged). The fastest Triton shape is kept, or cuBLAS where it is ahead by more than
+:data:`CUBLAS_MARGIN_US` (the overlap a cuBLAS launch costs its neighbours in a layer), in
+memory and in ``fused_layer.json`` under :func:`.tuning.cache_dir` (keyed by op, row
+bucket, shape, dtype, device name, Triton version and :data:`CHOICE_REVISION`), as the
+fused MoE op's tiles are. Rows above ``tune_rows`` take cuBLAS, untimed.
 
 Where nothing can be timed (Triton's interpreter, no CUDA, timing off, or a capture that
 meets an untimed shape) the rule is ``static_rows``: the table's launch shape
@@ -37,6 +39,16 @@ logger = logging.getLogger(__name__)
 
 CALLS_PER_GRAPH = 4  # calls of an op in one timed graph (PDL chains them, as in a layer)
 CUBLAS = "cublas"  # the stored choice of cuBLAS
+# cuBLAS is kept only where it beats the best Triton shape by more than this (microseconds
+# a call): in a layer its launch cannot be chained by programmatic dependent launch, so the
+# Triton kernels before and after it lose their overlap, which the timed graph of one op
+# does not see. On one H100 (2026-12-06, moe-ab, dummy:qwen3-30b-a3b at batch 1) the fused
+# layer with every projection in Triton ran 256.5 tok/s against 253.7 with the timed choice,
+# which had kept cuBLAS for the QKV projection (8.46 us a call timed alone): 0.85 us a layer
+# in the step, so cuBLAS's timed lead there was worth less than nothing
+CUBLAS_MARGIN_US = 1.0
+# part of every key: a choice made under another rule is timed again
+CHOICE_REVISION = 2
 # the largest relative error (max |out - reference| / max |reference|) a timed Triton launch
 # shape may show on the call's inputs before it is dropped
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -80,10 +92,12 @@ class LayerChoice:
 
     @staticmethod
     def key(op: str, x: torch.Tensor, weight: torch.Tensor, device_name: str) -> str:
-        """``op|M<bucket>-N-K|dtype|device name|triton version``."""
+        """``op|M<bucket>-N-K|dtype|device name|triton version|rule <CHOICE_REVISION>``."""
         shape = f"M{bucket_rows(x.shape[0])}-N{weight.shape[0]}-K{weight.shape[1]}"
         dtype = str(x.dtype).removeprefix("torch.")
-        return f"{op}|{shape}|{dtype}|{device_name}|triton {triton.__version__}"
+        return (
+            f"{op}|{shape}|{dtype}|{device_name}|triton {triton.__version__}|rule {CHOICE_REVISION}"
+        )
 
     def launch_shape(
         self,
@@ -153,7 +167,8 @@ class LayerChoice:
         run_cublas: Callable[[], object],
         expected: Callable[[], torch.Tensor],
     ) -> LinearConfig | None:
-        """Time cuBLAS and every candidate that runs and matches ``expected``; keep the fastest."""
+        """Time cuBLAS and every candidate that runs and matches ``expected``; keep the fastest
+        Triton shape unless cuBLAS beats it by more than :data:`CUBLAS_MARGIN_US`."""
         timings: list[tuple[float, str, LinearConfig | None]] = [
             (self.timer(run_cublas, CALLS_PER_GRAPH), CUBLAS, None)
         ]
@@ -170,13 +185,21 @@ class LayerChoice:
                 logger.info("fused layer: %s: %s failed to run (%s): dropped", key, config, exc)
                 continue
             timings.append((ms, str(tuple(config)), config))
-        ms, name, best = min(timings, key=lambda t: t[0])
+        cublas_ms = timings[0][0]
+        triton_ms, name, best = min(
+            timings[1:], key=lambda t: t[0], default=(float("inf"), "no Triton shape", None)
+        )
+        if cublas_ms + CUBLAS_MARGIN_US * 1e-3 < triton_ms:  # cuBLAS clearly ahead
+            best = None
         logger.info(
-            "fused layer: %s: %s at %.2f us (cuBLAS %.2f us)",
+            "fused layer: %s: %s (cuBLAS %.2f us, the best Triton shape %s %.2f us; cuBLAS "
+            "only %.1f us ahead)",
             key,
+            CUBLAS if best is None else name,
+            cublas_ms * 1e3,
             name,
-            ms * 1e3,
-            timings[0][0] * 1e3,
+            triton_ms * 1e3,
+            CUBLAS_MARGIN_US,
         )
         self._store.write(key, CUBLAS if best is None else list(best))
         return best
