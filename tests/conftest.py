@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 # Keep CPU tests predictable on a 2-core machine.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,6 +21,15 @@ os.environ.setdefault("PITSTOP_POISON_MEMORY", "1")
 # engine's start-up would run full collections of the test process's heap, about 0.3 s an
 # engine, minutes over the suite. tests/core/loop/test_gc_heap.py asks for it by name.
 os.environ.setdefault("PITSTOP_FREEZE_GC", "0")
+
+# Hypothesis: CI (.ci/run, the fresh clone that judges a submission) sets
+# HYPOTHESIS_PROFILE=ci, which draws the same examples on every run, so a property that
+# fails there fails every time and a submission is not refused by a draw; a local
+# `make test` draws new examples each run (the default profile), which is how the
+# harness flaws of 2026-12-06 were found (apps/testing: an fp8 error bound, a truncation).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "explore"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
