@@ -434,6 +434,12 @@ for _ in range(2):
     # (benchmarks/workloads/moe.toml), single on the MoE preset, pitstop alone
     moe-ab) run moe-ab offline --workload single --model dummy:qwen3-30b-a3b --repeats ${MOE_REPEATS:-3} \
         --matrix benchmarks/workloads/moe.toml ;;
+    # issue 48: the MoE op with the down GEMM's early reads (moe.DOWN_PRELOAD) and without, the
+    # device's copy rate, the engine's call (router weight, norm, residual), each kernel's time
+    moe-preload) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
+      for flag in "" --no-down-preload; do echo "== moe_bench ${flag:-(down preload on)}"
+        timeout 200 python3 benchmarks/moe_bench.py --batch 1 --batch 2 --batch 8 --batch 64 --batch 256 --kernels $flag 2>&1 \
+          | grep -v "warn\|UserWarning" | tee -a "$OUT/moe-preload.log" | tail -30; done ;;
     # issue 48: a sweep of the MoE op's tiles (MOE_SWEEP: M,N,K,WARPS,STAGES[,SPLIT] specs) at
     # MOE_SWEEP_BATCHES, each kernel's time; fp8 experts at batch 1
     moe-sweep) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}

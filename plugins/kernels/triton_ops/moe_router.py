@@ -112,7 +112,7 @@ def _router_route_align_kernel(
     also store their split's float32 sums of squares, from which the last one takes each
     token's ``1/rms``, multiplies the logits by it before rounding and stores it to
     ``row_scale [T]`` for the gate-up GEMM."""
-    _pdl.wait(PDL)  # x comes from the kernel before
+    tl.static_assert(H_PER_SPLIT == 2 * BLOCK_H, "a projection program takes two K steps")
     pid_e = tl.program_id(0)
     pid_h = tl.program_id(1)
     ee = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -120,16 +120,22 @@ def _router_route_align_kernel(
     hh = tl.arange(0, BLOCK_H)
     w_rows = w_ptr + tl.minimum(ee, E - 1).to(tl.int64)[:, None] * stride_w  # [BLOCK_E, 1]
     x_rows = x_ptr + tl.minimum(tt, T - 1).to(tl.int64)[:, None] * stride_x  # [T_PAD, 1]
+    h_a = pid_h * H_PER_SPLIT + hh
+    h_b = h_a + BLOCK_H
+    # the router's weights before the wait: they do not depend on the kernel before
+    w_a = tl.load(w_rows + h_a[None, :], mask=(h_a < H)[None, :], other=0.0)
+    w_b = tl.load(w_rows + h_b[None, :], mask=(h_b < H)[None, :], other=0.0)
+    _pdl.wait(PDL)  # x comes from the kernel before
+    x_a = tl.load(x_rows + h_a[None, :], mask=(h_a < H)[None, :], other=0.0).to(tl.float32)
+    x_b = tl.load(x_rows + h_b[None, :], mask=(h_b < H)[None, :], other=0.0).to(tl.float32)
+    # exact products, float32 sums, the K steps in order
     acc = tl.zeros([BLOCK_E, T_PAD], tl.float32)
+    acc += tl.sum(w_a.to(tl.float32)[:, None, :] * x_a[None, :, :], axis=2)
+    acc += tl.sum(w_b.to(tl.float32)[:, None, :] * x_b[None, :, :], axis=2)
     squares = tl.zeros([T_PAD], tl.float32)
-    h_lo = pid_h * H_PER_SPLIT
-    for h0 in tl.static_range(0, H_PER_SPLIT, BLOCK_H):
-        h = h_lo + h0 + hh
-        w = tl.load(w_rows + h[None, :], mask=(h < H)[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_rows + h[None, :], mask=(h < H)[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)  # exact products, float32 sums
-        if NORM:
-            squares += tl.sum(x * x, axis=1)
+    if NORM:
+        squares += tl.sum(x_a * x_a, axis=1)
+        squares += tl.sum(x_b * x_b, axis=1)
     _pdl.launch_dependents(PDL)  # the gate-up GEMM's programs may queue (they wait first)
     # this split's partial [T, BLOCK_E] into its own slice of partials [H_SPLITS, T, E]
     part = partials_ptr + (pid_h * T + tt)[None, :].to(tl.int64) * E + ee[:, None]

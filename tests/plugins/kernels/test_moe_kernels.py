@@ -571,9 +571,37 @@ def test_effective_split_and_the_heuristic_splits() -> None:
         assert {c.split_k for c in moe_tiles.candidates(t, 128, 8, torch.bfloat16)} == {1}
 
 
+def test_the_autotune_picks_the_down_gemms_tiles_second(tmp_path: Path) -> None:
+    """Round one times each config with the same tiles in both GEMMs; round two keeps the
+    winner's gate-up tiles and tries the down GEMM with every other tile of its block_m (the
+    grouping both read), keeping the winner's own down unless another is faster."""
+    few = list(moe_tiles.FEW_ROWS)
+    winner, narrow = moe_tiles.FEW_ROWS[0], moe_tiles.NARROW_DEEP  # both 16 rows
+    timed: list[moe_tiles.MoEConfig] = []
+
+    def measure(cfg: moe_tiles.MoEConfig) -> float:
+        timed.append(cfg)
+        gate_up = 1.0 if cfg.block_n == winner.block_n and cfg.block_k == winner.block_k else 5.0
+        return gate_up + (0.5 if cfg.down == narrow.down else 1.0)
+
+    second = moe_tiles.down_candidates(winner, few)
+    assert all(c.block_m == winner.block_m and c.down != winner.down for c in second)
+    assert {c.down for c in second} == {c.down for c in few if c.block_m == 16} - {winner.down}
+    cache = moe_tiles.ConfigCache(tmp_path)
+    best = moe_tiles.autotune("bucket", few, measure, cache)
+    assert best == winner.with_down(narrow) and best.down == narrow.down
+    assert best[:6] == winner[:6], "the gate-up keeps the winner's tiles"
+    assert timed == few + second, "the winner is not timed twice"
+    assert moe_tiles.ConfigCache(tmp_path).get("bucket") == best
+    slow_down = moe_tiles.autotune("other", few, lambda c: 1.0 if c in few else 2.0, cache)
+    assert slow_down == moe_tiles.FEW_ROWS[0], "a faster down is needed to move it"
+    assert slow_down.down == slow_down._replace(down_block_n=0).down
+
+
 def test_config_cache_reads_an_entry_from_before_split_k(tmp_path: Path) -> None:
-    """A cached entry of 5 fields (no split_k) reads as split_k 1; new entries keep theirs;
-    other lengths are ignored."""
+    """A cached entry of 5 fields (no split_k) reads as split_k 1, one of 6 (no down tiles)
+    as the gate-up's tiles in both GEMMs; new entries keep theirs; other lengths are
+    ignored."""
     key = moe_tiles.ConfigCache.key(1, 128, 8, 2048, 768, torch.bfloat16, "NVIDIA H200", "3.6.0")
     old, split = list(moe_tiles.FEW_ROWS[0])[:5], moe_tiles.FEW_ROWS[0]._replace(split_k=4)
     (tmp_path / moe_tiles.ConfigCache.FILE).write_text(

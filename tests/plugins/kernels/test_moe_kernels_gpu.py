@@ -189,7 +189,11 @@ def test_autotune_at_decode_caches_its_pick(layer, tmp_path: Path) -> None:
     moe.fused_moe(x, logits, gate_up, down, TOP_K, renormalize=True,
                   weights_dtype=torch.bfloat16, cache=cache)  # fmt: skip
     (entry,) = json.loads((tmp_path / moe_tiles.ConfigCache.FILE).read_text()).values()
-    assert len(entry) == 6 and moe_tiles.MoEConfig(*entry) in moe_tiles.FEW_ROWS
+    tuned = moe_tiles.MoEConfig(*entry)
+    assert len(entry) == len(moe_tiles.MoEConfig._fields)
+    gate_up_tiles = tuned._replace(down_block_n=0, down_block_k=0, down_warps=0, down_stages=0)
+    assert gate_up_tiles in moe_tiles.FEW_ROWS
+    assert tuned.down in {c.down for c in moe_tiles.FEW_ROWS if c.block_m == tuned.block_m}
     assert {c.split_k for c in moe_tiles.candidates(1, E, TOP_K, torch.bfloat16)} == {1}
 
 
