@@ -437,7 +437,7 @@ for _ in range(2):
     # issue 48: the MoE op with the down GEMM's early reads (moe.DOWN_PRELOAD) and without, the
     # device's copy rate, the engine's call (router weight, norm, residual), each kernel's time
     moe-preload) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
-      for flag in "" --no-down-preload; do echo "== moe_bench ${flag:-(down preload on)}"
+      for flag in "" --down-preload; do echo "== moe_bench ${flag:-(down preload off)}"
         timeout 200 python3 benchmarks/moe_bench.py --batch 1 --batch 2 --batch 8 --batch 64 --batch 256 --kernels $flag 2>&1 \
           | grep -v "warn\|UserWarning" | tee -a "$OUT/moe-preload.log" | tail -30; done ;;
     # issue 48: a sweep of the MoE op's tiles (MOE_SWEEP: M,N,K,WARPS,STAGES[,SPLIT] specs) at

@@ -77,9 +77,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also every tile config the autotune times (rows 'cand<i>')")  # fmt: skip
     p.add_argument("--config", action="append", default=[], metavar="M,N,K,WARPS,STAGES[,SPLIT]",
                    help="also these tiles (rows 'cfg<i>'), repeatable")  # fmt: skip
-    p.add_argument("--no-down-preload", action="store_true",
-                   help="the down GEMM waits for the gate-up before reading anything "
-                   "(moe.DOWN_PRELOAD off), to time the preload against it")  # fmt: skip
+    p.add_argument("--down-preload", action="store_true",
+                   help="the down GEMM reads its grouping and first weight tile before its "
+                   "wait for the gate-up (moe.DOWN_PRELOAD), to time it against the default")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
 
     from pitstop.plugins.kernels.triton_ops import moe, moe_routing, moe_tiles
 
-    moe.DOWN_PRELOAD = not args.no_down_preload
+    moe.DOWN_PRELOAD = args.down_preload
     dev = torch.device(args.device)
     shape = LAYER if dev.type == "cuda" else TINY
     h, e, top_k, f = shape["hidden"], shape["experts"], shape["top_k"], shape["inter"]

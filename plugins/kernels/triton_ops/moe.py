@@ -27,8 +27,8 @@ down GEMM reads the grouping and its first weight tile before its wait
 completed before any gate-up program passed its own wait, and every gate-up program
 releases the down launch only after that wait, so it is complete and visible when a
 down program starts (read through L2, ``.cg``: an SM's L1 may still hold an earlier
-layer's); only ``h`` needs the wait. The one-launch router likewise loads its weights
-before its wait.
+layer's); only ``h`` needs the wait (off by default until a GPU has timed it). The
+one-launch router loads its weights before its wait.
 
 1. :func:`.moe_routing.route`: softmax + top-k + renormalisation, counting each expert's rows
    (above ``ONE_PROGRAM_ROWS``; at most, :func:`.moe_routing.route_and_align` does this
@@ -157,8 +157,9 @@ from pitstop.plugins.kernels.triton_ops.rmsnorm import rms_norm, unit_gain
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 # The down GEMM reads its grouping and first weight tile before waiting for the gate-up
-# GEMM (module doc); ``moe_bench --no-down-preload`` turns it off to time both
-DOWN_PRELOAD = True
+# GEMM (module doc). Off until timed and tested on a GPU (``moe_bench --down-preload``,
+# ``test_moe_kernels_gpu.py``); CPU tests run it both ways
+DOWN_PRELOAD = False
 # ... in tiles of at most this many rows (the mma.sync tiles of decode batches; a 64-row
 # tile's warpgroup MMA stages the early tile in shared memory, 49 -> 65 KB at 64 x 64 x 64
 # in an sm_90 compile, which may cost occupancy where the step is not latency-bound)

@@ -283,3 +283,45 @@ def test_three_launches_replay_from_a_cuda_graph(layer, t: int, fp8: bool, tmp_p
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, run())
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_the_down_gemms_early_reads_under_graphs_and_pdl(
+    layer, t: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``moe.DOWN_PRELOAD`` on the GPU: four MoE "layers" chained as a decode step chains
+    them (each the next one's input and residual, the engine's call: router weight, norm
+    inside, residual added; one workspace and grouping buffers for all), captured in a CUDA
+    graph with programmatic dependent launch and replayed 50 times: every replay's output
+    has the bits of the same chain run eagerly without the early reads (a down GEMM that
+    read a stale grouping, an earlier layer's, would differ)."""
+    from pitstop.plugins.kernels.triton_ops import moe, moe_tiles
+
+    router, gate_up, down = layer
+    cache = moe_tiles.ConfigCache(tmp_path)
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
+    routers = [router.roll(i, dims=0) for i in range(4)]  # each layer routes elsewhere
+
+    def chain(inp: torch.Tensor) -> torch.Tensor:
+        y = inp
+        for r in routers:
+            y = moe.fused_moe(
+                y, None, gate_up, down, TOP_K, renormalize=True,
+                weights_dtype=torch.bfloat16, cache=cache, router=r, residual=y, norm_eps=1e-6,
+            )  # fmt: skip
+        return y
+
+    monkeypatch.setattr(moe, "DOWN_PRELOAD", False)
+    want = chain(x)  # eager: tunes and caches the tiles first
+    monkeypatch.setattr(moe, "DOWN_PRELOAD", True)
+    assert torch.equal(chain(x), want), "eager with the early reads"
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static_x)
+    for _ in range(50):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
