@@ -428,7 +428,8 @@ for _ in range(2):
     moe-tests) export PITSTOP_CACHE_DIR=/tmp/moe-tests-cache-$$
       timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_moe_kernels_gpu.py \
         tests/plugins/models/test_moe_models_fused.py tests/plugins/kernels/test_tuning.py 2>&1 | tee "$OUT/gpu-tests-moe.log" | tail -4
-      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/plugins/kernels/test_moe_router.py \
+      # the interpreter-sized property tests compiled on the GPU: about 4 minutes in one process
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 4 tests/plugins/kernels/test_moe_router.py \
         tests/plugins/kernels/test_moe_kernels.py 2>&1 | tee -a "$OUT/gpu-tests-moe.log" | tail -4 ;;
     # issue 48: the one-launch router off / on / on with the sparse layers' attention half fused
     # (benchmarks/workloads/moe.toml), single on the MoE preset, pitstop alone
