@@ -41,9 +41,8 @@ from pitstop.requests.sequence import Sequence
 class Capabilities:
     """The optional members of one kind, with their defaults (subclassed per kind).
 
-    :meth:`of` is how the core reads a capability of a strategy, whether the
-    strategy inherits the class, defines the member itself, or leaves it out.
-    """
+    :meth:`of` is how the core reads a capability of a strategy, whether the strategy
+    inherits the class, defines the member itself, or leaves it out."""
 
     @classmethod
     def of(cls, obj: object, member: str) -> Any:
@@ -93,9 +92,8 @@ class Allocator(Protocol):
         ...
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Give back the slots of ``seq``'s last ``num_tokens`` held tokens: the engine's are
-        never computed (rejected drafts), so never inside a page others share; an allocator
-        may refuse such a cut (raise, change nothing). Whole pages may always go."""
+        """Give back ``seq``'s last ``num_tokens`` held slots (uncomputed drafts, never inside
+        a page others share: an allocator may refuse such a cut; whole pages may always go)."""
         ...
 
     def free(self, seq: Sequence) -> None:
