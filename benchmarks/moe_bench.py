@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             try:
                 seconds = _time(dev, lambda cfg=cfg, plan=plan, call=call: call(cfg, plan))
             except Exception as err:  # noqa: BLE001 - a candidate that cannot run (shared memory)
-                print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} did not run: {str(err)[:80]}")
+                print(f"{t:>4} {name:>8} {_tiles(cfg):>34} did not run: {str(err)[:80]}")
                 continue
             out = call(cfg, plan)
             want = base
@@ -181,12 +181,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                        us=seconds * 1e6, gbps=rate / 1e9, of_copy=rate / copy_bw, diff=diff,
                        experts_hit=hit)  # fmt: skip
             rows.append(row)
-            print(f"{t:>4} {name:>8} {str(tuple(cfg)):>34} {launches:>8} "
+            print(f"{t:>4} {name:>8} {_tiles(cfg):>34} {launches:>8} "
                   f"{seconds * 1e6:9.1f} {rate / 1e9:7.0f} {rate / copy_bw:7.1%} {diff:8.2g}")  # fmt: skip
             if args.kernels and dev.type == "cuda":
                 row["kernels"] = _kernel_times(lambda cfg=cfg, plan=plan: run(cfg, plan))
                 print(f"{'':>14} " + ", ".join(f"{k} {us:.1f}" for k, us in row["kernels"]))
     return rows
+
+
+def _tiles(cfg) -> str:
+    """``(m, n, k, warps, stages, split)``, and ``down (n, k, warps, stages)`` where the down
+    GEMM has tiles of its own."""
+    own = f" down {tuple(cfg.down)[1:5]}" if tuple(cfg.down)[:6] != tuple(cfg)[:6] else ""
+    return f"{tuple(cfg)[:6]}{own}"
 
 
 def _copy_rate(dev: torch.device) -> float:
