@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton's first import
     import torch.nn.functional as F
 
+    from pitstop.plugins.kernels import reference
     from pitstop.plugins.kernels.triton_ops import moe, moe_routing, moe_tiles
+    from pitstop.plugins.kernels.triton_ops.rmsnorm import unit_gain
 
     moe.DOWN_PRELOAD = args.down_preload
     dev = torch.device(args.device)
@@ -166,8 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             out = call(cfg, plan)
             want = base
             if name == "engine":  # x + the op on x normalized (unit gain) and its own logits
-                xn = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + NORM_EPS)
-                xn = xn.to(x.dtype)
+                xn = reference.rms_norm(x, unit_gain(h, x.dtype, x.device), NORM_EPS)[0]
                 want = x + run(tuned, x=xn, logits=F.linear(xn, router))
             diff = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
             rate = (nbytes + (e * h * elem if name == "engine" else 0)) / seconds
@@ -210,14 +211,15 @@ def _copy_rate(dev: torch.device) -> float:
 
 
 def _engine_launches(t: int, top_k: int, plan, down_splits: int) -> int:
-    """Kernel launches of the ``engine`` row: at 1 or 2 tokens the one-launch router, the
-    gate-up and the grouped down (and the slot sum past one token or a split down); else
-    the unit-gain norm, torch's router projection and the plan's kernels."""
+    """Kernel launches of the ``engine`` row: the plan's, its routing launches (one or two)
+    replaced by the one-launch router at 1 or 2 tokens; else the unit-gain norm and torch's
+    router projection before them."""
     from pitstop.plugins.kernels.triton_ops.moe_router import fuses_router
 
+    launches = plan.launches_for(t, down_splits)
     if fuses_router(t, top_k):
-        return 2 + (1 if t == 1 and down_splits == 1 else 2)
-    return 2 + plan.launches_for(t, down_splits)
+        return launches - (1 if plan.route_with_align else 2) + 1
+    return 2 + launches
 
 
 def _time(dev: torch.device, fn) -> float:

@@ -394,34 +394,29 @@ def autotune(
     hit = cache.get(key)
     if hit is not None:
         return hit
-    best, ms = _fastest(key, configs, measure)
-    second = down_candidates(best, configs)
-    if second:
-        best = _fastest(key, [best, *second], measure, {best: ms})[0]
+    first = _timings(configs, measure)
+    if not first:
+        raise RuntimeError(f"fused MoE: no tile configuration runs for {key}")
+    best_ms, _, best = min(first)  # the first on a tie
+    # the winner itself ranks before its variants (index -1): it keeps a tie
+    best = min([(best_ms, -1, best), *_timings(down_candidates(best, configs), measure)])[2]
     logger.info("fused MoE: tuned %s -> %s", key, best)
     cache.put(key, best)
     return best
 
 
-def _fastest(
-    key: str,
-    configs: list[MoEConfig],
-    measure: Callable[[MoEConfig], float],
-    known: dict[MoEConfig, float] | None = None,
-) -> tuple[MoEConfig, float]:
-    """The fastest of ``configs`` and its time (``known``: times already taken), the first
-    on a tie; a config whose run raises is skipped and logged."""
+def _timings(
+    configs: list[MoEConfig], measure: Callable[[MoEConfig], float]
+) -> list[tuple[float, int, MoEConfig]]:
+    """``(time, index, config)`` of each of ``configs`` that runs; one whose run raises is
+    skipped and logged."""
     timings: list[tuple[float, int, MoEConfig]] = []
     for i, cfg in enumerate(configs):
         try:
-            ms = known[cfg] if known and cfg in known else float(measure(cfg))
-            timings.append((ms, i, cfg))
+            timings.append((float(measure(cfg)), i, cfg))
         except Exception as err:  # noqa: BLE001 - a config that cannot run is skipped
             logger.info("fused MoE: %s failed to run (%s): skipped", cfg, err)
-    if not timings:
-        raise RuntimeError(f"fused MoE: no tile configuration runs for {key}")
-    ms, _, best = min(timings)
-    return best, ms
+    return timings
 
 
 def config_key(x: torch.Tensor, num_tokens: int, top_k: int, gate_up: torch.Tensor) -> str:
