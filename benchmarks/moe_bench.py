@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             print(f"{t:>4} {name:>8} {_tiles(cfg):>34} {launches:>8} "
                   f"{seconds * 1e6:9.1f} {rate / 1e9:7.0f} {rate / copy_bw:7.1%} {diff:8.2g}")  # fmt: skip
             if args.kernels and dev.type == "cuda":
-                row["kernels"] = _kernel_times(lambda cfg=cfg, plan=plan: run(cfg, plan))
+                row["kernels"] = _kernel_times(
+                    lambda cfg=cfg, plan=plan, call=call: call(cfg, plan)
+                )
                 print(f"{'':>14} " + ", ".join(f"{k} {us:.1f}" for k, us in row["kernels"]))
     return rows
 
