@@ -429,7 +429,7 @@ for _ in range(2):
       timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/plugins/kernels/test_moe_kernels_gpu.py \
         tests/plugins/models/test_moe_models_fused.py tests/plugins/kernels/test_tuning.py 2>&1 | tee "$OUT/gpu-tests-moe.log" | tail -4
       # the interpreter-sized property tests compiled on the GPU: about 4 minutes in one process
-      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 4 tests/plugins/kernels/test_moe_router.py \
+      [ "${MOE_PROPS:-1}" = 1 ] && timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 4 tests/plugins/kernels/test_moe_router.py \
         tests/plugins/kernels/test_moe_kernels.py 2>&1 | tee -a "$OUT/gpu-tests-moe.log" | tail -4 ;;
     # issue 48: the one-launch router off / on / on with the sparse layers' attention half fused
     # (benchmarks/workloads/moe.toml), single on the MoE preset, pitstop alone
@@ -438,8 +438,9 @@ for _ in range(2):
     # issue 48: the MoE op with the down GEMM's early reads (moe.DOWN_PRELOAD) and without, the
     # device's copy rate, the engine's call (router weight, norm, residual), each kernel's time
     moe-preload) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
-      for flag in "" --down-preload; do echo "== moe_bench ${flag:-(down preload off)}"
-        timeout 200 python3 benchmarks/moe_bench.py --batch 1 --batch 2 --batch 8 --batch 64 --batch 256 --kernels $flag 2>&1 \
+      for flag in "" --down-preload; do echo "== moe_bench ${flag:-(down preload off)}"; bs=""
+        for b in ${MOE_BATCHES:-1 2 8 64 256}; do bs="$bs --batch $b"; done
+        timeout 200 python3 benchmarks/moe_bench.py $bs --kernels $flag 2>&1 \
           | grep -v "warn\|UserWarning" | tee -a "$OUT/moe-preload.log" | tail -30; done ;;
     # issue 48: a sweep of the MoE op's tiles (MOE_SWEEP: M,N,K,WARPS,STAGES[,SPLIT] specs) at
     # MOE_SWEEP_BATCHES, each kernel's time; fp8 experts at batch 1

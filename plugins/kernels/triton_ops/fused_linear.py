@@ -73,9 +73,12 @@ program sums them in split order. A projection's slices (q|k|v; gate|up) must fa
 tile borders (:func:`lora_fits`); each column tile takes its slice's A and B.
 
 PDL (:mod:`.pdl`): a program loads its first weight tile(s) (they do not depend on
-the previous kernel), then ``gdc_wait()``, then everything else (x, the
-workspace, the counters, bias, residual); ``gdc_launch_dependents()`` once its K loop
-is done.
+the previous kernel) and, with LoRA, its rows' slots, its lead slot's rank, first A
+tile(s), B tile(s) and scaling (the runner writes ``slot_of_row`` with plain stream
+copies before the step's first kernel, and an adapter's tensors before the step, so no
+kernel that may still run writes them), then ``gdc_wait()``, then everything else (x,
+the workspace, the counters, bias, residual); ``gdc_launch_dependents()`` once its K
+loop is done.
 """
 
 from __future__ import annotations
@@ -428,46 +431,63 @@ def _lora_rank(rank_ptr, s):
 
 
 @triton.jit
+def _lora_a_tile(a_ptr, s, rank, r, k, k_end, stride_as, stride_ar):
+    """``A_s[:, k]`` (``[R, BLOCK_K]``): rows past slot ``s``'s rank and K past ``k_end``
+    load as zeros (nothing for ``s < 0``)."""
+    a_rows = a_ptr + tl.maximum(s, 0).to(tl.int64) * stride_as + r[:, None] * stride_ar
+    return tl.load(a_rows + k[None, :], mask=(r < rank)[:, None] & (k < k_end)[None, :], other=0.0)
+
+
+@triton.jit
 def _lora_shrink_step(
     a_ptr, s, rank, r, k, k_end, xt, h, stride_as, stride_ar,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``h + A_s[:, k] @ xt`` (``[R, BLOCK_M]``, float32): one K step of the LoRA shrink of
-    slot ``s``; rows past its rank and K past ``k_end`` load as zeros (nothing for ``s < 0``)."""
-    a_rows = a_ptr + tl.maximum(s, 0).to(tl.int64) * stride_as + r[:, None] * stride_ar
-    at = tl.load(a_rows + k[None, :], mask=(r < rank)[:, None] & (k < k_end)[None, :], other=0.0)
+    slot ``s`` (:func:`_lora_a_tile`'s tile)."""
+    at = _lora_a_tile(a_ptr, s, rank, r, k, k_end, stride_as, stride_ar)
     return _dot(at, xt.to(at.dtype), h, UPCAST, DOT_PRECISION)
 
 
 @triton.jit
-def _lora_b_delta(b_ptr, sb, stride_bn, s, rank, col, n_ok, h, slot_m, r):
-    """``B_s[col, :] @ h`` over the columns (token rows) of slot ``s``: ``[BLOCK_N, BLOCK_M]``
-    float32 (products of float32 copies, IEEE: the delta is not rounded before the epilogue)."""
+def _lora_b_tile(b_ptr, sb, stride_bn, s, rank, col, n_ok, r):
+    """``B_s[col, :]`` (``[BLOCK_N, R]``): columns past slot ``s``'s rank, and rows past N,
+    load as zeros."""
     b_rows = b_ptr + tl.maximum(s, 0).to(tl.int64) * sb + col.to(tl.int64)[:, None] * stride_bn
-    bt = tl.load(b_rows + r[None, :], mask=n_ok[:, None] & (r < rank)[None, :], other=0.0)
+    return tl.load(b_rows + r[None, :], mask=n_ok[:, None] & (r < rank)[None, :], other=0.0)
+
+
+@triton.jit
+def _lora_b_dot(bt, h, slot_m, s):
+    """``bt @ h`` over the columns (token rows) of slot ``s``: ``[BLOCK_N, BLOCK_M]`` float32
+    (products of float32 copies, IEEE: the delta is not rounded before the epilogue)."""
     hs = tl.where((slot_m == s)[None, :], h, 0.0)
     return tl.dot(bt.to(tl.float32), hs, input_precision="ieee")
 
 
 @triton.jit
+def _lora_row_scale(scale_ptr, slot_m, sl, stride_ss, stride_si):
+    """Each token row's ``scaling[slot, slice]`` (0 for a row without an adapter)."""
+    scale = tl.load(scale_ptr + tl.maximum(slot_m, 0) * stride_ss + sl * stride_si)
+    return tl.where(slot_m >= 0, scale, 0.0)
+
+
+@triton.jit
 def _lora_delta(
-    b_ptr, sb, stride_bn, sl, col, n_ok, h, slot_m, s0, others, slots, rank_ptr,
-    scale_ptr, stride_ss, stride_si, r,
+    b_ptr, sb, stride_bn, bt0, row_scale, col, n_ok, h, slot_m, s0, others, slots, rank_ptr, r,
 ):  # fmt: skip
     """The LoRA delta of one slice's column tile, ``scaling[slot] * B_slot[col, :] @ h`` per
     token row (``[BLOCK_N, BLOCK_M]`` float32; zero for rows without an adapter): the lead
-    slot ``s0``, then, where the tile holds ``others``, every other slot present."""
-    delta = _lora_b_delta(
-        b_ptr, sb, stride_bn, s0, _lora_rank(rank_ptr, s0), col, n_ok, h, slot_m, r
-    )
+    slot ``s0`` from its B tile ``bt0`` (loaded before the PDL wait), then, where the tile
+    holds ``others``, every other slot present; ``row_scale`` from :func:`_lora_row_scale`."""
+    delta = _lora_b_dot(bt0, h, slot_m, s0)
     if others > 0:
         for s in range(0, slots):
             here = tl.sum((slot_m == s).to(tl.int32), axis=0)
             if (here > 0) & (s != s0):
-                rank_s = _lora_rank(rank_ptr, s)
-                delta += _lora_b_delta(b_ptr, sb, stride_bn, s, rank_s, col, n_ok, h, slot_m, r)
-    scale = tl.load(scale_ptr + tl.maximum(slot_m, 0) * stride_ss + sl * stride_si)
-    return delta * tl.where(slot_m >= 0, scale, 0.0)[None, :]
+                bt = _lora_b_tile(b_ptr, sb, stride_bn, s, _lora_rank(rank_ptr, s), col, n_ok, r)
+                delta += _lora_b_dot(bt, h, slot_m, s)
+    return delta * row_scale[None, :]
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -550,21 +570,10 @@ def _fused_linear_kernel(
     u = w
     if GATE_UP:
         u = _load_k(w_rows + N * stride_wn + k[None, :], k, k_end, EVEN_K, 1)
-    _pdl.wait(PDL)
-    xt = _load_k(x_cols + k[:, None], k, k_end, EVEN_K, 0)  # [BLOCK_K, BLOCK_M]
-    zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc = _dot(w, xt, zero, UPCAST, DOT_PRECISION)
-    acc_u = zero
-    if GATE_UP:
-        acc_u = _dot(u, xt, zero, UPCAST, DOT_PRECISION)
-    sq = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:
-        xf = xt.to(tl.float32)
-        sq += tl.sum(xf * xf, axis=0)
-    # LoRA (module docstring): the shrink of the tile's lead slot s0 rides in the K loop
+    # LoRA (module docstring): the rows' slots, the tile's lead slot s0, its first A tile(s),
+    # its B tile(s) and the rows' scaling, before the wait too: the runner writes slot_of_row
+    # before the step's first kernel and the adapters' tensors before the step
     r = tl.arange(0, R)
-    h = tl.zeros([R, BLOCK_M], tl.float32)
-    h_u = h
     slot_m = tl.full([BLOCK_M], -1, tl.int32)
     s0 = -1
     rank0 = 0
@@ -573,6 +582,13 @@ def _fused_linear_kernel(
     b_g = lora_b0
     sb_g = lora_sb0
     col = n
+    lora_dt = x_ptr.dtype.element_ty
+    at0 = tl.zeros([R, BLOCK_K], lora_dt)
+    at0_u = at0
+    bt0 = tl.zeros([BLOCK_N, R], lora_dt)
+    bt0_u = bt0
+    scale_m = tl.zeros([BLOCK_M], tl.float32)
+    scale_m_u = scale_m
     if LORA:
         slot_m = tl.load(lora_slot_ptr + m, mask=m < M, other=-1)
         slot_m = tl.where((slot_m >= 0) & (slot_m < lora_slots), slot_m, -1)
@@ -585,9 +601,31 @@ def _fused_linear_kernel(
             b_g = _pick(lora_b0, lora_b1, lora_b2, sl)
             sb_g = tl.where(sl == 0, lora_sb0, tl.where(sl == 1, lora_sb1, lora_sb2))
             col = n - tl.where(sl == 0, 0, tl.where(sl == 1, lora_end0, lora_end1))
-        h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+        at0 = _lora_a_tile(a_g, s0, rank0, r, k, k_end, stride_as, stride_ar)
+        bt0 = _lora_b_tile(b_g, sb_g, stride_bn, s0, rank0, col, n < N, r)
+        scale_m = _lora_row_scale(lora_scale_ptr, slot_m, sl, lora_ss, lora_si)
         if GATE_UP:
-            h_u = _lora_shrink_step(lora_a1, s0, rank0, r, k, k_end, xt, h_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+            at0_u = _lora_a_tile(lora_a1, s0, rank0, r, k, k_end, stride_as, stride_ar)
+            bt0_u = _lora_b_tile(lora_b1, lora_sb1, stride_bn, s0, rank0, n, n < N, r)
+            scale_m_u = _lora_row_scale(lora_scale_ptr, slot_m, 1, lora_ss, lora_si)
+    _pdl.wait(PDL)
+    xt = _load_k(x_cols + k[:, None], k, k_end, EVEN_K, 0)  # [BLOCK_K, BLOCK_M]
+    zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc = _dot(w, xt, zero, UPCAST, DOT_PRECISION)
+    acc_u = zero
+    if GATE_UP:
+        acc_u = _dot(u, xt, zero, UPCAST, DOT_PRECISION)
+    sq = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        xf = xt.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=0)
+    # LoRA (module docstring): the shrink of the tile's lead slot s0 rides in the K loop
+    h = tl.zeros([R, BLOCK_M], tl.float32)
+    h_u = h
+    if LORA:
+        h = _dot(at0, xt.to(at0.dtype), h, UPCAST, DOT_PRECISION)
+        if GATE_UP:
+            h_u = _dot(at0_u, xt.to(at0_u.dtype), h_u, UPCAST, DOT_PRECISION)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         k = k0 + kk
         w = _load_k(w_rows + k[None, :], k, k_end, EVEN_K, 1)
@@ -627,9 +665,9 @@ def _fused_linear_kernel(
 
     if SPLIT_K == 1:
         if LORA:
-            acc += _lora_delta(b_g, sb_g, stride_bn, sl, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, lora_scale_ptr, lora_ss, lora_si, r)  # fmt: skip
+            acc += _lora_delta(b_g, sb_g, stride_bn, bt0, scale_m, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
             if GATE_UP:
-                acc_u += _lora_delta(lora_b1, lora_sb1, stride_bn, 1, n, n < N, h_u, slot_m, s0, others, lora_slots, lora_rank_ptr, lora_scale_ptr, lora_ss, lora_si, r)  # fmt: skip
+                acc_u += _lora_delta(lora_b1, lora_sb1, stride_bn, bt0_u, scale_m_u, n, n < N, h_u, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
         _epilogue(
             acc, acc_u, sq, n, m, M, N, K, eps, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
             NORM, GATE_UP, HAS_BIAS, RESIDUAL,
@@ -678,9 +716,9 @@ def _fused_linear_kernel(
                     if GATE_UP:
                         h_u += tl.load(h_ws_ptr + h_base + HTILE + h_offs, cache_modifier=".cg")
             if LORA:
-                acc += _lora_delta(b_g, sb_g, stride_bn, sl, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, lora_scale_ptr, lora_ss, lora_si, r)  # fmt: skip
+                acc += _lora_delta(b_g, sb_g, stride_bn, bt0, scale_m, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
                 if GATE_UP:
-                    acc_u += _lora_delta(lora_b1, lora_sb1, stride_bn, 1, n, n < N, h_u, slot_m, s0, others, lora_slots, lora_rank_ptr, lora_scale_ptr, lora_ss, lora_si, r)  # fmt: skip
+                    acc_u += _lora_delta(lora_b1, lora_sb1, stride_bn, bt0_u, scale_m_u, n, n < N, h_u, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
             _epilogue(
                 acc, acc_u, sq, n, m, M, N, K, eps, bias_ptr, res_ptr, out_ptr, stride_rm,
                 stride_om, NORM, GATE_UP, HAS_BIAS, RESIDUAL,
