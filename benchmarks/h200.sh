@@ -464,10 +464,12 @@ for _ in range(2):
     # issue 47 (2026-12-05, fifth session): the adapters' deltas inside fused.layer's Triton GEMMs:
     # their GPU tests, lora_bench's "fused.layer GEMM with the LoRA inside", then single (and nano)
     # with fused.layer on both sides (LORA_LAYER_NANO=1 adds nano, about 3 minutes)
-    lora-layer) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider -m gpu \
+    # LORA_PARTS: which of tests, bench (lora_bench's cases), single (the engine rows) to run
+    lora-layer) parts=" ${LORA_PARTS:-tests bench single} "
+      [[ $parts == *" tests "* ]] && timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider -m gpu \
         tests/plugins/kernels/test_fused_linear_lora.py tests/plugins/adapters/test_lora_fused_layer.py 2>&1 | tee "$OUT/gpu-tests-lora-layer.log" | tail -6
-      echo "== lora_bench"; timeout 240 python3 benchmarks/lora_bench.py --case single single-16 nano-1 2>&1 | tee "$OUT/lora-bench-layer.log"
-      run lora-layer-single offline --workload single --repeats ${LORA_REPEATS:-3} --matrix benchmarks/workloads/lora.toml --only base-layer,lora-1-layer
+      [[ $parts == *" bench "* ]] && { echo "== lora_bench"; timeout 240 python3 benchmarks/lora_bench.py --case single single-16 nano-1 2>&1 | tee "$OUT/lora-bench-layer.log"; }
+      [[ $parts == *" single "* ]] && run lora-layer-single offline --workload single --repeats ${LORA_REPEATS:-3} --matrix benchmarks/workloads/lora.toml --only base-layer,lora-1-layer
       [ -n "${LORA_LAYER_NANO:-}" ] && run lora-layer-nano offline --workload nano --matrix benchmarks/workloads/lora.toml --only base-layer,lora-1-layer,lora-8-layer ;;
   esac
 done
