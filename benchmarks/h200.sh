@@ -285,6 +285,8 @@ for _ in range(2):
             # the same with fused.layer (a sparse layer's attention half fused, 2026-12-06)
             moe-single-layer) vrun vllm-moe-single-layer offline --workload single --model dummy:qwen3-30b-a3b --kernels fused \
                 --option fused.layer=true --repeats 3 ;;
+            moe-single-rule) vrun vllm-moe-single-rule offline --workload single --model dummy:qwen3-30b-a3b --kernels fused \
+                --option fused.layer=true --option fused.layer_tune=false --repeats 3 ;;
             # one 32,000-token prompt at a time: TTFT (online, so that both sides stream their first token)
             longctx) echo '{"input_len": 32000, "output_len": 16}' >"$OUT/longctx-32k.jsonl"
               vrun vllm-longctx online --workload "$OUT/longctx-32k.jsonl" --model dummy:qwen3-8b --concurrency 1 \
@@ -435,13 +437,11 @@ for _ in range(2):
     # (benchmarks/workloads/moe.toml), single on the MoE preset, pitstop alone
     moe-ab) run moe-ab offline --workload single --model dummy:qwen3-30b-a3b --repeats ${MOE_REPEATS:-3} \
         --matrix benchmarks/workloads/moe.toml ;;
-    # issue 48: the MoE op with the down GEMM's early reads (moe.DOWN_PRELOAD) and without, the
-    # device's copy rate, the engine's call (router weight, norm, residual), each kernel's time
-    moe-preload) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
-      for flag in "" --down-preload; do echo "== moe_bench ${flag:-(down preload off)}"; bs=""
-        for b in ${MOE_BATCHES:-1 2 8 64 256}; do bs="$bs --batch $b"; done
-        timeout 200 python3 benchmarks/moe_bench.py $bs --kernels $flag 2>&1 \
-          | grep -v "warn\|UserWarning" | tee -a "$OUT/moe-preload.log" | tail -30; done ;;
+    # issue 48: the MoE op at MOE_BATCHES (default 1 2 8 64 256): the device's copy rate, the
+    # tuned op, the engine's call (router weight, norm, residual), each kernel's time
+    moe-bench) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}; bs=""
+      for b in ${MOE_BATCHES:-1 2 8 64 256}; do bs="$bs --batch $b"; done
+      timeout 300 python3 benchmarks/moe_bench.py $bs --kernels 2>&1 | grep -v "warn\|UserWarning" | tee "$OUT/moe-bench.log" | tail -30 ;;
     # issue 48: a sweep of the MoE op's tiles (MOE_SWEEP: M,N,K,WARPS,STAGES[,SPLIT] specs) at
     # MOE_SWEEP_BATCHES, each kernel's time; fp8 experts at batch 1
     moe-sweep) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}

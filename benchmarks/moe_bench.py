@@ -77,9 +77,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also every tile config the autotune times (rows 'cand<i>')")  # fmt: skip
     p.add_argument("--config", action="append", default=[], metavar="M,N,K,WARPS,STAGES[,SPLIT]",
                    help="also these tiles (rows 'cfg<i>'), repeatable")  # fmt: skip
-    p.add_argument("--down-preload", action="store_true",
-                   help="the down GEMM reads its grouping and first weight tile before its "
-                   "wait for the gate-up (moe.DOWN_PRELOAD), to time it against the default")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -94,7 +91,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     from pitstop.plugins.kernels.triton_ops import moe, moe_routing, moe_tiles
     from pitstop.plugins.kernels.triton_ops.rmsnorm import unit_gain
 
-    moe.DOWN_PRELOAD = args.down_preload
     dev = torch.device(args.device)
     shape = LAYER if dev.type == "cuda" else TINY
     h, e, top_k, f = shape["hidden"], shape["experts"], shape["top_k"], shape["inter"]

@@ -15,7 +15,9 @@ gain into the projection after it at load) and runs each either way:
 With an adapter (``lora=``, :class:`~pitstop.plugins.kernels.lora_reference.ProjectionLoRA`)
 the Triton GEMMs add each row's LoRA delta inside (no launch of its own); the cuBLAS way
 adds it with the adapter's own kernels after the GEMM, on the rows the GEMM took (raw, or
-row-scaled where the scale runs first), before SiLU·mul.
+row-scaled where the scale runs first), before SiLU·mul. A call that may mix adapters in
+a tile (more than one row and more than one slot) always takes the cuBLAS way
+(:func:`_mixes_adapters`).
 
 Which one runs, and in which Triton launch shape, is
 :class:`.triton_ops.layer_choice.LayerChoice`'s answer for the op and shape: timed once per
@@ -47,6 +49,17 @@ def _defers(eps: float | None, bias: torch.Tensor | None) -> bool:
     """Whether the cuBLAS way leaves the row scale to the op after the GEMM: there is a norm
     and no bias (a bias comes after the scale, so with one the scale runs first)."""
     return eps is not None and bias is None
+
+
+def _mixes_adapters(x: torch.Tensor, lora: ProjectionLoRA | None) -> bool:
+    """Whether a Triton tile of this call's rows may hold rows of several adapters: more than
+    one row and more than one slot. Such a tile takes one more pass over its K range for
+    each adapter past the first (:mod:`.triton_ops.fused_linear`), and the choice of a shape
+    is made once, on the rows it times (the warm-up's, without adapters), so it cannot see
+    the mix of a later step: `nano` over 8 adapters ran 0.64x of `nano` with the LoRA inside
+    at 256 rows (H100, 2026-12-06, ``bcd4ee9``). Those calls take the cuBLAS way, whose
+    delta (the adapter plugin's) groups the rows by adapter."""
+    return lora is not None and x.shape[0] > 1 and lora.A[0].shape[0] > 1
 
 
 class FusedLayer:
@@ -183,7 +196,7 @@ class FusedLayer:
         residual writers adding into a copy of the residual. With ``lora`` only the shapes
         whose tiles keep each slice apart (:func:`fused_linear.lora_fits`) take part, and
         both ways and the reference include the adapter's delta."""
-        if x.shape[0] > self.choice.max_rows:
+        if x.shape[0] > self.choice.max_rows or _mixes_adapters(x, lora):
             return None
         gate_up = op == "norm_gate_up"
         m, k = x.shape

@@ -22,13 +22,9 @@ Every one of these kernels is chained by programmatic dependent launch (:mod:`.p
 Hopper): each waits for the kernel before it first thing, and lets the next one's programs
 queue once its own inputs are read (the routing kernels at once, the GEMMs and the slot
 sum after their K loops), so a launch's start overlaps the previous kernel's tail. The
-down GEMM reads the grouping and its first weight tile before its wait
-(``DOWN_PRELOAD``): the grouping comes from the routing two launches back, which had
-completed before any gate-up program passed its own wait, and every gate-up program
-releases the down launch only after that wait, so it is complete and visible when a
-down program starts (read through L2, ``.cg``: an SM's L1 may still hold an earlier
-layer's); only ``h`` needs the wait (off by default until a GPU has timed it). The
-one-launch router loads its weights before its wait.
+one-launch router loads its weights before its wait. (Reading the down GEMM's grouping and
+first weight tile before its wait was tried on an H100 on 2026-12-06 and removed: batch 1's
+down GEMM took 14.6 µs against 12.7 in the same call.)
 
 1. :func:`.moe_routing.route`: softmax + top-k + renormalisation, counting each expert's rows
    (above ``ONE_PROGRAM_ROWS``; at most, :func:`.moe_routing.route_and_align` does this
@@ -156,15 +152,6 @@ from pitstop.plugins.kernels.triton_ops.moe_tiles import (
 from pitstop.plugins.kernels.triton_ops.rmsnorm import rms_norm, unit_gain
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
-# The down GEMM reads its grouping and first weight tile before waiting for the gate-up
-# GEMM (module doc). Off until timed and tested on a GPU (``moe_bench --down-preload``,
-# ``test_moe_kernels_gpu.py``); CPU tests run it both ways
-DOWN_PRELOAD = False
-# ... in tiles of at most this many rows (the mma.sync tiles of decode batches; a 64-row
-# tile's warpgroup MMA stages the early tile in shared memory, 49 -> 65 KB at 64 x 64 x 64
-# in an sm_90 compile, which may cost occupancy where the step is not latency-bound)
-PRELOAD_ROWS = 32
-
 
 def choose_config(
     x: torch.Tensor,
@@ -230,31 +217,17 @@ def _k_loop(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    w_first,
-    FIRST_LOADED: tl.constexpr,
 ):
     """The K loop: ``acc[BLOCK_M, BLOCK_N] += a[rows, k] @ w[n, k].T`` (and ``acc_u`` over
     the up rows ``u_offset`` further on); ``w_base`` the ``[1, BLOCK_N]`` pointers of the
-    tile's weight rows; ``FIRST_LOADED`` (not ``GATE_UP``): ``w_first`` is the weight tile
-    of the first K step, loaded by the caller (before its wait for the kernel before).
-    (Blocks of 16 rows compile to ``mma.sync`` on sm_90; "swap AB", the weight rows on the
+    tile's weight rows. (Blocks of 16 rows compile to ``mma.sync`` on sm_90; "swap AB", the weight rows on the
     M side of the warpgroup MMA, compiled to ``wgmma`` and measured no faster on an H100
     on 2026-12-06: batch 1 the same, batch 8 6% slower.)"""
     kk = tl.arange(0, BLOCK_K)
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_start = k_lo
-    if FIRST_LOADED:
-        tl.static_assert(not GATE_UP, "only the down GEMM's first tile comes loaded")
-        k = k_lo + kk
-        a = _load_k(a_base + k[None, :], k, K, EVEN_K, 1)
-        w = w_first
-        if W_SCALED:
-            w = w.to(a.dtype)
-        acc = _dot(a, w, acc, UPCAST, DOT_PRECISION)
-        k_start = k_lo + BLOCK_K
-    for k0 in range(k_start, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         a = _load_k(a_base + k[None, :], k, K, EVEN_K, 1)
         w = _load_k(w_base + k[:, None], k, K, EVEN_K, 0)
@@ -328,7 +301,6 @@ def _grouped_gemm_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    PRELOAD: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` tile of a row block's expert GEMM over one K split.
 
@@ -351,20 +323,16 @@ def _grouped_gemm_kernel(
     each program then counts itself in its column tile's arrival counter, and the last of
     the ``TOPK`` row blocks sums the ``TOPK`` rows of ``y`` in slot order into ``final [1,
     H]`` as :func:`_slot_sum_kernel` does (``RESIDUAL``: ``res +`` that), so no slot-sum
-    launch follows. ``PRELOAD`` (the down GEMM): the grouping and the program's first
-    weight tile are read before the wait for the kernel before (module doc), only ``h``
-    and what follows after it.
+    launch follows.
     """
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if not PRELOAD:
-        _pdl.wait(PDL)  # the grouping and the activations come from the kernels before
-    # the grouping through L2 (".cg"): under PRELOAD an SM's L1 could hold an earlier layer's
-    if b * BLOCK_M >= tl.load(total_ptr, cache_modifier=".cg"):
+    _pdl.wait(PDL)  # the grouping and the activations come from the kernels before
+    if b * BLOCK_M >= tl.load(total_ptr):
         return  # past the used blocks: no expert, no work
-    e = tl.load(expert_ids_ptr + b, cache_modifier=".cg").to(tl.int64)
-    rows = tl.load(sorted_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
+    e = tl.load(expert_ids_ptr + b).to(tl.int64)
+    rows = tl.load(sorted_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < N
     if GATE_UP:
         a_rows = tl.where(valid, rows // TOPK, 0)
@@ -374,16 +342,9 @@ def _grouped_gemm_kernel(
     w_rows = w_ptr + e * stride_we + tl.minimum(n, NOUT - 1).to(tl.int64) * stride_wn
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    w_first = w_rows  # unused unless PRELOAD
-    if PRELOAD:
-        tl.static_assert(not GATE_UP, "the gate-up GEMM's grouping is the kernel before's")
-        k_first = k_lo + tl.arange(0, BLOCK_K)
-        w_first = _load_k(w_rows[None, :] + k_first[:, None], k_first, K, EVEN_K, 0)
-        _pdl.wait(PDL)  # h comes from the gate-up GEMM
     acc, acc_u = _k_loop(
         a_ptr, a_rows, stride_am, w_rows[None, :], NOUT * stride_wn, k_lo, k_hi, K,
         GATE_UP, W_SCALED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION,
-        w_first, PRELOAD,
     )  # fmt: skip
     _pdl.launch_dependents(PDL)
     mask = valid[:, None] & (n < NOUT)[None, :]
@@ -653,7 +614,6 @@ def _grouped_gemm(
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=use_pdl,
-        PRELOAD=not gate_up and DOWN_PRELOAD and bm <= PRELOAD_ROWS,
         num_warps=warps,
         num_stages=stages,
         **_pdl.launch_kwargs(use_pdl),

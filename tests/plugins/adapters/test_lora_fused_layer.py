@@ -99,21 +99,28 @@ def hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+# (layer_rows, max_loras): every step of up to 64 rows in the Triton GEMMs, the deltas inside
+# them where a tile cannot mix adapters (one slot, or one row), the plugin's kernels after
+# cuBLAS where it can (three slots, several rows); every step in cuBLAS
+ROWS_AND_SLOTS = [(64, 1), (64, 3), (0, 3)]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's test (GPU: below)")
-@pytest.mark.parametrize("layer_rows", [64, 0])
+@pytest.mark.parametrize(("layer_rows", "max_loras"), ROWS_AND_SLOTS)
 def test_fused_layer_rows_match_peft_merged(
-    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int
+    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int, max_loras: int
 ) -> None:
-    """``layer_rows`` 64: every step (chunks of 24 beside decodes) in the Triton GEMMs, the
-    deltas inside them; 0: every step in cuBLAS, the plugin's kernels after it."""
-    _check_rows(tiny, hook_calls, layer_rows, "cpu", {"fused.layer_rows": layer_rows})
+    """Chunks of 24 beside decodes, rows of three adapters (one with one slot) and none."""
+    _check_rows(
+        tiny, hook_calls, layer_rows, "cpu", {"fused.layer_rows": layer_rows}, max_loras=max_loras
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
-@pytest.mark.parametrize("layer_rows", [64, 0])
+@pytest.mark.parametrize(("layer_rows", "max_loras"), ROWS_AND_SLOTS)
 def test_on_the_gpu_with_cuda_graphs(
-    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int
+    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int, max_loras: int
 ) -> None:
     """On CUDA (fp32, each op's way chosen by the rule, not timed): decode steps replayed from
     CUDA graphs, the rows' slots in the static buffer the fused GEMMs read; PEFT's tokens."""
@@ -121,7 +128,9 @@ def test_on_the_gpu_with_cuda_graphs(
     # decode graphs of at most 8 rows: the runner captures every graph size at start-up, and
     # those over layer_rows take cuBLAS with the plugin's delta (H200, 2026-12-06: 192 calls
     # from the 80..256-row captures of the default 256)
-    llm = _check_rows(tiny, hook_calls, layer_rows, "cuda", options, max_batch_size=8)
+    llm = _check_rows(
+        tiny, hook_calls, layer_rows, "cuda", options, max_loras=max_loras, max_batch_size=8
+    )
     assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
 
 
@@ -131,6 +140,7 @@ def _check_rows(
     layer_rows: int,
     device: str,
     options: dict,
+    max_loras: int,
     **engine: Any,
 ) -> LLM:
     llm = LLM(
@@ -145,7 +155,7 @@ def _check_rows(
         scheduler="chunked",
         chunk_size=24,
         enable_lora=True,
-        max_loras=3,
+        max_loras=max_loras,
         max_lora_rank=8,
         **engine,
     )
@@ -158,6 +168,8 @@ def _check_rows(
         "down_proj",
     }
     names = ["all8", None, "qvd4", "kgu2", "all8", None, "kgu2"]
+    if max_loras == 1:  # one adapter beside rows without one
+        names = ["all8", None, "all8", None, "all8", None, "all8"]
     prompts = _prompts((9, 30, 17, 5, 33, 12, 3), seed=layer_rows)
     outs = llm.generate(
         prompt_token_ids=prompts,
@@ -171,8 +183,8 @@ def _check_rows(
         assert out.token_ids == want, f"adapter {name} at prompt length {len(prompt)}"
         changed += name is not None and want != _expected(tiny["base"], None, tuple(prompt))
     assert changed >= 3, "the adapters should change the greedy tokens of most of their rows"
-    if layer_rows:
+    if layer_rows and max_loras == 1:
         assert hook_calls[0] == 0, "the deltas should run inside the fused GEMMs"
-    else:
-        assert hook_calls[0] > 0, "cuBLAS steps add the deltas with the plugin's kernels"
+    else:  # cuBLAS steps, and steps of several rows that may mix adapters in a tile
+        assert hook_calls[0] > 0, "these steps add the deltas with the plugin's kernels"
     return llm

@@ -986,34 +986,3 @@ def test_the_autotune_times_spread_routing_not_the_calls(
     cache = moe_tiles.ConfigCache(tmp_path)
     moe.choose_config(x, torch.full((t, k), 1 / k), same, gate_up, down, cache)
     assert timed_ids and all(torch.equal(i, ids) for i in timed_ids)
-
-
-@pytest.mark.parametrize(("t", "fp8"), [(1, False), (2, False), (5, False), (1, True)])
-def test_the_down_gemms_early_reads_change_no_bit(
-    monkeypatch: pytest.MonkeyPatch, t: int, fp8: bool
-) -> None:
-    """``moe.DOWN_PRELOAD``: the down GEMM reads its grouping and first weight tile before
-    its wait for the gate-up GEMM and peels its first K step; the op's bits are those of
-    the plain K loop (one token's slot sum in the down GEMM, more tokens the slot-sum
-    kernel, fp8 experts), with the router's weight, the residual and the norm inside."""
-    e, top_k, h, f = 12, 4, 40, 24  # K 24: one full and one masked K step of 16
-    gen = torch.Generator().manual_seed(t)
-    x = torch.randn(t, h, generator=gen).bfloat16()
-    router = (torch.randn(e, h, generator=gen) / h**0.5).bfloat16()
-    gate_up, down, scales, _ = random_experts(gen, e, h, f, torch.bfloat16, fp8)
-    residual = torch.randn(t, h, generator=gen).bfloat16()
-    config = moe_tiles.INTERPRETER_CONFIG if DEVICE.type == "cpu" else moe_tiles.ROWS_16
-    if scales is not None:
-        scales = tuple(s.to(DEVICE) for s in scales)
-
-    def run() -> torch.Tensor:
-        return moe.fused_moe(
-            x.to(DEVICE), None, gate_up.to(DEVICE), down.to(DEVICE), top_k,
-            renormalize=True, weights_dtype=torch.bfloat16, config=config, scales=scales,
-            router=router.to(DEVICE), residual=residual.to(DEVICE), norm_eps=1e-6,
-        )  # fmt: skip
-
-    monkeypatch.setattr(moe, "DOWN_PRELOAD", False)
-    plain = run()
-    monkeypatch.setattr(moe, "DOWN_PRELOAD", True)
-    assert torch.equal(run(), plain)
