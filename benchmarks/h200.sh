@@ -436,7 +436,10 @@ for _ in range(2):
     # issue 48: the one-launch router off / on / on with the sparse layers' attention half fused
     # (benchmarks/workloads/moe.toml), single on the MoE preset, pitstop alone
     moe-ab) run moe-ab offline --workload single --model dummy:qwen3-30b-a3b --repeats ${MOE_REPEATS:-3} \
-        --matrix benchmarks/workloads/moe.toml ;;
+        --matrix benchmarks/workloads/moe.toml
+      # the timed choice's shapes, to set beside the rule's (docs/benchmarks.md, eighth session)
+      cp "${PITSTOP_CACHE_DIR:-$HOME/.cache/pitstop/fused}/fused_layer.json" "$OUT/moe-ab-fused_layer.json" 2>/dev/null \
+        && echo "== fused_layer.json: $(grep -c '|' "$OUT/moe-ab-fused_layer.json") choices" ;;
     # issue 48: the MoE op at MOE_BATCHES (default 1 2 8 64 256): the device's copy rate, the
     # tuned op, the engine's call (router weight, norm, residual), each kernel's time
     moe-bench) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}; bs=""
