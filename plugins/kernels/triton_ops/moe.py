@@ -329,9 +329,15 @@ def _grouped_gemm_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     _pdl.wait(PDL)  # the grouping and the activations come from the kernels before
-    if b * BLOCK_M >= tl.load(total_ptr):
-        return  # past the used blocks: no expert, no work
+    # the used blocks' count and this block's expert in one round trip (the grid is the
+    # grouping's worst case, so block b's entry exists; past the used blocks it is unwritten
+    # and never used). A used block's expert is never negative: testing it only keeps its
+    # load above the branch, where the compiler would otherwise sink it (sm_90 SASS), so
+    # the weights' first loads need not wait for a second round trip
+    total = tl.load(total_ptr)
     e = tl.load(expert_ids_ptr + b).to(tl.int64)
+    if (b * BLOCK_M >= total) | (e < 0):
+        return  # past the used blocks: no expert, no work
     rows = tl.load(sorted_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < N
     if GATE_UP:
