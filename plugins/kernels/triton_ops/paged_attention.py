@@ -274,12 +274,14 @@ def _decode_kernel(
     # SHARE_SPLITS > 0 (prefix_share): the context starts at share_start[b] (a group's shared
     # pass, .prefix_share, covers the tokens before), and the partials have SHARE_SPLITS more
     # slots after the splits, which a decode outside any group marks empty
-    _pdl.wait(PDL)  # q, the cache, the tables and the partials' slots: the previous kernels'
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq = (seq0 + b).to(tl.int64)
+    # the context length before the wait: the runner copies it in before the step's first
+    # kernel (no kernel of the chain writes it)
     ctx = tl.load(context_lens_ptr + seq)
+    _pdl.wait(PDL)  # q, the cache (this step's token), the partials' slots: the kernels' before
     first = 0
     if SHARE_SPLITS > 0:
         first = tl.load(share_start_ptr + b)

@@ -15,6 +15,13 @@ after its own wait covered A. Every kernel here therefore calls
 :func:`wait` unconditionally near its start (before any early return) and
 :func:`launch_dependents` only after that.
 
+What no kernel of the chain writes may be read before the wait: weights and other
+constant tables, and the step's inputs that the runner copies in (with plain stream copies,
+which complete before the step's first kernel starts) before its first kernel: positions and
+KV slots (:mod:`.rope_store`), context lengths (:mod:`.paged_attention`'s decode kernel),
+the rows' LoRA slots (:mod:`.fused_linear`). Anything a Triton kernel of the step writes
+is read after the wait.
+
 Both are compile-time no-ops when the kernel's ``PDL`` constexpr is off (the
 interpreter, an older GPU, a Triton build without ``gdc_wait``), so the
 kernels keep their former behaviour bit for bit.

@@ -172,14 +172,17 @@ def _rope_store_kernel(
     QUANT_MIN_NORMAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # positions, slots, q/k/v: all written by earlier kernels; the cache too (WAR with attention)
-    _pdl.wait(PDL)
+    # the row's position and KV slot, and its cos/sin, before the wait: the runner copies
+    # positions and slots in before the step's first kernel (no kernel of the chain writes
+    # them) and the tables are constant; q/k/v, the residual rows and the cache (WAR with
+    # attention) after it
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     j = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_cos + j).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos + j).to(tl.float32)
+    _pdl.wait(PDL)
     dt: tl.constexpr = q_out_ptr.dtype.element_ty
     c = _rounded(cos, dt)[None, :]
     s = _rounded(sin, dt)[None, :]
