@@ -84,7 +84,9 @@ def test_gguf_cache_round_trip_is_identical_and_fast(smol_loads):
     assert all(torch.equal(t1[k], t2[k]) for k in t1)
     assert second.tokenizer.encode("Hello, world") == first.tokenizer.encode("Hello, world")
     assert second.tokenizer.chat_template == first.tokenizer.chat_template
-    assert s2 < s1 and s2 < 3.0, f"cached load took {s2:.2f} s (first {s1:.2f} s)"
+    # a ratio within the run, not seconds: CI's cores may be busy (22.1 s against 3.5 s when a
+    # second test process shared the two cores, 2026-12-06)
+    assert s2 < s1 / 3, f"cached load took {s2:.2f} s (first {s1:.2f} s)"
 
 
 def test_unpermute_inverts_llama_cpp_permute():

@@ -287,7 +287,8 @@ def test_the_fused_layer_times_a_lora_inside_under_its_own_key(tmp_path) -> None
     """``FusedLayer`` with ``lora=``: the timed choice keys the op ``…+lora``, times only the
     shapes whose tiles keep the slices apart, checks Triton against the reference plus the
     plugin's delta, and gives the reference's result; slices off every tile border take
-    cuBLAS and the plugin's own delta, untimed. The timing calls the delta's repeatable
+    cuBLAS and the plugin's own delta, untimed, and so do rows that may mix adapters in a
+    tile (several rows, several slots). The timing calls the delta's repeatable
     ``add_again``, never the step's ``add`` (its workspace is cleared once a step), which
     runs at most once, for the op itself."""
 
@@ -316,8 +317,13 @@ def test_the_fused_layer_times_a_lora_inside_under_its_own_key(tmp_path) -> None
         return rows if eps_ is None else (rows * reference.rms_scale(rows, eps_)).to(rows.dtype)
 
     layer = FusedLayer(fl, _TimedHere.make(tmp_path), row_scaled, None, reference.silu_and_mul)
-    for widths, timed in (([32, 16, 16], True), ([24, 24, 16], False)):
-        lora = with_add(make_lora(k, widths, [1, -1, 0, 1, 2], torch.float32, 3))
+    cases = (
+        ([32, 16, 16], [0, -1, 0, 0, -1], 1, True),  # one slot: rows with it and without
+        ([24, 24, 16], [0, -1, 0, 0, -1], 1, False),  # q and k in one 16-column tile
+        ([32, 16, 16], [1, -1, 0, 1, 2], 3, False),  # three slots: tiles may mix adapters
+    )
+    for widths, slots, n_slots, timed in cases:
+        lora = with_add(make_lora(k, widths, slots, torch.float32, 3, n_slots=n_slots))
         added.clear()
         again.clear()
         out = layer.norm_linear(x, w, eps, None, lora=lora)
@@ -325,7 +331,7 @@ def test_the_fused_layer_times_a_lora_inside_under_its_own_key(tmp_path) -> None
         assert_close(out, want, torch.float32, f"norm_linear, LoRA slices {widths}")
         if timed:  # cuBLAS's way and the reference add the repeatable delta; the op's own
             assert len(again) >= 2 and added in ([], [m]), (again, added)  # way: add, once
-        else:  # q and k in one 16-column tile: no Triton shape, cuBLAS and the delta once
+        else:  # no Triton shape, or mixed adapters: cuBLAS and the delta once, untimed
             assert added == [m] and again == []
     keys = list(json.loads((tmp_path / "fused_layer.json").read_text()))
     assert len(keys) == 1 and keys[0].startswith("norm_linear+lora|"), keys
