@@ -220,9 +220,9 @@ def _k_loop(
 ):
     """The K loop: ``acc[BLOCK_M, BLOCK_N] += a[rows, k] @ w[n, k].T`` (and ``acc_u`` over
     the up rows ``u_offset`` further on); ``w_base`` the ``[1, BLOCK_N]`` pointers of the
-    tile's weight rows. (Blocks of 16 rows compile to ``mma.sync`` on sm_90; "swap AB", the weight rows on the
-    M side of the warpgroup MMA, compiled to ``wgmma`` and measured no faster on an H100
-    on 2026-12-06: batch 1 the same, batch 8 6% slower.)"""
+    tile's weight rows. (Blocks of 16 rows compile to ``mma.sync`` on sm_90; "swap AB", the
+    weight rows on the M side of the warpgroup MMA, compiled to ``wgmma`` and measured no
+    faster on an H100 on 2026-12-06: batch 1 the same, batch 8 6% slower.)"""
     kk = tl.arange(0, BLOCK_K)
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
