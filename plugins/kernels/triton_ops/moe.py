@@ -330,10 +330,11 @@ def _grouped_gemm_kernel(
     pid_k = tl.program_id(2)
     _pdl.wait(PDL)  # the grouping and the activations come from the kernels before
     # the used blocks' count and this block's expert in one round trip (the grid is the
-    # grouping's worst case, so block b's entry exists; past the used blocks it is unwritten
-    # and never used). A used block's expert is never negative: testing it only keeps its
-    # load above the branch, where the compiler would otherwise sink it (sm_90 SASS), so
-    # the weights' first loads need not wait for a second round trip
+    # grouping's worst case, so block b's entry exists). A used block's expert is never
+    # negative (-1 marks an unused block where the grouping writes one; past the used blocks
+    # it may be unwritten, and the count decides): testing it keeps its load above the
+    # branch, where the compiler would otherwise sink it (sm_90 SASS), so the weights' first
+    # loads need not wait for a second round trip
     total = tl.load(total_ptr)
     e = tl.load(expert_ids_ptr + b).to(tl.int64)
     if (b * BLOCK_M >= total) | (e < 0):
