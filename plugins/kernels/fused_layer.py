@@ -212,26 +212,24 @@ class FusedLayer:
             if not candidates:
                 return None
 
-        def run_triton(config: LinearConfig) -> torch.Tensor:
+        def run_triton(config: LinearConfig, w: torch.Tensor) -> torch.Tensor:
             if op == "linear_residual":
-                return self.gemm.linear_residual(
-                    x, weight, residual, bias, config=config, lora=lora
-                )
-            return getattr(self.gemm, op)(x, weight, eps, bias, config=config, lora=lora)
+                return self.gemm.linear_residual(x, w, residual, bias, config=config, lora=lora)
+            return getattr(self.gemm, op)(x, w, eps, bias, config=config, lora=lora)
 
         scratch: list[torch.Tensor] = []
         if lora is not None and lora.add_again is not None:  # called many times: repeatable
             lora = lora._replace(add=lora.add_again)
 
-        def run_cublas() -> object:
+        def run_cublas(w: torch.Tensor) -> object:
             if op == "norm_linear":
-                return self._cublas_qkv(x, weight, eps, bias, lora)
+                return self._cublas_qkv(x, w, eps, bias, lora)
             if gate_up:
-                return self._cublas_gate_up(x, weight, eps, bias, lora)
+                return self._cublas_gate_up(x, w, eps, bias, lora)
             if not scratch:  # adds into a copy: the real residual stays as it is
                 assert residual is not None
                 scratch.append(residual.clone())
-            return self._cublas_residual(x, weight, scratch[0], bias, lora)
+            return self._cublas_residual(x, w, scratch[0], bias, lora)
 
         def expected() -> torch.Tensor:
             if op == "linear_residual":

@@ -10,9 +10,11 @@ at 16 rows and lost at 64. So :meth:`LayerChoice.launch_shape` times, the first 
 shape is seen on a GPU (outside a CUDA-graph capture: the runner runs each batch size once
 before capturing it), the cuBLAS way and every Triton launch shape of
 :func:`.fused_linear.tile_candidates` on the call's own inputs, each as replays of a CUDA
-graph of a few calls (programmatic dependent launch overlaps them as in a layer), after
-checking each Triton shape's output against the reference (one that disagrees is dropped
-and logged). The fastest Triton shape is kept, or cuBLAS where it is ahead by more than
+graph of a few calls (programmatic dependent launch overlaps them as in a layer), each call
+on its own copy of a weight small enough to stay in L2 (:data:`ROTATE_MAX_BYTES`: in a
+step every layer's weight comes from HBM, and a graph of four calls on one 16 MB weight
+timed three of them on L2 hits), after checking each Triton shape's output against the
+reference (one that disagrees is dropped and logged). The fastest Triton shape is kept, or cuBLAS where it is ahead by more than
 :data:`CUBLAS_MARGIN_US` (the overlap a cuBLAS launch costs its neighbours in a layer), in
 memory and in ``fused_layer.json`` under :func:`.tuning.cache_dir` (keyed by op, row
 bucket, shape, dtype, device name, Triton version and :data:`CHOICE_REVISION`), as the
@@ -25,6 +27,7 @@ meets an untimed shape) the rule is ``static_rows``: the table's launch shape
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -47,13 +50,20 @@ CUBLAS = "cublas"  # the stored choice of cuBLAS
 # which had kept cuBLAS for the QKV projection (8.46 us a call timed alone): 0.85 us a layer
 # in the step, so cuBLAS's timed lead there was worth less than nothing
 CUBLAS_MARGIN_US = 1.0
-# part of every key: a choice made under another rule is timed again
-CHOICE_REVISION = 2
+# part of every key: a choice made under another rule is timed again (3: the timed calls on
+# copies of the weight, ROTATE_MAX_BYTES)
+CHOICE_REVISION = 3
+# a weight of up to this many bytes is copied for the timing, one copy a call of the timed
+# graph, so that no call reads it from L2 (the H100's and H200's L2 hold 50 MB; a larger
+# weight streamed again from its start finds its first lines evicted by its last); at most
+# CALLS_PER_GRAPH - 1 copies exist at once, only while a shape is timed
+ROTATE_MAX_BYTES = 128 * 2**20
 # the largest relative error (max |out - reference| / max |reference|) a timed Triton launch
 # shape may show on the call's inputs before it is dropped
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
-TritonRun = Callable[[LinearConfig], torch.Tensor]
+TritonRun = Callable[[LinearConfig, torch.Tensor], torch.Tensor]  # (launch shape, weight)
+CublasRun = Callable[[torch.Tensor], object]  # (weight)
 
 
 def bucket_rows(rows: int) -> int:
@@ -106,13 +116,14 @@ class LayerChoice:
         weight: torch.Tensor,
         candidates: list[LinearConfig],
         run_triton: TritonRun,
-        run_cublas: Callable[[], object],
+        run_cublas: CublasRun,
         expected: Callable[[], torch.Tensor],
     ) -> LinearConfig | None:
         """The Triton launch shape ``op`` runs for ``x [M, K]`` and ``weight [N, K]``, or None for
         cuBLAS. ``candidates``: the Triton shapes to time (the table's first, the untimed
-        answer); ``run_triton(config)`` / ``run_cublas()``: a call of the op each way on these
-        inputs; ``expected()``: the op's reference result, which a Triton shape must match."""
+        answer); ``run_triton(config, w)`` / ``run_cublas(w)``: a call of the op each way on
+        these inputs with ``w`` for ``weight`` (``weight`` itself or a copy of it);
+        ``expected()``: the op's reference result, which a Triton shape must match."""
         rows = x.shape[0]
         if not self.timed or not self.can_time(x):
             return candidates[0] if rows <= self.static_rows else None
@@ -133,7 +144,7 @@ class LayerChoice:
                 )
             return candidates[0] if rows <= self.static_rows else None
         if not found:
-            choice = self._time(key, x.dtype, candidates, run_triton, run_cublas, expected)
+            choice = self._time(key, x.dtype, weight, candidates, run_triton, run_cublas, expected)
         self._memory[key] = choice
         return choice
 
@@ -145,6 +156,18 @@ class LayerChoice:
         if isinstance(entry, list) and len(entry) == len(LinearConfig._fields):
             return True, LinearConfig(*(int(v) for v in entry))
         return False, None
+
+    def weight_copies(self, weight: torch.Tensor) -> list[torch.Tensor]:
+        """``weight`` and, where it has at most :data:`ROTATE_MAX_BYTES`, ``CALLS_PER_GRAPH -
+        1`` copies of it, so that each call of a timed graph reads a weight no earlier call
+        left in L2 (only ``weight`` where the device has no room for the copies)."""
+        if weight.numel() * weight.element_size() > ROTATE_MAX_BYTES:
+            return [weight]
+        try:
+            return [weight] + [weight.clone() for _ in range(CALLS_PER_GRAPH - 1)]
+        except torch.OutOfMemoryError:
+            logger.info("fused layer: no room to copy a %s weight: timed on one", weight.shape)
+            return [weight]
 
     def can_time(self, x: torch.Tensor) -> bool:
         """Whether ``x``'s device can time a kernel (a CUDA device)."""
@@ -162,24 +185,29 @@ class LayerChoice:
         self,
         key: str,
         dtype: torch.dtype,
+        weight: torch.Tensor,
         candidates: list[LinearConfig],
         run_triton: TritonRun,
-        run_cublas: Callable[[], object],
+        run_cublas: CublasRun,
         expected: Callable[[], torch.Tensor],
     ) -> LinearConfig | None:
-        """Time cuBLAS and every candidate that runs and matches ``expected``; keep the fastest
-        Triton shape unless cuBLAS beats it by more than :data:`CUBLAS_MARGIN_US`."""
-        cublas_ms = self.timer(run_cublas, CALLS_PER_GRAPH)
+        """Time cuBLAS and every candidate that runs and matches ``expected``, each timed call
+        on the next of :meth:`weight_copies`; keep the fastest Triton shape unless cuBLAS
+        beats it by more than :data:`CUBLAS_MARGIN_US`."""
+        turn = itertools.cycle(self.weight_copies(weight))
+        cublas_ms = self.timer(lambda: run_cublas(next(turn)), CALLS_PER_GRAPH)
         timings: list[tuple[float, str, LinearConfig]] = []  # the Triton shapes that ran
         want = expected().float()
         scale = max(float(want.abs().max()), 1e-30)
         for config in candidates:
             try:
-                err = float((run_triton(config).float() - want).abs().max()) / scale
+                err = float((run_triton(config, weight).float() - want).abs().max()) / scale
                 if not err <= CHECK_TOLERANCE.get(dtype, 4e-2):  # NaN fails too
                     logger.warning("fused layer: %s: %s off by %.3g: dropped", key, config, err)
                     continue
-                ms = self.timer(lambda config=config: run_triton(config), CALLS_PER_GRAPH)
+                ms = self.timer(
+                    lambda config=config: run_triton(config, next(turn)), CALLS_PER_GRAPH
+                )
             except Exception as exc:  # noqa: BLE001 - a launch that cannot run is dropped
                 logger.info("fused layer: %s: %s failed to run (%s): dropped", key, config, exc)
                 continue

@@ -33,6 +33,7 @@ from pitstop.plugin_system.plugin_manager import get_plugin_manager  # noqa: E40
 from pitstop.plugin_system.protocols import KernelSetBase, RotaryCache  # noqa: E402
 from pitstop.plugins.kernels import reference  # noqa: E402
 from pitstop.plugins.kernels.fused import FusedKernels  # noqa: E402
+from pitstop.plugins.kernels.triton_ops import layer_choice  # noqa: E402
 from pitstop.plugins.kernels.triton_ops.fused_linear import LinearConfig  # noqa: E402
 from pitstop.plugins.kernels.triton_ops.layer_choice import (  # noqa: E402
     CALLS_PER_GRAPH,
@@ -226,26 +227,31 @@ class Ways:
 
     def __init__(self, times: dict[str, float], outputs: dict[str, torch.Tensor] | None = None):
         self.times, self.outputs, self.ran = times, outputs or {}, []
+        self.weights: list[torch.Tensor] = []  # the weight each call was given
         self.expected = torch.ones(3, 4)
 
-    def triton(self, config: LinearConfig) -> torch.Tensor:
+    def triton(self, config: LinearConfig, weight: torch.Tensor) -> torch.Tensor:
         name = f"triton{tuple(config)}"
         self.ran.append(name)
+        self.weights.append(weight)
         out = self.outputs.get(name, self.expected)
         if isinstance(out, Exception):
             raise out
         return out
 
-    def cublas(self) -> None:
+    def cublas(self, weight: torch.Tensor) -> None:
         self.ran.append("cublas")
+        self.weights.append(weight)
 
     def timer(self, fn, n: int) -> float:
+        """Runs ``fn`` as the real timer does: once, then ``n`` times (the graph's calls)."""
         assert n == CALLS_PER_GRAPH
-        fn()
+        for _ in range(1 + n):
+            fn()
         return self.times[self.ran[-1]]
 
-    def choose(self, choice: LayerChoice, rows: int, op: str = "norm_linear"):
-        x, w = torch.zeros(rows, 32), torch.zeros(48, 32)
+    def choose(self, choice: LayerChoice, rows: int, op: str = "norm_linear", w=None):  # noqa: ANN001
+        x, w = torch.zeros(rows, 32), (torch.zeros(48, 32) if w is None else w)
         return choice.launch_shape(
             op, x, w, [A, B], self.triton, self.cublas, lambda: self.expected
         )
@@ -302,6 +308,39 @@ def test_a_wrong_or_failing_triton_shape_is_dropped_and_a_capture_is_never_timed
     assert ways.ran == ran
     assert sum("inside a CUDA graph capture" in r.message for r in caplog.records) == 1
     assert not (tmp_path / "other" / LayerChoice.FILE).exists()
+
+
+def test_each_timed_call_reads_its_own_copy_of_a_small_weight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a step every layer's weight comes from HBM; a timed graph of calls on one weight
+    that fits in L2 would read it from there after its first call. So the calls of a timed
+    graph take ``CALLS_PER_GRAPH`` distinct copies in turn (equal to the weight), the check
+    against the reference the weight itself; a weight over ``ROTATE_MAX_BYTES`` is timed on
+    itself, and where no copy fits the device the timing goes on with the weight alone."""
+    ways = Ways({"cublas": 2.0, f"triton{tuple(A)}": 3.0, f"triton{tuple(B)}": 1.0})
+    w = torch.randn(48, 32)
+    assert ways.choose(TimedOnCpu(4, 64, True, tmp_path / "a", timer=ways.timer), 5, w=w) == B
+    timed = ways.weights[-CALLS_PER_GRAPH:]  # the last candidate's graph
+    assert len({t.data_ptr() for t in timed}) == CALLS_PER_GRAPH
+    assert all(torch.equal(t, w) for t in timed)
+    checks = [t for name, t in zip(ways.ran, ways.weights, strict=True) if name != "cublas"]
+    assert checks[0] is w, "the check against the reference runs on the weight itself"
+
+    monkeypatch.setattr(layer_choice, "ROTATE_MAX_BYTES", w.numel() * w.element_size() - 1)
+    big = Ways(dict(ways.times))
+    assert big.choose(TimedOnCpu(4, 64, True, tmp_path / "b", timer=big.timer), 5, w=w) == B
+    assert all(t is w for t in big.weights), "a weight too large for L2 is timed on itself"
+
+    monkeypatch.setattr(layer_choice, "ROTATE_MAX_BYTES", 2**40)
+
+    def no_room(self: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(torch.Tensor, "clone", no_room)
+    full = Ways(dict(ways.times))
+    assert full.choose(TimedOnCpu(4, 64, True, tmp_path / "c", timer=full.timer), 5, w=w) == B
+    assert all(t is w for t in full.weights), "no room for copies: the weight itself"
 
 
 @pytest.mark.parametrize("triton_wins", [True, False])
