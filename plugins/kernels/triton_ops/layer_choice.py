@@ -14,7 +14,8 @@ graph of a few calls (programmatic dependent launch overlaps them as in a layer)
 on its own copy of a weight small enough to stay in L2 (:data:`ROTATE_MAX_BYTES`: in a
 step every layer's weight comes from HBM, and a graph of four calls on one 16 MB weight
 timed three of them on L2 hits), after checking each Triton shape's output against the
-reference (one that disagrees is dropped and logged). The fastest Triton shape is kept, or cuBLAS where it is ahead by more than
+reference (one that disagrees is dropped and logged). The fastest Triton shape is kept,
+or cuBLAS where it is ahead by more than
 :data:`CUBLAS_MARGIN_US` (the overlap a cuBLAS launch costs its neighbours in a layer), in
 memory and in ``fused_layer.json`` under :func:`.tuning.cache_dir` (keyed by op, row
 bucket, shape, dtype, device name, Triton version and :data:`CHOICE_REVISION`), as the

@@ -108,8 +108,8 @@ short autotune at the first call of a shape bucket
 of a CUDA graph: :func:`.tuning.time_replays`;
 no split: splits lost at every measured batch; the timed calls run the default plan: a
 first round with the same tiles in both grouped GEMMs, a second with the winner's gate-up
-and the down GEMM's own tiles, :func:`.moe_tiles.autotune`); the winner is cached in memory and on disk
-(:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
+and the down GEMM's own tiles, :func:`.moe_tiles.autotune`); the winner is cached in
+memory and on disk (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
 the bucket, dtype, device name, Triton version and :data:`.moe_tiles.KERNEL_REVISION`).
 Where timing is impossible (Triton's interpreter, or a CUDA graph being captured) and the
 bucket is not cached, :func:`heuristic_config` decides, and that is logged once per
