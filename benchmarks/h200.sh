@@ -26,7 +26,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   [ "$rc" != 0 ] && [ "$rc" != 124 ] && echo "== GPU tests: pytest exit $rc"
 fi
 ABLATION=baseline,+paged,+continuous,+fused,+chunked,+ngram
-run() { name=$1; shift; echo "== $name: pitstop bench $*"; timeout ${BENCH_TIMEOUT:-300} pitstop bench "$@" --output "$OUT/$name.json" 2>&1 | tail -${TAIL:-30}; }
+run() { name=$1; shift; echo "== $name: pitstop bench $*"; timeout ${BENCH_TIMEOUT:-300} pitstop bench "$@" --output "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -${TAIL:-30}; }
 # issue 28: one row of pitstop beside vLLM (--peer vllm), its log in OUT/NAME.log, the ratio lines shown
 vrun() { name=$1; shift; echo "== $name: pitstop bench $* --peer vllm"
   timeout ${VLLM_BENCH_TIMEOUT:-590} pitstop bench "$@" --peer vllm --output "$OUT/$name.json" >"$OUT/$name.log" 2>&1

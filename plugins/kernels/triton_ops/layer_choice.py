@@ -49,11 +49,15 @@ CUBLAS = "cublas"  # the stored choice of cuBLAS
 # does not see. On one H100 (2026-12-06, moe-ab, dummy:qwen3-30b-a3b at batch 1) the fused
 # layer with every projection in Triton ran 256.5 tok/s against 253.7 with the timed choice,
 # which had kept cuBLAS for the QKV projection (8.46 us a call timed alone): 0.85 us a layer
-# in the step, so cuBLAS's timed lead there was worth less than nothing
-CUBLAS_MARGIN_US = 1.0
+# in the step, so cuBLAS's timed lead there was worth less than nothing. With this margin at
+# 1 us and each timed call on its own copy of the weight, one H200 (2026-12-06, 7cfa8dc) still
+# kept cuBLAS for that projection at every row count, and the rule's Triton run 296.3 tok/s
+# against 291.2: 1.2 us a layer faster in the step on top of a timed lead of over 1 us, so a
+# cuBLAS launch there costs its neighbours at least 2.2 us that the timing does not see
+CUBLAS_MARGIN_US = 2.5
 # part of every key: a choice made under another rule is timed again (3: the timed calls on
-# copies of the weight, ROTATE_MAX_BYTES)
-CHOICE_REVISION = 3
+# copies of the weight, ROTATE_MAX_BYTES; 4: the 2.5 us margin)
+CHOICE_REVISION = 4
 # a weight of up to this many bytes is copied for the timing, one copy a call of the timed
 # graph, so that no call reads it from L2 (the H100's and H200's L2 hold 50 MB; a larger
 # weight streamed again from its start finds its first lines evicted by its last); at most

@@ -108,7 +108,8 @@ short autotune at the first call of a shape bucket
 of a CUDA graph: :func:`.tuning.time_replays`;
 no split: splits lost at every measured batch; the timed calls run the default plan: a
 first round with the same tiles in both grouped GEMMs, a second with the winner's gate-up
-and the down GEMM's own tiles, :func:`.moe_tiles.autotune`); the winner is cached in
+and the down GEMM's own tiles, those of the candidates of its height and
+:data:`.moe_tiles.DOWN_TILES`, :func:`.moe_tiles.autotune`); the winner is cached in
 memory and on disk (:class:`ConfigCache`, JSON in ``$PITSTOP_CACHE_DIR`` or ``~/.cache/pitstop/moe``, keyed by
 the bucket, dtype, device name, Triton version and :data:`.moe_tiles.KERNEL_REVISION`).
 Where timing is impossible (Triton's interpreter, or a CUDA graph being captured) and the
@@ -136,6 +137,7 @@ from pitstop.plugins.kernels.triton_ops.moe_routing import (
     route_and_align,
 )
 from pitstop.plugins.kernels.triton_ops.moe_tiles import (
+    DOWN_TILES,
     ConfigCache,
     LaunchPlan,
     MoEConfig,
@@ -186,7 +188,9 @@ def choose_config(
             lambda: experts(x, weights, ids, gate_up, down, config=cfg, scales=scales)
         )
 
-    return autotune(key, candidates(t, gate_up.shape[0], top_k, x.dtype), measure, cache)
+    configs = candidates(t, gate_up.shape[0], top_k, x.dtype)
+    down_tiles = DOWN_TILES if x.dtype != torch.float32 else ()
+    return autotune(key, configs, measure, cache, down_tiles)
 
 
 @triton.jit

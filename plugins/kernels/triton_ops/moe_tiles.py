@@ -14,7 +14,7 @@ ties them to the op's own inputs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -99,8 +99,16 @@ FEW_ROWS = (
 # Part of every cache key: raised when the kernels, the candidates or their timing change, so
 # that a tile cached from older timings is timed again (2: the in-launch split sum, and the
 # timing after a read that leaves L2 clean; 3: timed on spread routing, spread_routing; 4: the
-# down GEMM's own tiles, down_candidates)
-KERNEL_REVISION = 4
+# down GEMM's own tiles, down_candidates; 5: DOWN_TILES and the 32 x 128 gate-up tile)
+KERNEL_REVISION = 5
+# The down GEMM's tiles (columns, K step, warps, stages) that round two also tries with the
+# winner's rows, whatever its ``block_m`` (:func:`down_candidates`). On one H200 on
+# 2026-12-06 (moe_bench, Qwen3-30B-A3B, the down's K = F = 768 over H = 2,048 columns) the
+# down GEMM read its 403 MB at batch 256 in 132 us (71% of copy) in the 32-row winner's own
+# 64-column tile, the only one of that height among the candidates, while at batch 64 it read
+# 95% of copy in a 16 x 128 x 128 tile: the down's short K wants wide column tiles at any
+# height.
+DOWN_TILES = ((128, 128, 4, 3), (128, 64, 4, 4), (256, 64, 8, 3), (64, 128, 4, 4))
 MANY_ROWS = (
     MoEConfig(64, 64, 64, 4, 3),
     MoEConfig(64, 128, 64, 4, 3),
@@ -228,19 +236,26 @@ def candidates(
     if per_expert <= 8:
         return list(FEW_ROWS)
     if per_expert <= 48:
-        return [NARROW_DEEP, ROWS_32, *MANY_ROWS[:2]]
+        return [NARROW_DEEP, ROWS_32, MoEConfig(32, 128, 128, 4, 3), *MANY_ROWS[:2]]
     return list(MANY_ROWS)
 
 
-def down_candidates(best: MoEConfig, configs: list[MoEConfig]) -> list[MoEConfig]:
+def down_candidates(
+    best: MoEConfig,
+    configs: list[MoEConfig],
+    down_tiles: Sequence[tuple[int, int, int, int]] = (),
+) -> list[MoEConfig]:
     """The configs that differ from ``best`` only in the down GEMM's tiles, one for each
-    other tile of ``configs`` with ``best``'s ``block_m`` (the grouping both GEMMs read):
-    what the autotune times second, the gate-up's tiles fixed."""
+    other tile of ``configs`` with ``best``'s ``block_m`` (the grouping both GEMMs read),
+    then one for each of ``down_tiles`` (columns, K step, warps, stages: :data:`DOWN_TILES`
+    for 16-bit activations) not among them: what the autotune times second, the gate-up's
+    tiles fixed."""
+    own = [c._replace(split_k=best.split_k).down for c in configs if c.block_m == best.block_m]
+    extra = [MoEConfig(best.block_m, *tiles, split_k=best.split_k) for tiles in down_tiles]
     seen = {best.down}
     out = []
-    for cfg in configs:
-        tiles = cfg._replace(split_k=best.split_k).down
-        if cfg.block_m == best.block_m and tiles not in seen:
+    for tiles in own + extra:
+        if tiles not in seen:
             seen.add(tiles)
             out.append(best.with_down(tiles))
     return out
@@ -384,13 +399,14 @@ def autotune(
     configs: list[MoEConfig],
     measure: Callable[[MoEConfig], float],
     cache: ConfigCache,
+    down_tiles: Sequence[tuple[int, int, int, int]] = (),
 ) -> MoEConfig:
     """The cached config of ``key``, or the fastest of ``configs`` by ``measure`` (seconds or
     any unit; an exception, e.g. too much shared memory, rules a config out), then cached.
 
     Two rounds: each config with the same tiles in both GEMMs, then the winner with the
-    down GEMM's tiles taken from the other configs of its ``block_m``
-    (:func:`down_candidates`), kept where faster."""
+    down GEMM's tiles taken from the other configs of its ``block_m`` and from
+    ``down_tiles`` (:func:`down_candidates`), kept where faster."""
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -399,7 +415,9 @@ def autotune(
         raise RuntimeError(f"fused MoE: no tile configuration runs for {key}")
     best_ms, _, best = min(first)  # the first on a tie
     # the winner itself ranks before its variants (index -1): it keeps a tie
-    best = min([(best_ms, -1, best), *_timings(down_candidates(best, configs), measure)])[2]
+    best = min(
+        [(best_ms, -1, best), *_timings(down_candidates(best, configs, down_tiles), measure)]
+    )[2]
     logger.info("fused MoE: tuned %s -> %s", key, best)
     cache.put(key, best)
     return best

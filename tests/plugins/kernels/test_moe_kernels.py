@@ -593,6 +593,17 @@ def test_the_autotune_picks_the_down_gemms_tiles_second(tmp_path: Path) -> None:
     assert best[:6] == winner[:6], "the gate-up keeps the winner's tiles"
     assert timed == few + second, "the winner is not timed twice"
     assert moe_tiles.ConfigCache(tmp_path).get("bucket") == best
+    # the down tiles of any height: tried with the winner's rows after its own height's,
+    # none twice (the winner's 128 x 128 and ROWS_16's 64 x 128 are among DOWN_TILES)
+    timed.clear()
+    wide = moe_tiles.autotune("wide", few, measure, cache, moe_tiles.DOWN_TILES)
+    extra = timed[len(few) + len(second) :]
+    seen = {c.down[1:5] for c in [winner, *second]}
+    assert [c.down[1:5] for c in extra] == [t for t in moe_tiles.DOWN_TILES if t not in seen]
+    assert len(extra) == 2
+    assert all(c.block_m == winner.block_m and c[:6] == winner[:6] for c in extra)
+    assert wide == best, "no faster down among the extra tiles (the fake timer's)"
+    assert moe_tiles.down_candidates(winner, few, moe_tiles.DOWN_TILES)[: len(second)] == second
     slow_down = moe_tiles.autotune("other", few, lambda c: 1.0 if c in few else 2.0, cache)
     assert slow_down == moe_tiles.FEW_ROWS[0], "a faster down is needed to move it"
     assert slow_down.down == slow_down._replace(down_block_n=0).down
