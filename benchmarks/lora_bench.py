@@ -14,6 +14,7 @@ times (``fused_linear.tile_candidates``). Prints µs per call and the layer's to
 LoRA cost beside the base GEMMs.
 
     python3 benchmarks/lora_bench.py [--case nano-1 single ...]
+    python3 benchmarks/lora_bench.py --case nano-8 --tiles 32,64,128,2 16,64,128,4
 """
 
 from __future__ import annotations
@@ -144,6 +145,55 @@ def _time_projection(
     }
 
 
+def run_tiles(name: str, tiles: list[lora.LoRAConfig], iters: int, repeats: int) -> None:
+    """``--tiles``: per projection of ``name``, the cuBLAS GEMM with the engine's default LoRA
+    path (shrink into the zeroed workspace, expand) at :func:`lora.default_config`'s launch
+    shape and at each of ``tiles`` (both kernels), the layer's totals last."""
+    hidden, q, kv, inter, rows, adapters = CASES[name]
+    slots, dev, dt = max(adapters, 1), "cuda", torch.bfloat16
+    slot_of_row = (torch.arange(rows, device=dev) % adapters).to(torch.int32)
+    meta = lora.lora_meta(slot_of_row, slots)
+    ranks = torch.full((slots,), RANK, dtype=torch.int32, device=dev)
+    scaling = torch.full((slots,), 2.0, device=dev)
+    shapes = {"default": None, **{str(tuple(c)): c for c in tiles}}
+    totals = dict.fromkeys(["gemm", *shapes], 0.0)
+    print(f"== {name} tiles: T={rows}, {adapters} adapter(s), rank {RANK}, bf16")
+    for proj, (k, widths) in {
+        "qkv": (hidden, (q, kv, kv)),
+        "o": (q, (hidden,)),
+        "gate_up": (hidden, (inter, inter)),
+        "down": (inter, (hidden,)),
+    }.items():
+        x = torch.randn(rows, k, device=dev, dtype=dt)
+        w = torch.randn(sum(widths), k, device=dev, dtype=dt) / k**0.5
+        y = torch.zeros(rows, sum(widths), device=dev, dtype=dt)
+        a = [torch.randn(slots, RANK, k, device=dev, dtype=dt) / k**0.5 for _ in widths]
+        b = [torch.randn(slots, m, RANK, device=dev, dtype=dt) / RANK for m in widths]
+        h = torch.zeros(rows, len(widths) * RANK, device=dev, dtype=torch.float32)
+
+        def serial(cfg: lora.LoRAConfig | None, x=x, w=w, y=y, a=a, b=b, h=h) -> None:
+            torch.mm(x, w.t(), out=y)
+            lora.lora_shrink(x, a, slot_of_row, ranks, meta=meta, out=h, zeroed=True, config=cfg)
+            lora.lora_expand_add(y, h, b, slot_of_row, scaling, ranks, meta=meta, config=cfg)
+
+        times = {"gemm": _timed(lambda x=x, w=w, y=y: torch.mm(x, w.t(), out=y), iters, repeats)}
+        times |= {
+            label: _timed(lambda c=c: serial(c), iters, repeats) for label, c in shapes.items()
+        }
+        for key, us in times.items():
+            totals[key] += us
+        default = lora.default_config(rows, k, dt, x.device)
+        print(f"{proj:>8}: K={k:>5} N={sum(widths):>5} default {tuple(default)}: "
+              + ", ".join(f"{key} {us:.2f} us" for key, us in times.items()))  # fmt: skip
+    print("   layer: " + ", ".join(f"{key} {us:.1f} us" for key, us in totals.items()))
+
+
+def _tiles(text: str) -> lora.LoRAConfig:
+    """``BM,BN,BK,SPLIT[,WARPS,STAGES]`` as a launch shape (4 warps, 3 stages by default)."""
+    v = [int(part) for part in text.split(",")]
+    return lora.LoRAConfig(*v[:4], *(v[4:6] if len(v) >= 6 else (4, 3)))
+
+
 def _shape(config: fused_linear.LinearConfig | None) -> str:
     """A launch shape as its six numbers, or why there is none."""
     return str(tuple(config)) if config is not None else "(no shape fits the slices)"
@@ -207,9 +257,20 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--fused", type=int, default=1, help="1: one launch; 0: two")
+    parser.add_argument(
+        "--tiles",
+        nargs="*",
+        type=_tiles,
+        default=None,
+        metavar="BM,BN,BK,SPLIT[,WARPS,STAGES]",
+        help="only the GEMM with the default LoRA path, at the default and these launch shapes",
+    )
     args = parser.parse_args()
     for name in args.case:
-        run_case(name, args.iters, args.repeats, bool(args.fused))
+        if args.tiles is not None:
+            run_tiles(name, args.tiles, args.iters, args.repeats)
+        else:
+            run_case(name, args.iters, args.repeats, bool(args.fused))
 
 
 if __name__ == "__main__":
