@@ -225,7 +225,7 @@ class LayerChoice:
             best = None
         logger.info(
             "fused layer: %s: %s (cuBLAS %.2f us, the best Triton shape %s %.2f us; cuBLAS "
-            "only %.1f us ahead)",
+            "is kept only when over %.1f us ahead)",
             key,
             CUBLAS if best is None else name,
             cublas_ms * 1e3,
