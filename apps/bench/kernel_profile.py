@@ -278,16 +278,42 @@ def profiled_runs(
 
 
 def profile_pitstop(
-    model: str, scenario: Scenario, trace_dir: Path, lora_adapters: int = 0, **engine_kwargs: Any
+    model: str,
+    scenario: Scenario,
+    trace_dir: Path,
+    lora_adapters: int = 0,
+    warm_prompts: bool = False,
+    **engine_kwargs: Any,
 ) -> tuple[dict[str, tuple[float, float]], ModelConfig]:
     """pitstop's kernels per step of ``scenario`` (a warm-up run first, outside the profile),
     and the model's shape (which the vLLM side and the ceilings need). ``lora_adapters``: the
-    requests take N random rank-16 adapters on every projection in turn (none: the base model)."""
+    requests take N random rank-16 adapters on every projection in turn (none: the base model).
+
+    ``warm_prompts`` (a decode scenario): the engine takes the ``prefix`` allocator and runs
+    the prompts once before the profile, so that both profiled runs find every prompt's full
+    pages cached and prefill only its last tokens. Without it the long run's chunked prefill
+    shares its steps with the decode rows of the prompts already prefilled, and so takes
+    more steps (and launches) for the same prompts than the short run: the difference of the
+    two runs then holds prefill work too. A prompt served nothing from the cache (a cache too
+    small for the batch's prompts) raises a :class:`ValueError` naming the fix."""
     engine_kwargs.setdefault("max_model_len", scenario.prompt_len + scenario.decode_steps + 16)
     if lora_adapters:
         engine_kwargs["adapter"] = "lora"
         engine_kwargs.setdefault("options", {}).setdefault("max_loras", lora_adapters)
-    runs, mc = _profile_pitstop_runs(model, scenario, trace_dir, engine_kwargs, lora_adapters)
+    if warm_prompts:
+        if scenario.decode_steps == 0:
+            raise ValueError(
+                f"warm prompts apply to a decode scenario; {scenario.name} profiles the prompts' "
+                "own prefill: drop the warm prompts"
+            )
+        if engine_kwargs.setdefault("allocator", "prefix") != "prefix":
+            raise ValueError(
+                f"warm prompts need the prefix allocator, not {engine_kwargs['allocator']!r}: "
+                "drop the allocator or the warm prompts"
+            )
+    runs, mc = _profile_pitstop_runs(
+        model, scenario, trace_dir, engine_kwargs, lora_adapters, warm_prompts
+    )
     _free_cuda()  # vLLM runs next, in its own process: the engine's memory is given back first
     return scenario.per_unit(runs), mc
 
@@ -298,6 +324,7 @@ def _profile_pitstop_runs(
     trace_dir: Path,
     engine_kwargs: dict[str, Any],
     lora_adapters: int = 0,
+    warm_prompts: bool = False,
 ) -> tuple[list[dict[str, tuple[float, int]]], ModelConfig]:
     from pitstop import LLM, SamplingParams
 
@@ -311,15 +338,37 @@ def _profile_pitstop_runs(
             folder = Path(tempfile.mkdtemp(prefix="profile-lora-"))
             adapters = lora_requests(write_random_adapters(mc, lora_adapters, 16, folder))
 
+        cached: list[list[int]] = []  # each run's cached prompt tokens, per prompt
+
         def generate(batch: list[list[int]], tokens: int) -> None:
             params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
             lora = [adapters[i % len(adapters)] for i in range(len(batch))] if adapters else None
-            llm.generate(
+            outputs = llm.generate(
                 prompt_token_ids=batch, sampling_params=params, use_tqdm=False, lora_request=lora
             )
+            cached.append([out.num_cached_tokens for out in outputs])
 
         generate(prompts[: min(8, len(prompts))], 4)  # warm-up: graphs, autotuning
-        return profiled_runs(generate, scenario, prompts, trace_dir, "pitstop"), mc
+        if warm_prompts:
+            generate(prompts, 1)  # every prompt's pages into the prefix cache
+        runs = profiled_runs(generate, scenario, prompts, trace_dir, "pitstop")
+        if warm_prompts:
+            _check_warm(cached[-len(runs) :], scenario)
+        return runs, mc
+
+
+def _check_warm(cached: list[list[int]], scenario: Scenario) -> None:
+    """Every prompt of every profiled run found pages in the prefix cache (``cached``: each
+    run's cached prompt tokens per prompt), else a ValueError naming the fix."""
+    for run, tokens in enumerate(cached):
+        missed = sum(1 for n in tokens if n == 0)
+        if missed:
+            raise ValueError(
+                f"warm prompts: {missed} of {len(tokens)} prompts found nothing in the prefix "
+                f"cache in profiled run {run + 1}; the KV cache does not hold {scenario.batch} "
+                f"prompts of {scenario.prompt_len} tokens: profile fewer (--batch) or give the "
+                "cache more memory"
+            )
 
 
 def _free_cuda() -> None:

@@ -121,6 +121,26 @@ def test_pitstop_side_with_lora_adapters_profiles_their_work(tmp_path: Path) -> 
     assert launches["lora"] > launches["base"]
 
 
+def test_warm_prompts_profile_decode_steps_from_cached_prompts(tmp_path: Path) -> None:
+    """``--warm-prompts``: the prompts run once before the profile with the prefix allocator,
+    and both profiled runs serve every prompt's full pages from the cache; a cache that cannot
+    hold the batch's prompts, a prefill scenario or another allocator is refused by name."""
+    folder = make_tiny_checkpoint(tmp_path, "llama")
+    scenario = Scenario("warm-decode", batch=4, prompt_len=40, decode_steps=4)
+    run = functools.partial(
+        profile_pitstop, str(folder), scenario, device="cpu", kernels="reference"
+    )
+    kernels, _ = run(tmp_path / "warm", warm_prompts=True)
+    assert kernels and all(us > 0 for us, _ in kernels.values())
+    with pytest.raises(ValueError, match="does not hold 4 prompts of 40 tokens"):
+        run(tmp_path / "small", warm_prompts=True, max_num_pages=8)
+    prefill = Scenario("warm-prefill", batch=2, prompt_len=40, decode_steps=0)
+    with pytest.raises(ValueError, match="apply to a decode scenario"):
+        profile_pitstop(str(folder), prefill, tmp_path / "p", warm_prompts=True, device="cpu")
+    with pytest.raises(ValueError, match="need the prefix allocator, not 'paged'"):
+        run(tmp_path / "paged", warm_prompts=True, allocator="paged")
+
+
 def test_vllm_side_reads_vllms_own_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(vllm_peer.ENV_PYTHONPATH, str(FAKE_VLLM))
     mc = get_plugin_manager().presets()["qwen3-0.6b"]
