@@ -474,5 +474,17 @@ for _ in range(2):
       [[ $parts == *" bench "* ]] && { echo "== lora_bench"; timeout 240 python3 benchmarks/lora_bench.py --case single single-16 nano-1 2>&1 | tee "$OUT/lora-bench-layer.log"; }
       [[ $parts == *" single "* ]] && run lora-layer-single offline --workload single --repeats ${LORA_REPEATS:-3} --matrix benchmarks/workloads/lora.toml --only base-layer,lora-1-layer
       [ -n "${LORA_LAYER_NANO:-}" ] && run lora-layer-nano offline --workload nano --matrix benchmarks/workloads/lora.toml --only base-layer,lora-1-layer,lora-8-layer ;;
+    # issue 47 (2026-12-06, ninth session): the LoRA shrink's and expand's launch shapes at nano's
+    # 256 rows, one and 8 adapters (the default and each of LORA_TILES: BM,BN,BK,SPLIT[,WARPS,STAGES])
+    lora-tiles) timeout ${LORA_TILES_TIMEOUT:-200} python3 benchmarks/lora_bench.py --case nano-8 nano-1 --iters 20 --repeats 3 \
+        --tiles ${LORA_TILES:-32,64,128,2 32,64,128,4 16,64,128,4 16,128,128,4 64,128,128,4 64,64,128,8} 2>&1 \
+        | grep -v Warn | tee "$OUT/lora-tiles.log" | tail -14 ;;
+    # issues 47, 48: decode steps alone (kernel_profile --warm-prompts: the prompts cached first) of
+    # nano over 8 LoRA adapters and of nano on the MoE preset (WARM_ROWS: NAME:MODEL, lora8 adds the adapters)
+    profile-warm) for row in ${WARM_ROWS:-lora8:dummy:qwen3-0.6b moe:dummy:qwen3-30b-a3b}; do name=${row%%:*}; model=${row#*:}
+        extra=""; [ "$name" = lora8 ] && extra="--lora-adapters 8"
+        timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/kernel_profile.py --scenario nano-decode --model "$model" --warm-prompts $extra \
+          --json "$OUT/profile-warm-$name.json" >"$OUT/profile-warm-$name.txt" 2>"$OUT/profile-warm-$name.log"
+        echo "== profile-warm $name on $model: exit $?"; head -${PROFILE_LINES:-32} "$OUT/profile-warm-$name.txt"; done ;;
   esac
 done
