@@ -474,6 +474,10 @@ for _ in range(2):
       [[ $parts == *" bench "* ]] && { echo "== lora_bench"; timeout 240 python3 benchmarks/lora_bench.py --case single single-16 nano-1 2>&1 | tee "$OUT/lora-bench-layer.log"; }
       [[ $parts == *" single "* ]] && run lora-layer-single offline --workload single --repeats ${LORA_REPEATS:-3} --matrix benchmarks/workloads/lora.toml --only base-layer,lora-1-layer
       [ -n "${LORA_LAYER_NANO:-}" ] && run lora-layer-nano offline --workload nano --matrix benchmarks/workloads/lora.toml --only base-layer,lora-1-layer,lora-8-layer ;;
+    # issue 47 (2026-12-06, ninth session): nano with one and 8 adapters, the default shrink and
+    # expand beside the one fused launch (lora.kernel=fused), all against the base row, one call
+    lora-kernels) run lora-kernels-nano offline --workload nano --repeats ${LORA_REPEATS:-1} --matrix benchmarks/workloads/lora.toml \
+        --only base,lora-1,lora-8,lora-1-fused,lora-8-fused ;;
     # issue 47 (2026-12-06, ninth session): the LoRA shrink's and expand's launch shapes at nano's
     # 256 rows, one and 8 adapters (the default and each of LORA_TILES: BM,BN,BK,SPLIT[,WARPS,STAGES])
     lora-tiles) timeout ${LORA_TILES_TIMEOUT:-200} python3 benchmarks/lora_bench.py --case nano-8 nano-1 --iters 20 --repeats 3 \
