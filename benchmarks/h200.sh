@@ -440,6 +440,10 @@ for _ in range(2):
       # the timed choice's shapes, to set beside the rule's (docs/benchmarks.md, eighth session)
       cp "${PITSTOP_CACHE_DIR:-$HOME/.cache/pitstop/fused}/fused_layer.json" "$OUT/moe-ab-fused_layer.json" 2>/dev/null \
         && echo "== fused_layer.json: $(grep -c '|' "$OUT/moe-ab-fused_layer.json") choices" ;;
+    # issue 48 (2026-12-06, ninth session): nano on the MoE preset with and without fused.layer (its
+    # post-attention norm inside the MoE op), pitstop alone: whether the layer pays at 256 rows too
+    moe-nano-ab) run moe-nano-ab offline --workload nano --model dummy:qwen3-30b-a3b --repeats ${MOE_REPEATS:-1} \
+        --matrix benchmarks/workloads/moe.toml --only router-on,router-on-layer ;;
     # issue 48: the MoE op at MOE_BATCHES (default 1 2 8 64 256): the device's copy rate, the
     # tuned op, the engine's call (router weight, norm, residual), each kernel's time
     moe-bench) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}; bs=""
