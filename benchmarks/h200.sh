@@ -235,7 +235,7 @@ for _ in range(2):
     # wheels of .vx/ (added after the parts were made: vllm serve's model-hosting-container-standards,
     # loguru for vLLM's fp8 quantization; benchmarks/vllm_download.sh lists both now).
     # VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec
-    # multiturn lora1 lora8 moe-nano moe-single (docs/benchmarks.md).
+    # multiturn lora1 lora8 moe-nano moe-nano-layer moe-single moe-single-layer moe-single-rule (docs/benchmarks.md).
     # issue 29: kernel by kernel, one step of each engine on the same requests (benchmarks/kernel_profile.py);
     # PROFILE_ARGS: more flags for every row (e.g. "--lora-adapters 1", with PEER_OFF=1)
     # PROFILE_ROWS "nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b"
@@ -281,6 +281,8 @@ for _ in range(2):
             lora1) vrun vllm-lora1 offline --workload nano --kernels fused --lora-adapters 1 --repeats $R ;;
             # issue 48: the MoE preset on both sides
             moe-nano) vrun vllm-moe-nano offline --workload nano --model dummy:qwen3-30b-a3b --kernels fused --repeats $R ;;
+            moe-nano-layer) vrun vllm-moe-nano-layer offline --workload nano --model dummy:qwen3-30b-a3b --kernels fused \
+                --option fused.layer=true --repeats $R ;;
             moe-single) vrun vllm-moe-single offline --workload single --model dummy:qwen3-30b-a3b --kernels fused --repeats 3 ;;
             # the same with fused.layer (a sparse layer's attention half fused, 2026-12-06)
             moe-single-layer) vrun vllm-moe-single-layer offline --workload single --model dummy:qwen3-30b-a3b --kernels fused \
@@ -297,7 +299,7 @@ for _ in range(2):
               vrun vllm-spec offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl \
                 --max-batch-size 1 --max-prefill-batch 1 --speculative ngram --num-speculative-tokens 4 --repeats ${SPEC_REPEATS:-3} \
                 --peer-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ;;
-            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn lora1 lora8 moe-nano moe-single moe-single-layer)" ;;
+            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn lora1 lora8 moe-nano moe-nano-layer moe-single moe-single-layer moe-single-rule)" ;;
           esac
         done
         ls "$OUT"/vllm-*.json >/dev/null 2>&1 && python3 benchmarks/peer_table.py "$OUT"/vllm-*.json
