@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from typing import NamedTuple
 
 import torch
 
@@ -145,25 +146,53 @@ def _time_projection(
     }
 
 
+class Case(NamedTuple):
+    """A case's rows and adapters on the GPU: each projection's ``(K, slice widths)``, and the
+    rows' slots (adapters in turn), their grouping, ranks and scaling."""
+
+    rows: int
+    adapters: int
+    slots: int
+    projections: dict[str, tuple[int, tuple[int, ...]]]
+    slot_of_row: torch.Tensor
+    meta: lora.LoRAMeta
+    ranks: torch.Tensor
+    scaling: torch.Tensor
+
+
+def _case(name: str) -> Case:
+    """:data:`CASES`' ``name`` on the GPU (see :class:`Case`)."""
+    hidden, q, kv, inter, rows, adapters = CASES[name]
+    slots, dev = max(adapters, 1), "cuda"
+    slot_of_row = (torch.arange(rows, device=dev) % adapters).to(torch.int32)
+    return Case(
+        rows,
+        adapters,
+        slots,
+        {
+            "qkv": (hidden, (q, kv, kv)),
+            "o": (q, (hidden,)),
+            "gate_up": (hidden, (inter, inter)),
+            "down": (inter, (hidden,)),
+        },
+        slot_of_row,
+        lora.lora_meta(slot_of_row, slots),
+        torch.full((slots,), RANK, dtype=torch.int32, device=dev),
+        torch.full((slots,), 2.0, device=dev),
+    )
+
+
 def run_tiles(name: str, tiles: list[lora.LoRAConfig], iters: int, repeats: int) -> None:
     """``--tiles``: per projection of ``name``, the cuBLAS GEMM with the engine's default LoRA
     path (shrink into the zeroed workspace, expand) at :func:`lora.default_config`'s launch
     shape and at each of ``tiles`` (both kernels), the layer's totals last."""
-    hidden, q, kv, inter, rows, adapters = CASES[name]
-    slots, dev, dt = max(adapters, 1), "cuda", torch.bfloat16
-    slot_of_row = (torch.arange(rows, device=dev) % adapters).to(torch.int32)
-    meta = lora.lora_meta(slot_of_row, slots)
-    ranks = torch.full((slots,), RANK, dtype=torch.int32, device=dev)
-    scaling = torch.full((slots,), 2.0, device=dev)
+    case = _case(name)
+    rows, slots, dev, dt = case.rows, case.slots, "cuda", torch.bfloat16
+    slot_of_row, meta, ranks, scaling = case.slot_of_row, case.meta, case.ranks, case.scaling
     shapes = {"default": None, **{str(tuple(c)): c for c in tiles}}
     totals = dict.fromkeys(["gemm", *shapes], 0.0)
-    print(f"== {name} tiles: T={rows}, {adapters} adapter(s), rank {RANK}, bf16")
-    for proj, (k, widths) in {
-        "qkv": (hidden, (q, kv, kv)),
-        "o": (q, (hidden,)),
-        "gate_up": (hidden, (inter, inter)),
-        "down": (inter, (hidden,)),
-    }.items():
+    print(f"== {name} tiles: T={rows}, {case.adapters} adapter(s), rank {RANK}, bf16")
+    for proj, (k, widths) in case.projections.items():
         x = torch.randn(rows, k, device=dev, dtype=dt)
         w = torch.randn(sum(widths), k, device=dev, dtype=dt) / k**0.5
         y = torch.zeros(rows, sum(widths), device=dev, dtype=dt)
@@ -200,19 +229,9 @@ def _shape(config: fused_linear.LinearConfig | None) -> str:
 
 
 def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
-    hidden, q, kv, inter, rows, adapters = CASES[name]
-    slots = max(adapters, 1)
-    dev = "cuda"
-    projections = {
-        "qkv": (hidden, (q, kv, kv)),
-        "o": (q, (hidden,)),
-        "gate_up": (hidden, (inter, inter)),
-        "down": (inter, (hidden,)),
-    }
-    slot_of_row = (torch.arange(rows, device=dev) % adapters).to(torch.int32)
-    meta = lora.lora_meta(slot_of_row, slots)
-    ranks = torch.full((slots,), RANK, dtype=torch.int32, device=dev)
-    scaling = torch.full((slots,), 2.0, device=dev)
+    case = _case(name)
+    rows, adapters, slots, projections = case.rows, case.adapters, case.slots, case.projections
+    slot_of_row, meta, ranks, scaling = case.slot_of_row, case.meta, case.ranks, case.scaling
     keys = ["gemm", "old", "new", "serial", "overlap", "layer", "layer+lora"]
     totals = dict.fromkeys([*keys, "layer best", "layer+lora best"], 0.0)
     print(f"== {name}: T={rows}, {adapters} adapter(s), rank {RANK}, bf16")
