@@ -235,7 +235,7 @@ for _ in range(2):
     # wheels of .vx/ (added after the parts were made: vllm serve's model-hosting-container-standards,
     # loguru for vLLM's fp8 quantization; benchmarks/vllm_download.sh lists both now).
     # VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec
-    # multiturn lora1 lora8 moe-nano moe-nano-layer moe-single moe-single-layer moe-single-rule (docs/benchmarks.md).
+    # multiturn lora1 lora8 lora8-stacked moe-nano moe-nano-layer moe-single moe-single-layer moe-single-rule (docs/benchmarks.md).
     # issue 29: kernel by kernel, one step of each engine on the same requests (benchmarks/kernel_profile.py);
     # PROFILE_ARGS: more flags for every row (e.g. "--lora-adapters 1", with PEER_OFF=1)
     # PROFILE_ROWS "nano-decode:dummy:qwen3-0.6b single-decode:dummy:llama3-8b prefill-2048:dummy:qwen3-8b"
@@ -279,6 +279,9 @@ for _ in range(2):
             # LoRA rows against its own base
             lora8) vrun vllm-lora8 offline --workload nano --kernels fused --lora-adapters 8 --repeats $R ;;
             lora1) vrun vllm-lora1 offline --workload nano --kernels fused --lora-adapters 1 --repeats $R ;;
+            # the same with the stacked layout (lora.kernel=stacked, 2026-12-07)
+            lora8-stacked) vrun vllm-lora8-stacked offline --workload nano --kernels fused --lora-adapters 8 \
+                --option lora.kernel=stacked --repeats $R ;;
             # issue 48: the MoE preset on both sides
             moe-nano) vrun vllm-moe-nano offline --workload nano --model dummy:qwen3-30b-a3b --kernels fused --repeats $R ;;
             moe-nano-layer) vrun vllm-moe-nano-layer offline --workload nano --model dummy:qwen3-30b-a3b --kernels fused \
@@ -299,7 +302,7 @@ for _ in range(2):
               vrun vllm-spec offline --model "$gguf" --kernels fused --workload benchmarks/workloads/edit-and-chat.jsonl \
                 --max-batch-size 1 --max-prefill-batch 1 --speculative ngram --num-speculative-tokens 4 --repeats ${SPEC_REPEATS:-3} \
                 --peer-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' ;;
-            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn lora1 lora8 moe-nano moe-nano-layer moe-single moe-single-layer moe-single-rule)" ;;
+            *) echo "== vllm: unknown row $row (VLLM_ROWS: nano single fp8 single-fp8w nano-fp8w longtail longtail64 longtail128 prefix longctx spec multiturn lora1 lora8 lora8-stacked moe-nano moe-nano-layer moe-single moe-single-layer moe-single-rule)" ;;
           esac
         done
         ls "$OUT"/vllm-*.json >/dev/null 2>&1 && python3 benchmarks/peer_table.py "$OUT"/vllm-*.json
@@ -483,7 +486,11 @@ for _ in range(2):
     # issue 47 (2026-12-06, ninth session): nano with one and 8 adapters, the default shrink and
     # expand beside the one fused launch (lora.kernel=fused), all against the base row, one call
     lora-kernels) run lora-kernels-nano offline --workload nano --repeats ${LORA_REPEATS:-1} --matrix benchmarks/workloads/lora.toml \
-        --only base,lora-1,lora-8,lora-1-fused,lora-8-fused ;;
+        --only ${LORA_ONLY:-base,lora-1,lora-8,lora-1-stacked,lora-8-stacked,lora-1-fused,lora-8-fused} ;;
+    # issue 47 (2026-12-07): the stacked layout's GPU tests (the pack kernel compiled, the engine
+    # against PEFT under CUDA graphs) and the LoRA kernel tests beside them
+    lora-stacked-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/plugins/kernels/test_lora_kernels.py \
+        tests/plugins/adapters/test_lora.py -k "pack or stacked or gpu" 2>&1 | tee "$OUT/gpu-tests-lora-stacked.log" | tail -6 ;;
     # issue 47 (2026-12-06, ninth session): the LoRA shrink's and expand's launch shapes at nano's
     # 256 rows, one and 8 adapters (the default and each of LORA_TILES: BM,BN,BK,SPLIT[,WARPS,STAGES])
     lora-tiles) timeout ${LORA_TILES_TIMEOUT:-200} python3 benchmarks/lora_bench.py --case nano-8 nano-1 --iters 20 --repeats 3 \
@@ -493,6 +500,7 @@ for _ in range(2):
     # nano over 8 LoRA adapters and of nano on the MoE preset (WARM_ROWS: NAME:MODEL, lora8 adds the adapters)
     profile-warm) for row in ${WARM_ROWS:-lora8:dummy:qwen3-0.6b moe:dummy:qwen3-30b-a3b}; do name=${row%%:*}; model=${row#*:}
         extra=""; [ "$name" = lora8 ] && extra="--lora-adapters 8"
+        [ "$name" = lora8s ] && extra="--lora-adapters 8 --option lora.kernel=stacked"
         timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/kernel_profile.py --scenario nano-decode --model "$model" --warm-prompts $extra \
           --json "$OUT/profile-warm-$name.json" >"$OUT/profile-warm-$name.txt" 2>"$OUT/profile-warm-$name.log"
         echo "== profile-warm $name on $model: exit $?"; head -${PROFILE_LINES:-32} "$OUT/profile-warm-$name.txt"; done ;;

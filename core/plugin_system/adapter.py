@@ -15,6 +15,10 @@ The config's ``adapter`` setting names an adapter plugin (``lora``; vLLM's
    it places each adapter in a device slot and writes each row's slot where the wrapped
    projections read it.
 
+An adapter plugin may define ``forget_slots()``: called after sleep mode gave back weight
+memory without a copy of it (level 2), before any step, so a plugin that keeps adapter
+weights inside the weights' memory (``AdapterContext.weights_region``) reloads them.
+
 An adapter plugin may set ``max_per_step`` (an int): the most distinct adapters one step
 can run (the ``lora`` plugin's ``max_loras``). A request whose adapter would bring the
 queued requests' adapters over it then waits, unqueued, until requests finish and free a
@@ -52,6 +56,9 @@ class AdapterContext:
     # model's shape as .model_config (adapters are checked against it) and .region(name,
     # shape), the part of a whole weight this rank holds; None: the runner holds the whole model
     shard: Any = None
+    # a context inside which the device memory the plugin allocates counts as the model's
+    # weights (released and restored with them by sleep mode); default: nothing special
+    weights_region: Any = attrs.field(default=None)
 
 
 @runtime_checkable

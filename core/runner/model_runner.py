@@ -189,7 +189,13 @@ class ModelRunner:
             return None
         shard = None if self.parallel is None else self.parallel.shard
         context = AdapterContext(
-            config, self.model_config, self.kernels, self.device, self.dtype, shard=shard
+            config,
+            self.model_config,
+            self.kernels,
+            self.device,
+            self.dtype,
+            shard=shard,
+            weights_region=lambda: self.memory_region("weights"),
         )
         adapters = plugins.create(
             "adapter", config.adapter, config, context, settings=resolved.of("adapter")

@@ -157,3 +157,35 @@ def lora_add(
     in place: :func:`lora_shrink` then :func:`lora_expand_add` (``fused`` is ignored)."""
     h = lora_shrink(x, A, slot_of_row, ranks)
     return lora_expand_add(y, h, B, slot_of_row, scaling, ranks, offset=offset, offsets=offsets)
+
+
+def lora_pack(
+    x: torch.Tensor,
+    A_all: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    scaling: torch.Tensor,
+    width: int,
+    *,
+    out: torch.Tensor | None = None,
+    tiles: Any = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``[x | h']`` of the stacked layout (:mod:`.triton_ops.lora_pack`): ``h'[t, c] =
+    scaling[slot] * x[t] . A_all[c]`` where column ``c`` is in the row's slot (``c // width``),
+    zero elsewhere and on rows without an adapter; products in float32 (float64 for
+    float64 x), rounded once to x's dtype. ``out`` is written when given; ``tiles`` and
+    ``pdl`` are unused."""
+    work = _work_dtype(x.dtype)
+    slots = scaling.shape[0]
+    h = x.to(work) @ A_all.to(work).T
+    slot = slot_of_row.long()
+    valid = (slot >= 0) & (slot < slots)
+    scale = torch.where(valid, scaling[slot.clamp(0, slots - 1)].to(work), 0.0)
+    column_slot = torch.arange(A_all.shape[0], device=x.device) // width
+    mine = valid[:, None] & (column_slot[None, :] == slot[:, None])
+    h = torch.where(mine, h * scale[:, None], 0.0).to(x.dtype)
+    packed = torch.cat([x, h], dim=1)
+    if out is not None:
+        out.copy_(packed)
+        return out
+    return packed

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pitstop.entrypoints.rollout.device_memory import TAGS, DeviceMemory
+from pitstop.entrypoints.rollout.device_memory import TAGS, DeviceMemory, unique_storages
 from pitstop.entrypoints.rollout.errors import EngineSleepingError
 from pitstop.ground.poison import poison_
 
@@ -100,7 +100,12 @@ class SleepState:
         return bool(self.released)
 
     def _weights(self) -> list[torch.Tensor]:
-        return [p.data for p in self.runner.model.parameters()]
+        """The weights' memory: one byte tensor over each distinct storage under the
+        parameters, so a parameter that is a view of a larger tensor (a LoRA-stacked
+        projection's weight, whose storage holds the adapters' columns beside it) is saved
+        and restored whole. Storages released to 0 bytes are left out (call after restore)."""
+        storages = unique_storages(p.data for p in self.runner.model.parameters())
+        return [torch.empty(0, dtype=torch.uint8, device=s.device).set_(s) for s in storages]
 
     def _kv(self) -> list[torch.Tensor]:
         return [] if self.runner.kv_cache is None else [self.runner.kv_cache]
@@ -145,13 +150,17 @@ class SleepState:
         if unknown:
             raise ValueError(f"wake_up tags {unknown} unknown; give a subset of {list(TAGS)}")
         if "weights" in wanted and "weights" in self.released:
-            weights = self._weights()
-            self.memory.restore("weights", weights)
+            self.memory.restore("weights", self._weights())
             if self._host_valid and self._host is not None:
-                self._host.load(weights)
+                self._host.load(self._weights())
                 self._host_valid = False
                 if not self._host.pinned:  # a CPU engine's copy would double its RSS
                     self._host = None
+            else:  # level 2: adapters kept in the weights' memory must load again
+                adapters = getattr(self.runner, "adapters", None)
+                forget = getattr(adapters, "forget_slots", None)
+                if forget is not None:
+                    forget()
             self.released.discard("weights")
         if "kv_cache" in wanted and "kv_cache" in self.released:
             self.memory.restore("kv_cache", self._kv())

@@ -20,7 +20,13 @@ Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
     over K where the tiles are few, then an expand adding into the output: two launches a
     projection, their float32 workspace zeroed once a step for all of them) or ``fused`` (one launch, :func:`~pitstop.plugins.kernels.
     triton_ops.lora.lora_add`). On the H200 (2026-12-05) ``fused`` took longer at every
-    measured shape (docs/lora.md), so it is not the default.
+    measured shape (docs/lora.md), so it is not the default. ``stacked``: the projections of
+    unfused layers over ``dense`` weights keep the slots' B as extra columns of the base
+    weight (``[W | B']``), and a step of at most 512 rows runs one launch a projection,
+    :func:`~pitstop.plugins.kernels.triton_ops.lora_pack.lora_pack` (``[x | h']``, h' the
+    rows' scaled rank-r products in their slot's columns), before a base GEMM that adds every
+    row's delta itself: no expand launch, for ``max_loras * slices * max_lora_rank`` more
+    columns of K in the GEMM; larger steps take ``shrink_expand``'s way (everywhere, CPU too).
 ``lora.overlap``
     with ``shrink_expand`` on CUDA: a small step's shrink (at most 512 rows: decode and
     what CUDA graphs capture) runs on a second stream beside its projection's base GEMM,
@@ -66,8 +72,9 @@ class LoRASettings:
     kernel: str = setting(
         "shrink_expand",
         type=str,
-        choices=("shrink_expand", "fused"),
-        help="a projection's delta on CUDA: shrink then expand (default), or one fused launch",
+        choices=("shrink_expand", "fused", "stacked"),
+        help="a projection's delta: shrink then expand (default), one fused launch, or stacked: "
+        "the slots' B beside the base weight, one GEMM over [x | h'] adding every row's delta",
     )
     overlap: bool = setting(
         False,
@@ -89,6 +96,7 @@ def create_lora(
         cpu,
         fused=settings.kernel == "fused",
         overlap=settings.overlap,
+        stacked=settings.kernel == "stacked",
     )
 
 

@@ -34,6 +34,7 @@ on its own stream, as before.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections import OrderedDict
@@ -99,6 +100,27 @@ class _Projection:
         # a fused layer's projection after an RMSNorm: the norm's gain, multiplied into each
         # A loaded (A * g[None, :]), as the layer folds it into the base weight
         self.gain: torch.Tensor | None = None
+        # the stacked layout (lora.kernel=stacked, :meth:`stack`): W_ext [N, K + E] holding the
+        # base weight then every slot's B columns, and A_all [E, K]; None: not stacked
+        self.ext: torch.Tensor | None = None
+        self.A_all: torch.Tensor | None = None
+        self.rank = rank
+        self.slot_width = len(modules) * rank  # E / slots: one slot's columns of h'
+        self.weights_region = ctx.weights_region or contextlib.nullcontext
+
+    def stack(self, weight: torch.nn.Parameter, slots: int) -> None:
+        """Lay ``weight`` out as the first K columns of ``W_ext`` (the parameter becomes a view
+        of it, so the checkpoint loads into it and a weight update writes it), the slots' B
+        after them, and stack A (:mod:`pitstop.plugins.kernels.triton_ops.lora_pack`)."""
+        n, k = weight.shape
+        widths = [b.shape[1] for b in self.B]
+        assert sum(widths) == n and self.A[0].shape[2] == k, "the adapter's shapes match the weight"
+        e = slots * self.slot_width
+        with self.weights_region():  # sleep mode releases and restores it with the weights
+            self.ext = torch.zeros(n, k + e, dtype=weight.dtype, device=weight.device)
+        self.ext[:, :k].copy_(weight.data)
+        weight.data = self.ext[:, :k]
+        self.A_all = torch.zeros(e, k, dtype=weight.dtype, device=weight.device)
 
     def load(self, slot: int, layer: int, adapter: LoRAWeights) -> None:
         """Copy ``adapter``'s weights of this projection into ``slot`` (zeros where untrained)."""
@@ -112,6 +134,22 @@ class _Projection:
                 if self.gain is not None:
                     a_all[slot, : adapter.rank].mul_(self.gain.detach()[None, :])
                 b_all[slot, :, : adapter.rank].copy_(b, non_blocking=True)
+        if self.ext is not None:
+            self._load_stacked(slot)
+
+    def _load_stacked(self, slot: int) -> None:
+        """Copy ``slot``'s A and B (just loaded) into ``A_all`` and ``W_ext``'s columns."""
+        assert self.ext is not None and self.A_all is not None
+        k = self.A[0].shape[2]
+        first = slot * self.slot_width
+        self.A_all[first : first + self.slot_width] = torch.cat([a[slot] for a in self.A])
+        block = self.ext[:, k + first : k + first + self.slot_width]
+        block.zero_()
+        row = 0
+        for i, b_all in enumerate(self.B):
+            n = b_all.shape[1]
+            block[row : row + n, i * self.rank : (i + 1) * self.rank] = b_all[slot]
+            row += n
 
 
 class LoRASlots:
@@ -126,12 +164,17 @@ class LoRASlots:
         *,
         fused: bool = False,
         overlap: bool = False,
+        stacked: bool = False,
     ) -> None:
         self.ctx = ctx
         self.fused = fused  # one lora_add launch a projection, else shrink then expand
+        # the stacked layout for the projections of unfused layers over dense weights: a step
+        # of at most WORKSPACE_ROWS rows packs [x | h'] and the base GEMM adds the deltas
+        self.stacked = stacked and not fused and ctx.config.weights == "dense"
+        self.packed: torch.Tensor | None = None  # [WORKSPACE_ROWS * widest] (set by attach)
         # the shrinks of small steps on a second stream, beside their base GEMMs (CUDA only)
         self.side: torch.cuda.Stream | None = None
-        if overlap and not fused and ctx.device.type == "cuda":
+        if overlap and not fused and not stacked and ctx.device.type == "cuda":
             self.side = torch.cuda.Stream(ctx.device)
         self.max_loras, self.max_rank = max_loras, max_lora_rank
         self.max_per_step = max_loras  # the engine holds back requests over it (never a step)
@@ -187,11 +230,19 @@ class LoRASlots:
                         modules, shapes, self.max_loras, self.max_rank, self.ctx
                     )
                 block.linear = self._wrap(block, block.linear, projections, tuple(mine))
+                if self.stacked and not getattr(layer, "fused", False):
+                    for attr in mine:
+                        projections[attr].stack(getattr(block, attr), self.max_loras)
             self.layers.append(projections)
             if getattr(layer, "fused", False):
                 self._hand_to_fused(layer, projections)
         self._refresh_deltas()
         self._allocate_workspace()
+        widest = [p.ext.shape[1] for ps in self.layers for p in ps.values() if p.ext is not None]
+        if widest:  # one static buffer: each projection's [x | h'] in turn (stream order)
+            self.packed = torch.empty(
+                WORKSPACE_ROWS * max(widest), dtype=self.ctx.dtype, device=self.ctx.device
+            )
 
     def _hand_to_fused(self, layer: torch.nn.Module, projections: dict[str, _Projection]) -> None:
         """A fused layer's projections take their delta from ``layer.projection_lora``; the
@@ -227,7 +278,8 @@ class LoRASlots:
     def _allocate_workspace(self) -> None:
         """The shrinks' float32 workspace of small steps (:data:`WORKSPACE_ROWS`), one column
         block a projection; only for the Triton ops (the reference allocates its own)."""
-        every = [p for projections in self.layers for p in projections.values()]
+        # a stacked projection's small steps pack instead (no shrink, no workspace)
+        every = [p for projections in self.layers for p in projections.values() if p.ext is None]
         if self.meta is None or not every:
             return
         for index, proj in enumerate(every):
@@ -250,6 +302,8 @@ class LoRASlots:
             proj = next((projections[a] for a in attrs_ if getattr(block, a) is weight), None)
             if proj is None:
                 return linear(x, weight, *args, **kwargs)
+            if proj.ext is not None and x.numel() <= WORKSPACE_ROWS * x.shape[-1]:
+                return linear(self._pack(x, proj), proj.ext, *args, **kwargs)
             shrunk = self._shrink_beside(x, proj)
             y = linear(x, weight, *args, **kwargs)
             if shrunk is None:
@@ -283,6 +337,19 @@ class LoRASlots:
                 x2, proj.A, self.slot_of_row[:rows], self.ranks, out=out, zeroed=True, **meta
             )
         return out
+
+    def _pack(self, x: torch.Tensor, proj: _Projection) -> torch.Tensor:
+        """``[x | h']`` of a stacked projection in the static buffer (``x``'s leading shape
+        kept), for one GEMM over ``proj.ext`` that adds each row's delta."""
+        assert self.packed is not None and proj.ext is not None and proj.A_all is not None
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        rows, width = x2.shape[0], proj.ext.shape[1]
+        out = self.packed[: rows * width].view(rows, width)
+        self.ops.lora_pack(
+            x2, proj.A_all, self.slot_of_row[:rows], self.scaling, proj.slot_width, out=out
+        )
+        return out.view(*x.shape[:-1], width)
 
     def _expand(self, y: torch.Tensor, h: torch.Tensor, proj: _Projection) -> None:
         """``y += scaling · B h`` for the rows of a slot (in place), ``h`` the shrink's result."""
@@ -322,6 +389,20 @@ class LoRASlots:
         h = self.ops.lora_shrink(x2, proj.A, slots, self.ranks, **meta, **into)
         self._expand(y, h, proj)
         return y
+
+    def forget_slots(self) -> None:
+        """Sleep mode gave the weights' memory back without its contents (level 2): the
+        stacked projections' B columns are lost with it, so every slot is emptied (zeros)
+        and each adapter loads again, from the host cache, when a step next runs it."""
+        with self._lock:
+            for projections in self.layers:
+                for proj in projections.values():
+                    if proj.ext is not None:
+                        proj.ext[:, proj.A[0].shape[2] :].zero_()
+            self.slot_ids = [None] * self.max_loras
+            self.slot_lru.clear()
+            self.copies.clear()
+            self.ranks.zero_()
 
     # ------------------------------------------------------------------ requests
     def check(self, request: Any) -> None:

@@ -107,6 +107,9 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.lora_pack import (
+    lora_pack as lora_pack,  # the stacked layout's op
+)
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 MAX_SLICES = 3  # q|k|v; gate|up uses 2, every other projection 1

@@ -484,3 +484,89 @@ def test_on_the_gpu_adapters_load_on_a_side_stream(tiny: dict[str, Path]) -> Non
     names = ["ko_gu", "all_l1", None, "all_l1", "ko_gu"]
     _assert_rows_match_peft(llm, tiny, names, _prompts((9, 14, 6, 21, 3), seed=14))
     assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
+def test_stacked_layout_matches_peft_per_row(
+    tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch, merged: bool
+) -> None:
+    """``lora.kernel=stacked``: the slots' B as extra columns of each base weight (the
+    parameter a view of them) and one GEMM over ``[x | h']`` a projection (the reference
+    pack on the CPU); chunks of 24 rows and decode steps take it, rows without an adapter
+    beside rows of three, in one q|k|v and gate|up merged layout too."""
+    from pitstop.plugins.kernels import lora_reference
+    from pitstop.plugins.kernels.reference import ReferenceKernels
+
+    packs: list[int] = []
+    pack = lora_reference.lora_pack
+    monkeypatch.setattr(
+        lora_reference, "lora_pack", lambda x, *a, **k: packs.append(x.shape[0]) or pack(x, *a, **k)
+    )
+    monkeypatch.setattr(ReferenceKernels, "merge_projections", merged)
+    llm = _llm(tiny, scheduler="chunked", chunk_size=24, options={"lora.kernel": "stacked"})
+    adapters = llm.engine.runner.adapters
+    first = adapters.layers[0]
+    assert first and all(p.ext is not None for p in first.values()), "every projection stacked"
+    attn = llm.engine.runner.model.layers[0].self_attn
+    name = "qkv_proj" if merged else "q_proj"
+    weight, proj = getattr(attn, name), first[name]
+    assert weight.data_ptr() == proj.ext.data_ptr(), "the base weight lives in W_ext"
+    names = ["qvd", "ko_gu", None, "all_l1", "qvd", None]
+    _assert_rows_match_peft(llm, tiny, names, _prompts((7, 30, 13, 41, 5, 19), seed=11))
+    assert packs and max(packs) <= 24, "every step packed (chunks of 24 rows, then decodes)"
+
+
+def test_stacked_slot_reused_by_another_adapter(tiny: dict[str, Path]) -> None:
+    """One stacked slot serving adapters in turn: each load rewrites the slot's columns of
+    W_ext and rows of A_all (a module the next adapter does not train comes out zero)."""
+    llm = _llm(tiny, max_loras=1, max_cpu_loras=1, options={"lora.kernel": "stacked"})
+    prompt = _prompts((15,), seed=12)[0]
+    for name in ("all_l1", "qvd", None, "ko_gu"):
+        out = llm.generate(
+            prompt_token_ids=[prompt],
+            sampling_params=GREEDY,
+            lora_request=_request(tiny, name),
+            use_tqdm=False,
+        )[0]
+        adapter = None if name is None else tiny[name]
+        assert out.token_ids == _expected(tiny["base"], adapter, tuple(prompt)), name
+
+
+def test_stacked_layout_survives_sleep_at_both_levels(tiny: dict[str, Path]) -> None:
+    """Sleep mode with stacked projections: level 1 keeps the adapters' columns that share the
+    base weights' storage (the host copy is of whole storages); level 2 discards them, and
+    after the base weights are written again each adapter loads again from the host cache."""
+    llm = _llm(tiny, enable_sleep_mode=True, options={"lora.kernel": "stacked"})
+    names = ["qvd", None, "ko_gu"]
+    prompts = _prompts((9, 14, 6), seed=13)
+    _assert_rows_match_peft(llm, tiny, names, prompts)
+    llm.sleep(level=1)
+    llm.wake_up()
+    _assert_rows_match_peft(llm, tiny, names, prompts)
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.update_weights_from_disk(tiny["base"])
+    _assert_rows_match_peft(llm, tiny, names, prompts)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_stacked_layout_matches_peft_with_cuda_graphs(tiny: dict[str, Path]) -> None:
+    """``lora.kernel=stacked`` on CUDA (fp32): the Triton ``lora_pack`` and one cuBLAS GEMM over
+    ``[x | h']`` and ``[W | B']`` a projection, decode steps replayed from CUDA graphs, chunks
+    of 32 rows beside them; PEFT's tokens row for row."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    names = ["qvd", None, "ko_gu", "all_l1", "qvd", None, "ko_gu", "all_l1"]
+    prompts = _prompts((7, 30, 13, 41, 5, 19, 60, 3), seed=14)
+    llm = _llm(
+        tiny,
+        device="cuda",
+        dtype="float32",
+        kernels="fused",
+        scheduler="chunked",
+        chunk_size=32,
+        options={"lora.kernel": "stacked"},
+    )
+    assert all(p.ext is not None for p in llm.engine.runner.adapters.layers[0].values())
+    _assert_rows_match_peft(llm, tiny, names, prompts)
+    assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"

@@ -491,3 +491,49 @@ def test_lora_add_picks_the_path_by_rows(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_scaling_of() -> None:
     assert ref.scaling_of(32, 16) == 2.0
     assert ref.scaling_of(32, 16, use_rslora=True) == 8.0
+
+
+@st.composite
+def packs(draw: st.DrawFn) -> dict:
+    """The stacked layout's inputs: rows, K, slots, a slot's width (slices x rank), the mix."""
+    rows, slots = draw(st.integers(1, 40)), draw(st.integers(1, 4))
+    return {
+        "dtype": draw(st.sampled_from(DTYPES)),
+        "rows": rows,
+        "k": draw(st.integers(1, 72)),
+        "slots": slots,
+        "width": draw(st.sampled_from([1, 8, 12, 48])),
+        "slot_of_row": _slots_mix(draw, rows, slots),
+        "x_stride_pad": draw(st.sampled_from([0, 5])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@given(case=packs())
+@FAST
+def test_pack_matches_float64(case: dict) -> None:
+    """``lora_pack`` (Triton) and its reference write ``[x | h']``: x copied bit for bit, h'
+    the float64 truth of each row's scaled product in its own slot's columns and exactly
+    zero elsewhere (rows without an adapter, out-of-range slots, other slots' columns)."""
+    g = torch.Generator().manual_seed(case["seed"])
+    dt, rows, k, slots, width = (case[n] for n in ("dtype", "rows", "k", "slots", "width"))
+    e = slots * width
+    x_full = (torch.randn(rows, k + case["x_stride_pad"], generator=g) * 0.5).to(dt)
+    x = x_full[:, :k].to(DEVICE)
+    a_all = (torch.randn(e, k, generator=g) * 0.5).to(dt).to(DEVICE)
+    scaling = (torch.rand(slots, generator=g) + 0.5).to(DEVICE)
+    slot_of_row = torch.tensor(case["slot_of_row"], dtype=torch.int32, device=DEVICE)
+    truth = torch.zeros(rows, e, dtype=torch.float64)
+    for t, s in enumerate(case["slot_of_row"]):
+        if 0 <= s < slots:
+            cols = slice(s * width, (s + 1) * width)
+            product = x[t].cpu().double() @ a_all[cols].cpu().double().T
+            truth[t, cols] = product * scaling[s].cpu().double()
+    for op in (lora.lora_pack, ref.lora_pack):
+        out = torch.full((rows, k + e), float("nan"), dtype=dt, device=DEVICE)
+        p = op(x, a_all, slot_of_row, scaling, width, out=out)
+        assert p.data_ptr() == out.data_ptr()
+        assert _same_bits(p[:, :k].cpu(), x.cpu().contiguous()), "x copied exactly"
+        h = p[:, k:].cpu()
+        assert _same_bits(h[truth == 0], torch.zeros_like(h[truth == 0])), "zeros where no slot"
+        _close(h, truth, TOL[dt], f"h' ({op.__module__})")
