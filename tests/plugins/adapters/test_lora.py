@@ -218,12 +218,17 @@ def test_a_waiting_request_can_be_aborted(tiny: dict[str, Path]) -> None:
     assert [o.request_id for o in done] == [first]
 
 
-def test_tensor_parallel_ranks_serve_adapters_as_one_rank(tiny: dict[str, Path]) -> None:
+@pytest.mark.parametrize("kernel", ["shrink_expand", "stacked"])
+def test_tensor_parallel_ranks_serve_adapters_as_one_rank(
+    tiny: dict[str, Path], kernel: str
+) -> None:
     # tp=2 over gloo: each rank keeps its part of every adapter (B's rows for q/k/v/gate/up,
-    # A's columns for o/down, whose partial deltas join the all-reduce); PEFT's tokens
+    # A's columns for o/down, whose partial deltas join the all-reduce); PEFT's tokens. Stacked:
+    # each rank's W_ext holds its part of the weight and of B, o/down's h' a partial product
     names = ["qvd", None, "ko_gu", "all_l1"]
     prompts = _prompts((7, 12, 30, 9), seed=6)
-    with _llm(tiny, tensor_parallel_size=2, max_model_len=96) as llm:
+    options = {"lora.kernel": kernel}
+    with _llm(tiny, tensor_parallel_size=2, max_model_len=96, options=options) as llm:
         _assert_rows_match_peft(llm, tiny, names, prompts)
 
 
