@@ -172,6 +172,7 @@ class LoRASlots:
         # of at most WORKSPACE_ROWS rows packs [x | h'] and the base GEMM adds the deltas
         self.stacked = stacked and not fused and ctx.config.weights == "dense"
         self.packed: torch.Tensor | None = None  # [WORKSPACE_ROWS * widest] (set by attach)
+        self.pack_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # the shrinks of small steps on a second stream, beside their base GEMMs (CUDA only)
         self.side: torch.cuda.Stream | None = None
         if overlap and not fused and not stacked and ctx.device.type == "cuda":
@@ -243,6 +244,15 @@ class LoRASlots:
             self.packed = torch.empty(
                 WORKSPACE_ROWS * max(widest), dtype=self.ctx.dtype, device=self.ctx.device
             )
+            new_workspace = getattr(self.ops, "pack_workspace", None)
+            if new_workspace is not None:  # the Triton op's split-K sums (self-clearing)
+                columns = max(
+                    p.ext.shape[1] - p.A[0].shape[2]
+                    for ps in self.layers
+                    for p in ps.values()
+                    if p.ext is not None
+                )
+                self.pack_workspace = new_workspace(WORKSPACE_ROWS, columns, self.ctx.device)
 
     def _hand_to_fused(self, layer: torch.nn.Module, projections: dict[str, _Projection]) -> None:
         """A fused layer's projections take their delta from ``layer.projection_lora``; the
@@ -346,8 +356,9 @@ class LoRASlots:
         x2 = x.reshape(-1, k)
         rows, width = x2.shape[0], proj.ext.shape[1]
         out = self.packed[: rows * width].view(rows, width)
+        extra = {} if self.pack_workspace is None else {"workspace": self.pack_workspace}
         self.ops.lora_pack(
-            x2, proj.A_all, self.slot_of_row[:rows], self.scaling, proj.slot_width, out=out
+            x2, proj.A_all, self.slot_of_row[:rows], self.scaling, proj.slot_width, out=out, **extra
         )
         return out.view(*x.shape[:-1], width)
 

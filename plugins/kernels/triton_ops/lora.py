@@ -107,8 +107,11 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.lora_pack import (  # the stacked layout's ops
+    lora_pack as lora_pack,
+)
 from pitstop.plugins.kernels.triton_ops.lora_pack import (
-    lora_pack as lora_pack,  # the stacked layout's op
+    pack_workspace as pack_workspace,
 )
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 

@@ -33,6 +33,8 @@ the step stream waits for), x and the rows' slots after it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -52,12 +54,16 @@ def _pack_kernel(
     stride_pm,
     slot_ptr,
     scale_ptr,
+    ws_ptr,
+    count_ptr,
     T,
     K,
     E,
     WIDTH,
     SLOTS,
     H_TILES,
+    K_PER_SPLIT,
+    SPLIT: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -71,21 +77,24 @@ def _pack_kernel(
     m = pid_m * BM + tl.arange(0, BM)
     m_ok = m < T
     m64 = m.to(tl.int64)
-    if pid_c >= H_TILES:  # copy a block of x into P's first K columns
+    if pid_c >= H_TILES * SPLIT:  # copy a block of x into P's first K columns
         _pdl.wait(PDL)
-        k = (pid_c - H_TILES) * BC + tl.arange(0, BC)
+        k = (pid_c - H_TILES * SPLIT) * BC + tl.arange(0, BC)
         mask = m_ok[:, None] & (k < K)[None, :]
         xt = tl.load(x_ptr + m64[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
         _pdl.launch_dependents(PDL)
         tl.store(p_ptr + m64[:, None] * stride_pm + k[None, :], xt, mask=mask)
         return
-    c = pid_c * BN + tl.arange(0, BN)
+    tile = pid_c // SPLIT
+    split = pid_c % SPLIT
+    c = tile * BN + tl.arange(0, BN)
     c_ok = c < E
     _pdl.wait(PDL)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        k_ok = k < K
+    k_lo = split * K_PER_SPLIT
+    for kk in range(0, K_PER_SPLIT, BK):
+        k = k_lo + kk + tl.arange(0, BK)
+        k_ok = (k < K) & (kk + tl.arange(0, BK) < K_PER_SPLIT)
         xt = tl.load(
             x_ptr + m64[:, None] * stride_xm + k[None, :],
             mask=m_ok[:, None] & k_ok[None, :],
@@ -103,31 +112,74 @@ def _pack_kernel(
         else:
             acc = tl.dot(xt, tl.trans(at.to(xt.dtype)), acc, input_precision=DOT_PRECISION)
     _pdl.launch_dependents(PDL)
+    tile_mask = m_ok[:, None] & c_ok[None, :]
+    if SPLIT > 1:  # add into the float32 workspace; the split that arrives last finishes
+        # every thread's adds are performed before the counter's release (the barrier), and the
+        # last split reads the sums and leaves zeros in one exchange at L2, after its acquire
+        ws = ws_ptr + m64[:, None] * E + c[None, :]
+        tl.atomic_add(ws, acc, mask=tile_mask, sem="relaxed")
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * H_TILES + tile
+        if tl.atomic_add(counter, 1, sem="acq_rel") != SPLIT - 1:
+            return
+        bits = ws.to(tl.pointer_type(tl.int32))  # as int32: the interpreter exchanges no floats
+        zeros = tl.zeros([BM, BN], dtype=tl.int32)
+        acc = tl.atomic_xchg(bits, zeros, mask=tile_mask, sem="acquire").to(
+            tl.float32, bitcast=True
+        )
+        tl.store(counter, 0)  # for the next launch on the stream
     slot = tl.load(slot_ptr + m, mask=m_ok, other=-1)
     valid = (slot >= 0) & (slot < SLOTS)
     scale = tl.load(scale_ptr + tl.where(valid, slot, 0), mask=m_ok & valid, other=0.0)
     mine = valid[:, None] & ((c // WIDTH)[None, :] == slot[:, None])
     h = tl.where(mine, acc * scale[:, None], 0.0)
     out = p_ptr + m64[:, None] * stride_pm + K + c[None, :]
-    tl.store(out, h.to(p_ptr.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
+    tl.store(out, h.to(p_ptr.dtype.element_ty), mask=tile_mask)
 
 
-PROGRAMS = 64  # the product's programs a launch aims at (each runs the whole K: no split)
+PROGRAMS = 128  # the product's programs a launch aims at (rows x column tiles x splits of K)
+MIN_SPLIT_K = 256  # the fewest columns of K a split takes
+
+
+class PackTiles(NamedTuple):
+    """Launch shape of :func:`lora_pack`: rows and columns of h' per tile, the K step, and
+    how many splits of K share a tile (their sums meet in a float32 workspace)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
 
 
 def pack_tiles(
-    rows: int, columns: int, dtype: torch.dtype, device: torch.device
-) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of :func:`lora_pack` for ``rows`` rows and ``columns`` (E)
-    columns of h': row tiles of 16 or 32, and the widest column tile (64, 32 or 16) that
-    still gives :data:`PROGRAMS` programs, since a program reads all of K of its rows and
-    columns (untuned: the first GPU run's choice)."""
+    rows: int, columns: int, k: int, dtype: torch.dtype, device: torch.device
+) -> PackTiles:
+    """The launch shape for ``rows`` rows, ``columns`` (E) columns of h' and ``k``: row tiles of
+    16 or 32, column tiles of 64 (fewer for a narrow E), and K split until the launch has about
+    :data:`PROGRAMS` programs of the product, each at least :data:`MIN_SPLIT_K` of K: one
+    program over a long K streams its rows and columns serially, which took 7.8 µs a launch
+    at 256 rows on the H200 without a split (2026-12-07)."""
     if device.type != "cuda":
-        return INTERPRETER_TILES
+        bm, bn, bk = INTERPRETER_TILES
+        return PackTiles(bm, bn, bk, 1)
     bm = 16 if rows <= 16 else 32
-    row_tiles = triton.cdiv(rows, bm)
-    bn = next((n for n in (64, 32) if row_tiles * triton.cdiv(columns, n) >= PROGRAMS), 16)
-    return bm, bn, 64 if dtype == torch.float32 else 128
+    bn = min(64, max(16, triton.next_power_of_2(columns)))
+    tiles = triton.cdiv(rows, bm) * triton.cdiv(columns, bn)
+    split = max(1, min(triton.cdiv(PROGRAMS, tiles), k // MIN_SPLIT_K))
+    return PackTiles(bm, bn, 64 if dtype == torch.float32 else 128, split)
+
+
+def pack_workspace(
+    rows: int, columns: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed float32 workspace ``[rows * columns]`` and int32 tile counters for split
+    launches of up to ``rows`` rows and ``columns`` columns of h' (the last split of each tile
+    zeroes its part again, so one pair serves every launch that follows on the stream)."""
+    ws = torch.zeros(rows * columns, dtype=torch.float32, device=device)
+    counters = torch.zeros(
+        triton.cdiv(rows, 16) * triton.cdiv(columns, 16), dtype=torch.int32, device=device
+    )
+    return ws, counters
 
 
 def lora_pack(
@@ -138,7 +190,8 @@ def lora_pack(
     width: int,
     *,
     out: torch.Tensor | None = None,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: PackTiles | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """``P = [x | h']`` of the stacked layout (module docstring), ``[T, K + E]`` in x's dtype.
@@ -146,7 +199,9 @@ def lora_pack(
     ``x [T, K]`` (unit column stride); ``A_all [E, K]`` contiguous, of x's dtype; ``width``:
     the columns of one slot (``slices * rank``), so ``E = slots * width``; ``slot_of_row
     [T]`` int32 (-1 or out of range: no adapter); ``scaling [slots]`` float32; ``out``:
-    ``[T, K + E]`` of x's dtype, unit column stride (allocated when None).
+    ``[T, K + E]`` of x's dtype, unit column stride (allocated when None); ``workspace``:
+    :func:`pack_workspace` of at least T rows and E columns, used when the launch splits K
+    (allocated for the call when None).
     """
     rows, k = x.shape
     e = A_all.shape[0]
@@ -158,10 +213,16 @@ def lora_pack(
     assert p.shape == (rows, k + e) and p.dtype == x.dtype and p.stride(1) == 1
     if rows == 0:
         return p
-    bm, bn, bk = tiles or pack_tiles(rows, e, x.dtype, x.device)
+    bm, bn, bk, split = tiles or pack_tiles(rows, e, k, x.dtype, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_per_split)
     h_tiles = triton.cdiv(e, bn)
+    if workspace is None:
+        workspace = pack_workspace(rows, e, x.device)
+    ws, counters = workspace
+    assert ws.numel() >= rows * e and counters.numel() >= triton.cdiv(rows, bm) * h_tiles
     use_pdl = _pdl.enabled(x.device, pdl)
-    grid = (triton.cdiv(rows, bm), h_tiles + triton.cdiv(k, COPY_BLOCK))
+    grid = (triton.cdiv(rows, bm), h_tiles * split + triton.cdiv(k, COPY_BLOCK))
     _pack_kernel[grid](
         x,
         x.stride(0),
@@ -170,12 +231,16 @@ def lora_pack(
         p.stride(0),
         slot_of_row,
         scaling,
+        ws,
+        counters,
         rows,
         k,
         e,
         width,
         scaling.shape[0],
         h_tiles,
+        k_per_split,
+        SPLIT=split,
         BM=bm,
         BN=bn,
         BK=bk,

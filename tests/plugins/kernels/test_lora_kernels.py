@@ -34,7 +34,7 @@ from pitstop.plugins.kernels import lora_reference as ref  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pitstop.plugins.kernels.triton_ops import lora  # noqa: E402
+from pitstop.plugins.kernels.triton_ops import lora, lora_pack  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
@@ -505,6 +505,7 @@ def packs(draw: st.DrawFn) -> dict:
         "width": draw(st.sampled_from([1, 8, 12, 48])),
         "slot_of_row": _slots_mix(draw, rows, slots),
         "x_stride_pad": draw(st.sampled_from([0, 5])),
+        "split_k": draw(st.sampled_from([1, 2, 3])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -529,11 +530,16 @@ def test_pack_matches_float64(case: dict) -> None:
             cols = slice(s * width, (s + 1) * width)
             product = x[t].cpu().double() @ a_all[cols].cpu().double().T
             truth[t, cols] = product * scaling[s].cpu().double()
-    for op in (lora.lora_pack, ref.lora_pack):
-        out = torch.full((rows, k + e), float("nan"), dtype=dt, device=DEVICE)
-        p = op(x, a_all, slot_of_row, scaling, width, out=out)
-        assert p.data_ptr() == out.data_ptr()
-        assert _same_bits(p[:, :k].cpu(), x.cpu().contiguous()), "x copied exactly"
-        h = p[:, k:].cpu()
-        assert _same_bits(h[truth == 0], torch.zeros_like(h[truth == 0])), "zeros where no slot"
-        _close(h, truth, TOL[dt], f"h' ({op.__module__})")
+    bm, bn, bk = lora_pack.INTERPRETER_TILES if DEVICE == "cpu" else (16, 16, 32)
+    tiles = lora_pack.PackTiles(bm, bn, bk, case["split_k"])
+    workspace = lora_pack.pack_workspace(rows, e, torch.device(DEVICE))
+    for op, kw in ((lora.lora_pack, {"tiles": tiles, "workspace": workspace}), (ref.lora_pack, {})):
+        for _ in range(2):  # the split launch leaves its workspace and counters clear for the next
+            out = torch.full((rows, k + e), float("nan"), dtype=dt, device=DEVICE)
+            p = op(x, a_all, slot_of_row, scaling, width, out=out, **kw)
+            assert p.data_ptr() == out.data_ptr()
+            assert _same_bits(p[:, :k].cpu(), x.cpu().contiguous()), "x copied exactly"
+            h = p[:, k:].cpu()
+            assert _same_bits(h[truth == 0], torch.zeros_like(h[truth == 0])), "zero: no slot"
+            _close(h, truth, TOL[dt], f"h' ({op.__module__})")
+    assert not workspace[0].any() and not workspace[1].any(), "workspace left clear"
