@@ -42,6 +42,7 @@ triton = pytest.importorskip("triton")
 
 from pitstop.plugins.adapters.lora import slots as lora_slots  # noqa: E402
 from pitstop.plugins.kernels.triton_ops import lora as lora_ops  # noqa: E402
+from pitstop.plugins.kernels.triton_ops import lora_pack  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAUNCHES_PER_LAYER = 4  # LoRA'd projections a layer: qkv, o, gate_up, down
@@ -62,9 +63,8 @@ def launches(monkeypatch: pytest.MonkeyPatch):
     """A :class:`Launches` over everything run inside the ``with``-less test body."""
     counter = Launches()
     # not the base model's (on CUDA): the LoRA ops' kernels only
-    count_triton_launches(
-        monkeypatch, counter, lambda kernel: kernel.fn.__module__ == lora_ops.__name__
-    )
+    mine = (lora_ops.__name__, lora_pack.__name__)
+    count_triton_launches(monkeypatch, counter, lambda kernel: kernel.fn.__module__ in mine)
     hook = lora_slots.LoRASlots._add_delta
 
     def counted_hook(self: Any, *args: Any) -> Any:
@@ -166,6 +166,68 @@ def test_launches_per_lora_projection_and_layer(
         assert launches.triton["_fused_kernel"] == projections, counts
     else:
         assert launches.triton["_shrink_kernel"] == launches.triton["_expand_kernel"] == projections
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        model_ = hf_model(tiny["base"])
+        if name is not None:
+            model_ = peft.PeftModel.from_pretrained(model_, str(tiny[name])).merge_and_unload()
+        want = greedy_continuation(model_.eval(), tuple(prompt), max_tokens)
+        assert out.token_ids == want, f"adapter {name}"
+
+
+def test_stacked_layout_packs_once_a_projection(
+    tiny: dict[str, Path], launches, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lora.kernel=stacked`` on the Triton ops (the interpreter on CPU): a step within the
+    workspace's rows runs one ``lora_pack`` launch a LoRA'd projection and no torch op in it
+    (the GEMM that follows is the base one, over ``[x | h']``: no expand); the first step's
+    33 prompt rows, over the 16 here, take the unsplit shrink and expand. Tokens are PEFT's."""
+    monkeypatch.setattr(lora_slots, "WORKSPACE_ROWS", 16)
+    pack = lora_slots.LoRASlots._pack
+    packs: list[int] = []
+
+    def counted_pack(self: Any, x: torch.Tensor, proj: Any) -> torch.Tensor:
+        packs.append(x.shape[0])
+        launches.scope += 1
+        try:
+            return pack(self, x, proj)
+        finally:
+            launches.scope -= 1
+
+    monkeypatch.setattr(lora_slots.LoRASlots, "_pack", counted_pack)
+    max_tokens = 3
+    llm = LLM(
+        str(tiny["base"]),
+        device=DEVICE,
+        dtype="float32",
+        kv_cache_gib=0.01,
+        max_model_len=128,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+        kernels="fused" if DEVICE == "cuda" else "reference",
+        enforce_eager=True,
+        options={"lora.kernel": "stacked"},
+    )
+    layers = len(llm.engine.runner.model.layers)
+    names = ["all8", None, "qvd", "all4"]
+    ids = {"all8": 1, "all4": 2, "qvd": 3}
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (7, 12, 5, 9)]
+    requests = [None if n is None else LoRARequest(n, ids[n], str(tiny[n])) for n in names]
+    with launches:
+        outs = llm.generate(
+            prompt_token_ids=prompts,
+            sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            lora_request=requests,
+            use_tqdm=False,
+        )
+    counts = f"Triton {dict(launches.triton)}, torch {dict(launches.torch)}"
+    decode_steps = launches.steps - 1  # the prompts' 33 rows in one step, then 4 rows a step
+    assert decode_steps >= max_tokens - 1 and set(packs) == {4}, packs
+    assert len(packs) == decode_steps * layers * LAUNCHES_PER_LAYER
+    assert launches.triton["_pack_kernel"] == len(packs), counts
+    assert launches.torch == Counter(), f"torch ops inside the pack: {counts}"
+    assert launches.hook_calls == layers * LAUNCHES_PER_LAYER, "the prompt step's deltas only"
     for name, prompt, out in zip(names, prompts, outs, strict=True):
         model_ = hf_model(tiny["base"])
         if name is not None:
