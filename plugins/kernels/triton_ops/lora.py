@@ -107,12 +107,9 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
-from pitstop.plugins.kernels.triton_ops.lora_pack import (  # the stacked layout's ops
-    lora_pack as lora_pack,
-)
-from pitstop.plugins.kernels.triton_ops.lora_pack import (
-    pack_workspace as pack_workspace,
-)
+from pitstop.plugins.kernels.triton_ops.lora_pack import dot_rows
+from pitstop.plugins.kernels.triton_ops.lora_pack import lora_pack as lora_pack  # stacked
+from pitstop.plugins.kernels.triton_ops.lora_pack import pack_workspace as pack_workspace
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 MAX_SLICES = 3  # q|k|v; gate|up uses 2, every other projection 1
@@ -334,12 +331,7 @@ def _shrink_kernel(
             mask=r_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        if UPCAST:  # the interpreter multiplies bf16 dot operands wrongly: exact float32 copies
-            acc = tl.dot(
-                xt.to(tl.float32), tl.trans(at.to(tl.float32)), acc, input_precision="ieee"
-            )
-        else:
-            acc = tl.dot(xt, tl.trans(at.to(xt.dtype)), acc, input_precision=DOT_PRECISION)
+        acc = dot_rows(acc, xt, at, UPCAST, DOT_PRECISION)
     _pdl.launch_dependents(PDL)
     hp = h_ptr + rows[:, None] * stride_hm + sl * R + r[None, :]
     mask = m_ok[:, None] & (r < R)[None, :]
@@ -525,10 +517,7 @@ def _fused_kernel(
             mask=r_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        if UPCAST:  # the interpreter multiplies bf16 dot operands wrongly: exact float32 copies
-            h = tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), h, input_precision="ieee")
-        else:
-            h = tl.dot(xt, tl.trans(at.to(xt.dtype)), h, input_precision=DOT_PRECISION)
+        h = dot_rows(h, xt, at, UPCAST, DOT_PRECISION)
     # the expand, as _expand_kernel's (h not rounded; columns >= rank of h are zero), over
     # the n_loop column tiles of this program (h computed once for all of them)
     scale = tl.load(scale_ptr + slot * stride_ss + sl * stride_si)

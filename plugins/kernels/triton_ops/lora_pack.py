@@ -46,6 +46,14 @@ COPY_BLOCK = 256  # columns of x copied by one program
 
 
 @triton.jit
+def dot_rows(acc, xt, at, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc + xt @ at.T`` (rows of x by rows of A): the shrink step of the LoRA kernels."""
+    if UPCAST:  # the interpreter multiplies bf16 dot operands wrongly: exact float32 copies
+        return tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(xt, tl.trans(at.to(xt.dtype)), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _pack_kernel(
     x_ptr,
     stride_xm,
@@ -105,12 +113,7 @@ def _pack_kernel(
             mask=c_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        if UPCAST:  # the interpreter multiplies bf16 dot operands wrongly: exact float32 copies
-            acc = tl.dot(
-                xt.to(tl.float32), tl.trans(at.to(tl.float32)), acc, input_precision="ieee"
-            )
-        else:
-            acc = tl.dot(xt, tl.trans(at.to(xt.dtype)), acc, input_precision=DOT_PRECISION)
+        acc = dot_rows(acc, xt, at, UPCAST, DOT_PRECISION)
     _pdl.launch_dependents(PDL)
     tile_mask = m_ok[:, None] & c_ok[None, :]
     if SPLIT > 1:  # add into the float32 workspace; the split that arrives last finishes

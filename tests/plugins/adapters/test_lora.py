@@ -420,14 +420,20 @@ def test_on_the_gpu_a_mixed_batch_matches_peft_with_cuda_graphs(
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_overlapped_shrinks_match_peft_with_cuda_graphs(tiny: dict[str, Path]) -> None:
-    """``lora.overlap``: each small step's shrinks on the side stream beside the base GEMMs
-    (a fork and a join inside the captured decode graphs and the eager chunk steps); PEFT's
-    tokens, row for row, as without it."""
+@pytest.mark.parametrize("way", ["overlap", "stacked"])
+def test_on_the_gpu_other_lora_ways_match_peft_with_cuda_graphs(
+    tiny: dict[str, Path], way: str
+) -> None:
+    """On CUDA (fp32), decode steps replayed from CUDA graphs, chunks of 32 rows beside them;
+    PEFT's tokens row for row. ``overlap`` (``lora.overlap``): each small step's shrinks on
+    the side stream beside the base GEMMs (a fork and a join inside the captured decode graphs
+    and the eager chunk steps). ``stacked`` (``lora.kernel=stacked``): the Triton ``lora_pack``
+    and one cuBLAS GEMM over ``[x | h']`` and ``[W | B']`` a projection."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     names = ["qvd", None, "ko_gu", "all_l1", "qvd", None, "ko_gu", "all_l1"]
-    prompts = _prompts((7, 30, 13, 41, 5, 19, 60, 3), seed=9)
+    prompts = _prompts((7, 30, 13, 41, 5, 19, 60, 3), seed=9 if way == "overlap" else 14)
+    options = {"lora.overlap": True} if way == "overlap" else {"lora.kernel": "stacked"}
     llm = _llm(
         tiny,
         device="cuda",
@@ -435,9 +441,13 @@ def test_on_the_gpu_overlapped_shrinks_match_peft_with_cuda_graphs(tiny: dict[st
         kernels="fused",
         scheduler="chunked",
         chunk_size=32,
-        options={"lora.overlap": True},
+        options=options,
     )
-    assert llm.engine.runner.adapters.side is not None, "the side stream"
+    adapters = llm.engine.runner.adapters
+    if way == "overlap":
+        assert adapters.side is not None, "the side stream"
+    else:
+        assert all(p.ext is not None for p in adapters.layers[0].values()), "every one stacked"
     _assert_rows_match_peft(llm, tiny, names, prompts)
     assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
 
@@ -552,26 +562,3 @@ def test_stacked_layout_survives_sleep_at_both_levels(tiny: dict[str, Path]) -> 
     llm.wake_up()
     llm.update_weights_from_disk(tiny["base"])
     _assert_rows_match_peft(llm, tiny, names, prompts)
-
-
-@pytest.mark.gpu
-def test_on_the_gpu_the_stacked_layout_matches_peft_with_cuda_graphs(tiny: dict[str, Path]) -> None:
-    """``lora.kernel=stacked`` on CUDA (fp32): the Triton ``lora_pack`` and one cuBLAS GEMM over
-    ``[x | h']`` and ``[W | B']`` a projection, decode steps replayed from CUDA graphs, chunks
-    of 32 rows beside them; PEFT's tokens row for row."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    names = ["qvd", None, "ko_gu", "all_l1", "qvd", None, "ko_gu", "all_l1"]
-    prompts = _prompts((7, 30, 13, 41, 5, 19, 60, 3), seed=14)
-    llm = _llm(
-        tiny,
-        device="cuda",
-        dtype="float32",
-        kernels="fused",
-        scheduler="chunked",
-        chunk_size=32,
-        options={"lora.kernel": "stacked"},
-    )
-    assert all(p.ext is not None for p in llm.engine.runner.adapters.layers[0].values())
-    _assert_rows_match_peft(llm, tiny, names, prompts)
-    assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"

@@ -106,18 +106,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return folders
 
 
-@pytest.mark.parametrize("kernel", ["fused", "shrink_expand"])
-def test_launches_per_lora_projection_and_layer(
-    tiny: dict[str, Path], launches, kernel: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``lora.kernel=fused``: one launch a LoRA'd projection, no torch op; the default
-    ``shrink_expand``: a shrink and an expand (two; the workspace they share is zeroed once
-    a step, outside the projections), measured faster on the H200. The workspace holds 16
-    rows here: the first step's 33 prompt rows are over it, as a prefill chunk is, and its
-    shrinks go unsplit into intermediates of their own, still with no memset in the hook;
-    the decode steps' 4 rows shrink into the workspace."""
-    monkeypatch.setattr(lora_slots, "WORKSPACE_ROWS", 16)
-    max_tokens = 3
+def _generate(tiny: dict[str, Path], launches: Launches, kernel: str, seed: int, max_tokens: int):
+    """A tiny merged-layout engine on the LoRA ``kernel``, eager (the count is that of the
+    launches a captured graph holds), four prompts under three adapters and none, generated
+    inside ``launches``; returns the engine, the adapters' names, the prompts and the outputs."""
     llm = LLM(
         str(tiny["base"]),
         device=DEVICE,
@@ -131,13 +123,9 @@ def test_launches_per_lora_projection_and_layer(
         enforce_eager=True,
         options={"lora.kernel": kernel},
     )
-    model = llm.engine.runner.model
-    assert hasattr(model.layers[0].self_attn, "qkv_proj"), "the merged layout"
-    assert llm.engine.runner.adapters.ops is lora_ops
-    layers = len(model.layers)
     names = ["all8", None, "qvd", "all4"]
     ids = {"all8": 1, "all4": 2, "qvd": 3}
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (7, 12, 5, 9)]
     requests = [None if n is None else LoRARequest(n, ids[n], str(tiny[n])) for n in names]
     with launches:
@@ -147,6 +135,35 @@ def test_launches_per_lora_projection_and_layer(
             lora_request=requests,
             use_tqdm=False,
         )
+    return llm, names, prompts, outs
+
+
+def _assert_peft_tokens(tiny: dict[str, Path], names, prompts, outs, max_tokens: int) -> None:
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
+        model_ = hf_model(tiny["base"])
+        if name is not None:
+            model_ = peft.PeftModel.from_pretrained(model_, str(tiny[name])).merge_and_unload()
+        want = greedy_continuation(model_.eval(), tuple(prompt), max_tokens)
+        assert out.token_ids == want, f"adapter {name}"
+
+
+@pytest.mark.parametrize("kernel", ["fused", "shrink_expand"])
+def test_launches_per_lora_projection_and_layer(
+    tiny: dict[str, Path], launches, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lora.kernel=fused``: one launch a LoRA'd projection, no torch op; the default
+    ``shrink_expand``: a shrink and an expand (two; the workspace they share is zeroed once
+    a step, outside the projections), measured faster on the H200. The workspace holds 16
+    rows here: the first step's 33 prompt rows are over it, as a prefill chunk is, and its
+    shrinks go unsplit into intermediates of their own, still with no memset in the hook;
+    the decode steps' 4 rows shrink into the workspace."""
+    monkeypatch.setattr(lora_slots, "WORKSPACE_ROWS", 16)
+    max_tokens = 3
+    llm, names, prompts, outs = _generate(tiny, launches, kernel, 5, max_tokens)
+    model = llm.engine.runner.model
+    assert hasattr(model.layers[0].self_attn, "qkv_proj"), "the merged layout"
+    assert llm.engine.runner.adapters.ops is lora_ops
+    layers = len(model.layers)
     steps = launches.steps
     assert steps >= max_tokens
     assert launches.hook_calls == steps * layers * LAUNCHES_PER_LAYER
@@ -166,12 +183,7 @@ def test_launches_per_lora_projection_and_layer(
         assert launches.triton["_fused_kernel"] == projections, counts
     else:
         assert launches.triton["_shrink_kernel"] == launches.triton["_expand_kernel"] == projections
-    for name, prompt, out in zip(names, prompts, outs, strict=True):
-        model_ = hf_model(tiny["base"])
-        if name is not None:
-            model_ = peft.PeftModel.from_pretrained(model_, str(tiny[name])).merge_and_unload()
-        want = greedy_continuation(model_.eval(), tuple(prompt), max_tokens)
-        assert out.token_ids == want, f"adapter {name}"
+    _assert_peft_tokens(tiny, names, prompts, outs, max_tokens)
 
 
 def test_stacked_layout_packs_once_a_projection(
@@ -195,32 +207,8 @@ def test_stacked_layout_packs_once_a_projection(
 
     monkeypatch.setattr(lora_slots.LoRASlots, "_pack", counted_pack)
     max_tokens = 3
-    llm = LLM(
-        str(tiny["base"]),
-        device=DEVICE,
-        dtype="float32",
-        kv_cache_gib=0.01,
-        max_model_len=128,
-        enable_lora=True,
-        max_loras=3,
-        max_lora_rank=8,
-        kernels="fused" if DEVICE == "cuda" else "reference",
-        enforce_eager=True,
-        options={"lora.kernel": "stacked"},
-    )
+    llm, names, prompts, outs = _generate(tiny, launches, "stacked", 6, max_tokens)
     layers = len(llm.engine.runner.model.layers)
-    names = ["all8", None, "qvd", "all4"]
-    ids = {"all8": 1, "all4": 2, "qvd": 3}
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (7, 12, 5, 9)]
-    requests = [None if n is None else LoRARequest(n, ids[n], str(tiny[n])) for n in names]
-    with launches:
-        outs = llm.generate(
-            prompt_token_ids=prompts,
-            sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-            lora_request=requests,
-            use_tqdm=False,
-        )
     counts = f"Triton {dict(launches.triton)}, torch {dict(launches.torch)}"
     decode_steps = launches.steps - 1  # the prompts' 33 rows in one step, then 4 rows a step
     assert decode_steps >= max_tokens - 1 and set(packs) == {4}, packs
@@ -228,9 +216,4 @@ def test_stacked_layout_packs_once_a_projection(
     assert launches.triton["_pack_kernel"] == len(packs), counts
     assert launches.torch == Counter(), f"torch ops inside the pack: {counts}"
     assert launches.hook_calls == layers * LAUNCHES_PER_LAYER, "the prompt step's deltas only"
-    for name, prompt, out in zip(names, prompts, outs, strict=True):
-        model_ = hf_model(tiny["base"])
-        if name is not None:
-            model_ = peft.PeftModel.from_pretrained(model_, str(tiny[name])).merge_and_unload()
-        want = greedy_continuation(model_.eval(), tuple(prompt), max_tokens)
-        assert out.token_ids == want, f"adapter {name}"
+    _assert_peft_tokens(tiny, names, prompts, outs, max_tokens)
