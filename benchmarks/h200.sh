@@ -501,6 +501,7 @@ for _ in range(2):
     profile-warm) for row in ${WARM_ROWS:-lora8:dummy:qwen3-0.6b moe:dummy:qwen3-30b-a3b}; do name=${row%%:*}; model=${row#*:}
         extra=""; [ "$name" = lora8 ] && extra="--lora-adapters 8"
         [ "$name" = lora8s ] && extra="--lora-adapters 8 --option lora.kernel=stacked"
+        [ "$name" = lora8sn ] && extra="--lora-adapters 8 --option lora.kernel=stacked --option lora.pack_split=false"
         timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/kernel_profile.py --scenario nano-decode --model "$model" --warm-prompts $extra \
           --json "$OUT/profile-warm-$name.json" >"$OUT/profile-warm-$name.txt" 2>"$OUT/profile-warm-$name.log"
         echo "== profile-warm $name on $model: exit $?"; head -${PROFILE_LINES:-32} "$OUT/profile-warm-$name.txt"; done ;;

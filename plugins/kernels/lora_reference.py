@@ -169,13 +169,14 @@ def lora_pack(
     out: torch.Tensor | None = None,
     tiles: Any = None,
     workspace: Any = None,
+    max_split: int | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """``[x | h']`` of the stacked layout (:mod:`.triton_ops.lora_pack`): ``h'[t, c] =
     scaling[slot] * x[t] . A_all[c]`` where column ``c`` is in the row's slot (``c // width``),
     zero elsewhere and on rows without an adapter; products in float32 (float64 for
     float64 x), rounded once to x's dtype. ``out`` is written when given; ``tiles``,
-    ``workspace`` and ``pdl`` are unused."""
+    ``workspace``, ``max_split`` and ``pdl`` are unused."""
     work = _work_dtype(x.dtype)
     slots = scaling.shape[0]
     h = x.to(work) @ A_all.to(work).T

@@ -76,6 +76,12 @@ class LoRASettings:
         help="a projection's delta: shrink then expand (default), one fused launch, or stacked: "
         "the slots' B beside the base weight, one GEMM over [x | h'] adding every row's delta",
     )
+    pack_split: bool = setting(
+        True,
+        type=bool,
+        help="stacked on CUDA: the pack launch splits K across programs (their sums meet in a "
+        "float32 workspace); off: one program a tile runs the whole K",
+    )
     overlap: bool = setting(
         False,
         type=bool,
@@ -97,6 +103,7 @@ def create_lora(
         fused=settings.kernel == "fused",
         overlap=settings.overlap,
         stacked=settings.kernel == "stacked",
+        pack_split=settings.pack_split,
     )
 
 

@@ -165,6 +165,7 @@ class LoRASlots:
         fused: bool = False,
         overlap: bool = False,
         stacked: bool = False,
+        pack_split: bool = True,
     ) -> None:
         self.ctx = ctx
         self.fused = fused  # one lora_add launch a projection, else shrink then expand
@@ -172,6 +173,7 @@ class LoRASlots:
         # of at most WORKSPACE_ROWS rows packs [x | h'] and the base GEMM adds the deltas
         self.stacked = stacked and not fused and ctx.config.weights == "dense"
         self.packed: torch.Tensor | None = None  # [WORKSPACE_ROWS * widest] (set by attach)
+        self.pack_split = pack_split  # the pack launch may split K (else one program a tile)
         self.pack_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # the shrinks of small steps on a second stream, beside their base GEMMs (CUDA only)
         self.side: torch.cuda.Stream | None = None
@@ -356,7 +358,9 @@ class LoRASlots:
         x2 = x.reshape(-1, k)
         rows, width = x2.shape[0], proj.ext.shape[1]
         out = self.packed[: rows * width].view(rows, width)
-        extra = {} if self.pack_workspace is None else {"workspace": self.pack_workspace}
+        extra: dict[str, Any] = {} if self.pack_split else {"max_split": 1}
+        if self.pack_workspace is not None:
+            extra["workspace"] = self.pack_workspace
         self.ops.lora_pack(
             x2, proj.A_all, self.slot_of_row[:rows], self.scaling, proj.slot_width, out=out, **extra
         )

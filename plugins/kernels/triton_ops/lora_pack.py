@@ -195,6 +195,7 @@ def lora_pack(
     out: torch.Tensor | None = None,
     tiles: PackTiles | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_split: int | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """``P = [x | h']`` of the stacked layout (module docstring), ``[T, K + E]`` in x's dtype.
@@ -204,7 +205,7 @@ def lora_pack(
     [T]`` int32 (-1 or out of range: no adapter); ``scaling [slots]`` float32; ``out``:
     ``[T, K + E]`` of x's dtype, unit column stride (allocated when None); ``workspace``:
     :func:`pack_workspace` of at least T rows and E columns, used when the launch splits K
-    (allocated for the call when None).
+    (allocated for the call when None); ``max_split``: the most splits of K (1: none).
     """
     rows, k = x.shape
     e = A_all.shape[0]
@@ -217,6 +218,7 @@ def lora_pack(
     if rows == 0:
         return p
     bm, bn, bk, split = tiles or pack_tiles(rows, e, k, x.dtype, x.device)
+    split = split if max_split is None else max(1, min(split, max_split))
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
     h_tiles = triton.cdiv(e, bn)
