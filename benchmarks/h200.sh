@@ -496,6 +496,11 @@ for _ in range(2):
     lora-tiles) timeout ${LORA_TILES_TIMEOUT:-200} python3 benchmarks/lora_bench.py --case nano-8 nano-1 --iters 20 --repeats 3 \
         --tiles ${LORA_TILES:-32,64,128,2 32,64,128,4 16,64,128,4 16,128,128,4 64,128,128,4 64,64,128,8} 2>&1 \
         | grep -v Warn | tee "$OUT/lora-tiles.log" | tail -14 ;;
+    # issue 47 (2026-12-07): the stacked layout per projection (lora_pack then one GEMM) beside the
+    # GEMM alone and the default shrink and expand, at the default pack shape and LORA_PACK_TILES
+    lora-pack) timeout ${LORA_TILES_TIMEOUT:-200} python3 benchmarks/lora_bench.py --case nano-8 nano-1 single --iters 20 --repeats 3 \
+        --pack-tiles ${LORA_PACK_TILES:-32,64,128,1 32,64,128,4 16,64,128,4 64,64,128,2,8,3 32,128,128,2,8,3 32,64,256,2,8,2 16,32,128,8} 2>&1 \
+        | grep -v Warn | tee "$OUT/lora-pack.log" | tail -16 ;;
     # issues 47, 48: decode steps alone (kernel_profile --warm-prompts: the prompts cached first) of
     # nano over 8 LoRA adapters and of nano on the MoE preset (WARM_ROWS: NAME:MODEL, lora8 adds the adapters)
     profile-warm) for row in ${WARM_ROWS:-lora8:dummy:qwen3-0.6b moe:dummy:qwen3-30b-a3b}; do name=${row%%:*}; model=${row#*:}

@@ -15,6 +15,7 @@ LoRA cost beside the base GEMMs.
 
     python3 benchmarks/lora_bench.py [--case nano-1 single ...]
     python3 benchmarks/lora_bench.py --case nano-8 --tiles 32,64,128,2 16,64,128,4
+    python3 benchmarks/lora_bench.py --case nano-8 nano-1 single --pack-tiles 32,64,128,1 16,32,256,2,8,2
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from pitstop.plugins.kernels.lora_reference import ProjectionLoRA
-from pitstop.plugins.kernels.triton_ops import fused_linear, lora
+from pitstop.plugins.kernels.triton_ops import fused_linear, lora, lora_pack
 
 # case -> (hidden, q, kv, intermediate, rows, adapters in the batch)
 CASES = {
@@ -217,6 +218,72 @@ def run_tiles(name: str, tiles: list[lora.LoRAConfig], iters: int, repeats: int)
     print("   layer: " + ", ".join(f"{key} {us:.1f} us" for key, us in totals.items()))
 
 
+def run_stacked(name: str, tiles: list[lora_pack.PackTiles], iters: int, repeats: int) -> None:
+    """``--pack-tiles``: per projection of ``name``, the cuBLAS GEMM alone, with the default
+    LoRA path after it (shrink into the zeroed workspace, expand), and the stacked layout
+    (``lora_pack`` then one GEMM over ``[x | h']`` and ``[W | B']``) at the default pack shape
+    and at each of ``tiles``; then the pack alone at each; the layer's totals last."""
+    case = _case(name)
+    rows, slots, dev, dt = case.rows, case.slots, "cuda", torch.bfloat16
+    slot_of_row, meta, ranks, scaling = case.slot_of_row, case.meta, case.ranks, case.scaling
+    shapes = {"default": None, **{str(tuple(c)): c for c in tiles}}
+    keys = [
+        "gemm",
+        "shrink_expand",
+        *[f"stacked {k}" for k in shapes],
+        *[f"pack {k}" for k in shapes],
+    ]
+    totals = dict.fromkeys(keys, 0.0)
+    print(f"== {name} stacked: T={rows}, {case.adapters} adapter(s), rank {RANK}, bf16")
+    for proj, (k, widths) in case.projections.items():
+        n, width = sum(widths), len(widths) * RANK
+        e = slots * width
+        x = torch.randn(rows, k, device=dev, dtype=dt)
+        w_ext = torch.randn(n, k + e, device=dev, dtype=dt) / k**0.5
+        w = w_ext[:, :k]
+        y = torch.zeros(rows, n, device=dev, dtype=dt)
+        a = [torch.randn(slots, RANK, k, device=dev, dtype=dt) / k**0.5 for _ in widths]
+        b = [torch.randn(slots, m, RANK, device=dev, dtype=dt) / RANK for m in widths]
+        a_all = torch.cat([torch.cat([ai[s] for ai in a]) for s in range(slots)]).contiguous()
+        h = torch.zeros(rows, width, device=dev, dtype=torch.float32)
+        packed = torch.empty(rows, k + e, device=dev, dtype=dt)
+        work = lora_pack.pack_workspace(rows, e, x.device)
+
+        def serial(x=x, w=w, y=y, a=a, b=b, h=h) -> None:
+            torch.mm(x, w.t(), out=y)
+            lora.lora_shrink(x, a, slot_of_row, ranks, meta=meta, out=h, zeroed=True)
+            lora.lora_expand_add(y, h, b, slot_of_row, scaling, ranks, meta=meta)
+
+        def pack(cfg, x=x, a_all=a_all, width=width, packed=packed, work=work) -> None:
+            lora_pack.lora_pack(
+                x, a_all, slot_of_row, scaling, width, out=packed, tiles=cfg, workspace=work
+            )
+
+        def stacked(cfg, packed=packed, w_ext=w_ext, y=y) -> None:
+            pack(cfg)
+            torch.mm(packed, w_ext.t(), out=y)
+
+        times = {
+            "gemm": _timed(lambda x=x, w=w, y=y: torch.mm(x, w.t(), out=y), iters, repeats),
+            "shrink_expand": _timed(serial, iters, repeats),
+        }
+        for label, c in shapes.items():
+            times[f"stacked {label}"] = _timed(lambda c=c: stacked(c), iters, repeats)
+        for label, c in shapes.items():
+            times[f"pack {label}"] = _timed(lambda c=c: pack(c), iters, repeats)
+        for key, us in times.items():
+            totals[key] += us
+        default = lora_pack.pack_tiles(rows, e, k, dt, x.device)
+        print(f"{proj:>8}: K={k:>5} N={n:>5} E={e:>4} default pack {tuple(default)}: "
+              + ", ".join(f"{key} {us:.2f} us" for key, us in times.items()))  # fmt: skip
+    print("   layer: " + ", ".join(f"{key} {us:.1f} us" for key, us in totals.items()))
+
+
+def _pack_tiles(text: str) -> lora_pack.PackTiles:
+    """``BM,BN,BK,SPLIT[,WARPS,STAGES]`` as a pack launch shape (4 warps, 3 stages by default)."""
+    return lora_pack.PackTiles(*[int(part) for part in text.split(",")])
+
+
 def _tiles(text: str) -> lora.LoRAConfig:
     """``BM,BN,BK,SPLIT[,WARPS,STAGES]`` as a launch shape (4 warps, 3 stages by default)."""
     v = [int(part) for part in text.split(",")]
@@ -284,9 +351,20 @@ def main() -> None:
         metavar="BM,BN,BK,SPLIT[,WARPS,STAGES]",
         help="only the GEMM with the default LoRA path, at the default and these launch shapes",
     )
+    parser.add_argument(
+        "--pack-tiles",
+        nargs="*",
+        type=_pack_tiles,
+        default=None,
+        metavar="BM,BN,BK,SPLIT[,WARPS,STAGES]",
+        help="the stacked layout (lora_pack and one GEMM) beside the GEMM and the default path, "
+        "at the default and these pack launch shapes",
+    )
     args = parser.parse_args()
     for name in args.case:
-        if args.tiles is not None:
+        if args.pack_tiles is not None:
+            run_stacked(name, args.pack_tiles, args.iters, args.repeats)
+        elif args.tiles is not None:
             run_tiles(name, args.tiles, args.iters, args.repeats)
         else:
             run_case(name, args.iters, args.repeats, bool(args.fused))

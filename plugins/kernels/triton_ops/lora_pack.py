@@ -152,6 +152,8 @@ class PackTiles(NamedTuple):
     block_n: int
     block_k: int
     split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def pack_tiles(
@@ -217,7 +219,7 @@ def lora_pack(
     assert p.shape == (rows, k + e) and p.dtype == x.dtype and p.stride(1) == 1
     if rows == 0:
         return p
-    bm, bn, bk, split = tiles or pack_tiles(rows, e, k, x.dtype, x.device)
+    bm, bn, bk, split, warps, stages = tiles or pack_tiles(rows, e, k, x.dtype, x.device)
     split = split if max_split is None else max(1, min(split, max_split))
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
@@ -253,8 +255,8 @@ def lora_pack(
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=use_pdl,
-        num_warps=4,
-        num_stages=3,
+        num_warps=warps,
+        num_stages=stages,
         **_pdl.launch_kwargs(use_pdl),
     )
     return p
