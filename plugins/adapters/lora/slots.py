@@ -16,7 +16,11 @@ slices of a projection in each; with ``lora.kernel=fused`` one ``lora_add`` laun
 rank-r intermediate kept in registers), after its base GEMM. With ``lora.overlap`` a
 small step's shrink runs on a second stream beside the base GEMM (a fork and a join
 inside the captured graph), so only the expand follows the GEMM. Rows of the base model
-are left untouched.
+are left untouched. With ``lora.kernel=stacked`` (unfused layers, ``dense`` weights) each
+projection's base weight is a view into ``W_ext = [W | B']`` (the slots' B as extra
+columns; :mod:`pitstop.plugins.kernels.triton_ops.lora_pack`), and a step of at most
+:data:`WORKSPACE_ROWS` rows runs one ``lora_pack`` launch writing ``[x | h']`` before a
+base GEMM that adds every row's delta; larger steps take the shrink and expand.
 
 Slots are given least recently used first among the adapters the step does not use; the
 host cache keeps up to ``max_cpu_loras`` read adapters (LRU, re-read from their path when
