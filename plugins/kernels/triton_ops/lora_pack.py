@@ -224,10 +224,11 @@ def lora_pack(
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
     h_tiles = triton.cdiv(e, bn)
-    if workspace is None:
-        workspace = pack_workspace(rows, e, x.device)
-    ws, counters = workspace
-    assert ws.numel() >= rows * e and counters.numel() >= triton.cdiv(rows, bm) * h_tiles
+    if split == 1:  # the kernel never touches them: any pointers of the types do
+        ws, counters = workspace or (A_all.new_empty(0, dtype=torch.float32), slot_of_row)
+    else:
+        ws, counters = workspace or pack_workspace(rows, e, x.device)
+        assert ws.numel() >= rows * e and counters.numel() >= triton.cdiv(rows, bm) * h_tiles
     use_pdl = _pdl.enabled(x.device, pdl)
     grid = (triton.cdiv(rows, bm), h_tiles * split + triton.cdiv(k, COPY_BLOCK))
     _pack_kernel[grid](

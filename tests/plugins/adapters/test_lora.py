@@ -562,3 +562,27 @@ def test_stacked_layout_survives_sleep_at_both_levels(tiny: dict[str, Path]) -> 
     llm.wake_up()
     llm.update_weights_from_disk(tiny["base"])
     _assert_rows_match_peft(llm, tiny, names, prompts)
+
+
+def test_stacked_layout_packs_large_steps_where_its_columns_are_few(
+    tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stacked projection whose extra columns are few beside K (``E * LARGE_STEP_RATIO <=
+    K``) packs steps over the static buffer's rows too (into a buffer of their own), instead
+    of the shrink and expand: here every projection (ratio 0), steps of 16 rows at most in the
+    static buffer, so the 24-row chunks take the large path. PEFT's tokens row for row."""
+    from pitstop.plugins.adapters.lora import slots
+    from pitstop.plugins.kernels import lora_reference
+
+    monkeypatch.setattr(slots, "WORKSPACE_ROWS", 16)
+    monkeypatch.setattr(slots, "LARGE_STEP_RATIO", 0)
+    packs: list[int] = []
+    pack = lora_reference.lora_pack
+    monkeypatch.setattr(
+        lora_reference, "lora_pack", lambda x, *a, **k: packs.append(x.shape[0]) or pack(x, *a, **k)
+    )
+    llm = _llm(tiny, scheduler="chunked", chunk_size=24, options={"lora.kernel": "stacked"})
+    assert all(p.packs_large_steps for p in llm.engine.runner.adapters.layers[0].values())
+    names = ["all_l1", None, "qvd", "ko_gu"]
+    _assert_rows_match_peft(llm, tiny, names, _prompts((40, 9, 31, 12), seed=15))
+    assert max(packs) > 16, f"a step over the static rows packed: {sorted(set(packs))}"
