@@ -131,11 +131,13 @@ def test_a_mixed_batch_matches_peft_merged_per_row(tiny: dict[str, Path], llm: L
     assert changed >= 3, "the adapters should change the greedy tokens of most of their rows"
 
 
-def test_any_mix_of_adapters_matches_peft(tiny: dict[str, Path], llm: LLM) -> None:
+@pytest.mark.parametrize("kernel", ["shrink_expand", "stacked"])
+def test_any_mix_of_adapters_matches_peft(tiny: dict[str, Path], kernel: str) -> None:
     """pitstop.testing.adapters on the lora plugin, with the prefix cache on."""
     from pitstop.testing.adapters import check_adapters
 
-    prefix_llm = _llm(tiny, enable_prefix_caching=True, page_size=16)
+    options = {"lora.kernel": kernel}
+    prefix_llm = _llm(tiny, enable_prefix_caching=True, page_size=16, options=options)
 
     def reference(name: str | None):
         adapter = None if name is None else tiny[name]
@@ -392,9 +394,12 @@ def test_merged_qkv_and_gate_up_projections_get_one_slice_per_part(
     _assert_rows_match_peft(llm, tiny, names, prompts)
 
 
-def test_speculative_decoding_verifies_with_each_rows_adapter(tiny: dict[str, Path]) -> None:
+@pytest.mark.parametrize("kernel", ["shrink_expand", "stacked"])
+def test_speculative_decoding_verifies_with_each_rows_adapter(
+    tiny: dict[str, Path], kernel: str
+) -> None:
     """ngram drafts (repetitive prompts, so that it proposes) verified under each row's adapter."""
-    llm = _llm(tiny, speculative="ngram", num_speculative_tokens=3)
+    llm = _llm(tiny, speculative="ngram", num_speculative_tokens=3, options={"lora.kernel": kernel})
     names = ["qvd", None, "ko_gu"]
     prompts = [[7, 8, 9, 10] * 6, [11, 12, 13] * 7, [21, 22] * 9]
     _assert_rows_match_peft(llm, tiny, names, prompts)
