@@ -16,6 +16,9 @@ if ls .gguf/part* >/dev/null 2>&1; then
     cat /tmp/gguf-parts/part* >/tmp/smollm2.gguf && md5sum /tmp/smollm2.gguf
   fi
 fi
+# a carried vLLM part (.vv/vpNN) lands in /tmp/vv on every call, whatever BENCHES runs: on
+# 2026-12-07 four calls carried parts without running the vllm case, and none of those landed
+if ls .vv/vp* >/dev/null 2>&1; then mkdir -p /tmp/vv && cp -n .vv/vp* /tmp/vv/ && echo "== vLLM parts on this machine: $(ls /tmp/vv | tr '\n' ' ')"; fi
 python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 cd /tmp && python3 -c "import pitstop, torch; print('pitstop', pitstop.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" && cd - >/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
