@@ -26,7 +26,7 @@ Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
     :func:`~pitstop.plugins.kernels.triton_ops.lora_pack.lora_pack` (``[x | h']``, h' the
     rows' scaled rank-r products in their slot's columns), before a base GEMM that adds every
     row's delta itself: no expand launch, for ``max_loras * slices * max_lora_rank`` more
-    columns of K in the GEMM; larger steps pack too where those columns are at most an eighth
+    columns of K in the GEMM; larger steps pack too where those columns are at most a quarter
     of K, else take ``shrink_expand``'s way (everywhere, CPU too).
 ``lora.overlap``
     with ``shrink_expand`` on CUDA: a small step's shrink (at most 512 rows: decode and

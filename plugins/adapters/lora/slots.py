@@ -88,8 +88,14 @@ def kernel_ops(device: torch.device) -> ModuleType:
 # shrink into one float32 workspace, zeroed once a step for every projection of every layer,
 # instead of zeroing each projection's intermediate: a launch fewer per projection
 WORKSPACE_ROWS = 512
-# a stacked projection packs steps over WORKSPACE_ROWS rows too when E * this <= K
-LARGE_STEP_RATIO = 8
+# a stacked projection packs steps over WORKSPACE_ROWS rows too when E * this <= K. Over a
+# prefill chunk the GEMM is bound by FLOPs, so the extra columns cost E / K of it, while the
+# shrink and expand are bound by bytes: the expand reads and writes the output, 4 N bytes a
+# row in bf16, the shrink reads x once a slice, 2 s K; at the H200's achieved ~150 FLOPs a
+# byte that is (4 N + 2 s K) * 150 / (2 N K) of the GEMM: 0.40 for qwen3-0.6b's q|k|v, 0.34
+# gate|up, 0.29 o, 0.24 down (more, as the kernels do not reach copy speed). Packing pays
+# below about a quarter; unmeasured so far (2026-12-07): the ratio a rule of thumb
+LARGE_STEP_RATIO = 4
 
 
 class _Projection:
