@@ -192,8 +192,10 @@ def test_stacked_layout_packs_once_a_projection(
     """``lora.kernel=stacked`` on the Triton ops (the interpreter on CPU): a step within the
     workspace's rows runs one ``lora_pack`` launch a LoRA'd projection and no torch op in it
     (the GEMM that follows is the base one, over ``[x | h']``: no expand); the first step's
-    33 prompt rows, over the 16 here, take the unsplit shrink and expand. Tokens are PEFT's."""
+    33 prompt rows, over the 16 here, take the unsplit shrink and expand (no projection packs
+    steps that large here: ``LARGE_STEP_RATIO`` out of reach). Tokens are PEFT's."""
     monkeypatch.setattr(lora_slots, "WORKSPACE_ROWS", 16)
+    monkeypatch.setattr(lora_slots, "LARGE_STEP_RATIO", 10**9)
     pack = lora_slots.LoRASlots._pack
     packs: list[int] = []
 
