@@ -121,14 +121,14 @@ class _Projection:
         self.packs_large_steps = False  # stacked, and E small beside K (see stack)
         self.weights_region = ctx.weights_region or contextlib.nullcontext
 
-    def stack(self, weight: torch.nn.Parameter, slots: int) -> None:
+    def stack(self, weight: torch.nn.Parameter) -> None:
         """Lay ``weight`` out as the first K columns of ``W_ext`` (the parameter becomes a view
         of it, so the checkpoint loads into it and a weight update writes it), the slots' B
         after them, and stack A (:mod:`pitstop.plugins.kernels.triton_ops.lora_pack`)."""
         n, k = weight.shape
         widths = [b.shape[1] for b in self.B]
         assert sum(widths) == n and self.A[0].shape[2] == k, "the adapter's shapes match the weight"
-        e = slots * self.slot_width
+        e = self.A[0].shape[0] * self.slot_width  # every slot's columns
         with self.weights_region():  # sleep mode releases and restores it with the weights
             self.ext = torch.zeros(n, k + e, dtype=weight.dtype, device=weight.device)
         self.ext[:, :k].copy_(weight.data)
@@ -252,25 +252,21 @@ class LoRASlots:
                 block.linear = self._wrap(block, block.linear, projections, tuple(mine))
                 if self.stacked and not getattr(layer, "fused", False):
                     for attr in mine:
-                        projections[attr].stack(getattr(block, attr), self.max_loras)
+                        projections[attr].stack(getattr(block, attr))
             self.layers.append(projections)
             if getattr(layer, "fused", False):
                 self._hand_to_fused(layer, projections)
         self._refresh_deltas()
         self._allocate_workspace()
-        widest = [p.ext.shape[1] for ps in self.layers for p in ps.values() if p.ext is not None]
-        if widest:  # one static buffer: each projection's [x | h'] in turn (stream order)
+        stacked = [p for ps in self.layers for p in ps.values() if p.ext is not None]
+        if stacked:  # one static buffer: each projection's [x | h'] in turn (stream order)
+            widest = max(p.ext.shape[1] for p in stacked)
             self.packed = torch.empty(
-                WORKSPACE_ROWS * max(widest), dtype=self.ctx.dtype, device=self.ctx.device
+                WORKSPACE_ROWS * widest, dtype=self.ctx.dtype, device=self.ctx.device
             )
             new_workspace = getattr(self.ops, "pack_workspace", None)
             if new_workspace is not None:  # the Triton op's split-K sums (self-clearing)
-                columns = max(
-                    p.ext.shape[1] - p.A[0].shape[2]
-                    for ps in self.layers
-                    for p in ps.values()
-                    if p.ext is not None
-                )
+                columns = self.max_loras * max(p.slot_width for p in stacked)  # the widest E
                 self.pack_workspace = new_workspace(WORKSPACE_ROWS, columns, self.ctx.device)
 
     def _hand_to_fused(self, layer: torch.nn.Module, projections: dict[str, _Projection]) -> None:

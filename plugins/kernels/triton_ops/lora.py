@@ -107,13 +107,12 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
-from pitstop.plugins.kernels.triton_ops.lora_pack import dot_rows
+from pitstop.plugins.kernels.triton_ops.lora_pack import INTERPRETER_TILES, dot_rows
 from pitstop.plugins.kernels.triton_ops.lora_pack import lora_pack as lora_pack  # stacked
 from pitstop.plugins.kernels.triton_ops.lora_pack import pack_workspace as pack_workspace
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 MAX_SLICES = 3  # q|k|v; gate|up uses 2, every other projection 1
-INTERPRETER_TILES = (16, 16, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K): small, so tests cross tiles
 META_BLOCK = 1024
 MAX_N_LOOP = 64  # the fused kernel's most column tiles per program
 FUSED_MAX_ROWS = 256  # lora_add: one fused launch up to this many rows, shrink + expand above
