@@ -1,7 +1,7 @@
 """GPU busy fraction of engine steps: kernel time (union of intervals) over wall time.
 
-    python benchmarks/gpu_busy.py [--shape nano|single|mixed] [--overlap on|off|both]
-                                  [--steps 40] [--top 8]
+    python benchmarks/gpu_busy.py [--shape nano|single|mixed|nano-prefill] [--overlap on|off|both]
+                                  [--steps 40] [--top 8] [--lora-adapters N] [--option KEY=VALUE]
 
 Shapes (dummy bf16 weights, fused kernels):
 
@@ -14,7 +14,14 @@ Shapes (dummy bf16 weights, fused kernels):
   new prompt joins as soon as the last one is prefilled): the small mixed
   steps that are most of `longtail`'s, which run without CUDA graphs;
 - ``mixed-long``: the same with 4,096-token prompts, so each step carries a
-  2,048-token chunk (compute-bound steps).
+  2,048-token chunk (compute-bound steps);
+- ``nano-prefill``: qwen3-0.6b, `nano`'s 256 prompts (one output token each) from the first
+  step to the last prompt's, after the same on other prompts (compiles and autotuning out):
+  `nano`'s prompt phase, whose length over 8 LoRA adapters was twice the base model's on the
+  H200 (2026-12-07). ``--steps`` does not apply.
+
+``--lora-adapters N`` gives the requests N random rank-16 adapters in turn (the ``lora``
+adapter plugin), ``--option KEY=VALUE`` a plugin setting (``lora.kernel=stacked``).
 
 ``--steps`` steps are recorded with torch.profiler. The figure is the union
 of the CUDA kernel intervals over the wall span of those steps, with the
@@ -52,6 +59,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 SHAPES["mixed-long"] = SHAPES["mixed"]  # the same engine; only the prompts are longer
+SHAPES["nano-prefill"] = SHAPES["nano"]  # nano's engine; only the prompt phase is profiled
+PREFILL_PROMPTS = 256  # nano's requests
 
 
 def busy_fraction(events: list[tuple[float, float]]) -> tuple[float, float]:
@@ -76,16 +85,60 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(0, 10000) for _ in range(n)]
 
 
-def measure(shape: str, overlap: str, steps: int, top: int) -> None:
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--option {text!r}: write KEY=VALUE, e.g. lora.kernel=stacked")
+    for cast in (int, float):
+        try:
+            return key, cast(value)
+        except ValueError:
+            pass
+    return key, {"true": True, "false": False}.get(value.lower(), value)
+
+
+def measure(
+    shape: str, overlap: str, steps: int, top: int, adapters: int = 0, options: tuple = ()
+) -> None:
     """Settle ``shape`` into steady state, profile ``steps`` steps, print the figures."""
-    llm = LLM(kernels="fused", overlap=overlap, **SHAPES[shape])
+    kwargs: dict[str, Any] = dict(SHAPES[shape])
+    if options or adapters:
+        kwargs["options"] = dict(_option(o) for o in options)
+    if adapters:
+        kwargs["adapter"] = "lora"
+        kwargs["options"].setdefault("max_loras", adapters)
+    llm = LLM(kernels="fused", overlap=overlap, **kwargs)
     engine = llm.engine
     rng = random.Random(0)
     n_long = 0
+    loras: list[Any] = []
+    if adapters:
+        import tempfile
+        from pathlib import Path
+
+        from pitstop.bench.lora_adapters import lora_requests, write_random_adapters
+
+        folder = Path(tempfile.mkdtemp(prefix="gpu-busy-lora-"))
+        loras = lora_requests(write_random_adapters(engine.model_config, adapters, 16, folder))
+    added = [0]
 
     def add(ids: list[int], params: SamplingParams, rid: str) -> None:
-        engine.add_request(params=params, prompt_token_ids=ids, request_id=rid)
+        lora = loras[added[0] % len(loras)] if loras else None
+        added[0] += 1
+        engine.add_request(params=params, prompt_token_ids=ids, request_id=rid, lora_request=lora)
 
+    if shape == "nano-prefill":
+        one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+        for rnd in ("warm", "timed"):
+            added[0] = 0
+            for i in range(PREFILL_PROMPTS):
+                add(_ids(rng, rng.randint(100, 1024)), one, f"{rnd}{i}")
+            if rnd == "warm":
+                while engine.has_unfinished_requests():
+                    engine.step()
+                torch.cuda.synchronize()
+        _profile(engine, shape, overlap, top, engine.has_unfinished_requests, lambda: None)
+        return
     if shape == "nano":
         for i in range(256):
             add(
@@ -128,12 +181,27 @@ def measure(shape: str, overlap: str, steps: int, top: int) -> None:
         feed()
         engine.step()
     torch.cuda.synchronize()
+    left = [steps]
+
+    def more() -> bool:
+        left[0] -= 1
+        return left[0] >= 0
+
+    _profile(engine, shape, overlap, top, more, feed)
+    for rid in list(engine._requests):
+        engine.abort(rid)
+
+
+def _profile(engine: Any, shape: str, overlap: str, top: int, more: Any, feed: Any) -> None:
+    """Profile steps while ``more()``, ``feed()`` before each, and print the figures."""
+    steps = 0
     # CUDA activity only: recording every host-side op would slow the host it measures
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        for _ in range(steps):
+        while more():
             feed()
             engine.step()
+            steps += 1
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -147,10 +215,9 @@ def measure(shape: str, overlap: str, steps: int, top: int) -> None:
         f"| {shape} | {overlap} | {engine.scheduler.num_running} | {100 * busy / span:.1f}% "
         f"| {1e3 * wall / steps:.2f} | {busy / 1e3 / steps:.2f} |"
     )
+    print(f"|   | {steps} steps | wall {1e3 * wall:.1f} ms | kernels {busy / 1e3:.1f} ms |")
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         print(f"|   | {100 * us / total:.1f}% | {us / 1e3 / steps:.3f} ms/step | `{name[:90]}` |")
-    for rid in list(engine._requests):
-        engine.abort(rid)
 
 
 def main() -> None:
@@ -160,15 +227,20 @@ def main() -> None:
     parser.add_argument("--overlap", default="both", choices=("on", "off", "both"))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--top", type=int, default=0)
+    parser.add_argument("--lora-adapters", type=int, default=0, metavar="N")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    extra = [f"--lora-adapters={args.lora_adapters}"] + [f"--option={o}" for o in args.option]
     if args.overlap == "both":  # each loop in a fresh process: the first engine's cache is gone
         print("| shape | overlap | live seqs | GPU busy | wall ms/step | kernel ms/step |")
         print("|---|---|---|---|---|---|")
         for overlap in ("off", "on"):
             cmd = [sys.executable, __file__, "--shape", args.shape, "--overlap", overlap]
-            subprocess.run([*cmd, "--steps", str(args.steps), "--top", str(args.top)], check=True)
+            subprocess.run(
+                [*cmd, "--steps", str(args.steps), "--top", str(args.top), *extra], check=True
+            )
         return
-    measure(args.shape, args.overlap, args.steps, args.top)
+    measure(args.shape, args.overlap, args.steps, args.top, args.lora_adapters, tuple(args.option))
 
 
 if __name__ == "__main__":
