@@ -504,14 +504,16 @@ for _ in range(2):
     lora-pack) timeout ${LORA_TILES_TIMEOUT:-200} python3 benchmarks/lora_bench.py --case nano-8 nano-1 single --iters 20 --repeats 3 \
         --pack-tiles ${LORA_PACK_TILES:-32,64,128,1 32,64,128,4 16,64,128,4 64,64,128,2,8,3 32,128,128,2,8,3 32,64,256,2,8,2 16,32,128,8} 2>&1 \
         | grep -v Warn | tee "$OUT/lora-pack.log" | tail -16 ;;
-    # issue 47 (2026-12-07, eleventh session): nano's prompt phase alone, GPU busy and wall per step,
-    # base beside LoRA (PREFILL_ROWS: NAME:ADAPTERS[:OPTION,...]; benchmarks/gpu_busy.py --shape nano-prefill)
-    prefill-busy) for row in ${PREFILL_ROWS:-base:0 lora8:8 lora8s:8:lora.kernel=stacked lora1s:1:lora.kernel=stacked}; do
+    # issue 47 (2026-12-07, eleventh session): nano's prompt phase alone (nano-prefill) and its steady
+    # decode (nano), GPU busy and wall per step, base beside LoRA (benchmarks/gpu_busy.py; BUSY_LORA_SHAPES;
+    # PREFILL_ROWS: NAME:ADAPTERS[:OPTION,...])
+    prefill-busy) for shape in ${BUSY_LORA_SHAPES:-nano-prefill}; do
+      for row in ${PREFILL_ROWS:-base:0 lora8:8 lora8s:8:lora.kernel=stacked lora1s:1:lora.kernel=stacked}; do
         name=${row%%:*}; rest=${row#*:}; n=${rest%%:*}; opts=""; [ "$rest" != "$n" ] && opts=${rest#*:}
         flags=""; for o in ${opts//,/ }; do flags="$flags --option $o"; done
-        echo "== prefill-busy $name ($n adapters$flags)"
-        timeout ${BUSY_TIMEOUT:-240} python3 benchmarks/gpu_busy.py --shape nano-prefill --overlap on --top ${BUSY_TOP:-12} \
-          --lora-adapters $n $flags 2>&1 | tee "$OUT/prefill-busy-$name.log" | grep "^|"; done ;;
+        echo "== busy $shape $name ($n adapters$flags)"
+        timeout ${BUSY_TIMEOUT:-240} python3 benchmarks/gpu_busy.py --shape $shape --overlap on --top ${BUSY_TOP:-12} \
+          --lora-adapters $n $flags 2>&1 | tee "$OUT/busy-$shape-$name.log" | grep "^|"; done; done ;;
     # issues 47, 48: decode steps alone (kernel_profile --warm-prompts: the prompts cached first) of
     # nano over 8 LoRA adapters and of nano on the MoE preset (WARM_ROWS: NAME:MODEL, lora8 adds the adapters)
     profile-warm) for row in ${WARM_ROWS:-lora8:dummy:qwen3-0.6b moe:dummy:qwen3-30b-a3b}; do name=${row%%:*}; model=${row#*:}
