@@ -83,6 +83,12 @@ class LoRASettings:
         help="stacked on CUDA: the pack launch splits K across programs (their sums meet in a "
         "float32 workspace); off: one program a tile runs the whole K",
     )
+    pack_producers: bool = setting(
+        True,
+        type=bool,
+        help="stacked: the norms before merged q|k|v and gate|up and SiLU-and-mul before down "
+        "write their projection's [x | h'] themselves (one launch for the op and its pack)",
+    )
     overlap: bool = setting(
         False,
         type=bool,
@@ -105,6 +111,7 @@ def create_lora(
         overlap=settings.overlap,
         stacked=settings.kernel == "stacked",
         pack_split=settings.pack_split,
+        pack_producers=settings.pack_producers,
     )
 
 

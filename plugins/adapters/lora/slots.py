@@ -183,6 +183,7 @@ class LoRASlots:
         overlap: bool = False,
         stacked: bool = False,
         pack_split: bool = True,
+        pack_producers: bool = True,
     ) -> None:
         self.ctx = ctx
         self.fused = fused  # one lora_add launch a projection, else shrink then expand
@@ -192,6 +193,11 @@ class LoRASlots:
         self.packed: torch.Tensor | None = None  # [WORKSPACE_ROWS * widest] (set by attach)
         self.pack_split = pack_split  # the pack launch may split K (else one program a tile)
         self.pack_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        # stacked: the norms before merged q|k|v and gate|up, and SiLU·mul before down, write
+        # their projection's [x | h'] themselves (one launch for the op and its pack)
+        self.pack_producers = pack_producers
+        # the last producer's output: (projection, the view of x it returned, [x | h'])
+        self.produced: tuple[_Projection, torch.Tensor, torch.Tensor] | None = None
         # the shrinks of small steps on a second stream, beside their base GEMMs (CUDA only)
         self.side: torch.cuda.Stream | None = None
         if overlap and not fused and not stacked and ctx.device.type == "cuda":
@@ -254,6 +260,8 @@ class LoRASlots:
                     for attr in mine:
                         projections[attr].stack(getattr(block, attr))
             self.layers.append(projections)
+            if self.stacked and self.pack_producers and not getattr(layer, "fused", False):
+                self._produce_inputs(layer, projections)
             if getattr(layer, "fused", False):
                 self._hand_to_fused(layer, projections)
         self._refresh_deltas()
@@ -268,6 +276,89 @@ class LoRASlots:
             if new_workspace is not None:  # the Triton op's split-K sums (self-clearing)
                 columns = self.max_loras * max(p.slot_width for p in stacked)  # the widest E
                 self.pack_workspace = new_workspace(WORKSPACE_ROWS, columns, self.ctx.device)
+
+    def _produce_inputs(self, layer: torch.nn.Module, projections: dict[str, _Projection]) -> None:
+        """Give the ops that make a stacked projection's input, where only that projection
+        reads it (the norms before merged ``qkv_proj`` and ``gate_up_proj``, SiLU·mul before
+        ``down_proj``), a stand-in that also writes the projection's ``[x | h']``
+        (:meth:`_norm_producer`, :meth:`_silu_producer`); a model without ``input_producers``
+        keeps its ops and the projections pack as before."""
+        mlp = getattr(layer, "mlp", None)
+        for owner, attr in ((layer, "qkv_proj"), (layer, "gate_up_proj"), (mlp, "down_proj")):
+            proj = projections.get(attr)
+            producers = getattr(owner, "input_producers", None)
+            if proj is None or proj.ext is None or producers is None:
+                continue
+            if attr == "down_proj":
+                producers[attr] = self._silu_producer(proj, owner.kernels.silu_and_mul)
+            else:
+                producers[attr] = self._norm_producer(proj, owner.kernels.rms_norm)
+
+    def _norm_producer(self, proj: _Projection, norm: Callable[..., Any]) -> Callable[..., Any]:
+        """The kernel set's ``rms_norm`` (``norm``) for a step of at most
+        :data:`WORKSPACE_ROWS` rows writing ``[y | h']`` into the static buffer, y the norm's
+        output: one ``lora_norm_pack`` launch (Triton), else the norm then the pack; larger
+        steps (and 3-D inputs) take ``norm`` alone."""
+
+        def produce(
+            x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            rows = x.shape[0]
+            if x.dim() != 2 or rows > WORKSPACE_ROWS or self.packed is None:
+                return norm(x, weight, eps, residual)
+            p = self._packed_rows(rows, proj)
+            fused = getattr(self.ops, "lora_norm_pack", None)
+            strides_ok = x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+            if fused is not None and strides_ok and weight.dtype == x.dtype:
+                slots = self.slot_of_row[:rows]
+                p, res = fused(
+                    x,
+                    weight,
+                    eps,
+                    residual,
+                    proj.A_all,
+                    slots,
+                    self.scaling,
+                    proj.slot_width,
+                    out=p,
+                )
+            else:
+                y, res = norm(x, weight, eps, residual)
+                self._pack_into(y, proj, p)
+            return self._hand_over(proj, p, x.shape[1]), res
+
+        return produce
+
+    def _silu_producer(self, proj: _Projection, silu: Callable[..., Any]) -> Callable[..., Any]:
+        """The kernel set's ``silu_and_mul`` (``silu``) writing ``[a | h']`` as
+        :meth:`_norm_producer` does (``lora_silu_pack``)."""
+
+        def produce(gate_up: torch.Tensor) -> torch.Tensor:
+            rows = gate_up.shape[0]
+            if gate_up.dim() != 2 or rows > WORKSPACE_ROWS or self.packed is None:
+                return silu(gate_up)
+            p = self._packed_rows(rows, proj)
+            fused = getattr(self.ops, "lora_silu_pack", None)
+            if fused is not None and gate_up.stride(1) == 1:
+                slots = self.slot_of_row[:rows]
+                fused(gate_up, proj.A_all, slots, self.scaling, proj.slot_width, out=p)
+            else:
+                self._pack_into(silu(gate_up), proj, p)
+            return self._hand_over(proj, p, gate_up.shape[1] // 2)
+
+        return produce
+
+    def _packed_rows(self, rows: int, proj: _Projection) -> torch.Tensor:
+        """``[rows, K + E]`` of ``proj`` in the static buffer."""
+        assert self.packed is not None and proj.ext is not None
+        width = proj.ext.shape[1]
+        return self.packed[: rows * width].view(rows, width)
+
+    def _hand_over(self, proj: _Projection, p: torch.Tensor, k: int) -> torch.Tensor:
+        """Remember ``p`` for ``proj``'s linear and return the op's output, its first K columns."""
+        view = p[:, :k]
+        self.produced = (proj, view, p)
+        return view
 
     def _hand_to_fused(self, layer: torch.nn.Module, projections: dict[str, _Projection]) -> None:
         """A fused layer's projections take their delta from ``layer.projection_lora``; the
@@ -327,6 +418,10 @@ class LoRASlots:
             proj = next((projections[a] for a in attrs_ if getattr(block, a) is weight), None)
             if proj is None:
                 return linear(x, weight, *args, **kwargs)
+            produced = self.produced
+            if produced is not None and produced[0] is proj and x is produced[1]:
+                self.produced = None  # its producer wrote [x | h'] already
+                return linear(produced[2], proj.ext, *args, **kwargs)
             if proj.ext is not None and (
                 x.numel() <= WORKSPACE_ROWS * x.shape[-1] or proj.packs_large_steps
             ):
@@ -372,17 +467,24 @@ class LoRASlots:
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         rows, width = x2.shape[0], proj.ext.shape[1]
-        extra: dict[str, Any] = {} if self.pack_split else {"max_split": 1}
         if rows <= WORKSPACE_ROWS:  # the static buffers (what CUDA graphs capture)
-            out = self.packed[: rows * width].view(rows, width)
-            if self.pack_workspace is not None:
-                extra["workspace"] = self.pack_workspace
+            out = self._packed_rows(rows, proj)
         else:  # a prefill chunk: enough row tiles that K is not split (no workspace)
             out = torch.empty(rows, width, dtype=x2.dtype, device=x2.device)
+        self._pack_into(x2, proj, out)
+        return out.view(*x.shape[:-1], width)
+
+    def _pack_into(self, x2: torch.Tensor, proj: _Projection, out: torch.Tensor) -> None:
+        """``lora_pack`` of ``x2 [T, K]`` into ``out [T, K + E]`` (the split workspace where
+        ``out`` is in the static buffer)."""
+        assert proj.A_all is not None
+        rows = x2.shape[0]
+        extra: dict[str, Any] = {} if self.pack_split else {"max_split": 1}
+        if rows <= WORKSPACE_ROWS and self.pack_workspace is not None:
+            extra["workspace"] = self.pack_workspace
         self.ops.lora_pack(
             x2, proj.A_all, self.slot_of_row[:rows], self.scaling, proj.slot_width, out=out, **extra
         )
-        return out.view(*x.shape[:-1], width)
 
     def _expand(self, y: torch.Tensor, h: torch.Tensor, proj: _Projection) -> None:
         """``y += scaling · B h`` for the rows of a slot (in place), ``h`` the shrink's result."""

@@ -261,3 +261,256 @@ def lora_pack(
         **_pdl.launch_kwargs(use_pdl),
     )
     return p
+
+
+# --------------------------------------------------------------------- the producers' packs
+# A stacked projection whose input is made by one op that only it reads (the input norm before a
+# merged q|k|v, the post-attention norm before a merged gate|up, SiLU·mul before down) gets that
+# op and its pack in one launch: the op's output goes straight into P's first K columns and h'
+# is computed from the op's inputs, so neither the op's own launch nor the copy of x remains.
+
+PRODUCE_TILES = (16, 64, 128)  # (BLOCK_M, BLOCK_N, BLOCK_K) of the h' programs on the GPU
+
+
+@triton.jit
+def _produce_pack_kernel(
+    src_ptr,
+    stride_sm,
+    res_ptr,
+    stride_rm,
+    w_ptr,
+    res_out_ptr,
+    a_ptr,
+    p_ptr,
+    stride_pm,
+    slot_ptr,
+    scale_ptr,
+    T,
+    K,
+    E,
+    WIDTH,
+    SLOTS,
+    H_TILES,
+    COL_BLOCKS,
+    eps,
+    NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_h = tl.cdiv(T, BM) * H_TILES
+    _pdl.wait(PDL)  # every read but A's and the gain's depends on the previous kernel
+    if pid >= n_h:  # the op's output for ROWS rows and BC columns into P's first K columns
+        q = pid - n_h
+        rows = (q // COL_BLOCKS) * ROWS + tl.arange(0, ROWS)
+        cols = (q % COL_BLOCKS) * BC + tl.arange(0, BC)
+        mask = (rows < T)[:, None] & (cols < K)[None, :]
+        r64 = rows.to(tl.int64)
+        if NORM:  # as _rmsnorm_kernel: BC covers the whole row
+            x = tl.load(src_ptr + r64[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0)
+            if HAS_RES:
+                r = tl.load(
+                    res_ptr + r64[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0
+                )
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+                tl.store(res_out_ptr + r64[:, None] * K + cols[None, :], x, mask=mask)
+            h32 = x.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=1) / K + eps)
+            w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            y = (h32 * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
+        else:  # as _silu_and_mul_kernel: gate in the first K columns of src, up after them
+            gp = src_ptr + r64[:, None] * stride_sm + cols[None, :]
+            gate = tl.load(gp, mask=mask, other=0.0)
+            u = tl.load(gp + K, mask=mask, other=0.0).to(tl.float32)
+            g = gate.to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32) * u
+        _pdl.launch_dependents(PDL)
+        tl.store(
+            p_ptr + r64[:, None] * stride_pm + cols[None, :],
+            y.to(p_ptr.dtype.element_ty),
+            mask=mask,
+        )
+        return
+    pid_m = pid // H_TILES
+    tile = pid % H_TILES
+    m = pid_m * BM + tl.arange(0, BM)
+    m_ok = m < T
+    m64 = m.to(tl.int64)
+    c = tile * BN + tl.arange(0, BN)
+    c_ok = c < E
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    ssq = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        mask = m_ok[:, None] & k_ok[None, :]
+        src = src_ptr + m64[:, None] * stride_sm + k[None, :]
+        if NORM:  # (x + residual) * gain now, times the row's 1 / rms after the K loop
+            x = tl.load(src, mask=mask, other=0.0)
+            if HAS_RES:
+                r = tl.load(res_ptr + m64[:, None] * stride_rm + k[None, :], mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            xf = x.to(tl.float32)
+            ssq += tl.sum(xf * xf, axis=1)
+            w = tl.load(w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            v = (xf * w[None, :]).to(x.dtype)
+        else:
+            gate = tl.load(src, mask=mask, other=0.0)
+            u = tl.load(src + K, mask=mask, other=0.0).to(tl.float32)
+            g = gate.to(tl.float32)
+            v = ((g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32) * u).to(gate.dtype)
+        at = tl.load(
+            a_ptr + c.to(tl.int64)[:, None] * K + k[None, :],
+            mask=c_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        acc = dot_rows(acc, v, at, UPCAST, DOT_PRECISION)
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(ssq / K + eps))[:, None]
+    _pdl.launch_dependents(PDL)
+    slot = tl.load(slot_ptr + m, mask=m_ok, other=-1)
+    valid = (slot >= 0) & (slot < SLOTS)
+    scale = tl.load(scale_ptr + tl.where(valid, slot, 0), mask=m_ok & valid, other=0.0)
+    mine = valid[:, None] & ((c // WIDTH)[None, :] == slot[:, None])
+    h = tl.where(mine, acc * scale[:, None], 0.0)
+    out = p_ptr + m64[:, None] * stride_pm + K + c[None, :]
+    tl.store(out, h.to(p_ptr.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
+
+
+def _produce_pack(
+    src: torch.Tensor,
+    k: int,
+    A_all: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    scaling: torch.Tensor,
+    width: int,
+    out: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float, torch.Tensor | None] | None,
+    tiles: tuple[int, int, int] | None,
+    pdl: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    rows = src.shape[0]
+    e = A_all.shape[0]
+    assert src.dim() == 2 and src.stride(1) == 1, "the op's input: [T, columns], unit column stride"
+    assert A_all.is_contiguous() and A_all.shape[1] == k and A_all.dtype == src.dtype
+    assert width > 0 and e % width == 0, "A_all: [slots*width, K]"
+    assert slot_of_row.shape == (rows,) and slot_of_row.dtype == torch.int32
+    assert scaling.dim() == 1 and scaling.dtype == torch.float32
+    p = out if out is not None else torch.empty(rows, k + e, dtype=src.dtype, device=src.device)
+    assert p.shape == (rows, k + e) and p.dtype == src.dtype and p.stride(1) == 1
+    res_out = None
+    weight, eps, residual = norm if norm is not None else (A_all, 0.0, None)
+    if norm is not None:
+        assert weight.shape == (k,) and weight.dtype == src.dtype, "the norm's gain: [K], x's dtype"
+        if residual is not None:
+            assert residual.shape == src.shape and residual.stride(1) == 1
+            res_out = torch.empty_like(src, memory_format=torch.contiguous_format)
+    if rows == 0:
+        return p, res_out
+    on_gpu = src.device.type == "cuda"
+    bm, bn, bk = tiles or (PRODUCE_TILES if on_gpu else INTERPRETER_TILES)
+    if src.dtype == torch.float32:
+        bk = min(bk, 64)
+    bn = min(bn, max(16, triton.next_power_of_2(e)))
+    full = triton.next_power_of_2(k)
+    if norm is not None:  # a norm needs the whole row in one program
+        bc, rows_per = full, max(1, min(16, 2048 // full))
+    else:
+        bc, rows_per = min(2048, full), 1
+    col_blocks = triton.cdiv(k, bc)
+    h_tiles = triton.cdiv(e, bn)
+    grid = (triton.cdiv(rows, bm) * h_tiles + triton.cdiv(rows, rows_per) * col_blocks,)
+    use_pdl = _pdl.enabled(src.device, pdl)
+    _produce_pack_kernel[grid](
+        src,
+        src.stride(0),
+        residual if residual is not None else src,
+        residual.stride(0) if residual is not None else 0,
+        weight,
+        res_out if res_out is not None else p,
+        A_all,
+        p,
+        p.stride(0),
+        slot_of_row,
+        scaling,
+        rows,
+        k,
+        e,
+        width,
+        scaling.shape[0],
+        h_tiles,
+        col_blocks,
+        eps,
+        NORM=norm is not None,
+        HAS_RES=residual is not None,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        ROWS=rows_per,
+        BC=bc,
+        UPCAST=not on_gpu and src.dtype != torch.float32,
+        DOT_PRECISION="ieee" if src.dtype == torch.float32 else "tf32",
+        PDL=use_pdl,
+        num_warps=4 if bc <= 1024 else 8,
+        **_pdl.launch_kwargs(use_pdl),
+    )
+    return p, res_out
+
+
+def lora_norm_pack(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    A_all: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    scaling: torch.Tensor,
+    width: int,
+    *,
+    out: torch.Tensor | None = None,
+    tiles: tuple[int, int, int] | None = None,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An RMSNorm and the stacked pack of the projection after it, in one launch: ``(P,
+    residual')`` where ``P [T, K + E] = [y | h']``, ``y`` the norm's output exactly as the
+    kernel set's ``rms_norm(x, weight, eps, residual)`` writes it, and ``residual'`` the sum
+    ``x + residual`` that it returns (None without a residual).
+
+    ``h'`` is :func:`lora_pack`'s of y, up to rounding: each program sums ``((x + residual) *
+    weight) . A_all[c]`` over K and multiplies by the row's ``1 / rms`` after, so it needs no
+    pass over the row first (bf16: the product of the rounded ``(x + residual) * weight``,
+    not of the rounded y). ``x``, ``residual``: ``[T, K]``, unit column stride; ``weight``
+    ``[K]`` of x's dtype; the rest as for :func:`lora_pack`; ``tiles``: ``(BLOCK_M, BLOCK_N,
+    BLOCK_K)`` of the h' programs.
+    """
+    k = x.shape[1]
+    return _produce_pack(
+        x, k, A_all, slot_of_row, scaling, width, out, (weight, eps, residual), tiles, pdl
+    )
+
+
+def lora_silu_pack(
+    gate_up: torch.Tensor,
+    A_all: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    scaling: torch.Tensor,
+    width: int,
+    *,
+    out: torch.Tensor | None = None,
+    tiles: tuple[int, int, int] | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """SiLU·mul and the stacked pack of the down projection after it, in one launch: ``P [T,
+    K + E] = [a | h']`` where ``a = silu(gate) * up`` exactly as the kernel set's
+    ``silu_and_mul(gate_up)`` writes it (``gate_up [T, 2K]``, gate first) and ``h'`` is
+    :func:`lora_pack`'s of ``a``. Arguments as for :func:`lora_norm_pack`."""
+    k = gate_up.shape[1] // 2
+    assert gate_up.shape[1] == 2 * k, "the merged gate-up width must be even"
+    return _produce_pack(gate_up, k, A_all, slot_of_row, scaling, width, out, None, tiles, pdl)[0]

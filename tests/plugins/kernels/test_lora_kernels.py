@@ -545,3 +545,64 @@ def test_pack_matches_float64(case: dict) -> None:
             assert _same_bits(h[truth == 0], torch.zeros_like(h[truth == 0])), "zero: no slot"
             _close(h, truth, TOL[dt], f"h' ({op.__module__})")
     assert not workspace[0].any() and not workspace[1].any(), "workspace left clear"
+
+
+@st.composite
+def produced_packs(draw: st.DrawFn) -> dict:
+    """A producer's pack: the norm (with or without a residual) or SiLU·mul before it."""
+    rows, slots = draw(st.integers(1, 40)), draw(st.integers(1, 4))
+    return {
+        "dtype": draw(st.sampled_from(DTYPES)),
+        "op": draw(st.sampled_from(["norm", "norm-residual", "silu"])),
+        "rows": rows,
+        "k": draw(st.integers(1, 72)),
+        "slots": slots,
+        "width": draw(st.sampled_from([1, 8, 12, 48])),
+        "slot_of_row": _slots_mix(draw, rows, slots),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@given(case=produced_packs())
+@FAST
+def test_produced_pack_matches_its_op_then_pack(case: dict) -> None:
+    """``lora_norm_pack`` / ``lora_silu_pack`` write the op's output bit for bit as the Triton
+    ``rms_norm`` / ``silu_and_mul`` do (and the norm's residual sum), and h' as the float64
+    truth of :func:`lora_pack` over that output, exactly zero outside each row's slot."""
+    from pitstop.plugins.kernels.triton_ops import rmsnorm, silu
+
+    g = torch.Generator().manual_seed(case["seed"])
+    dt, rows, k, slots, width = (case[n] for n in ("dtype", "rows", "k", "slots", "width"))
+    e = slots * width
+    a_all = (torch.randn(e, k, generator=g) * 0.5).to(dt).to(DEVICE)
+    scaling = (torch.rand(slots, generator=g) + 0.5).to(DEVICE)
+    slot_of_row = torch.tensor(case["slot_of_row"], dtype=torch.int32, device=DEVICE)
+    out = torch.full((rows, k + e), float("nan"), dtype=dt, device=DEVICE)
+    if case["op"] == "silu":
+        gate_up = (torch.randn(rows, 2 * k, generator=g) * 2).to(dt).to(DEVICE)
+        y = silu.silu_and_mul(gate_up)
+        p = lora_pack.lora_silu_pack(gate_up, a_all, slot_of_row, scaling, width, out=out)
+    else:
+        x = (torch.randn(rows, k, generator=g) * 3).to(dt).to(DEVICE)
+        weight = (torch.rand(k, generator=g) + 0.5).to(dt).to(DEVICE)
+        residual = None
+        if case["op"] == "norm-residual":
+            residual = (torch.randn(rows, k, generator=g) * 3).to(dt).to(DEVICE)
+        y, res = rmsnorm.rms_norm(x, weight, 1e-6, residual)
+        p, res_out = lora_pack.lora_norm_pack(
+            x, weight, 1e-6, residual, a_all, slot_of_row, scaling, width, out=out
+        )
+        assert (res_out is None) == (residual is None)
+        if residual is not None:
+            assert _same_bits(res_out.cpu(), res.cpu()), "the residual sum as rms_norm's"
+    assert p.data_ptr() == out.data_ptr()
+    assert _same_bits(p[:, :k].cpu(), y.cpu().contiguous()), "the op's output, bit for bit"
+    truth = torch.zeros(rows, e, dtype=torch.float64)
+    for t, s in enumerate(case["slot_of_row"]):
+        if 0 <= s < slots:
+            cols = slice(s * width, (s + 1) * width)
+            truth[t, cols] = (y[t].cpu().double() @ a_all[cols].cpu().double().T) * scaling[s].item()
+    h = p[:, k:].cpu()
+    assert _same_bits(h[truth == 0], torch.zeros_like(h[truth == 0])), "zero: no slot"
+    # bf16 / fp16: h' multiplies the rounded (x + residual) * gain, not the rounded y
+    _close(h, truth, 2 * TOL[dt], "h'")
