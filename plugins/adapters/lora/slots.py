@@ -341,12 +341,20 @@ class LoRASlots:
             fused = getattr(self.ops, "lora_silu_pack", None)
             if fused is not None and gate_up.stride(1) == 1:
                 slots = self.slot_of_row[:rows]
-                fused(gate_up, proj.A_all, slots, self.scaling, proj.slot_width, out=p)
+                extra = self._split_args()
+                fused(gate_up, proj.A_all, slots, self.scaling, proj.slot_width, out=p, **extra)
             else:
                 self._pack_into(silu(gate_up), proj, p)
             return self._hand_over(proj, p, gate_up.shape[1] // 2)
 
         return produce
+
+    def _split_args(self) -> dict[str, Any]:
+        """A pack's split of K into the static buffer: the workspace, or none (``lora.pack_split``
+        off)."""
+        if not self.pack_split:
+            return {"max_split": 1}
+        return {} if self.pack_workspace is None else {"workspace": self.pack_workspace}
 
     def _packed_rows(self, rows: int, proj: _Projection) -> torch.Tensor:
         """``[rows, K + E]`` of ``proj`` in the static buffer."""
@@ -479,9 +487,9 @@ class LoRASlots:
         ``out`` is in the static buffer)."""
         assert proj.A_all is not None
         rows = x2.shape[0]
-        extra: dict[str, Any] = {} if self.pack_split else {"max_split": 1}
-        if rows <= WORKSPACE_ROWS and self.pack_workspace is not None:
-            extra["workspace"] = self.pack_workspace
+        extra = self._split_args()
+        if rows > WORKSPACE_ROWS:  # not the static buffer's rows: a workspace of the call's own
+            extra.pop("workspace", None)
         self.ops.lora_pack(
             x2, proj.A_all, self.slot_of_row[:rows], self.scaling, proj.slot_width, out=out, **extra
         )

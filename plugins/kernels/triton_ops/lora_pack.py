@@ -116,21 +116,43 @@ def _pack_kernel(
         acc = dot_rows(acc, xt, at, UPCAST, DOT_PRECISION)
     _pdl.launch_dependents(PDL)
     tile_mask = m_ok[:, None] & c_ok[None, :]
-    if SPLIT > 1:  # add into the float32 workspace; the split that arrives last finishes
-        # every thread's adds are performed before the counter's release (the barrier), and the
-        # last split reads the sums and leaves zeros in one exchange at L2, after its acquire
-        ws = ws_ptr + m64[:, None] * E + c[None, :]
-        tl.atomic_add(ws, acc, mask=tile_mask, sem="relaxed")
-        tl.debug_barrier()
+    if SPLIT > 1:
         counter = count_ptr + pid_m * H_TILES + tile
-        if tl.atomic_add(counter, 1, sem="acq_rel") != SPLIT - 1:
+        acc, last = _split_sum(acc, ws_ptr, counter, m64, c, tile_mask, E, SPLIT)
+        if not last:
             return
+    _store_h(
+        acc, slot_ptr, scale_ptr, m, m_ok, m64, c, tile_mask, WIDTH, SLOTS, p_ptr, stride_pm, K
+    )
+
+
+@triton.jit
+def _split_sum(acc, ws_ptr, counter, m64, c, tile_mask, E, SPLIT: tl.constexpr):
+    """One of ``SPLIT`` splits' ``acc`` added into the float32 workspace: ``(the tile's whole
+    sum, True)`` in the split that arrives last, which leaves the workspace and ``counter``
+    clear again for the next launch on the stream; ``(acc, False)`` in the others."""
+    # every thread's adds are performed before the counter's release (the barrier), and the
+    # last split reads the sums and leaves zeros in one exchange at L2, after its acquire
+    ws = ws_ptr + m64[:, None] * E + c[None, :]
+    tl.atomic_add(ws, acc, mask=tile_mask, sem="relaxed")
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
+    if last:
         bits = ws.to(tl.pointer_type(tl.int32))  # as int32: the interpreter exchanges no floats
-        zeros = tl.zeros([BM, BN], dtype=tl.int32)
+        zeros = tl.zeros(acc.shape, dtype=tl.int32)
         acc = tl.atomic_xchg(bits, zeros, mask=tile_mask, sem="acquire").to(
             tl.float32, bitcast=True
         )
-        tl.store(counter, 0)  # for the next launch on the stream
+        tl.store(counter, 0)
+    return acc, last
+
+
+@triton.jit
+def _store_h(
+    acc, slot_ptr, scale_ptr, m, m_ok, m64, c, tile_mask, WIDTH, SLOTS, p_ptr, stride_pm, K
+):
+    """h' of a tile into P's columns ``K + c``: each row's sum scaled in its own slot's
+    columns, zero in the others and on rows without an adapter."""
     slot = tl.load(slot_ptr + m, mask=m_ok, other=-1)
     valid = (slot >= 0) & (slot < SLOTS)
     scale = tl.load(scale_ptr + tl.where(valid, slot, 0), mask=m_ok & valid, other=0.0)
@@ -225,7 +247,7 @@ def lora_pack(
     split = triton.cdiv(k, k_per_split)
     h_tiles = triton.cdiv(e, bn)
     if split == 1:  # the kernel never touches them: any pointers of the types do
-        ws, counters = workspace or (A_all.new_empty(0, dtype=torch.float32), slot_of_row)
+        ws, counters = workspace or (scaling, slot_of_row)
     else:
         ws, counters = workspace or pack_workspace(rows, e, x.device)
         assert ws.numel() >= rows * e and counters.numel() >= triton.cdiv(rows, bm) * h_tiles
@@ -269,7 +291,17 @@ def lora_pack(
 # op and its pack in one launch: the op's output goes straight into P's first K columns and h'
 # is computed from the op's inputs, so neither the op's own launch nor the copy of x remains.
 
-PRODUCE_TILES = (16, 64, 128)  # (BLOCK_M, BLOCK_N, BLOCK_K) of the h' programs on the GPU
+
+def produce_tiles(
+    rows: int, columns: int, k: int, dtype: torch.dtype, device: torch.device, norm: bool
+) -> PackTiles:
+    """The h' programs' launch shape of a producer's pack: :func:`pack_tiles`'s for SiLU·mul
+    (K split alike); for a norm no split (each program needs its rows' whole K for their
+    ``1 / rms``), row tiles of 16 for more programs instead."""
+    tiles = pack_tiles(rows, columns, k, dtype, device)
+    if not norm:
+        return tiles
+    return tiles._replace(block_m=min(tiles.block_m, 16), split_k=1)
 
 
 @triton.jit
@@ -285,6 +317,8 @@ def _produce_pack_kernel(
     stride_pm,
     slot_ptr,
     scale_ptr,
+    ws_ptr,
+    count_ptr,
     T,
     K,
     E,
@@ -292,7 +326,9 @@ def _produce_pack_kernel(
     SLOTS,
     H_TILES,
     COL_BLOCKS,
+    K_PER_SPLIT,
     eps,
+    SPLIT: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
     BM: tl.constexpr,
@@ -305,7 +341,7 @@ def _produce_pack_kernel(
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    n_h = tl.cdiv(T, BM) * H_TILES
+    n_h = tl.cdiv(T, BM) * H_TILES * SPLIT
     _pdl.wait(PDL)  # every read but A's and the gain's depends on the previous kernel
     if pid >= n_h:  # the op's output for ROWS rows and BC columns into P's first K columns
         q = pid - n_h
@@ -338,8 +374,9 @@ def _produce_pack_kernel(
             mask=mask,
         )
         return
-    pid_m = pid // H_TILES
-    tile = pid % H_TILES
+    pid_m = pid // (H_TILES * SPLIT)
+    tile = (pid // SPLIT) % H_TILES
+    k_lo = (pid % SPLIT) * K_PER_SPLIT  # a norm takes the whole K (SPLIT 1): its 1 / rms
     m = pid_m * BM + tl.arange(0, BM)
     m_ok = m < T
     m64 = m.to(tl.int64)
@@ -347,9 +384,9 @@ def _produce_pack_kernel(
     c_ok = c < E
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     ssq = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        k_ok = k < K
+    for kk in range(0, K_PER_SPLIT, BK):
+        k = k_lo + kk + tl.arange(0, BK)
+        k_ok = (k < K) & (kk + tl.arange(0, BK) < K_PER_SPLIT)
         mask = m_ok[:, None] & k_ok[None, :]
         src = src_ptr + m64[:, None] * stride_sm + k[None, :]
         if NORM:  # (x + residual) * gain now, times the row's 1 / rms after the K loop
@@ -375,13 +412,15 @@ def _produce_pack_kernel(
     if NORM:
         acc = acc * (1.0 / tl.sqrt(ssq / K + eps))[:, None]
     _pdl.launch_dependents(PDL)
-    slot = tl.load(slot_ptr + m, mask=m_ok, other=-1)
-    valid = (slot >= 0) & (slot < SLOTS)
-    scale = tl.load(scale_ptr + tl.where(valid, slot, 0), mask=m_ok & valid, other=0.0)
-    mine = valid[:, None] & ((c // WIDTH)[None, :] == slot[:, None])
-    h = tl.where(mine, acc * scale[:, None], 0.0)
-    out = p_ptr + m64[:, None] * stride_pm + K + c[None, :]
-    tl.store(out, h.to(p_ptr.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
+    tile_mask = m_ok[:, None] & c_ok[None, :]
+    if SPLIT > 1:
+        counter = count_ptr + pid_m * H_TILES + tile
+        acc, last = _split_sum(acc, ws_ptr, counter, m64, c, tile_mask, E, SPLIT)
+        if not last:
+            return
+    _store_h(
+        acc, slot_ptr, scale_ptr, m, m_ok, m64, c, tile_mask, WIDTH, SLOTS, p_ptr, stride_pm, K
+    )
 
 
 def _produce_pack(
@@ -393,7 +432,9 @@ def _produce_pack(
     width: int,
     out: torch.Tensor | None,
     norm: tuple[torch.Tensor, float, torch.Tensor | None] | None,
-    tiles: tuple[int, int, int] | None,
+    tiles: PackTiles | None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None,
+    max_split: int | None,
     pdl: bool | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows = src.shape[0]
@@ -415,18 +456,26 @@ def _produce_pack(
     if rows == 0:
         return p, res_out
     on_gpu = src.device.type == "cuda"
-    bm, bn, bk = tiles or (PRODUCE_TILES if on_gpu else INTERPRETER_TILES)
-    if src.dtype == torch.float32:
-        bk = min(bk, 64)
-    bn = min(bn, max(16, triton.next_power_of_2(e)))
+    bm, bn, bk, split, warps, stages = tiles or produce_tiles(
+        rows, e, k, src.dtype, src.device, norm is not None
+    )
+    split = split if max_split is None else max(1, min(split, max_split))
+    assert norm is None or split == 1, "a norm's pack takes the whole K in each program"
+    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_per_split)
+    h_tiles = triton.cdiv(e, bn)
+    if split == 1:  # the kernel never touches them: any pointers of the types do
+        ws, counters = workspace or (scaling, slot_of_row)
+    else:
+        ws, counters = workspace or pack_workspace(rows, e, src.device)
+        assert ws.numel() >= rows * e and counters.numel() >= triton.cdiv(rows, bm) * h_tiles
     full = triton.next_power_of_2(k)
     if norm is not None:  # a norm needs the whole row in one program
         bc, rows_per = full, max(1, min(16, 2048 // full))
     else:
         bc, rows_per = min(2048, full), 1
     col_blocks = triton.cdiv(k, bc)
-    h_tiles = triton.cdiv(e, bn)
-    grid = (triton.cdiv(rows, bm) * h_tiles + triton.cdiv(rows, rows_per) * col_blocks,)
+    grid = (triton.cdiv(rows, bm) * h_tiles * split + triton.cdiv(rows, rows_per) * col_blocks,)
     use_pdl = _pdl.enabled(src.device, pdl)
     _produce_pack_kernel[grid](
         src,
@@ -440,6 +489,8 @@ def _produce_pack(
         p.stride(0),
         slot_of_row,
         scaling,
+        ws,
+        counters,
         rows,
         k,
         e,
@@ -447,7 +498,9 @@ def _produce_pack(
         scaling.shape[0],
         h_tiles,
         col_blocks,
+        k_per_split,
         eps,
+        SPLIT=split,
         NORM=norm is not None,
         HAS_RES=residual is not None,
         BM=bm,
@@ -458,7 +511,8 @@ def _produce_pack(
         UPCAST=not on_gpu and src.dtype != torch.float32,
         DOT_PRECISION="ieee" if src.dtype == torch.float32 else "tf32",
         PDL=use_pdl,
-        num_warps=4 if bc <= 1024 else 8,
+        num_warps=max(warps, 4 if bc <= 1024 else 8),
+        num_stages=stages,
         **_pdl.launch_kwargs(use_pdl),
     )
     return p, res_out
@@ -475,7 +529,7 @@ def lora_norm_pack(
     width: int,
     *,
     out: torch.Tensor | None = None,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: PackTiles | None = None,
     pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An RMSNorm and the stacked pack of the projection after it, in one launch: ``(P,
@@ -487,13 +541,12 @@ def lora_norm_pack(
     weight) . A_all[c]`` over K and multiplies by the row's ``1 / rms`` after, so it needs no
     pass over the row first (bf16: the product of the rounded ``(x + residual) * weight``,
     not of the rounded y). ``x``, ``residual``: ``[T, K]``, unit column stride; ``weight``
-    ``[K]`` of x's dtype; the rest as for :func:`lora_pack`; ``tiles``: ``(BLOCK_M, BLOCK_N,
-    BLOCK_K)`` of the h' programs.
+    ``[K]`` of x's dtype; the rest as for :func:`lora_pack` (``tiles`` of one split: each
+    program needs its rows' whole K).
     """
     k = x.shape[1]
-    return _produce_pack(
-        x, k, A_all, slot_of_row, scaling, width, out, (weight, eps, residual), tiles, pdl
-    )
+    norm = (weight, eps, residual)
+    return _produce_pack(x, k, A_all, slot_of_row, scaling, width, out, norm, tiles, None, 1, pdl)
 
 
 def lora_silu_pack(
@@ -504,13 +557,16 @@ def lora_silu_pack(
     width: int,
     *,
     out: torch.Tensor | None = None,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: PackTiles | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_split: int | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """SiLU·mul and the stacked pack of the down projection after it, in one launch: ``P [T,
     K + E] = [a | h']`` where ``a = silu(gate) * up`` exactly as the kernel set's
     ``silu_and_mul(gate_up)`` writes it (``gate_up [T, 2K]``, gate first) and ``h'`` is
-    :func:`lora_pack`'s of ``a``. Arguments as for :func:`lora_norm_pack`."""
+    :func:`lora_pack`'s of ``a``, K split as there. Arguments as for :func:`lora_pack`."""
     k = gate_up.shape[1] // 2
     assert gate_up.shape[1] == 2 * k, "the merged gate-up width must be even"
-    return _produce_pack(gate_up, k, A_all, slot_of_row, scaling, width, out, None, tiles, pdl)[0]
+    args = (out, None, tiles, workspace, max_split, pdl)
+    return _produce_pack(gate_up, k, A_all, slot_of_row, scaling, width, *args)[0]

@@ -559,6 +559,7 @@ def produced_packs(draw: st.DrawFn) -> dict:
         "slots": slots,
         "width": draw(st.sampled_from([1, 8, 12, 48])),
         "slot_of_row": _slots_mix(draw, rows, slots),
+        "split_k": draw(st.sampled_from([1, 2, 3])),  # SiLU·mul's only: a norm takes all of K
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -578,10 +579,18 @@ def test_produced_pack_matches_its_op_then_pack(case: dict) -> None:
     scaling = (torch.rand(slots, generator=g) + 0.5).to(DEVICE)
     slot_of_row = torch.tensor(case["slot_of_row"], dtype=torch.int32, device=DEVICE)
     out = torch.full((rows, k + e), float("nan"), dtype=dt, device=DEVICE)
+    bm, bn, bk = lora_pack.INTERPRETER_TILES  # small tiles on the GPU too: splits cross tiles
+    workspace = lora_pack.pack_workspace(rows, e, torch.device(DEVICE))
     if case["op"] == "silu":
         gate_up = (torch.randn(rows, 2 * k, generator=g) * 2).to(dt).to(DEVICE)
         y = silu.silu_and_mul(gate_up)
-        p = lora_pack.lora_silu_pack(gate_up, a_all, slot_of_row, scaling, width, out=out)
+        tiles = lora_pack.PackTiles(bm, bn, bk, case["split_k"])
+        for _ in range(2):  # the split launch leaves its workspace and counters clear
+            p = lora_pack.lora_silu_pack(
+                gate_up, a_all, slot_of_row, scaling, width, out=out, tiles=tiles,
+                workspace=workspace,
+            )  # fmt: skip
+        assert not workspace[0].any() and not workspace[1].any(), "workspace left clear"
     else:
         x = (torch.randn(rows, k, generator=g) * 3).to(dt).to(DEVICE)
         weight = (torch.rand(k, generator=g) + 0.5).to(dt).to(DEVICE)
@@ -590,8 +599,9 @@ def test_produced_pack_matches_its_op_then_pack(case: dict) -> None:
             residual = (torch.randn(rows, k, generator=g) * 3).to(dt).to(DEVICE)
         y, res = rmsnorm.rms_norm(x, weight, 1e-6, residual)
         p, res_out = lora_pack.lora_norm_pack(
-            x, weight, 1e-6, residual, a_all, slot_of_row, scaling, width, out=out
-        )
+            x, weight, 1e-6, residual, a_all, slot_of_row, scaling, width, out=out,
+            tiles=lora_pack.PackTiles(bm, bn, bk),
+        )  # fmt: skip
         assert (res_out is None) == (residual is None)
         if residual is not None:
             assert _same_bits(res_out.cpu(), res.cpu()), "the residual sum as rms_norm's"
@@ -601,7 +611,9 @@ def test_produced_pack_matches_its_op_then_pack(case: dict) -> None:
     for t, s in enumerate(case["slot_of_row"]):
         if 0 <= s < slots:
             cols = slice(s * width, (s + 1) * width)
-            truth[t, cols] = (y[t].cpu().double() @ a_all[cols].cpu().double().T) * scaling[s].item()
+            truth[t, cols] = (y[t].cpu().double() @ a_all[cols].cpu().double().T) * scaling[
+                s
+            ].item()
     h = p[:, k:].cpu()
     assert _same_bits(h[truth == 0], torch.zeros_like(h[truth == 0])), "zero: no slot"
     # bf16 / fp16: h' multiplies the rounded (x + residual) * gain, not the rounded y
