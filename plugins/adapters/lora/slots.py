@@ -295,18 +295,18 @@ class LoRASlots:
                 producers[attr] = self._norm_producer(proj, owner.kernels.rms_norm)
 
     def _norm_producer(self, proj: _Projection, norm: Callable[..., Any]) -> Callable[..., Any]:
-        """The kernel set's ``rms_norm`` (``norm``) for a step of at most
-        :data:`WORKSPACE_ROWS` rows writing ``[y | h']`` into the static buffer, y the norm's
-        output: one ``lora_norm_pack`` launch (Triton), else the norm then the pack; larger
-        steps (and 3-D inputs) take ``norm`` alone."""
+        """The kernel set's ``rms_norm`` (``norm``) also writing ``[y | h']``, y the norm's
+        output, where :meth:`_produce_into` finds it a buffer: one ``lora_norm_pack`` launch
+        (Triton), else the norm then the pack; elsewhere (a large step of a projection that
+        does not pack it, a 3-D input) ``norm`` alone."""
 
         def produce(
             x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-            rows = x.shape[0]
-            if x.dim() != 2 or rows > WORKSPACE_ROWS or self.packed is None:
+            p = self._produce_into(x, proj)
+            if p is None:
                 return norm(x, weight, eps, residual)
-            p = self._packed_rows(rows, proj)
+            rows = x.shape[0]
             fused = getattr(self.ops, "lora_norm_pack", None)
             strides_ok = x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
             if fused is not None and strides_ok and weight.dtype == x.dtype:
@@ -334,20 +334,36 @@ class LoRASlots:
         :meth:`_norm_producer` does (``lora_silu_pack``)."""
 
         def produce(gate_up: torch.Tensor) -> torch.Tensor:
-            rows = gate_up.shape[0]
-            if gate_up.dim() != 2 or rows > WORKSPACE_ROWS or self.packed is None:
+            p = self._produce_into(gate_up, proj)
+            if p is None:
                 return silu(gate_up)
-            p = self._packed_rows(rows, proj)
+            rows = gate_up.shape[0]
             fused = getattr(self.ops, "lora_silu_pack", None)
             if fused is not None and gate_up.stride(1) == 1:
                 slots = self.slot_of_row[:rows]
                 extra = self._split_args()
+                if rows > WORKSPACE_ROWS:  # a workspace of the call's own where it splits
+                    extra.pop("workspace", None)
                 fused(gate_up, proj.A_all, slots, self.scaling, proj.slot_width, out=p, **extra)
             else:
                 self._pack_into(silu(gate_up), proj, p)
             return self._hand_over(proj, p, gate_up.shape[1] // 2)
 
         return produce
+
+    def _produce_into(self, src: torch.Tensor, proj: _Projection) -> torch.Tensor | None:
+        """Where a producer of ``proj``'s input writes ``[x | h']`` for the op input ``src``:
+        the static buffer for a step of at most :data:`WORKSPACE_ROWS` rows, a buffer of the
+        step's own for a larger one where the projection packs large steps; None where it
+        does not pack (the op runs alone and the projection takes its delta its own way)."""
+        rows = src.shape[0]
+        if src.dim() != 2 or self.packed is None or proj.ext is None:
+            return None
+        if rows <= WORKSPACE_ROWS:
+            return self._packed_rows(rows, proj)
+        if not proj.packs_large_steps:
+            return None
+        return torch.empty(rows, proj.ext.shape[1], dtype=src.dtype, device=src.device)
 
     def _split_args(self) -> dict[str, Any]:
         """A pack's split of K into the static buffer: the workspace, or none (``lora.pack_split``

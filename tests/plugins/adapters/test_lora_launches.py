@@ -111,7 +111,7 @@ def _counted_call(fn: Any, calls: list[int], launches: Launches) -> Any:
     step within the workspace's rows (a larger one runs the base model's op alone)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if args[0].shape[0] > lora_slots.WORKSPACE_ROWS:
+        if args[0].shape[0] > lora_slots.WORKSPACE_ROWS and lora_slots.LARGE_STEP_RATIO:
             return fn(*args, **kwargs)
         calls.append(args[0].shape[0])
         launches.scope += 1
@@ -210,9 +210,13 @@ def test_launches_per_lora_projection_and_layer(
     _assert_peft_tokens(tiny, names, prompts, outs, max_tokens)
 
 
-@pytest.mark.parametrize("producers", [True, False], ids=["producers", "packs"])
+@pytest.mark.parametrize(
+    ("producers", "large"),
+    [(True, False), (False, False), (True, True)],
+    ids=["producers", "packs", "producers-large-steps"],
+)
 def test_stacked_layout_packs_once_a_projection(
-    tiny: dict[str, Path], launches, monkeypatch: pytest.MonkeyPatch, producers: bool
+    tiny: dict[str, Path], launches, monkeypatch: pytest.MonkeyPatch, producers: bool, large: bool
 ) -> None:
     """``lora.kernel=stacked`` on the Triton ops (the interpreter on CPU): a step within the
     workspace's rows runs one launch a LoRA'd projection and no torch op in it (the GEMM that
@@ -221,10 +225,12 @@ def test_stacked_layout_packs_once_a_projection(
     the post-attention norm, SiLU·mul: ``lora_norm_pack``, ``lora_silu_pack``), which then
     runs no launch of its own, and only o packs (``lora_pack``); without, all four pack. The
     first step's 33 prompt rows, over the 16 here, take the norm, the unsplit shrink and
-    expand (no projection packs steps that large here: ``LARGE_STEP_RATIO`` out of reach).
-    Tokens are PEFT's."""
+    expand (no projection packs steps that large here: ``LARGE_STEP_RATIO`` out of reach);
+    with ``large`` every projection packs them too (``LARGE_STEP_RATIO`` 0), into buffers of
+    their own, the producers' way included, so no step runs a shrink or an expand. Tokens are
+    PEFT's."""
     monkeypatch.setattr(lora_slots, "WORKSPACE_ROWS", 16)
-    monkeypatch.setattr(lora_slots, "LARGE_STEP_RATIO", 10**9)
+    monkeypatch.setattr(lora_slots, "LARGE_STEP_RATIO", 0 if large else 10**9)
     packs: list[int] = []
 
     def counted(method: Any) -> Any:
@@ -256,13 +262,16 @@ def test_stacked_layout_packs_once_a_projection(
     model = llm.engine.runner.model
     layers = len(model.layers)
     counts = f"Triton {dict(launches.triton)}, torch {dict(launches.torch)}"
-    decode_steps = launches.steps - 1  # the prompts' 33 rows in one step, then 4 rows a step
-    assert decode_steps >= max_tokens - 1 and set(packs) == {4}, packs
-    assert len(packs) == decode_steps * layers * LAUNCHES_PER_LAYER
+    # the prompts' 33 rows in one step, then 4 rows a step
+    packing = launches.steps if large else launches.steps - 1
+    assert launches.steps >= max_tokens and set(packs) == ({4, 33} if large else {4}), packs
+    assert len(packs) == packing * layers * LAUNCHES_PER_LAYER
     produced = 3 if producers else 0  # q|k|v, gate|up, down
-    assert launches.triton["_produce_pack_kernel"] == decode_steps * layers * produced, counts
-    assert launches.triton["_pack_kernel"] == decode_steps * layers * (4 - produced), counts
-    assert launches.torch == Counter(), f"torch ops inside the packs: {counts}"
-    assert launches.hook_calls == layers * LAUNCHES_PER_LAYER, "the prompt step's deltas only"
+    assert launches.triton["_produce_pack_kernel"] == packing * layers * produced, counts
+    assert launches.triton["_pack_kernel"] == packing * layers * (4 - produced), counts
+    if not large:  # a large step's own buffer is an allocation and its split a memset
+        assert launches.torch == Counter(), f"torch ops inside the packs: {counts}"
+    deltas = 0 if large else layers * LAUNCHES_PER_LAYER  # the prompt step's shrink and expand
+    assert launches.hook_calls == deltas, counts
     assert all(bool(layer.input_producers) == producers for layer in model.layers)
     _assert_peft_tokens(tiny, names, prompts, outs, max_tokens)
