@@ -27,6 +27,10 @@ base GEMM's, so negligible, and no grouping of rows by slot is needed. Grid: ``(
 column tiles of h' + column tiles of the copy of x)``; a program of the first kind runs the
 whole K (no split, no atomics, no memset: every element of ``P`` is written once).
 
+The producers' packs (:func:`lora_norm_pack`, :func:`lora_silu_pack`): the op that makes a
+projection's input (an RMSNorm, SiLU·mul) writes ``[x | h']`` itself, one launch for both, with
+h' summed from the op's inputs (below).
+
 PDL (:mod:`.pdl`): A is read before the wait (weights, written only by adapter loads that
 the step stream waits for), x and the rows' slots after it.
 """
