@@ -515,7 +515,8 @@ def _produce_pack(
         UPCAST=not on_gpu and src.dtype != torch.float32,
         DOT_PRECISION="ieee" if src.dtype == torch.float32 else "tf32",
         PDL=use_pdl,
-        num_warps=max(warps, 4 if bc <= 1024 else 8),
+        # the row programs' as rms_norm's and silu_and_mul's (a norm's sum in the same order)
+        num_warps=max(warps, 4 if bc <= 1024 else 8 if bc <= 4096 else 16),
         num_stages=stages,
         **_pdl.launch_kwargs(use_pdl),
     )
