@@ -311,17 +311,13 @@ class LoRASlots:
             strides_ok = x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
             if fused is not None and strides_ok and weight.dtype == x.dtype:
                 slots = self.slot_of_row[:rows]
+                extra = self._split_args()
+                if rows > WORKSPACE_ROWS:  # a workspace of the call's own where it splits
+                    extra.pop("workspace", None)
                 p, res = fused(
-                    x,
-                    weight,
-                    eps,
-                    residual,
-                    proj.A_all,
-                    slots,
-                    self.scaling,
-                    proj.slot_width,
-                    out=p,
-                )
+                    x, weight, eps, residual, proj.A_all, slots, self.scaling, proj.slot_width,
+                    out=p, **extra,
+                )  # fmt: skip
             else:
                 y, res = norm(x, weight, eps, residual)
                 self._pack_into(y, proj, p)

@@ -203,10 +203,13 @@ def pack_tiles(
 def pack_workspace(
     rows: int, columns: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A zeroed float32 workspace ``[rows * columns]`` and int32 tile counters for split
-    launches of up to ``rows`` rows and ``columns`` columns of h' (the last split of each tile
-    zeroes its part again, so one pair serves every launch that follows on the stream)."""
-    ws = torch.zeros(rows * columns, dtype=torch.float32, device=device)
+    """A zeroed float32 workspace and int32 tile counters for split launches of up to
+    ``rows`` rows and ``columns`` columns of h' (the last split of each tile zeroes its part
+    again, so one pair serves every launch that follows on the stream): ``rows * columns``
+    sums, then a norm's sums of squares, one a row and column tile of 16 or more."""
+    ws = torch.zeros(
+        rows * (columns + triton.cdiv(columns, 16)), dtype=torch.float32, device=device
+    )
     counters = torch.zeros(
         triton.cdiv(rows, 16) * triton.cdiv(columns, 16), dtype=torch.int32, device=device
     )
@@ -299,13 +302,10 @@ def lora_pack(
 def produce_tiles(
     rows: int, columns: int, k: int, dtype: torch.dtype, device: torch.device, norm: bool
 ) -> PackTiles:
-    """The h' programs' launch shape of a producer's pack: :func:`pack_tiles`'s for SiLU·mul
-    (K split alike); for a norm no split (each program needs its rows' whole K for their
-    ``1 / rms``), row tiles of 16 for more programs instead."""
-    tiles = pack_tiles(rows, columns, k, dtype, device)
-    if not norm:
-        return tiles
-    return tiles._replace(block_m=min(tiles.block_m, 16), split_k=1)
+    """The h' programs' launch shape of a producer's pack: :func:`pack_tiles`'s (a norm's
+    splits sum their rows' squares in the workspace too)."""
+    del norm  # the same shapes so far; the argument keeps the choice the op's own
+    return pack_tiles(rows, columns, k, dtype, device)
 
 
 @triton.jit
@@ -380,7 +380,7 @@ def _produce_pack_kernel(
         return
     pid_m = pid // (H_TILES * SPLIT)
     tile = (pid // SPLIT) % H_TILES
-    k_lo = (pid % SPLIT) * K_PER_SPLIT  # a norm takes the whole K (SPLIT 1): its 1 / rms
+    k_lo = (pid % SPLIT) * K_PER_SPLIT
     m = pid_m * BM + tl.arange(0, BM)
     m_ok = m < T
     m64 = m.to(tl.int64)
@@ -413,15 +413,24 @@ def _produce_pack_kernel(
             other=0.0,
         )
         acc = dot_rows(acc, v, at, UPCAST, DOT_PRECISION)
-    if NORM:
-        acc = acc * (1.0 / tl.sqrt(ssq / K + eps))[:, None]
     _pdl.launch_dependents(PDL)
     tile_mask = m_ok[:, None] & c_ok[None, :]
     if SPLIT > 1:
+        # a norm's splits add their rows' sums of squares too, after the sums (T * E floats),
+        # one per row and column tile; they are performed before _split_sum's release
+        ssq_ws = ws_ptr + T * E + m64 * H_TILES + tile
+        if NORM:
+            tl.atomic_add(ssq_ws, ssq, mask=m_ok, sem="relaxed")
         counter = count_ptr + pid_m * H_TILES + tile
         acc, last = _split_sum(acc, ws_ptr, counter, m64, c, tile_mask, E, SPLIT)
         if not last:
             return
+        if NORM:  # the last split, after its acquire: the whole row's sum, zeros left
+            bits = ssq_ws.to(tl.pointer_type(tl.int32))
+            ssq = tl.atomic_xchg(bits, tl.zeros([BM], dtype=tl.int32), mask=m_ok, sem="acquire")
+            ssq = ssq.to(tl.float32, bitcast=True)
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(ssq / K + eps))[:, None]
     _store_h(
         acc, slot_ptr, scale_ptr, m, m_ok, m64, c, tile_mask, WIDTH, SLOTS, p_ptr, stride_pm, K
     )
@@ -464,7 +473,6 @@ def _produce_pack(
         rows, e, k, src.dtype, src.device, norm is not None
     )
     split = split if max_split is None else max(1, min(split, max_split))
-    assert norm is None or split == 1, "a norm's pack takes the whole K in each program"
     k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
     split = triton.cdiv(k, k_per_split)
     h_tiles = triton.cdiv(e, bn)
@@ -472,7 +480,8 @@ def _produce_pack(
         ws, counters = workspace or (scaling, slot_of_row)
     else:
         ws, counters = workspace or pack_workspace(rows, e, src.device)
-        assert ws.numel() >= rows * e and counters.numel() >= triton.cdiv(rows, bm) * h_tiles
+        assert ws.numel() >= rows * (e + h_tiles), "the workspace: sums and sums of squares"
+        assert counters.numel() >= triton.cdiv(rows, bm) * h_tiles
     full = triton.next_power_of_2(k)
     if norm is not None:  # a norm needs the whole row in one program
         bc, rows_per = full, max(1, min(16, 2048 // full))
@@ -535,6 +544,8 @@ def lora_norm_pack(
     *,
     out: torch.Tensor | None = None,
     tiles: PackTiles | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_split: int | None = None,
     pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An RMSNorm and the stacked pack of the projection after it, in one launch: ``(P,
@@ -545,13 +556,13 @@ def lora_norm_pack(
     ``h'`` is :func:`lora_pack`'s of y, up to rounding: each program sums ``((x + residual) *
     weight) . A_all[c]`` over K and multiplies by the row's ``1 / rms`` after, so it needs no
     pass over the row first (bf16: the product of the rounded ``(x + residual) * weight``,
-    not of the rounded y). ``x``, ``residual``: ``[T, K]``, unit column stride; ``weight``
-    ``[K]`` of x's dtype; the rest as for :func:`lora_pack` (``tiles`` of one split: each
-    program needs its rows' whole K).
+    not of the rounded y); where K is split, the splits' sums of squares meet in the
+    workspace beside their sums. ``x``, ``residual``: ``[T, K]``, unit column stride;
+    ``weight`` ``[K]`` of x's dtype; the rest as for :func:`lora_pack`.
     """
     k = x.shape[1]
-    norm = (weight, eps, residual)
-    return _produce_pack(x, k, A_all, slot_of_row, scaling, width, out, norm, tiles, None, 1, pdl)
+    args = (out, (weight, eps, residual), tiles, workspace, max_split, pdl)
+    return _produce_pack(x, k, A_all, slot_of_row, scaling, width, *args)
 
 
 def lora_silu_pack(
