@@ -497,7 +497,7 @@ for _ in range(2):
     # issue 47 (2026-12-07): the stacked layout's GPU tests (the pack kernel compiled, the engine
     # against PEFT under CUDA graphs) and the LoRA kernel tests beside them
     lora-stacked-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/plugins/kernels/test_lora_kernels.py \
-        tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_launches.py -k "${LORA_TEST_K-pack or stacked or produced or gpu}" 2>&1 | tee "$OUT/gpu-tests-lora-stacked.log" | tail -6 ;;
+        tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_launches.py -k "${LORA_TEST_K-pack or stacked or gpu}" 2>&1 | tee "$OUT/gpu-tests-lora-stacked.log" | tail -6 ;;
     # issue 47 (2026-12-06, ninth session): the LoRA shrink's and expand's launch shapes at nano's
     # 256 rows, one and 8 adapters (the default and each of LORA_TILES: BM,BN,BK,SPLIT[,WARPS,STAGES])
     lora-tiles) timeout ${LORA_TILES_TIMEOUT:-200} python3 benchmarks/lora_bench.py --case nano-8 nano-1 --iters 20 --repeats 3 \

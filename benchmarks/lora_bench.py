@@ -222,9 +222,7 @@ def run_stacked(name: str, tiles: list[lora_pack.PackTiles], iters: int, repeats
     """``--pack-tiles``: per projection of ``name``, the cuBLAS GEMM alone, with the default
     LoRA path after it (shrink into the zeroed workspace, expand), and the stacked layout
     (``lora_pack`` then one GEMM over ``[x | h']`` and ``[W | B']``) at the default pack shape
-    and at each of ``tiles``; then the pack alone at each; where an op makes the projection's
-    input, that op then the pack beside the producer's one launch (``lora_norm_pack``,
-    ``lora_silu_pack``); the layer's totals last."""
+    and at each of ``tiles``; then the pack alone at each; the layer's totals last."""
     case = _case(name)
     rows, slots, dev, dt = case.rows, case.slots, "cuda", torch.bfloat16
     slot_of_row, meta, ranks, scaling = case.slot_of_row, case.meta, case.ranks, case.scaling
@@ -273,51 +271,12 @@ def run_stacked(name: str, tiles: list[lora_pack.PackTiles], iters: int, repeats
             times[f"stacked {label}"] = _timed(lambda c=c: stacked(c), iters, repeats)
         for label, c in shapes.items():
             times[f"pack {label}"] = _timed(lambda c=c: pack(c), iters, repeats)
-        producer = _producer(proj, rows, k, a_all, slot_of_row, scaling, width, packed, work)
-        if producer is not None:  # the op before the projection, then the pack, or in one launch
-            op_then_pack, produced = producer
-            times["op+pack"] = _timed(op_then_pack, iters, repeats)
-            times["producer"] = _timed(produced, iters, repeats)
         for key, us in times.items():
-            totals[key] = totals.get(key, 0.0) + us
+            totals[key] += us
         default = lora_pack.pack_tiles(rows, e, k, dt, x.device)
         print(f"{proj:>8}: K={k:>5} N={n:>5} E={e:>4} default pack {tuple(default)}: "
               + ", ".join(f"{key} {us:.2f} us" for key, us in times.items()))  # fmt: skip
     print("   layer: " + ", ".join(f"{key} {us:.1f} us" for key, us in totals.items()))
-
-
-def _producer(proj, rows, k, a_all, slot_of_row, scaling, width, packed, work):
-    """For a projection whose input an op makes (the norm before q|k|v and gate|up, SiLU·mul
-    before down): ``(the op then lora_pack, the producer's one launch)`` at the default shapes,
-    else None."""
-    from pitstop.plugins.kernels.triton_ops import rmsnorm, silu
-
-    dev, dt = "cuda", torch.bfloat16
-    common = (a_all, slot_of_row, scaling, width)
-    if proj in ("qkv", "gate_up"):
-        x = torch.randn(rows, k, device=dev, dtype=dt)
-        res = torch.randn(rows, k, device=dev, dtype=dt)
-        gain = torch.ones(k, device=dev, dtype=dt)
-
-        def op_then_pack() -> None:
-            y, _ = rmsnorm.rms_norm(x, gain, 1e-6, res)
-            lora_pack.lora_pack(y, *common, out=packed, workspace=work)
-
-        def produced() -> None:
-            lora_pack.lora_norm_pack(x, gain, 1e-6, res, *common, out=packed, workspace=work)
-
-        return op_then_pack, produced
-    if proj == "down":
-        gate_up = torch.randn(rows, 2 * k, device=dev, dtype=dt)
-
-        def silu_then_pack() -> None:
-            lora_pack.lora_pack(silu.silu_and_mul(gate_up), *common, out=packed, workspace=work)
-
-        def silu_produced() -> None:
-            lora_pack.lora_silu_pack(gate_up, *common, out=packed, workspace=work)
-
-        return silu_then_pack, silu_produced
-    return None
 
 
 def _pack_tiles(text: str) -> lora_pack.PackTiles:

@@ -208,10 +208,6 @@ class MLP(nn.Module):
         self.down_proj = _param(cfg.hidden_size, f)
         self.down_bias = _param(cfg.hidden_size) if bias else None
         self.all_reduce = getattr(kernels, "all_reduce", None)  # tensor parallelism
-        # an adapter plugin's stand-in for the op that makes a projection's input, by the
-        # projection's name (here ``down_proj``: SiLU-and-mul), called as that op is: it also
-        # writes what the adapted projection reads (the LoRA stacked layout's ``[x | h']``)
-        self.input_producers: dict[str, Callable[..., Any]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Gate, up, SiLU-and-mul, down."""
@@ -221,8 +217,7 @@ class MLP(nn.Module):
         else:
             gate = linear(x, self.gate_proj, self.gate_bias)
             gate_up = torch.cat([gate, linear(x, self.up_proj, self.up_bias)], dim=-1)
-        act = self.input_producers.get("down_proj", self.kernels.silu_and_mul)
-        out = linear(act(gate_up), self.down_proj, self.down_bias)
+        out = linear(self.kernels.silu_and_mul(gate_up), self.down_proj, self.down_bias)
         return out if self.all_reduce is None else self.all_reduce(out)
 
     def linear_weights(self) -> tuple[str, ...]:
@@ -266,10 +261,6 @@ class DecoderLayer(nn.Module):
         # fused: an adapter plugin's delta of each projection (by attribute name: qkv_proj,
         # o_proj, gate_up_proj, down_proj), added inside the fused ops (``lora=``)
         self.projection_lora: dict[str, Any] = {}
-        # unfused: an adapter plugin's stand-in for the norm before ``qkv_proj`` (the input
-        # norm) or ``gate_up_proj`` (the post-attention norm), called as the kernel set's
-        # ``rms_norm`` (see :class:`MLP`'s ``input_producers``)
-        self.input_producers: dict[str, Callable[..., Any]] = {}
 
     def forward(
         self,
@@ -301,12 +292,11 @@ class DecoderLayer(nn.Module):
             lora = self._lora("qkv_proj")
             q = self.self_attn.project(stream, rotary, k_cache, v_cache, meta, eps, lora)
             return q, stream
-        norm = self.input_producers.get("qkv_proj", kn.rms_norm)
         if residual is None:
-            h, _ = norm(x, self.input_layernorm, eps)
+            h, _ = kn.rms_norm(x, self.input_layernorm, eps)
             residual = x
         else:
-            h, residual = norm(x, self.input_layernorm, eps, residual)
+            h, residual = kn.rms_norm(x, self.input_layernorm, eps, residual)
         return self.self_attn.project(h, rotary, k_cache, v_cache, meta), residual
 
     def after_attention(
@@ -320,8 +310,9 @@ class DecoderLayer(nn.Module):
         if self.fused:
             return self._fused_after_attention(o, residual), None
         h = self.self_attn.output(o)
-        norm = self.input_producers.get("gate_up_proj", self.kernels.rms_norm)
-        h, residual = norm(h, self.post_attention_layernorm, self.cfg.rms_norm_eps, residual)
+        h, residual = self.kernels.rms_norm(
+            h, self.post_attention_layernorm, self.cfg.rms_norm_eps, residual
+        )
         return self.mlp(h), residual
 
     def _fused_after_attention(self, o: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:

@@ -28,10 +28,6 @@ Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
     row's delta itself: no expand launch, for ``max_loras * slices * max_lora_rank`` more
     columns of K in the GEMM; larger steps pack too where those columns are at most a quarter
     of K, else take ``shrink_expand``'s way (everywhere, CPU too).
-``lora.pack_split``, ``lora.pack_producers``
-    with ``stacked``: the pack launch splits K (CUDA); the norms before merged q|k|v and
-    gate|up and SiLU·mul before down write their projection's ``[x | h']`` themselves, in
-    the same launch (both on by default).
 ``lora.overlap``
     with ``shrink_expand`` on CUDA: a small step's shrink (at most 512 rows: decode and
     what CUDA graphs capture) runs on a second stream beside its projection's base GEMM,
@@ -87,12 +83,6 @@ class LoRASettings:
         help="stacked on CUDA: the pack launch splits K across programs (their sums meet in a "
         "float32 workspace); off: one program a tile runs the whole K",
     )
-    pack_producers: bool = setting(
-        True,
-        type=bool,
-        help="stacked: the norms before merged q|k|v and gate|up and SiLU-and-mul before down "
-        "write their projection's [x | h'] themselves (one launch for the op and its pack)",
-    )
     overlap: bool = setting(
         False,
         type=bool,
@@ -115,7 +105,6 @@ def create_lora(
         overlap=settings.overlap,
         stacked=settings.kernel == "stacked",
         pack_split=settings.pack_split,
-        pack_producers=settings.pack_producers,
     )
 
 

@@ -183,7 +183,6 @@ class LoRASlots:
         overlap: bool = False,
         stacked: bool = False,
         pack_split: bool = True,
-        pack_producers: bool = True,
     ) -> None:
         self.ctx = ctx
         self.fused = fused  # one lora_add launch a projection, else shrink then expand
@@ -193,11 +192,6 @@ class LoRASlots:
         self.packed: torch.Tensor | None = None  # [WORKSPACE_ROWS * widest] (set by attach)
         self.pack_split = pack_split  # the pack launch may split K (else one program a tile)
         self.pack_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        # stacked: the norms before merged q|k|v and gate|up, and SiLU·mul before down, write
-        # their projection's [x | h'] themselves (one launch for the op and its pack)
-        self.pack_producers = pack_producers
-        # the last producer's output: (projection, the view of x it returned, [x | h'])
-        self.produced: tuple[_Projection, torch.Tensor, torch.Tensor] | None = None
         # the shrinks of small steps on a second stream, beside their base GEMMs (CUDA only)
         self.side: torch.cuda.Stream | None = None
         if overlap and not fused and not stacked and ctx.device.type == "cuda":
@@ -260,8 +254,6 @@ class LoRASlots:
                     for attr in mine:
                         projections[attr].stack(getattr(block, attr))
             self.layers.append(projections)
-            if self.stacked and self.pack_producers and not getattr(layer, "fused", False):
-                self._produce_inputs(layer, projections)
             if getattr(layer, "fused", False):
                 self._hand_to_fused(layer, projections)
         self._refresh_deltas()
@@ -276,109 +268,6 @@ class LoRASlots:
             if new_workspace is not None:  # the Triton op's split-K sums (self-clearing)
                 columns = self.max_loras * max(p.slot_width for p in stacked)  # the widest E
                 self.pack_workspace = new_workspace(WORKSPACE_ROWS, columns, self.ctx.device)
-
-    def _produce_inputs(self, layer: torch.nn.Module, projections: dict[str, _Projection]) -> None:
-        """Give the ops that make a stacked projection's input, where only that projection
-        reads it (the norms before merged ``qkv_proj`` and ``gate_up_proj``, SiLU·mul before
-        ``down_proj``), a stand-in that also writes the projection's ``[x | h']``
-        (:meth:`_norm_producer`, :meth:`_silu_producer`); a model without ``input_producers``
-        keeps its ops and the projections pack as before."""
-        mlp = getattr(layer, "mlp", None)
-        for owner, attr in ((layer, "qkv_proj"), (layer, "gate_up_proj"), (mlp, "down_proj")):
-            proj = projections.get(attr)
-            producers = getattr(owner, "input_producers", None)
-            if proj is None or proj.ext is None or producers is None:
-                continue
-            if attr == "down_proj":
-                producers[attr] = self._silu_producer(proj, owner.kernels.silu_and_mul)
-            else:
-                producers[attr] = self._norm_producer(proj, owner.kernels.rms_norm)
-
-    def _norm_producer(self, proj: _Projection, norm: Callable[..., Any]) -> Callable[..., Any]:
-        """The kernel set's ``rms_norm`` (``norm``) also writing ``[y | h']``, y the norm's
-        output, where :meth:`_produce_into` finds it a buffer: one ``lora_norm_pack`` launch
-        (Triton), else the norm then the pack; elsewhere (a large step of a projection that
-        does not pack it, a 3-D input) ``norm`` alone."""
-
-        def produce(
-            x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-            p = self._produce_into(x, proj)
-            if p is None:
-                return norm(x, weight, eps, residual)
-            rows = x.shape[0]
-            fused = getattr(self.ops, "lora_norm_pack", None)
-            strides_ok = x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-            if fused is not None and strides_ok and weight.dtype == x.dtype:
-                slots = self.slot_of_row[:rows]
-                extra = self._split_args()
-                if rows > WORKSPACE_ROWS:  # a workspace of the call's own where it splits
-                    extra.pop("workspace", None)
-                p, res = fused(
-                    x, weight, eps, residual, proj.A_all, slots, self.scaling, proj.slot_width,
-                    out=p, **extra,
-                )  # fmt: skip
-            else:
-                y, res = norm(x, weight, eps, residual)
-                self._pack_into(y, proj, p)
-            return self._hand_over(proj, p, x.shape[1]), res
-
-        return produce
-
-    def _silu_producer(self, proj: _Projection, silu: Callable[..., Any]) -> Callable[..., Any]:
-        """The kernel set's ``silu_and_mul`` (``silu``) writing ``[a | h']`` as
-        :meth:`_norm_producer` does (``lora_silu_pack``)."""
-
-        def produce(gate_up: torch.Tensor) -> torch.Tensor:
-            p = self._produce_into(gate_up, proj)
-            if p is None:
-                return silu(gate_up)
-            rows = gate_up.shape[0]
-            fused = getattr(self.ops, "lora_silu_pack", None)
-            if fused is not None and gate_up.stride(1) == 1:
-                slots = self.slot_of_row[:rows]
-                extra = self._split_args()
-                if rows > WORKSPACE_ROWS:  # a workspace of the call's own where it splits
-                    extra.pop("workspace", None)
-                fused(gate_up, proj.A_all, slots, self.scaling, proj.slot_width, out=p, **extra)
-            else:
-                self._pack_into(silu(gate_up), proj, p)
-            return self._hand_over(proj, p, gate_up.shape[1] // 2)
-
-        return produce
-
-    def _produce_into(self, src: torch.Tensor, proj: _Projection) -> torch.Tensor | None:
-        """Where a producer of ``proj``'s input writes ``[x | h']`` for the op input ``src``:
-        the static buffer for a step of at most :data:`WORKSPACE_ROWS` rows, a buffer of the
-        step's own for a larger one where the projection packs large steps; None where it
-        does not pack (the op runs alone and the projection takes its delta its own way)."""
-        rows = src.shape[0]
-        if src.dim() != 2 or self.packed is None or proj.ext is None:
-            return None
-        if rows <= WORKSPACE_ROWS:
-            return self._packed_rows(rows, proj)
-        if not proj.packs_large_steps:
-            return None
-        return torch.empty(rows, proj.ext.shape[1], dtype=src.dtype, device=src.device)
-
-    def _split_args(self) -> dict[str, Any]:
-        """A pack's split of K into the static buffer: the workspace, or none (``lora.pack_split``
-        off)."""
-        if not self.pack_split:
-            return {"max_split": 1}
-        return {} if self.pack_workspace is None else {"workspace": self.pack_workspace}
-
-    def _packed_rows(self, rows: int, proj: _Projection) -> torch.Tensor:
-        """``[rows, K + E]`` of ``proj`` in the static buffer."""
-        assert self.packed is not None and proj.ext is not None
-        width = proj.ext.shape[1]
-        return self.packed[: rows * width].view(rows, width)
-
-    def _hand_over(self, proj: _Projection, p: torch.Tensor, k: int) -> torch.Tensor:
-        """Remember ``p`` for ``proj``'s linear and return the op's output, its first K columns."""
-        view = p[:, :k]
-        self.produced = (proj, view, p)
-        return view
 
     def _hand_to_fused(self, layer: torch.nn.Module, projections: dict[str, _Projection]) -> None:
         """A fused layer's projections take their delta from ``layer.projection_lora``; the
@@ -438,10 +327,6 @@ class LoRASlots:
             proj = next((projections[a] for a in attrs_ if getattr(block, a) is weight), None)
             if proj is None:
                 return linear(x, weight, *args, **kwargs)
-            produced = self.produced
-            if produced is not None and produced[0] is proj and x is produced[1]:
-                self.produced = None  # its producer wrote [x | h'] already
-                return linear(produced[2], proj.ext, *args, **kwargs)
             if proj.ext is not None and (
                 x.numel() <= WORKSPACE_ROWS * x.shape[-1] or proj.packs_large_steps
             ):
@@ -487,24 +372,17 @@ class LoRASlots:
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         rows, width = x2.shape[0], proj.ext.shape[1]
+        extra: dict[str, Any] = {} if self.pack_split else {"max_split": 1}
         if rows <= WORKSPACE_ROWS:  # the static buffers (what CUDA graphs capture)
-            out = self._packed_rows(rows, proj)
+            out = self.packed[: rows * width].view(rows, width)
+            if self.pack_workspace is not None:
+                extra["workspace"] = self.pack_workspace
         else:  # a prefill chunk: enough row tiles that K is not split (no workspace)
             out = torch.empty(rows, width, dtype=x2.dtype, device=x2.device)
-        self._pack_into(x2, proj, out)
-        return out.view(*x.shape[:-1], width)
-
-    def _pack_into(self, x2: torch.Tensor, proj: _Projection, out: torch.Tensor) -> None:
-        """``lora_pack`` of ``x2 [T, K]`` into ``out [T, K + E]`` (the split workspace where
-        ``out`` is in the static buffer)."""
-        assert proj.A_all is not None
-        rows = x2.shape[0]
-        extra = self._split_args()
-        if rows > WORKSPACE_ROWS:  # not the static buffer's rows: a workspace of the call's own
-            extra.pop("workspace", None)
         self.ops.lora_pack(
             x2, proj.A_all, self.slot_of_row[:rows], self.scaling, proj.slot_width, out=out, **extra
         )
+        return out.view(*x.shape[:-1], width)
 
     def _expand(self, y: torch.Tensor, h: torch.Tensor, proj: _Projection) -> None:
         """``y += scaling · B h`` for the rows of a slot (in place), ``h`` the shrink's result."""
@@ -636,7 +514,7 @@ class LoRASlots:
             self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32, device=self.ctx.device)
             self.meta = self._new_meta(rows)
             self._refresh_deltas()
-        self.slot_of_row[:rows].copy_(torch.tensor(host, dtype=torch.int32), non_blocking=True)
+        self.slot_of_row[:rows].copy_(self._staged(host), non_blocking=True)
         if self.rows > rows:
             self.slot_of_row[rows : self.rows].fill_(-1)
         self.rows = rows
@@ -647,6 +525,15 @@ class LoRASlots:
         # A step of more rows shrinks unsplit into intermediates of its own: no memset at all.
         if self.workspace is not None and rows <= WORKSPACE_ROWS:
             self.workspace[:rows].zero_()
+
+    def _staged(self, host: list[int]) -> torch.Tensor:
+        """``host`` as int32 on the host, pinned where the slots live on a GPU: a copy from
+        pageable memory makes the host wait for everything queued on the stream before it
+        (CUDA stages it through a buffer of its own), so the next step could not be prepared
+        while this one runs; a pinned block of PyTorch's host cache is held until its copy
+        has run."""
+        staged = torch.tensor(host, dtype=torch.int32)
+        return staged.pin_memory() if self.slot_of_row.is_cuda else staged
 
     def _new_meta(self, rows: int) -> Any:
         """Static buffers for the rows grouped by slot (None: the ops group rows themselves)."""

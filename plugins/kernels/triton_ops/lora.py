@@ -108,9 +108,7 @@ import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.lora_pack import INTERPRETER_TILES, dot_rows
-from pitstop.plugins.kernels.triton_ops.lora_pack import lora_norm_pack as lora_norm_pack
 from pitstop.plugins.kernels.triton_ops.lora_pack import lora_pack as lora_pack  # stacked
-from pitstop.plugins.kernels.triton_ops.lora_pack import lora_silu_pack as lora_silu_pack
 from pitstop.plugins.kernels.triton_ops.lora_pack import pack_workspace as pack_workspace
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 

@@ -27,10 +27,6 @@ base GEMM's, so negligible, and no grouping of rows by slot is needed. Grid: ``(
 column tiles of h' + column tiles of the copy of x)``; a program of the first kind runs the
 whole K (no split, no atomics, no memset: every element of ``P`` is written once).
 
-The producers' packs (:func:`lora_norm_pack`, :func:`lora_silu_pack`): the op that makes a
-projection's input (an RMSNorm, SiLU·mul) writes ``[x | h']`` itself, one launch for both, with
-h' summed from the op's inputs (below).
-
 PDL (:mod:`.pdl`): A is read before the wait (weights, written only by adapter loads that
 the step stream waits for), x and the rows' slots after it.
 """
@@ -166,8 +162,11 @@ def _store_h(
     tl.store(out, h.to(p_ptr.dtype.element_ty), mask=tile_mask)
 
 
-PROGRAMS = 128  # the product's programs a launch aims at (rows x column tiles x splits of K)
+PROGRAMS = 128  # the product's programs a launch aims at where its tiles are few
 MIN_SPLIT_K = 256  # the fewest columns of K a split takes
+# from this many tiles (row tiles x column tiles) a launch does not split K: the splits'
+# atomics cost more than the serial K loop they shorten (below)
+SPLIT_BELOW_TILES = 64
 
 
 class PackTiles(NamedTuple):
@@ -186,30 +185,35 @@ def pack_tiles(
     rows: int, columns: int, k: int, dtype: torch.dtype, device: torch.device
 ) -> PackTiles:
     """The launch shape for ``rows`` rows, ``columns`` (E) columns of h' and ``k``: row tiles of
-    16 or 32, column tiles of 64 (fewer for a narrow E), and K split until the launch has about
-    :data:`PROGRAMS` programs of the product, each at least :data:`MIN_SPLIT_K` of K: one
-    program over a long K streams its rows and columns serially, which took 7.8 µs a launch
-    at 256 rows on the H200 without a split (2026-12-07)."""
+    16, column tiles of 32 (16 for a narrower E), and, where the tiles are fewer than
+    :data:`SPLIT_BELOW_TILES`, K split until the launch has about :data:`PROGRAMS` programs,
+    each at least :data:`MIN_SPLIT_K` of K.
+
+    Measured on an H100 (2026-12-07, ``lora_bench.py --pack-tiles``, eleventh session in
+    docs/benchmarks.md), µs a launch in CUDA graphs: at `nano`'s 256 rows over 8 adapters the
+    earlier rule (row tiles of 32, column tiles of 64, K split to about 128 programs) took
+    36.7 µs for a layer's four packs, this one 23.6 (unsplit 16 x 32 tiles: q|k|v 4.99, o
+    6.09, gate|up 4.10, down 8.38); over one adapter 23.1 against about 16.9 (split where E
+    gives 16 or 32 tiles); at one row (`single`) both split alike (14.6)."""
     if device.type != "cuda":
         bm, bn, bk = INTERPRETER_TILES
         return PackTiles(bm, bn, bk, 1)
-    bm = 16 if rows <= 16 else 32
-    bn = min(64, max(16, triton.next_power_of_2(columns)))
+    bm = 16
+    bn = min(32, max(16, triton.next_power_of_2(columns)))
     tiles = triton.cdiv(rows, bm) * triton.cdiv(columns, bn)
-    split = max(1, min(triton.cdiv(PROGRAMS, tiles), k // MIN_SPLIT_K))
+    split = 1
+    if tiles < SPLIT_BELOW_TILES:
+        split = max(1, min(triton.cdiv(PROGRAMS, tiles), k // MIN_SPLIT_K))
     return PackTiles(bm, bn, 64 if dtype == torch.float32 else 128, split)
 
 
 def pack_workspace(
     rows: int, columns: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A zeroed float32 workspace and int32 tile counters for split launches of up to
-    ``rows`` rows and ``columns`` columns of h' (the last split of each tile zeroes its part
-    again, so one pair serves every launch that follows on the stream): ``rows * columns``
-    sums, then a norm's sums of squares, one a row and column tile of 16 or more."""
-    ws = torch.zeros(
-        rows * (columns + triton.cdiv(columns, 16)), dtype=torch.float32, device=device
-    )
+    """A zeroed float32 workspace ``[rows * columns]`` and int32 tile counters for split
+    launches of up to ``rows`` rows and ``columns`` columns of h' (the last split of each tile
+    zeroes its part again, so one pair serves every launch that follows on the stream)."""
+    ws = torch.zeros(rows * columns, dtype=torch.float32, device=device)
     counters = torch.zeros(
         triton.cdiv(rows, 16) * triton.cdiv(columns, 16), dtype=torch.int32, device=device
     )
@@ -290,299 +294,3 @@ def lora_pack(
         **_pdl.launch_kwargs(use_pdl),
     )
     return p
-
-
-# --------------------------------------------------------------------- the producers' packs
-# A stacked projection whose input is made by one op that only it reads (the input norm before a
-# merged q|k|v, the post-attention norm before a merged gate|up, SiLU·mul before down) gets that
-# op and its pack in one launch: the op's output goes straight into P's first K columns and h'
-# is computed from the op's inputs, so neither the op's own launch nor the copy of x remains.
-
-
-def produce_tiles(
-    rows: int, columns: int, k: int, dtype: torch.dtype, device: torch.device, norm: bool
-) -> PackTiles:
-    """The h' programs' launch shape of a producer's pack: :func:`pack_tiles`'s (a norm's
-    splits sum their rows' squares in the workspace too)."""
-    del norm  # the same shapes so far; the argument keeps the choice the op's own
-    return pack_tiles(rows, columns, k, dtype, device)
-
-
-@triton.jit
-def _produce_pack_kernel(
-    src_ptr,
-    stride_sm,
-    res_ptr,
-    stride_rm,
-    w_ptr,
-    res_out_ptr,
-    a_ptr,
-    p_ptr,
-    stride_pm,
-    slot_ptr,
-    scale_ptr,
-    ws_ptr,
-    count_ptr,
-    T,
-    K,
-    E,
-    WIDTH,
-    SLOTS,
-    H_TILES,
-    COL_BLOCKS,
-    K_PER_SPLIT,
-    eps,
-    SPLIT: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    ROWS: tl.constexpr,
-    BC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    n_h = tl.cdiv(T, BM) * H_TILES * SPLIT
-    _pdl.wait(PDL)  # every read but A's and the gain's depends on the previous kernel
-    if pid >= n_h:  # the op's output for ROWS rows and BC columns into P's first K columns
-        q = pid - n_h
-        rows = (q // COL_BLOCKS) * ROWS + tl.arange(0, ROWS)
-        cols = (q % COL_BLOCKS) * BC + tl.arange(0, BC)
-        mask = (rows < T)[:, None] & (cols < K)[None, :]
-        r64 = rows.to(tl.int64)
-        if NORM:  # as _rmsnorm_kernel: BC covers the whole row
-            x = tl.load(src_ptr + r64[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0)
-            if HAS_RES:
-                r = tl.load(
-                    res_ptr + r64[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0
-                )
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                tl.store(res_out_ptr + r64[:, None] * K + cols[None, :], x, mask=mask)
-            h32 = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=1) / K + eps)
-            w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-            y = (h32 * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
-        else:  # as _silu_and_mul_kernel: gate in the first K columns of src, up after them
-            gp = src_ptr + r64[:, None] * stride_sm + cols[None, :]
-            gate = tl.load(gp, mask=mask, other=0.0)
-            u = tl.load(gp + K, mask=mask, other=0.0).to(tl.float32)
-            g = gate.to(tl.float32)
-            y = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32) * u
-        _pdl.launch_dependents(PDL)
-        tl.store(
-            p_ptr + r64[:, None] * stride_pm + cols[None, :],
-            y.to(p_ptr.dtype.element_ty),
-            mask=mask,
-        )
-        return
-    pid_m = pid // (H_TILES * SPLIT)
-    tile = (pid // SPLIT) % H_TILES
-    k_lo = (pid % SPLIT) * K_PER_SPLIT
-    m = pid_m * BM + tl.arange(0, BM)
-    m_ok = m < T
-    m64 = m.to(tl.int64)
-    c = tile * BN + tl.arange(0, BN)
-    c_ok = c < E
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    ssq = tl.zeros([BM], dtype=tl.float32)
-    for kk in range(0, K_PER_SPLIT, BK):
-        k = k_lo + kk + tl.arange(0, BK)
-        k_ok = (k < K) & (kk + tl.arange(0, BK) < K_PER_SPLIT)
-        mask = m_ok[:, None] & k_ok[None, :]
-        src = src_ptr + m64[:, None] * stride_sm + k[None, :]
-        if NORM:  # (x + residual) * gain now, times the row's 1 / rms after the K loop
-            x = tl.load(src, mask=mask, other=0.0)
-            if HAS_RES:
-                r = tl.load(res_ptr + m64[:, None] * stride_rm + k[None, :], mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            xf = x.to(tl.float32)
-            ssq += tl.sum(xf * xf, axis=1)
-            w = tl.load(w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            v = (xf * w[None, :]).to(x.dtype)
-        else:
-            gate = tl.load(src, mask=mask, other=0.0)
-            u = tl.load(src + K, mask=mask, other=0.0).to(tl.float32)
-            g = gate.to(tl.float32)
-            v = ((g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32) * u).to(gate.dtype)
-        at = tl.load(
-            a_ptr + c.to(tl.int64)[:, None] * K + k[None, :],
-            mask=c_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        acc = dot_rows(acc, v, at, UPCAST, DOT_PRECISION)
-    _pdl.launch_dependents(PDL)
-    tile_mask = m_ok[:, None] & c_ok[None, :]
-    if SPLIT > 1:
-        # a norm's splits add their rows' sums of squares too, after the sums (T * E floats),
-        # one per row and column tile; they are performed before _split_sum's release
-        ssq_ws = ws_ptr + T * E + m64 * H_TILES + tile
-        if NORM:
-            tl.atomic_add(ssq_ws, ssq, mask=m_ok, sem="relaxed")
-        counter = count_ptr + pid_m * H_TILES + tile
-        acc, last = _split_sum(acc, ws_ptr, counter, m64, c, tile_mask, E, SPLIT)
-        if not last:
-            return
-        if NORM:  # the last split, after its acquire: the whole row's sum, zeros left
-            bits = ssq_ws.to(tl.pointer_type(tl.int32))
-            ssq = tl.atomic_xchg(bits, tl.zeros([BM], dtype=tl.int32), mask=m_ok, sem="acquire")
-            ssq = ssq.to(tl.float32, bitcast=True)
-    if NORM:
-        acc = acc * (1.0 / tl.sqrt(ssq / K + eps))[:, None]
-    _store_h(
-        acc, slot_ptr, scale_ptr, m, m_ok, m64, c, tile_mask, WIDTH, SLOTS, p_ptr, stride_pm, K
-    )
-
-
-def _produce_pack(
-    src: torch.Tensor,
-    k: int,
-    A_all: torch.Tensor,
-    slot_of_row: torch.Tensor,
-    scaling: torch.Tensor,
-    width: int,
-    out: torch.Tensor | None,
-    norm: tuple[torch.Tensor, float, torch.Tensor | None] | None,
-    tiles: PackTiles | None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None,
-    max_split: int | None,
-    pdl: bool | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    rows = src.shape[0]
-    e = A_all.shape[0]
-    assert src.dim() == 2 and src.stride(1) == 1, "the op's input: [T, columns], unit column stride"
-    assert A_all.is_contiguous() and A_all.shape[1] == k and A_all.dtype == src.dtype
-    assert width > 0 and e % width == 0, "A_all: [slots*width, K]"
-    assert slot_of_row.shape == (rows,) and slot_of_row.dtype == torch.int32
-    assert scaling.dim() == 1 and scaling.dtype == torch.float32
-    p = out if out is not None else torch.empty(rows, k + e, dtype=src.dtype, device=src.device)
-    assert p.shape == (rows, k + e) and p.dtype == src.dtype and p.stride(1) == 1
-    res_out = None
-    weight, eps, residual = norm if norm is not None else (A_all, 0.0, None)
-    if norm is not None:
-        assert weight.shape == (k,) and weight.dtype == src.dtype, "the norm's gain: [K], x's dtype"
-        if residual is not None:
-            assert residual.shape == src.shape and residual.stride(1) == 1
-            res_out = torch.empty_like(src, memory_format=torch.contiguous_format)
-    if rows == 0:
-        return p, res_out
-    on_gpu = src.device.type == "cuda"
-    bm, bn, bk, split, warps, stages = tiles or produce_tiles(
-        rows, e, k, src.dtype, src.device, norm is not None
-    )
-    split = split if max_split is None else max(1, min(split, max_split))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    split = triton.cdiv(k, k_per_split)
-    h_tiles = triton.cdiv(e, bn)
-    if split == 1:  # the kernel never touches them: any pointers of the types do
-        ws, counters = workspace or (scaling, slot_of_row)
-    else:
-        ws, counters = workspace or pack_workspace(rows, e, src.device)
-        assert ws.numel() >= rows * (e + h_tiles), "the workspace: sums and sums of squares"
-        assert counters.numel() >= triton.cdiv(rows, bm) * h_tiles
-    full = triton.next_power_of_2(k)
-    if norm is not None:  # a norm needs the whole row in one program
-        bc, rows_per = full, max(1, min(16, 2048 // full))
-    else:
-        bc, rows_per = min(2048, full), 1
-    col_blocks = triton.cdiv(k, bc)
-    grid = (triton.cdiv(rows, bm) * h_tiles * split + triton.cdiv(rows, rows_per) * col_blocks,)
-    use_pdl = _pdl.enabled(src.device, pdl)
-    _produce_pack_kernel[grid](
-        src,
-        src.stride(0),
-        residual if residual is not None else src,
-        residual.stride(0) if residual is not None else 0,
-        weight,
-        res_out if res_out is not None else p,
-        A_all,
-        p,
-        p.stride(0),
-        slot_of_row,
-        scaling,
-        ws,
-        counters,
-        rows,
-        k,
-        e,
-        width,
-        scaling.shape[0],
-        h_tiles,
-        col_blocks,
-        k_per_split,
-        eps,
-        SPLIT=split,
-        NORM=norm is not None,
-        HAS_RES=residual is not None,
-        BM=bm,
-        BN=bn,
-        BK=bk,
-        ROWS=rows_per,
-        BC=bc,
-        UPCAST=not on_gpu and src.dtype != torch.float32,
-        DOT_PRECISION="ieee" if src.dtype == torch.float32 else "tf32",
-        PDL=use_pdl,
-        # the row programs' as rms_norm's and silu_and_mul's (a norm's sum in the same order)
-        num_warps=max(warps, 4 if bc <= 1024 else 8 if bc <= 4096 else 16),
-        num_stages=stages,
-        **_pdl.launch_kwargs(use_pdl),
-    )
-    return p, res_out
-
-
-def lora_norm_pack(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None,
-    A_all: torch.Tensor,
-    slot_of_row: torch.Tensor,
-    scaling: torch.Tensor,
-    width: int,
-    *,
-    out: torch.Tensor | None = None,
-    tiles: PackTiles | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    max_split: int | None = None,
-    pdl: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An RMSNorm and the stacked pack of the projection after it, in one launch: ``(P,
-    residual')`` where ``P [T, K + E] = [y | h']``, ``y`` the norm's output exactly as the
-    kernel set's ``rms_norm(x, weight, eps, residual)`` writes it, and ``residual'`` the sum
-    ``x + residual`` that it returns (None without a residual).
-
-    ``h'`` is :func:`lora_pack`'s of y, up to rounding: each program sums ``((x + residual) *
-    weight) . A_all[c]`` over K and multiplies by the row's ``1 / rms`` after, so it needs no
-    pass over the row first (bf16: the product of the rounded ``(x + residual) * weight``,
-    not of the rounded y); where K is split, the splits' sums of squares meet in the
-    workspace beside their sums. ``x``, ``residual``: ``[T, K]``, unit column stride;
-    ``weight`` ``[K]`` of x's dtype; the rest as for :func:`lora_pack`.
-    """
-    k = x.shape[1]
-    args = (out, (weight, eps, residual), tiles, workspace, max_split, pdl)
-    return _produce_pack(x, k, A_all, slot_of_row, scaling, width, *args)
-
-
-def lora_silu_pack(
-    gate_up: torch.Tensor,
-    A_all: torch.Tensor,
-    slot_of_row: torch.Tensor,
-    scaling: torch.Tensor,
-    width: int,
-    *,
-    out: torch.Tensor | None = None,
-    tiles: PackTiles | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    max_split: int | None = None,
-    pdl: bool | None = None,
-) -> torch.Tensor:
-    """SiLU·mul and the stacked pack of the down projection after it, in one launch: ``P [T,
-    K + E] = [a | h']`` where ``a = silu(gate) * up`` exactly as the kernel set's
-    ``silu_and_mul(gate_up)`` writes it (``gate_up [T, 2K]``, gate first) and ``h'`` is
-    :func:`lora_pack`'s of ``a``, K split as there. Arguments as for :func:`lora_pack`."""
-    k = gate_up.shape[1] // 2
-    assert gate_up.shape[1] == 2 * k, "the merged gate-up width must be even"
-    args = (out, None, tiles, workspace, max_split, pdl)
-    return _produce_pack(gate_up, k, A_all, slot_of_row, scaling, width, *args)[0]

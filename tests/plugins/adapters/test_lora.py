@@ -511,6 +511,32 @@ def test_on_the_gpu_adapters_load_on_a_side_stream(tiny: dict[str, Path]) -> Non
     assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_each_steps_slots_travel_from_pinned_memory(
+    tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step's row slots reach the device from pinned host memory: from pageable memory
+    the copy would hold the host until everything queued before it had run, so no step could
+    be prepared while the one before runs (on an H100, 2026-12-07, `nano` over 8 adapters left
+    the GPU idle 17% of each decode step and 32% of each prompt step). Rows match PEFT."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from pitstop.plugins.adapters.lora import slots as lora_slots
+
+    staged: list[bool] = []
+    original = lora_slots.LoRASlots._staged
+
+    def spy(self: Any, host: list[int]) -> torch.Tensor:
+        tensor = original(self, host)
+        staged.append(tensor.is_pinned())
+        return tensor
+
+    monkeypatch.setattr(lora_slots.LoRASlots, "_staged", spy)
+    llm = _llm(tiny, device="cuda", dtype="float32", kernels="fused")
+    _assert_rows_match_peft(llm, tiny, ["qvd", None], _prompts((9, 14), seed=15))
+    assert staged and all(staged), f"{staged.count(False)} of {len(staged)} steps not pinned"
+
+
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 def test_stacked_layout_matches_peft_per_row(
     tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch, merged: bool

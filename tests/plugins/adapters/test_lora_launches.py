@@ -106,31 +106,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return folders
 
 
-def _counted_call(fn: Any, calls: list[int], launches: Launches) -> Any:
-    """``fn`` recording its first argument's rows in ``calls``, inside the counted scope, for a
-    step within the workspace's rows (a larger one runs the base model's op alone)."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if args[0].shape[0] > lora_slots.WORKSPACE_ROWS and lora_slots.LARGE_STEP_RATIO:
-            return fn(*args, **kwargs)
-        calls.append(args[0].shape[0])
-        launches.scope += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            launches.scope -= 1
-
-    return run
-
-
-def _generate(
-    tiny: dict[str, Path],
-    launches: Launches,
-    kernel: str,
-    seed: int,
-    max_tokens: int,
-    options: dict[str, Any] | None = None,
-):
+def _generate(tiny: dict[str, Path], launches: Launches, kernel: str, seed: int, max_tokens: int):
     """A tiny merged-layout engine on the LoRA ``kernel``, eager (the count is that of the
     launches a captured graph holds), four prompts under three adapters and none, generated
     inside ``launches``; returns the engine, the adapters' names, the prompts and the outputs."""
@@ -145,7 +121,7 @@ def _generate(
         max_lora_rank=8,
         kernels="fused" if DEVICE == "cuda" else "reference",
         enforce_eager=True,
-        options={"lora.kernel": kernel, **(options or {})},
+        options={"lora.kernel": kernel},
     )
     names = ["all8", None, "qvd", "all4"]
     ids = {"all8": 1, "all4": 2, "qvd": 3}
@@ -210,68 +186,36 @@ def test_launches_per_lora_projection_and_layer(
     _assert_peft_tokens(tiny, names, prompts, outs, max_tokens)
 
 
-@pytest.mark.parametrize(
-    ("producers", "large"),
-    [(True, False), (False, False), (True, True)],
-    ids=["producers", "packs", "producers-large-steps"],
-)
 def test_stacked_layout_packs_once_a_projection(
-    tiny: dict[str, Path], launches, monkeypatch: pytest.MonkeyPatch, producers: bool, large: bool
+    tiny: dict[str, Path], launches, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``lora.kernel=stacked`` on the Triton ops (the interpreter on CPU): a step within the
-    workspace's rows runs one launch a LoRA'd projection and no torch op in it (the GEMM that
-    follows is the base one, over ``[x | h']``: no expand). With ``lora.pack_producers`` (the
-    default) the launch of q|k|v, gate|up and down is their input's op itself (the input norm,
-    the post-attention norm, SiLU·mul: ``lora_norm_pack``, ``lora_silu_pack``), which then
-    runs no launch of its own, and only o packs (``lora_pack``); without, all four pack. The
-    first step's 33 prompt rows, over the 16 here, take the norm, the unsplit shrink and
-    expand (no projection packs steps that large here: ``LARGE_STEP_RATIO`` out of reach);
-    with ``large`` every projection packs them too (``LARGE_STEP_RATIO`` 0), into buffers of
-    their own, the producers' way included, so no step runs a shrink or an expand. Tokens are
-    PEFT's."""
+    workspace's rows runs one ``lora_pack`` launch a LoRA'd projection and no torch op in it
+    (the GEMM that follows is the base one, over ``[x | h']``: no expand); the first step's
+    33 prompt rows, over the 16 here, take the unsplit shrink and expand (no projection packs
+    steps that large here: ``LARGE_STEP_RATIO`` out of reach). Tokens are PEFT's."""
     monkeypatch.setattr(lora_slots, "WORKSPACE_ROWS", 16)
-    monkeypatch.setattr(lora_slots, "LARGE_STEP_RATIO", 0 if large else 10**9)
+    monkeypatch.setattr(lora_slots, "LARGE_STEP_RATIO", 10**9)
+    pack = lora_slots.LoRASlots._pack
     packs: list[int] = []
 
-    def counted(method: Any) -> Any:
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            packs.append(args[0].shape[0])
-            launches.scope += 1
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                launches.scope -= 1
+    def counted_pack(self: Any, x: torch.Tensor, proj: Any) -> torch.Tensor:
+        packs.append(x.shape[0])
+        launches.scope += 1
+        try:
+            return pack(self, x, proj)
+        finally:
+            launches.scope -= 1
 
-        return run
-
-    monkeypatch.setattr(lora_slots.LoRASlots, "_pack", counted(lora_slots.LoRASlots._pack))
-    produce = lora_slots.LoRASlots._produce_inputs
-
-    def counted_producers(self: Any, layer: Any, projections: Any) -> None:
-        produce(self, layer, projections)
-        for owner in (layer, layer.mlp):
-            owner.input_producers = {
-                name: _counted_call(fn, packs, launches)
-                for name, fn in owner.input_producers.items()
-            }
-
-    monkeypatch.setattr(lora_slots.LoRASlots, "_produce_inputs", counted_producers)
+    monkeypatch.setattr(lora_slots.LoRASlots, "_pack", counted_pack)
     max_tokens = 3
-    options = {"lora.pack_producers": producers}
-    llm, names, prompts, outs = _generate(tiny, launches, "stacked", 6, max_tokens, options)
-    model = llm.engine.runner.model
-    layers = len(model.layers)
+    llm, names, prompts, outs = _generate(tiny, launches, "stacked", 6, max_tokens)
+    layers = len(llm.engine.runner.model.layers)
     counts = f"Triton {dict(launches.triton)}, torch {dict(launches.torch)}"
-    # the prompts' 33 rows in one step, then 4 rows a step
-    packing = launches.steps if large else launches.steps - 1
-    assert launches.steps >= max_tokens and set(packs) == ({4, 33} if large else {4}), packs
-    assert len(packs) == packing * layers * LAUNCHES_PER_LAYER
-    produced = 3 if producers else 0  # q|k|v, gate|up, down
-    assert launches.triton["_produce_pack_kernel"] == packing * layers * produced, counts
-    assert launches.triton["_pack_kernel"] == packing * layers * (4 - produced), counts
-    if not large:  # a large step's own buffer is an allocation and its split a memset
-        assert launches.torch == Counter(), f"torch ops inside the packs: {counts}"
-    deltas = 0 if large else layers * LAUNCHES_PER_LAYER  # the prompt step's shrink and expand
-    assert launches.hook_calls == deltas, counts
-    assert all(bool(layer.input_producers) == producers for layer in model.layers)
+    decode_steps = launches.steps - 1  # the prompts' 33 rows in one step, then 4 rows a step
+    assert decode_steps >= max_tokens - 1 and set(packs) == {4}, packs
+    assert len(packs) == decode_steps * layers * LAUNCHES_PER_LAYER
+    assert launches.triton["_pack_kernel"] == len(packs), counts
+    assert launches.torch == Counter(), f"torch ops inside the pack: {counts}"
+    assert launches.hook_calls == layers * LAUNCHES_PER_LAYER, "the prompt step's deltas only"
     _assert_peft_tokens(tiny, names, prompts, outs, max_tokens)
