@@ -100,10 +100,16 @@ def build_metadata(
     """
 
     def tensor(data, dtype):
-        if isinstance(data, np.ndarray):
-            host = torch.from_numpy(data)
-            return host.to(device, non_blocking=True) if device.type == "cuda" else host
-        return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+        host = (
+            torch.from_numpy(data)
+            if isinstance(data, np.ndarray)
+            else torch.tensor(data, dtype=dtype)
+        )
+        if device.type != "cuda":
+            return host
+        # from pinned memory: a copy from pageable memory holds the host until everything queued
+        # on the stream has run, so the next step could not be prepared beside this one's kernels
+        return host.pin_memory().to(device, non_blocking=True)
 
     host = _flatten(seqs, page_size)
     cu, ids = host.cu, host.input_ids
