@@ -491,7 +491,7 @@ for _ in range(2):
     lora-kernels) run lora-kernels-nano offline --workload nano --repeats ${LORA_REPEATS:-1} --matrix benchmarks/workloads/lora.toml \
         --only ${LORA_ONLY:-base,lora-1,lora-8,lora-1-stacked,lora-8-stacked,lora-1-fused,lora-8-fused} ;;
     # issue 47 (2026-12-07, eleventh session): single (llama3-8b, batch 1) with one adapter, the default
-    # and the stacked layout with the producers' packs, beside the base row (about 90 s a row)
+    # and the stacked layout, beside the base row (about 90 s a row)
     lora-single) run lora-single offline --workload single --repeats ${LORA_REPEATS:-2} --matrix benchmarks/workloads/lora.toml \
         --only ${LORA_SINGLE_ONLY:-base,lora-1,lora-1-stacked} ;;
     # issue 47 (2026-12-07): the stacked layout's GPU tests (the pack kernel compiled, the engine
