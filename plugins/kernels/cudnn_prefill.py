@@ -34,6 +34,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pitstop.ground.attention import AttentionMetadata
+from pitstop.plugins.kernels.triton_ops.launch_math import next_power_of_2
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ def merge_by_lse(
         o_a.stride(0), o_a.stride(1), o_b.stride(0), o_b.stride(1),
         lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1),
         out.stride(0), out.stride(1),
-        D=d, BLOCK_D=triton.next_power_of_2(d),
+        D=d, BLOCK_D=next_power_of_2(d),
     )  # fmt: skip
 
 

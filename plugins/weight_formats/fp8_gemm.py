@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.rope_store import _quantize
 
 # The skinny kernel's tile of rows (BLOCK_M): the most rows one launch multiplies.
@@ -168,7 +169,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
-        block_k = min(2048, triton.next_power_of_2(cols))
+        block_k = min(2048, next_power_of_2(cols))
         _quantize_rows_kernel[(rows,)](
             x, q, scale, cols, x.stride(0), q.stride(0), BLOCK_K=block_k, num_warps=4
         )
@@ -200,7 +201,7 @@ def skinny_linear(
         return y
     tiles = tiles or skinny_tiles(rows, out_features, in_features)
     block_m = 1 if rows == 1 else SKINNY_MAX_ROWS
-    grid = (triton.cdiv(out_features, tiles.block_n),)
+    grid = (cdiv(out_features, tiles.block_n),)
     _skinny_kernel[grid](
         x,
         qweight,

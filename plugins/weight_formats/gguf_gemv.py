@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv
 from pitstop.plugins.weight_formats.gguf_blocks import QuantType, UnsupportedQuantType, layout_of
 
 MAX_BATCH = 16  # input rows above which GGUFLinear prefers dequantize + matmul
@@ -210,7 +211,7 @@ def dequant_gemv(
     x = x.contiguous()
     raw = raw.contiguous()
     y = torch.empty((batch, out_features), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(out_features, BLOCK_N), batch)
+    grid = (cdiv(out_features, BLOCK_N), batch)
     args = (x, raw, y, out_features, k // layout.block_elems, row_bytes, x.stride(0), y.stride(0))
     if layout.qtype in _K_KINDS:
         _kquant_gemv_kernel[grid](*args, KIND=_K_KINDS[layout.qtype], BLOCK_N=BLOCK_N)

@@ -92,6 +92,7 @@ import triton.language as tl
 
 from pitstop.plugins.kernels.lora_reference import ProjectionLoRA
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.lora import _pick
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
@@ -198,12 +199,12 @@ def _split_fits(
 def _k_per_split(k: int, split: int, block_k: int) -> int:
     """The K columns of each of ``split`` splits, in whole K steps (the kernel's own rule);
     ``cdiv(k, it) < split`` means a split left empty."""
-    return triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return cdiv(cdiv(k, split), block_k) * block_k
 
 
 def lora_rank_pad(rank_max: int) -> int:
     """The kernel's rank of a LoRA of ``rank_max`` (a power of two, at least 16; 0: none)."""
-    return max(16, triton.next_power_of_2(rank_max)) if rank_max > 0 else 0
+    return max(16, next_power_of_2(rank_max)) if rank_max > 0 else 0
 
 
 def fit_lora_split(
@@ -213,12 +214,12 @@ def fit_lora_split(
     a LoRA's ``h`` (``rank_pad`` floats a row and accumulator), no split left empty: the
     table's rules size the split without one (llama3-8b's gate-up at 17-32 rows, split 4 with
     a rank-16 LoRA, needed 1.1 times the workspace)."""
-    tiles = triton.cdiv(n, config.block_n) * triton.cdiv(max(m, 1), config.block_m)
+    tiles = cdiv(n, config.block_n) * cdiv(max(m, 1), config.block_m)
     accs = 2 if gate_up else 1
     for split in range(config.split_k, 1, -1):
         per_split = _k_per_split(k, split, config.block_k)
         fits = _split_fits(tiles, split, config.block_m, config.block_n, accs, kind, rank_pad)
-        if fits and triton.cdiv(k, per_split) == split:
+        if fits and cdiv(k, per_split) == split:
             return config._replace(split_k=split)
     return config._replace(split_k=1)
 
@@ -313,16 +314,16 @@ def balanced_split(
     on a tie, each split at least :data:`MIN_K_PER_SPLIT` columns, the workspace fitting.
     llama3-8b's QKV at one row: 96 column tiles, the doubling rule's 2 splits leave the
     busiest SMs two half-tiles (one tile's columns), 4 splits three quarter-tiles."""
-    tiles = triton.cdiv(n, config.block_n) * triton.cdiv(max(m, 1), config.block_m)
+    tiles = cdiv(n, config.block_n) * cdiv(max(m, 1), config.block_m)
     weight = 2 if gate_up else 1
     best, best_load = config.split_k, None
     for split in range(1, MAX_SPLIT + 1):
         per_split = _k_per_split(k, split, config.block_k)
-        if split > 1 and (per_split < MIN_K_PER_SPLIT or triton.cdiv(k, per_split) < split):
+        if split > 1 and (per_split < MIN_K_PER_SPLIT or cdiv(k, per_split) < split):
             continue  # too short, or a split left empty
         if not _split_fits(tiles, split, config.block_m, config.block_n, weight, "cuda"):
             continue
-        load = triton.cdiv(tiles * split, num_sms) * per_split
+        load = cdiv(tiles * split, num_sms) * per_split
         if best_load is None or load < best_load:
             best, best_load = split, load
     return config._replace(split_k=best)
@@ -345,7 +346,7 @@ def with_split(
     min_k = MIN_K_PER_SPLIT if on_gpu else 2 * bk
     if on_gpu and gate_up and stages > 4:  # two weight tiles a stage
         stages = 4
-    tiles = triton.cdiv(n, bn) * triton.cdiv(max(m, 1), bm)
+    tiles = cdiv(n, bn) * cdiv(max(m, 1), bm)
     weight = 2 if gate_up else 1
     per_sm = PROGRAMS_PER_SM if m <= 16 or not on_gpu else PROGRAMS_PER_SM_WIDE
     split = 1
@@ -827,7 +828,7 @@ def _launch(
         kind = "cuda" if on_gpu else "cpu"
         config = fit_lora_split(config, m, n_out, k, gate_up, rank_pad, kind)
     bm, bn, bk, split, warps, stages = config
-    grid = (triton.cdiv(n_out, bn) * triton.cdiv(m, bm), split)
+    grid = (cdiv(n_out, bn) * cdiv(m, bm), split)
     ws = workspace(x.device)
     if split > 1:
         tiles = grid[0]

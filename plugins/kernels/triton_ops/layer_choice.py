@@ -38,6 +38,7 @@ import triton
 
 from pitstop.plugins.kernels.triton_ops import tuning
 from pitstop.plugins.kernels.triton_ops.fused_linear import LinearConfig
+from pitstop.plugins.kernels.triton_ops.launch_math import next_power_of_2
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ CublasRun = Callable[[torch.Tensor], object]  # (weight)
 
 def bucket_rows(rows: int) -> int:
     """The row bucket a choice is kept for: ``rows`` rounded up to a power of two."""
-    return triton.next_power_of_2(max(rows, 1))
+    return next_power_of_2(max(rows, 1))
 
 
 class LayerChoice:

@@ -107,6 +107,7 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.lora_pack import INTERPRETER_TILES, dot_rows
 from pitstop.plugins.kernels.triton_ops.lora_pack import lora_pack as lora_pack  # stacked
 from pitstop.plugins.kernels.triton_ops.lora_pack import pack_workspace as pack_workspace
@@ -226,7 +227,7 @@ def row_tiles(rows: int, slots: int, block_m: int) -> int:
     ``cdiv(rows, block_m) + slots - 1``; a grid of row tiles x slots (most of whose
     programs find no rows once several adapters share a batch) would launch
     ``cdiv(rows, block_m) * slots``."""
-    return triton.cdiv(rows, block_m) + max(slots, 1) - 1
+    return cdiv(rows, block_m) + max(slots, 1) - 1
 
 
 @triton.jit
@@ -548,7 +549,7 @@ def _slices(w: torch.Tensor | Sequence[torch.Tensor], what: str) -> list[torch.T
 def _lanes(n: int) -> int:
     """A block dimension for ``n`` ranks or slots: a power of two, at least 16 (``tl.dot``'s
     least, and the width of :func:`_tile_of`'s vector of slots)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 def _check_rows(slot_of_row: torch.Tensor, rows: int, meta: LoRAMeta | None, slots: int):
@@ -616,8 +617,8 @@ def _shrink(
     if rows == 0 or slots == 0 or rank_max == 0:
         return
     cfg = config or default_config(rows, k, x.dtype, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = cdiv(k, k_per_split)
     pad = a_list + [a_list[0]] * (MAX_SLICES - len(a_list))
     use_pdl = _pdl.enabled(x.device, pdl)
     grid = (row_tiles(rows, slots, cfg.block_m), len(a_list) * split)
@@ -689,7 +690,7 @@ def _slice_args(
     if offsets is None:
         offsets = [offset + sum(widths[:i]) for i in range(len(b_list))]
     more = MAX_SLICES - len(b_list)
-    tiles = [triton.cdiv(w, block_n) for w in widths] + [0] * more
+    tiles = [cdiv(w, block_n) for w in widths] + [0] * more
     pad = b_list + [b_list[0]] * more
     return _SliceArgs(
         pad,
@@ -799,7 +800,7 @@ def fused_config(
     bn = 64 if rows <= 16 else 128
     bk = 32 if dtype == torch.float32 else 256 if rows <= 16 else 128
     index = device.index if device.index is not None else torch.cuda.current_device()
-    tiles = sum(triton.cdiv(w, bn) for w in widths) * triton.cdiv(rows, bm)
+    tiles = sum(cdiv(w, bn) for w in widths) * cdiv(rows, bm)
     n_loop = max(1, min(MAX_N_LOOP, tiles // _sm_count(index)))
     return LoRAConfig(bm, bn, bk, 1, 4, 3, n_loop)
 

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 
 INTERPRETER_TILES = (16, 16, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K): small, so tests cross tiles
 COPY_BLOCK = 256  # columns of x copied by one program
@@ -199,11 +200,11 @@ def pack_tiles(
         bm, bn, bk = INTERPRETER_TILES
         return PackTiles(bm, bn, bk, 1)
     bm = 16
-    bn = min(32, max(16, triton.next_power_of_2(columns)))
-    tiles = triton.cdiv(rows, bm) * triton.cdiv(columns, bn)
+    bn = min(32, max(16, next_power_of_2(columns)))
+    tiles = cdiv(rows, bm) * cdiv(columns, bn)
     split = 1
     if tiles < SPLIT_BELOW_TILES:
-        split = max(1, min(triton.cdiv(PROGRAMS, tiles), k // MIN_SPLIT_K))
+        split = max(1, min(cdiv(PROGRAMS, tiles), k // MIN_SPLIT_K))
     return PackTiles(bm, bn, 64 if dtype == torch.float32 else 128, split)
 
 
@@ -214,9 +215,7 @@ def pack_workspace(
     launches of up to ``rows`` rows and ``columns`` columns of h' (the last split of each tile
     zeroes its part again, so one pair serves every launch that follows on the stream)."""
     ws = torch.zeros(rows * columns, dtype=torch.float32, device=device)
-    counters = torch.zeros(
-        triton.cdiv(rows, 16) * triton.cdiv(columns, 16), dtype=torch.int32, device=device
-    )
+    counters = torch.zeros(cdiv(rows, 16) * cdiv(columns, 16), dtype=torch.int32, device=device)
     return ws, counters
 
 
@@ -254,16 +253,16 @@ def lora_pack(
         return p
     bm, bn, bk, split, warps, stages = tiles or pack_tiles(rows, e, k, x.dtype, x.device)
     split = split if max_split is None else max(1, min(split, max_split))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    split = triton.cdiv(k, k_per_split)
-    h_tiles = triton.cdiv(e, bn)
+    k_per_split = cdiv(cdiv(k, split), bk) * bk
+    split = cdiv(k, k_per_split)
+    h_tiles = cdiv(e, bn)
     if split == 1:  # the kernel never touches them: any pointers of the types do
         ws, counters = workspace or (scaling, slot_of_row)
     else:
         ws, counters = workspace or pack_workspace(rows, e, x.device)
-        assert ws.numel() >= rows * e and counters.numel() >= triton.cdiv(rows, bm) * h_tiles
+        assert ws.numel() >= rows * e and counters.numel() >= cdiv(rows, bm) * h_tiles
     use_pdl = _pdl.enabled(x.device, pdl)
-    grid = (triton.cdiv(rows, bm), h_tiles * split + triton.cdiv(k, COPY_BLOCK))
+    grid = (cdiv(rows, bm), h_tiles * split + cdiv(k, COPY_BLOCK))
     _pack_kernel[grid](
         x,
         x.stride(0),

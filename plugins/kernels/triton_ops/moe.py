@@ -128,6 +128,7 @@ import triton.language as tl
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops import tuning
 from pitstop.plugins.kernels.triton_ops.fused_linear import NUM_COUNTERS, _load_k, workspace
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.moe_router import fuses_router, router_route_align
 from pitstop.plugins.kernels.triton_ops.moe_routing import (
     Grouping,
@@ -586,7 +587,7 @@ def _grouped_gemm(
     final, res = slot_sum if slot_sum is not None else (dst, None)
     part = partials if partials is not None else dst
     row_scale = setting.row_scale if gate_up else None
-    _grouped_gemm_kernel[(setting.grouping.expert_ids.numel(), triton.cdiv(nout, bn), splits)](
+    _grouped_gemm_kernel[(setting.grouping.expert_ids.numel(), cdiv(nout, bn), splits)](
         a,
         w,
         dst,
@@ -649,7 +650,7 @@ def _down_with_slot_sum(
         flat_ids = flat_ids.to(torch.int32)
     scale = down_scale if down_scale is not None else rw  # never read unscaled
     use_pdl = _pdl.enabled(out.device)
-    _down_slot_sum_kernel[(t, triton.cdiv(hidden, tiles.block_n))](
+    _down_slot_sum_kernel[(t, cdiv(hidden, tiles.block_n))](
         h,
         down,
         scale,
@@ -663,7 +664,7 @@ def _down_with_slot_sum(
         down.stride(1),
         scale.stride(0) if down_scale is not None else 0,
         TOPK=top_k,
-        K_PAD=triton.next_power_of_2(top_k),
+        K_PAD=next_power_of_2(top_k),
         W_SCALED=down_scale is not None,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
@@ -681,7 +682,7 @@ def gate_up_split(
     the device's arrival counters (:data:`.fused_linear.NUM_COUNTERS`; the bits of a split
     agree with the unsplit within rounding, module doc)."""
     splits, per = effective_split(hidden, config.block_k, config.split_k)
-    tiles = blocks * triton.cdiv(inter, config.block_n)
+    tiles = blocks * cdiv(inter, config.block_n)
     if splits > 1 and tiles > NUM_COUNTERS["cuda" if device.type == "cuda" else "cpu"]:
         return 1, hidden
     return splits, per
@@ -770,9 +771,9 @@ def experts(
         )
         return out
     _grouped_gemm(*down_args, gate_up=False, splits=split_d, k_per_split=per_d)
-    block_h = min(1024, triton.next_power_of_2(h))
+    block_h = min(1024, next_power_of_2(h))
     use_pdl = _pdl.enabled(out.device)
-    _slot_sum_kernel[(t, triton.cdiv(h, block_h))](
+    _slot_sum_kernel[(t, cdiv(h, block_h))](
         y,
         residual if residual is not None else out,
         out,

@@ -51,6 +51,7 @@ import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.fused_linear import workspace
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.moe_routing import (
     Grouping,
     _group_routed,
@@ -246,7 +247,7 @@ def router_route_align(
     assert 1 <= top_k <= min(e, 16), f"top_k={top_k} with {e} experts"
     assert fuses_router(t, top_k), f"{t} tokens x {top_k}: not a one-launch router step"
     dev = x.device
-    splits = triton.cdiv(h, H_PER_SPLIT)
+    splits = cdiv(h, H_PER_SPLIT)
     partials = torch.empty((splits, t, e), dtype=torch.float32, device=dev)
     norm = norm_eps is not None
     squares = torch.empty((splits, t) if norm else (1,), dtype=torch.float32, device=dev)
@@ -256,7 +257,7 @@ def router_route_align(
     constants, warps = route_and_group_constants(t, e, top_k, renormalize, block_m)
     counters = workspace(dev).counters[COUNTER:]
     use_pdl = _pdl.enabled(dev)
-    _router_route_align_kernel[(triton.cdiv(e, BLOCK_E), splits)](
+    _router_route_align_kernel[(cdiv(e, BLOCK_E), splits)](
         x,
         router,
         partials,
@@ -276,7 +277,7 @@ def router_route_align(
         router.stride(0),
         grouping.expert_ids.numel(),
         float(norm_eps or 0.0),
-        T_PAD=triton.next_power_of_2(t),
+        T_PAD=next_power_of_2(t),
         **constants,
         BLOCK_E=BLOCK_E,
         BLOCK_H=BLOCK_H,

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
 ROUTE_TILE = 4096  # elements of the [BLOCK_T, E] tile a routing program holds
@@ -166,8 +167,8 @@ def route_tiles(num_tokens: int, num_experts: int) -> tuple[int, int, int]:
     most :data:`ROUTE_TILE` elements (at least one row), 4 warps from 2048 elements, else 1.
     :func:`route_and_align` routes with the same tiles and warps, so that its float32
     softmax and renormalisation sums reduce in :func:`route`'s order on a GPU too."""
-    e_pad = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(triton.next_power_of_2(max(num_tokens, 1)), ROUTE_TILE // e_pad))
+    e_pad = next_power_of_2(num_experts)
+    block_t = max(1, min(next_power_of_2(max(num_tokens, 1)), ROUTE_TILE // e_pad))
     return block_t, e_pad, 4 if block_t * e_pad >= 2048 else 1
 
 
@@ -197,7 +198,7 @@ def route(
         return weights, ids
     block_t, e_pad, warps = route_tiles(t, e)
     use_pdl = _pdl.enabled(router_logits.device)
-    _route_kernel[(triton.cdiv(t, block_t),)](
+    _route_kernel[(cdiv(t, block_t),)](
         router_logits,
         weights,
         ids,
@@ -206,7 +207,7 @@ def route(
         e,
         router_logits.stride(0),
         TOPK=top_k,
-        K_PAD=triton.next_power_of_2(top_k),
+        K_PAD=next_power_of_2(top_k),
         RENORMALIZE=renormalize,
         COUNT=counts is not None,
         BLOCK_T=block_t,
@@ -238,7 +239,7 @@ def counts_needed(num_rows: int) -> bool:
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
     """The worst-case padded row count: ``T*k + min(E, T*k) * (block_m - 1)``, rounded to blocks."""
     worst = num_rows + min(num_experts, num_rows) * (block_m - 1)
-    return triton.cdiv(worst, block_m) * block_m
+    return cdiv(worst, block_m) * block_m
 
 
 @triton.jit
@@ -436,7 +437,7 @@ def empty_grouping(num_rows: int, num_experts: int, block_m: int, device: torch.
 
 def _one_program_chunk(num_rows: int) -> int:
     """The row tile of the one program that groups ``num_rows`` rows itself (at least 16)."""
-    return max(16, triton.next_power_of_2(max(num_rows, 1)))
+    return max(16, next_power_of_2(max(num_rows, 1)))
 
 
 def _blocks_chunk(e_pad: int, num_blocks: int) -> int:
@@ -444,7 +445,7 @@ def _blocks_chunk(e_pad: int, num_blocks: int) -> int:
     :data:`ALIGN_CHUNK` elements, and no more blocks than the grouping has (decode of
     Qwen3-30B-A3B at batch 1: 8 blocks of 16 rows, a ``[16, 128]`` tile, where the element
     bound alone gave ``[64, 128]``: four times the compares for one warp)."""
-    return max(16, min(128, ALIGN_CHUNK // e_pad, triton.next_power_of_2(max(num_blocks, 1))))
+    return max(16, min(128, ALIGN_CHUNK // e_pad, next_power_of_2(max(num_blocks, 1))))
 
 
 def align(
@@ -467,15 +468,15 @@ def align(
         counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         counts.scatter_add_(0, flat.long(), torch.ones_like(flat))
     grouping = empty_grouping(n, num_experts, block_m, dev)
-    e_pad = triton.next_power_of_2(num_experts)
+    e_pad = next_power_of_2(num_experts)
     if one_program:  # no counts, no slot counters: nothing to zero first
         chunk = _one_program_chunk(n)
         counts = fill = flat  # unread
     else:
-        chunk = max(16, min(triton.next_power_of_2(max(n, 1)), ALIGN_CHUNK // e_pad))
+        chunk = max(16, min(next_power_of_2(max(n, 1)), ALIGN_CHUNK // e_pad))
         fill = torch.zeros(num_experts, dtype=torch.int32, device=dev)
     use_pdl = _pdl.enabled(ids.device)
-    _align_kernel[(max(1, triton.cdiv(n, chunk)),)](
+    _align_kernel[(max(1, cdiv(n, chunk)),)](
         flat,
         counts,
         fill,
@@ -565,7 +566,7 @@ def route_and_group_constants(
     block_t, e_pad, warps = route_tiles(t, e)
     constants = dict(
         TOPK=top_k,
-        K_PAD=triton.next_power_of_2(top_k),
+        K_PAD=next_power_of_2(top_k),
         RENORMALIZE=renormalize,
         BLOCK_T=block_t,
         E_PAD=e_pad,

@@ -22,6 +22,7 @@ import torch
 import triton
 
 from pitstop.plugins.kernels.triton_ops import tuning
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.moe_routing import counts_needed
 
 logger = logging.getLogger(__name__)
@@ -217,13 +218,13 @@ def token_major_tiles(top_k: int, on_gpu: bool) -> TokenMajorTiles:
     tile borders)."""
     if not on_gpu:
         return TokenMajorTiles(16, 16, 1)
-    k_pad = triton.next_power_of_2(top_k)
+    k_pad = next_power_of_2(top_k)
     return TokenMajorTiles(16, max(16, min(128, 8192 // (k_pad * 16))), 8)
 
 
 def bucket_rows(num_tokens: int) -> int:
     """The shape bucket of ``num_tokens``: the next power of two (1 for 0 or 1)."""
-    return triton.next_power_of_2(max(num_tokens, 1))
+    return next_power_of_2(max(num_tokens, 1))
 
 
 def candidates(
@@ -290,9 +291,9 @@ def heuristic_config(
 def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     """``(splits, k_per_split)`` of a GEMM over ``k``: ``k``'s ``block_k`` chunks in at most
     ``split_k`` runs of equal length (the last may be shorter), none empty."""
-    chunks = triton.cdiv(k, block_k)
-    per = triton.cdiv(chunks, max(1, min(split_k, chunks)))
-    return triton.cdiv(chunks, per), per * block_k
+    chunks = cdiv(k, block_k)
+    per = cdiv(chunks, max(1, min(split_k, chunks)))
+    return cdiv(chunks, per), per * block_k
 
 
 def cache_dir() -> Path:

@@ -155,6 +155,7 @@ from pitstop.plugins.kernels.triton_ops.attend import (
     _head_rows,
     _v_scaled,
 )
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 FP8_WIDEN = ("fp16", "query", "qk-fp8")  # PagedAttention(fp8_widen=...): module docstring
@@ -215,7 +216,7 @@ def prefill_tiles(head_size: int, group: int, dtype: torch.dtype) -> PrefillTile
     if tiles is None:
         tiles = PrefillTiles(128, 64, 4, 3) if head_size <= 128 else PrefillTiles(64, 32, 4, 3)
     if group > tiles.block_m:  # at least one query token per tile
-        tiles = tiles._replace(block_m=triton.next_power_of_2(group))
+        tiles = tiles._replace(block_m=next_power_of_2(group))
     return tiles
 
 
@@ -658,7 +659,7 @@ class PagedAttention:
         tiles = self._prefill_override or (
             prefill_tiles(head_size, group, self.dtype) if self.on_gpu else INTERPRETER_PREFILL
         )
-        rows = max(16, triton.next_power_of_2(max_query_len * group))
+        rows = max(16, next_power_of_2(max_query_len * group))
         if rows < tiles.block_m:  # one tile of rows holds every query: no row tile left idle
             tiles = tiles._replace(block_m=rows, num_warps=min(tiles.num_warps, 4))
         return tiles
@@ -726,7 +727,7 @@ class PagedAttention:
                     "once before capturing it"
                 )
             counters = torch.zeros(
-                triton.next_power_of_2(pairs), dtype=torch.int32, device=counters.device
+                next_power_of_2(pairs), dtype=torch.int32, device=counters.device
             )
             # a graph captured earlier still points at the old ones: they stay allocated
             self._retired_counters.append(self.decode_counters)
@@ -742,7 +743,7 @@ class PagedAttention:
         """
         programs = max(1, num_decodes * num_kv_heads)
         want = self.split_waves * self.num_sms // programs
-        cap = max(1, triton.cdiv(self.max_context, self.min_split_tokens))
+        cap = max(1, cdiv(self.max_context, self.min_split_tokens))
         splits = max(1, min(want, cap, 64))
         # a power of two: at most 7 compiled variants of the kernels across all batch sizes
         return 1 << (splits.bit_length() - 1)
@@ -798,7 +799,7 @@ class PagedAttention:
         tiles = self.prefill_tiles(d, group, meta.max_query_len)
         block_q = tiles.block_m // group
         bt = meta.block_tables
-        grid = (hkv, triton.cdiv(meta.max_query_len, block_q), meta.num_prefills)
+        grid = (hkv, cdiv(meta.max_query_len, block_q), meta.num_prefills)
         use_pdl = _pdl.enabled(q.device, self.pdl)
         _prefill_kernel[grid](
             q,
@@ -894,14 +895,14 @@ class PagedAttention:
             meta.num_prefills,
             *_row_strides(q, k_cache, bt, out),
             GROUP=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_G=max(16, next_power_of_2(group)),
             HEAD=d,
             PAGE_SIZE=meta.page_size,
             BLOCK_N=tiles.block_n,
             NUM_SPLITS=splits,
             Q_FP8=self.query_fp8(q, kv_scale, k_cache),
             MERGE_LAST=merge_last,
-            MERGE_G=triton.next_power_of_2(group) if merge_last else 1,
+            MERGE_G=next_power_of_2(group) if merge_last else 1,
             SHARE_SPLITS=slots - splits,
             **switches,
         )
@@ -915,7 +916,7 @@ class PagedAttention:
                 out.stride(1),
                 HEAD=d,
                 NUM_SPLITS=slots,
-                BLOCK_S=triton.next_power_of_2(slots),
+                BLOCK_S=next_power_of_2(slots),
                 PDL=use_pdl,
                 num_warps=4,
                 **_pdl.launch_kwargs(use_pdl),

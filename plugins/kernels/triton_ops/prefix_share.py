@@ -43,6 +43,7 @@ import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import attend
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 
 MAX_ROWS = 64  # query rows (members x group heads) of one shared-pass tile
 _BIG = tl.constexpr(1 << 30)  # larger than any decode index or token count
@@ -65,7 +66,7 @@ def max_members(group: int) -> int:
 
 def share_splits(max_context: int, min_tokens: int) -> int:
     """Splits of a shared range: one per 512 tokens of the longest context, 2 to 16."""
-    want = triton.cdiv(max_context, max(512, min_tokens))
+    want = cdiv(max_context, max(512, min_tokens))
     return max(2, min(16, 1 << (max(want, 1).bit_length() - 1)))
 
 
@@ -89,7 +90,7 @@ def group_decodes(
     start = torch.empty(num_decodes, dtype=torch.int32, device=device)
     leader = torch.empty(num_decodes, dtype=torch.int32, device=device)
     members = torch.empty((num_decodes, members_per_group), dtype=torch.int32, device=device)
-    block_b = max(16, triton.next_power_of_2(num_decodes))
+    block_b = max(16, next_power_of_2(num_decodes))
     on_gpu = device.type == "cuda"
     _group_kernel[(1,)](
         block_tables,
@@ -334,7 +335,7 @@ def shared_pass(
         block_tables.stride(0),
         GROUP=group,
         MAX_MEMBERS=layout.max_members,
-        BLOCK_R=max(16, triton.next_power_of_2(layout.max_members * group)),
+        BLOCK_R=max(16, next_power_of_2(layout.max_members * group)),
         HEAD=d,
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_N=block_n,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -100,10 +101,10 @@ def rms_norm(
         res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out, res_out
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     rows = max(1, min(16, 2048 // block_n))
     num_warps = 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16
-    grid = (triton.cdiv(num_rows, rows),)
+    grid = (cdiv(num_rows, rows),)
     use_pdl = _pdl.enabled(x.device, pdl)
     _rmsnorm_kernel[grid](
         x3,

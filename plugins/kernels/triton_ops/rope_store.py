@@ -42,6 +42,7 @@ import triton.language as tl
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugin_system.protocols import RotaryCache
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.launch_math import next_power_of_2
 
 # mantissa bits of the fp8 cache formats Triton stores (float8e4nv, float8e5)
 FP8_MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -351,13 +352,13 @@ def rope_and_store(
         meta.page_size,
         HQ=hq,
         HKV=hkv,
-        BLOCK_HQ=triton.next_power_of_2(hq),
-        BLOCK_HKV=triton.next_power_of_2(hkv),
+        BLOCK_HQ=next_power_of_2(hq),
+        BLOCK_HKV=next_power_of_2(hkv),
         HALF=d // 2,
         NORM=qk_norm is not None,
         ROW_SCALE=row_scale is not None,
         ROW_K=row_k,
-        ROW_BLOCK=min(1024, triton.next_power_of_2(row_k)),
+        ROW_BLOCK=min(1024, next_power_of_2(row_k)),
         QUANT=quant,
         QUANT_MAX=finfo.max,
         QUANT_MANTISSA=FP8_MANTISSA_BITS.get(k_cache.dtype, 0),

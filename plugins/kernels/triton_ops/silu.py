@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded, _row_rstd
 
 
@@ -80,8 +81,8 @@ def silu_and_mul(
         assert scale_rows.dim() == 2 and scale_rows.shape[0] == rows, "row_scale's rows: [R, K]"
         scale_rows = scale_rows if scale_rows.stride(-1) == 1 else scale_rows.contiguous()
         row_k = scale_rows.shape[-1]
-    block = min(2048, triton.next_power_of_2(d))
-    grid = (rows, triton.cdiv(d, block))
+    block = min(2048, next_power_of_2(d))
+    grid = (rows, cdiv(d, block))
     use_pdl = _pdl.enabled(x.device, pdl)
     _silu_and_mul_kernel[grid](
         x2,
@@ -94,7 +95,7 @@ def silu_and_mul(
         BLOCK=block,
         ROW_SCALE=row_scale is not None,
         ROW_K=row_k,
-        ROW_BLOCK=min(1024, triton.next_power_of_2(row_k)),
+        ROW_BLOCK=min(1024, next_power_of_2(row_k)),
         PDL=use_pdl,
         num_warps=4 if block <= 1024 else 8,
         **_pdl.launch_kwargs(use_pdl),
