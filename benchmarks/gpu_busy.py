@@ -43,6 +43,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pitstop import LLM, SamplingParams
+from pitstop.entrypoints.engine_args import parse_scalar
 
 SHAPES: dict[str, dict[str, Any]] = {
     "nano": dict(model="dummy:qwen3-0.6b", max_model_len=4096),
@@ -86,15 +87,11 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def _option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--option``, the value read as the CLI's ``--option`` reads it."""
     key, sep, value = text.partition("=")
     if not sep:
         raise SystemExit(f"--option {text!r}: write KEY=VALUE, e.g. lora.kernel=stacked")
-    for cast in (int, float):
-        try:
-            return key, cast(value)
-        except ValueError:
-            pass
-    return key, {"true": True, "false": False}.get(value.lower(), value)
+    return key, parse_scalar(value)
 
 
 def measure(

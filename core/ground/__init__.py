@@ -1,3 +1,4 @@
 """The types every layer of the engine shares: a step's attention metadata, its inputs and
-outputs, the model's shape, the engine's measurements. Nothing here imports another
+outputs, the model's shape, the engine's measurements, and how host values reach the device
+(:mod:`.transfer`). Nothing here imports another
 sub-package at run time."""

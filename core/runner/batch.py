@@ -20,6 +20,7 @@ import torch
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.ground.poison import poison_array
 from pitstop.ground.step import SeqInput
+from pitstop.ground.transfer import to_device
 from pitstop.requests.sequence import PENDING_TOKEN
 
 PendingRow = Callable[[int], int]
@@ -100,16 +101,7 @@ def build_metadata(
     """
 
     def tensor(data, dtype):
-        host = (
-            torch.from_numpy(data)
-            if isinstance(data, np.ndarray)
-            else torch.tensor(data, dtype=dtype)
-        )
-        if device.type != "cuda":
-            return host
-        # from pinned memory: a copy from pageable memory holds the host until everything queued
-        # on the stream has run, so the next step could not be prepared beside this one's kernels
-        return host.pin_memory().to(device, non_blocking=True)
+        return to_device(data, dtype, device)
 
     host = _flatten(seqs, page_size)
     cu, ids = host.cu, host.input_ids
@@ -159,10 +151,7 @@ def select_rows(hidden: torch.Tensor, rows: list[int], device: torch.device) -> 
     """
     if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:
         return hidden
-    index = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":
-        index = index.pin_memory().to(device, non_blocking=True)
-    return hidden.index_select(0, index)
+    return hidden.index_select(0, to_device(rows, torch.int64, device))
 
 
 class BlockTableRows:

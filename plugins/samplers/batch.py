@@ -22,6 +22,7 @@ import attrs
 import numpy as np
 import torch
 
+from pitstop.ground.transfer import to_device
 from pitstop.plugin_system.sampler import RowInputs
 from pitstop.plugins.samplers.bad_words import blocked_now
 from pitstop.requests.sampling_params import SamplingParams
@@ -102,16 +103,6 @@ class TokenHistories:
         if pending:
             array[known] = -1  # scratch slot after the known tokens: read from the device later
         return array[: known + pending]
-
-
-def to_device(
-    values: list | torch.Tensor, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """``values`` as a tensor on ``device``, copied from pinned memory without blocking the host."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def make_step_inputs(

@@ -46,6 +46,7 @@ import pitstop
 from pitstop.errors import ConfigError
 from pitstop.ground.poison import FreshPageTracker
 from pitstop.ground.step import SeqInput
+from pitstop.ground.transfer import to_device
 from pitstop.loading.weights import load_model_source
 from pitstop.plugin_system.protocols import Proposal
 from pitstop.plugin_system.sampler import make_generator
@@ -261,9 +262,8 @@ class DraftProposer:
                 where[seq.seq_id].append(row)
                 row += 1
         flat = torch.cat(tokens_per_step)
-        index = torch.tensor([r for seq in active for r in where[seq.seq_id]], dtype=torch.int64)
-        if self.device.type == "cuda":
-            index = index.pin_memory().to(self.device, non_blocking=True)
+        rows = [r for seq in active for r in where[seq.seq_id]]
+        index = to_device(rows, torch.int64, self.device)
         gathered = flat[index].split([len(where[seq.seq_id]) for seq in active])
         return {seq.seq_id: ids for seq, ids in zip(active, gathered, strict=True)}
 

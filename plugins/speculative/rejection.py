@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from pitstop.ground.transfer import to_device
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.sampler import make_generator
 from pitstop.plugin_system.verifier import DeviceVerified, Verified
@@ -130,7 +131,7 @@ def verify_on_device(
         index,
         padded,
     ]
-    on_device = _to_device(np.concatenate([a.ravel().astype(np.int64) for a in parts]), device)
+    on_device = to_device(np.concatenate([a.ravel().astype(np.int64) for a in parts]), None, device)
     views = on_device.split([a.size for a in parts])
     draft_rows, draft_cells, offsets_d = views[0], views[1], views[5]
     draft_mask, greedy_rows, greedy_seqs = (v != 0 for v in views[2:5])
@@ -189,14 +190,6 @@ def verify_on_device(
         lp = torch.log_softmax(raw_logits.float(), dim=-1)
         logprobs = lp[rows.flatten(), emitted.flatten()].view(num_seqs, kmax + 1)
     return DeviceVerified(packed, logprobs)
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device``, copied without waiting for the device's queued work."""
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
 
 
 def _uniform(

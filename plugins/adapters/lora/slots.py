@@ -50,6 +50,7 @@ import torch
 
 from pitstop.errors import ConfigError, InvalidRequestError
 from pitstop.ground.step import SeqInput
+from pitstop.ground.transfer import host_tensor
 from pitstop.plugin_system.adapter import AdapterContext
 from pitstop.plugins.adapters.lora.peft_adapter import (
     LoRAWeights,
@@ -527,13 +528,9 @@ class LoRASlots:
             self.workspace[:rows].zero_()
 
     def _staged(self, host: list[int]) -> torch.Tensor:
-        """``host`` as int32 on the host, pinned where the slots live on a GPU: a copy from
-        pageable memory makes the host wait for everything queued on the stream before it
-        (CUDA stages it through a buffer of its own), so the next step could not be prepared
-        while this one runs; a pinned block of PyTorch's host cache is held until its copy
-        has run."""
-        staged = torch.tensor(host, dtype=torch.int32)
-        return staged.pin_memory() if self.slot_of_row.is_cuda else staged
+        """``host`` as int32 on the host, pinned where the slots live on a GPU
+        (:mod:`pitstop.ground.transfer`: no copy from pageable memory holds the host)."""
+        return host_tensor(host, torch.int32, self.slot_of_row.device)
 
     def _new_meta(self, rows: int) -> Any:
         """Static buffers for the rows grouped by slot (None: the ops group rows themselves)."""
