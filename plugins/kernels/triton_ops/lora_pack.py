@@ -117,43 +117,21 @@ def _pack_kernel(
         acc = dot_rows(acc, xt, at, UPCAST, DOT_PRECISION)
     _pdl.launch_dependents(PDL)
     tile_mask = m_ok[:, None] & c_ok[None, :]
-    if SPLIT > 1:
+    if SPLIT > 1:  # add into the float32 workspace; the split that arrives last finishes
+        # every thread's adds are performed before the counter's release (the barrier), and the
+        # last split reads the sums and leaves zeros in one exchange at L2, after its acquire
+        ws = ws_ptr + m64[:, None] * E + c[None, :]
+        tl.atomic_add(ws, acc, mask=tile_mask, sem="relaxed")
+        tl.debug_barrier()
         counter = count_ptr + pid_m * H_TILES + tile
-        acc, last = _split_sum(acc, ws_ptr, counter, m64, c, tile_mask, E, SPLIT)
-        if not last:
+        if tl.atomic_add(counter, 1, sem="acq_rel") != SPLIT - 1:
             return
-    _store_h(
-        acc, slot_ptr, scale_ptr, m, m_ok, m64, c, tile_mask, WIDTH, SLOTS, p_ptr, stride_pm, K
-    )
-
-
-@triton.jit
-def _split_sum(acc, ws_ptr, counter, m64, c, tile_mask, E, SPLIT: tl.constexpr):
-    """One of ``SPLIT`` splits' ``acc`` added into the float32 workspace: ``(the tile's whole
-    sum, True)`` in the split that arrives last, which leaves the workspace and ``counter``
-    clear again for the next launch on the stream; ``(acc, False)`` in the others."""
-    # every thread's adds are performed before the counter's release (the barrier), and the
-    # last split reads the sums and leaves zeros in one exchange at L2, after its acquire
-    ws = ws_ptr + m64[:, None] * E + c[None, :]
-    tl.atomic_add(ws, acc, mask=tile_mask, sem="relaxed")
-    tl.debug_barrier()
-    last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
-    if last:
         bits = ws.to(tl.pointer_type(tl.int32))  # as int32: the interpreter exchanges no floats
-        zeros = tl.zeros(acc.shape, dtype=tl.int32)
+        zeros = tl.zeros([BM, BN], dtype=tl.int32)
         acc = tl.atomic_xchg(bits, zeros, mask=tile_mask, sem="acquire").to(
             tl.float32, bitcast=True
         )
-        tl.store(counter, 0)
-    return acc, last
-
-
-@triton.jit
-def _store_h(
-    acc, slot_ptr, scale_ptr, m, m_ok, m64, c, tile_mask, WIDTH, SLOTS, p_ptr, stride_pm, K
-):
-    """h' of a tile into P's columns ``K + c``: each row's sum scaled in its own slot's
-    columns, zero in the others and on rows without an adapter."""
+        tl.store(counter, 0)  # for the next launch on the stream
     slot = tl.load(slot_ptr + m, mask=m_ok, other=-1)
     valid = (slot >= 0) & (slot < SLOTS)
     scale = tl.load(scale_ptr + tl.where(valid, slot, 0), mask=m_ok & valid, other=0.0)
