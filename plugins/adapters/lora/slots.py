@@ -515,7 +515,8 @@ class LoRASlots:
             self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32, device=self.ctx.device)
             self.meta = self._new_meta(rows)
             self._refresh_deltas()
-        self.slot_of_row[:rows].copy_(self._staged(host), non_blocking=True)
+        staged = host_tensor(host, torch.int32, self.slot_of_row.device)  # pinned on a GPU
+        self.slot_of_row[:rows].copy_(staged, non_blocking=True)
         if self.rows > rows:
             self.slot_of_row[rows : self.rows].fill_(-1)
         self.rows = rows
@@ -526,11 +527,6 @@ class LoRASlots:
         # A step of more rows shrinks unsplit into intermediates of its own: no memset at all.
         if self.workspace is not None and rows <= WORKSPACE_ROWS:
             self.workspace[:rows].zero_()
-
-    def _staged(self, host: list[int]) -> torch.Tensor:
-        """``host`` as int32 on the host, pinned where the slots live on a GPU
-        (:mod:`pitstop.ground.transfer`: no copy from pageable memory holds the host)."""
-        return host_tensor(host, torch.int32, self.slot_of_row.device)
 
     def _new_meta(self, rows: int) -> Any:
         """Static buffers for the rows grouped by slot (None: the ops group rows themselves)."""

@@ -524,14 +524,14 @@ def test_on_the_gpu_each_steps_slots_travel_from_pinned_memory(
     from pitstop.plugins.adapters.lora import slots as lora_slots
 
     staged: list[bool] = []
-    original = lora_slots.LoRASlots._staged
+    original = lora_slots.host_tensor
 
-    def spy(self: Any, host: list[int]) -> torch.Tensor:
-        tensor = original(self, host)
+    def spy(*args: Any) -> torch.Tensor:
+        tensor = original(*args)
         staged.append(tensor.is_pinned())
         return tensor
 
-    monkeypatch.setattr(lora_slots.LoRASlots, "_staged", spy)
+    monkeypatch.setattr(lora_slots, "host_tensor", spy)
     llm = _llm(tiny, device="cuda", dtype="float32", kernels="fused")
     _assert_rows_match_peft(llm, tiny, ["qvd", None], _prompts((9, 14), seed=15))
     assert staged and all(staged), f"{staged.count(False)} of {len(staged)} steps not pinned"
