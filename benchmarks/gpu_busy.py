@@ -23,6 +23,11 @@ Shapes (dummy bf16 weights, fused kernels):
 ``--lora-adapters N`` gives the requests N random rank-16 adapters in turn (the ``lora``
 adapter plugin), ``--option KEY=VALUE`` a plugin setting (``lora.kernel=stacked``).
 
+``--host-top N`` also runs Python's cProfile over the same steps and prints the N host
+functions with the most time of their own, and the host's total waits for the GPU (a
+synchronize, an event wait, a copy to the host): where the host's time of a step goes when
+the GPU idles (cProfile slows the host, so wall time then reads high).
+
 ``--steps`` steps are recorded with torch.profiler. The figure is the union
 of the CUDA kernel intervals over the wall span of those steps, with the
 mean wall and kernel time per step, then the ``--top`` kernels by time. Each
@@ -32,6 +37,8 @@ loop runs in a fresh process (one engine's KV cache takes most of the GPU).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import subprocess
 import sys
@@ -95,7 +102,13 @@ def _option(text: str) -> tuple[str, Any]:
 
 
 def measure(
-    shape: str, overlap: str, steps: int, top: int, adapters: int = 0, options: tuple = ()
+    shape: str,
+    overlap: str,
+    steps: int,
+    top: int,
+    adapters: int = 0,
+    options: tuple = (),
+    host_top: int = 0,
 ) -> None:
     """Settle ``shape`` into steady state, profile ``steps`` steps, print the figures."""
     kwargs: dict[str, Any] = dict(SHAPES[shape])
@@ -134,7 +147,9 @@ def measure(
                 while engine.has_unfinished_requests():
                     engine.step()
                 torch.cuda.synchronize()
-        _profile(engine, shape, overlap, top, engine.has_unfinished_requests, lambda: None)
+        _profile(
+            engine, shape, overlap, top, engine.has_unfinished_requests, lambda: None, host_top
+        )
         return
     if shape == "nano":
         for i in range(256):
@@ -184,22 +199,30 @@ def measure(
         left[0] -= 1
         return left[0] >= 0
 
-    _profile(engine, shape, overlap, top, more, feed)
+    _profile(engine, shape, overlap, top, more, feed, host_top)
     for rid in list(engine._requests):
         engine.abort(rid)
 
 
-def _profile(engine: Any, shape: str, overlap: str, top: int, more: Any, feed: Any) -> None:
-    """Profile steps while ``more()``, ``feed()`` before each, and print the figures."""
+def _profile(
+    engine: Any, shape: str, overlap: str, top: int, more: Any, feed: Any, host_top: int = 0
+) -> None:
+    """Profile steps while ``more()``, ``feed()`` before each, and print the figures
+    (``host_top``: cProfile's too, see :func:`_host_report`)."""
     steps = 0
+    host = cProfile.Profile() if host_top else None
     # CUDA activity only: recording every host-side op would slow the host it measures
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
+        if host is not None:
+            host.enable()
         while more():
             feed()
             engine.step()
             steps += 1
         torch.cuda.synchronize()
+        if host is not None:
+            host.disable()
         wall = time.perf_counter() - start
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end - e.time_range.start) for e in kernels]
@@ -215,6 +238,38 @@ def _profile(engine: Any, shape: str, overlap: str, top: int, more: Any, feed: A
     print(f"|   | {steps} steps | wall {1e3 * wall:.1f} ms | kernels {busy / 1e3:.1f} ms |")
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         print(f"|   | {100 * us / total:.1f}% | {us / 1e3 / steps:.3f} ms/step | `{name[:90]}` |")
+    if host is not None:
+        _host_report(host, steps, host_top)
+
+
+# host calls that wait for the GPU (their time is the GPU's, not the host's own work): cProfile
+# names builtin methods "<method 'NAME' of ...>"
+WAITS = ("'synchronize'", "'tolist'", "'item'", "'cpu'", "'wait_event'", "'query'")
+
+
+def _host_report(host: cProfile.Profile, steps: int, top: int) -> None:
+    """Print the ``top`` host functions by own time a step, then the calls that wait for the GPU."""
+    rows = []
+    for (file, line, name), (_, calls, own, cumulative, _) in pstats.Stats(host).stats.items():  # type: ignore[attr-defined]
+        where = name if file == "~" else f"{file.rsplit('/', 2)[-1]}:{line}({name})"
+        rows.append((own, cumulative, calls, where))
+    total = sum(r[0] for r in rows)
+    waits = [r for r in rows if any(w in r[3] for w in WAITS)]
+    waited = sum(r[0] for r in waits)
+    print(
+        f"|   | host (cProfile) | {1e3 * total / steps:.2f} ms/step in all, "
+        f"{1e3 * waited / steps:.2f} of it waiting for the GPU |"
+    )
+    for own, cumulative, calls, where in sorted(rows, reverse=True)[:top]:
+        print(
+            f"|   | host | {1e3 * own / steps:.3f} ms/step own, {1e3 * cumulative / steps:.3f} "
+            f"cumulative | {calls / steps:.0f} calls/step | `{where[:90]}` |"
+        )
+    for own, _, calls, where in sorted(waits, reverse=True)[:4]:
+        print(
+            f"|   | host wait | {1e3 * own / steps:.3f} ms/step | {calls / steps:.0f} calls/step "
+            f"| `{where[:90]}` |"
+        )
 
 
 def main() -> None:
@@ -226,8 +281,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=0)
     parser.add_argument("--lora-adapters", type=int, default=0, metavar="N")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--host-top", type=int, default=0, metavar="N")
     args = parser.parse_args()
-    extra = [f"--lora-adapters={args.lora_adapters}"] + [f"--option={o}" for o in args.option]
+    extra = [f"--lora-adapters={args.lora_adapters}", f"--host-top={args.host_top}"]
+    extra += [f"--option={o}" for o in args.option]
     if args.overlap == "both":  # each loop in a fresh process: the first engine's cache is gone
         print("| shape | overlap | live seqs | GPU busy | wall ms/step | kernel ms/step |")
         print("|---|---|---|---|---|---|")
@@ -237,7 +294,15 @@ def main() -> None:
                 [*cmd, "--steps", str(args.steps), "--top", str(args.top), *extra], check=True
             )
         return
-    measure(args.shape, args.overlap, args.steps, args.top, args.lora_adapters, tuple(args.option))
+    measure(
+        args.shape,
+        args.overlap,
+        args.steps,
+        args.top,
+        args.lora_adapters,
+        tuple(args.option),
+        args.host_top,
+    )
 
 
 if __name__ == "__main__":

@@ -510,11 +510,13 @@ for _ in range(2):
         | grep -v Warn | tee "$OUT/lora-pack.log" | tail -16 ;;
     # issue 47 (2026-12-07, eleventh session): nano's prompt phase alone (nano-prefill) and its steady
     # decode (nano), GPU busy and wall per step, base beside LoRA (benchmarks/gpu_busy.py; BUSY_LORA_SHAPES;
-    # PREFILL_ROWS: NAME:ADAPTERS[:OPTION,...])
+    # PREFILL_ROWS: NAME:ADAPTERS[:OPTION,...]; a NAME ending in +host also prints cProfile's
+    # HOST_TOP host functions of the same steps: where the host's time goes)
     prefill-busy) for shape in ${BUSY_LORA_SHAPES:-nano-prefill}; do
       for row in ${PREFILL_ROWS:-base:0 lora8:8 lora8s:8:lora.kernel=stacked lora1s:1:lora.kernel=stacked}; do
         name=${row%%:*}; rest=${row#*:}; n=${rest%%:*}; opts=""; [ "$rest" != "$n" ] && opts=${rest#*:}
         flags=""; for o in ${opts//,/ }; do flags="$flags --option $o"; done
+        [ "$name" != "${name%+host}" ] && flags="$flags --host-top ${HOST_TOP:-25}"
         echo "== busy $shape $name ($n adapters$flags)"
         timeout ${BUSY_TIMEOUT:-240} python3 benchmarks/gpu_busy.py --shape $shape --overlap on --top ${BUSY_TOP:-12} \
           --lora-adapters $n $flags 2>&1 | tee "$OUT/busy-$shape-$name.log" | grep "^|"; done; done ;;
