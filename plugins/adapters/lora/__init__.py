@@ -26,8 +26,12 @@ Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
     :func:`~pitstop.plugins.kernels.triton_ops.lora_pack.lora_pack` (``[x | h']``, h' the
     rows' scaled rank-r products in their slot's columns), before a base GEMM that adds every
     row's delta itself: no expand launch, for ``max_loras * slices * max_lora_rank`` more
-    columns of K in the GEMM; larger steps pack too where those columns are at most a quarter
-    of K, else take ``shrink_expand``'s way (everywhere, CPU too).
+    columns of K in the GEMM. Larger steps (prefill chunks, eager) pack too where those
+    columns are at most a quarter of K, else run the base GEMM and add the delta by two
+    library GEMMs over the slots the step runs (everywhere, CPU too).
+``lora.large_steps``
+    ``auto`` (that rule), ``pack`` or ``gemms``: how a stacked projection takes a step of
+    more than 512 rows.
 ``lora.overlap``
     with ``shrink_expand`` on CUDA: a small step's shrink (at most 512 rows: decode and
     what CUDA graphs capture) runs on a second stream beside its projection's base GEMM,
@@ -83,6 +87,14 @@ class LoRASettings:
         help="stacked on CUDA: the pack launch splits K across programs (their sums meet in a "
         "float32 workspace); off: one program a tile runs the whole K",
     )
+    large_steps: str = setting(
+        "auto",
+        type=str,
+        choices=("auto", "pack", "gemms"),
+        help="stacked: a step over 512 rows (a prefill chunk) packs [x | h'] into the base GEMM "
+        "(pack), or adds the delta by two library GEMMs after it (gemms); auto: pack where the "
+        "slots' columns are at most a quarter of K",
+    )
     overlap: bool = setting(
         False,
         type=bool,
@@ -105,6 +117,7 @@ def create_lora(
         overlap=settings.overlap,
         stacked=settings.kernel == "stacked",
         pack_split=settings.pack_split,
+        large_steps=settings.large_steps,
     )
 
 

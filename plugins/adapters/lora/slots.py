@@ -20,7 +20,9 @@ are left untouched. With ``lora.kernel=stacked`` (unfused layers, ``dense`` weig
 projection's base weight is a view into ``W_ext = [W | B']`` (the slots' B as extra
 columns; :mod:`pitstop.plugins.kernels.triton_ops.lora_pack`), and a step of at most
 :data:`WORKSPACE_ROWS` rows runs one ``lora_pack`` launch writing ``[x | h']`` before a
-base GEMM that adds every row's delta; larger steps take the shrink and expand.
+base GEMM that adds every row's delta; a larger step packs too where the slots' columns are
+few beside K, else runs the base GEMM and adds the delta by two library GEMMs
+(:meth:`LoRASlots._add_large`).
 
 Slots are given least recently used first among the adapters the step does not use; the
 host cache keeps up to ``max_cpu_loras`` read adapters (LRU, re-read from their path when
@@ -122,7 +124,7 @@ class _Projection:
         self.packs_large_steps = False  # stacked, and E small beside K (see stack)
         self.weights_region = ctx.weights_region or contextlib.nullcontext
 
-    def stack(self, weight: torch.nn.Parameter) -> None:
+    def stack(self, weight: torch.nn.Parameter, large_steps: str = "auto") -> None:
         """Lay ``weight`` out as the first K columns of ``W_ext`` (the parameter becomes a view
         of it, so the checkpoint loads into it and a weight update writes it), the slots' B
         after them, and stack A (:mod:`pitstop.plugins.kernels.triton_ops.lora_pack`)."""
@@ -138,7 +140,9 @@ class _Projection:
         # steps over WORKSPACE_ROWS (prefill chunks: GEMMs bound by FLOPs) pack too where the
         # extra columns cost at most 1 / LARGE_STEP_RATIO of the GEMM (one adapter of rank 16
         # on a 1,024-wide model: 5%), in place of the shrink and expand over the chunk
-        self.packs_large_steps = e * LARGE_STEP_RATIO <= k
+        # (lora.large_steps: "pack" always, "gemms" never)
+        rule = {"auto": e * LARGE_STEP_RATIO <= k, "pack": True, "gemms": False}
+        self.packs_large_steps = rule[large_steps]
 
     def load(self, slot: int, layer: int, adapter: LoRAWeights) -> None:
         """Copy ``adapter``'s weights of this projection into ``slot`` (zeros where untrained)."""
@@ -184,6 +188,7 @@ class LoRASlots:
         overlap: bool = False,
         stacked: bool = False,
         pack_split: bool = True,
+        large_steps: str = "auto",
     ) -> None:
         self.ctx = ctx
         self.fused = fused  # one lora_add launch a projection, else shrink then expand
@@ -192,6 +197,7 @@ class LoRASlots:
         self.stacked = stacked and not fused and ctx.config.weights == "dense"
         self.packed: torch.Tensor | None = None  # [WORKSPACE_ROWS * widest] (set by attach)
         self.pack_split = pack_split  # the pack launch may split K (else one program a tile)
+        self.large_steps = large_steps  # a stacked projection's steps over WORKSPACE_ROWS
         self.pack_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # the shrinks of small steps on a second stream, beside their base GEMMs (CUDA only)
         self.side: torch.cuda.Stream | None = None
@@ -209,6 +215,10 @@ class LoRASlots:
         # the rows grouped by slot (Triton ops only): computed once a step, read by every launch
         self.meta = self._new_meta(rows)
         self.rows = 0  # rows of the current step
+        # a stacked step over WORKSPACE_ROWS rows (_large_step): the slots it runs, first to
+        # last + 1, and each row's scale in each slot (None: a small step, or no adapter)
+        self.step_slots: tuple[int, int] | None = None
+        self.row_scale: torch.Tensor | None = None
         self.layers: list[dict[str, _Projection]] = []
         # the fused layers and their projections: their deltas read slot_of_row (rebuilt with it)
         self.fused_layers: list[tuple[torch.nn.Module, dict[str, _Projection]]] = []
@@ -253,7 +263,7 @@ class LoRASlots:
                 block.linear = self._wrap(block, block.linear, projections, tuple(mine))
                 if self.stacked and not getattr(layer, "fused", False):
                     for attr in mine:
-                        projections[attr].stack(getattr(block, attr))
+                        projections[attr].stack(getattr(block, attr), self.large_steps)
             self.layers.append(projections)
             if getattr(layer, "fused", False):
                 self._hand_to_fused(layer, projections)
@@ -328,10 +338,12 @@ class LoRASlots:
             proj = next((projections[a] for a in attrs_ if getattr(block, a) is weight), None)
             if proj is None:
                 return linear(x, weight, *args, **kwargs)
-            if proj.ext is not None and (
-                x.numel() <= WORKSPACE_ROWS * x.shape[-1] or proj.packs_large_steps
-            ):
-                return linear(self._pack(x, proj), proj.ext, *args, **kwargs)
+            if proj.ext is not None:
+                if x.numel() <= WORKSPACE_ROWS * x.shape[-1] or proj.packs_large_steps:
+                    return linear(self._pack(x, proj), proj.ext, *args, **kwargs)
+                y = linear(x, weight, *args, **kwargs)
+                self._add_large(x, y, proj)
+                return y
             shrunk = self._shrink_beside(x, proj)
             y = linear(x, weight, *args, **kwargs)
             if shrunk is None:
@@ -384,6 +396,25 @@ class LoRASlots:
             x2, proj.A_all, self.slot_of_row[:rows], self.scaling, proj.slot_width, out=out, **extra
         )
         return out.view(*x.shape[:-1], width)
+
+    def _add_large(self, x: torch.Tensor, y: torch.Tensor, proj: _Projection) -> None:
+        """A stacked projection's delta over a step of many rows (a prefill chunk, never in a
+        CUDA graph) in three library calls: ``h = x A_used^T`` over the columns of the slots
+        this step runs, each row's columns outside its own slot zeroed and its own scaled
+        (:attr:`row_scale`), then ``y += h B_used^T`` with B the slots' columns of ``W_ext``.
+        Against the shrink and expand kernels the GEMMs compute every used slot for every row
+        (``slots_used * slices * rank`` columns, small beside the projection's own), for host
+        time of a few microseconds a call instead of two Triton launches."""
+        if self.step_slots is None:  # no row of this step has an adapter
+            return
+        assert proj.ext is not None and proj.A_all is not None and self.row_scale is not None
+        first, last = self.step_slots
+        width = proj.slot_width
+        k = x.shape[-1]
+        x2, y2 = x.reshape(-1, k), y.reshape(-1, y.shape[-1])
+        h = x2 @ proj.A_all[first * width : last * width].T
+        h.view(-1, last - first, width).mul_(self.row_scale[:, first:last, None])
+        y2.addmm_(h, proj.ext[:, k + first * width : k + last * width].T)
 
     def _expand(self, y: torch.Tensor, h: torch.Tensor, proj: _Projection) -> None:
         """``y += scaling · B h`` for the rows of a slot (in place), ``h`` the shrink's result."""
@@ -520,6 +551,7 @@ class LoRASlots:
         if self.rows > rows:
             self.slot_of_row[rows : self.rows].fill_(-1)
         self.rows = rows
+        self._large_step(slot_of.values(), rows)
         if self.meta is not None:  # over the whole buffer: right for any captured batch size
             self.ops.lora_meta(self.slot_of_row, self.max_loras, out=self.meta)
         # the rows this step's shrinks add into (a captured batch pads past them with rows of
@@ -527,6 +559,18 @@ class LoRASlots:
         # A step of more rows shrinks unsplit into intermediates of its own: no memset at all.
         if self.workspace is not None and rows <= WORKSPACE_ROWS:
             self.workspace[:rows].zero_()
+
+    def _large_step(self, slots: Collection[int], rows: int) -> None:
+        """For :meth:`_add_large`: the span of slots this step runs (None: none) and each
+        row's scale in each slot of it (its adapter's scaling in its own, else zero), float32
+        ``[rows, slots]``; only for a stacked step over :data:`WORKSPACE_ROWS` rows."""
+        self.step_slots, self.row_scale = None, None
+        if not self.stacked or rows <= WORKSPACE_ROWS or not slots:
+            return
+        self.step_slots = (min(slots), max(slots) + 1)
+        each = torch.arange(self.max_loras, device=self.scaling.device, dtype=torch.int32)
+        mine = self.slot_of_row[:rows, None] == each[None, :]
+        self.row_scale = torch.where(mine, self.scaling[None, :], 0.0)
 
     def _new_meta(self, rows: int) -> Any:
         """Static buffers for the rows grouped by slot (None: the ops group rows themselves)."""

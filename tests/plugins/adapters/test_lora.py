@@ -606,3 +606,34 @@ def test_stacked_layout_packs_large_steps_where_its_columns_are_few(
     names = ["all_l1", None, "qvd", "ko_gu"]
     _assert_rows_match_peft(llm, tiny, names, _prompts((40, 9, 31, 12), seed=15))
     assert max(packs) > 16, f"a step over the static rows packed: {sorted(set(packs))}"
+
+
+def test_stacked_layout_adds_large_steps_by_library_gemms(
+    tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stacked projection whose extra columns are many beside K takes a step over the static
+    buffer's rows (a prefill chunk) as the base GEMM, then ``h = x A_used^T`` over the slots
+    the step runs, each row's own slot kept and scaled, and ``y += h B_used^T``
+    (``_add_large``): here steps of 16 rows at most in the static buffer, so the 24-row chunks
+    take it, with rows of no adapter beside rows of three. PEFT's tokens row for row; a step
+    without any adapter adds nothing (no span of slots)."""
+    from pitstop.plugins.adapters.lora import slots
+
+    monkeypatch.setattr(slots, "WORKSPACE_ROWS", 16)
+    monkeypatch.setattr(slots, "LARGE_STEP_RATIO", 10**9)
+    spans: list[tuple[int, int] | None] = []
+    add_large = slots.LoRASlots._add_large
+
+    def spy(self: Any, x: torch.Tensor, y: torch.Tensor, proj: Any) -> None:
+        spans.append(self.step_slots)
+        add_large(self, x, y, proj)
+
+    monkeypatch.setattr(slots.LoRASlots, "_add_large", spy)
+    llm = _llm(tiny, scheduler="chunked", chunk_size=24, options={"lora.kernel": "stacked"})
+    assert not any(p.packs_large_steps for p in llm.engine.runner.adapters.layers[0].values())
+    names = ["all_l1", None, "qvd", "ko_gu"]
+    _assert_rows_match_peft(llm, tiny, names, _prompts((40, 9, 31, 12), seed=15))
+    assert any(span is not None for span in spans), f"no large step ran an adapter: {spans}"
+    spans.clear()
+    _assert_rows_match_peft(llm, tiny, [None, None], _prompts((30, 20), seed=16))
+    assert spans and set(spans) == {None}, "a large step without adapters: no span"

@@ -192,8 +192,10 @@ def test_stacked_layout_packs_once_a_projection(
     """``lora.kernel=stacked`` on the Triton ops (the interpreter on CPU): a step within the
     workspace's rows runs one ``lora_pack`` launch a LoRA'd projection and no torch op in it
     (the GEMM that follows is the base one, over ``[x | h']``: no expand); the first step's
-    33 prompt rows, over the 16 here, take the unsplit shrink and expand (no projection packs
-    steps that large here: ``LARGE_STEP_RATIO`` out of reach). Tokens are PEFT's."""
+    33 prompt rows, over the 16 here, take ``_add_large`` (no projection packs steps that
+    large here: ``LARGE_STEP_RATIO`` out of reach): three library calls a projection (the
+    GEMM into the used slots' columns, the rows' scales, the GEMM adding into y) and no
+    Triton launch. Tokens are PEFT's."""
     monkeypatch.setattr(lora_slots, "WORKSPACE_ROWS", 16)
     monkeypatch.setattr(lora_slots, "LARGE_STEP_RATIO", 10**9)
     pack = lora_slots.LoRASlots._pack
@@ -208,6 +210,18 @@ def test_stacked_layout_packs_once_a_projection(
             launches.scope -= 1
 
     monkeypatch.setattr(lora_slots.LoRASlots, "_pack", counted_pack)
+    add_large = lora_slots.LoRASlots._add_large
+    larges: list[int] = []
+
+    def counted_large(self: Any, x: torch.Tensor, y: torch.Tensor, proj: Any) -> None:
+        larges.append(x.shape[0])
+        launches.scope += 1
+        try:
+            add_large(self, x, y, proj)
+        finally:
+            launches.scope -= 1
+
+    monkeypatch.setattr(lora_slots.LoRASlots, "_add_large", counted_large)
     max_tokens = 3
     llm, names, prompts, outs = _generate(tiny, launches, "stacked", 6, max_tokens)
     layers = len(llm.engine.runner.model.layers)
@@ -216,6 +230,9 @@ def test_stacked_layout_packs_once_a_projection(
     assert decode_steps >= max_tokens - 1 and set(packs) == {4}, packs
     assert len(packs) == decode_steps * layers * LAUNCHES_PER_LAYER
     assert launches.triton["_pack_kernel"] == len(packs), counts
-    assert launches.torch == Counter(), f"torch ops inside the pack: {counts}"
-    assert launches.hook_calls == layers * LAUNCHES_PER_LAYER, "the prompt step's deltas only"
+    assert set(larges) == {33} and len(larges) == layers * LAUNCHES_PER_LAYER, larges
+    assert launches.hook_calls == 0, "no shrink or expand: the prompt step's deltas are GEMMs"
+    library = {"matmul": 1, "mul_": 1, "addmm_": 1}
+    want = Counter({op: n * len(larges) for op, n in library.items()})
+    assert launches.torch == want, f"three library calls a large step's projection: {counts}"
     _assert_peft_tokens(tiny, names, prompts, outs, max_tokens)
