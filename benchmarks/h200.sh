@@ -519,7 +519,7 @@ for _ in range(2):
         [ "$name" != "${name%+host}" ] && flags="$flags --host-top ${HOST_TOP:-25}"
         echo "== busy $shape $name ($n adapters$flags)"
         timeout ${BUSY_TIMEOUT:-240} python3 benchmarks/gpu_busy.py --shape $shape --overlap on --top ${BUSY_TOP:-12} \
-          --lora-adapters $n $flags 2>&1 | tee "$OUT/busy-$shape-$name.log" | grep "^|"; done; done ;;
+          --lora-adapters $n $flags 2>&1 | tee "$OUT/busy-$shape-${name/+/-}.log" | grep "^|"; done; done ;;
     # issues 47, 48: decode steps alone (kernel_profile --warm-prompts: the prompts cached first) of
     # nano over 8 LoRA adapters and of nano on the MoE preset (WARM_ROWS: NAME:MODEL, lora8 adds the adapters)
     profile-warm) for row in ${WARM_ROWS:-lora8:dummy:qwen3-0.6b moe:dummy:qwen3-30b-a3b}; do name=${row%%:*}; model=${row#*:}

@@ -16,24 +16,27 @@ Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
 ``max_cpu_loras``
     adapters kept read on the host, LRU (default: ``max_loras``).
 ``lora.kernel``
-    how a projection's delta runs on CUDA: ``shrink_expand`` (default; a shrink, split
-    over K where the tiles are few, then an expand adding into the output: two launches a
-    projection, their float32 workspace zeroed once a step for all of them) or ``fused`` (one launch, :func:`~pitstop.plugins.kernels.
-    triton_ops.lora.lora_add`). On the H200 (2026-12-05) ``fused`` took longer at every
-    measured shape (docs/lora.md), so it is not the default. ``stacked``: the projections of
-    unfused layers over ``dense`` weights keep the slots' B as extra columns of the base
-    weight (``[W | B']``), and a step of at most 512 rows runs one launch a projection,
+    how a projection's delta runs. ``stacked`` (default): the projections of unfused layers
+    over ``dense`` weights keep the slots' B as extra columns of the base weight
+    (``[W | B']``), and a step of at most 512 rows runs one launch a projection,
     :func:`~pitstop.plugins.kernels.triton_ops.lora_pack.lora_pack` (``[x | h']``, h' the
     rows' scaled rank-r products in their slot's columns), before a base GEMM that adds every
     row's delta itself: no expand launch, for ``max_loras * slices * max_lora_rank`` more
     columns of K in the GEMM. Larger steps (prefill chunks, eager) pack too where those
     columns are at most a quarter of K, else run the base GEMM and add the delta by two
-    library GEMMs over the slots the step runs (everywhere, CPU too).
+    library GEMMs over the slots the step runs (everywhere, CPU too). Fused layers
+    (``fused.layer``) and other weight formats take ``shrink_expand``'s way. On an H100
+    (2026-12-07, docs/benchmarks.md) ``stacked`` served `nano` over 8 adapters at 0.92x the
+    base model, ``shrink_expand`` at 0.78x. ``shrink_expand``: a shrink, split over K where
+    the tiles are few, then an expand adding into the output (two launches a projection,
+    their float32 workspace zeroed once a step for all of them). ``fused``: one launch,
+    :func:`~pitstop.plugins.kernels.triton_ops.lora.lora_add` (slower at every shape
+    measured on the H200, 2026-12-05).
 ``lora.large_steps``
     ``auto`` (that rule), ``pack`` or ``gemms``: how a stacked projection takes a step of
     more than 512 rows.
 ``lora.overlap``
-    with ``shrink_expand`` on CUDA: a small step's shrink (at most 512 rows: decode and
+    with ``lora.kernel=shrink_expand`` (refused with another kernel) on CUDA: a small step's shrink (at most 512 rows: decode and
     what CUDA graphs capture) runs on a second stream beside its projection's base GEMM,
     forked and joined inside the captured graph, so that only the expand follows the GEMM
     (default off until measured on the H200).
@@ -46,6 +49,7 @@ from typing import Any
 import attrs
 
 from pitstop.config import EngineConfig
+from pitstop.errors import ConfigError
 from pitstop.plugin_system.adapter import AdapterContext
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.settings import setting
@@ -75,11 +79,11 @@ class LoRASettings:
         help="adapters kept read on the host, LRU (unset: max_loras)",
     )
     kernel: str = setting(
-        "shrink_expand",
+        "stacked",
         type=str,
-        choices=("shrink_expand", "fused", "stacked"),
-        help="a projection's delta: shrink then expand (default), one fused launch, or stacked: "
-        "the slots' B beside the base weight, one GEMM over [x | h'] adding every row's delta",
+        choices=("stacked", "shrink_expand", "fused"),
+        help="a projection's delta: stacked (default): the slots' B beside the base weight, one "
+        "GEMM over [x | h'] adding every row's delta; shrink then expand; or one fused launch",
     )
     pack_split: bool = setting(
         True,
@@ -98,8 +102,8 @@ class LoRASettings:
     overlap: bool = setting(
         False,
         type=bool,
-        help="shrink_expand on CUDA: a small step's shrinks on a second stream, beside the base "
-        "GEMMs (forked and joined inside the CUDA graph); only the expands follow the GEMMs",
+        help="lora.kernel=shrink_expand on CUDA: a small step's shrinks on a second stream, beside "
+        "the base GEMMs (forked and joined inside the CUDA graph); only the expands follow them",
     )
 
 
@@ -107,6 +111,12 @@ def create_lora(
     config: EngineConfig, context: AdapterContext, *, settings: LoRASettings
 ) -> LoRASlots:
     """PEFT LoRA adapters in ``max_loras`` device slots, applied per row."""
+    if settings.overlap and settings.kernel != "shrink_expand":
+        raise ConfigError(
+            f"lora.overlap runs the shrinks of lora.kernel=shrink_expand on a second stream; "
+            f"lora.kernel={settings.kernel} has none: set lora.kernel=shrink_expand too, or "
+            "leave lora.overlap off"
+        )
     cpu = settings.max_cpu_loras if settings.max_cpu_loras is not None else settings.max_loras
     return LoRASlots(
         context,

@@ -791,11 +791,13 @@ def test_lora_adapters_matrix_serves_every_request_with_an_adapter(tmp_path, tin
         "--no-warmup",
     )  # fmt: skip
     cols = {c["name"]: c for c in doc["configs"]}
-    assert [c.get("error") for c in cols.values()] == [None] * 13
+    assert [c.get("error") for c in cols.values()] == [None] * 17
     assert cols["base"]["config"].get("adapter") is None and "lora_adapters" not in cols["base"]
     assert cols["lora-8-overlap"]["config"]["options"]["lora.overlap"] is True
     assert cols["lora-8-fused"]["config"]["options"]["lora.kernel"] == "fused"
     assert cols["lora-8-stacked"]["config"]["options"]["lora.kernel"] == "stacked"
+    assert cols["lora-8-shrink-expand"]["config"]["options"]["lora.kernel"] == "shrink_expand"
+    assert cols["lora-8-stacked-gemms"]["config"]["options"]["lora.large_steps"] == "gemms"
     assert cols["lora-1-layer"]["config"]["options"]["fused.layer"] is True
     for name, count in (
         ("lora-1", 1), ("lora-8", 8), ("lora-1-overlap", 1), ("lora-1-layer", 1), ("lora-8-fused", 8),

@@ -23,6 +23,7 @@ from helpers.checkpoints import greedy_continuation, hf_model, save_random_lora
 from helpers.models import make_tiny_checkpoint
 
 from pitstop import LLM, InvalidRequestError, LoRARequest, SamplingParams
+from pitstop.errors import ConfigError
 
 peft = pytest.importorskip("peft")
 
@@ -443,7 +444,8 @@ def test_on_the_gpu_other_lora_ways_match_peft_with_cuda_graphs(
         pytest.skip("needs CUDA")
     names = ["qvd", None, "ko_gu", "all_l1", "qvd", None, "ko_gu", "all_l1"]
     prompts = _prompts((7, 30, 13, 41, 5, 19, 60, 3), seed=9 if way == "overlap" else 14)
-    options = {"lora.overlap": True} if way == "overlap" else {"lora.kernel": "stacked"}
+    overlap = {"lora.overlap": True, "lora.kernel": "shrink_expand"}
+    options = overlap if way == "overlap" else {"lora.kernel": "stacked"}
     llm = _llm(
         tiny,
         device="cuda",
@@ -465,9 +467,18 @@ def test_on_the_gpu_other_lora_ways_match_peft_with_cuda_graphs(
 def test_overlap_is_a_no_op_off_cuda(tiny: dict[str, Path]) -> None:
     """``lora.overlap`` is accepted on the CPU and changes nothing there (no second stream):
     the rows still match PEFT."""
-    llm = _llm(tiny, options={"lora.overlap": True})
+    llm = _llm(tiny, options={"lora.overlap": True, "lora.kernel": "shrink_expand"})
     assert llm.engine.runner.adapters.side is None
     _assert_rows_match_peft(llm, tiny, ["qvd", None], _prompts((6, 11), seed=2))
+
+
+def test_overlap_is_refused_beside_a_kernel_without_shrinks(tiny: dict[str, Path]) -> None:
+    """``lora.overlap`` moves ``shrink_expand``'s shrinks to a second stream; with the default
+    ``stacked`` kernel (or ``fused``) it would do nothing, so it is refused, naming the fix."""
+    for kernel in (None, "fused"):
+        options = {"lora.overlap": True} | ({} if kernel is None else {"lora.kernel": kernel})
+        with pytest.raises(ConfigError, match="set lora.kernel=shrink_expand too"):
+            _llm(tiny, options=options)
 
 
 def test_an_adapter_is_placed_in_a_free_slot_when_its_request_is_checked(
