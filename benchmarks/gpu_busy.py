@@ -218,7 +218,7 @@ def _profile(
             host.enable()
         while more():
             feed()
-            engine.step()
+            engine.step(stream=False)  # as the bench steps: outputs of finished requests only
             steps += 1
         torch.cuda.synchronize()
         if host is not None:
