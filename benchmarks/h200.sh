@@ -488,6 +488,10 @@ for _ in range(2):
       [ -n "${LORA_LAYER_NANO:-}" ] && run lora-layer-nano offline --workload nano --matrix benchmarks/workloads/lora.toml --only base-layer,lora-1-layer,lora-8-layer ;;
     # issue 47 (2026-12-06, ninth session): nano with one and 8 adapters, the default shrink and
     # expand beside the one fused launch (lora.kernel=fused), all against the base row, one call
+    # issue 44 (2026-12-07, twelfth session): nano's prompt steps from piecewise CUDA graphs up to
+    # the step budget beside the default 2048 (PIECEWISE_ONLY: the rows of piecewise.toml)
+    piecewise) run piecewise-nano offline --workload nano --repeats ${PIECEWISE_REPEATS:-3} \
+        --matrix benchmarks/workloads/piecewise.toml --only ${PIECEWISE_ONLY:-base,piecewise-8192,lora-8,lora-8-piecewise-8192} ;;
     lora-kernels) run lora-kernels-nano offline --workload nano --repeats ${LORA_REPEATS:-1} --matrix benchmarks/workloads/lora.toml \
         --only ${LORA_ONLY:-base,lora-1,lora-8,lora-1-stacked,lora-8-stacked,lora-1-fused,lora-8-fused} ;;
     # issue 47 (2026-12-07, eleventh session): single (llama3-8b, batch 1) with one adapter, the default

@@ -307,6 +307,15 @@ class EngineConfig:
     enforce_eager: bool = attrs.field(
         default=False, validator=_bool, metadata=_doc("never capture CUDA graphs")
     )
+    piecewise_max_tokens: int = attrs.field(
+        default=2048,
+        validator=_positive_int,
+        metadata=_doc(
+            "the largest prefill or mixed step replayed from piecewise CUDA graphs (everything "
+            "between two attentions captured a token-count bucket); a larger step launches its "
+            "kernels one by one (capped by the step budget, max_num_batched_tokens)"
+        ),
+    )
     overlap: str = attrs.field(
         default="auto",
         converter=lambda v: ("on" if v else "off") if isinstance(v, bool) else v,

@@ -27,6 +27,7 @@ def capture_graphs(
     max_batch_size: int,
     step_token_budget: int,
     extra: Callable[[], DecodeGraphs | None] | None = None,
+    piecewise_max_tokens: int = 2048,
 ) -> tuple[DecodeGraphs, PiecewiseGraphs | None]:
     """Capture the decode graphs and the piecewise graphs of ``parts``' forward, and
     ``extra``'s, in one session; returns (decode, piecewise or None).
@@ -46,7 +47,8 @@ def capture_graphs(
         decode = DecodeGraphs(parts, max_batch=min(max_batch_size, 512))
         if supports_piecewise(parts.model):
             try:
-                mixed = PiecewiseGraphs(parts, max_tokens=mixed_step_tokens(step_token_budget))
+                tokens = mixed_step_tokens(step_token_budget, piecewise_max_tokens)
+                mixed = PiecewiseGraphs(parts, max_tokens=tokens)
             except Exception as exc:  # noqa: BLE001 - eager prefill still works
                 torch.cuda.synchronize(parts.device)
                 log.warning(

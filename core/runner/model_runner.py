@@ -355,6 +355,7 @@ class ModelRunner:
             cfg.max_batch_size,
             self.step_token_budget,
             capture_extra if extra is not None else None,
+            cfg.piecewise_max_tokens,
         )
 
     def forward_parts(self) -> ForwardParts:
@@ -375,8 +376,9 @@ class ModelRunner:
         )
 
     def mixed_step_tokens(self) -> int:
-        """The largest prefill/mixed step to capture piecewise: the step budget, at most 2048."""
-        return mixed_step_tokens(self.step_token_budget)
+        """The largest prefill/mixed step to capture piecewise: the step budget, at most
+        ``piecewise_max_tokens``."""
+        return mixed_step_tokens(self.step_token_budget, self.config.piecewise_max_tokens)
 
     # ------------------------------------------------------------------ samples
     def save_samples(self) -> tuple[torch.Tensor, dict[int, int]]:

@@ -216,9 +216,12 @@ class LoRASlots:
         self.meta = self._new_meta(rows)
         self.rows = 0  # rows of the current step
         # a stacked step over WORKSPACE_ROWS rows (_large_step): the slots it runs, first to
-        # last + 1, and each row's scale in each slot (None: a small step, or no adapter)
+        # last + 1 (None: a small step, or no adapter)
         self.step_slots: tuple[int, int] | None = None
+        # and each row's scale in each slot, [rows, max_loras] float32, static (piecewise CUDA
+        # graphs of prefill steps read it by address); allocated by attach where one is stacked
         self.row_scale: torch.Tensor | None = None
+        self._slot_index = torch.arange(max_loras, dtype=torch.int32, device=dev)  # 0 .. slots-1
         self.layers: list[dict[str, _Projection]] = []
         # the fused layers and their projections: their deltas read slot_of_row (rebuilt with it)
         self.fused_layers: list[tuple[torch.nn.Module, dict[str, _Projection]]] = []
@@ -270,6 +273,8 @@ class LoRASlots:
         self._refresh_deltas()
         self._allocate_workspace()
         stacked = [p for ps in self.layers for p in ps.values() if p.ext is not None]
+        if stacked:
+            self.row_scale = self._new_row_scale(self.slot_of_row.shape[0])
         if stacked:  # one static buffer: each projection's [x | h'] in turn (stream order)
             widest = max(p.ext.shape[1] for p in stacked)
             self.packed = torch.empty(
@@ -405,15 +410,19 @@ class LoRASlots:
         Against the shrink and expand kernels the GEMMs compute every used slot for every row
         (``slots_used * slices * rank`` columns, small beside the projection's own), for host
         time of a few microseconds a call instead of two Triton launches."""
-        if self.step_slots is None:  # no row of this step has an adapter
-            return
         assert proj.ext is not None and proj.A_all is not None and self.row_scale is not None
-        first, last = self.step_slots
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a piecewise graph: any slot
+            first, last = 0, self.max_loras
+        elif self.step_slots is None:  # no row of this step has an adapter
+            return
+        else:
+            first, last = self.step_slots
         width = proj.slot_width
         k = x.shape[-1]
         x2, y2 = x.reshape(-1, k), y.reshape(-1, y.shape[-1])
         h = x2 @ proj.A_all[first * width : last * width].T
-        h.view(-1, last - first, width).mul_(self.row_scale[:, first:last, None])
+        scale = self.row_scale[: x2.shape[0], first:last, None]
+        h.view(-1, last - first, width).mul_(scale)
         y2.addmm_(h, proj.ext[:, k + first * width : k + last * width].T)
 
     def _expand(self, y: torch.Tensor, h: torch.Tensor, proj: _Projection) -> None:
@@ -546,6 +555,8 @@ class LoRASlots:
             self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32, device=self.ctx.device)
             self.meta = self._new_meta(rows)
             self._refresh_deltas()
+            if self.row_scale is not None:
+                self.row_scale = self._new_row_scale(rows)
         staged = host_tensor(host, torch.int32, self.slot_of_row.device)  # pinned on a GPU
         self.slot_of_row[:rows].copy_(staged, non_blocking=True)
         if self.rows > rows:
@@ -561,16 +572,21 @@ class LoRASlots:
             self.workspace[:rows].zero_()
 
     def _large_step(self, slots: Collection[int], rows: int) -> None:
-        """For :meth:`_add_large`: the span of slots this step runs (None: none) and each
-        row's scale in each slot of it (its adapter's scaling in its own, else zero), float32
-        ``[rows, slots]``; only for a stacked step over :data:`WORKSPACE_ROWS` rows."""
-        self.step_slots, self.row_scale = None, None
-        if not self.stacked or rows <= WORKSPACE_ROWS or not slots:
+        """For :meth:`_add_large`: the span of slots this step runs (None: none) and, in the
+        static :attr:`row_scale`, each row's scale in each slot (its adapter's scaling in its
+        own, else zero; rows past the step's are of slot -1, so zero: what a piecewise graph of
+        a larger size reads); only for a stacked step over :data:`WORKSPACE_ROWS` rows."""
+        self.step_slots = None
+        if self.row_scale is None or rows <= WORKSPACE_ROWS:
             return
-        self.step_slots = (min(slots), max(slots) + 1)
-        each = torch.arange(self.max_loras, device=self.scaling.device, dtype=torch.int32)
-        mine = self.slot_of_row[:rows, None] == each[None, :]
-        self.row_scale = torch.where(mine, self.scaling[None, :], 0.0)
+        if slots:
+            self.step_slots = (min(slots), max(slots) + 1)
+        mine = self.slot_of_row[:, None] == self._slot_index[None, :]
+        torch.mul(mine, self.scaling[None, :], out=self.row_scale)
+
+    def _new_row_scale(self, rows: int) -> torch.Tensor:
+        """A zero :attr:`row_scale` of ``rows`` rows."""
+        return torch.zeros(rows, self.max_loras, dtype=torch.float32, device=self.ctx.device)
 
     def _new_meta(self, rows: int) -> Any:
         """Static buffers for the rows grouped by slot (None: the ops group rows themselves)."""

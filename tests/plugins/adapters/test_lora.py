@@ -501,6 +501,38 @@ def test_an_adapter_is_placed_in_a_free_slot_when_its_request_is_checked(
 
 
 @pytest.mark.gpu
+def test_on_the_gpu_piecewise_graphs_of_prompt_steps_add_every_slots_delta(
+    tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt steps replayed from piecewise CUDA graphs, the stacked layout's large steps
+    (``_add_large``, here every step over 16 rows, no projection packing them): the graphs
+    were captured before any step ran, so each holds the GEMMs over every slot's columns and
+    reads the static row scales the step writes; each row's tokens are PEFT's, rows of no
+    adapter beside rows of three, and a step without adapters after them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from pitstop.plugins.adapters.lora import slots
+
+    monkeypatch.setattr(slots, "WORKSPACE_ROWS", 16)
+    monkeypatch.setattr(slots, "LARGE_STEP_RATIO", 10**9)
+    llm = _llm(tiny, device="cuda", dtype="float32", kernels="fused", max_batch_size=16)
+    runner = llm.engine.runner
+    assert runner.mixed_graphs is not None and runner.mixed_graphs.captured, "piecewise graphs"
+    replayed: list[int] = []
+    run = runner.mixed_graphs.run
+
+    def counted(input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
+        replayed.append(input_ids.shape[0])
+        return run(input_ids, meta)
+
+    monkeypatch.setattr(runner.mixed_graphs, "run", counted)
+    names = ["qvd", None, "ko_gu", "all_l1", None]
+    _assert_rows_match_peft(llm, tiny, names, _prompts((40, 9, 31, 12, 26), seed=21))
+    assert replayed and max(replayed) > 16, f"a prompt step over 16 rows replayed: {replayed}"
+    _assert_rows_match_peft(llm, tiny, [None, None], _prompts((30, 20), seed=22))
+
+
+@pytest.mark.gpu
 def test_on_the_gpu_adapters_load_on_a_side_stream(tiny: dict[str, Path]) -> None:
     """On CUDA a checked adapter is copied on the loader stream (an event per slot copy),
     into a free slot or one the last step does not use, and the step that runs it waits
