@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import torch
 from helpers.models import make_tiny_checkpoint
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pitstop import LLM, SamplingParams
 from pitstop.loop.engine import LLMEngine
@@ -324,3 +326,21 @@ def test_mixed_graph_sizes() -> None:
 
     assert mixed_graph_sizes(512) == [16, 32, 64, 128, 192, 256, 384, 512]
     assert mixed_graph_sizes(2048)[-1] == 2048 and mixed_graph_sizes(100)[-1] == 100
+    assert mixed_graph_sizes(4096)[11:] == [2048, 2304, 2560, 2816, 3072, 3328, 3584, 3840, 4096]
+
+
+@given(st.integers(16, 65536), st.data())
+def test_a_step_over_the_fine_buckets_threshold_pads_at_most_an_eighth(
+    max_tokens: int, data: st.DataObject
+) -> None:
+    """A step of ``n`` tokens replays the smallest bucket ``>= n``: above ``FINE_BUCKETS_FROM``
+    (GEMMs bound by FLOPs) its padding rows are under an eighth of ``n``; every step up to
+    ``max_tokens`` has a bucket, the largest is ``max_tokens``, and the buckets ascend."""
+    from pitstop.runner.piecewise import FINE_BUCKETS_FROM, mixed_graph_sizes
+
+    sizes = mixed_graph_sizes(max_tokens)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens and sizes[0] == 16
+    n = data.draw(st.integers(1, max_tokens))
+    bucket = next(b for b in sizes if b >= n)
+    if n > FINE_BUCKETS_FROM:
+        assert bucket - n < n / 8, (n, bucket)
