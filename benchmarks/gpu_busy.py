@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import random
 import subprocess
@@ -211,10 +212,12 @@ def _profile(
     (``host_top``: cProfile's too, see :func:`_host_report`)."""
     steps = 0
     host = cProfile.Profile() if host_top else None
+    collections = _Collections()
     # CUDA activity only: recording every host-side op would slow the host it measures
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         if host is not None:
+            gc.callbacks.append(collections.record)
             host.enable()
         while more():
             feed()
@@ -223,6 +226,7 @@ def _profile(
         torch.cuda.synchronize()
         if host is not None:
             host.disable()
+            gc.callbacks.remove(collections.record)
         wall = time.perf_counter() - start
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end - e.time_range.start) for e in kernels]
@@ -240,11 +244,38 @@ def _profile(
         print(f"|   | {100 * us / total:.1f}% | {us / 1e3 / steps:.3f} ms/step | `{name[:90]}` |")
     if host is not None:
         _host_report(host, steps, host_top)
+        print(f"|   | garbage collection | {collections.summary(steps)} |")
 
 
 # host calls that wait for the GPU (their time is the GPU's, not the host's own work): cProfile
 # names builtin methods "<method 'NAME' of ...>"
 WAITS = ("'synchronize'", "'tolist'", "'item'", "'cpu'", "'wait_event'", "'query'")
+
+
+class _Collections:
+    """Python's garbage collections during the profiled steps (``gc.callbacks``): their count
+    and time per generation; cProfile charges a collection to whatever call triggered it."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.seconds = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
+
+    def record(self, phase: str, info: dict) -> None:
+        """The ``gc.callbacks`` hook."""
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.seconds[generation] += time.perf_counter() - self.started
+        self.count[generation] += 1
+
+    def summary(self, steps: int) -> str:
+        """Per step: each generation's collections and milliseconds."""
+        return ", ".join(
+            f"gen {g}: {self.count[g] / steps:.2f} a step, {1e3 * self.seconds[g] / steps:.3f} ms"
+            for g in range(3)
+        )
 
 
 def _host_report(host: cProfile.Profile, steps: int, top: int) -> None:
@@ -260,6 +291,13 @@ def _host_report(host: cProfile.Profile, steps: int, top: int) -> None:
         f"|   | host (cProfile) | {1e3 * total / steps:.2f} ms/step in all, "
         f"{1e3 * waited / steps:.2f} of it waiting for the GPU |"
     )
+    for cumulative, own, calls, where in sorted(
+        ((r[1], r[0], r[2], r[3]) for r in rows), reverse=True
+    )[:top]:
+        print(
+            f"|   | host cumulative | {1e3 * cumulative / steps:.3f} ms/step, "
+            f"{1e3 * own / steps:.3f} own | {calls / steps:.0f} calls/step | `{where[:90]}` |"
+        )
     for own, cumulative, calls, where in sorted(rows, reverse=True)[:top]:
         print(
             f"|   | host | {1e3 * own / steps:.3f} ms/step own, {1e3 * cumulative / steps:.3f} "
