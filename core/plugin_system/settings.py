@@ -285,19 +285,30 @@ def _unknown(owner: str, key: str, att: Any, cls: type, namespace: str) -> str:
     return f"unknown option {key!r}: {owner} has the settings {known}"
 
 
-def check_option_keys(options: Mapping[str, Any], declared: Mapping[str, str]) -> None:
+def check_option_keys(
+    options: Mapping[str, Any], declared: Mapping[str, str], engine: Collection[str] = ()
+) -> None:
     """Raise :class:`ConfigError` for an ``options`` key that no plugin declares.
 
     ``declared`` maps each key a loaded plugin reads to the plugin that reads
     it. A key whose namespace (the part before the first dot) no plugin
     declares anything in is left alone, unless it is a near-miss of a
     declared key: third-party plugins that do not declare their keys yet keep
-    working, while ``prefix.max_cache_pages`` is caught.
+    working, while ``prefix.max_cache_pages`` is caught. A key no plugin
+    declares that is the name of an engine setting (``engine``) is refused
+    too: the engine reads its settings from their own fields, never from
+    ``options``, so it would be ignored.
     """
     namespaces = {key.split(".", 1)[0] for key in declared}
     for key in options:
         if key in declared:
             continue
+        if key in engine:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(
+                f"option {key!r} is an engine setting, which options do not set: give it as "
+                f"{key}=... (the flag {flag}, or the key {key} of a matrix table)"
+            )
         close = difflib.get_close_matches(key, list(declared), n=1, cutoff=0.8)
         if key.split(".", 1)[0] not in namespaces and not close:
             continue
@@ -412,7 +423,7 @@ def resolve(
             selected[kind] = registry.get(kind, name)
     every = registry.strategies()
     read = {(s.kind, s.name): strategy_settings(s, config) for s in every}
-    check_option_keys(config.options, registry.declared_options())
+    check_option_keys(config.options, registry.declared_options(), fields)
     _warn_unread_aliases(config, every)
     settings = {kind: read[kind, s.name] for kind, s in selected.items()}
     scheduler = read.get(("scheduler", config.scheduler))  # its budget (chunked's chunk_size)

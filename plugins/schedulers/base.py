@@ -333,16 +333,13 @@ class BaseScheduler:
         for seq in list(seqs):
             if seq.status is not SequenceStatus.RUNNING or seq.seq_id in step.scheduled_ids:
                 continue  # preempted earlier in this loop
-            want = (
-                seq.num_uncomputed_tokens
-                if max_tokens is None
-                else min(seq.num_uncomputed_tokens, max_tokens)
-            )
+            uncomputed = seq.num_uncomputed_tokens  # read once: a property over the token list
+            want = uncomputed if max_tokens is None else min(uncomputed, max_tokens)
             if want <= 0 or want > step.tokens_left or step.seqs_left <= 0:
                 continue
-            if seq.num_uncomputed_tokens > 1 and step.prefills_left <= 0:
+            if uncomputed > 1 and step.prefills_left <= 0:
                 continue
-            if seq.num_uncomputed_tokens == 1 and seq.draft_token_ids:
+            if uncomputed == 1 and seq.draft_token_ids:
                 # Verify the drafts too (1 + k tokens), if budget and pages allow without
                 # preempting anyone; otherwise drop them and decode one token as usual.
                 drafts = len(seq.draft_token_ids)

@@ -289,3 +289,20 @@ def test_registering_settings_that_are_not_declared_is_refused() -> None:
     assert read_settings(EngineConfig(options={"knob.level": 4}), "knob", Knob).level == 4
     with pytest.raises(PluginError, match="namespace 'knob'"):
         pm.add_module(module("register_schedulers", "knob", Knob), distribution="x", version="1")
+
+
+def test_an_engine_setting_given_as_an_option_is_refused_naming_its_own_key() -> None:
+    """The engine reads its settings from their fields, never from ``options``: a key there
+    that names one (and no plugin declares) would be ignored, so it is refused, naming the
+    field and its flag."""
+    from pitstop.config import EngineConfig
+    from pitstop.plugin_system.settings import check_option_keys
+
+    fields = set(attrs.fields_dict(EngineConfig))
+    with pytest.raises(
+        ConfigError, match=r"'piecewise_max_tokens' is an engine setting.*--piecewise-max-tokens"
+    ):
+        check_option_keys({"piecewise_max_tokens": 8192}, {"lora.kernel": "lora"}, fields)
+    check_option_keys(
+        {"lora.kernel": "stacked", "thirdparty.knob": 1}, {"lora.kernel": "lora"}, fields
+    )
