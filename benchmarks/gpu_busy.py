@@ -21,7 +21,8 @@ Shapes (dummy bf16 weights, fused kernels):
   H200 (2026-12-07). ``--steps`` does not apply.
 
 ``--lora-adapters N`` gives the requests N random rank-16 adapters in turn (the ``lora``
-adapter plugin), ``--option KEY=VALUE`` a plugin setting (``lora.kernel=stacked``).
+adapter plugin), ``--option KEY=VALUE`` a plugin setting (``lora.kernel=stacked``) or, for
+a key without a dot, an engine setting (``piecewise_max_tokens=8192``).
 
 ``--host-top N`` also runs Python's cProfile over the same steps and prints the N host
 functions with the most time of their own, and the host's total waits for the GPU (a
@@ -113,8 +114,11 @@ def measure(
 ) -> None:
     """Settle ``shape`` into steady state, profile ``steps`` steps, print the figures."""
     kwargs: dict[str, Any] = dict(SHAPES[shape])
+    pairs = [_option(o) for o in options]
+    # a dotted key is a plugin's option, another an engine setting (piecewise_max_tokens=8192)
+    kwargs.update((k, v) for k, v in pairs if "." not in k)
     if options or adapters:
-        kwargs["options"] = dict(_option(o) for o in options)
+        kwargs["options"] = {k: v for k, v in pairs if "." in k}
     if adapters:
         kwargs["adapter"] = "lora"
         kwargs["options"].setdefault("max_loras", adapters)
