@@ -81,6 +81,15 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/pending/}" ]; then
   BENCHES=${BENCHES/pending/rollout-exit layer prefill44 multiturn moe48 lora47}
   export MT_N=${MT_N:-360} MT_REPEATS=${MT_REPEATS:-1} MOE_WORKLOADS=${MOE_WORKLOADS:-single}
 fi
+# BENCHES=next: what the twelfth session (2026-12-07) left to measure, most telling first, for a
+# first call that may be the only one: the LoRA GPU tests (with the piecewise one), nano with
+# piecewise graphs up to the step budget beside the default (with and without 8 adapters), then
+# the steps' GPU busy with those settings and the host's profile with its garbage collections
+if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/next/}" ]; then
+  BENCHES=${BENCHES/next/lora-stacked-tests piecewise prefill-busy}
+  export TEST_TIMEOUT=${TEST_TIMEOUT:-150} BUSY_LORA_SHAPES=${BUSY_LORA_SHAPES:-"nano-prefill nano"} HOST_TOP=${HOST_TOP:-30}
+  export PREFILL_ROWS=${PREFILL_ROWS:-"base:0 pw8k:0:piecewise_max_tokens=8192 lora8pw8k:8:piecewise_max_tokens=8192 base+host:0"}
+fi
 # layer: the fused decoder layer's four parts (issue 44); its timed choices kept in one place
 BENCHES=$(echo " ${BENCHES-nano single} " | sed 's/ layer / layer-tests layer-profile layer-nano layer-single /g')
 export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/pitstop-cache}
