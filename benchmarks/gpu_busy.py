@@ -24,10 +24,12 @@ Shapes (dummy bf16 weights, fused kernels):
 adapter plugin), ``--option KEY=VALUE`` a plugin setting (``lora.kernel=stacked``) or, for
 a key without a dot, an engine setting (``piecewise_max_tokens=8192``).
 
-``--host-top N`` also runs Python's cProfile over the same steps and prints the N host
-functions with the most time of their own, and the host's total waits for the GPU (a
-synchronize, an event wait, a copy to the host): where the host's time of a step goes when
-the GPU idles (cProfile slows the host, so wall time then reads high).
+Every run also prints the time the engine waited a step for the GPU (its event wait for the
+step's tokens: near zero, the host's own work sets the pace, not the GPU) and Python's
+garbage collections a step. ``--host-top N`` also runs Python's cProfile over the same
+steps and prints the N host functions with the most time, cumulative and their own, and the
+calls that wait for the GPU: where the host's time of a step goes when the GPU idles
+(cProfile slows the host, so wall time then reads high).
 
 ``--steps`` steps are recorded with torch.profiler. The figure is the union
 of the CUDA kernel intervals over the wall span of those steps, with the
@@ -217,20 +219,32 @@ def _profile(
     steps = 0
     host = cProfile.Profile() if host_top else None
     collections = _Collections()
+    waited = [0.0]  # seconds the engine spent in a step's event wait (the host ahead of the GPU)
+    synchronize = torch.cuda.Event.synchronize
+
+    def timed_synchronize(event: torch.cuda.Event) -> None:
+        began = time.perf_counter()
+        synchronize(event)
+        waited[0] += time.perf_counter() - began
+
     # CUDA activity only: recording every host-side op would slow the host it measures
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.Event.synchronize = timed_synchronize  # type: ignore[method-assign]
+        gc.callbacks.append(collections.record)
         start = time.perf_counter()
         if host is not None:
-            gc.callbacks.append(collections.record)
             host.enable()
-        while more():
-            feed()
-            engine.step(stream=False)  # as the bench steps: outputs of finished requests only
-            steps += 1
-        torch.cuda.synchronize()
-        if host is not None:
-            host.disable()
+        try:
+            while more():
+                feed()
+                engine.step(stream=False)  # as the bench steps: outputs of finished requests only
+                steps += 1
+            torch.cuda.synchronize()
+        finally:
+            if host is not None:
+                host.disable()
             gc.callbacks.remove(collections.record)
+            torch.cuda.Event.synchronize = synchronize  # type: ignore[method-assign]
         wall = time.perf_counter() - start
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end - e.time_range.start) for e in kernels]
@@ -244,11 +258,15 @@ def _profile(
         f"| {1e3 * wall / steps:.2f} | {busy / 1e3 / steps:.2f} |"
     )
     print(f"|   | {steps} steps | wall {1e3 * wall:.1f} ms | kernels {busy / 1e3:.1f} ms |")
+    # near zero: the host never waits for the GPU, so the host's own work sets the pace
+    print(
+        f"|   | host waits for the GPU | {1e3 * waited[0] / steps:.2f} ms/step "
+        f"({100 * waited[0] / wall:.0f}% of wall) | {collections.summary(steps)} |"
+    )
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         print(f"|   | {100 * us / total:.1f}% | {us / 1e3 / steps:.3f} ms/step | `{name[:90]}` |")
     if host is not None:
         _host_report(host, steps, host_top)
-        print(f"|   | garbage collection | {collections.summary(steps)} |")
 
 
 # host calls that wait for the GPU (their time is the GPU's, not the host's own work): cProfile
