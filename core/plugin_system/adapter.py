@@ -59,6 +59,10 @@ class AdapterContext:
     # a context inside which the device memory the plugin allocates counts as the model's
     # weights (released and restored with them by sleep mode); default: nothing special
     weights_region: Any = attrs.field(default=None)
+    # the most tokens one step computes (the scheduler's step budget, which may exceed
+    # max_num_batched_tokens through chunk_size): static per-row buffers are sized by it, as
+    # CUDA graphs read them by address (0: max_num_batched_tokens)
+    step_tokens: int = 0
 
 
 @runtime_checkable

@@ -196,6 +196,7 @@ class ModelRunner:
             self.dtype,
             shard=shard,
             weights_region=lambda: self.memory_region("weights"),
+            step_tokens=self.step_token_budget,
         )
         adapters = plugins.create(
             "adapter", config.adapter, config, context, settings=resolved.of("adapter")

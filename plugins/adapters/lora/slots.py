@@ -210,7 +210,8 @@ class LoRASlots:
         dev = ctx.device
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=dev)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=dev)
-        rows = max(ctx.config.max_num_batched_tokens or 0, 8192)
+        # every step's rows fit (graphs read these buffers by address: never reallocated for them)
+        rows = max(ctx.config.max_num_batched_tokens or 0, ctx.step_tokens, 8192)
         self.slot_of_row = torch.full((rows,), -1, dtype=torch.int32, device=dev)
         # the rows grouped by slot (Triton ops only): computed once a step, read by every launch
         self.meta = self._new_meta(rows)
