@@ -518,7 +518,8 @@ for _ in range(2):
         | grep -v Warn | tee "$OUT/lora-tiles.log" | tail -14 ;;
     # issue 47 (2026-12-07): the stacked layout per projection (lora_pack then one GEMM) beside the
     # GEMM alone and the default shrink and expand, at the default pack shape and LORA_PACK_TILES
-    lora-pack) timeout ${LORA_TILES_TIMEOUT:-200} python3 benchmarks/lora_bench.py --case nano-8 nano-1 single --iters 20 --repeats 3 \
+    # (LORA_PACK_CASES: nano-8-chunk nano-1-chunk, a prompt step's 8,192 rows: pack against gemms)
+    lora-pack) timeout ${LORA_TILES_TIMEOUT:-200} python3 benchmarks/lora_bench.py --case ${LORA_PACK_CASES:-nano-8 nano-1 single} --iters 20 --repeats 3 \
         --pack-tiles ${LORA_PACK_TILES:-32,64,128,1 32,64,128,4 16,64,128,4 64,64,128,2,8,3 32,128,128,2,8,3 32,64,256,2,8,2 16,32,128,8} 2>&1 \
         | grep -v Warn | tee "$OUT/lora-pack.log" | tail -16 ;;
     # issue 47 (2026-12-07, eleventh session): nano's prompt phase alone (nano-prefill) and its steady

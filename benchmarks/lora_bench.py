@@ -35,6 +35,9 @@ CASES = {
     "nano-8": (1024, 2048, 1024, 3072, 256, 8),
     "single": (4096, 4096, 1024, 14336, 1, 1),
     "single-16": (4096, 4096, 1024, 14336, 16, 1),
+    # a prompt step of nano (8,192 tokens): the stacked layout's large steps (pack or gemms)
+    "nano-8-chunk": (1024, 2048, 1024, 3072, 8192, 8),
+    "nano-1-chunk": (1024, 2048, 1024, 3072, 8192, 1),
 }
 RANK = 16
 
@@ -219,8 +222,10 @@ def run_tiles(name: str, tiles: list[lora.LoRAConfig], iters: int, repeats: int)
 
 
 def run_stacked(name: str, tiles: list[lora_pack.PackTiles], iters: int, repeats: int) -> None:
-    """``--pack-tiles``: per projection of ``name``, the cuBLAS GEMM alone, with the default
-    LoRA path after it (shrink into the zeroed workspace, expand), and the stacked layout
+    """``--pack-tiles``: per projection of ``name``, the cuBLAS GEMM alone, with the
+    ``shrink_expand`` path after it (shrink into the zeroed workspace, expand), with the
+    large steps' library GEMMs after it (``gemms``: ``x A_allᵀ``, the rows' scales, ``y +=
+    h Bᵀ``), and the stacked layout
     (``lora_pack`` then one GEMM over ``[x | h']`` and ``[W | B']``) at the default pack shape
     and at each of ``tiles``; then the pack alone at each; the layer's totals last."""
     case = _case(name)
@@ -230,11 +235,15 @@ def run_stacked(name: str, tiles: list[lora_pack.PackTiles], iters: int, repeats
     keys = [
         "gemm",
         "shrink_expand",
+        "gemms",
         *[f"stacked {k}" for k in shapes],
         *[f"pack {k}" for k in shapes],
     ]
     totals = dict.fromkeys(keys, 0.0)
     print(f"== {name} stacked: T={rows}, {case.adapters} adapter(s), rank {RANK}, bf16")
+    # each row's scale in each slot (its own: the case's scaling, 2.0), as _large_step writes it
+    row_scale = torch.zeros(rows, slots, device=dev, dtype=torch.float32)
+    row_scale[torch.arange(rows, device=dev), slot_of_row.long()] = 2.0
     for proj, (k, widths) in case.projections.items():
         n, width = sum(widths), len(widths) * RANK
         e = slots * width
@@ -254,6 +263,13 @@ def run_stacked(name: str, tiles: list[lora_pack.PackTiles], iters: int, repeats
             lora.lora_shrink(x, a, slot_of_row, ranks, meta=meta, out=h, zeroed=True)
             lora.lora_expand_add(y, h, b, slot_of_row, scaling, ranks, meta=meta)
 
+        def gemms(x=x, w=w, y=y, a_all=a_all, w_ext=w_ext, k=k, width=width) -> None:
+            # lora.large_steps=gemms (LoRASlots._add_large): the base GEMM, then the delta
+            torch.mm(x, w.t(), out=y)
+            h = x @ a_all.T
+            h.view(rows, slots, width).mul_(row_scale[:, :, None])
+            y.addmm_(h, w_ext[:, k:].T)
+
         def pack(cfg, x=x, a_all=a_all, width=width, packed=packed, work=work) -> None:
             lora_pack.lora_pack(
                 x, a_all, slot_of_row, scaling, width, out=packed, tiles=cfg, workspace=work
@@ -266,6 +282,7 @@ def run_stacked(name: str, tiles: list[lora_pack.PackTiles], iters: int, repeats
         times = {
             "gemm": _timed(lambda x=x, w=w, y=y: torch.mm(x, w.t(), out=y), iters, repeats),
             "shrink_expand": _timed(serial, iters, repeats),
+            "gemms": _timed(gemms, iters, repeats),
         }
         for label, c in shapes.items():
             times[f"stacked {label}"] = _timed(lambda c=c: stacked(c), iters, repeats)
