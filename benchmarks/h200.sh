@@ -81,12 +81,14 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/pending/}" ]; then
   BENCHES=${BENCHES/pending/rollout-exit layer prefill44 multiturn moe48 lora47}
   export MT_N=${MT_N:-360} MT_REPEATS=${MT_REPEATS:-1} MOE_WORKLOADS=${MOE_WORKLOADS:-single}
 fi
-# BENCHES=next: what the twelfth session (2026-12-07) left to measure, most telling first, for a
-# first call that may be the only one: the LoRA GPU tests (with the piecewise one), nano with
-# piecewise graphs up to the step budget beside the default (with and without 8 adapters), then
-# the steps' GPU busy with those settings and the host's profile with its garbage collections
+# BENCHES=next: what the twelfth session (2026-12-07) left to measure, most telling first (about
+# 12 minutes: two calls, the second naming the cases the first did not reach): the LoRA GPU tests
+# (with the piecewise one), nano with piecewise graphs up to the step budget beside the default
+# (with and without 8 adapters), the steps' GPU busy with those settings and the host's profile
+# with its waits and garbage collections, then a prompt step's pack against the library GEMMs
 if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/next/}" ]; then
-  BENCHES=${BENCHES/next/lora-stacked-tests piecewise prefill-busy}
+  BENCHES=${BENCHES/next/lora-stacked-tests piecewise prefill-busy lora-pack}
+  export LORA_PACK_CASES=${LORA_PACK_CASES:-"nano-8-chunk nano-1-chunk"} LORA_PACK_TILES=${LORA_PACK_TILES:-"64,64,128,1,8,3 64,128,64,1,8,3"}
   export TEST_TIMEOUT=${TEST_TIMEOUT:-150} BUSY_LORA_SHAPES=${BUSY_LORA_SHAPES:-"nano-prefill nano"} HOST_TOP=${HOST_TOP:-30}
   export PREFILL_ROWS=${PREFILL_ROWS:-"base:0 pw8k:0:piecewise_max_tokens=8192 lora8pw8k:8:piecewise_max_tokens=8192 base+host:0"}
 fi
