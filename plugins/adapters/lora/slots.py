@@ -275,8 +275,8 @@ class LoRASlots:
         self._allocate_workspace()
         stacked = [p for ps in self.layers for p in ps.values() if p.ext is not None]
         if stacked:
-            self.row_scale = self._new_row_scale(self.slot_of_row.shape[0])
-        if stacked:  # one static buffer: each projection's [x | h'] in turn (stream order)
+            self.row_scale = self._new_row_scale(self.slot_of_row.shape[0])  # large steps
+            # one static buffer: each projection's [x | h'] in turn (stream order)
             widest = max(p.ext.shape[1] for p in stacked)
             self.packed = torch.empty(
                 WORKSPACE_ROWS * widest, dtype=self.ctx.dtype, device=self.ctx.device
@@ -404,13 +404,15 @@ class LoRASlots:
         return out.view(*x.shape[:-1], width)
 
     def _add_large(self, x: torch.Tensor, y: torch.Tensor, proj: _Projection) -> None:
-        """A stacked projection's delta over a step of many rows (a prefill chunk, never in a
-        CUDA graph) in three library calls: ``h = x A_used^T`` over the columns of the slots
-        this step runs, each row's columns outside its own slot zeroed and its own scaled
-        (:attr:`row_scale`), then ``y += h B_used^T`` with B the slots' columns of ``W_ext``.
-        Against the shrink and expand kernels the GEMMs compute every used slot for every row
-        (``slots_used * slices * rank`` columns, small beside the projection's own), for host
-        time of a few microseconds a call instead of two Triton launches."""
+        """A stacked projection's delta over a step of many rows (a prefill chunk) in three
+        library calls: ``h = x A_used^T`` over the columns of the slots this step runs, each
+        row's columns outside its own slot zeroed and its own scaled (:attr:`row_scale`), then
+        ``y += h B_used^T`` with B the slots' columns of ``W_ext``. Against the shrink and
+        expand kernels the GEMMs compute every used slot for every row (``slots_used * slices
+        * rank`` columns, small beside the projection's own), for host time of a few
+        microseconds a call instead of two Triton launches. Captured in a piecewise CUDA graph
+        (before any step chose its slots) they span every slot, and the graph reads the
+        scales each step writes into the static :attr:`row_scale`."""
         assert proj.ext is not None and proj.A_all is not None and self.row_scale is not None
         if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a piecewise graph: any slot
             first, last = 0, self.max_loras
