@@ -117,6 +117,16 @@ def create_lora(
             f"lora.kernel={settings.kernel} has none: set lora.kernel=shrink_expand too, or "
             "leave lora.overlap off"
         )
+    stacked_only = {
+        "lora.large_steps": settings.large_steps != "auto",
+        "lora.pack_split": not settings.pack_split,
+    }
+    for key, set_ in stacked_only.items():
+        if set_ and settings.kernel != "stacked":
+            raise ConfigError(
+                f"{key} shapes lora.kernel=stacked's launches; lora.kernel={settings.kernel} has "
+                f"none: leave {key} at its default, or use lora.kernel=stacked"
+            )
     cpu = settings.max_cpu_loras if settings.max_cpu_loras is not None else settings.max_loras
     return LoRASlots(
         context,

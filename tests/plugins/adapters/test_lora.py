@@ -481,6 +481,14 @@ def test_overlap_is_refused_beside_a_kernel_without_shrinks(tiny: dict[str, Path
             _llm(tiny, options=options)
 
 
+def test_stacked_settings_are_refused_beside_another_kernel(tiny: dict[str, Path]) -> None:
+    """``lora.large_steps`` and ``lora.pack_split`` shape the stacked layout's launches; set
+    beside ``shrink_expand`` or ``fused`` they would do nothing, so they are refused."""
+    for option in ({"lora.large_steps": "gemms"}, {"lora.pack_split": False}):
+        with pytest.raises(ConfigError, match="use lora.kernel=stacked"):
+            _llm(tiny, options={"lora.kernel": "shrink_expand", **option})
+
+
 def test_an_adapter_is_placed_in_a_free_slot_when_its_request_is_checked(
     tiny: dict[str, Path],
 ) -> None:
