@@ -32,6 +32,12 @@ class Tokenizer:
         bos = hf_tokenizer.bos_token_id
         self.bos_token_id: int | None = None if bos is None else int(bos)
         self.vocab_size: int = len(hf_tokenizer)
+        # decoding straight through the Rust tokenizer where transformers' decode adds nothing
+        # to it (no clean-up of spaces after it): a third of the time a call, and the engine
+        # decodes twice a token a sequence (the incremental detokenizer)
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        cleans = getattr(hf_tokenizer, "clean_up_tokenization_spaces", True)
+        self._backend_decode = None if backend is None or cleans else backend.decode
         # Does plain encoding put a BOS in front? (decides whether a chat prompt needs one)
         self.adds_bos = bool(
             self.bos_token_id is not None and hf_tokenizer.encode("a")[:1] == [self.bos_token_id]
@@ -46,6 +52,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` (special tokens left out when ``skip_special_tokens``)."""
+        if self._backend_decode is not None:
+            return self._backend_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:

@@ -120,3 +120,15 @@ def test_detokenizer_deltas_equal_full_decode(ours, data, skip):
         st.sampled_from([[], ours.encode("Hi there, ", add_special_tokens=False), [1, 2]])
     )
     _check_stream(ours, prompt, ids, steps, skip)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ids=st.lists(st.integers(0, 49151), max_size=40), skip=st.booleans())
+def test_decode_through_the_backend_equals_transformers_decode(ours, ref, ids, skip):
+    """The engine decodes through the Rust tokenizer directly (no clean-up follows it for
+    SmolLM2): the same text as transformers' ``decode`` for any ids, special ones included."""
+    assert ours._backend_decode is not None, "SmolLM2's tokenizer takes the direct path"
+    assert ours.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip)
+    assert ours.decode(ids, skip) == ours.hf.decode(ids, skip_special_tokens=skip)
