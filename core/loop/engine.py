@@ -70,6 +70,10 @@ EngineLogitsObserver = Callable[[Seq[SeqInput], list[Sequence | None], Any], Non
 log = logging.getLogger(__name__)
 
 
+# a step's input for a sequence that asks no prompt_logprobs: no prompt targets
+NO_PROMPT_TARGETS: dict[str, Any] = {}
+
+
 class LLMEngine:
     """Owns the chosen strategies and the runner, and composes the loop's parts: the
     request table (:attr:`requests`), the intake (:attr:`intake`) and the step results
@@ -469,13 +473,17 @@ class LLMEngine:
             end = begin + s.num_new_tokens
             seq.mark_scheduled(start)
             # A sequence verifying k drafts computes [last token] + drafts: k past its end.
-            num_drafts = max(0, end - seq.num_tokens)
+            num_tokens = seq.num_tokens
+            num_drafts = max(0, end - num_tokens)
             assert num_drafts == 0 or num_drafts == len(seq.draft_token_ids)
-            sample = end >= seq.num_tokens
+            sample = end >= num_tokens
+            token_ids = seq.token_ids[begin:end]
+            if num_drafts:
+                token_ids += seq.draft_token_ids[:num_drafts]
             inputs.append(
                 SeqInput(
                     seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[begin:end] + seq.draft_token_ids[:num_drafts],
+                    token_ids=token_ids,
                     start_pos=begin,
                     block_table=self.allocator.block_table(seq),
                     sample=sample,
@@ -486,7 +494,11 @@ class LLMEngine:
                     row_inputs=self._row_inputs(seq)
                     if sample and self._uses_processors(seq)
                     else None,
-                    **self._prompt_targets(seq, begin, end),
+                    **(
+                        NO_PROMPT_TARGETS
+                        if seq.sampling_params.prompt_logprobs is None
+                        else self._prompt_targets(seq, begin, end)
+                    ),
                     adapter=seq.lora_request,
                 )
             )
