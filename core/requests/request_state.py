@@ -49,9 +49,22 @@ class SampleState:
     new_ids: list[int] = attrs.Factory(list)  # tokens since the last output
     # penalties, min_tokens, a grammar, allowed_token_ids or host tokens: the sampler's row inputs
     uses_processors: bool = False
+    # tokens whose text is not decoded yet: without stop strings nothing reads the text
+    # between outputs, so it is decoded when an output is taken (or the sample ends), not
+    # twice a token a step (the incremental detokenizer's two windows)
+    undecoded: list[int] = attrs.Factory(list)
+
+    def decode_pending(self) -> None:
+        """Turn the tokens not decoded yet into text (appended to ``text`` and ``delta``)."""
+        if self.undecoded and self.detokenizer is not None:
+            delta = self.detokenizer.step(self.undecoded)
+            self.text += delta
+            self.delta += delta
+        self.undecoded = []
 
     def take_output(self) -> CompletionOutput:
         """This sample's output, with the delta since the last one (which is then cleared)."""
+        self.decode_pending()
         seq = self.seq
         out = CompletionOutput(
             index=self.index,
@@ -189,10 +202,20 @@ def accept_token(
         reason = "length"
     if sample.detokenizer is not None:
         if stop_token and not params.include_stop_str_in_output:
+            sample.decode_pending()
             delta = sample.detokenizer.flush()  # the text before the stop token, not its own
             sample.text += delta
             sample.delta += delta
             seq.finish(reason)
+            return
+        if not params.stop:  # no stop string reads the text: decode it when it is taken
+            sample.undecoded.append(token)
+            if reason is not None:
+                sample.decode_pending()
+                delta = sample.detokenizer.flush()  # text held back for a partial character
+                sample.text += delta
+                sample.delta += delta
+                seq.finish(reason)
             return
         delta = sample.detokenizer.step([token])
         if params.stop and delta and may_stop:

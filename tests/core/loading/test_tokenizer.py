@@ -72,7 +72,9 @@ _MULTIBYTE = "é日本語🤖🚀👨‍👩‍👧Ωж"
 @st.composite
 def token_streams(draw, vocab_size: int, special_ids: list[int], multibyte_ids: list[int]):
     """Output ids mixing random vocabulary, byte tokens of multi-byte characters
-    (split mid-character) and special tokens, cut into random step sizes."""
+    (split mid-character) and special tokens, cut into random step sizes (up to the whole
+    stream at once: a sample without stop strings decodes all its tokens since its last
+    output in one step)."""
     pieces = st.one_of(
         st.integers(0, vocab_size - 1),
         st.sampled_from(multibyte_ids),
@@ -81,7 +83,7 @@ def token_streams(draw, vocab_size: int, special_ids: list[int], multibyte_ids: 
     ids = draw(st.lists(pieces, max_size=40))
     steps, i = [], 0
     while i < len(ids):
-        n = draw(st.integers(1, 4))
+        n = draw(st.one_of(st.integers(1, 4), st.integers(5, 40)))
         steps.append(ids[i : i + n])
         i += n
     return ids, steps

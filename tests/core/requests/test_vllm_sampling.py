@@ -271,6 +271,27 @@ def test_a_stop_tokens_text_is_left_out_unless_asked(llm: LLM) -> None:
         assert c.text == tokenizer.decode(plain[: cut + 1 if include else cut])
 
 
+def test_text_decoded_when_taken_equals_the_streamed_deltas_and_the_whole_decode(
+    llm: LLM,
+) -> None:
+    """Without stop strings a sample's text is decoded when an output is taken, not per
+    token: offline (one output, at the end) and streamed (an output a step) it is the same
+    text, the deltas add up to it, and it is the decode of the output ids."""
+    engine, tokenizer = llm.engine, llm.engine.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    offline = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)[0]
+    engine.add_request(params=params, prompt_token_ids=PROMPT, request_id="streamed")
+    deltas, last = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step(stream=True):
+            deltas.append(out.outputs[0].text_delta)
+            last = out
+    assert last is not None and last.finished
+    text = offline.outputs[0].text
+    assert last.outputs[0].text == text == "".join(deltas)
+    assert text == tokenizer.decode(offline.outputs[0].token_ids)
+
+
 def test_stop_reason_is_none_at_length(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)[0]
