@@ -70,10 +70,6 @@ EngineLogitsObserver = Callable[[Seq[SeqInput], list[Sequence | None], Any], Non
 log = logging.getLogger(__name__)
 
 
-# a step's input for a sequence that asks no prompt_logprobs: no prompt targets
-NO_PROMPT_TARGETS: dict[str, Any] = {}
-
-
 class LLMEngine:
     """Owns the chosen strategies and the runner, and composes the loop's parts: the
     request table (:attr:`requests`), the intake (:attr:`intake`) and the step results
@@ -478,8 +474,7 @@ class LLMEngine:
             assert num_drafts == 0 or num_drafts == len(seq.draft_token_ids)
             sample = end >= num_tokens
             token_ids = seq.token_ids[begin:end]
-            if num_drafts:
-                token_ids += seq.draft_token_ids[:num_drafts]
+            token_ids += seq.draft_token_ids[:num_drafts] if num_drafts else ()
             inputs.append(
                 SeqInput(
                     seq_id=seq.seq_id,
@@ -494,11 +489,7 @@ class LLMEngine:
                     row_inputs=self._row_inputs(seq)
                     if sample and self._uses_processors(seq)
                     else None,
-                    **(
-                        NO_PROMPT_TARGETS
-                        if seq.sampling_params.prompt_logprobs is None
-                        else self._prompt_targets(seq, begin, end)
-                    ),
+                    **self._prompt_targets(seq, begin, end),
                     adapter=seq.lora_request,
                 )
             )
