@@ -92,7 +92,7 @@ import triton.language as tl
 
 from pitstop.plugins.kernels.lora_reference import ProjectionLoRA
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
-from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, k_per_split, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.lora import _pick
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
 
@@ -196,12 +196,6 @@ def _split_fits(
     return floats <= WORKSPACE_FLOATS[kind] and tiles <= NUM_COUNTERS[kind]
 
 
-def _k_per_split(k: int, split: int, block_k: int) -> int:
-    """The K columns of each of ``split`` splits, in whole K steps (the kernel's own rule);
-    ``cdiv(k, it) < split`` means a split left empty."""
-    return cdiv(cdiv(k, split), block_k) * block_k
-
-
 def lora_rank_pad(rank_max: int) -> int:
     """The kernel's rank of a LoRA of ``rank_max`` (a power of two, at least 16; 0: none)."""
     return max(16, next_power_of_2(rank_max)) if rank_max > 0 else 0
@@ -217,7 +211,7 @@ def fit_lora_split(
     tiles = cdiv(n, config.block_n) * cdiv(max(m, 1), config.block_m)
     accs = 2 if gate_up else 1
     for split in range(config.split_k, 1, -1):
-        per_split = _k_per_split(k, split, config.block_k)
+        per_split = k_per_split(k, split, config.block_k)
         fits = _split_fits(tiles, split, config.block_m, config.block_n, accs, kind, rank_pad)
         if fits and cdiv(k, per_split) == split:
             return config._replace(split_k=split)
@@ -318,7 +312,7 @@ def balanced_split(
     weight = 2 if gate_up else 1
     best, best_load = config.split_k, None
     for split in range(1, MAX_SPLIT + 1):
-        per_split = _k_per_split(k, split, config.block_k)
+        per_split = k_per_split(k, split, config.block_k)
         if split > 1 and (per_split < MIN_K_PER_SPLIT or cdiv(k, per_split) < split):
             continue  # too short, or a split left empty
         if not _split_fits(tiles, split, config.block_m, config.block_n, weight, "cuda"):

@@ -19,3 +19,9 @@ def next_power_of_2(n: int) -> int:
     """The least power of two at least ``n`` (0 for 0), as ``triton.next_power_of_2``."""
     n = int(n)
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def k_per_split(k: int, split: int, block_k: int) -> int:
+    """The K columns each of ``split`` splits takes, in whole ``block_k`` steps (the split-K
+    kernels' rule; ``cdiv(k, it)`` below ``split`` means the last split is left empty)."""
+    return cdiv(cdiv(k, split), block_k) * block_k

@@ -107,7 +107,7 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
-from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, k_per_split, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.lora_pack import INTERPRETER_TILES, dot_rows
 from pitstop.plugins.kernels.triton_ops.lora_pack import lora_pack as lora_pack  # stacked
 from pitstop.plugins.kernels.triton_ops.lora_pack import pack_workspace as pack_workspace
@@ -617,8 +617,8 @@ def _shrink(
     if rows == 0 or slots == 0 or rank_max == 0:
         return
     cfg = config or default_config(rows, k, x.dtype, x.device)
-    k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = cdiv(k, k_per_split)
+    per_split = k_per_split(k, cfg.split_k, cfg.block_k)
+    split = cdiv(k, per_split)
     pad = a_list + [a_list[0]] * (MAX_SLICES - len(a_list))
     use_pdl = _pdl.enabled(x.device, pdl)
     grid = (row_tiles(rows, slots, cfg.block_m), len(a_list) * split)
@@ -635,7 +635,7 @@ def _shrink(
         k,
         rank_max,
         slots,
-        k_per_split,
+        per_split,
         SPLIT_K=split,
         BM=cfg.block_m,
         SP=_lanes(slots),

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
-from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
+from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, k_per_split, next_power_of_2
 
 INTERPRETER_TILES = (16, 16, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K): small, so tests cross tiles
 COPY_BLOCK = 256  # columns of x copied by one program
@@ -231,8 +231,8 @@ def lora_pack(
         return p
     bm, bn, bk, split, warps, stages = tiles or pack_tiles(rows, e, k, x.dtype, x.device)
     split = split if max_split is None else max(1, min(split, max_split))
-    k_per_split = cdiv(cdiv(k, split), bk) * bk
-    split = cdiv(k, k_per_split)
+    per_split = k_per_split(k, split, bk)
+    split = cdiv(k, per_split)
     h_tiles = cdiv(e, bn)
     if split == 1:  # the kernel never touches them: any pointers of the types do
         ws, counters = workspace or (scaling, slot_of_row)
@@ -257,7 +257,7 @@ def lora_pack(
         width,
         scaling.shape[0],
         h_tiles,
-        k_per_split,
+        per_split,
         SPLIT=split,
         BM=bm,
         BN=bn,
