@@ -57,10 +57,20 @@ class SampleState:
     def decode_pending(self) -> None:
         """Turn the tokens not decoded yet into text (appended to ``text`` and ``delta``)."""
         if self.undecoded and self.detokenizer is not None:
-            delta = self.detokenizer.step(self.undecoded)
-            self.text += delta
-            self.delta += delta
+            self.add_text(self.detokenizer.step(self.undecoded))
         self.undecoded = []
+
+    def end_text(self) -> None:
+        """The sample ends: decode what is pending, then release what the detokenizer held
+        back (an incomplete character)."""
+        assert self.detokenizer is not None
+        self.decode_pending()
+        self.add_text(self.detokenizer.flush())
+
+    def add_text(self, delta: str) -> None:
+        """Append ``delta`` to the sample's text and to its text since the last output."""
+        self.text += delta
+        self.delta += delta
 
     def take_output(self) -> CompletionOutput:
         """This sample's output, with the delta since the last one (which is then cleared)."""
@@ -202,38 +212,28 @@ def accept_token(
         reason = "length"
     if sample.detokenizer is not None:
         if stop_token and not params.include_stop_str_in_output:
-            sample.decode_pending()
-            delta = sample.detokenizer.flush()  # the text before the stop token, not its own
-            sample.text += delta
-            sample.delta += delta
-            seq.finish(reason)
-            return
-        if not params.stop:  # no stop string reads the text: decode it when it is taken
+            sample.end_text()  # the text before the stop token, not its own
+        elif not params.stop:  # no stop string reads the text: decode it when it is taken
             sample.undecoded.append(token)
             if reason is not None:
-                sample.decode_pending()
-                delta = sample.detokenizer.flush()  # text held back for a partial character
-                sample.text += delta
-                sample.delta += delta
-                seq.finish(reason)
-            return
-        delta = sample.detokenizer.step([token])
-        if params.stop and delta and may_stop:
-            text = sample.text + delta
-            # a stop string may straddle the previous delta: search its tail too
-            begin = max(0, len(sample.text) - max(len(s) for s in params.stop) + 1)
-            hits = [(i, s) for s in params.stop if (i := text.find(s, begin)) != -1]
-            if hits:
-                cut, stop = min(hits)
-                end = cut + len(stop) if params.include_stop_str_in_output else cut
-                sample.delta += text[len(sample.text) : end] if end > len(sample.text) else ""
-                sample.text = text[:end]
-                sample.stop_reason = stop
-                seq.finish("stop")
-                return
-        if reason is not None:
-            delta += sample.detokenizer.flush()  # text held back for a partial character
-        sample.text += delta
-        sample.delta += delta
+                sample.end_text()
+        else:
+            delta = sample.detokenizer.step([token])
+            if delta and may_stop:
+                text = sample.text + delta
+                # a stop string may straddle the previous delta: search its tail too
+                begin = max(0, len(sample.text) - max(len(s) for s in params.stop) + 1)
+                hits = [(i, s) for s in params.stop if (i := text.find(s, begin)) != -1]
+                if hits:
+                    cut, stop = min(hits)
+                    end = cut + len(stop) if params.include_stop_str_in_output else cut
+                    sample.delta += text[len(sample.text) : end] if end > len(sample.text) else ""
+                    sample.text = text[:end]
+                    sample.stop_reason = stop
+                    seq.finish("stop")
+                    return
+            sample.add_text(delta)
+            if reason is not None:
+                sample.end_text()
     if reason is not None:
         seq.finish(reason)
