@@ -469,16 +469,13 @@ class LLMEngine:
             end = begin + s.num_new_tokens
             seq.mark_scheduled(start)
             # A sequence verifying k drafts computes [last token] + drafts: k past its end.
-            num_tokens = seq.num_tokens
-            num_drafts = max(0, end - num_tokens)
+            num_drafts = max(0, end - seq.num_tokens)
             assert num_drafts == 0 or num_drafts == len(seq.draft_token_ids)
-            sample = end >= num_tokens
-            token_ids = seq.token_ids[begin:end]
-            token_ids += seq.draft_token_ids[:num_drafts] if num_drafts else ()
+            sample = end >= seq.num_tokens
             inputs.append(
                 SeqInput(
                     seq_id=seq.seq_id,
-                    token_ids=token_ids,
+                    token_ids=seq.token_ids[begin:end] + seq.draft_token_ids[:num_drafts],
                     start_pos=begin,
                     block_table=self.allocator.block_table(seq),
                     sample=sample,

@@ -36,10 +36,10 @@ Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
     ``auto`` (that rule), ``pack`` or ``gemms``: how a stacked projection takes a step of
     more than 512 rows.
 ``lora.overlap``
-    with ``lora.kernel=shrink_expand`` (refused with another kernel) on CUDA: a small step's shrink (at most 512 rows: decode and
-    what CUDA graphs capture) runs on a second stream beside its projection's base GEMM,
-    forked and joined inside the captured graph, so that only the expand follows the GEMM
-    (default off until measured on the H200).
+    with ``lora.kernel=shrink_expand`` (refused with another kernel) on CUDA: a small
+    step's shrink (at most 512 rows: decode and what CUDA graphs capture) runs on a second
+    stream beside its projection's base GEMM, forked and joined inside the captured graph,
+    so that only the expand follows the GEMM (default off until measured on the H200).
 """
 
 from __future__ import annotations
