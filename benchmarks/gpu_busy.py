@@ -54,7 +54,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pitstop import LLM, SamplingParams
-from pitstop.entrypoints.engine_args import parse_scalar
+from pitstop.entrypoints.engine_args import parse_option
+from pitstop.errors import ConfigError
 
 SHAPES: dict[str, dict[str, Any]] = {
     "nano": dict(model="dummy:qwen3-0.6b", max_model_len=4096),
@@ -97,14 +98,6 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(0, 10000) for _ in range(n)]
 
 
-def _option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` of ``--option``, the value read as the CLI's ``--option`` reads it."""
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise SystemExit(f"--option {text!r}: write KEY=VALUE, e.g. lora.kernel=stacked")
-    return key, parse_scalar(value)
-
-
 def measure(
     shape: str,
     overlap: str,
@@ -116,7 +109,7 @@ def measure(
 ) -> None:
     """Settle ``shape`` into steady state, profile ``steps`` steps, print the figures."""
     kwargs: dict[str, Any] = dict(SHAPES[shape])
-    pairs = [_option(o) for o in options]
+    pairs = [parse_option(o) for o in options]
     # a dotted key is a plugin's option, another an engine setting (piecewise_max_tokens=8192)
     kwargs.update((k, v) for k, v in pairs if "." not in k)
     if options or adapters:
@@ -343,6 +336,11 @@ def main() -> None:
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--host-top", type=int, default=0, metavar="N")
     args = parser.parse_args()
+    for option in args.option:  # a malformed one before any engine starts
+        try:
+            parse_option(option)
+        except ConfigError as exc:
+            parser.error(str(exc))
     extra = [f"--lora-adapters={args.lora_adapters}", f"--host-top={args.host_top}"]
     extra += [f"--option={o}" for o in args.option]
     if args.overlap == "both":  # each loop in a fresh process: the first engine's cache is gone

@@ -134,10 +134,8 @@ def keywords_from_cli(args: argparse.Namespace, fields: list[str]) -> dict[str, 
         if getattr(args, name, None) is not None and name != "options"
     }
     for item in getattr(args, "option", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--option expects KEY=VALUE, got {item!r}")
-        given.setdefault("options", {})[key] = parse_scalar(value)
+        key, value = parse_option(item)
+        given.setdefault("options", {})[key] = value
     for dest, value in vars(args).items():  # --<plugin>.<setting> flags
         if dest.startswith(SETTING_DEST) and value is not None:
             given.setdefault("options", {})[dest[len(SETTING_DEST) :]] = value
@@ -152,6 +150,14 @@ def _flag_value(value: Any) -> Any:
     if isinstance(value, list):
         return True if not value else value[0] if len(value) == 1 else value
     return value
+
+
+def parse_option(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of an ``--option`` flag, the value as :func:`parse_scalar` reads it."""
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise ConfigError(f"--option expects KEY=VALUE, got {item!r}")
+    return key, parse_scalar(value)
 
 
 def parse_scalar(text: str) -> Any:
