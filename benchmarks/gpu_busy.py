@@ -94,6 +94,38 @@ def busy_fraction(events: list[tuple[float, float]]) -> tuple[float, float]:
     return busy, last - first
 
 
+def idle_gaps(events: list[tuple[float, float, str]], steps: int, top: int) -> list[str]:
+    """The device's idle time between kernels, by the pair of kernels around each gap.
+
+    ``events``: ``(start, duration, name)`` in microseconds. A gap is time after every
+    kernel so far has ended and before the next starts; gaps are summed per (kernel before,
+    kernel after) and the ``top`` pairs printed as table rows, µs a step and gaps a step,
+    with the gaps of 1 µs or less (the device's own launch spacing) in one row of their own.
+    """
+    events = sorted(events)
+    by_pair: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    small = [0.0, 0]
+    end, before = events[0][0] + events[0][1], events[0][2]
+    for start, dur, name in events[1:]:
+        if start > end:
+            gap = start - end
+            slot = small if gap <= 1.0 else by_pair[(before[:40], name[:40])]
+            slot[0] += gap
+            slot[1] += 1
+        if start + dur >= end:
+            end, before = start + dur, name
+    total = small[0] + sum(v[0] for v in by_pair.values())
+    rows = [
+        f"|   | idle between kernels | {total / steps:.1f} us/step | gaps of 1 us or less: "
+        f"{small[0] / steps:.1f} us/step, {small[1] / steps:.1f} a step |"
+    ]
+    for (a, b), (us, n) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]:
+        rows.append(
+            f"|   | idle {us / steps:.1f} us/step | {n / steps:.2f} a step | `{a}` -> `{b}` |"
+        )
+    return rows
+
+
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(0, 10000) for _ in range(n)]
 
@@ -258,6 +290,8 @@ def _profile(
     )
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         print(f"|   | {100 * us / total:.1f}% | {us / 1e3 / steps:.3f} ms/step | `{name[:90]}` |")
+    named = [(e.time_range.start, e.time_range.end - e.time_range.start, e.name) for e in kernels]
+    print("\n".join(idle_gaps(named, steps, top)))
     if host is not None:
         _host_report(host, steps, host_top)
 

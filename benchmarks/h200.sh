@@ -4,6 +4,13 @@
 set -u
 OUT=${1:-${OUT:-/tmp/pitstop-out}}
 mkdir -p "$OUT"
+# the device tool brings back at most 8 files: past that, everything but install.log goes back
+# as one bundle (results.tar.gz; `tar xzf` it), whatever case ended the script
+bundle() { cd "$OUT" || return; local files; files=$(find . -type f ! -name install.log | wc -l)
+  [ "$files" -le 7 ] && return; find . -type f ! -name install.log ! -name results.tar.gz -print0 \
+    | tar czf results.tar.gz --null -T - && find . -type f ! -name install.log ! -name results.tar.gz -delete
+  echo "== $files result files bundled in results.tar.gz"; }
+trap bundle EXIT
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # wheels the device image lacks (gguf, ...) travel in .whl/ (see benchmarks/README.md)
 if ls .whl/*.whl >/dev/null 2>&1; then
