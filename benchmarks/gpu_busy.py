@@ -47,6 +47,7 @@ import random
 import subprocess
 import sys
 import time
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -294,6 +295,36 @@ def _profile(
     print("\n".join(idle_gaps(named, steps, top)))
     if host is not None:
         _host_report(host, steps, host_top)
+    print("\n".join(_synchronizing_calls(engine, more, feed)))
+
+
+def _synchronizing_calls(engine: Any, more: Any, feed: Any, steps: int = 5) -> list[str]:
+    """Up to ``steps`` more steps under torch's sync debug mode: each call that made the host
+    wait for the device (a blocking copy, ``.item()``, a stream synchronize) where it was
+    made, with its count a step, as table rows. The event wait for the step's tokens is
+    the loop's one intended wait and does not show here (it is an event's, not a stream's)."""
+    found: dict[str, int] = defaultdict(int)
+    done = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while done < steps and more():
+                feed()
+                engine.step(stream=False)
+                done += 1
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}"
+            found[f"{where} {str(w.message).splitlines()[0][:60]}"] += 1
+    rows = [
+        f"|   | synchronizing calls | {sum(found.values()) / max(done, 1):.1f} a step over {done} steps |"
+    ]
+    for where, n in sorted(found.items(), key=lambda kv: -kv[1])[:8]:
+        rows.append(f"|   | sync {n / max(done, 1):.1f} a step | `{where}` |")
+    return rows
 
 
 # host calls that wait for the GPU (their time is the GPU's, not the host's own work): cProfile
