@@ -22,9 +22,10 @@ Settings (:class:`LoRASettings`; vLLM's names, top-level keywords and flags):
     :func:`~pitstop.plugins.kernels.triton_ops.lora_pack.lora_pack` (``[x | h']``, h' the
     rows' scaled rank-r products in their slot's columns), before a base GEMM that adds every
     row's delta itself: no expand launch, for ``max_loras * slices * max_lora_rank`` more
-    columns of K in the GEMM. Larger steps (prefill chunks, eager) pack too where those
-    columns are at most a quarter of K, else run the base GEMM and add the delta by two
-    library GEMMs over the slots the step runs (everywhere, CPU too). Fused layers
+    columns of K in the GEMM. Larger steps (prefill chunks) pack too where the projection's
+    N is at least its K (q|k|v, gate|up: the pack's copy of x is the narrower extra pass),
+    else run the base GEMM and add the delta by two library GEMMs over the slots the step
+    runs (everywhere, CPU too). Fused layers
     (``fused.layer``) and other weight formats take ``shrink_expand``'s way. On an H100
     (2026-12-07, docs/benchmarks.md) ``stacked`` served `nano` over 8 adapters at 0.92x the
     base model, ``shrink_expand`` at 0.78x. ``shrink_expand``: a shrink, split over K where
@@ -97,7 +98,7 @@ class LoRASettings:
         choices=("auto", "pack", "gemms"),
         help="stacked: a step over 512 rows (a prefill chunk) packs [x | h'] into the base GEMM "
         "(pack), or adds the delta by two library GEMMs after it (gemms); auto: pack where the "
-        "slots' columns are at most a quarter of K",
+        "projection's N is at least its K (q|k|v, gate|up)",
     )
     overlap: bool = setting(
         False,

@@ -91,14 +91,25 @@ def kernel_ops(device: torch.device) -> ModuleType:
 # shrink into one float32 workspace, zeroed once a step for every projection of every layer,
 # instead of zeroing each projection's intermediate: a launch fewer per projection
 WORKSPACE_ROWS = 512
-# a stacked projection packs steps over WORKSPACE_ROWS rows too when E * this <= K. Over a
-# prefill chunk the GEMM is bound by FLOPs, so the extra columns cost E / K of it, while the
-# shrink and expand are bound by bytes: the expand reads and writes the output, 4 N bytes a
-# row in bf16, the shrink reads x once a slice, 2 s K; at the H200's achieved ~150 FLOPs a
-# byte that is (4 N + 2 s K) * 150 / (2 N K) of the GEMM: 0.40 for qwen3-0.6b's q|k|v, 0.34
-# gate|up, 0.29 o, 0.24 down (more, as the kernels do not reach copy speed). Packing pays
-# below about a quarter; unmeasured so far (2026-12-07): the ratio a rule of thumb
-LARGE_STEP_RATIO = 4
+
+
+def packs_large_steps(n: int, k: int) -> bool:
+    """``lora.large_steps=auto``: whether a stacked projection ``[n, k]`` packs steps over
+    :data:`WORKSPACE_ROWS` rows (prefill chunks) into its base GEMM, rather than adding the
+    delta by library GEMMs after it (:meth:`LoRASlots._add_large`).
+
+    Over a chunk both ways compute about the same extra products; what differs is the extra
+    pass over memory: the pack writes x again into ``[x | h']`` (K columns a row), the GEMMs
+    read and write y again (N columns a row). So a projection packs when N >= K (q|k|v and
+    gate|up), and o and down (K > N) take the GEMMs. Measured on an H100 (2026-12-07,
+    thirteenth session, ``lora_bench.py --pack-tiles``, 8,192 rows of qwen3-0.6b, µs a layer's
+    projection, packs with :func:`~pitstop.plugins.kernels.triton_ops.lora_pack.pack_tiles`'s
+    large-step tiles): over 8 adapters q|k|v 147.5 packed against 196.9 by GEMMs, gate|up
+    193.9 against 275.3, o 86.4 against 83.0, down 124.0 against 108.3; over one adapter
+    q|k|v 120.3 against 177.9, gate|up 170.6 against 263.7, o 75.2 against 81.2 (the one
+    shape the rule misses, by 6 µs), down 109.1 against 107.7.
+    """
+    return n >= k
 
 
 class _Projection:
@@ -121,7 +132,7 @@ class _Projection:
         self.A_all: torch.Tensor | None = None
         self.rank = rank
         self.slot_width = len(modules) * rank  # E / slots: one slot's columns of h'
-        self.packs_large_steps = False  # stacked, and E small beside K (see stack)
+        self.packs_large_steps = False  # stacked, and steps over WORKSPACE_ROWS packed (stack)
         self.weights_region = ctx.weights_region or contextlib.nullcontext
 
     def stack(self, weight: torch.nn.Parameter, large_steps: str = "auto") -> None:
@@ -137,11 +148,9 @@ class _Projection:
         self.ext[:, :k].copy_(weight.data)
         weight.data = self.ext[:, :k]
         self.A_all = torch.zeros(e, k, dtype=weight.dtype, device=weight.device)
-        # steps over WORKSPACE_ROWS (prefill chunks: GEMMs bound by FLOPs) pack too where the
-        # extra columns cost at most 1 / LARGE_STEP_RATIO of the GEMM (one adapter of rank 16
-        # on a 1,024-wide model: 5%), in place of the shrink and expand over the chunk
-        # (lora.large_steps: "pack" always, "gemms" never)
-        rule = {"auto": e * LARGE_STEP_RATIO <= k, "pack": True, "gemms": False}
+        # steps over WORKSPACE_ROWS (prefill chunks): packed too, or the delta added by
+        # library GEMMs after the base one (lora.large_steps: "pack" always, "gemms" never)
+        rule = {"auto": packs_large_steps(n, k), "pack": True, "gemms": False}
         self.packs_large_steps = rule[large_steps]
 
     def load(self, slot: int, layer: int, adapter: LoRAWeights) -> None:

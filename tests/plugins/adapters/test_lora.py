@@ -522,7 +522,7 @@ def test_on_the_gpu_piecewise_graphs_of_prompt_steps_add_every_slots_delta(
     from pitstop.plugins.adapters.lora import slots
 
     monkeypatch.setattr(slots, "WORKSPACE_ROWS", 16)
-    monkeypatch.setattr(slots, "LARGE_STEP_RATIO", 10**9)
+    monkeypatch.setattr(slots, "packs_large_steps", lambda n, k: False)
     llm = _llm(tiny, device="cuda", dtype="float32", kernels="fused", max_batch_size=16)
     runner = llm.engine.runner
     assert runner.mixed_graphs is not None and runner.mixed_graphs.captured, "piecewise graphs"
@@ -638,15 +638,15 @@ def test_stacked_layout_survives_sleep_at_both_levels(tiny: dict[str, Path]) -> 
 def test_stacked_layout_packs_large_steps_where_its_columns_are_few(
     tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A stacked projection whose extra columns are few beside K (``E * LARGE_STEP_RATIO <=
-    K``) packs steps over the static buffer's rows too (into a buffer of their own), instead
-    of the shrink and expand: here every projection (ratio 0), steps of 16 rows at most in the
+    """A stacked projection that packs steps over the static buffer's rows too
+    (``packs_large_steps``: N >= K, here every projection), into a buffer of their own,
+    instead of the library GEMMs after the base one: steps of 16 rows at most in the
     static buffer, so the 24-row chunks take the large path. PEFT's tokens row for row."""
     from pitstop.plugins.adapters.lora import slots
     from pitstop.plugins.kernels import lora_reference
 
     monkeypatch.setattr(slots, "WORKSPACE_ROWS", 16)
-    monkeypatch.setattr(slots, "LARGE_STEP_RATIO", 0)
+    monkeypatch.setattr(slots, "packs_large_steps", lambda n, k: True)
     packs: list[int] = []
     pack = lora_reference.lora_pack
     monkeypatch.setattr(
@@ -662,7 +662,8 @@ def test_stacked_layout_packs_large_steps_where_its_columns_are_few(
 def test_stacked_layout_adds_large_steps_by_library_gemms(
     tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A stacked projection whose extra columns are many beside K takes a step over the static
+    """A stacked projection that does not pack large steps (``packs_large_steps``: K > N;
+    here none) takes a step over the static
     buffer's rows (a prefill chunk) as the base GEMM, then ``h = x A_used^T`` over the slots
     the step runs, each row's own slot kept and scaled, and ``y += h B_used^T``
     (``_add_large``): here steps of 16 rows at most in the static buffer, so the 24-row chunks
@@ -671,7 +672,7 @@ def test_stacked_layout_adds_large_steps_by_library_gemms(
     from pitstop.plugins.adapters.lora import slots
 
     monkeypatch.setattr(slots, "WORKSPACE_ROWS", 16)
-    monkeypatch.setattr(slots, "LARGE_STEP_RATIO", 10**9)
+    monkeypatch.setattr(slots, "packs_large_steps", lambda n, k: False)
     spans: list[tuple[int, int] | None] = []
     add_large = slots.LoRASlots._add_large
 

@@ -193,11 +193,11 @@ def test_stacked_layout_packs_once_a_projection(
     workspace's rows runs one ``lora_pack`` launch a LoRA'd projection and no torch op in it
     (the GEMM that follows is the base one, over ``[x | h']``: no expand); the first step's
     33 prompt rows, over the 16 here, take ``_add_large`` (no projection packs steps that
-    large here: ``LARGE_STEP_RATIO`` out of reach): three library calls a projection (the
+    large here: ``packs_large_steps`` says no): three library calls a projection (the
     GEMM into the used slots' columns, the rows' scales, the GEMM adding into y) and no
     Triton launch. Tokens are PEFT's."""
     monkeypatch.setattr(lora_slots, "WORKSPACE_ROWS", 16)
-    monkeypatch.setattr(lora_slots, "LARGE_STEP_RATIO", 10**9)
+    monkeypatch.setattr(lora_slots, "packs_large_steps", lambda n, k: False)
     pack = lora_slots.LoRASlots._pack
     packs: list[int] = []
 

@@ -545,3 +545,40 @@ def test_pack_matches_float64(case: dict) -> None:
             assert _same_bits(h[truth == 0], torch.zeros_like(h[truth == 0])), "zero: no slot"
             _close(h, truth, TOL[dt], f"h' ({op.__module__})")
     assert not workspace[0].any() and not workspace[1].any(), "workspace left clear"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 256, 1030, 2048])
+@pytest.mark.parametrize("slots", [1, 8])
+def test_on_the_gpu_pack_at_its_own_launch_shapes(
+    dtype: torch.dtype, rows: int, slots: int
+) -> None:
+    """``lora_pack`` at the launch shapes :func:`lora_pack.pack_tiles` picks on CUDA for
+    qwen3-0.6b's q|k|v (K 1,024, rank 16: 48 columns a slot): decode's small tiles with K
+    split (1 and 256 rows) and a prefill chunk's wide tiles of 8 warps (from
+    ``LARGE_ROWS``: 64 or 128 columns of h' as E is narrow or wide). x copied bit for bit, h'
+    the float64 truth in each row's own slot and zero elsewhere."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(rows * 10 + slots)
+    k, width = 1024, 48
+    e = slots * width
+    x = (torch.randn(rows, k, generator=g) * 0.5).to(dtype)
+    a_all = (torch.randn(e, k, generator=g) * 0.05).to(dtype)
+    scaling = torch.rand(slots, generator=g) + 0.5
+    slot_of_row = torch.randint(-1, slots, (rows,), generator=g, dtype=torch.int32)
+    truth = torch.zeros(rows, e, dtype=torch.float64)
+    for s in range(slots):
+        mine = slot_of_row == s
+        cols = slice(s * width, (s + 1) * width)
+        truth[mine, cols] = (x[mine].double() @ a_all[cols].double().T) * float(scaling[s])
+    tiles = lora_pack.pack_tiles(rows, e, k, dtype, torch.device("cuda"))
+    assert (tiles.block_m, tiles.num_warps) == (
+        (64, 8) if rows >= lora_pack.LARGE_ROWS else (16, 4)
+    )
+    p = lora.lora_pack(x.cuda(), a_all.cuda(), slot_of_row.cuda(), scaling.cuda(), width)
+    assert _same_bits(p[:, :k].cpu(), x), "x copied exactly"
+    h = p[:, k:].cpu()
+    assert _same_bits(h[truth == 0], torch.zeros_like(h[truth == 0])), "zero: no slot"
+    _close(h, truth, TOL[dtype], f"h' at {tiles}")
