@@ -242,6 +242,7 @@ def _profile(
 ) -> None:
     """Profile steps while ``more()``, ``feed()`` before each, and print the figures
     (``host_top``: cProfile's too, see :func:`_host_report`)."""
+    synchronized = _synchronizing_calls(engine, more, feed)  # before: the steps run out
     steps = 0
     host = cProfile.Profile() if host_top else None
     collections = _Collections()
@@ -295,11 +296,11 @@ def _profile(
     print("\n".join(idle_gaps(named, steps, top)))
     if host is not None:
         _host_report(host, steps, host_top)
-    print("\n".join(_synchronizing_calls(engine, more, feed)))
+    print("\n".join(synchronized))
 
 
 def _synchronizing_calls(engine: Any, more: Any, feed: Any, steps: int = 5) -> list[str]:
-    """Up to ``steps`` more steps under torch's sync debug mode: each call that made the host
+    """Up to ``steps`` steps under torch's sync debug mode (before the profiled ones): each call that made the host
     wait for the device (a blocking copy, ``.item()``, a stream synchronize) where it was
     made, with its count a step, as table rows. The event wait for the step's tokens is
     the loop's one intended wait and does not show here (it is an event's, not a stream's)."""
@@ -316,7 +317,7 @@ def _synchronizing_calls(engine: Any, more: Any, feed: Any, steps: int = 5) -> l
         finally:
             torch.cuda.set_sync_debug_mode("default")
     for w in caught:
-        if "synchroniz" in str(w.message):
+        if "synchronizing" in str(w.message):  # not the mode's own "prototype" notice
             where = f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}"
             found[f"{where} {str(w.message).splitlines()[0][:60]}"] += 1
     rows = [
