@@ -88,16 +88,15 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/pending/}" ]; then
   BENCHES=${BENCHES/pending/rollout-exit layer prefill44 multiturn moe48 lora47}
   export MT_N=${MT_N:-360} MT_REPEATS=${MT_REPEATS:-1} MOE_WORKLOADS=${MOE_WORKLOADS:-single}
 fi
-# BENCHES=next: what the twelfth session (2026-12-07) left to measure, most telling first (about
-# 12 minutes: two calls, the second naming the cases the first did not reach): the LoRA GPU tests
-# (with the piecewise one), nano with piecewise graphs up to the step budget beside the default
-# (with and without 8 adapters), the steps' GPU busy with those settings and the host's profile
-# with its waits and garbage collections, then a prompt step's pack against the library GEMMs
+# BENCHES=next: what the thirteenth session (2026-12-07) left to measure, most telling first
+# (about 8 minutes): decode attention over ragged contexts (issue 44: is nano's decode kernel
+# unbalanced?), the LoRA GPU tests (with the pack at its own launch shapes), nano's LoRA rows
+# with prompt steps packed where N >= K (medians of 3), and those prompt steps' GPU busy
 if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/next/}" ]; then
-  BENCHES=${BENCHES/next/lora-stacked-tests piecewise prefill-busy lora-pack}
-  export LORA_PACK_CASES=${LORA_PACK_CASES:-"nano-8-chunk nano-1-chunk"} LORA_PACK_TILES=${LORA_PACK_TILES:-"64,64,128,1,8,3 64,128,64,1,8,3"}
-  export TEST_TIMEOUT=${TEST_TIMEOUT:-150} BUSY_LORA_SHAPES=${BUSY_LORA_SHAPES:-"nano-prefill nano"} HOST_TOP=${HOST_TOP:-30}
-  export PREFILL_ROWS=${PREFILL_ROWS:-"base:0 pw8k:0:piecewise_max_tokens=8192 lora8pw8k:8:piecewise_max_tokens=8192 base+host:0"}
+  BENCHES=${BENCHES/next/decode-ragged lora-stacked-tests lora-kernels prefill-busy}
+  export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8} LORA_REPEATS=${LORA_REPEATS:-3}
+  export TEST_TIMEOUT=${TEST_TIMEOUT:-150} BUSY_LORA_SHAPES=${BUSY_LORA_SHAPES:-nano-prefill}
+  export PREFILL_ROWS=${PREFILL_ROWS:-"base:0 lora8:8 lora8gemms:8:lora.large_steps=gemms lora1:1"}
 fi
 # layer: the fused decoder layer's four parts (issue 44); its timed choices kept in one place
 BENCHES=$(echo " ${BENCHES-nano single} " | sed 's/ layer / layer-tests layer-profile layer-nano layer-single /g')
@@ -518,6 +517,10 @@ for _ in range(2):
         --only ${LORA_SINGLE_ONLY:-base,lora-1,lora-1-stacked} ;;
     # issue 47 (2026-12-07): the stacked layout's GPU tests (the pack kernel compiled, the engine
     # against PEFT under CUDA graphs) and the LoRA kernel tests beside them
+    # issue 44 (2026-12-07, thirteenth session): decode attention over nano's ragged contexts
+    # against the same bytes at one context (is the kernel's work per program unbalanced?)
+    decode-ragged) timeout ${RAGGED_TIMEOUT:-300} python3 benchmarks/decode_ragged.py --splits ${RAGGED_SPLITS:-1 2 4 8} \
+        --json "$OUT/decode-ragged.json" 2>&1 | tee "$OUT/decode-ragged.log" | tail -16 ;;
     lora-stacked-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/plugins/kernels/test_lora_kernels.py \
         tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_launches.py -k "${LORA_TEST_K-pack or stacked or gpu}" 2>&1 | tee "$OUT/gpu-tests-lora-stacked.log" | tail -6 ;;
     # issue 47 (2026-12-06, ninth session): the LoRA shrink's and expand's launch shapes at nano's

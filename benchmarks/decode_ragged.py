@@ -1,0 +1,191 @@
+"""Decode attention over ragged contexts: does the kernel lose bandwidth to imbalance?
+
+    python benchmarks/decode_ragged.py [--batch 256] [--low 100] [--high 2048] [--splits 1 2 4]
+                                       [--json OUT]
+
+`nano` decodes 256 sequences whose contexts spread from about 100 to 2,048 tokens, and its
+decode steps spend about three quarters of their kernel time in attention. With one
+program per (sequence, KV head) and every program resident at once, a program's work is its
+sequence's context, so the kernel lasts as long as the most loaded SMs take. This times the
+engine's decode kernel (qwen3-0.6b's heads: 16 query, 8 KV, head size 128, pages of 16)
+from CUDA graphs on:
+
+- ``uniform``: every sequence at the mean context of the ragged batch (the same bytes);
+- ``ragged``: contexts uniform in ``[--low, --high]``, in random order;
+- ``ragged-sorted``: the same contexts, longest first (the order the block scheduler
+  takes programs in);
+
+each at the engine's split count and at each ``--splits`` forced, with the bytes read over
+the measured device-to-device copy rate. Every configuration is checked against the
+reference first. Where ``ragged`` reads its bytes markedly slower than ``uniform``, the
+kernel's work per program is unbalanced and a split by tokens (not by batch size) would pay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from typing import Any
+
+import torch
+
+from pitstop.ground.attention import AttentionMetadata
+from pitstop.plugins.kernels import reference
+from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+
+HEADS, KV_HEADS, HEAD_SIZE, PAGE = 16, 8, 128, 16
+
+
+def ragged_meta(contexts: list[int], device: str) -> tuple[AttentionMetadata, int]:
+    """Decode metadata of sequences of ``contexts`` tokens over shuffled pages."""
+    pages = [-(-c // PAGE) for c in contexts]
+    total = sum(pages)
+    perm = torch.randperm(total)
+    width = max(pages)
+    tables = torch.zeros(len(contexts), width, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = perm[at : at + n].to(torch.int32)
+        at += n
+    last = torch.tensor([c - 1 for c in contexts])
+    slots = tables[torch.arange(len(contexts)), last // PAGE].long() * PAGE + last % PAGE
+    batch = len(contexts)
+    meta = AttentionMetadata(
+        positions=last.to(device),
+        slot_mapping=slots.to(device),
+        block_tables=tables.to(device),
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
+        cu_query_lens=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=batch,
+        max_query_len=1,
+        max_context_len=max(contexts),
+        page_size=PAGE,
+        context_lens_list=list(contexts),
+        query_lens_list=[1] * batch,
+    )
+    return meta, total
+
+
+def inputs(contexts: list[int], device: str) -> tuple:
+    """q, paged K and V caches and the metadata of one decode step over ``contexts``."""
+    meta, pages = ragged_meta(contexts, device)
+    q = torch.randn(len(contexts), HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16)
+    k = torch.randn(pages, PAGE, KV_HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k), meta
+
+
+def step_bytes(contexts: list[int]) -> float:
+    """What one step reads and writes: each K and V token once per KV head, q and out."""
+    batch = len(contexts)
+    return 2 * sum(contexts) * KV_HEADS * HEAD_SIZE * 2 + 2 * batch * HEADS * HEAD_SIZE * 2
+
+
+def copy_rate(device: str) -> float:
+    """Device-to-device copy, bytes read and written a second (1 GiB buffers, median of 20)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def graph_us(attn: PagedAttention, made: list[tuple], replays: int = 20) -> float:
+    """Median µs a call of ``attn`` over the copies in ``made``, replayed from one CUDA graph
+    (each copy its own buffers: a replay reads far more than the L2 holds)."""
+    scale = HEAD_SIZE**-0.5
+    for x in made:
+        attn(*x, scale)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x in made:
+            attn(*x, scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 1e3 * statistics.median(times) / len(made)
+
+
+def layouts(batch: int, low: int, high: int, seed: int) -> dict[str, list[int]]:
+    """The three batches: ragged (random order), the same sorted longest first, and uniform
+    at the ragged batch's mean context."""
+    rng = random.Random(seed)
+    ragged = [rng.randint(low, high) for _ in range(batch)]
+    mean = round(sum(ragged) / batch)
+    return {
+        "uniform": [mean] * batch,
+        "ragged": ragged,
+        "ragged-sorted": sorted(ragged, reverse=True),
+    }
+
+
+def main() -> None:
+    """Time each layout at each split count; print a table, optionally save the rows."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--low", type=int, default=100)
+    p.add_argument("--high", type=int, default=2048)
+    p.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_ragged.py times CUDA graphs: it needs a CUDA device")
+    device = "cuda"
+    rate = copy_rate(device)
+    print(f"device {torch.cuda.get_device_name()}; copy {rate / 1e12:.3f} TB/s")
+    print("| batch | split | us | bytes read at | of copy | max error |")
+    print("|---|---|---|---|---|---|")
+    rows: list[dict[str, Any]] = []
+    for name, contexts in layouts(args.batch, args.low, args.high, args.seed).items():
+        torch.manual_seed(args.seed)
+        nbytes = step_bytes(contexts)
+        copies = max(2, min(64, -(-int(512e6) // int(nbytes))))
+        made = [inputs(contexts, device) for _ in range(copies)]
+        truth = reference.paged_attention(*made[0], HEAD_SIZE**-0.5).float()
+        for splits in [None, *args.splits]:
+            attn = PagedAttention(torch.device(device), torch.bfloat16, max(4096, args.high))
+            chosen = attn.num_splits(len(contexts), KV_HEADS)
+            if splits is not None:
+                attn.num_splits = lambda n, h, s=splits: s  # type: ignore[method-assign]
+            out = attn(*made[0], HEAD_SIZE**-0.5).float()
+            err = ((out - truth).abs().max() / truth.abs().max()).item()
+            us = graph_us(attn, made) if err <= 2e-2 else float("nan")
+            row = {
+                "batch": name,
+                "contexts": [min(contexts), max(contexts), sum(contexts)],
+                "splits": splits if splits is not None else f"engine ({chosen})",
+                "us": round(us, 2),
+                "tb_s": round(nbytes / (us * 1e-6) / 1e12, 3),
+                "of_copy": round(nbytes / (us * 1e-6) / rate, 4),
+                "err": round(err, 5),
+            }
+            rows.append(row)
+            print(
+                f"| {name} | {row['splits']} | {row['us']} | {row['tb_s']} TB/s "
+                f"| {100 * row['of_copy']:.1f}% | {err:.2g} |"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bytes_per_s": rate, "rows": rows, "args": vars(args)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
