@@ -15,7 +15,8 @@ from CUDA graphs on:
 - ``ragged-sorted``: the same contexts, longest first (the order the block scheduler
   takes programs in);
 
-each at the engine's split count and at each ``--splits`` forced, with the bytes read over
+each at the engine's split count, at each ``--splits`` forced and with contexts cut into
+pieces of each ``--split-tokens`` (``fused.decode_split_tokens``), with the bytes read over
 the measured device-to-device copy rate. Every configuration is checked against the
 reference first. Where ``ragged`` reads its bytes markedly slower than ``uniform``, the
 kernel's work per program is unbalanced and a split by tokens (not by batch size) would pay.
@@ -143,6 +144,10 @@ def main() -> None:
     p.add_argument("--low", type=int, default=100)
     p.add_argument("--high", type=int, default=2048)
     p.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4])
+    p.add_argument(
+        "--split-tokens", type=int, nargs="*", default=[256, 512, 1024],
+        help="also time fused.decode_split_tokens at each of these lengths",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
@@ -160,8 +165,11 @@ def main() -> None:
         copies = max(2, min(64, -(-int(512e6) // int(nbytes))))
         made = [inputs(contexts, device) for _ in range(copies)]
         truth = reference.paged_attention(*made[0], HEAD_SIZE**-0.5).float()
-        for splits in [None, *args.splits]:
-            attn = PagedAttention(torch.device(device), torch.bfloat16, max(4096, args.high))
+        runs = [(None, 0)] + [(s, 0) for s in args.splits] + [(None, t) for t in args.split_tokens]
+        for splits, tokens in runs:
+            attn = PagedAttention(
+                torch.device(device), torch.bfloat16, max(4096, args.high), split_tokens=tokens
+            )
             chosen = attn.num_splits(len(contexts), KV_HEADS)
             if splits is not None:
                 attn.num_splits = lambda n, h, s=splits: s  # type: ignore[method-assign]
@@ -171,7 +179,13 @@ def main() -> None:
             row = {
                 "batch": name,
                 "contexts": [min(contexts), max(contexts), sum(contexts)],
-                "splits": splits if splits is not None else f"engine ({chosen})",
+                "splits": (
+                    splits
+                    if splits is not None
+                    else f"pieces of {tokens} tokens"
+                    if tokens
+                    else f"engine ({chosen})"
+                ),  # fmt: skip
                 "us": round(us, 2),
                 "tb_s": round(nbytes / (us * 1e-6) / 1e12, 3),
                 "of_copy": round(nbytes / (us * 1e-6) / rate, 4),

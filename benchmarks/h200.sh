@@ -89,11 +89,12 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/pending/}" ]; then
   export MT_N=${MT_N:-360} MT_REPEATS=${MT_REPEATS:-1} MOE_WORKLOADS=${MOE_WORKLOADS:-single}
 fi
 # BENCHES=next: what the thirteenth session (2026-12-07) left to measure, most telling first
-# (about 8 minutes): decode attention over ragged contexts (issue 44: is nano's decode kernel
-# unbalanced?), the LoRA GPU tests (with the pack at its own launch shapes), nano's LoRA rows
-# with prompt steps packed where N >= K (medians of 3), and those prompt steps' GPU busy
+# (about 11 minutes: two calls): decode attention over ragged contexts (issue 44: is nano's
+# decode kernel unbalanced?) and nano with fused.decode_split_tokens, the LoRA GPU tests (with
+# the pack at its own launch shapes), nano's LoRA rows with prompt steps packed where N >= K
+# (medians of 3), and those prompt steps' GPU busy
 if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/next/}" ]; then
-  BENCHES=${BENCHES/next/decode-ragged lora-stacked-tests lora-kernels prefill-busy}
+  BENCHES=${BENCHES/next/decode-ragged decode-split lora-stacked-tests lora-kernels prefill-busy}
   export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8} LORA_REPEATS=${LORA_REPEATS:-3}
   export TEST_TIMEOUT=${TEST_TIMEOUT:-150} BUSY_LORA_SHAPES=${BUSY_LORA_SHAPES:-nano-prefill}
   export PREFILL_ROWS=${PREFILL_ROWS:-"base:0 lora8:8 lora8gemms:8:lora.large_steps=gemms lora1:1"}
@@ -507,6 +508,9 @@ for _ in range(2):
     # expand beside the one fused launch (lora.kernel=fused), all against the base row, one call
     # issue 44 (2026-12-07, twelfth session): nano's prompt steps from piecewise CUDA graphs up to
     # the step budget beside the default 2048 (PIECEWISE_ONLY: the rows of piecewise.toml)
+    # issue 44 (2026-12-07, thirteenth session): nano with decode contexts in pieces of a fixed length
+    decode-split) run decode-split-nano offline --workload nano --repeats ${SPLIT_REPEATS:-3} \
+        --matrix benchmarks/workloads/decode-split.toml --only ${SPLIT_ONLY:-base,split-256,split-512,split-1024} ;;
     piecewise) run piecewise-nano offline --workload nano --repeats ${PIECEWISE_REPEATS:-3} \
         --matrix benchmarks/workloads/piecewise.toml --only ${PIECEWISE_ONLY:-base,piecewise-8192,lora-8,lora-8-piecewise-8192} ;;
     lora-kernels) run lora-kernels-nano offline --workload nano --repeats ${LORA_REPEATS:-1} --matrix benchmarks/workloads/lora.toml \
@@ -519,7 +523,9 @@ for _ in range(2):
     # against PEFT under CUDA graphs) and the LoRA kernel tests beside them
     # issue 44 (2026-12-07, thirteenth session): decode attention over nano's ragged contexts
     # against the same bytes at one context (is the kernel's work per program unbalanced?)
-    decode-ragged) timeout ${RAGGED_TIMEOUT:-300} python3 benchmarks/decode_ragged.py --splits ${RAGGED_SPLITS:-1 2 4 8} \
+    decode-ragged) timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/plugins/kernels/test_fused_gpu.py \
+        -k split_tokens 2>&1 | tee "$OUT/gpu-tests-split-tokens.log" | tail -3
+      timeout ${RAGGED_TIMEOUT:-300} python3 benchmarks/decode_ragged.py --splits ${RAGGED_SPLITS:-1 2 4 8} --split-tokens ${RAGGED_TOKENS:-256 512 1024} \
         --json "$OUT/decode-ragged.json" 2>&1 | tee "$OUT/decode-ragged.log" | tail -16 ;;
     lora-stacked-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/plugins/kernels/test_lora_kernels.py \
         tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_launches.py -k "${LORA_TEST_K-pack or stacked or gpu}" 2>&1 | tee "$OUT/gpu-tests-lora-stacked.log" | tail -6 ;;

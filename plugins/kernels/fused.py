@@ -64,6 +64,7 @@ import attrs
 import torch
 
 from pitstop.config import EngineConfig
+from pitstop.errors import ConfigError
 from pitstop.plugin_system.hookspecs import hookimpl
 from pitstop.plugin_system.settings import setting
 from pitstop.plugins.kernels import reference
@@ -213,6 +214,15 @@ class FusedSettings:
         "decode_merge=last-program or fp8_widen=qk-fp8); on an H100 1.5-1.9x a layer's attention "
         "at 4-8k shared tokens, 0.74-0.96x at 1k",
     )
+    decode_split_tokens: int = setting(
+        0,
+        type=int,
+        help="a decode batch large enough for one split a sequence (about 64 sequences on an "
+        "H100) has each context cut into pieces of this many tokens instead (a multiple of the "
+        "tile; the pieces past a context's end exit at once, a second kernel merges the rest), "
+        "so that ragged contexts do not leave the SMs that drew the longest ones working alone; "
+        "0: off (not with decode_merge=last-program or decode_prefix_share)",
+    )
     decode_tiles: str = setting(
         "fixed",
         type=str,
@@ -220,6 +230,23 @@ class FusedSettings:
         help="decode attention's tiles: one per head size, or the H200 sweep's best for the "
         "launch's batch and KV-cache dtype (smaller tiles from 128 decodes, others for fp8)",
     )
+
+
+def _check_split_tokens(settings: FusedSettings) -> None:
+    """Refuse ``fused.decode_split_tokens`` below zero or beside the settings it cannot join."""
+    tokens = settings.decode_split_tokens
+    if tokens < 0:
+        raise ConfigError(f"fused.decode_split_tokens must be >= 0 (0: off), not {tokens}")
+    if tokens and settings.decode_merge == "last-program":
+        raise ConfigError(
+            "fused.decode_split_tokens merges its pieces with the separate kernel: not with "
+            "fused.decode_merge='last-program'; leave one of them at its default"
+        )
+    if tokens and settings.decode_prefix_share:
+        raise ConfigError(
+            "fused.decode_split_tokens does not cut the shared pass of fused.decode_prefix_share "
+            "into pieces; leave one of them at 0"
+        )
 
 
 class FusedKernels(reference.DispatchKernels):
@@ -238,6 +265,7 @@ class FusedKernels(reference.DispatchKernels):
         """``settings``: this kernel set's, as the plugin manager resolved them (built alone:
         ``plugins.create("kernels", "fused", config, device, dtype)`` reads them)."""
         self.config, self.device, self.dtype = config, device, dtype
+        _check_split_tokens(settings)
         # The model merges q/k/v and gate/up weights at load when this is set.
         self.merge_projections = bool(settings.qkv)
         self.precision = settings.precision
@@ -309,6 +337,7 @@ class FusedKernels(reference.DispatchKernels):
                 decode_tile_rule=self.decode_tile_rule,
                 long_prefill=None if cudnn_off else CudnnPrefill(settings.cudnn_prefill),
                 prefix_share_tokens=settings.decode_prefix_share,
+                split_tokens=settings.decode_split_tokens,
             )
             self._status["attention"] = "triton"
         self._status["long_prefill"] = (

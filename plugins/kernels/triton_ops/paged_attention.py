@@ -271,7 +271,12 @@ def _decode_kernel(
     MERGE_G: tl.constexpr,
     PDL: tl.constexpr,
     SHARE_SPLITS: tl.constexpr = 0,
+    SPLIT_TOKENS: tl.constexpr = 0,
 ):
+    # SPLIT_TOKENS > 0 (decode_split_tokens): each split covers that many tokens (a multiple of
+    # BLOCK_N), so a program's work is bounded whatever its sequence's length; the splits past
+    # a context's end exit at once (split 0 always writes: a padding row's empty state), and
+    # the reduce kernel merges only the splits the context reaches.
     # SHARE_SPLITS > 0 (prefix_share): the context starts at share_start[b] (a group's shared
     # pass, .prefix_share, covers the tokens before), and the partials have SHARE_SPLITS more
     # slots after the splits, which a decode outside any group marks empty
@@ -286,8 +291,14 @@ def _decode_kernel(
     first = 0
     if SHARE_SPLITS > 0:
         first = tl.load(share_start_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT_TOKENS > 0:
+        per_split = SPLIT_TOKENS
+    else:
+        per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * per_split
+    if SPLIT_TOKENS > 0:
+        if (split > 0) & (start >= ctx):
+            return
     end = tl.minimum(start + per_split, ctx)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
 
@@ -427,18 +438,21 @@ def _merge_splits(
     )
 
 
-@triton.jit(do_not_specialize=["q_row0"])
+@triton.jit(do_not_specialize=["q_row0", "seq0"])
 def _decode_reduce_kernel(
     out_ptr,
     part_o_ptr,
     part_ml_ptr,
+    context_lens_ptr,
     q_row0,
+    seq0,
     stride_ot,
     stride_oh,
     HEAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr = 0,
 ):
     _pdl.wait(PDL)  # the decode kernel's partials
     b = tl.program_id(0)
@@ -446,6 +460,9 @@ def _decode_reduce_kernel(
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD)
     s_mask = s < NUM_SPLITS
+    if SPLIT_TOKENS > 0:  # the splits past the context exited without writing: not read
+        ctx = tl.load(context_lens_ptr + (seq0 + b).to(tl.int64))
+        s_mask = s_mask & (s < tl.maximum(tl.cdiv(ctx, SPLIT_TOKENS), 1))
     part = (b * tl.num_programs(1) + h).to(tl.int64) * NUM_SPLITS + s
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
@@ -587,7 +604,12 @@ class PagedAttention:
     prefill kernel (:mod:`pitstop.plugins.kernels.cudnn_prefill`; None: never).
     ``prefix_share_tokens``: decodes that share at least this many tokens of cached pages read
     them once a group (:mod:`.prefix_share`; 0: never; not with the one-launch merge or
-    ``qk-fp8``, which keep the plain decode).
+    ``qk-fp8``, which keep the plain decode). ``split_tokens``: a decode batch large enough
+    for one split a sequence (:meth:`num_splits`) has its contexts cut into pieces of this
+    many tokens instead (rounded up to the tile), ``cdiv(max_context, split_tokens)`` splits
+    in the grid, those past a context's end exiting at once: every program's work is bounded,
+    so a batch of ragged contexts does not wait on the SMs that drew its longest sequences
+    (0: off; the separate merge only, no prefix share).
     """
 
     def __init__(
@@ -607,9 +629,20 @@ class PagedAttention:
         pdl: bool | None = None,
         long_prefill: CudnnPrefill | None = None,
         prefix_share_tokens: int = 0,
+        split_tokens: int = 0,
     ) -> None:
         self.long_prefill = long_prefill
         self.prefix_share_tokens = prefix_share_tokens
+        if split_tokens < 0:
+            raise ValueError(f"split_tokens must be >= 0 (0: off), not {split_tokens}")
+        if split_tokens and (decode_merge == "last-program" or prefix_share_tokens):
+            raise ValueError(
+                "split_tokens splits large decode batches into pieces of a fixed length, merged "
+                "by the separate reduce kernel: not with decode_merge='last-program' or a "
+                "prefix share; leave one of them at its default"
+            )
+        # large batches' decode contexts in pieces of this many tokens (0: one split a sequence)
+        self.split_tokens = split_tokens
         # (the step, whether made inside a CUDA-graph capture, its groups)
         self._share_step: tuple[AttentionMetadata, bool, prefix_share.ShareLayout] | None = None
         if decode_tile_rule not in DECODE_TILE_RULES:
@@ -846,6 +879,11 @@ class PagedAttention:
         group = hq // hkv
         tiles = self.decode_tiles(d, group, nd, fp8=kv_scale is not None)
         splits = self.num_splits(nd, hkv)
+        split_tokens = 0
+        if splits == 1 and self.split_tokens:  # a large batch: pieces of a fixed length
+            split_tokens = cdiv(self.split_tokens, tiles.block_n) * tiles.block_n
+            splits = max(1, cdiv(self.max_context, split_tokens))
+            split_tokens = split_tokens if splits > 1 else 0
         bt = meta.block_tables
         share = self._share_layout(q, kv_scale, k_cache, meta, group, tiles)
         slots = splits + (share.splits if share is not None else 0)
@@ -904,6 +942,7 @@ class PagedAttention:
             MERGE_LAST=merge_last,
             MERGE_G=next_power_of_2(group) if merge_last else 1,
             SHARE_SPLITS=slots - splits,
+            SPLIT_TOKENS=split_tokens,
             **switches,
         )
         if slots > 1 and not merge_last:
@@ -911,13 +950,16 @@ class PagedAttention:
                 out,
                 part_o,
                 part_ml,
+                meta.context_lens,
                 meta.num_prefill_tokens,
+                meta.num_prefills,
                 out.stride(0),
                 out.stride(1),
                 HEAD=d,
                 NUM_SPLITS=slots,
                 BLOCK_S=next_power_of_2(slots),
                 PDL=use_pdl,
+                SPLIT_TOKENS=split_tokens,
                 num_warps=4,
                 **_pdl.launch_kwargs(use_pdl),
             )

@@ -663,3 +663,23 @@ def test_by_batch_decode_tiles_match_the_reference(cache: str, shape: tuple[int,
     out = ks.attention(q, k_cache, v_cache, meta, 128**-0.5, scales)
     expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5, scales)
     _assert_close(out, expected, torch.bfloat16, f"{shape} {cache} {want_tiles}")
+
+
+@pytest.mark.parametrize("split_tokens", [256, 512])
+@pytest.mark.parametrize("batch", [64, 256])
+def test_decode_split_tokens_over_ragged_contexts(split_tokens: int, batch: int) -> None:
+    """Issue 44: ``fused.decode_split_tokens`` (contexts cut into pieces of a fixed length at
+    batches of one split a sequence) over ragged contexts, 1 to 4,000 tokens, against the
+    reference: pieces past a context's end exit unwritten and the merge leaves them out."""
+    gen = torch.Generator().manual_seed(batch + split_tokens)
+    contexts = torch.randint(1, 4001, (batch,), generator=gen).tolist()
+    contexts[:3] = [1, split_tokens, split_tokens + 1]  # one piece exactly, one token over
+    meta, num_pages = _meta([1] * batch, contexts, 16, seed=7)
+    q = torch.randn(batch, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(num_pages, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    ks = _fused(torch.bfloat16, options={"fused.decode_split_tokens": split_tokens})
+    assert ks._attn.split_tokens == split_tokens and ks._attn.num_splits(batch, 8) == 1
+    out = ks.attention(q, k_cache, v_cache, meta, 128**-0.5)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5)
+    _assert_close(out, expected, torch.bfloat16, f"{batch} ragged decodes, {split_tokens}")

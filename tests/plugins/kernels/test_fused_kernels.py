@@ -764,6 +764,50 @@ def test_decode_split_counts(dtype: torch.dtype, num_sms: int) -> None:
     run_attention(ks, batch, 4, 2, 64, dtype, seed=1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_tokens", [1, 16, 40])
+def test_decode_split_tokens_cuts_contexts_in_pieces(
+    dtype: torch.dtype, split_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fused.decode_split_tokens``: a decode batch large enough for one split a sequence
+    cuts each context into pieces of that many tokens (rounded up to the tile: 16 in the
+    interpreter), the grid spanning ``max_model_len``; the pieces past a short context exit
+    without writing and the merge reads only those the context reaches. Ragged contexts
+    (one token to several pieces, a prefill beside them) against the reference."""
+    from pitstop.plugins.kernels.triton_ops import paged_attention as pa
+
+    grids: list[tuple[int, ...]] = []
+    kernel = pa._decode_kernel
+
+    class Spy:  # the decode launches' grids
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(pa, "_decode_kernel", Spy())
+    ks = fused(dtype, options={"fused.decode_split_tokens": split_tokens})
+    attn = ks._attn  # type: ignore[union-attr]
+    assert attn.split_tokens == split_tokens and attn.num_splits(5, 2) == 1
+    batch = ([7, 1, 1, 1, 1, 1], [7, 1, 15, 16, 17, 100], 16)
+    run_attention(ks, batch, 4, 2, 64, dtype, seed=3)
+    run_attention(ks, ([1] * 4, [33, 2, 64, 5], 8), 4, 4, 64, dtype, seed=4)
+    pieces = -(-512 // (-(-split_tokens // 16) * 16))  # max_model_len over the rounded length
+    assert grids == [(5, 2, pieces), (4, 4, pieces)]
+
+
+def test_decode_split_tokens_refuses_what_it_cannot_join() -> None:
+    """Below zero, beside the one-launch merge or the shared pass: refused, naming it."""
+    from pitstop.errors import ConfigError
+
+    for options, match in [
+        ({"fused.decode_split_tokens": -1}, ">= 0"),
+        ({"fused.decode_split_tokens": 64, "fused.decode_merge": "last-program"}, "last-program"),
+        ({"fused.decode_split_tokens": 64, "fused.decode_prefix_share": 256}, "prefix_share"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            fused(torch.float32, options=options)
+
+
 def test_padding_rows_are_harmless() -> None:
     """A decode row with context 0 and slot -1 (CUDA-graph padding) writes no slot and outputs zeros."""
     ks = fused(torch.float32)
