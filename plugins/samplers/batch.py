@@ -42,6 +42,8 @@ class SamplingBatch:
     needs_top_p: bool
     needs_min_p: bool
     want_logprobs: bool = False
+    # whether any row is greedy (its argmax then taken beside the draws); True when unknown
+    any_greedy: bool = True
     # The largest top_k over the rows, known on the host so that a sampler never reads it back
     # from the device (that read would stall the overlapped loop); -1: some row keeps every token.
     max_top_k: int = -1
@@ -237,6 +239,7 @@ def make_sampling_batch(
         min_p=to_device(min_p, torch.float32, device),
         generators=list(generators),
         all_greedy=all(t == 0.0 for t in temperature),
+        any_greedy=any(t == 0.0 for t in temperature),
         needs_top_k=any(k != -1 for k in top_k),
         needs_top_p=any(v < 1.0 for v in top_p),
         needs_min_p=any(v > 0.0 for v in min_p),

@@ -103,13 +103,13 @@ class StandardSampler:
             # read (at nano's batch 256 the copy and a float32 argmax took 177 µs a step)
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
         raw = self.process(logits.float(), batch)
-        greedy_ids = raw.argmax(dim=-1)
         if batch.all_greedy:
-            token_ids = greedy_ids
+            token_ids = raw.argmax(dim=-1)
         else:
             probs = self._probs(raw, batch)
-            sampled = self._draw(probs, batch)
-            token_ids = torch.where(batch.temperature == 0, greedy_ids, sampled)
+            token_ids = self._draw(probs, batch)
+            if batch.any_greedy:  # no argmax over [B, V] where no row needs it
+                token_ids = torch.where(batch.temperature == 0, raw.argmax(dim=-1), token_ids)
         if not batch.want_logprobs:
             return SamplerOutput(token_ids=token_ids)
         all_logprobs = torch.log_softmax(raw, dim=-1)
