@@ -210,8 +210,8 @@ class FusedSettings:
         type=int,
         help="decodes that share at least this many tokens of cached pages (a system prompt hit "
         "in the prefix cache, the n samples of one prompt) read those pages once a group a step, "
-        "all the group's query heads in one tile, instead of once a sequence; 0: off (not with "
-        "decode_merge=last-program or fp8_widen=qk-fp8); on an H100 1.5-1.9x a layer's attention "
+        "all the group's query heads in one tile, instead of once a sequence; 0: off (refused "
+        "with decode_merge=last-program, and with fp8_widen=qk-fp8 over an e4m3 cache); on an H100 1.5-1.9x a layer's attention "
         "at 4-8k shared tokens, 0.74-0.96x at 1k",
     )
     decode_split_tokens: int = setting(
@@ -232,8 +232,22 @@ class FusedSettings:
     )
 
 
-def _check_split_tokens(settings: FusedSettings) -> None:
-    """Refuse ``fused.decode_split_tokens`` below zero or beside the settings it cannot join."""
+def _check_decode_settings(settings: FusedSettings, kv_cache_dtype: str) -> None:
+    """Refuse the decode settings that cannot apply together (each would otherwise leave the
+    other unused without a word): ``fused.decode_split_tokens`` below zero or beside the
+    one-launch merge or the shared pass, the shared pass beside the one-launch merge or
+    ``qk-fp8`` over an e4m3 cache."""
+    share = settings.decode_prefix_share
+    if share and settings.decode_merge == "last-program":
+        raise ConfigError(
+            "fused.decode_prefix_share merges its shared pass with the separate kernel: not with "
+            "fused.decode_merge='last-program'; leave one of them at its default"
+        )
+    if share and settings.fp8_widen == "qk-fp8" and kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        raise ConfigError(
+            "fused.decode_prefix_share has no qk-fp8 shared pass: with an e4m3 KV cache leave "
+            "fused.fp8_widen at 'fp16' or fused.decode_prefix_share at 0"
+        )
     tokens = settings.decode_split_tokens
     if tokens < 0:
         raise ConfigError(f"fused.decode_split_tokens must be >= 0 (0: off), not {tokens}")
@@ -265,7 +279,7 @@ class FusedKernels(reference.DispatchKernels):
         """``settings``: this kernel set's, as the plugin manager resolved them (built alone:
         ``plugins.create("kernels", "fused", config, device, dtype)`` reads them)."""
         self.config, self.device, self.dtype = config, device, dtype
-        _check_split_tokens(settings)
+        _check_decode_settings(settings, config.kv_cache_dtype)
         # The model merges q/k/v and gate/up weights at load when this is set.
         self.merge_projections = bool(settings.qkv)
         self.precision = settings.precision

@@ -796,16 +796,23 @@ def test_decode_split_tokens_cuts_contexts_in_pieces(
 
 
 def test_decode_split_tokens_refuses_what_it_cannot_join() -> None:
-    """Below zero, beside the one-launch merge or the shared pass: refused, naming it."""
+    """``fused.decode_split_tokens`` below zero, beside the one-launch merge or the shared
+    pass, and the shared pass beside the one-launch merge or qk-fp8 over an e4m3 cache:
+    refused, naming the setting (not left unused without a word)."""
     from pitstop.errors import ConfigError
 
     for options, match in [
         ({"fused.decode_split_tokens": -1}, ">= 0"),
         ({"fused.decode_split_tokens": 64, "fused.decode_merge": "last-program"}, "last-program"),
         ({"fused.decode_split_tokens": 64, "fused.decode_prefix_share": 256}, "prefix_share"),
+        ({"fused.decode_prefix_share": 256, "fused.decode_merge": "last-program"}, "last-program"),
     ]:
         with pytest.raises(ConfigError, match=match):
             fused(torch.float32, options=options)
+    qk_fp8 = {"fused.decode_prefix_share": 256, "fused.fp8_widen": "qk-fp8"}
+    with pytest.raises(ConfigError, match="qk-fp8"):
+        fused(torch.bfloat16, kv_cache_dtype="fp8_e4m3", options=qk_fp8)
+    fused(torch.bfloat16, options=qk_fp8)  # a bf16 cache: qk-fp8 does not apply, no conflict
 
 
 def test_padding_rows_are_harmless() -> None:
