@@ -171,14 +171,13 @@ def fused_layer_rows() -> list[dict[str, Any]]:
 def prefix_share_rows() -> list[dict[str, Any]]:
     """Cascade decode (``fused.decode_prefix_share``): ``n=2`` samples of each prompt share its
     cached pages (``prefix``, 8-token pages so that the chat prompts fill several), under
-    continuous and chunked with the overlapped loop on and off; and with the one-launch merge
-    asked for too (the shared pass then stays off: the plain decode's tokens)."""
+    continuous and chunked with the overlapped loop on and off (beside the one-launch merge it
+    is refused at start: ``test_decode_split_tokens_refuses_what_it_cannot_join``)."""
     rows = []
     for scheduler, overlap, merge in (
         ("continuous", "on", "separate"),
         ("chunked", "on", "separate"),
         ("chunked", "off", "separate"),
-        ("chunked", "on", "last-program"),
     ):
         options: dict[str, Any] = {"fused.decode_prefix_share": 16}
         if merge != "separate":
