@@ -35,6 +35,7 @@ import torch
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugins.kernels import reference
 from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+from pitstop.testing.timing import graph_seconds
 
 HEADS, KV_HEADS, HEAD_SIZE, PAGE = 16, 8, 128, 16
 
@@ -100,28 +101,11 @@ def copy_rate(device: str) -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def graph_us(attn: PagedAttention, made: list[tuple], replays: int = 20) -> float:
+def graph_us(attn: PagedAttention, made: list[tuple]) -> float:
     """Median µs a call of ``attn`` over the copies in ``made``, replayed from one CUDA graph
     (each copy its own buffers: a replay reads far more than the L2 holds)."""
     scale = HEAD_SIZE**-0.5
-    for x in made:
-        attn(*x, scale)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x in made:
-            attn(*x, scale)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 1e3 * statistics.median(times) / len(made)
+    return 1e6 * graph_seconds([lambda x=x: attn(*x, scale) for x in made])
 
 
 def layouts(batch: int, low: int, high: int, seed: int) -> dict[str, list[int]]:

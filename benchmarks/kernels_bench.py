@@ -69,6 +69,7 @@ import torch
 from pitstop.entrypoints.engine_args import engine_config
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugins.kernels import reference
+from pitstop.testing.timing import graph_seconds
 
 COPY_BW = 4.23e12  # bytes/s, device-to-device copy (read + written), H200
 BF16_FLOPS = 792e12
@@ -241,31 +242,15 @@ REFERENCE: dict[tuple, torch.Tensor] = {}  # reference outputs by case, for the 
 
 
 def graph_ms(calls: list[Callable[[], Any]], replays: int = 20) -> float:
-    """Median milliseconds per call of ``calls`` replayed from one CUDA graph (no launch gaps).
+    """Median milliseconds per call of ``calls`` replayed from one CUDA graph (no launch gaps;
+    :func:`pitstop.testing.timing.graph_seconds`).
 
     This is how the engine runs decode steps. Each call reads its own buffers, so
     one replay reads far more than the L2 holds and nothing is served from it.
     """
     if DEVICE != "cuda":
         return bench(lambda: [c() for c in calls]) / len(calls)
-    for c in calls:  # compile and warm up outside the capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / len(calls)
+    return 1e3 * graph_seconds(calls, replays)
 
 
 def checked_time(
