@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 
 from pitstop.plugins.kernels.triton_ops import fused_linear as fl
 from pitstop.plugins.kernels.triton_ops import pdl, rmsnorm, silu
+from pitstop.testing.timing import graph_seconds
 
 COPY_BW = 4.23e12  # bytes/s, the H200's measured copy bandwidth
 EPS = 1e-6
@@ -62,30 +62,9 @@ def shape(model: str, op: str) -> tuple[int, int, int]:
 
 
 def time_calls(fns: list[Callable[[], Any]], reps: int = 7) -> float:
-    """Seconds per call: ``fns`` (run in order) captured in one CUDA graph, median of replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    del graph
-    return statistics.median(times) / len(fns)
+    """Seconds per call: ``fns`` (run in order) captured in one CUDA graph, median of replays
+    (:func:`pitstop.testing.timing.graph_seconds`)."""
+    return graph_seconds(fns, reps)
 
 
 class Case:

@@ -21,13 +21,13 @@ LoRA cost beside the base GEMMs.
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import NamedTuple
 
 import torch
 
 from pitstop.plugins.kernels.lora_reference import ProjectionLoRA
 from pitstop.plugins.kernels.triton_ops import fused_linear, lora, lora_pack
+from pitstop.testing.timing import graph_seconds
 
 # case -> (hidden, q, kv, intermediate, rows, adapters in the batch)
 CASES = {
@@ -43,28 +43,9 @@ RANK = 16
 
 
 def _timed(fn, iters: int, repeats: int) -> float:
-    """µs per call of ``fn`` captured ``iters`` times in one CUDA graph (median of repeats)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / iters)
-    return statistics.median(times)
+    """µs per call of ``fn`` captured ``iters`` times in one CUDA graph (median of repeats;
+    :func:`pitstop.testing.timing.graph_seconds`)."""
+    return 1e6 * graph_seconds([fn] * iters, repeats)
 
 
 def _time_projection(
