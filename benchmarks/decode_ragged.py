@@ -32,49 +32,20 @@ from typing import Any
 
 import torch
 
-from pitstop.ground.attention import AttentionMetadata
 from pitstop.plugins.kernels import reference
 from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
+from pitstop.testing.kernels import paged_metadata
 from pitstop.testing.timing import graph_seconds
 
 HEADS, KV_HEADS, HEAD_SIZE, PAGE = 16, 8, 128, 16
 
 
-def ragged_meta(contexts: list[int], device: str) -> tuple[AttentionMetadata, int]:
-    """Decode metadata of sequences of ``contexts`` tokens over shuffled pages."""
-    pages = [-(-c // PAGE) for c in contexts]
-    total = sum(pages)
-    perm = torch.randperm(total)
-    width = max(pages)
-    tables = torch.zeros(len(contexts), width, dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(pages):
-        tables[i, :n] = perm[at : at + n].to(torch.int32)
-        at += n
-    last = torch.tensor([c - 1 for c in contexts])
-    slots = tables[torch.arange(len(contexts)), last // PAGE].long() * PAGE + last % PAGE
-    batch = len(contexts)
-    meta = AttentionMetadata(
-        positions=last.to(device),
-        slot_mapping=slots.to(device),
-        block_tables=tables.to(device),
-        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
-        cu_query_lens=torch.arange(batch + 1, dtype=torch.int32, device=device),
-        num_prefills=0,
-        num_prefill_tokens=0,
-        num_decodes=batch,
-        max_query_len=1,
-        max_context_len=max(contexts),
-        page_size=PAGE,
-        context_lens_list=list(contexts),
-        query_lens_list=[1] * batch,
-    )
-    return meta, total
-
-
 def inputs(contexts: list[int], device: str) -> tuple:
     """q, paged K and V caches and the metadata of one decode step over ``contexts``."""
-    meta, pages = ragged_meta(contexts, device)
+    pages = sum(-(-c // PAGE) for c in contexts)
+    meta = paged_metadata(
+        [1] * len(contexts), contexts, PAGE, pages, seed=len(contexts), device=device
+    )
     q = torch.randn(len(contexts), HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16)
     k = torch.randn(pages, PAGE, KV_HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16)
     return q, k, torch.randn_like(k), meta
