@@ -166,7 +166,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         r.add_argument(
             "--measure-ceilings",
             action="store_true",
-            help="measure copy bandwidth and bf16 matrix rate on this GPU for the floor (default: H200's)",
+            help="measure copy bandwidth and bf16 matrix rate on this GPU for the floor (default: "
+            "the H200's documented ones on an H200, measured on any other GPU)",
         )
         o = p.add_argument_group("output")
         o.add_argument(
@@ -263,10 +264,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     device = resolve_device(config.device)
     dev = str(device)
 
-    # The floor: n/a on CPU; on CUDA with the H200's ceilings unless measured here.
+    # The floor: n/a on CPU; on CUDA the H200's ceilings there, measured here on another GPU.
     ceilings: floors.Ceilings | None = None
     if device.type == "cuda":
-        ceilings = floors.measure_ceilings(device) if args.measure_ceilings else floors.H200
+        ceilings = floors.ceilings_for(device, args.measure_ceilings)
     elif args.measure_ceilings:
         log.warning("--measure-ceilings needs a CUDA device; the floor is n/a on %s", dev)
     floor = None

@@ -388,6 +388,18 @@ def measure_ceilings(
     return Ceilings(2 * size_mib * 2**20 / copy_s, 2 * n**3 / mm_s, source=f"measured on {name}")
 
 
+def ceilings_for(device: Any, measure: bool = False) -> Ceilings:
+    """The ceilings a run's floor uses on CUDA ``device``: the H200's documented ones on an
+    H200 (so its runs compare across days), measured here on any other GPU (the H200's would
+    put another card's fraction of floor on a scale it cannot reach), or measured anyway
+    with ``measure`` (``--measure-ceilings``)."""
+    import torch
+
+    if measure or "H200" not in torch.cuda.get_device_name(device):
+        return measure_ceilings(device)
+    return H200
+
+
 def read_result(path: str) -> dict[str, Any]:
     """A ``pitstop bench`` result file, ``.json`` or ``.json.gz``."""
     import gzip

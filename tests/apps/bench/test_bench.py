@@ -807,3 +807,21 @@ def test_lora_adapters_matrix_serves_every_request_with_an_adapter(tmp_path, tin
         assert cols[name]["config"]["adapter"] == "lora"
         assert cols[name]["config"]["options"]["max_loras"] == count
         assert cols[name]["figures"]["output_tok_per_s"] > 0
+
+
+def test_the_floor_uses_the_h200s_ceilings_there_and_measures_them_elsewhere(monkeypatch):
+    """On an H200 the documented ceilings (comparable across days); on any other GPU, or when
+    asked, the ones measured there."""
+    import torch
+
+    from pitstop.bench import floor as floors
+
+    measured = floors.Ceilings(3.0e12, 600e12, source="measured on a test card")
+    monkeypatch.setattr(floors, "measure_ceilings", lambda device: measured)
+    for name, measure, want in [
+        ("NVIDIA H200", False, floors.H200),
+        ("NVIDIA H200", True, measured),
+        ("NVIDIA H100 80GB HBM3", False, measured),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert floors.ceilings_for("cuda", measure) is want, (name, measure)
