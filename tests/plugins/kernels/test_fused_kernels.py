@@ -774,17 +774,17 @@ def test_decode_split_tokens_cuts_contexts_in_pieces(
     interpreter), the grid spanning ``max_model_len``; the pieces past a short context exit
     without writing and the merge reads only those the context reaches. Ragged contexts
     (one token to several pieces, a prefill beside them) against the reference."""
-    from pitstop.plugins.kernels.triton_ops import paged_attention as pa
+    from pitstop.plugins.kernels.triton_ops import paged_decode
 
     grids: list[tuple[int, ...]] = []
-    kernel = pa._decode_kernel
+    kernel = paged_decode._decode_kernel
 
     class Spy:  # the decode launches' grids
         def __getitem__(self, grid: tuple[int, ...]) -> object:
             grids.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(pa, "_decode_kernel", Spy())
+    monkeypatch.setattr(paged_decode, "_decode_kernel", Spy())
     ks = fused(dtype, options={"fused.decode_split_tokens": split_tokens})
     attn = ks._attn  # type: ignore[union-attr]
     assert attn.split_tokens == split_tokens and attn.num_splits(5, 2) == 1
