@@ -15,8 +15,9 @@ from CUDA graphs on:
 - ``ragged-sorted``: the same contexts, longest first (the order the block scheduler
   takes programs in);
 
-each at the engine's split count, at each ``--splits`` forced and with contexts cut into
-pieces of each ``--split-tokens`` (``fused.decode_split_tokens``), with the bytes read over
+over a bf16 and an e4m3 cache (``--kv``), each at the engine's split count, at each
+``--splits`` forced and with contexts cut into pieces of each ``--split-tokens``
+(``fused.decode_split_tokens``), with the bytes read (fp8 at one byte an element) over
 the measured device-to-device copy rate. Every configuration is checked against the
 reference first. Where ``ragged`` reads its bytes markedly slower than ``uniform``, the
 kernel's work per program is unbalanced and a split by tokens (not by batch size) would pay.
@@ -40,21 +41,34 @@ from pitstop.testing.timing import graph_seconds
 HEADS, KV_HEADS, HEAD_SIZE, PAGE = 16, 8, 128, 16
 
 
-def inputs(contexts: list[int], device: str) -> tuple:
-    """q, paged K and V caches and the metadata of one decode step over ``contexts``."""
+KV_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
+
+
+def inputs(contexts: list[int], device: str, kv: str = "bf16") -> tuple:
+    """``(q, k_cache, v_cache, meta, kv_scale)`` of one decode step over ``contexts``; an
+    ``e4m3`` cache holds the random values quantized with scales 0.05 (K) and 0.02 (V),
+    ``kv_scale`` None for bf16."""
     pages = sum(-(-c // PAGE) for c in contexts)
     meta = paged_metadata(
         [1] * len(contexts), contexts, PAGE, pages, seed=len(contexts), device=device
     )
     q = torch.randn(len(contexts), HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16)
     k = torch.randn(pages, PAGE, KV_HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16)
-    return q, k, torch.randn_like(k), meta
+    v = torch.randn_like(k)
+    if kv == "bf16":
+        return q, k, v, meta, None
+    scales = torch.tensor([0.05, 0.02], device=device)
+    k, v = (
+        reference.quantize_kv(c * s, s, KV_DTYPES[kv]) for c, s in zip((k, v), scales, strict=True)
+    )
+    return q, k, v, meta, scales
 
 
-def step_bytes(contexts: list[int]) -> float:
-    """What one step reads and writes: each K and V token once per KV head, q and out."""
-    batch = len(contexts)
-    return 2 * sum(contexts) * KV_HEADS * HEAD_SIZE * 2 + 2 * batch * HEADS * HEAD_SIZE * 2
+def step_bytes(contexts: list[int], kv: str = "bf16") -> float:
+    """What one step reads and writes: each K and V token once per KV head (one byte an
+    element in fp8), q and out in bf16."""
+    batch, elt = len(contexts), KV_DTYPES[kv].itemsize
+    return 2 * sum(contexts) * KV_HEADS * HEAD_SIZE * elt + 2 * batch * HEADS * HEAD_SIZE * 2
 
 
 def copy_rate(device: str) -> float:
@@ -76,7 +90,7 @@ def graph_us(attn: PagedAttention, made: list[tuple]) -> float:
     """Median µs a call of ``attn`` over the copies in ``made``, replayed from one CUDA graph
     (each copy its own buffers: a replay reads far more than the L2 holds)."""
     scale = HEAD_SIZE**-0.5
-    return 1e6 * graph_seconds([lambda x=x: attn(*x, scale) for x in made])
+    return 1e6 * graph_seconds([lambda x=x: attn(*x[:4], scale, x[4]) for x in made])
 
 
 def layouts(batch: int, low: int, high: int, seed: int) -> dict[str, list[int]]:
@@ -103,6 +117,7 @@ def main() -> None:
         "--split-tokens", type=int, nargs="*", default=[256, 512, 1024],
         help="also time fused.decode_split_tokens at each of these lengths",
     )  # fmt: skip
+    p.add_argument("--kv", nargs="*", default=["bf16", "e4m3"], choices=sorted(KV_DTYPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
@@ -111,15 +126,21 @@ def main() -> None:
     device = "cuda"
     rate = copy_rate(device)
     print(f"device {torch.cuda.get_device_name()}; copy {rate / 1e12:.3f} TB/s")
-    print("| batch | split | us | bytes read at | of copy | max error |")
-    print("|---|---|---|---|---|---|")
+    print("| cache | batch | split | us | bytes read at | of copy | max error |")
+    print("|---|---|---|---|---|---|---|")
     rows: list[dict[str, Any]] = []
-    for name, contexts in layouts(args.batch, args.low, args.high, args.seed).items():
+    cases = [
+        (kv, name, contexts)
+        for kv in args.kv
+        for name, contexts in layouts(args.batch, args.low, args.high, args.seed).items()
+    ]
+    for kv, name, contexts in cases:
         torch.manual_seed(args.seed)
-        nbytes = step_bytes(contexts)
+        nbytes = step_bytes(contexts, kv)
         copies = max(2, min(64, -(-int(512e6) // int(nbytes))))
-        made = [inputs(contexts, device) for _ in range(copies)]
-        truth = reference.paged_attention(*made[0], HEAD_SIZE**-0.5).float()
+        made = [inputs(contexts, device, kv) for _ in range(copies)]
+        q, k, v, meta, kv_scale = made[0]
+        truth = reference.paged_attention(q, k, v, meta, HEAD_SIZE**-0.5, kv_scale).float()
         runs = [(None, 0)] + [(s, 0) for s in args.splits] + [(None, t) for t in args.split_tokens]
         for splits, tokens in runs:
             attn = PagedAttention(
@@ -128,10 +149,11 @@ def main() -> None:
             chosen = attn.num_splits(len(contexts), KV_HEADS)
             if splits is not None:
                 attn.num_splits = lambda n, h, s=splits: s  # type: ignore[method-assign]
-            out = attn(*made[0], HEAD_SIZE**-0.5).float()
+            out = attn(q, k, v, meta, HEAD_SIZE**-0.5, kv_scale).float()
             err = ((out - truth).abs().max() / truth.abs().max()).item()
             us = graph_us(attn, made) if err <= 2e-2 else float("nan")
             row = {
+                "cache": kv,
                 "batch": name,
                 "contexts": [min(contexts), max(contexts), sum(contexts)],
                 "splits": (
@@ -148,7 +170,7 @@ def main() -> None:
             }
             rows.append(row)
             print(
-                f"| {name} | {row['splits']} | {row['us']} | {row['tb_s']} TB/s "
+                f"| {kv} | {name} | {row['splits']} | {row['us']} | {row['tb_s']} TB/s "
                 f"| {100 * row['of_copy']:.1f}% | {err:.2g} |"
             )
     if args.json:

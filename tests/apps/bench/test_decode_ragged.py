@@ -30,7 +30,8 @@ def test_ragged_batches_read_the_same_bytes_and_decode_right() -> None:
     from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
 
     torch.manual_seed(0)
-    q, k, v, meta = dr.inputs(ragged, "cpu")
+    q, k, v, meta, kv_scale = dr.inputs(ragged, "cpu")
+    assert kv_scale is None
     q, k, v = q.float(), k.float(), v.float()
     truth = reference.paged_attention(q, k, v, meta, dr.HEAD_SIZE**-0.5)
     for splits in (1, 2):
@@ -38,3 +39,15 @@ def test_ragged_batches_read_the_same_bytes_and_decode_right() -> None:
         attn.num_splits = lambda n, h, s=splits: s
         out = attn(q, k, v, meta, dr.HEAD_SIZE**-0.5)
         assert torch.allclose(out, truth, atol=1e-4, rtol=1e-4), f"{splits} splits"
+
+
+def test_an_e4m3_batch_holds_its_values_quantized_and_reads_a_byte_an_element() -> None:
+    dr = benchmark_script("decode_ragged")
+    contexts = [5, 20, 33]
+    q, k, v, meta, kv_scale = dr.inputs(contexts, "cpu", "e4m3")
+    assert k.dtype == v.dtype == torch.float8_e4m3fn
+    assert kv_scale.tolist() == pytest.approx([0.05, 0.02])
+    assert dr.step_bytes(contexts, "e4m3") < dr.step_bytes(contexts, "bf16")
+    per_token = 2 * dr.KV_HEADS * dr.HEAD_SIZE  # K and V elements a token
+    q_out = 2 * len(contexts) * dr.HEADS * dr.HEAD_SIZE * 2
+    assert dr.step_bytes(contexts, "e4m3") == sum(contexts) * per_token + q_out
