@@ -12,6 +12,14 @@ Decode (sequences computing one token):
     context (never on this step's lengths), so the grid is fixed for a fixed
     batch size and the launch can be captured in a CUDA graph.
 
+Pieces of a fixed length (``PagedAttention(split_tokens=...)``, ``SPLIT_TOKENS``): where
+the batch rule gives one split a sequence (large batches), each context is cut into
+pieces of ``SPLIT_TOKENS`` tokens instead, ``cdiv(max_context, SPLIT_TOKENS)`` splits in
+the grid. A piece past its context's end exits before reading anything (split 0 always
+runs, so a padding row still writes its empty state) and the reduce kernel merges only
+the ``cdiv(context, SPLIT_TOKENS)`` pieces a context reaches, so unwritten partials are
+never read. Every program's work is then bounded whatever its sequence's length.
+
 One-launch merge (``PagedAttention(decode_merge="last-program")``, issue 29;
 the default ``"separate"`` keeps the second kernel, unchanged): with more than
 one split, each split program writes its partial ``(o, m, l)`` as before (an
