@@ -6,7 +6,9 @@
 Shapes (dummy bf16 weights, fused kernels):
 
 - ``nano``: qwen3-0.6b, 256 live sequences of nano's prompt lengths, steady
-  decode (every sequence prefilled first);
+  decode (every sequence prefilled first), greedy as the bench's ``nano``
+  (``--nano-temperature 0.6``: sampled, as this shape was before 2026-12-07's thirteenth
+  session, whose profiles then held about 0.9 ms a step of sampler kernels);
 - ``single``: llama3-8b, one sequence (128-token prompt, temperature 0.8,
   top-k 200), steady decode: the `single` workload's steps;
 - ``mixed``: qwen3-8b, ``chunked`` with chunk_size 2048 and 32 sequences:
@@ -139,8 +141,10 @@ def measure(
     adapters: int = 0,
     options: tuple = (),
     host_top: int = 0,
+    nano_temperature: float = 0.0,
 ) -> None:
-    """Settle ``shape`` into steady state, profile ``steps`` steps, print the figures."""
+    """Settle ``shape`` into steady state, profile ``steps`` steps, print the figures
+    (``nano_temperature``: the ``nano`` shape's sampling temperature; 0: greedy)."""
     kwargs: dict[str, Any] = dict(SHAPES[shape])
     pairs = [parse_option(o) for o in options]
     # a dotted key is a plugin's option, another an engine setting (piecewise_max_tokens=8192)
@@ -188,7 +192,7 @@ def measure(
         for i in range(256):
             add(
                 _ids(rng, rng.randint(100, 1024)),
-                SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0.6),
+                SamplingParams(max_tokens=2000, ignore_eos=True, temperature=nano_temperature),
                 f"d{i}",
             )
     elif shape == "single":
@@ -401,6 +405,11 @@ def main() -> None:
     parser.add_argument("--lora-adapters", type=int, default=0, metavar="N")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--host-top", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--nano-temperature", type=float, default=0.0,
+        help="the nano shape's sampling temperature: 0 (greedy, as the bench's nano) or e.g. "
+        "0.6 (nano-vllm's, and this script's before 2026-12-07's thirteenth session)",
+    )  # fmt: skip
     args = parser.parse_args()
     for option in args.option:  # a malformed one before any engine starts
         try:
@@ -408,6 +417,7 @@ def main() -> None:
         except ConfigError as exc:
             parser.error(str(exc))
     extra = [f"--lora-adapters={args.lora_adapters}", f"--host-top={args.host_top}"]
+    extra.append(f"--nano-temperature={args.nano_temperature}")
     extra += [f"--option={o}" for o in args.option]
     if args.overlap == "both":  # each loop in a fresh process: the first engine's cache is gone
         print("| shape | overlap | live seqs | GPU busy | wall ms/step | kernel ms/step |")
@@ -426,6 +436,7 @@ def main() -> None:
         args.lora_adapters,
         tuple(args.option),
         args.host_top,
+        args.nano_temperature,
     )
 
 
