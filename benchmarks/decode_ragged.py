@@ -169,13 +169,13 @@ def main() -> None:
                 "err": round(err, 5),
             }
             rows.append(row)
+            if args.json:  # after every row: a run cut by a time limit keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"copy_bytes_per_s": rate, "rows": rows, "args": vars(args)}, f)
             print(
                 f"| {kv} | {name} | {row['splits']} | {row['us']} | {row['tb_s']} TB/s "
                 f"| {100 * row['of_copy']:.1f}% | {err:.2g} |"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_bytes_per_s": rate, "rows": rows, "args": vars(args)}, f, indent=1)
 
 
 if __name__ == "__main__":
