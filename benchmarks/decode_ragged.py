@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 from typing import Any
 
 import torch
 
+from pitstop.bench.floor import measure_ceilings
 from pitstop.plugins.kernels import reference
 from pitstop.plugins.kernels.triton_ops.paged_attention import PagedAttention
 from pitstop.testing.kernels import paged_metadata
@@ -69,21 +69,6 @@ def step_bytes(contexts: list[int], kv: str = "bf16") -> float:
     element in fp8), q and out in bf16."""
     batch, elt = len(contexts), KV_DTYPES[kv].itemsize
     return 2 * sum(contexts) * KV_HEADS * HEAD_SIZE * elt + 2 * batch * HEADS * HEAD_SIZE * 2
-
-
-def copy_rate(device: str) -> float:
-    """Device-to-device copy, bytes read and written a second (1 GiB buffers, median of 20)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * src.numel() / statistics.median(times)
 
 
 def graph_us(attn: PagedAttention, made: list[tuple]) -> float:
@@ -124,7 +109,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("decode_ragged.py times CUDA graphs: it needs a CUDA device")
     device = "cuda"
-    rate = copy_rate(device)
+    rate = measure_ceilings(device).copy_bytes_per_s  # the bench's own copy measurement
     print(f"device {torch.cuda.get_device_name()}; copy {rate / 1e12:.3f} TB/s")
     print("| cache | batch | split | us | bytes read at | of copy | max error |")
     print("|---|---|---|---|---|---|---|")

@@ -211,8 +211,8 @@ class FusedSettings:
         help="decodes that share at least this many tokens of cached pages (a system prompt hit "
         "in the prefix cache, the n samples of one prompt) read those pages once a group a step, "
         "all the group's query heads in one tile, instead of once a sequence; 0: off (refused "
-        "with decode_merge=last-program, and with fp8_widen=qk-fp8 over an e4m3 cache); on an H100 1.5-1.9x a layer's attention "
-        "at 4-8k shared tokens, 0.74-0.96x at 1k",
+        "with decode_merge=last-program, and with fp8_widen=qk-fp8 over an e4m3 cache); on an "
+        "H100 1.5-1.9x a layer's attention at 4-8k shared tokens, 0.74-0.96x at 1k",
     )
     decode_split_tokens: int = setting(
         0,
