@@ -127,12 +127,18 @@ class FlightResponse(StreamingResponse):
             self.flight.release()
 
 
-def _burst(flight: Flight, out: RequestOutput) -> list[RequestOutput]:
-    """``out`` and the outputs already queued behind it, merged into one event per choice."""
+def _burst(flight: Flight, out: RequestOutput) -> tuple[list[RequestOutput], Exception | None]:
+    """``out`` and the outputs already queued behind it, merged into one event per choice,
+    with the error queued after them if one ended the stream (its outputs are sent first)."""
     burst = [out]
-    while not burst[-1].finished and (more := flight.get_nowait()) is not None:
-        burst.append(more)
-    return burst
+    try:
+        while not burst[-1].finished and (more := flight.get_nowait()) is not None:
+            burst.append(more)
+    except StopAsyncIteration:
+        pass
+    except Exception as exc:  # noqa: BLE001 - raised by the caller once the burst is sent
+        return burst, exc
+    return burst, None
 
 
 def _burst_events(
@@ -194,7 +200,7 @@ async def _events(
         if first is not None:
             yield sse(first)
         async for out in flight:
-            burst = _burst(flight, out)
+            burst, behind = _burst(flight, out)
             last = burst[-1]
             failed = last.finished and last.finish_reason not in OPENAI_FINISH
             events = _burst_events(burst, finished, make_chunk, failed=failed)
@@ -214,6 +220,8 @@ async def _events(
             if last.finished and any(c.finish_reason == "abort" for c in last.outputs):
                 metrics.observe_request_failure("shutdown")
                 error = shutdown_error()
+            if behind is not None:
+                raise behind
     except ServerCut:
         metrics.observe_request_failure("shutdown")
         for event in _cut_choices(num_choices, finished, make_chunk, flight):

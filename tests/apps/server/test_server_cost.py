@@ -239,3 +239,55 @@ def test_stream_order_is_choices_usage_error_done(live: Live) -> None:
     )
     assert 1 <= usage["usage"]["completion_tokens"] < 30 and sent >= 1
     assert all(e.get("choices") for e in events[:-2])
+
+
+@attrs.define
+class _Failures:
+    """The two counters a stream reports failures to (ServerMetrics' names)."""
+
+    seen: list[str] = attrs.Factory(list)
+
+    def observe_stream_error(self, exc: BaseException) -> None:
+        self.seen.append(f"stream:{type(exc).__name__}")
+
+    def observe_request_failure(self, kind: str) -> None:
+        self.seen.append(kind)
+
+
+def test_outputs_queued_before_a_step_error_are_sent_before_it() -> None:
+    """The engine's outputs and then its step error already queued together (one burst):
+    the burst's text goes out first, then usage, the error and [DONE]."""
+    import asyncio
+
+    from pitstop.entrypoints.async_engine import EngineStepError
+    from pitstop.requests.outputs import CompletionOutput, RequestOutput
+    from pitstop.server.streaming import _events
+
+    def output(n: int) -> RequestOutput:
+        sample = CompletionOutput(
+            0, "ab"[:n], list(range(n)), text_delta="ab"[n - 1], new_token_ids=[n - 1]
+        )
+        return RequestOutput("r", None, [7], [sample], False)
+
+    def chunk(k: int, text: str, reason: str | None, count: int, out: Any) -> dict[str, Any]:
+        return {"choices": [{"index": k, "text": text, "finish_reason": reason}]}
+
+    def usage(out: RequestOutput) -> dict[str, Any]:
+        return {"choices": [], "usage": {"completion_tokens": len(out.outputs[0].token_ids)}}
+
+    metrics = _Failures()
+
+    async def collect() -> list[str]:
+        flight = _state().admit("x", 1)
+        for item in (output(1), output(2), EngineStepError("boom")):
+            flight._queue.put_nowait(item)
+        events = _events(flight, metrics, chunk, None, usage, 1, None)  # type: ignore[arg-type]
+        return [e async for e in events]
+
+    lines = [e.strip().removeprefix("data: ") for e in asyncio.run(collect())]
+    assert lines[-1] == "[DONE]"
+    text, usage_event, error = (json.loads(x) for x in lines[:-1])
+    assert text["choices"][0]["text"] == "ab" and text["choices"][0]["finish_reason"] is None
+    assert usage_event["usage"]["completion_tokens"] == 2
+    assert error["error"]["code"] == "engine_error"
+    assert metrics.seen == ["stream:EngineStepError"]
