@@ -88,6 +88,16 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/pending/}" ]; then
   BENCHES=${BENCHES/pending/rollout-exit layer prefill44 multiturn moe48 lora47}
   export MT_N=${MT_N:-360} MT_REPEATS=${MT_REPEATS:-1} MOE_WORKLOADS=${MOE_WORKLOADS:-single}
 fi
+# BENCHES=layer-default: whether fused.layer can become the default (issues 44, 47, 48): the GPU
+# matrix's fused+layer rows (each a fresh process against transformers), nano and single with the
+# layer off and on, and nano's LoRA rows with it (medians of 3). About 14 minutes: two calls, the
+# second naming the cases the first did not reach (the SmolLM2 GGUF's parts carried for the matrix)
+if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/layer-default/}" ]; then
+  BENCHES=${BENCHES/layer-default/matrix layer-nano layer-single lora-kernels}
+  export MATRIX_ONLY=${MATRIX_ONLY:-fused+layer} LAYER_ONLY=${LAYER_ONLY:-layer-off,layer-on}
+  export LAYER_REPEATS=${LAYER_REPEATS:-3} LORA_REPEATS=${LORA_REPEATS:-3}
+  export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8,base-layer,lora-1-layer,lora-8-layer}
+fi
 # BENCHES=next: what the thirteenth session (2026-12-07) left to measure, most telling first
 # (about 11 minutes: two calls): decode attention over ragged contexts (issue 44: is nano's
 # decode kernel unbalanced?) and nano with fused.decode_split_tokens, the LoRA GPU tests (with
