@@ -1250,9 +1250,15 @@ def test_last_program_counters_and_knob() -> None:
 
 
 def _tiny_runner(
-    arch: str, kernels: str, dtype: torch.dtype, page_size: int, kv_cache_dtype: str = "auto"
+    arch: str,
+    kernels: str,
+    dtype: torch.dtype,
+    page_size: int,
+    kv_cache_dtype: str = "auto",
+    options: dict[str, object] | None = None,
 ):
-    """A ModelRunner over a tiny random Hugging Face model of ``arch`` (same weights for every kernel set)."""
+    """A ModelRunner over a tiny random Hugging Face model of ``arch`` (same weights for every
+    kernel set; ``options``: the kernel set's settings)."""
     transformers = pytest.importorskip("transformers")
     from pitstop.plugin_system.plugin_manager import PluginManager
     from pitstop.plugins.models.llama_config import config_from_hf
@@ -1298,6 +1304,7 @@ def _tiny_runner(
         kernels=kernels,
         device=DEVICE.type,
         kv_cache_dtype=kv_cache_dtype,
+        options=options or {},
     )
     runner = ModelRunner(config, config_from_hf(config_dict), plugins, DEVICE, dtype)
     state = {k: v.to(dtype) for k, v in hf_model.state_dict().items()}
@@ -1463,7 +1470,10 @@ def test_tiny_qwen3_normalizes_q_and_k_inside_rope_and_store() -> None:
     assert not any(layer.self_attn.fuse_qk_norm for layer in reference_runner.model.layers)
     expected = _forced_logits(reference_runner, prompts, forced)
 
-    runner = _tiny_runner("qwen3", "fused", torch.float32, page_size)
+    # the unfused layer, whatever fused.layer's default: its rms_norm calls are counted below
+    runner = _tiny_runner(
+        "qwen3", "fused", torch.float32, page_size, options={"fused.layer": False}
+    )
     attns = [layer.self_attn for layer in runner.model.layers]
     assert all(attn.fuse_qk_norm for attn in attns)
     kernels, calls = runner.kernels, []
