@@ -11,11 +11,15 @@ A request whose adapter would bring the adapters in flight over what one step ca
 (the adapter plugin's ``max_per_step``, LoRA's ``max_loras``) waits here, in the table but
 not yet queued, until requests finish and free a place (:meth:`RequestIntake.admit_waiting`,
 before each step), as vLLM's scheduler holds such requests back; requests of adapters
-already in flight, and of the base model, do not wait behind it.
+already in flight, and of the base model, do not wait behind it. Likewise a request whose
+adapter is still being copied to the device (the plugin's optional ``ready``) waits, its
+place kept, until the copy has finished, so that no running batch waits for the copy;
+with nothing else in flight it goes at once.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -44,6 +48,8 @@ from pitstop.requests.request_state import RequestState, SampleState
 from pitstop.requests.sampling_params import SamplingParams
 from pitstop.requests.sequence import Sequence, Timestamps
 from pitstop.requests.validation import SEED_MODULUS, check_encoded_prompt, validate_request
+
+log = logging.getLogger(__name__)
 
 
 class RequestIntake:
@@ -173,7 +179,10 @@ class RequestIntake:
         req = RequestState(request_id, prompt, ids, params, samples)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
-        waits = lora_request is not None and not self._has_room(lora_request.lora_int_id)
+        waits = lora_request is not None and not (
+            self._has_room(lora_request.lora_int_id)
+            and self._adapter_ready(lora_request, self._adapters_in_flight())
+        )
         self.requests.add(req)
         seqs = [sample.seq for sample in samples]
         if len(seqs) > 1 and AllocatorBase.of(self.allocator, "shares_prefix_pages"):
@@ -186,11 +195,30 @@ class RequestIntake:
                 self.scheduler.add(seq)
         return request_id
 
-    def _adapters_in_flight(self) -> set[int]:
-        """The adapter ids of the queued (waiting or running) requests' sequences."""
+    def _queued_sequences(self) -> list[Sequence]:
+        """The live sequences the scheduler holds (waiting or running), not those waiting here."""
         waiting = {seq.seq_id for seqs in self._waiting.values() for seq in seqs}
         live = self.requests.live_sequences().values()
-        return {seq.adapter_id for seq in live if seq.seq_id not in waiting} - {0}
+        return [seq for seq in live if seq.seq_id not in waiting]
+
+    def _adapters_in_flight(self) -> set[int]:
+        """The adapter ids of the queued (waiting or running) requests' sequences."""
+        return {seq.adapter_id for seq in self._queued_sequences()} - {0}
+
+    def _adapter_ready(self, lora_request: Any, busy: set[int]) -> bool:
+        """Whether a step can run ``lora_request``'s adapter without waiting for its copy to
+        the device: the adapter plugin's ``ready`` (which starts the copy, beside the running
+        steps, into a slot none of ``busy``'s adapters holds), True for a plugin without one.
+        With nothing queued there is no batch to hold up: True (the request's first step
+        waits for the copy on the device)."""
+        ready = getattr(self.adapters, "ready", None)
+        if ready is None:
+            return True
+        try:
+            return bool(ready(lora_request, busy)) or not self._queued_sequences()
+        except Exception:  # noqa: BLE001 - left to the step that runs it, which loads it itself
+            log.exception("placing adapter %r ahead of its step failed", lora_request.lora_name)
+            return True
 
     def _fits(self, adapter_id: int, in_flight: set[int]) -> bool:
         """Whether a request of ``adapter_id`` may join ``in_flight``: its adapter is there,
@@ -208,7 +236,9 @@ class RequestIntake:
 
     def admit_waiting(self) -> None:
         """Queue the requests that wait for a place for their adapter, oldest first, while
-        the adapters in flight leave room (the engine calls it before each step)."""
+        the adapters in flight leave room and once each one's adapter is on the device (a
+        request whose copy runs keeps its place meanwhile); the engine calls it before each
+        step."""
         if not self._waiting:
             return
         in_flight = self._adapters_in_flight()
@@ -217,6 +247,8 @@ class RequestIntake:
             if not self._fits(adapter_id, in_flight):
                 continue
             in_flight.add(adapter_id)
+            if not self._adapter_ready(seqs[0].lora_request, in_flight):
+                continue
             del self._waiting[request_id]
             for seq in seqs:
                 self.scheduler.add(seq)

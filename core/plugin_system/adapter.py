@@ -24,6 +24,13 @@ can run (the ``lora`` plugin's ``max_loras``). A request whose adapter would bri
 queued requests' adapters over it then waits, unqueued, until requests finish and free a
 place (as vLLM's scheduler holds it back); the scheduler never sees more adapters.
 
+An adapter plugin may define ``ready(request, busy) -> bool``: whether a step can run the
+request's adapter without waiting for it to reach the device, starting its copy (into a slot
+that none of ``busy``'s adapter ids, those of the queued requests, holds) where it is not
+there. The engine keeps a request whose adapter is not ready out of the scheduler, its place
+kept, and asks again before each step, so that no running batch waits for a copy; a request
+that arrives with nothing else queued goes at once.
+
 The engine keys the prefix cache by ``Sequence.adapter_id`` (its request's
 ``lora_int_id``; 0 without one), so two adapters never share cached pages.
 """

@@ -29,13 +29,15 @@ host cache keeps up to ``max_cpu_loras`` read adapters (LRU, re-read from their 
 needed again).
 
 Loading never stalls the running batch: when a request's adapter is checked (at
-``add_request``, before it is queued) and is in no slot, it is copied at once into a free
-slot, or (CUDA) the least recently used one whose adapter the last prepared step does not
-run, on a side stream that first waits for everything queued on the step stream (so no step
-launched before still reads that slot); the step that first runs the adapter waits for the
-copy's event on the device, not the host, by which time the copy has mostly run beside the
-steps before it. Where no slot can be taken then, the step that runs the adapter loads it
-on its own stream, as before.
+``add_request``, before it is queued) and is in no slot, it is copied at once into an empty
+slot, and (:meth:`LoRASlots.ready`, which the engine asks right after and before each step,
+with the queued requests' adapters) on CUDA otherwise into the least recently used slot that
+none of those adapters holds; the copy runs on a side stream that first waits for everything
+queued on the step stream (so no step launched before still reads that slot). The engine
+keeps the request out of the scheduler until ``ready`` finds the copy finished, so no running
+batch waits for it; a request that arrives when nothing else is queued goes at once, and its
+first step waits for the copy's event on the device, not the host. Where no slot can be
+taken, the step that runs the adapter loads it on its own stream, as before.
 """
 
 from __future__ import annotations
@@ -243,7 +245,6 @@ class LoRASlots:
         if ctx.device.type == "cuda":
             self.loader = torch.cuda.Stream(ctx.device)
         self.copies: dict[int, torch.cuda.Event] = {}
-        self.last_step: set[int] = set()  # the adapters (lora_int_id) the last prepared step runs
         self.step_stream: torch.cuda.Stream | None = None  # the stream the steps run on
         self.slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU first
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # host cache, LRU first
@@ -507,17 +508,36 @@ class LoRASlots:
         self.requests[request.lora_int_id] = request
         self._preload(request)
 
-    def _preload(self, request: Any) -> None:
+    def ready(self, request: Any, busy: Collection[int]) -> bool:
+        """Whether a step can run ``request``'s adapter without waiting for its copy: it is in
+        a slot and (CUDA) its side copy has finished. Where it is in no slot, its copy starts
+        now, beside the running steps, into a slot that none of ``busy``'s adapters (those of
+        the queued requests) holds. True where no copy can run beside the steps (the CPU, or
+        no such slot): the step that runs it loads it, as before."""
+        with self._lock:
+            key = request.lora_int_id
+            if key not in self.slot_lru:
+                if self.loader is None:
+                    return True
+                self._preload(request, busy)  # reads it again if the host cache dropped it
+                if key not in self.slot_lru:
+                    return True
+            copy = self.copies.get(self.slot_lru[key])
+            return copy is None or bool(copy.query())
+
+    def _preload(self, request: Any, busy: Collection[int] | None = None) -> None:
         """Copy ``request``'s adapter into a slot now, beside the running steps (module
-        docstring), where one is free or held by an adapter the last prepared step does not
-        run; else leave it to the step that runs it."""
+        docstring): an empty one, or (given ``busy``, the queued requests' adapters, on CUDA)
+        the least recently used one that none of them holds; else leave it to the step that
+        runs it."""
         if request.lora_int_id in self.slot_lru:
             return
+        empty = self.slot_ids.index(None) if None in self.slot_ids else None
         if self.loader is None:  # no stream orders a copy after a step still reading a slot
-            if None in self.slot_ids:
-                self._load(self.slot_ids.index(None), request)
+            if empty is not None:
+                self._load(empty, request)
             return
-        slot = self._free_slot(self.last_step)
+        slot = empty if busy is None else self._free_slot(busy)
         if slot is None:
             return
         self.loader.wait_stream(self.step_stream or torch.cuda.current_stream(self.ctx.device))
@@ -550,7 +570,6 @@ class LoRASlots:
 
     def _prepare(self, seqs: Sequence[SeqInput]) -> None:
         wanted = {s.adapter.lora_int_id: s.adapter for s in seqs if s.adapter is not None}
-        self.last_step = set(wanted)
         if self.loader is not None:
             self.step_stream = torch.cuda.current_stream(self.ctx.device)
         if len(wanted) > self.max_loras:

@@ -226,6 +226,64 @@ def test_a_waiting_request_can_be_aborted(tiny: dict[str, Path]) -> None:
     assert [o.request_id for o in done] == [first]
 
 
+def test_a_request_joins_once_its_adapter_is_on_the_device(tiny: dict[str, Path]) -> None:
+    """While the adapter plugin says a request's adapter is still being copied (``ready``
+    False), the request stays out of the scheduler, its place kept, so no step of the
+    running batch waits for the copy; it joins at the first step after the copy is done.
+    Arriving with nothing else queued, it goes at once. Every row's tokens are PEFT's."""
+    llm = _llm(tiny, max_loras=2)
+    engine, plugin = llm.engine, llm.engine.runner.adapters
+    copying = {IDS["ko_gu"]: 3}  # adapter id -> the asks before its copy is done
+    asked: list[tuple[int, frozenset[int]]] = []
+
+    def ready(request: Any, busy: Any) -> bool:
+        asked.append((request.lora_int_id, frozenset(busy)))
+        left = copying.get(request.lora_int_id, 0)
+        copying[request.lora_int_id] = max(left - 1, 0)
+        return left == 0
+
+    plugin.ready = ready  # type: ignore[method-assign]
+    seen: list[set[int]] = []
+    prepare = plugin.prepare
+
+    def record(seqs: Any) -> None:
+        seen.append({s.adapter.lora_int_id for s in seqs if s.adapter is not None})
+        prepare(seqs)
+
+    plugin.prepare = record  # type: ignore[method-assign]
+    prompts = _prompts((9, 14), seed=31)
+    first = engine.add_request(
+        prompt_token_ids=prompts[0], params=GREEDY, lora_request=_request(tiny, "qvd")
+    )
+    second = engine.add_request(
+        prompt_token_ids=prompts[1], params=GREEDY, lora_request=_request(tiny, "ko_gu")
+    )
+    assert engine.intake.num_waiting_for_adapter == 1, "its copy runs: it waits"
+    assert asked[-1] == (IDS["ko_gu"], frozenset({IDS["qvd"]})), "the queued adapters' slots kept"
+    steps_waiting, finished = 0, {}
+    while engine.has_unfinished_requests():
+        if engine.intake.num_waiting_for_adapter:
+            steps_waiting += 1
+        for out in engine.step(stream=False):
+            finished[out.request_id] = out
+    # three answers "not yet" (at its add, before steps 1 and 2), "done" before step 3
+    assert steps_waiting == 3 and [a for a, _ in asked].count(IDS["ko_gu"]) == 4
+    assert seen[:2] == [{IDS["qvd"]}] * 2 and IDS["ko_gu"] in seen[2], seen
+    for request_id, name, prompt in ((first, "qvd", prompts[0]), (second, "ko_gu", prompts[1])):
+        want = _expected(tiny["base"], tiny[name], tuple(prompt))
+        assert finished[request_id].token_ids == want, name
+    copying[IDS["all_l1"]] = 5  # nothing else queued: no batch to hold up, it goes at once
+    alone = engine.add_request(
+        prompt_token_ids=prompts[0], params=GREEDY, lora_request=_request(tiny, "all_l1")
+    )
+    assert engine.intake.num_waiting_for_adapter == 0
+    done = []
+    while engine.has_unfinished_requests():
+        done += engine.step(stream=False)
+    assert [o.request_id for o in done] == [alone]
+    assert done[0].token_ids == _expected(tiny["base"], tiny["all_l1"], tuple(prompts[0]))
+
+
 @pytest.mark.parametrize("kernel", ["shrink_expand", "stacked"])
 def test_tensor_parallel_ranks_serve_adapters_as_one_rank(
     tiny: dict[str, Path], kernel: str
@@ -542,9 +600,10 @@ def test_on_the_gpu_piecewise_graphs_of_prompt_steps_add_every_slots_delta(
 
 @pytest.mark.gpu
 def test_on_the_gpu_adapters_load_on_a_side_stream(tiny: dict[str, Path]) -> None:
-    """On CUDA a checked adapter is copied on the loader stream (an event per slot copy),
-    into a free slot or one the last step does not use, and the step that runs it waits
-    for the copy on the device; rows match PEFT with CUDA graphs, adapters changing slots."""
+    """On CUDA a checked adapter is copied on the loader stream (an event per slot copy)
+    into an empty slot, and the step that runs it waits for the copy on the device; one
+    that finds none is placed by ``ready`` when its request is added; rows match PEFT with
+    CUDA graphs, adapters changing slots."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     llm = _llm(tiny, device="cuda", dtype="float32", kernels="fused", max_loras=2)
@@ -555,11 +614,38 @@ def test_on_the_gpu_adapters_load_on_a_side_stream(tiny: dict[str, Path]) -> Non
     _assert_rows_match_peft(llm, tiny, ["qvd", None], _prompts((9, 14), seed=13))
     assert not plugin.copies, "the step that ran it waited for its copy"
     plugin.check(_request(tiny, "ko_gu"))  # the free slot
-    plugin.check(_request(tiny, "all_l1"))  # evicts one the last step did not run
     assert plugin.copies
+    plugin.check(_request(tiny, "all_l1"))  # no empty slot: placed by ready() at its add
+    assert IDS["all_l1"] not in plugin.slot_lru
     names = ["ko_gu", "all_l1", None, "all_l1", "ko_gu"]
     _assert_rows_match_peft(llm, tiny, names, _prompts((9, 14, 6, 21, 3), seed=14))
     assert llm.engine.runner.graphs is not None, "decode should run from CUDA graphs"
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_ready_copies_beside_the_steps_into_a_slot_no_queued_adapter_holds(
+    tiny: dict[str, Path],
+) -> None:
+    """``ready``: with every slot held by a queued request's adapter it copies nothing (the
+    step that runs it loads it); else it starts the side copy into the slot of an adapter
+    no queued request runs, answers True once that copy is done, and the rows match PEFT."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = _llm(tiny, device="cuda", dtype="float32", kernels="fused", max_loras=2)
+    plugin = llm.engine.runner.adapters
+    plugin.check(_request(tiny, "qvd"))
+    plugin.check(_request(tiny, "ko_gu"))
+    torch.cuda.synchronize()
+    held = dict(plugin.slot_lru)
+    all_l1 = _request(tiny, "all_l1")
+    assert plugin.ready(all_l1, {IDS["qvd"], IDS["ko_gu"]}), "no slot: left to its step"
+    assert dict(plugin.slot_lru) == held, "no queued adapter evicted"
+    plugin.ready(all_l1, {IDS["ko_gu"]})
+    assert IDS["all_l1"] in plugin.slot_lru and IDS["qvd"] not in plugin.slot_lru
+    assert plugin.slot_lru[IDS["all_l1"]] == held[IDS["qvd"]] and plugin.copies
+    torch.cuda.synchronize()
+    assert plugin.ready(all_l1, {IDS["ko_gu"]}), "its copy is done"
+    _assert_rows_match_peft(llm, tiny, ["all_l1", "ko_gu", None], _prompts((9, 14, 6), seed=32))
 
 
 @pytest.mark.gpu
