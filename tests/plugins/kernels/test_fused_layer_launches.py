@@ -106,7 +106,7 @@ def _per_layer(folder: Path, counter: KernelLaunches, options: dict[str, Any]) -
     [
         ({"fused.layer": True}, 6),  # Triton GEMMs
         ({"fused.layer": True, "fused.layer_rows": 0}, 7),  # cuBLAS, the row scale deferred
-        ({}, 9),  # the unfused layer
+        ({"fused.layer": False}, 9),  # the unfused layer
     ],
     ids=["triton", "cublas", "unfused"],
 )
