@@ -120,28 +120,15 @@ def test_fused_layer_equals_unfused_through_chunks_and_decode(tmp_path: Path) ->
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     chunked = dict(scheduler="chunked", chunk_size=5)
     fused = _fused_llm(folder, **chunked).generate(prompt_token_ids=prompts, sampling_params=params)
-    plain = LLM(
-        str(folder),
-        device="cpu",
-        kv_cache_gib=0.01,
-        max_model_len=128,
-        kernels="fused",
-        options=UNFUSED,
-        **chunked,
-    ).generate(prompt_token_ids=prompts, sampling_params=params)
+    plain = _fused_llm(folder, options=UNFUSED, **chunked).generate(
+        prompt_token_ids=prompts, sampling_params=params
+    )
     assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
 
 
 def test_norm_gains_are_folded_once(tmp_path: Path) -> None:
     folder = _checkpoint(tmp_path, "llama")
-    plain = LLM(
-        str(folder),
-        device="cpu",
-        kv_cache_gib=0.01,
-        max_model_len=64,
-        kernels="fused",
-        options=UNFUSED,
-    )
+    plain = _fused_llm(folder, options=UNFUSED)
     fused = _fused_llm(folder)
     a, b = plain.engine.runner.model.layers[0], fused.engine.runner.model.layers[0]
     expected = a.self_attn.qkv_proj * a.input_layernorm[None, :]
@@ -154,14 +141,7 @@ def test_norm_gains_are_folded_once(tmp_path: Path) -> None:
 def test_describe_names_the_layer_ops(tmp_path: Path) -> None:
     folder = _checkpoint(tmp_path, "llama")
     on = _fused_llm(folder).engine.runner.kernels.describe()
-    off = LLM(
-        str(folder),
-        device="cpu",
-        kv_cache_gib=0.01,
-        max_model_len=64,
-        kernels="fused",
-        options=UNFUSED,
-    )
+    off = _fused_llm(folder, options=UNFUSED)
     off_desc = off.engine.runner.kernels.describe()
     for op in reference.LAYER_OPS:
         assert on[op] == (
@@ -268,14 +248,7 @@ def test_moe_models_fuse_their_attention_half(tmp_path: Path) -> None:
     assert sparse == [True, False, True]
     block = model.layers[0].mlp
     assert block.moe_takes_router and block.adds_residual and block.takes_norm
-    plain = LLM(
-        str(folder),
-        device="cpu",
-        kv_cache_gib=0.01,
-        max_model_len=64,
-        kernels="fused",
-        options=UNFUSED,
-    )
+    plain = _fused_llm(folder, options=UNFUSED)
     a, b = plain.engine.runner.model.layers[0], model.layers[0]
     gain = a.post_attention_layernorm[None, :]
     torch.testing.assert_close(b.mlp.router, a.mlp.router * gain, rtol=1e-6, atol=0)
