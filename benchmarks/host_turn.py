@@ -1,14 +1,17 @@
 """The engine's host time a step, without a device: scheduling, inputs, results, outputs.
 
     python benchmarks/host_turn.py [--seqs 256] [--steps 200] [--repeats 3] [--profile N]
+                                   [--stream]
 
 A decode step of many sequences costs the host the same work on any device: the scheduler
 plans it, the engine builds each sequence's input, and applies each sampled token (stop
 checks, detokenizing, outputs). This runs that loop over a tiny random Qwen3 (CPU) whose
 runner is replaced by one that returns a token per sampling sequence at once, so the time
 measured is the engine's alone (not the runner's staging, replay or sampler), in ms a step,
-median of ``--repeats`` (range), with ``--seqs`` sequences decoding. ``--profile N`` prints
-cProfile's N functions with the most cumulative time. Timings are this machine's: compare
+median of ``--repeats`` (range), with ``--seqs`` sequences decoding. ``--stream`` steps as
+a server does (an output for every request each step, its new text decoded), else as
+``LLM.generate`` does (outputs at the end only). ``--profile N`` prints cProfile's N
+functions with the most cumulative time. Timings are this machine's: compare
 them only within one run (the CPU may be shared).
 """
 
@@ -79,6 +82,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--stream", action="store_true", help="step as a server does")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="host-turn-") as folder:
         engine = engine_for(tiny_model(Path(folder)), args.seqs, args.steps * (args.repeats + 1))
@@ -86,17 +90,18 @@ def main() -> None:
         for _ in range(args.repeats):
             start = time.perf_counter()
             for _ in range(args.steps):
-                engine.step(stream=False)
+                engine.step(stream=args.stream)
             times.append(1e3 * (time.perf_counter() - start) / args.steps)
         print(
-            f"host turn, {args.seqs} decoding sequences: {statistics.median(times):.3f} ms a step "
+            f"host turn, {args.seqs} decoding sequences{', streamed' if args.stream else ''}: "
+            f"{statistics.median(times):.3f} ms a step "
             f"(median of {args.repeats} x {args.steps} steps; {min(times):.3f}–{max(times):.3f})"
         )
         if args.profile:
             profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(args.steps):
-                engine.step(stream=False)
+                engine.step(stream=args.stream)
             profiler.disable()
             out = io.StringIO()
             pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(args.profile)
