@@ -1,9 +1,9 @@
 """The key loop that paged attention's kernels share: tiles of keys gathered through the
 block table, ``q @ k^T`` and ``p @ v`` with an online softmax in the log2 domain.
 
-:mod:`.paged_attention` (prefill and split-K decode) and :mod:`.prefix_share` (a group's
-pass over shared prefix pages) both run :func:`_attend` from the state :func:`_attend_begin`
-makes; :mod:`.paged_attention`'s docstring describes the tiles, the masks, GQA packing and
+:mod:`.paged_prefill`, :mod:`.paged_decode` (split-K decode) and :mod:`.prefix_share` (a
+group's pass over shared prefix pages) all run :func:`_attend` from the query tile and state
+:func:`_attend_begin` makes; :mod:`.paged_attention`'s docstring describes the tiles, the masks, GQA packing and
 how fp8 caches are read.
 """
 
@@ -220,6 +220,7 @@ def _head_rows(ptr, tokens, heads, d, stride_t, stride_h):
 
 @triton.jit
 def _attend_begin(
+    q,
     scale_log2e,
     kv_scale_ptr,
     block_tables_ptr,
@@ -232,13 +233,19 @@ def _attend_begin(
     ROWS: tl.constexpr,
     HEAD: tl.constexpr,
     QUANT: tl.constexpr,
+    WIDEN_F16: tl.constexpr,
+    Q_FP8: tl.constexpr,
 ):
-    """What both kernels start :func:`_attend` from, for ``ROWS`` query rows of KV head ``kvh``.
+    """What every kernel starts :func:`_attend` from, for the ``ROWS`` query rows ``q`` of KV
+    head ``kvh``.
 
-    Returns ``(scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr)``: the softmax
-    scale (with an fp8 cache's K scale, ``kv_scale[0]``, folded in when ``QUANT``),
-    an empty online-softmax state, the sequence's block-table row and the KV
-    head's first element in the K and V caches.
+    Returns ``(q, q_up, scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr)``: the query
+    tile as :func:`_attend` takes it (``WIDEN_F16``, an fp8 cache under a bf16 query: fp16
+    operands, :func:`_fp16_query`; ``Q_FP8``, an e4m3 cache: e4m3 rows and their ``2^e``
+    in ``q_up``, :func:`_fp8_query`; else as given, ``q_up`` a placeholder never read), the
+    softmax scale (with an fp8 cache's K scale, ``kv_scale[0]``, folded in when ``QUANT``,
+    and the fp16 query's ``2^e``), an empty online-softmax state, the sequence's
+    block-table row and the KV head's first element in the K and V caches.
     """
     if QUANT:
         scale_log2e = scale_log2e * tl.load(kv_scale_ptr)
@@ -248,7 +255,12 @@ def _attend_begin(
     table = block_tables_ptr + seq * stride_bt
     k_ptr = k_cache_ptr + kvh * stride_ch
     v_ptr = v_cache_ptr + kvh * stride_ch
-    return scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr
+    q_up = l_i
+    if WIDEN_F16:
+        q, scale_log2e = _fp16_query(q, scale_log2e)
+    if Q_FP8:
+        q, q_up = _fp8_query(q)
+    return q, q_up, scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr
 
 
 @triton.jit

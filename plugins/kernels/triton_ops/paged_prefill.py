@@ -20,8 +20,6 @@ from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.attend import (
     _attend,
     _attend_begin,
-    _fp8_query,
-    _fp16_query,
     _head_rows,
     _v_scaled,
 )
@@ -82,16 +80,13 @@ def _prefill_kernel(
     q_rows = _head_rows(q_ptr, rows[:, None], head, d, stride_qt, stride_qh)
     q = tl.load(q_rows, mask=r_mask[:, None], other=0.0)
 
-    # an fp8 cache: K's scale goes into the scores' scale here, V's into the output (_v_scaled)
-    scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _attend_begin(
-        scale_log2e, kv_scale_ptr, block_tables_ptr, seq, stride_bt, k_cache_ptr, v_cache_ptr,
-        kvh, stride_ch, BLOCK_M, HEAD, QUANT,
+    # an fp8 cache: K's scale goes into the scores' scale here, V's into the output (_v_scaled);
+    # its bf16 query as fp16 operands (WIDEN_F16: K/V tiles and P follow q in _attend_tile) or
+    # e4m3 rows (Q_FP8: q . k on fp8 tensor cores, P . V in fp16), each row's 2^e in q_up
+    q, q_up, scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = _attend_begin(
+        q, scale_log2e, kv_scale_ptr, block_tables_ptr, seq, stride_bt, k_cache_ptr, v_cache_ptr,
+        kvh, stride_ch, BLOCK_M, HEAD, QUANT, WIDEN_F16, Q_FP8,
     )  # fmt: skip
-    q_up = l_i  # Q_FP8 only: each row's 2^e (a placeholder otherwise, never read)
-    if WIDEN_F16:  # fp8 cache, bf16 query: fp16 operands (K/V tiles and P follow q in _attend_tile)
-        q, scale_log2e = _fp16_query(q, scale_log2e)
-    if Q_FP8:  # e4m3 cache, bf16 query: q . k on fp8 tensor cores, P . V in fp16
-        q, q_up = _fp8_query(q)
 
     # keys every row of the block sees: up to the block's first query position
     first_pos = prefix + mb * BLOCK_Q

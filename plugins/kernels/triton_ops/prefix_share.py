@@ -261,19 +261,18 @@ def _shared_kernel(
             mask=r_ok[:, None],
             other=0.0,
         )
-        scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = attend._attend_begin(
-            scale_log2e, kv_scale_ptr, block_tables_ptr, (seq0 + b).to(tl.int64), stride_bt,
-            k_cache_ptr, v_cache_ptr, kvh, stride_ch, BLOCK_R, HEAD, QUANT,
+        # an fp8 cache under a bf16 query: fp16 operands, as the decode kernel (no qk-fp8 pass)
+        q, q_up, scale_log2e, m_i, l_i, acc, table, k_ptr, v_ptr = attend._attend_begin(
+            q, scale_log2e, kv_scale_ptr, block_tables_ptr, (seq0 + b).to(tl.int64), stride_bt,
+            k_cache_ptr, v_cache_ptr, kvh, stride_ch, BLOCK_R, HEAD, QUANT, WIDEN_F16, False,
         )  # fmt: skip
-        if WIDEN_F16:  # fp8 cache, bf16 query: as the decode kernel does
-            q, scale_log2e = attend._fp16_query(q, scale_log2e)
         acc, m_i, l_i = attend._attend(
             acc, m_i, l_i, q, r, k_ptr, v_ptr, table, lo, full_end, hi, scale_log2e,
-            stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST, l_i, False,
+            stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 0, DOT_PRECISION, UPCAST, q_up, False,
         )  # fmt: skip
         acc, m_i, l_i = attend._attend(
             acc, m_i, l_i, q, r, k_ptr, v_ptr, table, full_end, hi, hi, scale_log2e,
-            stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST, l_i, False,
+            stride_cp, stride_cs, PAGE_SIZE, BLOCK_N, HEAD, 1, DOT_PRECISION, UPCAST, q_up, False,
         )  # fmt: skip
         acc = attend._v_scaled(acc, kv_scale_ptr, QUANT)
         nkv = tl.num_programs(1)
