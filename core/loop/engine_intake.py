@@ -179,10 +179,7 @@ class RequestIntake:
         req = RequestState(request_id, prompt, ids, params, samples)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
-        waits = lora_request is not None and not (
-            self._has_room(lora_request.lora_int_id)
-            and self._adapter_ready(lora_request, self._adapters_in_flight())
-        )
+        waits = lora_request is not None and self._must_wait(lora_request)
         self.requests.add(req)
         seqs = [sample.seq for sample in samples]
         if len(seqs) > 1 and AllocatorBase.of(self.allocator, "shares_prefix_pages"):
@@ -226,13 +223,18 @@ class RequestIntake:
         limit = self._adapter_limit
         return limit is None or adapter_id in in_flight or len(in_flight) < limit
 
-    def _has_room(self, adapter_id: int) -> bool:
-        """Whether a request of ``adapter_id`` can be queued now: it fits, and a new adapter
-        does not pass requests already waiting."""
-        if self._adapter_limit is None:
-            return True
+    def _must_wait(self, lora_request: Any) -> bool:
+        """Whether a new request of ``lora_request``'s adapter waits here: it has no place
+        (it would not fit, or a new adapter would pass requests already waiting), or its
+        adapter is not on the device yet (:meth:`_adapter_ready`)."""
+        adapter_id = lora_request.lora_int_id
         in_flight = self._adapters_in_flight()
-        return adapter_id in in_flight or (not self._waiting and self._fits(adapter_id, in_flight))
+        has_room = (
+            self._adapter_limit is None
+            or adapter_id in in_flight
+            or (not self._waiting and self._fits(adapter_id, in_flight))
+        )
+        return not (has_room and self._adapter_ready(lora_request, in_flight))
 
     def admit_waiting(self) -> None:
         """Queue the requests that wait for a place for their adapter, oldest first, while
