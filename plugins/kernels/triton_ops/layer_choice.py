@@ -16,7 +16,8 @@ step every layer's weight comes from HBM, and a graph of four calls on one 16 MB
 timed three of them on L2 hits), after checking each Triton shape's output against the
 reference (one that disagrees is dropped and logged). The fastest Triton shape is kept,
 or cuBLAS where it is ahead by more than
-:data:`CUBLAS_MARGIN_US` (the overlap a cuBLAS launch costs its neighbours in a layer), in
+:data:`CUBLAS_MARGIN_US` (the overlap a cuBLAS launch costs its neighbours in a layer; above
+:data:`CUBLAS_MARGIN_MAX_ROWS` rows, where it is ahead at all), in
 memory and in ``fused_layer.json`` under :func:`.tuning.cache_dir` (keyed by op, row
 bucket, shape, dtype, device name, Triton version and :data:`CHOICE_REVISION`), as the
 fused MoE op's tiles are. Rows above ``tune_rows`` take cuBLAS, untimed.
@@ -56,9 +57,17 @@ CUBLAS = "cublas"  # the stored choice of cuBLAS
 # against 291.2: 1.2 us a layer faster in the step on top of a timed lead of over 1 us, so a
 # cuBLAS launch there costs its neighbours at least 2.2 us that the timing does not see
 CUBLAS_MARGIN_US = 2.5
+# the margin holds up to this many rows; above them the faster way is kept as timed. The
+# overlap the margin stands for is a few microseconds of weight prefetch, which a
+# latency-bound step of few rows feels and a step of hundreds of rows does not: on one H100
+# (2026-12-07, fdc2797, nano on dummy:qwen3-0.6b, medians of 3) the layer with the margin at
+# every row count ran 1% below the unfused one (19,351 against 19,536 tok/s), having kept
+# Triton for both residual projections at 256 rows 2.1 and 2.2 us behind cuBLAS (28 layers:
+# about 120 us of a step of about 8 ms)
+CUBLAS_MARGIN_MAX_ROWS = 32
 # part of every key: a choice made under another rule is timed again (3: the timed calls on
-# copies of the weight, ROTATE_MAX_BYTES; 4: the 2.5 us margin)
-CHOICE_REVISION = 4
+# copies of the weight, ROTATE_MAX_BYTES; 4: the 2.5 us margin; 5: only up to 32 rows)
+CHOICE_REVISION = 5
 # a weight of up to this many bytes is copied for the timing, one copy a call of the timed
 # graph, so that no call reads it from L2 (the H100's and H200's L2 hold 50 MB; a larger
 # weight streamed again from its start finds its first lines evicted by its last); at most
@@ -150,7 +159,16 @@ class LayerChoice:
                 )
             return candidates[0] if rows <= self.static_rows else None
         if not found:
-            choice = self._time(key, x.dtype, weight, candidates, run_triton, run_cublas, expected)
+            choice = self._time(
+                key,
+                x.dtype,
+                weight,
+                candidates,
+                run_triton,
+                run_cublas,
+                expected,
+                bucket_rows(rows),
+            )
         self._memory[key] = choice
         return choice
 
@@ -196,10 +214,12 @@ class LayerChoice:
         run_triton: TritonRun,
         run_cublas: CublasRun,
         expected: Callable[[], torch.Tensor],
+        rows: int,
     ) -> LinearConfig | None:
         """Time cuBLAS and every candidate that runs and matches ``expected``, each timed call
         on the next of :meth:`weight_copies`; keep the fastest Triton shape unless cuBLAS
-        beats it by more than :data:`CUBLAS_MARGIN_US`."""
+        beats it by more than :data:`CUBLAS_MARGIN_US` (up to :data:`CUBLAS_MARGIN_MAX_ROWS`
+        rows) or at all (above them)."""
         turn = itertools.cycle(self.weight_copies(weight))
         cublas_ms = self.timer(lambda: run_cublas(next(turn)), CALLS_PER_GRAPH)
         timings: list[tuple[float, str, LinearConfig]] = []  # the Triton shapes that ran
@@ -222,7 +242,8 @@ class LayerChoice:
         triton_ms, name, best = min(
             timings, key=lambda t: t[0], default=(float("inf"), "no Triton shape", None)
         )
-        if cublas_ms + CUBLAS_MARGIN_US * 1e-3 < triton_ms:  # cuBLAS clearly ahead
+        margin_us = CUBLAS_MARGIN_US if rows <= CUBLAS_MARGIN_MAX_ROWS else 0.0
+        if cublas_ms + margin_us * 1e-3 < triton_ms:  # cuBLAS clearly ahead
             best = None
         logger.info(
             "fused layer: %s: %s (cuBLAS %.2f us, the best Triton shape %s %.2f us; cuBLAS "
@@ -232,7 +253,7 @@ class LayerChoice:
             cublas_ms * 1e3,
             name,
             triton_ms * 1e3,
-            CUBLAS_MARGIN_US,
+            margin_us,
         )
         self._store.write(key, CUBLAS if best is None else list(best))
         return best
