@@ -38,6 +38,7 @@ from pitstop.plugins.kernels.triton_ops.fused_linear import LinearConfig  # noqa
 from pitstop.plugins.kernels.triton_ops.layer_choice import (  # noqa: E402
     CALLS_PER_GRAPH,
     CUBLAS,
+    CUBLAS_MARGIN_MAX_ROWS,
     CUBLAS_MARGIN_US,
     LayerChoice,
 )
@@ -382,12 +383,25 @@ def test_the_layer_runs_the_chosen_way_and_times_on_scratch(
 def test_cublas_is_kept_only_where_it_is_clearly_ahead(tmp_path: Path) -> None:
     """Inside a layer a cuBLAS launch breaks the programmatic-dependent-launch chain, so
     the timed choice keeps the fastest Triton shape unless cuBLAS beats it by more than
-    ``CUBLAS_MARGIN_US`` a call (timer values are milliseconds)."""
+    ``CUBLAS_MARGIN_US`` a call (timer values are milliseconds), up to
+    ``CUBLAS_MARGIN_MAX_ROWS`` rows."""
     margin_ms = CUBLAS_MARGIN_US * 1e-3
     near = Ways({"cublas": 2.0, f"triton{tuple(A)}": 2.0 + margin_ms / 2, f"triton{tuple(B)}": 3.0})
     assert near.choose(TimedOnCpu(4, 64, True, tmp_path / "near", timer=near.timer), 2) == A
     far = Ways({"cublas": 2.0, f"triton{tuple(A)}": 2.0 + 2 * margin_ms, f"triton{tuple(B)}": 3.0})
     assert far.choose(TimedOnCpu(4, 64, True, tmp_path / "far", timer=far.timer), 2) is None
+    # above CUBLAS_MARGIN_MAX_ROWS rows (by bucket: 33 rows are timed as 64) a step is not
+    # bound by launch latency, and cuBLAS is kept wherever it is ahead at all
+    many = CUBLAS_MARGIN_MAX_ROWS + 1
+    assert near.choose(TimedOnCpu(4, 256, True, tmp_path / "many", timer=near.timer), many) is None
+    at_edge = TimedOnCpu(4, 256, True, tmp_path / "edge", timer=near.timer)
+    assert near.choose(at_edge, CUBLAS_MARGIN_MAX_ROWS) == A
+    behind = Ways(
+        {"cublas": 2.0 + margin_ms / 2, f"triton{tuple(A)}": 2.0, f"triton{tuple(B)}": 3.0}
+    )
+    assert (
+        behind.choose(TimedOnCpu(4, 256, True, tmp_path / "behind", timer=behind.timer), many) == A
+    )
     broken = {f"triton{tuple(c)}": RuntimeError("smem") for c in (A, B)}
     none = Ways({"cublas": 9.0}, broken)
     assert none.choose(TimedOnCpu(4, 64, True, tmp_path / "none", timer=none.timer), 2) is None
