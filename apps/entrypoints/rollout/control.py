@@ -24,7 +24,12 @@ from pitstop.entrypoints.rollout.device_memory import DeviceMemory, StorageMemor
 from pitstop.entrypoints.rollout.errors import EngineBusyError, WeightUpdateError
 from pitstop.entrypoints.rollout.sleep import SleepState
 from pitstop.entrypoints.rollout.transfer import WeightTransferGroup
-from pitstop.entrypoints.rollout.weight_update import WeightMap, check_finite, update_in_place
+from pitstop.entrypoints.rollout.weight_update import (
+    WeightMap,
+    check_finite,
+    update_in_place,
+    write_batch,
+)
 from pitstop.errors import ConfigError
 from pitstop.loop.engine import LLMEngine
 
@@ -85,6 +90,8 @@ class Rollout:
         self._quiesce("sleep")
         self.reset_prefix_cache()  # its pages are about to lose their contents
         self.sleep_state.sleep(level)
+        if level == 2 and self._map is not None:  # the values a folded gain stood for are gone
+            self._map.forget_values()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Restore ``tags`` (None: everything released); reset the prefix cache."""
@@ -118,6 +125,8 @@ class Rollout:
             model = self.engine.runner.model
             ignored = self.engine.plugins.architecture(model.cfg.architecture).ignored_tensor
             self._map = WeightMap(model, ignored or (lambda name: False))
+            if self.sleep_state.missing:  # sleep(level=2) discarded them before the first update
+                self._map.forget_values()
         return self._map
 
     def _before_update(self) -> WeightMap:
@@ -151,12 +160,9 @@ class Rollout:
         if self.engine.config.check_weights:
             for name, tensor in iter_tensors(specs):
                 check_finite([(f"{path}: {name}", tensor)])
-        written = []
-        with torch.no_grad():
-            for (_, tensor), place in zip(iter_tensors(specs), places, strict=True):
-                if place is not None:
-                    place.copy_(tensor)
-                    written.append(place.name)
+        written = write_batch(
+            weights, [spec for _, spec in specs], places, (t for _, t in iter_tensors(specs))
+        )
         self._after_update(written)
         return len(written)
 

@@ -5,14 +5,15 @@ shape or dtype, a repeated name, a non-finite value: the batch is refused, the t
 named, and the old weights stay whole). The names go through the model plugin's own
 loading map (``model.name_map`` and ``model.shapes_of``, the ones ``load_weights``
 uses), so q/k/v land in the merged ``qkv_proj`` rows and gate/up in ``gate_up_proj``
-exactly as at load; a tied ``lm_head.weight`` is the embedding. Every copy is
+exactly as at load; a tied ``lm_head.weight`` is the embedding; with ``fused.layer`` the
+norms' gains stay folded into the projections after them (:mod:`.folded_norms`). Every copy is
 ``param.copy_`` into the existing storage: addresses stay, so captured CUDA graphs stay
 valid.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from pitstop.entrypoints.rollout.errors import WeightUpdateError
+from pitstop.entrypoints.rollout.folded_norms import FoldedNorms
 
 TIED_HEAD = "lm_head.weight"
 EMBEDDING = "model.embed_tokens.weight"
@@ -66,12 +68,6 @@ class WeightMap:
                     f"the {type(model).__name__} model plugin has no {attr}; its weights cannot "
                     "be updated in place (build a new LLM from the new checkpoint)"
                 )
-        if getattr(model, "fused_layers", False):
-            raise WeightUpdateError(
-                "fused.layer folds each RMSNorm's gain into the projection after it, so a "
-                "weight update would mix old and new values; turn it off (fused.layer=false) "
-                "to update weights"
-            )
         self.model = model
         self.cfg = model.cfg
         self.merged = bool(getattr(model, "merged", False))
@@ -79,6 +75,24 @@ class WeightMap:
         self.params = dict(model.named_parameters())
         self.ignored = ignored
         self.tied = bool(getattr(model.cfg, "tie_word_embeddings", False))
+        # fused.layer: the norms' gains folded into the projections, kept folded by every write
+        self.folds = FoldedNorms.of(model, self._hf_names())
+
+    def _hf_names(self) -> dict[int, str]:
+        """Each parameter's checkpoint names by ``id`` (``q_proj``, ``k_proj`` and
+        ``v_proj``'s for a merged ``qkv_proj``), for messages."""
+        names: dict[int, list[str]] = {}
+        for name in self.shapes:
+            target, _ = self.model.name_map(self.cfg, self.merged, name)
+            if target in self.params:
+                names.setdefault(id(self.params[target]), []).append(name)
+        return {key: ", ".join(repr(n) for n in hf) for key, hf in names.items()}
+
+    def forget_values(self) -> None:
+        """The weights were discarded (``sleep(level=2)``): a folded gain has no value until
+        written again (:class:`FoldedNorms`)."""
+        if self.folds is not None:
+            self.folds.forget_values()
 
     @property
     def names(self) -> list[str]:
@@ -133,6 +147,8 @@ class WeightMap:
                 problems.append(f"{spec.name!r} is given twice in one batch; give it once")
             seen.add(place.name)
             out.append(place)
+        if self.folds is not None and not problems:
+            problems += self.folds.problems(_rows_written(specs, out))
         if problems:
             more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
             raise WeightUpdateError(
@@ -158,6 +174,44 @@ class WeightMap:
                 f"(tensor.to({want}))"
             )
         return problems
+
+
+def _rows_written(
+    specs: Sequence[TensorSpec], places: Sequence[Placement | None]
+) -> list[tuple[torch.Tensor, int, int]]:
+    """``(parameter, start row, stop row)`` of each tensor a batch writes, as
+    :meth:`Placement.copy_` slices it."""
+    out = []
+    for spec, place in zip(specs, places, strict=True):
+        if place is None:
+            continue
+        rows = place.param.shape[0] if place.param.ndim else 1
+        start, stop = (
+            (0, rows) if place.offset is None else (place.offset, place.offset + spec.shape[0])
+        )
+        out.append((place.param, start, stop))
+    return out
+
+
+def write_batch(
+    weights: WeightMap,
+    specs: Sequence[TensorSpec],
+    places: Sequence[Placement | None],
+    tensors: Iterable[torch.Tensor],
+) -> list[str]:
+    """Copy a checked batch's ``tensors`` (one per spec, in order; read lazily) into their
+    places, then keep fused.layer's folded gains folded; returns the names written."""
+    writes = _rows_written(specs, places)
+    old = weights.folds.old_gains(writes) if weights.folds is not None else {}
+    written = []
+    with torch.no_grad():
+        for tensor, place in zip(tensors, places, strict=True):
+            if place is not None:
+                place.copy_(tensor)
+                written.append(place.name)
+        if weights.folds is not None:
+            weights.folds.fold(writes, old)
+    return written
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
@@ -204,13 +258,8 @@ def update_in_place(
     Returns the Hugging Face names written (a tied head counted as the embedding).
     """
     batch = [(name, tensor) for name, tensor in named]
-    places = weights.check([spec_of(n, t) for n, t in batch])
+    specs = [spec_of(n, t) for n, t in batch]
+    places = weights.check(specs)
     if check_values:
         check_finite(batch)
-    written = []
-    with torch.no_grad():
-        for (_, tensor), place in zip(batch, places, strict=True):
-            if place is not None:
-                place.copy_(tensor)
-                written.append(place.name)
-    return written
+    return write_batch(weights, specs, places, (t for _, t in batch))
