@@ -155,12 +155,16 @@ class FusedSettings:
         help="Qwen3's per-head q/k RMSNorm inside rope_and_store (one launch instead of three); "
         "false: two rms_norm launches first, as before",
     )
-    layer: bool = setting(
-        False,
+    layer: bool | None = setting(
+        None,
         type=bool,
+        optional=True,
         help="a decoder layer in six ops: each RMSNorm folded into the projection after it (its "
         "gain multiplied into the weight at load), SiLU-and-mul into the gate-up GEMM, the residual "
-        "adds into the O and down GEMMs (needs qkv; dense weights, no tensor parallelism)",
+        "adds into the O and down GEMMs (needs qkv; dense weights, no tensor parallelism). Unset: "
+        "on where its ops run in Triton on a GPU and no adapter plugin is selected (LoRA's "
+        "stacked packs run the unfused layer faster over several adapters: docs/benchmarks.md), "
+        "off elsewhere (on the CPU its ops are the reference's, no faster)",
     )
     layer_rows: int = setting(
         64,
@@ -386,10 +390,23 @@ class FusedKernels(reference.DispatchKernels):
 
     # ------------------------------------------------------------------ fused layer
     def _resolve_layer(self, settings: FusedSettings, triton_reason: str | None) -> None:
-        """Whether the layer is fused (``fused.layer``) and where its ops run (:meth:`describe`)."""
-        self.fuses_layer = bool(settings.layer) and self.merge_projections
+        """Whether the layer is fused (``fused.layer``, or its rule where unset) and where its
+        ops run (:meth:`describe`)."""
+        wanted, why_not = settings.layer, "config flag fused.layer is off"
+        if wanted is None:  # the rule: on a GPU's Triton, with no adapter plugin
+            if triton_reason is not None or self.device.type != "cuda":
+                wanted, why_not = (
+                    False,
+                    "fused.layer unset: its ops would not run in Triton on a GPU",
+                )
+            elif self.config.adapter is not None:
+                wanted = False
+                why_not = f"fused.layer unset: adapter plugin {self.config.adapter!r} selected"
+            else:
+                wanted = True
+        self.fuses_layer = wanted and self.merge_projections
         if not self.fuses_layer:
-            reason = "config flag fused.layer is off" if not settings.layer else "fused_qkv is off"
+            reason = why_not if not wanted else "fused_qkv is off"
             where = f"unused ({reason})"
         elif triton_reason is None:
             if settings.layer_tune and self.device.type == "cuda":
