@@ -112,6 +112,20 @@ def head_size_supported(head_size: int) -> bool:
     return 16 <= head_size <= 256 and head_size & (head_size - 1) == 0
 
 
+def layer_wanted(layer: bool | None, gpu_triton: bool, adapter: str | None) -> tuple[bool, str]:
+    """Whether to fuse the decoder layer, and the reason where not: ``fused.layer`` where
+    set; unset, on where its ops run in Triton on a GPU (``gpu_triton``) and no adapter
+    plugin is selected (LoRA's stacked packs run the unfused layer faster over several
+    adapters; on the CPU the layer's ops are the reference's, no faster)."""
+    if layer is not None:
+        return layer, "config flag fused.layer is off"
+    if not gpu_triton:
+        return False, "fused.layer unset: its ops would not run in Triton on a GPU"
+    if adapter is not None:
+        return False, f"fused.layer unset: adapter plugin {adapter!r} selected"
+    return True, ""
+
+
 @attrs.frozen
 class FusedSettings:
     """The settings of the ``fused`` kernel set (``fused.qkv``, or the article's ``fused_qkv``)."""
@@ -392,18 +406,11 @@ class FusedKernels(reference.DispatchKernels):
     def _resolve_layer(self, settings: FusedSettings, triton_reason: str | None) -> None:
         """Whether the layer is fused (``fused.layer``, or its rule where unset) and where its
         ops run (:meth:`describe`)."""
-        wanted, why_not = settings.layer, "config flag fused.layer is off"
-        if wanted is None:  # the rule: on a GPU's Triton, with no adapter plugin
-            if triton_reason is not None or self.device.type != "cuda":
-                wanted, why_not = (
-                    False,
-                    "fused.layer unset: its ops would not run in Triton on a GPU",
-                )
-            elif self.config.adapter is not None:
-                wanted = False
-                why_not = f"fused.layer unset: adapter plugin {self.config.adapter!r} selected"
-            else:
-                wanted = True
+        wanted, why_not = layer_wanted(
+            settings.layer,
+            self.device.type == "cuda" and triton_reason is None,
+            self.config.adapter,
+        )
         self.fuses_layer = wanted and self.merge_projections
         if not self.fuses_layer:
             reason = why_not if not wanted else "fused_qkv is off"
