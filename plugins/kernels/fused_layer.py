@@ -144,7 +144,10 @@ class FusedLayer:
         bias: torch.Tensor | None,
         lora: ProjectionLoRA | None,
     ) -> torch.Tensor:
-        """cuBLAS's ``x @ weight.T (+ bias)``, plus the adapter's delta of the same rows."""
+        """cuBLAS's ``x @ weight.T (+ bias)``, plus the adapter's delta of the same rows (in
+        the same GEMM where the adapter stacks its B beside the weight)."""
+        if lora is not None and lora.linear is not None:
+            return lora.linear(x, weight, bias, None)
         y = F.linear(x, weight, bias)
         return y if lora is None else lora.add(x, y)
 
@@ -173,7 +176,10 @@ class FusedLayer:
         lora: ProjectionLoRA | None,
     ) -> torch.Tensor:
         """The cuBLAS way of a residual writer: into ``residual`` in place (``addmm_``), or
-        ``residual + x @ weight.T + bias``; then the adapter's delta, in place."""
+        ``residual + x @ weight.T + bias``; then the adapter's delta, in place (or inside the
+        GEMM, where the adapter stacks its B beside the weight)."""
+        if lora is not None and lora.linear is not None:
+            return lora.linear(x, weight, bias, residual)
         if bias is not None:
             out = residual + F.linear(x, weight, bias)
         else:
@@ -220,6 +226,8 @@ class FusedLayer:
         scratch: list[torch.Tensor] = []
         if lora is not None and lora.add_again is not None:  # called many times: repeatable
             lora = lora._replace(add=lora.add_again)
+        if lora is not None:  # timed on copies of the weight: the delta after the GEMM
+            lora = lora._replace(linear=None)
 
         def run_cublas(w: torch.Tensor) -> object:
             if op == "norm_linear":

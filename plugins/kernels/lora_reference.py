@@ -29,7 +29,12 @@ class ProjectionLoRA(NamedTuple):
     (``A * g[None, :]``, as the fused layer's weights do), so both take the raw rows.
     ``add_again``: the same delta where ``add`` may run only once a step (its intermediate a
     workspace cleared once a step), safe to call any number of times (the fused layer's
-    timing calls the cuBLAS way many times on one step's inputs); None: ``add`` is."""
+    timing calls the cuBLAS way many times on one step's inputs); None: ``add`` is.
+    ``linear``: where the plugin adds the delta inside the base GEMM itself (the ``lora``
+    plugin's stacked layout: ``[x | h'] @ W_ext^T``), the whole projection the cuBLAS way,
+    ``linear(x, weight, bias, residual)``: ``x @ weight.T (+ bias)`` plus every row's delta,
+    added into ``residual`` in place where one is given (then returned); ``weight`` must be
+    the projection's own (not a copy); None: ``F.linear`` then ``add``."""
 
     A: tuple[torch.Tensor, ...]  # per slice [slots, rank_max, K], contiguous
     B: tuple[torch.Tensor, ...]  # per slice [slots, N_i, rank_max], contiguous
@@ -38,6 +43,12 @@ class ProjectionLoRA(NamedTuple):
     ranks: torch.Tensor  # [slots] int32: each slot's rank, 0 for an empty slot
     add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     add_again: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    linear: (
+        Callable[
+            [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor
+        ]
+        | None
+    ) = None
 
 
 def scaling_of(lora_alpha: float, rank: int, use_rslora: bool = False) -> float:

@@ -87,44 +87,51 @@ def _prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
 
 @pytest.fixture
 def hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How often the plugin's own delta (shrink + expand after a GEMM) ran."""
-    calls = [0]
-    add = lora_slots.LoRASlots._add_delta
+    """How often the plugin's own delta ran after or inside a cuBLAS GEMM: the shrink and
+    expand after it (``_add_delta``, ``lora.kernel=shrink_expand``) or the stacked layout's
+    pack into it (``_stacked``, the default); ``[delta, stacked]``."""
+    calls = [0, 0]
+    for i, name in enumerate(("_add_delta", "_stacked")):
+        method = getattr(lora_slots.LoRASlots, name)
 
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return add(self, *args, **kwargs)
+        def counted(self: Any, *args: Any, _i: int = i, _m: Any = method, **kwargs: Any) -> Any:
+            calls[_i] += 1
+            return _m(self, *args, **kwargs)
 
-    monkeypatch.setattr(lora_slots.LoRASlots, "_add_delta", counted)
+        monkeypatch.setattr(lora_slots.LoRASlots, name, counted)
     return calls
 
 
-# (layer_rows, max_loras): every step of up to 64 rows in the Triton GEMMs, the deltas inside
-# them where a tile cannot mix adapters (one slot, or one row), the plugin's kernels after
-# cuBLAS where it can (three slots, several rows); every step in cuBLAS
-ROWS_AND_SLOTS = [(64, 1), (64, 3), (0, 3)]
+# (layer_rows, max_loras, lora.kernel): every step of up to 64 rows in the Triton GEMMs, the
+# deltas inside them where a tile cannot mix adapters (one slot, or one row), the plugin's
+# delta in or after cuBLAS where it can (three slots, several rows); every step in cuBLAS
+ROWS_AND_SLOTS = [
+    (64, 1, "stacked"),
+    (64, 3, "stacked"),
+    (0, 3, "stacked"),
+    (0, 3, "shrink_expand"),
+]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's test (GPU: below)")
-@pytest.mark.parametrize(("layer_rows", "max_loras"), ROWS_AND_SLOTS)
+@pytest.mark.parametrize(("layer_rows", "max_loras", "kernel"), ROWS_AND_SLOTS)
 def test_fused_layer_rows_match_peft_merged(
-    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int, max_loras: int
+    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int, max_loras: int, kernel: str
 ) -> None:
     """Chunks of 24 beside decodes, rows of three adapters (one with one slot) and none."""
-    _check_rows(
-        tiny, hook_calls, layer_rows, "cpu", {"fused.layer_rows": layer_rows}, max_loras=max_loras
-    )
+    options = {"fused.layer_rows": layer_rows, "lora.kernel": kernel}
+    _check_rows(tiny, hook_calls, layer_rows, "cpu", options, max_loras=max_loras)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
-@pytest.mark.parametrize(("layer_rows", "max_loras"), ROWS_AND_SLOTS)
+@pytest.mark.parametrize(("layer_rows", "max_loras", "kernel"), ROWS_AND_SLOTS)
 def test_on_the_gpu_with_cuda_graphs(
-    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int, max_loras: int
+    tiny: dict[str, Path], hook_calls: list[int], layer_rows: int, max_loras: int, kernel: str
 ) -> None:
     """On CUDA (fp32, each op's way chosen by the rule, not timed): decode steps replayed from
     CUDA graphs, the rows' slots in the static buffer the fused GEMMs read; PEFT's tokens."""
-    options = {"fused.layer_rows": layer_rows, "fused.layer_tune": False}
+    options = {"fused.layer_rows": layer_rows, "fused.layer_tune": False, "lora.kernel": kernel}
     # decode graphs of at most 8 rows: the runner captures every graph size at start-up, and
     # those over layer_rows take cuBLAS with the plugin's delta (H200, 2026-12-06: 192 calls
     # from the 80..256-row captures of the default 256)
@@ -183,8 +190,11 @@ def _check_rows(
         assert out.token_ids == want, f"adapter {name} at prompt length {len(prompt)}"
         changed += name is not None and want != _expected(tiny["base"], None, tuple(prompt))
     assert changed >= 3, "the adapters should change the greedy tokens of most of their rows"
+    delta, stacked = hook_calls
     if layer_rows and max_loras == 1:
-        assert hook_calls[0] == 0, "the deltas should run inside the fused GEMMs"
+        assert delta == stacked == 0, "the deltas should run inside the fused GEMMs"
+    elif options.get("lora.kernel") == "shrink_expand":
+        assert delta > 0 and stacked == 0, "the plugin's shrink and expand after cuBLAS"
     else:  # cuBLAS steps, and steps of several rows that may mix adapters in a tile
-        assert hook_calls[0] > 0, "these steps add the deltas with the plugin's kernels"
+        assert stacked > 0 and delta == 0, "the stacked pack inside the cuBLAS GEMMs"
     return llm
