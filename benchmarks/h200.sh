@@ -109,6 +109,16 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/next/}" ]; then
   export TEST_TIMEOUT=${TEST_TIMEOUT:-150} BUSY_LORA_SHAPES=${BUSY_LORA_SHAPES:-nano-prefill}
   export PREFILL_ROWS=${PREFILL_ROWS:-"base:0 lora8:8 lora8gemms:8:lora.large_steps=gemms lora1:1"}
 fi
+# BENCHES=layer-lora: LoRA inside the fused layer with the stacked packs in its cuBLAS steps
+# (fifteenth session, 8eb2c93; issues 44 and 47): the GPU tests of LoRA in the layer, then
+# nano's rows with and without the layer (the base row runs it by default since 7865033) and
+# single's (about 10 minutes: two calls). Decides whether fused.layer, left unset, can stay
+# on with an adapter plugin (fused.layer_wanted)
+if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/layer-lora/}" ]; then
+  BENCHES=${BENCHES/layer-lora/lora-layer-tests lora-kernels lora-single}
+  export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8,lora-1-layer,lora-8-layer} LORA_REPEATS=${LORA_REPEATS:-3}
+  export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1,lora-1-layer}
+fi
 # layer: the fused decoder layer's four parts (issue 44); its timed choices kept in one place
 BENCHES=$(echo " ${BENCHES-nano single} " | sed 's/ layer / layer-tests layer-profile layer-nano layer-single /g')
 export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/pitstop-cache}
@@ -537,6 +547,9 @@ for _ in range(2):
         -k split_tokens 2>&1 | tee "$OUT/gpu-tests-split-tokens.log" | tail -3
       timeout ${RAGGED_TIMEOUT:-400} python3 benchmarks/decode_ragged.py --splits ${RAGGED_SPLITS:-1 2 4} --split-tokens ${RAGGED_TOKENS:-256 512 1024} \
         --json "$OUT/decode-ragged.json" 2>&1 | tee "$OUT/decode-ragged.log" | tail -16 ;;
+    lora-layer-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider -m gpu \
+        tests/plugins/adapters/test_lora_fused_layer.py tests/plugins/kernels/test_fused_linear_lora.py 2>&1 \
+        | tee "$OUT/gpu-tests-lora-layer.log" | tail -6 ;;
     lora-stacked-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/plugins/kernels/test_lora_kernels.py \
         tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_launches.py -k "${LORA_TEST_K-pack or stacked or gpu}" 2>&1 | tee "$OUT/gpu-tests-lora-stacked.log" | tail -6 ;;
     # issue 47 (2026-12-06, ninth session): the LoRA shrink's and expand's launch shapes at nano's
