@@ -157,3 +157,58 @@ def test_the_one_launch_router_can_be_turned_off(qwen3_moe: Path) -> None:
     )
     assert not llm.engine.runner.kernels.moe_takes_router
     assert not llm.engine.runner.model.layers[1].mlp.moe_takes_router
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's test")
+def test_weight_updates_keep_the_sparse_layers_norms_folded(qwen3_moe: Path, tmp_path) -> None:
+    """``fused.layer`` folds the post-attention norm of a sparse layer into its router and
+    its experts' gate-up rows (the op takes the norm): a weight update of every tensor gives
+    a fresh engine's parameters bit for bit, and the norms given in a batch of their own
+    after the rest gives them to one more rounding, and its tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    old = {}
+    for file in sorted(qwen3_moe.glob("*.safetensors")):
+        old.update(load_file(str(file)))
+    gen = torch.Generator().manual_seed(1)
+    new = {
+        name: (0.5 + torch.rand(t.shape, generator=gen))
+        if name.endswith("norm.weight")
+        else t + 0.5 * t.std() * torch.randn(t.shape, generator=gen)
+        for name, t in old.items()
+    }
+    folder = tmp_path / "changed"
+    shutil.copytree(qwen3_moe, folder)
+    for file in folder.glob("*.safetensors"):
+        file.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(new, str(folder / "model.safetensors"))
+    settings = dict(
+        device="cpu", dtype="float32", kv_cache_gib=0.01, max_model_len=64, kernels="fused",
+        options={"fused.layer": True, "fused.layer_rows": 0},
+    )  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 17, 93, 40], [61, 8, 120, 33, 7]]
+
+    def state(llm: LLM) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+        params = {n: p.detach().clone() for n, p in llm.engine.runner.model.named_parameters()}
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+        return params, [list(o.outputs[0].token_ids) for o in outs]
+
+    with LLM(str(folder), **settings) as fresh:
+        assert len(fresh.engine.runner.model.layers[1].norms_to_fold()) == 3  # qkv, router, experts
+        want, tokens = state(fresh)
+    with LLM(str(qwen3_moe), **settings) as llm:
+        llm.update_weights(new.items())
+        got, got_tokens = state(llm)
+        assert all(torch.equal(got[n], want[n]) for n in want) and got_tokens == tokens
+        llm.update_weights_from_disk(qwen3_moe)
+        norms = {n: t for n, t in new.items() if n.endswith("norm.weight")}
+        llm.update_weights((n, t) for n, t in new.items() if n not in norms)
+        llm.update_weights(norms.items())
+        got, got_tokens = state(llm)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=2e-6, atol=1e-7, msg=name)
+        assert got_tokens == tokens
