@@ -146,8 +146,8 @@ class FusedLayer:
     ) -> torch.Tensor:
         """cuBLAS's ``x @ weight.T (+ bias)``, plus the adapter's delta of the same rows (in
         the same GEMM where the adapter stacks its B beside the weight)."""
-        if lora is not None and lora.linear is not None:
-            return lora.linear(x, weight, bias, None)
+        if lora is not None and lora.stacked is not None:
+            return lora.stacked(x, weight, lambda a, w: F.linear(a, w, bias))
         y = F.linear(x, weight, bias)
         return y if lora is None else lora.add(x, y)
 
@@ -178,12 +178,15 @@ class FusedLayer:
         """The cuBLAS way of a residual writer: into ``residual`` in place (``addmm_``), or
         ``residual + x @ weight.T + bias``; then the adapter's delta, in place (or inside the
         GEMM, where the adapter stacks its B beside the weight)."""
-        if lora is not None and lora.linear is not None:
-            return lora.linear(x, weight, bias, residual)
-        if bias is not None:
-            out = residual + F.linear(x, weight, bias)
-        else:
-            out = residual.addmm_(x, weight.t())
+
+        def gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return (
+                residual + F.linear(a, w, bias) if bias is not None else residual.addmm_(a, w.t())
+            )
+
+        if lora is not None and lora.stacked is not None:
+            return lora.stacked(x, weight, gemm)
+        out = gemm(x, weight)
         return out if lora is None else lora.add(x, out)
 
     # ------------------------------------------------------------------ the choice
@@ -227,7 +230,7 @@ class FusedLayer:
         if lora is not None and lora.add_again is not None:  # called many times: repeatable
             lora = lora._replace(add=lora.add_again)
         if lora is not None:  # timed on copies of the weight: the delta after the GEMM
-            lora = lora._replace(linear=None)
+            lora = lora._replace(stacked=None)
 
         def run_cublas(w: torch.Tensor) -> object:
             if op == "norm_linear":

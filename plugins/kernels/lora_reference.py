@@ -30,11 +30,12 @@ class ProjectionLoRA(NamedTuple):
     ``add_again``: the same delta where ``add`` may run only once a step (its intermediate a
     workspace cleared once a step), safe to call any number of times (the fused layer's
     timing calls the cuBLAS way many times on one step's inputs); None: ``add`` is.
-    ``linear``: where the plugin adds the delta inside the base GEMM itself (the ``lora``
-    plugin's stacked layout: ``[x | h'] @ W_ext^T``), the whole projection the cuBLAS way,
-    ``linear(x, weight, bias, residual)``: ``x @ weight.T (+ bias)`` plus every row's delta,
-    added into ``residual`` in place where one is given (then returned); ``weight`` must be
-    the projection's own (not a copy); None: ``F.linear`` then ``add``."""
+    ``stacked``: where the plugin adds the delta inside the base GEMM itself (the ``lora``
+    plugin's stacked layout: ``[x | h'] @ W_ext^T``), ``stacked(x, weight, gemm)`` runs the
+    caller's ``gemm(a, w)`` (``a @ w.T`` in the caller's form: with a bias, into a residual)
+    over the packed rows and the stacked weight, or over ``x`` and ``weight`` with the delta
+    added after it; ``weight`` must be the projection's own (not a copy); None: the GEMM,
+    then ``add``."""
 
     A: tuple[torch.Tensor, ...]  # per slice [slots, rank_max, K], contiguous
     B: tuple[torch.Tensor, ...]  # per slice [slots, N_i, rank_max], contiguous
@@ -43,9 +44,10 @@ class ProjectionLoRA(NamedTuple):
     ranks: torch.Tensor  # [slots] int32: each slot's rank, 0 for an empty slot
     add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     add_again: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    linear: (
+    stacked: (
         Callable[
-            [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor
+            [torch.Tensor, torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
+            torch.Tensor,
         ]
         | None
     ) = None

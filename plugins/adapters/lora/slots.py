@@ -53,7 +53,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pitstop.errors import ConfigError, InvalidRequestError
 from pitstop.ground.step import SeqInput
@@ -362,11 +361,9 @@ class LoRASlots:
             if proj is None:
                 return linear(x, weight, *args, **kwargs)
             if proj.ext is not None:
-                if x.numel() <= WORKSPACE_ROWS * x.shape[-1] or proj.packs_large_steps:
-                    return linear(self._pack(x, proj), proj.ext, *args, **kwargs)
-                y = linear(x, weight, *args, **kwargs)
-                self._add_large(x, y, proj)
-                return y
+                return self._stacked(
+                    x, weight, lambda a, w: linear(a, w, *args, **kwargs), proj=proj
+                )
             shrunk = self._shrink_beside(x, proj)
             y = linear(x, weight, *args, **kwargs)
             if shrunk is None:
@@ -381,29 +378,20 @@ class LoRASlots:
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        residual: torch.Tensor | None,
+        gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         proj: _Projection,
     ) -> torch.Tensor:
-        """A fused layer's stacked projection the cuBLAS way: ``x @ weight.T (+ bias)`` plus
-        every row's delta (into ``residual`` in place where given), ``[x | h'] @ W_ext^T`` as an
-        unfused projection packs it (:meth:`_wrap`), or the base GEMM and :meth:`_add_large`
-        for a step over :data:`WORKSPACE_ROWS` rows that does not pack."""
+        """A stacked projection with every row's delta: ``gemm(a, w)``, the caller's base GEMM
+        (``a @ w.T`` in its own form: with a bias, into a residual), once over ``[x | h']``
+        and ``W_ext``, or, for a step over :data:`WORKSPACE_ROWS` rows that does not pack, over
+        ``x`` and ``weight`` with the delta added after it (:meth:`_add_large`). An unfused
+        projection (:meth:`_wrap`) and a fused layer's cuBLAS way (``ProjectionLoRA.stacked``)
+        both run it."""
         assert proj.ext is not None
-        k = x.shape[-1]
-        if x.numel() <= WORKSPACE_ROWS * k or proj.packs_large_steps:
-            x, weight = self._pack(x, proj), proj.ext
-            delta = False
-        else:
-            delta = True
-        if residual is None:
-            y = F.linear(x, weight, bias)
-        elif bias is None:
-            y = residual.addmm_(x.reshape(-1, x.shape[-1]), weight.t())
-        else:
-            y = residual + F.linear(x, weight, bias)
-        if delta:
-            self._add_large(x, y, proj)
+        if x.numel() <= WORKSPACE_ROWS * x.shape[-1] or proj.packs_large_steps:
+            return gemm(self._pack(x, proj), proj.ext)
+        y = gemm(x, weight)
+        self._add_large(x, y, proj)
         return y
 
     def _shrink_beside(self, x: torch.Tensor, proj: _Projection) -> torch.Tensor | None:
