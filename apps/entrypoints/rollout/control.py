@@ -90,8 +90,6 @@ class Rollout:
         self._quiesce("sleep")
         self.reset_prefix_cache()  # its pages are about to lose their contents
         self.sleep_state.sleep(level)
-        if level == 2 and self._map is not None:  # the values a folded gain stood for are gone
-            self._map.forget_values()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Restore ``tags`` (None: everything released); reset the prefix cache."""
@@ -124,9 +122,9 @@ class Rollout:
             self._check_single_process("updating weights")
             model = self.engine.runner.model
             ignored = self.engine.plugins.architecture(model.cfg.architecture).ignored_tensor
-            self._map = WeightMap(model, ignored or (lambda name: False))
-            if self.sleep_state.missing:  # sleep(level=2) discarded them before the first update
-                self._map.forget_values()
+            self._map = WeightMap(
+                model, ignored or (lambda name: False), lambda: self.sleep_state.missing
+            )
         return self._map
 
     def _before_update(self) -> WeightMap:

@@ -13,14 +13,14 @@ and keeps the gain as loaded. A weight update writes checkpoint values, so
   leaves by ``new / old`` (a trainer's buckets may part a norm from its projections;
   rounded once more). Where the old gain holds a zero those rows lost their values at
   load, so such a batch is refused before anything is copied, naming the tensors to add;
-- after ``sleep(level=2)`` discarded the weights (:meth:`FoldedNorms.forget_values`) a
-  gain has no value until written: rows written before it are kept as given and folded
-  when it arrives.
+- after ``sleep(level=2)`` discarded the weights (the sleep state's names still to write,
+  ``discarded``) a gain has no value until written: rows written before it are kept as
+  given and folded when it arrives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -61,21 +61,31 @@ def _scale_rows(weight: torch.Tensor, ranges: Iterable[tuple[int, int]], by: tor
 class FoldedNorms:
     """Which projection weights hold which norm's gain, and the gains' state (module doc)."""
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], names: dict[int, str]):
+    def __init__(
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        names: dict[int, list[str]],
+        discarded: Callable[[], Collection[str]],
+    ):
         """``pairs``: ``(projection weight, norm gain)`` as the model folded them;
-        ``names``: each parameter's checkpoint names by ``id`` (for messages)."""
+        ``names``: each parameter's checkpoint names by ``id``; ``discarded()``: the names
+        whose values ``sleep(level=2)`` discarded and no update has written since."""
         self.gain_of: dict[int, torch.Tensor] = {id(w): g for w, g in pairs}
         self.weights_of: dict[int, list[torch.Tensor]] = {}
         for w, g in pairs:
             self.weights_of.setdefault(id(g), []).append(w)
-        self.names = names
-        self.valid: set[int] = set(self.weights_of)  # gains whose value is the folded one
+        self.names, self.discarded = names, discarded
         self.raw: dict[int, list[tuple[int, int]]] = {}  # rows written while the gain had none
 
     @classmethod
-    def of(cls, model: nn.Module, names: dict[int, str]) -> FoldedNorms | None:
-        """The fused layers' pairs of ``model`` (None where no layer is fused); ``names``:
-        each parameter's checkpoint names by ``id``."""
+    def of(
+        cls,
+        model: nn.Module,
+        names: dict[int, list[str]],
+        discarded: Callable[[], Collection[str]],
+    ) -> FoldedNorms | None:
+        """The fused layers' pairs of ``model`` (None where no layer is fused); ``names`` and
+        ``discarded`` as :class:`FoldedNorms` takes them."""
         if not getattr(model, "fused_layers", False):
             return None
         pairs = [
@@ -84,20 +94,19 @@ class FoldedNorms:
             if getattr(layer, "fused", False)
             for pair in layer.norms_to_fold()
         ]
-        return cls(pairs, names) if pairs else None
+        return cls(pairs, names, discarded) if pairs else None
 
-    def forget_values(self) -> None:
-        """The weights were discarded (``sleep(level=2)``): no gain has a value until written."""
-        self.valid.clear()
-        self.raw.clear()
+    def _valid(self, gain_id: int, discarded: Collection[str]) -> bool:
+        """Whether the gain holds the value its projections were folded with (not discarded)."""
+        return not any(name in discarded for name in self.names.get(gain_id, ()))
 
     def problems(self, writes: Sequence[tuple[torch.Tensor, int, int]]) -> list[str]:
         """What a batch writing ``(parameter, start row, stop row)`` cannot keep folded: a gain
         written without all of its projection's rows where the old gain holds a zero."""
-        rows = self._rows(writes)
+        rows, discarded = self._rows(writes), self.discarded()
         out = []
         for gain in {id(p): p for p, _, _ in writes if id(p) in self.weights_of}.values():
-            if id(gain) not in self.valid or bool((gain.data != 0).all()):
+            if not self._valid(id(gain), discarded) or bool((gain.data != 0).all()):
                 continue
             for weight in self.weights_of[id(gain)]:
                 if _left(weight.shape[0], rows.get(id(weight), [])):
@@ -111,18 +120,20 @@ class FoldedNorms:
 
     def old_gains(self, writes: Sequence[tuple[torch.Tensor, int, int]]) -> dict[int, torch.Tensor]:
         """Float32 copies of the valid gains a batch writes (taken before it writes them)."""
+        discarded = self.discarded()
         return {
             id(p): p.data.float().clone()
             for p, _, _ in writes
-            if id(p) in self.weights_of and id(p) in self.valid
+            if id(p) in self.weights_of and self._valid(id(p), discarded)
         }
 
     def fold(
         self, writes: Sequence[tuple[torch.Tensor, int, int]], old: dict[int, torch.Tensor]
     ) -> None:
         """After a batch wrote ``writes``: fold the rows it wrote (and rows kept as given) into
-        their gains' values, and rescale the rows of each written gain that it left."""
-        rows = self._rows(writes)
+        their gains' values, and rescale the rows of each written gain that it left (before
+        the sleep state marks the batch written: its gains count as valid here)."""
+        rows, discarded = self._rows(writes), self.discarded()
         gains = {id(p) for p, _, _ in writes if id(p) in self.weights_of}
         touched = {id(p): p for p, _, _ in writes if id(p) in self.gain_of}
         for g in gains:
@@ -130,7 +141,7 @@ class FoldedNorms:
         for key, weight in touched.items():
             gain = self.gain_of[key]
             fresh = _merge(rows.get(key, []) + self.raw.get(key, []))
-            if id(gain) not in self.valid and id(gain) not in gains:
+            if id(gain) not in gains and not self._valid(id(gain), discarded):
                 self.raw[key] = fresh  # no gain to fold with yet (after level 2)
                 continue
             self.raw.pop(key, None)
@@ -139,7 +150,6 @@ class FoldedNorms:
             if id(gain) in old:  # the rows it left hold W * old gain
                 ratio = torch.where(old[id(gain)] != 0, g / old[id(gain)], torch.ones_like(g))
                 _scale_rows(weight, _left(weight.shape[0], fresh), ratio)
-        self.valid |= gains
 
     def _rows(self, writes: Sequence[tuple[torch.Tensor, int, int]]) -> dict[int, list]:
         rows: dict[int, list[tuple[int, int]]] = {}
@@ -149,4 +159,4 @@ class FoldedNorms:
         return {k: _merge(v) for k, v in rows.items()}
 
     def _name(self, param: torch.Tensor) -> str:
-        return self.names.get(id(param), "a parameter")
+        return ", ".join(repr(n) for n in self.names.get(id(param), ["a parameter"]))

@@ -13,7 +13,7 @@ valid.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -58,10 +58,17 @@ class WeightMap:
     """The model's Hugging Face names -> its parameters, read once from the model plugin.
 
     ``ignored(name)``: checkpoint tensors the architecture skips at load (rotary
-    ``inv_freq``). Refuses, with the reason, a model whose weights cannot change in place.
+    ``inv_freq``); ``discarded()``: the names whose values ``sleep(level=2)`` discarded and
+    no update has written since (the sleep state's; :mod:`.folded_norms` reads it). Refuses,
+    with the reason, a model whose weights cannot change in place.
     """
 
-    def __init__(self, model: nn.Module, ignored: Callable[[str], bool] = lambda n: False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        ignored: Callable[[str], bool] = lambda n: False,
+        discarded: Callable[[], Collection[str]] = frozenset,
+    ) -> None:
         for attr in ("name_map", "shapes_of", "cfg"):
             if not hasattr(model, attr):
                 raise WeightUpdateError(
@@ -76,23 +83,17 @@ class WeightMap:
         self.ignored = ignored
         self.tied = bool(getattr(model.cfg, "tie_word_embeddings", False))
         # fused.layer: the norms' gains folded into the projections, kept folded by every write
-        self.folds = FoldedNorms.of(model, self._hf_names())
+        self.folds = FoldedNorms.of(model, self._hf_names(), discarded)
 
-    def _hf_names(self) -> dict[int, str]:
+    def _hf_names(self) -> dict[int, list[str]]:
         """Each parameter's checkpoint names by ``id`` (``q_proj``, ``k_proj`` and
-        ``v_proj``'s for a merged ``qkv_proj``), for messages."""
+        ``v_proj``'s for a merged ``qkv_proj``)."""
         names: dict[int, list[str]] = {}
         for name in self.shapes:
             target, _ = self.model.name_map(self.cfg, self.merged, name)
             if target in self.params:
                 names.setdefault(id(self.params[target]), []).append(name)
-        return {key: ", ".join(repr(n) for n in hf) for key, hf in names.items()}
-
-    def forget_values(self) -> None:
-        """The weights were discarded (``sleep(level=2)``): a folded gain has no value until
-        written again (:class:`FoldedNorms`)."""
-        if self.folds is not None:
-            self.folds.forget_values()
+        return names
 
     @property
     def names(self) -> list[str]:
