@@ -111,13 +111,12 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/next/}" ]; then
 fi
 # BENCHES=layer-lora: LoRA inside the fused layer with the stacked packs in its cuBLAS steps
 # (fifteenth session, 8eb2c93; issues 44 and 47): the GPU tests of LoRA in the layer, then
-# nano's rows with and without the layer (the base row runs it by default since 7865033) and
-# single's (about 10 minutes: two calls). Decides whether fused.layer, left unset, can stay
-# on with an adapter plugin (fused.layer_wanted)
+# nano's rows with the layer (the default since the sixteenth session, adapters or not) and
+# without it, and single's (about 10 minutes: two calls)
 if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/layer-lora/}" ]; then
   BENCHES=${BENCHES/layer-lora/lora-layer-tests lora-kernels lora-single}
-  export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8,lora-1-layer,lora-8-layer} LORA_REPEATS=${LORA_REPEATS:-3}
-  export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1,lora-1-layer}
+  export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8,lora-1-unfused,lora-8-unfused} LORA_REPEATS=${LORA_REPEATS:-3}
+  export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1,lora-1-unfused}
 fi
 # layer: the fused decoder layer's four parts (issue 44); its timed choices kept in one place
 BENCHES=$(echo " ${BENCHES-nano single} " | sed 's/ layer / layer-tests layer-profile layer-nano layer-single /g')

@@ -15,9 +15,12 @@ The config's ``adapter`` setting names an adapter plugin (``lora``; vLLM's
    it places each adapter in a device slot and writes each row's slot where the wrapped
    projections read it.
 
-An adapter plugin may define ``forget_slots()``: called after sleep mode gave back weight
-memory without a copy of it (level 2), before any step, so a plugin that keeps adapter
-weights inside the weights' memory (``AdapterContext.weights_region``) reloads them.
+An adapter plugin may define ``forget_slots()``: called before any further step where the
+device copies of the adapters no longer hold what they were loaded from: after sleep mode
+gave back weight memory without a copy of it (level 2), so a plugin that keeps adapter
+weights inside the weights' memory (``AdapterContext.weights_region``) reloads them, and
+after a weight update wrote a norm gain that a fused layer folds into the projection after
+it (the ``lora`` plugin multiplies that gain into the A it loads for the fused layer).
 
 An adapter plugin may set ``max_per_step`` (an int): the most distinct adapters one step
 can run (the ``lora`` plugin's ``max_loras``). A request whose adapter would bring the

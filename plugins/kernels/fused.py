@@ -112,17 +112,16 @@ def head_size_supported(head_size: int) -> bool:
     return 16 <= head_size <= 256 and head_size & (head_size - 1) == 0
 
 
-def layer_wanted(layer: bool | None, gpu_triton: bool, adapter: str | None) -> tuple[bool, str]:
+def layer_wanted(layer: bool | None, gpu_triton: bool) -> tuple[bool, str]:
     """Whether to fuse the decoder layer, and the reason where not: ``fused.layer`` where
-    set; unset, on where its ops run in Triton on a GPU (``gpu_triton``) and no adapter
-    plugin is selected (LoRA's stacked packs run the unfused layer faster over several
-    adapters; on the CPU the layer's ops are the reference's, no faster)."""
+    set; unset, on where its ops run in Triton on a GPU (``gpu_triton``), with or without an
+    adapter plugin (since LoRA's stacked packs run inside the layer's cuBLAS steps it is
+    faster with adapters too: docs/benchmarks.md, sixteenth session); off on the CPU, where
+    the layer's ops are the reference's and no faster."""
     if layer is not None:
         return layer, "config flag fused.layer is off"
     if not gpu_triton:
         return False, "fused.layer unset: its ops would not run in Triton on a GPU"
-    if adapter is not None:
-        return False, f"fused.layer unset: adapter plugin {adapter!r} selected"
     return True, ""
 
 
@@ -407,9 +406,7 @@ class FusedKernels(reference.DispatchKernels):
         """Whether the layer is fused (``fused.layer``, or its rule where unset) and where its
         ops run (:meth:`describe`)."""
         wanted, why_not = layer_wanted(
-            settings.layer,
-            self.device.type == "cuda" and triton_reason is None,
-            self.config.adapter,
+            settings.layer, self.device.type == "cuda" and triton_reason is None
         )
         self.fuses_layer = wanted and self.merge_projections
         if not self.fuses_layer:

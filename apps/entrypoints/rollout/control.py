@@ -135,6 +135,12 @@ class Rollout:
     def _after_update(self, written: list[str]) -> None:
         self.sleep_state.written(written)
         self.reset_prefix_cache()
+        folds = self._map.folds if self._map is not None else None
+        if folds is not None and folds.gain_names().intersection(written):
+            # a fused layer's adapters hold A times the old gain: load them again with the new
+            forget = getattr(self.engine.runner.adapters, "forget_slots", None)
+            if forget is not None:
+                forget()
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -96,6 +96,10 @@ class FoldedNorms:
         ]
         return cls(pairs, names, discarded) if pairs else None
 
+    def gain_names(self) -> set[str]:
+        """The checkpoint names of every gain folded into a projection."""
+        return {name for g in self.weights_of for name in self.names.get(g, ())}
+
     def _valid(self, gain_id: int, discarded: Collection[str]) -> bool:
         """Whether the gain holds the value its projections were folded with (not discarded)."""
         return not any(name in discarded for name in self.names.get(gain_id, ()))

@@ -502,9 +502,11 @@ class LoRASlots:
         return y
 
     def forget_slots(self) -> None:
-        """Sleep mode gave the weights' memory back without its contents (level 2): the
-        stacked projections' B columns are lost with it, so every slot is emptied (zeros)
-        and each adapter loads again, from the host cache, when a step next runs it."""
+        """Every slot emptied (zeros), so that each adapter loads again, from the host cache
+        (or its folder), when a step next runs it: after sleep mode gave the weights' memory
+        back without its contents (level 2; the stacked projections' B columns were lost
+        with it), and after a weight update wrote a norm gain that the fused layer's A of
+        QKV or gate-up was multiplied by when it loaded (:meth:`_Projection.load`)."""
         with self._lock:
             for projections in self.layers:
                 for proj in projections.values():

@@ -168,3 +168,39 @@ def test_a_gain_with_a_zero_needs_its_projection_in_the_same_batch(tmp_path, che
         tensors[name] = gain
         with LLM(str(_save(tmp_path / "gain", folder, tensors)), **SETTINGS) as want:
             _assert_params(_params(llm), _params(want), exact=True)
+
+
+def test_adapters_loaded_before_a_gain_changes_take_the_new_gain(
+    tmp_path, checkpoints, fresh
+) -> None:
+    """The ``lora`` plugin multiplies a fused layer's norm gain into the A of QKV and gate-up
+    as it loads an adapter: an update that writes the gains has it load the adapter again,
+    so its rows give a fresh engine's tokens of the new checkpoint, with the same adapter."""
+    pytest.importorskip("peft")
+    from helpers.checkpoints import hf_model, save_random_lora
+
+    from pitstop import LoRARequest
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    folder = save_random_lora(
+        hf_model(checkpoints["original"]), tmp_path / "adapter", rank=4, alpha=8,
+        targets=targets, seed=7, b_scale=20,
+    )  # fmt: skip
+    request = LoRARequest("adapter", 1, str(folder))
+    settings = dict(SETTINGS, enable_lora=True, max_loras=2, max_lora_rank=8)
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        outs = llm.generate(
+            prompt_token_ids=PROMPTS, sampling_params=GREEDY, lora_request=request, use_tqdm=False
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    with LLM(str(checkpoints["changed"]), **settings) as llm:
+        assert llm.engine.runner.model.fused_layers
+        want = tokens(llm)
+    with LLM(str(checkpoints["original"]), **settings) as llm:
+        before = tokens(llm)  # the adapter in its slot, its A times the original gains
+        llm.update_weights(_tensors(checkpoints["changed"]).items())
+        assert tokens(llm) == want
+        assert _greedy(llm) == fresh["changed"][1]
+    assert before != want, "the change shows in the adapter's tokens"

@@ -263,20 +263,18 @@ def test_moe_models_fuse_their_attention_half(tmp_path: Path) -> None:
     _assert_matches(off, hf, lengths=(1, 9), seed=5)
 
 
-def test_the_layer_is_fused_by_default_on_a_gpu_without_adapters(tmp_path: Path) -> None:
-    """``fused.layer`` unset: on where its ops run in Triton on a GPU and no adapter plugin
-    is selected; off on the CPU (the reference's ops, no faster) and with LoRA (its stacked
-    packs run the unfused layer faster); set, it decides everywhere."""
+def test_the_layer_is_fused_by_default_on_a_gpu(tmp_path: Path) -> None:
+    """``fused.layer`` unset: on where its ops run in Triton on a GPU, adapters or not; off
+    on the CPU (the reference's ops, no faster); set, it decides everywhere."""
     from pitstop.plugins.kernels.fused import layer_wanted
 
-    assert layer_wanted(None, True, None) == (True, "")
-    assert layer_wanted(None, True, "lora") == (
+    assert layer_wanted(None, True) == (True, "")
+    assert layer_wanted(None, False) == (
         False,
-        "fused.layer unset: adapter plugin 'lora' selected",
+        "fused.layer unset: its ops would not run in Triton on a GPU",
     )
-    assert layer_wanted(None, False, None)[0] is False
-    assert layer_wanted(True, False, "lora")[0] is True
-    assert layer_wanted(False, True, None)[0] is False
+    assert layer_wanted(True, False)[0] is True
+    assert layer_wanted(False, True)[0] is False
     folder = _checkpoint(tmp_path, "llama", num_hidden_layers=1)
     with LLM(
         str(folder), device="cpu", kv_cache_gib=0.01, max_model_len=64, kernels="fused"
