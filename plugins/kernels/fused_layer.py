@@ -27,7 +27,9 @@ up to ``fused.layer_rows`` rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -55,11 +57,34 @@ def _mixes_adapters(x: torch.Tensor, lora: ProjectionLoRA | None) -> bool:
     """Whether a Triton tile of this call's rows may hold rows of several adapters: more than
     one row and more than one slot. Such a tile takes one more pass over its K range for
     each adapter past the first (:mod:`.triton_ops.fused_linear`), and the choice of a shape
-    is made once, on the rows it times (the warm-up's, without adapters), so it cannot see
-    the mix of a later step: `nano` over 8 adapters ran 0.64x of `nano` with the LoRA inside
+    is made once, on the rows it times (the warm-up's, all in one slot while timed), so it
+    cannot see the mix of a later step: `nano` over 8 adapters ran 0.64x of `nano` with the LoRA inside
     at 256 rows (H100, 2026-12-06, ``bcd4ee9``). Those calls take the cuBLAS way, whose
     delta (the adapter plugin's) groups the rows by adapter."""
     return lora is not None and x.shape[0] > 1 and lora.A[0].shape[0] > 1
+
+
+@contextlib.contextmanager
+def _rows_in_an_adapter(lora: ProjectionLoRA, rows: int) -> Iterator[None]:
+    """While an op with an adapter is timed: its ``rows`` rows in slot 0, and slot 0 at the
+    largest rank the slots hold (``A``'s), so that the timed Triton shapes read and multiply
+    the adapter's A and B as in a step whose rows have one. The timing runs in the runner's
+    warm-up, whose rows have no adapter (slot -1: every LoRA load masked off), and so saw the
+    GEMM alone, while at one row each column program of a Triton GEMM reads the A of every
+    slice (wider tiles read it fewer times). The reference the shapes are checked against
+    takes the same slots (an empty slot's A and B are zeros). The cuBLAS way's delta keeps
+    the step's grouping of rows by slot (made once a step, before the warm-up's rows had
+    any): timed without the adapter's work, which its stacked pack does densely at about the
+    same cost whatever the rows' slots. The rows' slots and slot 0's rank are restored after."""
+    slots = lora.slot_of_row[:rows]
+    saved_slots, saved_rank = slots.clone(), lora.ranks[:1].clone()
+    slots.fill_(0)
+    lora.ranks[:1].fill_(lora.A[0].shape[1])
+    try:
+        yield
+    finally:
+        slots.copy_(saved_slots)
+        lora.ranks[:1].copy_(saved_rank)
 
 
 class FusedLayer:
@@ -248,8 +273,9 @@ class FusedLayer:
             return getattr(reference, op)(x, weight, eps, bias, lora)
 
         name = (op if bias is None else f"{op}+bias") + ("" if lora is None else "+lora")
+        timing = None if lora is None else functools.partial(_rows_in_an_adapter, lora, m)
         return self.choice.launch_shape(
-            name, x, weight, candidates, run_triton, run_cublas, expected
+            name, x, weight, candidates, run_triton, run_cublas, expected, timing
         )
 
     def _cublas_qkv(

@@ -29,9 +29,11 @@ meets an untimed shape) the rule is ``static_rows``: the table's launch shape
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -66,8 +68,9 @@ CUBLAS_MARGIN_US = 2.5
 # about 120 us of a step of about 8 ms)
 CUBLAS_MARGIN_MAX_ROWS = 32
 # part of every key: a choice made under another rule is timed again (3: the timed calls on
-# copies of the weight, ROTATE_MAX_BYTES; 4: the 2.5 us margin; 5: only up to 32 rows)
-CHOICE_REVISION = 5
+# copies of the weight, ROTATE_MAX_BYTES; 4: the 2.5 us margin; 5: only up to 32 rows; 6: an
+# op with an adapter timed with its rows in an adapter's slot, FusedLayer._config)
+CHOICE_REVISION = 6
 # a weight of up to this many bytes is copied for the timing, one copy a call of the timed
 # graph, so that no call reads it from L2 (the H100's and H200's L2 hold 50 MB; a larger
 # weight streamed again from its start finds its first lines evicted by its last); at most
@@ -133,12 +136,14 @@ class LayerChoice:
         run_triton: TritonRun,
         run_cublas: CublasRun,
         expected: Callable[[], torch.Tensor],
+        timing: Callable[[], AbstractContextManager[object]] | None = None,
     ) -> LinearConfig | None:
         """The Triton launch shape ``op`` runs for ``x [M, K]`` and ``weight [N, K]``, or None for
         cuBLAS. ``candidates``: the Triton shapes to time (the table's first, the untimed
         answer); ``run_triton(config, w)`` / ``run_cublas(w)``: a call of the op each way on
         these inputs with ``w`` for ``weight`` (``weight`` itself or a copy of it);
-        ``expected()``: the op's reference result, which a Triton shape must match."""
+        ``expected()``: the op's reference result, which a Triton shape must match;
+        ``timing()``: a context the timing runs in, where it runs (None: none)."""
         rows = x.shape[0]
         if not self.timed or not self.can_time(x):
             return candidates[0] if rows <= self.static_rows else None
@@ -159,16 +164,17 @@ class LayerChoice:
                 )
             return candidates[0] if rows <= self.static_rows else None
         if not found:
-            choice = self._time(
-                key,
-                x.dtype,
-                weight,
-                candidates,
-                run_triton,
-                run_cublas,
-                expected,
-                bucket_rows(rows),
-            )
+            with timing() if timing is not None else contextlib.nullcontext():
+                choice = self._time(
+                    key,
+                    x.dtype,
+                    weight,
+                    candidates,
+                    run_triton,
+                    run_cublas,
+                    expected,
+                    bucket_rows(rows),
+                )
         self._memory[key] = choice
         return choice
 

@@ -337,6 +337,41 @@ def test_the_fused_layer_times_a_lora_inside_under_its_own_key(tmp_path) -> None
     assert len(keys) == 1 and keys[0].startswith("norm_linear+lora|"), keys
 
 
+def test_an_op_with_an_adapter_is_timed_with_its_rows_in_an_adapters_slot(tmp_path) -> None:  # noqa: ANN001
+    """The warm-up that times the fused layer's ops has no adapter on its rows (slot -1, every
+    LoRA load masked off), so the timing would weigh the GEMM alone: while an op with an
+    adapter is timed, its rows are in slot 0 at the largest rank, every timed call (and the
+    reference each Triton shape is checked against) sees them, and the rows' slots and slot
+    0's rank are as they were after."""
+    from pitstop.plugins.kernels import reference
+    from pitstop.plugins.kernels.fused_layer import FusedLayer
+
+    if DEVICE.type == "cuda":
+        pytest.skip("times on the CPU with a fake timer")
+    eps, m, k = 1e-6, 3, 64
+    x, w, _ = inputs(m, 64, k, torch.float32, 4)
+    lora = make_lora(k, [32, 16, 16], [-1] * m, torch.float32, 4, n_slots=1, rank_max=RANK_MAX)
+    lora.ranks[0] = 2  # a loaded adapter of rank 2 (its A and B zero past it)
+    lora = lora._replace(add=lambda rows, y: y, add_again=lambda rows, y: y)
+    choice = _TimedHere.make(tmp_path)
+    seen: list[tuple[list[int], int]] = []
+    timer = choice.timer
+
+    def watching(fn, n: int) -> float:  # noqa: ANN001
+        seen.append((lora.slot_of_row[:m].tolist(), int(lora.ranks[0])))
+        return timer(fn, n)
+
+    choice.timer = watching
+
+    def row_scaled(rows: torch.Tensor, eps_: float | None) -> torch.Tensor:
+        return rows if eps_ is None else (rows * reference.rms_scale(rows, eps_)).to(rows.dtype)
+
+    layer = FusedLayer(fl, choice, row_scaled, None, reference.silu_and_mul)
+    layer.norm_linear(x, w, eps, None, lora=lora)
+    assert seen and all(s == ([0] * m, RANK_MAX) for s in seen), seen
+    assert lora.slot_of_row[:m].tolist() == [-1] * m and int(lora.ranks[0]) == 2
+
+
 @pytest.mark.parametrize("m", [1, 5])
 def test_every_gpu_lora_launch_shape_matches_float64(m: int) -> None:
     """The launch shapes the fused layer times with an adapter (:func:`fl.tile_candidates`:
