@@ -546,8 +546,11 @@ for _ in range(2):
         -k split_tokens 2>&1 | tee "$OUT/gpu-tests-split-tokens.log" | tail -3
       timeout ${RAGGED_TIMEOUT:-400} python3 benchmarks/decode_ragged.py --splits ${RAGGED_SPLITS:-1 2 4} --split-tokens ${RAGGED_TOKENS:-256 512 1024} \
         --json "$OUT/decode-ragged.json" 2>&1 | tee "$OUT/decode-ragged.log" | tail -16 ;;
-    lora-layer-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider -m gpu \
-        tests/plugins/adapters/test_lora_fused_layer.py tests/plugins/kernels/test_fused_linear_lora.py 2>&1 \
+    # (since the sixteenth session the layer is on by default with adapters too, so
+    # test_lora.py's GPU tests run it as well)
+    lora-layer-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/plugins/adapters/test_lora_fused_layer.py tests/plugins/kernels/test_fused_linear_lora.py \
+        tests/plugins/adapters/test_lora.py 2>&1 \
         | tee "$OUT/gpu-tests-lora-layer.log" | tail -6 ;;
     lora-stacked-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/plugins/kernels/test_lora_kernels.py \
         tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_launches.py -k "${LORA_TEST_K-pack or stacked or gpu}" 2>&1 | tee "$OUT/gpu-tests-lora-stacked.log" | tail -6 ;;
