@@ -116,7 +116,7 @@ fi
 if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/layer-lora/}" ]; then
   BENCHES=${BENCHES/layer-lora/lora-layer-tests lora-kernels lora-single}
   export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8,lora-1-unfused,lora-8-unfused} LORA_REPEATS=${LORA_REPEATS:-3}
-  export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1,lora-1-unfused}
+  export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1,lora-1-unfused,lora-1-shrink-before}
 fi
 # layer: the fused decoder layer's four parts (issue 44); its timed choices kept in one place
 BENCHES=$(echo " ${BENCHES-nano single} " | sed 's/ layer / layer-tests layer-profile layer-nano layer-single /g')

@@ -331,7 +331,10 @@ class FusedLayerOps(Protocol):
     ``linear_residual`` (O + residual add), ``norm_gate_up`` (norm + gate-up + SiLU·mul)
     and ``linear_residual`` (down + residual add). The model multiplies each RMSNorm's gain
     into the projection after it at load, so ``norm_linear`` scales each row by ``1 /
-    rms(x)`` alone. ``lora``: an adapter plugin's delta of the projection, or None."""
+    rms(x)`` alone. ``lora``: an adapter plugin's delta of the projection, or None;
+    ``next_lora`` (``norm_gate_up``, ``linear_residual``): the delta of the projection that
+    reads this op's output, whose shrink (``x A^T``) a set may sum here for that projection
+    to read (its ``h_in``) instead of computing it; a set may ignore it."""
 
     def norm_linear(
         self,
@@ -351,6 +354,7 @@ class FusedLayerOps(Protocol):
         eps: float | None,
         bias: torch.Tensor | None = None,
         lora: Any = None,
+        next_lora: Any = None,
     ) -> torch.Tensor:
         """``silu(g) * u`` where ``[g | u]`` is :meth:`norm_linear` over the merged gate-up weight."""
         ...
@@ -362,6 +366,7 @@ class FusedLayerOps(Protocol):
         residual: torch.Tensor,
         bias: torch.Tensor | None = None,
         lora: Any = None,
+        next_lora: Any = None,
     ) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``: a new tensor, or ``residual`` itself updated in
         place (the model never reads the old stream again), as the set chooses."""

@@ -480,11 +480,12 @@ class FusedKernels(reference.DispatchKernels):
         eps: float | None,
         bias: torch.Tensor | None = None,
         lora: Any = None,
+        next_lora: Any = None,
     ) -> torch.Tensor:
         """``silu(gate) * up`` of the normed gate-up projection (:class:`.fused_layer.FusedLayer`)."""
         if self._layer is None:
             return reference.norm_gate_up(x, weight, eps, bias, lora)
-        return self._layer.norm_gate_up(x, weight, eps, bias, lora)
+        return self._layer.norm_gate_up(x, weight, eps, bias, lora, next_lora)
 
     def linear_residual(
         self,
@@ -493,12 +494,13 @@ class FusedKernels(reference.DispatchKernels):
         residual: torch.Tensor,
         bias: torch.Tensor | None = None,
         lora: Any = None,
+        next_lora: Any = None,
     ) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``, a new tensor or ``residual`` updated in place
         (:class:`.fused_layer.FusedLayer`)."""
         if self._layer is None:
             return reference.linear_residual(x, weight, residual, bias, lora)
-        return self._layer.linear_residual(x, weight, residual, bias, lora)
+        return self._layer.linear_residual(x, weight, residual, bias, lora, next_lora)
 
     # ------------------------------------------------------------------ resolution
     def _fallback(self, op: str, reason: str) -> None:

@@ -103,6 +103,29 @@ class FusedLayer:
         (it takes the row scale), else None; ``plain_silu``: the kernel set's SiLU·mul."""
         self.gemm, self.choice = gemm, choice
         self.row_scaled, self.silu, self.plain_silu = row_scaled, silu, plain_silu
+        # the ProjectionLoRA.h_in (by id) a Triton GEMM of this forward summed the next
+        # projection's shrink into (next_lora=): that projection reads it if it runs in Triton
+        # too (h_in=True), and forgets it either way
+        self._summed: set[int] = set()
+
+    def _reads_summed(self, lora: ProjectionLoRA | None) -> bool:
+        """Whether the projection before summed ``lora``'s shrink into its ``h_in`` (forgotten
+        here: one read a forward)."""
+        if lora is None or lora.h_in is None or id(lora.h_in) not in self._summed:
+            return False
+        self._summed.discard(id(lora.h_in))
+        return True
+
+    def _sums_next(
+        self, lora: ProjectionLoRA | None, next_lora: ProjectionLoRA | None
+    ) -> dict[str, ProjectionLoRA]:
+        """``{"next_lora": next_lora}`` for a Triton GEMM that sums the next projection's shrink
+        of its output (noted for that projection), where both have an adapter's slots and the
+        next has an ``h_in``; else empty."""
+        if lora is None or next_lora is None or next_lora.h_in is None:
+            return {}
+        self._summed.add(id(next_lora.h_in))
+        return {"next_lora": next_lora}
 
     # ------------------------------------------------------------------ QKV
     def norm_linear(
@@ -115,8 +138,11 @@ class FusedLayer:
     ) -> torch.Tensor:
         """``rstd(x) * x @ weight.T (+ bias)`` as one tensor (the scale applied here)."""
         config = self._config("norm_linear", x, weight, eps, bias, lora=lora)
+        summed = self._reads_summed(lora)
         if config is not None:
-            return self.gemm.norm_linear(x, weight, eps, bias, config=config, lora=lora)
+            return self.gemm.norm_linear(
+                x, weight, eps, bias, config=config, lora=lora, h_in=summed
+            )
         return self._linear(self.row_scaled(x, eps), weight, bias, lora)
 
     def norm_linear_deferred(
@@ -130,8 +156,10 @@ class FusedLayer:
         """The QKV projection: the Triton GEMM with the norm inside, or cuBLAS on the raw rows
         and ``(x, eps)`` for ``rope_and_store`` to scale with (no bias), or the scale first."""
         config = self._config("norm_linear", x, weight, eps, bias, lora=lora)
+        summed = self._reads_summed(lora)
         if config is not None:
-            return self.gemm.norm_linear(x, weight, eps, bias, config=config, lora=lora), None
+            out = self.gemm.norm_linear(x, weight, eps, bias, config=config, lora=lora, h_in=summed)
+            return out, None
         deferred = (x, eps) if _defers(eps, bias) else None
         return self._cublas_qkv(x, weight, eps, bias, lora), deferred
 
@@ -143,11 +171,17 @@ class FusedLayer:
         eps: float | None,
         bias: torch.Tensor | None,
         lora: ProjectionLoRA | None = None,
+        next_lora: ProjectionLoRA | None = None,
     ) -> torch.Tensor:
-        """``silu(gate) * up`` of the normed merged gate-up projection."""
+        """``silu(gate) * up`` of the normed merged gate-up projection; ``next_lora``: the down
+        projection's, whose shrink a Triton GEMM here sums (:meth:`linear_residual`)."""
         config = self._config("norm_gate_up", x, weight, eps, bias, lora=lora)
+        summed = self._reads_summed(lora)
         if config is not None:
-            return self.gemm.norm_gate_up(x, weight, eps, bias, config=config, lora=lora)
+            return self.gemm.norm_gate_up(
+                x, weight, eps, bias, config=config, lora=lora, h_in=summed,
+                **self._sums_next(lora, next_lora),
+            )  # fmt: skip
         return self._cublas_gate_up(x, weight, eps, bias, lora)
 
     def _cublas_gate_up(
@@ -184,12 +218,21 @@ class FusedLayer:
         residual: torch.Tensor,
         bias: torch.Tensor | None,
         lora: ProjectionLoRA | None = None,
+        next_lora: ProjectionLoRA | None = None,
     ) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``: the Triton GEMM's fresh tensor, or cuBLAS adding
-        into ``residual`` in place (one launch; the model never reads the old stream again)."""
+        into ``residual`` in place (one launch; the model never reads the old stream again).
+        ``next_lora``: the LoRA of the projection that reads this output (the O projection's:
+        gate-up; the down projection's: the next layer's QKV), whose shrink the Triton GEMM
+        sums in its epilogue into ``next_lora.h_in`` for that projection to read, if it runs
+        in Triton too, instead of reading the whole of A in every column program."""
         config = self._config("linear_residual", x, weight, None, bias, residual, lora)
+        summed = self._reads_summed(lora)
         if config is not None:
-            return self.gemm.linear_residual(x, weight, residual, bias, config=config, lora=lora)
+            return self.gemm.linear_residual(
+                x, weight, residual, bias, config=config, lora=lora, h_in=summed,
+                **self._sums_next(lora, next_lora),
+            )  # fmt: skip
         return self._cublas_residual(x, weight, residual, bias, lora)
 
     @staticmethod

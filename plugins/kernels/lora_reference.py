@@ -35,7 +35,8 @@ class ProjectionLoRA(NamedTuple):
     caller's ``gemm(a, w)`` (``a @ w.T`` in the caller's form: with a bias, into a residual)
     over the packed rows and the stacked weight, or over ``x`` and ``weight`` with the delta
     added after it; ``weight`` must be the projection's own (not a copy); None: the GEMM,
-    then ``add``."""
+    then ``add``. ``h_in``: where the projection before this one, run in Triton, sums this
+    one's shrink (``x A^T`` of each row's slot) for it to read instead of computing it."""
 
     A: tuple[torch.Tensor, ...]  # per slice [slots, rank_max, K], contiguous
     B: tuple[torch.Tensor, ...]  # per slice [slots, N_i, rank_max], contiguous
@@ -51,6 +52,16 @@ class ProjectionLoRA(NamedTuple):
         ]
         | None
     ) = None
+    # where the projection before this one sums this projection's shrink in its epilogue
+    # (``next_lora=`` of the fused layer's Triton GEMMs; [>= T, slices x padded rank] float32,
+    # zeroed once a step by the adapter plugin); None: this projection computes its own
+    h_in: torch.Tensor | None = None
+
+
+# the key of a fused layer's ``projection_lora`` (the adapter plugin sets it beside the layer's
+# own projections' deltas) that holds the next layer's QKV delta, whose shrink the layer's down
+# projection may sum into its ``h_in`` (``next_lora=``)
+NEXT_LAYER_QKV = "next_layer.qkv_proj"
 
 
 def scaling_of(lora_alpha: float, rank: int, use_rslora: bool = False) -> float:

@@ -297,9 +297,13 @@ def norm_gate_up(
     eps: float | None,
     bias: torch.Tensor | None = None,
     lora: Any = None,
+    next_lora: Any = None,
 ) -> torch.Tensor:
     """The MLP's first half in one op: ``silu(gate) * up`` of :func:`norm_linear` over the merged
-    ``[gate | up]`` weight (rows ``[2F, K]``, gain folded); returns ``[T, F]``."""
+    ``[gate | up]`` weight (rows ``[2F, K]``, gain folded); returns ``[T, F]``. ``next_lora``
+    (the down projection's, whose shrink a kernel set may sum here) is not used: the
+    reference's projections each compute their own."""
+    del next_lora
     return silu_and_mul(norm_linear(x, weight, eps, bias, lora))
 
 
@@ -309,10 +313,13 @@ def linear_residual(
     residual: torch.Tensor,
     bias: torch.Tensor | None = None,
     lora: Any = None,
+    next_lora: Any = None,
 ) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)``: a projection that writes the residual stream
     (a new tensor here; a kernel set may add into ``residual`` in place and return it);
-    ``lora``: the adapter's delta of ``x`` added too."""
+    ``lora``: the adapter's delta of ``x`` added too; ``next_lora``: not used here (as for
+    :func:`norm_gate_up`)."""
+    del next_lora
     y = residual + F.linear(x, weight, bias)
     return y if lora is None else lora.add(x, y)
 

@@ -33,6 +33,7 @@ from pitstop.plugin_system.protocols import (
     RotaryCache,
     WeightFormat,
 )
+from pitstop.plugins.kernels.lora_reference import NEXT_LAYER_QKV
 from pitstop.plugins.model_sources.gguf.quantized import QuantizedWeight, RowMerger
 from pitstop.plugins.models.llama_config import HF_MODEL_TYPES, config_from_hf
 from pitstop.plugins.models.llama_gguf import gguf_rules
@@ -318,19 +319,23 @@ class DecoderLayer(nn.Module):
     def _fused_after_attention(self, o: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         """O projection + residual add, norm + gate-up + SiLU·mul, down + residual add."""
         mlp, kn = self.mlp, self.kernels
-        stream = self._fused_output(o, stream)
+        stream = self._fused_output(o, stream, **self._next("gate_up_proj"))
         eps, lora = self.cfg.rms_norm_eps, self._lora("gate_up_proj")
-        act = kn.norm_gate_up(stream, mlp.gate_up_proj, eps, mlp.gate_up_bias, **lora)
-        return kn.linear_residual(
-            act, mlp.down_proj, stream, mlp.down_bias, **self._lora("down_proj")
+        act = kn.norm_gate_up(
+            stream, mlp.gate_up_proj, eps, mlp.gate_up_bias, **lora, **self._next("down_proj")
         )
+        return kn.linear_residual(
+            act, mlp.down_proj, stream, mlp.down_bias, **self._lora("down_proj"),
+            **self._next(NEXT_LAYER_QKV),
+        )  # fmt: skip
 
-    def _fused_output(self, o: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-        """A fused layer's O projection of attention's ``o``, added into ``stream``."""
+    def _fused_output(self, o: torch.Tensor, stream: torch.Tensor, **after: Any) -> torch.Tensor:
+        """A fused layer's O projection of attention's ``o``, added into ``stream``; ``after``:
+        the gate-up projection's ``next_lora`` (:meth:`_next`), if any."""
         attn = self.self_attn
         o2 = o.reshape(o.shape[0], attn.q_size)
         return self.kernels.linear_residual(
-            o2, attn.o_proj, stream, attn.o_bias, **self._lora("o_proj")
+            o2, attn.o_proj, stream, attn.o_bias, **self._lora("o_proj"), **after
         )
 
     def _lora(self, name: str) -> dict[str, Any]:
@@ -338,6 +343,12 @@ class DecoderLayer(nn.Module):
         kernel set without adapter support is called as before)."""
         delta = self.projection_lora.get(name)
         return {} if delta is None else {"lora": delta}
+
+    def _next(self, name: str) -> dict[str, Any]:
+        """``{"next_lora": delta}`` where the projection ``name`` (``NEXT_LAYER_QKV``: the next
+        layer's QKV) reads its shrink from the op before it (its ``h_in``), else empty."""
+        delta = self.projection_lora.get(name)
+        return {} if getattr(delta, "h_in", None) is None else {"next_lora": delta}
 
     def fold_norms(self) -> None:
         """Multiply each RMSNorm's gain into the projection after it (``W' = W * g``), once.

@@ -24,10 +24,13 @@ from pitstop.plugins.kernels.triton_ops import fused_linear as fl
 # the models whose LoRA launch shapes are checked: (hidden, q|k|v width, intermediate)
 MODELS = {"qwen3-0.6b": (1024, 4096, 3072), "llama3-8b": (4096, 6144, 14336)}
 ROWS = (1, 17, 64, 65)  # row tiles of 16, 32 and 64 rows, then the wide tiles (65..256)
-FLOAT_BUFFERS = ("ws_ptr", "sq_ptr", "h_ws_ptr", "lora_scale_ptr")
+FLOAT_BUFFERS = ("ws_ptr", "sq_ptr", "h_ws_ptr", "lora_scale_ptr", "next_ws_ptr", "h_in_ptr")
 INT_BUFFERS = ("counters_ptr", "lora_slot_ptr", "lora_rank_ptr")
 ALIGNED = ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_as")
-ALIGNED += ("stride_ar", "stride_bn", "lora_sb0", "lora_sb1", "lora_sb2")
+ALIGNED += ("stride_ar", "stride_bn", "lora_sb0", "lora_sb1", "lora_sb2", "next_as", "next_ar")
+# lora.shrink_before: the next projection's slices whose shrink each op's epilogue sums (the
+# down GEMM: the next layer's q|k|v; gate-up: down), the largest epilogue each op can have
+NEXT_SLICES = {"qkv": 0, "gate_up": 1, "down": 3}
 
 
 def shared_bytes(config: fl.LinearConfig, op: str) -> int:
@@ -42,6 +45,8 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
         "RESIDUAL": op == "down",
         "LORA": True,
         "R": 16,
+        "NEXT": NEXT_SLICES[op],
+        "H_IN": False,
         "SPLIT_K": config.split_k,
         "EVEN_K": True,
         "BLOCK_M": config.block_m,
@@ -59,7 +64,7 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
             signature[p] = "*fp32"
         elif p in INT_BUFFERS:
             signature[p] = "*i32"
-        elif p.endswith("_ptr") or p.startswith(("lora_a", "lora_b")) and p[-1].isdigit():
+        elif p.endswith("_ptr") or p.startswith(("lora_a", "lora_b", "next_a")) and p[-1].isdigit():
             signature[p] = "*bf16"
         else:
             signature[p] = "fp32" if p == "eps" else "i32"
@@ -84,8 +89,8 @@ def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
         for m in ROWS:
             for op, (n, k, gate_up) in ops.items():
                 for c in fl.tile_candidates(m, n, k, torch.bfloat16, gate_up, 132, lora_rank=16):
-                    if c.block_n > 64 or c.block_m > 64:  # down's tiles take q|k|v's memory
-                        key = ("gate_up" if gate_up else "qkv", c._replace(split_k=1))
+                    if c.block_n > 64 or c.block_m > 64:  # down's epilogue sums q|k|v's shrink
+                        key = (op, c._replace(split_k=1))
                         seen.setdefault(key, (op, c))
     return list(seen.values())
 

@@ -106,6 +106,14 @@ class LoRASettings:
         help="lora.kernel=shrink_expand on CUDA: a small step's shrinks on a second stream, beside "
         "the base GEMMs (forked and joined inside the CUDA graph); only the expands follow them",
     )
+    shrink_before: bool = setting(
+        False,
+        type=bool,
+        help="with fused.layer: each projection's shrink (x A^T) summed in the epilogue of the "
+        "Triton GEMM that writes its input (the next layer's QKV in the down GEMM, gate-up in "
+        "the O GEMM, down in the gate-up GEMM), where both run in Triton, instead of every "
+        "column program of its own GEMM reading the whole of A; off until measured on a GPU",
+    )
 
 
 def create_lora(
@@ -139,6 +147,7 @@ def create_lora(
         stacked=settings.kernel == "stacked",
         pack_split=settings.pack_split,
         large_steps=settings.large_steps,
+        shrink_before=settings.shrink_before,
     )
 
 

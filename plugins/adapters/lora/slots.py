@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
@@ -64,7 +65,7 @@ from pitstop.plugins.adapters.lora.peft_adapter import (
     rank_part,
     read_adapter,
 )
-from pitstop.plugins.kernels.lora_reference import ProjectionLoRA
+from pitstop.plugins.kernels.lora_reference import NEXT_LAYER_QKV, ProjectionLoRA
 
 # a projection attribute of the Llama-family layers -> the PEFT modules of its slices
 SLICES: dict[str, tuple[str, ...]] = {
@@ -202,8 +203,10 @@ class LoRASlots:
         stacked: bool = False,
         pack_split: bool = True,
         large_steps: str = "auto",
+        shrink_before: bool = False,
     ) -> None:
         self.ctx = ctx
+        self.shrink_before = shrink_before  # fused layers: shrinks summed by the GEMM before
         self.fused = fused  # one lora_add launch a projection, else shrink then expand
         # the stacked layout for the projections of unfused layers over dense weights: a step
         # of at most WORKSPACE_ROWS rows packs [x | h'] and the base GEMM adds the deltas
@@ -241,6 +244,10 @@ class LoRASlots:
         self.fused_layers: list[tuple[torch.nn.Module, dict[str, _Projection]]] = []
         # [WORKSPACE_ROWS, projections, widest] float32 (Triton ops only; set by attach)
         self.workspace: torch.Tensor | None = None
+        # the fused layers' shrinks summed by the projection before each (QKV, gate-up, down:
+        # ProjectionLoRA.h_in), [WORKSPACE_ROWS, layers x 6 x padded rank] float32, zeroed
+        # once a step (set by attach where layers are fused and lora.shrink_before is on)
+        self.summed: torch.Tensor | None = None
         self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id held per slot
         # adapters copied on a side stream at check(): the event each slot's copy records
         self.loader: torch.cuda.Stream | None = None
@@ -283,6 +290,7 @@ class LoRASlots:
             self.layers.append(projections)
             if getattr(layer, "fused", False):
                 self._hand_to_fused(layer, projections)
+        self._allocate_summed()
         self._refresh_deltas()
         self._allocate_workspace()
         stacked = [p for ps in self.layers for p in ps.values() if p.ext is not None]
@@ -307,9 +315,35 @@ class LoRASlots:
                 proj.gain = getattr(layer, gains[attr])
         self.fused_layers.append((layer, projections))
 
+    # the projections of a fused layer whose shrink the op before them sums (ProjectionLoRA.h_in):
+    # QKV (the previous layer's down GEMM), gate-up (the O GEMM), down (the gate-up GEMM)
+    SUMMED = ("qkv_proj", "gate_up_proj", "down_proj")
+
+    def _allocate_summed(self) -> None:
+        """:attr:`summed`, where layers are fused and ``lora.shrink_before`` is on: each
+        projection of :attr:`SUMMED` takes a block of it (:meth:`_summed_block`)."""
+        if not self.fused_layers or not self.shrink_before:
+            return
+        from pitstop.plugins.kernels.triton_ops.fused_linear import lora_rank_pad
+
+        width = len(self.fused_layers) * 6 * lora_rank_pad(self.max_rank)  # 3 + 2 + 1 slices
+        self.summed = torch.empty(
+            WORKSPACE_ROWS, width, dtype=torch.float32, device=self.ctx.device
+        )
+
+    def _summed_block(self, layer: int, attr: str) -> torch.Tensor | None:
+        """Fused layer ``layer``'s projection ``attr``'s block of :attr:`summed` (None: none)."""
+        if self.summed is None or attr not in self.SUMMED:
+            return None
+        from pitstop.plugins.kernels.triton_ops.fused_linear import lora_rank_pad
+
+        rank = lora_rank_pad(self.max_rank)
+        first = (layer * 6 + {"qkv_proj": 0, "gate_up_proj": 3, "down_proj": 5}[attr]) * rank
+        return self.summed[:, first : first + len(SLICES[attr]) * rank]
+
     def _refresh_deltas(self) -> None:
         """(Re)build the fused layers' deltas over the current ``slot_of_row`` buffer."""
-        for layer, projections in self.fused_layers:
+        for index, (layer, projections) in enumerate(self.fused_layers):
             layer.projection_lora = {
                 attr: ProjectionLoRA(
                     tuple(proj.A),
@@ -329,9 +363,15 @@ class LoRASlots:
                     # unfused projection does (over 8 adapters at nano's 256 rows the delta
                     # after cuBLAS ran 0.81x the base, the pack 0.89x: H100, 2026-12-07)
                     None if proj.ext is None else functools.partial(self._stacked, proj=proj),
+                    self._summed_block(index, attr),
                 )
                 for attr, proj in projections.items()
             }
+        # each layer's down GEMM may sum the next layer's QKV shrink (the model reads this key)
+        for (layer, _), (after, _) in itertools.pairwise(self.fused_layers):
+            qkv = after.projection_lora.get("qkv_proj")
+            if qkv is not None and qkv.h_in is not None:  # lora.shrink_before
+                layer.projection_lora[NEXT_LAYER_QKV] = qkv
 
     def _allocate_workspace(self) -> None:
         """The shrinks' float32 workspace of small steps (:data:`WORKSPACE_ROWS`), one column
@@ -627,6 +667,10 @@ class LoRASlots:
         # A step of more rows shrinks unsplit into intermediates of its own: no memset at all.
         if self.workspace is not None and rows <= WORKSPACE_ROWS:
             self.workspace[:rows].zero_()
+        # the shrinks a fused layer's Triton GEMMs sum for the projection after them: this
+        # step's rows (rows past them are of slot -1, which no GEMM adds to or reads)
+        if self.summed is not None and rows <= WORKSPACE_ROWS:
+            self.summed[:rows].zero_()
 
     def _large_step(self, slots: Collection[int], rows: int) -> None:
         """For :meth:`_add_large`: the span of slots this step runs (None: none) and, in the

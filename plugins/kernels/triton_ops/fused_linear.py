@@ -396,7 +396,8 @@ def _epilogue(
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
 ):
-    """Row scale, bias, SiLU·mul, residual on the float32 ``[BLOCK_N, BLOCK_M]`` tile; one rounding."""
+    """Row scale, bias, SiLU·mul, residual on the float32 ``[BLOCK_N, BLOCK_M]`` tile; one
+    rounding. Returns the tile as stored (the output dtype)."""
     if NORM:
         rstd = 1.0 / tl.sqrt(sq / K + eps)
         acc = acc * rstd[None, :]
@@ -415,7 +416,9 @@ def _epilogue(
         r = tl.load(res_ptr + m64 * stride_rm + n[:, None], mask=mask, other=0.0)
         acc += r.to(tl.float32)
     dt: tl.constexpr = out_ptr.dtype.element_ty
-    tl.store(out_ptr + m64 * stride_om + n[:, None], _rounded(acc, dt).to(dt), mask=mask)
+    y = _rounded(acc, dt).to(dt)
+    tl.store(out_ptr + m64 * stride_om + n[:, None], y, mask=mask)
+    return y
 
 
 @triton.jit
@@ -485,6 +488,36 @@ def _lora_delta(
     return delta * row_scale[None, :]
 
 
+@triton.jit
+def _shrink_for_next(
+    y, n, m, M, N, slot_m, s0, rank0, r, next_a0, next_a1, next_a2, next_as, next_ar,
+    next_ws_ptr, next_ws_stride, NEXT: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """This tile's part of the next projection's LoRA shrink: for each of its ``NEXT`` slices
+    ``j``, ``A'_j[s0][:, n] @ y`` (``y``: this tile of the output as stored, which is that
+    projection's input, columns ``n`` of its K) added into ``next_ws[m, j * R + r]`` (float32,
+    zeroed once a step by the adapter plugin), for the rows of the tile's lead slot ``s0``;
+    the next projection reads the sums instead of computing its shrink (``H_IN``)."""
+    rows_ok = (m < M) & (slot_m == s0)  # no adapter in the tile (s0 -1): rank0 0, none added
+    ws_rows = next_ws_ptr + m.to(tl.int64)[None, :] * next_ws_stride
+    for j in tl.static_range(NEXT):
+        a_g = _pick(next_a0, next_a1, next_a2, j)
+        at = _lora_a_tile(a_g, s0, rank0, r, n, N, next_as, next_ar)  # [R, BLOCK_N]
+        part = _dot(at, y.to(at.dtype), tl.zeros([R, BLOCK_M], tl.float32), UPCAST, DOT_PRECISION)
+        tl.atomic_add(
+            ws_rows + (j * R + r)[:, None], part, mask=(r < rank0)[:, None] & rows_ok[None, :]
+        )
+
+
+@triton.jit
+def _h_from_producer(h_in_ptr, h_in_stride, m, M, sl, r, R: tl.constexpr):
+    """Slice ``sl``'s shrink of each row, as the projection before this one summed it
+    (:func:`_shrink_for_next`): ``[R, BLOCK_M]`` float32."""
+    rows = h_in_ptr + m.to(tl.int64)[None, :] * h_in_stride + (sl * R + r)[:, None]
+    return tl.load(rows, mask=(m < M)[None, :], other=0.0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fused_linear_kernel(
     x_ptr,
@@ -524,12 +557,23 @@ def _fused_linear_kernel(
     stride_as,
     stride_ar,
     stride_bn,
+    next_a0,
+    next_a1,
+    next_a2,
+    next_as,
+    next_ar,
+    next_ws_ptr,
+    next_ws_stride,
+    h_in_ptr,
+    h_in_stride,
     NORM: tl.constexpr,
     GATE_UP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RESIDUAL: tl.constexpr,
     LORA: tl.constexpr,
     R: tl.constexpr,
+    NEXT: tl.constexpr,
+    H_IN: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -596,11 +640,13 @@ def _fused_linear_kernel(
             b_g = _pick(lora_b0, lora_b1, lora_b2, sl)
             sb_g = tl.where(sl == 0, lora_sb0, tl.where(sl == 1, lora_sb1, lora_sb2))
             col = n - tl.where(sl == 0, 0, tl.where(sl == 1, lora_end0, lora_end1))
-        at0 = _lora_a_tile(a_g, s0, rank0, r, k, k_end, stride_as, stride_ar)
+        if not H_IN:
+            at0 = _lora_a_tile(a_g, s0, rank0, r, k, k_end, stride_as, stride_ar)
         bt0 = _lora_b_tile(b_g, sb_g, stride_bn, s0, rank0, col, n < N, r)
         scale_m = _lora_row_scale(lora_scale_ptr, slot_m, sl, lora_ss, lora_si)
         if GATE_UP:
-            at0_u = _lora_a_tile(lora_a1, s0, rank0, r, k, k_end, stride_as, stride_ar)
+            if not H_IN:
+                at0_u = _lora_a_tile(lora_a1, s0, rank0, r, k, k_end, stride_as, stride_ar)
             bt0_u = _lora_b_tile(lora_b1, lora_sb1, stride_bn, s0, rank0, n, n < N, r)
             scale_m_u = _lora_row_scale(lora_scale_ptr, slot_m, 1, lora_ss, lora_si)
     _pdl.wait(PDL)
@@ -618,9 +664,10 @@ def _fused_linear_kernel(
     h = tl.zeros([R, BLOCK_M], tl.float32)
     h_u = h
     if LORA:
-        h = _dot(at0, xt.to(at0.dtype), h, UPCAST, DOT_PRECISION)
-        if GATE_UP:
-            h_u = _dot(at0_u, xt.to(at0_u.dtype), h_u, UPCAST, DOT_PRECISION)
+        if not H_IN:
+            h = _dot(at0, xt.to(at0.dtype), h, UPCAST, DOT_PRECISION)
+            if GATE_UP:
+                h_u = _dot(at0_u, xt.to(at0_u.dtype), h_u, UPCAST, DOT_PRECISION)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         k = k0 + kk
         w = _load_k(w_rows + k[None, :], k, k_end, EVEN_K, 1)
@@ -633,11 +680,16 @@ def _fused_linear_kernel(
             xf = xt.to(tl.float32)
             sq += tl.sum(xf * xf, axis=0)
         if LORA:
-            h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
-            if GATE_UP:
-                h_u = _lora_shrink_step(lora_a1, s0, rank0, r, k, k_end, xt, h_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+            if not H_IN:
+                h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+                if GATE_UP:
+                    h_u = _lora_shrink_step(lora_a1, s0, rank0, r, k, k_end, xt, h_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
     others = 0
     if LORA:
+        if H_IN:  # the projection before summed this shrink (_shrink_for_next): after the wait
+            h = _h_from_producer(h_in_ptr, h_in_stride, m, M, sl, r, R)
+            if GATE_UP:
+                h_u = _h_from_producer(h_in_ptr, h_in_stride, m, M, 1, r, R)
         h = tl.where((slot_m == s0)[None, :], h, 0.0)
         h_u = tl.where((slot_m == s0)[None, :], h_u, 0.0)
         others = tl.sum(((slot_m >= 0) & (slot_m != s0)).to(tl.int32), axis=0)
@@ -663,10 +715,15 @@ def _fused_linear_kernel(
             acc += _lora_delta(b_g, sb_g, stride_bn, bt0, scale_m, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
             if GATE_UP:
                 acc_u += _lora_delta(lora_b1, lora_sb1, stride_bn, bt0_u, scale_m_u, n, n < N, h_u, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
-        _epilogue(
+        y = _epilogue(
             acc, acc_u, sq, n, m, M, N, K, eps, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
             NORM, GATE_UP, HAS_BIAS, RESIDUAL,
         )  # fmt: skip
+        if NEXT > 0:
+            _shrink_for_next(
+                y, n, m, M, N, slot_m, s0, rank0, r, next_a0, next_a1, next_a2, next_as,
+                next_ar, next_ws_ptr, next_ws_stride, NEXT, R, BLOCK_M, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
     else:
         # this split's partials into its own slot (tile, split); the last to arrive sums them
         ACCS: tl.constexpr = 2 if GATE_UP else 1
@@ -682,9 +739,10 @@ def _fused_linear_kernel(
         if NORM:
             tl.store(sq_ptr + slot * BLOCK_M + rows, sq)
         if LORA:
-            tl.store(h_ws_ptr + slot * (ACCS * HTILE) + h_offs, h)
-            if GATE_UP:
-                tl.store(h_ws_ptr + slot * (ACCS * HTILE) + HTILE + h_offs, h_u)
+            if not H_IN:  # with H_IN every split holds the whole h already
+                tl.store(h_ws_ptr + slot * (ACCS * HTILE) + h_offs, h)
+                if GATE_UP:
+                    tl.store(h_ws_ptr + slot * (ACCS * HTILE) + HTILE + h_offs, h_u)
         # every thread's partial stores before the one thread's release (module docstring)
         tl.debug_barrier()
         counter = counters_ptr + tile
@@ -694,8 +752,8 @@ def _fused_linear_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             sq = tl.zeros([BLOCK_M], tl.float32)
-            h = tl.zeros([R, BLOCK_M], tl.float32)
-            h_u = h
+            h_sum = tl.zeros([R, BLOCK_M], tl.float32)
+            h_u_sum = h_sum
             for s in tl.static_range(SPLIT_K):  # split order: the bits do not depend on arrival
                 base = (tile * SPLIT_K + s) * (ACCS * TILE)
                 acc += tl.load(ws_ptr + base + offs, cache_modifier=".cg")
@@ -706,18 +764,29 @@ def _fused_linear_kernel(
                         sq_ptr + (tile * SPLIT_K + s) * BLOCK_M + rows, cache_modifier=".cg"
                     )
                 if LORA:
-                    h_base = (tile * SPLIT_K + s) * (ACCS * HTILE)
-                    h += tl.load(h_ws_ptr + h_base + h_offs, cache_modifier=".cg")
-                    if GATE_UP:
-                        h_u += tl.load(h_ws_ptr + h_base + HTILE + h_offs, cache_modifier=".cg")
+                    if not H_IN:
+                        h_base = (tile * SPLIT_K + s) * (ACCS * HTILE)
+                        h_sum += tl.load(h_ws_ptr + h_base + h_offs, cache_modifier=".cg")
+                        if GATE_UP:
+                            h_u_sum += tl.load(
+                                h_ws_ptr + h_base + HTILE + h_offs, cache_modifier=".cg"
+                            )
             if LORA:
+                if not H_IN:
+                    h = h_sum
+                    h_u = h_u_sum
                 acc += _lora_delta(b_g, sb_g, stride_bn, bt0, scale_m, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
                 if GATE_UP:
                     acc_u += _lora_delta(lora_b1, lora_sb1, stride_bn, bt0_u, scale_m_u, n, n < N, h_u, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
-            _epilogue(
+            y = _epilogue(
                 acc, acc_u, sq, n, m, M, N, K, eps, bias_ptr, res_ptr, out_ptr, stride_rm,
                 stride_om, NORM, GATE_UP, HAS_BIAS, RESIDUAL,
             )  # fmt: skip
+            if NEXT > 0:
+                _shrink_for_next(
+                    y, n, m, M, N, slot_m, s0, rank0, r, next_a0, next_a1, next_a2, next_as,
+                    next_ar, next_ws_ptr, next_ws_stride, NEXT, R, BLOCK_M, UPCAST, DOT_PRECISION,
+                )  # fmt: skip
             tl.store(counter, 0)  # zero again for the next launch (or graph replay)
 
 
@@ -782,6 +851,31 @@ def _lora_args(
     return args, lora_rank_pad(rank_max)
 
 
+def _next_args(
+    next_lora: ProjectionLoRA | None, lora: ProjectionLoRA | None, x: torch.Tensor, n_out: int
+) -> tuple[list, int]:
+    """The kernel's arguments for the next projection's shrink (:func:`_shrink_for_next`;
+    placeholders without one) and its number of slices."""
+    if next_lora is None:
+        return [x] * 3 + [0, 0, x, 0], 0
+    assert lora is not None, "next_lora= needs this projection's lora= (the rows' slots)"
+    assert next_lora.h_in is not None, "next_lora= needs the next projection's h_in workspace"
+    assert next_lora.slot_of_row is lora.slot_of_row and next_lora.ranks is lora.ranks, (
+        "both projections read one adapter plugin's slots"
+    )
+    a = list(next_lora.A)
+    slots, rank_max, k = a[0].shape
+    assert k == n_out, f"the next projection's A takes K={k}, this one writes {n_out} columns"
+    assert rank_max == lora.A[0].shape[1], "both projections pad to one rank"
+    for t in a:
+        assert t.shape == a[0].shape and t.is_contiguous() and t.dtype == x.dtype
+    ws = next_lora.h_in
+    assert ws.dtype == torch.float32 and ws.stride(1) == 1 and ws.shape[0] >= x.shape[0]
+    assert ws.shape[1] >= len(a) * lora_rank_pad(rank_max), "h_in holds every slice's rank"
+    pad = [a[0]] * (MAX_LORA_SLICES - len(a))
+    return [*a, *pad, a[0].stride(0), a[0].stride(1), ws, ws.stride(0)], len(a)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -793,6 +887,8 @@ def _launch(
     config: LinearConfig | None,
     pdl_on: bool | None,
     lora: ProjectionLoRA | None = None,
+    next_lora: ProjectionLoRA | None = None,
+    h_in: bool = False,
 ) -> torch.Tensor:
     """Checks, the config, the workspace and the launch shared by the three ops."""
     assert x.dim() == 2 and weight.dim() == 2, "x [M, K] and weight [N, K]"
@@ -818,6 +914,10 @@ def _launch(
     if config is None:
         config = choose_config(m, n_out, k, x.dtype, gate_up, on_gpu, num_sms(x.device))
     lora_args, rank_pad = _lora_args(lora, x, n_out, gate_up, config.block_n)
+    next_args, next_slices = _next_args(next_lora, lora, x, n_out)
+    if h_in:
+        assert lora is not None and lora.h_in is not None, "h_in needs lora= with its h_in"
+        assert lora.h_in.shape[1] >= len(lora.A) * rank_pad and lora.h_in.stride(1) == 1
     if lora is not None and config.split_k > 1:  # the h partials beside: the split that fits
         kind = "cuda" if on_gpu else "cpu"
         config = fit_lora_split(config, m, n_out, k, gate_up, rank_pad, kind)
@@ -857,12 +957,17 @@ def _launch(
         out.stride(0),
         h_ws,
         *lora_args,
+        *next_args,
+        lora.h_in if h_in else out,  # type: ignore[union-attr]
+        lora.h_in.stride(0) if h_in else 0,  # type: ignore[union-attr]
         NORM=eps is not None,
         GATE_UP=gate_up,
         HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None,
         LORA=lora is not None,
         R=rank_pad,
+        NEXT=next_slices,
+        H_IN=h_in,
         SPLIT_K=split,
         EVEN_K=k % (split * bk) == 0,
         BLOCK_M=bm,
@@ -887,6 +992,7 @@ def norm_linear(
     config: LinearConfig | None = None,
     pdl: bool | None = None,
     lora: ProjectionLoRA | None = None,
+    h_in: bool = False,
 ) -> torch.Tensor:
     """``rstd(x)[:, None] * (x @ weight.T) (+ bias)``, one kernel; returns a fresh ``[M, N]``.
 
@@ -895,9 +1001,13 @@ def norm_linear(
     GEMM's own loads (``eps=None``: no norm, a plain GEMM). ``config``: a launch shape
     (default :func:`choose_config`); ``pdl``: programmatic dependent launch (default: where
     the GPU and Triton support it, :mod:`.pdl`); ``lora``: a LoRA delta added inside
-    (:class:`ProjectionLoRA`; before the row scale, so its A carries the norm's gain too).
+    (:class:`ProjectionLoRA`; before the row scale, so its A carries the norm's gain too);
+    ``h_in``: its shrink read from ``lora.h_in``, where the projection before summed it
+    (``next_lora=`` of :func:`linear_residual`), not computed here.
     """
-    return _launch(x, weight, weight.shape[0], eps, bias, None, False, config, pdl, lora)
+    return _launch(
+        x, weight, weight.shape[0], eps, bias, None, False, config, pdl, lora, None, h_in
+    )
 
 
 def norm_gate_up(
@@ -909,16 +1019,20 @@ def norm_gate_up(
     config: LinearConfig | None = None,
     pdl: bool | None = None,
     lora: ProjectionLoRA | None = None,
+    next_lora: ProjectionLoRA | None = None,
+    h_in: bool = False,
 ) -> torch.Tensor:
     """``silu(g) * u`` of the (normed) merged gate-up projection, one kernel; returns ``[M, F]``.
 
     ``weight [2F, K]`` holds the gate rows then the up rows (gain folded), ``bias [2F]``
     likewise; ``g``, ``u`` are :func:`norm_linear`'s outputs for rows ``n`` and ``F + n``,
     kept in float32 until the one rounding. ``eps=None``: no norm. ``lora``: two slices,
-    gate then up, each added to its accumulator before the row scale.
+    gate then up, each added to its accumulator before the row scale; ``next_lora``, ``h_in``:
+    as for :func:`linear_residual` and :func:`norm_linear`.
     """
     assert weight.shape[0] % 2 == 0, "the merged gate-up weight has an even number of rows"
-    return _launch(x, weight, weight.shape[0] // 2, eps, bias, None, True, config, pdl, lora)
+    n_out = weight.shape[0] // 2
+    return _launch(x, weight, n_out, eps, bias, None, True, config, pdl, lora, next_lora, h_in)
 
 
 def linear_residual(
@@ -930,8 +1044,16 @@ def linear_residual(
     config: LinearConfig | None = None,
     pdl: bool | None = None,
     lora: ProjectionLoRA | None = None,
+    next_lora: ProjectionLoRA | None = None,
+    h_in: bool = False,
 ) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)`` as a fresh ``[M, N]`` tensor, one rounding (the
     float32 accumulator plus the residual, then the output dtype); ``lora``: a delta
-    added before the residual."""
-    return _launch(x, weight, weight.shape[0], None, bias, residual, False, config, pdl, lora)
+    added before the residual. ``next_lora``: the LoRA of the projection that takes this
+    output as its input; its shrink of each row of ``lora``'s lead slot is added into
+    ``next_lora.h_in`` (zeroed by the adapter plugin once a step), for that projection to
+    read with ``h_in=True`` instead of computing it. ``h_in``: as for :func:`norm_linear`."""
+    n_out = weight.shape[0]
+    return _launch(
+        x, weight, n_out, None, bias, residual, False, config, pdl, lora, next_lora, h_in
+    )

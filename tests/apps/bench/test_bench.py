@@ -791,7 +791,9 @@ def test_lora_adapters_matrix_serves_every_request_with_an_adapter(tmp_path, tin
         "--no-warmup",
     )  # fmt: skip
     cols = {c["name"]: c for c in doc["configs"]}
-    assert [c.get("error") for c in cols.values()] == [None] * 18
+    assert [c.get("error") for c in cols.values()] == [None] * 22
+    assert cols["lora-8-unfused"]["config"]["options"]["fused.layer"] is False
+    assert cols["lora-1-shrink-before"]["config"]["options"]["lora.shrink_before"] is True
     assert cols["base"]["config"].get("adapter") is None and "lora_adapters" not in cols["base"]
     assert cols["lora-8-overlap"]["config"]["options"]["lora.overlap"] is True
     assert cols["lora-8-fused"]["config"]["options"]["lora.kernel"] == "fused"

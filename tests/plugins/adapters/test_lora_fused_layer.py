@@ -24,6 +24,7 @@ import torch
 from helpers.checkpoints import greedy_continuation, hf_model, save_random_lora
 
 from pitstop import LLM, LoRARequest, SamplingParams
+from pitstop.plugins.kernels.lora_reference import NEXT_LAYER_QKV
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("triton")
@@ -89,8 +90,12 @@ def _prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
 def hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How often the plugin's own delta ran after or inside a cuBLAS GEMM: the shrink and
     expand after it (``_add_delta``, ``lora.kernel=shrink_expand``) or the stacked layout's
-    pack into it (``_stacked``, the default); ``[delta, stacked]``."""
-    calls = [0, 0]
+    pack into it (``_stacked``, the default); and how often a fused-layer projection read the
+    shrink the GEMM before it summed (``FusedLayer._reads_summed``); ``[delta, stacked,
+    summed]``."""
+    from pitstop.plugins.kernels import fused_layer
+
+    calls = [0, 0, 0]
     for i, name in enumerate(("_add_delta", "_stacked")):
         method = getattr(lora_slots.LoRASlots, name)
 
@@ -99,6 +104,14 @@ def hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             return _m(self, *args, **kwargs)
 
         monkeypatch.setattr(lora_slots.LoRASlots, name, counted)
+    reads = fused_layer.FusedLayer._reads_summed
+
+    def counted_reads(self: Any, lora: Any) -> bool:
+        found = reads(self, lora)
+        calls[2] += found
+        return found
+
+    monkeypatch.setattr(fused_layer.FusedLayer, "_reads_summed", counted_reads)
     return calls
 
 
@@ -107,10 +120,21 @@ def hook_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 # delta in or after cuBLAS where it can (three slots, several rows); every step in cuBLAS
 ROWS_AND_SLOTS = [
     (64, 1, "stacked"),
+    (64, 1, "stacked+shrink_before"),
     (64, 3, "stacked"),
     (0, 3, "stacked"),
     (0, 3, "shrink_expand"),
 ]
+
+
+def _options(layer_rows: int, kernel: str) -> dict[str, Any]:
+    """The engine options of a ROWS_AND_SLOTS row (``+shrink_before``: lora.shrink_before on:
+    each projection's shrink summed by the Triton GEMM before it)."""
+    kernel, _, before = kernel.partition("+")
+    options: dict[str, Any] = {"fused.layer_rows": layer_rows, "lora.kernel": kernel}
+    if before:
+        options["lora.shrink_before"] = True
+    return options
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's test (GPU: below)")
@@ -119,7 +143,7 @@ def test_fused_layer_rows_match_peft_merged(
     tiny: dict[str, Path], hook_calls: list[int], layer_rows: int, max_loras: int, kernel: str
 ) -> None:
     """Chunks of 24 beside decodes, rows of three adapters (one with one slot) and none."""
-    options = {"fused.layer_rows": layer_rows, "lora.kernel": kernel}
+    options = _options(layer_rows, kernel)
     _check_rows(tiny, hook_calls, layer_rows, "cpu", options, max_loras=max_loras)
 
 
@@ -131,7 +155,7 @@ def test_on_the_gpu_with_cuda_graphs(
 ) -> None:
     """On CUDA (fp32, each op's way chosen by the rule, not timed): decode steps replayed from
     CUDA graphs, the rows' slots in the static buffer the fused GEMMs read; PEFT's tokens."""
-    options = {"fused.layer_rows": layer_rows, "fused.layer_tune": False, "lora.kernel": kernel}
+    options = {**_options(layer_rows, kernel), "fused.layer_tune": False}
     # decode graphs of at most 8 rows: the runner captures every graph size at start-up, and
     # those over layer_rows take cuBLAS with the plugin's delta (H200, 2026-12-06: 192 calls
     # from the 80..256-row captures of the default 256)
@@ -168,12 +192,14 @@ def _check_rows(
     )
     model = llm.engine.runner.model
     assert all(layer.fused for layer in model.layers), "the layers must stay fused"
-    assert set(model.layers[0].projection_lora) == {
-        "qkv_proj",
-        "o_proj",
-        "gate_up_proj",
-        "down_proj",
-    }
+    own = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    before = bool(options.get("lora.shrink_before"))
+    next_qkv = {NEXT_LAYER_QKV} if before else set()  # the down GEMM's, with lora.shrink_before
+    assert set(model.layers[0].projection_lora) == own | next_qkv
+    assert set(model.layers[-1].projection_lora) == own
+    if before:
+        first, second = model.layers[0].projection_lora, model.layers[1].projection_lora
+        assert first[NEXT_LAYER_QKV] is second["qkv_proj"]
     names = ["all8", None, "qvd4", "kgu2", "all8", None, "kgu2"]
     if max_loras == 1:  # one adapter beside rows without one
         names = ["all8", None, "all8", None, "all8", None, "all8"]
@@ -190,11 +216,14 @@ def _check_rows(
         assert out.token_ids == want, f"adapter {name} at prompt length {len(prompt)}"
         changed += name is not None and want != _expected(tiny["base"], None, tuple(prompt))
     assert changed >= 3, "the adapters should change the greedy tokens of most of their rows"
-    delta, stacked = hook_calls
+    delta, stacked, summed = hook_calls
     if layer_rows and max_loras == 1:
         assert delta == stacked == 0, "the deltas should run inside the fused GEMMs"
     elif options.get("lora.kernel") == "shrink_expand":
         assert delta > 0 and stacked == 0, "the plugin's shrink and expand after cuBLAS"
     else:  # cuBLAS steps, and steps of several rows that may mix adapters in a tile
         assert stacked > 0 and delta == 0, "the stacked pack inside the cuBLAS GEMMs"
+    # lora.shrink_before: QKV (past the first layer), gate-up and down read the shrink that the
+    # GEMM before them summed, in steps both run in Triton
+    assert (summed > 0) == (before and layer_rows > 0 and max_loras == 1), summed
     return llm

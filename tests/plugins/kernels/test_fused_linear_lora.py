@@ -337,6 +337,66 @@ def test_the_fused_layer_times_a_lora_inside_under_its_own_key(tmp_path) -> None
     assert len(keys) == 1 and keys[0].startswith("norm_linear+lora|"), keys
 
 
+def _sharing(lora: ProjectionLoRA, like: ProjectionLoRA, rows: int) -> ProjectionLoRA:
+    """``lora`` reading ``like``'s slots and ranks (one adapter plugin's), with a zeroed
+    ``h_in`` of its slices' padded ranks."""
+    width = len(lora.A) * fl.lora_rank_pad(lora.A[0].shape[1])
+    h_in = torch.zeros(rows + 7, width, dtype=torch.float32, device=DEVICE)
+    return lora._replace(slot_of_row=like.slot_of_row, ranks=like.ranks, h_in=h_in)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("slots", [[0], [0, -1, 0, 0]])
+def test_a_shrink_summed_by_the_projection_before_gives_the_same_output(split, slots) -> None:  # noqa: ANN001
+    """``next_lora=``: the O projection (``linear_residual``) sums the gate-up projection's
+    shrink of the stream it writes, and the down projection the next QKV projection's, each
+    into that projection's ``h_in``; the consumer run with ``h_in=True`` reads it instead of
+    computing it and gives what it gives computing its own (rows of one adapter and of
+    none, with and without split-K on both sides); the producer's own output is unchanged."""
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    m, hidden, inter, eps = len(slots), 64, 96, 1e-6
+    on_gpu = DEVICE.type == "cuda"
+    x_o, w_o, _ = inputs(m, hidden, hidden, dtype, 11)
+    residual = torch.randn(m, hidden, generator=torch.Generator().manual_seed(12)).to(DEVICE, dtype)
+    o_lora = make_lora(hidden, [hidden], slots, dtype, 13, n_slots=1)
+    gu = _sharing(make_lora(hidden, [inter, inter], slots, dtype, 14, n_slots=1), o_lora, m)
+    down = _sharing(make_lora(inter, [hidden], slots, dtype, 15, n_slots=1), o_lora, m)
+    qkv = _sharing(make_lora(hidden, [32, 16, 16], slots, dtype, 16, n_slots=1), o_lora, m)
+    w_gu = (torch.randn(2 * inter, hidden, generator=torch.Generator().manual_seed(17)) / 8).to(
+        DEVICE, dtype
+    )
+    w_down = (torch.randn(hidden, inter, generator=torch.Generator().manual_seed(18)) / 8).to(
+        DEVICE, dtype
+    )
+    w_qkv = (torch.randn(64, hidden, generator=torch.Generator().manual_seed(19)) / 8).to(
+        DEVICE, dtype
+    )
+
+    def config(n: int, k: int, gate_up: bool) -> fl.LinearConfig:
+        made = fl.choose_config(m, n, k, dtype, gate_up, on_gpu, fl.num_sms(DEVICE))
+        return made._replace(split_k=split, block_n=16)
+
+    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        scale = want.double().abs().max().clamp_min(1e-6)
+        err = ((got.double() - want.double()).abs().max() / scale).item()
+        assert err <= TOL[dtype], f"{what}: relative error {err:.3g}"
+
+    stream = fl.linear_residual(x_o, w_o, residual, config=config(hidden, hidden, False), lora=o_lora, next_lora=gu)  # fmt: skip
+    plain = fl.linear_residual(x_o, w_o, residual, config=config(hidden, hidden, False), lora=o_lora)  # fmt: skip
+    assert torch.equal(stream, plain), "the producer's own output is unchanged"
+    act_cfg = config(inter, hidden, True)
+    act = fl.norm_gate_up(stream, w_gu, eps, config=act_cfg, lora=gu, h_in=True)
+    close(act, fl.norm_gate_up(stream, w_gu, eps, config=act_cfg, lora=gu), "gate-up")
+    no_delta = fl.norm_gate_up(stream, w_gu, eps, config=act_cfg)
+    assert not torch.allclose(act, no_delta), "the adapter's delta shows"
+    out_cfg = config(hidden, inter, False)
+    new_stream = fl.linear_residual(act, w_down, stream, config=out_cfg, lora=down, next_lora=qkv)
+    close(new_stream, fl.linear_residual(act, w_down, stream, config=out_cfg, lora=down), "down")
+    qkv_cfg = config(64, hidden, False)
+    got = fl.norm_linear(new_stream, w_qkv, eps, config=qkv_cfg, lora=qkv, h_in=True)
+    close(got, fl.norm_linear(new_stream, w_qkv, eps, config=qkv_cfg, lora=qkv), "q|k|v")
+
+
 def test_an_op_with_an_adapter_is_timed_with_its_rows_in_an_adapters_slot(tmp_path) -> None:  # noqa: ANN001
     """The warm-up that times the fused layer's ops has no adapter on its rows (slot -1, every
     LoRA load masked off), so the timing would weigh the GEMM alone: while an op with an
@@ -400,7 +460,7 @@ def test_every_wide_lora_tile_fits_sm90_shared_memory() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in done.stdout.splitlines()]
-    assert {r["op"] for r in rows} >= {"qkv", "gate_up"}, rows
+    assert {r["op"] for r in rows} >= {"qkv", "gate_up", "down"}, rows
     assert {r["config"][1] for r in rows} == {64, 128, 256}, rows
     assert {r["config"][0] for r in rows} == {16, 32, 64, 128}, rows
     over = [r for r in rows if r["shared"] > SM90_SHARED_BYTES]
