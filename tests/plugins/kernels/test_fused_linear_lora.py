@@ -345,14 +345,31 @@ def _sharing(lora: ProjectionLoRA, like: ProjectionLoRA, rows: int) -> Projectio
     return lora._replace(slot_of_row=like.slot_of_row, ranks=like.ranks, h_in=h_in)
 
 
-@pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("slots", [[0], [0, -1, 0, 0]])
+SUMMED_CASES = [(split, slots) for split in (1, 2) for slots in ([0], [0, -1, 0, 0])]
+
+
+@pytest.mark.parametrize(("split", "slots"), SUMMED_CASES)
 def test_a_shrink_summed_by_the_projection_before_gives_the_same_output(split, slots) -> None:  # noqa: ANN001
     """``next_lora=``: the O projection (``linear_residual``) sums the gate-up projection's
     shrink of the stream it writes, and the down projection the next QKV projection's, each
     into that projection's ``h_in``; the consumer run with ``h_in=True`` reads it instead of
     computing it and gives what it gives computing its own (rows of one adapter and of
     none, with and without split-K on both sides); the producer's own output is unchanged."""
+    summed_shrink_matches(split, slots)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device (run on the H200)")
+def test_on_the_gpu_a_shrink_summed_by_the_projection_before_gives_the_same_output() -> None:
+    """The same on the GPU (bf16; the epilogue's atomics and the read after the
+    programmatic-dependent-launch wait as they run there)."""
+    for split, slots in SUMMED_CASES:
+        summed_shrink_matches(split, slots)
+
+
+def summed_shrink_matches(split: int, slots: list[int]) -> None:
+    """O -> gate-up -> down -> QKV with ``next_lora=``/``h_in=True`` against each consumer
+    computing its own shrink (``test_a_shrink_summed_by_the_projection_before_...``)."""
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     m, hidden, inter, eps = len(slots), 64, 96, 1e-6
     on_gpu = DEVICE.type == "cuda"
