@@ -10,7 +10,9 @@ workspace, expand), serial and with the shrink on a second stream beside the GEM
 (``lora.overlap``); then ``fused.layer``'s Triton GEMM (``fused_linear``, with its norm,
 SiLU·mul or residual) alone and with the LoRA delta inside it (``lora=``: no launch of its
 own), each at its default launch shape and at the fastest of the shapes the fused layer
-times (``fused_linear.tile_candidates``). Prints µs per call and the layer's totals: the
+times (``fused_linear.tile_candidates``), and at the fastest LoRA shape as under
+``lora.shrink_before`` (the projection reads the shrink the GEMM before it summed, and sums
+the next projection's in its epilogue). Prints µs per call and the layer's totals: the
 LoRA cost beside the base GEMMs.
 
     python3 benchmarks/lora_bench.py [--case nano-1 single ...]
@@ -48,9 +50,20 @@ def _timed(fn, iters: int, repeats: int) -> float:
     return 1e6 * graph_seconds([fn] * iters, repeats)
 
 
+# lora.shrink_before: the projection whose shrink each projection's GEMM sums (the one that
+# reads its output; q|k|v's output goes to attention, and the down GEMM's to the next layer's
+# q|k|v), and the projections that read their shrink from the GEMM before them
+SUMS_FOR = {"o": "gate_up", "gate_up": "down", "down": "qkv"}
+READS_SUMMED = ("qkv", "gate_up", "down")
+
+
 def _time_projection(
-    proj, rows, k, widths, slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused
-) -> dict[str, float]:
+    proj, rows, k, widths, slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused,
+    after=None,
+) -> dict[str, float]:  # fmt: skip
+    """µs per call of each way of one projection; ``after``: ``(K, slice widths)`` of the
+    projection whose shrink this one's fused GEMM sums under ``lora.shrink_before`` (None:
+    none)."""
     dev, dt = "cuda", torch.bfloat16
     n = sum(widths)
     x = torch.randn(rows, k, device=dev, dtype=dt)
@@ -85,15 +98,32 @@ def _time_projection(
         torch.cuda.current_stream().wait_stream(side)
         lora.lora_expand_add(y, h, b, slot_of_row, scaling, ranks, meta=meta)
 
-    inside = ProjectionLoRA(tuple(a), tuple(b), slot_of_row, scaling, ranks, None)
+    pad = fused_linear.lora_rank_pad(RANK)
+    h_in = torch.zeros(rows, len(widths) * pad, device=dev, dtype=torch.float32)
+    inside = ProjectionLoRA(tuple(a), tuple(b), slot_of_row, scaling, ranks, None, h_in=h_in)
     residual = torch.randn(rows, n, device=dev, dtype=dt)
+    summing: dict = {}  # lora.shrink_before: this GEMM reads its h and sums the next one's
+    if after is not None:
+        k2, widths2 = after
+        a2 = tuple(torch.randn(slots, RANK, k2, device=dev, dtype=dt) / k2**0.5 for _ in widths2)
+        b2 = tuple(torch.randn(slots, m, RANK, device=dev, dtype=dt) / RANK for m in widths2)
+        h2 = torch.zeros(rows, len(widths2) * pad, device=dev, dtype=torch.float32)
+        summing["next_lora"] = ProjectionLoRA(a2, b2, slot_of_row, scaling, ranks, None, h_in=h2)
+    if proj in READS_SUMMED:
+        summing["h_in"] = True
 
-    def layer_gemm(with_lora: bool, config: fused_linear.LinearConfig | None = None) -> None:
-        """fused.layer's GEMM of this projection (its default launch shape, or ``config``)."""
+    def layer_gemm(
+        with_lora: bool, config: fused_linear.LinearConfig | None = None, summed: bool = False
+    ) -> None:
+        """fused.layer's GEMM of this projection (its default launch shape, or ``config``;
+        ``summed``: as under ``lora.shrink_before``)."""
         kw = {"lora": inside} if with_lora else {}
+        if summed:
+            kw |= summing
         if config is not None:
             kw["config"] = config
         if proj == "qkv":
+            kw.pop("next_lora", None)  # attention reads q|k|v
             fused_linear.norm_linear(x, w, 1e-6, **kw)
         elif proj == "gate_up":
             fused_linear.norm_gate_up(x, w, 1e-6, **kw)
@@ -117,9 +147,13 @@ def _time_projection(
         return times[fastest], fastest
 
     (layer_best, layer_cfg), (lora_best, lora_cfg) = best(False), best(True)  # (µs, shape or None)
+    summed = float("nan")
+    if lora_cfg is not None:  # lora.shrink_before at the fastest LoRA shape
+        summed = _timed(lambda: layer_gemm(True, lora_cfg, summed=True), iters, repeats)
     return {
         "layer": _timed(lambda: layer_gemm(False), iters, repeats),
         "layer+lora": _timed(lambda: layer_gemm(True), iters, repeats),
+        "layer+lora summed": summed,
         "layer best": layer_best,
         "layer+lora best": lora_best,
         "configs": (layer_cfg, lora_cfg),
@@ -298,11 +332,12 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
     rows, adapters, slots, projections = case.rows, case.adapters, case.slots, case.projections
     slot_of_row, meta, ranks, scaling = case.slot_of_row, case.meta, case.ranks, case.scaling
     keys = ["gemm", "old", "new", "serial", "overlap", "layer", "layer+lora"]
-    totals = dict.fromkeys([*keys, "layer best", "layer+lora best"], 0.0)
+    totals = dict.fromkeys([*keys, "layer best", "layer+lora best", "layer+lora summed"], 0.0)
     print(f"== {name}: T={rows}, {adapters} adapter(s), rank {RANK}, bf16")
     common = (slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused)
     for proj, (k, widths) in projections.items():
-        t = _time_projection(proj, rows, k, widths, *common)
+        after = projections[SUMS_FOR[proj]] if proj in SUMS_FOR else None
+        t = _time_projection(proj, rows, k, widths, *common, after=after)
         cfg = lora.fused_config(rows, k, widths, torch.bfloat16, torch.device("cuda"))
         for key in totals:
             totals[key] += t[key]
@@ -312,7 +347,8 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
             f"gemm+lora serial {t['serial']:7.2f} us, shrink overlapped {t['overlap']:7.2f} us; "
             f"fused.layer GEMM {t['layer']:7.2f} us, with the LoRA inside {t['layer+lora']:7.2f} us; "
             f"the fastest shapes: {t['layer best']:7.2f} us {_shape(t['configs'][0])}, with the "
-            f"LoRA inside {t['layer+lora best']:7.2f} us {_shape(t['configs'][1])}"
+            f"LoRA inside {t['layer+lora best']:7.2f} us {_shape(t['configs'][1])}, as under "
+            f"lora.shrink_before {t['layer+lora summed']:7.2f} us"
         )
     g = totals["gemm"]
     print(
@@ -331,7 +367,9 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
     print(
         f"   fused.layer GEMMs, each projection's fastest shape: {fb:.1f} us, with the LoRA "
         f"inside {fb_lora:.1f} us ({fb / fb_lora:.3f}x); against cuBLAS + serial LoRA: "
-        f"{totals['serial'] / fb_lora:.2f}x"
+        f"{totals['serial'] / fb_lora:.2f}x; as under lora.shrink_before (each reading the h "
+        f"the GEMM before summed, and summing the next one's): {totals['layer+lora summed']:.1f}"
+        f" us ({fb / totals['layer+lora summed']:.3f}x)"
     )
 
 
