@@ -58,8 +58,8 @@ def _mixes_adapters(x: torch.Tensor, lora: ProjectionLoRA | None) -> bool:
     one row and more than one slot. Such a tile takes one more pass over its K range for
     each adapter past the first (:mod:`.triton_ops.fused_linear`), and the choice of a shape
     is made once, on the rows it times (the warm-up's, all in one slot while timed), so it
-    cannot see the mix of a later step: `nano` over 8 adapters ran 0.64x of `nano` with the LoRA inside
-    at 256 rows (H100, 2026-12-06, ``bcd4ee9``). Those calls take the cuBLAS way, whose
+    cannot see the mix of a later step: `nano` over 8 adapters ran 0.64x of `nano` with the
+    LoRA inside at 256 rows (H100, 2026-12-06, ``bcd4ee9``). Those calls take the cuBLAS way, whose
     delta (the adapter plugin's) groups the rows by adapter."""
     return lora is not None and x.shape[0] > 1 and lora.A[0].shape[0] > 1
 
