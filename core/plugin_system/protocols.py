@@ -28,6 +28,7 @@ import torch
 
 from pitstop.ground.attention import AttentionMetadata
 from pitstop.ground.metrics import AllocatorStats  # noqa: F401  (home: ground.metrics)
+from pitstop.plugin_system.fused_layer_ops import FusedLayerOps  # noqa: F401  (home: short)
 from pitstop.plugin_system.grammar import GrammarBackend, GrammarMatcher  # noqa: F401  (home)
 from pitstop.plugin_system.moe_ops import MoEOps  # noqa: F401  (home: short)
 from pitstop.plugin_system.sampler import RowInputs, Sampler, SamplerOutput  # noqa: F401  (home)
@@ -320,56 +321,6 @@ class KernelSet(Protocol):
 
     def cuda_graph_safe(self, head_size: int) -> bool:
         """Whether a decode step of this head size can be captured in a CUDA graph."""
-        ...
-
-
-@runtime_checkable
-class FusedLayerOps(Protocol):
-    """The ops of a fused decoder layer, which a kernel set declaring ``fuses_layer`` provides.
-
-    A layer runs as ``norm_linear`` (norm + QKV), ``rope_and_store``, ``attention``,
-    ``linear_residual`` (O + residual add), ``norm_gate_up`` (norm + gate-up + SiLU·mul)
-    and ``linear_residual`` (down + residual add). The model multiplies each RMSNorm's gain
-    into the projection after it at load, so ``norm_linear`` scales each row by ``1 /
-    rms(x)`` alone. ``lora``: an adapter plugin's delta of the projection, or None;
-    ``next_lora`` (``norm_gate_up``, ``linear_residual``): the delta of the projection that
-    reads this op's output, whose shrink (``x A^T``) a set may sum here for that projection
-    to read (its ``h_in``) instead of computing it; a set may ignore it."""
-
-    def norm_linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float | None,
-        bias: torch.Tensor | None = None,
-        lora: Any = None,
-    ) -> torch.Tensor:
-        """``rstd(x)[:, None] * (x @ weight.T) (+ bias)``; ``eps=None`` skips the norm."""
-        ...
-
-    def norm_gate_up(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float | None,
-        bias: torch.Tensor | None = None,
-        lora: Any = None,
-        next_lora: Any = None,
-    ) -> torch.Tensor:
-        """``silu(g) * u`` where ``[g | u]`` is :meth:`norm_linear` over the merged gate-up weight."""
-        ...
-
-    def linear_residual(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        residual: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        lora: Any = None,
-        next_lora: Any = None,
-    ) -> torch.Tensor:
-        """``residual + x @ weight.T (+ bias)``: a new tensor, or ``residual`` itself updated in
-        place (the model never reads the old stream again), as the set chooses."""
         ...
 
 
