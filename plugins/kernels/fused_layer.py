@@ -117,12 +117,14 @@ class FusedLayer:
         return True
 
     def _sums_next(
-        self, lora: ProjectionLoRA | None, next_lora: ProjectionLoRA | None
+        self, rows: int, lora: ProjectionLoRA | None, next_lora: ProjectionLoRA | None
     ) -> dict[str, ProjectionLoRA]:
-        """``{"next_lora": next_lora}`` for a Triton GEMM that sums the next projection's shrink
-        of its output (noted for that projection), where both have an adapter's slots and the
-        next has an ``h_in``; else empty."""
+        """``{"next_lora": next_lora}`` for a Triton GEMM of ``rows`` rows that sums the next
+        projection's shrink of its output (noted for that projection), where both have an
+        adapter's slots and the next has an ``h_in`` of that many rows; else empty."""
         if lora is None or next_lora is None or next_lora.h_in is None:
+            return {}
+        if rows > next_lora.h_in.shape[0]:  # past the rows the plugin zeroes a step
             return {}
         self._summed.add(id(next_lora.h_in))
         return {"next_lora": next_lora}
@@ -180,7 +182,7 @@ class FusedLayer:
         if config is not None:
             return self.gemm.norm_gate_up(
                 x, weight, eps, bias, config=config, lora=lora, h_in=summed,
-                **self._sums_next(lora, next_lora),
+                **self._sums_next(x.shape[0], lora, next_lora),
             )  # fmt: skip
         return self._cublas_gate_up(x, weight, eps, bias, lora)
 
@@ -231,7 +233,7 @@ class FusedLayer:
         if config is not None:
             return self.gemm.linear_residual(
                 x, weight, residual, bias, config=config, lora=lora, h_in=summed,
-                **self._sums_next(lora, next_lora),
+                **self._sums_next(x.shape[0], lora, next_lora),
             )  # fmt: skip
         return self._cublas_residual(x, weight, residual, bias, lora)
 

@@ -414,6 +414,43 @@ def summed_shrink_matches(split: int, slots: list[int]) -> None:
     close(got, fl.norm_linear(new_stream, w_qkv, eps, config=qkv_cfg, lora=qkv), "q|k|v")
 
 
+def test_the_fused_layer_sums_a_shrink_only_into_rows_the_plugin_zeroes(tmp_path) -> None:  # noqa: ANN001
+    """``FusedLayer``: a Triton GEMM given ``next_lora`` sums its shrink and the next
+    projection reads it (``h_in``) only where the step's rows fit that projection's ``h_in``
+    (the rows the adapter plugin zeroes a step); a longer step leaves both to compute as
+    before, and its output is the same."""
+    from pitstop.plugins.kernels import reference
+    from pitstop.plugins.kernels.fused_layer import FusedLayer
+    from pitstop.plugins.kernels.triton_ops.layer_choice import LayerChoice
+
+    if DEVICE.type == "cuda":
+        pytest.skip("the interpreter's Triton shapes (GPU: test_on_the_gpu_a_shrink_summed_...)")
+    m, hidden, eps = 3, 64, 1e-6
+    x, w, _ = inputs(m, hidden, hidden, torch.float32, 21)
+    residual = torch.randn(m, hidden, generator=torch.Generator().manual_seed(22))
+    o_lora = make_lora(hidden, [hidden], [0] * m, torch.float32, 23, n_slots=1)
+    gu = _sharing(make_lora(hidden, [32, 32], [0] * m, torch.float32, 24, n_slots=1), o_lora, m)
+    w_gu = torch.randn(64, hidden, generator=torch.Generator().manual_seed(25)) / 8
+
+    def row_scaled(rows: torch.Tensor, eps_: float | None) -> torch.Tensor:
+        return rows if eps_ is None else (rows * reference.rms_scale(rows, eps_)).to(rows.dtype)
+
+    layer = FusedLayer(
+        fl, LayerChoice(64, 0, False, tmp_path), row_scaled, None, reference.silu_and_mul
+    )
+    short = gu._replace(h_in=gu.h_in[: m - 1])  # fewer rows than the step
+    for next_lora, reads in ((gu, True), (short, False)):
+        next_lora.h_in.zero_()
+        stream = layer.linear_residual(x, w, residual, None, o_lora, next_lora)
+        assert (id(next_lora.h_in) in layer._summed) == reads
+        act = layer.norm_gate_up(stream, w_gu, eps, None, next_lora)
+        assert id(next_lora.h_in) not in layer._summed, "read or forgotten by the consumer"
+        want = fl.norm_gate_up(stream, w_gu, eps, lora=next_lora)
+        scale = want.abs().max()
+        assert float((act - want).abs().max() / scale) <= TOL[torch.float32]
+        assert bool(next_lora.h_in.abs().sum() > 0) == reads
+
+
 def test_an_op_with_an_adapter_is_timed_with_its_rows_in_an_adapters_slot(tmp_path) -> None:  # noqa: ANN001
     """The warm-up that times the fused layer's ops has no adapter on its rows (slot -1, every
     LoRA load masked off), so the timing would weigh the GEMM alone: while an op with an
