@@ -248,6 +248,7 @@ class LoRASlots:
         # ProjectionLoRA.h_in), [WORKSPACE_ROWS, layers x 6 x padded rank] float32, zeroed
         # once a step (set by attach where layers are fused and lora.shrink_before is on)
         self.summed: torch.Tensor | None = None
+        self.summed_blocks: list[dict[str, torch.Tensor]] = []  # a fused layer's, by projection
         self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id held per slot
         # adapters copied on a side stream at check(): the event each slot's copy records
         self.loader: torch.cuda.Stream | None = None
@@ -320,26 +321,28 @@ class LoRASlots:
     SUMMED = ("qkv_proj", "gate_up_proj", "down_proj")
 
     def _allocate_summed(self) -> None:
-        """:attr:`summed`, where layers are fused and ``lora.shrink_before`` is on: each
-        projection of :attr:`SUMMED` takes a block of it (:meth:`_summed_block`)."""
+        """:attr:`summed`, where layers are fused and ``lora.shrink_before`` is on, and each
+        fused layer's block of it for each projection of :attr:`SUMMED` (its slices' padded
+        ranks, in :attr:`summed_blocks`)."""
         if not self.fused_layers or not self.shrink_before:
             return
         from pitstop.plugins.kernels.triton_ops.fused_linear import lora_rank_pad
 
-        width = len(self.fused_layers) * 6 * lora_rank_pad(self.max_rank)  # 3 + 2 + 1 slices
-        self.summed = torch.empty(
-            WORKSPACE_ROWS, width, dtype=torch.float32, device=self.ctx.device
-        )
-
-    def _summed_block(self, layer: int, attr: str) -> torch.Tensor | None:
-        """Fused layer ``layer``'s projection ``attr``'s block of :attr:`summed` (None: none)."""
-        if self.summed is None or attr not in self.SUMMED:
-            return None
-        from pitstop.plugins.kernels.triton_ops.fused_linear import lora_rank_pad
-
         rank = lora_rank_pad(self.max_rank)
-        first = (layer * 6 + {"qkv_proj": 0, "gate_up_proj": 3, "down_proj": 5}[attr]) * rank
-        return self.summed[:, first : first + len(SLICES[attr]) * rank]
+        widths = {attr: len(SLICES[attr]) * rank for attr in self.SUMMED}
+        per_layer = sum(widths.values())
+        self.summed = torch.empty(
+            WORKSPACE_ROWS,
+            len(self.fused_layers) * per_layer,
+            dtype=torch.float32,
+            device=self.ctx.device,
+        )
+        for layer in range(len(self.fused_layers)):
+            first, blocks = layer * per_layer, {}
+            for attr, width in widths.items():
+                blocks[attr] = self.summed[:, first : first + width]
+                first += width
+            self.summed_blocks.append(blocks)
 
     def _refresh_deltas(self) -> None:
         """(Re)build the fused layers' deltas over the current ``slot_of_row`` buffer."""
@@ -363,7 +366,7 @@ class LoRASlots:
                     # unfused projection does (over 8 adapters at nano's 256 rows the delta
                     # after cuBLAS ran 0.81x the base, the pack 0.89x: H100, 2026-12-07)
                     None if proj.ext is None else functools.partial(self._stacked, proj=proj),
-                    self._summed_block(index, attr),
+                    self.summed_blocks[index].get(attr) if self.summed_blocks else None,
                 )
                 for attr, proj in projections.items()
             }

@@ -851,15 +851,28 @@ def _lora_args(
     return args, lora_rank_pad(rank_max)
 
 
+def _check_h_in(lora: ProjectionLoRA, rows: int, rank_pad: int) -> torch.Tensor:
+    """``lora.h_in``, checked: float32 rows of every slice's padded rank, at least ``rows``."""
+    ws = lora.h_in
+    assert ws is not None, "the projection has no h_in workspace (lora.shrink_before)"
+    assert ws.dtype == torch.float32 and ws.stride(1) == 1 and ws.shape[0] >= rows
+    assert ws.shape[1] >= len(lora.A) * rank_pad, "h_in holds every slice's rank"
+    return ws
+
+
 def _next_args(
-    next_lora: ProjectionLoRA | None, lora: ProjectionLoRA | None, x: torch.Tensor, n_out: int
+    next_lora: ProjectionLoRA | None,
+    lora: ProjectionLoRA | None,
+    x: torch.Tensor,
+    n_out: int,
+    rank_pad: int,
 ) -> tuple[list, int]:
     """The kernel's arguments for the next projection's shrink (:func:`_shrink_for_next`;
-    placeholders without one) and its number of slices."""
+    placeholders without one) and its number of slices; ``rank_pad``: this projection's
+    padded rank, which the next one shares."""
     if next_lora is None:
         return [x] * 3 + [0, 0, x, 0], 0
     assert lora is not None, "next_lora= needs this projection's lora= (the rows' slots)"
-    assert next_lora.h_in is not None, "next_lora= needs the next projection's h_in workspace"
     assert next_lora.slot_of_row is lora.slot_of_row and next_lora.ranks is lora.ranks, (
         "both projections read one adapter plugin's slots"
     )
@@ -869,9 +882,7 @@ def _next_args(
     assert rank_max == lora.A[0].shape[1], "both projections pad to one rank"
     for t in a:
         assert t.shape == a[0].shape and t.is_contiguous() and t.dtype == x.dtype
-    ws = next_lora.h_in
-    assert ws.dtype == torch.float32 and ws.stride(1) == 1 and ws.shape[0] >= x.shape[0]
-    assert ws.shape[1] >= len(a) * lora_rank_pad(rank_max), "h_in holds every slice's rank"
+    ws = _check_h_in(next_lora, x.shape[0], rank_pad)
     pad = [a[0]] * (MAX_LORA_SLICES - len(a))
     return [*a, *pad, a[0].stride(0), a[0].stride(1), ws, ws.stride(0)], len(a)
 
@@ -914,10 +925,13 @@ def _launch(
     if config is None:
         config = choose_config(m, n_out, k, x.dtype, gate_up, on_gpu, num_sms(x.device))
     lora_args, rank_pad = _lora_args(lora, x, n_out, gate_up, config.block_n)
-    next_args, next_slices = _next_args(next_lora, lora, x, n_out)
+    next_args, next_slices = _next_args(next_lora, lora, x, n_out, rank_pad)
     if h_in:
-        assert lora is not None and lora.h_in is not None, "h_in needs lora= with its h_in"
-        assert lora.h_in.shape[1] >= len(lora.A) * rank_pad and lora.h_in.stride(1) == 1
+        assert lora is not None, "h_in needs lora="
+        ws_in = _check_h_in(lora, m, rank_pad)
+        h_in_args = [ws_in, ws_in.stride(0)]
+    else:
+        h_in_args = [out, 0]
     if lora is not None and config.split_k > 1:  # the h partials beside: the split that fits
         kind = "cuda" if on_gpu else "cpu"
         config = fit_lora_split(config, m, n_out, k, gate_up, rank_pad, kind)
@@ -958,8 +972,7 @@ def _launch(
         h_ws,
         *lora_args,
         *next_args,
-        lora.h_in if h_in else out,  # type: ignore[union-attr]
-        lora.h_in.stride(0) if h_in else 0,  # type: ignore[union-attr]
+        *h_in_args,
         NORM=eps is not None,
         GATE_UP=gate_up,
         HAS_BIAS=bias is not None,
