@@ -18,3 +18,14 @@ def test_late_copies_change_neither_hits_nor_bytes(capsys) -> None:
     assert small["hit_rate"] < late["hit_rate"]
     assert sim.main(["--num-requests", "24", "--late"]) == 0
     assert "hit rate" in capsys.readouterr().out
+
+
+def test_the_replay_runs_as_many_conversations_at_once_as_the_driver() -> None:
+    """720 turns are 30 groups of conversations for 16 clients: run all at once (the replay
+    before 2026-12-07), each conversation's next turn came after more history than the host
+    tier holds (24.7% hits); the driver's 16 clients keep the hits of a short run."""
+    sim = benchmark_script("tier_sim")
+    short = sim.replay(240, host_gib=64, late=False)
+    long = sim.replay(720, host_gib=64, late=False)
+    assert long["gib_to_host"] > 64  # the host tier filled and evicted
+    assert abs(long["hit_rate"] - short["hit_rate"]) < 0.02
