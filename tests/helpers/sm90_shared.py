@@ -80,8 +80,9 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
 
 
 def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
-    """Every distinct (op, launch shape) wider or taller than 64 that the fused layer times with
-    an adapter for :data:`MODELS` at :data:`ROWS`, one per K split (it needs no shared memory)."""
+    """Every distinct (op, launch shape) wider or taller than 64, or deeper than 4 stages, that
+    the fused layer times with an adapter for :data:`MODELS` at :data:`ROWS`, one per K split
+    (it needs no shared memory)."""
     seen: dict[tuple, tuple[str, fl.LinearConfig]] = {}
     for hidden, qkv, inter in MODELS.values():
         ops = {"qkv": (qkv, hidden, False), "gate_up": (inter, hidden, True)}
@@ -89,7 +90,8 @@ def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
         for m in ROWS:
             for op, (n, k, gate_up) in ops.items():
                 for c in fl.tile_candidates(m, n, k, torch.bfloat16, gate_up, 132, lora_rank=16):
-                    if c.block_n > 64 or c.block_m > 64:  # down's epilogue sums q|k|v's shrink
+                    if c.block_n > 64 or c.block_m > 64 or c.num_stages > 4:  # down's epilogue
+                        # sums q|k|v's shrink
                         key = (op, c._replace(split_k=1))
                         seen.setdefault(key, (op, c))
     return list(seen.values())

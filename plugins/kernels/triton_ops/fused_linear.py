@@ -145,6 +145,11 @@ MIN_K_PER_SPLIT = 256  # at least two K steps of 128 per split on the GPU
 # sweep: split 4-8 best at M=1), one above (split programs lost to fewer, longer ones there)
 PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_WIDE = 1
+# up to this many rows the fused layer also times the table's tile unsplit (unsplit_tiles),
+# with DEEP_STAGES stages where a stage holds one weight tile, where its tiles are at least a
+# third as many as the SMs
+UNSPLIT_ROWS = 16
+DEEP_STAGES = 6
 # the split-K workspace (float32) and counters of a device: fixed, so nothing grows mid-capture
 WORKSPACE_FLOATS = {"cuda": 1 << 22, "cpu": 1 << 16}
 NUM_COUNTERS = {"cuda": 1 << 13, "cpu": 1 << 10}
@@ -261,6 +266,9 @@ def tile_candidates(
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if m <= 64:  # the table's tile with its work spread evenly over the SMs
         configs.append(balanced_split(configs[0], m, n, k, gate_up, num_sms))
+    tiles = cdiv(n, configs[0].block_n) * cdiv(max(m, 1), configs[0].block_m)
+    if m <= UNSPLIT_ROWS and dtype != torch.float32 and tiles * 3 >= num_sms:
+        configs += unsplit_tiles(configs[0], gate_up)
     if dtype != torch.float32 and 64 < m <= 256:
         wide = WIDE_TILES
         if lora_rank and gate_up:  # two weight tiles and A's rank rows a stage: over a K step of
@@ -285,6 +293,21 @@ def tile_candidates(
         pad = lora_rank_pad(lora_rank)
         configs = [fit_lora_split(c, m, n, k, gate_up, pad, "cuda") for c in configs]
     return list(dict.fromkeys(configs))  # in order, without repeats
+
+
+def unsplit_tiles(table: LinearConfig, gate_up: bool) -> list[LinearConfig]:
+    """The table's tile over the whole of K (no split), and for a single weight tile a stage
+    the same with :data:`DEEP_STAGES` stages: a latency-bound step of few rows whose split-K
+    programs each pay the partials' round trip and the last arriver's pass. On one H100
+    (2026-12-07, the sixteenth session's timed choices at one row of llama3-8b) the split
+    GEMMs read their weights at 72-76% of the copy rate (q|k|v split 2: 22.2 us for 50 MB; o
+    split 4: 15.5 us for 34 MB) where gate-up, unsplit, read its 235 MB at 98%; unsplit, q|k|v
+    has 96 programs of 64 columns, fewer than the SMs, each streaming its whole K with more
+    bytes in flight over deeper stages. Timed beside the others, kept only where faster."""
+    unsplit = table._replace(split_k=1)
+    if gate_up:  # two weight tiles a stage: the table's stages are what fits
+        return [unsplit]
+    return [unsplit, unsplit._replace(num_stages=max(table.num_stages, DEEP_STAGES))]
 
 
 def _both_splits(

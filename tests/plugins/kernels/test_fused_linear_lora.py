@@ -501,8 +501,8 @@ def test_every_gpu_lora_launch_shape_matches_float64(m: int) -> None:
 
 
 def test_every_wide_lora_tile_fits_sm90_shared_memory() -> None:
-    """Each launch shape wider or taller than 64 that the fused layer times with an adapter
-    (qwen3-0.6b and llama3-8b, 1, 17, 64 and 65 rows), compiled ahead of time for sm_90 in a
+    """Each launch shape wider or taller than 64, or deeper than 4 stages, that the fused layer
+    times with an adapter (qwen3-0.6b and llama3-8b, 1, 17, 64 and 65 rows), compiled ahead of time for sm_90 in a
     process of its own (no interpreter, no GPU), needs at most the 227 KiB of shared memory
     a program of an H100 or H200 may have: gate-up's tiles of 64 x 128 and 128 x 64 over a
     K step of 128 needed 232 and 240 KiB and failed to launch on the H100 (2026-12-06)."""
@@ -517,6 +517,7 @@ def test_every_wide_lora_tile_fits_sm90_shared_memory() -> None:
     assert {r["op"] for r in rows} >= {"qkv", "gate_up", "down"}, rows
     assert {r["config"][1] for r in rows} == {64, 128, 256}, rows
     assert {r["config"][0] for r in rows} == {16, 32, 64, 128}, rows
+    assert max(r["config"][5] for r in rows) == fl.DEEP_STAGES, rows
     over = [r for r in rows if r["shared"] > SM90_SHARED_BYTES]
     assert not over, f"launch shapes over sm_90's {SM90_SHARED_BYTES} bytes: {over}"
 
