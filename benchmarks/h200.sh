@@ -118,6 +118,17 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/layer-lora/}" ]; then
   export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8,lora-1-unfused,lora-8-unfused} LORA_REPEATS=${LORA_REPEATS:-3}
   export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1,lora-1-unfused,lora-1-shrink-before}
 fi
+# BENCHES=after17: what the seventeenth session (2026-12-07, no GPU drawn) left to measure, most
+# telling first (about 12 minutes: two calls, the second naming lora-kernels): the LoRA GPU tests
+# with the summed shrink, single's base row (its log's timed choices: do the unsplit shapes of
+# 038ce66 win at 1..16 rows?), one adapter, one adapter with lora.shrink_before (its default,
+# issue 47's single 0.95x), then nano's rows over one and 8 adapters with the layer on
+if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/after17/}" ]; then
+  BENCHES=${BENCHES/after17/lora-layer-tests lora-single lora-kernels}
+  export TEST_TIMEOUT=${TEST_TIMEOUT:-170} LORA_REPEATS=${LORA_REPEATS:-3}
+  export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1,lora-1-shrink-before}
+  export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8}
+fi
 # layer: the fused decoder layer's four parts (issue 44); its timed choices kept in one place
 BENCHES=$(echo " ${BENCHES-nano single} " | sed 's/ layer / layer-tests layer-profile layer-nano layer-single /g')
 export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/pitstop-cache}
