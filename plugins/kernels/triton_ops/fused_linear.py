@@ -192,6 +192,11 @@ def reset_counters(device: torch.device) -> None:
     workspace(device).counters.zero_()
 
 
+def _grid_tiles(m: int, n: int, block_m: int, block_n: int) -> int:
+    """The ``(column tile, row tile)`` programs of one K split over ``m`` rows and ``n`` columns."""
+    return cdiv(n, block_n) * cdiv(max(m, 1), block_m)
+
+
 def _split_fits(
     tiles: int, split: int, block_m: int, block_n: int, accs: int, kind: str, rank_pad: int = 0
 ) -> bool:
@@ -213,7 +218,7 @@ def fit_lora_split(
     a LoRA's ``h`` (``rank_pad`` floats a row and accumulator), no split left empty: the
     table's rules size the split without one (llama3-8b's gate-up at 17-32 rows, split 4 with
     a rank-16 LoRA, needed 1.1 times the workspace)."""
-    tiles = cdiv(n, config.block_n) * cdiv(max(m, 1), config.block_m)
+    tiles = _grid_tiles(m, n, config.block_m, config.block_n)
     accs = 2 if gate_up else 1
     for split in range(config.split_k, 1, -1):
         per_split = k_per_split(k, split, config.block_k)
@@ -266,7 +271,7 @@ def tile_candidates(
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if m <= 64:  # the table's tile with its work spread evenly over the SMs
         configs.append(balanced_split(configs[0], m, n, k, gate_up, num_sms))
-    tiles = cdiv(n, configs[0].block_n) * cdiv(max(m, 1), configs[0].block_m)
+    tiles = _grid_tiles(m, n, configs[0].block_m, configs[0].block_n)
     if m <= UNSPLIT_ROWS and dtype != torch.float32 and tiles * 3 >= num_sms:
         configs += unsplit_tiles(configs[0], gate_up)
     if dtype != torch.float32 and 64 < m <= 256:
@@ -331,7 +336,7 @@ def balanced_split(
     on a tie, each split at least :data:`MIN_K_PER_SPLIT` columns, the workspace fitting.
     llama3-8b's QKV at one row: 96 column tiles, the doubling rule's 2 splits leave the
     busiest SMs two half-tiles (one tile's columns), 4 splits three quarter-tiles."""
-    tiles = cdiv(n, config.block_n) * cdiv(max(m, 1), config.block_m)
+    tiles = _grid_tiles(m, n, config.block_m, config.block_n)
     weight = 2 if gate_up else 1
     best, best_load = config.split_k, None
     for split in range(1, MAX_SPLIT + 1):
@@ -363,7 +368,7 @@ def with_split(
     min_k = MIN_K_PER_SPLIT if on_gpu else 2 * bk
     if on_gpu and gate_up and stages > 4:  # two weight tiles a stage
         stages = 4
-    tiles = cdiv(n, bn) * cdiv(max(m, 1), bm)
+    tiles = _grid_tiles(m, n, bm, bn)
     weight = 2 if gate_up else 1
     per_sm = PROGRAMS_PER_SM if m <= 16 or not on_gpu else PROGRAMS_PER_SM_WIDE
     split = 1
