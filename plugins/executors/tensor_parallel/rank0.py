@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -39,6 +39,25 @@ class TensorParallelRunner:
         if name == "runner":  # not set yet (during unpickling or a failed __init__)
             raise AttributeError(name)
         return getattr(self.runner, name)
+
+    @property
+    def adapters(self) -> Any:
+        """Rank 0's adapter plugin (None: adapters are off), its ``ready`` asked of every rank
+        (:class:`EveryRankAdapters`) where it has one."""
+        local = self.runner.adapters
+        if local is None or getattr(local, "ready", None) is None:
+            return local
+        return EveryRankAdapters(local, self)
+
+    def place_adapter(self, request: Any, busy: Collection[int]) -> None:
+        """Tell every worker to place ``request``'s adapter ahead of its step, as rank 0's
+        plugin just was asked to (``ready(request, busy)``); nothing runs here."""
+        self._call("place_adapter", (request, sorted(busy)), lambda: None)
+
+    def sync(self) -> None:
+        """Return once every worker has made every runner call sent before this one (calls
+        such as :meth:`place_adapter` send without waiting)."""
+        self._call("sync", (), self.group.barrier)
 
     @property
     def logits_observer(self) -> Any:
@@ -149,6 +168,34 @@ class TensorParallelRunner:
         """Stop the workers and leave the process group (idempotent; also run at exit)."""
         self._closed = True
         self._finalizer()
+
+
+class EveryRankAdapters:
+    """Rank 0's adapter plugin as the engine sees it under tensor parallelism: every call is
+    rank 0's plugin's, and ``ready`` (place an adapter ahead of the step that runs it, its
+    copy beside the running steps) is asked of every worker too, after rank 0.
+
+    The engine asks ``ready`` on its own thread as a request arrives and before each step
+    while the request waits for its copy; each worker starts its own copy of its part of the
+    adapter (reading the folder if its host cache lacks it) when the message reaches it,
+    between the steps it runs, so that no rank's step waits for a copy or a read. Rank 0's
+    answer decides when the request joins; a worker whose copy is not done by then makes
+    that step wait on its device (as one rank alone does), and a worker whose placement
+    fails leaves it to that step, which loads the adapter itself."""
+
+    def __init__(self, local: Any, runner: TensorParallelRunner) -> None:
+        self._local, self._runner = local, runner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_local":  # not set yet (during unpickling)
+            raise AttributeError(name)
+        return getattr(self._local, name)
+
+    def ready(self, request: Any, busy: Collection[int]) -> bool:
+        """Rank 0's plugin's ``ready(request, busy)``; then every worker is asked the same."""
+        placed = bool(self._local.ready(request, busy))
+        self._runner.place_adapter(request, busy)
+        return placed
 
 
 def _for_workers(s: Any) -> Any:

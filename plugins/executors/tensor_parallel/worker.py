@@ -2,8 +2,8 @@
 
 A worker never plans, samples or detokenizes: rank 0's engine does. Each
 runner call rank 0 makes (load the weights, size and allocate the KV cache,
-capture CUDA graphs, launch a step, save/restore/adopt samples) reaches the
-worker as one message on the control group (:meth:`TensorParallelGroup.send_call`),
+capture CUDA graphs, launch a step, save/restore/adopt samples, place an
+adapter ahead of its step) reaches the worker as one message on the control group (:meth:`TensorParallelGroup.send_call`),
 and the worker makes the same call on its own shard; their collectives meet
 inside it. ``stop`` ends the loop.
 """
@@ -60,10 +60,29 @@ def serve_calls(runner: Any, group: TensorParallelGroup, weights: Any) -> None:
             saved = runner.save_samples()
         elif name == "restore_samples":
             runner.restore_samples(saved)
+        elif name == "sync":
+            group.barrier()
+        elif name == "place_adapter":
+            place_adapter(runner, *args)
         elif name in _PLAIN_CALLS:
             getattr(runner, name)(*args)
         else:
             raise RuntimeError(f"rank 0 sent an unknown runner call {name!r}")
+
+
+def place_adapter(runner: Any, request: Any, busy: list[int]) -> None:
+    """Read ``request``'s adapter into this rank's host cache and place it in its slots ahead
+    of its step, as rank 0's plugin just was (its ``check``, then its ``ready``; rank 0's
+    answers are the ones the engine uses). A failure here is logged and left to the step
+    that runs the adapter, which loads it itself."""
+    adapters = runner.adapters
+    ready = getattr(adapters, "ready", None)
+    try:
+        adapters.check(request)
+        if ready is not None:
+            ready(request, set(busy))
+    except Exception:  # noqa: BLE001 - the step that runs it loads it (and fails that request alone)
+        log.exception("placing adapter %r ahead of its step failed on this rank", request)
 
 
 def worker_main(

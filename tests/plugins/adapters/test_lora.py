@@ -298,6 +298,32 @@ def test_tensor_parallel_ranks_serve_adapters_as_one_rank(
         _assert_rows_match_peft(llm, tiny, names, prompts)
 
 
+def test_tensor_parallel_workers_place_an_adapter_as_it_arrives(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    # the engine asks every rank's plugin `ready` as a request arrives (EveryRankAdapters),
+    # so each worker reads its part of the adapter then, not in the step that runs it: with
+    # the folder gone before the first step, every rank still serves PEFT's tokens
+    folder = tmp_path / "qvd"
+    shutil.copytree(tiny["qvd"], folder)
+    prompt = _prompts((11,), seed=8)[0]
+    with _llm(tiny, tensor_parallel_size=2, max_model_len=96) as llm:
+        engine = llm.engine
+        assert type(engine.intake.adapters).__name__ == "EveryRankAdapters"
+        request_id = engine.add_request(
+            prompt_token_ids=prompt,
+            params=GREEDY,
+            lora_request=LoRARequest("qvd", IDS["qvd"], str(folder)),
+        )
+        engine.runner.sync()  # the workers have read the message (it is sent without waiting)
+        shutil.rmtree(folder)
+        done = []
+        while engine.has_unfinished_requests():
+            done += engine.step(stream=False)
+    assert [o.request_id for o in done] == [request_id]
+    assert done[0].token_ids == _expected(tiny["base"], tiny["qvd"], tuple(prompt))
+
+
 def test_an_adapter_cut_for_each_rank_joins_into_the_whole() -> None:
     from pitstop.ground.model_config import ModelConfig
     from pitstop.plugins.adapters.lora.peft_adapter import LoRAWeights, expected_shapes, rank_part

@@ -361,6 +361,37 @@ def test_the_watch_thread_reports_a_dead_worker_once():
 
 
 # ---------------------------------------------------------------------- in this process
+def test_a_worker_placing_an_adapter_ahead_logs_a_failure_and_serves_on(caplog):
+    # rank 0 sends `place_adapter` without waiting (its own check passed); a worker whose
+    # read fails leaves the adapter to the step that runs it and keeps serving calls
+    from pitstop.plugins.executors.tensor_parallel.worker import serve_calls
+
+    asked: list[tuple[str, object]] = []
+
+    class Slots:
+        def check(self, request):
+            asked.append(("check", request))
+            if request == "gone":
+                raise FileNotFoundError(request)
+
+        def ready(self, request, busy):
+            asked.append(("ready", (request, busy)))
+            return False
+
+    class Runner:
+        adapters = Slots()
+
+    class Group:
+        calls = [("place_adapter", ("a", [3, 1])), ("place_adapter", ("gone", [])), ("stop", ())]
+
+        def receive_call(self):
+            return self.calls.pop(0)
+
+    serve_calls(Runner(), Group(), weights=None)
+    assert asked == [("check", "a"), ("ready", ("a", {1, 3})), ("check", "gone")]
+    assert "placing adapter 'gone' ahead of its step failed" in caplog.text
+
+
 def _config(**changes) -> ModelConfig:
     base = dict(
         architecture="LlamaForCausalLM",
