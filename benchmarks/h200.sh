@@ -505,6 +505,16 @@ for _ in range(2):
     moe-bench) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}; bs=""
       for b in ${MOE_BATCHES:-1 2 8 64 256}; do bs="$bs --batch $b"; done
       timeout 300 python3 benchmarks/moe_bench.py $bs --kernels 2>&1 | grep -v "warn\|UserWarning" | tee "$OUT/moe-bench.log" | tail -30 ;;
+    # issue 48 (2026-12-07, eighteenth session): one token's early down (fused.moe_early_down,
+    # off until measured): its GPU tests, the op at batch 1 (early and engine-early rows beside
+    # tuned and engine), then single on the MoE preset with it beside the defaults
+    moe-early) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}
+      timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/plugins/kernels/test_moe_kernels_gpu.py \
+        -k "early or three_launches" 2>&1 | tee "$OUT/gpu-tests-moe-early.log" | tail -3
+      timeout 200 python3 benchmarks/moe_bench.py --batch 1 --kernels 2>&1 | grep -v "warn\|UserWarning" \
+        | tee "$OUT/moe-bench-early.log" | tail -14
+      run moe-early offline --workload single --model dummy:qwen3-30b-a3b --repeats ${MOE_REPEATS:-3} \
+        --matrix benchmarks/workloads/moe.toml --only router-on-layer,router-on-layer-early-down ;;
     # issue 48: a sweep of the MoE op's tiles (MOE_SWEEP: M,N,K,WARPS,STAGES[,SPLIT] specs) at
     # MOE_SWEEP_BATCHES, each kernel's time; fp8 experts at batch 1
     moe-sweep) export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/moe-cache}

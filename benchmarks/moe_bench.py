@@ -20,6 +20,10 @@ device-to-device copy, bytes read + written, as docs/workloads.md counts the H20
   instead of its logits (one launch projects, routes and groups at 1 or 2 tokens:
   :func:`~pitstop.plugins.kernels.triton_ops.moe_router.fuses_router`), the post-attention
   RMSNorm inside (``norm_eps``) and the residual added by the op, tuned tiles;
+- ``early`` and ``engine-early`` (batch 1): the ``tuned`` and ``engine`` rows with
+  :attr:`~pitstop.plugins.kernels.triton_ops.moe_tiles.LaunchPlan.early_down` (the down
+  GEMM launched as the gate-up's programs start, each of its programs holding its whole
+  weight tile before it waits: ``fused.moe_early_down``);
 - ``fewest`` (where fewer launches can run the batch): the same tiles,
   :func:`~pitstop.plugins.kernels.triton_ops.moe_tiles.fewest_launches` (three launches at
   T 1..4, four up to 128 flat rows), measured slower on an H100 on 2026-12-05;
@@ -136,11 +140,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         def run_engine(cfg: moe_tiles.MoEConfig, plan=None, x=x) -> torch.Tensor:
             return moe.fused_moe(x, None, gate_up, down, top_k, renormalize=True,
                                  weights_dtype=torch.bfloat16, config=cfg, scales=scales,
-                                 router=router, residual=x, norm_eps=NORM_EPS)  # fmt: skip
+                                 router=router, residual=x, norm_eps=NORM_EPS,
+                                 plan=plan)  # fmt: skip
 
         tuned = moe.choose_config(x, weights, ids, gate_up, down, cache, scales)
         configs = {"tuned": (tuned, moe_tiles.launch_plan(t, top_k, tuned))}
         configs["engine"] = configs["tuned"]
+        if t == 1 and moe_tiles.early_down_columns(f):  # the down's weights read before its wait
+            early = configs["tuned"][1]._replace(early_down=True)
+            configs["early"] = configs["engine-early"] = (tuned, early)
         fewest = moe_tiles.fewest_launches(t, top_k)
         if fewest != configs["tuned"][1]:
             configs["fewest"] = (tuned, fewest)
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             configs[f"split{n}"] = (split, moe_tiles.launch_plan(t, top_k, split))
         base = run(tuned)
         for name, (cfg, plan) in configs.items():
-            call = run_engine if name == "engine" else run
+            call = run_engine if name.startswith("engine") else run
             try:
                 seconds = _time(dev, lambda cfg=cfg, plan=plan, call=call: call(cfg, plan))
             except Exception as err:  # noqa: BLE001 - a candidate that cannot run (shared memory)
@@ -163,15 +171,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 continue
             out = call(cfg, plan)
             want = base
-            if name == "engine":  # x + the op on x normalized (unit gain) and its own logits
+            if name.startswith("engine"):  # x + the op on x normalized (unit gain), own logits
                 xn = reference.rms_norm(x, unit_gain(h, x.dtype, x.device), NORM_EPS)[0]
                 want = x + run(tuned, x=xn, logits=F.linear(xn, router))
             diff = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            rate = (nbytes + (e * h * elem if name == "engine" else 0)) / seconds
+            rate = (nbytes + (e * h * elem if name.startswith("engine") else 0)) / seconds
             down_splits = moe_tiles.effective_split(f, cfg.down.block_k, cfg.split_k)[0]
             launches = (
                 _engine_launches(t, top_k, plan, down_splits)
-                if name == "engine"
+                if name.startswith("engine")
                 else plan.launches_for(t, down_splits)
             )
             row = dict(batch=t, config=name, tiles=list(cfg), launches=launches,

@@ -56,6 +56,7 @@ store) and context length 0 (attention writes zeros for them).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -222,6 +223,14 @@ class FusedSettings:
         "projects, routes and groups in one launch (triton_ops/moe_router.py); false: the "
         "router's logits from the linear op first (three launches), for comparison",
     )
+    moe_early_down: bool = setting(
+        False,
+        type=bool,
+        help="decode steps of one token: the MoE op's down GEMM launches as soon as the gate-up "
+        "GEMM's programs start and each of its programs holds its whole weight tile before it "
+        "waits for the gate-up, so that the down's weight reads overlap the gate-up's (experts "
+        "of up to 4,096 intermediate rows); off until measured on a GPU",
+    )
     decode_prefix_share: int = setting(
         0,
         type=int,
@@ -378,7 +387,7 @@ class FusedKernels(reference.DispatchKernels):
             f"{settings.cudnn_prefill} tokens"
         )
         if use["moe"]:
-            self._moe = _triton_moe
+            self._moe = functools.partial(_triton_moe, early_down=settings.moe_early_down)
             # the router's projection fused with the routing (fused.moe_router)
             self.moe_takes_router = settings.moe_router
             self.moe_adds_residual = True  # the residual add inside the slot sum
@@ -556,11 +565,13 @@ def _triton_moe(
     router: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     norm_eps: float | None = None,
+    early_down: bool = False,
 ) -> torch.Tensor:
     """The fused MoE op (:func:`.triton_ops.moe.fused_moe`, which projects ``x`` by ``router``
     itself where no logits are given, adds ``residual`` inside its last kernel and applies
-    a folded norm's row scale, ``norm_eps``, inside the router and the gate-up GEMM), or
-    the reference loop for more than :data:`MAX_TRITON_TOP_K` experts a token."""
+    a folded norm's row scale, ``norm_eps``, inside the router and the gate-up GEMM;
+    ``early_down``: ``fused.moe_early_down``), or the reference loop for more than
+    :data:`MAX_TRITON_TOP_K` experts a token."""
     kw = dict(renormalize=renormalize, weights_dtype=weights_dtype, scales=scales)
     if top_k > MAX_TRITON_TOP_K:
         if norm_eps is not None:
@@ -573,7 +584,7 @@ def _triton_moe(
 
     return moe.fused_moe(
         x, router_logits, gate_up, down, top_k, router=router, residual=residual,
-        norm_eps=norm_eps, **kw,
+        norm_eps=norm_eps, early_down=early_down, **kw,
     )  # fmt: skip
 
 

@@ -146,6 +146,7 @@ from pitstop.plugins.kernels.triton_ops.moe_tiles import (
     candidates,
     config_key,
     default_cache,
+    early_down_columns,
     effective_split,
     known_config,
     launch_plan,
@@ -306,6 +307,7 @@ def _grouped_gemm_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_DEPENDENTS: tl.constexpr = False,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` tile of a row block's expert GEMM over one K split.
 
@@ -328,12 +330,15 @@ def _grouped_gemm_kernel(
     each program then counts itself in its column tile's arrival counter, and the last of
     the ``TOPK`` row blocks sums the ``TOPK`` rows of ``y`` in slot order into ``final [1,
     H]`` as :func:`_slot_sum_kernel` does (``RESIDUAL``: ``res +`` that), so no slot-sum
-    launch follows.
+    launch follows. ``EARLY_DEPENDENTS``: the next kernel's programs may launch once this
+    one's have waited (:attr:`.moe_tiles.LaunchPlan.early_down`), not after their K loops.
     """
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     _pdl.wait(PDL)  # the grouping and the activations come from the kernels before
+    if EARLY_DEPENDENTS:  # the early down GEMM: its programs read their weights meanwhile
+        _pdl.launch_dependents(PDL)
     # the used blocks' count and this block's expert in one round trip (the grid is the
     # grouping's worst case, so block b's entry exists). A used block's expert is never
     # negative (-1 marks an unused block where the grouping writes one; past the used blocks
@@ -358,7 +363,8 @@ def _grouped_gemm_kernel(
         a_ptr, a_rows, stride_am, w_rows[None, :], NOUT * stride_wn, k_lo, k_hi, K,
         GATE_UP, W_SCALED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION,
     )  # fmt: skip
-    _pdl.launch_dependents(PDL)
+    if not EARLY_DEPENDENTS:
+        _pdl.launch_dependents(PDL)
     mask = valid[:, None] & (n < NOUT)[None, :]
     row_offsets = rows.to(tl.int64)[:, None] * stride_om + n[None, :]
     s_base = ws_ptr + e * stride_se + tl.minimum(n, NOUT - 1)
@@ -459,6 +465,73 @@ def _store_slot_sum(acc, res_ptr, out_ptr, h, mask, RESIDUAL: tl.constexpr):
         r = tl.load(res_ptr + h, mask=mask, other=0.0).to(tl.float32)
         o = _rounded(r + o.to(tl.float32), dt).to(dt)
     tl.store(out_ptr + h, o, mask=mask)
+
+
+@triton.jit
+def _down_early_kernel(
+    h_ptr,
+    w_ptr,
+    ws_ptr,
+    rw_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    y_ptr,
+    counters_ptr,
+    res_ptr,
+    out_ptr,
+    NOUT,
+    F,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_se,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    F_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    W_SCALED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One token's down GEMM and slot sum with its weights read before its wait
+    (:attr:`.moe_tiles.LaunchPlan.early_down`).
+
+    Program ``(b, n)``: row block ``b`` (one token's: one flat row, one expert) and columns
+    ``n`` of ``H``. Before its wait it reads the block's expert and row (the grouping, whose
+    kernel the gate-up GEMM waited for before it let this grid launch; past L1) and the whole
+    ``[F, BLOCK_N]`` weight tile ``w[e, n, :]`` into registers; then it waits for the gate-up
+    GEMM, reads the row of ``h`` and stores ``rw[row] * (w @ h[row])`` (float32; times the
+    columns' row scales where ``W_SCALED``) to ``y [T*k, H]``, and counts itself in its
+    column tile's arrival counter: the last of the ``TOPK`` blocks sums the slots in order
+    into ``out`` (``RESIDUAL``: ``res +`` that), as the grouped down GEMM's one-token
+    epilogue does. Bits: each slot's float32 sum over ``F`` in another order than the
+    grouped GEMM's, so within rounding of it."""
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(expert_ids_ptr + b, cache_modifier=".cg").to(tl.int64)
+    row = tl.load(sorted_ptr + b * BLOCK_M, cache_modifier=".cg")
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    f = tl.arange(0, F_PAD)
+    cols = n < NOUT
+    f_in = f < F
+    w_cols = w_ptr + e * stride_we + tl.minimum(n, NOUT - 1).to(tl.int64)[None, :] * stride_wn
+    w = tl.load(w_cols + f[:, None], mask=f_in[:, None], other=0.0)  # [F_PAD, BLOCK_N]
+    _pdl.wait(PDL)  # h comes from the gate-up GEMM
+    a = tl.load(h_ptr + row.to(tl.int64) * stride_h + f, mask=f_in, other=0.0).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * a[:, None], axis=0)  # [BLOCK_N]
+    _pdl.launch_dependents(PDL)
+    if W_SCALED:
+        acc = acc * tl.load(ws_ptr + e * stride_se + tl.minimum(n, NOUT - 1))
+    rw = tl.load(rw_ptr + row).to(tl.float32)
+    tl.store(y_ptr + row.to(tl.int64) * NOUT + n, acc * rw, mask=cols)
+    tl.debug_barrier()  # every thread's stores before the one thread's release
+    counter = counters_ptr + pid_n
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOPK - 1:  # every slot's row of these columns is visible
+        tl.debug_barrier()  # the acquire (one thread) before every thread's loads
+        acc_t = _slot_sums(y_ptr, 0, NOUT, n, cols, TOPK, 1)
+        _store_slot_sum(acc_t, res_ptr, out_ptr, n, cols, RESIDUAL)
+        tl.store(counter, 0)  # zero again for the next launch (or graph replay)
 
 
 @triton.jit
@@ -573,11 +646,13 @@ def _grouped_gemm(
     k_per_split: int,
     partials: torch.Tensor | None = None,
     slot_sum: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    early_dependents: bool = False,
 ) -> None:
     """Launch :func:`_grouped_gemm_kernel` over ``a`` and the experts ``w`` into ``dst``
     (a split gate-up: its float32 ``partials [splits, T*k, 2F]`` and the device's arrival
     counters, :func:`.fused_linear.workspace`; ``slot_sum``: the down GEMM of one token
-    sums its slots into ``(out [1, H], residual or None)`` itself, with those counters)."""
+    sums its slots into ``(out [1, H], residual or None)`` itself, with those counters;
+    ``early_dependents``: the next kernel may launch once this one's programs have waited)."""
     bm, bn, bk, warps, stages = (setting.config if gate_up else setting.config.down)[:5]
     nout, k = w.shape[1] // (2 if gate_up else 1), w.shape[2]
     x = setting.x
@@ -626,8 +701,57 @@ def _grouped_gemm(
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=use_pdl,
+        EARLY_DEPENDENTS=early_dependents,
         num_warps=warps,
         num_stages=stages,
+        **_pdl.launch_kwargs(use_pdl),
+    )
+
+
+def _down_early(
+    setting: _GemmSetting,
+    h: torch.Tensor,
+    down: torch.Tensor,
+    scale: torch.Tensor,
+    y: torch.Tensor,
+    out: torch.Tensor,
+    residual: torch.Tensor | None,
+    columns: int,
+) -> None:
+    """Launch :func:`_down_early_kernel` for one token: ``out [1, H]`` (plus ``residual``)
+    from ``h [k, F]``, ``columns`` of ``H`` a program (:func:`.moe_tiles.early_down_columns`),
+    its float32 slot rows in ``y [k, H]``."""
+    _, hidden, inter = down.shape
+    top_k = setting.top_k
+    tiles = cdiv(hidden, columns)
+    assert tiles <= NUM_COUNTERS["cuda" if out.device.type == "cuda" else "cpu"], "counters"
+    use_pdl = _pdl.enabled(out.device)
+    grouping = setting.grouping
+    _down_early_kernel[(top_k, tiles)](
+        h,
+        down,
+        scale,
+        setting.rw,
+        grouping.sorted_rows,
+        grouping.expert_ids,
+        y,
+        workspace(out.device).counters,
+        residual if residual is not None else out,  # never read without a residual
+        out,
+        hidden,
+        inter,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        scale.stride(0) if setting.scaled else 0,
+        TOPK=top_k,
+        BLOCK_M=grouping.block_m,
+        F_PAD=next_power_of_2(inter),
+        BLOCK_N=columns,
+        W_SCALED=setting.scaled,
+        RESIDUAL=residual is not None,
+        PDL=use_pdl,
+        num_warps=4,
         **_pdl.launch_kwargs(use_pdl),
     )
 
@@ -711,7 +835,7 @@ def experts(
     ``config``: the tiles (default :func:`choose_config`); ``grouping``: an :func:`align`
     of ``ids`` with ``config.block_m`` already made (as :func:`fused_moe` does); ``plan``:
     which down GEMM (default :func:`launch_plan`; its ``route_with_align`` is ignored
-    here); ``residual [T, H]`` (``x``'s dtype): returned added, ``residual + out`` with the
+    here; ``early_down``: :func:`_down_early_kernel` for one token); ``residual [T, H]`` (``x``'s dtype): returned added, ``residual + out`` with the
     bits of adding the two tensors (inside the slot sum); ``row_scale`` (float32 ``[T]``):
     each token's gate and up sums multiplied by it before SiLU·mul (an RMSNorm folded into
     the op: ``x`` un-normalized, the norm's gain already in ``gate_up``, ``row_scale`` its
@@ -748,6 +872,7 @@ def experts(
         partials = torch.empty((split_gu, n, two_f), dtype=torch.float32, device=x.device)
     ws = scales or (rw, rw)  # unscaled: never read (W_SCALED is off)
     setting = _GemmSetting(x, rw, grouping, n, top_k, config, scales is not None, row_scale)
+    early = early_down_columns(f) if plan.early_down and t == 1 else 0
     _grouped_gemm(
         setting,
         x,
@@ -758,7 +883,12 @@ def experts(
         splits=split_gu,
         k_per_split=per_gu,
         partials=partials,
+        early_dependents=early > 0,
     )
+    if early:
+        y = torch.empty((n, h), dtype=torch.float32, device=x.device)
+        _down_early(setting, inter, down, ws[1], y, out, residual, early)
+        return out
     if plan.down_with_slot_sum:
         _down_with_slot_sum(inter, down, scales[1] if scales else None, ids, rw, out)
         return out if residual is None else residual + out
@@ -806,6 +936,7 @@ def fused_moe(
     router: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     norm_eps: float | None = None,
+    early_down: bool = False,
 ) -> torch.Tensor:
     """A sparse-MoE block's output ``[T, H]`` from ``x [T, H]`` and ``router_logits [T, E]``,
     or from the router's weight ``router [E, H]`` (``router_logits`` None).
@@ -823,7 +954,8 @@ def fused_moe(
     norm's input and its gain is already in ``router`` and ``gate_up``; the one-launch
     router takes each token's ``1/rms`` beside the logits and the gate-up GEMM applies it
     in its epilogue (no launch for the norm), any other step normalizes ``x`` first
-    (:func:`.rmsnorm.rms_norm` with a unit gain, as the unfused block's norm rounds it). No
+    (:func:`.rmsnorm.rms_norm` with a unit gain, as the unfused block's norm rounds it).
+    ``early_down``: the plan's :attr:`.moe_tiles.LaunchPlan.early_down` on (one token). No
     host sync, fixed-size buffers: CUDA-graph capturable once each batch size has run
     eagerly (the autotune; module doc).
     """
@@ -867,6 +999,8 @@ def fused_moe(
                 counts = torch.zeros(e, dtype=torch.int32, device=x.device)
             weights, ids = route(*route_args, counts)
             grouping = align(ids, e, config.block_m, counts)
+    if early_down:
+        plan = plan._replace(early_down=True)
     return experts(
         x,
         weights,

@@ -137,10 +137,16 @@ class LaunchPlan(NamedTuple):
     :func:`.moe_routing.align` (and, past ``ONE_PROGRAM_ROWS`` rows, two memsets);
     ``down_with_slot_sum``: the token-major down GEMM that sums each token's k slots
     itself (:func:`_down_slot_sum_kernel`), else the grouped down GEMM and the slot sum.
+    ``early_down`` (one token, where :func:`early_down_columns` is not 0; else ignored):
+    the gate-up GEMM lets the down GEMM's programs launch as soon as its own have waited
+    for the grouping, and each down program holds its whole weight tile in registers
+    before it waits for the gate-up (:func:`.moe._down_early_kernel`), so that the down's
+    weight reads overlap the gate-up's instead of following them; the same launches.
     """
 
     route_with_align: bool
     down_with_slot_sum: bool
+    early_down: bool = False
 
     @property
     def launches(self) -> int:
@@ -159,6 +165,21 @@ class LaunchPlan(NamedTuple):
 
 # route, align, gate-up, grouped down, slot sum: the five launches of every batch before
 GROUPED = LaunchPlan(route_with_align=False, down_with_slot_sum=False)
+
+# Elements of the [F, columns] down-weight tile an early down program holds in registers
+# before its wait (16K: 32 KB of bf16, 64 registers a thread of 4 warps), and the columns a
+# program takes at most
+EARLY_DOWN_ELEMENTS = 1 << 14
+EARLY_DOWN_MAX_COLUMNS = 64
+
+
+def early_down_columns(inter: int) -> int:
+    """The columns of ``H`` an early down program takes (:attr:`LaunchPlan.early_down`) for
+    experts of ``inter`` (F) intermediate rows: its ``[next_power_of_2(F), columns]`` weight
+    tile within :data:`EARLY_DOWN_ELEMENTS`, at most :data:`EARLY_DOWN_MAX_COLUMNS`; 0 where
+    fewer than 4 columns fit (F over 4,096: the plan's ordinary down GEMM runs)."""
+    columns = min(EARLY_DOWN_ELEMENTS // next_power_of_2(max(inter, 1)), EARLY_DOWN_MAX_COLUMNS)
+    return columns if columns >= 4 else 0
 
 
 def launch_plan(num_tokens: int, top_k: int, config: MoEConfig | None = None) -> LaunchPlan:

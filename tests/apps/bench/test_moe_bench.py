@@ -25,10 +25,13 @@ def test_moe_bench_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     # top-2: the default (grouped) five launches, four for one token (its down sums the
     # slots); the engine's call: one token three (the one-launch router), five tokens the
     # norm and torch's router projection before the five; the fewest: batch 1 three, 5 (10
-    # flat rows) four; a split keeps all five
+    # flat rows) four; a split keeps all five; one token's early down the same launches as the
+    # tuned and engine rows
     assert [(r["batch"], r["config"], r["launches"]) for r in rows] == [
         (1, "tuned", 4),
         (1, "engine", 3),
+        (1, "early", 4),
+        (1, "engine-early", 3),
         (1, "fewest", 3),
         (1, "split3", 5),
         (5, "tuned", 5),

@@ -629,6 +629,7 @@ def test_config_cache_reads_an_entry_from_before_split_k(tmp_path: Path) -> None
 # ---------------------------------------------------------------- fewer launches (issue 48)
 
 TOKEN_MAJOR = moe_tiles.LaunchPlan(route_with_align=True, down_with_slot_sum=True)
+EARLY = moe_tiles.GROUPED._replace(early_down=True)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -791,7 +792,7 @@ def test_token_major_down_is_bit_identical_where_the_float32_sums_are_exact(
     sums that cancel to zero), gates of at least 32 (``silu(g) == g``): every float32 dot
     is exact in any order, so the token-major down + slot sum gives the grouped down's and
     slot sum's bits (the same scale, weight and slot-order sum; only a dot's order
-    differs, and here that is exact)."""
+    differs, and here that is exact), and so does one token's early down."""
     if fp8 and dtype == torch.float16:
         dtype = torch.bfloat16
     top_k = 1 + round(k_frac * (e - 1))
@@ -817,8 +818,89 @@ def test_token_major_down_is_bit_identical_where_the_float32_sums_are_exact(
     with poisoned_outputs():
         out = moe.experts(*args, scales=scales, plan=TOKEN_MAJOR)
         grouped = moe.experts(*args, scales=scales, plan=moe_tiles.GROUPED)
+        early = moe.experts(*args, scales=scales, plan=EARLY) if t == 1 else grouped
     assert torch.isfinite(out).all()
     assert torch.equal(out.view(torch.uint8), grouped.view(torch.uint8)), "not the grouped bits"
+    assert torch.equal(early.view(torch.uint8), grouped.view(torch.uint8)), "early: not them"
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    e=st.integers(1, 8),
+    k_frac=st.floats(0, 1),
+    h=st.sampled_from([16, 40, 136]),
+    f=st.sampled_from([8, 24, 40]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    fp8=st.booleans(),
+    residual=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@example(e=8, k_frac=1.0, h=136, f=40, dtype=torch.bfloat16, fp8=False, residual=True, seed=1)
+@example(e=6, k_frac=0.5, h=40, f=24, dtype=torch.bfloat16, fp8=True, residual=False, seed=2)
+@example(e=1, k_frac=0.0, h=16, f=8, dtype=torch.float32, fp8=False, residual=True, seed=3)
+def test_one_tokens_early_down_equals_the_loop_over_experts(
+    e: int,
+    k_frac: float,
+    h: int,
+    f: int,
+    dtype: torch.dtype,
+    fp8: bool,
+    residual: bool,
+    seed: int,
+) -> None:
+    """``LaunchPlan.early_down`` at one token (the down's whole weight tile read before its
+    wait, its last program per column tile summing the slots) == the float64 loop over
+    experts, bf16/fp16/fp32 activations and fp8 experts, with and without the residual (H
+    136: three column tiles of 64, the last part; F 24 and 40: a padded tile), and within
+    the bound of the grouped down; routing of every kind through fused_moe's logits."""
+    if fp8 and dtype == torch.float16:
+        dtype = torch.bfloat16
+    top_k = 1 + round(k_frac * (e - 1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, h, generator=gen).to(dtype)
+    logits = make_logits(gen, 1, e, "random").to(dtype)
+    gate_up, down, scales, wide = random_experts(gen, e, h, f, dtype, fp8)
+    res = torch.randn(1, h, generator=gen).to(dtype) if residual else None
+    kw = dict(renormalize=True, weights_dtype=dtype, scales=scales)
+    if res is not None:
+        kw["residual"] = res.to(DEVICE)
+    args = (x.to(DEVICE), logits.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE), top_k)
+    with poisoned_outputs():
+        early = moe.fused_moe(*args, **kw, early_down=True)
+        grouped = moe.fused_moe(*args, **kw, plan=moe_tiles.GROUPED)
+    weights, ids = moe_routing.route(logits.to(DEVICE), top_k, True, dtype)
+    truth = ref.experts(x.double(), weights.cpu().double(), ids.cpu(), *wide)
+    if res is not None:
+        truth = truth + res.double()
+    assert early.dtype == dtype and early.shape == (1, h)
+    assert torch.isfinite(early).all(), "an unwritten or NaN output element"
+    err = relative_error(early, truth)
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+    diff = relative_error(early, grouped.cpu().double())
+    assert diff <= TOL[dtype], f"early vs grouped: {diff:.3g}"
+
+
+def test_the_early_downs_columns_and_where_it_runs(launches: list[str]) -> None:
+    """A program's ``[next_power_of_2(F), columns]`` tile holds at most 16K elements and 64
+    columns, and no fewer than 4 (F over 4,096: the grouped down runs). The plan runs for one
+    token only: more tokens take the grouped down and the slot sum."""
+    assert moe_tiles.early_down_columns(8) == 64
+    assert moe_tiles.early_down_columns(768) == 16  # Qwen3-30B-A3B: 1,024 padded rows
+    assert moe_tiles.early_down_columns(1536) == 8
+    assert moe_tiles.early_down_columns(4096) == 4
+    assert moe_tiles.early_down_columns(4097) == 0
+    gen = torch.Generator().manual_seed(0)
+    e, h, f, top_k = 4, 16, 8, 2
+    gate_up, down, _, _ = random_experts(gen, e, h, f, torch.float32, False)
+    for t, last in ((1, "_down_early_kernel"), (2, "_slot_sum_kernel")):
+        launches.clear()
+        x = torch.randn(t, h, generator=gen)
+        logits = make_logits(gen, t, e, "random")
+        moe.fused_moe(
+            x.to(DEVICE), logits.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE), top_k,
+            renormalize=True, early_down=True,
+        )  # fmt: skip
+        assert launches[-1] == last, launches
 
 
 class LaunchCounter:
@@ -846,6 +928,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         (moe, "_grouped_gemm_kernel"),
         (moe, "_slot_sum_kernel"),
         (moe, "_down_slot_sum_kernel"),
+        (moe, "_down_early_kernel"),
     ):
         monkeypatch.setattr(module, name, LaunchCounter(getattr(module, name), seen, name))
     return seen

@@ -285,3 +285,57 @@ def test_three_launches_replay_from_a_cuda_graph(layer, t: int, fp8: bool, tmp_p
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, run())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_early_down_in_chained_layers_replays_from_a_cuda_graph(
+    layer, fp8: bool, tmp_path: Path
+) -> None:
+    """``LaunchPlan.early_down`` at one token, as a decode step runs it: four sparse layers
+    one after another in one CUDA graph, each the one-launch router (the norm inside),
+    the gate-up and the early down (its grouping and its weights read before its wait,
+    launched as soon as the gate-up's programs start), chained by programmatic dependent
+    launch. Each replay over new inputs: every layer's output is the grouped down's on
+    that layer's input within the bound, and the eager chain's bits."""
+    from pitstop.plugins.kernels.triton_ops import moe, moe_tiles
+
+    router, gate_up, down = layer
+    scales = None
+    if fp8:
+        (gate_up, gu_s), (down, d_s) = quantized(gate_up), quantized(down)
+        scales = (gu_s, d_s)
+    cache = moe_tiles.ConfigCache(tmp_path)
+    x = torch.randn(1, H, device="cuda").bfloat16()
+
+    def sparse(y: torch.Tensor, early: bool) -> torch.Tensor:
+        return moe.fused_moe(y, None, gate_up, down, TOP_K, renormalize=True,
+                             weights_dtype=torch.bfloat16, cache=cache, scales=scales,
+                             router=router, residual=y, norm_eps=1e-6,
+                             early_down=early)  # fmt: skip
+
+    def chain() -> list[torch.Tensor]:
+        outs = [x]
+        for _ in range(4):
+            outs.append(sparse(outs[-1], True))
+        return outs
+
+    chain()  # autotune + compile, outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(5000 + seed)
+        x.copy_(torch.randn(1, H, device="cuda", generator=gen).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in range(4):
+            grouped = sparse(captured[i].clone(), False)
+            diff = (captured[i + 1].double() - grouped.double()).abs().max()
+            assert diff / grouped.double().abs().max() <= TOL, f"layer {i}"
+        eager = chain()
+        assert all(torch.equal(a, b) for a, b in zip(captured, eager, strict=True))
