@@ -229,7 +229,8 @@ class FusedSettings:
         help="decode steps of one token: the MoE op's down GEMM launches as soon as the gate-up "
         "GEMM's programs start and each of its programs holds its whole weight tile before it "
         "waits for the gate-up, so that the down's weight reads overlap the gate-up's (experts "
-        "of up to 4,096 intermediate rows); off until measured on a GPU",
+        "of up to 4,096 intermediate rows); off: measured slower on an H100 (batch 1 41.6 us "
+        "against 40.0, moe-single -1.6%)",
     )
     decode_prefix_share: int = setting(
         0,

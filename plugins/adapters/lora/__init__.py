@@ -112,7 +112,8 @@ class LoRASettings:
         help="with fused.layer: each projection's shrink (x A^T) summed in the epilogue of the "
         "Triton GEMM that writes its input (the next layer's QKV in the down GEMM, gate-up in "
         "the O GEMM, down in the gate-up GEMM), where both run in Triton, instead of every "
-        "column program of its own GEMM reading the whole of A; off until measured on a GPU",
+        "column program of its own GEMM reading the whole of A; off: measured slower on an H100 "
+        "(single with one adapter 0.852x its base against 0.895x without it)",
     )
 
 

@@ -142,6 +142,9 @@ class LaunchPlan(NamedTuple):
     for the grouping, and each down program holds its whole weight tile in registers
     before it waits for the gate-up (:func:`.moe._down_early_kernel`), so that the down's
     weight reads overlap the gate-up's instead of following them; the same launches.
+    Measured slower on an H100 on 2026-12-07 (Qwen3-30B-A3B, batch 1: 41.6 us against
+    40.0, the gate-up 26.5 against 21.1 beside the down's early programs; ``moe-single``
+    -1.6%), so :func:`launch_plan` never sets it (``fused.moe_early_down`` does).
     """
 
     route_with_align: bool
