@@ -129,6 +129,14 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/after17/}" ]; then
   export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1,lora-1-shrink-before}
   export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8}
 fi
+# BENCHES=after18: what the eighteenth session (2026-12-07, three H100 calls) left to measure on
+# one machine before vLLM's rows: the LoRA GPU tests at the final commit, then nano's base, one-
+# and 8-adapter rows with the layer on, medians of 3 (issue 47's 0.9x and 0.85x; about 9 minutes)
+if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/after18/}" ]; then
+  BENCHES=${BENCHES/after18/lora-layer-tests lora-kernels}
+  export TEST_TIMEOUT=${TEST_TIMEOUT:-170} LORA_REPEATS=${LORA_REPEATS:-3}
+  export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8}
+fi
 # layer: the fused decoder layer's four parts (issue 44); its timed choices kept in one place
 BENCHES=$(echo " ${BENCHES-nano single} " | sed 's/ layer / layer-tests layer-profile layer-nano layer-single /g')
 export PITSTOP_CACHE_DIR=${PITSTOP_CACHE_DIR:-/tmp/pitstop-cache}
