@@ -32,6 +32,7 @@ class TensorParallelRunner:
     def __init__(self, runner: Any, group: TensorParallelGroup, watch: WorkerWatch | None = None):
         self.runner, self.group, self.watch = runner, group, watch
         self._closed = False
+        self._adapters: EveryRankAdapters | None = None  # built on first use (adapters)
         self._broken: list[bool] = []  # non-empty once a rank is lost or out of step
         self._finalizer = weakref.finalize(self, _shutdown, group, watch, self._broken)
 
@@ -47,7 +48,9 @@ class TensorParallelRunner:
         local = self.runner.adapters
         if local is None or getattr(local, "ready", None) is None:
             return local
-        return EveryRankAdapters(local, self)
+        if self._adapters is None:  # one wrapper for the runner's life
+            self._adapters = EveryRankAdapters(local, self)
+        return self._adapters
 
     def place_adapter(self, request: Any, busy: Collection[int]) -> None:
         """Tell every worker to place ``request``'s adapter ahead of its step, as rank 0's

@@ -3,9 +3,9 @@
 A worker never plans, samples or detokenizes: rank 0's engine does. Each
 runner call rank 0 makes (load the weights, size and allocate the KV cache,
 capture CUDA graphs, launch a step, save/restore/adopt samples, place an
-adapter ahead of its step) reaches the worker as one message on the control group (:meth:`TensorParallelGroup.send_call`),
-and the worker makes the same call on its own shard; their collectives meet
-inside it. ``stop`` ends the loop.
+adapter ahead of its step) reaches the worker as one message on the control
+group (:meth:`TensorParallelGroup.send_call`), and the worker makes the same
+call on its own shard; their collectives meet inside it. ``stop`` ends the loop.
 """
 
 from __future__ import annotations
