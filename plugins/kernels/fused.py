@@ -230,7 +230,7 @@ class FusedSettings:
         "GEMM's programs start and each of its programs holds its whole weight tile before it "
         "waits for the gate-up, so that the down's weight reads overlap the gate-up's (experts "
         "of up to 4,096 intermediate rows); off: measured slower on an H100 (batch 1 41.6 us "
-        "against 40.0, moe-single -1.6%)",
+        "against 40.0; moe-single 256.8 against 261.0 tok/s)",
     )
     decode_prefix_share: int = setting(
         0,
