@@ -405,15 +405,10 @@ def _grouped_gemm_kernel(
         out = out_ptr + pid_k.to(tl.int64) * stride_os + row_offsets
         tl.store(out, acc * rw[:, None], mask=mask)
         if SLOT_SUM:  # one token: the last of its TOPK row blocks sums the slots (module doc)
-            tl.debug_barrier()  # every thread's stores before the one thread's release
-            counter = counters_ptr + pid_n
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == TOPK - 1:  # every slot's row of these columns is visible
-                tl.debug_barrier()  # the acquire (one thread) before every thread's loads
-                cols = n < NOUT
-                acc_t = _slot_sums(out_ptr, 0, stride_om, n, cols, TOPK, 1)
-                _store_slot_sum(acc_t, res_ptr, final_ptr, n, cols, RESIDUAL)
-                tl.store(counter, 0)  # zero again for the next launch (or graph replay)
+            _last_block_sums_slots(
+                counters_ptr + pid_n, out_ptr, stride_om, n, n < NOUT, res_ptr, final_ptr,
+                TOPK, RESIDUAL,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -453,6 +448,32 @@ def _slot_sums(y_ptr, stride_ys, row_stride, h, mask, TOPK: tl.constexpr, SPLITS
             acc += tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
             p += stride_ys
     return acc
+
+
+@triton.jit
+def _last_block_sums_slots(
+    counter,
+    y_ptr,
+    row_stride,
+    h,
+    mask,
+    res_ptr,
+    out_ptr,
+    TOPK: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+):
+    """One token's down GEMM, after a program stored its slot's float32 row of columns ``h``
+    to ``y``: it counts itself in its column tile's arrival ``counter``, and the last of the
+    ``TOPK`` programs sums the slots in order into ``out`` (``RESIDUAL``: ``res +`` that) as
+    :func:`_slot_sum_kernel` does, then zeroes the counter (memory ordering: the fused linear
+    ops' split-K, :func:`.fused_linear.workspace`)."""
+    tl.debug_barrier()  # every thread's stores before the one thread's release
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOPK - 1:  # every slot's row of these columns is visible
+        tl.debug_barrier()  # the acquire (one thread) before every thread's loads
+        acc = _slot_sums(y_ptr, 0, row_stride, h, mask, TOPK, 1)
+        _store_slot_sum(acc, res_ptr, out_ptr, h, mask, RESIDUAL)
+        tl.store(counter, 0)  # zero again for the next launch (or graph replay)
 
 
 @triton.jit
@@ -524,14 +545,9 @@ def _down_early_kernel(
         acc = acc * tl.load(ws_ptr + e * stride_se + tl.minimum(n, NOUT - 1))
     rw = tl.load(rw_ptr + row).to(tl.float32)
     tl.store(y_ptr + row.to(tl.int64) * NOUT + n, acc * rw, mask=cols)
-    tl.debug_barrier()  # every thread's stores before the one thread's release
-    counter = counters_ptr + pid_n
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == TOPK - 1:  # every slot's row of these columns is visible
-        tl.debug_barrier()  # the acquire (one thread) before every thread's loads
-        acc_t = _slot_sums(y_ptr, 0, NOUT, n, cols, TOPK, 1)
-        _store_slot_sum(acc_t, res_ptr, out_ptr, n, cols, RESIDUAL)
-        tl.store(counter, 0)  # zero again for the next launch (or graph replay)
+    _last_block_sums_slots(
+        counters_ptr + pid_n, y_ptr, NOUT, n, cols, res_ptr, out_ptr, TOPK, RESIDUAL
+    )
 
 
 @triton.jit
@@ -835,8 +851,9 @@ def experts(
     ``config``: the tiles (default :func:`choose_config`); ``grouping``: an :func:`align`
     of ``ids`` with ``config.block_m`` already made (as :func:`fused_moe` does); ``plan``:
     which down GEMM (default :func:`launch_plan`; its ``route_with_align`` is ignored
-    here; ``early_down``: :func:`_down_early_kernel` for one token); ``residual [T, H]`` (``x``'s dtype): returned added, ``residual + out`` with the
-    bits of adding the two tensors (inside the slot sum); ``row_scale`` (float32 ``[T]``):
+    here; ``early_down``: :func:`_down_early_kernel` for one token); ``residual [T, H]``
+    (``x``'s dtype): returned added, ``residual + out`` with the bits of adding the two
+    tensors (inside the slot sum); ``row_scale`` (float32 ``[T]``):
     each token's gate and up sums multiplied by it before SiLU·mul (an RMSNorm folded into
     the op: ``x`` un-normalized, the norm's gain already in ``gate_up``, ``row_scale`` its
     ``1/rms``). Returns a fresh ``[T, H]``.
