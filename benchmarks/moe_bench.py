@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             configs[f"split{n}"] = (split, moe_tiles.launch_plan(t, top_k, split))
         base = run(tuned)
         for name, (cfg, plan) in configs.items():
-            call = run_engine if name.startswith("engine") else run
+            engine = name.startswith("engine")  # the engine's call: router, norm, residual
+            call = run_engine if engine else run
             try:
                 seconds = _time(dev, lambda cfg=cfg, plan=plan, call=call: call(cfg, plan))
             except Exception as err:  # noqa: BLE001 - a candidate that cannot run (shared memory)
@@ -171,15 +172,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 continue
             out = call(cfg, plan)
             want = base
-            if name.startswith("engine"):  # x + the op on x normalized (unit gain), own logits
+            if engine:  # x + the op on x normalized (unit gain) and its own logits
                 xn = reference.rms_norm(x, unit_gain(h, x.dtype, x.device), NORM_EPS)[0]
                 want = x + run(tuned, x=xn, logits=F.linear(xn, router))
             diff = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            rate = (nbytes + (e * h * elem if name.startswith("engine") else 0)) / seconds
+            rate = (nbytes + (e * h * elem if engine else 0)) / seconds
             down_splits = moe_tiles.effective_split(f, cfg.down.block_k, cfg.split_k)[0]
             launches = (
                 _engine_launches(t, top_k, plan, down_splits)
-                if name.startswith("engine")
+                if engine
                 else plan.launches_for(t, down_splits)
             )
             row = dict(batch=t, config=name, tiles=list(cfg), launches=launches,

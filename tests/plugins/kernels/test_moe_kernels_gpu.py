@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,6 +38,20 @@ def layer() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gate_up = torch.randn(E, 2 * INTER, H, device="cuda", generator=gen) / H**0.5
     down = torch.randn(E, H, INTER, device="cuda", generator=gen) / INTER**0.5
     return router.bfloat16(), gate_up.bfloat16(), down.bfloat16()
+
+
+def _captured(fn: Callable[[], Any]) -> tuple[torch.CUDAGraph, Any]:
+    """``fn`` run once on a side stream (as torch's capture wants: its allocations warm), then
+    captured in a CUDA graph: the graph and the captured call's output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    return graph, captured
 
 
 def relative_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
@@ -90,14 +106,7 @@ def test_captured_in_a_cuda_graph(layer, t: int, tmp_path: Path) -> None:
                              weights_dtype=torch.bfloat16, cache=cache)  # fmt: skip
 
     run()  # autotune + compile, outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
+    graph, captured = _captured(run)
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(100 + seed)
         x.copy_(torch.randn(t, H, device="cuda", generator=gen).bfloat16())
@@ -270,14 +279,7 @@ def test_three_launches_replay_from_a_cuda_graph(layer, t: int, fp8: bool, tmp_p
     grouped = run(moe_tiles.GROUPED)
     assert ((out.double() - grouped.double()).abs().max() / truth.abs().max()) <= TOL
     assert torch.equal(out, run())
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
+    graph, captured = _captured(run)
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(4000 + seed)
         x.copy_(torch.randn(t, H, device="cuda", generator=gen).bfloat16())
@@ -320,14 +322,7 @@ def test_early_down_in_chained_layers_replays_from_a_cuda_graph(
         return outs
 
     chain()  # autotune + compile, outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain()
+    graph, captured = _captured(chain)
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(5000 + seed)
         x.copy_(torch.randn(1, H, device="cuda", generator=gen).bfloat16())
