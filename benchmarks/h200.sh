@@ -129,6 +129,14 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/after17/}" ]; then
   export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1,lora-1-shrink-before}
   export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8}
 fi
+# BENCHES=shared19: the nineteenth session's shared LoRA shrink (LinearConfig.shared_shrink, issue 47's
+# single 0.95x): its GPU tests, lora_bench's single case (each projection's fastest shape with the
+# shrink in the K loop and shared), then single's base and one-adapter rows (about 6 minutes)
+if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/shared19/}" ]; then
+  BENCHES=${BENCHES/shared19/lora-shared-tests lora-bench-single lora-single}
+  export TEST_TIMEOUT=${TEST_TIMEOUT:-150} LORA_REPEATS=${LORA_REPEATS:-2}
+  export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1}
+fi
 # BENCHES=after18: what the eighteenth session (2026-12-07, three H100 calls) left to measure on
 # one machine before vLLM's rows: the LoRA GPU tests at the final commit, then nano's base, one-
 # and 8-adapter rows with the layer on, medians of 3 (issue 47's 0.9x and 0.85x; about 9 minutes)
@@ -581,6 +589,11 @@ for _ in range(2):
         tests/plugins/adapters/test_lora_fused_layer.py tests/plugins/kernels/test_fused_linear_lora.py \
         tests/plugins/adapters/test_lora.py 2>&1 \
         | tee "$OUT/gpu-tests-lora-layer.log" | tail -6 ;;
+    lora-shared-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/plugins/kernels/test_fused_linear_lora.py -k "shared or real_shapes" 2>&1 \
+        | tee "$OUT/gpu-tests-lora-shared.log" | tail -6 ;;
+    lora-bench-single) echo "== lora_bench --case single"; timeout 240 python3 benchmarks/lora_bench.py --case single 2>&1 \
+        | tee "$OUT/lora-bench-single.log" | grep -E "^ *(qkv|o|gate_up|down|layer):|fused.layer GEMMs" ;;
     lora-stacked-tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests/plugins/kernels/test_lora_kernels.py \
         tests/plugins/adapters/test_lora.py tests/plugins/adapters/test_lora_launches.py -k "${LORA_TEST_K-pack or stacked or gpu}" 2>&1 | tee "$OUT/gpu-tests-lora-stacked.log" | tail -6 ;;
     # issue 47 (2026-12-06, ninth session): the LoRA shrink's and expand's launch shapes at nano's

@@ -130,9 +130,12 @@ def _time_projection(
         else:
             fused_linear.linear_residual(x, w, residual, **kw)
 
+    ways: dict[str, float] = {}  # with the adapter: the fastest shape sharing its shrink, or not
+
     def best(with_lora: bool) -> tuple[float, fused_linear.LinearConfig]:
         """The fastest of the launch shapes the fused layer times (with the adapter: those
-        whose tiles keep each slice apart) and its time."""
+        whose tiles keep each slice apart) and its time; with the adapter, the fastest shape
+        of each way of the shrink into ``ways``."""
         gate_up = proj == "gate_up"
         shapes = fused_linear.tile_candidates(
             rows, widths[0] if gate_up else n, k, dt, gate_up, fused_linear.num_sms(x.device),
@@ -144,6 +147,10 @@ def _time_projection(
         if not times:  # no tile keeps these slices apart: the layer takes cuBLAS
             return float("nan"), None
         fastest = min(times, key=times.__getitem__)
+        if with_lora:
+            for way, shared in (("in the K loop", 0), ("shared", 1)):
+                own = [us for c, us in times.items() if c.shared_shrink == shared]
+                ways[way] = min(own, default=float("nan"))
         return times[fastest], fastest
 
     (layer_best, layer_cfg), (lora_best, lora_cfg) = best(False), best(True)  # (µs, shape or None)
@@ -156,6 +163,8 @@ def _time_projection(
         "layer+lora summed": summed,
         "layer best": layer_best,
         "layer+lora best": lora_best,
+        "layer+lora best, shrink in the K loop": ways.get("in the K loop", float("nan")),
+        "layer+lora best, shrink shared": ways.get("shared", float("nan")),
         "configs": (layer_cfg, lora_cfg),
         "gemm": _timed(gemm, iters, repeats),
         "old": _timed(old, iters, repeats),
@@ -323,7 +332,7 @@ def _tiles(text: str) -> lora.LoRAConfig:
 
 
 def _shape(config: fused_linear.LinearConfig | None) -> str:
-    """A launch shape as its six numbers, or why there is none."""
+    """A launch shape as its numbers, or why there is none."""
     return str(tuple(config)) if config is not None else "(no shape fits the slices)"
 
 
@@ -332,7 +341,10 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
     rows, adapters, slots, projections = case.rows, case.adapters, case.slots, case.projections
     slot_of_row, meta, ranks, scaling = case.slot_of_row, case.meta, case.ranks, case.scaling
     keys = ["gemm", "old", "new", "serial", "overlap", "layer", "layer+lora"]
-    totals = dict.fromkeys([*keys, "layer best", "layer+lora best", "layer+lora summed"], 0.0)
+    ways = ["layer+lora best, shrink in the K loop", "layer+lora best, shrink shared"]
+    totals = dict.fromkeys(
+        [*keys, "layer best", "layer+lora best", "layer+lora summed", *ways], 0.0
+    )
     print(f"== {name}: T={rows}, {adapters} adapter(s), rank {RANK}, bf16")
     common = (slot_of_row, meta, ranks, scaling, slots, iters, repeats, fused)
     for proj, (k, widths) in projections.items():
@@ -348,7 +360,8 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
             f"fused.layer GEMM {t['layer']:7.2f} us, with the LoRA inside {t['layer+lora']:7.2f} us; "
             f"the fastest shapes: {t['layer best']:7.2f} us {_shape(t['configs'][0])}, with the "
             f"LoRA inside {t['layer+lora best']:7.2f} us {_shape(t['configs'][1])}, as under "
-            f"lora.shrink_before {t['layer+lora summed']:7.2f} us"
+            f"lora.shrink_before {t['layer+lora summed']:7.2f} us; the fastest with the shrink "
+            f"in the K loop {t[ways[0]]:7.2f} us, shared {t[ways[1]]:7.2f} us"
         )
     g = totals["gemm"]
     print(
@@ -369,7 +382,9 @@ def run_case(name: str, iters: int, repeats: int, fused: bool) -> None:
         f"inside {fb_lora:.1f} us ({fb / fb_lora:.3f}x); against cuBLAS + serial LoRA: "
         f"{totals['serial'] / fb_lora:.2f}x; as under lora.shrink_before (each reading the h "
         f"the GEMM before summed, and summing the next one's): {totals['layer+lora summed']:.1f}"
-        f" us ({fb / totals['layer+lora summed']:.3f}x)"
+        f" us ({fb / totals['layer+lora summed']:.3f}x); the fastest with the shrink in the K "
+        f"loop {totals[ways[0]]:.1f} us ({fb / totals[ways[0]]:.3f}x), shared "
+        f"{totals[ways[1]]:.1f} us ({fb / totals[ways[1]]:.3f}x)"
     )
 
 

@@ -25,12 +25,14 @@ from pitstop.plugins.kernels.triton_ops import fused_linear as fl
 MODELS = {"qwen3-0.6b": (1024, 4096, 3072), "llama3-8b": (4096, 6144, 14336)}
 ROWS = (1, 17, 64, 65)  # row tiles of 16, 32 and 64 rows, then the wide tiles (65..256)
 FLOAT_BUFFERS = ("ws_ptr", "sq_ptr", "h_ws_ptr", "lora_scale_ptr", "next_ws_ptr", "h_in_ptr")
-INT_BUFFERS = ("counters_ptr", "lora_slot_ptr", "lora_rank_ptr")
+FLOAT_BUFFERS += ("hs_ptr",)
+INT_BUFFERS = ("counters_ptr", "lora_slot_ptr", "lora_rank_ptr", "hs_counter")
 ALIGNED = ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_as")
 ALIGNED += ("stride_ar", "stride_bn", "lora_sb0", "lora_sb1", "lora_sb2", "next_as", "next_ar")
 # lora.shrink_before: the next projection's slices whose shrink each op's epilogue sums (the
 # down GEMM: the next layer's q|k|v; gate-up: down), the largest epilogue each op can have
 NEXT_SLICES = {"qkv": 0, "gate_up": 1, "down": 3}
+SLICES = {"qkv": 3, "gate_up": 2, "down": 1}  # the slices a shared shrink's producer computes
 
 
 def shared_bytes(config: fl.LinearConfig, op: str) -> int:
@@ -47,6 +49,12 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
         "R": 16,
         "NEXT": NEXT_SLICES[op],
         "H_IN": False,
+        "IN_LOOP": not config.shared_shrink,
+        "SHARED": bool(config.shared_shrink),
+        "SLICES": SLICES[op],
+        "CHUNKS": 32,
+        "CHUNK_STEPS": 1,
+        "CONSUMER": fl.SHARED_CONSUMER,
         "SPLIT_K": config.split_k,
         "EVEN_K": True,
         "BLOCK_M": config.block_m,
@@ -80,9 +88,9 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
 
 
 def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
-    """Every distinct (op, launch shape) wider or taller than 64, or deeper than 4 stages, that
-    the fused layer times with an adapter for :data:`MODELS` at :data:`ROWS`, one per K split
-    (it needs no shared memory)."""
+    """Every distinct (op, launch shape) wider or taller than 64, or deeper than 4 stages, or
+    with the shrink shared, that the fused layer times with an adapter for :data:`MODELS` at
+    :data:`ROWS`, one per K split (it needs no shared memory)."""
     seen: dict[tuple, tuple[str, fl.LinearConfig]] = {}
     for hidden, qkv, inter in MODELS.values():
         ops = {"qkv": (qkv, hidden, False), "gate_up": (inter, hidden, True)}
@@ -90,8 +98,8 @@ def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
         for m in ROWS:
             for op, (n, k, gate_up) in ops.items():
                 for c in fl.tile_candidates(m, n, k, torch.bfloat16, gate_up, 132, lora_rank=16):
-                    if c.block_n > 64 or c.block_m > 64 or c.num_stages > 4:  # down's epilogue
-                        # sums q|k|v's shrink
+                    wide = c.block_n > 64 or c.block_m > 64 or c.num_stages > 4
+                    if wide or c.shared_shrink:  # down's epilogue sums q|k|v's shrink
                         key = (op, c._replace(split_k=1))
                         seen.setdefault(key, (op, c))
     return list(seen.values())

@@ -106,6 +106,9 @@ class LinearConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    # 1: a LoRA's shrink shared by the programs, not ridden in each one's K loop (module
+    # docstring, "One shrink for every program"); only where a tile holds one adapter
+    shared_shrink: int = 0
 
 
 # (largest M of the bucket) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for bf16/fp16 on a
@@ -153,13 +156,23 @@ DEEP_STAGES = 6
 # the split-K workspace (float32) and counters of a device: fixed, so nothing grows mid-capture
 WORKSPACE_FLOATS = {"cuda": 1 << 22, "cpu": 1 << 16}
 NUM_COUNTERS = {"cuda": 1 << 13, "cpu": 1 << 10}
+# the shared shrink (LinearConfig.shared_shrink): at most this many programs each compute one
+# chunk of K's shrink; their float32 partials' room (chunks x slices x rank x BLOCK_M)
+SHARED_MAX_CHUNKS = 64
+SHARED_FLOATS = {"cuda": 1 << 20, "cpu": 1 << 14}
+# a consumer's increment of the shared shrink's counter: producers count in the low 16 bits
+SHARED_CONSUMER = 1 << 16
 
 
 class SplitWorkspace(NamedTuple):
-    """A device's split-K partials (float32) and per-tile arrival counters (int32, zero between launches)."""
+    """A device's split-K partials (float32) and per-tile arrival counters (int32, zero
+    between launches); the shared shrink's chunk partials (float32) and its one counter
+    (int32, zero between launches)."""
 
     partials: torch.Tensor
     counters: torch.Tensor
+    shrink_partials: torch.Tensor
+    shrink_counter: torch.Tensor
 
 
 _workspaces: dict[torch.device, SplitWorkspace] = {}
@@ -182,6 +195,8 @@ def workspace(device: torch.device) -> SplitWorkspace:
         ws = SplitWorkspace(
             torch.zeros(WORKSPACE_FLOATS[kind], dtype=torch.float32, device=device),
             torch.zeros(NUM_COUNTERS[kind], dtype=torch.int32, device=device),
+            torch.zeros(SHARED_FLOATS[kind], dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
         )
         _workspaces[device] = ws
     return ws
@@ -189,7 +204,9 @@ def workspace(device: torch.device) -> SplitWorkspace:
 
 def reset_counters(device: torch.device) -> None:
     """Zero the arrival counters (after a device fault left a launch unfinished; not in a capture)."""
-    workspace(device).counters.zero_()
+    ws = workspace(device)
+    ws.counters.zero_()
+    ws.shrink_counter.zero_()
 
 
 def _grid_tiles(m: int, n: int, block_m: int, block_n: int) -> int:
@@ -267,7 +284,9 @@ def tile_candidates(
     load A's rank rows beside two and four times the weight rows (``R / BLOCK_N`` of the
     weight's bytes: a half and a quarter of the 64-column tile's), each with the table's K
     split and the balanced one; every shape's K split is cut where its partials and the
-    LoRA's ``h`` would not fit the workspace (:func:`fit_lora_split`)."""
+    LoRA's ``h`` would not fit the workspace (:func:`fit_lora_split`); up to
+    :data:`UNSPLIT_ROWS` rows each of those in one row tile also with the shrink shared
+    (``shared_shrink``)."""
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if m <= 64:  # the table's tile with its work spread evenly over the SMs
         configs.append(balanced_split(configs[0], m, n, k, gate_up, num_sms))
@@ -297,6 +316,8 @@ def tile_candidates(
     if lora_rank:
         pad = lora_rank_pad(lora_rank)
         configs = [fit_lora_split(c, m, n, k, gate_up, pad, "cuda") for c in configs]
+        if m <= UNSPLIT_ROWS:  # each shape with the shrink shared too, where one row tile
+            configs += [c._replace(shared_shrink=1) for c in configs if m <= c.block_m]
     return list(dict.fromkeys(configs))  # in order, without repeats
 
 
@@ -546,6 +567,107 @@ def _h_from_producer(h_in_ptr, h_in_stride, m, M, sl, r, R: tl.constexpr):
     return tl.load(rows, mask=(m < M)[None, :], other=0.0)
 
 
+@triton.jit
+def _shrink_chunk(
+    x_cols, a_ptr, s, rank, r, kk, j, K, stride_as, stride_ar,
+    STEPS: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Chunk ``j`` of the shared shrink of slot ``s`` (``A_s[:, k] @ x[:, k]`` over K steps ``j
+    * STEPS ..``, ``[R, BLOCK_M]`` float32): its producer and a consumer that finds it missing
+    run this same code, so both get the same bits."""
+    h = tl.zeros([R, BLOCK_M], tl.float32)
+    for t in tl.static_range(STEPS):
+        k = (j * STEPS + t) * BLOCK_K + kk
+        xt = tl.load(x_cols + k[:, None], mask=(k < K)[:, None], other=0.0)
+        h = _lora_shrink_step(a_ptr, s, rank, r, k, K, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+    return h
+
+
+@triton.jit
+def _produce_shared_shrink(
+    x_cols, a0, a1, a2, s, rank, r, kk, j, m, M, K, stride_as, stride_ar, hs_ptr, counter,
+    events, SLICES: tl.constexpr, STEPS: tl.constexpr, R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program ``j``'s chunk of every slice's shrink into its own partials, then one release on
+    the counter (the producers' count in its low bits); the launch's last event zeroes it."""
+    cols = tl.arange(0, BLOCK_M)
+    for q in tl.static_range(SLICES):
+        hq = _shrink_chunk(
+            x_cols, _pick(a0, a1, a2, q), s, rank, r, kk, j, K, stride_as, stride_ar, STEPS, R,
+            BLOCK_M, BLOCK_K, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+        rows = hs_ptr + ((j * SLICES + q) * R + r)[:, None] * BLOCK_M + cols[None, :]
+        tl.store(rows, hq, mask=(m < M)[None, :])
+    tl.debug_barrier()  # every thread's partial stores before the one thread's release
+    before = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if before + 1 == events:
+        tl.store(counter, 0)
+
+
+@triton.jit
+def _shared_ready(counter, events, CHUNKS: tl.constexpr, CONSUMER: tl.constexpr):
+    """A consumer's arrival on the shared shrink's counter: whether every producer's chunk was
+    released before it (then acquired); the launch's last event zeroes the counter."""
+    before = tl.atomic_add(counter, CONSUMER, sem="acq_rel", scope="gpu")
+    if before + CONSUMER == events:
+        tl.store(counter, 0)
+    tl.debug_barrier()  # the acquire (one thread) before every thread's loads
+    return before % CONSUMER == CHUNKS
+
+
+@triton.jit
+def _shared_h(
+    ready, x_cols, a_ptr, s, rank, r, kk, sl, m, M, K, stride_as, stride_ar, hs_ptr,
+    SLICES: tl.constexpr, CHUNKS: tl.constexpr, STEPS: tl.constexpr, R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Slice ``sl``'s whole shrink, ``[R, BLOCK_M]`` float32: the producers' chunks summed in
+    chunk order where all were ``ready``, else every chunk computed here (the same code, the
+    same order: the same bits either way; nothing waits for another program)."""
+    h = tl.zeros([R, BLOCK_M], tl.float32)
+    if ready:
+        cols = tl.arange(0, BLOCK_M)
+        for j in range(CHUNKS):
+            rows = hs_ptr + ((j * SLICES + sl) * R + r)[:, None] * BLOCK_M + cols[None, :]
+            h += tl.load(rows, mask=(m < M)[None, :], other=0.0, cache_modifier=".cg")
+    else:
+        for j in range(CHUNKS):
+            h += _shrink_chunk(
+                x_cols, a_ptr, s, rank, r, kk, j, K, stride_as, stride_ar, STEPS, R, BLOCK_M,
+                BLOCK_K, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+    return h
+
+
+@triton.jit
+def _consume_shared_shrink(
+    x_cols, a_g, a_up, s0, rank0, r, kk, sl, m, M, K, stride_as, stride_ar, hs_ptr, counter,
+    events, slot_m, GATE_UP: tl.constexpr, SLICES: tl.constexpr, CHUNKS: tl.constexpr,
+    STEPS: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, CONSUMER: tl.constexpr,
+):  # fmt: skip
+    """The tile's ``h`` (and gate-up's ``h_u``) from the shared shrink, on the rows of its lead
+    slot ``s0``: one arrival on the counter, then :func:`_shared_h` for each slice it needs."""
+    ready = _shared_ready(counter, events, CHUNKS, CONSUMER)
+    h = _shared_h(
+        ready, x_cols, a_g, s0, rank0, r, kk, sl, m, M, K, stride_as, stride_ar, hs_ptr, SLICES,
+        CHUNKS, STEPS, R, BLOCK_M, BLOCK_K, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    h = tl.where((slot_m == s0)[None, :], h, 0.0)
+    h_u = h
+    if GATE_UP:
+        h_u = _shared_h(
+            ready, x_cols, a_up, s0, rank0, r, kk, 1, m, M, K, stride_as, stride_ar, hs_ptr,
+            SLICES, CHUNKS, STEPS, R, BLOCK_M, BLOCK_K, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+        h_u = tl.where((slot_m == s0)[None, :], h_u, 0.0)
+    return h, h_u
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fused_linear_kernel(
     x_ptr,
@@ -594,6 +716,9 @@ def _fused_linear_kernel(
     next_ws_stride,
     h_in_ptr,
     h_in_stride,
+    hs_ptr,
+    hs_counter,
+    hs_events,
     NORM: tl.constexpr,
     GATE_UP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -602,6 +727,12 @@ def _fused_linear_kernel(
     R: tl.constexpr,
     NEXT: tl.constexpr,
     H_IN: tl.constexpr,
+    IN_LOOP: tl.constexpr,
+    SHARED: tl.constexpr,
+    SLICES: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    CHUNK_STEPS: tl.constexpr,
+    CONSUMER: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -668,16 +799,24 @@ def _fused_linear_kernel(
             b_g = _pick(lora_b0, lora_b1, lora_b2, sl)
             sb_g = tl.where(sl == 0, lora_sb0, tl.where(sl == 1, lora_sb1, lora_sb2))
             col = n - tl.where(sl == 0, 0, tl.where(sl == 1, lora_end0, lora_end1))
-        if not H_IN:
+        if IN_LOOP:
             at0 = _lora_a_tile(a_g, s0, rank0, r, k, k_end, stride_as, stride_ar)
         bt0 = _lora_b_tile(b_g, sb_g, stride_bn, s0, rank0, col, n < N, r)
         scale_m = _lora_row_scale(lora_scale_ptr, slot_m, sl, lora_ss, lora_si)
         if GATE_UP:
-            if not H_IN:
+            if IN_LOOP:
                 at0_u = _lora_a_tile(lora_a1, s0, rank0, r, k, k_end, stride_as, stride_ar)
             bt0_u = _lora_b_tile(lora_b1, lora_sb1, stride_bn, s0, rank0, n, n < N, r)
             scale_m_u = _lora_row_scale(lora_scale_ptr, slot_m, 1, lora_ss, lora_si)
     _pdl.wait(PDL)
+    if SHARED:  # the first CHUNKS programs each compute one chunk of the shrink, first of all
+        producer = tile + split * tl.num_programs(0)
+        if producer < CHUNKS:
+            _produce_shared_shrink(
+                x_cols, lora_a0, lora_a1, lora_a2, s0, rank0, r, kk, producer, m, M, K,
+                stride_as, stride_ar, hs_ptr, hs_counter, hs_events, SLICES, CHUNK_STEPS, R,
+                BLOCK_M, BLOCK_K, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
     xt = _load_k(x_cols + k[:, None], k, k_end, EVEN_K, 0)  # [BLOCK_K, BLOCK_M]
     zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc = _dot(w, xt, zero, UPCAST, DOT_PRECISION)
@@ -691,11 +830,10 @@ def _fused_linear_kernel(
     # LoRA (module docstring): the shrink of the tile's lead slot s0 rides in the K loop
     h = tl.zeros([R, BLOCK_M], tl.float32)
     h_u = h
-    if LORA:
-        if not H_IN:
-            h = _dot(at0, xt.to(at0.dtype), h, UPCAST, DOT_PRECISION)
-            if GATE_UP:
-                h_u = _dot(at0_u, xt.to(at0_u.dtype), h_u, UPCAST, DOT_PRECISION)
+    if IN_LOOP:
+        h = _dot(at0, xt.to(at0.dtype), h, UPCAST, DOT_PRECISION)
+        if GATE_UP:
+            h_u = _dot(at0_u, xt.to(at0_u.dtype), h_u, UPCAST, DOT_PRECISION)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         k = k0 + kk
         w = _load_k(w_rows + k[None, :], k, k_end, EVEN_K, 1)
@@ -707,11 +845,10 @@ def _fused_linear_kernel(
         if NORM:
             xf = xt.to(tl.float32)
             sq += tl.sum(xf * xf, axis=0)
-        if LORA:
-            if not H_IN:
-                h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
-                if GATE_UP:
-                    h_u = _lora_shrink_step(lora_a1, s0, rank0, r, k, k_end, xt, h_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+        if IN_LOOP:
+            h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
+            if GATE_UP:
+                h_u = _lora_shrink_step(lora_a1, s0, rank0, r, k, k_end, xt, h_u, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
     others = 0
     if LORA:
         if H_IN:  # the projection before summed this shrink (_shrink_for_next): after the wait
@@ -739,6 +876,12 @@ def _fused_linear_kernel(
     _pdl.launch_dependents(PDL)
 
     if SPLIT_K == 1:
+        if SHARED:
+            h, h_u = _consume_shared_shrink(
+                x_cols, a_g, lora_a1, s0, rank0, r, kk, sl, m, M, K, stride_as, stride_ar,
+                hs_ptr, hs_counter, hs_events, slot_m, GATE_UP, SLICES, CHUNKS, CHUNK_STEPS, R,
+                BLOCK_M, BLOCK_K, UPCAST, DOT_PRECISION, CONSUMER,
+            )  # fmt: skip
         if LORA:
             acc += _lora_delta(b_g, sb_g, stride_bn, bt0, scale_m, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
             if GATE_UP:
@@ -766,11 +909,10 @@ def _fused_linear_kernel(
             tl.store(ws_ptr + slot * (ACCS * TILE) + TILE + offs, acc_u)
         if NORM:
             tl.store(sq_ptr + slot * BLOCK_M + rows, sq)
-        if LORA:
-            if not H_IN:  # with H_IN every split holds the whole h already
-                tl.store(h_ws_ptr + slot * (ACCS * HTILE) + h_offs, h)
-                if GATE_UP:
-                    tl.store(h_ws_ptr + slot * (ACCS * HTILE) + HTILE + h_offs, h_u)
+        if IN_LOOP:  # with H_IN every split holds the whole h already, SHARED none
+            tl.store(h_ws_ptr + slot * (ACCS * HTILE) + h_offs, h)
+            if GATE_UP:
+                tl.store(h_ws_ptr + slot * (ACCS * HTILE) + HTILE + h_offs, h_u)
         # every thread's partial stores before the one thread's release (module docstring)
         tl.debug_barrier()
         counter = counters_ptr + tile
@@ -791,18 +933,21 @@ def _fused_linear_kernel(
                     sq += tl.load(
                         sq_ptr + (tile * SPLIT_K + s) * BLOCK_M + rows, cache_modifier=".cg"
                     )
-                if LORA:
-                    if not H_IN:
-                        h_base = (tile * SPLIT_K + s) * (ACCS * HTILE)
-                        h_sum += tl.load(h_ws_ptr + h_base + h_offs, cache_modifier=".cg")
-                        if GATE_UP:
-                            h_u_sum += tl.load(
-                                h_ws_ptr + h_base + HTILE + h_offs, cache_modifier=".cg"
-                            )
+                if IN_LOOP:
+                    h_base = (tile * SPLIT_K + s) * (ACCS * HTILE)
+                    h_sum += tl.load(h_ws_ptr + h_base + h_offs, cache_modifier=".cg")
+                    if GATE_UP:
+                        h_u_sum += tl.load(h_ws_ptr + h_base + HTILE + h_offs, cache_modifier=".cg")
+            if IN_LOOP:
+                h = h_sum
+                h_u = h_u_sum
+            if SHARED:
+                h, h_u = _consume_shared_shrink(
+                    x_cols, a_g, lora_a1, s0, rank0, r, kk, sl, m, M, K, stride_as, stride_ar,
+                    hs_ptr, hs_counter, hs_events, slot_m, GATE_UP, SLICES, CHUNKS, CHUNK_STEPS, R,
+                    BLOCK_M, BLOCK_K, UPCAST, DOT_PRECISION, CONSUMER,
+                )  # fmt: skip
             if LORA:
-                if not H_IN:
-                    h = h_sum
-                    h_u = h_u_sum
                 acc += _lora_delta(b_g, sb_g, stride_bn, bt0, scale_m, col, n < N, h, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
                 if GATE_UP:
                     acc_u += _lora_delta(lora_b1, lora_sb1, stride_bn, bt0_u, scale_m_u, n, n < N, h_u, slot_m, s0, others, lora_slots, lora_rank_ptr, r)  # fmt: skip
@@ -915,6 +1060,48 @@ def _next_args(
     return [*a, *pad, a[0].stride(0), a[0].stride(1), ws, ws.stride(0)], len(a)
 
 
+class SharedShrink(NamedTuple):
+    """A launch's shared shrink: on, the slices each producer computes, the producers
+    (chunks of K) and the K steps of each."""
+
+    on: bool
+    slices: int
+    chunks: int
+    steps: int
+
+
+NO_SHARED_SHRINK = SharedShrink(False, 1, 1, 1)
+
+
+def _shared_shrink(
+    config: LinearConfig,
+    lora: ProjectionLoRA | None,
+    m: int,
+    k: int,
+    gate_up: bool,
+    rank_pad: int,
+    grid: tuple[int, int],
+    h_in: bool,
+    ws: SplitWorkspace,
+) -> SharedShrink:
+    """How a launch with ``config`` shares its LoRA's shrink (module docstring, "One shrink
+    for every program"): only where the config asks, with a LoRA whose shrink is not read
+    from ``h_in``, and where every tile holds at most one adapter (one row tile, and one row
+    or one slot); the K steps cut into at most :data:`SHARED_MAX_CHUNKS` chunks, no more
+    than the launch's programs, each one program's; off where their partials would not fit."""
+    if not config.shared_shrink or lora is None or h_in or m > config.block_m:
+        return NO_SHARED_SHRINK
+    if m > 1 and lora.A[0].shape[0] > 1:  # a tile of several adapters: the K loop's way
+        return NO_SHARED_SHRINK
+    steps_total = cdiv(k, config.block_k)
+    steps = cdiv(steps_total, min(SHARED_MAX_CHUNKS, grid[0] * grid[1]))
+    chunks = cdiv(steps_total, steps)
+    slices = 2 if gate_up else len(lora.A)
+    if chunks * slices * rank_pad * config.block_m > ws.shrink_partials.numel():
+        return NO_SHARED_SHRINK
+    return SharedShrink(True, slices, chunks, steps)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -963,9 +1150,10 @@ def _launch(
     if lora is not None and config.split_k > 1:  # the h partials beside: the split that fits
         kind = "cuda" if on_gpu else "cpu"
         config = fit_lora_split(config, m, n_out, k, gate_up, rank_pad, kind)
-    bm, bn, bk, split, warps, stages = config
+    bm, bn, bk, split, warps, stages = config[:6]
     grid = (cdiv(n_out, bn) * cdiv(m, bm), split)
     ws = workspace(x.device)
+    shared = _shared_shrink(config, lora, m, k, gate_up, rank_pad, grid, h_in, ws)
     if split > 1:
         tiles = grid[0]
         accs = 2 if gate_up else 1
@@ -1001,6 +1189,9 @@ def _launch(
         *lora_args,
         *next_args,
         *h_in_args,
+        ws.shrink_partials,
+        ws.shrink_counter,
+        shared.chunks + grid[0] * SHARED_CONSUMER,  # the launch's events on the counter
         NORM=eps is not None,
         GATE_UP=gate_up,
         HAS_BIAS=bias is not None,
@@ -1009,6 +1200,12 @@ def _launch(
         R=rank_pad,
         NEXT=next_slices,
         H_IN=h_in,
+        IN_LOOP=lora is not None and not h_in and not shared.on,
+        SHARED=shared.on,
+        SLICES=shared.slices,
+        CHUNKS=shared.chunks,
+        CHUNK_STEPS=shared.steps,
+        CONSUMER=SHARED_CONSUMER,
         SPLIT_K=split,
         EVEN_K=k % (split * bk) == 0,
         BLOCK_M=bm,

@@ -277,7 +277,11 @@ def test_tile_candidates_add_wider_tiles_for_a_lora_inside() -> None:
     a half and a quarter as much beside the weight's. Each comes with the table's K split
     and the balanced one (fewer column tiles: the table's rule can leave SMs idle)."""
     plain = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132)
-    with_lora = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132, lora_rank=16)
+    every = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132, lora_rank=16)
+    with_lora = [c for c in every if not c.shared_shrink]
+    assert every[len(with_lora) :] == [c._replace(shared_shrink=1) for c in with_lora], (
+        "up to 16 rows each shape again with the shrink shared"
+    )
     assert with_lora[: len(plain)] == plain and len(with_lora) == len(plain) + 4
     extra = with_lora[len(plain) :]
     assert [c.block_n for c in extra] == [128, 128, 256, 256]
@@ -285,6 +289,7 @@ def test_tile_candidates_add_wider_tiles_for_a_lora_inside() -> None:
     assert extra[1] == fl.balanced_split(extra[0], 1, 6144, 4096, False, 132)
     assert all(c.block_m == plain[0].block_m for c in with_lora)
     gate_up = fl.tile_candidates(16, 14336, 4096, torch.bfloat16, True, 132, lora_rank=16)
+    gate_up = [c for c in gate_up if not c.shared_shrink]
     wide = [c for c in gate_up if c.block_n == 128]
     assert all(c.num_stages == 2 for c in wide) and [c.split_k for c in wide] == [1, 8]
     assert gate_up[-1].block_n == 256 and gate_up[-1].block_k == 64, "two 256-row tiles a stage"
@@ -292,6 +297,7 @@ def test_tile_candidates_add_wider_tiles_for_a_lora_inside() -> None:
     assert gate_up_64[-1].block_n == 128 and gate_up_64[-1].block_k == 64, "K step 128: 232 KiB"
     at_64 = fl.tile_candidates(64, 4096, 1024, torch.bfloat16, False, 132, lora_rank=16)
     assert max(c.block_n for c in at_64) == 128, "no 256-column accumulators of 64 rows"
+    assert not any(c.shared_shrink for c in at_64), "shared only up to 16 rows"
     assert fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132, lora_rank=16) == (
         fl.tile_candidates(128, 4096, 1024, torch.bfloat16, False, 132)
     )

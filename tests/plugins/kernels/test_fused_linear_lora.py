@@ -552,3 +552,137 @@ def test_a_split_whose_partials_and_h_overflow_the_workspace_is_cut() -> None:
                     assert c.split_k == 1 or fits, f"over the workspace: {c}"  # 1: none used
                     per = math.ceil(math.ceil(k_ / c.split_k) / c.block_k) * c.block_k
                     assert math.ceil(k_ / per) == c.split_k, f"an empty split: {c}"
+
+
+shared_mixes = st.sampled_from(["one", "none-and-one", "one-row-of-three-slots"])
+
+
+def shared_case(mix: str, m: int, seed: int) -> tuple[int, list[int], int]:
+    """(rows, their slots, slots allocated) of a launch that may share its shrink: one row
+    tile whose rows hold at most one adapter."""
+    if mix == "one-row-of-three-slots":  # one row, several slots: the row's own
+        return 1, [seed % SLOTS], SLOTS
+    # one slot allocated: every row in it, or rows in it and rows without an adapter
+    return m, [0 if s >= 0 else -1 for s in draw_slots(mix, m, seed)], 1
+
+
+@FEW
+@given(
+    m=st.integers(1, 16),
+    k=st.sampled_from([24, 64, 130, 320]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    split=st.sampled_from([1, 2, 3]),
+    mix=shared_mixes,
+    seed=st.integers(0, 2**16),
+    op=st.sampled_from(["qkv", "gate_up", "residual"]),
+)
+def test_a_shared_shrink_matches_float64(m, k, dtype, split, mix, seed, op) -> None:
+    """``shared_shrink``: the first programs each compute one chunk of K's shrink, the others
+    sum the chunks (or compute a missing one themselves, as the interpreter's first program
+    must, running before the rest): every op against float64, the counter back at zero."""
+    m, slots, n_slots = shared_case(mix, m, seed)
+    cfg = fl.LinearConfig(16, TILE_N, 32, split, 1, 1, shared_shrink=1)
+    eps = 1e-6
+    if op == "qkv":
+        widths = [2 * TILE_N, TILE_N, TILE_N]
+        x, w, _ = inputs(m, sum(widths), k, dtype, seed)
+        lora = make_lora(k, widths, slots, dtype, seed, n_slots=n_slots)
+        with poisoned_outputs():
+            out = fl.norm_linear(x, w, eps, config=cfg, lora=lora)
+        want = rstd(x, eps) * (x.double() @ w.double().T + torch.cat(deltas(x, lora), dim=1))
+    elif op == "gate_up":
+        f = 24
+        x, w, _ = inputs(m, 2 * f, k, dtype, seed)
+        lora = make_lora(k, [f, f], slots, dtype, seed, n_slots=n_slots)
+        with poisoned_outputs():
+            out = fl.norm_gate_up(x, w, eps, config=cfg, lora=lora)
+        dg, du = deltas(x, lora)
+        g = rstd(x, eps) * (x.double() @ w[:f].double().T + dg)
+        u = rstd(x, eps) * (x.double() @ w[f:].double().T + du)
+        want = g / (1.0 + torch.exp(-g)) * u
+    else:
+        n = 40
+        x, w, _ = inputs(m, n, k, dtype, seed)
+        residual = torch.randn(m, n, generator=torch.Generator().manual_seed(seed)).to(
+            DEVICE, dtype
+        )
+        lora = make_lora(k, [n], slots, dtype, seed, n_slots=n_slots)
+        with poisoned_outputs():
+            out = fl.linear_residual(x, w, residual, config=cfg, lora=lora)
+        want = residual.double() + x.double() @ w.double().T + deltas(x, lora)[0]
+    assert_close(out, want, dtype, f"{op} shared {mix}")
+    ws = fl.workspace(DEVICE)
+    assert int(ws.shrink_counter.item()) == 0, "the shared shrink's counter back at zero"
+    assert bool((ws.counters == 0).all()), "split-K counters back at zero"
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_a_shared_shrink_has_the_same_bits_computed_or_read(split: int) -> None:
+    """Every consumer computing every chunk itself (the counter preset so that no producer
+    looks done) gives the very bits of a launch where consumers read the producers'
+    chunks: a consumer that finds a chunk missing runs the producer's own code."""
+    m, k, f = 1, 320, 48
+    x, w, _ = inputs(m, 2 * f, k, torch.bfloat16, 5)
+    lora = make_lora(k, [f, f], [1], torch.bfloat16, 5)
+    cfg = fl.LinearConfig(16, TILE_N, 32, split, 1, 1, shared_shrink=1)
+    ws = fl.workspace(DEVICE)
+    read = fl.norm_gate_up(x, w, 1e-6, config=cfg, lora=lora)
+    assert int(ws.shrink_counter.item()) == 0
+    ws.shrink_counter.fill_(1 << 15)  # no launch's producer count: nobody is ready
+    try:
+        computed = fl.norm_gate_up(x, w, 1e-6, config=cfg, lora=lora)
+    finally:
+        ws.shrink_counter.zero_()
+    assert torch.equal(read, computed)
+    plain = fl.norm_gate_up(x, w, 1e-6, config=cfg._replace(shared_shrink=0), lora=lora)
+    assert_close(plain.double(), read.double(), torch.bfloat16, "in-loop against shared")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+@pytest.mark.parametrize("op", ["qkv", "gate_up", "down"])
+def test_on_the_gpu_a_shared_shrink_reads_the_bits_it_would_compute(op: str) -> None:
+    """llama3-8b's projections at one row of an adapter in slot 2 of 4, every shape with the
+    shrink shared that the fused layer times (split K and not): against float64, and
+    bit for bit the launch where every consumer computes every chunk itself (the counter
+    preset so that no producer looks done), ten calls in a row each."""
+    hidden, inter, sms = 4096, 14336, fl.num_sms(DEVICE)
+    widths = {"qkv": [4096, 1024, 1024], "gate_up": [inter, inter], "down": [hidden]}[op]
+    k = inter if op == "down" else hidden
+    n = widths[0] if op == "gate_up" else sum(widths)
+    x, w, _ = inputs(1, 2 * n if op == "gate_up" else n, k, torch.bfloat16, 7)
+    lora = make_lora(k, widths, [2], torch.bfloat16, 7, n_slots=4, rank_max=16)
+    residual = torch.randn(1, n, generator=torch.Generator().manual_seed(7)).to(DEVICE, x.dtype)
+    eps = 1e-6
+
+    def run(cfg: fl.LinearConfig) -> torch.Tensor:
+        if op == "qkv":
+            return fl.norm_linear(x, w, eps, config=cfg, lora=lora)
+        if op == "gate_up":
+            return fl.norm_gate_up(x, w, eps, config=cfg, lora=lora)
+        return fl.linear_residual(x, w, residual, config=cfg, lora=lora)
+
+    d = deltas(x, lora)
+    if op == "gate_up":
+        g = rstd(x, eps) * (x.double() @ w[:n].double().T + d[0])
+        u = rstd(x, eps) * (x.double() @ w[n:].double().T + d[1])
+        want = g / (1.0 + torch.exp(-g)) * u
+    elif op == "qkv":
+        want = rstd(x, eps) * (x.double() @ w.double().T + torch.cat(d, dim=1))
+    else:
+        want = residual.double() + x.double() @ w.double().T + d[0]
+    shapes = fl.tile_candidates(1, n, k, torch.bfloat16, op == "gate_up", sms, lora_rank=16)
+    shared = [c for c in shapes if c.shared_shrink]
+    assert shared, shapes
+    ws = fl.workspace(DEVICE)
+    for cfg in shared:
+        read = [run(cfg) for _ in range(10)]
+        assert int(ws.shrink_counter.item()) == 0, cfg
+        ws.shrink_counter.fill_(1 << 15)
+        try:
+            computed = run(cfg)
+        finally:
+            ws.shrink_counter.zero_()
+        assert_close(read[0], want, torch.bfloat16, f"{op} {cfg}")
+        for out in read:
+            assert torch.equal(out, computed), f"{op} {cfg}: read and computed bits differ"
