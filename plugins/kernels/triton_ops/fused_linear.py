@@ -72,6 +72,25 @@ split-K each split's ``h`` goes to the workspace beside its partials and the las
 program sums them in split order. A projection's slices (q|k|v; gate|up) must fall on
 tile borders (:func:`lora_fits`); each column tile takes its slice's A and B.
 
+One shrink for every program (``LinearConfig.shared_shrink``): at few rows every column
+program re-reads the whole of A for the same ``h`` (llama3-8b's gate-up at one row: 448
+programs, each 256 KB of A beside 1 MB of weight, from L2), which cost 3.5, 2.0, 12.8 and
+2.3 µs on q|k|v, o, gate-up and down against their GEMMs alone (an H100, 2026-12-07). With
+the shrink shared, K's steps are cut into ``CHUNKS`` chunks (at most
+:data:`SHARED_MAX_CHUNKS`, no more than the programs) and program ``j`` (in launch order,
+so among the first to run) computes chunk ``j`` of every slice's shrink right after the PDL
+wait, stores it to its own float32 partials and releases it with one ``acq_rel`` add on one
+counter of the device. A consumer (every program; with split K the last split of each tile)
+arrives on the same counter with one ``acq_rel`` add of :data:`SHARED_CONSUMER` (producers
+count in the low bits): if every producer had released, it sums the chunks in chunk order;
+if not, it computes every chunk itself with the producer's own code and sums them in the same
+order, so the bits are the same either way and nothing waits on another program (no spin:
+residency does not matter). The launch's last event, producer or consumer, zeroes the
+counter, as the split-K counters are zeroed (no memset, CUDA-graph safe, one stream). Only
+where every tile holds at most one adapter (one row tile, and one row or one slot: the
+fused layer gives Triton nothing else) and the shrink is not read from ``h_in``. Off by
+default; the fused layer times it beside the K loop's way up to 16 rows.
+
 PDL (:mod:`.pdl`): a program loads its first weight tile(s) (they do not depend on
 the previous kernel) and, with LoRA, its rows' slots, its lead slot's rank, first A
 tile(s), B tile(s) and scaling (the runner writes ``slot_of_row`` with plain stream
@@ -157,8 +176,9 @@ DEEP_STAGES = 6
 WORKSPACE_FLOATS = {"cuda": 1 << 22, "cpu": 1 << 16}
 NUM_COUNTERS = {"cuda": 1 << 13, "cpu": 1 << 10}
 # the shared shrink (LinearConfig.shared_shrink): at most this many programs each compute one
-# chunk of K's shrink; their float32 partials' room (chunks x slices x rank x BLOCK_M)
-SHARED_MAX_CHUNKS = 64
+# chunk of K's shrink (a consumer loads every chunk, unrolled: more chunks, more loads, less
+# work a producer); their float32 partials' room (chunks x slices x rank x BLOCK_M)
+SHARED_MAX_CHUNKS = 16
 SHARED_FLOATS = {"cuda": 1 << 20, "cpu": 1 << 14}
 # a consumer's increment of the shared shrink's counter: producers count in the low 16 bits
 SHARED_CONSUMER = 1 << 16
@@ -629,9 +649,9 @@ def _shared_h(
     chunk order where all were ``ready``, else every chunk computed here (the same code, the
     same order: the same bits either way; nothing waits for another program)."""
     h = tl.zeros([R, BLOCK_M], tl.float32)
-    if ready:
+    if ready:  # unrolled: every chunk's load issued before the sums wait for any
         cols = tl.arange(0, BLOCK_M)
-        for j in range(CHUNKS):
+        for j in tl.static_range(CHUNKS):
             rows = hs_ptr + ((j * SLICES + sl) * R + r)[:, None] * BLOCK_M + cols[None, :]
             h += tl.load(rows, mask=(m < M)[None, :], other=0.0, cache_modifier=".cg")
     else:
