@@ -130,10 +130,11 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/after17/}" ]; then
   export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8}
 fi
 # BENCHES=shared19: the nineteenth session's shared LoRA shrink (LinearConfig.shared_shrink, issue 47's
-# single 0.95x): its GPU tests, lora_bench's single case (each projection's fastest shape with the
-# shrink in the K loop and shared), then single's base and one-adapter rows (about 6 minutes)
+# single 0.95x): single's base and one-adapter rows (the layer times the shared shapes beside the
+# others), lora_bench's single case (each projection's fastest shape with the shrink in the K loop
+# and shared), then the LoRA GPU tests (the kernels' and the engine's against PEFT; about 9 minutes)
 if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/shared19/}" ]; then
-  BENCHES=${BENCHES/shared19/lora-shared-tests lora-bench-single lora-single}
+  BENCHES=${BENCHES/shared19/lora-single lora-bench-single lora-layer-tests}
   export TEST_TIMEOUT=${TEST_TIMEOUT:-150} LORA_REPEATS=${LORA_REPEATS:-2}
   export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1}
 fi
