@@ -130,7 +130,8 @@ class Case:
 
 
 def candidates(case: Case) -> list[fl.LinearConfig]:
-    """A few configs around the rule's: split halved/doubled/off, BLOCK_N and BLOCK_K changed."""
+    """A few configs around the rule's: split halved/doubled/off, BLOCK_N and BLOCK_K changed,
+    and up to 16 rows the rule's tile under stream-K."""
     base = fl.choose_config(
         case.m, case.n_out, case.k, torch.bfloat16, case.op == "gate_up", True, fl.num_sms(
             torch.device("cuda")
@@ -152,6 +153,10 @@ def candidates(case: Case) -> list[fl.LinearConfig]:
         add(base._replace(block_n=base.block_n * 2, split_k=base.split_k * 2))
     add(base._replace(block_k=64 if base.block_k > 64 else 128))
     add(base._replace(num_stages=base.num_stages + 1 if base.num_stages < 5 else 2))
+    if case.m <= fl.UNSPLIT_ROWS:  # every program the same K steps (fused_linear_stream_k)
+        sms = fl.num_sms(torch.device("cuda"))
+        for cfg in fl.stream_k_tiles(base, case.op == "gate_up", sms):
+            add(cfg)
     if case.m >= 64:  # fewer, shorter tiles; no split
         add(base._replace(block_m=32, block_n=64, block_k=128, split_k=1, num_stages=4))
         add(base._replace(block_n=64, split_k=1))
@@ -159,7 +164,10 @@ def candidates(case: Case) -> list[fl.LinearConfig]:
 
 
 def fmt_cfg(cfg: fl.LinearConfig) -> str:
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}/st{cfg.num_stages}"
+    extra = (f"/streamk{cfg.stream_k}" if cfg.stream_k else "") + (
+        "/shared" if cfg.shared_shrink else ""
+    )
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}/st{cfg.num_stages}{extra}"
 
 
 def bench_ops(models: list[str], rows: list[int], sweep_budget: float) -> list[dict[str, Any]]:

@@ -129,6 +129,17 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/after17/}" ]; then
   export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1,lora-1-shrink-before}
   export LORA_ONLY=${LORA_ONLY:-base,lora-1,lora-8}
 fi
+# BENCHES=after19: what the nineteenth session (2026-12-08, no GPU drawn) built for single, in one call
+# (about 9 minutes): the GPU tests of the shared LoRA shrink and of stream-K, then single's base
+# and one-adapter rows (the layer times stream-K among the base shapes at 1-16 rows, the shared
+# shrink among the LoRA ones: the log's timed choices say which won), then fused_linear_bench on
+# llama3-8b at 1 and 16 rows (each projection's split, unsplit and stream-K shapes beside cuBLAS)
+if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/after19/}" ]; then
+  BENCHES=${BENCHES/after19/streamk-tests lora-shared-tests lora-single linear-bench}
+  export TEST_TIMEOUT=${TEST_TIMEOUT:-120} LORA_REPEATS=${LORA_REPEATS:-2}
+  export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1}
+  export LINEAR_BENCH_ARGS=${LINEAR_BENCH_ARGS:---models llama3-8b --rows 1,16 --no-chain --sweep-budget 60}
+fi
 # BENCHES=shared19: the nineteenth session's shared LoRA shrink (LinearConfig.shared_shrink, issue 47's
 # single 0.95x): single's base and one-adapter rows (the layer times the shared shapes beside the
 # others), lora_bench's single case (each projection's fastest shape with the shrink in the K loop
@@ -275,7 +286,10 @@ for _ in range(2):
         tests/plugins/adapters/test_lora_fused_layer.py 2>&1 | tee "$OUT/gpu-tests-new-kernels.log" | tail -30 ;;
     # layer-tests' benchmark alone: fused_linear's tiles against cuBLAS, 1-256 rows
     linear-bench) echo "== fused_linear_bench"; timeout ${LAYER_BENCH_TIMEOUT:-240} python3 benchmarks/fused_linear_bench.py \
-        --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60} ;;
+        ${LINEAR_BENCH_ARGS:-} --out "$OUT/fused-linear-bench.json" 2>&1 | tail -${LAYER_BENCH_LINES:-60} ;;
+    # stream-K (fused_linear_stream_k, 2026-12-08) compiled and run on the GPU: its equivalence tests
+    streamk-tests) timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider \
+        tests/plugins/kernels/test_fused_linear_stream_k.py 2>&1 | tee "$OUT/gpu-tests-streamk.log" | tail -4 ;;
     # launches per decode layer: 256 rows (cuBLAS or the timed Triton shape) and 16 rows, the decode
     # merge separate or in the last program
     layer-profile) i=0; for opt in "" "--option fused.layer=true" "--option fused.layer=true --option fused.decode_merge=last-program" \

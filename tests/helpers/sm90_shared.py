@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -64,6 +65,12 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
         "DOT_PRECISION": "tf32",
         "PDL": True,
     }
+    return _compiled_shared(fn, params, consts, config)
+
+
+def _compiled_shared(fn, params: list[str], consts: dict, config: fl.LinearConfig) -> int:
+    """``fn`` compiled for sm_90 with ``consts``, its pointers and :data:`ALIGNED` sizes
+    16-byte aligned: the shared memory one program needs."""
     signature = {}
     for p in params:
         if p in consts:
@@ -105,12 +112,58 @@ def wide_lora_launches() -> list[tuple[str, fl.LinearConfig]]:
     return list(seen.values())
 
 
+def stream_k_bytes(config: fl.LinearConfig, op: str) -> int:
+    """The shared memory one program of ``config`` under stream-K needs for ``op`` (no LoRA),
+    compiled for sm_90."""
+    from pitstop.plugins.kernels.triton_ops import fused_linear_stream_k as sk
+
+    fn = sk._stream_k_kernel
+    params = list(inspect.signature(fn.fn).parameters)
+    consts = {
+        "NORM": op != "down",
+        "GATE_UP": op == "gate_up",
+        "HAS_BIAS": False,
+        "RESIDUAL": op == "down",
+        "PARTS": 3,
+        "EVEN_K": True,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "UPCAST": False,
+        "DOT_PRECISION": "tf32",
+        "PDL": True,
+    }
+    return _compiled_shared(fn, params, consts, config)
+
+
+def stream_k_launches() -> list[tuple[str, fl.LinearConfig]]:
+    """Every distinct (op, stream-K launch shape) the fused layer times without an adapter for
+    :data:`MODELS` at 1 and 16 rows."""
+    seen: dict[tuple, tuple[str, fl.LinearConfig]] = {}
+    for hidden, qkv, inter in MODELS.values():
+        ops = {"qkv": (qkv, hidden, False), "gate_up": (inter, hidden, True)}
+        ops["down"] = (hidden, inter, False)
+        for m in (1, 16):
+            for op, (n, k, gate_up) in ops.items():
+                for c in fl.tile_candidates(m, n, k, torch.bfloat16, gate_up, 132):
+                    if c.stream_k:
+                        seen.setdefault((op, c._replace(stream_k=132)), (op, c))
+    return list(seen.values())
+
+
 def _row(launch: tuple[str, fl.LinearConfig]) -> str:
     op, config = launch
     return json.dumps({"op": op, "config": list(config), "shared": shared_bytes(config, op)})
 
 
+def _stream_k_row(launch: tuple[str, fl.LinearConfig]) -> str:
+    op, config = launch
+    return json.dumps({"op": op, "config": list(config), "shared": stream_k_bytes(config, op)})
+
+
 if __name__ == "__main__":  # one process a core: most of a compile is ptxas and LLVM
+    stream_k = sys.argv[1:] == ["stream-k"]  # the stream-K kernel's shapes, else LoRA's
+    row, launches = (_stream_k_row, stream_k_launches) if stream_k else (_row, wide_lora_launches)
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for row in pool.map(_row, wide_lora_launches()):
-            print(row)
+        for line in pool.map(row, launches()):
+            print(line)

@@ -56,6 +56,10 @@ counters are per device, allocated once (:func:`workspace`, fixed size: the conf
 rule shrinks ``split_k`` until a launch fits), shared by every launch on the
 device's one stream: launches on several streams at once must not split.
 
+Stream-K (:class:`LinearConfig.stream_k` > 0, plain GEMMs of one row tile): every program
+takes the same run of K steps across the tiles, a tile cut between programs summed by its
+last part in part order, with the same workspace and counters (:mod:`.fused_linear_stream_k`).
+
 LoRA (``lora=``, :class:`ProjectionLoRA`: the ``lora`` adapter plugin's slots of one
 projection, :mod:`.lora`'s layout): ``scaling[s] * B_s (A_s x)`` added to each token
 row of slot ``s`` inside the GEMM, no launch of its own. The shrink rides in the K loop:
@@ -128,6 +132,9 @@ class LinearConfig(NamedTuple):
     # 1: a LoRA's shrink shared by the programs, not ridden in each one's K loop (module
     # docstring, "One shrink for every program"); only where a tile holds one adapter
     shared_shrink: int = 0
+    # > 0: stream-K over this many programs, every program the same K steps
+    # (:mod:`.fused_linear_stream_k`); only plain GEMMs of one row tile
+    stream_k: int = 0
 
 
 # (largest M of the bucket) -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for bf16/fp16 on a
@@ -306,13 +313,16 @@ def tile_candidates(
     split and the balanced one; every shape's K split is cut where its partials and the
     LoRA's ``h`` would not fit the workspace (:func:`fit_lora_split`); up to
     :data:`UNSPLIT_ROWS` rows each of those in one row tile also with the shrink shared
-    (``shared_shrink``)."""
+    (``shared_shrink``); without one, up to :data:`UNSPLIT_ROWS` rows, the table's tile under
+    stream-K too (:func:`stream_k_tiles`)."""
     configs = [choose_config(m, n, k, dtype, gate_up, True, num_sms)]
     if m <= 64:  # the table's tile with its work spread evenly over the SMs
         configs.append(balanced_split(configs[0], m, n, k, gate_up, num_sms))
     tiles = _grid_tiles(m, n, configs[0].block_m, configs[0].block_n)
     if m <= UNSPLIT_ROWS and dtype != torch.float32 and tiles * 3 >= num_sms:
         configs += unsplit_tiles(configs[0], gate_up)
+    if m <= UNSPLIT_ROWS and dtype != torch.float32 and not lora_rank:
+        configs += stream_k_tiles(configs[0], gate_up, num_sms)
     if dtype != torch.float32 and 64 < m <= 256:
         wide = WIDE_TILES
         if lora_rank and gate_up:  # two weight tiles and A's rank rows a stage: over a K step of
@@ -354,6 +364,19 @@ def unsplit_tiles(table: LinearConfig, gate_up: bool) -> list[LinearConfig]:
     if gate_up:  # two weight tiles a stage: the table's stages are what fits
         return [unsplit]
     return [unsplit, unsplit._replace(num_stages=max(table.num_stages, DEEP_STAGES))]
+
+
+def stream_k_tiles(table: LinearConfig, gate_up: bool, num_sms: int) -> list[LinearConfig]:
+    """The table's tile under stream-K (:mod:`.fused_linear_stream_k`: every program the same
+    K steps) over one and two programs an SM, and for a single weight tile a stage one an SM
+    with :data:`DEEP_STAGES` stages: a GEMM of few rows whose tiles spread unevenly over the
+    SMs (llama3-8b's q|k|v and o at one row read at 76% and 72% of copy on an H100, where
+    gate-up's 448 tiles read at 98%). Timed beside the others, kept only where faster."""
+    one = table._replace(split_k=1, stream_k=num_sms)
+    shapes = [one, one._replace(stream_k=2 * num_sms)]
+    if not gate_up:
+        shapes.append(one._replace(num_stages=max(table.num_stages, DEEP_STAGES)))
+    return shapes
 
 
 def _both_splits(
@@ -442,6 +465,26 @@ def _load_k(ptrs, k, k_end, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
         return tl.load(ptrs, mask=(k < k_end)[None, :], other=0.0)
     else:
         return tl.load(ptrs, mask=(k < k_end)[:, None], other=0.0)
+
+
+@triton.jit
+def _k_step(
+    w_rows, x_cols, k, k_end, acc, acc_u, sq, N, stride_wn, GATE_UP: tl.constexpr,
+    NORM: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One K step at offsets ``k``: the weight tile (gate-up: and its up tile) times the x
+    tile into the accumulators, the x tile's squares into the rows' sums; returns them and
+    the x tile (the LoRA shrink reads it too)."""
+    w = _load_k(w_rows + k[None, :], k, k_end, EVEN_K, 1)
+    xt = _load_k(x_cols + k[:, None], k, k_end, EVEN_K, 0)
+    acc = _dot(w, xt, acc, UPCAST, DOT_PRECISION)
+    if GATE_UP:
+        u = _load_k(w_rows + N * stride_wn + k[None, :], k, k_end, EVEN_K, 1)
+        acc_u = _dot(u, xt, acc_u, UPCAST, DOT_PRECISION)
+    if NORM:
+        xf = xt.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=0)
+    return acc, acc_u, sq, xt
 
 
 @triton.jit
@@ -856,15 +899,10 @@ def _fused_linear_kernel(
             h_u = _dot(at0_u, xt.to(at0_u.dtype), h_u, UPCAST, DOT_PRECISION)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         k = k0 + kk
-        w = _load_k(w_rows + k[None, :], k, k_end, EVEN_K, 1)
-        xt = _load_k(x_cols + k[:, None], k, k_end, EVEN_K, 0)
-        acc = _dot(w, xt, acc, UPCAST, DOT_PRECISION)
-        if GATE_UP:
-            u = _load_k(w_rows + N * stride_wn + k[None, :], k, k_end, EVEN_K, 1)
-            acc_u = _dot(u, xt, acc_u, UPCAST, DOT_PRECISION)
-        if NORM:
-            xf = xt.to(tl.float32)
-            sq += tl.sum(xf * xf, axis=0)
+        acc, acc_u, sq, xt = _k_step(
+            w_rows, x_cols, k, k_end, acc, acc_u, sq, N, stride_wn, GATE_UP, NORM, EVEN_K,
+            UPCAST, DOT_PRECISION,
+        )  # fmt: skip
         if IN_LOOP:
             h = _lora_shrink_step(a_g, s0, rank0, r, k, k_end, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
             if GATE_UP:
@@ -1159,6 +1197,15 @@ def _launch(
     on_gpu = x.device.type == "cuda"
     if config is None:
         config = choose_config(m, n_out, k, x.dtype, gate_up, on_gpu, num_sms(x.device))
+    use_pdl = _pdl.enabled(x.device, pdl_on)
+    if config.stream_k and lora is None and next_lora is None and not h_in:
+        from pitstop.plugins.kernels.triton_ops import fused_linear_stream_k as stream_k
+
+        ws = workspace(x.device)
+        if stream_k.launch(
+            x, weight, bias, residual, out, eps, gate_up, config, ws.partials, ws.counters, use_pdl
+        ):
+            return out
     lora_args, rank_pad = _lora_args(lora, x, n_out, gate_up, config.block_n)
     next_args, next_slices = _next_args(next_lora, lora, x, n_out, rank_pad)
     if h_in:
@@ -1187,7 +1234,6 @@ def _launch(
         h_ws = sq[tiles * split * bm :]
     else:
         parts = sq = h_ws = out  # unused
-    use_pdl = _pdl.enabled(x.device, pdl_on)
     _fused_linear_kernel[grid](
         x,
         weight,

@@ -71,8 +71,9 @@ CUBLAS_MARGIN_MAX_ROWS = 32
 # copies of the weight, ROTATE_MAX_BYTES; 4: the 2.5 us margin; 5: only up to 32 rows; 6: an
 # op with an adapter timed with its rows in an adapter's slot, FusedLayer._config; 7: up to 16
 # rows the table's tile unsplit among the candidates, fused_linear.unsplit_tiles; 8: a LoRA's
-# shared shrink among them, LinearConfig.shared_shrink, a choice of seven numbers)
-CHOICE_REVISION = 8
+# shared shrink among them, LinearConfig.shared_shrink; 9: stream-K among them up to 16 rows,
+# LinearConfig.stream_k, a choice of eight numbers)
+CHOICE_REVISION = 9
 # a weight of up to this many bytes is copied for the timing, one copy a call of the timed
 # graph, so that no call reads it from L2 (the H100's and H200's L2 hold 50 MB; a larger
 # weight streamed again from its start finds its first lines evicted by its last); at most

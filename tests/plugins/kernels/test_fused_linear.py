@@ -29,15 +29,21 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
 
+from helpers.fused_linear_refs import (  # noqa: E402
+    DEVICE,
+    assert_close,
+    counters_are_zero,
+    inputs,
+    ref_linear_residual,
+    ref_norm_gate_up,
+    ref_norm_linear,
+)
 from helpers.poison import poisoned_outputs  # noqa: E402
 
 from pitstop.plugins.kernels.triton_ops import fused_linear as fl  # noqa: E402
 from pitstop.plugins.kernels.triton_ops import pdl  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# max |kernel - float64| / max |float64|: float32 accumulation, one rounding to the dtype
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
 FEW = settings(
     max_examples=25,
     deadline=None,
@@ -51,54 +57,6 @@ SPLITS = [None, 1, 2, 3, 4]  # None: the config rule's choice
 def config(split: int | None) -> fl.LinearConfig | None:
     """Small tiles with ``split`` K splits (``None``: the default rule)."""
     return None if split is None else fl.LinearConfig(16, 16, 32, split, 1, 1)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
-    """Finite, same shape, dtype kept, relative max error under the dtype's bound."""
-    assert actual.shape == expected.shape, f"{what}: {tuple(actual.shape)} != {expected.shape}"
-    assert actual.dtype == dtype, f"{what}: dtype {actual.dtype}"
-    assert torch.isfinite(actual).all(), f"{what}: non-finite output (unwritten or NaN)"
-    scale = expected.abs().max().clamp_min(1e-6)
-    err = ((actual.double() - expected).abs().max() / scale).item()
-    assert err <= TOL[dtype], f"{what}: relative error {err:.3g} > {TOL[dtype]}"
-
-
-def counters_are_zero() -> bool:
-    return bool((fl.workspace(DEVICE).counters == 0).all())
-
-
-def rows_scale(x: torch.Tensor, eps: float | None) -> torch.Tensor:
-    """float64 ``rstd(x)[:, None]`` (1 without a norm)."""
-    xd = x.double()
-    if eps is None:
-        return torch.ones(x.shape[0], 1, dtype=torch.float64, device=x.device)
-    return 1.0 / torch.sqrt((xd * xd).mean(dim=1, keepdim=True) + eps)
-
-
-def ref_norm_linear(x, weight, eps, bias):
-    y = rows_scale(x, eps) * (x.double() @ weight.double().T)
-    return y if bias is None else y + bias.double()
-
-
-def ref_norm_gate_up(x, weight, eps, bias):
-    f = weight.shape[0] // 2
-    h = ref_norm_linear(x, weight, eps, bias)
-    g, u = h[:, :f], h[:, f:]
-    return g / (1.0 + torch.exp(-g)) * u
-
-
-def ref_linear_residual(x, weight, residual, bias):
-    y = residual.double() + x.double() @ weight.double().T
-    return y if bias is None else y + bias.double()
-
-
-def inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int, scale: float = 3.0):
-    """x (a row scale far from 1, so the norm matters), weight ~ 1/sqrt(K), bias."""
-    gen = torch.Generator().manual_seed(seed)
-    x = (scale * torch.randn(m, k, generator=gen)).to(DEVICE, dtype)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
-    b = (0.5 * torch.randn(n, generator=gen)).to(DEVICE, dtype)
-    return x, w, b
 
 
 shapes = dict(
@@ -276,7 +234,9 @@ def test_tile_candidates_add_wider_tiles_for_a_lora_inside() -> None:
     shapes up to 64 rows, and one 256 columns wide up to 16 rows: A's rank rows then cost
     a half and a quarter as much beside the weight's. Each comes with the table's K split
     and the balanced one (fewer column tiles: the table's rule can leave SMs idle)."""
-    plain = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132)
+    plain = [
+        c for c in fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132) if not c.stream_k
+    ]
     every = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132, lora_rank=16)
     with_lora = [c for c in every if not c.shared_shrink]
     assert every[len(with_lora) :] == [c._replace(shared_shrink=1) for c in with_lora], (
@@ -326,15 +286,17 @@ def test_tile_candidates_add_the_table_tile_unsplit_up_to_16_rows() -> None:
     """A step of up to 16 rows also times the table's tile over the whole of K (no split-K
     partials or last arriver's pass), with deeper stages where a stage holds one weight tile,
     where the unsplit grid has at least a third as many programs as the SMs."""
-    qkv = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132)  # llama3-8b: 96 tiles
+    every = fl.tile_candidates(1, 6144, 4096, torch.bfloat16, False, 132)  # llama3-8b: 96 tiles
+    qkv = [c for c in every if not c.stream_k]  # stream-K: test_fused_linear_stream_k.py
     table = qkv[0]
     assert table.split_k > 1
     assert qkv[-2:] == [table._replace(split_k=1), table._replace(split_k=1, num_stages=6)]
     gate_up = fl.tile_candidates(16, 3072, 1024, torch.bfloat16, True, 132)
-    assert [c for c in gate_up if c.split_k == 1] == [gate_up[0]._replace(split_k=1)]
+    unsplit = [c for c in gate_up if c.split_k == 1 and not c.stream_k]
+    assert unsplit == [gate_up[0]._replace(split_k=1)]
     assert all(c.num_stages <= 4 for c in gate_up), "two weight tiles a stage"
     o_small = fl.tile_candidates(1, 1024, 2048, torch.bfloat16, False, 132)  # 16 tiles
-    assert all(c.split_k > 1 for c in o_small)
+    assert all(c.split_k > 1 for c in o_small if not c.stream_k)
     at_17 = fl.tile_candidates(17, 6144, 4096, torch.bfloat16, False, 132)
     assert all(c.num_stages < 6 for c in at_17), "not above 16 rows"
     assert len(fl.tile_candidates(1, 6144, 4096, torch.float32, False, 132)) == 2
