@@ -41,11 +41,7 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
     ``down``) with a rank-16 LoRA inside, compiled for sm_90."""
     fn = fl._fused_linear_kernel
     params = list(inspect.signature(fn.fn).parameters)
-    consts = {
-        "NORM": op != "down",
-        "GATE_UP": op == "gate_up",
-        "HAS_BIAS": False,
-        "RESIDUAL": op == "down",
+    consts = _op_consts(config, op) | {
         "LORA": True,
         "R": 16,
         "NEXT": NEXT_SLICES[op],
@@ -57,13 +53,6 @@ def shared_bytes(config: fl.LinearConfig, op: str) -> int:
         "CHUNK_STEPS": 2,
         "CONSUMER": fl.SHARED_CONSUMER,
         "SPLIT_K": config.split_k,
-        "EVEN_K": True,
-        "BLOCK_M": config.block_m,
-        "BLOCK_N": config.block_n,
-        "BLOCK_K": config.block_k,
-        "UPCAST": False,
-        "DOT_PRECISION": "tf32",
-        "PDL": True,
     }
     return _compiled_shared(fn, params, consts, config)
 
@@ -119,12 +108,16 @@ def stream_k_bytes(config: fl.LinearConfig, op: str) -> int:
 
     fn = sk._stream_k_kernel
     params = list(inspect.signature(fn.fn).parameters)
-    consts = {
+    return _compiled_shared(fn, params, _op_consts(config, op) | {"PARTS": 3}, config)
+
+
+def _op_consts(config: fl.LinearConfig, op: str) -> dict:
+    """The constants both kernels take for ``op`` and ``config``'s tiles (bf16 on sm_90, PDL)."""
+    return {
         "NORM": op != "down",
         "GATE_UP": op == "gate_up",
         "HAS_BIAS": False,
         "RESIDUAL": op == "down",
-        "PARTS": 3,
         "EVEN_K": True,
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
@@ -133,7 +126,6 @@ def stream_k_bytes(config: fl.LinearConfig, op: str) -> int:
         "DOT_PRECISION": "tf32",
         "PDL": True,
     }
-    return _compiled_shared(fn, params, consts, config)
 
 
 def stream_k_launches() -> list[tuple[str, fl.LinearConfig]]:
