@@ -10,7 +10,7 @@ STEPS`` K steps of the whole GEMM end to end and gives each of ``P`` programs (a
 SM) an equal run of ``per = cdiv(TILES x STEPS, P)`` of them: a program walks its run tile
 by tile (a *segment* is its part of one tile), so no SM streams more than ``per`` steps.
 
-A segment that covers its whole tile runs the epilogue itself (:func:`.fused_linear._epilogue`:
+A segment that covers its whole tile runs the epilogue itself (:func:`.skinny_steps._epilogue`:
 row scale, bias, SiLU·mul, residual, one rounding). A tile cut between programs is summed
 as split-K sums its splits: each of its segments writes its float32 partial accumulator(s)
 and its rows' partial sum of squares to a workspace slot ``(tile, part)`` (``part``: the
@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
-from pitstop.plugins.kernels.triton_ops.fused_linear import _dot, _epilogue, _k_step, _load_k
 from pitstop.plugins.kernels.triton_ops.launch_math import cdiv
+from pitstop.plugins.kernels.triton_ops.skinny_steps import _dot, _epilogue, _k_step, _load_k
 
 
 class StreamKPlan(NamedTuple):

@@ -127,7 +127,7 @@ import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops import tuning
-from pitstop.plugins.kernels.triton_ops.fused_linear import NUM_COUNTERS, _load_k, workspace
+from pitstop.plugins.kernels.triton_ops.fused_linear import NUM_COUNTERS, workspace
 from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.moe_router import fuses_router, router_route_align
 from pitstop.plugins.kernels.triton_ops.moe_routing import (
@@ -155,6 +155,7 @@ from pitstop.plugins.kernels.triton_ops.moe_tiles import (
 )
 from pitstop.plugins.kernels.triton_ops.rmsnorm import rms_norm, unit_gain
 from pitstop.plugins.kernels.triton_ops.rope_store import _rounded
+from pitstop.plugins.kernels.triton_ops.skinny_steps import _load_k
 
 
 def choose_config(
