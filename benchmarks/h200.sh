@@ -140,15 +140,6 @@ if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/after19/}" ]; then
   export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1}
   export LINEAR_BENCH_ARGS=${LINEAR_BENCH_ARGS:---models llama3-8b --rows 1,16 --no-chain --sweep-budget 60}
 fi
-# BENCHES=shared19: the nineteenth session's shared LoRA shrink (LinearConfig.shared_shrink, issue 47's
-# single 0.95x): single's base and one-adapter rows (the layer times the shared shapes beside the
-# others), lora_bench's single case (each projection's fastest shape with the shrink in the K loop
-# and shared), then the LoRA GPU tests (the kernels' and the engine's against PEFT; about 9 minutes)
-if [ -n "${BENCHES+set}" ] && [ "$BENCHES" != "${BENCHES/shared19/}" ]; then
-  BENCHES=${BENCHES/shared19/lora-single lora-bench-single lora-layer-tests}
-  export TEST_TIMEOUT=${TEST_TIMEOUT:-150} LORA_REPEATS=${LORA_REPEATS:-2}
-  export LORA_SINGLE_ONLY=${LORA_SINGLE_ONLY:-base,lora-1}
-fi
 # BENCHES=after18: what the eighteenth session (2026-12-07, three H100 calls) left to measure on
 # one machine before vLLM's rows: the LoRA GPU tests at the final commit, then nano's base, one-
 # and 8-adapter rows with the layer on, medians of 3 (issue 47's 0.9x and 0.85x; about 9 minutes)

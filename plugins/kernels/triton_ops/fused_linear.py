@@ -114,10 +114,19 @@ import triton
 import triton.language as tl
 
 from pitstop.plugins.kernels.lora_reference import ProjectionLoRA
+from pitstop.plugins.kernels.triton_ops import fused_linear_stream_k as stream_k
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.launch_math import cdiv, k_per_split, next_power_of_2
 from pitstop.plugins.kernels.triton_ops.lora import _pick
-from pitstop.plugins.kernels.triton_ops.skinny_steps import _dot, _epilogue, _k_step, _load_k
+from pitstop.plugins.kernels.triton_ops.skinny_steps import (
+    _add_part,
+    _dot,
+    _epilogue,
+    _k_product,
+    _k_step,
+    _load_k,
+    _store_part,
+)
 
 
 class LinearConfig(NamedTuple):
@@ -555,7 +564,7 @@ def _shrink_chunk(
     h = tl.zeros([R, BLOCK_M], tl.float32)
     for t in tl.static_range(STEPS):
         k = (j * STEPS + t) * BLOCK_K + kk
-        xt = tl.load(x_cols + k[:, None], mask=(k < K)[:, None], other=0.0)
+        xt = _load_k(x_cols + k[:, None], k, K, False, 0)
         h = _lora_shrink_step(a_ptr, s, rank, r, k, K, xt, h, stride_as, stride_ar, UPCAST, DOT_PRECISION)  # fmt: skip
     return h
 
@@ -795,14 +804,10 @@ def _fused_linear_kernel(
             )  # fmt: skip
     xt = _load_k(x_cols + k[:, None], k, k_end, EVEN_K, 0)  # [BLOCK_K, BLOCK_M]
     zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc = _dot(w, xt, zero, UPCAST, DOT_PRECISION)
-    acc_u = zero
-    if GATE_UP:
-        acc_u = _dot(u, xt, zero, UPCAST, DOT_PRECISION)
-    sq = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:
-        xf = xt.to(tl.float32)
-        sq += tl.sum(xf * xf, axis=0)
+    acc, acc_u, sq = _k_product(
+        w, u, xt, zero, zero, tl.zeros([BLOCK_M], tl.float32), GATE_UP, NORM, UPCAST,
+        DOT_PRECISION,
+    )  # fmt: skip
     # LoRA (module docstring): the shrink of the tile's lead slot s0 rides in the K loop
     h = tl.zeros([R, BLOCK_M], tl.float32)
     h_u = h
@@ -869,17 +874,10 @@ def _fused_linear_kernel(
     else:
         # this split's partials into its own slot (tile, split); the last to arrive sums them
         ACCS: tl.constexpr = 2 if GATE_UP else 1
-        TILE: tl.constexpr = BLOCK_N * BLOCK_M
         HTILE: tl.constexpr = R * BLOCK_M
-        offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         h_offs = r[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        rows = tl.arange(0, BLOCK_M)
         slot = tile * SPLIT_K + split
-        tl.store(ws_ptr + slot * (ACCS * TILE) + offs, acc)
-        if GATE_UP:
-            tl.store(ws_ptr + slot * (ACCS * TILE) + TILE + offs, acc_u)
-        if NORM:
-            tl.store(sq_ptr + slot * BLOCK_M + rows, sq)
+        _store_part(ws_ptr, sq_ptr, slot, acc, acc_u, sq, GATE_UP, NORM, BLOCK_N, BLOCK_M)
         if IN_LOOP:  # with H_IN every split holds the whole h already, SHARED none
             tl.store(h_ws_ptr + slot * (ACCS * HTILE) + h_offs, h)
             if GATE_UP:
@@ -896,14 +894,10 @@ def _fused_linear_kernel(
             h_sum = tl.zeros([R, BLOCK_M], tl.float32)
             h_u_sum = h_sum
             for s in tl.static_range(SPLIT_K):  # split order: the bits do not depend on arrival
-                base = (tile * SPLIT_K + s) * (ACCS * TILE)
-                acc += tl.load(ws_ptr + base + offs, cache_modifier=".cg")
-                if GATE_UP:
-                    acc_u += tl.load(ws_ptr + base + TILE + offs, cache_modifier=".cg")
-                if NORM:
-                    sq += tl.load(
-                        sq_ptr + (tile * SPLIT_K + s) * BLOCK_M + rows, cache_modifier=".cg"
-                    )
+                acc, acc_u, sq = _add_part(
+                    ws_ptr, sq_ptr, tile * SPLIT_K + s, acc, acc_u, sq, GATE_UP, NORM, BLOCK_N,
+                    BLOCK_M,
+                )  # fmt: skip
                 if IN_LOOP:
                     h_base = (tile * SPLIT_K + s) * (ACCS * HTILE)
                     h_sum += tl.load(h_ws_ptr + h_base + h_offs, cache_modifier=".cg")
@@ -1111,10 +1105,8 @@ def _launch(
     if config is None:
         config = choose_config(m, n_out, k, x.dtype, gate_up, on_gpu, num_sms(x.device))
     use_pdl = _pdl.enabled(x.device, pdl_on)
+    ws = workspace(x.device)
     if config.stream_k and lora is None and next_lora is None and not h_in:
-        from pitstop.plugins.kernels.triton_ops import fused_linear_stream_k as stream_k
-
-        ws = workspace(x.device)
         if stream_k.launch(
             x, weight, bias, residual, out, eps, gate_up, config, ws.partials, ws.counters, use_pdl
         ):
@@ -1132,7 +1124,6 @@ def _launch(
         config = fit_lora_split(config, m, n_out, k, gate_up, rank_pad, kind)
     bm, bn, bk, split, warps, stages = config[:6]
     grid = (cdiv(n_out, bn) * cdiv(m, bm), split)
-    ws = workspace(x.device)
     shared = _shared_shrink(config, lora, m, k, gate_up, rank_pad, grid, h_in, ws)
     if split > 1:
         tiles = grid[0]

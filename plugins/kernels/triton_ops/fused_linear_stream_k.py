@@ -40,7 +40,14 @@ import triton.language as tl
 
 from pitstop.plugins.kernels.triton_ops import pdl as _pdl
 from pitstop.plugins.kernels.triton_ops.launch_math import cdiv
-from pitstop.plugins.kernels.triton_ops.skinny_steps import _dot, _epilogue, _k_step, _load_k
+from pitstop.plugins.kernels.triton_ops.skinny_steps import (
+    _add_part,
+    _epilogue,
+    _k_product,
+    _k_step,
+    _load_k,
+    _store_part,
+)
 
 
 class StreamKPlan(NamedTuple):
@@ -120,9 +127,6 @@ def _stream_k_kernel(
     if GATE_UP:
         u = _load_k(w_rows + N * stride_wn + k[None, :], k, K, EVEN_K, 1)
     _pdl.wait(PDL)
-    ACCS: tl.constexpr = 2 if GATE_UP else 1
-    TILE: tl.constexpr = BLOCK_N * BLOCK_M
-    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + m[None, :]
     it = start
     while it < end:
         tile = it // STEPS
@@ -137,14 +141,10 @@ def _stream_k_kernel(
                 u = _load_k(w_rows + N * stride_wn + k[None, :], k, K, EVEN_K, 1)
         xt = _load_k(x_cols + k[:, None], k, K, EVEN_K, 0)  # [BLOCK_K, BLOCK_M]
         zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc = _dot(w, xt, zero, UPCAST, DOT_PRECISION)
-        acc_u = zero
-        if GATE_UP:
-            acc_u = _dot(u, xt, zero, UPCAST, DOT_PRECISION)
-        sq = tl.zeros([BLOCK_M], tl.float32)
-        if NORM:
-            xf = xt.to(tl.float32)
-            sq += tl.sum(xf * xf, axis=0)
+        acc, acc_u, sq = _k_product(
+            w, u, xt, zero, zero, tl.zeros([BLOCK_M], tl.float32), GATE_UP, NORM, UPCAST,
+            DOT_PRECISION,
+        )  # fmt: skip
         for step in range(k0 + 1, k1):
             acc, acc_u, sq, xt = _k_step(
                 w_rows, x_cols, step * BLOCK_K + kk, K, acc, acc_u, sq, N, stride_wn, GATE_UP,
@@ -161,11 +161,7 @@ def _stream_k_kernel(
             first = (tile * STEPS) // PER
             last = ((tile + 1) * STEPS - 1) // PER
             slot = tile * PARTS + (p - first)
-            tl.store(ws_ptr + slot * (ACCS * TILE) + offs, acc)
-            if GATE_UP:
-                tl.store(ws_ptr + slot * (ACCS * TILE) + TILE + offs, acc_u)
-            if NORM:
-                tl.store(sq_ptr + slot * BLOCK_M + m, sq)
+            _store_part(ws_ptr, sq_ptr, slot, acc, acc_u, sq, GATE_UP, NORM, BLOCK_N, BLOCK_M)
             # every thread's partial stores before the one thread's release
             tl.debug_barrier()
             counter = counters_ptr + tile
@@ -175,17 +171,12 @@ def _stream_k_kernel(
                 acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 sq = tl.zeros([BLOCK_M], tl.float32)
-                for part in range(
-                    0, last - first + 1
-                ):  # part order: the bits do not depend on arrival
-                    base = (tile * PARTS + part) * (ACCS * TILE)
-                    acc += tl.load(ws_ptr + base + offs, cache_modifier=".cg")
-                    if GATE_UP:
-                        acc_u += tl.load(ws_ptr + base + TILE + offs, cache_modifier=".cg")
-                    if NORM:
-                        sq += tl.load(
-                            sq_ptr + (tile * PARTS + part) * BLOCK_M + m, cache_modifier=".cg"
-                        )
+                # part order: the bits do not depend on arrival
+                for part in range(0, last - first + 1):
+                    acc, acc_u, sq = _add_part(
+                        ws_ptr, sq_ptr, tile * PARTS + part, acc, acc_u, sq, GATE_UP, NORM,
+                        BLOCK_N, BLOCK_M,
+                    )  # fmt: skip
                 _epilogue(
                     acc, acc_u, sq, n, m, M, N, K, eps, bias_ptr, res_ptr, out_ptr, stride_rm,
                     stride_om, NORM, GATE_UP, HAS_BIAS, RESIDUAL,
